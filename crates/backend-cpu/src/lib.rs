@@ -1,0 +1,3 @@
+//! # kiln-backend-cpu
+//!
+//! The CPU backend (to be built by the foundation issue).

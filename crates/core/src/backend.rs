@@ -1,0 +1,503 @@
+//! The `Backend` trait: the small, enum-driven surface every device implements.
+//!
+//! A backend owns untyped storage buffers and runs kernels over them. It never sees a `Tensor`:
+//! it gets storages, their [`Layout`]s (shape, strides, offset) and the dtype, and returns new
+//! storages holding contiguous (row-major, offset 0) results. Validation (shapes, dtypes,
+//! devices, axes) happens once, in `Tensor`, before a backend is called; a backend only reports
+//! what it alone can know (out of memory, an index out of range, a driver failure).
+//!
+//! Every kernel accepts strided inputs: transposed, sliced and broadcast (stride 0) views.
+//! Broadcasting between two operands is already resolved when a backend sees them: both layouts
+//! have the output's shape.
+//!
+//! Adding an op is one enum variant here, one arm per backend, one arm in the reference backend
+//! and one gradient in kiln-autograd; the conformance suite then tests it everywhere.
+
+use std::fmt::{Debug, Display};
+use std::hash::Hash;
+
+use crate::{DType, Layout, Result};
+
+/// Elementwise functions of one argument.
+///
+/// Float dtypes support all of them; `i64` supports `Neg`, `Abs`, `Square`, `Sign`, `Relu`;
+/// `u8` supports none (cast it first).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Abs,
+    Exp,
+    Log,
+    Sqrt,
+    Square,
+    /// `1 / x`
+    Recip,
+    Sin,
+    Cos,
+    Tanh,
+    /// `1 / (1 + exp(-x))`
+    Sigmoid,
+    Relu,
+    /// The exact GELU, `x * Φ(x) = x/2 * (1 + erf(x/√2))` (PyTorch's default).
+    Gelu,
+    /// -1, 0 or 1.
+    Sign,
+    Floor,
+    Ceil,
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 16] = [
+        UnaryOp::Neg,
+        UnaryOp::Abs,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Square,
+        UnaryOp::Recip,
+        UnaryOp::Sin,
+        UnaryOp::Cos,
+        UnaryOp::Tanh,
+        UnaryOp::Sigmoid,
+        UnaryOp::Relu,
+        UnaryOp::Gelu,
+        UnaryOp::Sign,
+        UnaryOp::Floor,
+        UnaryOp::Ceil,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Square => "square",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Sin => "sin",
+            UnaryOp::Cos => "cos",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Relu => "relu",
+            UnaryOp::Gelu => "gelu",
+            UnaryOp::Sign => "sign",
+            UnaryOp::Floor => "floor",
+            UnaryOp::Ceil => "ceil",
+        }
+    }
+
+    /// Whether the op is defined for `dtype`.
+    pub fn supports(self, dtype: DType) -> bool {
+        match dtype {
+            DType::F32 | DType::F64 => true,
+            DType::I64 => matches!(
+                self,
+                UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Square | UnaryOp::Sign | UnaryOp::Relu
+            ),
+            _ => false,
+        }
+    }
+}
+
+/// Elementwise functions of two arguments of the same dtype.
+///
+/// Float dtypes support all; `i64` supports all but `Pow` (`Div` truncates toward zero, as in
+/// Rust and C, and an integer division by zero gives 0 on every backend, since a GPU kernel
+/// cannot stop to report it); `u8` supports `Maximum` and `Minimum` only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    Minimum,
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 7] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Pow,
+        BinaryOp::Maximum,
+        BinaryOp::Minimum,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Pow => "pow",
+            BinaryOp::Maximum => "maximum",
+            BinaryOp::Minimum => "minimum",
+        }
+    }
+
+    pub fn supports(self, dtype: DType) -> bool {
+        match dtype {
+            DType::F32 | DType::F64 => true,
+            DType::I64 => self != BinaryOp::Pow,
+            DType::U8 => matches!(self, BinaryOp::Maximum | BinaryOp::Minimum),
+        }
+    }
+}
+
+/// Comparisons; the result is a `u8` mask (1 where true). Defined for every dtype.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CmpOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl CmpOp {
+    pub const ALL: [CmpOp; 6] = [
+        CmpOp::Eq,
+        CmpOp::Ne,
+        CmpOp::Lt,
+        CmpOp::Le,
+        CmpOp::Gt,
+        CmpOp::Ge,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CmpOp::Eq => "eq",
+            CmpOp::Ne => "ne",
+            CmpOp::Lt => "lt",
+            CmpOp::Le => "le",
+            CmpOp::Gt => "gt",
+            CmpOp::Ge => "ge",
+        }
+    }
+}
+
+/// Reductions over a set of axes. The result keeps the reduced axes with size 1.
+///
+/// `Sum` is defined for f32/f64/i64 (an empty reduction gives 0); `Max`/`Min` for every dtype
+/// (never called on an empty reduction: `Tensor` rejects it; NaN propagates);
+/// `ArgMax`/`ArgMin` reduce exactly one axis, return `i64` indices and pick the first occurrence
+/// on ties (NaN counts as the largest for `ArgMax` and the smallest for `ArgMin`, as in numpy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    Max,
+    Min,
+    ArgMax,
+    ArgMin,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::ArgMax,
+        ReduceOp::ArgMin,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::ArgMax => "argmax",
+            ReduceOp::ArgMin => "argmin",
+        }
+    }
+
+    pub fn is_arg(self) -> bool {
+        matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+}
+
+/// Distributions for [`Backend::rand`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RandDist {
+    /// Uniform on `[low, high)`.
+    Uniform { low: f64, high: f64 },
+    /// Gaussian with the given mean and standard deviation (Box–Muller).
+    Normal { mean: f64, std: f64 },
+}
+
+/// A typed buffer in host memory: what goes into and comes out of a device.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostBuffer {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+impl HostBuffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostBuffer::F32(_) => DType::F32,
+            HostBuffer::F64(_) => DType::F64,
+            HostBuffer::I64(_) => DType::I64,
+            HostBuffer::U8(_) => DType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostBuffer::F32(v) => v.len(),
+            HostBuffer::F64(v) => v.len(),
+            HostBuffer::I64(v) => v.len(),
+            HostBuffer::U8(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f64 (exact for every dtype but i64 beyond 2^53).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match self {
+            HostBuffer::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            HostBuffer::F64(v) => v.clone(),
+            HostBuffer::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            HostBuffer::U8(v) => v.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    /// Converts f64 values into a buffer of `dtype` (`as` casts: saturating for ints).
+    pub fn from_f64(dtype: DType, v: &[f64]) -> HostBuffer {
+        match dtype {
+            DType::F32 => HostBuffer::F32(v.iter().map(|&x| x as f32).collect()),
+            DType::F64 => HostBuffer::F64(v.to_vec()),
+            DType::I64 => HostBuffer::I64(v.iter().map(|&x| x as i64).collect()),
+            DType::U8 => HostBuffer::U8(v.iter().map(|&x| x as u8).collect()),
+        }
+    }
+
+    /// The raw bytes (native endianness).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostBuffer::F32(v) => bytemuck::cast_slice(v),
+            HostBuffer::F64(v) => bytemuck::cast_slice(v),
+            HostBuffer::I64(v) => bytemuck::cast_slice(v),
+            HostBuffer::U8(v) => v,
+        }
+    }
+}
+
+/// Memory held by a backend on one device, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes in live tensors.
+    pub in_use: usize,
+    /// Highest `in_use` since the device was initialized (or the peak was reset).
+    pub peak: usize,
+    /// Bytes the backend holds from the system, cached free blocks included.
+    pub reserved: usize,
+}
+
+/// A compute device family (CPU, CUDA, the f64 reference).
+///
+/// All methods are associated functions: state lives in the storages and in per-device state the
+/// backend keeps itself. See the module docs for the contract every kernel follows.
+pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
+    /// One device of this backend. `Display` gives `cpu`, `cuda:1`, ...
+    type Device: Clone + Debug + Display + PartialEq + Eq + Hash + Send + Sync + 'static;
+    /// One untyped buffer on one device.
+    type Storage: Debug + Send + Sync + 'static;
+
+    /// A short name for messages (`cpu`, `cuda`, `reference`).
+    const NAME: &'static str;
+
+    // ---- devices -------------------------------------------------------------------------
+
+    /// The devices usable now (empty when, e.g., no GPU or no driver is present).
+    fn devices() -> Vec<Self::Device>;
+    /// Parses `cpu`, `cuda`, `cuda:1`, ...; an error when the name is not this backend's or the
+    /// device does not exist.
+    fn parse_device(name: &str) -> Result<Self::Device>;
+    /// Waits until all work queued on `device` has finished.
+    fn synchronize(device: &Self::Device) -> Result<()>;
+    fn memory_stats(device: &Self::Device) -> Result<MemoryStats>;
+    /// Returns cached, unused memory to the system.
+    fn empty_cache(device: &Self::Device) -> Result<()>;
+
+    // ---- memory --------------------------------------------------------------------------
+
+    fn storage_device(storage: &Self::Storage) -> Self::Device;
+    /// A buffer of `len` elements, all equal to `value` (converted with an `as` cast).
+    fn fill(device: &Self::Device, dtype: DType, len: usize, value: f64) -> Result<Self::Storage>;
+    fn from_host(device: &Self::Device, data: &HostBuffer) -> Result<Self::Storage>;
+    /// The elements of `layout`, in row-major order.
+    fn to_host(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<HostBuffer>;
+    /// The elements of `layout`, contiguous, in a new buffer on `dst` (which may be the same
+    /// device: `copy_to` always copies).
+    fn copy_to_device(
+        storage: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        dst: &Self::Device,
+    ) -> Result<Self::Storage>;
+    /// Writes the elements of `src_layout` into `dst` at `dst_layout` (same shape), in place.
+    /// Used to build concatenations and by in-place updates.
+    fn copy_into(
+        src: &Self::Storage,
+        src_layout: &Layout,
+        dst: &mut Self::Storage,
+        dst_layout: &Layout,
+        dtype: DType,
+    ) -> Result<()>;
+    /// The elements of `layout`, contiguous, in a new buffer on the same device.
+    fn contiguous(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<Self::Storage>;
+    /// `len` random values: element `i` comes from Philox4x32-10 with counter `i` and key
+    /// `seed`, exactly as [`crate::philox`] defines, so every backend draws the same numbers.
+    fn rand(
+        device: &Self::Device,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+        dist: RandDist,
+    ) -> Result<Self::Storage>;
+
+    // ---- kernels -------------------------------------------------------------------------
+
+    fn unary(
+        op: UnaryOp,
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// `op(lhs, rhs)`; both layouts have the output's shape (broadcast by stride 0).
+    fn binary(
+        op: BinaryOp,
+        lhs: &Self::Storage,
+        lhs_layout: &Layout,
+        rhs: &Self::Storage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// `op(x, scalar)`, or `op(scalar, x)` when `scalar_lhs`. The scalar is a kernel argument.
+    fn binary_scalar(
+        op: BinaryOp,
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        scalar: f64,
+        scalar_lhs: bool,
+    ) -> Result<Self::Storage>;
+    /// A `u8` mask; both layouts have the output's shape.
+    fn compare(
+        op: CmpOp,
+        lhs: &Self::Storage,
+        lhs_layout: &Layout,
+        rhs: &Self::Storage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// `cond ? on_true : on_false` elementwise; `cond` is `u8`; all three layouts have the
+    /// output's shape.
+    #[allow(clippy::too_many_arguments)]
+    fn where_cond(
+        cond: &Self::Storage,
+        cond_layout: &Layout,
+        on_true: &Self::Storage,
+        true_layout: &Layout,
+        on_false: &Self::Storage,
+        false_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// Reduces the given (sorted, distinct) axes; the output is contiguous with those axes kept
+    /// as size 1. Arg reductions get exactly one axis and return `i64`.
+    fn reduce(
+        op: ReduceOp,
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        axes: &[usize],
+    ) -> Result<Self::Storage>;
+    /// Batched matrix product. `lhs_layout` is `[batch, m, k]`, `rhs_layout` is `[batch, k, n]`;
+    /// each matrix is either row-major (`strides[2] == 1`, leading dimension `strides[1]`) or
+    /// column-major (`strides[1] == 1`, leading dimension `strides[2]`), with a leading dimension
+    /// of at least 1 and at least the matrix's inner extent; the batch stride is arbitrary
+    /// (0 broadcasts). Output: `[batch, m, n]`, contiguous.
+    fn matmul(
+        lhs: &Self::Storage,
+        lhs_layout: &Layout,
+        rhs: &Self::Storage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// Softmax (or log-softmax when `log`) over the last axis; output contiguous.
+    fn softmax(
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        log: bool,
+    ) -> Result<Self::Storage>;
+    /// Softmax cross-entropy per row: `logits` is `[n, c]`, `labels` is `i64` `[n]`; returns
+    /// `[n]` losses `logsumexp(row) - row[label]`. A label outside `0..c` is an error.
+    fn cross_entropy(
+        logits: &Self::Storage,
+        logits_layout: &Layout,
+        labels: &Self::Storage,
+        labels_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// Gradient of [`Backend::cross_entropy`] w.r.t. the logits, in one kernel:
+    /// `(softmax(row) - onehot(label)) * grad[row]`, with `grad` of shape `[n]`; output `[n, c]`.
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_backward(
+        logits: &Self::Storage,
+        logits_layout: &Layout,
+        labels: &Self::Storage,
+        labels_layout: &Layout,
+        grad: &Self::Storage,
+        grad_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage>;
+    /// Converts every element (`as` semantics: float to int truncates and saturates).
+    fn cast(s: &Self::Storage, layout: &Layout, from: DType, to: DType) -> Result<Self::Storage>;
+    /// Picks entries `ids` (1-d, `i64`) along `axis`; the output has `dims[axis] = ids.len()`.
+    /// An index outside `0..dims[axis]` is an error.
+    #[allow(clippy::too_many_arguments)]
+    fn index_select(
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        ids: &Self::Storage,
+        ids_layout: &Layout,
+        axis: usize,
+    ) -> Result<Self::Storage>;
+    /// `torch.gather`: `out[i][j][k] = s[i][ids[i][j][k]][k]` for `axis == 1`, and so on.
+    /// `ids` has the same rank as `s` and the output's shape; other dims of `ids` must not exceed
+    /// those of `s`.
+    fn gather(
+        s: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        ids: &Self::Storage,
+        ids_layout: &Layout,
+        axis: usize,
+    ) -> Result<Self::Storage>;
+    /// Out of place `torch.scatter_add`: a copy of `base` (contiguous) with
+    /// `out[..ids[i][j]..] += src[i][j]` along `axis`. `ids` and `src` have the same shape.
+    /// Summation order is unspecified on the GPU (results may differ in the last bits).
+    #[allow(clippy::too_many_arguments)]
+    fn scatter_add(
+        base: &Self::Storage,
+        base_layout: &Layout,
+        dtype: DType,
+        ids: &Self::Storage,
+        ids_layout: &Layout,
+        src: &Self::Storage,
+        src_layout: &Layout,
+        axis: usize,
+    ) -> Result<Self::Storage>;
+}

@@ -1,0 +1,96 @@
+//! The one error type of kiln.
+//!
+//! Every fallible public function returns [`Result`]. Each variant names the op that failed and
+//! what was wrong with its input, so a message read in a log says what to fix without a backtrace.
+
+use crate::{DType, Shape};
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// Two shapes that had to agree (or broadcast) do not.
+    #[error("{op}: shape mismatch between {lhs} and {rhs}")]
+    ShapeMismatch {
+        op: &'static str,
+        lhs: Shape,
+        rhs: Shape,
+    },
+    /// Inputs live on different devices. Nothing is copied behind the user's back.
+    #[error(
+        "{op}: inputs are on different devices ({lhs} and {rhs}); copy one with to_device first"
+    )]
+    DeviceMismatch {
+        op: &'static str,
+        lhs: String,
+        rhs: String,
+    },
+    /// Inputs have different dtypes, or a dtype the op does not support.
+    #[error("{op}: dtype mismatch: expected {expected}, got {got}")]
+    DTypeMismatch {
+        op: &'static str,
+        expected: String,
+        got: DType,
+    },
+    /// An axis outside `-rank..rank`.
+    #[error("{op}: axis {axis} is out of range for a tensor of rank {rank}")]
+    AxisOutOfRange {
+        op: &'static str,
+        axis: isize,
+        rank: usize,
+    },
+    /// A reshape to a shape with a different number of elements.
+    #[error("{op}: cannot reshape {from} ({} elements) into {to} ({} elements)", from.elem_count(), to.elem_count())]
+    BadReshape {
+        op: &'static str,
+        from: Shape,
+        to: Shape,
+    },
+    /// Any other invalid argument, described in `msg`.
+    #[error("{op}: {msg}")]
+    InvalidArgument { op: &'static str, msg: String },
+    /// A device allocation failed even after the cache was trimmed.
+    #[error(
+        "out of memory on {device}: tried to allocate {requested} bytes ({} MiB); {held} bytes are held by kiln on that device{}",
+        requested / (1 << 20),
+        if msg.is_empty() { String::new() } else { format!(" ({msg})") }
+    )]
+    OutOfMemory {
+        device: String,
+        requested: usize,
+        held: usize,
+        msg: String,
+    },
+    /// A failure reported by a backend library (the driver, cuBLAS, NVRTC, NCCL).
+    #[error("{op}: backend error: {msg}")]
+    Backend { op: &'static str, msg: String },
+    /// A file that could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file that was read but whose contents are invalid (bad magic, truncated, wrong sizes).
+    #[error("{path}: corrupt or invalid file: {msg}")]
+    Corrupt { path: String, msg: String },
+}
+
+impl Error {
+    /// Shorthand for [`Error::InvalidArgument`].
+    pub fn invalid(op: &'static str, msg: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            msg: msg.into(),
+        }
+    }
+
+    /// Shorthand for [`Error::Backend`].
+    pub fn backend(op: &'static str, msg: impl std::fmt::Display) -> Self {
+        Error::Backend {
+            op,
+            msg: msg.to_string(),
+        }
+    }
+}

@@ -1,0 +1,391 @@
+//! Strided layouts: how a tensor's logical indices map into its storage.
+//!
+//! A layout is a shape, one stride per dimension (in elements, never negative) and an offset.
+//! Every view (reshape where possible, transpose, permute, narrow, broadcast, squeeze, unsqueeze)
+//! is a new layout over the same storage; no data moves. Broadcast dimensions have stride 0.
+
+use crate::{Error, Result, Shape};
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Layout {
+    shape: Shape,
+    strides: Vec<usize>,
+    offset: usize,
+}
+
+impl Layout {
+    /// A row-major layout at offset 0.
+    pub fn contiguous(shape: impl Into<Shape>) -> Self {
+        let shape = shape.into();
+        let strides = shape.contiguous_strides();
+        Layout {
+            shape,
+            strides,
+            offset: 0,
+        }
+    }
+
+    /// A layout from raw parts. The caller guarantees every index stays inside its storage.
+    pub fn from_parts(shape: Shape, strides: Vec<usize>, offset: usize) -> Self {
+        assert_eq!(shape.rank(), strides.len(), "one stride per dimension");
+        Layout {
+            shape,
+            strides,
+            offset,
+        }
+    }
+
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.shape.dims()
+    }
+    pub fn strides(&self) -> &[usize] {
+        &self.strides
+    }
+    pub fn offset(&self) -> usize {
+        self.offset
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.rank()
+    }
+    pub fn elem_count(&self) -> usize {
+        self.shape.elem_count()
+    }
+
+    /// Row-major with no gaps (strides of size-1 dimensions do not matter).
+    pub fn is_contiguous(&self) -> bool {
+        let mut acc = 1;
+        for (&d, &s) in self.dims().iter().zip(&self.strides).rev() {
+            if d != 1 && s != acc {
+                return false;
+            }
+            acc *= d;
+        }
+        true
+    }
+
+    /// `Some(offset..offset+len)` when the elements are one contiguous run in row-major order.
+    pub fn contiguous_range(&self) -> Option<std::ops::Range<usize>> {
+        self.is_contiguous()
+            .then(|| self.offset..self.offset + self.elem_count())
+    }
+
+    /// One past the largest storage index this layout touches (0 when empty).
+    pub fn storage_extent(&self) -> usize {
+        if self.elem_count() == 0 {
+            return 0;
+        }
+        self.offset
+            + self
+                .dims()
+                .iter()
+                .zip(&self.strides)
+                .map(|(&d, &s)| (d - 1) * s)
+                .sum::<usize>()
+            + 1
+    }
+
+    /// A reshape that shares storage, or `None` when the strides make a copy necessary
+    /// (numpy's rule: each new dimension must come from dimensions that are contiguous among
+    /// themselves).
+    pub fn reshape(&self, shape: &Shape) -> Result<Option<Layout>> {
+        if shape.elem_count() != self.elem_count() {
+            return Err(Error::BadReshape {
+                op: "reshape",
+                from: self.shape.clone(),
+                to: shape.clone(),
+            });
+        }
+        if self.is_contiguous() {
+            return Ok(Some(Layout {
+                shape: shape.clone(),
+                strides: shape.contiguous_strides(),
+                offset: self.offset,
+            }));
+        }
+        // Drop size-1 dims of the source; they carry no stride information.
+        let (od, os): (Vec<usize>, Vec<usize>) = self
+            .dims()
+            .iter()
+            .zip(&self.strides)
+            .filter(|(d, _)| **d != 1)
+            .map(|(&d, &s)| (d, s))
+            .unzip();
+        let nd = shape.dims();
+        let mut ns = vec![0usize; nd.len()];
+        let (mut oi, mut ni) = (0, 0);
+        while ni < nd.len() && oi < od.len() {
+            if nd[ni] == 1 {
+                ns[ni] = 0;
+                ni += 1;
+                continue;
+            }
+            // Grow a group of old dims [oi, oj) and new dims [ni, nj) with equal products.
+            let (mut oj, mut nj) = (oi + 1, ni + 1);
+            let (mut op, mut np) = (od[oi], nd[ni]);
+            while op != np {
+                if op < np {
+                    op *= od[oj];
+                    oj += 1;
+                } else {
+                    np *= nd[nj];
+                    nj += 1;
+                }
+            }
+            // The old dims of the group must be contiguous among themselves.
+            for k in oi..oj - 1 {
+                if os[k] != od[k + 1] * os[k + 1] {
+                    return Ok(None);
+                }
+            }
+            // New strides, innermost of the group first.
+            ns[nj - 1] = os[oj - 1];
+            for k in (ni..nj - 1).rev() {
+                ns[k] = ns[k + 1] * nd[k + 1];
+            }
+            oi = oj;
+            ni = nj;
+        }
+        for s in ns.iter_mut().skip(ni) {
+            *s = 0; // trailing size-1 dims
+        }
+        Ok(Some(Layout {
+            shape: shape.clone(),
+            strides: ns,
+            offset: self.offset,
+        }))
+    }
+
+    /// Reorders dimensions: dimension `i` of the result is dimension `perm[i]` of `self`.
+    pub fn permute(&self, perm: &[usize]) -> Result<Layout> {
+        let rank = self.rank();
+        let mut seen = vec![false; rank];
+        if perm.len() != rank
+            || perm
+                .iter()
+                .any(|&p| p >= rank || std::mem::replace(&mut seen[p], true))
+        {
+            return Err(Error::invalid(
+                "permute",
+                format!(
+                    "{perm:?} is not a permutation of the {rank} axes of {}",
+                    self.shape
+                ),
+            ));
+        }
+        Ok(Layout {
+            shape: Shape::new(perm.iter().map(|&p| self.dims()[p]).collect::<Vec<_>>()),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        })
+    }
+
+    /// Swaps two (already normalized) axes.
+    pub fn transpose(&self, a: usize, b: usize) -> Result<Layout> {
+        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        if a >= perm.len() || b >= perm.len() {
+            return Err(Error::AxisOutOfRange {
+                op: "transpose",
+                axis: a.max(b) as isize,
+                rank: self.rank(),
+            });
+        }
+        perm.swap(a, b);
+        self.permute(&perm)
+    }
+
+    /// Keeps `len` entries of `axis` starting at `start`.
+    pub fn narrow(&self, axis: usize, start: usize, len: usize) -> Result<Layout> {
+        let dim = self.dims()[axis];
+        if start.checked_add(len).is_none_or(|end| end > dim) {
+            return Err(Error::invalid(
+                "narrow",
+                format!(
+                    "range {start}..{} is outside axis {axis} of size {dim} (shape {})",
+                    start.saturating_add(len),
+                    self.shape
+                ),
+            ));
+        }
+        let mut dims = self.dims().to_vec();
+        dims[axis] = len;
+        let offset = if len == 0 {
+            self.offset
+        } else {
+            self.offset + start * self.strides[axis]
+        };
+        Ok(Layout {
+            shape: Shape::new(dims),
+            strides: self.strides.clone(),
+            offset,
+        })
+    }
+
+    /// Broadcasts to `shape` (numpy rules) with stride 0 on the new or stretched dimensions.
+    pub fn broadcast_to(&self, shape: &Shape) -> Result<Layout> {
+        let err = || Error::ShapeMismatch {
+            op: "broadcast_to",
+            lhs: self.shape.clone(),
+            rhs: shape.clone(),
+        };
+        if shape.rank() < self.rank() {
+            return Err(err());
+        }
+        let extra = shape.rank() - self.rank();
+        let mut strides = vec![0; shape.rank()];
+        for (i, &d) in shape.dims().iter().enumerate() {
+            if i < extra {
+                continue;
+            }
+            let (od, os) = (self.dims()[i - extra], self.strides[i - extra]);
+            strides[i] = if od == d {
+                os
+            } else if od == 1 {
+                0
+            } else {
+                return Err(err());
+            };
+        }
+        Ok(Layout {
+            shape: shape.clone(),
+            strides,
+            offset: self.offset,
+        })
+    }
+
+    /// Removes a size-1 axis.
+    pub fn squeeze(&self, axis: usize) -> Result<Layout> {
+        if self.dims()[axis] != 1 {
+            return Err(Error::invalid(
+                "squeeze",
+                format!(
+                    "axis {axis} of shape {} has size {}, not 1",
+                    self.shape,
+                    self.dims()[axis]
+                ),
+            ));
+        }
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.strides.clone();
+        dims.remove(axis);
+        strides.remove(axis);
+        Ok(Layout {
+            shape: Shape::new(dims),
+            strides,
+            offset: self.offset,
+        })
+    }
+
+    /// Inserts a size-1 axis at `axis` (in `0..=rank`).
+    pub fn unsqueeze(&self, axis: usize) -> Result<Layout> {
+        if axis > self.rank() {
+            return Err(Error::AxisOutOfRange {
+                op: "unsqueeze",
+                axis: axis as isize,
+                rank: self.rank(),
+            });
+        }
+        let mut dims = self.dims().to_vec();
+        let mut strides = self.strides.clone();
+        dims.insert(axis, 1);
+        strides.insert(axis, 0);
+        Ok(Layout {
+            shape: Shape::new(dims),
+            strides,
+            offset: self.offset,
+        })
+    }
+
+    /// Storage offsets of every element, in row-major order of the logical index.
+    pub fn offsets(&self) -> StridedOffsets<'_> {
+        StridedOffsets {
+            layout: self,
+            index: vec![0; self.rank()],
+            next: if self.elem_count() == 0 {
+                None
+            } else {
+                Some(self.offset)
+            },
+        }
+    }
+}
+
+/// Iterator over the storage offsets of a layout (see [`Layout::offsets`]).
+pub struct StridedOffsets<'a> {
+    layout: &'a Layout,
+    index: Vec<usize>,
+    next: Option<usize>,
+}
+
+impl Iterator for StridedOffsets<'_> {
+    type Item = usize;
+    fn next(&mut self) -> Option<usize> {
+        let cur = self.next?;
+        let dims = self.layout.dims();
+        let strides = self.layout.strides();
+        let mut off = cur;
+        let mut done = true;
+        for i in (0..dims.len()).rev() {
+            if self.index[i] + 1 < dims[i] {
+                self.index[i] += 1;
+                off += strides[i];
+                done = false;
+                break;
+            }
+            off -= self.index[i] * strides[i];
+            self.index[i] = 0;
+        }
+        self.next = if done { None } else { Some(off) };
+        Some(cur)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offsets_of_transpose() {
+        let l = Layout::contiguous([2, 3]).transpose(0, 1).unwrap();
+        assert_eq!(l.offsets().collect::<Vec<_>>(), vec![0, 3, 1, 4, 2, 5]);
+        assert!(!l.is_contiguous());
+    }
+
+    #[test]
+    fn reshape_of_view_shares_when_possible() {
+        let l = Layout::contiguous([4, 6]).narrow(0, 1, 2).unwrap(); // rows 1..3, contiguous
+        let r = l.reshape(&Shape::new([12])).unwrap().unwrap();
+        assert_eq!(r.offsets().collect::<Vec<_>>(), (6..18).collect::<Vec<_>>());
+        let t = Layout::contiguous([4, 6]).transpose(0, 1).unwrap();
+        assert!(t.reshape(&Shape::new([24])).unwrap().is_none());
+        // splitting a transposed axis is fine
+        let s = t.reshape(&Shape::new([2, 3, 4])).unwrap().unwrap();
+        let want: Vec<usize> = t.offsets().collect();
+        assert_eq!(s.offsets().collect::<Vec<_>>(), want);
+    }
+
+    #[test]
+    fn bad_reshape_names_shapes() {
+        let e = Layout::contiguous([2, 3])
+            .reshape(&Shape::new([4]))
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "reshape: cannot reshape [2, 3] (6 elements) into [4] (4 elements)"
+        );
+    }
+
+    #[test]
+    fn broadcast_and_scalar() {
+        let l = Layout::contiguous([3, 1])
+            .broadcast_to(&Shape::new([2, 3, 4]))
+            .unwrap();
+        assert_eq!(l.strides(), &[0, 1, 0]);
+        let s = Layout::contiguous(Shape::scalar());
+        assert_eq!(s.offsets().collect::<Vec<_>>(), vec![0]);
+        let e = Layout::contiguous([2, 0]);
+        assert_eq!(e.offsets().count(), 0);
+    }
+}

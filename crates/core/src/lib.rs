@@ -1,0 +1,40 @@
+//! # kiln-core
+//!
+//! The part of kiln every other crate stands on:
+//!
+//! - [`DType`], [`Shape`] and [`Layout`]: element types, shapes, and strided layouts whose views
+//!   (reshape, transpose, narrow, broadcast, ...) share storage;
+//! - [`Error`] and [`Result`]: one typed error for the whole framework;
+//! - the [`Backend`] trait: a small, enum-driven set of kernels that a device implements;
+//! - [`Tensor<B>`](Tensor): the user-facing array, generic over its backend;
+//! - [`philox`]: the counter-based generator every backend implements bit for bit;
+//! - [`reference`]: a plain-loop f64 backend, obviously correct and slow, against which
+//!   the conformance suite ([`testing`], feature `testing`) checks every real backend.
+//!
+//! Code written against `B: Backend` runs unchanged on the CPU and on NVIDIA GPUs:
+//!
+//! ```ignore
+//! fn affine<B: Backend>(dev: &B::Device) -> kiln_core::Result<Tensor<B>> {
+//!     let x = Tensor::<B>::arange(0.0, 6.0, 1.0, DType::F32, dev)?.reshape([2, 3])?;
+//!     let w = Tensor::<B>::ones([3, 4], DType::F32, dev)?;
+//!     (&x.matmul(&w)? + 1.0)
+//! }
+//! ```
+
+pub mod backend;
+mod dtype;
+mod error;
+mod layout;
+pub mod philox;
+pub mod reference;
+mod shape;
+mod tensor;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use backend::{Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp};
+pub use dtype::{DType, Element};
+pub use error::{Error, Result};
+pub use layout::{Layout, StridedOffsets};
+pub use shape::{Shape, normalize_axis};
+pub use tensor::Tensor;

@@ -1,0 +1,399 @@
+//! `Tensor<B>`: an n-dimensional array on one device of backend `B`.
+//!
+//! A tensor is a cheap handle: `Arc<B::Storage>` + [`Layout`] + [`DType`] + device. Cloning it
+//! never copies data, and views (see `view.rs`) only make a new layout over the same storage.
+//! Ops validate their inputs here (dtypes, devices, shapes, axes) and return typed errors; the
+//! backend then runs the kernel.
+
+mod display;
+mod ops;
+mod view;
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, HostBuffer, RandDist};
+use crate::{DType, Element, Error, Layout, Result, Shape};
+
+pub struct Tensor<B: Backend> {
+    storage: Arc<B::Storage>,
+    layout: Layout,
+    dtype: DType,
+    device: B::Device,
+}
+
+impl<B: Backend> Clone for Tensor<B> {
+    fn clone(&self) -> Self {
+        Tensor {
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Tensor<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Tensor<{}>{{shape: {}, dtype: {}, device: {}}}",
+            B::NAME,
+            self.shape(),
+            self.dtype,
+            self.device
+        )
+    }
+}
+
+impl<B: Backend> Tensor<B> {
+    // ---- raw parts -----------------------------------------------------------------------
+
+    /// A tensor over `storage`, contiguous with `shape`.
+    pub fn from_storage(storage: B::Storage, shape: impl Into<Shape>, dtype: DType) -> Self {
+        let device = B::storage_device(&storage);
+        Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape),
+            dtype,
+            device,
+        }
+    }
+
+    /// A tensor over shared `storage` with an explicit layout (for backends and autograd).
+    pub fn from_parts(storage: Arc<B::Storage>, layout: Layout, dtype: DType) -> Self {
+        let device = B::storage_device(&storage);
+        Tensor {
+            storage,
+            layout,
+            dtype,
+            device,
+        }
+    }
+
+    pub fn storage(&self) -> &B::Storage {
+        &self.storage
+    }
+    pub fn storage_arc(&self) -> &Arc<B::Storage> {
+        &self.storage
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+    pub fn shape(&self) -> &Shape {
+        self.layout.shape()
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.layout.dims()
+    }
+    pub fn rank(&self) -> usize {
+        self.layout.rank()
+    }
+    pub fn elem_count(&self) -> usize {
+        self.layout.elem_count()
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn device(&self) -> &B::Device {
+        &self.device
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.layout.is_contiguous()
+    }
+    /// True when both handles share one storage buffer.
+    pub fn same_storage(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.storage, &other.storage)
+    }
+
+    pub(crate) fn with_layout(&self, layout: Layout) -> Self {
+        Tensor {
+            storage: self.storage.clone(),
+            layout,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }
+    }
+
+    /// A new contiguous tensor over freshly computed `storage` on this tensor's device.
+    pub(crate) fn fresh(&self, storage: B::Storage, shape: impl Into<Shape>, dtype: DType) -> Self {
+        Tensor {
+            storage: Arc::new(storage),
+            layout: Layout::contiguous(shape),
+            dtype,
+            device: self.device.clone(),
+        }
+    }
+
+    // ---- constructors --------------------------------------------------------------------
+
+    /// A tensor filled with `value` (converted to `dtype`).
+    pub fn full(
+        shape: impl Into<Shape>,
+        value: f64,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let shape = shape.into();
+        let s = B::fill(device, dtype, shape.elem_count(), value)?;
+        Ok(Self::from_storage(s, shape, dtype))
+    }
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &B::Device) -> Result<Self> {
+        Self::full(shape, 0.0, dtype, device)
+    }
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: &B::Device) -> Result<Self> {
+        Self::full(shape, 1.0, dtype, device)
+    }
+    pub fn zeros_like(&self) -> Result<Self> {
+        Self::zeros(self.shape().clone(), self.dtype, &self.device)
+    }
+    pub fn ones_like(&self) -> Result<Self> {
+        Self::ones(self.shape().clone(), self.dtype, &self.device)
+    }
+    pub fn full_like(&self, value: f64) -> Result<Self> {
+        Self::full(self.shape().clone(), value, self.dtype, &self.device)
+    }
+
+    /// Uploads a host buffer with `shape`.
+    pub fn from_host(
+        data: &HostBuffer,
+        shape: impl Into<Shape>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let shape = shape.into();
+        if data.len() != shape.elem_count() {
+            return Err(Error::invalid(
+                "from_vec",
+                format!(
+                    "{} values cannot fill shape {} ({} elements)",
+                    data.len(),
+                    shape,
+                    shape.elem_count()
+                ),
+            ));
+        }
+        let s = B::from_host(device, data)?;
+        Ok(Self::from_storage(s, shape, data.dtype()))
+    }
+
+    /// A tensor holding `data` with `shape` (row-major).
+    pub fn from_vec<T: Element>(
+        data: Vec<T>,
+        shape: impl Into<Shape>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        Self::from_host(&T::into_host(data), shape, device)
+    }
+    pub fn from_slice<T: Element>(
+        data: &[T],
+        shape: impl Into<Shape>,
+        device: &B::Device,
+    ) -> Result<Self> {
+        Self::from_vec(data.to_vec(), shape, device)
+    }
+    /// A 0-d tensor.
+    pub fn scalar<T: Element>(value: T, device: &B::Device) -> Result<Self> {
+        Self::from_vec(vec![value], Shape::scalar(), device)
+    }
+
+    /// `start, start+step, ...` up to but excluding `end` (numpy's arange).
+    pub fn arange(
+        start: f64,
+        end: f64,
+        step: f64,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        if step == 0.0 || !step.is_finite() || !start.is_finite() || !end.is_finite() {
+            return Err(Error::invalid(
+                "arange",
+                format!("bad range {start}..{end} step {step}"),
+            ));
+        }
+        let n = ((end - start) / step).ceil().max(0.0) as usize;
+        let v: Vec<f64> = (0..n).map(|i| start + step * i as f64).collect();
+        Self::from_host(&HostBuffer::from_f64(dtype, &v), n, device)
+    }
+
+    /// `n` evenly spaced values from `start` to `end` inclusive.
+    pub fn linspace(
+        start: f64,
+        end: f64,
+        n: usize,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let v: Vec<f64> = match n {
+            0 => vec![],
+            1 => vec![start],
+            _ => {
+                let step = (end - start) / (n - 1) as f64;
+                (0..n)
+                    .map(|i| {
+                        if i == n - 1 {
+                            end
+                        } else {
+                            start + step * i as f64
+                        }
+                    })
+                    .collect()
+            }
+        };
+        Self::from_host(&HostBuffer::from_f64(dtype, &v), n, device)
+    }
+
+    /// The `n x n` identity.
+    pub fn eye(n: usize, dtype: DType, device: &B::Device) -> Result<Self> {
+        let mut v = vec![0.0; n * n];
+        for i in 0..n {
+            v[i * n + i] = 1.0;
+        }
+        Self::from_host(&HostBuffer::from_f64(dtype, &v), [n, n], device)
+    }
+
+    /// Uniform on `[low, high)`, drawn by Philox with `seed` (same numbers on every backend).
+    pub fn rand(
+        shape: impl Into<Shape>,
+        low: f64,
+        high: f64,
+        seed: u64,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        Self::random(
+            shape.into(),
+            RandDist::Uniform { low, high },
+            seed,
+            dtype,
+            device,
+        )
+    }
+
+    /// Gaussian with `mean` and `std`, drawn by Philox with `seed`.
+    pub fn randn(
+        shape: impl Into<Shape>,
+        mean: f64,
+        std: f64,
+        seed: u64,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        Self::random(
+            shape.into(),
+            RandDist::Normal { mean, std },
+            seed,
+            dtype,
+            device,
+        )
+    }
+
+    fn random(
+        shape: Shape,
+        dist: RandDist,
+        seed: u64,
+        dtype: DType,
+        device: &B::Device,
+    ) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(Error::DTypeMismatch {
+                op: "rand",
+                expected: "a float dtype".into(),
+                got: dtype,
+            });
+        }
+        let s = B::rand(device, dtype, shape.elem_count(), seed, dist)?;
+        Ok(Self::from_storage(s, shape, dtype))
+    }
+
+    pub fn rand_like(&self, low: f64, high: f64, seed: u64) -> Result<Self> {
+        Self::rand(
+            self.shape().clone(),
+            low,
+            high,
+            seed,
+            self.dtype,
+            &self.device,
+        )
+    }
+    pub fn randn_like(&self, mean: f64, std: f64, seed: u64) -> Result<Self> {
+        Self::randn(
+            self.shape().clone(),
+            mean,
+            std,
+            seed,
+            self.dtype,
+            &self.device,
+        )
+    }
+
+    // ---- reading back --------------------------------------------------------------------
+
+    /// All elements in row-major order, as a host buffer (synchronizes with the device).
+    pub fn to_host(&self) -> Result<HostBuffer> {
+        B::to_host(&self.storage, &self.layout, self.dtype)
+    }
+
+    /// All elements in row-major order. `T` must match the dtype.
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "to_vec",
+                expected: T::DTYPE.to_string(),
+                got: self.dtype,
+            });
+        }
+        Ok(T::from_host(self.to_host()?).expect("dtype checked above"))
+    }
+
+    /// All elements widened to f64.
+    pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
+        Ok(self.to_host()?.to_f64_vec())
+    }
+
+    /// The single element of a tensor with one element (any rank), widened to f64.
+    pub fn to_scalar(&self) -> Result<f64> {
+        if self.elem_count() != 1 {
+            return Err(Error::invalid(
+                "to_scalar",
+                format!(
+                    "tensor of shape {} has {} elements, not 1",
+                    self.shape(),
+                    self.elem_count()
+                ),
+            ));
+        }
+        Ok(self.to_f64_vec()?[0])
+    }
+
+    // ---- devices -------------------------------------------------------------------------
+
+    /// This tensor on `device`: the same handle (no copy) when it is already there.
+    pub fn to_device(&self, device: &B::Device) -> Result<Self> {
+        if &self.device == device {
+            return Ok(self.clone());
+        }
+        self.copy_to(device)
+    }
+
+    /// A new copy of this tensor on `device`, always (even the same device).
+    pub fn copy_to(&self, device: &B::Device) -> Result<Self> {
+        let s = B::copy_to_device(&self.storage, &self.layout, self.dtype, device)?;
+        Ok(Self::from_storage(s, self.shape().clone(), self.dtype))
+    }
+
+    /// Moves to another backend through host memory (`Tensor<Cpu>` to `Tensor<Cuda>`).
+    pub fn to_backend<C: Backend>(&self, device: &C::Device) -> Result<Tensor<C>> {
+        Tensor::<C>::from_host(&self.to_host()?, self.shape().clone(), device)
+    }
+
+    /// Errors unless `other` is on this tensor's device.
+    pub fn check_same_device(&self, op: &'static str, other: &Self) -> Result<()> {
+        if self.device != other.device {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: self.device.to_string(),
+                rhs: other.device.to_string(),
+            });
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,660 @@
+//! Ops on tensors: validation, broadcasting, then one backend call.
+
+use super::Tensor;
+use crate::backend::{Backend, BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::shape::normalize_axis;
+use crate::{DType, Error, Layout, Result, Shape};
+
+fn dtype_err(op: &'static str, expected: impl Into<String>, got: DType) -> Error {
+    Error::DTypeMismatch {
+        op,
+        expected: expected.into(),
+        got,
+    }
+}
+
+impl<B: Backend> Tensor<B> {
+    /// Checks device and dtype agreement and returns both layouts broadcast to a common shape.
+    fn broadcast_pair(&self, op: &'static str, rhs: &Self) -> Result<(Shape, Layout, Layout)> {
+        self.check_same_device(op, rhs)?;
+        if self.dtype() != rhs.dtype() {
+            return Err(dtype_err(op, self.dtype().to_string(), rhs.dtype()));
+        }
+        let shape = self.shape().broadcast_with(op, rhs.shape())?;
+        let l = self.layout().broadcast_to(&shape)?;
+        let r = rhs.layout().broadcast_to(&shape)?;
+        Ok((shape, l, r))
+    }
+
+    fn require_float(&self, op: &'static str) -> Result<()> {
+        if !self.dtype().is_float() {
+            return Err(dtype_err(op, "f32 or f64", self.dtype()));
+        }
+        Ok(())
+    }
+
+    // ---- elementwise ---------------------------------------------------------------------
+
+    pub fn unary(&self, op: UnaryOp) -> Result<Self> {
+        if !op.supports(self.dtype()) {
+            return Err(dtype_err(
+                op.name(),
+                "a dtype the op supports (see UnaryOp)",
+                self.dtype(),
+            ));
+        }
+        let s = B::unary(op, self.storage(), self.layout(), self.dtype())?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+
+    /// `op(self, rhs)` with numpy broadcasting.
+    pub fn binary(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
+        let (shape, l, r) = self.broadcast_pair(op.name(), rhs)?;
+        if !op.supports(self.dtype()) {
+            return Err(dtype_err(
+                op.name(),
+                "a dtype the op supports (see BinaryOp)",
+                self.dtype(),
+            ));
+        }
+        let s = B::binary(op, self.storage(), &l, rhs.storage(), &r, self.dtype())?;
+        Ok(self.fresh(s, shape, self.dtype()))
+    }
+
+    /// `op(self, scalar)`; the scalar travels as a kernel argument.
+    pub fn binary_scalar(&self, op: BinaryOp, scalar: f64) -> Result<Self> {
+        self.scalar_op(op, scalar, false)
+    }
+
+    /// `op(scalar, self)`.
+    pub fn scalar_binary(&self, op: BinaryOp, scalar: f64) -> Result<Self> {
+        self.scalar_op(op, scalar, true)
+    }
+
+    fn scalar_op(&self, op: BinaryOp, scalar: f64, scalar_lhs: bool) -> Result<Self> {
+        if !op.supports(self.dtype()) {
+            return Err(dtype_err(
+                op.name(),
+                "a dtype the op supports (see BinaryOp)",
+                self.dtype(),
+            ));
+        }
+        let s = B::binary_scalar(
+            op,
+            self.storage(),
+            self.layout(),
+            self.dtype(),
+            scalar,
+            scalar_lhs,
+        )?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+
+    pub fn add(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Add, rhs)
+    }
+    pub fn sub(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Sub, rhs)
+    }
+    pub fn mul(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Mul, rhs)
+    }
+    pub fn div(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Div, rhs)
+    }
+    pub fn pow(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Pow, rhs)
+    }
+    pub fn maximum(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Maximum, rhs)
+    }
+    pub fn minimum(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Minimum, rhs)
+    }
+    pub fn add_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Add, c)
+    }
+    pub fn sub_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Sub, c)
+    }
+    pub fn mul_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Mul, c)
+    }
+    pub fn div_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Div, c)
+    }
+    pub fn pow_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Pow, c)
+    }
+    /// `max(self, c)` elementwise (`clamp_min`).
+    pub fn maximum_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Maximum, c)
+    }
+    pub fn minimum_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Minimum, c)
+    }
+    /// Clamps into `[lo, hi]`.
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Self> {
+        self.maximum_scalar(lo)?.minimum_scalar(hi)
+    }
+    /// `a * self + b` (two scalar kernels; an affine map).
+    pub fn affine(&self, a: f64, b: f64) -> Result<Self> {
+        self.mul_scalar(a)?.add_scalar(b)
+    }
+
+    pub fn neg(&self) -> Result<Self> {
+        self.unary(UnaryOp::Neg)
+    }
+    pub fn abs(&self) -> Result<Self> {
+        self.unary(UnaryOp::Abs)
+    }
+    pub fn exp(&self) -> Result<Self> {
+        self.unary(UnaryOp::Exp)
+    }
+    pub fn log(&self) -> Result<Self> {
+        self.unary(UnaryOp::Log)
+    }
+    pub fn sqrt(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sqrt)
+    }
+    pub fn square(&self) -> Result<Self> {
+        self.unary(UnaryOp::Square)
+    }
+    pub fn recip(&self) -> Result<Self> {
+        self.unary(UnaryOp::Recip)
+    }
+    pub fn sin(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sin)
+    }
+    pub fn cos(&self) -> Result<Self> {
+        self.unary(UnaryOp::Cos)
+    }
+    pub fn tanh(&self) -> Result<Self> {
+        self.unary(UnaryOp::Tanh)
+    }
+    pub fn sigmoid(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sigmoid)
+    }
+    pub fn relu(&self) -> Result<Self> {
+        self.unary(UnaryOp::Relu)
+    }
+    pub fn gelu(&self) -> Result<Self> {
+        self.unary(UnaryOp::Gelu)
+    }
+    pub fn sign(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sign)
+    }
+    pub fn floor(&self) -> Result<Self> {
+        self.unary(UnaryOp::Floor)
+    }
+    pub fn ceil(&self) -> Result<Self> {
+        self.unary(UnaryOp::Ceil)
+    }
+
+    // ---- comparisons and selection -------------------------------------------------------
+
+    /// A `u8` mask of `op(self, rhs)`, broadcasting.
+    pub fn compare(&self, op: CmpOp, rhs: &Self) -> Result<Self> {
+        let (shape, l, r) = self.broadcast_pair(op.name(), rhs)?;
+        let s = B::compare(op, self.storage(), &l, rhs.storage(), &r, self.dtype())?;
+        Ok(self.fresh(s, shape, DType::U8))
+    }
+
+    /// A `u8` mask of `op(self, c)`.
+    pub fn compare_scalar(&self, op: CmpOp, c: f64) -> Result<Self> {
+        let rhs = Self::full(Shape::scalar(), c, self.dtype(), self.device())?;
+        self.compare(op, &rhs)
+    }
+
+    pub fn eq(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Eq, rhs)
+    }
+    pub fn ne(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Ne, rhs)
+    }
+    pub fn lt(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Lt, rhs)
+    }
+    pub fn le(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Le, rhs)
+    }
+    pub fn gt(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Gt, rhs)
+    }
+    pub fn ge(&self, rhs: &Self) -> Result<Self> {
+        self.compare(CmpOp::Ge, rhs)
+    }
+
+    /// `self ? on_true : on_false` where `self` is a `u8` mask; all three broadcast.
+    pub fn where_cond(&self, on_true: &Self, on_false: &Self) -> Result<Self> {
+        const OP: &str = "where";
+        if self.dtype() != DType::U8 {
+            return Err(dtype_err(OP, "u8 condition", self.dtype()));
+        }
+        self.check_same_device(OP, on_true)?;
+        let (shape, t, f) = on_true.broadcast_pair(OP, on_false)?;
+        let shape = shape.broadcast_with(OP, self.shape())?;
+        let c = self.layout().broadcast_to(&shape)?;
+        let t = t.broadcast_to(&shape)?;
+        let f = f.broadcast_to(&shape)?;
+        let s = B::where_cond(
+            self.storage(),
+            &c,
+            on_true.storage(),
+            &t,
+            on_false.storage(),
+            &f,
+            on_true.dtype(),
+        )?;
+        Ok(self.fresh(s, shape, on_true.dtype()))
+    }
+
+    /// Converts to `dtype` (`as` semantics); returns `self` when it already has it.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let s = B::cast(self.storage(), self.layout(), self.dtype(), dtype)?;
+        Ok(self.fresh(s, self.shape().clone(), dtype))
+    }
+
+    // ---- reductions ----------------------------------------------------------------------
+
+    /// Reduces `axes` (all axes when empty is not what you want: pass them). Keeps the reduced
+    /// axes as size 1 when `keepdim`.
+    pub fn reduce(&self, op: ReduceOp, axes: &[isize], keepdim: bool) -> Result<Self> {
+        let name = op.name();
+        let axes = self.shape().axes(name, axes)?;
+        match op {
+            ReduceOp::Sum if !matches!(self.dtype(), DType::F32 | DType::F64 | DType::I64) => {
+                return Err(dtype_err(name, "f32, f64 or i64", self.dtype()));
+            }
+            ReduceOp::ArgMax | ReduceOp::ArgMin if axes.len() != 1 => {
+                return Err(Error::invalid(
+                    name,
+                    format!("reduces exactly one axis, got {}", axes.len()),
+                ));
+            }
+            _ => {}
+        }
+        if op != ReduceOp::Sum && axes.iter().any(|&a| self.dims()[a] == 0) {
+            return Err(Error::invalid(
+                name,
+                format!("cannot reduce an empty axis of shape {}", self.shape()),
+            ));
+        }
+        let s = B::reduce(op, self.storage(), self.layout(), self.dtype(), &axes)?;
+        let mut kept = self.dims().to_vec();
+        for &a in &axes {
+            kept[a] = 1;
+        }
+        let dtype = if op.is_arg() {
+            DType::I64
+        } else {
+            self.dtype()
+        };
+        let out = self.fresh(s, kept, dtype);
+        if keepdim {
+            return Ok(out);
+        }
+        let dims: Vec<usize> = (0..self.rank())
+            .filter(|i| !axes.contains(i))
+            .map(|i| self.dims()[i])
+            .collect();
+        out.reshape(dims)
+    }
+
+    fn all_axes(&self) -> Vec<isize> {
+        (0..self.rank() as isize).collect()
+    }
+
+    pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.reduce(ReduceOp::Sum, axes, keepdim)
+    }
+    /// Sum of every element, as a 0-d tensor.
+    pub fn sum_all(&self) -> Result<Self> {
+        self.sum(&self.all_axes(), false)
+    }
+    pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.require_float("mean")?;
+        let axes_n = self.shape().axes("mean", axes)?;
+        let n: usize = axes_n.iter().map(|&a| self.dims()[a]).product();
+        self.sum(axes, keepdim)?.div_scalar(n as f64)
+    }
+    pub fn mean_all(&self) -> Result<Self> {
+        self.mean(&self.all_axes(), false)
+    }
+    pub fn max(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.reduce(ReduceOp::Max, axes, keepdim)
+    }
+    pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.reduce(ReduceOp::Min, axes, keepdim)
+    }
+    pub fn max_all(&self) -> Result<Self> {
+        self.max(&self.all_axes(), false)
+    }
+    pub fn min_all(&self) -> Result<Self> {
+        self.min(&self.all_axes(), false)
+    }
+    pub fn argmax(&self, axis: isize, keepdim: bool) -> Result<Self> {
+        self.reduce(ReduceOp::ArgMax, &[axis], keepdim)
+    }
+    pub fn argmin(&self, axis: isize, keepdim: bool) -> Result<Self> {
+        self.reduce(ReduceOp::ArgMin, &[axis], keepdim)
+    }
+
+    // ---- matmul --------------------------------------------------------------------------
+
+    /// Matrix product with numpy semantics: 1-d operands are promoted (and the added axis
+    /// removed), batch axes broadcast. Transposed views go to the backend without a copy.
+    pub fn matmul(&self, rhs: &Self) -> Result<Self> {
+        const OP: &str = "matmul";
+        self.check_same_device(OP, rhs)?;
+        if self.dtype() != rhs.dtype() {
+            return Err(dtype_err(OP, self.dtype().to_string(), rhs.dtype()));
+        }
+        self.require_float(OP)?;
+        if self.rank() == 0 || rhs.rank() == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!("needs rank >= 1, got {} and {}", self.shape(), rhs.shape()),
+            ));
+        }
+        let a = if self.rank() == 1 {
+            self.unsqueeze(0)?
+        } else {
+            self.clone()
+        };
+        let b = if rhs.rank() == 1 {
+            rhs.unsqueeze(-1)?
+        } else {
+            rhs.clone()
+        };
+        let (m, k) = (a.dims()[a.rank() - 2], a.dims()[a.rank() - 1]);
+        let (k2, n) = (b.dims()[b.rank() - 2], b.dims()[b.rank() - 1]);
+        if k != k2 {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: rhs.shape().clone(),
+            });
+        }
+        let batch_a = Shape::new(&a.dims()[..a.rank() - 2]);
+        let batch_b = Shape::new(&b.dims()[..b.rank() - 2]);
+        let batch = batch_a
+            .broadcast_with(OP, &batch_b)
+            .map_err(|_| Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: rhs.shape().clone(),
+            })?;
+        let a3 = as_batched_matrix(&a, &batch, m, k)?;
+        let b3 = as_batched_matrix(&b, &batch, k, n)?;
+        let s = B::matmul(
+            a3.storage(),
+            a3.layout(),
+            b3.storage(),
+            b3.layout(),
+            self.dtype(),
+        )?;
+        let mut out_dims = batch.dims().to_vec();
+        if self.rank() > 1 {
+            out_dims.push(m);
+        }
+        if rhs.rank() > 1 {
+            out_dims.push(n);
+        }
+        Ok(self.fresh(s, out_dims, self.dtype()))
+    }
+
+    // ---- softmax and losses --------------------------------------------------------------
+
+    /// Softmax over the last axis.
+    pub fn softmax(&self) -> Result<Self> {
+        self.softmax_impl("softmax", false)
+    }
+    /// Log-softmax over the last axis (computed in one pass, not as `log(softmax)`).
+    pub fn log_softmax(&self) -> Result<Self> {
+        self.softmax_impl("log_softmax", true)
+    }
+    fn softmax_impl(&self, op: &'static str, log: bool) -> Result<Self> {
+        self.require_float(op)?;
+        if self.rank() == 0 {
+            return Err(Error::invalid(op, "needs rank >= 1, got a scalar"));
+        }
+        let s = B::softmax(self.storage(), self.layout(), self.dtype(), log)?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+
+    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: a `[n]`
+    /// tensor of `logsumexp(row) - row[label]`.
+    pub fn cross_entropy(&self, labels: &Self) -> Result<Self> {
+        check_xent::<B>("cross_entropy", self, labels)?;
+        let s = B::cross_entropy(
+            self.storage(),
+            self.layout(),
+            labels.storage(),
+            labels.layout(),
+            self.dtype(),
+        )?;
+        Ok(self.fresh(s, self.dims()[0], self.dtype()))
+    }
+
+    /// `(softmax(self) - onehot(labels)) * grad[:, None]`, the gradient of [`Self::cross_entropy`].
+    pub fn cross_entropy_backward(&self, labels: &Self, grad: &Self) -> Result<Self> {
+        const OP: &str = "cross_entropy_backward";
+        check_xent::<B>(OP, self, labels)?;
+        self.check_same_device(OP, grad)?;
+        if grad.dims() != [self.dims()[0]] || grad.dtype() != self.dtype() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: grad.shape().clone(),
+            });
+        }
+        let s = B::cross_entropy_backward(
+            self.storage(),
+            self.layout(),
+            labels.storage(),
+            labels.layout(),
+            grad.storage(),
+            grad.layout(),
+            self.dtype(),
+        )?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+
+    // ---- indexing ------------------------------------------------------------------------
+
+    /// Entries `ids` (1-d `i64`) along `axis`.
+    pub fn index_select(&self, ids: &Self, axis: isize) -> Result<Self> {
+        const OP: &str = "index_select";
+        let axis = normalize_axis(OP, axis, self.rank())?;
+        check_ids::<B>(OP, self, ids)?;
+        if ids.rank() != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!("indices must be 1-d, got shape {}", ids.shape()),
+            ));
+        }
+        let s = B::index_select(
+            self.storage(),
+            self.layout(),
+            self.dtype(),
+            ids.storage(),
+            ids.layout(),
+            axis,
+        )?;
+        let mut dims = self.dims().to_vec();
+        dims[axis] = ids.elem_count();
+        Ok(self.fresh(s, dims, self.dtype()))
+    }
+
+    /// `torch.gather` along `axis`: the output has the shape of `ids`.
+    pub fn gather(&self, ids: &Self, axis: isize) -> Result<Self> {
+        const OP: &str = "gather";
+        let axis = normalize_axis(OP, axis, self.rank())?;
+        check_ids::<B>(OP, self, ids)?;
+        check_index_shape(OP, self.shape(), ids.shape(), axis)?;
+        let s = B::gather(
+            self.storage(),
+            self.layout(),
+            self.dtype(),
+            ids.storage(),
+            ids.layout(),
+            axis,
+        )?;
+        Ok(self.fresh(s, ids.shape().clone(), self.dtype()))
+    }
+
+    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
+    pub fn scatter_add(&self, ids: &Self, src: &Self, axis: isize) -> Result<Self> {
+        const OP: &str = "scatter_add";
+        let axis = normalize_axis(OP, axis, self.rank())?;
+        check_ids::<B>(OP, self, ids)?;
+        self.check_same_device(OP, src)?;
+        if src.dtype() != self.dtype() {
+            return Err(dtype_err(OP, self.dtype().to_string(), src.dtype()));
+        }
+        if ids.shape() != src.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: ids.shape().clone(),
+                rhs: src.shape().clone(),
+            });
+        }
+        check_index_shape(OP, self.shape(), ids.shape(), axis)?;
+        let s = B::scatter_add(
+            self.storage(),
+            self.layout(),
+            self.dtype(),
+            ids.storage(),
+            ids.layout(),
+            src.storage(),
+            src.layout(),
+            axis,
+        )?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+}
+
+/// Views `t` (rank >= 2, last two dims `rows x cols`) as `[batch, rows, cols]` with the batch
+/// broadcast and each matrix row- or column-major, copying only when neither holds.
+fn as_batched_matrix<B: Backend>(
+    t: &Tensor<B>,
+    batch: &Shape,
+    rows: usize,
+    cols: usize,
+) -> Result<Tensor<B>> {
+    let mut full = batch.dims().to_vec();
+    full.extend([rows, cols]);
+    let t = t.broadcast_to(full)?;
+    let nb = batch.elem_count();
+    let try_view = |t: &Tensor<B>| -> Option<Layout> {
+        let r = t.rank();
+        let (rs, cs) = (t.layout().strides()[r - 2], t.layout().strides()[r - 1]);
+        // Size-1 (and empty) dims carry arbitrary strides: pick ones BLAS accepts.
+        let (rs, cs) = if rows == 0 || cols == 0 {
+            (cols.max(1), 1)
+        } else if (cols == 1 || cs == 1) && (rows == 1 || rs >= cols) {
+            (if rows == 1 { cols } else { rs }, 1)
+        } else if (rows == 1 || rs == 1) && (cols == 1 || cs >= rows) {
+            (1, if cols == 1 { rows } else { cs })
+        } else {
+            return None;
+        };
+        // The batch axes must collapse into one stride.
+        let bdims = &t.dims()[..r - 2];
+        let bstr = &t.layout().strides()[..r - 2];
+        let mut bstride = None;
+        let mut expect = None::<usize>;
+        for (&d, &s) in bdims.iter().zip(bstr).rev() {
+            if d == 1 {
+                continue;
+            }
+            match expect {
+                None => {
+                    bstride = Some(s);
+                    expect = Some(s * d);
+                }
+                Some(e) if e == s => expect = Some(s * d),
+                Some(_) => return None,
+            }
+        }
+        Some(Layout::from_parts(
+            Shape::new([nb, rows, cols]),
+            vec![bstride.unwrap_or(0), rs, cs],
+            t.layout().offset(),
+        ))
+    };
+    if let Some(l) = try_view(&t) {
+        return Ok(t.with_layout(l));
+    }
+    let c = t.contiguous()?;
+    let l = try_view(&c).ok_or_else(|| {
+        Error::invalid("matmul", "internal: contiguous operand has no BLAS layout")
+    })?;
+    Ok(c.with_layout(l))
+}
+
+fn check_ids<B: Backend>(op: &'static str, t: &Tensor<B>, ids: &Tensor<B>) -> Result<()> {
+    t.check_same_device(op, ids)?;
+    if ids.dtype() != DType::I64 {
+        return Err(dtype_err(op, "i64 indices", ids.dtype()));
+    }
+    Ok(())
+}
+
+fn check_index_shape(op: &'static str, shape: &Shape, ids: &Shape, axis: usize) -> Result<()> {
+    let ok = ids.rank() == shape.rank()
+        && (0..shape.rank()).all(|i| i == axis || ids.dims()[i] <= shape.dims()[i]);
+    if !ok {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: shape.clone(),
+            rhs: ids.clone(),
+        });
+    }
+    Ok(())
+}
+
+fn check_xent<B: Backend>(op: &'static str, logits: &Tensor<B>, labels: &Tensor<B>) -> Result<()> {
+    logits.require_float(op)?;
+    check_ids::<B>(op, logits, labels)?;
+    if logits.rank() != 2 || labels.dims() != [logits.dims()[0]] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: logits.shape().clone(),
+            rhs: labels.shape().clone(),
+        });
+    }
+    Ok(())
+}
+
+macro_rules! bin_trait {
+    ($trait:ident, $method:ident, $op:ident) => {
+        impl<B: Backend> std::ops::$trait<&Tensor<B>> for &Tensor<B> {
+            type Output = Result<Tensor<B>>;
+            fn $method(self, rhs: &Tensor<B>) -> Result<Tensor<B>> {
+                self.binary(BinaryOp::$op, rhs)
+            }
+        }
+        impl<B: Backend> std::ops::$trait<f64> for &Tensor<B> {
+            type Output = Result<Tensor<B>>;
+            fn $method(self, rhs: f64) -> Result<Tensor<B>> {
+                self.binary_scalar(BinaryOp::$op, rhs)
+            }
+        }
+    };
+}
+bin_trait!(Add, add, Add);
+bin_trait!(Sub, sub, Sub);
+bin_trait!(Mul, mul, Mul);
+bin_trait!(Div, div, Div);
+
+impl<B: Backend> std::ops::Neg for &Tensor<B> {
+    type Output = Result<Tensor<B>>;
+    fn neg(self) -> Result<Tensor<B>> {
+        self.unary(UnaryOp::Neg)
+    }
+}

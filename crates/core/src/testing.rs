@@ -1,0 +1,1 @@
+//! The conformance suite (to be written).

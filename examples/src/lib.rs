@@ -1,0 +1,1 @@
+//! Shared support for the examples (device selection from a string).

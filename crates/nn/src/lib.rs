@@ -1,4 +1,9 @@
 //! # kiln-nn
 //!
 //! Modules (Linear, Conv2d, activations, Sequential), losses, initializers and safetensors
-//! save/load. Not built yet; see the nn/optim/data issue.
+//! save/load.
+pub mod init;
+pub mod serialize;
+
+pub use init::{Init, derive_seed};
+pub use serialize::{load_safetensors, save_safetensors};

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Checks that weights saved by kiln load into the equivalent PyTorch nn.Sequential and give
+the same logits.
+
+kiln names parameters exactly like a PyTorch ``state_dict`` of the same ``nn.Sequential``
+(``0.weight``, ``0.bias``, ``2.weight``, ...; Linear weights are ``[out, in]``), so
+``load_state_dict(strict=True)`` must accept the file as is, with no renaming or transposing.
+
+Produce the two files with the MNIST example (any device), then run this script where torch and
+safetensors are installed (the GPU machine has both):
+
+    cargo run --release --example mnist -- --epochs 1 --save mlp.safetensors \
+        --dump-logits mlp_logits.safetensors
+    python3 bench/mnist_torch_check.py --weights mlp.safetensors --logits mlp_logits.safetensors
+
+``--dump-logits`` writes ``x`` (the first test images, as the model sees them) and ``logits``
+(kiln's output for them, in eval mode). The script exits non-zero when the state dict does not
+load strictly or when any logit differs by more than ``--atol`` (default 1e-5).
+"""
+
+import argparse
+import sys
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+
+def mlp(n_in=784, hidden=(100, 100), n_out=10):
+    layers, d = [], n_in
+    for h in hidden:
+        layers += [nn.Linear(d, h), nn.ReLU()]
+        d = h
+    layers.append(nn.Linear(d, n_out))
+    return nn.Sequential(*layers)
+
+
+def lenet():
+    # Must match `lenet` in examples/examples/mnist.rs, layer for layer (indices are names).
+    return nn.Sequential(
+        nn.Conv2d(1, 6, 5, padding=2),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 5 * 5, 120),
+        nn.ReLU(),
+        nn.Linear(120, 84),
+        nn.ReLU(),
+        nn.Linear(84, 10),
+    )
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--weights", required=True, help="kiln --save file (safetensors)")
+    p.add_argument("--logits", required=True, help="kiln --dump-logits file (x and logits)")
+    p.add_argument("--arch", choices=["auto", "mlp", "lenet"], default="auto")
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+
+    state = load_file(args.weights)
+    arch = args.arch
+    if arch == "auto":
+        arch = "lenet" if state["0.weight"].dim() == 4 else "mlp"
+    if arch == "lenet":
+        model = lenet()
+    else:
+        # Widths come from the file, so `--hidden`-style variants check too.
+        n = len([k for k in state if k.endswith(".weight")])
+        ws = [state[f"{2 * i}.weight"] for i in range(n)]
+        model = mlp(ws[0].shape[1], [w.shape[0] for w in ws[:-1]], ws[-1].shape[0])
+    dtype = next(iter(state.values())).dtype
+    model = model.to(dtype)
+    model.load_state_dict(state, strict=True)  # raises on missing/unexpected/shape mismatch
+    model = model.to(args.device).eval()
+
+    ref = load_file(args.logits)
+    x, want = ref["x"].to(args.device), ref["logits"].to(args.device)
+    with torch.no_grad():
+        # TF32 would perturb the comparison on Ampere+; kiln's default is full precision too.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        got = model(x.to(dtype))
+    diff = (got - want.to(got.dtype)).abs().max().item()
+    agree = (got.argmax(1) == want.argmax(1)).float().mean().item()
+    print(
+        f"arch={arch} device={args.device} dtype={dtype} inputs={tuple(x.shape)} "
+        f"max|torch-kiln|={diff:.3e} (atol {args.atol:g}) argmax agreement={agree:.4f}"
+    )
+    if not diff <= args.atol:
+        print("FAIL: logits differ", file=sys.stderr)
+        sys.exit(1)
+    print("OK: kiln weights load into torch and give the same logits")
+
+
+if __name__ == "__main__":
+    main()

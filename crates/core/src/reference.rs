@@ -1,1 +1,1059 @@
-//! placeholder
+//! The f64 reference backend: plain loops, obviously correct, slow.
+//!
+//! [`Reference`] implements every op of the [`Backend`] trait as directly as the contract in
+//! [`crate::backend`] reads, so that the conformance suite ([`crate::testing`]) can compare a
+//! real backend against it. Storage keeps each dtype's values exactly (a [`HostBuffer`]); float
+//! math runs in f64 and a result of dtype f32 is rounded to f32 once, at the end. That makes the
+//! reference (nearly) the exact answer for the given inputs, and a real backend's error against
+//! it is its own error. Integer ops are exact (`i64` arithmetic wraps; `Div` truncates toward
+//! zero and a division by zero gives 0). Random numbers come from [`crate::philox`] itself.
+//!
+//! Every kernel first gathers its strided inputs into contiguous row-major buffers through
+//! [`Layout::offsets`], then works on plain vectors with multi-indices. Nothing here is fast;
+//! nothing needs to be.
+//!
+//! The backend has [`DEVICE_COUNT`] virtual devices (`ref`, `ref:1`, ...) so that device
+//! checks (mixing devices, `to_device` vs `copy_to`) can be tested without hardware.
+
+use std::fmt;
+
+use crate::backend::{
+    Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
+};
+use crate::{DType, Error, Layout, Result, philox};
+
+/// How many virtual devices the reference backend has.
+pub const DEVICE_COUNT: usize = 2;
+
+/// The f64 reference backend (see the module docs).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Reference;
+
+/// A virtual device of the reference backend: `RefDevice(0)` displays as `ref`, `RefDevice(1)`
+/// as `ref:1`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RefDevice(pub usize);
+
+impl fmt::Display for RefDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            0 => f.write_str("ref"),
+            i => write!(f, "ref:{i}"),
+        }
+    }
+}
+
+/// A buffer of the reference backend: the exact values, typed, on one virtual device.
+#[derive(Clone, Debug)]
+pub struct RefStorage {
+    device: RefDevice,
+    data: HostBuffer,
+}
+
+impl RefStorage {
+    /// The values held, in storage order.
+    pub fn data(&self) -> &HostBuffer {
+        &self.data
+    }
+    pub fn device(&self) -> RefDevice {
+        self.device
+    }
+}
+
+fn check_device(op: &'static str, d: &RefDevice) -> Result<()> {
+    if d.0 >= DEVICE_COUNT {
+        return Err(Error::invalid(
+            op,
+            format!("device {d} does not exist (the reference backend has {DEVICE_COUNT})"),
+        ));
+    }
+    Ok(())
+}
+
+fn new(device: RefDevice, data: HostBuffer) -> RefStorage {
+    RefStorage { device, data }
+}
+
+// ---- helpers -------------------------------------------------------------------------------
+
+/// The elements of `buf` at `pos`, in order, as a new buffer of the same dtype.
+fn take(buf: &HostBuffer, pos: impl Iterator<Item = usize>) -> HostBuffer {
+    match buf {
+        HostBuffer::F32(v) => HostBuffer::F32(pos.map(|i| v[i]).collect()),
+        HostBuffer::F64(v) => HostBuffer::F64(pos.map(|i| v[i]).collect()),
+        HostBuffer::I64(v) => HostBuffer::I64(pos.map(|i| v[i]).collect()),
+        HostBuffer::U8(v) => HostBuffer::U8(pos.map(|i| v[i]).collect()),
+    }
+}
+
+/// The elements of `layout` in row-major order, checked against the storage's dtype and size.
+fn gather(op: &'static str, s: &RefStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
+    if s.data.dtype() != dtype {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: format!("the storage's dtype {}", s.data.dtype()),
+            got: dtype,
+        });
+    }
+    if layout.storage_extent() > s.data.len() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "layout (shape {}, strides {:?}, offset {}) reaches past a storage of {} elements",
+                layout.shape(),
+                layout.strides(),
+                layout.offset(),
+                s.data.len()
+            ),
+        ));
+    }
+    Ok(take(&s.data, layout.offsets()))
+}
+
+/// Float values widened to f64 (exact).
+fn floats(op: &'static str, b: &HostBuffer) -> Result<Vec<f64>> {
+    match b {
+        HostBuffer::F32(_) | HostBuffer::F64(_) => Ok(b.to_f64_vec()),
+        _ => Err(unsupported(op, b.dtype())),
+    }
+}
+
+/// Integer values widened to i64 (exact).
+fn ints(b: &HostBuffer) -> Vec<i64> {
+    match b {
+        HostBuffer::I64(v) => v.clone(),
+        HostBuffer::U8(v) => v.iter().map(|&x| x as i64).collect(),
+        HostBuffer::F32(v) => v.iter().map(|&x| x as i64).collect(),
+        HostBuffer::F64(v) => v.iter().map(|&x| x as i64).collect(),
+    }
+}
+
+/// f64 results stored as `dtype`: rounded once for f32.
+fn float_out(dtype: DType, v: &[f64]) -> HostBuffer {
+    HostBuffer::from_f64(dtype, v)
+}
+
+/// Exact i64 results stored as `dtype` (`I64` or `U8`; values already in range).
+fn int_out(dtype: DType, v: Vec<i64>) -> HostBuffer {
+    match dtype {
+        DType::U8 => HostBuffer::U8(v.into_iter().map(|x| x as u8).collect()),
+        _ => HostBuffer::I64(v),
+    }
+}
+
+fn unsupported(op: &'static str, dtype: DType) -> Error {
+    Error::DTypeMismatch {
+        op,
+        expected: "a dtype the op supports".into(),
+        got: dtype,
+    }
+}
+
+/// Row-major multi-index of flat position `flat` in `dims`.
+fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; dims.len()];
+    for i in (0..dims.len()).rev() {
+        idx[i] = flat % dims[i];
+        flat /= dims[i];
+    }
+    idx
+}
+
+/// Row-major flat position of `idx` in `dims`.
+fn ravel(idx: &[usize], dims: &[usize]) -> usize {
+    idx.iter().zip(dims).fold(0, |acc, (&i, &d)| acc * d + i)
+}
+
+fn nan_max(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+fn nan_min(a: f64, b: f64) -> f64 {
+    if a.is_nan() || b.is_nan() {
+        f64::NAN
+    } else if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+fn unary_f(op: UnaryOp, x: f64) -> f64 {
+    match op {
+        UnaryOp::Neg => -x,
+        UnaryOp::Abs => x.abs(),
+        UnaryOp::Exp => x.exp(),
+        UnaryOp::Log => x.ln(),
+        UnaryOp::Sqrt => x.sqrt(),
+        UnaryOp::Square => x * x,
+        UnaryOp::Recip => 1.0 / x,
+        UnaryOp::Sin => x.sin(),
+        UnaryOp::Cos => x.cos(),
+        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        UnaryOp::Relu => {
+            if x > 0.0 || x.is_nan() {
+                x
+            } else {
+                0.0
+            }
+        }
+        UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
+        UnaryOp::Sign => {
+            if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else {
+                x // ±0 and NaN
+            }
+        }
+        UnaryOp::Floor => x.floor(),
+        UnaryOp::Ceil => x.ceil(),
+    }
+}
+
+fn unary_i(op: UnaryOp, x: i64) -> Option<i64> {
+    Some(match op {
+        UnaryOp::Neg => x.wrapping_neg(),
+        UnaryOp::Abs => x.wrapping_abs(),
+        UnaryOp::Square => x.wrapping_mul(x),
+        UnaryOp::Sign => x.signum(),
+        UnaryOp::Relu => x.max(0),
+        _ => return None,
+    })
+}
+
+fn binary_f(op: BinaryOp, a: f64, b: f64) -> f64 {
+    match op {
+        BinaryOp::Add => a + b,
+        BinaryOp::Sub => a - b,
+        BinaryOp::Mul => a * b,
+        BinaryOp::Div => a / b,
+        BinaryOp::Pow => a.powf(b),
+        BinaryOp::Maximum => nan_max(a, b),
+        BinaryOp::Minimum => nan_min(a, b),
+    }
+}
+
+fn binary_i(op: BinaryOp, a: i64, b: i64) -> Option<i64> {
+    Some(match op {
+        BinaryOp::Add => a.wrapping_add(b),
+        BinaryOp::Sub => a.wrapping_sub(b),
+        BinaryOp::Mul => a.wrapping_mul(b),
+        BinaryOp::Div => {
+            if b == 0 {
+                0
+            } else {
+                a.wrapping_div(b)
+            }
+        }
+        BinaryOp::Pow => return None,
+        BinaryOp::Maximum => a.max(b),
+        BinaryOp::Minimum => a.min(b),
+    })
+}
+
+/// `op` over two gathered buffers of one dtype (elementwise, same length).
+fn binary_bufs(op: BinaryOp, a: &HostBuffer, b: &HostBuffer, dtype: DType) -> Result<HostBuffer> {
+    let name = op.name();
+    if !op.supports(dtype) {
+        return Err(unsupported(name, dtype));
+    }
+    if dtype.is_float() {
+        let (a, b) = (floats(name, a)?, floats(name, b)?);
+        let v: Vec<f64> = a
+            .iter()
+            .zip(&b)
+            .map(|(&x, &y)| binary_f(op, x, y))
+            .collect();
+        return Ok(float_out(dtype, &v));
+    }
+    let (a, b) = (ints(a), ints(b));
+    let v = a
+        .iter()
+        .zip(&b)
+        .map(|(&x, &y)| binary_i(op, x, y).ok_or_else(|| unsupported(name, dtype)))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(int_out(dtype, v))
+}
+
+fn cmp<T: PartialOrd>(op: CmpOp, a: T, b: T) -> bool {
+    match op {
+        CmpOp::Eq => a == b,
+        CmpOp::Ne => a != b,
+        CmpOp::Lt => a < b,
+        CmpOp::Le => a <= b,
+        CmpOp::Gt => a > b,
+        CmpOp::Ge => a >= b,
+    }
+}
+
+/// Checks an index read from an `i64` tensor against an axis of size `dim`.
+fn check_index(op: &'static str, id: i64, axis: usize, dim: usize) -> Result<usize> {
+    if id < 0 || id as u64 >= dim as u64 {
+        return Err(Error::invalid(
+            op,
+            format!("index {id} is out of range for axis {axis} of size {dim}"),
+        ));
+    }
+    Ok(id as usize)
+}
+
+// ---- the backend ---------------------------------------------------------------------------
+
+impl Backend for Reference {
+    type Device = RefDevice;
+    type Storage = RefStorage;
+    const NAME: &'static str = "reference";
+
+    fn devices() -> Vec<RefDevice> {
+        (0..DEVICE_COUNT).map(RefDevice).collect()
+    }
+
+    fn parse_device(name: &str) -> Result<RefDevice> {
+        let idx = match name.strip_prefix("ref") {
+            Some("") => Some(0),
+            Some(rest) => rest.strip_prefix(':').and_then(|n| n.parse::<usize>().ok()),
+            None => None,
+        };
+        match idx {
+            Some(i) if i < DEVICE_COUNT => Ok(RefDevice(i)),
+            _ => Err(Error::invalid(
+                "parse_device",
+                format!(
+                    "{name:?} is not a reference device (expected ref or ref:N with N < {DEVICE_COUNT})"
+                ),
+            )),
+        }
+    }
+
+    fn synchronize(device: &RefDevice) -> Result<()> {
+        check_device("synchronize", device)
+    }
+
+    fn memory_stats(device: &RefDevice) -> Result<MemoryStats> {
+        check_device("memory_stats", device)?;
+        Ok(MemoryStats::default())
+    }
+
+    fn empty_cache(device: &RefDevice) -> Result<()> {
+        check_device("empty_cache", device)
+    }
+
+    fn storage_device(storage: &RefStorage) -> RefDevice {
+        storage.device
+    }
+
+    fn fill(device: &RefDevice, dtype: DType, len: usize, value: f64) -> Result<RefStorage> {
+        check_device("fill", device)?;
+        Ok(new(*device, HostBuffer::from_f64(dtype, &vec![value; len])))
+    }
+
+    fn from_host(device: &RefDevice, data: &HostBuffer) -> Result<RefStorage> {
+        check_device("from_host", device)?;
+        Ok(new(*device, data.clone()))
+    }
+
+    fn to_host(storage: &RefStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
+        gather("to_host", storage, layout, dtype)
+    }
+
+    fn copy_to_device(
+        storage: &RefStorage,
+        layout: &Layout,
+        dtype: DType,
+        dst: &RefDevice,
+    ) -> Result<RefStorage> {
+        check_device("copy_to_device", dst)?;
+        Ok(new(*dst, gather("copy_to_device", storage, layout, dtype)?))
+    }
+
+    fn copy_into(
+        src: &RefStorage,
+        src_layout: &Layout,
+        dst: &mut RefStorage,
+        dst_layout: &Layout,
+        dtype: DType,
+    ) -> Result<()> {
+        const OP: &str = "copy_into";
+        if src_layout.dims() != dst_layout.dims() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: src_layout.shape().clone(),
+                rhs: dst_layout.shape().clone(),
+            });
+        }
+        let vals = gather(OP, src, src_layout, dtype)?;
+        // Checks dst's dtype and extent the same way.
+        gather(OP, dst, dst_layout, dtype)?;
+        let pos = dst_layout.offsets();
+        match (&mut dst.data, &vals) {
+            (HostBuffer::F32(d), HostBuffer::F32(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::F64(d), HostBuffer::F64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::I64(d), HostBuffer::I64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::U8(d), HostBuffer::U8(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            _ => unreachable!("dtypes checked by gather"),
+        }
+        Ok(())
+    }
+
+    fn contiguous(storage: &RefStorage, layout: &Layout, dtype: DType) -> Result<RefStorage> {
+        Ok(new(
+            storage.device,
+            gather("contiguous", storage, layout, dtype)?,
+        ))
+    }
+
+    fn rand(
+        device: &RefDevice,
+        dtype: DType,
+        len: usize,
+        seed: u64,
+        dist: RandDist,
+    ) -> Result<RefStorage> {
+        check_device("rand", device)?;
+        let n = len as u64;
+        let data = match (dtype, dist) {
+            (DType::F32, RandDist::Uniform { low, high }) => HostBuffer::F32(
+                (0..n)
+                    .map(|i| philox::uniform_f32(seed, i, low as f32, high as f32))
+                    .collect(),
+            ),
+            (DType::F32, RandDist::Normal { mean, std }) => HostBuffer::F32(
+                (0..n)
+                    .map(|i| philox::normal_f32(seed, i, mean as f32, std as f32))
+                    .collect(),
+            ),
+            (DType::F64, RandDist::Uniform { low, high }) => HostBuffer::F64(
+                (0..n)
+                    .map(|i| philox::uniform_f64(seed, i, low, high))
+                    .collect(),
+            ),
+            (DType::F64, RandDist::Normal { mean, std }) => HostBuffer::F64(
+                (0..n)
+                    .map(|i| philox::normal_f64(seed, i, mean, std))
+                    .collect(),
+            ),
+            (d, _) => return Err(unsupported("rand", d)),
+        };
+        Ok(new(*device, data))
+    }
+
+    fn unary(op: UnaryOp, s: &RefStorage, layout: &Layout, dtype: DType) -> Result<RefStorage> {
+        let name = op.name();
+        if !op.supports(dtype) {
+            return Err(unsupported(name, dtype));
+        }
+        let x = gather(name, s, layout, dtype)?;
+        let out = if dtype.is_float() {
+            let v: Vec<f64> = floats(name, &x)?
+                .into_iter()
+                .map(|x| unary_f(op, x))
+                .collect();
+            float_out(dtype, &v)
+        } else {
+            let v = ints(&x)
+                .into_iter()
+                .map(|x| unary_i(op, x).ok_or_else(|| unsupported(name, dtype)))
+                .collect::<Result<Vec<_>>>()?;
+            int_out(dtype, v)
+        };
+        Ok(new(s.device, out))
+    }
+
+    fn binary(
+        op: BinaryOp,
+        lhs: &RefStorage,
+        lhs_layout: &Layout,
+        rhs: &RefStorage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        let a = gather(op.name(), lhs, lhs_layout, dtype)?;
+        let b = gather(op.name(), rhs, rhs_layout, dtype)?;
+        Ok(new(lhs.device, binary_bufs(op, &a, &b, dtype)?))
+    }
+
+    fn binary_scalar(
+        op: BinaryOp,
+        s: &RefStorage,
+        layout: &Layout,
+        dtype: DType,
+        scalar: f64,
+        scalar_lhs: bool,
+    ) -> Result<RefStorage> {
+        let name = op.name();
+        if !op.supports(dtype) {
+            return Err(unsupported(name, dtype));
+        }
+        let x = gather(name, s, layout, dtype)?;
+        let out = if dtype.is_float() {
+            let v: Vec<f64> = floats(name, &x)?
+                .into_iter()
+                .map(|x| {
+                    if scalar_lhs {
+                        binary_f(op, scalar, x)
+                    } else {
+                        binary_f(op, x, scalar)
+                    }
+                })
+                .collect();
+            float_out(dtype, &v)
+        } else {
+            // The scalar converts to the tensor's dtype first (`as`), then the op is exact.
+            let c = match dtype {
+                DType::U8 => scalar as u8 as i64,
+                _ => scalar as i64,
+            };
+            let v = ints(&x)
+                .into_iter()
+                .map(|x| {
+                    let r = if scalar_lhs {
+                        binary_i(op, c, x)
+                    } else {
+                        binary_i(op, x, c)
+                    };
+                    r.ok_or_else(|| unsupported(name, dtype))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            int_out(dtype, v)
+        };
+        Ok(new(s.device, out))
+    }
+
+    fn compare(
+        op: CmpOp,
+        lhs: &RefStorage,
+        lhs_layout: &Layout,
+        rhs: &RefStorage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        let a = gather(op.name(), lhs, lhs_layout, dtype)?;
+        let b = gather(op.name(), rhs, rhs_layout, dtype)?;
+        let v: Vec<u8> = if dtype.is_float() {
+            let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
+            a.iter()
+                .zip(&b)
+                .map(|(&x, &y)| cmp(op, x, y) as u8)
+                .collect()
+        } else {
+            let (a, b) = (ints(&a), ints(&b));
+            a.iter()
+                .zip(&b)
+                .map(|(&x, &y)| cmp(op, x, y) as u8)
+                .collect()
+        };
+        Ok(new(lhs.device, HostBuffer::U8(v)))
+    }
+
+    fn where_cond(
+        cond: &RefStorage,
+        cond_layout: &Layout,
+        on_true: &RefStorage,
+        true_layout: &Layout,
+        on_false: &RefStorage,
+        false_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        const OP: &str = "where";
+        let c = match gather(OP, cond, cond_layout, DType::U8)? {
+            HostBuffer::U8(c) => c,
+            _ => unreachable!("checked by gather"),
+        };
+        let t = gather(OP, on_true, true_layout, dtype)?;
+        let f = gather(OP, on_false, false_layout, dtype)?;
+        // Any nonzero condition byte selects `on_true`, as `cond ? a : b` in C.
+        let out = match (t, f) {
+            (HostBuffer::F32(t), HostBuffer::F32(f)) => HostBuffer::F32(
+                c.iter()
+                    .enumerate()
+                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
+                    .collect(),
+            ),
+            (HostBuffer::F64(t), HostBuffer::F64(f)) => HostBuffer::F64(
+                c.iter()
+                    .enumerate()
+                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
+                    .collect(),
+            ),
+            (HostBuffer::I64(t), HostBuffer::I64(f)) => HostBuffer::I64(
+                c.iter()
+                    .enumerate()
+                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
+                    .collect(),
+            ),
+            (HostBuffer::U8(t), HostBuffer::U8(f)) => HostBuffer::U8(
+                c.iter()
+                    .enumerate()
+                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
+                    .collect(),
+            ),
+            _ => unreachable!("checked by gather"),
+        };
+        Ok(new(on_true.device, out))
+    }
+
+    fn reduce(
+        op: ReduceOp,
+        s: &RefStorage,
+        layout: &Layout,
+        dtype: DType,
+        axes: &[usize],
+    ) -> Result<RefStorage> {
+        let name = op.name();
+        let dims = layout.dims();
+        if axes.iter().any(|&a| a >= dims.len()) {
+            return Err(Error::invalid(
+                name,
+                format!("axes {axes:?} out of range for {}", layout.shape()),
+            ));
+        }
+        if op.is_arg() && axes.len() != 1 {
+            return Err(Error::invalid(name, "reduces exactly one axis"));
+        }
+        if op == ReduceOp::Sum && dtype == DType::U8 {
+            return Err(unsupported(name, dtype));
+        }
+        let x = gather(name, s, layout, dtype)?;
+        let mut out_dims = dims.to_vec();
+        for &a in axes {
+            out_dims[a] = 1;
+        }
+        let n_out: usize = out_dims.iter().product();
+        // The output slot of every input element, and its position along the (arg) axis.
+        let slots: Vec<(usize, usize)> = (0..x.len())
+            .map(|flat| {
+                let mut idx = unravel(flat, dims);
+                let pos = axes.first().map_or(0, |&a| idx[a]);
+                for &a in axes {
+                    idx[a] = 0;
+                }
+                (ravel(&idx, &out_dims), pos)
+            })
+            .collect();
+        let out = if dtype.is_float() {
+            let v = floats(name, &x)?;
+            match op {
+                ReduceOp::Sum => {
+                    let mut acc = vec![0.0; n_out];
+                    for (&(o, _), &x) in slots.iter().zip(&v) {
+                        acc[o] += x;
+                    }
+                    float_out(dtype, &acc)
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    let mut acc: Vec<Option<f64>> = vec![None; n_out];
+                    for (&(o, _), &x) in slots.iter().zip(&v) {
+                        acc[o] = Some(match acc[o] {
+                            None => x,
+                            Some(a) if op == ReduceOp::Max => nan_max(a, x),
+                            Some(a) => nan_min(a, x),
+                        });
+                    }
+                    let acc: Vec<f64> = acc.into_iter().map(|a| a.unwrap_or(f64::NAN)).collect();
+                    float_out(dtype, &acc)
+                }
+                ReduceOp::ArgMax | ReduceOp::ArgMin => {
+                    // (best value, its position); NaN is the extreme and the first one wins.
+                    let mut best: Vec<Option<(f64, usize)>> = vec![None; n_out];
+                    for (&(o, pos), &x) in slots.iter().zip(&v) {
+                        let better = match best[o] {
+                            None => true,
+                            Some((b, _)) if b.is_nan() => false,
+                            Some(_) if x.is_nan() => true,
+                            Some((b, _)) if op == ReduceOp::ArgMax => x > b,
+                            Some((b, _)) => x < b,
+                        };
+                        if better {
+                            best[o] = Some((x, pos));
+                        }
+                    }
+                    HostBuffer::I64(best.iter().map(|b| b.map_or(0, |b| b.1 as i64)).collect())
+                }
+            }
+        } else {
+            let v = ints(&x);
+            match op {
+                ReduceOp::Sum => {
+                    let mut acc = vec![0i64; n_out];
+                    for (&(o, _), &x) in slots.iter().zip(&v) {
+                        acc[o] = acc[o].wrapping_add(x);
+                    }
+                    int_out(dtype, acc)
+                }
+                ReduceOp::Max | ReduceOp::Min => {
+                    let mut acc: Vec<Option<i64>> = vec![None; n_out];
+                    for (&(o, _), &x) in slots.iter().zip(&v) {
+                        acc[o] = Some(match acc[o] {
+                            None => x,
+                            Some(a) if op == ReduceOp::Max => a.max(x),
+                            Some(a) => a.min(x),
+                        });
+                    }
+                    int_out(dtype, acc.into_iter().map(|a| a.unwrap_or(0)).collect())
+                }
+                ReduceOp::ArgMax | ReduceOp::ArgMin => {
+                    let mut best: Vec<Option<(i64, usize)>> = vec![None; n_out];
+                    for (&(o, pos), &x) in slots.iter().zip(&v) {
+                        let better = match best[o] {
+                            None => true,
+                            Some((b, _)) if op == ReduceOp::ArgMax => x > b,
+                            Some((b, _)) => x < b,
+                        };
+                        if better {
+                            best[o] = Some((x, pos));
+                        }
+                    }
+                    HostBuffer::I64(best.iter().map(|b| b.map_or(0, |b| b.1 as i64)).collect())
+                }
+            }
+        };
+        Ok(new(s.device, out))
+    }
+
+    fn matmul(
+        lhs: &RefStorage,
+        lhs_layout: &Layout,
+        rhs: &RefStorage,
+        rhs_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        const OP: &str = "matmul";
+        let (ld, rd) = (lhs_layout.dims(), rhs_layout.dims());
+        if ld.len() != 3 || rd.len() != 3 || ld[0] != rd[0] || ld[2] != rd[1] {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: lhs_layout.shape().clone(),
+                rhs: rhs_layout.shape().clone(),
+            });
+        }
+        let (batch, m, k, n) = (ld[0], ld[1], ld[2], rd[2]);
+        let a = floats(OP, &gather(OP, lhs, lhs_layout, dtype)?)?;
+        let b = floats(OP, &gather(OP, rhs, rhs_layout, dtype)?)?;
+        let mut c = vec![0.0; batch * m * n];
+        for p in 0..batch {
+            for i in 0..m {
+                for j in 0..n {
+                    let mut acc = 0.0;
+                    for l in 0..k {
+                        acc += a[(p * m + i) * k + l] * b[(p * k + l) * n + j];
+                    }
+                    c[(p * m + i) * n + j] = acc;
+                }
+            }
+        }
+        Ok(new(lhs.device, float_out(dtype, &c)))
+    }
+
+    fn softmax(s: &RefStorage, layout: &Layout, dtype: DType, log: bool) -> Result<RefStorage> {
+        let op = if log { "log_softmax" } else { "softmax" };
+        let x = floats(op, &gather(op, s, layout, dtype)?)?;
+        let c = layout.dims().last().copied().unwrap_or(1);
+        let mut out = Vec::with_capacity(x.len());
+        if c > 0 {
+            for row in x.chunks(c) {
+                let m = row.iter().copied().fold(f64::NEG_INFINITY, nan_max);
+                let sum: f64 = row.iter().map(|&v| (v - m).exp()).sum();
+                out.extend(row.iter().map(|&v| {
+                    if log {
+                        v - m - sum.ln()
+                    } else {
+                        (v - m).exp() / sum
+                    }
+                }));
+            }
+        }
+        Ok(new(s.device, float_out(dtype, &out)))
+    }
+
+    fn cross_entropy(
+        logits: &RefStorage,
+        logits_layout: &Layout,
+        labels: &RefStorage,
+        labels_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        const OP: &str = "cross_entropy";
+        let (x, y, c) = xent_inputs(OP, logits, logits_layout, labels, labels_layout, dtype)?;
+        let mut out = Vec::with_capacity(y.len());
+        for (i, &label) in y.iter().enumerate() {
+            let row = &x[i * c..(i + 1) * c];
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, nan_max);
+            let lse = m + row.iter().map(|&v| (v - m).exp()).sum::<f64>().ln();
+            out.push(lse - row[label]);
+        }
+        Ok(new(logits.device, float_out(dtype, &out)))
+    }
+
+    fn cross_entropy_backward(
+        logits: &RefStorage,
+        logits_layout: &Layout,
+        labels: &RefStorage,
+        labels_layout: &Layout,
+        grad: &RefStorage,
+        grad_layout: &Layout,
+        dtype: DType,
+    ) -> Result<RefStorage> {
+        const OP: &str = "cross_entropy_backward";
+        let (x, y, c) = xent_inputs(OP, logits, logits_layout, labels, labels_layout, dtype)?;
+        let g = floats(OP, &gather(OP, grad, grad_layout, dtype)?)?;
+        if g.len() != y.len() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: logits_layout.shape().clone(),
+                rhs: grad_layout.shape().clone(),
+            });
+        }
+        let mut out = Vec::with_capacity(x.len());
+        for (i, &label) in y.iter().enumerate() {
+            let row = &x[i * c..(i + 1) * c];
+            let m = row.iter().copied().fold(f64::NEG_INFINITY, nan_max);
+            let sum: f64 = row.iter().map(|&v| (v - m).exp()).sum();
+            out.extend(row.iter().enumerate().map(|(j, &v)| {
+                let onehot = if j == label { 1.0 } else { 0.0 };
+                ((v - m).exp() / sum - onehot) * g[i]
+            }));
+        }
+        Ok(new(logits.device, float_out(dtype, &out)))
+    }
+
+    fn cast(s: &RefStorage, layout: &Layout, from: DType, to: DType) -> Result<RefStorage> {
+        let x = gather("cast", s, layout, from)?;
+        // Direct `as` casts from the source type (never through f64: i64 -> f32 must round
+        // once).
+        macro_rules! conv {
+            ($v:expr) => {
+                match to {
+                    DType::F32 => HostBuffer::F32($v.iter().map(|&x| x as f32).collect()),
+                    DType::F64 => HostBuffer::F64($v.iter().map(|&x| x as f64).collect()),
+                    DType::I64 => HostBuffer::I64($v.iter().map(|&x| x as i64).collect()),
+                    DType::U8 => HostBuffer::U8($v.iter().map(|&x| x as u8).collect()),
+                }
+            };
+        }
+        let out = match &x {
+            HostBuffer::F32(v) => conv!(v),
+            HostBuffer::F64(v) => conv!(v),
+            HostBuffer::I64(v) => conv!(v),
+            HostBuffer::U8(v) => conv!(v),
+        };
+        Ok(new(s.device, out))
+    }
+
+    fn index_select(
+        s: &RefStorage,
+        layout: &Layout,
+        dtype: DType,
+        ids: &RefStorage,
+        ids_layout: &Layout,
+        axis: usize,
+    ) -> Result<RefStorage> {
+        const OP: &str = "index_select";
+        let x = gather(OP, s, layout, dtype)?;
+        let ids = ints(&gather(OP, ids, ids_layout, DType::I64)?);
+        let dims = layout.dims();
+        let ids = ids
+            .iter()
+            .map(|&i| check_index(OP, i, axis, dims[axis]))
+            .collect::<Result<Vec<_>>>()?;
+        let mut out_dims = dims.to_vec();
+        out_dims[axis] = ids.len();
+        let n: usize = out_dims.iter().product();
+        let pos = (0..n).map(|flat| {
+            let mut idx = unravel(flat, &out_dims);
+            idx[axis] = ids[idx[axis]];
+            ravel(&idx, dims)
+        });
+        Ok(new(s.device, take(&x, pos)))
+    }
+
+    fn gather(
+        s: &RefStorage,
+        layout: &Layout,
+        dtype: DType,
+        ids: &RefStorage,
+        ids_layout: &Layout,
+        axis: usize,
+    ) -> Result<RefStorage> {
+        const OP: &str = "gather";
+        let x = gather(OP, s, layout, dtype)?;
+        let id_vals = ints(&gather(OP, ids, ids_layout, DType::I64)?);
+        let (dims, id_dims) = (layout.dims(), ids_layout.dims());
+        let pos = id_vals
+            .iter()
+            .enumerate()
+            .map(|(flat, &id)| {
+                let mut idx = unravel(flat, id_dims);
+                idx[axis] = check_index(OP, id, axis, dims[axis])?;
+                if idx.iter().zip(dims).any(|(&i, &d)| i >= d) {
+                    return Err(Error::ShapeMismatch {
+                        op: OP,
+                        lhs: layout.shape().clone(),
+                        rhs: ids_layout.shape().clone(),
+                    });
+                }
+                Ok(ravel(&idx, dims))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(new(s.device, take(&x, pos.into_iter())))
+    }
+
+    fn scatter_add(
+        base: &RefStorage,
+        base_layout: &Layout,
+        dtype: DType,
+        ids: &RefStorage,
+        ids_layout: &Layout,
+        src: &RefStorage,
+        src_layout: &Layout,
+        axis: usize,
+    ) -> Result<RefStorage> {
+        const OP: &str = "scatter_add";
+        let b = gather(OP, base, base_layout, dtype)?;
+        let id_vals = ints(&gather(OP, ids, ids_layout, DType::I64)?);
+        let src_vals = gather(OP, src, src_layout, dtype)?;
+        let (dims, id_dims) = (base_layout.dims(), ids_layout.dims());
+        if src_layout.dims() != id_dims {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: ids_layout.shape().clone(),
+                rhs: src_layout.shape().clone(),
+            });
+        }
+        let dst = id_vals
+            .iter()
+            .enumerate()
+            .map(|(flat, &id)| {
+                let mut idx = unravel(flat, id_dims);
+                idx[axis] = check_index(OP, id, axis, dims[axis])?;
+                if idx.iter().zip(dims).any(|(&i, &d)| i >= d) {
+                    return Err(Error::ShapeMismatch {
+                        op: OP,
+                        lhs: base_layout.shape().clone(),
+                        rhs: ids_layout.shape().clone(),
+                    });
+                }
+                Ok(ravel(&idx, dims))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let out = if dtype.is_float() {
+            let mut acc = b.to_f64_vec();
+            for (&d, &v) in dst.iter().zip(&src_vals.to_f64_vec()) {
+                acc[d] += v;
+            }
+            float_out(dtype, &acc)
+        } else {
+            let mut acc = ints(&b);
+            for (&d, &v) in dst.iter().zip(&ints(&src_vals)) {
+                acc[d] = acc[d].wrapping_add(v);
+            }
+            if dtype == DType::U8 {
+                HostBuffer::U8(acc.into_iter().map(|x| x as u8).collect())
+            } else {
+                HostBuffer::I64(acc)
+            }
+        };
+        Ok(new(base.device, out))
+    }
+}
+
+/// Gathers cross-entropy inputs: logits `[n, c]` as f64, labels checked against `0..c`.
+fn xent_inputs(
+    op: &'static str,
+    logits: &RefStorage,
+    logits_layout: &Layout,
+    labels: &RefStorage,
+    labels_layout: &Layout,
+    dtype: DType,
+) -> Result<(Vec<f64>, Vec<usize>, usize)> {
+    let d = logits_layout.dims();
+    if d.len() != 2 || labels_layout.dims() != [d[0]] {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: logits_layout.shape().clone(),
+            rhs: labels_layout.shape().clone(),
+        });
+    }
+    let c = d[1];
+    let x = floats(op, &gather(op, logits, logits_layout, dtype)?)?;
+    let y = ints(&gather(op, labels, labels_layout, DType::I64)?)
+        .into_iter()
+        .enumerate()
+        .map(|(row, l)| {
+            if l < 0 || l as u64 >= c as u64 {
+                Err(Error::invalid(
+                    op,
+                    format!("label {l} at row {row} is out of range for {c} classes"),
+                ))
+            } else {
+                Ok(l as usize)
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((x, y, c))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Tensor;
+
+    type T = Tensor<Reference>;
+    const D: RefDevice = RefDevice(0);
+
+    #[test]
+    fn devices_display_and_parse() {
+        assert_eq!(RefDevice(0).to_string(), "ref");
+        assert_eq!(RefDevice(1).to_string(), "ref:1");
+        assert_eq!(Reference::parse_device("ref:1").unwrap(), RefDevice(1));
+        assert_eq!(Reference::parse_device("ref").unwrap(), RefDevice(0));
+        assert!(Reference::parse_device("cuda:0").is_err());
+        assert!(Reference::parse_device("ref:9").is_err());
+    }
+
+    #[test]
+    fn small_ops() {
+        let a = T::from_vec(vec![1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], [2, 3], &D).unwrap();
+        let s = a.sum(&[0], false).unwrap();
+        assert_eq!(s.to_vec::<f32>().unwrap(), vec![5.0, 7.0, 9.0]);
+        let m = a.matmul(&a.t().unwrap()).unwrap();
+        assert_eq!(m.to_vec::<f32>().unwrap(), vec![14.0, 32.0, 32.0, 77.0]);
+        let am = a.argmax(1, false).unwrap();
+        assert_eq!(am.to_vec::<i64>().unwrap(), vec![2, 2]);
+        let i = T::from_vec(vec![-7i64, 7, 0], [3], &D).unwrap();
+        let q = i
+            .div(&T::from_vec(vec![2i64, 0, 3], [3], &D).unwrap())
+            .unwrap();
+        assert_eq!(q.to_vec::<i64>().unwrap(), vec![-3, 0, 0]);
+    }
+
+    #[test]
+    fn nan_semantics() {
+        let a = T::from_vec(vec![1.0f64, f64::NAN, 3.0, f64::NAN], [4], &D).unwrap();
+        assert!(a.max_all().unwrap().to_scalar().unwrap().is_nan());
+        assert_eq!(
+            a.argmax(0, false).unwrap().to_vec::<i64>().unwrap(),
+            vec![1]
+        );
+        assert_eq!(
+            a.argmin(0, false).unwrap().to_vec::<i64>().unwrap(),
+            vec![1]
+        );
+    }
+
+    #[test]
+    fn index_out_of_range_names_op_and_index() {
+        let a = T::zeros([3, 2], DType::F32, &D).unwrap();
+        let ids = T::from_vec(vec![0i64, 3], [2], &D).unwrap();
+        let e = a.index_select(&ids, 0).unwrap_err().to_string();
+        assert!(e.contains("index_select") && e.contains("index 3"), "{e}");
+    }
+}

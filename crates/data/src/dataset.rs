@@ -1,0 +1,242 @@
+//! The `Dataset` trait and an in-memory implementation.
+//!
+//! A dataset hands out whole batches, not single samples: a `DataLoader` asks for the rows of
+//! one batch at once and gets two contiguous host buffers back, ready for one upload each.
+//! Gathering a batch row by row into per-sample tensors (and stacking them again) would cost an
+//! allocation and a device copy per sample, which is what makes naive loaders the bottleneck.
+
+use kiln_core::{DType, Error, HostBuffer, Result};
+
+/// The rows of one batch, in host memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Batch {
+    /// `len * prod(feature_dims)` elements, row-major.
+    pub features: HostBuffer,
+    /// `len * prod(label_dims)` elements, row-major.
+    pub labels: HostBuffer,
+    /// Number of samples.
+    pub len: usize,
+}
+
+/// A finite, indexable collection of `(features, label)` samples.
+///
+/// Implementations must be `Send + Sync`: a `DataLoader` reads from its worker thread.
+pub trait Dataset: Send + Sync {
+    /// Number of samples.
+    fn len(&self) -> usize;
+
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Shape of one sample's features (`[784]` for flattened MNIST).
+    fn feature_dims(&self) -> &[usize];
+
+    /// Shape of one sample's label (`[]` for a class index).
+    fn label_dims(&self) -> &[usize] {
+        &[]
+    }
+
+    /// The samples at `indices` (in that order, repeats allowed) as one batch. An index
+    /// `>= len()` is an error.
+    fn get_batch(&self, indices: &[usize]) -> Result<Batch>;
+
+    /// One sample, as a batch of one.
+    fn get(&self, index: usize) -> Result<Batch> {
+        self.get_batch(&[index])
+    }
+}
+
+/// A dataset held in memory as two row-major buffers (features and labels), like PyTorch's
+/// `TensorDataset`. [`crate::Mnist`] gives two of these.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ArrayDataset {
+    features: HostBuffer,
+    feature_dims: Vec<usize>,
+    labels: HostBuffer,
+    label_dims: Vec<usize>,
+    len: usize,
+}
+
+impl ArrayDataset {
+    /// `len` samples: `features` holds `len * prod(feature_dims)` elements and `labels`
+    /// `len * prod(label_dims)`, both row-major.
+    pub fn new(
+        features: HostBuffer,
+        feature_dims: impl Into<Vec<usize>>,
+        labels: HostBuffer,
+        label_dims: impl Into<Vec<usize>>,
+        len: usize,
+    ) -> Result<Self> {
+        let feature_dims = feature_dims.into();
+        let label_dims = label_dims.into();
+        for (what, buf, dims) in [
+            ("features", &features, &feature_dims),
+            ("labels", &labels, &label_dims),
+        ] {
+            let need = dims
+                .iter()
+                .try_fold(len, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| {
+                    Error::invalid("ArrayDataset::new", format!("{what}: size overflows"))
+                })?;
+            if buf.len() != need {
+                return Err(Error::invalid(
+                    "ArrayDataset::new",
+                    format!(
+                        "{what}: {len} samples of shape {dims:?} need {need} elements, got {}",
+                        buf.len()
+                    ),
+                ));
+            }
+        }
+        Ok(ArrayDataset {
+            features,
+            feature_dims,
+            labels,
+            label_dims,
+            len,
+        })
+    }
+
+    pub fn features(&self) -> &HostBuffer {
+        &self.features
+    }
+    pub fn labels(&self) -> &HostBuffer {
+        &self.labels
+    }
+    pub fn feature_dtype(&self) -> DType {
+        self.features.dtype()
+    }
+    pub fn label_dtype(&self) -> DType {
+        self.labels.dtype()
+    }
+
+    /// The first `n` samples (or all when `n >= len`): a quick subset for smoke tests.
+    pub fn take(&self, n: usize) -> ArrayDataset {
+        let idx: Vec<usize> = (0..n.min(self.len)).collect();
+        let b = self.get_batch(&idx).expect("indices are in range");
+        ArrayDataset {
+            features: b.features,
+            feature_dims: self.feature_dims.clone(),
+            labels: b.labels,
+            label_dims: self.label_dims.clone(),
+            len: b.len,
+        }
+    }
+}
+
+/// Copies rows `indices` (each `row` elements long) of `src` into a new buffer.
+fn gather(src: &HostBuffer, row: usize, indices: &[usize]) -> HostBuffer {
+    fn rows<T: Copy>(v: &[T], row: usize, indices: &[usize]) -> Vec<T> {
+        let mut out = Vec::with_capacity(row * indices.len());
+        for &i in indices {
+            out.extend_from_slice(&v[i * row..(i + 1) * row]);
+        }
+        out
+    }
+    match src {
+        HostBuffer::F32(v) => HostBuffer::F32(rows(v, row, indices)),
+        HostBuffer::F64(v) => HostBuffer::F64(rows(v, row, indices)),
+        HostBuffer::I64(v) => HostBuffer::I64(rows(v, row, indices)),
+        HostBuffer::U8(v) => HostBuffer::U8(rows(v, row, indices)),
+    }
+}
+
+impl Dataset for ArrayDataset {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn feature_dims(&self) -> &[usize] {
+        &self.feature_dims
+    }
+    fn label_dims(&self) -> &[usize] {
+        &self.label_dims
+    }
+    fn get_batch(&self, indices: &[usize]) -> Result<Batch> {
+        if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
+            return Err(Error::invalid(
+                "Dataset::get_batch",
+                format!(
+                    "index {bad} is out of range for a dataset of {} samples",
+                    self.len
+                ),
+            ));
+        }
+        Ok(Batch {
+            features: gather(&self.features, self.feature_dims.iter().product(), indices),
+            labels: gather(&self.labels, self.label_dims.iter().product(), indices),
+            len: indices.len(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ds() -> ArrayDataset {
+        ArrayDataset::new(
+            HostBuffer::F32((0..12).map(|x| x as f32).collect()),
+            [2, 2],
+            HostBuffer::I64(vec![10, 11, 12]),
+            [],
+            3,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn gathers_rows_in_order() {
+        let d = ds();
+        let b = d.get_batch(&[2, 0, 2]).unwrap();
+        assert_eq!(b.len, 3);
+        assert_eq!(
+            b.features,
+            HostBuffer::F32(vec![
+                8.0, 9.0, 10.0, 11.0, 0.0, 1.0, 2.0, 3.0, 8.0, 9.0, 10.0, 11.0
+            ])
+        );
+        assert_eq!(b.labels, HostBuffer::I64(vec![12, 10, 12]));
+        assert_eq!(d.get(1).unwrap().labels, HostBuffer::I64(vec![11]));
+        assert_eq!(d.get_batch(&[]).unwrap().features.len(), 0);
+    }
+
+    #[test]
+    fn out_of_range_is_an_error() {
+        let e = ds().get_batch(&[0, 3]).unwrap_err().to_string();
+        assert!(e.contains("index 3") && e.contains("3 samples"), "{e}");
+    }
+
+    #[test]
+    fn new_checks_lengths() {
+        let e = ArrayDataset::new(
+            HostBuffer::F32(vec![0.0; 11]),
+            [2, 2],
+            HostBuffer::I64(vec![0; 3]),
+            [],
+            3,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("features") && e.contains("need 12"), "{e}");
+        assert!(
+            ArrayDataset::new(
+                HostBuffer::F32(vec![0.0; 12]),
+                [2, 2],
+                HostBuffer::I64(vec![0; 2]),
+                [],
+                3
+            )
+            .is_err()
+        );
+    }
+
+    #[test]
+    fn take_is_a_prefix() {
+        let t = ds().take(2);
+        assert_eq!(t.len(), 2);
+        assert_eq!(t.labels(), &HostBuffer::I64(vec![10, 11]));
+        assert_eq!(ds().take(99), ds());
+    }
+}

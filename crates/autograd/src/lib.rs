@@ -1,4 +1,59 @@
 //! # kiln-autograd
 //!
-//! Define-by-run automatic differentiation (`Var<B>`, `backward`, `check_backward`). Not built
-//! yet; see the autograd issue.
+//! Define-by-run automatic differentiation over any backend (Chainer's and PyTorch's model):
+//! ops on [`Var<B>`](Var) run immediately *and* record how to differentiate themselves, so the
+//! graph is whatever the Rust code did — loops, branches and early returns included — and
+//! [`Var::backward`] walks it back from a scalar loss.
+//!
+//! ```ignore
+//! use kiln_autograd::{Var, no_grad};
+//! let w = Var::param(Tensor::<B>::randn([784, 1], 0.0, 0.01, 1, DType::F32, &dev)?);
+//! let x = Var::constant(inputs);
+//! let loss = x.matmul(&w)?.sigmoid()?.mean_all()?;
+//! loss.backward()?;                                  // fills w.grad()
+//! let g = w.grad().unwrap();
+//! w.update_data(|t| t.sub(&g.mul_scalar(0.01)?))?;   // what an optimizer does
+//! w.zero_grad();
+//! ```
+//!
+//! ## Design
+//!
+//! - A [`Var`] is an `Arc` handle (`Send + Sync`, no `Rc`/`RefCell`), so one thread per GPU can
+//!   train its own replica. Clones are the same variable.
+//! - Leaves: [`Var::param`] / [`Var::leaf`] (require a gradient) and [`Var::constant`]. Op outputs
+//!   hold a node: their inputs and a backward closure over the tensors the op saved. An op whose
+//!   inputs need no gradient, or one run inside [`no_grad`], records nothing.
+//! - `backward` orders the reachable nodes topologically (iteratively: deep graphs are fine),
+//!   sums the gradients of a variable used several times, adds the result to each leaf's
+//!   [`Var::grad`] (accumulating across calls until [`Var::zero_grad`], as in PyTorch), and then
+//!   frees the graph unless asked to keep it ([`Var::backward_retain`]).
+//! - Gradients of broadcast operands are summed back to the operand's shape
+//!   ([`reduce_to_shape`]). Gradients at kinks and ties follow PyTorch (see the `ops` module
+//!   docs on [`Var::maximum`], [`Var::max`], [`Var::clamp`], [`Var::relu`]).
+//! - Moving a variable to another device ([`Var::to_device`], [`Var::copy_to`]) is an op whose
+//!   backward copies the gradient back (Chainer's `F.copy`), so a model split over two GPUs
+//!   backpropagates across them. Mixing devices in any other op is an error naming both.
+//! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
+//! - [`check_backward`] is Chainer's numerical gradient check; the generic gradient test suite
+//!   every backend runs is [`testing::run_gradient_suite`] (feature `testing`).
+//!
+//! ## For optimizers
+//!
+//! Parameters are `Var`s made with [`Var::param`]. After `backward`, read [`Var::grad`]; write the
+//! new value with [`Var::set_tensor`] or [`Var::update_data`] (the tensor is replaced in place
+//! for every clone of the variable; graphs already recorded keep the old value); rewrite or drop
+//! gradients with [`Var::set_grad`] / [`Var::zero_grad`]; key per-parameter state by [`Var::id`].
+//!
+//! ## Not supported
+//!
+//! Higher-order gradients: backward closures compute with plain tensors, so a gradient is never
+//! itself a recorded `Var` and cannot be differentiated again (no `create_graph`). In-place ops
+//! on `Var`s do not exist; `set_tensor` is the only mutation and is for leaves.
+
+mod check;
+mod ops;
+mod var;
+
+pub use check::{CheckOptions, assert_backward, check_backward};
+pub use ops::reduce_to_shape;
+pub use var::{BackwardFn, InputGrads, Var, VarId, is_grad_enabled, no_grad};

@@ -1,0 +1,801 @@
+//! The differentiable ops on `Var<B>`: each runs the `Tensor` op forward and records its
+//! gradient. Method names and arguments mirror `Tensor<B>`, so code moves between the two by
+//! wrapping tensors in `Var`s.
+//!
+//! Gradients at non-differentiable points follow PyTorch, so results can be compared with it:
+//! - `relu`, `abs`: the derivative at 0 is 0 (`sign(0) = 0`); `sign`, `floor`, `ceil` have a
+//!   zero gradient everywhere.
+//! - `maximum` / `minimum` of two variables: on ties the gradient is split evenly (half to each).
+//! - `maximum_scalar` / `minimum_scalar` / `clamp` (a variable against a constant): as
+//!   `torch.clamp`, the gradient passes where the value is inside the closed range, ties
+//!   included.
+//! - `max` / `min` reductions: as `torch.amax`/`amin`, the gradient is distributed evenly among
+//!   all the elements equal to the extreme.
+//! - `pow(a, b)`: where `b == 0` the gradient to `a` is 0; where `a == 0` and `b >= 0` the
+//!   gradient to `b` is 0 (not `0 * log 0 = NaN`).
+
+use std::f64::consts::PI;
+
+use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, Result, Shape, Tensor, UnaryOp};
+
+use crate::var::Var;
+
+/// Sums `g` over the axes that broadcasting stretched, so it gets back `shape` (the shape of the
+/// operand before broadcasting): leading axes `g` has in excess, and axes where `shape` has 1.
+pub fn reduce_to_shape<B: Backend>(g: &Tensor<B>, shape: &Shape) -> Result<Tensor<B>> {
+    if g.shape() == shape {
+        return Ok(g.clone());
+    }
+    let (gr, r) = (g.rank(), shape.rank());
+    if gr < r {
+        return Err(Error::ShapeMismatch {
+            op: "reduce_to_shape",
+            lhs: g.shape().clone(),
+            rhs: shape.clone(),
+        });
+    }
+    let extra = gr - r;
+    let axes: Vec<isize> = (0..gr)
+        .filter(|&i| i < extra || (shape.dims()[i - extra] == 1 && g.dims()[i] != 1))
+        .map(|i| i as isize)
+        .collect();
+    let summed = if axes.is_empty() {
+        g.clone()
+    } else {
+        g.sum(&axes, true)?
+    };
+    summed.reshape(shape.clone())
+}
+
+/// A `u8` mask as a 0/1 float tensor of `dtype`.
+fn mask<B: Backend>(m: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
+    m.to_dtype(dtype)
+}
+
+fn zeros_scalar<B: Backend>(like: &Tensor<B>) -> Result<Tensor<B>> {
+    Tensor::zeros(Shape::scalar(), like.dtype(), like.device())
+}
+
+/// The dims of `dims` with `axes` set to 1 (a `keepdim` reduction's shape).
+fn kept_dims(dims: &[usize], axes: &[usize]) -> Vec<usize> {
+    let mut k = dims.to_vec();
+    for &a in axes {
+        k[a] = 1;
+    }
+    k
+}
+
+/// `dy/dx * g` for a unary op with input `x` and output `y`.
+fn unary_grad<B: Backend>(
+    op: UnaryOp,
+    x: &Tensor<B>,
+    y: &Tensor<B>,
+    g: &Tensor<B>,
+) -> Result<Tensor<B>> {
+    let dt = x.dtype();
+    match op {
+        UnaryOp::Neg => g.neg(),
+        UnaryOp::Abs => g.mul(&x.sign()?),
+        UnaryOp::Exp => g.mul(y),
+        UnaryOp::Log => g.div(x),
+        UnaryOp::Sqrt => g.div(&y.mul_scalar(2.0)?),
+        UnaryOp::Square => g.mul(&x.mul_scalar(2.0)?),
+        UnaryOp::Recip => g.mul(&y.square()?)?.neg(),
+        UnaryOp::Sin => g.mul(&x.cos()?),
+        UnaryOp::Cos => g.mul(&x.sin()?)?.neg(),
+        UnaryOp::Tanh => g.mul(&y.square()?.scalar_binary(BinaryOp::Sub, 1.0)?),
+        UnaryOp::Sigmoid => g.mul(&y.mul(&y.scalar_binary(BinaryOp::Sub, 1.0)?)?),
+        UnaryOp::Relu => g.mul(&mask(x.compare_scalar(CmpOp::Gt, 0.0)?, dt)?),
+        UnaryOp::Gelu => {
+            // d/dx x Φ(x) = Φ(x) + x φ(x). There is no erf kernel, but Φ(x) = gelu(x) / x
+            // (and 1/2 at 0).
+            let phi = x
+                .square()?
+                .mul_scalar(-0.5)?
+                .exp()?
+                .mul_scalar(1.0 / (2.0 * PI).sqrt())?;
+            let cdf = x.compare_scalar(CmpOp::Eq, 0.0)?.where_cond(
+                &Tensor::full(Shape::scalar(), 0.5, dt, x.device())?,
+                &y.div(x)?,
+            )?;
+            g.mul(&cdf.add(&x.mul(&phi)?)?)
+        }
+        UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => g.zeros_like(),
+    }
+}
+
+impl<B: Backend> Var<B> {
+    // ---- elementwise ---------------------------------------------------------------------
+
+    pub fn unary(&self, op: UnaryOp) -> Result<Self> {
+        let x = self.tensor();
+        let y = x.unary(op)?;
+        let yc = y.clone();
+        Ok(Var::from_op(op.name(), &[self], y, move |g, _| {
+            Ok(vec![Some(unary_grad(op, &x, &yc, g)?)])
+        }))
+    }
+
+    /// `op(self, rhs)` with broadcasting; each gradient is summed back to its input's shape.
+    pub fn binary(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
+        let a = self.tensor();
+        let b = rhs.tensor();
+        let y = a.binary(op, &b)?;
+        let yc = y.clone();
+        Ok(Var::from_op(op.name(), &[self, rhs], y, move |g, needs| {
+            let (ga, gb) = binary_grad(op, &a, &b, &yc, g, needs)?;
+            Ok(vec![
+                ga.map(|t| reduce_to_shape(&t, a.shape())).transpose()?,
+                gb.map(|t| reduce_to_shape(&t, b.shape())).transpose()?,
+            ])
+        }))
+    }
+
+    pub fn add(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Add, rhs)
+    }
+    pub fn sub(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Sub, rhs)
+    }
+    pub fn mul(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Mul, rhs)
+    }
+    pub fn div(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Div, rhs)
+    }
+    pub fn pow(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Pow, rhs)
+    }
+    /// Elementwise maximum; ties split the gradient evenly.
+    pub fn maximum(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Maximum, rhs)
+    }
+    /// Elementwise minimum; ties split the gradient evenly.
+    pub fn minimum(&self, rhs: &Self) -> Result<Self> {
+        self.binary(BinaryOp::Minimum, rhs)
+    }
+
+    /// `op(self, c)`; the constant gets no gradient.
+    pub fn binary_scalar(&self, op: BinaryOp, c: f64) -> Result<Self> {
+        self.scalar_op(op, c, false)
+    }
+    /// `op(c, self)`: `c - x`, `c / x`, `c ^ x`, ...
+    pub fn scalar_binary(&self, op: BinaryOp, c: f64) -> Result<Self> {
+        self.scalar_op(op, c, true)
+    }
+
+    fn scalar_op(&self, op: BinaryOp, c: f64, scalar_lhs: bool) -> Result<Self> {
+        let x = self.tensor();
+        let y = if scalar_lhs {
+            x.scalar_binary(op, c)?
+        } else {
+            x.binary_scalar(op, c)?
+        };
+        let yc = y.clone();
+        Ok(Var::from_op(op.name(), &[self], y, move |g, _| {
+            Ok(vec![Some(scalar_grad(op, c, scalar_lhs, &x, &yc, g)?)])
+        }))
+    }
+
+    pub fn add_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Add, c)
+    }
+    pub fn sub_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Sub, c)
+    }
+    pub fn mul_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Mul, c)
+    }
+    pub fn div_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Div, c)
+    }
+    pub fn pow_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Pow, c)
+    }
+    /// `max(self, c)` (`clamp_min`): the gradient passes where `self >= c`.
+    pub fn maximum_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Maximum, c)
+    }
+    /// `min(self, c)` (`clamp_max`): the gradient passes where `self <= c`.
+    pub fn minimum_scalar(&self, c: f64) -> Result<Self> {
+        self.binary_scalar(BinaryOp::Minimum, c)
+    }
+    /// `a * self + b`.
+    pub fn affine(&self, a: f64, b: f64) -> Result<Self> {
+        self.mul_scalar(a)?.add_scalar(b)
+    }
+
+    /// Clamps into `[lo, hi]`; the gradient passes where `lo <= self <= hi` (as `torch.clamp`).
+    pub fn clamp(&self, lo: f64, hi: f64) -> Result<Self> {
+        let x = self.tensor();
+        let y = x.clamp(lo, hi)?;
+        Ok(Var::from_op("clamp", &[self], y, move |g, _| {
+            let dt = x.dtype();
+            let inside = mask(x.compare_scalar(CmpOp::Ge, lo)?, dt)?
+                .mul(&mask(x.compare_scalar(CmpOp::Le, hi)?, dt)?)?;
+            Ok(vec![Some(g.mul(&inside)?)])
+        }))
+    }
+
+    pub fn neg(&self) -> Result<Self> {
+        self.unary(UnaryOp::Neg)
+    }
+    pub fn abs(&self) -> Result<Self> {
+        self.unary(UnaryOp::Abs)
+    }
+    pub fn exp(&self) -> Result<Self> {
+        self.unary(UnaryOp::Exp)
+    }
+    pub fn log(&self) -> Result<Self> {
+        self.unary(UnaryOp::Log)
+    }
+    pub fn sqrt(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sqrt)
+    }
+    pub fn square(&self) -> Result<Self> {
+        self.unary(UnaryOp::Square)
+    }
+    pub fn recip(&self) -> Result<Self> {
+        self.unary(UnaryOp::Recip)
+    }
+    pub fn sin(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sin)
+    }
+    pub fn cos(&self) -> Result<Self> {
+        self.unary(UnaryOp::Cos)
+    }
+    pub fn tanh(&self) -> Result<Self> {
+        self.unary(UnaryOp::Tanh)
+    }
+    pub fn sigmoid(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sigmoid)
+    }
+    pub fn relu(&self) -> Result<Self> {
+        self.unary(UnaryOp::Relu)
+    }
+    /// Exact GELU; its gradient is `Φ(x) + x φ(x)`.
+    pub fn gelu(&self) -> Result<Self> {
+        self.unary(UnaryOp::Gelu)
+    }
+    pub fn sign(&self) -> Result<Self> {
+        self.unary(UnaryOp::Sign)
+    }
+    pub fn floor(&self) -> Result<Self> {
+        self.unary(UnaryOp::Floor)
+    }
+    pub fn ceil(&self) -> Result<Self> {
+        self.unary(UnaryOp::Ceil)
+    }
+
+    // ---- reductions ----------------------------------------------------------------------
+
+    pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        let x = self.tensor();
+        let axes_n = x.shape().axes("sum", axes)?;
+        let y = x.sum(axes, keepdim)?;
+        let shape = x.shape().clone();
+        Ok(Var::from_op("sum", &[self], y, move |g, _| {
+            let kept = kept_dims(shape.dims(), &axes_n);
+            Ok(vec![Some(g.reshape(kept)?.broadcast_to(shape.clone())?)])
+        }))
+    }
+    /// Sum of every element, as a 0-d variable.
+    pub fn sum_all(&self) -> Result<Self> {
+        self.sum(&self.all_axes(), false)
+    }
+    pub fn mean(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        let x = self.tensor();
+        let axes_n = x.shape().axes("mean", axes)?;
+        let n: usize = axes_n.iter().map(|&a| x.dims()[a]).product();
+        if !x.dtype().is_float() {
+            return Err(Error::DTypeMismatch {
+                op: "mean",
+                expected: "f32 or f64".into(),
+                got: x.dtype(),
+            });
+        }
+        self.sum(axes, keepdim)?.div_scalar(n as f64)
+    }
+    pub fn mean_all(&self) -> Result<Self> {
+        self.mean(&self.all_axes(), false)
+    }
+    /// Maximum over `axes`; the gradient is shared evenly among tied maxima (`torch.amax`).
+    pub fn max(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.extreme("max", axes, keepdim)
+    }
+    /// Minimum over `axes`; the gradient is shared evenly among tied minima (`torch.amin`).
+    pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        self.extreme("min", axes, keepdim)
+    }
+    pub fn max_all(&self) -> Result<Self> {
+        self.max(&self.all_axes(), false)
+    }
+    pub fn min_all(&self) -> Result<Self> {
+        self.min(&self.all_axes(), false)
+    }
+
+    fn all_axes(&self) -> Vec<isize> {
+        (0..self.rank() as isize).collect()
+    }
+
+    fn extreme(&self, name: &'static str, axes: &[isize], keepdim: bool) -> Result<Self> {
+        let x = self.tensor();
+        let axes_n = x.shape().axes(name, axes)?;
+        let y = if name == "max" {
+            x.max(axes, keepdim)?
+        } else {
+            x.min(axes, keepdim)?
+        };
+        let yc = y.clone();
+        Ok(Var::from_op(name, &[self], y, move |g, _| {
+            let kept = kept_dims(x.dims(), &axes_n);
+            let hit = mask(x.eq(&yc.reshape(kept.clone())?)?, x.dtype())?;
+            let axes_i: Vec<isize> = axes_n.iter().map(|&a| a as isize).collect();
+            let count = hit.sum(&axes_i, true)?;
+            Ok(vec![Some(g.reshape(kept)?.div(&count)?.mul(&hit)?)])
+        }))
+    }
+
+    // ---- matmul --------------------------------------------------------------------------
+
+    /// Matrix product with numpy semantics (1-d operands promoted, batch axes broadcast);
+    /// gradients are matmuls against transposed views (no copies) summed over broadcast batches.
+    pub fn matmul(&self, rhs: &Self) -> Result<Self> {
+        let a = self.tensor();
+        let b = rhs.tensor();
+        let y = a.matmul(&b)?;
+        Ok(Var::from_op("matmul", &[self, rhs], y, move |g, needs| {
+            let a2 = if a.rank() == 1 {
+                a.unsqueeze(0)?
+            } else {
+                a.clone()
+            };
+            let b2 = if b.rank() == 1 {
+                b.unsqueeze(-1)?
+            } else {
+                b.clone()
+            };
+            // g with the promoted axes restored: [batch.., m, n].
+            let mut gdims = g.dims().to_vec();
+            if a.rank() == 1 {
+                gdims.insert(gdims.len() - usize::from(b.rank() > 1), 1);
+            }
+            if b.rank() == 1 {
+                gdims.push(1);
+            }
+            let g2 = g.reshape(gdims)?;
+            let ga = if needs[0] {
+                let full = g2.matmul(&b2.t()?)?;
+                Some(reduce_to_shape(&full, a2.shape())?.reshape(a.shape().clone())?)
+            } else {
+                None
+            };
+            let gb = if needs[1] {
+                let full = a2.t()?.matmul(&g2)?;
+                Some(reduce_to_shape(&full, b2.shape())?.reshape(b.shape().clone())?)
+            } else {
+                None
+            };
+            Ok(vec![ga, gb])
+        }))
+    }
+
+    // ---- views ---------------------------------------------------------------------------
+
+    fn view_op(
+        &self,
+        name: &'static str,
+        y: Tensor<B>,
+        back: impl Fn(&Tensor<B>, &Shape) -> Result<Tensor<B>> + Send + Sync + 'static,
+    ) -> Self {
+        let shape = self.tensor().shape().clone();
+        Var::from_op(name, &[self], y, move |g, _| {
+            Ok(vec![Some(back(g, &shape)?)])
+        })
+    }
+
+    pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Self> {
+        let y = self.tensor().reshape(shape)?;
+        Ok(self.view_op("reshape", y, |g, s| g.reshape(s.clone())))
+    }
+    pub fn flatten_all(&self) -> Result<Self> {
+        let y = self.tensor().flatten_all()?;
+        Ok(self.view_op("flatten", y, |g, s| g.reshape(s.clone())))
+    }
+    pub fn flatten_from(&self, start: isize) -> Result<Self> {
+        let y = self.tensor().flatten_from(start)?;
+        Ok(self.view_op("flatten", y, |g, s| g.reshape(s.clone())))
+    }
+    pub fn squeeze(&self, axis: isize) -> Result<Self> {
+        let y = self.tensor().squeeze(axis)?;
+        Ok(self.view_op("squeeze", y, |g, s| g.reshape(s.clone())))
+    }
+    pub fn unsqueeze(&self, axis: isize) -> Result<Self> {
+        let y = self.tensor().unsqueeze(axis)?;
+        Ok(self.view_op("unsqueeze", y, |g, s| g.reshape(s.clone())))
+    }
+    pub fn transpose(&self, a: isize, b: isize) -> Result<Self> {
+        let y = self.tensor().transpose(a, b)?;
+        Ok(self.view_op("transpose", y, move |g, _| g.transpose(a, b)))
+    }
+    /// Swaps the last two axes.
+    pub fn t(&self) -> Result<Self> {
+        let y = self.tensor().t()?;
+        Ok(self.view_op("t", y, |g, _| g.t()))
+    }
+    pub fn permute(&self, perm: &[usize]) -> Result<Self> {
+        let y = self.tensor().permute(perm)?;
+        let mut inv = vec![0; perm.len()];
+        for (i, &p) in perm.iter().enumerate() {
+            inv[p] = i;
+        }
+        Ok(self.view_op("permute", y, move |g, _| g.permute(&inv)))
+    }
+    /// Keeps `len` entries of `axis` from `start`; the gradient is zero outside them.
+    pub fn narrow(&self, axis: isize, start: usize, len: usize) -> Result<Self> {
+        let y = self.tensor().narrow(axis, start, len)?;
+        Ok(self.view_op("narrow", y, move |g, s| {
+            Tensor::zeros(s.clone(), g.dtype(), g.device())?.slice_assign(axis, start, g)
+        }))
+    }
+    /// Broadcasts to `shape`; the gradient is summed back.
+    pub fn broadcast_to(&self, shape: impl Into<Shape>) -> Result<Self> {
+        let y = self.tensor().broadcast_to(shape)?;
+        Ok(self.view_op("broadcast_to", y, reduce_to_shape))
+    }
+    pub fn contiguous(&self) -> Result<Self> {
+        let y = self.tensor().contiguous()?;
+        Ok(self.view_op("contiguous", y, |g, _| Ok(g.clone())))
+    }
+
+    /// Joins variables along an existing axis; each gets its slice of the gradient.
+    pub fn cat(vars: &[Self], axis: isize) -> Result<Self> {
+        let ts: Vec<Tensor<B>> = vars.iter().map(|v| v.tensor()).collect();
+        let y = Tensor::cat(&ts, axis)?;
+        let lens: Vec<usize> = ts.iter().map(|t| t.dims()[y_axis(&y, axis)]).collect();
+        let inputs: Vec<&Var<B>> = vars.iter().collect();
+        Ok(Var::from_op("cat", &inputs, y, move |g, needs| {
+            let mut start = 0;
+            let mut out = Vec::with_capacity(lens.len());
+            for (&len, &need) in lens.iter().zip(needs) {
+                out.push(if need {
+                    Some(g.narrow(axis, start, len)?)
+                } else {
+                    None
+                });
+                start += len;
+            }
+            Ok(out)
+        }))
+    }
+
+    /// Joins variables of one shape along a new axis.
+    pub fn stack(vars: &[Self], axis: isize) -> Result<Self> {
+        let first = vars
+            .first()
+            .ok_or_else(|| Error::invalid("stack", "needs at least one variable"))?;
+        let axis = kiln_core::normalize_axis("stack", axis, first.rank() + 1)? as isize;
+        let parts = vars
+            .iter()
+            .map(|v| {
+                if v.shape() != first.shape() {
+                    return Err(Error::ShapeMismatch {
+                        op: "stack",
+                        lhs: first.shape(),
+                        rhs: v.shape(),
+                    });
+                }
+                v.unsqueeze(axis)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Self::cat(&parts, axis)
+    }
+
+    // ---- indexing ------------------------------------------------------------------------
+
+    /// Entries `ids` (1-d `i64`) along `axis`; repeated ids accumulate their gradients.
+    pub fn index_select(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
+        let x = self.tensor();
+        let y = x.index_select(ids, axis)?;
+        let ax = kiln_core::normalize_axis("index_select", axis, x.rank())?;
+        let ids = ids.clone();
+        let shape = x.shape().clone();
+        Ok(Var::from_op("index_select", &[self], y, move |g, _| {
+            let mut d = vec![1; g.rank()];
+            d[ax] = ids.elem_count();
+            let ids_b = ids.reshape(d)?.broadcast_to(g.shape().clone())?;
+            let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
+            Ok(vec![Some(z.scatter_add(&ids_b, g, axis)?)])
+        }))
+    }
+
+    /// `torch.gather` along `axis`; the gradient is scattered (added) back.
+    pub fn gather(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
+        let x = self.tensor();
+        let y = x.gather(ids, axis)?;
+        let ids = ids.clone();
+        let shape = x.shape().clone();
+        Ok(Var::from_op("gather", &[self], y, move |g, _| {
+            let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
+            Ok(vec![Some(z.scatter_add(&ids, g, axis)?)])
+        }))
+    }
+
+    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
+    /// Both `self` and `src` get gradients (`src`'s is the output gradient gathered at `ids`).
+    pub fn scatter_add(&self, ids: &Tensor<B>, src: &Self, axis: isize) -> Result<Self> {
+        let y = self.tensor().scatter_add(ids, &src.tensor(), axis)?;
+        let ids = ids.clone();
+        Ok(Var::from_op(
+            "scatter_add",
+            &[self, src],
+            y,
+            move |g, needs| {
+                let gsrc = if needs[1] {
+                    Some(g.gather(&ids, axis)?)
+                } else {
+                    None
+                };
+                Ok(vec![Some(g.clone()), gsrc])
+            },
+        ))
+    }
+
+    /// `cond ? on_true : on_false` with broadcasting; `cond` (a `u8` mask) gets no gradient.
+    pub fn where_cond(cond: &Tensor<B>, on_true: &Self, on_false: &Self) -> Result<Self> {
+        let t = on_true.tensor();
+        let f = on_false.tensor();
+        let y = cond.where_cond(&t, &f)?;
+        let cond = cond.clone();
+        let (ts, fs) = (t.shape().clone(), f.shape().clone());
+        Ok(Var::from_op(
+            "where",
+            &[on_true, on_false],
+            y,
+            move |g, needs| {
+                let z = zeros_scalar(g)?;
+                let gt = if needs[0] {
+                    Some(reduce_to_shape(&cond.where_cond(g, &z)?, &ts)?)
+                } else {
+                    None
+                };
+                let gf = if needs[1] {
+                    Some(reduce_to_shape(&cond.where_cond(&z, g)?, &fs)?)
+                } else {
+                    None
+                };
+                Ok(vec![gt, gf])
+            },
+        ))
+    }
+
+    // ---- softmax and losses --------------------------------------------------------------
+
+    /// Softmax over the last axis: `dx = y * (g - sum(g * y))`.
+    pub fn softmax(&self) -> Result<Self> {
+        let y = self.tensor().softmax()?;
+        let yc = y.clone();
+        Ok(Var::from_op("softmax", &[self], y, move |g, _| {
+            let s = g.mul(&yc)?.sum(&[-1], true)?;
+            Ok(vec![Some(yc.mul(&g.sub(&s)?)?)])
+        }))
+    }
+
+    /// Log-softmax over the last axis: `dx = g - exp(y) * sum(g)`.
+    pub fn log_softmax(&self) -> Result<Self> {
+        let y = self.tensor().log_softmax()?;
+        let yc = y.clone();
+        Ok(Var::from_op("log_softmax", &[self], y, move |g, _| {
+            let s = g.sum(&[-1], true)?;
+            Ok(vec![Some(g.sub(&yc.exp()?.mul(&s)?)?)])
+        }))
+    }
+
+    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: `[n]`
+    /// losses. The backward is the backend's fused `cross_entropy_backward` kernel.
+    pub fn cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
+        let x = self.tensor();
+        let y = x.cross_entropy(labels)?;
+        let labels = labels.clone();
+        Ok(Var::from_op("cross_entropy", &[self], y, move |g, _| {
+            Ok(vec![Some(x.cross_entropy_backward(&labels, g)?)])
+        }))
+    }
+
+    /// The mean softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`, as a 0-d
+    /// variable: the classification loss, fused. Forward is the backend's `cross_entropy` plus a
+    /// mean; backward is one `cross_entropy_backward` kernel (`(softmax - onehot) * g / n`).
+    pub fn softmax_cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
+        let x = self.tensor();
+        let n = x.dims().first().copied().unwrap_or(0);
+        let y = x.cross_entropy(labels)?.mean_all()?;
+        let labels = labels.clone();
+        Ok(Var::from_op(
+            "softmax_cross_entropy",
+            &[self],
+            y,
+            move |g, _| {
+                let rows = g.mul_scalar(1.0 / n as f64)?.broadcast_to(n)?;
+                Ok(vec![Some(x.cross_entropy_backward(&labels, &rows)?)])
+            },
+        ))
+    }
+
+    // ---- devices and dtypes --------------------------------------------------------------
+
+    /// This variable on `device`: itself when already there, otherwise a copy recorded as an op
+    /// whose backward copies the gradient back to this device (Chainer's `F.copy`), which is
+    /// what model parallelism across GPUs needs.
+    pub fn to_device(&self, device: &B::Device) -> Result<Self> {
+        if &self.device() == device {
+            return Ok(self.clone());
+        }
+        self.copy_to(device)
+    }
+
+    /// A copy on `device`, always (even the same device); differentiable like
+    /// [`Var::to_device`].
+    pub fn copy_to(&self, device: &B::Device) -> Result<Self> {
+        let x = self.tensor();
+        let src = x.device().clone();
+        let y = x.copy_to(device)?;
+        Ok(Var::from_op("copy_to", &[self], y, move |g, _| {
+            Ok(vec![Some(g.to_device(&src)?)])
+        }))
+    }
+
+    /// Converts to another float dtype; the gradient is converted back.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Self> {
+        let x = self.tensor();
+        if x.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        let src = x.dtype();
+        let y = x.to_dtype(dtype)?;
+        Ok(Var::from_op("to_dtype", &[self], y, move |g, _| {
+            Ok(vec![Some(g.to_dtype(src)?)])
+        }))
+    }
+}
+
+fn y_axis<B: Backend>(y: &Tensor<B>, axis: isize) -> usize {
+    // `Tensor::cat` already validated `axis` against this rank.
+    if axis < 0 {
+        (axis + y.rank() as isize) as usize
+    } else {
+        axis as usize
+    }
+}
+
+type GradPair<B> = (Option<Tensor<B>>, Option<Tensor<B>>);
+
+/// Gradients of `y = op(a, b)` in the broadcast output shape (not yet reduced).
+fn binary_grad<B: Backend>(
+    op: BinaryOp,
+    a: &Tensor<B>,
+    b: &Tensor<B>,
+    y: &Tensor<B>,
+    g: &Tensor<B>,
+    needs: &[bool],
+) -> Result<GradPair<B>> {
+    let dt = g.dtype();
+    let pick = |need: bool, f: &dyn Fn() -> Result<Tensor<B>>| -> Result<Option<Tensor<B>>> {
+        if need { f().map(Some) } else { Ok(None) }
+    };
+    let (na, nb) = (needs[0], needs[1]);
+    match op {
+        BinaryOp::Add => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| Ok(g.clone()))?)),
+        BinaryOp::Sub => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| g.neg())?)),
+        BinaryOp::Mul => Ok((pick(na, &|| g.mul(b))?, pick(nb, &|| g.mul(a))?)),
+        BinaryOp::Div => Ok((
+            pick(na, &|| g.div(b))?,
+            pick(nb, &|| g.mul(y)?.div(b)?.neg())?,
+        )),
+        BinaryOp::Pow => {
+            let z = zeros_scalar(g)?;
+            let ga = pick(na, &|| {
+                let d = b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?;
+                let d = b.compare_scalar(CmpOp::Eq, 0.0)?.where_cond(&z, &d)?;
+                g.mul(&d)
+            })?;
+            let gb = pick(nb, &|| {
+                let d = y.mul(&a.log()?)?;
+                let zero_base = mask(a.compare_scalar(CmpOp::Eq, 0.0)?, dt)?
+                    .mul(&mask(b.compare_scalar(CmpOp::Ge, 0.0)?, dt)?)?
+                    .compare_scalar(CmpOp::Gt, 0.5)?;
+                g.mul(&zero_base.where_cond(&z, &d)?)
+            })?;
+            Ok((ga, gb))
+        }
+        BinaryOp::Maximum | BinaryOp::Minimum => {
+            // Weight 1 where this side wins, 1/2 on ties, 0 where it loses.
+            let half_tie = || mask(a.eq(b)?, dt)?.mul_scalar(0.5);
+            let (win_a, win_b) = if op == BinaryOp::Maximum {
+                (CmpOp::Gt, CmpOp::Lt)
+            } else {
+                (CmpOp::Lt, CmpOp::Gt)
+            };
+            let ga = pick(na, &|| {
+                g.mul(&mask(a.compare(win_a, b)?, dt)?.add(&half_tie()?)?)
+            })?;
+            let gb = pick(nb, &|| {
+                g.mul(&mask(a.compare(win_b, b)?, dt)?.add(&half_tie()?)?)
+            })?;
+            Ok((ga, gb))
+        }
+    }
+}
+
+/// Gradient of `y = op(x, c)` (or `op(c, x)` when `scalar_lhs`) with respect to `x`.
+fn scalar_grad<B: Backend>(
+    op: BinaryOp,
+    c: f64,
+    scalar_lhs: bool,
+    x: &Tensor<B>,
+    y: &Tensor<B>,
+    g: &Tensor<B>,
+) -> Result<Tensor<B>> {
+    let dt = g.dtype();
+    match (op, scalar_lhs) {
+        (BinaryOp::Add, _) => Ok(g.clone()),
+        (BinaryOp::Sub, false) => Ok(g.clone()),
+        (BinaryOp::Sub, true) => g.neg(),
+        (BinaryOp::Mul, _) => g.mul_scalar(c),
+        (BinaryOp::Div, false) => g.div_scalar(c),
+        // d(c/x)/dx = -c/x² = -y/x
+        (BinaryOp::Div, true) => g.mul(y)?.div(x)?.neg(),
+        (BinaryOp::Pow, false) => {
+            if c == 0.0 {
+                g.zeros_like()
+            } else {
+                g.mul(&x.pow_scalar(c - 1.0)?.mul_scalar(c)?)
+            }
+        }
+        // d(c^x)/dx = c^x ln c; zero for c == 0 (as PyTorch masks 0^x for x >= 0).
+        (BinaryOp::Pow, true) => {
+            if c == 0.0 {
+                g.zeros_like()
+            } else {
+                g.mul(&y.mul_scalar(c.ln())?)
+            }
+        }
+        (BinaryOp::Maximum, _) => g.mul(&mask(x.compare_scalar(CmpOp::Ge, c)?, dt)?),
+        (BinaryOp::Minimum, _) => g.mul(&mask(x.compare_scalar(CmpOp::Le, c)?, dt)?),
+    }
+}
+
+// ---- operators ------------------------------------------------------------------------------
+
+macro_rules! bin_trait {
+    ($trait:ident, $method:ident, $op:ident) => {
+        impl<B: Backend> std::ops::$trait<&Var<B>> for &Var<B> {
+            type Output = Result<Var<B>>;
+            fn $method(self, rhs: &Var<B>) -> Result<Var<B>> {
+                self.binary(BinaryOp::$op, rhs)
+            }
+        }
+        impl<B: Backend> std::ops::$trait<f64> for &Var<B> {
+            type Output = Result<Var<B>>;
+            fn $method(self, rhs: f64) -> Result<Var<B>> {
+                self.binary_scalar(BinaryOp::$op, rhs)
+            }
+        }
+        impl<B: Backend> std::ops::$trait<&Var<B>> for f64 {
+            type Output = Result<Var<B>>;
+            fn $method(self, rhs: &Var<B>) -> Result<Var<B>> {
+                rhs.scalar_binary(BinaryOp::$op, self)
+            }
+        }
+    };
+}
+bin_trait!(Add, add, Add);
+bin_trait!(Sub, sub, Sub);
+bin_trait!(Mul, mul, Mul);
+bin_trait!(Div, div, Div);
+
+impl<B: Backend> std::ops::Neg for &Var<B> {
+    type Output = Result<Var<B>>;
+    fn neg(self) -> Result<Var<B>> {
+        self.unary(UnaryOp::Neg)
+    }
+}

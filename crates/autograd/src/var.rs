@@ -1,0 +1,594 @@
+//! `Var<B>`: a tensor plus its place in the recorded graph, and the backward pass.
+//!
+//! Each `Var` is an `Arc` to shared state, so clones are cheap handles to the same variable and a
+//! `Var` can be sent to another thread (`Send + Sync`: data parallelism runs one thread per GPU).
+//! Interior mutability is `RwLock`/`Mutex` only; there is no `Rc`/`RefCell` anywhere.
+//!
+//! A `Var` is one of:
+//! - a **leaf**: created by the user ([`Var::param`], [`Var::leaf`], [`Var::constant`]); if it
+//!   requires a gradient, `backward` accumulates into its [`Var::grad`];
+//! - an **op output**: created by an op on `Var`s while gradient recording is on and at least
+//!   one input requires a gradient; it holds the node (the inputs and the backward closure);
+//! - a **freed** op output: `backward` (without `retain`) drops the nodes it walked, so the
+//!   tensors the graph saved are released as soon as the pass ends.
+
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use kiln_core::{Backend, DType, Error, Result, Shape, Tensor};
+
+/// What a backward closure returns: one entry per input, `None` where the input needs no
+/// gradient (or the gradient is identically zero).
+pub type InputGrads<B> = Vec<Option<Tensor<B>>>;
+
+/// The backward function of one recorded op: given the gradient of the op's output (same shape
+/// and dtype as the output) and which inputs need a gradient, returns one gradient per input,
+/// each with that input's shape, dtype and device.
+pub type BackwardFn<B> =
+    Box<dyn Fn(&Tensor<B>, &[bool]) -> Result<InputGrads<B>> + Send + Sync + 'static>;
+
+/// A unique, never reused identity of a [`Var`] (optimizers key their per-parameter state by it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct VarId(u64);
+
+impl VarId {
+    fn next() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        VarId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+    /// The raw number (for logs).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+pub(crate) struct Node<B: Backend> {
+    pub(crate) name: &'static str,
+    /// Every input, with whether it needed a gradient when the op ran.
+    pub(crate) inputs: Vec<(Var<B>, bool)>,
+    pub(crate) backward: BackwardFn<B>,
+}
+
+enum Creator<B: Backend> {
+    Leaf,
+    Op(Arc<Node<B>>),
+    /// An op output whose graph a `backward` released.
+    Freed(&'static str),
+}
+
+struct Inner<B: Backend> {
+    id: VarId,
+    data: RwLock<Tensor<B>>,
+    requires_grad: AtomicBool,
+    retain_grad: AtomicBool,
+    grad: Mutex<Option<Tensor<B>>>,
+    creator: Mutex<Creator<B>>,
+}
+
+/// A tensor plus its place in a define-by-run graph.
+///
+/// Clone is cheap (an `Arc`); clones are the *same* variable (same gradient, same data).
+pub struct Var<B: Backend>(Arc<Inner<B>>);
+
+impl<B: Backend> Clone for Var<B> {
+    fn clone(&self) -> Self {
+        Var(self.0.clone())
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Var<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.tensor();
+        let kind = match &*lock(&self.0.creator) {
+            Creator::Leaf => "leaf".to_string(),
+            Creator::Op(n) => format!("op {}", n.name),
+            Creator::Freed(n) => format!("op {} (graph freed)", n),
+        };
+        write!(
+            f,
+            "Var#{}{{{kind}, requires_grad: {}, shape: {}, dtype: {}, device: {}}}",
+            self.0.id.0,
+            self.requires_grad(),
+            t.shape(),
+            t.dtype(),
+            t.device()
+        )
+    }
+}
+
+impl<B: Backend> std::fmt::Display for Var<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.tensor(), f)
+    }
+}
+
+/// Locks a mutex, recovering from poisoning: the guarded values stay consistent on their own
+/// (each update is a single assignment), so a panic in another thread must not wedge training.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+// ---- no_grad --------------------------------------------------------------------------------
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+/// Whether ops on this thread record the graph (true unless inside [`no_grad`]).
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Runs `f` with graph recording off on this thread (PyTorch's `torch.no_grad()`): ops return
+/// constants, nothing is saved for backward. Use it for evaluation and for parameter updates.
+/// The flag is thread-local (each training thread decides for itself) and restored even if `f`
+/// panics.
+pub fn no_grad<R>(f: impl FnOnce() -> R) -> R {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            GRAD_ENABLED.with(|g| g.set(self.0));
+        }
+    }
+    let _restore = Restore(GRAD_ENABLED.with(|g| g.replace(false)));
+    f()
+}
+
+// ---- construction and accessors --------------------------------------------------------------
+
+impl<B: Backend> Var<B> {
+    fn new(t: Tensor<B>, requires_grad: bool, creator: Creator<B>) -> Self {
+        Var(Arc::new(Inner {
+            id: VarId::next(),
+            data: RwLock::new(t),
+            requires_grad: AtomicBool::new(requires_grad),
+            retain_grad: AtomicBool::new(false),
+            grad: Mutex::new(None),
+            creator: Mutex::new(creator),
+        }))
+    }
+
+    /// A leaf that requires a gradient (a trainable parameter). Same as [`Var::leaf`].
+    pub fn param(t: Tensor<B>) -> Self {
+        Self::new(t, true, Creator::Leaf)
+    }
+
+    /// A leaf that requires a gradient: `backward` accumulates into its [`Var::grad`].
+    pub fn leaf(t: Tensor<B>) -> Self {
+        Self::param(t)
+    }
+
+    /// A leaf that needs no gradient (inputs, labels, frozen weights). Ops on constants only
+    /// record nothing.
+    pub fn constant(t: Tensor<B>) -> Self {
+        Self::new(t, false, Creator::Leaf)
+    }
+
+    /// Records an op: `output` was computed from `inputs`, and `backward` maps the output's
+    /// gradient to the inputs' gradients (see [`BackwardFn`]).
+    ///
+    /// This is how every built-in op is defined, and how a user adds one (e.g. around a custom
+    /// kernel): compute the output with tensors, then wrap it here. When recording is off
+    /// ([`no_grad`]) or no input requires a gradient, the result is a constant and `backward` is
+    /// dropped unused.
+    pub fn from_op<F>(
+        name: &'static str,
+        inputs: &[&Var<B>],
+        output: Tensor<B>,
+        backward: F,
+    ) -> Self
+    where
+        F: Fn(&Tensor<B>, &[bool]) -> Result<InputGrads<B>> + Send + Sync + 'static,
+    {
+        let needs: Vec<bool> = inputs.iter().map(|v| v.requires_grad()).collect();
+        if !is_grad_enabled() || !needs.iter().any(|&n| n) {
+            return Self::constant(output);
+        }
+        let node = Node {
+            name,
+            inputs: inputs
+                .iter()
+                .zip(needs)
+                .map(|(v, n)| ((*v).clone(), n))
+                .collect(),
+            backward: Box::new(backward),
+        };
+        Self::new(output, true, Creator::Op(Arc::new(node)))
+    }
+
+    /// This variable's identity (stable for its lifetime, shared by clones).
+    pub fn id(&self) -> VarId {
+        self.0.id
+    }
+
+    /// True when both handles are the same variable.
+    pub fn ptr_eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// The current value (a cheap handle; later [`Var::set_tensor`] calls do not change it).
+    pub fn tensor(&self) -> Tensor<B> {
+        self.0
+            .data
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub fn shape(&self) -> Shape {
+        self.tensor().shape().clone()
+    }
+    pub fn dims(&self) -> Vec<usize> {
+        self.tensor().dims().to_vec()
+    }
+    pub fn rank(&self) -> usize {
+        self.tensor().rank()
+    }
+    pub fn elem_count(&self) -> usize {
+        self.tensor().elem_count()
+    }
+    pub fn dtype(&self) -> DType {
+        self.tensor().dtype()
+    }
+    pub fn device(&self) -> B::Device {
+        self.tensor().device().clone()
+    }
+
+    /// Whether a gradient flows to (leaf) or through (op output) this variable.
+    pub fn requires_grad(&self) -> bool {
+        self.0.requires_grad.load(Ordering::Relaxed)
+    }
+
+    /// True for user-created variables (params and constants), false for op outputs.
+    pub fn is_leaf(&self) -> bool {
+        matches!(*lock(&self.0.creator), Creator::Leaf)
+    }
+
+    /// Turns gradient tracking of a leaf on or off (freezing a parameter). Ops already recorded
+    /// are not affected. An error on op outputs (use [`Var::detach`]).
+    pub fn set_requires_grad(&self, requires_grad: bool) -> Result<()> {
+        if !self.is_leaf() {
+            return Err(Error::invalid(
+                "set_requires_grad",
+                "only leaves can change requires_grad; detach() the op output instead",
+            ));
+        }
+        self.0.requires_grad.store(requires_grad, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Asks `backward` to also keep this op output's gradient in [`Var::grad`] (PyTorch's
+    /// `retain_grad`); leaves that require a gradient always keep theirs.
+    pub fn retain_grad(&self) {
+        self.0.retain_grad.store(true, Ordering::Relaxed);
+    }
+
+    /// The accumulated gradient: same shape, dtype and device as the tensor, contiguous.
+    /// `None` before the first `backward` that reached it, and after [`Var::zero_grad`].
+    ///
+    /// Gradients accumulate over `backward` calls (`grad += new`) until `zero_grad`, as in
+    /// PyTorch: call `zero_grad` (or let the optimizer do it) once per step.
+    pub fn grad(&self) -> Option<Tensor<B>> {
+        lock(&self.0.grad).clone()
+    }
+
+    /// Drops the accumulated gradient (`.grad()` becomes `None`; PyTorch's `set_to_none`).
+    pub fn zero_grad(&self) {
+        *lock(&self.0.grad) = None;
+    }
+
+    /// Replaces the gradient (gradient clipping, all-reduce in data parallelism). The new
+    /// gradient must have the tensor's shape, dtype and device.
+    pub fn set_grad(&self, grad: Option<Tensor<B>>) -> Result<()> {
+        if let Some(g) = &grad {
+            check_like("set_grad", &self.tensor(), g, true)?;
+        }
+        *lock(&self.0.grad) = grad;
+        Ok(())
+    }
+
+    /// Takes the gradient out, leaving `None`.
+    pub fn take_grad(&self) -> Option<Tensor<B>> {
+        lock(&self.0.grad).take()
+    }
+
+    /// A new constant leaf sharing this variable's tensor: the gradient stops here.
+    pub fn detach(&self) -> Self {
+        Self::constant(self.tensor())
+    }
+
+    // ---- in-place updates (for optimizers) ---------------------------------------------------
+
+    /// Replaces the tensor of a leaf in place, e.g. with the result of an optimizer step; every
+    /// clone of this `Var` (the model's, the optimizer's) sees the new value.
+    ///
+    /// `t` must have the same shape and dtype. It may live on another device (moving a model
+    /// with `to_device` in place); the accumulated gradient is then moved along with it.
+    /// Graphs recorded before the update keep the old tensor (they saved their own handle), so
+    /// updating between `forward` and `backward` does not corrupt the backward pass.
+    /// An error on op outputs: their value is defined by the graph.
+    pub fn set_tensor(&self, t: Tensor<B>) -> Result<()> {
+        const OP: &str = "set_tensor";
+        if !self.is_leaf() {
+            return Err(Error::invalid(
+                OP,
+                "only leaves (params, constants) can be updated",
+            ));
+        }
+        let old = self.tensor();
+        check_like(OP, &old, &t, false)?;
+        if old.device() != t.device() {
+            let mut g = lock(&self.0.grad);
+            if let Some(gr) = g.take() {
+                *g = Some(gr.to_device(t.device())?);
+            }
+        }
+        *self.0.data.write().unwrap_or_else(|e| e.into_inner()) = t;
+        Ok(())
+    }
+
+    /// `set_tensor(f(&current)?)`: the update form optimizers use, e.g.
+    /// `p.update_data(|w| w.sub(&g.mul_scalar(lr)?))`. Call it outside recording, or inside
+    /// [`no_grad`] when `f` uses `Var` ops.
+    pub fn update_data(&self, f: impl FnOnce(&Tensor<B>) -> Result<Tensor<B>>) -> Result<()> {
+        let new = f(&self.tensor())?;
+        self.set_tensor(new)
+    }
+
+    pub(crate) fn node(&self) -> Option<Arc<Node<B>>> {
+        match &*lock(&self.0.creator) {
+            Creator::Op(n) => Some(n.clone()),
+            _ => None,
+        }
+    }
+
+    fn freed_name(&self) -> Option<&'static str> {
+        match &*lock(&self.0.creator) {
+            Creator::Freed(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    fn free_graph(&self) {
+        let mut c = lock(&self.0.creator);
+        if let Creator::Op(n) = &*c {
+            let name = n.name;
+            *c = Creator::Freed(name);
+        }
+    }
+
+    fn accumulate_grad(&self, g: Tensor<B>) -> Result<()> {
+        let g = g.contiguous()?;
+        let mut slot = lock(&self.0.grad);
+        *slot = Some(match slot.take() {
+            None => g,
+            Some(old) => old.add(&g)?,
+        });
+        Ok(())
+    }
+
+    // ---- backward -----------------------------------------------------------------------------
+
+    /// Backpropagates from this scalar (0-d, or any shape with one element) with seed 1, then
+    /// frees the graph. Leaves that require a gradient get it added to their [`Var::grad`].
+    pub fn backward(&self) -> Result<()> {
+        self.backward_opts(None, false)
+    }
+
+    /// [`Var::backward`], keeping the graph so `backward` can run through it again.
+    pub fn backward_retain(&self) -> Result<()> {
+        self.backward_opts(None, true)
+    }
+
+    /// Backpropagates from a variable of any shape with an explicit output gradient `seed`
+    /// (same shape and dtype; a vector–Jacobian product), then frees the graph.
+    pub fn backward_with(&self, seed: &Tensor<B>) -> Result<()> {
+        self.backward_opts(Some(seed), false)
+    }
+
+    /// The general form: optional seed (`None` = ones for a one-element output), and whether to
+    /// keep the graph.
+    pub fn backward_opts(&self, seed: Option<&Tensor<B>>, retain_graph: bool) -> Result<()> {
+        const OP: &str = "backward";
+        let out = self.tensor();
+        let seed = match seed {
+            Some(s) => {
+                check_like(OP, &out, s, true)?;
+                s.clone()
+            }
+            None => {
+                if out.elem_count() != 1 {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "backward() needs a one-element output, got shape {}; use \
+                             backward_with(seed) for other shapes",
+                            out.shape()
+                        ),
+                    ));
+                }
+                out.ones_like()?
+            }
+        };
+        if let Some(name) = self.freed_name() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the graph through `{name}` was already freed by a previous backward; \
+                     use backward_retain() to backpropagate through it twice"
+                ),
+            ));
+        }
+        if !self.requires_grad() {
+            return Err(Error::invalid(
+                OP,
+                "this Var does not require a gradient (no parameter in its graph, or it was \
+                 computed under no_grad)",
+            ));
+        }
+        let order = topo_order(self);
+        let mut grads: HashMap<VarId, Tensor<B>> = HashMap::new();
+        grads.insert(self.id(), seed);
+        let mut leaves: Vec<Var<B>> = Vec::new();
+        // `order` is post-order (inputs first): walk it from the output back.
+        for v in order.iter().rev() {
+            let Some(g) = grads.remove(&v.id()) else {
+                continue;
+            };
+            let Some(node) = v.node() else {
+                // A leaf (only the output itself can be a leaf here).
+                v.accumulate_grad(g)?;
+                continue;
+            };
+            if v.0.retain_grad.load(Ordering::Relaxed) {
+                v.accumulate_grad(g.clone())?;
+            }
+            let needs: Vec<bool> = node.inputs.iter().map(|(_, n)| *n).collect();
+            let input_grads = (node.backward)(&g, &needs)?;
+            drop(g);
+            if input_grads.len() != node.inputs.len() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "internal: backward of `{}` returned {} gradients for {} inputs",
+                        node.name,
+                        input_grads.len(),
+                        node.inputs.len()
+                    ),
+                ));
+            }
+            for ((input, need), gi) in node.inputs.iter().zip(input_grads) {
+                let Some(gi) = gi else { continue };
+                if !need {
+                    continue;
+                }
+                let it = input.tensor();
+                if gi.shape() != it.shape()
+                    || gi.dtype() != it.dtype()
+                    || gi.device() != it.device()
+                {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "internal: backward of `{}` returned a {} {} gradient on {} for an \
+                             input of shape {} ({}, {})",
+                            node.name,
+                            gi.shape(),
+                            gi.dtype(),
+                            gi.device(),
+                            it.shape(),
+                            it.dtype(),
+                            it.device()
+                        ),
+                    ));
+                }
+                if let Some(name) = input.freed_name() {
+                    return Err(Error::invalid(
+                        OP,
+                        format!(
+                            "the graph through `{name}` (an input of `{}`) was already freed by a \
+                             previous backward; use backward_retain() to backpropagate through \
+                             it twice",
+                            node.name
+                        ),
+                    ));
+                }
+                let is_leaf = input.node().is_none();
+                match grads.remove(&input.id()) {
+                    Some(acc) => {
+                        grads.insert(input.id(), acc.add(&gi)?);
+                    }
+                    None => {
+                        if is_leaf {
+                            leaves.push(input.clone());
+                        }
+                        grads.insert(input.id(), gi);
+                    }
+                }
+            }
+        }
+        for leaf in leaves {
+            if let Some(g) = grads.remove(&leaf.id())
+                && leaf.requires_grad()
+            {
+                leaf.accumulate_grad(g)?;
+            }
+        }
+        if !retain_graph {
+            for v in &order {
+                v.free_graph();
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Errors unless `t` matches `like` in shape and dtype (and device when `same_device`).
+fn check_like<B: Backend>(
+    op: &'static str,
+    like: &Tensor<B>,
+    t: &Tensor<B>,
+    same_device: bool,
+) -> Result<()> {
+    if t.shape() != like.shape() {
+        return Err(Error::ShapeMismatch {
+            op,
+            lhs: like.shape().clone(),
+            rhs: t.shape().clone(),
+        });
+    }
+    if t.dtype() != like.dtype() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: like.dtype().to_string(),
+            got: t.dtype(),
+        });
+    }
+    if same_device {
+        like.check_same_device(op, t)?;
+    }
+    Ok(())
+}
+
+/// The op outputs reachable from `root` through inputs that need a gradient, in post-order
+/// (every variable after all of its inputs). Iterative, so deep graphs (long RNN unrolls) do not
+/// overflow the stack.
+fn topo_order<B: Backend>(root: &Var<B>) -> Vec<Var<B>> {
+    let mut order = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![(root.clone(), false)];
+    while let Some((v, expanded)) = stack.pop() {
+        if expanded {
+            order.push(v);
+            continue;
+        }
+        if !seen.insert(v.id()) {
+            continue;
+        }
+        let node = v.node();
+        stack.push((v, true));
+        if let Some(node) = node {
+            for (input, need) in &node.inputs {
+                if *need && input.node().is_some() && !seen.contains(&input.id()) {
+                    stack.push((input.clone(), false));
+                }
+            }
+        }
+    }
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    /// Compile-time proof that `Var<B>` is `Send + Sync` for every backend.
+    #[allow(dead_code)]
+    fn var_is_send_sync<B: Backend>() {
+        assert_send_sync::<Var<B>>();
+    }
+}

@@ -1,0 +1,377 @@
+//! The `Var` API itself: accumulation, zero_grad, no_grad, detach, graph freeing, seeds,
+//! in-place updates, devices, threads, and that `check_backward` can fail. Runs on the f64
+//! reference backend (two virtual devices, `ref` and `ref:1`).
+
+use kiln_autograd::{CheckOptions, Var, check_backward, is_grad_enabled, no_grad};
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::{DType, Tensor};
+
+type B = Reference;
+const DEV: RefDevice = RefDevice(0);
+
+fn t(v: &[f64], shape: &[usize]) -> Tensor<B> {
+    Tensor::from_slice(v, shape, &DEV).unwrap()
+}
+
+fn vals(x: &Tensor<B>) -> Vec<f64> {
+    x.to_f64_vec().unwrap()
+}
+
+#[test]
+fn var_used_twice_accumulates_in_topological_order() {
+    let x = Var::param(t(&[1.0, -2.0, 3.0], &[3]));
+    // y = sum(x*x + x) + sum(x*x): x*x reused, x used four times.
+    let xx = x.mul(&x).unwrap();
+    let y = xx.add(&x).unwrap().sum_all().unwrap();
+    let y = y.add(&xx.sum_all().unwrap()).unwrap();
+    y.backward().unwrap();
+    // dy/dx = 4x + 1
+    assert_eq!(vals(&x.grad().unwrap()), vec![5.0, -7.0, 13.0]);
+}
+
+#[test]
+fn grads_accumulate_across_backward_until_zero_grad() {
+    let x = Var::param(t(&[2.0], &[]));
+    for _ in 0..3 {
+        x.square().unwrap().backward().unwrap();
+    }
+    assert_eq!(vals(&x.grad().unwrap()), vec![12.0]);
+    x.zero_grad();
+    assert!(x.grad().is_none());
+    x.square().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![4.0]);
+}
+
+#[test]
+fn graph_is_freed_unless_retained() {
+    let x = Var::param(t(&[3.0], &[1]));
+    let y = x.square().unwrap().sum_all().unwrap();
+    y.backward_retain().unwrap();
+    y.backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![12.0]);
+    let err = y.backward().unwrap_err().to_string();
+    assert!(err.contains("already freed"), "{err}");
+    // An intermediate of a freed graph cannot be backpropagated through either.
+    let a = x.exp().unwrap();
+    let b = a.sum_all().unwrap();
+    b.backward().unwrap();
+    let err = a
+        .mul_scalar(2.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap_err();
+    assert!(err.to_string().contains("already freed"), "{err}");
+}
+
+#[test]
+fn backward_needs_a_scalar_or_a_seed() {
+    let x = Var::param(t(&[1.0, 2.0], &[2]));
+    let y = x.mul_scalar(3.0).unwrap();
+    let err = y.backward().unwrap_err().to_string();
+    assert!(err.contains("one-element"), "{err}");
+    let bad = y.backward_with(&t(&[1.0], &[1])).unwrap_err();
+    assert!(
+        matches!(bad, kiln_core::Error::ShapeMismatch { .. }),
+        "{bad}"
+    );
+    y.backward_with(&t(&[1.0, 10.0], &[2])).unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![3.0, 30.0]);
+    // One element of rank 2 is a scalar too.
+    let z = Var::param(t(&[2.0], &[1, 1]));
+    z.square().unwrap().backward().unwrap();
+    assert_eq!(vals(&z.grad().unwrap()), vec![4.0]);
+}
+
+#[test]
+fn no_grad_records_nothing_and_restores() {
+    let x = Var::param(t(&[1.0], &[]));
+    assert!(is_grad_enabled());
+    let y = no_grad(|| {
+        assert!(!is_grad_enabled());
+        x.exp().unwrap()
+    });
+    assert!(is_grad_enabled());
+    assert!(!y.requires_grad());
+    assert!(y.backward().is_err());
+    // Restored after a panic too.
+    let r = std::panic::catch_unwind(|| no_grad(|| panic!("boom")));
+    assert!(r.is_err());
+    assert!(is_grad_enabled());
+}
+
+#[test]
+fn constants_and_detach_stop_gradients() {
+    let x = Var::param(t(&[2.0], &[]));
+    let c = Var::constant(t(&[5.0], &[]));
+    let y = x
+        .mul(&c)
+        .unwrap()
+        .add(&x.square().unwrap().detach())
+        .unwrap();
+    y.backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![5.0]);
+    assert!(c.grad().is_none());
+    let k = c.exp().unwrap();
+    assert!(!k.requires_grad(), "ops on constants only record nothing");
+}
+
+#[test]
+fn retain_grad_keeps_an_intermediate_gradient() {
+    let x = Var::param(t(&[1.0, 2.0], &[2]));
+    let h = x.mul_scalar(3.0).unwrap();
+    h.retain_grad();
+    h.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&h.grad().unwrap()), vec![6.0, 12.0]);
+    assert_eq!(vals(&x.grad().unwrap()), vec![18.0, 36.0]);
+}
+
+#[test]
+fn set_tensor_updates_in_place_for_every_clone() {
+    let w = Var::param(t(&[1.0, 2.0], &[2]));
+    let alias = w.clone();
+    let loss = w.square().unwrap().sum_all().unwrap();
+    // Update between forward and backward: the recorded graph keeps the old value.
+    w.update_data(|x| x.mul_scalar(10.0)).unwrap();
+    assert_eq!(vals(&alias.tensor()), vec![10.0, 20.0]);
+    loss.backward().unwrap();
+    assert_eq!(vals(&w.grad().unwrap()), vec![2.0, 4.0]);
+    let err = w.set_tensor(t(&[1.0], &[1])).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            kiln_core::Error::ShapeMismatch {
+                op: "set_tensor",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let err = w
+        .set_tensor(Tensor::zeros([2], DType::F32, &DEV).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(err, kiln_core::Error::DTypeMismatch { .. }),
+        "{err}"
+    );
+    assert!(
+        loss.set_tensor(t(&[0.0], &[])).is_err(),
+        "op outputs are not updatable"
+    );
+    w.set_grad(None).unwrap();
+    assert!(w.grad().is_none());
+    assert!(w.set_grad(Some(t(&[1.0], &[1]))).is_err());
+}
+
+#[test]
+fn to_device_is_differentiable_and_mixing_devices_errors() {
+    let d1 = RefDevice(1);
+    let x = Var::param(t(&[1.0, 2.0, 3.0], &[3]));
+    let same = x.to_device(&DEV).unwrap();
+    assert!(
+        same.ptr_eq(&x),
+        "to_device to the same device is the same variable"
+    );
+    let x1 = x.to_device(&d1).unwrap();
+    assert_eq!(x1.device(), d1);
+    let w1 = Var::param(Tensor::from_slice(&[4.0, 5.0, 6.0], [3], &d1).unwrap());
+    // Mixing devices is an error naming both.
+    let err = x.mul(&w1).unwrap_err().to_string();
+    assert!(
+        err.contains("ref") && err.contains("ref:1") && err.contains("mul"),
+        "{err}"
+    );
+    let y = x1
+        .mul(&w1)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .copy_to(&DEV)
+        .unwrap();
+    assert_eq!(y.device(), DEV);
+    y.backward().unwrap();
+    let gx = x.grad().unwrap();
+    assert_eq!(
+        *gx.device(),
+        DEV,
+        "the gradient came back to the source device"
+    );
+    assert_eq!(vals(&gx), vec![4.0, 5.0, 6.0]);
+    assert_eq!(*w1.grad().unwrap().device(), d1);
+    assert_eq!(vals(&w1.grad().unwrap()), vec![1.0, 2.0, 3.0]);
+    check_backward(
+        |v| v[0].to_device(&d1)?.square()?.copy_to(&DEV),
+        &[t(&[0.5, -1.5], &[2])],
+        &CheckOptions::default(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn var_trains_on_several_threads() {
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let w = Var::param(t(&[i as f64], &[]));
+                w.square().unwrap().backward().unwrap();
+                (w.clone(), vals(&w.grad().unwrap())[0])
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let (w, g) = h.join().unwrap();
+        assert_eq!(g, 2.0 * i as f64);
+        assert!(w.grad().is_some());
+    }
+    // A shared parameter: each thread accumulates into the same gradient.
+    let w = Var::param(t(&[3.0], &[]));
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| w.mul_scalar(2.0).unwrap().backward().unwrap());
+        }
+    });
+    assert_eq!(vals(&w.grad().unwrap()), vec![8.0]);
+}
+
+#[test]
+fn check_backward_catches_a_wrong_gradient() {
+    // y = x^3 with a deliberately wrong gradient (2x instead of 3x^2).
+    let wrong_cube = |v: &[Var<B>]| {
+        let x = v[0].tensor();
+        let y = x.pow_scalar(3.0)?;
+        Ok(Var::from_op("wrong_cube", &[&v[0]], y, move |g, _| {
+            Ok(vec![Some(g.mul(&x.mul_scalar(2.0)?)?)])
+        }))
+    };
+    let x = t(&[0.5, 1.5, -2.0], &[3]);
+    let err = check_backward(wrong_cube, &[x.clone()], &CheckOptions::default())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("input 0") && err.contains("numerical"),
+        "{err}"
+    );
+    // The right gradient passes.
+    let right_cube = |v: &[Var<B>]| {
+        let x = v[0].tensor();
+        let y = x.pow_scalar(3.0)?;
+        Ok(Var::from_op("cube", &[&v[0]], y, move |g, _| {
+            Ok(vec![Some(g.mul(&x.square()?.mul_scalar(3.0)?)?)])
+        }))
+    };
+    check_backward(right_cube, &[x], &CheckOptions::default()).unwrap();
+}
+
+#[test]
+#[should_panic(expected = "input 1")]
+fn assert_backward_panics_naming_the_input() {
+    // Gradient of the second input is dropped.
+    let f = |v: &[Var<B>]| {
+        let (a, b) = (v[0].tensor(), v[1].tensor());
+        let y = a.mul(&b)?;
+        Ok(Var::from_op("bad_mul", &[&v[0], &v[1]], y, move |g, _| {
+            Ok(vec![Some(g.mul(&b)?), None])
+        }))
+    };
+    kiln_autograd::assert_backward(
+        f,
+        &[t(&[1.0, 2.0], &[2]), t(&[3.0, 4.0], &[2])],
+        &CheckOptions::default(),
+    );
+}
+
+#[test]
+fn max_ties_share_the_gradient_and_maximum_ties_split() {
+    let x = Var::param(t(&[1.0, 3.0, 3.0, 2.0, 5.0, 5.0], &[2, 3]));
+    x.max(&[1], false)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![0.0, 0.5, 0.5, 0.0, 0.5, 0.5]);
+    let x = Var::param(t(&[4.0, 4.0, 1.0, 4.0], &[4]));
+    x.min_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![0.0, 0.0, 1.0, 0.0]);
+    x.zero_grad();
+    x.max_all().unwrap().backward().unwrap();
+    let third = 1.0 / 3.0;
+    assert_eq!(vals(&x.grad().unwrap()), vec![third, third, 0.0, third]);
+
+    let a = Var::param(t(&[1.0, 2.0, 3.0], &[3]));
+    let b = Var::param(t(&[2.0, 2.0, 1.0], &[3]));
+    a.maximum(&b)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(vals(&a.grad().unwrap()), vec![0.0, 0.5, 1.0]);
+    assert_eq!(vals(&b.grad().unwrap()), vec![1.0, 0.5, 0.0]);
+    // Against a constant, as torch.clamp: ties pass the whole gradient.
+    let c = Var::param(t(&[-1.0, 0.0, 1.0, 2.0], &[4]));
+    c.clamp(0.0, 1.0)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(vals(&c.grad().unwrap()), vec![0.0, 1.0, 1.0, 0.0]);
+    // relu and abs: 0 at 0.
+    let z = Var::param(t(&[0.0, -1.0, 2.0], &[3]));
+    z.relu()
+        .unwrap()
+        .add(&z.abs().unwrap())
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert_eq!(vals(&z.grad().unwrap()), vec![0.0, -1.0, 2.0]);
+}
+
+#[test]
+fn pow_masks_zero_base_and_zero_exponent() {
+    let a = Var::param(t(&[0.0, 0.0, 2.0], &[3]));
+    let b = Var::param(t(&[0.0, 2.0, 0.0], &[3]));
+    a.pow(&b).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&a.grad().unwrap()), vec![0.0, 0.0, 0.0]);
+    let gb = vals(&b.grad().unwrap());
+    assert_eq!(&gb[..2], &[0.0, 0.0]);
+    assert!((gb[2] - 2f64.ln()).abs() < 1e-12);
+}
+
+#[test]
+fn to_dtype_gradient_comes_back_in_the_source_dtype() {
+    let x = Var::param(t(&[1.0, 2.0], &[2]));
+    let y = x
+        .to_dtype(DType::F32)
+        .unwrap()
+        .square()
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    y.backward().unwrap();
+    let g = x.grad().unwrap();
+    assert_eq!(g.dtype(), DType::F64);
+    assert_eq!(vals(&g), vec![2.0, 4.0]);
+}
+
+#[test]
+fn softmax_cross_entropy_matches_its_definition() {
+    let logits = t(&[1.0, 2.0, 0.5, -1.0, 0.0, 3.0], &[2, 3]);
+    let labels = Tensor::<B>::from_slice(&[1i64, 2], [2], &DEV).unwrap();
+    let x = Var::param(logits.clone());
+    let loss = x.softmax_cross_entropy(&labels).unwrap();
+    assert_eq!(loss.rank(), 0);
+    loss.backward().unwrap();
+    // (softmax - onehot) / n
+    let sm = vals(&logits.softmax().unwrap());
+    let mut want = sm.clone();
+    want[1] -= 1.0;
+    want[5] -= 1.0;
+    for (g, w) in vals(&x.grad().unwrap()).iter().zip(&want) {
+        assert!((g - w / 2.0).abs() < 1e-12, "{g} vs {}", w / 2.0);
+    }
+}

@@ -1,1 +1,241 @@
-//! Shared support for the examples (device selection from a string).
+//! Shared support for kiln's examples: choosing the device at run time.
+//!
+//! A kiln program is generic over `B: Backend`, but the device comes from the command line as
+//! a string (`cpu`, `cpu:1`, `cuda`, `cuda:1`). Something has to know every backend to turn
+//! that string into a call of the generic code on the right one; the backends do not know each
+//! other (see DESIGN.md), so it lives here, where both are in view.
+//!
+//! The program writes its body once as a [`Job`] and calls [`dispatch`]:
+//!
+//! ```no_run
+//! use kiln_core::{Backend, DType, Result, Tensor};
+//! use kiln_examples::{Job, dispatch};
+//!
+//! struct Hello;
+//! impl Job for Hello {
+//!     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
+//!         println!("{}", Tensor::<B>::ones([2, 2], DType::F32, &dev)?);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! fn main() -> Result<()> {
+//!     dispatch("cuda", Hello) // on a machine without a GPU: a message, then the CPU
+//! }
+//! ```
+//!
+//! Asking for `cuda` or `cuda:N` follows Dive into Deep Learning's `try_gpu(i)`: when that GPU
+//! is not there (no device, no driver, or fewer GPUs than `N + 1`), the program says so on
+//! stderr (`no CUDA device found (<reason>); falling back to cpu`) and runs on the CPU, so one
+//! command line works on every machine. A malformed name is an error, never a fallback.
+
+use std::fmt;
+use std::str::FromStr;
+
+use kiln_backend_cpu::Cpu;
+use kiln_core::{Backend, Error, Result};
+
+/// The body of a program, generic over the backend it runs on.
+///
+/// A trait rather than a closure because a closure cannot be generic over `B`.
+pub trait Job {
+    fn run<B: Backend>(self, dev: B::Device) -> Result<()>;
+}
+
+/// A parsed device name, before checking that the device exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceRequest {
+    /// `cpu` (0) or `cpu:N`: a virtual CPU device.
+    Cpu(usize),
+    /// `cuda` (0) or `cuda:N`.
+    Cuda(usize),
+}
+
+impl FromStr for DeviceRequest {
+    type Err = Error;
+
+    /// Accepts `cpu`, `cpu:N`, `cuda`, `cuda:N` (also `gpu`, `gpu:N`), ignoring case and
+    /// surrounding spaces.
+    fn from_str(s: &str) -> Result<Self> {
+        let name = s.trim().to_ascii_lowercase();
+        let (kind, ordinal) = match name.split_once(':') {
+            Some((kind, n)) => {
+                let n = (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                    .then(|| n.parse::<usize>().ok())
+                    .flatten()
+                    .ok_or_else(|| bad_name(s))?;
+                (kind.to_string(), n)
+            }
+            None => (name.clone(), 0),
+        };
+        match kind.as_str() {
+            "cpu" => Ok(DeviceRequest::Cpu(ordinal)),
+            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(ordinal)),
+            _ => Err(bad_name(s)),
+        }
+    }
+}
+
+fn bad_name(s: &str) -> Error {
+    Error::invalid(
+        "device",
+        format!("unknown device `{s}`: expected `cpu`, `cuda` or `cuda:N`"),
+    )
+}
+
+impl fmt::Display for DeviceRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceRequest::Cpu(0) => f.write_str("cpu"),
+            DeviceRequest::Cpu(n) => write!(f, "cpu:{n}"),
+            DeviceRequest::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// A device that exists, on its backend: what a request resolves to.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Resolved {
+    Cpu(<Cpu as Backend>::Device),
+    // Cuda(kiln_backend_cuda::CudaDevice),   <- the CUDA arm, once the crate lands
+}
+
+impl Resolved {
+    /// Runs `job` on this device's backend.
+    pub fn run(self, job: impl Job) -> Result<()> {
+        match self {
+            Resolved::Cpu(dev) => job.run::<Cpu>(dev),
+        }
+    }
+}
+
+impl fmt::Display for Resolved {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Resolved::Cpu(d) => d.fmt(f),
+        }
+    }
+}
+
+/// Where a device name led: the device, and why it is not the one asked for, if it is not.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Selection {
+    pub device: Resolved,
+    /// Set when a GPU was asked for and the CPU is used instead: the reason.
+    pub fallback: Option<String>,
+}
+
+/// Resolves a device name: the CPU device it names, or the GPU when present, else the CPU with
+/// the reason recorded (d2l's `try_gpu(i)`). Errors for a malformed name or an out-of-range
+/// CPU ordinal.
+pub fn select(device: &str) -> Result<Selection> {
+    match device.parse::<DeviceRequest>()? {
+        DeviceRequest::Cpu(n) => Ok(Selection {
+            device: Resolved::Cpu(<Cpu as Backend>::parse_device(
+                &DeviceRequest::Cpu(n).to_string(),
+            )?),
+            fallback: None,
+        }),
+        DeviceRequest::Cuda(i) => match try_gpu(i) {
+            Ok(device) => Ok(Selection {
+                device,
+                fallback: None,
+            }),
+            Err(reason) => Ok(Selection {
+                device: Resolved::Cpu(<Cpu as Backend>::parse_device("cpu")?),
+                fallback: Some(reason),
+            }),
+        },
+    }
+}
+
+/// GPU `i`, or why it is not available.
+fn try_gpu(i: usize) -> std::result::Result<Resolved, String> {
+    // With kiln-backend-cuda:
+    //   match kiln_backend_cuda::try_gpu(i) { Some(d) => Ok(Resolved::Cuda(d)), None => Err(..) }
+    Err(format!(
+        "cuda:{i} requested, but this build has no CUDA backend yet"
+    ))
+}
+
+/// Parses `device`, prints a fallback message when a GPU was asked for but is missing, and
+/// runs `job` on the chosen device's backend.
+pub fn dispatch(device: &str, job: impl Job) -> Result<()> {
+    let sel = select(device)?;
+    if let Some(reason) = &sel.fallback {
+        eprintln!(
+            "no CUDA device found ({reason}); falling back to {}",
+            sel.device
+        );
+    }
+    sel.device.run(job)
+}
+
+/// Help text for a `--device` option.
+pub const DEVICE_HELP: &str =
+    "device to run on: cpu, cpu:N, cuda or cuda:N (falls back to cpu when no GPU is present)";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_device_names() {
+        let ok = [
+            ("cpu", DeviceRequest::Cpu(0)),
+            ("cpu:2", DeviceRequest::Cpu(2)),
+            ("cuda", DeviceRequest::Cuda(0)),
+            ("cuda:0", DeviceRequest::Cuda(0)),
+            (" CUDA:3 ", DeviceRequest::Cuda(3)),
+            ("gpu:1", DeviceRequest::Cuda(1)),
+        ];
+        for (s, want) in ok {
+            assert_eq!(s.parse::<DeviceRequest>().unwrap(), want, "{s}");
+        }
+        for bad in [
+            "", "tpu", "cuda:", "cuda:x", "cuda:-1", "cuda1", "cpu:1:2", "cuda :1",
+        ] {
+            let e = bad.parse::<DeviceRequest>().unwrap_err().to_string();
+            assert!(e.contains("unknown device"), "{bad}: {e}");
+        }
+        assert_eq!(DeviceRequest::Cuda(0).to_string(), "cuda:0");
+        assert_eq!(DeviceRequest::Cpu(0).to_string(), "cpu");
+    }
+
+    /// Records which backend and device it ran on.
+    struct Probe<'a>(&'a mut Option<(String, String)>);
+    impl Job for Probe<'_> {
+        fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
+            *self.0 = Some((B::NAME.to_string(), dev.to_string()));
+            Ok(())
+        }
+    }
+
+    fn ran_on(device: &str) -> Result<(String, String)> {
+        let mut seen = None;
+        dispatch(device, Probe(&mut seen))?;
+        Ok(seen.expect("the job ran"))
+    }
+
+    #[test]
+    fn cpu_names_run_on_the_cpu() {
+        assert_eq!(ran_on("cpu").unwrap(), ("cpu".into(), "cpu".into()));
+        assert_eq!(ran_on("cpu:1").unwrap(), ("cpu".into(), "cpu:1".into()));
+        assert!(ran_on("cpu:100000").is_err());
+        assert!(ran_on("tpu").is_err());
+    }
+
+    #[test]
+    fn cuda_runs_on_a_gpu_or_falls_back_with_a_reason() {
+        let sel = select("cuda:7").unwrap();
+        match &sel.device {
+            Resolved::Cpu(d) => {
+                assert_eq!(d.to_string(), "cpu");
+                let reason = sel.fallback.as_deref().unwrap();
+                assert!(reason.contains("cuda:7"), "{reason}");
+            }
+        }
+        let (backend, _) = ran_on("cuda").unwrap();
+        assert!(backend == "cpu" || backend == "cuda", "{backend}");
+    }
+}

@@ -1,9 +1,48 @@
 //! # kiln-nn
 //!
-//! Modules (Linear, Conv2d, activations, Sequential), losses, initializers and safetensors
-//! save/load.
+//! The building blocks of a model, generic over the backend `B`, so one model definition
+//! trains on the CPU or on a GPU:
+//!
+//! - [`Module`] (forward, named parameters, train/eval) and [`ModuleExt`] (`to_device`,
+//!   `save`/`load`, `state_dict`), implemented by every layer;
+//! - layers: [`Linear`], [`Conv2d`], [`MaxPool2d`], [`Flatten`], [`Dropout`], activations
+//!   ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`]) and the [`Sequential`] container;
+//! - losses ([`loss::cross_entropy`] fused with log-softmax, [`loss::mse`],
+//!   [`loss::bce_with_logits`]) and [`loss::accuracy`];
+//! - seeded initializers ([`Init`]) with PyTorch's formulas and defaults;
+//! - safetensors I/O ([`serialize`]).
+//!
+//! Layers are built Burn-style from a config: `LinearConfig::new(784, 100).with_bias(true)
+//! .init::<B>(&device, seed)`. The explicit seed replaces a global RNG: the same seed gives the
+//! same weights on every backend (Philox), which is what lets a GPU run be checked against a
+//! CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
+//! `[out, in]`), so a `.safetensors` file moves between kiln and PyTorch unchanged.
+//!
+//! ```ignore
+//! let model = Sequential::new()
+//!     .add(LinearConfig::new(784, 100).init::<B>(&dev, derive_seed(seed, 0))?)
+//!     .add(Relu)
+//!     .add(LinearConfig::new(100, 10).init::<B>(&dev, derive_seed(seed, 2))?);
+//! let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels)?;
+//! loss.backward()?;
+//! model.save("mlp.safetensors")?;
+//! ```
+
+mod activation;
+mod conv;
+mod dropout;
 pub mod init;
+mod linear;
+pub mod loss;
+mod module;
+mod sequential;
 pub mod serialize;
 
+pub use activation::{Flatten, Gelu, Relu, Sigmoid, Tanh};
+pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, max_pool2d};
+pub use dropout::Dropout;
 pub use init::{Init, derive_seed};
+pub use linear::{Linear, LinearConfig};
+pub use module::{Module, ModuleExt};
+pub use sequential::Sequential;
 pub use serialize::{load_safetensors, save_safetensors};

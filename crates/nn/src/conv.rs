@@ -1,0 +1,484 @@
+//! 2-D convolution and max pooling, built from differentiable gathers and one GEMM.
+//!
+//! Both layers lower to ops that kiln-autograd already differentiates, so they need no
+//! hand-written backward and run on every backend:
+//!
+//! - **Conv2d** is im2col + matmul. The input `[n, c, h, w]` is viewed as rows `[n, c*h*w]`; a
+//!   constant index tensor picks, for every output position and every `(c, kh, kw)` tap, the
+//!   input element it reads (`index_select` along axis 1), giving columns `[n*oh*ow, c*kh*kw]`.
+//!   Taps that fall into the zero padding point at one extra zero column appended to the rows,
+//!   so padding costs no masking. One GEMM with the weight `[oc, c*kh*kw]` and a transpose give
+//!   `[n, oc, oh, ow]`. The backward of `index_select` is a `scatter_add` (col2im), of matmul two
+//!   GEMMs.
+//! - **MaxPool2d** gathers each window the same way, takes the arg-max per window (a constant),
+//!   and then `gather`s the winners from the input directly, so the gradient goes to the first
+//!   maximum of each window, as in PyTorch.
+//!
+//! Index tensors depend only on the input's spatial shape; each layer caches the last one (per
+//! device), so steady-state training uploads nothing.
+
+use std::sync::Mutex;
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, DType, Error, Result, Tensor};
+
+use crate::init::{Init, derive_seed};
+use crate::module::Module;
+
+/// Output length of a sliding window over `len` (PyTorch's formula), or `None` when the window
+/// does not fit.
+fn out_len(len: usize, k: usize, stride: usize, pad: usize, dil: usize) -> Option<usize> {
+    let span = dil * (k - 1) + 1;
+    let padded = len + 2 * pad;
+    if padded < span {
+        return None;
+    }
+    Some((padded - span) / stride + 1)
+}
+
+/// A one-entry cache of an index tensor keyed by the input geometry and the device.
+/// Holds the indices and whether any of them points into the padding.
+type Cached<B> = (Vec<usize>, Tensor<B>, bool);
+struct IdxCache<B: Backend>(Mutex<Option<Cached<B>>>);
+
+impl<B: Backend> IdxCache<B> {
+    fn new() -> Self {
+        IdxCache(Mutex::new(None))
+    }
+    fn get_or(
+        &self,
+        key: Vec<usize>,
+        device: &B::Device,
+        make: impl FnOnce() -> Result<(Tensor<B>, bool)>,
+    ) -> Result<(Tensor<B>, bool)> {
+        let mut g = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((k, t, pads)) = &*g
+            && *k == key
+            && t.device() == device
+        {
+            return Ok((t.clone(), *pads));
+        }
+        let (t, pads) = make()?;
+        *g = Some((key, t.clone(), pads));
+        Ok((t, pads))
+    }
+}
+
+/// Checks a `[n, c, h, w]` input.
+fn check_nchw<B: Backend>(op: &'static str, x: &Var<B>, channels: Option<usize>) -> Result<()> {
+    let ok = x.rank() == 4 && channels.is_none_or(|c| x.dims()[1] == c);
+    if !ok {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "expects input [n, {}, h, w], got shape {}",
+                channels.map_or("c".to_string(), |c| c.to_string()),
+                x.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+// ---- Conv2d -----------------------------------------------------------------------------------
+
+/// Configuration of a [`Conv2d`] layer (`Conv2dConfig::new(1, 6, 5).with_padding(2)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Conv2dConfig {
+    pub in_channels: usize,
+    pub out_channels: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub bias: bool,
+    /// Default PyTorch's Kaiming uniform with `a = √5`.
+    pub weight_init: Init,
+    pub dtype: DType,
+}
+
+impl Conv2dConfig {
+    /// A square `kernel x kernel` convolution, stride 1, no padding, with bias.
+    pub fn new(in_channels: usize, out_channels: usize, kernel: usize) -> Self {
+        Conv2dConfig {
+            in_channels,
+            out_channels,
+            kernel: [kernel, kernel],
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+            bias: true,
+            weight_init: Init::torch_default(),
+            dtype: DType::F32,
+        }
+    }
+    pub fn with_kernel(mut self, kh: usize, kw: usize) -> Self {
+        self.kernel = [kh, kw];
+        self
+    }
+    pub fn with_stride(mut self, stride: usize) -> Self {
+        self.stride = [stride, stride];
+        self
+    }
+    pub fn with_padding(mut self, padding: usize) -> Self {
+        self.padding = [padding, padding];
+        self
+    }
+    pub fn with_dilation(mut self, dilation: usize) -> Self {
+        self.dilation = [dilation, dilation];
+        self
+    }
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+    pub fn with_weight_init(mut self, init: Init) -> Self {
+        self.weight_init = init;
+        self
+    }
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    pub fn init<B: Backend>(self, device: &B::Device, seed: u64) -> Result<Conv2d<B>> {
+        let bad = self.in_channels == 0
+            || self.out_channels == 0
+            || self.kernel.contains(&0)
+            || self.stride.contains(&0)
+            || self.dilation.contains(&0);
+        if bad {
+            return Err(Error::invalid(
+                "Conv2dConfig::init",
+                format!("channels, kernel, stride and dilation must be positive: {self:?}"),
+            ));
+        }
+        let [kh, kw] = self.kernel;
+        let shape = [self.out_channels, self.in_channels, kh, kw];
+        let w = self
+            .weight_init
+            .init::<B>(shape, derive_seed(seed, 0), self.dtype, device)?;
+        let bias = if self.bias {
+            let fan_in = self.in_channels * kh * kw;
+            Some(Var::param(Init::BiasUniform { fan_in }.init::<B>(
+                [self.out_channels],
+                derive_seed(seed, 1),
+                self.dtype,
+                device,
+            )?))
+        } else {
+            None
+        };
+        Ok(Conv2d {
+            cfg: self,
+            weight: Var::param(w),
+            bias,
+            idx: IdxCache::new(),
+        })
+    }
+}
+
+/// 2-D convolution (cross-correlation, as every framework computes it) over `[n, c, h, w]`.
+pub struct Conv2d<B: Backend> {
+    cfg: Conv2dConfig,
+    /// `[out_channels, in_channels, kh, kw]`, as PyTorch.
+    pub weight: Var<B>,
+    /// `[out_channels]`.
+    pub bias: Option<Var<B>>,
+    idx: IdxCache<B>,
+}
+
+impl<B: Backend> Conv2d<B> {
+    pub fn config(&self) -> &Conv2dConfig {
+        &self.cfg
+    }
+}
+
+/// The sliding-window geometry shared by convolution and pooling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Window {
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+}
+
+impl Window {
+    /// A square `kernel x kernel` window, stride 1, no padding, no dilation.
+    pub fn new(kernel: usize) -> Self {
+        Window {
+            kernel: [kernel, kernel],
+            stride: [1, 1],
+            padding: [0, 0],
+            dilation: [1, 1],
+        }
+    }
+    pub fn with_stride(mut self, stride: usize) -> Self {
+        self.stride = [stride, stride];
+        self
+    }
+    pub fn with_padding(mut self, padding: usize) -> Self {
+        self.padding = [padding, padding];
+        self
+    }
+    pub fn with_dilation(mut self, dilation: usize) -> Self {
+        self.dilation = [dilation, dilation];
+        self
+    }
+
+    /// Output height and width for an `h x w` input, or an error naming `op`.
+    fn out_hw(&self, op: &'static str, h: usize, w: usize) -> Result<(usize, usize)> {
+        let bad =
+            self.kernel.contains(&0) || self.stride.contains(&0) || self.dilation.contains(&0);
+        let [kh, kw] = self.kernel;
+        let [ph, pw] = self.padding;
+        let [dh, dw] = self.dilation;
+        let sizes = (
+            out_len(h, kh, self.stride[0], ph, dh),
+            out_len(w, kw, self.stride[1], pw, dw),
+        );
+        match sizes {
+            (Some(oh), Some(ow)) if !bad => Ok((oh, ow)),
+            _ => Err(Error::invalid(
+                op,
+                format!("a {h}x{w} input does not fit the window {self:?}"),
+            )),
+        }
+    }
+
+    /// For each output position `(oh, ow)`, each of `channels` planes and each tap
+    /// `(kh, kw)`, in that order: the flat index `c*h*w + ih*w + iw` of the input element
+    /// read, or `channels*h*w` (one extra element appended to each row) inside the padding.
+    /// Also returns whether any tap falls in the padding.
+    fn ids(&self, channels: usize, h: usize, w: usize, oh: usize, ow: usize) -> (Vec<i64>, bool) {
+        let [kh, kw] = self.kernel;
+        let [sh, sw] = self.stride;
+        let [ph, pw] = self.padding;
+        let [dh, dw] = self.dilation;
+        let pad = (channels * h * w) as i64;
+        let mut ids = Vec::with_capacity(oh * ow * channels * kh * kw);
+        let mut pads = false;
+        for y in 0..oh {
+            for x in 0..ow {
+                for ci in 0..channels {
+                    for ky in 0..kh {
+                        let iy = (y * sh + ky * dh) as isize - ph as isize;
+                        for kx in 0..kw {
+                            let ix = (x * sw + kx * dw) as isize - pw as isize;
+                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                ids.push(pad);
+                                pads = true;
+                            } else {
+                                ids.push((ci * h * w + iy as usize * w + ix as usize) as i64);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        (ids, pads)
+    }
+}
+
+/// `torch.nn.functional.conv2d`: `x` `[n, c, h, w]`, `weight` `[oc, c, kh, kw]`, `bias` `[oc]`;
+/// returns `[n, oc, oh, ow]`. The window's kernel must match the weight's.
+pub fn conv2d<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+) -> Result<Var<B>> {
+    conv2d_cached(x, weight, bias, window, None)
+}
+
+fn conv2d_cached<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+    cache: Option<&IdxCache<B>>,
+) -> Result<Var<B>> {
+    const OP: &str = "conv2d";
+    let wd = weight.dims();
+    if wd.len() != 4 || wd[2..] != window.kernel {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "weight must be [oc, c, {}, {}], got {}",
+                window.kernel[0],
+                window.kernel[1],
+                weight.shape()
+            ),
+        ));
+    }
+    let (oc, c) = (wd[0], wd[1]);
+    check_nchw(OP, x, Some(c))?;
+    let d = x.dims();
+    let (n, h, w) = (d[0], d[2], d[3]);
+    let (oh, ow) = window.out_hw(OP, h, w)?;
+    let dev = x.device();
+    let make = || {
+        let (ids, pads) = window.ids(c, h, w, oh, ow);
+        let len = ids.len();
+        Ok((Tensor::from_vec(ids, [len], &dev)?, pads))
+    };
+    let (ids_t, pads) = match cache {
+        Some(cache) => cache.get_or(vec![c, h, w], &dev, make)?,
+        None => make()?,
+    };
+    let mut rows = x.reshape([n, c * h * w])?;
+    if pads {
+        let zero = Tensor::zeros([n, 1], x.dtype(), &dev)?;
+        rows = Var::cat(&[rows, Var::constant(zero)], 1)?;
+    }
+    let ckk = c * window.kernel[0] * window.kernel[1];
+    let cols = rows.index_select(&ids_t, 1)?.reshape([n * oh * ow, ckk])?;
+    let mut y = cols.matmul(&weight.reshape([oc, ckk])?.t()?)?; // [n*oh*ow, oc]
+    if let Some(b) = bias {
+        y = y.add(b)?;
+    }
+    y.reshape([n, oh * ow, oc])?
+        .permute(&[0, 2, 1])?
+        .reshape([n, oc, oh, ow])
+}
+
+impl<B: Backend> Module<B> for Conv2d<B> {
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+        let c = &self.cfg;
+        let window = Window {
+            kernel: c.kernel,
+            stride: c.stride,
+            padding: c.padding,
+            dilation: c.dilation,
+        };
+        conv2d_cached(x, &self.weight, self.bias.as_ref(), window, Some(&self.idx))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
+    }
+
+    fn describe(&self) -> String {
+        let c = &self.cfg;
+        format!(
+            "Conv2d({}, {}, kernel={:?}, stride={:?}, padding={:?}, dilation={:?}, bias={})",
+            c.in_channels, c.out_channels, c.kernel, c.stride, c.padding, c.dilation, c.bias
+        )
+    }
+}
+
+// ---- MaxPool2d --------------------------------------------------------------------------------
+
+/// Max over `kernel x kernel` windows of `[n, c, h, w]` (`torch.nn.MaxPool2d`; stride defaults
+/// to the kernel size; padding counts as `-inf`).
+pub struct MaxPool2d<B: Backend> {
+    kernel: [usize; 2],
+    stride: [usize; 2],
+    padding: [usize; 2],
+    idx: IdxCache<B>,
+}
+
+impl<B: Backend> MaxPool2d<B> {
+    /// Non-overlapping `kernel x kernel` pooling (stride = kernel, no padding).
+    pub fn new(kernel: usize) -> Self {
+        MaxPool2d {
+            kernel: [kernel, kernel],
+            stride: [kernel, kernel],
+            padding: [0, 0],
+            idx: IdxCache::new(),
+        }
+    }
+    pub fn with_stride(mut self, stride: usize) -> Self {
+        self.stride = [stride, stride];
+        self
+    }
+    pub fn with_padding(mut self, padding: usize) -> Self {
+        self.padding = [padding, padding];
+        self
+    }
+
+    fn window(&self) -> Window {
+        Window {
+            kernel: self.kernel,
+            stride: self.stride,
+            padding: self.padding,
+            dilation: [1, 1],
+        }
+    }
+}
+
+/// `torch.nn.functional.max_pool2d` over `[n, c, h, w]` (dilation must be 1; padding counts as
+/// `-inf` and is at most half the kernel). The gradient goes to the first maximum of each window.
+pub fn max_pool2d<B: Backend>(x: &Var<B>, window: Window) -> Result<Var<B>> {
+    max_pool2d_cached(x, window, None)
+}
+
+fn max_pool2d_cached<B: Backend>(
+    x: &Var<B>,
+    window: Window,
+    cache: Option<&IdxCache<B>>,
+) -> Result<Var<B>> {
+    const OP: &str = "max_pool2d";
+    check_nchw(OP, x, None)?;
+    let [kh, kw] = window.kernel;
+    if window.dilation != [1, 1] || 2 * window.padding[0] > kh || 2 * window.padding[1] > kw {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "unsupported window {window:?}: dilation must be 1 and padding at most half the kernel"
+            ),
+        ));
+    }
+    let d = x.dims();
+    let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
+    let (oh, ow) = window.out_hw(OP, h, w)?;
+    let dev = x.device();
+    let l = oh * ow;
+    let make = || {
+        let (ids, pads) = window.ids(1, h, w, oh, ow);
+        Ok((Tensor::from_vec(ids, [l, kh * kw], &dev)?, pads))
+    };
+    let (ids_t, pads) = match cache {
+        Some(cache) => cache.get_or(vec![h, w], &dev, make)?,
+        None => make()?,
+    };
+    let mut rows = x.reshape([n * c, h * w])?;
+    if pads {
+        let ninf = Tensor::full([n * c, 1], f64::NEG_INFINITY, x.dtype(), &dev)?;
+        rows = Var::cat(&[rows, Var::constant(ninf)], 1)?;
+    }
+    // The arg-max of each window is found with plain tensors (no gradient flows through an
+    // index), mapped back to a flat input index, and the winners are gathered differentiably.
+    let windows = rows
+        .tensor()
+        .index_select(&ids_t.reshape([l * kh * kw])?, 1)?
+        .reshape([n * c, l, kh * kw])?;
+    let arg = windows.argmax(-1, true)?; // [n*c, l, 1]
+    let flat = ids_t
+        .unsqueeze(0)?
+        .broadcast_to([n * c, l, kh * kw])?
+        .gather(&arg, 2)?
+        .reshape([n * c, l])?;
+    rows.gather(&flat, 1)?.reshape([n, c, oh, ow])
+}
+
+impl<B: Backend> Module<B> for MaxPool2d<B> {
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+        max_pool2d_cached(x, self.window(), Some(&self.idx))
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+        Vec::new()
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "MaxPool2d(kernel={:?}, stride={:?}, padding={:?})",
+            self.kernel, self.stride, self.padding
+        )
+    }
+}

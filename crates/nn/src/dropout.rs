@@ -1,0 +1,91 @@
+//! Inverted dropout with masks from Philox.
+//!
+//! The mask of the `k`-th training forward is `rand(shape, seed') >= p` with
+//! `seed' = derive_seed(seed, k)`, drawn by the backend's Philox generator, which every backend
+//! implements bit for bit: the same model seed gives the same masks on the CPU and on the GPU,
+//! so a GPU run can be checked against a CPU run step by step. The counter is per layer and
+//! advances once per training forward (it can be read and set to resume exactly).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, CmpOp, Error, Result, Tensor};
+
+use crate::init::derive_seed;
+use crate::module::Module;
+
+/// Zeroes each element with probability `p` in training mode and scales the rest by
+/// `1 / (1 - p)`; the identity in evaluation mode. Modules start in training mode.
+pub struct Dropout {
+    p: f64,
+    seed: u64,
+    step: AtomicU64,
+    training: bool,
+}
+
+impl Dropout {
+    /// Dropout with drop probability `p` in `[0, 1)`, masks derived from `seed`.
+    pub fn new(p: f64, seed: u64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::invalid(
+                "Dropout",
+                format!("p must be in [0, 1), got {p}"),
+            ));
+        }
+        Ok(Dropout {
+            p,
+            seed,
+            step: AtomicU64::new(0),
+            training: true,
+        })
+    }
+    pub fn p(&self) -> f64 {
+        self.p
+    }
+    /// How many masks have been drawn (the next forward uses this index).
+    pub fn step(&self) -> u64 {
+        self.step.load(Ordering::Relaxed)
+    }
+    pub fn set_step(&self, step: u64) {
+        self.step.store(step, Ordering::Relaxed)
+    }
+    pub fn is_training(&self) -> bool {
+        self.training
+    }
+
+    /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
+    /// dtype and device.
+    pub fn mask<B: Backend>(&self, x: &Tensor<B>, step: u64) -> Result<Tensor<B>> {
+        let u = Tensor::<B>::rand(
+            x.shape().clone(),
+            0.0,
+            1.0,
+            derive_seed(self.seed, step),
+            x.dtype(),
+            x.device(),
+        )?;
+        u.compare_scalar(CmpOp::Ge, self.p)?
+            .to_dtype(x.dtype())?
+            .mul_scalar(1.0 / (1.0 - self.p))
+    }
+}
+
+impl<B: Backend> Module<B> for Dropout {
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+        if !self.training || self.p == 0.0 {
+            return Ok(x.clone());
+        }
+        let step = self.step.fetch_add(1, Ordering::Relaxed);
+        let m = self.mask(&x.tensor(), step)?;
+        x.mul(&Var::constant(m))
+    }
+    fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+        Vec::new()
+    }
+    fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
+    fn describe(&self) -> String {
+        format!("Dropout(p={})", self.p)
+    }
+}

@@ -1,0 +1,141 @@
+//! Fully connected layer, `y = x W^T + b`, with PyTorch's layout (`weight` is `[out, in]`) and
+//! default initialization, so weights transfer to and from `torch.nn.Linear` unchanged.
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, DType, Error, Result};
+
+use crate::init::{Init, derive_seed};
+use crate::module::Module;
+
+/// Configuration of a [`Linear`] layer (`LinearConfig::new(784, 100).init::<B>(&dev, seed)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinearConfig {
+    pub in_features: usize,
+    pub out_features: usize,
+    pub bias: bool,
+    /// Weight initializer; default PyTorch's Kaiming uniform with `a = √5`.
+    pub weight_init: Init,
+    /// Bias initializer; default PyTorch's `U(-1/√in, 1/√in)`.
+    pub bias_init: Init,
+    pub dtype: DType,
+}
+
+impl LinearConfig {
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        LinearConfig {
+            in_features,
+            out_features,
+            bias: true,
+            weight_init: Init::torch_default(),
+            bias_init: Init::BiasUniform {
+                fan_in: in_features,
+            },
+            dtype: DType::F32,
+        }
+    }
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+    pub fn with_weight_init(mut self, init: Init) -> Self {
+        self.weight_init = init;
+        self
+    }
+    pub fn with_bias_init(mut self, init: Init) -> Self {
+        self.bias_init = init;
+        self
+    }
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    /// Creates the parameters on `device`; `seed` determines them (same numbers on every
+    /// backend).
+    pub fn init<B: Backend>(self, device: &B::Device, seed: u64) -> Result<Linear<B>> {
+        if self.in_features == 0 || self.out_features == 0 {
+            return Err(Error::invalid(
+                "LinearConfig::init",
+                format!(
+                    "features must be positive, got in={} out={}",
+                    self.in_features, self.out_features
+                ),
+            ));
+        }
+        let w = self.weight_init.init::<B>(
+            [self.out_features, self.in_features],
+            derive_seed(seed, 0),
+            self.dtype,
+            device,
+        )?;
+        let b = if self.bias {
+            Some(Var::param(self.bias_init.init::<B>(
+                [self.out_features],
+                derive_seed(seed, 1),
+                self.dtype,
+                device,
+            )?))
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight: Var::param(w),
+            bias: b,
+        })
+    }
+}
+
+/// `y = x W^T + b` over the last axis of `x` (any leading batch axes).
+pub struct Linear<B: Backend> {
+    /// `[out_features, in_features]`.
+    pub weight: Var<B>,
+    /// `[out_features]`.
+    pub bias: Option<Var<B>>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn in_features(&self) -> usize {
+        self.weight.dims()[1]
+    }
+    pub fn out_features(&self) -> usize {
+        self.weight.dims()[0]
+    }
+}
+
+impl<B: Backend> Module<B> for Linear<B> {
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+        let in_f = self.in_features();
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_f {
+            return Err(Error::invalid(
+                "Linear",
+                format!(
+                    "expects inputs whose last axis is {in_f}, got shape {}",
+                    x.shape()
+                ),
+            ));
+        }
+        // `t()` is a transposed view: the backend's GEMM reads W column-major, no copy.
+        let y = x.matmul(&self.weight.t()?)?;
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
+        }
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "Linear(in={}, out={}, bias={})",
+            self.in_features(),
+            self.out_features(),
+            self.bias.is_some()
+        )
+    }
+}

@@ -1,0 +1,170 @@
+//! The `Module` trait: what every layer and model implements.
+//!
+//! A module owns its parameters as [`Var`]s made with [`Var::param`]. It hands out clones of
+//! them (the same variables: an optimizer that updates them updates the model) with stable,
+//! PyTorch-compatible names: a layer names its own tensors (`weight`, `bias`), and a container
+//! prefixes its children's names with their index or field name (`0.weight`, `2.bias`), exactly
+//! as `torch.nn.Module.state_dict` does. So a kiln model and the same PyTorch architecture
+//! exchange weights through one safetensors file with no renaming.
+//!
+//! The trait is object safe (a [`Sequential`](crate::Sequential) holds `Box<dyn Module<B>>`);
+//! whole-module helpers that need `Self: Sized` or generic arguments live in [`ModuleExt`],
+//! implemented for every module.
+
+use std::path::Path;
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, Error, Result, Tensor};
+
+use crate::serialize::{check_state_dict, load_safetensors, save_safetensors};
+
+/// A layer or a model: a differentiable function with named parameters.
+pub trait Module<B: Backend>: Send + Sync {
+    /// Applies the module to a batch.
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>>;
+
+    /// Every parameter with its name relative to this module, in a fixed order (the order
+    /// [`Module::parameters`] and optimizers use).
+    fn named_parameters(&self) -> Vec<(String, Var<B>)>;
+
+    /// Every parameter, in [`Module::named_parameters`] order.
+    fn parameters(&self) -> Vec<Var<B>> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect()
+    }
+
+    /// Switches training behaviour (Dropout) on or off; containers forward it to children.
+    /// Modules that behave the same in both modes ignore it.
+    fn set_training(&mut self, _training: bool) {}
+
+    /// A one-line description, e.g. `Linear(in=784, out=100, bias=true)`.
+    fn describe(&self) -> String;
+}
+
+impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
+    fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+        (**self).forward(x)
+    }
+    fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+        (**self).named_parameters()
+    }
+    fn parameters(&self) -> Vec<Var<B>> {
+        (**self).parameters()
+    }
+    fn set_training(&mut self, training: bool) {
+        (**self).set_training(training)
+    }
+    fn describe(&self) -> String {
+        (**self).describe()
+    }
+}
+
+/// Whole-module operations, available on every [`Module`] (including `dyn Module`).
+pub trait ModuleExt<B: Backend>: Module<B> {
+    /// Moves every parameter to `device` (in place: every clone of a parameter, e.g. the one an
+    /// optimizer holds, sees the move) and returns the module, as `model.to(device)` in
+    /// PyTorch. Parameters already there are not copied.
+    fn to_device(self, device: &B::Device) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        self.move_to_device(device)?;
+        Ok(self)
+    }
+
+    /// [`ModuleExt::to_device`] for a module behind a reference or a `dyn`.
+    fn move_to_device(&self, device: &B::Device) -> Result<()> {
+        for p in self.parameters() {
+            let t = p.tensor();
+            if t.device() != device {
+                p.set_tensor(t.to_device(device)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Training mode (Dropout active).
+    fn train(&mut self) {
+        self.set_training(true)
+    }
+    /// Evaluation mode (Dropout is the identity).
+    fn eval(&mut self) {
+        self.set_training(false)
+    }
+
+    /// The number of scalar parameters.
+    fn num_params(&self) -> usize {
+        self.parameters().iter().map(|p| p.elem_count()).sum()
+    }
+
+    /// The current parameter tensors by name (PyTorch's `state_dict`).
+    fn state_dict(&self) -> Vec<(String, Tensor<B>)> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(n, v)| (n, v.tensor()))
+            .collect()
+    }
+
+    /// Writes the parameters to a safetensors file that `safetensors.torch.load_file` +
+    /// `load_state_dict` read into the same PyTorch architecture.
+    fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let mut meta = std::collections::BTreeMap::new();
+        meta.insert("format".to_string(), "pt".to_string());
+        meta.insert("kiln_model".to_string(), self.describe());
+        save_safetensors(path, &self.state_dict(), Some(meta))
+    }
+
+    /// Loads parameters from a safetensors file (kiln's or PyTorch's). The file must hold
+    /// exactly this module's tensors with the same shapes and dtypes; otherwise an error lists
+    /// every missing, unexpected and mismatched tensor, and the module is left unchanged.
+    fn load(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let named = self.state_dict();
+        let Some((_, first)) = named.first() else {
+            return Err(Error::invalid(
+                "load",
+                format!("{}: the module has no parameters to load", path.display()),
+            ));
+        };
+        let file = load_safetensors::<B>(path, first.device())?;
+        self.load_tensors(&path.display().to_string(), file.tensors)
+    }
+
+    /// Loads parameters from named tensors (see [`ModuleExt::load`]); `origin` names the source
+    /// in errors.
+    fn load_tensors(
+        &self,
+        origin: &str,
+        tensors: std::collections::BTreeMap<String, Tensor<B>>,
+    ) -> Result<()> {
+        let named = self.named_parameters();
+        let expected: Vec<(String, Tensor<B>)> =
+            named.iter().map(|(n, v)| (n.clone(), v.tensor())).collect();
+        check_state_dict("load", origin, &expected, &tensors)?;
+        // Validation passed: move each tensor to its parameter's device first, so a failing
+        // copy cannot leave the model half loaded, then assign.
+        let mut staged = Vec::with_capacity(named.len());
+        for ((name, p), (_, cur)) in named.iter().zip(&expected) {
+            staged.push((p, tensors[name].to_device(cur.device())?));
+        }
+        for (p, t) in staged {
+            p.set_tensor(t)?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend, M: Module<B> + ?Sized> ModuleExt<B> for M {}
+
+/// Prefixes child parameter names: `prefix.name`.
+pub(crate) fn prefixed<B: Backend>(
+    prefix: &str,
+    named: Vec<(String, Var<B>)>,
+) -> Vec<(String, Var<B>)> {
+    named
+        .into_iter()
+        .map(|(n, v)| (format!("{prefix}.{n}"), v))
+        .collect()
+}

@@ -1,0 +1,251 @@
+//! Adam and AdamW, exactly as `torch.optim.Adam` / `torch.optim.AdamW` compute them
+//! (no amsgrad):
+//!
+//! ```text
+//! t = t + 1
+//! p = p * (1 - lr * weight_decay)             AdamW (decoupled decay)
+//! g = grad + weight_decay * p                  Adam (L2 penalty in the gradient)
+//! m = beta1 * m + (1 - beta1) * g
+//! v = beta2 * v + (1 - beta2) * g²
+//! p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+//! ```
+
+use std::collections::BTreeMap;
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, Result, Tensor};
+
+use crate::sgd::parse_lr;
+use crate::state::{OptimizerState, follow, step_tensor};
+use crate::{Optimizer, check_hyper};
+
+/// Hyperparameters of [`Adam`]; PyTorch's defaults (`lr 1e-3, betas (0.9, 0.999), eps 1e-8`,
+/// no weight decay).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamConfig {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// L2 penalty added to the gradient (coupled, as `torch.optim.Adam`).
+    pub weight_decay: f64,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig::new(1e-3)
+    }
+}
+
+impl AdamConfig {
+    pub fn new(lr: f64) -> Self {
+        AdamConfig {
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+    pub fn with_betas(mut self, beta1: f64, beta2: f64) -> Self {
+        self.beta1 = beta1;
+        self.beta2 = beta2;
+        self
+    }
+    pub fn with_eps(mut self, eps: f64) -> Self {
+        self.eps = eps;
+        self
+    }
+    pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+    pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<Adam<B>> {
+        Adam::build(self, false, params)
+    }
+}
+
+/// Hyperparameters of [`AdamW`]: Adam with decoupled weight decay (PyTorch's default
+/// `weight_decay = 1e-2`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig(pub AdamConfig);
+
+impl Default for AdamWConfig {
+    fn default() -> Self {
+        AdamWConfig::new(1e-3)
+    }
+}
+
+impl AdamWConfig {
+    pub fn new(lr: f64) -> Self {
+        AdamWConfig(AdamConfig::new(lr).with_weight_decay(1e-2))
+    }
+    pub fn with_betas(self, beta1: f64, beta2: f64) -> Self {
+        AdamWConfig(self.0.with_betas(beta1, beta2))
+    }
+    pub fn with_eps(self, eps: f64) -> Self {
+        AdamWConfig(self.0.with_eps(eps))
+    }
+    pub fn with_weight_decay(self, weight_decay: f64) -> Self {
+        AdamWConfig(self.0.with_weight_decay(weight_decay))
+    }
+    pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<AdamW<B>> {
+        Adam::build(self.0, true, params)
+    }
+}
+
+/// Adam, or AdamW when built from [`AdamWConfig`] (the only difference is where the weight
+/// decay goes, so one type serves both).
+pub struct Adam<B: Backend> {
+    cfg: AdamConfig,
+    decoupled: bool,
+    params: Vec<Var<B>>,
+    /// Per parameter: (first moment, second moment), created at its first step.
+    moments: Vec<Option<(Tensor<B>, Tensor<B>)>>,
+    steps: Vec<u64>,
+}
+
+/// AdamW is [`Adam`] with decoupled weight decay; build it with [`AdamWConfig`].
+pub type AdamW<B> = Adam<B>;
+
+const BUFFERS: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+impl<B: Backend> Adam<B> {
+    fn build(cfg: AdamConfig, decoupled: bool, params: Vec<Var<B>>) -> Result<Self> {
+        const OP: &str = "AdamConfig::init";
+        check_hyper(OP, "lr", cfg.lr, |v| v >= 0.0, ">= 0")?;
+        check_hyper(
+            OP,
+            "beta1",
+            cfg.beta1,
+            |v| (0.0..1.0).contains(&v),
+            "in [0, 1)",
+        )?;
+        check_hyper(
+            OP,
+            "beta2",
+            cfg.beta2,
+            |v| (0.0..1.0).contains(&v),
+            "in [0, 1)",
+        )?;
+        check_hyper(OP, "eps", cfg.eps, |v| v >= 0.0, ">= 0")?;
+        check_hyper(OP, "weight_decay", cfg.weight_decay, |v| v >= 0.0, ">= 0")?;
+        let n = params.len();
+        Ok(Adam {
+            cfg,
+            decoupled,
+            params,
+            moments: vec![None; n],
+            steps: vec![0; n],
+        })
+    }
+
+    pub fn config(&self) -> &AdamConfig {
+        &self.cfg
+    }
+}
+
+impl<B: Backend> Optimizer<B> for Adam<B> {
+    fn name(&self) -> &'static str {
+        if self.decoupled { "adamw" } else { "adam" }
+    }
+    fn params(&self) -> &[Var<B>] {
+        &self.params
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let c = self.cfg;
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(mut g) = p.grad() else { continue };
+            let mut w = p.tensor();
+            if c.weight_decay != 0.0 {
+                if self.decoupled {
+                    w = w.mul_scalar(1.0 - c.lr * c.weight_decay)?;
+                } else {
+                    g = g.add(&w.mul_scalar(c.weight_decay)?)?;
+                }
+            }
+            let (m, v) = match &self.moments[i] {
+                None => (
+                    g.mul_scalar(1.0 - c.beta1)?,
+                    g.square()?.mul_scalar(1.0 - c.beta2)?,
+                ),
+                Some((m, v)) => (
+                    follow(m, &w)?
+                        .mul_scalar(c.beta1)?
+                        .add(&g.mul_scalar(1.0 - c.beta1)?)?,
+                    follow(v, &w)?
+                        .mul_scalar(c.beta2)?
+                        .add(&g.square()?.mul_scalar(1.0 - c.beta2)?)?,
+                ),
+            };
+            self.steps[i] += 1;
+            let t = self.steps[i] as i32;
+            let bc1 = 1.0 - c.beta1.powi(t);
+            let bc2 = 1.0 - c.beta2.powi(t);
+            let denom = v.sqrt()?.affine(1.0 / bc2.sqrt(), c.eps)?;
+            let upd = m.div(&denom)?.mul_scalar(c.lr / bc1)?;
+            p.set_tensor(w.sub(&upd)?)?;
+            self.moments[i] = Some((m, v));
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
+    }
+
+    fn state(&self) -> Result<OptimizerState<B>> {
+        let mut tensors = BTreeMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if let Some((m, v)) = &self.moments[i] {
+                tensors.insert(
+                    format!("{i}.step"),
+                    step_tensor(self.steps[i], &p.tensor())?,
+                );
+                tensors.insert(format!("{i}.exp_avg"), m.clone());
+                tensors.insert(format!("{i}.exp_avg_sq"), v.clone());
+            }
+        }
+        let c = self.cfg;
+        let metadata: BTreeMap<String, String> = [
+            ("optimizer", self.name().to_string()),
+            ("lr", c.lr.to_string()),
+            ("beta1", c.beta1.to_string()),
+            ("beta2", c.beta2.to_string()),
+            ("eps", c.eps.to_string()),
+            ("weight_decay", c.weight_decay.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Ok(OptimizerState { tensors, metadata })
+    }
+
+    fn load_state(&mut self, state: OptimizerState<B>) -> Result<()> {
+        const OP: &str = "Adam::load_state";
+        let per = state.validate(OP, self.name(), &self.params, &BUFFERS)?;
+        let lr = parse_lr(OP, &state)?;
+        for (i, s) in per.into_iter().enumerate() {
+            match s {
+                None => {
+                    self.moments[i] = None;
+                    self.steps[i] = 0;
+                }
+                Some((bufs, step)) => {
+                    let mut it = bufs.into_iter();
+                    let (m, v) = (it.next(), it.next());
+                    self.moments[i] = m.zip(v);
+                    self.steps[i] = step;
+                }
+            }
+        }
+        if let Some(lr) = lr {
+            self.cfg.lr = lr;
+        }
+        Ok(())
+    }
+}

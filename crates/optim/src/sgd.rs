@@ -1,0 +1,211 @@
+//! Stochastic gradient descent with momentum, Nesterov momentum and L2 weight decay, exactly as
+//! `torch.optim.SGD` computes it:
+//!
+//! ```text
+//! g = grad + weight_decay * p
+//! buf = g                                   (first step)
+//! buf = momentum * buf + (1 - dampening) * g (later steps)
+//! g = g + momentum * buf   if nesterov,  else  g = buf
+//! p = p - lr * g
+//! ```
+
+use std::collections::BTreeMap;
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, Error, Result, Tensor};
+
+use crate::state::{OptimizerState, follow, step_tensor};
+use crate::{Optimizer, check_hyper};
+
+/// Hyperparameters of [`Sgd`] (Burn-style: `SgdConfig::new(0.1).with_momentum(0.9)`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SgdConfig {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+}
+
+impl SgdConfig {
+    /// Plain SGD with learning rate `lr`.
+    pub fn new(lr: f64) -> Self {
+        SgdConfig {
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        }
+    }
+    pub fn with_momentum(mut self, momentum: f64) -> Self {
+        self.momentum = momentum;
+        self
+    }
+    pub fn with_dampening(mut self, dampening: f64) -> Self {
+        self.dampening = dampening;
+        self
+    }
+    pub fn with_nesterov(mut self, nesterov: bool) -> Self {
+        self.nesterov = nesterov;
+        self
+    }
+    pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// Validates the hyperparameters and builds the optimizer over `params`.
+    pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<Sgd<B>> {
+        const OP: &str = "SgdConfig::init";
+        check_hyper(OP, "lr", self.lr, |v| v >= 0.0, ">= 0")?;
+        check_hyper(OP, "momentum", self.momentum, |v| v >= 0.0, ">= 0")?;
+        check_hyper(OP, "dampening", self.dampening, |_| true, "finite")?;
+        check_hyper(OP, "weight_decay", self.weight_decay, |v| v >= 0.0, ">= 0")?;
+        if self.nesterov && (self.momentum <= 0.0 || self.dampening != 0.0) {
+            return Err(Error::invalid(
+                OP,
+                "Nesterov momentum requires momentum > 0 and dampening = 0",
+            ));
+        }
+        let n = params.len();
+        Ok(Sgd {
+            cfg: self,
+            params,
+            bufs: vec![None; n],
+            steps: vec![0; n],
+        })
+    }
+}
+
+/// SGD over a list of parameters; see the module docs for the update.
+pub struct Sgd<B: Backend> {
+    cfg: SgdConfig,
+    params: Vec<Var<B>>,
+    bufs: Vec<Option<Tensor<B>>>,
+    steps: Vec<u64>,
+}
+
+impl<B: Backend> Sgd<B> {
+    pub fn config(&self) -> &SgdConfig {
+        &self.cfg
+    }
+}
+
+impl<B: Backend> Optimizer<B> for Sgd<B> {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+    fn params(&self) -> &[Var<B>] {
+        &self.params
+    }
+
+    fn step(&mut self) -> Result<()> {
+        let c = self.cfg;
+        for (i, p) in self.params.iter().enumerate() {
+            let Some(mut g) = p.grad() else { continue };
+            let w = p.tensor();
+            if c.weight_decay != 0.0 {
+                g = g.add(&w.mul_scalar(c.weight_decay)?)?;
+            }
+            if c.momentum != 0.0 {
+                let buf = match &self.bufs[i] {
+                    None => g.clone(),
+                    Some(b) => {
+                        let b = follow(b, &w)?.mul_scalar(c.momentum)?;
+                        if c.dampening == 0.0 {
+                            b.add(&g)?
+                        } else {
+                            b.add(&g.mul_scalar(1.0 - c.dampening)?)?
+                        }
+                    }
+                };
+                g = if c.nesterov {
+                    g.add(&buf.mul_scalar(c.momentum)?)?
+                } else {
+                    buf.clone()
+                };
+                self.bufs[i] = Some(buf);
+            }
+            p.set_tensor(w.sub(&g.mul_scalar(c.lr)?)?)?;
+            self.steps[i] += 1;
+        }
+        Ok(())
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+    fn set_lr(&mut self, lr: f64) {
+        self.cfg.lr = lr;
+    }
+
+    fn state(&self) -> Result<OptimizerState<B>> {
+        let mut tensors = BTreeMap::new();
+        for (i, p) in self.params.iter().enumerate() {
+            if self.steps[i] == 0 {
+                continue;
+            }
+            tensors.insert(
+                format!("{i}.step"),
+                step_tensor(self.steps[i], &p.tensor())?,
+            );
+            if let Some(b) = &self.bufs[i] {
+                tensors.insert(format!("{i}.momentum_buffer"), b.clone());
+            }
+        }
+        let c = self.cfg;
+        let metadata: BTreeMap<String, String> = [
+            ("optimizer", "sgd".to_string()),
+            ("lr", c.lr.to_string()),
+            ("momentum", c.momentum.to_string()),
+            ("dampening", c.dampening.to_string()),
+            ("nesterov", c.nesterov.to_string()),
+            ("weight_decay", c.weight_decay.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        Ok(OptimizerState { tensors, metadata })
+    }
+
+    fn load_state(&mut self, state: OptimizerState<B>) -> Result<()> {
+        const OP: &str = "Sgd::load_state";
+        let buffers: &[&str] = if self.cfg.momentum != 0.0 {
+            &["momentum_buffer"]
+        } else {
+            &[]
+        };
+        let per = state.validate(OP, "sgd", &self.params, buffers)?;
+        let lr = parse_lr(OP, &state)?;
+        for (i, s) in per.into_iter().enumerate() {
+            match s {
+                None => {
+                    self.bufs[i] = None;
+                    self.steps[i] = 0;
+                }
+                Some((mut bufs, step)) => {
+                    self.bufs[i] = bufs.pop();
+                    self.steps[i] = step;
+                }
+            }
+        }
+        if let Some(lr) = lr {
+            self.cfg.lr = lr;
+        }
+        Ok(())
+    }
+}
+
+/// The saved learning rate (a schedule may have changed it), when present and valid.
+pub(crate) fn parse_lr<B: Backend>(op: &'static str, s: &OptimizerState<B>) -> Result<Option<f64>> {
+    match s.metadata.get("lr") {
+        None => Ok(None),
+        Some(v) => v
+            .parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite() && *x >= 0.0)
+            .map(Some)
+            .ok_or_else(|| Error::invalid(op, format!("saved lr `{v}` is not a valid number"))),
+    }
+}

@@ -52,6 +52,8 @@
 
 mod check;
 mod ops;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod var;
 
 pub use check::{CheckOptions, assert_backward, check_backward};

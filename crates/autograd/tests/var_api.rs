@@ -245,9 +245,13 @@ fn check_backward_catches_a_wrong_gradient() {
         }))
     };
     let x = t(&[0.5, 1.5, -2.0], &[3]);
-    let err = check_backward(wrong_cube, &[x.clone()], &CheckOptions::default())
-        .unwrap_err()
-        .to_string();
+    let err = check_backward(
+        wrong_cube,
+        std::slice::from_ref(&x),
+        &CheckOptions::default(),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(
         err.contains("input 0") && err.contains("numerical"),
         "{err}"

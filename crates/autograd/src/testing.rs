@@ -1,0 +1,834 @@
+//! The generic gradient test suite (feature `testing`).
+//!
+//! Every differentiable op of `Var<B>` is checked with [`check_backward`] on proptest-chosen
+//! shapes (0-d through rank 4, broadcasting pairs, batched matmuls), with each input built
+//! contiguous, transposed (a column-major view) or narrowed (a strided view with an offset), so
+//! both the contiguous fast paths and the strided paths of forward and backward are exercised.
+//! The suite is generic over the backend, so a backend's tests run it with one line:
+//!
+//! ```ignore
+//! #[test]
+//! fn gradients() {
+//!     kiln_autograd::testing::run_gradient_suite::<kiln_backend_cpu::Cpu>(&Default::default());
+//! }
+//! ```
+//!
+//! Proptest runs with a fixed seed, so every backend (and every CI run) checks the same cases; a
+//! failure reports the op, the shrunk case and both derivatives. Values are drawn away from the
+//! kinks of non-smooth ops (relu, abs, floor, max, ...) by more than the finite-difference step,
+//! so a central difference is meaningful there; ties are tested exactly in the crate's own
+//! tests.
+
+use std::fmt::Debug;
+
+use kiln_core::philox;
+use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+use proptest::collection::vec;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
+
+use crate::{CheckOptions, Var, check_backward};
+
+/// How the suite runs.
+#[derive(Clone, Debug)]
+pub struct SuiteConfig {
+    /// Proptest cases per op.
+    pub cases: u32,
+    /// Tolerances and the dtype of the check (f64 by default).
+    pub check: CheckOptions,
+    /// Only ops whose name contains this string (all when `None`).
+    pub filter: Option<String>,
+}
+
+impl Default for SuiteConfig {
+    fn default() -> Self {
+        SuiteConfig {
+            cases: 12,
+            check: CheckOptions::default(),
+            filter: None,
+        }
+    }
+}
+
+/// Runs every gradient check on `device` and panics listing every op that failed.
+pub fn run_gradient_suite<B: Backend>(device: &B::Device) {
+    run_gradient_suite_with::<B>(device, &SuiteConfig::default())
+}
+
+/// [`run_gradient_suite`] with explicit settings.
+pub fn run_gradient_suite_with<B: Backend>(device: &B::Device, cfg: &SuiteConfig) {
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for (name, case) in cases::<B>() {
+        if cfg
+            .filter
+            .as_ref()
+            .is_some_and(|f| !name.contains(f.as_str()))
+        {
+            continue;
+        }
+        ran += 1;
+        if let Err(msg) = case(device, cfg) {
+            failures.push(format!("{name}: {msg}"));
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "gradient suite on {} ({device}): {} of {ran} ops failed:\n{}",
+        B::NAME,
+        failures.len(),
+        failures.join("\n\n")
+    );
+    eprintln!(
+        "gradient suite on {} ({device}): {ran} ops passed, {} cases each",
+        B::NAME,
+        cfg.cases
+    );
+}
+
+type Case<B> =
+    Box<dyn Fn(&<B as Backend>::Device, &SuiteConfig) -> std::result::Result<(), String>>;
+
+// ---- inputs ------------------------------------------------------------------------------------
+
+/// How an input tensor is laid out in memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lay {
+    Contiguous,
+    /// A transposed view of a tensor whose last two axes are swapped (column-major matrices).
+    Transposed,
+    /// A view narrowed on the last axis out of a wider tensor (strided, with an offset).
+    Narrowed,
+}
+
+/// The values an input holds.
+#[derive(Clone, Copy, Debug)]
+enum Vals {
+    Normal,
+    /// Uniform in [0.5, 2): for log, sqrt, recip, pow bases.
+    Positive,
+    /// |x| in [0.1, 1.1) with a random sign: away from the kinks of abs, relu, sign.
+    AwayFromZero,
+    /// k + [0.1, 0.9): away from the jumps of floor and ceil.
+    AwayFromInt,
+    /// Odd (or even) multiples of 0.05: two grids never tie (maximum/minimum, clamp).
+    Grid {
+        odd: bool,
+    },
+    /// Distinct values 0.05 apart (max/min reductions).
+    Distinct,
+}
+
+/// One input: its logical dims, layout and value seed.
+#[derive(Clone, Debug)]
+pub struct In {
+    pub dims: Vec<usize>,
+    pub lay: Lay,
+    pub seed: u64,
+}
+
+fn lay() -> impl Strategy<Value = Lay> {
+    prop_oneof![
+        Just(Lay::Contiguous),
+        Just(Lay::Transposed),
+        Just(Lay::Narrowed)
+    ]
+}
+
+fn input_of(dims: impl Strategy<Value = Vec<usize>>) -> impl Strategy<Value = In> {
+    (dims, lay(), any::<u64>()).prop_map(|(dims, lay, seed)| In { dims, lay, seed })
+}
+
+fn dims(min_rank: usize, max_rank: usize) -> impl Strategy<Value = Vec<usize>> {
+    vec(1usize..=4, min_rank..=max_rank)
+}
+
+fn host_values(v: Vals, n: usize, seed: u64) -> Vec<f64> {
+    let u = |i: usize, lo: f64, hi: f64| philox::uniform_f64(seed, i as u64, lo, hi);
+    match v {
+        Vals::Normal => (0..n)
+            .map(|i| philox::normal_f64(seed, i as u64, 0.0, 1.0))
+            .collect(),
+        Vals::Positive => (0..n).map(|i| u(i, 0.5, 2.0)).collect(),
+        Vals::AwayFromZero => (0..n)
+            .map(|i| {
+                let x = u(i, -1.0, 1.0);
+                x.signum() * (0.1 + x.abs())
+            })
+            .collect(),
+        Vals::AwayFromInt => (0..n)
+            .map(|i| u(i, -3.0, 3.0).floor() + 0.1 + 0.8 * u(i + n, 0.0, 1.0))
+            .collect(),
+        Vals::Grid { odd } => (0..n)
+            .map(|i| {
+                let k = u(i, -20.0, 20.0).floor();
+                (2.0 * k + if odd { 1.0 } else { 0.0 }) * 0.05
+            })
+            .collect(),
+        Vals::Distinct => {
+            let mut order: Vec<usize> = (0..n).collect();
+            order.sort_by(|&a, &b| u(a, 0.0, 1.0).total_cmp(&u(b, 0.0, 1.0)));
+            let mut out = vec![0.0; n];
+            for (rank, &i) in order.iter().enumerate() {
+                out[i] = (rank as f64 - n as f64 / 2.0) * 0.05 + 0.01;
+            }
+            out
+        }
+    }
+}
+
+impl In {
+    /// The f64 tensor on `dev`, laid out as asked.
+    fn build<B: Backend>(&self, v: Vals, dev: &B::Device) -> Result<Tensor<B>> {
+        let r = self.dims.len();
+        let lay = match self.lay {
+            _ if r == 0 => Lay::Contiguous,
+            Lay::Transposed if r < 2 => Lay::Narrowed,
+            l => l,
+        };
+        let mut sdims = self.dims.clone();
+        match lay {
+            Lay::Transposed => sdims.swap(r - 2, r - 1),
+            Lay::Narrowed => sdims[r - 1] += 3,
+            Lay::Contiguous => {}
+        }
+        let n: usize = sdims.iter().product();
+        let t = Tensor::<B>::from_vec(host_values(v, n, self.seed), sdims, dev)?;
+        match lay {
+            Lay::Transposed => t.transpose(-2, -1),
+            Lay::Narrowed => t.narrow(-1, 1, self.dims[r - 1]),
+            Lay::Contiguous => Ok(t),
+        }
+    }
+}
+
+/// `len` random indices in `0..n` as an `i64` tensor of `dims`.
+fn ids<B: Backend>(dims: &[usize], n: usize, seed: u64, dev: &B::Device) -> Result<Tensor<B>> {
+    let len: usize = dims.iter().product();
+    let v: Vec<i64> = (0..len)
+        .map(|i| {
+            let x = philox::uniform_f64(seed ^ 0x9e37_79b9, i as u64, 0.0, n as f64);
+            (x as i64).min(n as i64 - 1)
+        })
+        .collect();
+    Tensor::from_vec(v, dims.to_vec(), dev)
+}
+
+/// Runs `test` on `cases` values of `strategy` with a fixed seed.
+fn prop<S, F>(cfg: &SuiteConfig, strategy: S, test: F) -> std::result::Result<(), String>
+where
+    S: Strategy,
+    S::Value: Debug,
+    F: Fn(S::Value) -> Result<()>,
+{
+    let config = Config {
+        cases: cfg.cases,
+        failure_persistence: None,
+        ..Config::default()
+    };
+    let mut runner =
+        TestRunner::new_with_rng(config, TestRng::deterministic_rng(RngAlgorithm::ChaCha));
+    runner
+        .run(&strategy, |v| {
+            test(v).map_err(|e| TestCaseError::fail(e.to_string()))
+        })
+        .map_err(|e| e.to_string())
+}
+
+fn check<B: Backend>(
+    cfg: &SuiteConfig,
+    inputs: &[Tensor<B>],
+    f: impl Fn(&[Var<B>]) -> Result<Var<B>>,
+) -> Result<()> {
+    check_backward(f, inputs, &cfg.check)
+}
+
+/// The case list: (name, runner). Public so a backend can run one op while debugging.
+pub fn case_names<B: Backend>() -> Vec<String> {
+    cases::<B>().into_iter().map(|(n, _)| n).collect()
+}
+
+/// Broadcast-compatible pair of shapes: one full shape, the other with some axes set to 1 and
+/// some leading axes dropped (either side).
+fn bcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+    (dims(0, 3), vec(any::<bool>(), 3), 0usize..=3, any::<bool>()).prop_map(
+        |(full, ones, drop, swap)| {
+            let mut small: Vec<usize> = full
+                .iter()
+                .zip(&ones)
+                .map(|(&d, &o)| if o { 1 } else { d })
+                .collect();
+            let drop = drop.min(small.len());
+            small.drain(..drop);
+            if swap { (small, full) } else { (full, small) }
+        },
+    )
+}
+
+/// A non-empty subset of the axes of a rank-`r` tensor.
+fn axes_of(r: usize, mask: &[bool]) -> Vec<isize> {
+    let a: Vec<isize> = (0..r).filter(|&i| mask[i]).map(|i| i as isize).collect();
+    if a.is_empty() {
+        (0..r as isize).collect()
+    } else {
+        a
+    }
+}
+
+fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
+
+    // ---- unary ----
+    for op in UnaryOp::ALL {
+        let vals = match op {
+            UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Recip => Vals::Positive,
+            UnaryOp::Abs | UnaryOp::Relu | UnaryOp::Sign => Vals::AwayFromZero,
+            UnaryOp::Floor | UnaryOp::Ceil => Vals::AwayFromInt,
+            _ => Vals::Normal,
+        };
+        c.push((
+            format!("unary/{}", op.name()),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                prop(cfg, input_of(dims(0, 3)), |x| {
+                    check(cfg, &[x.build::<B>(vals, dev)?], |v| v[0].unary(op))
+                })
+            }),
+        ));
+    }
+
+    // ---- binary with broadcasting ----
+    for op in BinaryOp::ALL {
+        let (va, vb) = match op {
+            BinaryOp::Div => (Vals::Normal, Vals::AwayFromZero),
+            BinaryOp::Pow => (Vals::Positive, Vals::Normal),
+            BinaryOp::Maximum | BinaryOp::Minimum => {
+                (Vals::Grid { odd: true }, Vals::Grid { odd: false })
+            }
+            _ => (Vals::Normal, Vals::Normal),
+        };
+        c.push((
+            format!("binary/{}", op.name()),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s =
+                    (bcast_pair(), lay(), lay(), any::<u64>()).prop_map(|((a, b), la, lb, s)| {
+                        (
+                            In {
+                                dims: a,
+                                lay: la,
+                                seed: s,
+                            },
+                            In {
+                                dims: b,
+                                lay: lb,
+                                seed: s.wrapping_add(1),
+                            },
+                        )
+                    });
+                prop(cfg, s, |(a, b)| {
+                    let ins = [a.build::<B>(va, dev)?, b.build::<B>(vb, dev)?];
+                    check(cfg, &ins, |v| v[0].binary(op, &v[1]))
+                })
+            }),
+        ));
+    }
+
+    // ---- scalar ops, both sides ----
+    for op in BinaryOp::ALL {
+        for scalar_lhs in [false, true] {
+            let (vals, k) = match (op, scalar_lhs) {
+                (BinaryOp::Div, true) => (Vals::AwayFromZero, 1.7),
+                (BinaryOp::Div, false) => (Vals::Normal, -1.7),
+                (BinaryOp::Pow, false) => (Vals::Positive, 2.5),
+                (BinaryOp::Pow, true) => (Vals::Normal, 1.7),
+                (BinaryOp::Maximum | BinaryOp::Minimum, _) => (Vals::Grid { odd: true }, 0.1),
+                (BinaryOp::Mul, _) => (Vals::Normal, -1.3),
+                _ => (Vals::Normal, 0.7),
+            };
+            let side = if scalar_lhs { "c_op_x" } else { "x_op_c" };
+            c.push((
+                format!("scalar/{}/{side}", op.name()),
+                Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                    prop(cfg, input_of(dims(0, 3)), |x| {
+                        check(cfg, &[x.build::<B>(vals, dev)?], |v| {
+                            if scalar_lhs {
+                                v[0].scalar_binary(op, k)
+                            } else {
+                                v[0].binary_scalar(op, k)
+                            }
+                        })
+                    })
+                }),
+            ));
+        }
+    }
+
+    c.push((
+        "clamp".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, input_of(dims(0, 3)), |x| {
+                check(cfg, &[x.build::<B>(Vals::Grid { odd: true }, dev)?], |v| {
+                    v[0].clamp(-0.3, 0.4)
+                })
+            })
+        }),
+    ));
+
+    // ---- reductions ----
+    for name in ["sum", "mean", "max", "min"] {
+        let vals = if matches!(name, "max" | "min") {
+            Vals::Distinct
+        } else {
+            Vals::Normal
+        };
+        c.push((
+            format!("reduce/{name}"),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s = (input_of(dims(1, 4)), vec(any::<bool>(), 4), any::<bool>());
+                prop(cfg, s, |(x, mask, keepdim)| {
+                    let axes = axes_of(x.dims.len(), &mask);
+                    check(cfg, &[x.build::<B>(vals, dev)?], |v| match name {
+                        "sum" => v[0].sum(&axes, keepdim),
+                        "mean" => v[0].mean(&axes, keepdim),
+                        "max" => v[0].max(&axes, keepdim),
+                        _ => v[0].min(&axes, keepdim),
+                    })
+                })
+            }),
+        ));
+        c.push((
+            format!("reduce/{name}_all"),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                prop(cfg, input_of(dims(0, 3)), |x| {
+                    check(cfg, &[x.build::<B>(vals, dev)?], |v| match name {
+                        "sum" => v[0].sum_all(),
+                        "mean" => v[0].mean_all(),
+                        "max" => v[0].max_all(),
+                        _ => v[0].min_all(),
+                    })
+                })
+            }),
+        ));
+    }
+
+    // ---- matmul ----
+    c.push((
+        "matmul".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (
+                0usize..8,
+                1usize..=4,
+                1usize..=4,
+                1usize..=4,
+                1usize..=3,
+                1usize..=3,
+            );
+            let s = (s, lay(), lay(), any::<u64>()).prop_map(
+                |((kind, m, k, n, b, c), la, lb, seed)| {
+                    let (a, bb): (Vec<usize>, Vec<usize>) = match kind {
+                        0 => (vec![m, k], vec![k, n]),
+                        1 => (vec![b, m, k], vec![b, k, n]),
+                        2 => (vec![b, 1, m, k], vec![c, k, n]), // broadcast batch
+                        3 => (vec![k], vec![k, n]),             // vector @ matrix
+                        4 => (vec![m, k], vec![k]),             // matrix @ vector
+                        5 => (vec![k], vec![k]),                // dot
+                        6 => (vec![m, k], vec![b, k, n]),       // matrix @ batch
+                        _ => (vec![b, m, k], vec![k]),          // batch @ vector
+                    };
+                    (
+                        In {
+                            dims: a,
+                            lay: la,
+                            seed,
+                        },
+                        In {
+                            dims: bb,
+                            lay: lb,
+                            seed: seed.wrapping_add(1),
+                        },
+                    )
+                },
+            );
+            prop(cfg, s, |(a, b)| {
+                let ins = [
+                    a.build::<B>(Vals::Normal, dev)?,
+                    b.build::<B>(Vals::Normal, dev)?,
+                ];
+                check(cfg, &ins, |v| v[0].matmul(&v[1]))
+            })
+        }),
+    ));
+
+    // ---- views ----
+    c.push((
+        "view/reshape".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, input_of(dims(0, 4)), |x| {
+                let mut to = x.dims.clone();
+                to.reverse();
+                to.insert(0, 1);
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].reshape(to.clone())
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/flatten".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, (input_of(dims(1, 4)), 0usize..4), |(x, start)| {
+                let start = (start % x.dims.len()) as isize;
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].flatten_from(start)?.flatten_all()
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/transpose".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(
+                cfg,
+                (input_of(dims(1, 4)), 0usize..4, 0usize..4),
+                |(x, a, b)| {
+                    let r = x.dims.len();
+                    let (a, b) = ((a % r) as isize, -1 - (b % r) as isize);
+                    check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                        v[0].transpose(a, b)
+                    })
+                },
+            )
+        }),
+    ));
+    c.push((
+        "view/t".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, input_of(dims(2, 4)), |x| {
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| v[0].t())
+            })
+        }),
+    ));
+    c.push((
+        "view/permute".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = input_of(dims(1, 4)).prop_flat_map(|x| {
+                let r = x.dims.len();
+                (Just(x), Just((0..r).collect::<Vec<usize>>()).prop_shuffle())
+            });
+            prop(cfg, s, |(x, perm)| {
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].permute(&perm)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/narrow".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(1, 4)), 0usize..4, 0usize..4, 0usize..4);
+            prop(cfg, s, |(x, axis, start, len)| {
+                let axis = axis % x.dims.len();
+                let d = x.dims[axis];
+                let start = start % d;
+                let len = 1 + len % (d - start);
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].narrow(axis as isize, start, len)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/broadcast_to".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (bcast_pair(), lay(), any::<u64>());
+            prop(cfg, s, |((a, b), l, seed)| {
+                let (small, full) = if a.len() <= b.len()
+                    && a.iter().product::<usize>() <= b.iter().product::<usize>()
+                {
+                    (a, b)
+                } else {
+                    (b, a)
+                };
+                let x = In {
+                    dims: small,
+                    lay: l,
+                    seed,
+                };
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].broadcast_to(full.clone())
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/squeeze_unsqueeze".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(0, 3)), 0usize..4);
+            prop(cfg, s, |(x, axis)| {
+                let axis = (axis % (x.dims.len() + 1)) as isize;
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].unsqueeze(axis)?.exp()?.squeeze(axis)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "view/contiguous".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, input_of(dims(0, 4)), |x| {
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].contiguous()
+                })
+            })
+        }),
+    ));
+
+    // ---- joins ----
+    c.push((
+        "cat".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (
+                dims(1, 3),
+                0usize..3,
+                vec(1usize..=3, 2..=3),
+                vec(lay(), 3),
+                any::<u64>(),
+            );
+            prop(cfg, s, |(base, axis, sizes, lays, seed)| {
+                let axis = axis % base.len();
+                let ins = sizes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &sz)| {
+                        let mut d = base.clone();
+                        d[axis] = sz;
+                        In {
+                            dims: d,
+                            lay: lays[i],
+                            seed: seed.wrapping_add(i as u64),
+                        }
+                        .build::<B>(Vals::Normal, dev)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                check(cfg, &ins, |v| Var::cat(v, axis as isize))
+            })
+        }),
+    ));
+    c.push((
+        "stack".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (
+                dims(0, 3),
+                0usize..4,
+                2usize..=3,
+                vec(lay(), 3),
+                any::<u64>(),
+            );
+            prop(cfg, s, |(base, axis, count, lays, seed)| {
+                let axis = (axis % (base.len() + 1)) as isize;
+                let ins = (0..count)
+                    .map(|i| {
+                        In {
+                            dims: base.clone(),
+                            lay: lays[i],
+                            seed: seed.wrapping_add(i as u64),
+                        }
+                        .build::<B>(Vals::Normal, dev)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                check(cfg, &ins, |v| Var::stack(v, axis))
+            })
+        }),
+    ));
+
+    // ---- indexing ----
+    c.push((
+        "index_select".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(1, 3)), 0usize..3, 1usize..=6);
+            prop(cfg, s, |(x, axis, n)| {
+                let axis = axis % x.dims.len();
+                let idx = ids::<B>(&[n], x.dims[axis], x.seed, dev)?;
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].index_select(&idx, axis as isize)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "gather".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(1, 3)), 0usize..3, vec(1usize..=4, 3));
+            prop(cfg, s, |(x, axis, want)| {
+                let axis = axis % x.dims.len();
+                let idims: Vec<usize> = (0..x.dims.len())
+                    .map(|i| {
+                        if i == axis {
+                            want[i]
+                        } else {
+                            want[i].min(x.dims[i])
+                        }
+                    })
+                    .collect();
+                let idx = ids::<B>(&idims, x.dims[axis], x.seed, dev)?;
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].gather(&idx, axis as isize)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "scatter_add".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(1, 3)), 0usize..3, vec(1usize..=4, 3), lay());
+            prop(cfg, s, |(x, axis, want, sl)| {
+                let axis = axis % x.dims.len();
+                let sdims: Vec<usize> = (0..x.dims.len())
+                    .map(|i| {
+                        if i == axis {
+                            want[i]
+                        } else {
+                            want[i].min(x.dims[i])
+                        }
+                    })
+                    .collect();
+                let idx = ids::<B>(&sdims, x.dims[axis], x.seed, dev)?;
+                let src = In {
+                    dims: sdims,
+                    lay: sl,
+                    seed: x.seed.wrapping_add(7),
+                };
+                let ins = [
+                    x.build::<B>(Vals::Normal, dev)?,
+                    src.build::<B>(Vals::Normal, dev)?,
+                ];
+                check(cfg, &ins, |v| v[0].scatter_add(&idx, &v[1], axis as isize))
+            })
+        }),
+    ));
+    c.push((
+        "where".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (bcast_pair(), lay(), lay(), any::<u64>());
+            prop(cfg, s, |((a, b), la, lb, seed)| {
+                let ta = In {
+                    dims: a.clone(),
+                    lay: la,
+                    seed,
+                }
+                .build::<B>(Vals::Normal, dev)?;
+                let tb = In {
+                    dims: b,
+                    lay: lb,
+                    seed: seed.wrapping_add(1),
+                }
+                .build::<B>(Vals::Normal, dev)?;
+                // A condition of a's shape (which broadcasts with b's).
+                let cond = ids::<B>(&a, 2, seed, dev)?.to_dtype(DType::U8)?;
+                check(cfg, &[ta, tb], |v| Var::where_cond(&cond, &v[0], &v[1]))
+            })
+        }),
+    ));
+
+    // ---- softmax and losses ----
+    for log in [false, true] {
+        c.push((
+            if log { "log_softmax" } else { "softmax" }.into(),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                prop(cfg, input_of(dims(1, 3)), |x| {
+                    check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                        if log {
+                            v[0].log_softmax()
+                        } else {
+                            v[0].softmax()
+                        }
+                    })
+                })
+            }),
+        ));
+    }
+    for mean in [false, true] {
+        c.push((
+            if mean {
+                "softmax_cross_entropy"
+            } else {
+                "cross_entropy"
+            }
+            .into(),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s = input_of(vec(1usize..=5, 2..=2));
+                prop(cfg, s, |x| {
+                    let labels = ids::<B>(&x.dims[..1], x.dims[1], x.seed, dev)?;
+                    check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                        if mean {
+                            v[0].softmax_cross_entropy(&labels)
+                        } else {
+                            v[0].cross_entropy(&labels)
+                        }
+                    })
+                })
+            }),
+        ));
+    }
+
+    // ---- devices ----
+    c.push((
+        "copy_to".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let other = B::devices()
+                .into_iter()
+                .find(|d| d != dev)
+                .unwrap_or_else(|| dev.clone());
+            prop(cfg, input_of(dims(0, 3)), |x| {
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    v[0].copy_to(&other)?.tanh()?.to_device(dev)
+                })
+            })
+        }),
+    ));
+
+    // ---- compositions ----
+    c.push((
+        "composite/reuse".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            prop(cfg, input_of(dims(0, 3)), |x| {
+                check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
+                    let x = &v[0];
+                    x.mul(x)?.add(&x.exp()?.mul(x)?)?.sub(&x.sin()?)
+                })
+            })
+        }),
+    ));
+    c.push((
+        "composite/logreg".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (1usize..=6, 1usize..=5, lay(), any::<u64>());
+            prop(cfg, s, |(n, f, lx, seed)| {
+                let x = In {
+                    dims: vec![n, f],
+                    lay: lx,
+                    seed,
+                }
+                .build::<B>(Vals::Normal, dev)?;
+                let y = ids::<B>(&[n], 2, seed, dev)?.to_dtype(DType::F64)?;
+                let w = In {
+                    dims: vec![f],
+                    lay: Lay::Contiguous,
+                    seed: seed.wrapping_add(1),
+                }
+                .build::<B>(Vals::Normal, dev)?;
+                let b = Tensor::<B>::zeros([], DType::F64, dev)?;
+                check(cfg, &[x, w, b], |v| {
+                    let y = Var::constant(y.to_dtype(v[0].dtype())?);
+                    let p = v[0].matmul(&v[1])?.add(&v[2])?.sigmoid()?;
+                    let xent = y.neg()?.mul(&p.log()?)?.sub(
+                        &y.scalar_binary(BinaryOp::Sub, 1.0)?
+                            .mul(&p.scalar_binary(BinaryOp::Sub, 1.0)?.log()?)?,
+                    )?;
+                    xent.mean_all()?
+                        .add(&v[1].square()?.sum_all()?.mul_scalar(0.01)?)
+                })
+            })
+        }),
+    ));
+    c
+}

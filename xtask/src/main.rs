@@ -1,3 +1,274 @@
-fn main() {
-    eprintln!("xtask: no tasks yet");
+//! kiln's build tasks, run as `cargo xtask <task>`:
+//!
+//! - `test`: `cargo test --workspace`.
+//! - `bench`: the CPU criterion benches.
+//! - `check-kernels`: compiles every CUDA kernel with NVRTC for sm_90 (no GPU needed) and
+//!   reports errors with file and line. Without libnvrtc it prints `skipped: libnvrtc not
+//!   found` and succeeds locally, but fails under CI (`CI=true`).
+//! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) of [`GPU_TEST_PACKAGES`]
+//!   into `target/gpu-bundle/` with a `run.sh` that runs each and prints one summary line; the
+//!   bundle is what travels to a GPU machine. `--run` also runs it here.
+//! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py`, whose run
+//!   prints one kiln-vs-PyTorch table (`target/gpu-bundle/bench.sh`).
+//!
+//! Why a bundle: the GPU machine has no Rust toolchain, so binaries are built here and carried.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+/// Packages whose integration tests need a GPU. Add autograd/examples here as they gain some.
+const GPU_TEST_PACKAGES: &[&str] = &["kiln-backend-cuda"];
+/// Packages with GPU benches (criterion-free harnesses that print `BENCH name value unit`).
+const GPU_BENCH_PACKAGES: &[&str] = &["kiln-backend-cuda"];
+/// The bundle must fit the device tool's carry limit.
+const BUNDLE_LIMIT: u64 = 64 << 20;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let run = args.iter().any(|a| a == "--run");
+    let r = match args.first().map(String::as_str) {
+        Some("test") => cargo(&["test", "--workspace"]),
+        Some("bench") => cargo(&["bench", "-p", "kiln-backend-cpu"]),
+        Some("check-kernels") => check_kernels(),
+        Some("test-gpu") => bundle(Kind::Test, run),
+        Some("bench-gpu") => bundle(Kind::Bench, run),
+        _ => {
+            eprintln!(
+                "usage: cargo xtask <test | bench | check-kernels | test-gpu [--run] | bench-gpu [--run]>"
+            );
+            Err("unknown task".into())
+        }
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+fn cargo(args: &[&str]) -> Result<(), String> {
+    let st = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(args)
+        .current_dir(root())
+        .status()
+        .map_err(|e| e.to_string())?;
+    st.success()
+        .then_some(())
+        .ok_or_else(|| format!("cargo {} failed", args.join(" ")))
+}
+
+fn check_kernels() -> Result<(), String> {
+    use kiln_backend_cuda::compile;
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    if !compile::nvrtc_available() {
+        if ci {
+            return Err(
+                "libnvrtc not found (CI=true: install it with .ci/install-nvrtc.sh and put its \
+                 output on LD_LIBRARY_PATH)"
+                    .into(),
+            );
+        }
+        println!("skipped: libnvrtc not found");
+        return Ok(());
+    }
+    let (major, minor) = compile::nvrtc_version()?;
+    println!("NVRTC {major}.{minor}, target sm_90");
+    let mut failed = 0;
+    for (file, r) in compile::check_all(90)? {
+        match r {
+            Ok(bytes) => println!("ok   kernels/{file} ({bytes} bytes of CUBIN)"),
+            Err(log) => {
+                failed += 1;
+                println!("FAIL kernels/{file}");
+                for line in log.lines().filter(|l| !l.trim().is_empty()) {
+                    println!("     {line}");
+                }
+            }
+        }
+    }
+    if failed > 0 {
+        return Err(format!("{failed} kernel source(s) failed to compile"));
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Test,
+    Bench,
+}
+
+/// Builds the test (or bench) executables with `--message-format=json` and returns their paths.
+fn build_executables(kind: Kind) -> Result<Vec<(String, PathBuf)>, String> {
+    let packages = match kind {
+        Kind::Test => GPU_TEST_PACKAGES,
+        Kind::Bench => GPU_BENCH_PACKAGES,
+    };
+    let mut args: Vec<&str> = match kind {
+        Kind::Test => vec!["test", "--release", "--no-run", "--tests"],
+        Kind::Bench => vec!["bench", "--no-run", "--benches"],
+    };
+    args.push("--message-format=json-render-diagnostics");
+    for p in packages {
+        args.extend(["-p", p]);
+    }
+    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(&args)
+        .current_dir(root())
+        .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+        .env("CARGO_PROFILE_BENCH_STRIP", "symbols")
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .map_err(|e| e.to_string())?;
+    if !out.status.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    let mut exes = Vec::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        if !line.contains("\"reason\":\"compiler-artifact\"") {
+            continue;
+        }
+        let Some(exe) = json_str(line, "executable") else {
+            continue;
+        };
+        // Only integration tests / benches (each target is its own binary); skip lib unit tests.
+        let is_kind = match kind {
+            Kind::Test => line.contains("\"kind\":[\"test\"]"),
+            Kind::Bench => line.contains("\"kind\":[\"bench\"]"),
+        };
+        if !is_kind {
+            continue;
+        }
+        let name = json_str(line, "name").unwrap_or_else(|| "bin".into());
+        let pkg = json_str(line, "package_id")
+            .and_then(|p| {
+                packages
+                    .iter()
+                    .find(|n| {
+                        p.contains(&format!("/{n}#"))
+                            || p.contains(&format!("{n}@"))
+                            || p.contains(*n)
+                    })
+                    .map(|s| s.to_string())
+            })
+            .unwrap_or_default();
+        exes.push((format!("{pkg}-{name}"), PathBuf::from(exe)));
+    }
+    Ok(exes)
+}
+
+/// The first `"key":"value"` string in a JSON line (no escapes in our paths and names).
+fn json_str(line: &str, key: &str) -> Option<String> {
+    let pat = format!("\"{key}\":\"");
+    let start = line.find(&pat)? + pat.len();
+    let end = line[start..].find('"')? + start;
+    Some(line[start..end].replace("\\\\", "\\"))
+}
+
+fn bundle(kind: Kind, run: bool) -> Result<(), String> {
+    let exes = build_executables(kind)?;
+    if exes.is_empty() {
+        return Err("no executables were built".into());
+    }
+    let dir = root().join("target").join("gpu-bundle");
+    let sub = match kind {
+        Kind::Test => "tests",
+        Kind::Bench => "benches",
+    };
+    let bin_dir = dir.join(sub);
+    let _ = std::fs::remove_dir_all(&bin_dir);
+    std::fs::create_dir_all(&bin_dir).map_err(|e| e.to_string())?;
+    for (name, exe) in &exes {
+        std::fs::copy(exe, bin_dir.join(name)).map_err(|e| format!("{}: {e}", exe.display()))?;
+    }
+    let script = match kind {
+        Kind::Test => {
+            r#"#!/usr/bin/env bash
+# Runs every GPU test binary of the bundle and prints one summary line.
+# Usage (on a GPU machine): bash target/gpu-bundle/run.sh [test-filter...]
+cd "$(dirname "$0")"
+export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
+pass=0; fail=0; failed=""
+for t in tests/*; do
+    echo "=== $t"
+    if "$t" --test-threads=1 "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $t"; fi
+done
+echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}"
+[ "$fail" -eq 0 ]
+"#
+        }
+        Kind::Bench => {
+            r#"#!/usr/bin/env bash
+# Runs the GPU benches and bench/gpu_torch.py (PyTorch, same workloads, same device) and prints
+# one comparison table. Usage (on a GPU machine): bash target/gpu-bundle/bench.sh
+cd "$(dirname "$0")"
+export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
+out=$(mktemp)
+for b in benches/*; do "$b" --bench | tee -a "$out"; done
+PYTHONUNBUFFERED=1 python3 gpu_torch.py | tee -a "$out"
+python3 compare.py "$out"
+"#
+        }
+    };
+    let script_name = match kind {
+        Kind::Test => "run.sh",
+        Kind::Bench => "bench.sh",
+    };
+    std::fs::write(dir.join(script_name), script).map_err(|e| e.to_string())?;
+    if kind == Kind::Bench {
+        for f in ["gpu_torch.py", "compare.py"] {
+            let src = root().join("bench").join(f);
+            std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
+        }
+    }
+    let total = dir_size(&dir);
+    println!(
+        "bundle: {} ({} binaries, {:.1} MiB)",
+        dir.display(),
+        exes.len(),
+        total as f64 / (1 << 20) as f64
+    );
+    if total > BUNDLE_LIMIT {
+        return Err(format!(
+            "bundle is {} MiB, over the {} MiB carry limit",
+            total >> 20,
+            BUNDLE_LIMIT >> 20
+        ));
+    }
+    if run {
+        let st = Command::new("bash")
+            .arg(dir.join(script_name))
+            .status()
+            .map_err(|e| e.to_string())?;
+        if !st.success() {
+            return Err(format!("{script_name} failed"));
+        }
+    }
+    Ok(())
+}
+
+fn dir_size(p: &Path) -> u64 {
+    std::fs::read_dir(p)
+        .map(|rd| {
+            rd.filter_map(|e| e.ok())
+                .map(|e| {
+                    let m = e.metadata().map(|m| (m.is_dir(), m.len()));
+                    match m {
+                        Ok((true, _)) => dir_size(&e.path()),
+                        Ok((false, l)) => l,
+                        Err(_) => 0,
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
 }

@@ -1,0 +1,199 @@
+// Shared definitions, prepended by the host to every kernel source before NVRTC compiles it
+// (NVRTC has no system headers; we need none).
+//
+// Shapes and strides travel by value as kernel arguments (`Dims`, `Strides`): up to
+// KILN_MAX_DIMS dimensions after the host has merged the dimensions that are contiguous among
+// themselves. `I` is the index type: u32 when every index fits (the common, faster case), u64
+// beyond 2^31 elements.
+
+typedef unsigned char u8;
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define KILN_MAX_DIMS 8
+
+struct Dims {
+    u64 d[KILN_MAX_DIMS];
+    int rank;
+};
+
+struct Strides {
+    u64 s[KILN_MAX_DIMS];
+    u64 offset;
+};
+
+// Storage offset of logical (row-major) index `i`.
+template <typename I>
+__device__ __forceinline__ I offset1(I i, const Dims& d, const Strides& a) {
+    I oa = (I)a.offset;
+#pragma unroll
+    for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {
+        if (k < d.rank) {
+            I dk = (I)d.d[k];
+            I q = i / dk;
+            I r = i - q * dk;
+            oa += r * (I)a.s[k];
+            i = q;
+        }
+    }
+    return oa;
+}
+
+// Offsets of logical index `i` in two layouts sharing one shape (one set of divisions).
+template <typename I>
+__device__ __forceinline__ void offset2(I i, const Dims& d, const Strides& a, const Strides& b,
+                                        I& oa, I& ob) {
+    oa = (I)a.offset;
+    ob = (I)b.offset;
+#pragma unroll
+    for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {
+        if (k < d.rank) {
+            I dk = (I)d.d[k];
+            I q = i / dk;
+            I r = i - q * dk;
+            oa += r * (I)a.s[k];
+            ob += r * (I)b.s[k];
+            i = q;
+        }
+    }
+}
+
+template <typename I>
+__device__ __forceinline__ void offset3(I i, const Dims& d, const Strides& a, const Strides& b,
+                                        const Strides& c, I& oa, I& ob, I& oc) {
+    oa = (I)a.offset;
+    ob = (I)b.offset;
+    oc = (I)c.offset;
+#pragma unroll
+    for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {
+        if (k < d.rank) {
+            I dk = (I)d.d[k];
+            I q = i / dk;
+            I r = i - q * dk;
+            oa += r * (I)a.s[k];
+            ob += r * (I)b.s[k];
+            oc += r * (I)c.s[k];
+            i = q;
+        }
+    }
+}
+
+// N consecutive elements moved as one 16-byte (or smaller, for narrow outputs) access.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+    T v[N];
+};
+
+__device__ __forceinline__ bool is_nan(float x) { return x != x; }
+__device__ __forceinline__ bool is_nan(double x) { return x != x; }
+__device__ __forceinline__ bool is_nan(i64) { return false; }
+__device__ __forceinline__ bool is_nan(u8) { return false; }
+
+// The device-wide error flag: the first failing kernel stores its code; the host reads it back.
+__device__ __forceinline__ void raise_error(u32* flag, u32 code) { atomicCAS(flag, 0u, code); }
+
+// Grid-stride loop bounds for 1-d launches.
+#define KILN_TID ((u64)blockIdx.x * blockDim.x + threadIdx.x)
+#define KILN_NTHREADS ((u64)gridDim.x * blockDim.x)
+
+// ---- warp and block reductions ---------------------------------------------------------------
+// Butterfly (xor) shuffles: every lane ends with the same, bit-identical result, and the tree is
+// fixed by the launch shape, so sums are deterministic (no atomics).
+
+__device__ __forceinline__ float shfl_xor(float v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ double shfl_xor(double v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ i64 shfl_xor(i64 v, int o) { return __shfl_xor_sync(0xffffffffu, v, o); }
+__device__ __forceinline__ u8 shfl_xor(u8 v, int o) { return (u8)__shfl_xor_sync(0xffffffffu, (int)v, o); }
+
+template <typename T> __device__ __forceinline__ T lowest();
+template <> __device__ __forceinline__ float lowest<float>() { return -__int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double lowest<double>() { return -__longlong_as_double(0x7ff0000000000000ll); }
+template <> __device__ __forceinline__ i64 lowest<i64>() { return (-9223372036854775807ll - 1); }
+template <> __device__ __forceinline__ u8 lowest<u8>() { return 0; }
+template <typename T> __device__ __forceinline__ T highest();
+template <> __device__ __forceinline__ float highest<float>() { return __int_as_float(0x7f800000); }
+template <> __device__ __forceinline__ double highest<double>() { return __longlong_as_double(0x7ff0000000000000ll); }
+template <> __device__ __forceinline__ i64 highest<i64>() { return 9223372036854775807ll; }
+template <> __device__ __forceinline__ u8 highest<u8>() { return 255; }
+
+template <typename T> __device__ __forceinline__ T wrap_add(T a, T b) { return a + b; }
+template <> __device__ __forceinline__ i64 wrap_add(i64 a, i64 b) { return (i64)((u64)a + (u64)b); }
+
+template <typename T> struct SumOp {
+    typedef T Acc;
+    static __device__ __forceinline__ Acc init() { return (T)0; }
+    static __device__ __forceinline__ Acc lift(T v, i64) { return v; }
+    static __device__ __forceinline__ Acc combine(Acc a, Acc b) { return wrap_add(a, b); }
+    static __device__ __forceinline__ Acc shfl(Acc a, int o) { return shfl_xor(a, o); }
+};
+// Max and Min propagate NaN.
+template <typename T> struct MaxOp {
+    typedef T Acc;
+    static __device__ __forceinline__ Acc init() { return lowest<T>(); }
+    static __device__ __forceinline__ Acc lift(T v, i64) { return v; }
+    static __device__ __forceinline__ Acc combine(Acc a, Acc b) {
+        return is_nan(a) ? a : (is_nan(b) ? b : (b > a ? b : a));
+    }
+    static __device__ __forceinline__ Acc shfl(Acc a, int o) { return shfl_xor(a, o); }
+};
+template <typename T> struct MinOp {
+    typedef T Acc;
+    static __device__ __forceinline__ Acc init() { return highest<T>(); }
+    static __device__ __forceinline__ Acc lift(T v, i64) { return v; }
+    static __device__ __forceinline__ Acc combine(Acc a, Acc b) {
+        return is_nan(a) ? a : (is_nan(b) ? b : (b < a ? b : a));
+    }
+    static __device__ __forceinline__ Acc shfl(Acc a, int o) { return shfl_xor(a, o); }
+};
+
+// Arg reductions: (value, index); ties pick the smaller index; NaN counts as the largest for
+// ArgMax and the smallest for ArgMin (numpy). Index -1 marks "nothing seen yet".
+template <typename T> struct ArgAcc {
+    T v;
+    i64 i;
+};
+template <typename T, bool MAX> struct ArgOp {
+    typedef ArgAcc<T> Acc;
+    static __device__ __forceinline__ Acc init() { Acc a; a.v = (T)0; a.i = -1; return a; }
+    static __device__ __forceinline__ Acc lift(T v, i64 i) { Acc a; a.v = v; a.i = i; return a; }
+    // true when b should replace a
+    static __device__ __forceinline__ bool better(Acc a, Acc b) {
+        if (b.i < 0) return false;
+        if (a.i < 0) return true;
+        bool an = is_nan(a.v), bn = is_nan(b.v);
+        if (an || bn) return (an && bn) ? b.i < a.i : bn;
+        if (b.v == a.v) return b.i < a.i;
+        return MAX ? (b.v > a.v) : (b.v < a.v);
+    }
+    static __device__ __forceinline__ Acc combine(Acc a, Acc b) { return better(a, b) ? b : a; }
+    static __device__ __forceinline__ Acc shfl(Acc a, int o) {
+        Acc r;
+        r.v = shfl_xor(a.v, o);
+        r.i = shfl_xor(a.i, o);
+        return r;
+    }
+};
+
+template <typename Op>
+__device__ __forceinline__ typename Op::Acc warp_reduce(typename Op::Acc a) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) a = Op::combine(a, Op::shfl(a, o));
+    return a;
+}
+
+// Reduces over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the
+// result. `scratch` holds 32 Accs in shared memory.
+template <typename Op>
+__device__ __forceinline__ typename Op::Acc block_reduce(typename Op::Acc a,
+                                                         typename Op::Acc* scratch) {
+    a = warp_reduce<Op>(a);
+    if (blockDim.x <= 32) return a;
+    int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    __syncthreads();  // a previous call may still read scratch
+    if (lane == 0) scratch[w] = a;
+    __syncthreads();
+    int nw = blockDim.x >> 5;
+    a = lane < nw ? scratch[lane] : Op::init();
+    return warp_reduce<Op>(a);
+}

@@ -1,0 +1,300 @@
+// Elementwise kernels: unary, binary (broadcast through stride-0 layouts), binary with a scalar
+// kernel argument, comparisons, where, casts.
+//
+// Each op comes in three flavours, named `<kind>_<op>_<dtype>_<flavour>`:
+//   c    contiguous operands (offsets applied by the host), 16-byte vector loads and stores;
+//   s32  strided operands, 32-bit index arithmetic (< 2^31 elements and storage extent);
+//   s64  strided operands, 64-bit index arithmetic.
+// Integer arithmetic wraps (as Rust's wrapping ops); an integer division by zero gives 0.
+
+// ---- scalar functions ------------------------------------------------------------------------
+
+__device__ __forceinline__ float k_exp(float x) { return expf(x); }
+__device__ __forceinline__ double k_exp(double x) { return exp(x); }
+__device__ __forceinline__ float k_log(float x) { return logf(x); }
+__device__ __forceinline__ double k_log(double x) { return log(x); }
+__device__ __forceinline__ float k_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double k_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float k_sin(float x) { return sinf(x); }
+__device__ __forceinline__ double k_sin(double x) { return sin(x); }
+__device__ __forceinline__ float k_cos(float x) { return cosf(x); }
+__device__ __forceinline__ double k_cos(double x) { return cos(x); }
+__device__ __forceinline__ float k_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double k_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float k_erf(float x) { return erff(x); }
+__device__ __forceinline__ double k_erf(double x) { return erf(x); }
+__device__ __forceinline__ float k_floor(float x) { return floorf(x); }
+__device__ __forceinline__ double k_floor(double x) { return floor(x); }
+__device__ __forceinline__ float k_ceil(float x) { return ceilf(x); }
+__device__ __forceinline__ double k_ceil(double x) { return ceil(x); }
+__device__ __forceinline__ float k_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double k_pow(double x, double y) { return pow(x, y); }
+
+template <typename T> __device__ __forceinline__ T op_neg(T x) { return -x; }
+template <> __device__ __forceinline__ i64 op_neg(i64 x) { return (i64)(0ull - (u64)x); }
+template <typename T> __device__ __forceinline__ T op_abs(T x) { return x < (T)0 ? -x : (x == (T)0 ? (T)0 : x); }
+template <> __device__ __forceinline__ i64 op_abs(i64 x) { return x < 0 ? (i64)(0ull - (u64)x) : x; }
+template <typename T> __device__ __forceinline__ T op_exp(T x) { return k_exp(x); }
+template <typename T> __device__ __forceinline__ T op_log(T x) { return k_log(x); }
+template <typename T> __device__ __forceinline__ T op_sqrt(T x) { return k_sqrt(x); }
+template <typename T> __device__ __forceinline__ T op_square(T x) { return x * x; }
+template <> __device__ __forceinline__ i64 op_square(i64 x) { return (i64)((u64)x * (u64)x); }
+template <typename T> __device__ __forceinline__ T op_recip(T x) { return (T)1 / x; }
+template <typename T> __device__ __forceinline__ T op_sin(T x) { return k_sin(x); }
+template <typename T> __device__ __forceinline__ T op_cos(T x) { return k_cos(x); }
+template <typename T> __device__ __forceinline__ T op_tanh(T x) { return k_tanh(x); }
+template <typename T> __device__ __forceinline__ T op_sigmoid(T x) { return (T)1 / ((T)1 + k_exp(-x)); }
+template <typename T> __device__ __forceinline__ T op_relu(T x) { return is_nan(x) ? x : (x > (T)0 ? x : (T)0); }
+template <typename T> __device__ __forceinline__ T op_gelu(T x) {
+    return (T)0.5 * x * ((T)1 + k_erf(x * (T)0.70710678118654752440));
+}
+template <typename T> __device__ __forceinline__ T op_sign(T x) {
+    return x > (T)0 ? (T)1 : (x < (T)0 ? (T)-1 : (is_nan(x) ? x : (T)0));
+}
+template <typename T> __device__ __forceinline__ T op_floor(T x) { return k_floor(x); }
+template <typename T> __device__ __forceinline__ T op_ceil(T x) { return k_ceil(x); }
+
+template <typename T> __device__ __forceinline__ T op_add(T a, T b) { return a + b; }
+template <> __device__ __forceinline__ i64 op_add(i64 a, i64 b) { return (i64)((u64)a + (u64)b); }
+template <typename T> __device__ __forceinline__ T op_sub(T a, T b) { return a - b; }
+template <> __device__ __forceinline__ i64 op_sub(i64 a, i64 b) { return (i64)((u64)a - (u64)b); }
+template <typename T> __device__ __forceinline__ T op_mul(T a, T b) { return a * b; }
+template <> __device__ __forceinline__ i64 op_mul(i64 a, i64 b) { return (i64)((u64)a * (u64)b); }
+template <typename T> __device__ __forceinline__ T op_div(T a, T b) { return a / b; }
+template <> __device__ __forceinline__ i64 op_div(i64 a, i64 b) {
+    if (b == 0) return 0;
+    if (b == -1) return (i64)(0ull - (u64)a);  // i64::MIN / -1 wraps
+    return a / b;
+}
+template <typename T> __device__ __forceinline__ T op_pow(T a, T b) { return k_pow(a, b); }
+template <typename T> __device__ __forceinline__ T op_maximum(T a, T b) {
+    return is_nan(a) ? a : (is_nan(b) ? b : (a > b ? a : b));
+}
+template <typename T> __device__ __forceinline__ T op_minimum(T a, T b) {
+    return is_nan(a) ? a : (is_nan(b) ? b : (a < b ? a : b));
+}
+
+template <typename T> __device__ __forceinline__ u8 op_eq(T a, T b) { return a == b; }
+template <typename T> __device__ __forceinline__ u8 op_ne(T a, T b) { return a != b; }
+template <typename T> __device__ __forceinline__ u8 op_lt(T a, T b) { return a < b; }
+template <typename T> __device__ __forceinline__ u8 op_le(T a, T b) { return a <= b; }
+template <typename T> __device__ __forceinline__ u8 op_gt(T a, T b) { return a > b; }
+template <typename T> __device__ __forceinline__ u8 op_ge(T a, T b) { return a >= b; }
+
+// ---- kernel bodies ---------------------------------------------------------------------------
+
+#define UNARY(NAME, T)                                                                         \
+    extern "C" __global__ void unary_##NAME##_##T##_c(const T* __restrict__ x, T* __restrict__ y, \
+                                                      u64 n) {                                 \
+        const int N = 16 / sizeof(T);                                                          \
+        u64 nv = n / N;                                                                        \
+        const Vec<T, N>* xv = (const Vec<T, N>*)x;                                             \
+        Vec<T, N>* yv = (Vec<T, N>*)y;                                                         \
+        for (u64 i = KILN_TID; i < nv; i += KILN_NTHREADS) {                                   \
+            Vec<T, N> a = xv[i];                                                               \
+            Vec<T, N> r;                                                                       \
+            _Pragma("unroll") for (int j = 0; j < N; ++j) r.v[j] = op_##NAME<T>(a.v[j]);       \
+            yv[i] = r;                                                                         \
+        }                                                                                      \
+        for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS) y[i] = op_##NAME<T>(x[i]); \
+    }                                                                                          \
+    template <typename I>                                                                      \
+    __device__ void unary_##NAME##_##T##_strided(const T* x, T* y, u64 n, Dims d, Strides sx) { \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            y[i] = op_##NAME<T>(x[offset1<I>((I)i, d, sx)]);                                   \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void unary_##NAME##_##T##_s32(const T* x, T* y, u64 n, Dims d,       \
+                                                        Strides sx) {                          \
+        unary_##NAME##_##T##_strided<u32>(x, y, n, d, sx);                                     \
+    }                                                                                          \
+    extern "C" __global__ void unary_##NAME##_##T##_s64(const T* x, T* y, u64 n, Dims d,       \
+                                                        Strides sx) {                          \
+        unary_##NAME##_##T##_strided<u64>(x, y, n, d, sx);                                     \
+    }
+
+// Binary ops and comparisons: `O` is the output type.
+#define BINARY(KIND, NAME, T, O)                                                               \
+    extern "C" __global__ void KIND##_##NAME##_##T##_c(const T* __restrict__ a,                \
+                                                       const T* __restrict__ b,                \
+                                                       O* __restrict__ y, u64 n) {             \
+        const int N = 16 / sizeof(T);                                                          \
+        u64 nv = n / N;                                                                        \
+        const Vec<T, N>* av = (const Vec<T, N>*)a;                                             \
+        const Vec<T, N>* bv = (const Vec<T, N>*)b;                                             \
+        Vec<O, N>* yv = (Vec<O, N>*)y;                                                         \
+        for (u64 i = KILN_TID; i < nv; i += KILN_NTHREADS) {                                   \
+            Vec<T, N> p = av[i];                                                               \
+            Vec<T, N> q = bv[i];                                                               \
+            Vec<O, N> r;                                                                       \
+            _Pragma("unroll") for (int j = 0; j < N; ++j) r.v[j] = op_##NAME<T>(p.v[j], q.v[j]); \
+            yv[i] = r;                                                                         \
+        }                                                                                      \
+        for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS) y[i] = op_##NAME<T>(a[i], b[i]); \
+    }                                                                                          \
+    template <typename I>                                                                      \
+    __device__ void KIND##_##NAME##_##T##_strided(const T* a, const T* b, O* y, u64 n, Dims d, \
+                                                  Strides sa, Strides sb) {                    \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            I oa, ob;                                                                          \
+            offset2<I>((I)i, d, sa, sb, oa, ob);                                               \
+            y[i] = op_##NAME<T>(a[oa], b[ob]);                                                 \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void KIND##_##NAME##_##T##_s32(const T* a, const T* b, O* y, u64 n,  \
+                                                         Dims d, Strides sa, Strides sb) {     \
+        KIND##_##NAME##_##T##_strided<u32>(a, b, y, n, d, sa, sb);                             \
+    }                                                                                          \
+    extern "C" __global__ void KIND##_##NAME##_##T##_s64(const T* a, const T* b, O* y, u64 n,  \
+                                                         Dims d, Strides sa, Strides sb) {     \
+        KIND##_##NAME##_##T##_strided<u64>(a, b, y, n, d, sa, sb);                             \
+    }
+
+// `op(x, s)`, or `op(s, x)` when `lhs` is nonzero; the scalar `s` is a kernel argument.
+#define SCALAR(NAME, T)                                                                        \
+    extern "C" __global__ void scalar_##NAME##_##T##_c(const T* __restrict__ x, T* __restrict__ y, \
+                                                       u64 n, T s, int lhs) {                  \
+        const int N = 16 / sizeof(T);                                                          \
+        u64 nv = n / N;                                                                        \
+        const Vec<T, N>* xv = (const Vec<T, N>*)x;                                             \
+        Vec<T, N>* yv = (Vec<T, N>*)y;                                                         \
+        for (u64 i = KILN_TID; i < nv; i += KILN_NTHREADS) {                                   \
+            Vec<T, N> a = xv[i];                                                               \
+            Vec<T, N> r;                                                                       \
+            if (lhs) {                                                                         \
+                _Pragma("unroll") for (int j = 0; j < N; ++j) r.v[j] = op_##NAME<T>(s, a.v[j]); \
+            } else {                                                                           \
+                _Pragma("unroll") for (int j = 0; j < N; ++j) r.v[j] = op_##NAME<T>(a.v[j], s); \
+            }                                                                                  \
+            yv[i] = r;                                                                         \
+        }                                                                                      \
+        for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS)                            \
+            y[i] = lhs ? op_##NAME<T>(s, x[i]) : op_##NAME<T>(x[i], s);                        \
+    }                                                                                          \
+    template <typename I>                                                                      \
+    __device__ void scalar_##NAME##_##T##_strided(const T* x, T* y, u64 n, T s, int lhs, Dims d, \
+                                                  Strides sx) {                                \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            T v = x[offset1<I>((I)i, d, sx)];                                                  \
+            y[i] = lhs ? op_##NAME<T>(s, v) : op_##NAME<T>(v, s);                              \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void scalar_##NAME##_##T##_s32(const T* x, T* y, u64 n, T s, int lhs, \
+                                                         Dims d, Strides sx) {                 \
+        scalar_##NAME##_##T##_strided<u32>(x, y, n, s, lhs, d, sx);                            \
+    }                                                                                          \
+    extern "C" __global__ void scalar_##NAME##_##T##_s64(const T* x, T* y, u64 n, T s, int lhs, \
+                                                         Dims d, Strides sx) {                 \
+        scalar_##NAME##_##T##_strided<u64>(x, y, n, s, lhs, d, sx);                            \
+    }
+
+#define UNARY_FLOAT(T)                                                                         \
+    UNARY(neg, T) UNARY(abs, T) UNARY(exp, T) UNARY(log, T) UNARY(sqrt, T) UNARY(square, T)   \
+    UNARY(recip, T) UNARY(sin, T) UNARY(cos, T) UNARY(tanh, T) UNARY(sigmoid, T)               \
+    UNARY(relu, T) UNARY(gelu, T) UNARY(sign, T) UNARY(floor, T) UNARY(ceil, T)
+UNARY_FLOAT(float)
+UNARY_FLOAT(double)
+UNARY(neg, i64) UNARY(abs, i64) UNARY(square, i64) UNARY(sign, i64) UNARY(relu, i64)
+
+#define ARITH(KINDM, T)                                                                        \
+    KINDM(add, T) KINDM(sub, T) KINDM(mul, T) KINDM(div, T) KINDM(maximum, T) KINDM(minimum, T)
+#define BIN_SAME(NAME, T) BINARY(binary, NAME, T, T)
+ARITH(BIN_SAME, float)
+ARITH(BIN_SAME, double)
+ARITH(BIN_SAME, i64)
+BIN_SAME(pow, float)
+BIN_SAME(pow, double)
+BIN_SAME(maximum, u8)
+BIN_SAME(minimum, u8)
+ARITH(SCALAR, float)
+ARITH(SCALAR, double)
+ARITH(SCALAR, i64)
+SCALAR(pow, float)
+SCALAR(pow, double)
+SCALAR(maximum, u8)
+SCALAR(minimum, u8)
+
+#define CMP_ALL(T)                                                                             \
+    BINARY(cmp, eq, T, u8) BINARY(cmp, ne, T, u8) BINARY(cmp, lt, T, u8)                       \
+    BINARY(cmp, le, T, u8) BINARY(cmp, gt, T, u8) BINARY(cmp, ge, T, u8)
+CMP_ALL(float)
+CMP_ALL(double)
+CMP_ALL(i64)
+CMP_ALL(u8)
+
+// ---- where -----------------------------------------------------------------------------------
+
+#define WHERE(T)                                                                               \
+    template <typename I>                                                                      \
+    __device__ void where_##T##_impl(const u8* c, const T* a, const T* b, T* y, u64 n, Dims d, \
+                                     Strides sc, Strides sa, Strides sb) {                     \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            I oc, oa, ob;                                                                      \
+            offset3<I>((I)i, d, sc, sa, sb, oc, oa, ob);                                       \
+            y[i] = c[oc] ? a[oa] : b[ob];                                                      \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void where_##T##_s32(const u8* c, const T* a, const T* b, T* y,     \
+                                               u64 n, Dims d, Strides sc, Strides sa,          \
+                                               Strides sb) {                                   \
+        where_##T##_impl<u32>(c, a, b, y, n, d, sc, sa, sb);                                   \
+    }                                                                                          \
+    extern "C" __global__ void where_##T##_s64(const u8* c, const T* a, const T* b, T* y,     \
+                                               u64 n, Dims d, Strides sc, Strides sa,          \
+                                               Strides sb) {                                   \
+        where_##T##_impl<u64>(c, a, b, y, n, d, sc, sa, sb);                                   \
+    }
+WHERE(u8)
+WHERE(u32)
+WHERE(u64)
+
+// ---- casts (Rust `as` semantics: float to int truncates, saturates, NaN gives 0) -------------
+
+template <typename F, typename T> __device__ __forceinline__ T cast_to(F x) { return (T)x; }
+template <> __device__ __forceinline__ i64 cast_to(float x) {
+    if (x != x) return 0;
+    if (x >= 9223372036854775807.0f) return 9223372036854775807ll;
+    if (x <= -9223372036854775808.0f) return (-9223372036854775807ll - 1);
+    return (i64)x;
+}
+template <> __device__ __forceinline__ i64 cast_to(double x) {
+    if (x != x) return 0;
+    if (x >= 9223372036854775807.0) return 9223372036854775807ll;
+    if (x <= -9223372036854775808.0) return (-9223372036854775807ll - 1);
+    return (i64)x;
+}
+template <> __device__ __forceinline__ u8 cast_to(float x) {
+    if (!(x > 0.0f)) return 0;
+    if (x >= 255.0f) return 255;
+    return (u8)(u32)x;
+}
+template <> __device__ __forceinline__ u8 cast_to(double x) {
+    if (!(x > 0.0)) return 0;
+    if (x >= 255.0) return 255;
+    return (u8)(u32)x;
+}
+template <> __device__ __forceinline__ u8 cast_to(i64 x) { return (u8)(u64)x; }
+template <> __device__ __forceinline__ float cast_to(i64 x) { return __ll2float_rn(x); }
+template <> __device__ __forceinline__ double cast_to(i64 x) { return __ll2double_rn(x); }
+template <> __device__ __forceinline__ float cast_to(double x) { return __double2float_rn(x); }
+
+#define CAST(F, T)                                                                             \
+    template <typename I>                                                                      \
+    __device__ void cast_##F##_##T##_impl(const F* x, T* y, u64 n, Dims d, Strides sx) {       \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            y[i] = cast_to<F, T>(x[offset1<I>((I)i, d, sx)]);                                  \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void cast_##F##_##T##_s32(const F* x, T* y, u64 n, Dims d,           \
+                                                    Strides sx) {                              \
+        cast_##F##_##T##_impl<u32>(x, y, n, d, sx);                                            \
+    }                                                                                          \
+    extern "C" __global__ void cast_##F##_##T##_s64(const F* x, T* y, u64 n, Dims d,           \
+                                                    Strides sx) {                              \
+        cast_##F##_##T##_impl<u64>(x, y, n, d, sx);                                            \
+    }
+#define CAST_FROM(F) CAST(F, float) CAST(F, double) CAST(F, i64) CAST(F, u8)
+CAST_FROM(float)
+CAST_FROM(double)
+CAST_FROM(i64)
+CAST_FROM(u8)

@@ -1,0 +1,79 @@
+// Indexing: index_select, gather, scatter_add. An index outside its axis raises error code 2
+// in the device's error flag (read back by the host, which turns it into a typed error) and
+// the element is skipped (zero in the output); no out-of-bounds access ever happens, so the
+// device stays usable.
+
+// out[..., j, ...] = x[..., ids[j], ...]; `sx` are x's strides over the output's dims with the
+// selected axis' stride set to 0; `post` is the product of the output dims after the axis.
+#define INDEX_SELECT(T)                                                                        \
+    extern "C" __global__ void index_select_##T(const T* x, const i64* ids, T* y, u64 n,       \
+                                                Dims d, Strides sx, u64 ax_stride,             \
+                                                u64 ax_size, u64 post, u64 nids, u64 io,       \
+                                                u64 is, u32* flag) {                           \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            u64 j = (i / post) % nids;                                                         \
+            i64 id = ids[io + j * is];                                                         \
+            if (id < 0 || (u64)id >= ax_size) {                                                \
+                raise_error(flag, 2);                                                          \
+                y[i] = 0;                                                                      \
+                continue;                                                                      \
+            }                                                                                  \
+            y[i] = x[offset1<u64>(i, d, sx) + (u64)id * ax_stride];                            \
+        }                                                                                      \
+    }
+
+// out[i] = x[i with axis coordinate replaced by ids[i]]; dims `d` are the ids' (= output) dims.
+#define GATHER(T)                                                                              \
+    extern "C" __global__ void gather_##T(const T* x, const i64* ids, T* y, u64 n, Dims d,     \
+                                          Strides sx, Strides si, u64 ax_stride, u64 ax_size,  \
+                                          u32* flag) {                                         \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            u64 ox, oi;                                                                        \
+            offset2<u64>(i, d, sx, si, ox, oi);                                                \
+            i64 id = ids[oi];                                                                  \
+            if (id < 0 || (u64)id >= ax_size) {                                                \
+                raise_error(flag, 2);                                                          \
+                y[i] = 0;                                                                      \
+                continue;                                                                      \
+            }                                                                                  \
+            y[i] = x[ox + (u64)id * ax_stride];                                                \
+        }                                                                                      \
+    }
+
+__device__ __forceinline__ void atomic_add(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(double* p, double v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add(i64* p, i64 v) { atomicAdd((u64*)p, (u64)v); }
+__device__ __forceinline__ void atomic_add(u8* p, u8 v) {
+    u32* w = (u32*)((u64)p & ~(u64)3);
+    u32 shift = ((u64)p & 3) * 8;
+    u32 old = *w, assumed;
+    do {
+        assumed = old;
+        u32 b = ((assumed >> shift) + v) & 0xffu;
+        old = atomicCAS(w, assumed, (assumed & ~(0xffu << shift)) | (b << shift));
+    } while (old != assumed);
+}
+
+// y (already a contiguous copy of base) += src at ids along the axis; `sy` are y's strides over
+// the ids' dims with the axis stride set to 0.
+#define SCATTER_ADD(T)                                                                         \
+    extern "C" __global__ void scatter_add_##T(const i64* ids, const T* src, T* y, u64 n,      \
+                                               Dims d, Strides sy, Strides si, Strides ss,     \
+                                               u64 ax_stride, u64 ax_size, u32* flag) {        \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
+            u64 oy, oi, os;                                                                    \
+            offset3<u64>(i, d, sy, si, ss, oy, oi, os);                                        \
+            i64 id = ids[oi];                                                                  \
+            if (id < 0 || (u64)id >= ax_size) {                                                \
+                raise_error(flag, 2);                                                          \
+                continue;                                                                      \
+            }                                                                                  \
+            atomic_add(y + oy + (u64)id * ax_stride, src[os]);                                 \
+        }                                                                                      \
+    }
+
+#define INDEXING(T) INDEX_SELECT(T) GATHER(T) SCATTER_ADD(T)
+INDEXING(float)
+INDEXING(double)
+INDEXING(i64)
+INDEXING(u8)

@@ -1,0 +1,73 @@
+// Philox4x32-10 random numbers, bit for bit the scheme of kiln_core::philox: element `i` uses
+// counter [i_lo, i_hi, 0, 0] and key [seed_lo, seed_hi]. The affine maps use explicit
+// round-to-nearest intrinsics so that no FMA contraction changes the uniforms' last bit.
+
+__device__ __forceinline__ void philox(u64 i, u64 seed, u32 out[4]) {
+    u32 c0 = (u32)i, c1 = (u32)(i >> 32), c2 = 0, c3 = 0;
+    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
+        u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
+        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
+        c0 = n0;
+        c1 = lo1;
+        c2 = n2;
+        c3 = lo0;
+    }
+    out[0] = c0;
+    out[1] = c1;
+    out[2] = c2;
+    out[3] = c3;
+}
+
+extern "C" __global__ void rand_uniform_float(float* y, u64 n, u64 seed, float low, float high) {
+    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
+        u32 w[4];
+        philox(i, seed, w);
+        float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);  // 2^-24
+        y[i] = __fadd_rn(low, __fmul_rn(__fsub_rn(high, low), u));
+    }
+}
+
+extern "C" __global__ void rand_uniform_double(double* y, u64 n, u64 seed, double low,
+                                               double high) {
+    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
+        u32 w[4];
+        philox(i, seed, w);
+        u64 bits = (((u64)w[0] << 32) | (u64)w[1]) >> 11;
+        double u = __dmul_rn((double)bits, 1.1102230246251565404236316680908203125e-16);  // 2^-53
+        y[i] = __dadd_rn(low, __dmul_rn(__dsub_rn(high, low), u));
+    }
+}
+
+extern "C" __global__ void rand_normal_float(float* y, u64 n, u64 seed, float mean, float std) {
+    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
+        u32 w[4];
+        philox(i, seed, w);
+        float u1 = __fmul_rn((float)((w[0] >> 8) + 1), 5.9604644775390625e-8f);
+        float u2 = __fmul_rn((float)(w[1] >> 8), 5.9604644775390625e-8f);
+        float z = __fmul_rn(sqrtf(__fmul_rn(-2.0f, logf(u1))),
+                            cosf(__fmul_rn(6.28318530717958647692f, u2)));
+        y[i] = __fadd_rn(mean, __fmul_rn(std, z));
+    }
+}
+
+extern "C" __global__ void rand_normal_double(double* y, u64 n, u64 seed, double mean,
+                                              double std) {
+    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
+        u32 w[4];
+        philox(i, seed, w);
+        u64 b1 = ((((u64)w[0] << 32) | (u64)w[1]) >> 11) + 1;
+        u64 b2 = (((u64)w[2] << 32) | (u64)w[3]) >> 11;
+        double u1 = __dmul_rn((double)b1, 1.1102230246251565404236316680908203125e-16);
+        double u2 = __dmul_rn((double)b2, 1.1102230246251565404236316680908203125e-16);
+        double z = __dmul_rn(sqrt(__dmul_rn(-2.0, log(u1))),
+                             cos(__dmul_rn(6.283185307179586476925286766559, u2)));
+        y[i] = __dadd_rn(mean, __dmul_rn(std, z));
+    }
+}

@@ -1,0 +1,97 @@
+// Reductions over any set of axes. The host splits the input's dimensions into kept ones
+// (`kd`/`ks`: one output element each, output contiguous) and reduced ones (`rd`/`rs`, offset
+// 0), and picks one of two kernels:
+//
+//   row  one block per output (grid.x strides over outputs), its threads stride over the
+//        reduced elements; with grid.y = S > 1, block (o, s) reduces chunk s of `chunk`
+//        elements and writes partial y[o * S + s], which a second row launch combines. When
+//        the reduced elements are one contiguous run (`contig`), loads are 16-byte vectors.
+//   col  one thread per output, looping over the reduced elements; used when the kept axes
+//        are the innermost in memory (e.g. summing the rows of a [n, c] matrix), so that
+//        neighbouring threads read neighbouring addresses.
+//
+// The reduction tree depends only on the shape and the launch, never on timing: sums are
+// deterministic. Arg reductions write i64 indices into the single reduced axis.
+
+template <typename T> __device__ __forceinline__ void store(T* y, u64 i, T v) { y[i] = v; }
+template <typename T> __device__ __forceinline__ void store(i64* y, u64 i, ArgAcc<T> a) { y[i] = a.i; }
+
+template <typename T, typename Op, typename O>
+__device__ void reduce_row(const T* __restrict__ x, O* __restrict__ y, u64 nout, Dims kd, Strides ks,
+                           Dims rd, Strides rs, u64 inner, int contig, u64 chunk) {
+    __shared__ typename Op::Acc scratch[32];
+    const int N = 16 / sizeof(T);
+    u64 r0 = (u64)blockIdx.y * chunk;
+    u64 r1 = r0 + chunk < inner ? r0 + chunk : inner;
+    for (u64 o = blockIdx.x; o < nout; o += gridDim.x) {
+        u64 base = offset1<u64>(o, kd, ks);
+        typename Op::Acc acc = Op::init();
+        if (contig) {
+            const T* p = x + base;
+            // Vector loads over the aligned middle of [r0, r1).
+            u64 mis = ((u64)(p + r0) / sizeof(T)) % N;
+            u64 va = r0 + (mis ? N - mis : 0);
+            if (va > r1) va = r1;
+            u64 nvec = (r1 - va) / N;
+            for (u64 r = r0 + threadIdx.x; r < va; r += blockDim.x) acc = Op::combine(acc, Op::lift(p[r], (i64)r));
+            const Vec<T, N>* pv = (const Vec<T, N>*)(p + va);
+            for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
+                Vec<T, N> w = pv[v];
+#pragma unroll
+                for (int j = 0; j < N; ++j) acc = Op::combine(acc, Op::lift(w.v[j], (i64)(va + v * N + j)));
+            }
+            for (u64 r = va + nvec * N + threadIdx.x; r < r1; r += blockDim.x)
+                acc = Op::combine(acc, Op::lift(p[r], (i64)r));
+        } else {
+            for (u64 r = r0 + threadIdx.x; r < r1; r += blockDim.x) {
+                acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
+            }
+        }
+        acc = block_reduce<Op>(acc, scratch);
+        if (threadIdx.x == 0) store(y, o * gridDim.y + blockIdx.y, acc);
+    }
+}
+
+template <typename T, typename Op, typename O>
+__device__ void reduce_col(const T* __restrict__ x, O* __restrict__ y, u64 nout, Dims kd, Strides ks,
+                           Dims rd, Strides rs, u64 inner) {
+    for (u64 o = KILN_TID; o < nout; o += KILN_NTHREADS) {
+        u64 base = offset1<u64>(o, kd, ks);
+        typename Op::Acc acc = Op::init();
+        for (u64 r = 0; r < inner; ++r) acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
+        store(y, o, acc);
+    }
+}
+
+
+#define REDUCE(NAME, OPT, T, O)                                                                \
+    extern "C" __global__ void reduce_row_##NAME##_##T(const T* x, O* y, u64 nout, Dims kd,    \
+                                                       Strides ks, Dims rd, Strides rs,        \
+                                                       u64 inner, int contig, u64 chunk) {     \
+        reduce_row<T, OPT, O>(x, y, nout, kd, ks, rd, rs, inner, contig, chunk);               \
+    }                                                                                          \
+    extern "C" __global__ void reduce_col_##NAME##_##T(const T* x, O* y, u64 nout, Dims kd,    \
+                                                       Strides ks, Dims rd, Strides rs,        \
+                                                       u64 inner) {                            \
+        reduce_col<T, OPT, O>(x, y, nout, kd, ks, rd, rs, inner);                              \
+    }
+
+#define REDUCE_ALL(T)                                                                          \
+    typedef MaxOp<T> max_##T;                                                                  \
+    typedef MinOp<T> min_##T;                                                                  \
+    typedef ArgOp<T, true> argmax_##T;                                                         \
+    typedef ArgOp<T, false> argmin_##T;                                                        \
+    REDUCE(max, max_##T, T, T)                                                                 \
+    REDUCE(min, min_##T, T, T)                                                                 \
+    REDUCE(argmax, argmax_##T, T, i64)                                                         \
+    REDUCE(argmin, argmin_##T, T, i64)
+typedef SumOp<float> sum_float;
+typedef SumOp<double> sum_double;
+typedef SumOp<i64> sum_i64;
+REDUCE(sum, sum_float, float, float)
+REDUCE(sum, sum_double, double, double)
+REDUCE(sum, sum_i64, i64, i64)
+REDUCE_ALL(float)
+REDUCE_ALL(double)
+REDUCE_ALL(i64)
+REDUCE_ALL(u8)

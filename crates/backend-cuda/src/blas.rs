@@ -1,0 +1,199 @@
+//! Matrix products through cuBLAS (`sgemm`/`dgemm` strided batched).
+//!
+//! The trait hands us `[batch, m, k] x [batch, k, n]` with each matrix row- or column-major
+//! and any batch stride (0 broadcasts). cuBLAS is column-major, so we compute the row-major
+//! `C = A B` as the column-major `C^T = B^T A^T`: a row-major operand is, read column-major,
+//! already its transpose (op N), and a column-major one needs op T. No operand is copied.
+//!
+//! TF32 is off by default, as in PyTorch: f32 products are full f32. Turn it on with
+//! [`set_allow_tf32`] or `KILN_ALLOW_TF32=1`.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use cudarc::cublas::sys as cb;
+use cudarc::driver::sys;
+use kiln_core::{DType, Error, Layout, Result};
+
+use crate::device::{Blas, DeviceState, check};
+use crate::memory::{CudaStorage, alloc};
+
+static TF32: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
+
+/// Whether f32 matmuls may use TF32 tensor cores (faster, ~10-bit mantissa products).
+pub fn allow_tf32() -> bool {
+    match TF32.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("KILN_ALLOW_TF32").is_ok_and(|v| v == "1");
+            TF32.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Allows or forbids TF32 for f32 matmuls (default: forbidden, unless `KILN_ALLOW_TF32=1`).
+pub fn set_allow_tf32(on: bool) {
+    TF32.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+fn blas_check(r: cb::cublasStatus_t, op: &'static str) -> Result<()> {
+    r.result().map_err(|e| Error::backend(op, format!("{e:?}")))
+}
+
+fn int(op: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(op, format!("dimension {v} exceeds cuBLAS's i32")))
+}
+
+pub(crate) fn matmul(
+    a: &CudaStorage,
+    la: &Layout,
+    b: &CudaStorage,
+    lb: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "matmul";
+    if a.state().ordinal != b.state().ordinal {
+        return Err(Error::DeviceMismatch {
+            op: OP,
+            lhs: a.device().to_string(),
+            rhs: b.device().to_string(),
+        });
+    }
+    let dev: &'static DeviceState = a.state();
+    dev.bind()?;
+    let (batch, m, k) = (la.dims()[0], la.dims()[1], la.dims()[2]);
+    let n = lb.dims()[2];
+    let size = dtype.size_in_bytes();
+    let out = alloc(dev, batch * m * n * size)?;
+    if batch == 0 || m == 0 || n == 0 {
+        return Ok(out);
+    }
+    if k == 0 {
+        // SAFETY: the range is exactly `out`.
+        check(
+            unsafe { sys::cuMemsetD8Async(out.device_ptr(), 0, batch * m * n * size, dev.compute) },
+            OP,
+        )?;
+        return Ok(out);
+    }
+    let layout = |l: &Layout| {
+        let s = l.strides();
+        if s[2] == 1 {
+            (cb::cublasOperation_t::CUBLAS_OP_N, s[1].max(1))
+        } else {
+            (cb::cublasOperation_t::CUBLAS_OP_T, s[2].max(1))
+        }
+    };
+    let (op_a, lda) = layout(la);
+    let (op_b, ldb) = layout(lb);
+    let (m_, n_, k_) = (int(OP, m)?, int(OP, n)?, int(OP, k)?);
+    let (lda, ldb, batch_) = (int(OP, lda)?, int(OP, ldb)?, int(OP, batch)?);
+    let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
+    let pa = a.device_ptr() + (la.offset() * size) as u64;
+    let pb = b.device_ptr() + (lb.offset() * size) as u64;
+    let tf32 = allow_tf32() || dev.tf32_override.load(Ordering::Relaxed);
+    let mut guard = dev.blas.lock().unwrap();
+    if guard.is_none() {
+        // SAFETY: only dlopens libcublas by its candidate names.
+        if !unsafe { cb::is_culib_present() } {
+            return Err(Error::backend(OP, "libcublas not found"));
+        }
+        let mut h = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the handle is bound to this device's compute stream and
+        // kept for the process' lifetime.
+        unsafe {
+            blas_check(cb::cublasCreate_v2(&mut h), OP)?;
+            blas_check(cb::cublasSetStream_v2(h, dev.compute as _), OP)?;
+            blas_check(
+                cb::cublasSetMathMode(h, cb::cublasMath_t::CUBLAS_DEFAULT_MATH),
+                OP,
+            )?;
+        }
+        *guard = Some(Blas {
+            handle: h,
+            tf32: false,
+        });
+    }
+    let blas = guard.as_mut().unwrap();
+    if blas.tf32 != tf32 {
+        let mode = if tf32 {
+            cb::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cb::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: a live handle, used under the lock.
+        blas_check(unsafe { cb::cublasSetMathMode(blas.handle, mode) }, OP)?;
+        blas.tf32 = tf32;
+    }
+    let sc = (m * n) as i64;
+    // SAFETY: pointers and leading dimensions describe the operands' layouts (the trait's
+    // contract); `out` holds batch * m * n elements; the handle runs on the compute stream.
+    unsafe {
+        match dtype {
+            DType::F32 => {
+                let (alpha, beta) = (1f32, 0f32);
+                blas_check(
+                    cb::cublasSgemmStridedBatched(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        &alpha,
+                        pb as *const f32,
+                        ldb,
+                        sb,
+                        pa as *const f32,
+                        lda,
+                        sa,
+                        &beta,
+                        out.device_ptr() as *mut f32,
+                        n_,
+                        sc,
+                        batch_,
+                    ),
+                    OP,
+                )?;
+            }
+            DType::F64 => {
+                let (alpha, beta) = (1f64, 0f64);
+                blas_check(
+                    cb::cublasDgemmStridedBatched(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        &alpha,
+                        pb as *const f64,
+                        ldb,
+                        sb,
+                        pa as *const f64,
+                        lda,
+                        sa,
+                        &beta,
+                        out.device_ptr() as *mut f64,
+                        n_,
+                        sc,
+                        batch_,
+                    ),
+                    OP,
+                )?;
+            }
+            d => {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: "f32 or f64".into(),
+                    got: d,
+                });
+            }
+        }
+    }
+    drop(guard);
+    if crate::device::sync_debug() {
+        dev.sync(OP)?;
+    }
+    Ok(out)
+}

@@ -1,0 +1,464 @@
+//! Devices and their lazily created per-GPU state.
+//!
+//! Nothing touches the driver until a device is used: [`device_count`] loads libcuda
+//! dynamically and reports 0 (never panics) when it or a GPU is missing. The first op on a
+//! device creates its [`DeviceState`]: the primary context, a compute stream (every kernel,
+//! cuBLAS call, allocation and free), a copy stream (host transfers through pinned staging
+//! buffers, ordered against the compute stream with events), the cuBLAS handle (on first
+//! matmul), the kernel cache and the device error flag. States live for the whole process, like
+//! the CUDA primary context they hold.
+//!
+//! We call the driver through cudarc's `sys`/`result` layers rather than its safe wrappers: we
+//! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
+
+use std::collections::HashMap;
+use std::ffi::{CString, c_void};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys::{self, CUresult};
+use kiln_core::{Error, Result};
+
+use crate::compile::Module;
+
+/// One NVIDIA GPU, by ordinal. Displays as `cuda:N`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CudaDevice {
+    ordinal: usize,
+}
+
+impl CudaDevice {
+    /// The device with this ordinal; does not check that it exists (see [`try_gpu`]).
+    pub fn new(ordinal: usize) -> Self {
+        CudaDevice { ordinal }
+    }
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// The GPU's name, e.g. `NVIDIA H100 80GB HBM3`.
+    pub fn name(&self) -> Result<String> {
+        Ok(state(self)?.name.clone())
+    }
+    /// Total memory of the GPU in bytes.
+    pub fn total_memory(&self) -> Result<usize> {
+        Ok(state(self)?.total_mem)
+    }
+    /// The compute capability as `major * 10 + minor` (90 for Hopper).
+    pub fn compute_capability(&self) -> Result<u32> {
+        Ok(state(self)?.arch)
+    }
+}
+
+impl fmt::Display for CudaDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "cuda:{}", self.ordinal)
+    }
+}
+
+/// Why CUDA is unusable here, or `None` when at least one GPU is there.
+pub fn unavailable_reason() -> Option<String> {
+    match driver_info() {
+        Ok(0) => Some("the CUDA driver reports no device".into()),
+        Ok(_) => None,
+        Err(e) => Some(e.clone()),
+    }
+}
+
+fn driver_info() -> &'static std::result::Result<usize, String> {
+    static INFO: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    INFO.get_or_init(|| {
+        // SAFETY: only tries to dlopen libcuda by its candidate names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcuda not found (no NVIDIA driver)".into());
+        }
+        // SAFETY: cuInit may be called any number of times.
+        check(unsafe { sys::cuInit(0) }, "cuInit").map_err(|e| e.to_string())?;
+        let mut n = 0;
+        // SAFETY: valid out-pointer; the driver is initialized.
+        check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")
+            .map_err(|e| e.to_string())?;
+        Ok(n.max(0) as usize)
+    })
+}
+
+/// Number of usable GPUs (0 without a driver or a GPU; never panics).
+pub fn device_count() -> usize {
+    *driver_info().as_ref().unwrap_or(&0)
+}
+
+/// GPU `i` if it exists (d2l's `try_gpu`); `None` otherwise. The caller picks the CPU then.
+pub fn try_gpu(i: usize) -> Option<CudaDevice> {
+    (i < device_count()).then(|| CudaDevice::new(i))
+}
+
+/// Every GPU (empty when there is none).
+pub fn try_all_gpus() -> Vec<CudaDevice> {
+    (0..device_count()).map(CudaDevice::new).collect()
+}
+
+/// Turns a driver status into a typed error naming the op.
+pub(crate) fn check(r: CUresult, op: &'static str) -> Result<()> {
+    r.result().map_err(|e| Error::backend(op, format!("{e}")))
+}
+
+/// `KILN_CUDA_SYNC=1`: synchronize and check after every launch (CUDA_LAUNCH_BLOCKING).
+pub(crate) fn sync_debug() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"))
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct Func(pub sys::CUfunction);
+// SAFETY: a CUfunction is a handle valid in its context from any thread.
+unsafe impl Send for Func {}
+// SAFETY: as above; launching is thread-safe in the driver.
+unsafe impl Sync for Func {}
+
+pub(crate) struct Blas {
+    pub handle: cudarc::cublas::sys::cublasHandle_t,
+    pub tf32: bool,
+}
+// SAFETY: the handle is only used under the `blas` mutex.
+unsafe impl Send for Blas {}
+
+/// Pinned host buffers for transfers: a ring of `STAGING_BLOCKS` blocks of `STAGING_BYTES`,
+/// each with the event of its last DMA, so a block is reused only once its copy is done.
+pub(crate) struct Staging {
+    pub blocks: Vec<(*mut u8, sys::CUevent)>,
+    pub next: usize,
+}
+// SAFETY: only used under the `staging` mutex.
+unsafe impl Send for Staging {}
+pub(crate) const STAGING_BYTES: usize = 8 << 20;
+pub(crate) const STAGING_BLOCKS: usize = 4;
+
+/// The lazily created state of one GPU.
+pub(crate) struct DeviceState {
+    pub ordinal: usize,
+    pub cu_dev: sys::CUdevice,
+    pub ctx: sys::CUcontext,
+    pub compute: sys::CUstream,
+    pub copy: sys::CUstream,
+    pub pool: sys::CUmemoryPool,
+    pub name: String,
+    /// Compute capability, `major * 10 + minor`.
+    pub arch: u32,
+    pub sm_count: u32,
+    pub total_mem: usize,
+    /// A device `u32`: 0, or the code of the first kernel error since the last check.
+    pub err_flag: sys::CUdeviceptr,
+    /// Pinned host word the flag is copied into.
+    pub err_host: *mut u32,
+    pub err_lock: Mutex<()>,
+    pub modules: Mutex<HashMap<Module, usize>>,
+    pub funcs: Mutex<HashMap<String, Func>>,
+    pub blas: Mutex<Option<Blas>>,
+    pub staging: Mutex<Staging>,
+    pub in_use: AtomicUsize,
+    pub peak: AtomicUsize,
+    pub peers_enabled: Mutex<Vec<usize>>,
+    pub tf32_override: AtomicBool,
+}
+// SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
+// valid from any thread once the context is current, which `bind` ensures; mutable parts are
+// behind mutexes or atomics.
+unsafe impl Send for DeviceState {}
+// SAFETY: see above.
+unsafe impl Sync for DeviceState {}
+
+thread_local! {
+    static CURRENT: std::cell::Cell<sys::CUcontext> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+}
+
+/// The state of `dev`, created on first use.
+pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
+    static STATES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceState, String>>>> =
+        OnceLock::new();
+    let states = STATES.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
+    let slot = states.get(dev.ordinal).ok_or_else(|| {
+        Error::invalid(
+            "cuda",
+            format!(
+                "{dev} does not exist ({} CUDA device(s){})",
+                device_count(),
+                unavailable_reason()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default()
+            ),
+        )
+    })?;
+    let s = slot.get_or_init(|| {
+        DeviceState::create(dev.ordinal)
+            .map(|s| &*Box::leak(Box::new(s)))
+            .map_err(|e| e.to_string())
+    });
+    match s {
+        Ok(s) => {
+            s.bind()?;
+            Ok(s)
+        }
+        Err(e) => Err(Error::backend("cuda init", e)),
+    }
+}
+
+impl DeviceState {
+    fn create(ordinal: usize) -> Result<DeviceState> {
+        let mut cu_dev = 0;
+        // SAFETY: the driver is initialized (device_count succeeded); valid out-pointers
+        // throughout; every handle created here is owned by the returned state.
+        unsafe {
+            check(sys::cuDeviceGet(&mut cu_dev, ordinal as i32), "cuDeviceGet")?;
+            let mut ctx = std::ptr::null_mut();
+            check(
+                sys::cuDevicePrimaryCtxRetain(&mut ctx, cu_dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+            check(sys::cuCtxSetCurrent(ctx), "cuCtxSetCurrent")?;
+            CURRENT.with(|c| c.set(ctx));
+            let attr = |a| -> Result<i32> {
+                let mut v = 0;
+                check(
+                    sys::cuDeviceGetAttribute(&mut v, a, cu_dev),
+                    "cuDeviceGetAttribute",
+                )?;
+                Ok(v)
+            };
+            use sys::CUdevice_attribute::*;
+            let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+            let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+            let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+            let mut name = [0 as std::ffi::c_char; 256];
+            check(
+                sys::cuDeviceGetName(name.as_mut_ptr(), 256, cu_dev),
+                "cuDeviceGetName",
+            )?;
+            let name = std::ffi::CStr::from_ptr(name.as_ptr())
+                .to_string_lossy()
+                .into_owned();
+            let mut total_mem = 0usize;
+            check(
+                sys::cuDeviceTotalMem_v2(&mut total_mem, cu_dev),
+                "cuDeviceTotalMem",
+            )?;
+            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+            let mut compute = std::ptr::null_mut();
+            check(sys::cuStreamCreate(&mut compute, flags), "cuStreamCreate")?;
+            let mut copy = std::ptr::null_mut();
+            check(sys::cuStreamCreate(&mut copy, flags), "cuStreamCreate")?;
+            // The device's default stream-ordered pool, keeping freed memory cached.
+            let mut pool = std::ptr::null_mut();
+            check(
+                sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev),
+                "cuDeviceGetDefaultMemPool",
+            )?;
+            let mut threshold = u64::MAX;
+            check(
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    &mut threshold as *mut u64 as *mut c_void,
+                ),
+                "cuMemPoolSetAttribute",
+            )?;
+            let mut err_flag = 0;
+            check(sys::cuMemAlloc_v2(&mut err_flag, 4), "cuMemAlloc")?;
+            check(sys::cuMemsetD32_v2(err_flag, 0, 1), "cuMemsetD32")?;
+            let mut err_host = std::ptr::null_mut();
+            check(sys::cuMemHostAlloc(&mut err_host, 4, 0), "cuMemHostAlloc")?;
+            Ok(DeviceState {
+                ordinal,
+                cu_dev,
+                ctx,
+                compute,
+                copy,
+                pool,
+                name,
+                arch: (major * 10 + minor) as u32,
+                sm_count,
+                total_mem,
+                err_flag,
+                err_host: err_host as *mut u32,
+                err_lock: Mutex::new(()),
+                modules: Mutex::new(HashMap::new()),
+                funcs: Mutex::new(HashMap::new()),
+                blas: Mutex::new(None),
+                staging: Mutex::new(Staging {
+                    blocks: Vec::new(),
+                    next: 0,
+                }),
+                in_use: AtomicUsize::new(0),
+                peak: AtomicUsize::new(0),
+                peers_enabled: Mutex::new(Vec::new()),
+                tf32_override: AtomicBool::new(false),
+            })
+        }
+    }
+
+    pub fn device(&self) -> CudaDevice {
+        CudaDevice::new(self.ordinal)
+    }
+
+    /// Makes this device's context current on the calling thread (cached per thread).
+    pub fn bind(&self) -> Result<()> {
+        if CURRENT.with(|c| c.get()) != self.ctx {
+            // SAFETY: `ctx` is the retained primary context, alive for the whole process.
+            check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")?;
+            CURRENT.with(|c| c.set(self.ctx));
+        }
+        Ok(())
+    }
+
+    /// The kernel `name` of `module`, compiling (or loading from the disk cache) the module on
+    /// first use; memoized.
+    pub fn func(&self, module: Module, name: &str) -> Result<Func> {
+        if let Some(f) = self.funcs.lock().unwrap().get(name) {
+            return Ok(*f);
+        }
+        let m = self.module(module)?;
+        let cname = CString::new(name).map_err(|e| Error::backend("kernel lookup", e))?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: `m` is a loaded module of this context; valid out-pointer.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, m as sys::CUmodule, cname.as_ptr()) },
+            "cuModuleGetFunction",
+        )
+        .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
+        self.funcs.lock().unwrap().insert(name.to_string(), Func(f));
+        Ok(Func(f))
+    }
+
+    fn module(&self, module: Module) -> Result<usize> {
+        let mut mods = self.modules.lock().unwrap();
+        if let Some(&m) = mods.get(&module) {
+            return Ok(m);
+        }
+        let bin = crate::compile::load_or_compile(module, self.arch).map_err(|e| {
+            Error::backend(
+                "nvrtc",
+                format!("compiling {} for sm_{}: {e}", module.file_name(), self.arch),
+            )
+        })?;
+        let mut m = std::ptr::null_mut();
+        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
+        let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
+        if r != CUresult::CUDA_SUCCESS {
+            // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
+            let bin = crate::compile::compile(module, self.arch)
+                .map_err(|e| Error::backend("nvrtc", e))?;
+            // SAFETY: as above.
+            check(
+                unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
+                "cuModuleLoadData",
+            )?;
+        }
+        mods.insert(module, m as usize);
+        Ok(m as usize)
+    }
+
+    /// Launches `f` on the compute stream. `params` point at the kernel's arguments, in order
+    /// and with the exact C types the kernel declares.
+    pub fn launch(
+        &self,
+        op: &'static str,
+        f: Func,
+        grid: (u32, u32),
+        block: u32,
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 {
+            return Ok(());
+        }
+        // SAFETY: `f` is a kernel of this context; `params` match its signature (each call
+        // site passes the arguments its kernel declares) and point at live values.
+        check(
+            unsafe {
+                sys::cuLaunchKernel(
+                    f.0,
+                    grid.0,
+                    grid.1,
+                    1,
+                    block,
+                    1,
+                    1,
+                    smem,
+                    self.compute,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            },
+            op,
+        )?;
+        if sync_debug() {
+            self.sync(op)?;
+            self.check_flag(op)?;
+        }
+        Ok(())
+    }
+
+    /// 1-d launch configuration for `n` work items with grid-stride loops.
+    pub fn grid_1d(&self, n: u64, block: u32) -> (u32, u32) {
+        let want = n.div_ceil(block as u64);
+        let cap = self.sm_count as u64 * (2048 / block as u64) * 4;
+        (want.min(cap).max(if n == 0 { 0 } else { 1 }) as u32, 1)
+    }
+
+    /// Waits for the compute stream.
+    pub fn sync(&self, op: &'static str) -> Result<()> {
+        // SAFETY: the stream belongs to this (current) context.
+        check(unsafe { sys::cuStreamSynchronize(self.compute) }, op)
+    }
+
+    /// Reads the device error flag (synchronizing) and turns a raised flag into a typed error
+    /// naming `op`; the flag is cleared, so the device stays usable.
+    pub fn check_flag(&self, op: &'static str) -> Result<()> {
+        let _g = self.err_lock.lock().unwrap();
+        // SAFETY: `err_host` is pinned memory of 4 bytes; `err_flag` a device word; both
+        // are ordered on the compute stream, which we synchronize before reading.
+        let code = unsafe {
+            check(
+                sys::cuMemcpyDtoHAsync_v2(
+                    self.err_host as *mut c_void,
+                    self.err_flag,
+                    4,
+                    self.compute,
+                ),
+                op,
+            )?;
+            self.sync(op)?;
+            std::ptr::read_volatile(self.err_host)
+        };
+        if code == 0 {
+            return Ok(());
+        }
+        // SAFETY: a 4-byte device word, ordered on the compute stream.
+        check(
+            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 1, self.compute) },
+            op,
+        )?;
+        Err(match code {
+            1 => Error::invalid(op, "a label is outside 0..classes"),
+            2 => Error::invalid(op, "an index is outside the indexed axis"),
+            c => Error::backend(op, format!("kernel error code {c}")),
+        })
+    }
+
+    /// Records an event on `from` and makes `to` wait for it.
+    pub fn order(&self, from: sys::CUstream, to: sys::CUstream, op: &'static str) -> Result<()> {
+        // SAFETY: both streams belong to live contexts; the event is destroyed after the wait
+        // is enqueued, which the driver allows (it is released once the wait completes).
+        unsafe {
+            let mut ev = std::ptr::null_mut();
+            check(
+                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+                op,
+            )?;
+            let r = sys::cuEventRecord(ev, from)
+                .result()
+                .and_then(|_| sys::cuStreamWaitEvent(to, ev, 0).result());
+            sys::cuEventDestroy_v2(ev);
+            r.map_err(|e| Error::backend(op, format!("{e}")))
+        }
+    }
+}

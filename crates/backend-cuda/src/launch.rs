@@ -1,0 +1,165 @@
+//! Kernel arguments: shapes and strides by value, and an argument list for `cuLaunchKernel`.
+//!
+//! Layouts reach kernels as two fixed-size structs ([`Dims`], [`Strides`], matching
+//! `kernels/common.cuh`), never as a per-launch upload. Before that, [`collapse`] drops size-1
+//! dimensions and merges neighbours that are contiguous among themselves in every operand, so
+//! most views need one or two dimensions and the kernels' index arithmetic stays short.
+
+use std::ffi::c_void;
+
+use kiln_core::{Error, Layout, Result};
+
+pub(crate) const MAX_DIMS: usize = 8;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Dims {
+    pub d: [u64; MAX_DIMS],
+    pub rank: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Strides {
+    pub s: [u64; MAX_DIMS],
+    pub offset: u64,
+}
+
+/// Merges the dims of a shape shared by several operands (`strides[k]` per operand): size-1
+/// dims go, and dim `i` folds into `i+1` when every operand has `s[i] == s[i+1] * d[i+1]`.
+pub(crate) fn collapse_raw(dims: &[usize], strides: &[&[usize]]) -> (Vec<usize>, Vec<Vec<usize>>) {
+    let mut od: Vec<usize> = Vec::new();
+    let mut os: Vec<Vec<usize>> = vec![Vec::new(); strides.len()];
+    for (i, &d) in dims.iter().enumerate() {
+        if d == 1 {
+            continue;
+        }
+        let merge = !od.is_empty()
+            && strides
+                .iter()
+                .zip(&os)
+                .all(|(s, o)| *o.last().unwrap() == s[i] * d);
+        if merge {
+            *od.last_mut().unwrap() *= d;
+            for (s, o) in strides.iter().zip(os.iter_mut()) {
+                *o.last_mut().unwrap() = s[i];
+            }
+        } else {
+            od.push(d);
+            for (s, o) in strides.iter().zip(os.iter_mut()) {
+                o.push(s[i]);
+            }
+        }
+    }
+    (od, os)
+}
+
+/// [`collapse_raw`] packed into kernel arguments; `offsets[k]` is operand k's offset.
+pub(crate) fn collapse(
+    op: &'static str,
+    dims: &[usize],
+    strides: &[&[usize]],
+    offsets: &[usize],
+) -> Result<(Dims, Vec<Strides>)> {
+    let (od, os) = collapse_raw(dims, strides);
+    if od.len() > MAX_DIMS {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the CUDA backend supports up to {MAX_DIMS} non-mergeable dimensions, got {} (shape {dims:?})",
+                od.len()
+            ),
+        ));
+    }
+    let mut d = Dims {
+        rank: od.len() as i32,
+        ..Default::default()
+    };
+    for (i, &x) in od.iter().enumerate() {
+        d.d[i] = x as u64;
+    }
+    let ss = os
+        .iter()
+        .zip(offsets)
+        .map(|(o, &off)| {
+            let mut s = Strides {
+                offset: off as u64,
+                ..Default::default()
+            };
+            for (i, &x) in o.iter().enumerate() {
+                s.s[i] = x as u64;
+            }
+            s
+        })
+        .collect();
+    Ok((d, ss))
+}
+
+/// Whether 32-bit index arithmetic is exact for these layouts (every element count and storage
+/// extent below 2^31).
+pub(crate) fn fits_u32(layouts: &[&Layout]) -> bool {
+    layouts
+        .iter()
+        .all(|l| l.elem_count() < (1 << 31) && l.storage_extent() < (1 << 31))
+}
+
+/// Arguments for one launch, each in its own 8-byte-aligned slot.
+#[derive(Default)]
+pub(crate) struct Args {
+    buf: Vec<u64>,
+    offs: Vec<usize>,
+}
+
+impl Args {
+    pub fn new() -> Self {
+        Args {
+            buf: Vec::with_capacity(96),
+            offs: Vec::with_capacity(16),
+        }
+    }
+    /// Appends one argument with the exact C type the kernel declares.
+    pub fn push<T: Copy>(&mut self, v: T) -> &mut Self {
+        assert!(std::mem::align_of::<T>() <= 8);
+        let words = std::mem::size_of::<T>().div_ceil(8).max(1);
+        let at = self.buf.len();
+        self.buf.resize(at + words, 0);
+        // SAFETY: the slot holds `words * 8 >= size_of::<T>()` bytes, 8-byte aligned.
+        unsafe { std::ptr::write(self.buf[at..].as_mut_ptr() as *mut T, v) };
+        self.offs.push(at);
+        self
+    }
+    /// Pointers to each argument, valid while `self` is neither moved nor changed.
+    pub fn ptrs(&mut self) -> Vec<*mut c_void> {
+        let base = self.buf.as_mut_ptr();
+        self.offs
+            .iter()
+            // SAFETY: every offset is inside `buf`.
+            .map(|&o| unsafe { base.add(o) } as *mut c_void)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn collapse_merges_contiguous_and_drops_ones() {
+        let (d, s) = collapse_raw(&[2, 1, 3, 4], &[&[12, 12, 4, 1]]);
+        assert_eq!(d, vec![24]);
+        assert_eq!(s, vec![vec![1]]);
+        // a transpose does not merge
+        let (d, s) = collapse_raw(&[3, 2], &[&[1, 3]]);
+        assert_eq!((d, s), (vec![3, 2], vec![vec![1, 3]]));
+        // broadcast operand blocks merging where it differs
+        let (d, s) = collapse_raw(&[2, 3, 4], &[&[12, 4, 1], &[0, 1, 0]]);
+        assert_eq!(d, vec![2, 3, 4]);
+        assert_eq!(s[1], vec![0, 1, 0]);
+    }
+
+    #[test]
+    fn c_struct_sizes_match_the_kernels() {
+        assert_eq!(std::mem::size_of::<Dims>(), 72);
+        assert_eq!(std::mem::size_of::<Strides>(), 72);
+    }
+}

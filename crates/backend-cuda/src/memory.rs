@@ -1,0 +1,360 @@
+//! Device memory: buffers, the stream-ordered pool, statistics, out-of-memory handling, and
+//! transfers (host through pinned staging buffers, device to device by peer copy).
+//!
+//! Every buffer is allocated with `cuMemAllocAsync` and freed with `cuMemFreeAsync` on the
+//! device's compute stream, from the device's default memory pool whose release threshold we
+//! raise to `u64::MAX`: freed memory stays in the pool and the next allocation of a similar
+//! size is served without a driver round-trip to the OS, like PyTorch's caching allocator. All
+//! kernels run on that same stream, so a freed block can be reused at once: later work is
+//! ordered after every earlier use. Work on the copy stream is always followed by a wait of
+//! the compute stream on it (or by a host synchronization) before the buffer can be freed.
+//!
+//! On out-of-memory we return the pool's cached memory to the driver (trim), synchronize,
+//! retry once, and then fail with [`Error::OutOfMemory`] naming the request and what we hold.
+
+use std::ffi::c_void;
+use std::sync::atomic::Ordering;
+
+use cudarc::driver::sys::{self, CUresult};
+use kiln_core::{Error, MemoryStats, Result};
+
+use crate::device::{CudaDevice, DeviceState, STAGING_BLOCKS, STAGING_BYTES, check, state};
+
+/// One untyped buffer on one GPU (the dtype lives in the tensor).
+pub struct CudaStorage {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    dev: &'static DeviceState,
+}
+
+impl std::fmt::Debug for CudaStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "CudaStorage({} bytes on cuda:{})",
+            self.bytes, self.dev.ordinal
+        )
+    }
+}
+
+impl CudaStorage {
+    /// An uninitialized buffer of `bytes` on `dev` (what `torch.empty` does).
+    pub fn alloc(dev: &CudaDevice, bytes: usize) -> Result<CudaStorage> {
+        alloc(state(dev)?, bytes)
+    }
+    pub fn len_bytes(&self) -> usize {
+        self.bytes
+    }
+    pub fn device(&self) -> CudaDevice {
+        self.dev.device()
+    }
+    /// The raw device address (for interop and custom kernels).
+    pub fn device_ptr(&self) -> u64 {
+        self.ptr
+    }
+    pub(crate) fn state(&self) -> &'static DeviceState {
+        self.dev
+    }
+}
+
+impl Drop for CudaStorage {
+    fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
+        self.dev.in_use.fetch_sub(self.bytes, Ordering::Relaxed);
+        if self.dev.bind().is_ok() {
+            // SAFETY: `ptr` came from cuMemAllocAsync on this device and is freed once; the
+            // free is ordered on the compute stream after every kernel that used it.
+            unsafe {
+                sys::cuMemFreeAsync(self.ptr, self.dev.compute);
+            }
+        }
+    }
+}
+
+pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<CudaStorage> {
+    if bytes == 0 {
+        return Ok(CudaStorage { ptr: 0, bytes, dev });
+    }
+    let try_alloc = || {
+        let mut p = 0;
+        // SAFETY: valid out-pointer; the stream belongs to the current context.
+        let r = unsafe { sys::cuMemAllocAsync(&mut p, bytes, dev.compute) };
+        (r, p)
+    };
+    let (mut r, mut p) = try_alloc();
+    if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+        empty_cache(dev)?;
+        (r, p) = try_alloc();
+    }
+    match r {
+        CUresult::CUDA_SUCCESS => {}
+        CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            let held = dev.in_use.load(Ordering::Relaxed);
+            let (mut free, mut total) = (0usize, 0usize);
+            // SAFETY: valid out-pointers; context is current.
+            unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
+            return Err(Error::OutOfMemory {
+                device: dev.device().to_string(),
+                requested: bytes,
+                held,
+                msg: format!(
+                    "{} MiB free of {} MiB on the device",
+                    free >> 20,
+                    total >> 20
+                ),
+            });
+        }
+        e => return Err(Error::backend("alloc", format!("{e:?} ({bytes} bytes)"))),
+    }
+    let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    dev.peak.fetch_max(now, Ordering::Relaxed);
+    Ok(CudaStorage { ptr: p, bytes, dev })
+}
+
+/// Returns the pool's cached memory to the driver (after the device is idle).
+pub(crate) fn empty_cache(dev: &DeviceState) -> Result<()> {
+    dev.sync("empty_cache")?;
+    // SAFETY: the pool is this device's default pool; the device is idle.
+    check(unsafe { sys::cuMemPoolTrimTo(dev.pool, 0) }, "empty_cache")
+}
+
+pub(crate) fn memory_stats(dev: &DeviceState) -> Result<MemoryStats> {
+    let mut reserved = 0u64;
+    // SAFETY: the attribute is a u64; valid out-pointer.
+    check(
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                dev.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
+                &mut reserved as *mut u64 as *mut c_void,
+            )
+        },
+        "memory_stats",
+    )?;
+    Ok(MemoryStats {
+        in_use: dev.in_use.load(Ordering::Relaxed),
+        peak: dev.peak.load(Ordering::Relaxed),
+        reserved: reserved as usize,
+    })
+}
+
+/// Resets the peak to the current use.
+pub fn reset_peak(dev: &CudaDevice) -> Result<()> {
+    let s = state(dev)?;
+    s.peak
+        .store(s.in_use.load(Ordering::Relaxed), Ordering::Relaxed);
+    Ok(())
+}
+
+// ---- transfers -------------------------------------------------------------------------------
+
+/// Takes the next block of the pinned ring (allocating it on first use). With `wait`, blocks
+/// until the block's previous DMA has finished (needed before the host writes into it).
+fn staging_block(st: &mut crate::device::Staging, wait: bool) -> Result<usize> {
+    let i = st.next;
+    st.next = (st.next + 1) % STAGING_BLOCKS;
+    if st.blocks.len() <= i {
+        // SAFETY: valid out-pointers; the pinned block and event are owned by the ring.
+        unsafe {
+            let mut h = std::ptr::null_mut();
+            check(
+                sys::cuMemHostAlloc(&mut h, STAGING_BYTES, 0),
+                "pinned staging alloc",
+            )?;
+            let mut ev = std::ptr::null_mut();
+            check(
+                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+                "cuEventCreate",
+            )?;
+            st.blocks.push((h as *mut u8, ev));
+        }
+    } else if wait {
+        // SAFETY: a live event of this context (never recorded counts as complete).
+        check(
+            unsafe { sys::cuEventSynchronize(st.blocks[i].1) },
+            "staging wait",
+        )?;
+    }
+    Ok(i)
+}
+
+/// Uploads `bytes` into a new buffer: chunks go through the pinned ring on the copy stream;
+/// the call returns once the last chunk is queued (asynchronous for up to the ring's size).
+pub(crate) fn upload(dev: &'static DeviceState, data: &[u8]) -> Result<CudaStorage> {
+    let dst = alloc(dev, data.len())?;
+    if data.is_empty() {
+        return Ok(dst);
+    }
+    dev.order(dev.compute, dev.copy, "from_host")?;
+    {
+        let mut st = dev.staging.lock().unwrap();
+        for (k, chunk) in data.chunks(STAGING_BYTES).enumerate() {
+            let i = staging_block(&mut st, true)?;
+            let (h, ev) = st.blocks[i];
+            // SAFETY: `h` is a pinned block of STAGING_BYTES >= chunk.len() whose previous DMA
+            // has completed; the device range lies inside `dst`.
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), h, chunk.len());
+                check(
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dst.ptr + (k * STAGING_BYTES) as u64,
+                        h as *const c_void,
+                        chunk.len(),
+                        dev.copy,
+                    ),
+                    "from_host",
+                )?;
+                check(sys::cuEventRecord(ev, dev.copy), "from_host")?;
+            }
+        }
+    }
+    dev.order(dev.copy, dev.compute, "from_host")?;
+    Ok(dst)
+}
+
+/// Downloads `len` bytes from `src` at byte offset `off` (a contiguous range), pipelined
+/// through the pinned ring on the copy stream.
+pub(crate) fn download(src: &CudaStorage, off: usize, out: &mut [u8]) -> Result<()> {
+    let dev = src.dev;
+    if out.is_empty() {
+        return Ok(());
+    }
+    dev.order(dev.compute, dev.copy, "to_host")?;
+    let mut st = dev.staging.lock().unwrap();
+    let n = out.len().div_ceil(STAGING_BYTES);
+    let mut pending: std::collections::VecDeque<(usize, usize)> = Default::default();
+    let drain =
+        |st: &crate::device::Staging, out: &mut [u8], (k, i): (usize, usize)| -> Result<()> {
+            let (h, ev) = st.blocks[i];
+            let start = k * STAGING_BYTES;
+            let len = (out.len() - start).min(STAGING_BYTES);
+            // SAFETY: the event marks the end of this chunk's DMA into the pinned block `h`.
+            unsafe {
+                check(sys::cuEventSynchronize(ev), "to_host")?;
+                std::ptr::copy_nonoverlapping(h, out[start..].as_mut_ptr(), len);
+            }
+            Ok(())
+        };
+    for k in 0..n {
+        if pending.len() == STAGING_BLOCKS {
+            let p = pending.pop_front().unwrap();
+            drain(&st, out, p)?;
+        }
+        // No host wait needed: a DMA into the block is ordered after its earlier uses on the
+        // same copy stream.
+        let i = staging_block(&mut st, false)?;
+        let (h, ev) = st.blocks[i];
+        let start = k * STAGING_BYTES;
+        let len = (out.len() - start).min(STAGING_BYTES);
+        // SAFETY: the source range lies inside `src`; `h` holds STAGING_BYTES; its previous
+        // use was drained above (at most STAGING_BLOCKS chunks are in flight).
+        unsafe {
+            check(
+                sys::cuMemcpyDtoHAsync_v2(
+                    h as *mut c_void,
+                    src.ptr + (off + start) as u64,
+                    len,
+                    dev.copy,
+                ),
+                "to_host",
+            )?;
+            check(sys::cuEventRecord(ev, dev.copy), "to_host")?;
+        }
+        pending.push_back((k, i));
+    }
+    while let Some(p) = pending.pop_front() {
+        drain(&st, out, p)?;
+    }
+    Ok(())
+}
+
+/// Copies `bytes` from `src` (byte offset `off`) into a new buffer on `dst_dev`: a peer copy
+/// between GPUs (direct over NVLink/PCIe when the devices can access each other).
+pub(crate) fn copy_peer(
+    src: &CudaStorage,
+    off: usize,
+    bytes: usize,
+    dst_dev: &'static DeviceState,
+) -> Result<CudaStorage> {
+    let src_dev = src.dev;
+    enable_peer(src_dev, dst_dev);
+    dst_dev.bind()?;
+    let dst = alloc(dst_dev, bytes)?;
+    if bytes == 0 {
+        return Ok(dst);
+    }
+    // dst's (recycled) memory may still be in use by earlier work on dst's stream.
+    cross_order(dst_dev, src_dev, "copy_to_device")?;
+    src_dev.bind()?;
+    // SAFETY: both ranges are inside live buffers; the copy is ordered on src's compute
+    // stream after src's producers, and after dst's earlier work by the event above.
+    check(
+        unsafe {
+            sys::cuMemcpyPeerAsync(
+                dst.ptr,
+                dst_dev.ctx,
+                src.ptr + off as u64,
+                src_dev.ctx,
+                bytes,
+                src_dev.compute,
+            )
+        },
+        "copy_to_device",
+    )?;
+    cross_order(src_dev, dst_dev, "copy_to_device")?;
+    dst_dev.bind()?;
+    Ok(dst)
+}
+
+/// Makes `to`'s compute stream wait for the work queued so far on `from`'s compute stream.
+fn cross_order(from: &DeviceState, to: &DeviceState, op: &'static str) -> Result<()> {
+    from.bind()?;
+    // SAFETY: the event is created in `from`'s context and recorded on its stream; waiting on
+    // an event of another context is allowed; destroying it after the wait is enqueued is too.
+    unsafe {
+        let mut ev = std::ptr::null_mut();
+        check(
+            sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
+            op,
+        )?;
+        check(sys::cuEventRecord(ev, from.compute), op)?;
+        to.bind()?;
+        let r = check(sys::cuStreamWaitEvent(to.compute, ev, 0), op);
+        from.bind()?;
+        sys::cuEventDestroy_v2(ev);
+        r
+    }
+}
+
+/// Enables direct peer access between two GPUs (context and pool), once per pair, when the
+/// hardware allows; otherwise peer copies are staged by the driver.
+fn enable_peer(a: &DeviceState, b: &DeviceState) {
+    for (x, y) in [(a, b), (b, a)] {
+        let mut done = x.peers_enabled.lock().unwrap();
+        if done.contains(&y.ordinal) {
+            continue;
+        }
+        done.push(y.ordinal);
+        let mut can = 0;
+        // SAFETY: valid devices and out-pointer; failures only mean no direct access.
+        unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev, y.cu_dev);
+            if can == 0 || x.bind().is_err() {
+                continue;
+            }
+            sys::cuCtxEnablePeerAccess(y.ctx, 0);
+            // Let x read and write memory of y's pool.
+            let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
+            desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            set_location_id(&mut desc.location, x.ordinal as i32);
+            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+            sys::cuMemPoolSetAccess(y.pool, &desc, 1);
+        }
+    }
+}
+
+fn set_location_id(l: &mut sys::CUmemLocation, id: i32) {
+    l.id = id;
+}

@@ -1,0 +1,928 @@
+//! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
+
+use cudarc::driver::sys;
+use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, ReduceOp, Result, UnaryOp};
+
+use crate::compile::Module;
+use crate::device::{DeviceState, check};
+use crate::launch::{Args, Dims, Strides, collapse, fits_u32};
+use crate::memory::{CudaStorage, alloc};
+
+pub(crate) const BLOCK: u32 = 256;
+
+/// The C element type name used in kernel names.
+pub(crate) fn tname(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        _ => "unsupported",
+    }
+}
+
+/// The kernel type for moving elements of `dtype` without looking at them.
+fn sized(dtype: DType) -> &'static str {
+    match dtype.size_in_bytes() {
+        1 => "u8",
+        4 => "u32",
+        _ => "u64",
+    }
+}
+
+fn ptr_at(s: &CudaStorage, l: &Layout, dtype: DType) -> u64 {
+    s.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
+}
+
+fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
+    if a.state().ordinal != b.state().ordinal {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device().to_string(),
+            rhs: b.device().to_string(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn run(
+    dev: &DeviceState,
+    op: &'static str,
+    module: Module,
+    name: &str,
+    grid: (u32, u32),
+    block: u32,
+    smem: u32,
+    args: &mut Args,
+) -> Result<()> {
+    let f = dev.func(module, name)?;
+    let mut p = args.ptrs();
+    dev.launch(op, f, grid, block, smem, &mut p)
+}
+
+/// An elementwise kernel over `inputs` (all with the output's shape) into a new contiguous
+/// buffer of `out_dtype`. `extra` pushes the arguments between `n` and the layouts.
+/// Contiguous, 16-byte-aligned operands take the `_c` (vectorized) kernel when `has_c`.
+fn elementwise(
+    op: &'static str,
+    module: Module,
+    base: &str,
+    inputs: &[(&CudaStorage, &Layout, DType)],
+    out_dtype: DType,
+    has_c: bool,
+    extra: &dyn Fn(&mut Args),
+) -> Result<CudaStorage> {
+    let (s0, l0, _) = inputs[0];
+    for (s, _, _) in &inputs[1..] {
+        same_device(op, s0, s)?;
+    }
+    let dev = s0.state();
+    dev.bind()?;
+    let n = l0.elem_count();
+    let out = alloc(dev, n * out_dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let contiguous = has_c
+        && inputs
+            .iter()
+            .all(|(s, l, dt)| l.is_contiguous() && ptr_at(s, l, *dt) % 16 == 0);
+    let mut a = Args::new();
+    if contiguous {
+        for (s, l, dt) in inputs {
+            a.push(ptr_at(s, l, *dt));
+        }
+        a.push(out.device_ptr()).push(n as u64);
+        extra(&mut a);
+        let vec = 16 / inputs[0].2.size_in_bytes() as u64;
+        let grid = dev.grid_1d((n as u64).div_ceil(vec), BLOCK);
+        run(
+            dev,
+            op,
+            module,
+            &format!("{base}_c"),
+            grid,
+            BLOCK,
+            0,
+            &mut a,
+        )?;
+    } else {
+        let strides: Vec<&[usize]> = inputs.iter().map(|(_, l, _)| l.strides()).collect();
+        let offsets: Vec<usize> = inputs.iter().map(|(_, l, _)| l.offset()).collect();
+        let (d, ss) = collapse(op, l0.dims(), &strides, &offsets)?;
+        for (s, _, _) in inputs {
+            a.push(s.device_ptr());
+        }
+        a.push(out.device_ptr()).push(n as u64);
+        extra(&mut a);
+        a.push(d);
+        for s in ss {
+            a.push(s);
+        }
+        let layouts: Vec<&Layout> = inputs.iter().map(|(_, l, _)| *l).collect();
+        let suffix = if fits_u32(&layouts) { "s32" } else { "s64" };
+        let grid = dev.grid_1d(n as u64, BLOCK);
+        run(
+            dev,
+            op,
+            module,
+            &format!("{base}_{suffix}"),
+            grid,
+            BLOCK,
+            0,
+            &mut a,
+        )?;
+    }
+    Ok(out)
+}
+
+pub(crate) fn unary(op: UnaryOp, s: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {
+    if !op.supports(dtype) {
+        return Err(Error::DTypeMismatch {
+            op: op.name(),
+            expected: "a dtype the op supports".into(),
+            got: dtype,
+        });
+    }
+    let base = format!("unary_{}_{}", op.name(), tname(dtype));
+    elementwise(
+        op.name(),
+        Module::Elementwise,
+        &base,
+        &[(s, l, dtype)],
+        dtype,
+        true,
+        &|_| {},
+    )
+}
+
+pub(crate) fn binary(
+    op: BinaryOp,
+    a: &CudaStorage,
+    la: &Layout,
+    b: &CudaStorage,
+    lb: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    if !op.supports(dtype) {
+        return Err(Error::DTypeMismatch {
+            op: op.name(),
+            expected: "a dtype the op supports".into(),
+            got: dtype,
+        });
+    }
+    let base = format!("binary_{}_{}", op.name(), tname(dtype));
+    elementwise(
+        op.name(),
+        Module::Elementwise,
+        &base,
+        &[(a, la, dtype), (b, lb, dtype)],
+        dtype,
+        true,
+        &|_| {},
+    )
+}
+
+pub(crate) fn binary_scalar(
+    op: BinaryOp,
+    s: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    scalar: f64,
+    scalar_lhs: bool,
+) -> Result<CudaStorage> {
+    if !op.supports(dtype) {
+        return Err(Error::DTypeMismatch {
+            op: op.name(),
+            expected: "a dtype the op supports".into(),
+            got: dtype,
+        });
+    }
+    let base = format!("scalar_{}_{}", op.name(), tname(dtype));
+    let lhs = scalar_lhs as i32;
+    let extra = |a: &mut Args| {
+        match dtype {
+            DType::F32 => a.push(scalar as f32),
+            DType::F64 => a.push(scalar),
+            DType::I64 => a.push(scalar as i64),
+            _ => a.push(scalar as u8),
+        };
+        a.push(lhs);
+    };
+    elementwise(
+        op.name(),
+        Module::Elementwise,
+        &base,
+        &[(s, l, dtype)],
+        dtype,
+        true,
+        &extra,
+    )
+}
+
+pub(crate) fn compare(
+    op: CmpOp,
+    a: &CudaStorage,
+    la: &Layout,
+    b: &CudaStorage,
+    lb: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    let base = format!("cmp_{}_{}", op.name(), tname(dtype));
+    elementwise(
+        op.name(),
+        Module::Elementwise,
+        &base,
+        &[(a, la, dtype), (b, lb, dtype)],
+        DType::U8,
+        true,
+        &|_| {},
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn where_cond(
+    c: &CudaStorage,
+    lc: &Layout,
+    t: &CudaStorage,
+    lt: &Layout,
+    f: &CudaStorage,
+    lf: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    let base = format!("where_{}", sized(dtype));
+    elementwise(
+        "where",
+        Module::Elementwise,
+        &base,
+        &[(c, lc, DType::U8), (t, lt, dtype), (f, lf, dtype)],
+        dtype,
+        false,
+        &|_| {},
+    )
+}
+
+pub(crate) fn cast(s: &CudaStorage, l: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
+    if from == to {
+        return contiguous(s, l, from);
+    }
+    let base = format!("cast_{}_{}", tname(from), tname(to));
+    elementwise(
+        "cast",
+        Module::Elementwise,
+        &base,
+        &[(s, l, from)],
+        to,
+        false,
+        &|_| {},
+    )
+}
+
+// ---- data movement ---------------------------------------------------------------------------
+
+/// Strided copy of `src` (layout `ls`) into `dst` at layout `ld` (same shape).
+pub(crate) fn copy_strided(
+    src: &CudaStorage,
+    ls: &Layout,
+    dst: &CudaStorage,
+    ld: &Layout,
+    dtype: DType,
+) -> Result<()> {
+    let dev = src.state();
+    dev.bind()?;
+    let n = ls.elem_count();
+    if n == 0 {
+        return Ok(());
+    }
+    let size = dtype.size_in_bytes();
+    if ls.is_contiguous() && ld.is_contiguous() {
+        // SAFETY: both ranges lie inside their buffers (the layouts' contract); ordered on the
+        // compute stream.
+        return check(
+            unsafe {
+                sys::cuMemcpyDtoDAsync_v2(
+                    ptr_at(dst, ld, dtype),
+                    ptr_at(src, ls, dtype),
+                    n * size,
+                    dev.compute,
+                )
+            },
+            "copy",
+        );
+    }
+    let (d, ss) = collapse(
+        "copy",
+        ls.dims(),
+        &[ls.strides(), ld.strides()],
+        &[ls.offset(), ld.offset()],
+    )?;
+    let mut a = Args::new();
+    a.push(src.device_ptr())
+        .push(dst.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(ss[0])
+        .push(ss[1]);
+    let suffix = if fits_u32(&[ls, ld]) { "s32" } else { "s64" };
+    let grid = dev.grid_1d(n as u64, BLOCK);
+    run(
+        dev,
+        "copy",
+        Module::Copy,
+        &format!("copy_{}_{suffix}", sized(dtype)),
+        grid,
+        BLOCK,
+        0,
+        &mut a,
+    )
+}
+
+pub(crate) fn contiguous(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {
+    let dev = s.state();
+    dev.bind()?;
+    let out = alloc(dev, l.elem_count() * dtype.size_in_bytes())?;
+    copy_strided(s, l, &out, &Layout::contiguous(l.shape().clone()), dtype)?;
+    Ok(out)
+}
+
+pub(crate) fn fill(
+    dev: &'static DeviceState,
+    dtype: DType,
+    len: usize,
+    value: f64,
+) -> Result<CudaStorage> {
+    dev.bind()?;
+    let out = alloc(dev, len * dtype.size_in_bytes())?;
+    if len == 0 {
+        return Ok(out);
+    }
+    let bits: u64 = match dtype {
+        DType::F32 => (value as f32).to_bits() as u64,
+        DType::F64 => value.to_bits(),
+        DType::I64 => (value as i64) as u64,
+        _ => (value as u8) as u64,
+    };
+    if bits == 0 {
+        // SAFETY: the range is exactly `out`; ordered on the compute stream.
+        check(
+            unsafe {
+                sys::cuMemsetD8Async(
+                    out.device_ptr(),
+                    0,
+                    len * dtype.size_in_bytes(),
+                    dev.compute,
+                )
+            },
+            "fill",
+        )?;
+        return Ok(out);
+    }
+    let mut a = Args::new();
+    a.push(out.device_ptr()).push(len as u64);
+    match dtype.size_in_bytes() {
+        1 => a.push(bits as u8),
+        4 => a.push(bits as u32),
+        _ => a.push(bits),
+    };
+    let grid = dev.grid_1d(len as u64, BLOCK);
+    run(
+        dev,
+        "fill",
+        Module::Copy,
+        &format!("fill_{}", sized(dtype)),
+        grid,
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn rand(
+    dev: &'static DeviceState,
+    dtype: DType,
+    len: usize,
+    seed: u64,
+    dist: RandDist,
+) -> Result<CudaStorage> {
+    if !dtype.is_float() {
+        return Err(Error::DTypeMismatch {
+            op: "rand",
+            expected: "a float dtype".into(),
+            got: dtype,
+        });
+    }
+    dev.bind()?;
+    let out = alloc(dev, len * dtype.size_in_bytes())?;
+    let (kind, p, q) = match dist {
+        RandDist::Uniform { low, high } => ("uniform", low, high),
+        RandDist::Normal { mean, std } => ("normal", mean, std),
+    };
+    let mut a = Args::new();
+    a.push(out.device_ptr()).push(len as u64).push(seed);
+    if dtype == DType::F32 {
+        a.push(p as f32).push(q as f32);
+    } else {
+        a.push(p).push(q);
+    }
+    let grid = dev.grid_1d(len as u64, BLOCK);
+    run(
+        dev,
+        "rand",
+        Module::Rand,
+        &format!("rand_{kind}_{}", tname(dtype)),
+        grid,
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    Ok(out)
+}
+
+// ---- reductions ------------------------------------------------------------------------------
+
+fn block_for(n: u64, max: u32) -> u32 {
+    (n.next_power_of_two().clamp(32, max as u64)) as u32
+}
+
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    axes: &[usize],
+) -> Result<CudaStorage> {
+    let name = op.name();
+    let dev = s.state();
+    dev.bind()?;
+    let out_dtype = if op.is_arg() { DType::I64 } else { dtype };
+    let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
+    for (i, (&d, &st)) in l.dims().iter().zip(l.strides()).enumerate() {
+        if axes.contains(&i) {
+            rd.push(d);
+            rs.push(st);
+        } else {
+            kd.push(d);
+            ks.push(st);
+        }
+    }
+    let nout: usize = kd.iter().product();
+    let inner: usize = rd.iter().product();
+    let out = alloc(dev, nout * out_dtype.size_in_bytes())?;
+    if nout == 0 {
+        return Ok(out);
+    }
+    if inner == 0 {
+        if op != ReduceOp::Sum {
+            return Err(Error::invalid(name, "cannot reduce an empty axis"));
+        }
+        // SAFETY: the range is exactly `out`.
+        check(
+            unsafe {
+                sys::cuMemsetD8Async(
+                    out.device_ptr(),
+                    0,
+                    nout * out_dtype.size_in_bytes(),
+                    dev.compute,
+                )
+            },
+            name,
+        )?;
+        return Ok(out);
+    }
+    let (kdims, kstr) = collapse(name, &kd, &[&ks], &[l.offset()])?;
+    // For arg reductions `rd` is the one reduced axis: `r` is the index the kernel reports.
+    let (rdims, rstr) = collapse(name, &rd, &[&rs], &[0])?;
+    let (kstr, rstr) = (kstr[0], rstr[0]);
+    let contig = rdims.rank == 0 || (rdims.rank == 1 && rstr.s[0] == 1);
+    let min_stride = |d: &[usize], s: &[usize]| {
+        d.iter()
+            .zip(s)
+            .filter(|(d, _)| **d > 1)
+            .map(|(_, s)| *s)
+            .min()
+    };
+    let row_mode = match (min_stride(&rd, &rs), min_stride(&kd, &ks)) {
+        (Some(r), Some(k)) => r < k || nout < 64,
+        _ => true,
+    };
+    let t = tname(dtype);
+    if !row_mode {
+        let mut a = Args::new();
+        a.push(s.device_ptr())
+            .push(out.device_ptr())
+            .push(nout as u64)
+            .push(kdims)
+            .push(kstr)
+            .push(rdims)
+            .push(rstr)
+            .push(inner as u64);
+        let grid = dev.grid_1d(nout as u64, BLOCK);
+        run(
+            dev,
+            name,
+            Module::Reduce,
+            &format!("reduce_col_{name}_{t}"),
+            grid,
+            BLOCK,
+            0,
+            &mut a,
+        )?;
+        return Ok(out);
+    }
+    let block = block_for(inner as u64, 256);
+    let kernel = format!("reduce_row_{name}_{t}");
+    let sms = dev.sm_count as usize;
+    let splits = if !op.is_arg() && nout < sms * 2 && inner >= 1 << 16 {
+        (sms * 8).div_ceil(nout).min(inner / 8192).max(1)
+    } else {
+        1
+    };
+    let grid_x = nout.min(sms * 32) as u32;
+    if splits == 1 {
+        let mut a = Args::new();
+        a.push(s.device_ptr())
+            .push(out.device_ptr())
+            .push(nout as u64)
+            .push(kdims)
+            .push(kstr)
+            .push(rdims)
+            .push(rstr)
+            .push(inner as u64)
+            .push(contig as i32)
+            .push(inner as u64);
+        run(
+            dev,
+            name,
+            Module::Reduce,
+            &kernel,
+            (grid_x, 1),
+            block,
+            0,
+            &mut a,
+        )?;
+        return Ok(out);
+    }
+    // Two passes: `splits` partial results per output, then one block per output combines them.
+    let chunk = inner.div_ceil(splits).next_multiple_of(16);
+    let splits = inner.div_ceil(chunk);
+    let partial = alloc(dev, nout * splits * dtype.size_in_bytes())?;
+    let mut a = Args::new();
+    a.push(s.device_ptr())
+        .push(partial.device_ptr())
+        .push(nout as u64)
+        .push(kdims)
+        .push(kstr)
+        .push(rdims)
+        .push(rstr)
+        .push(inner as u64)
+        .push(contig as i32)
+        .push(chunk as u64);
+    run(
+        dev,
+        name,
+        Module::Reduce,
+        &kernel,
+        (grid_x, splits as u32),
+        256,
+        0,
+        &mut a,
+    )?;
+    let (pk, pks) = collapse(name, &[nout], &[&[splits]], &[0])?;
+    let (pr, prs) = collapse(name, &[splits], &[&[1]], &[0])?;
+    let mut a = Args::new();
+    a.push(partial.device_ptr())
+        .push(out.device_ptr())
+        .push(nout as u64)
+        .push(pk)
+        .push(pks[0])
+        .push(pr)
+        .push(prs[0])
+        .push(splits as u64)
+        .push(1i32)
+        .push(splits as u64);
+    run(
+        dev,
+        name,
+        Module::Reduce,
+        &kernel,
+        (grid_x, 1),
+        block_for(splits as u64, 256),
+        0,
+        &mut a,
+    )?;
+    Ok(out)
+}
+
+// ---- rows: softmax and cross-entropy ---------------------------------------------------------
+
+/// Leading dims of a row-major problem over the last axis: (rows, cols, row dims, row strides,
+/// last stride).
+fn rows_of(op: &'static str, l: &Layout) -> Result<(usize, usize, Dims, Strides, u64)> {
+    let r = l.rank();
+    let cols = l.dims()[r - 1];
+    let rows: usize = l.dims()[..r - 1].iter().product();
+    let (d, s) = collapse(
+        op,
+        &l.dims()[..r - 1],
+        &[&l.strides()[..r - 1]],
+        &[l.offset()],
+    )?;
+    Ok((rows, cols, d, s[0], l.strides()[r - 1] as u64))
+}
+
+pub(crate) fn softmax(s: &CudaStorage, l: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
+    let op = if log { "log_softmax" } else { "softmax" };
+    let dev = s.state();
+    dev.bind()?;
+    let out = alloc(dev, l.elem_count() * dtype.size_in_bytes())?;
+    if l.elem_count() == 0 {
+        return Ok(out);
+    }
+    let (rows, cols, d, st, cs) = rows_of(op, l)?;
+    let row_bytes = cols * dtype.size_in_bytes();
+    let smem = row_bytes <= 48 * 1024;
+    let block = block_for((cols / 8) as u64, 1024);
+    let mut a = Args::new();
+    a.push(s.device_ptr())
+        .push(out.device_ptr())
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(d)
+        .push(st)
+        .push(cs)
+        .push(log as i32)
+        .push(smem as i32);
+    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    let shared = if smem { row_bytes as u32 } else { 0 };
+    run(
+        dev,
+        op,
+        Module::Softmax,
+        &format!("softmax_{}", tname(dtype)),
+        grid,
+        block,
+        shared,
+        &mut a,
+    )?;
+    Ok(out)
+}
+
+pub(crate) fn cross_entropy(
+    x: &CudaStorage,
+    lx: &Layout,
+    labels: &CudaStorage,
+    ll: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy";
+    same_device(OP, x, labels)?;
+    let dev = x.state();
+    dev.bind()?;
+    let (rows, cols, d, st, cs) = rows_of(OP, lx)?;
+    let out = alloc(dev, rows * dtype.size_in_bytes())?;
+    if rows == 0 {
+        return Ok(out);
+    }
+    if cols == 0 {
+        return Err(Error::invalid(OP, "logits have no classes"));
+    }
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(labels.device_ptr())
+        .push(out.device_ptr())
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(d)
+        .push(st)
+        .push(cs)
+        .push(ll.offset() as u64)
+        .push(ll.strides()[0] as u64)
+        .push(dev.err_flag);
+    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    run(
+        dev,
+        OP,
+        Module::Softmax,
+        &format!("xent_{}", tname(dtype)),
+        grid,
+        block_for(cols as u64 / 4, 256),
+        0,
+        &mut a,
+    )?;
+    dev.check_flag(OP)?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cross_entropy_backward(
+    x: &CudaStorage,
+    lx: &Layout,
+    labels: &CudaStorage,
+    ll: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "cross_entropy_backward";
+    same_device(OP, x, labels)?;
+    same_device(OP, x, g)?;
+    let dev = x.state();
+    dev.bind()?;
+    let (rows, cols, d, st, cs) = rows_of(OP, lx)?;
+    let out = alloc(dev, rows * cols * dtype.size_in_bytes())?;
+    if rows == 0 || cols == 0 {
+        return Ok(out);
+    }
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(labels.device_ptr())
+        .push(g.device_ptr())
+        .push(out.device_ptr())
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(d)
+        .push(st)
+        .push(cs)
+        .push(ll.offset() as u64)
+        .push(ll.strides()[0] as u64)
+        .push(lg.offset() as u64)
+        .push(lg.strides()[0] as u64)
+        .push(dev.err_flag);
+    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    run(
+        dev,
+        OP,
+        Module::Softmax,
+        &format!("xent_bwd_{}", tname(dtype)),
+        grid,
+        block_for(cols as u64 / 4, 256),
+        0,
+        &mut a,
+    )?;
+    dev.check_flag(OP)?;
+    Ok(out)
+}
+
+// ---- indexing --------------------------------------------------------------------------------
+
+fn zero_axis(l: &Layout, axis: usize) -> Vec<usize> {
+    let mut s = l.strides().to_vec();
+    s[axis] = 0;
+    s
+}
+
+pub(crate) fn index_select(
+    x: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    ids: &CudaStorage,
+    li: &Layout,
+    axis: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "index_select";
+    same_device(OP, x, ids)?;
+    let dev = x.state();
+    dev.bind()?;
+    let nids = li.elem_count();
+    let mut od = l.dims().to_vec();
+    od[axis] = nids;
+    let n: usize = od.iter().product();
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let post: usize = od[axis + 1..].iter().product();
+    let sx = zero_axis(l, axis);
+    let (d, sxs) = collapse(OP, &od, &[&sx], &[l.offset()])?;
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(ids.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(sxs[0])
+        .push(l.strides()[axis] as u64)
+        .push(l.dims()[axis] as u64)
+        .push(post as u64)
+        .push(nids as u64)
+        .push(li.offset() as u64)
+        .push(li.strides().first().copied().unwrap_or(0) as u64)
+        .push(dev.err_flag);
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &format!("index_select_{}", tname(dtype)),
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    dev.check_flag(OP)?;
+    Ok(out)
+}
+
+pub(crate) fn gather(
+    x: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    ids: &CudaStorage,
+    li: &Layout,
+    axis: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "gather";
+    same_device(OP, x, ids)?;
+    let dev = x.state();
+    dev.bind()?;
+    let n = li.elem_count();
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let sx = zero_axis(l, axis);
+    let (d, ss) = collapse(
+        OP,
+        li.dims(),
+        &[&sx, li.strides()],
+        &[l.offset(), li.offset()],
+    )?;
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(ids.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(ss[0])
+        .push(ss[1])
+        .push(l.strides()[axis] as u64)
+        .push(l.dims()[axis] as u64)
+        .push(dev.err_flag);
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &format!("gather_{}", tname(dtype)),
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    dev.check_flag(OP)?;
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scatter_add(
+    base: &CudaStorage,
+    lb: &Layout,
+    dtype: DType,
+    ids: &CudaStorage,
+    li: &Layout,
+    src: &CudaStorage,
+    ls: &Layout,
+    axis: usize,
+) -> Result<CudaStorage> {
+    const OP: &str = "scatter_add";
+    same_device(OP, base, ids)?;
+    same_device(OP, base, src)?;
+    let dev = base.state();
+    dev.bind()?;
+    let out = contiguous(base, lb, dtype)?;
+    let n = li.elem_count();
+    if n == 0 {
+        return Ok(out);
+    }
+    let ol = Layout::contiguous(lb.shape().clone());
+    let sy = zero_axis(&ol, axis);
+    let (d, ss) = collapse(
+        OP,
+        li.dims(),
+        &[&sy, li.strides(), ls.strides()],
+        &[0, li.offset(), ls.offset()],
+    )?;
+    let mut a = Args::new();
+    a.push(ids.device_ptr())
+        .push(src.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(ss[0])
+        .push(ss[1])
+        .push(ss[2])
+        .push(ol.strides()[axis] as u64)
+        .push(lb.dims()[axis] as u64)
+        .push(dev.err_flag);
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &format!("scatter_add_{}", tname(dtype)),
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    dev.check_flag(OP)?;
+    Ok(out)
+}

@@ -52,6 +52,15 @@ impl Dropout {
     pub fn is_training(&self) -> bool {
         self.training
     }
+    /// Training mode (an inherent method: `Dropout` is a module for every backend, so the
+    /// generic [`ModuleExt::train`](crate::ModuleExt::train) would need the backend named).
+    pub fn train(&mut self) {
+        self.training = true;
+    }
+    /// Evaluation mode: the identity.
+    pub fn eval(&mut self) {
+        self.training = false;
+    }
 
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.

@@ -1,0 +1,406 @@
+//! Elementwise kernels: unary, binary, binary-with-scalar, compare, where, cast.
+//!
+//! Each op is a slice kernel (a plain loop over equal-length slices, which LLVM vectorizes)
+//! run by the strided drivers in [`crate::strided`]. Semantics follow the `Backend` docs:
+//! i64 arithmetic wraps, i64 `Div` truncates and gives 0 for a zero divisor, `Maximum`/`Minimum`
+//! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts.
+
+use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, Result, UnaryOp};
+
+use crate::fastmath;
+use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::strided::{map1, map2, map3};
+
+pub(crate) fn dtype_err(op: &'static str, expected: &str, got: DType) -> Error {
+    Error::DTypeMismatch {
+        op,
+        expected: expected.to_string(),
+        got,
+    }
+}
+
+/// The typed slice of `s`, or a dtype error naming `op`.
+pub(crate) fn slice<'a, T: CpuElem>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
+    T::slice(s.data()).ok_or_else(|| dtype_err(op, T::DTYPE.as_str(), s.dtype()))
+}
+
+/// A slice kernel from an elementwise function.
+#[inline(always)]
+fn ew1<A: Copy, U>(f: impl Fn(A) -> U + Sync) -> impl Fn(&[A], &mut [U]) + Sync {
+    move |a, o| {
+        for (o, &x) in o.iter_mut().zip(a) {
+            *o = f(x);
+        }
+    }
+}
+
+#[inline(always)]
+fn ew2<A: Copy, B: Copy, U>(f: impl Fn(A, B) -> U + Sync) -> impl Fn(&[A], &[B], &mut [U]) + Sync {
+    move |a, b, o| {
+        for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+            *o = f(x, y);
+        }
+    }
+}
+
+/// Runs a unary slice kernel into a fresh storage.
+fn run1<A: CpuElem, U: CpuElem>(
+    s: &CpuStorage,
+    layout: &Layout,
+    op: &'static str,
+    kern: impl Fn(&[A], &mut [U]) + Sync,
+) -> Result<CpuStorage> {
+    let a = slice::<A>(op, s)?;
+    let mut out = alloc::<U>(s.device(), layout.elem_count());
+    map1(a, layout, &mut out, kern);
+    Ok(storage(s.device(), out))
+}
+
+fn run2<A: CpuElem, U: CpuElem>(
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    op: &'static str,
+    kern: impl Fn(&[A], &[A], &mut [U]) + Sync,
+) -> Result<CpuStorage> {
+    let (x, y) = (slice::<A>(op, a)?, slice::<A>(op, b)?);
+    let mut out = alloc::<U>(a.device(), la.elem_count());
+    map2(x, la, y, lb, &mut out, kern);
+    Ok(storage(a.device(), out))
+}
+
+// ---- unary -----------------------------------------------------------------------------------
+
+macro_rules! float_unary {
+    ($t:ty, $op:expr, $s:expr, $l:expr, $erf:path, $exp_slice:expr, $sigmoid_slice:expr) => {{
+        let name = $op.name();
+        match $op {
+            UnaryOp::Neg => run1::<$t, $t>($s, $l, name, ew1(|x: $t| -x)),
+            UnaryOp::Abs => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.abs())),
+            UnaryOp::Exp => run1::<$t, $t>($s, $l, name, $exp_slice),
+            UnaryOp::Log => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.ln())),
+            UnaryOp::Sqrt => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.sqrt())),
+            UnaryOp::Square => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x * x)),
+            UnaryOp::Recip => run1::<$t, $t>($s, $l, name, ew1(|x: $t| 1.0 / x)),
+            UnaryOp::Sin => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.sin())),
+            UnaryOp::Cos => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.cos())),
+            UnaryOp::Tanh => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.tanh())),
+            UnaryOp::Sigmoid => run1::<$t, $t>($s, $l, name, $sigmoid_slice),
+            UnaryOp::Relu => run1::<$t, $t>(
+                $s,
+                $l,
+                name,
+                ew1(|x: $t| if x > 0.0 || x.is_nan() { x } else { 0.0 }),
+            ),
+            UnaryOp::Gelu => run1::<$t, $t>(
+                $s,
+                $l,
+                name,
+                ew1(|x: $t| 0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t))),
+            ),
+            // -1, 1, and x itself for ±0 and NaN.
+            UnaryOp::Sign => run1::<$t, $t>(
+                $s,
+                $l,
+                name,
+                ew1(|x: $t| {
+                    if x > 0.0 {
+                        1.0
+                    } else if x < 0.0 {
+                        -1.0
+                    } else {
+                        x
+                    }
+                }),
+            ),
+            UnaryOp::Floor => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.floor())),
+            UnaryOp::Ceil => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.ceil())),
+        }
+    }};
+}
+
+pub(crate) fn unary(
+    op: UnaryOp,
+    s: &CpuStorage,
+    layout: &Layout,
+    dtype: DType,
+) -> Result<CpuStorage> {
+    let name = op.name();
+    match dtype {
+        DType::F32 => float_unary!(
+            f32,
+            op,
+            s,
+            layout,
+            libm::erff,
+            fastmath::exp_f32,
+            fastmath::sigmoid_f32
+        ),
+        DType::F64 => float_unary!(
+            f64,
+            op,
+            s,
+            layout,
+            libm::erf,
+            ew1(|x: f64| x.exp()),
+            ew1(|x: f64| 1.0 / (1.0 + (-x).exp()))
+        ),
+        DType::I64 => match op {
+            UnaryOp::Neg => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_neg())),
+            UnaryOp::Abs => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_abs())),
+            UnaryOp::Square => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_mul(x))),
+            UnaryOp::Sign => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.signum())),
+            UnaryOp::Relu => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.max(0))),
+            _ => Err(dtype_err(name, "f32 or f64", dtype)),
+        },
+        _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
+    }
+}
+
+// ---- binary ----------------------------------------------------------------------------------
+
+/// Calls `$body` with `$f` bound to a monomorphic (inlinable) closure for `$op` on `$t`.
+macro_rules! with_float_binop {
+    ($t:ty, $op:expr, |$f:ident| $body:expr) => {
+        match $op {
+            BinaryOp::Add => {
+                let $f = |a: $t, b: $t| a + b;
+                $body
+            }
+            BinaryOp::Sub => {
+                let $f = |a: $t, b: $t| a - b;
+                $body
+            }
+            BinaryOp::Mul => {
+                let $f = |a: $t, b: $t| a * b;
+                $body
+            }
+            BinaryOp::Div => {
+                let $f = |a: $t, b: $t| a / b;
+                $body
+            }
+            BinaryOp::Pow => {
+                let $f = |a: $t, b: $t| a.powf(b);
+                $body
+            }
+            BinaryOp::Maximum => {
+                let $f = |a: $t, b: $t| if b > a || b.is_nan() { b } else { a };
+                $body
+            }
+            BinaryOp::Minimum => {
+                let $f = |a: $t, b: $t| if b < a || b.is_nan() { b } else { a };
+                $body
+            }
+        }
+    };
+}
+
+macro_rules! with_i64_binop {
+    ($op:expr, $name:expr, |$f:ident| $body:expr) => {
+        match $op {
+            BinaryOp::Add => {
+                let $f = |a: i64, b: i64| a.wrapping_add(b);
+                $body
+            }
+            BinaryOp::Sub => {
+                let $f = |a: i64, b: i64| a.wrapping_sub(b);
+                $body
+            }
+            BinaryOp::Mul => {
+                let $f = |a: i64, b: i64| a.wrapping_mul(b);
+                $body
+            }
+            BinaryOp::Div => {
+                let $f = |a: i64, b: i64| if b == 0 { 0 } else { a.wrapping_div(b) };
+                $body
+            }
+            BinaryOp::Maximum => {
+                let $f = |a: i64, b: i64| a.max(b);
+                $body
+            }
+            BinaryOp::Minimum => {
+                let $f = |a: i64, b: i64| a.min(b);
+                $body
+            }
+            BinaryOp::Pow => Err(dtype_err($name, "f32 or f64", DType::I64)),
+        }
+    };
+}
+
+pub(crate) fn binary(
+    op: BinaryOp,
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    dtype: DType,
+) -> Result<CpuStorage> {
+    let name = op.name();
+    match dtype {
+        DType::F32 => with_float_binop!(f32, op, |f| run2::<f32, f32>(a, la, b, lb, name, ew2(f))),
+        DType::F64 => with_float_binop!(f64, op, |f| run2::<f64, f64>(a, la, b, lb, name, ew2(f))),
+        DType::I64 => with_i64_binop!(op, name, |f| run2::<i64, i64>(a, la, b, lb, name, ew2(f))),
+        DType::U8 => match op {
+            BinaryOp::Maximum => run2::<u8, u8>(a, la, b, lb, name, ew2(|x: u8, y: u8| x.max(y))),
+            BinaryOp::Minimum => run2::<u8, u8>(a, la, b, lb, name, ew2(|x: u8, y: u8| x.min(y))),
+            _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
+        },
+        _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
+    }
+}
+
+/// `op(x, c)` (or `op(c, x)` when `scalar_lhs`) with `c` converted to the dtype by `as`.
+pub(crate) fn binary_scalar(
+    op: BinaryOp,
+    s: &CpuStorage,
+    layout: &Layout,
+    dtype: DType,
+    scalar: f64,
+    scalar_lhs: bool,
+) -> Result<CpuStorage> {
+    let name = op.name();
+    macro_rules! go {
+        ($t:ty, $f:expr) => {{
+            let f = $f;
+            let c = scalar as $t;
+            if scalar_lhs {
+                run1::<$t, $t>(s, layout, name, ew1(move |x: $t| f(c, x)))
+            } else {
+                run1::<$t, $t>(s, layout, name, ew1(move |x: $t| f(x, c)))
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => with_float_binop!(f32, op, |f| go!(f32, f)),
+        DType::F64 => with_float_binop!(f64, op, |f| go!(f64, f)),
+        DType::I64 => with_i64_binop!(op, name, |f| go!(i64, f)),
+        DType::U8 => match op {
+            BinaryOp::Maximum => go!(u8, |x: u8, y: u8| x.max(y)),
+            BinaryOp::Minimum => go!(u8, |x: u8, y: u8| x.min(y)),
+            _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
+        },
+        _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
+    }
+}
+
+// ---- compare, where, cast --------------------------------------------------------------------
+
+fn compare_t<T: CpuElem>(
+    op: CmpOp,
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+) -> Result<CpuStorage> {
+    let name = op.name();
+    match op {
+        CmpOp::Eq => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x == y) as u8)),
+        CmpOp::Ne => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x != y) as u8)),
+        CmpOp::Lt => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x < y) as u8)),
+        CmpOp::Le => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x <= y) as u8)),
+        CmpOp::Gt => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x > y) as u8)),
+        CmpOp::Ge => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x >= y) as u8)),
+    }
+}
+
+pub(crate) fn compare(
+    op: CmpOp,
+    a: &CpuStorage,
+    la: &Layout,
+    b: &CpuStorage,
+    lb: &Layout,
+    dtype: DType,
+) -> Result<CpuStorage> {
+    match dtype {
+        DType::F32 => compare_t::<f32>(op, a, la, b, lb),
+        DType::F64 => compare_t::<f64>(op, a, la, b, lb),
+        DType::I64 => compare_t::<i64>(op, a, la, b, lb),
+        DType::U8 => compare_t::<u8>(op, a, la, b, lb),
+        _ => Err(dtype_err(op.name(), "f32, f64, i64 or u8", dtype)),
+    }
+}
+
+fn where_t<T: CpuElem>(
+    c: &CpuStorage,
+    lc: &Layout,
+    t: &CpuStorage,
+    lt: &Layout,
+    f: &CpuStorage,
+    lf: &Layout,
+) -> Result<CpuStorage> {
+    const OP: &str = "where";
+    let (cv, tv, fv) = (slice::<u8>(OP, c)?, slice::<T>(OP, t)?, slice::<T>(OP, f)?);
+    let mut out = alloc::<T>(t.device(), lt.elem_count());
+    map3(cv, lc, tv, lt, fv, lf, &mut out, |c, t, f, o| {
+        for (((o, &c), &t), &f) in o.iter_mut().zip(c).zip(t).zip(f) {
+            *o = if c != 0 { t } else { f };
+        }
+    });
+    Ok(storage(t.device(), out))
+}
+
+pub(crate) fn where_cond(
+    c: &CpuStorage,
+    lc: &Layout,
+    t: &CpuStorage,
+    lt: &Layout,
+    f: &CpuStorage,
+    lf: &Layout,
+    dtype: DType,
+) -> Result<CpuStorage> {
+    match dtype {
+        DType::F32 => where_t::<f32>(c, lc, t, lt, f, lf),
+        DType::F64 => where_t::<f64>(c, lc, t, lt, f, lf),
+        DType::I64 => where_t::<i64>(c, lc, t, lt, f, lf),
+        DType::U8 => where_t::<u8>(c, lc, t, lt, f, lf),
+        _ => Err(dtype_err("where", "f32, f64, i64 or u8", dtype)),
+    }
+}
+
+pub(crate) fn cast(s: &CpuStorage, layout: &Layout, from: DType, to: DType) -> Result<CpuStorage> {
+    macro_rules! to {
+        ($a:ty) => {
+            match to {
+                DType::F32 => run1::<$a, f32>(s, layout, "cast", ew1(|x: $a| x as f32)),
+                DType::F64 => run1::<$a, f64>(s, layout, "cast", ew1(|x: $a| x as f64)),
+                DType::I64 => run1::<$a, i64>(s, layout, "cast", ew1(|x: $a| x as i64)),
+                DType::U8 => run1::<$a, u8>(s, layout, "cast", ew1(|x: $a| x as u8)),
+                _ => Err(dtype_err("cast", "f32, f64, i64 or u8", to)),
+            }
+        };
+    }
+    match from {
+        DType::F32 => to!(f32),
+        DType::F64 => to!(f64),
+        DType::I64 => to!(i64),
+        DType::U8 => to!(u8),
+        _ => Err(dtype_err("cast", "f32, f64, i64 or u8", from)),
+    }
+}
+
+/// The elements of `layout` as a new contiguous storage on `dst` (any dtype).
+pub(crate) fn copy_contiguous(
+    s: &CpuStorage,
+    layout: &Layout,
+    dtype: DType,
+    dst: crate::CpuDevice,
+) -> Result<CpuStorage> {
+    fn go<T: CpuElem>(
+        s: &CpuStorage,
+        layout: &Layout,
+        dst: crate::CpuDevice,
+    ) -> Result<CpuStorage> {
+        let a = slice::<T>("contiguous", s)?;
+        let mut out = alloc::<T>(dst, layout.elem_count());
+        map1(a, layout, &mut out, |x, o| o.copy_from_slice(x));
+        Ok(storage(dst, out))
+    }
+    match dtype {
+        DType::F32 => go::<f32>(s, layout, dst),
+        DType::F64 => go::<f64>(s, layout, dst),
+        DType::I64 => go::<i64>(s, layout, dst),
+        DType::U8 => go::<u8>(s, layout, dst),
+        _ => Err(dtype_err("contiguous", "f32, f64, i64 or u8", dtype)),
+    }
+}

@@ -1,0 +1,46 @@
+//! Seeded random tensors: element `i` is drawn from Philox4x32-10 with counter `i`, through
+//! [`kiln_core::philox`] itself, so the CPU draws bit for bit what every other backend draws,
+//! however the work is split across threads.
+
+use kiln_core::{DType, RandDist, Result, philox};
+
+use crate::CpuDevice;
+use crate::elementwise::dtype_err;
+use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::strided::par_out;
+
+fn fill_with<T: CpuElem>(device: CpuDevice, len: usize, f: impl Fn(u64) -> T + Sync) -> CpuStorage {
+    let mut out = alloc::<T>(device, len);
+    par_out(&mut out, 1, |s, o| {
+        for (j, v) in o.iter_mut().enumerate() {
+            *v = f((s + j) as u64);
+        }
+    });
+    storage(device, out)
+}
+
+pub(crate) fn rand(
+    device: CpuDevice,
+    dtype: DType,
+    len: usize,
+    seed: u64,
+    dist: RandDist,
+) -> Result<CpuStorage> {
+    Ok(match (dtype, dist) {
+        (DType::F32, RandDist::Uniform { low, high }) => {
+            let (low, high) = (low as f32, high as f32);
+            fill_with(device, len, |i| philox::uniform_f32(seed, i, low, high))
+        }
+        (DType::F32, RandDist::Normal { mean, std }) => {
+            let (mean, std) = (mean as f32, std as f32);
+            fill_with(device, len, |i| philox::normal_f32(seed, i, mean, std))
+        }
+        (DType::F64, RandDist::Uniform { low, high }) => {
+            fill_with(device, len, |i| philox::uniform_f64(seed, i, low, high))
+        }
+        (DType::F64, RandDist::Normal { mean, std }) => {
+            fill_with(device, len, |i| philox::normal_f64(seed, i, mean, std))
+        }
+        _ => return Err(dtype_err("rand", "f32 or f64", dtype)),
+    })
+}

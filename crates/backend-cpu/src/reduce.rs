@@ -1,0 +1,334 @@
+//! Reductions over any set of axes.
+//!
+//! The input's axes are split into *kept* and *reduced* ones; each output element folds the
+//! reduced sub-layout starting at its kept offset. The reduced sub-layout is simplified like any
+//! other (see [`crate::strided::Plan`]), so reducing trailing axes of a contiguous tensor is a
+//! fold over plain slices. Outputs are computed in parallel; a reduction to one element of a
+//! large contiguous input is split into parallel partial folds instead.
+//!
+//! Accuracy: `Sum` over f32 accumulates in f64 (eight independent lanes, so the loop still
+//! vectorizes), then rounds once to f32 — so an f32 sum is as good as the correctly rounded sum
+//! for all practical sizes, and independent of how the work was split. f64 sums use the same
+//! eight lanes (a blocked summation, better than a sequential one). i64 sums wrap.
+//!
+//! NaN: `Max`/`Min` propagate it; `ArgMax`/`ArgMin` treat it as the largest/smallest value and
+//! return the first NaN; ties pick the first occurrence.
+
+use kiln_core::{DType, Layout, ReduceOp, Result, Shape};
+use rayon::prelude::*;
+
+use crate::elementwise::{dtype_err, slice};
+use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::strided::{PAR_MIN, Plan, par_chunk};
+
+/// Splits `layout` into the kept axes (with the offset) and the reduced axes (offset 0).
+fn split(layout: &Layout, axes: &[usize]) -> (Layout, Layout) {
+    let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
+    for (i, (&d, &s)) in layout.dims().iter().zip(layout.strides()).enumerate() {
+        if axes.contains(&i) {
+            rd.push(d);
+            rs.push(s);
+        } else {
+            kd.push(d);
+            ks.push(s);
+        }
+    }
+    (
+        Layout::from_parts(Shape::new(kd), ks, layout.offset()),
+        Layout::from_parts(Shape::new(rd), rs, 0),
+    )
+}
+
+/// `run(acc, src, start, stride, len)` folds one run of the reduced axes into `acc`.
+#[allow(clippy::too_many_arguments)]
+fn reduce_with<T, A, U>(
+    s: &CpuStorage,
+    src: &[T],
+    layout: &Layout,
+    axes: &[usize],
+    init: A,
+    run: impl Fn(A, &[T], usize, usize, usize) -> A + Sync,
+    merge: impl Fn(A, A) -> A + Sync + Send,
+    finish: impl Fn(A) -> U + Sync,
+) -> CpuStorage
+where
+    T: CpuElem,
+    A: Copy + Send + Sync,
+    U: CpuElem,
+{
+    let (kept, red) = split(layout, axes);
+    let n_out = kept.elem_count();
+    let mut out = alloc::<U>(s.device(), n_out);
+    if n_out == 0 {
+        return storage(s.device(), out);
+    }
+    let n_red = red.elem_count();
+    if n_red == 0 {
+        out.fill(finish(init));
+        return storage(s.device(), out);
+    }
+    // One output from a large contiguous input: parallel partial folds.
+    let whole = layout
+        .contiguous_range()
+        .filter(|_| n_out == 1 && n_red >= PAR_MIN);
+    if let Some(r) = whole {
+        let x = &src[r];
+        let chunk = par_chunk(x.len());
+        let acc = x
+            .par_chunks(chunk)
+            .map(|c| run(init, c, 0, 1, c.len()))
+            .reduce(|| init, &merge);
+        out[0] = finish(acc);
+        return storage(s.device(), out);
+    }
+    let red_plan = Plan::new([&red]);
+    let (rlen, rstride) = (red_plan.run_len(), red_plan.run_stride(0));
+    let kept_plan = Plan::new([&kept]);
+    let (klen, kstride) = (kept_plan.run_len(), kept_plan.run_stride(0));
+    let fold = |base: usize| {
+        let mut acc = init;
+        red_plan.for_runs(0..red_plan.runs(), |_, [o]| {
+            acc = run(acc, src, base + o, rstride, rlen);
+        });
+        finish(acc)
+    };
+    let body = |s0: usize, o: &mut [U]| {
+        let mut i = 0;
+        let r0 = s0 / klen;
+        let first = s0 % klen;
+        kept_plan.for_runs(r0..r0 + (first + o.len()).div_ceil(klen), |_, [k]| {
+            let lo = if i == 0 { first } else { 0 };
+            for j in lo..klen {
+                if i == o.len() {
+                    return;
+                }
+                o[i] = fold(k + j * kstride);
+                i += 1;
+            }
+        });
+    };
+    // Parallel over outputs once the total work is large.
+    if n_out.saturating_mul(n_red) >= PAR_MIN && n_out > 1 {
+        let chunk = (n_out.div_ceil(4 * rayon::current_num_threads().max(1))).max(1);
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each(|(c, o)| body(c * chunk, o));
+    } else {
+        body(0, &mut out);
+    }
+    storage(s.device(), out)
+}
+
+/// Sum of an f32 run in f64 with eight lanes.
+#[inline]
+fn sum_f32(x: &[f32], start: usize, stride: usize, len: usize) -> f64 {
+    if stride == 1 {
+        let x = &x[start..start + len];
+        let mut acc = [0f64; 8];
+        let mut it = x.chunks_exact(8);
+        for c in &mut it {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += v as f64;
+            }
+        }
+        let tail: f64 = it.remainder().iter().map(|&v| v as f64).sum();
+        acc.iter().sum::<f64>() + tail
+    } else {
+        (0..len).map(|i| x[start + i * stride] as f64).sum()
+    }
+}
+
+#[inline]
+fn sum_f64(x: &[f64], start: usize, stride: usize, len: usize) -> f64 {
+    if stride == 1 {
+        let x = &x[start..start + len];
+        let mut acc = [0f64; 8];
+        let mut it = x.chunks_exact(8);
+        for c in &mut it {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += v;
+            }
+        }
+        let tail: f64 = it.remainder().iter().sum();
+        acc.iter().sum::<f64>() + tail
+    } else {
+        (0..len).map(|i| x[start + i * stride]).sum()
+    }
+}
+
+#[inline]
+fn sum_i64(x: &[i64], start: usize, stride: usize, len: usize) -> i64 {
+    if stride == 1 {
+        x[start..start + len]
+            .iter()
+            .fold(0i64, |a, &v| a.wrapping_add(v))
+    } else {
+        (0..len).fold(0i64, |a, i| a.wrapping_add(x[start + i * stride]))
+    }
+}
+
+/// `Some(better)` of two candidates for Max (`max == true`) or Min, propagating NaN.
+#[inline]
+fn pick<T: CpuElem>(max: bool, a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (None, x) | (x, None) => x,
+        (Some(a), Some(b)) => {
+            if a.is_nan() {
+                Some(a)
+            } else if b.is_nan() || (max && b > a) || (!max && b < a) {
+                Some(b)
+            } else {
+                Some(a)
+            }
+        }
+    }
+}
+
+fn minmax<T: CpuElem>(
+    s: &CpuStorage,
+    layout: &Layout,
+    axes: &[usize],
+    max: bool,
+) -> Result<CpuStorage> {
+    let op = if max { "max" } else { "min" };
+    let src = slice::<T>(op, s)?;
+    Ok(reduce_with(
+        s,
+        src,
+        layout,
+        axes,
+        None::<T>,
+        |acc, x, start, stride, len| {
+            let mut acc = acc;
+            for i in 0..len {
+                acc = pick(max, acc, Some(x[start + i * stride]));
+            }
+            acc
+        },
+        move |a, b| pick(max, a, b),
+        |a| a.unwrap_or_default(),
+    ))
+}
+
+fn arg<T: CpuElem>(
+    s: &CpuStorage,
+    layout: &Layout,
+    axes: &[usize],
+    max: bool,
+) -> Result<CpuStorage> {
+    let op = if max { "argmax" } else { "argmin" };
+    let src = slice::<T>(op, s)?;
+    // The reduced sub-layout is a single axis, hence a single run: `i` is the axis index.
+    Ok(reduce_with(
+        s,
+        src,
+        layout,
+        axes,
+        0i64,
+        |_, x, start, stride, len| {
+            let mut best = x[start];
+            let mut bi = 0;
+            for i in 1..len {
+                if best.is_nan() {
+                    break;
+                }
+                let v = x[start + i * stride];
+                if v.is_nan() || (max && v > best) || (!max && v < best) {
+                    best = v;
+                    bi = i;
+                }
+            }
+            bi as i64
+        },
+        |a, _| a,
+        |a| a,
+    ))
+}
+
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: &CpuStorage,
+    layout: &Layout,
+    dtype: DType,
+    axes: &[usize],
+) -> Result<CpuStorage> {
+    let name = op.name();
+    if axes.iter().any(|&a| a >= layout.rank()) {
+        return Err(kiln_core::Error::AxisOutOfRange {
+            op: name,
+            axis: axes.iter().copied().max().unwrap_or(0) as isize,
+            rank: layout.rank(),
+        });
+    }
+    if op.is_arg() && axes.len() != 1 {
+        return Err(kiln_core::Error::invalid(
+            name,
+            format!("reduces exactly one axis, got {}", axes.len()),
+        ));
+    }
+    if op != ReduceOp::Sum && axes.iter().any(|&a| layout.dims()[a] == 0) {
+        return Err(kiln_core::Error::invalid(
+            name,
+            format!("cannot reduce an empty axis of shape {}", layout.shape()),
+        ));
+    }
+    macro_rules! by_dtype {
+        ($f:ident, $max:expr) => {
+            match dtype {
+                DType::F32 => $f::<f32>(s, layout, axes, $max),
+                DType::F64 => $f::<f64>(s, layout, axes, $max),
+                DType::I64 => $f::<i64>(s, layout, axes, $max),
+                DType::U8 => $f::<u8>(s, layout, axes, $max),
+                _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
+            }
+        };
+    }
+    match op {
+        ReduceOp::Sum => match dtype {
+            DType::F32 => {
+                let src = slice::<f32>(name, s)?;
+                Ok(reduce_with(
+                    s,
+                    src,
+                    layout,
+                    axes,
+                    0f64,
+                    |a, x, st, sd, n| a + sum_f32(x, st, sd, n),
+                    |a, b| a + b,
+                    |a| a as f32,
+                ))
+            }
+            DType::F64 => {
+                let src = slice::<f64>(name, s)?;
+                Ok(reduce_with(
+                    s,
+                    src,
+                    layout,
+                    axes,
+                    0f64,
+                    |a, x, st, sd, n| a + sum_f64(x, st, sd, n),
+                    |a, b| a + b,
+                    |a| a,
+                ))
+            }
+            DType::I64 => {
+                let src = slice::<i64>(name, s)?;
+                Ok(reduce_with(
+                    s,
+                    src,
+                    layout,
+                    axes,
+                    0i64,
+                    |a, x, st, sd, n| a.wrapping_add(sum_i64(x, st, sd, n)),
+                    |a, b| a.wrapping_add(b),
+                    |a| a,
+                ))
+            }
+            _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
+        },
+        ReduceOp::Max => by_dtype!(minmax, true),
+        ReduceOp::Min => by_dtype!(minmax, false),
+        ReduceOp::ArgMax => by_dtype!(arg, true),
+        ReduceOp::ArgMin => by_dtype!(arg, false),
+    }
+}

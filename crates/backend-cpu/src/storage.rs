@@ -1,0 +1,279 @@
+//! Storage: one typed `Vec` per tensor, memory accounting, and a small buffer cache.
+//!
+//! Why a cache: a fresh multi-megabyte `Vec` comes from `mmap`, so every page of it faults on
+//! first write; for a memory-bound op such as `add` over 32M f32 the faults cost about as much
+//! as the arithmetic (see BENCHMARKS.md). Buffers of at least [`CACHE_MIN_BYTES`] are therefore
+//! returned to a per-device cache keyed by dtype and exact length when their storage drops, and
+//! reused by the next allocation of the same size — the common case in a training loop, where
+//! shapes repeat every step. The cache holds at most [`CACHE_MAX_BYTES`] per device;
+//! `Backend::empty_cache` frees it. Small buffers go straight to the system allocator, which is
+//! fast for them.
+//!
+//! Accounting: `in_use` counts bytes of live storages, `peak` its maximum, `reserved` adds the
+//! cached bytes. All are plain atomics per virtual device.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kiln_core::{DType, HostBuffer, MemoryStats};
+
+use crate::device::{CpuDevice, MAX_CPU_DEVICES};
+
+/// Buffers smaller than this are never cached.
+pub const CACHE_MIN_BYTES: usize = 1 << 20;
+/// The most bytes the cache keeps per device.
+pub const CACHE_MAX_BYTES: usize = 2 << 30;
+
+/// The typed contents of a storage.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CpuData {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+impl CpuData {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuData::F32(_) => DType::F32,
+            CpuData::F64(_) => DType::F64,
+            CpuData::I64(_) => DType::I64,
+            CpuData::U8(_) => DType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuData::F32(v) => v.len(),
+            CpuData::F64(v) => v.len(),
+            CpuData::I64(v) => v.len(),
+            CpuData::U8(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.len() * self.dtype().size_in_bytes()
+    }
+
+    pub(crate) fn from_host(h: &HostBuffer) -> CpuData {
+        match h {
+            HostBuffer::F32(v) => CpuData::F32(v.clone()),
+            HostBuffer::F64(v) => CpuData::F64(v.clone()),
+            HostBuffer::I64(v) => CpuData::I64(v.clone()),
+            HostBuffer::U8(v) => CpuData::U8(v.clone()),
+        }
+    }
+}
+
+/// One buffer on one virtual CPU device. Dropping it returns large buffers to the cache.
+#[derive(Debug)]
+pub struct CpuStorage {
+    data: CpuData,
+    device: CpuDevice,
+}
+
+impl CpuStorage {
+    /// Wraps `data` as a storage on `device` (counted in the device's memory stats).
+    pub fn new(device: CpuDevice, data: CpuData) -> Self {
+        counters(&device).add(data.size_in_bytes());
+        CpuStorage { data, device }
+    }
+
+    pub fn data(&self) -> &CpuData {
+        &self.data
+    }
+
+    /// Mutable access for in-place writes (`copy_into`). The length must not change.
+    pub(crate) fn data_mut(&mut self) -> &mut CpuData {
+        &mut self.data
+    }
+
+    pub fn device(&self) -> CpuDevice {
+        self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.data.dtype()
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+impl Drop for CpuStorage {
+    fn drop(&mut self) {
+        let data = std::mem::replace(&mut self.data, CpuData::U8(Vec::new()));
+        counters(&self.device).sub(data.size_in_bytes());
+        release(self.device, data);
+    }
+}
+
+// ---- accounting ------------------------------------------------------------------------------
+
+struct Counters {
+    in_use: AtomicUsize,
+    peak: AtomicUsize,
+    cached: AtomicUsize,
+}
+
+impl Counters {
+    fn add(&self, bytes: usize) {
+        let now = self.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+    fn sub(&self, bytes: usize) {
+        self.in_use.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+static COUNTERS: [Counters; MAX_CPU_DEVICES] = [const {
+    Counters {
+        in_use: AtomicUsize::new(0),
+        peak: AtomicUsize::new(0),
+        cached: AtomicUsize::new(0),
+    }
+}; MAX_CPU_DEVICES];
+
+fn counters(device: &CpuDevice) -> &'static Counters {
+    &COUNTERS[device.ordinal()]
+}
+
+pub(crate) fn memory_stats(device: &CpuDevice) -> MemoryStats {
+    let c = counters(device);
+    let in_use = c.in_use.load(Ordering::Relaxed);
+    MemoryStats {
+        in_use,
+        peak: c.peak.load(Ordering::Relaxed),
+        reserved: in_use + c.cached.load(Ordering::Relaxed),
+    }
+}
+
+// ---- the buffer cache ------------------------------------------------------------------------
+
+type Key = (usize, DType, usize);
+
+static CACHE: Mutex<Option<HashMap<Key, Vec<CpuData>>>> = Mutex::new(None);
+
+fn release(device: CpuDevice, data: CpuData) {
+    let bytes = data.size_in_bytes();
+    if bytes < CACHE_MIN_BYTES {
+        return;
+    }
+    let c = counters(&device);
+    if c.cached.load(Ordering::Relaxed) + bytes > CACHE_MAX_BYTES {
+        return;
+    }
+    let Ok(mut guard) = CACHE.lock() else { return };
+    c.cached.fetch_add(bytes, Ordering::Relaxed);
+    guard
+        .get_or_insert_with(HashMap::new)
+        .entry((device.ordinal(), data.dtype(), data.len()))
+        .or_default()
+        .push(data);
+}
+
+fn take(device: CpuDevice, dtype: DType, len: usize) -> Option<CpuData> {
+    if len * dtype.size_in_bytes() < CACHE_MIN_BYTES {
+        return None;
+    }
+    let mut guard = CACHE.lock().ok()?;
+    let data = guard
+        .as_mut()?
+        .get_mut(&(device.ordinal(), dtype, len))?
+        .pop()?;
+    counters(&device)
+        .cached
+        .fetch_sub(data.size_in_bytes(), Ordering::Relaxed);
+    Some(data)
+}
+
+/// Frees every cached buffer of `device`.
+pub(crate) fn empty_cache(device: &CpuDevice) {
+    let Ok(mut guard) = CACHE.lock() else { return };
+    if let Some(map) = guard.as_mut() {
+        map.retain(|k, _| k.0 != device.ordinal());
+    }
+    counters(device).cached.store(0, Ordering::Relaxed);
+}
+
+/// A Rust element type that a storage can hold.
+pub trait CpuElem: Copy + Default + Send + Sync + PartialOrd + std::fmt::Debug + 'static {
+    const DTYPE: DType;
+    fn wrap(v: Vec<Self>) -> CpuData;
+    fn unwrap(d: CpuData) -> Option<Vec<Self>>;
+    fn slice(d: &CpuData) -> Option<&[Self]>;
+    fn slice_mut(d: &mut CpuData) -> Option<&mut [Self]>;
+    /// `v as Self`.
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+    /// NaN test (always false for integers).
+    fn is_nan(self) -> bool;
+}
+
+macro_rules! cpu_elem {
+    ($t:ty, $v:ident, $nan:expr) => {
+        impl CpuElem for $t {
+            const DTYPE: DType = DType::$v;
+            fn wrap(v: Vec<Self>) -> CpuData {
+                CpuData::$v(v)
+            }
+            fn unwrap(d: CpuData) -> Option<Vec<Self>> {
+                match d {
+                    CpuData::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice(d: &CpuData) -> Option<&[Self]> {
+                match d {
+                    CpuData::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn slice_mut(d: &mut CpuData) -> Option<&mut [Self]> {
+                match d {
+                    CpuData::$v(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            #[allow(clippy::redundant_closure_call)]
+            fn is_nan(self) -> bool {
+                ($nan)(self)
+            }
+        }
+    };
+}
+cpu_elem!(f32, F32, |x: f32| x.is_nan());
+cpu_elem!(f64, F64, |x: f64| x.is_nan());
+cpu_elem!(i64, I64, |_| false);
+cpu_elem!(u8, U8, |_| false);
+
+/// A buffer of `len` elements for an op's output. Its contents are unspecified (a reused
+/// buffer keeps old values): the caller writes every element.
+pub(crate) fn alloc<T: CpuElem>(device: CpuDevice, len: usize) -> Vec<T> {
+    if let Some(v) = take(device, T::DTYPE, len).and_then(T::unwrap) {
+        return v;
+    }
+    vec![T::default(); len]
+}
+
+/// Wraps a typed vector as a storage.
+pub(crate) fn storage<T: CpuElem>(device: CpuDevice, v: Vec<T>) -> CpuStorage {
+    CpuStorage::new(device, T::wrap(v))
+}

@@ -1,0 +1,394 @@
+//! Focused tests of the CPU backend: hand-computed values, strided views, errors, and a
+//! side-by-side check against the f64 reference backend. (The full property-based suite is
+//! `tests/conformance.rs`.)
+
+use kiln_backend_cpu::{Cpu, CpuDevice};
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Result, Tensor, UnaryOp};
+
+fn dev() -> CpuDevice {
+    Cpu::device(0)
+}
+
+fn t32(v: &[f32], shape: &[usize]) -> Tensor<Cpu> {
+    Tensor::from_slice(v, shape, &dev()).unwrap()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
+    a.len() == b.len()
+        && a.iter().zip(b).all(|(x, y)| {
+            (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= tol * (1.0 + y.abs())
+        })
+}
+
+fn check_against_ref(
+    name: &str,
+    data: &[f64],
+    shape: &[usize],
+    dtype: DType,
+    tol: f64,
+    f_cpu: impl Fn(&Tensor<Cpu>) -> Result<Tensor<Cpu>>,
+    f_ref: impl Fn(&Tensor<Reference>) -> Result<Tensor<Reference>>,
+) {
+    let hb = kiln_core::HostBuffer::from_f64(dtype, data);
+    let c = Tensor::<Cpu>::from_host(&hb, shape, &dev()).unwrap();
+    let r = Tensor::<Reference>::from_host(&hb, shape, &RefDevice(0)).unwrap();
+    let (oc, or) = (f_cpu(&c).unwrap(), f_ref(&r).unwrap());
+    assert_eq!(oc.dims(), or.dims(), "{name}: shapes");
+    assert_eq!(oc.dtype(), or.dtype(), "{name}: dtypes");
+    let (vc, vr) = (oc.to_f64_vec().unwrap(), or.to_f64_vec().unwrap());
+    assert!(close(&vc, &vr, tol), "{name}:\n cpu {vc:?}\n ref {vr:?}");
+}
+
+fn data(n: usize) -> Vec<f64> {
+    (0..n)
+        .map(|i| ((i * 37 + 11) % 23) as f64 * 0.37 - 4.1)
+        .collect()
+}
+
+#[test]
+fn unary_binary_on_views_match_reference() {
+    let d = data(60);
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 2e-6 } else { 1e-12 };
+        for op in UnaryOp::ALL {
+            check_against_ref(
+                op.name(),
+                &d,
+                &[3, 4, 5],
+                dtype,
+                tol,
+                |x| x.permute(&[2, 0, 1])?.narrow(1, 1, 2)?.unary(op),
+                |x| x.permute(&[2, 0, 1])?.narrow(1, 1, 2)?.unary(op),
+            );
+        }
+        for op in BinaryOp::ALL {
+            check_against_ref(
+                op.name(),
+                &d,
+                &[3, 4, 5],
+                dtype,
+                tol,
+                |x| {
+                    x.transpose(0, 2)?.binary(
+                        op,
+                        &x.narrow(0, 1, 1)?.transpose(0, 2)?.narrow(0, 1, 1)?.abs()?,
+                    )
+                },
+                |x| {
+                    x.transpose(0, 2)?.binary(
+                        op,
+                        &x.narrow(0, 1, 1)?.transpose(0, 2)?.narrow(0, 1, 1)?.abs()?,
+                    )
+                },
+            );
+            check_against_ref(
+                op.name(),
+                &d,
+                &[6, 10],
+                dtype,
+                tol,
+                |x| x.binary_scalar(op, 1.5)?.scalar_binary(op, 0.5),
+                |x| x.binary_scalar(op, 1.5)?.scalar_binary(op, 0.5),
+            );
+        }
+    }
+}
+
+#[test]
+fn large_parallel_paths_match_reference() {
+    let d = data(300 * 257);
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        check_against_ref("exp", &d, &[300, 257], dtype, tol, |x| x.exp(), |x| x.exp());
+        check_against_ref(
+            "t+x",
+            &d,
+            &[300, 257],
+            dtype,
+            tol,
+            |x| x.narrow(0, 0, 257)?.t()?.add(&x.narrow(0, 1, 257)?),
+            |x| x.narrow(0, 0, 257)?.t()?.add(&x.narrow(0, 1, 257)?),
+        );
+        for axes in [&[0isize][..], &[1], &[0, 1]] {
+            check_against_ref(
+                "sum",
+                &d,
+                &[300, 257],
+                dtype,
+                tol,
+                |x| x.sum(axes, true),
+                |x| x.sum(axes, true),
+            );
+            check_against_ref(
+                "max",
+                &d,
+                &[300, 257],
+                dtype,
+                tol,
+                |x| x.t()?.max(axes, false),
+                |x| x.t()?.max(axes, false),
+            );
+        }
+        check_against_ref(
+            "argmin",
+            &d,
+            &[300, 257],
+            dtype,
+            0.0,
+            |x| x.argmin(0, false),
+            |x| x.argmin(0, false),
+        );
+        check_against_ref(
+            "softmax",
+            &d,
+            &[300, 257],
+            dtype,
+            tol,
+            |x| x.t()?.softmax(),
+            |x| x.t()?.softmax(),
+        );
+        check_against_ref(
+            "log_softmax",
+            &d,
+            &[300, 257],
+            dtype,
+            tol,
+            |x| x.log_softmax(),
+            |x| x.log_softmax(),
+        );
+        check_against_ref(
+            "matmul",
+            &d,
+            &[300, 257],
+            dtype,
+            tol * 10.0,
+            |x| x.matmul(&x.narrow(0, 3, 100)?.t()?),
+            |x| x.matmul(&x.narrow(0, 3, 100)?.t()?),
+        );
+        check_against_ref(
+            "matmul_t",
+            &d,
+            &[300, 257],
+            dtype,
+            tol * 10.0,
+            |x| x.t()?.matmul(&x.narrow(1, 7, 50)?),
+            |x| x.t()?.matmul(&x.narrow(1, 7, 50)?),
+        );
+        check_against_ref(
+            "bmm",
+            &d,
+            &[300, 257],
+            dtype,
+            tol * 10.0,
+            |x| {
+                x.narrow(0, 0, 240)?
+                    .reshape([4, 60, 257])?
+                    .matmul(&x.narrow(1, 0, 30)?.narrow(0, 0, 257)?)
+            },
+            |x| {
+                x.narrow(0, 0, 240)?
+                    .reshape([4, 60, 257])?
+                    .matmul(&x.narrow(1, 0, 30)?.narrow(0, 0, 257)?)
+            },
+        );
+    }
+}
+
+#[test]
+fn hand_computed_values() -> Result<()> {
+    let x = t32(&[1.0, -2.0, 3.0, -4.0, 5.0, -6.0], &[2, 3]);
+    assert_eq!(x.abs()?.sum(&[1], false)?.to_vec::<f32>()?, vec![6.0, 15.0]);
+    assert_eq!(
+        x.relu()?.to_vec::<f32>()?,
+        vec![1.0, 0.0, 3.0, 0.0, 5.0, 0.0]
+    );
+    assert_eq!(x.argmax(1, false)?.to_vec::<i64>()?, vec![2, 1]);
+    assert_eq!(x.max(&[0], false)?.to_vec::<f32>()?, vec![1.0, 5.0, 3.0]);
+    let y = x.t()?.matmul(&x)?; // [3,3]
+    assert_eq!(y.to_vec::<f32>()?[..3], [17.0, -22.0, 27.0]);
+    let i = Tensor::<Cpu>::from_slice(&[7i64, -7, 7, -7, 0], [5], &dev())?;
+    let j = Tensor::<Cpu>::from_slice(&[2i64, 2, -2, -2, 0], [5], &dev())?;
+    assert_eq!(i.div(&j)?.to_vec::<i64>()?, vec![3, -3, -3, 3, 0]);
+    assert_eq!(i.div_scalar(0.0)?.to_vec::<i64>()?, vec![0; 5]);
+    let s = t32(&[0.0, 0.0, 0.0, 0.0], &[1, 4]).softmax()?;
+    assert_eq!(s.to_vec::<f32>()?, vec![0.25; 4]);
+    let big = t32(&[1000.0, 1000.0], &[1, 2]);
+    assert_eq!(
+        big.log_softmax()?.to_vec::<f32>()?,
+        vec![-std::f32::consts::LN_2; 2]
+    );
+    let g = t32(&[0.0, 1.0, -1.0], &[3]).gelu()?.to_vec::<f32>()?;
+    assert!((g[1] - 0.841_344_7).abs() < 1e-6 && (g[2] + 0.158_655_25).abs() < 1e-6);
+    // casts are `as` casts
+    let c = t32(&[-1.5, 300.7, f32::NAN, 2.9], &[4]).to_dtype(DType::U8)?;
+    assert_eq!(c.to_vec::<u8>()?, vec![0, 255, 0, 2]);
+    // NaN rules
+    let n = t32(&[1.0, f32::NAN, 3.0, f32::NAN], &[4]);
+    assert_eq!(n.argmax(0, false)?.to_vec::<i64>()?, vec![1]);
+    assert!(n.max_all()?.to_scalar()?.is_nan());
+    let e = t32(&[2.0, 5.0, 5.0, 1.0, 1.0], &[5]);
+    assert_eq!(e.argmax(0, false)?.to_vec::<i64>()?, vec![1]);
+    assert_eq!(e.argmin(0, false)?.to_vec::<i64>()?, vec![3]);
+    // compare and where
+    let m = e.compare_scalar(CmpOp::Gt, 1.5)?;
+    assert_eq!(m.to_vec::<u8>()?, vec![1, 1, 1, 0, 0]);
+    let w = m.where_cond(&e, &e.neg()?)?;
+    assert_eq!(w.to_vec::<f32>()?, vec![2.0, 5.0, 5.0, -1.0, -1.0]);
+    // empty sum is 0
+    let z = Tensor::<Cpu>::zeros([3, 0], DType::F32, &dev())?;
+    assert_eq!(z.sum(&[1], false)?.to_vec::<f32>()?, vec![0.0; 3]);
+    Ok(())
+}
+
+#[test]
+fn f32_sum_is_accurate() -> Result<()> {
+    // 2^24 + many ones: a naive f32 accumulation gets stuck at 2^24.
+    let n = (1 << 20) + 1;
+    let mut v = vec![1.0f32; n];
+    v[0] = 16_777_216.0;
+    let s = t32(&v, &[n]).sum_all()?.to_scalar()?;
+    assert_eq!(s, 16_777_216.0 + (1 << 20) as f64);
+    let s = t32(&v, &[n])
+        .narrow(0, 0, n - 1)?
+        .sum(&[0], false)?
+        .to_scalar()?;
+    assert_eq!(s, 16_777_216.0 + (1 << 20) as f64); // 2^24 + 2^20 - 1 rounds up to even
+    Ok(())
+}
+
+#[test]
+fn cross_entropy_and_backward() -> Result<()> {
+    let logits = t32(&[1.0, 2.0, 3.0, 1.0, 1.0, 1.0], &[2, 3]);
+    let labels = Tensor::<Cpu>::from_slice(&[2i64, 0], [2], &dev())?;
+    let l = logits.cross_entropy(&labels)?.to_vec::<f32>()?;
+    let want0 = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln() - 3.0;
+    assert!((l[0] - want0).abs() < 1e-6 && (l[1] - 3f32.ln()).abs() < 1e-6);
+    let g = t32(&[1.0, 2.0], &[2]);
+    let d = logits
+        .cross_entropy_backward(&labels, &g)?
+        .to_vec::<f32>()?;
+    assert!((d[3] - 2.0 * (1.0 / 3.0 - 1.0)).abs() < 1e-6 && (d[4] - 2.0 / 3.0).abs() < 1e-6);
+    let bad = Tensor::<Cpu>::from_slice(&[2i64, 3], [2], &dev())?;
+    let e = logits.cross_entropy(&bad).unwrap_err().to_string();
+    assert!(e.contains("cross_entropy") && e.contains("label 3"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn index_ops_and_errors() -> Result<()> {
+    let x = t32(&(0..12).map(|i| i as f32).collect::<Vec<_>>(), &[3, 4]);
+    let ids = Tensor::<Cpu>::from_slice(&[2i64, 0, 2], [3], &dev())?;
+    let s = x.index_select(&ids, 0)?;
+    assert_eq!(s.dims(), [3, 4]);
+    assert_eq!(s.to_vec::<f32>()?[..5], [8.0, 9.0, 10.0, 11.0, 0.0]);
+    let s1 = x.t()?.index_select(&ids, 1)?; // [4, 3] picking columns of x^T = rows of x
+    assert_eq!(s1.to_vec::<f32>()?[..3], [8.0, 0.0, 8.0]);
+    let gi = Tensor::<Cpu>::from_slice(&[3i64, 0, 1], [3, 1], &dev())?;
+    assert_eq!(x.gather(&gi, 1)?.to_vec::<f32>()?, vec![3.0, 4.0, 9.0]);
+    let src = t32(&[1.0, 1.0, 1.0], &[3, 1]);
+    let sa = x.zeros_like()?.scatter_add(&gi, &src, 1)?;
+    assert_eq!(
+        sa.sum(&[0], false)?.to_vec::<f32>()?,
+        vec![1.0, 1.0, 0.0, 1.0]
+    );
+    let sa2 = x.zeros_like()?.scatter_add(
+        &ids.unsqueeze(1)?.broadcast_to([3, 4])?.contiguous()?,
+        &x,
+        0,
+    )?;
+    assert_eq!(sa2.to_vec::<f32>()?[..4], [4.0, 5.0, 6.0, 7.0]);
+    assert_eq!(sa2.to_vec::<f32>()?[8..], [8.0, 10.0, 12.0, 14.0]);
+    for bad in [-1i64, 3] {
+        let b = Tensor::<Cpu>::from_slice(&[0i64, bad], [2], &dev())?;
+        let e = x.index_select(&b, 0).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::InvalidArgument {
+                    op: "index_select",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains(&format!("index {bad}")), "{e}");
+    }
+    let bg = Tensor::<Cpu>::from_slice(&[0i64, 4, 0], [3, 1], &dev())?;
+    let e = x.gather(&bg, 1).unwrap_err().to_string();
+    assert!(e.contains("gather") && e.contains("index 4"), "{e}");
+    let e = x
+        .zeros_like()?
+        .scatter_add(&bg, &src, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("scatter_add") && e.contains("index 4"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn devices_copies_and_mismatch() -> Result<()> {
+    assert_eq!(Cpu::parse_device("cpu")?, Cpu::device(0));
+    assert_eq!(Cpu::parse_device("cpu:2")?.to_string(), "cpu:2");
+    assert!(Cpu::parse_device("cuda:0").is_err());
+    let x = t32(&[1.0, 2.0], &[2]);
+    assert!(x.to_device(&dev())?.same_storage(&x));
+    let y = x.copy_to(&Cpu::device(1))?;
+    assert_eq!(y.device().to_string(), "cpu:1");
+    assert!(!y.same_storage(&x));
+    let e = x.add(&y).unwrap_err().to_string();
+    assert!(
+        e.contains("add") && e.contains("cpu") && e.contains("cpu:1"),
+        "{e}"
+    );
+    assert!(format!("{y}").contains("cpu:1"));
+    Ok(())
+}
+
+#[test]
+fn memory_stats_track_live_buffers() -> Result<()> {
+    let d = Cpu::device(7);
+    let before = Cpu::memory_stats(&d)?;
+    let t = Tensor::<Cpu>::zeros([1 << 20], DType::F32, &d)?;
+    let during = Cpu::memory_stats(&d)?;
+    assert_eq!(during.in_use, before.in_use + (4 << 20));
+    assert!(during.peak >= during.in_use);
+    drop(t);
+    let after = Cpu::memory_stats(&d)?;
+    assert_eq!(after.in_use, before.in_use);
+    assert_eq!(after.reserved, after.in_use + (4 << 20)); // cached for reuse
+    Cpu::empty_cache(&d)?;
+    assert_eq!(Cpu::memory_stats(&d)?.reserved, after.in_use);
+    Ok(())
+}
+
+#[test]
+fn random_is_philox_bit_for_bit() -> Result<()> {
+    let n = 100_000;
+    let u = Tensor::<Cpu>::rand([n], -1.0, 2.0, 42, DType::F32, &dev())?.to_vec::<f32>()?;
+    let z = Tensor::<Cpu>::randn([n], 0.5, 2.0, 9, DType::F64, &dev())?.to_vec::<f64>()?;
+    for i in [0, 1, 4095, 77_777, n - 1] {
+        assert_eq!(
+            u[i].to_bits(),
+            kiln_core::philox::uniform_f32(42, i as u64, -1.0, 2.0).to_bits()
+        );
+        assert_eq!(
+            z[i].to_bits(),
+            kiln_core::philox::normal_f64(9, i as u64, 0.5, 2.0).to_bits()
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn cat_and_slice_assign_use_copy_into() -> Result<()> {
+    let a = t32(&[1.0, 2.0, 3.0, 4.0], &[2, 2]);
+    let c = Tensor::cat(&[a.clone(), a.t()?], 1)?;
+    assert_eq!(
+        c.to_vec::<f32>()?,
+        vec![1.0, 2.0, 1.0, 3.0, 3.0, 4.0, 2.0, 4.0]
+    );
+    let r = ReduceOp::Sum;
+    assert_eq!(c.reduce(r, &[0, 1], false)?.to_scalar()?, 20.0);
+    Ok(())
+}

@@ -33,6 +33,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, CudaDevice};
 use kiln_core::{Backend, Error, Result};
 
 /// The body of a program, generic over the backend it runs on.
@@ -97,7 +98,7 @@ impl fmt::Display for DeviceRequest {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Resolved {
     Cpu(<Cpu as Backend>::Device),
-    // Cuda(kiln_backend_cuda::CudaDevice),   <- the CUDA arm, once the crate lands
+    Cuda(CudaDevice),
 }
 
 impl Resolved {
@@ -105,6 +106,7 @@ impl Resolved {
     pub fn run(self, job: impl Job) -> Result<()> {
         match self {
             Resolved::Cpu(dev) => job.run::<Cpu>(dev),
+            Resolved::Cuda(dev) => job.run::<Cuda>(dev),
         }
     }
 }
@@ -113,6 +115,7 @@ impl fmt::Display for Resolved {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Resolved::Cpu(d) => d.fmt(f),
+            Resolved::Cuda(d) => d.fmt(f),
         }
     }
 }
@@ -151,11 +154,16 @@ pub fn select(device: &str) -> Result<Selection> {
 
 /// GPU `i`, or why it is not available.
 fn try_gpu(i: usize) -> std::result::Result<Resolved, String> {
-    // With kiln-backend-cuda:
-    //   match kiln_backend_cuda::try_gpu(i) { Some(d) => Ok(Resolved::Cuda(d)), None => Err(..) }
-    Err(format!(
-        "cuda:{i} requested, but this build has no CUDA backend yet"
-    ))
+    if let Some(d) = kiln_backend_cuda::try_gpu(i) {
+        return Ok(Resolved::Cuda(d));
+    }
+    Err(match kiln_backend_cuda::unavailable_reason() {
+        Some(why) => why,
+        None => format!(
+            "cuda:{i} requested, {} GPU(s) present",
+            kiln_backend_cuda::device_count()
+        ),
+    })
 }
 
 /// Parses `device`, prints a fallback message when a GPU was asked for but is missing, and
@@ -228,14 +236,27 @@ mod tests {
     #[test]
     fn cuda_runs_on_a_gpu_or_falls_back_with_a_reason() {
         let sel = select("cuda:7").unwrap();
-        match &sel.device {
-            Resolved::Cpu(d) => {
-                assert_eq!(d.to_string(), "cpu");
-                let reason = sel.fallback.as_deref().unwrap();
-                assert!(reason.contains("cuda:7"), "{reason}");
+        let gpus = kiln_backend_cuda::device_count();
+        if gpus > 7 {
+            assert_eq!(sel.device.to_string(), "cuda:7");
+        } else {
+            // No GPU 7 here: the CPU, with the reason (no driver, no GPU, or too few).
+            assert_eq!(sel.device.to_string(), "cpu");
+            let reason = sel.fallback.as_deref().unwrap();
+            match kiln_backend_cuda::unavailable_reason() {
+                Some(why) => assert_eq!(reason, why),
+                None => assert!(reason.contains("cuda:7") && reason.contains("present")),
             }
         }
-        let (backend, _) = ran_on("cuda").unwrap();
-        assert!(backend == "cpu" || backend == "cuda", "{backend}");
+        let (backend, dev) = ran_on("cuda").unwrap();
+        if gpus == 0 {
+            println!(
+                "skipped the GPU half: no CUDA device ({})",
+                sel.fallback.unwrap()
+            );
+            assert_eq!((backend.as_str(), dev.as_str()), ("cpu", "cpu"));
+        } else {
+            assert_eq!((backend.as_str(), dev.as_str()), ("cuda", "cuda:0"));
+        }
     }
 }

@@ -98,7 +98,9 @@ impl Layout {
                 to: shape.clone(),
             });
         }
-        if self.is_contiguous() {
+        // An empty tensor has no elements to place: any strides will do (the stride-matching
+        // loop below cannot group dims whose products are 0).
+        if self.is_contiguous() || shape.elem_count() == 0 {
             return Ok(Some(Layout {
                 shape: shape.clone(),
                 strides: shape.contiguous_strides(),
@@ -364,6 +366,14 @@ mod tests {
         let s = t.reshape(&Shape::new([2, 3, 4])).unwrap().unwrap();
         let want: Vec<usize> = t.offsets().collect();
         assert_eq!(s.offsets().collect::<Vec<_>>(), want);
+        // an empty, non-contiguous view reshapes without a copy (it used to panic)
+        let e = Layout::contiguous([2, 1]).narrow(1, 0, 0).unwrap();
+        let e = Layout::from_parts(e.shape().clone(), vec![1, 1], 0);
+        assert!(!e.is_contiguous());
+        assert_eq!(
+            e.reshape(&Shape::new([0])).unwrap().unwrap().elem_count(),
+            0
+        );
     }
 
     #[test]

@@ -27,3 +27,45 @@ fn bundled_mnist_is_balanced_and_scaled() {
         assert_eq!(px.iter().cloned().fold(0.0, f32::max), 1.0);
     }
 }
+
+/// A whole shuffled epoch of the bundled training set through the loader on the CPU backend,
+/// shaped for a conv net: every digit once, rows intact.
+#[test]
+fn one_epoch_on_the_cpu_backend() {
+    use kiln_backend_cpu::Cpu;
+    use kiln_core::Backend;
+    use kiln_data::{DataLoader, permutation};
+
+    let dev = Cpu::parse_device("cpu").unwrap();
+    let m = Mnist::load(Mnist::bundled_dir()).unwrap();
+    let HostBuffer::F32(all_px) = m.train.features().clone() else {
+        panic!("features are f32")
+    };
+    let mut loader = DataLoader::<Cpu>::new(m.train, 128, &dev)
+        .unwrap()
+        .shuffle(3)
+        .sample_shape([1, 28, 28])
+        .unwrap();
+    assert_eq!(loader.num_batches(), 32); // 31 full batches and one of 32
+    let order = permutation(4000, 3, 0);
+    let mut counts = [0usize; 10];
+    let mut seen = 0;
+    for batch in loader.iter() {
+        let (x, y) = batch.unwrap();
+        let b = y.dims()[0];
+        assert_eq!(x.dims(), &[b, 1, 28, 28]);
+        assert_eq!(x.device(), &dev);
+        let px = x.to_vec::<f32>().unwrap();
+        for (r, &l) in y.to_vec::<i64>().unwrap().iter().enumerate() {
+            counts[l as usize] += 1;
+            let src = order[seen + r];
+            assert_eq!(
+                px[r * 784..(r + 1) * 784],
+                all_px[src * 784..(src + 1) * 784]
+            );
+        }
+        seen += b;
+    }
+    assert_eq!(seen, 4000);
+    assert_eq!(counts, [400; 10]);
+}

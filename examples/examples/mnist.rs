@@ -1,0 +1,312 @@
+//! MNIST: Chainer's MLP (784-100-100-10) or a LeNet-style conv net, trained on the CPU or a
+//! GPU by one generic program.
+//!
+//! ```text
+//! cargo run --release --example mnist                       # MLP, Adam, 20 epochs, CPU
+//! cargo run --release --example mnist -- --arch lenet       # the conv net
+//! cargo run --release --example mnist -- --device cuda      # on the GPU (CPU if none)
+//! cargo run --release --example mnist -- --save mlp.safetensors
+//! cargo run --release --example mnist -- --load mlp.safetensors --epochs 0   # evaluate only
+//! ```
+//!
+//! Everything below `main` is written once against `B: Backend`; [`kiln_examples::dispatch`]
+//! turns the `--device` string into a call on the CPU or the CUDA backend. The same `--seed`
+//! gives the same initial weights and the same batch order on every backend (Philox), so a GPU
+//! run can be compared with a CPU run number for number.
+//!
+//! The data defaults to the 4,000 training and 1,000 test digits bundled in `data/mnist`
+//! (found from this crate's directory, so the command works from the repository root or
+//! anywhere inside it); `--data-dir` points at the full MNIST IDX files instead. Saved weights
+//! are named like the equivalent PyTorch `nn.Sequential`'s `state_dict`
+//! (`bench/mnist_torch_check.py` loads them into PyTorch and compares logits).
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use kiln_autograd::{Var, no_grad};
+use kiln_core::{Backend, Result, Tensor};
+use kiln_data::{DataLoader, Mnist};
+use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_nn::loss::{correct_count, cross_entropy};
+use kiln_nn::{
+    Conv2dConfig, Flatten, LinearConfig, MaxPool2d, Module, ModuleExt, Relu, Sequential,
+    derive_seed, save_safetensors,
+};
+use kiln_optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Arch {
+    /// 784-H-H-10 with ReLU (Chainer's MNIST example; H = --hidden).
+    Mlp,
+    /// conv(6,5x5,pad 2)-pool-conv(16,5x5)-pool-120-84-10 with ReLU.
+    Lenet,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Opt {
+    /// Plain SGD (default lr 0.1).
+    Sgd,
+    /// SGD with momentum 0.9 (default lr 0.05).
+    Momentum,
+    /// Adam (default lr 1e-3).
+    Adam,
+    /// AdamW, weight decay 1e-2 (default lr 1e-3).
+    Adamw,
+}
+
+/// Train an MNIST classifier with kiln.
+#[derive(Parser, Debug)]
+#[command(name = "mnist", about, long_about = None)]
+struct Args {
+    /// Model architecture.
+    #[arg(long, value_enum, default_value_t = Arch::Mlp)]
+    arch: Arch,
+    #[arg(long, default_value = "cpu", help = DEVICE_HELP)]
+    device: String,
+    /// Passes over the training set (0: only evaluate, e.g. after --load). Default: 20 for the
+    /// MLP, 8 for LeNet.
+    #[arg(long)]
+    epochs: Option<usize>,
+    #[arg(long, default_value_t = 100)]
+    batch_size: usize,
+    /// Learning rate (default depends on --optimizer).
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long, value_enum, default_value_t = Opt::Adam)]
+    optimizer: Opt,
+    /// Seed of the initial weights and of the shuffling.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hidden units per layer of the MLP.
+    #[arg(long, default_value_t = 100)]
+    hidden: usize,
+    /// Directory with the four MNIST IDX files (plain or .gz). Default: the bundled digits.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Save the trained weights (safetensors, PyTorch state_dict names).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Load weights before training (a file from --save, or from PyTorch).
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// After training, write the first 100 test inputs and the model's logits for them
+    /// (safetensors `x`, `logits`), for bench/mnist_torch_check.py.
+    #[arg(long)]
+    dump_logits: Option<PathBuf>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let device = args.device.clone();
+    if let Err(e) = dispatch(&device, Train(args)) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+struct Train(Args);
+
+impl Job for Train {
+    fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
+        train::<B>(self.0, dev)
+    }
+}
+
+fn mlp<B: Backend>(hidden: usize, dev: &B::Device, seed: u64) -> Result<Sequential<B>> {
+    let s = |i| derive_seed(seed, i);
+    Ok(Sequential::new()
+        .add(LinearConfig::new(784, hidden).init::<B>(dev, s(0))?)
+        .add(Relu)
+        .add(LinearConfig::new(hidden, hidden).init::<B>(dev, s(2))?)
+        .add(Relu)
+        .add(LinearConfig::new(hidden, 10).init::<B>(dev, s(4))?))
+}
+
+/// Must match `lenet()` in bench/mnist_torch_check.py layer for layer: indices are names.
+fn lenet<B: Backend>(dev: &B::Device, seed: u64) -> Result<Sequential<B>> {
+    let s = |i| derive_seed(seed, i);
+    Ok(Sequential::new()
+        .add(
+            Conv2dConfig::new(1, 6, 5)
+                .with_padding(2)
+                .init::<B>(dev, s(0))?,
+        )
+        .add(Relu)
+        .add(MaxPool2d::new(2))
+        .add(Conv2dConfig::new(6, 16, 5).init::<B>(dev, s(3))?)
+        .add(Relu)
+        .add(MaxPool2d::new(2))
+        .add(Flatten)
+        .add(LinearConfig::new(16 * 5 * 5, 120).init::<B>(dev, s(7))?)
+        .add(Relu)
+        .add(LinearConfig::new(120, 84).init::<B>(dev, s(9))?)
+        .add(Relu)
+        .add(LinearConfig::new(84, 10).init::<B>(dev, s(11))?))
+}
+
+fn optimizer<B: Backend>(
+    kind: Opt,
+    lr: Option<f64>,
+    params: Vec<Var<B>>,
+) -> Result<Box<dyn Optimizer<B>>> {
+    Ok(match kind {
+        Opt::Sgd => Box::new(SgdConfig::new(lr.unwrap_or(0.1)).init(params)?),
+        Opt::Momentum => Box::new(
+            SgdConfig::new(lr.unwrap_or(0.05))
+                .with_momentum(0.9)
+                .init(params)?,
+        ),
+        Opt::Adam => Box::new(AdamConfig::new(lr.unwrap_or(1e-3)).init(params)?),
+        Opt::Adamw => Box::new(AdamWConfig::new(lr.unwrap_or(1e-3)).init(params)?),
+    })
+}
+
+fn progress(n: usize, epoch: usize, epochs: usize) -> ProgressBar {
+    if !std::io::stdout().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(n as u64);
+    pb.set_style(
+        ProgressStyle::with_template(
+            "{prefix} [{bar:30.cyan/blue}] {pos}/{len} batches  {msg}  {elapsed_precise}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
+    );
+    pb.set_prefix(format!("epoch {epoch}/{epochs}"));
+    pb
+}
+
+fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
+    let dir = args.data_dir.clone().unwrap_or_else(Mnist::bundled_dir);
+    let data = Mnist::load(&dir)?;
+    let (n_train, n_test) = (
+        kiln_data::Dataset::len(&data.train),
+        kiln_data::Dataset::len(&data.test),
+    );
+    let sample: Vec<usize> = match args.arch {
+        Arch::Mlp => vec![784],
+        Arch::Lenet => vec![1, 28, 28],
+    };
+    let mut train = DataLoader::<B>::new(data.train, args.batch_size, &dev)?
+        .shuffle(args.seed)
+        .sample_shape(sample.clone())?;
+    let mut test = DataLoader::<B>::new(data.test, 1000, &dev)?.sample_shape(sample.clone())?;
+
+    let mut model = match args.arch {
+        Arch::Mlp => mlp::<B>(args.hidden, &dev, args.seed)?,
+        Arch::Lenet => lenet::<B>(&dev, args.seed)?,
+    };
+    if let Some(p) = &args.load {
+        model.load(p)?;
+        println!("loaded weights from {}", p.display());
+    }
+    let mut opt = optimizer(args.optimizer, args.lr, model.parameters())?;
+    let epochs = args.epochs.unwrap_or(match args.arch {
+        Arch::Mlp => 20,
+        Arch::Lenet => 8,
+    });
+    println!(
+        "mnist: {:?} ({} parameters) on {dev}, {} train / {n_test} test digits from {}",
+        args.arch,
+        model.num_params(),
+        n_train,
+        dir.display()
+    );
+    println!(
+        "{} lr {}, batch {}, {epochs} epochs, seed {}",
+        opt.name(),
+        opt.lr(),
+        args.batch_size,
+        args.seed
+    );
+
+    let start = Instant::now();
+    for epoch in 1..=epochs {
+        model.train();
+        let pb = progress(train.num_batches(), epoch, epochs);
+        let t0 = Instant::now();
+        // The loss is summed on the device and read once per epoch (reading it every step
+        // would synchronize the GPU every step); the bar shows it every 10 batches.
+        let mut loss_sum: Option<Tensor<B>> = None;
+        let mut seen = 0usize;
+        for (i, batch) in train.iter().enumerate() {
+            let (x, y) = batch?;
+            let n = y.elem_count();
+            opt.zero_grad();
+            let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y)?;
+            loss.backward()?;
+            opt.step()?;
+            let l = loss.tensor().mul_scalar(n as f64)?;
+            loss_sum = Some(match loss_sum {
+                None => l,
+                Some(s) => s.add(&l)?,
+            });
+            seen += n;
+            pb.inc(1);
+            if !pb.is_hidden() && i % 10 == 0 {
+                pb.set_message(format!("loss {:.4}", loss.tensor().to_scalar()?));
+            }
+        }
+        let train_loss = match loss_sum {
+            Some(s) => s.to_scalar()? / seen.max(1) as f64,
+            None => f64::NAN,
+        };
+        B::synchronize(&dev)?;
+        let secs = t0.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let (test_loss, acc) = evaluate(&mut model, &mut test)?;
+        println!(
+            "epoch {epoch:>3}  train loss {train_loss:.4}  test loss {test_loss:.4}  \
+             test acc {:>6.2}%  {:>8.0} samples/s",
+            acc * 100.0,
+            seen as f64 / secs
+        );
+    }
+    if epochs == 0 {
+        let (test_loss, acc) = evaluate(&mut model, &mut test)?;
+        println!("test loss {test_loss:.4}  test acc {:.2}%", acc * 100.0);
+    }
+    if epochs > 0 {
+        println!("trained in {:.1} s", start.elapsed().as_secs_f64());
+    }
+    if let Some(p) = &args.save {
+        model.save(p)?;
+        println!("saved weights to {}", p.display());
+    }
+    if let Some(p) = &args.dump_logits {
+        model.eval();
+        let (x, _) = test.iter().next().expect("the test set is not empty")?;
+        let k = x.dims()[0].min(100);
+        let x = x.narrow(0, 0, k)?.contiguous()?;
+        let logits = no_grad(|| model.forward(&Var::constant(x.clone())))?.tensor();
+        save_safetensors(
+            p,
+            &[("x".to_string(), x), ("logits".to_string(), logits)],
+            None,
+        )?;
+        println!("wrote {k} inputs and their logits to {}", p.display());
+    }
+    Ok(())
+}
+
+/// Mean test loss and accuracy, in evaluation mode and without recording a graph.
+fn evaluate<B: Backend>(model: &mut Sequential<B>, test: &mut DataLoader<B>) -> Result<(f64, f64)> {
+    model.eval();
+    no_grad(|| {
+        let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
+        for batch in test.iter() {
+            let (x, y) = batch?;
+            let logits = model.forward(&Var::constant(x))?;
+            let b = y.elem_count();
+            loss += cross_entropy(&logits, &y)?.tensor().to_scalar()? * b as f64;
+            correct += correct_count(&logits.tensor(), &y)?;
+            n += b;
+        }
+        let n = n.max(1) as f64;
+        Ok((loss / n, correct as f64 / n))
+    })
+}

@@ -43,7 +43,7 @@ pub struct SuiteConfig {
 impl Default for SuiteConfig {
     fn default() -> Self {
         SuiteConfig {
-            cases: 12,
+            cases: 24,
             check: CheckOptions::default(),
             filter: None,
         }
@@ -86,6 +86,74 @@ pub fn run_gradient_suite_with<B: Backend>(device: &B::Device, cfg: &SuiteConfig
     );
 }
 
+/// Cross-device checks between two devices of one backend (`cpu` and `cpu:1`, or two GPUs):
+/// gradients flow back through `copy_to`/`to_device` in both directions and arrive on the
+/// source device, `to_device` to the same device records nothing, and an op mixing the two
+/// devices is an error naming the op and both devices. Panics on failure.
+pub fn run_copy_suite<B: Backend>(a: &B::Device, b: &B::Device) {
+    if let Err(e) = copy_suite::<B>(a, b) {
+        panic!("copy suite on {} ({a} <-> {b}): {e}", B::NAME);
+    }
+    eprintln!("copy suite on {} ({a} <-> {b}): passed", B::NAME);
+}
+
+fn copy_suite<B: Backend>(a: &B::Device, b: &B::Device) -> Result<()> {
+    use kiln_core::Error;
+    let opts = CheckOptions::default();
+    let x = Tensor::<B>::from_vec(vec![0.5f64, -1.0, 2.0, 0.25, 1.5, -0.75], [2, 3], a)?;
+    let w = Tensor::<B>::from_vec(vec![1.0f64, 2.0, -1.0], [3], b)?;
+    // x lives on a, w on b: compute on b, bring the result back to a.
+    check_backward(
+        |v| {
+            v[0].to_device(b)?
+                .mul(&v[1])?
+                .tanh()?
+                .copy_to(a)?
+                .sum(&[1], false)
+        },
+        &[x.clone(), w.clone()],
+        &opts,
+    )?;
+    check_backward(
+        |v| v[0].t()?.copy_to(b)?.exp(),
+        std::slice::from_ref(&x),
+        &opts,
+    )?;
+    // The gradient arrives on the source device.
+    let xv = Var::param(x.clone());
+    xv.to_device(b)?.square()?.sum_all()?.backward()?;
+    let g = xv
+        .grad()
+        .ok_or_else(|| Error::invalid("copy_suite", "no gradient"))?;
+    if g.device() != a {
+        return Err(Error::invalid(
+            "copy_suite",
+            format!("gradient on {} instead of {a}", g.device()),
+        ));
+    }
+    let same = xv.to_device(a)?;
+    if !same.ptr_eq(&xv) {
+        return Err(Error::invalid(
+            "copy_suite",
+            "to_device to its own device made a copy",
+        ));
+    }
+    if a != b {
+        let err = match xv.mul(&Var::param(w.broadcast_to([2, 3])?)) {
+            Ok(_) => return Err(Error::invalid("copy_suite", "mixing devices did not fail")),
+            Err(e) => e.to_string(),
+        };
+        let (na, nb) = (a.to_string(), b.to_string());
+        if !(err.contains("mul") && err.contains(&na) && err.contains(&nb)) {
+            return Err(Error::invalid(
+                "copy_suite",
+                format!("mixing devices error does not name the op and both devices: {err}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 type Case<B> =
     Box<dyn Fn(&<B as Backend>::Device, &SuiteConfig) -> std::result::Result<(), String>>;
 
@@ -107,7 +175,8 @@ enum Vals {
     Normal,
     /// Uniform in [0.5, 2): for log, sqrt, recip, pow bases.
     Positive,
-    /// |x| in [0.1, 1.1) with a random sign: away from the kinks of abs, relu, sign.
+    /// |x| in [0.5, 1.5) with a random sign: away from the kinks of abs, relu, sign, and from
+    /// the pole of 1/x (whose third derivative would swamp a central difference near 0).
     AwayFromZero,
     /// k + [0.1, 0.9): away from the jumps of floor and ceil.
     AwayFromInt,
@@ -153,7 +222,7 @@ fn host_values(v: Vals, n: usize, seed: u64) -> Vec<f64> {
         Vals::AwayFromZero => (0..n)
             .map(|i| {
                 let x = u(i, -1.0, 1.0);
-                x.signum() * (0.1 + x.abs())
+                x.signum() * (0.5 + x.abs())
             })
             .collect(),
         Vals::AwayFromInt => (0..n)

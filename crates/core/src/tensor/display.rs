@@ -18,7 +18,7 @@ impl<B: Backend> fmt::Display for Tensor<B> {
                 let values = format_values(&host);
                 let abbreviate = self.elem_count() > THRESHOLD;
                 let strides = self.shape().contiguous_strides();
-                write_nested(f, &values, self.dims(), &strides, 0, abbreviate)?;
+                write_nested(f, &values, self.dims(), &strides, 0, 0, abbreviate)?;
             }
             Err(e) => write!(f, "<unreadable: {e}>")?,
         }
@@ -45,6 +45,13 @@ fn format_float(x: f64, digits: usize) -> String {
         return plain;
     }
     let e = format!("{x:.*e}", digits - 1);
+    // `1.00000e-7` reads better as `1e-7`: drop the mantissa's trailing zeros.
+    let e = match e.split_once('e') {
+        Some((m, exp)) if m.contains('.') => {
+            format!("{}e{exp}", m.trim_end_matches('0').trim_end_matches('.'))
+        }
+        _ => e,
+    };
     let f = format!("{:.*}", digits, x);
     let f = f.trim_end_matches('0').trim_end_matches('.').to_string();
     if f.len() <= e.len() && x.abs() >= 1e-4 {
@@ -60,22 +67,29 @@ fn write_nested(
     dims: &[usize],
     strides: &[usize],
     base: usize,
+    depth: usize,
     abbreviate: bool,
 ) -> fmt::Result {
     let Some((&d, rest)) = dims.split_first() else {
         return f.write_str(&values[base]);
     };
     f.write_str("[")?;
+    // Rows of an inner block line up under the block's first row, as numpy prints them.
+    let row_sep = format!(",\n{}", " ".repeat(depth + 1));
     let mut first = true;
     let mut i = 0;
     while i < d {
         if abbreviate && d > 2 * EDGE && i == EDGE {
-            f.write_str(if rest.is_empty() { ", ..." } else { ",\n ..." })?;
+            if rest.is_empty() {
+                f.write_str(", ...")?;
+            } else {
+                write!(f, "{row_sep}...")?;
+            }
             i = d - EDGE;
             continue;
         }
         if !first {
-            f.write_str(if rest.is_empty() { ", " } else { ",\n " })?;
+            f.write_str(if rest.is_empty() { ", " } else { &row_sep })?;
         }
         first = false;
         write_nested(
@@ -84,6 +98,7 @@ fn write_nested(
             rest,
             &strides[1..],
             base + i * strides[0],
+            depth + 1,
             abbreviate,
         )?;
         i += 1;

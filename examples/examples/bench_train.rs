@@ -1,0 +1,312 @@
+//! End-to-end training benchmarks (issues 4 and 5), the kiln half of a side-by-side run with
+//! PyTorch (`bench/train_torch.py`, GPU) or numpy (`bench/train_numpy.py`, CPU);
+//! `bench/run_train.sh` runs both halves and prints the comparison table.
+//!
+//! ```text
+//! cargo build --release --example bench_train
+//! target/release/examples/bench_train --device cpu --which mlp-small
+//! target/release/examples/bench_train --device cuda --which all      # logreg + both MLPs
+//! ```
+//!
+//! Workloads (each one parsable line on stdout, `kiln <workload> <device> key=value ...`):
+//!
+//! - `logreg`: Theano's logistic-regression exercise, N=400 samples of 784 features, full
+//!   batch: `p = sigmoid(x·w + b)`, `cost = mean(-y log p - (1-y) log(1-p)) + 0.01 Σw²`,
+//!   gradient descent with lr 0.01, written with kiln-autograd `Var`s and a hand-written update
+//!   (Theano's `updates=`). One repeat is the whole loop (default 10,000 steps) from `w = 0,
+//!   b = 0`, so every repeat ends at the same cost, which the PyTorch and numpy scripts
+//!   reproduce from the same data (`final_cost`).
+//! - `mlp-small`: one training step (forward, fused softmax cross-entropy, backward, SGD lr
+//!   0.1) of the 784-100-100-10 ReLU MLP at batch 100, built from kiln-nn's `Linear`/`Relu`/
+//!   `Sequential` and kiln-optim's `Sgd`.
+//! - `mlp-large`: the same step for 784-4096-4096-4096-10 at batch 4096 (GEMM-bound; TF32 is
+//!   off, kiln's default). Skipped by `--which all` on a CPU device (about ten seconds a step
+//!   on two cores); ask for it by name to run it anyway.
+//!
+//! Timing: warm-up steps first (kernel compilation, allocator pools), then `--repeats` timed
+//! runs of `--steps` steps each, the device synchronized before each clock read; the line gives
+//! the median. Nothing is read back to the host inside the timed loop. The data are not random
+//! but a fixed hash of the element index (`data_value`), computed identically by the Python
+//! scripts, so `final_cost` of `logreg` can be compared across the three implementations.
+
+use std::time::Instant;
+
+use clap::{Parser, ValueEnum};
+use kiln_autograd::Var;
+use kiln_core::{Backend, BinaryOp, DType, Result, Shape, Tensor};
+use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_nn::loss::cross_entropy;
+use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_optim::{Optimizer, SgdConfig};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Which {
+    /// Theano's logistic regression loop (issue 4).
+    Logreg,
+    /// 784-100-100-10 MLP step at batch 100 (issue 5).
+    MlpSmall,
+    /// 784-4096-4096-4096-10 MLP step at batch 4096 (issue 5).
+    MlpLarge,
+    /// All three (mlp-large only on a GPU).
+    All,
+}
+
+/// kiln's side of the training benchmarks (see the file docs).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "bench_train", about, long_about = None)]
+struct Args {
+    #[arg(long, default_value = "cpu", help = DEVICE_HELP)]
+    device: String,
+    #[arg(long, value_enum, default_value_t = Which::All)]
+    which: Which,
+    /// Steps per timed repeat (default: logreg 10000, mlp-small 200, mlp-large 20).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Timed repeats; the median is reported (default: logreg 3, the MLPs 5).
+    #[arg(long)]
+    repeats: Option<usize>,
+    /// Untimed warm-up steps (default: logreg 200, mlp-small 20, mlp-large 3).
+    #[arg(long)]
+    warmup: Option<usize>,
+}
+
+fn main() {
+    let args = Args::parse();
+    let device = args.device.clone();
+    if let Err(e) = dispatch(&device, Bench(args)) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+struct Bench(Args);
+
+impl Job for Bench {
+    fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
+        let a = self.0;
+        let on_cpu = B::NAME == "cpu";
+        if B::NAME == "cuda" {
+            eprintln!(
+                "kiln on {dev}: TF32 {}",
+                if kiln_backend_cuda::allow_tf32() {
+                    "on"
+                } else {
+                    "off"
+                }
+            );
+        }
+        let run = |w: Which| a.which == w || a.which == Which::All;
+        if run(Which::Logreg) {
+            let s = Sizes::pick(&a, 10_000, 3, 200);
+            logreg::<B>(&dev, s)?;
+        }
+        if run(Which::MlpSmall) {
+            let s = Sizes::pick(&a, 200, 5, 20);
+            mlp::<B>(&dev, "mlp-small", &[784, 100, 100, 10], 100, s)?;
+        }
+        if a.which == Which::MlpLarge || (a.which == Which::All && !on_cpu) {
+            let s = Sizes::pick(&a, 20, 5, 3);
+            mlp::<B>(&dev, "mlp-large", &[784, 4096, 4096, 4096, 10], 4096, s)?;
+        } else if a.which == Which::All {
+            eprintln!("skipping mlp-large on {dev} (ask for it with --which mlp-large)");
+        }
+        Ok(())
+    }
+}
+
+/// How many steps to time, how often, after how many warm-up steps.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    steps: usize,
+    repeats: usize,
+    warmup: usize,
+}
+
+impl Sizes {
+    fn pick(a: &Args, steps: usize, repeats: usize, warmup: usize) -> Self {
+        Sizes {
+            steps: a.steps.unwrap_or(steps).max(1),
+            repeats: a.repeats.unwrap_or(repeats).max(1),
+            warmup: a.warmup.unwrap_or(warmup),
+        }
+    }
+}
+
+/// Element `k` of the benchmark data: a multiplicative hash of the index mapped onto
+/// `[-1, 1)`. `bench/train_torch.py` and `bench/train_numpy.py` compute the same values
+/// (`(k * 2654435761) mod 2^32 / 2^32 * 2 - 1`, in f64, then rounded to f32).
+fn data_value(k: u64) -> f32 {
+    let h = k.wrapping_mul(2_654_435_761) & 0xffff_ffff;
+    (h as f64 / 4_294_967_296.0 * 2.0 - 1.0) as f32
+}
+
+/// `rows x cols` values of [`data_value`], row-major.
+fn data(rows: usize, cols: usize) -> Vec<f32> {
+    (0..(rows * cols) as u64).map(data_value).collect()
+}
+
+/// Milliseconds `f` takes, the device synchronized before both clock reads.
+fn time_ms<B: Backend>(dev: &B::Device, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+    B::synchronize(dev)?;
+    let t = Instant::now();
+    f()?;
+    B::synchronize(dev)?;
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Prints the workload's result line (the format `bench/run_train.sh` parses).
+fn report(workload: &str, dev: &impl std::fmt::Display, s: Sizes, totals: &[f64], extra: &str) {
+    let total = median(totals.to_vec());
+    let ms = total / s.steps as f64;
+    let min = totals.iter().copied().fold(f64::INFINITY, f64::min) / s.steps as f64;
+    println!(
+        "kiln {workload} {dev} steps={} repeats={} total_ms={total:.3} ms_per_step={ms:.6} \
+         min_ms_per_step={min:.6} steps_per_s={:.1}{extra}",
+        s.steps,
+        s.repeats,
+        1e3 / ms,
+    );
+}
+
+// ---- logreg ---------------------------------------------------------------------------------
+
+const LR_N: usize = 400;
+const LR_FEATS: usize = 784;
+
+/// Theano's logistic regression: full-batch gradient descent, `steps` steps from zeros.
+fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
+    let xs = data(LR_N, LR_FEATS);
+    // Label: the sign of the first feature (a separable problem; the cost keeps falling).
+    let ys: Vec<f32> = (0..LR_N)
+        .map(|i| f32::from(xs[i * LR_FEATS] > 0.0))
+        .collect();
+    let x = Var::constant(Tensor::<B>::from_vec(xs, [LR_N, LR_FEATS], dev)?);
+    let y = Tensor::<B>::from_vec(ys, [LR_N], dev)?;
+    // Constants of the cost, computed once (both sides do the same): -y and 1 - y.
+    let neg_y = Var::constant(y.neg()?);
+    let one_minus_y = Var::constant(y.scalar_binary(BinaryOp::Sub, 1.0)?);
+    let w = Var::param(Tensor::<B>::zeros([LR_FEATS], DType::F32, dev)?);
+    let b = Var::param(Tensor::<B>::zeros(Shape::scalar(), DType::F32, dev)?);
+    let (lr, l2) = (0.01, 0.01);
+
+    let step = || -> Result<Var<B>> {
+        let p = x.matmul(&w)?.add(&b)?.sigmoid()?;
+        let xent = neg_y
+            .mul(&p.log()?)?
+            .sub(&one_minus_y.mul(&p.scalar_binary(BinaryOp::Sub, 1.0)?.log()?)?)?;
+        let cost = xent
+            .mean_all()?
+            .add(&w.square()?.sum_all()?.mul_scalar(l2)?)?;
+        cost.backward()?;
+        for v in [&w, &b] {
+            if let Some(g) = v.take_grad() {
+                v.update_data(|t| t.sub(&g.mul_scalar(lr)?))?;
+            }
+        }
+        Ok(cost)
+    };
+    let reset = || -> Result<()> {
+        w.set_tensor(Tensor::zeros([LR_FEATS], DType::F32, dev)?)?;
+        b.set_tensor(Tensor::zeros(Shape::scalar(), DType::F32, dev)?)
+    };
+
+    for _ in 0..s.warmup {
+        step()?;
+    }
+    let mut totals = Vec::with_capacity(s.repeats);
+    let mut last = None;
+    for _ in 0..s.repeats {
+        reset()?;
+        totals.push(time_ms::<B>(dev, || {
+            for _ in 0..s.steps {
+                last = Some(step()?);
+            }
+            Ok(())
+        })?);
+    }
+    // The cost of the last step's forward pass (before its update), as Theano's `train` returns.
+    let cost = last.map(|c| c.tensor().to_scalar()).transpose()?;
+    let extra = format!(" final_cost={:.6}", cost.unwrap_or(f64::NAN));
+    report("logreg", dev, s, &totals, &extra);
+    Ok(())
+}
+
+// ---- MLP training step ----------------------------------------------------------------------
+
+/// A `Linear`/`Relu` stack with the given widths (ReLU between, none after the last layer).
+fn build_mlp<B: Backend>(widths: &[usize], dev: &B::Device) -> Result<Sequential<B>> {
+    let mut m = Sequential::new();
+    let n = widths.len() - 1;
+    for i in 0..n {
+        m = m.add(
+            LinearConfig::new(widths[i], widths[i + 1]).init::<B>(dev, derive_seed(0, i as u64))?,
+        );
+        if i + 1 < n {
+            m = m.add(Relu);
+        }
+    }
+    Ok(m)
+}
+
+/// One SGD training step of an MLP on a fixed batch, timed over many steps.
+fn mlp<B: Backend>(
+    dev: &B::Device,
+    name: &str,
+    widths: &[usize],
+    batch: usize,
+    s: Sizes,
+) -> Result<()> {
+    let classes = *widths.last().expect("widths");
+    let x = Var::constant(Tensor::<B>::from_vec(
+        data(batch, widths[0]),
+        [batch, widths[0]],
+        dev,
+    )?);
+    let labels: Vec<i64> = (0..batch).map(|i| (i % classes) as i64).collect();
+    let labels = Tensor::<B>::from_vec(labels, [batch], dev)?;
+    let model = build_mlp::<B>(widths, dev)?;
+    let mut opt = SgdConfig::new(0.1).init(model.parameters())?;
+
+    let mut step = || -> Result<Var<B>> {
+        let loss = cross_entropy(&model.forward(&x)?, &labels)?;
+        opt.zero_grad();
+        loss.backward()?;
+        opt.step()?;
+        Ok(loss)
+    };
+    for _ in 0..s.warmup {
+        step()?;
+    }
+    let mut totals = Vec::with_capacity(s.repeats);
+    let mut last = None;
+    for _ in 0..s.repeats {
+        totals.push(time_ms::<B>(dev, || {
+            for _ in 0..s.steps {
+                last = Some(step()?);
+            }
+            Ok(())
+        })?);
+    }
+    let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
+    let extra = format!(
+        " batch={batch} arch={} loss={:.6}",
+        widths
+            .iter()
+            .map(|w| w.to_string())
+            .collect::<Vec<_>>()
+            .join("-"),
+        loss.unwrap_or(f64::NAN)
+    );
+    report(name, dev, s, &totals, &extra);
+    Ok(())
+}

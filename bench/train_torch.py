@@ -1,0 +1,173 @@
+"""PyTorch side of the training benchmarks: the workloads of examples/examples/bench_train.rs in
+PyTorch eager (autograd, nn.Sequential, F.cross_entropy, torch.optim.SGD), printing the same
+`torch <workload> <device> key=value ...` lines that bench/run_train.sh compares with kiln's.
+
+    python3 bench/train_torch.py --device cuda --which all
+    python3 bench/train_torch.py --device cpu --which mlp-small   # no GPU: runs on the CPU
+
+TF32 is off (allow_tf32 = False, or fp32_precision = "ieee" on PyTorch >= 2.9; kiln's default). Timing as in
+kiln: warm-up, then `--repeats` runs of `--steps` steps, the device synchronized before each
+clock read, median reported; nothing is read back inside the timed loop. Same data as kiln (a
+fixed hash of the element index), so logreg's final_cost must match kiln's.
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def tf32_off():
+    """Turns TF32 off for matmuls (PyTorch's default, made explicit) and says how. PyTorch >= 2.9
+    has `fp32_precision` and raises if the legacy `allow_tf32` is then read, so use one API
+    only: the new one where it exists."""
+    m = torch.backends.cuda.matmul
+    if hasattr(m, "fp32_precision"):
+        try:
+            m.fp32_precision = "ieee"
+            return f"matmul.fp32_precision={m.fp32_precision}"
+        except Exception as e:  # an unexpected build: fall back to the legacy switch
+            print(f"fp32_precision not settable ({e}); using allow_tf32", file=sys.stderr)
+    m.allow_tf32 = False
+    return f"matmul.allow_tf32={m.allow_tf32}"
+
+
+TF32 = tf32_off()
+
+
+def pick_device(name):
+    if name.startswith("cuda") or name.startswith("gpu"):
+        if torch.cuda.is_available():
+            d = torch.device("cuda:0" if name in ("cuda", "gpu") else name.replace("gpu", "cuda"))
+            torch.cuda.set_device(d)
+            return d
+        print("no CUDA device found (torch.cuda.is_available() is False); falling back to cpu",
+              file=sys.stderr, flush=True)
+    return torch.device("cpu")
+
+
+def data(rows, cols, dev):
+    """Element k = (k * 2654435761 mod 2^32) / 2^32 * 2 - 1, in f64, rounded to f32."""
+    k = torch.arange(rows * cols, dtype=torch.int64)
+    h = (k * 2654435761) & 0xFFFFFFFF
+    x = (h.double() / 4294967296.0 * 2.0 - 1.0).float().reshape(rows, cols)
+    return x.to(dev)
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(dev, steps, repeats, warmup, step, reset=None):
+    for _ in range(warmup):
+        step()
+    totals, last = [], None
+    for _ in range(repeats):
+        if reset:
+            reset()
+        sync(dev)
+        t = time.perf_counter()
+        for _ in range(steps):
+            last = step()
+        sync(dev)
+        totals.append((time.perf_counter() - t) * 1e3)
+    return totals, last
+
+
+def report(workload, dev, steps, repeats, totals, extra=""):
+    total = statistics.median(totals)
+    ms = total / steps
+    print(
+        f"torch {workload} {dev} steps={steps} repeats={repeats} total_ms={total:.3f} "
+        f"ms_per_step={ms:.6f} min_ms_per_step={min(totals) / steps:.6f} "
+        f"steps_per_s={1e3 / ms:.1f}{extra}",
+        flush=True,
+    )
+
+
+def logreg(dev, steps, repeats, warmup):
+    n, feats, lr, l2 = 400, 784, 0.01, 0.01
+    x = data(n, feats, dev)
+    y = (x[:, 0] > 0).float()
+    neg_y, one_minus_y = -y, 1 - y  # constants of the cost, computed once (as kiln does)
+    w = torch.zeros(feats, device=dev, requires_grad=True)
+    b = torch.zeros((), device=dev, requires_grad=True)
+
+    def reset():
+        with torch.no_grad():
+            w.zero_()
+            b.zero_()
+
+    def step():
+        p = torch.sigmoid(x @ w + b)
+        xent = neg_y * torch.log(p) - one_minus_y * torch.log(1 - p)
+        cost = xent.mean() + l2 * (w**2).sum()
+        cost.backward()
+        with torch.no_grad():
+            w -= lr * w.grad
+            b -= lr * b.grad
+        w.grad = None
+        b.grad = None
+        return cost
+
+    totals, cost = timed(dev, steps, repeats, warmup, step, reset)
+    report("logreg", dev, steps, repeats, totals, f" final_cost={cost.item():.6f}")
+
+
+def mlp(name, widths, batch, dev, steps, repeats, warmup):
+    torch.manual_seed(0)
+    layers = []
+    for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
+        layers.append(torch.nn.Linear(a, b))
+        if i + 2 < len(widths):
+            layers.append(torch.nn.ReLU())
+    model = torch.nn.Sequential(*layers).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)  # PyTorch's default (foreach on CUDA)
+    x = data(batch, widths[0], dev)
+    labels = (torch.arange(batch) % widths[-1]).to(dev)
+
+    def step():
+        loss = F.cross_entropy(model(x), labels)
+        opt.zero_grad()  # set_to_none=True, as kiln's zero_grad
+        loss.backward()
+        opt.step()
+        return loss
+
+    totals, loss = timed(dev, steps, repeats, warmup, step)
+    arch = "-".join(map(str, widths))
+    report(name, dev, steps, repeats, totals, f" batch={batch} arch={arch} loss={loss.item():.6f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu if no GPU)")
+    ap.add_argument("--which", default="all", choices=["logreg", "mlp-small", "mlp-large", "all"])
+    ap.add_argument("--steps", type=int, help="steps per repeat (logreg 10000, mlp-small 200, mlp-large 20)")
+    ap.add_argument("--repeats", type=int, help="timed repeats, median reported (logreg 3, MLPs 5)")
+    ap.add_argument("--warmup", type=int, help="untimed warm-up steps (200, 20, 3)")
+    a = ap.parse_args()
+    dev = pick_device(a.device)
+
+    def pick(steps, repeats, warmup):
+        return (max(1, a.steps or steps), max(1, a.repeats or repeats),
+                warmup if a.warmup is None else a.warmup)
+
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {dev} ({name}), TF32 off ({TF32}), "
+          f"{torch.get_num_threads()} CPU threads", file=sys.stderr, flush=True)
+    if a.which in ("logreg", "all"):
+        logreg(dev, *pick(10000, 3, 200))
+    if a.which in ("mlp-small", "all"):
+        mlp("mlp-small", [784, 100, 100, 10], 100, dev, *pick(200, 5, 20))
+    if a.which == "mlp-large" or (a.which == "all" and dev.type == "cuda"):
+        mlp("mlp-large", [784, 4096, 4096, 4096, 10], 4096, dev, *pick(20, 5, 3))
+    elif a.which == "all":
+        print("skipping mlp-large on cpu (ask for it with --which mlp-large)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

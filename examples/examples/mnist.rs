@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --release --example mnist                       # MLP, Adam, 20 epochs, CPU
-//! cargo run --release --example mnist -- --arch lenet       # the conv net
+//! cargo run --release --example mnist -- --arch lenet       # the conv net, 15 epochs
 //! cargo run --release --example mnist -- --device cuda      # on the GPU (CPU if none)
 //! cargo run --release --example mnist -- --save mlp.safetensors
 //! cargo run --release --example mnist -- --load mlp.safetensors --epochs 0   # evaluate only
@@ -51,9 +51,9 @@ enum Opt {
     Sgd,
     /// SGD with momentum 0.9 (default lr 0.05).
     Momentum,
-    /// Adam (default lr 1e-3).
+    /// Adam (default lr 1e-3; 2e-3 for LeNet).
     Adam,
-    /// AdamW, weight decay 1e-2 (default lr 1e-3).
+    /// AdamW, weight decay 1e-2 (default lr as Adam).
     Adamw,
 }
 
@@ -67,7 +67,7 @@ struct Args {
     #[arg(long, default_value = "cpu", help = DEVICE_HELP)]
     device: String,
     /// Passes over the training set (0: only evaluate, e.g. after --load). Default: 20 for the
-    /// MLP, 8 for LeNet.
+    /// MLP, 15 for LeNet.
     #[arg(long)]
     epochs: Option<usize>,
     #[arg(long, default_value_t = 100)]
@@ -147,11 +147,18 @@ fn lenet<B: Backend>(dev: &B::Device, seed: u64) -> Result<Sequential<B>> {
         .add(LinearConfig::new(84, 10).init::<B>(dev, s(11))?))
 }
 
+/// The optimizer; without `--lr`, Adam(W) uses 1e-3 for the MLP and 2e-3 for LeNet (which
+/// then reaches 95% in fewer epochs on the small bundled set).
 fn optimizer<B: Backend>(
     kind: Opt,
+    arch: Arch,
     lr: Option<f64>,
     params: Vec<Var<B>>,
 ) -> Result<Box<dyn Optimizer<B>>> {
+    let adam_lr = lr.unwrap_or(match arch {
+        Arch::Mlp => 1e-3,
+        Arch::Lenet => 2e-3,
+    });
     Ok(match kind {
         Opt::Sgd => Box::new(SgdConfig::new(lr.unwrap_or(0.1)).init(params)?),
         Opt::Momentum => Box::new(
@@ -159,8 +166,8 @@ fn optimizer<B: Backend>(
                 .with_momentum(0.9)
                 .init(params)?,
         ),
-        Opt::Adam => Box::new(AdamConfig::new(lr.unwrap_or(1e-3)).init(params)?),
-        Opt::Adamw => Box::new(AdamWConfig::new(lr.unwrap_or(1e-3)).init(params)?),
+        Opt::Adam => Box::new(AdamConfig::new(adam_lr).init(params)?),
+        Opt::Adamw => Box::new(AdamWConfig::new(adam_lr).init(params)?),
     })
 }
 
@@ -182,6 +189,7 @@ fn progress(n: usize, epoch: usize, epochs: usize) -> ProgressBar {
 
 fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
     let dir = args.data_dir.clone().unwrap_or_else(Mnist::bundled_dir);
+    let dir = dir.canonicalize().unwrap_or(dir);
     let data = Mnist::load(&dir)?;
     let (n_train, n_test) = (
         kiln_data::Dataset::len(&data.train),
@@ -204,10 +212,10 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         model.load(p)?;
         println!("loaded weights from {}", p.display());
     }
-    let mut opt = optimizer(args.optimizer, args.lr, model.parameters())?;
+    let mut opt = optimizer(args.optimizer, args.arch, args.lr, model.parameters())?;
     let epochs = args.epochs.unwrap_or(match args.arch {
         Arch::Mlp => 20,
-        Arch::Lenet => 8,
+        Arch::Lenet => 15,
     });
     println!(
         "mnist: {:?} ({} parameters) on {dev}, {} train / {n_test} test digits from {}",

@@ -63,17 +63,17 @@ status=0
 for round in $(seq "$ROUNDS"); do
     [ "$ROUNDS" -gt 1 ] && echo "-- round $round/$ROUNDS"
     echo "-- kiln ($BIN --device $MODE $*)"
-    "$BIN" --device "$MODE" "$@" | tee -a "$out"
+    "$BIN" --device "$MODE" "$@" 2>&1 | tee -a "$out"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "kiln side FAILED" >&2; status=1; }
     if [ "$MODE" = cuda ]; then
         echo "-- torch ($PY bench/train_torch.py --device cuda $*)"
-        "$PY" bench/train_torch.py --device cuda "$@" | tee -a "$out"
+        "$PY" bench/train_torch.py --device cuda "$@" 2>&1 | tee -a "$out"
         [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "torch side FAILED" >&2; status=1; }
     else
         # numpy as shipped: without the OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE overrides some
         # machines set (they pin an older kernel); train_numpy.py prints the kernel it runs.
         echo "-- numpy ($PY bench/train_numpy.py $*, OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE unset)"
-        env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$PY" bench/train_numpy.py "$@" | tee -a "$out"
+        env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE "$PY" bench/train_numpy.py "$@" 2>&1 | tee -a "$out"
         [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "numpy side FAILED" >&2; status=1; }
     fi
 done
@@ -88,8 +88,10 @@ path, mode = sys.argv[1], sys.argv[2]
 runs = defaultdict(list)
 for line in open(path):
     parts = line.split()
-    if len(parts) < 3 or parts[0] not in ("kiln", "torch", "numpy") or "=" not in line:
-        continue
+    if (len(parts) < 4 or parts[0] not in ("kiln", "torch", "numpy")
+            or parts[1] not in ("logreg", "mlp-small", "mlp-large")
+            or not parts[3].startswith("steps=")):
+        continue  # headers, notes, errors: shown above, not parsed
     kv = dict(p.split("=", 1) for p in parts[3:] if "=" in p)
     kv["device"] = parts[2]
     runs[(parts[0], parts[1])].append(kv)

@@ -115,7 +115,7 @@ def ms(side, wl):
 
 print()
 hdr = f"{'workload':<10} {'steps':>6} {'kiln ms/step':>13} {other + ' ms/step':>14} " \
-      f"{'speedup':>8} {'kiln steps/s':>13} {'target':>10}  verdict"
+      f"{'speedup':>8} {'kiln steps/s':>13} {other + ' steps/s':>14} {'target':>10}  verdict"
 print(hdr)
 print("-" * len(hdr))
 for wl in ("logreg", "mlp-small", "mlp-large"):
@@ -143,6 +143,7 @@ for wl in ("logreg", "mlp-small", "mlp-large"):
     steps = (kr or orr or {}).get("steps", "?")
     print(f"{wl:<10} {steps:>6} {f(k, '%.4f'):>13} {f(o, '%.4f'):>14} "
           f"{f(speed, '%.2fx'):>8} {f(1e3 / k if k else None, '%.1f'):>13} "
+          f"{f(1e3 / o if o else None, '%.1f'):>14} "
           f"{labels.get(t, '-'):>10}  {verdict}" + ("  [" + "; ".join(notes) + "]" if notes else ""))
 print(f"\n(speedup = {other} ms/step / kiln ms/step; medians of each side's repeats"
       + (f", then of {len(next(iter(runs.values())))} rounds" if runs and len(next(iter(runs.values()))) > 1 else "")

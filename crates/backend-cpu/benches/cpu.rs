@@ -1,1 +1,62 @@
-fn main() {}
+//! CPU benchmarks of the issue-2 targets (compare with `bench/cpu_numpy.py` on the same
+//! machine; BENCHMARKS.md records both):
+//!
+//! - `sgemm_1024`: `[1024, 1024] x [1024, 1024]` f32 (also with a transposed lhs view);
+//! - `exp_230400`: elementwise exp over 230,400 f32 (the Theano tutorial's vector);
+//! - `add_32m`: elementwise add of two 32M-element f32 vectors.
+//!
+//! kiln's ops allocate their result (through the backend's buffer cache); numpy's are timed with
+//! `out=` (no allocation) and without.
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use kiln_backend_cpu::Cpu;
+use kiln_core::{DType, Tensor};
+use std::hint::black_box;
+
+fn benches(c: &mut Criterion) {
+    let dev = Cpu::device(0);
+
+    let n = 1024;
+    let a = Tensor::<Cpu>::rand([n, n], -1.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let b = Tensor::<Cpu>::rand([n, n], -1.0, 1.0, 2, DType::F32, &dev).unwrap();
+    let at = a.t().unwrap();
+    let mut g = c.benchmark_group("sgemm_1024");
+    g.throughput(Throughput::Elements((2 * n * n * n) as u64)); // flops
+    g.sample_size(30);
+    g.bench_function("a@b", |bch| bch.iter(|| black_box(a.matmul(&b).unwrap())));
+    g.bench_function("a.T@b", |bch| {
+        bch.iter(|| black_box(at.matmul(&b).unwrap()))
+    });
+    g.finish();
+
+    let x = Tensor::<Cpu>::rand([230_400], -5.0, 5.0, 3, DType::F32, &dev).unwrap();
+    let mut g = c.benchmark_group("exp_230400");
+    g.throughput(Throughput::Elements(230_400));
+    g.bench_function("exp", |bch| bch.iter(|| black_box(x.exp().unwrap())));
+    g.finish();
+
+    let m = 32 << 20;
+    let p = Tensor::<Cpu>::rand([m], 0.0, 1.0, 4, DType::F32, &dev).unwrap();
+    let q = Tensor::<Cpu>::rand([m], 0.0, 1.0, 5, DType::F32, &dev).unwrap();
+    let mut g = c.benchmark_group("add_32m");
+    g.throughput(Throughput::Elements(m as u64));
+    g.sample_size(20);
+    g.bench_function("add", |bch| bch.iter(|| black_box(p.add(&q).unwrap())));
+    g.finish();
+
+    let s = Tensor::<Cpu>::rand([512, 1000], -5.0, 5.0, 6, DType::F32, &dev).unwrap();
+    let mut g = c.benchmark_group("misc");
+    g.bench_function("softmax_512x1000", |bch| {
+        bch.iter(|| black_box(s.softmax().unwrap()))
+    });
+    g.bench_function("sum_rows_512x1000", |bch| {
+        bch.iter(|| black_box(s.sum(&[1], false).unwrap()))
+    });
+    g.bench_function("sum_cols_512x1000", |bch| {
+        bch.iter(|| black_box(s.sum(&[0], false).unwrap()))
+    });
+    g.finish();
+}
+
+criterion_group!(cpu, benches);
+criterion_main!(cpu);

@@ -48,7 +48,7 @@ fn reduce_with<T, A, U>(
     axes: &[usize],
     init: A,
     run: impl Fn(A, &[T], usize, usize, usize) -> A + Sync,
-    merge: impl Fn(A, A) -> A + Sync + Send,
+    merge: Option<impl Fn(A, A) -> A + Sync + Send>,
     finish: impl Fn(A) -> U + Sync,
 ) -> CpuStorage
 where
@@ -67,17 +67,18 @@ where
         out.fill(finish(init));
         return storage(s.device(), out);
     }
-    // One output from a large contiguous input: parallel partial folds.
+    // One output from a large contiguous input: parallel partial folds. (Arg reductions fold
+    // positions, which partial folds would lose: their `merge` is None.)
     let whole = layout
         .contiguous_range()
         .filter(|_| n_out == 1 && n_red >= PAR_MIN);
-    if let Some(r) = whole {
+    if let (Some(r), Some(merge)) = (whole, merge.as_ref()) {
         let x = &src[r];
         let chunk = par_chunk(x.len());
         let acc = x
             .par_chunks(chunk)
             .map(|c| run(init, c, 0, 1, c.len()))
-            .reduce(|| init, &merge);
+            .reduce(|| init, merge);
         out[0] = finish(acc);
         return storage(s.device(), out);
     }
@@ -117,6 +118,69 @@ where
         body(0, &mut out);
     }
     storage(s.device(), out)
+}
+
+/// Reduces the leading `r` rows of a contiguous `[r, k]` matrix into `k` outputs, row after row
+/// (`start(row)` makes the accumulators from a block's first row, `add_row(acc, row)` folds
+/// each further row into them), so that reducing the batch
+/// axis of `[n, c]` reads memory in order and vectorizes along `c`. Large inputs are split into
+/// row blocks whose partial accumulators are merged.
+#[allow(clippy::too_many_arguments)]
+fn reduce_leading<T, A, U>(
+    s: &CpuStorage,
+    x: &[T],
+    r: usize,
+    k: usize,
+    start: impl Fn(&[T]) -> Vec<A> + Sync,
+    add_row: impl Fn(&mut [A], &[T]) + Sync,
+    merge: impl Fn(A, A) -> A + Sync,
+    finish: impl Fn(A) -> U + Sync,
+) -> CpuStorage
+where
+    T: CpuElem,
+    A: Copy + Send + Sync,
+    U: CpuElem,
+{
+    let fold_rows = |rows: std::ops::Range<usize>| {
+        let mut acc = start(&x[rows.start * k..(rows.start + 1) * k]);
+        for i in rows.start + 1..rows.end {
+            add_row(&mut acc, &x[i * k..(i + 1) * k]);
+        }
+        acc
+    };
+    let acc = if r * k >= PAR_MIN && r > 1 {
+        let per = r.div_ceil((2 * rayon::current_num_threads()).min(r));
+        (0..r.div_ceil(per))
+            .into_par_iter()
+            .map(|t| fold_rows(t * per..((t + 1) * per).min(r)))
+            .reduce_with(|mut a, b| {
+                for (x, y) in a.iter_mut().zip(b) {
+                    *x = merge(*x, y);
+                }
+                a
+            })
+            .unwrap_or_default()
+    } else {
+        fold_rows(0..r)
+    };
+    let mut out = alloc::<U>(s.device(), k);
+    for (o, a) in out.iter_mut().zip(acc) {
+        *o = finish(a);
+    }
+    storage(s.device(), out)
+}
+
+/// `Some((r, k))` when `layout` is contiguous and `axes` are its leading `j >= 1` axes with at
+/// least one axis kept: then the reduction is over the rows of an `[r, k]` matrix.
+fn leading(layout: &Layout, axes: &[usize]) -> Option<(usize, usize, std::ops::Range<usize>)> {
+    let range = layout.contiguous_range()?;
+    let j = axes.len();
+    if j == 0 || j >= layout.rank() || axes.iter().enumerate().any(|(i, &a)| a != i) {
+        return None;
+    }
+    let r: usize = layout.dims()[..j].iter().product();
+    let k: usize = layout.dims()[j..].iter().product();
+    (r > 0 && k > 0).then_some((r, k, range))
 }
 
 /// Sum of an f32 run in f64 with eight lanes.
@@ -167,6 +231,37 @@ fn sum_i64(x: &[i64], start: usize, stride: usize, len: usize) -> i64 {
     }
 }
 
+/// The maximum (`MAX`) or minimum of a non-empty slice; NaN if any element is NaN. Sixteen
+/// independent lanes and no early exit, so the loop vectorizes.
+#[inline]
+pub(crate) fn slice_extreme<T: CpuElem, const MAX: bool>(x: &[T]) -> T {
+    let mut acc = [x[0]; 16];
+    let mut nan = false;
+    let mut it = x.chunks_exact(16);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            nan |= v.is_nan();
+            *a = if (MAX && v > *a) || (!MAX && v < *a) {
+                v
+            } else {
+                *a
+            };
+        }
+    }
+    let mut best = x[0];
+    for &v in acc.iter().chain(it.remainder()) {
+        nan |= v.is_nan();
+        if (MAX && v > best) || (!MAX && v < best) {
+            best = v;
+        }
+    }
+    if nan {
+        x.iter().copied().find(|v| v.is_nan()).unwrap_or(best)
+    } else {
+        best
+    }
+}
+
 /// `Some(better)` of two candidates for Max (`max == true`) or Min, propagating NaN.
 #[inline]
 fn pick<T: CpuElem>(max: bool, a: Option<T>, b: Option<T>) -> Option<T> {
@@ -199,13 +294,22 @@ fn minmax<T: CpuElem>(
         axes,
         None::<T>,
         |acc, x, start, stride, len| {
+            if stride == 1 {
+                let run = &x[start..start + len];
+                let r = if max {
+                    slice_extreme::<T, true>(run)
+                } else {
+                    slice_extreme::<T, false>(run)
+                };
+                return pick(max, acc, Some(r));
+            }
             let mut acc = acc;
             for i in 0..len {
                 acc = pick(max, acc, Some(x[start + i * stride]));
             }
             acc
         },
-        move |a, b| pick(max, a, b),
+        Some(move |a, b| pick(max, a, b)),
         |a| a.unwrap_or_default(),
     ))
 }
@@ -240,7 +344,7 @@ fn arg<T: CpuElem>(
             }
             bi as i64
         },
-        |a, _| a,
+        None::<fn(i64, i64) -> i64>,
         |a| a,
     ))
 }
@@ -283,6 +387,9 @@ pub(crate) fn reduce(
             }
         };
     }
+    if let Some((r, k, range)) = leading(layout, axes).filter(|_| !op.is_arg()) {
+        return reduce_leading_op(op, s, dtype, r, k, range);
+    }
     match op {
         ReduceOp::Sum => match dtype {
             DType::F32 => {
@@ -294,7 +401,7 @@ pub(crate) fn reduce(
                     axes,
                     0f64,
                     |a, x, st, sd, n| a + sum_f32(x, st, sd, n),
-                    |a, b| a + b,
+                    Some(|a, b| a + b),
                     |a| a as f32,
                 ))
             }
@@ -307,7 +414,7 @@ pub(crate) fn reduce(
                     axes,
                     0f64,
                     |a, x, st, sd, n| a + sum_f64(x, st, sd, n),
-                    |a, b| a + b,
+                    Some(|a, b| a + b),
                     |a| a,
                 ))
             }
@@ -320,7 +427,7 @@ pub(crate) fn reduce(
                     axes,
                     0i64,
                     |a, x, st, sd, n| a.wrapping_add(sum_i64(x, st, sd, n)),
-                    |a, b| a.wrapping_add(b),
+                    Some(i64::wrapping_add),
                     |a| a,
                 ))
             }
@@ -330,5 +437,113 @@ pub(crate) fn reduce(
         ReduceOp::Min => by_dtype!(minmax, false),
         ReduceOp::ArgMax => by_dtype!(arg, true),
         ReduceOp::ArgMin => by_dtype!(arg, false),
+    }
+}
+
+fn leading_minmax<T: CpuElem>(
+    s: &CpuStorage,
+    r: usize,
+    k: usize,
+    range: std::ops::Range<usize>,
+    max: bool,
+) -> Result<CpuStorage> {
+    let x = &slice::<T>(if max { "max" } else { "min" }, s)?[range];
+    let better = move |a: T, v: T| {
+        if a.is_nan() || !(v.is_nan() || (max && v > a) || (!max && v < a)) {
+            a
+        } else {
+            v
+        }
+    };
+    Ok(reduce_leading(
+        s,
+        x,
+        r,
+        k,
+        |row| row.to_vec(),
+        |acc, row| {
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a = better(*a, v);
+            }
+        },
+        better,
+        |a| a,
+    ))
+}
+
+/// Sum, Max or Min over the leading axes of a contiguous tensor (see [`reduce_leading`]).
+fn reduce_leading_op(
+    op: ReduceOp,
+    s: &CpuStorage,
+    dtype: DType,
+    r: usize,
+    k: usize,
+    range: std::ops::Range<usize>,
+) -> Result<CpuStorage> {
+    let name = op.name();
+    match (op, dtype) {
+        (ReduceOp::Sum, DType::F32) => {
+            let x = &slice::<f32>(name, s)?[range];
+            Ok(reduce_leading(
+                s,
+                x,
+                r,
+                k,
+                |row| row.iter().map(|&v| v as f64).collect(),
+                |acc, row| {
+                    for (a, &v) in acc.iter_mut().zip(row) {
+                        *a += v as f64;
+                    }
+                },
+                |a, b| a + b,
+                |a| a as f32,
+            ))
+        }
+        (ReduceOp::Sum, DType::F64) => {
+            let x = &slice::<f64>(name, s)?[range];
+            Ok(reduce_leading(
+                s,
+                x,
+                r,
+                k,
+                |row| row.to_vec(),
+                |acc, row| {
+                    for (a, &v) in acc.iter_mut().zip(row) {
+                        *a += v;
+                    }
+                },
+                |a, b| a + b,
+                |a| a,
+            ))
+        }
+        (ReduceOp::Sum, DType::I64) => {
+            let x = &slice::<i64>(name, s)?[range];
+            Ok(reduce_leading(
+                s,
+                x,
+                r,
+                k,
+                |row| row.to_vec(),
+                |acc, row| {
+                    for (a, &v) in acc.iter_mut().zip(row) {
+                        *a = a.wrapping_add(v);
+                    }
+                },
+                i64::wrapping_add,
+                |a| a,
+            ))
+        }
+        (ReduceOp::Sum, _) => Err(dtype_err(name, "f32, f64 or i64", dtype)),
+        (ReduceOp::Max | ReduceOp::Min, _) => {
+            let max = op == ReduceOp::Max;
+            match dtype {
+                DType::F32 => leading_minmax::<f32>(s, r, k, range, max),
+                DType::F64 => leading_minmax::<f64>(s, r, k, range, max),
+                DType::I64 => leading_minmax::<i64>(s, r, k, range, max),
+                DType::U8 => leading_minmax::<u8>(s, r, k, range, max),
+                _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
+            }
+        }
+        _ => Err(dtype_err(name, "a reducible dtype", dtype)),
     }
 }

@@ -62,16 +62,10 @@ impl SoftFloat for f64 {
 /// Row maximum; NaN propagates.
 #[inline]
 fn row_max<T: SoftFloat>(x: &[T]) -> T {
-    let mut m = T::NEG_INF;
-    for &v in x {
-        if v > m || v.is_nan() {
-            m = v;
-        }
-        if m.is_nan() {
-            break;
-        }
+    if x.is_empty() {
+        return T::NEG_INF;
     }
-    m
+    crate::reduce::slice_extreme::<T, true>(x)
 }
 
 fn gather_row<T: Copy>(src: &[T], start: usize, stride: usize, dst: &mut [T]) {

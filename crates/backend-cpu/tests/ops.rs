@@ -230,6 +230,22 @@ fn hand_computed_values() -> Result<()> {
     let e = t32(&[2.0, 5.0, 5.0, 1.0, 1.0], &[5]);
     assert_eq!(e.argmax(0, false)?.to_vec::<i64>()?, vec![1]);
     assert_eq!(e.argmin(0, false)?.to_vec::<i64>()?, vec![3]);
+    // NaN in reductions over the leading axis (row-wise fast path) and over the last axis
+    let nn = t32(&[1.0, f32::NAN, 3.0, 4.0, 5.0, f32::NAN], &[2, 3]);
+    let mx = nn.max(&[0], false)?.to_vec::<f32>()?;
+    assert!(mx[0] == 4.0 && mx[1].is_nan() && mx[2].is_nan(), "{mx:?}");
+    let mn = nn.min(&[0], false)?.to_vec::<f32>()?;
+    assert!(mn[0] == 1.0 && mn[1].is_nan() && mn[2].is_nan(), "{mn:?}");
+    let mr = nn.max(&[1], false)?.to_vec::<f32>()?;
+    assert!(mr[0].is_nan() && mr[1].is_nan(), "{mr:?}");
+    let big: Vec<f32> = (0..40)
+        .map(|i| if i == 37 { f32::NAN } else { i as f32 })
+        .collect();
+    assert!(t32(&big, &[40]).max_all()?.to_scalar()?.is_nan());
+    assert_eq!(
+        t32(&big, &[40]).narrow(0, 0, 37)?.max_all()?.to_scalar()?,
+        36.0
+    );
     // compare and where
     let m = e.compare_scalar(CmpOp::Gt, 1.5)?;
     assert_eq!(m.to_vec::<u8>()?, vec![1, 1, 1, 0, 0]);

@@ -200,7 +200,7 @@ export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 pass=0; fail=0; failed=""
 for t in tests/*; do
     echo "=== $t"
-    if "$t" --test-threads=1 "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $t"; fi
+    if timeout "${KILN_TEST_TIMEOUT:-400}" "$t" --test-threads=1 "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $t"; fi
 done
 echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}"
 [ "$fail" -eq 0 ]
@@ -213,7 +213,7 @@ echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$f
 cd "$(dirname "$0")"
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
-for b in benches/*; do "$b" --bench | tee -a "$out"; done
+for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
 PYTHONUNBUFFERED=1 python3 gpu_torch.py | tee -a "$out"
 python3 compare.py "$out"
 "#

@@ -1,1 +1,131 @@
-fn main() {}
+//! GPU benchmarks, timed with CUDA events on the device's compute stream (the same way
+//! `bench/gpu_torch.py` times PyTorch). Prints `BENCH kiln <name> <value> <unit>` lines that
+//! `bench/compare.py` puts beside PyTorch's. Run through `cargo xtask bench-gpu`.
+//!
+//! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
+
+use std::time::Instant;
+
+use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
+use kiln_core::{Backend, DType, Result, Tensor};
+
+fn report(name: &str, value: f64, unit: &str) {
+    println!("BENCH kiln {name} {value:.4} {unit}");
+}
+
+/// Median over `reps` of the event-timed milliseconds of `iters` calls of `f`, per call.
+fn time(dev: &CudaDevice, reps: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> f64 {
+    for _ in 0..3 {
+        f().unwrap();
+    }
+    Cuda::synchronize(dev).unwrap();
+    let mut v: Vec<f64> = (0..reps)
+        .map(|_| {
+            raw::time_ms(dev, || {
+                for _ in 0..iters {
+                    f()?;
+                }
+                Ok(())
+            })
+            .unwrap() as f64
+                / iters as f64
+        })
+        .collect();
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn main() {
+    if !std::env::args().any(|a| a == "--bench") {
+        return; // `cargo test` runs benches as tests: nothing to do
+    }
+    let Some(dev) = try_gpu(0) else {
+        println!(
+            "skipped: no CUDA device ({})",
+            unavailable_reason().unwrap_or_default()
+        );
+        return;
+    };
+    set_allow_tf32(false);
+    println!("kiln device: {}", dev.name().unwrap());
+    let f32t = |shape: &[usize], seed| {
+        Tensor::<Cuda>::rand(shape, -1.0, 1.0, seed, DType::F32, &dev).unwrap()
+    };
+
+    // exp over 230,400 f32, 1000 launches, result kept on the GPU (Theano's loop).
+    let x = f32t(&[230_400], 1);
+    let ms = time(&dev, 5, 1000, || x.exp().map(drop));
+    report("exp_230400_x1000", ms * 1000.0, "ms");
+    let t0 = Instant::now();
+    for _ in 0..1000 {
+        drop(x.exp().unwrap());
+    }
+    Cuda::synchronize(&dev).unwrap();
+    report(
+        "exp_230400_x1000_wall",
+        t0.elapsed().as_secs_f64() * 1e3,
+        "ms",
+    );
+
+    // add and sum over 256M f32.
+    let n = 256 << 20;
+    let a = f32t(&[n], 2);
+    let b = f32t(&[n], 3);
+    let ms = time(&dev, 5, 5, || a.add(&b).map(drop));
+    report("add_256M", 3.0 * 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
+    let ms = time(&dev, 5, 5, || a.sum_all().map(drop));
+    report("sum_256M", 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
+    drop((a, b));
+
+    // Row softmax 8192 x 8192.
+    let s = f32t(&[8192, 8192], 4);
+    let ms = time(&dev, 5, 10, || s.softmax().map(drop));
+    report(
+        "softmax_8192x8192",
+        2.0 * 4.0 * (8192.0 * 8192.0) / (ms * 1e-3) / 1e9,
+        "GB/s",
+    );
+    drop(s);
+
+    // sgemm, TF32 off.
+    for m in [4096usize, 8192] {
+        let p = f32t(&[m, m], 5);
+        let q = f32t(&[m, m], 6);
+        let ms = time(&dev, 5, if m == 4096 { 10 } else { 3 }, || {
+            p.matmul(&q).map(drop)
+        });
+        report(
+            &format!("sgemm_{m}"),
+            2.0 * (m as f64).powi(3) / (ms * 1e-3) / 1e12,
+            "TFLOP/s",
+        );
+    }
+
+    // Allocation churn: 1000 buffers of 230,400 f32 (host time; allocation is host work).
+    let bytes = 230_400 * 4;
+    for _ in 0..2 {
+        drop(raw::alloc(&dev, bytes).unwrap());
+    }
+    Cuda::synchronize(&dev).unwrap();
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..1000 {
+            drop(raw::alloc(&dev, bytes).unwrap());
+        }
+        Cuda::synchronize(&dev).unwrap();
+        best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    report("alloc_free_1000x230400", best, "us");
+    let mut best = f64::MAX;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let v: Vec<_> = (0..1000)
+            .map(|_| raw::alloc(&dev, bytes).unwrap())
+            .collect();
+        drop(v);
+        Cuda::synchronize(&dev).unwrap();
+        best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+    }
+    report("alloc1000_then_free1000_x230400", best, "us");
+}

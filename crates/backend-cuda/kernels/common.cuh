@@ -90,8 +90,11 @@ __device__ __forceinline__ bool is_nan(double x) { return x != x; }
 __device__ __forceinline__ bool is_nan(i64) { return false; }
 __device__ __forceinline__ bool is_nan(u8) { return false; }
 
-// The device-wide error flag: the first failing kernel stores its code; the host reads it back.
-__device__ __forceinline__ void raise_error(u32* flag, u32 code) { atomicCAS(flag, 0u, code); }
+// The device-wide error record {code, pad, value_lo, value_hi}: the first failing thread stores
+// its code and the offending value (e.g. the bad index); the host reads it back.
+__device__ __forceinline__ void raise_error(u32* flag, u32 code, i64 value) {
+    if (atomicCAS(flag, 0u, code) == 0u) *(i64*)(flag + 2) = value;
+}
 
 // Grid-stride loop bounds for 1-d launches.
 #define KILN_TID ((u64)blockIdx.x * blockDim.x + threadIdx.x)

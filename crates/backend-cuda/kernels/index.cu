@@ -14,7 +14,7 @@
             u64 j = (i / post) % nids;                                                         \
             i64 id = ids[io + j * is];                                                         \
             if (id < 0 || (u64)id >= ax_size) {                                                \
-                raise_error(flag, 2);                                                          \
+                raise_error(flag, 2, id);                                                          \
                 y[i] = 0;                                                                      \
                 continue;                                                                      \
             }                                                                                  \
@@ -32,7 +32,7 @@
             offset2<u64>(i, d, sx, si, ox, oi);                                                \
             i64 id = ids[oi];                                                                  \
             if (id < 0 || (u64)id >= ax_size) {                                                \
-                raise_error(flag, 2);                                                          \
+                raise_error(flag, 2, id);                                                          \
                 y[i] = 0;                                                                      \
                 continue;                                                                      \
             }                                                                                  \
@@ -65,7 +65,7 @@ __device__ __forceinline__ void atomic_add(u8* p, u8 v) {
             offset3<u64>(i, d, sy, si, ss, oy, oi, os);                                        \
             i64 id = ids[oi];                                                                  \
             if (id < 0 || (u64)id >= ax_size) {                                                \
-                raise_error(flag, 2);                                                          \
+                raise_error(flag, 2, id);                                                          \
                 continue;                                                                      \
             }                                                                                  \
             atomic_add(y + oy + (u64)id * ax_stride, src[os]);                                 \

@@ -35,7 +35,20 @@ __device__ void reduce_row(const T* __restrict__ x, O* __restrict__ y, u64 nout,
             u64 nvec = (r1 - va) / N;
             for (u64 r = r0 + threadIdx.x; r < va; r += blockDim.x) acc = Op::combine(acc, Op::lift(p[r], (i64)r));
             const Vec<T, N>* pv = (const Vec<T, N>*)(p + va);
-            for (u64 v = threadIdx.x; v < nvec; v += blockDim.x) {
+            const u64 bd = blockDim.x;
+            u64 v = threadIdx.x;
+            // Four independent 16-byte loads in flight per thread, combined in a fixed order.
+            for (; v + 3 * bd < nvec; v += 4 * bd) {
+                Vec<T, N> w[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) w[u] = pv[v + u * bd];
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int j = 0; j < N; ++j)
+                        acc = Op::combine(acc, Op::lift(w[u].v[j], (i64)(va + (v + u * bd) * N + j)));
+            }
+            for (; v < nvec; v += bd) {
                 Vec<T, N> w = pv[v];
 #pragma unroll
                 for (int j = 0; j < N; ++j) acc = Op::combine(acc, Op::lift(w.v[j], (i64)(va + v * N + j)));

@@ -26,6 +26,7 @@ __device__ void softmax_row(const T* __restrict__ x, T* __restrict__ y, u64 rows
         bool vec = cs == 1 && cols % N == 0 && ((u64)p % 16) == 0;
         if (smem) {
             if (vec) {
+#pragma unroll 4
                 for (u64 v = threadIdx.x; v < cols / N; v += blockDim.x) {
                     Vec<T, N> w = ((const Vec<T, N>*)p)[v];
                     ((Vec<T, N>*)row)[v] = w;
@@ -92,7 +93,7 @@ __device__ void xent_row(const T* __restrict__ x, const i64* __restrict__ lab, T
         if (threadIdx.x == 0) {
             i64 l = lab[lo + r * ls];
             if (l < 0 || (u64)l >= cols) {
-                raise_error(flag, 1);
+                raise_error(flag, 1, l);
                 y[r] = lowest<T>() - lowest<T>();  // NaN
             } else {
                 y[r] = m + k_logf(s) - p[(u64)l * cs];
@@ -113,7 +114,7 @@ __device__ void xent_bwd_row(const T* __restrict__ x, const i64* __restrict__ la
         T m, s;
         row_stats(p, cols, cs, scratch, m, s);
         i64 l = lab[lo + r * ls];
-        if ((l < 0 || (u64)l >= cols) && threadIdx.x == 0) raise_error(flag, 1);
+        if ((l < 0 || (u64)l >= cols) && threadIdx.x == 0) raise_error(flag, 1, l);
         T gr = g[go + r * gs];
         T* q = y + r * cols;
         for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {

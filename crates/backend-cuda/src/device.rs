@@ -146,9 +146,10 @@ pub(crate) struct DeviceState {
     pub arch: u32,
     pub sm_count: u32,
     pub total_mem: usize,
-    /// A device `u32`: 0, or the code of the first kernel error since the last check.
+    /// A 16-byte device record `{u32 code, u32 pad, i64 value}`: code 0, or the code and
+    /// offending value of the first kernel error since the last check.
     pub err_flag: sys::CUdeviceptr,
-    /// Pinned host word the flag is copied into.
+    /// Pinned host copy of the record.
     pub err_host: *mut u32,
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
@@ -262,10 +263,10 @@ impl DeviceState {
                 "cuMemPoolSetAttribute",
             )?;
             let mut err_flag = 0;
-            check(sys::cuMemAlloc_v2(&mut err_flag, 4), "cuMemAlloc")?;
-            check(sys::cuMemsetD32_v2(err_flag, 0, 1), "cuMemsetD32")?;
+            check(sys::cuMemAlloc_v2(&mut err_flag, 16), "cuMemAlloc")?;
+            check(sys::cuMemsetD32_v2(err_flag, 0, 4), "cuMemsetD32")?;
             let mut err_host = std::ptr::null_mut();
-            check(sys::cuMemHostAlloc(&mut err_host, 4, 0), "cuMemHostAlloc")?;
+            check(sys::cuMemHostAlloc(&mut err_host, 16, 0), "cuMemHostAlloc")?;
             Ok(DeviceState {
                 ordinal,
                 cu_dev,
@@ -392,7 +393,6 @@ impl DeviceState {
         )?;
         if sync_debug() {
             self.sync(op)?;
-            self.check_flag(op)?;
         }
         Ok(())
     }
@@ -410,37 +410,43 @@ impl DeviceState {
         check(unsafe { sys::cuStreamSynchronize(self.compute) }, op)
     }
 
-    /// Reads the device error flag (synchronizing) and turns a raised flag into a typed error
-    /// naming `op`; the flag is cleared, so the device stays usable.
-    pub fn check_flag(&self, op: &'static str) -> Result<()> {
+    /// Reads the device error record (synchronizing) and turns a raised flag into a typed
+    /// error naming `op`, the offending value and the valid range `0..limit`; the record is
+    /// cleared, so the device stays usable.
+    pub fn check_flag(&self, op: &'static str, limit: usize) -> Result<()> {
         let _g = self.err_lock.lock().unwrap();
-        // SAFETY: `err_host` is pinned memory of 4 bytes; `err_flag` a device word; both
-        // are ordered on the compute stream, which we synchronize before reading.
-        let code = unsafe {
+        // SAFETY: `err_host` is 16 bytes of pinned memory; `err_flag` a 16-byte device record;
+        // the copy is ordered on the compute stream, which we synchronize before reading.
+        let (code, value) = unsafe {
             check(
                 sys::cuMemcpyDtoHAsync_v2(
                     self.err_host as *mut c_void,
                     self.err_flag,
-                    4,
+                    16,
                     self.compute,
                 ),
                 op,
             )?;
             self.sync(op)?;
-            std::ptr::read_volatile(self.err_host)
+            let code = std::ptr::read_volatile(self.err_host);
+            let value = std::ptr::read_volatile(self.err_host.add(2) as *const i64);
+            (code, value)
         };
         if code == 0 {
             return Ok(());
         }
-        // SAFETY: a 4-byte device word, ordered on the compute stream.
+        // SAFETY: the 16-byte device record, ordered on the compute stream.
         check(
-            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 1, self.compute) },
+            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 4, self.compute) },
             op,
         )?;
         Err(match code {
-            1 => Error::invalid(op, "a label is outside 0..classes"),
-            2 => Error::invalid(op, "an index is outside the indexed axis"),
-            c => Error::backend(op, format!("kernel error code {c}")),
+            1 => Error::invalid(op, format!("label {value} is outside 0..{limit}")),
+            2 => Error::invalid(
+                op,
+                format!("index {value} is out of range for an axis of size {limit}"),
+            ),
+            c => Error::backend(op, format!("kernel error code {c} (value {value})")),
         })
     }
 

@@ -104,8 +104,7 @@ impl Backend for Cuda {
 
     fn synchronize(device: &CudaDevice) -> Result<()> {
         let s = state(device)?;
-        s.sync("synchronize")?;
-        s.check_flag("synchronize")
+        s.sync("synchronize")
     }
 
     fn memory_stats(device: &CudaDevice) -> Result<MemoryStats> {

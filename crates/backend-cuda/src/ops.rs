@@ -642,7 +642,7 @@ pub(crate) fn softmax(s: &CudaStorage, l: &Layout, dtype: DType, log: bool) -> R
     let (rows, cols, d, st, cs) = rows_of(op, l)?;
     let row_bytes = cols * dtype.size_in_bytes();
     let smem = row_bytes <= 48 * 1024;
-    let block = block_for((cols / 8) as u64, 1024);
+    let block = block_for((cols / 32) as u64, 256);
     let mut a = Args::new();
     a.push(s.device_ptr())
         .push(out.device_ptr())
@@ -710,7 +710,7 @@ pub(crate) fn cross_entropy(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP)?;
+    dev.check_flag(OP, cols)?;
     Ok(out)
 }
 
@@ -760,7 +760,7 @@ pub(crate) fn cross_entropy_backward(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP)?;
+    dev.check_flag(OP, cols)?;
     Ok(out)
 }
 
@@ -819,7 +819,7 @@ pub(crate) fn index_select(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP)?;
+    dev.check_flag(OP, l.dims()[axis])?;
     Ok(out)
 }
 
@@ -868,7 +868,7 @@ pub(crate) fn gather(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP)?;
+    dev.check_flag(OP, l.dims()[axis])?;
     Ok(out)
 }
 
@@ -923,6 +923,6 @@ pub(crate) fn scatter_add(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP)?;
+    dev.check_flag(OP, lb.dims()[axis])?;
     Ok(out)
 }

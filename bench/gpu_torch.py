@@ -1,0 +1,92 @@
+"""PyTorch side of `cargo xtask bench-gpu`: the same workloads as
+crates/backend-cuda/benches/gpu.rs, timed the same way (CUDA events, median of 5), printing
+`BENCH torch <name> <value> <unit>` lines for compare.py."""
+import time
+
+import torch
+
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+torch.set_float32_matmul_precision("highest")
+dev = torch.device("cuda:0")
+
+
+def report(name, value, unit):
+    print(f"BENCH torch {name} {value:.4f} {unit}", flush=True)
+
+
+def timed(reps, iters, f):
+    for _ in range(3):
+        f()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            f()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / iters)
+    out.sort()
+    return out[len(out) // 2]
+
+
+print(f"torch {torch.__version__} device: {torch.cuda.get_device_name(0)}")
+g = torch.Generator(device=dev).manual_seed(0)
+
+
+def rand(*shape):
+    return torch.rand(*shape, device=dev, generator=g) * 2 - 1
+
+
+x = rand(230_400)
+y = torch.empty_like(x)
+ms = timed(5, 1000, lambda: torch.exp(x, out=y))
+report("exp_230400_x1000", ms * 1000.0, "ms")
+t0 = time.perf_counter()
+for _ in range(1000):
+    torch.exp(x, out=y)
+torch.cuda.synchronize()
+report("exp_230400_x1000_wall", (time.perf_counter() - t0) * 1e3, "ms")
+
+n = 256 << 20
+a, b = rand(n), rand(n)
+ms = timed(5, 5, lambda: a + b)
+report("add_256M", 3 * 4 * n / (ms * 1e-3) / 1e9, "GB/s")
+ms = timed(5, 5, lambda: a.sum())
+report("sum_256M", 4 * n / (ms * 1e-3) / 1e9, "GB/s")
+del a, b
+
+s = rand(8192, 8192)
+ms = timed(5, 10, lambda: torch.softmax(s, dim=-1))
+report("softmax_8192x8192", 2 * 4 * 8192 * 8192 / (ms * 1e-3) / 1e9, "GB/s")
+del s
+
+for m in (4096, 8192):
+    p, q = rand(m, m), rand(m, m)
+    ms = timed(5, 10 if m == 4096 else 3, lambda: p @ q)
+    report(f"sgemm_{m}", 2 * m**3 / (ms * 1e-3) / 1e12, "TFLOP/s")
+del p, q
+
+for _ in range(2):
+    torch.empty(230_400, device=dev)
+torch.cuda.synchronize()
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        t = torch.empty(230_400, device=dev)
+        del t
+    torch.cuda.synchronize()
+    best = min(best, (time.perf_counter() - t0) * 1e6)
+report("alloc_free_1000x230400", best, "us")
+best = float("inf")
+for _ in range(5):
+    t0 = time.perf_counter()
+    v = [torch.empty(230_400, device=dev) for _ in range(1000)]
+    del v
+    torch.cuda.synchronize()
+    best = min(best, (time.perf_counter() - t0) * 1e6)
+report("alloc1000_then_free1000_x230400", best, "us")

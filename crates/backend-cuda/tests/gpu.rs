@@ -1,0 +1,244 @@
+//! GPU tests: the conformance suite against the reference, CUDA against the CPU on the same
+//! random inputs, and what only a real device shows (out-of-memory, error flags, memory
+//! statistics, bit-identical Philox, > 2^31 elements, peer copies, TF32).
+//!
+//! Without a GPU each test prints `skipped: no CUDA device (<reason>)` and returns.
+
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{
+    Cuda, CudaDevice, set_allow_tf32, try_all_gpus, try_gpu, unavailable_reason,
+};
+use kiln_core::{Backend, DType, Error, Tensor, philox};
+
+fn gpu() -> Option<CudaDevice> {
+    let d = try_gpu(0);
+    if d.is_none() {
+        println!(
+            "skipped: no CUDA device ({})",
+            unavailable_reason().unwrap_or_default()
+        );
+    }
+    d
+}
+
+#[test]
+fn conformance_against_reference() {
+    let Some(dev) = gpu() else { return };
+    kiln_core::testing::run_conformance::<Cuda>(&dev);
+}
+
+#[test]
+fn cuda_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    kiln_core::testing::compare_backends::<Cuda, Cpu>(&dev, &Cpu::device(0));
+}
+
+#[test]
+fn out_of_memory_is_a_typed_error_and_the_device_recovers() {
+    let Some(dev) = gpu() else { return };
+    let total = dev.total_memory().unwrap();
+    let too_much = total * 2;
+    let r = Tensor::<Cuda>::zeros([too_much / 4], DType::F32, &dev);
+    match r {
+        Err(Error::OutOfMemory {
+            requested, device, ..
+        }) => {
+            assert_eq!(requested, too_much);
+            assert_eq!(device, "cuda:0");
+        }
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // Fill most of the card, then ask for more than is left: the retry path runs.
+    let big = Tensor::<Cuda>::zeros([total / 4 / 8 * 5], DType::F32, &dev).unwrap();
+    let r = Tensor::<Cuda>::zeros([total / 4 / 2], DType::F32, &dev);
+    assert!(matches!(r, Err(Error::OutOfMemory { .. })), "{r:?}");
+    println!("OOM test: {}", r.unwrap_err());
+    drop(big);
+    // Still usable.
+    let x = Tensor::<Cuda>::arange(0.0, 10.0, 1.0, DType::F32, &dev).unwrap();
+    let s = x.sum_all().unwrap().to_scalar().unwrap();
+    assert_eq!(s, 45.0);
+    let y = Tensor::<Cuda>::zeros([total / 4 / 2], DType::F32, &dev);
+    assert!(
+        y.is_ok(),
+        "after freeing, half the card must be allocatable"
+    );
+}
+
+#[test]
+fn index_errors_are_typed_and_the_device_stays_usable() {
+    let Some(dev) = gpu() else { return };
+    let x = Tensor::<Cuda>::arange(0.0, 12.0, 1.0, DType::F32, &dev)
+        .unwrap()
+        .reshape([3, 4])
+        .unwrap();
+    let bad = Tensor::<Cuda>::from_vec(vec![0i64, 7], [2], &dev).unwrap();
+    let e = x.index_select(&bad, 0).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
+    assert!(
+        e.to_string().contains("index_select") && e.to_string().contains('7'),
+        "{e}"
+    );
+    let labels = Tensor::<Cuda>::from_vec(vec![0i64, -1, 2], [3], &dev).unwrap();
+    let e = x.cross_entropy(&labels).unwrap_err();
+    assert!(e.to_string().contains("-1"), "{e}");
+    // The flag was cleared: valid ops work and report no stale error.
+    let good = Tensor::<Cuda>::from_vec(vec![2i64, 0], [2], &dev).unwrap();
+    let y = x.index_select(&good, 0).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(y, vec![8., 9., 10., 11., 0., 1., 2., 3.]);
+    Cuda::synchronize(&dev).unwrap();
+}
+
+#[test]
+fn memory_stats_track_use_and_empty_cache_trims() {
+    let Some(dev) = gpu() else { return };
+    Cuda::synchronize(&dev).unwrap();
+    let before = Cuda::memory_stats(&dev).unwrap();
+    let x = Tensor::<Cuda>::zeros([1 << 20], DType::F32, &dev).unwrap();
+    let during = Cuda::memory_stats(&dev).unwrap();
+    assert_eq!(during.in_use, before.in_use + (4 << 20));
+    assert!(during.peak >= during.in_use);
+    assert!(during.reserved >= during.in_use);
+    drop(x);
+    let after = Cuda::memory_stats(&dev).unwrap();
+    assert_eq!(after.in_use, before.in_use);
+    Cuda::empty_cache(&dev).unwrap();
+    let trimmed = Cuda::memory_stats(&dev).unwrap();
+    assert!(trimmed.reserved <= during.reserved);
+}
+
+#[test]
+fn philox_uniforms_are_bit_identical_to_core() {
+    let Some(dev) = gpu() else { return };
+    let n = 100_003;
+    let (seed, lo, hi) = (0x1234_5678_9abc_def0u64, -3.0, 5.5);
+    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F32, &dev)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    for (i, v) in g.iter().enumerate() {
+        let want = philox::uniform_f32(seed, i as u64, lo as f32, hi as f32);
+        assert_eq!(v.to_bits(), want.to_bits(), "element {i}");
+    }
+    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F64, &dev)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
+    for (i, v) in g.iter().enumerate() {
+        assert_eq!(
+            v.to_bits(),
+            philox::uniform_f64(seed, i as u64, lo, hi).to_bits()
+        );
+    }
+    let c = Tensor::<Cpu>::rand([n], lo, hi, seed, DType::F32, &Cpu::device(0))
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F32, &dev)
+        .unwrap()
+        .to_vec::<f32>()
+        .unwrap();
+    assert!(
+        c.iter().zip(&g).all(|(a, b)| a.to_bits() == b.to_bits()),
+        "CPU vs CUDA"
+    );
+}
+
+#[test]
+fn more_than_2_pow_31_elements_use_64_bit_indexing() {
+    let Some(dev) = gpu() else { return };
+    let n: usize = (1 << 31) + 40;
+    if dev.total_memory().unwrap() < n * 8 * 4 {
+        println!("skipped: needs {} GiB of GPU memory", n * 8 * 4 >> 30);
+        return;
+    }
+    let x = Tensor::<Cuda>::ones([n], DType::I64, &dev).unwrap();
+    let y = x.add_scalar(2.0).unwrap(); // contiguous path
+    assert_eq!(y.sum_all().unwrap().to_scalar().unwrap(), 3.0 * n as f64);
+    // Strided path with 64-bit offsets: a transposed view, made contiguous.
+    let m = y
+        .narrow(0, 0, (1 << 31) + 32)
+        .unwrap()
+        .reshape([8, (1 << 28) + 4])
+        .unwrap();
+    let t = m.t().unwrap().contiguous().unwrap();
+    let tail = t
+        .narrow(0, (1 << 28) + 3, 1)
+        .unwrap()
+        .to_vec::<i64>()
+        .unwrap();
+    assert_eq!(tail, vec![3; 8]);
+    let v = y.narrow(0, n - 3, 3).unwrap().to_vec::<i64>().unwrap();
+    assert_eq!(v, vec![3, 3, 3]);
+}
+
+#[test]
+fn tf32_is_off_by_default_and_can_be_enabled() {
+    let Some(dev) = gpu() else { return };
+    // Entries with more mantissa bits than TF32 keeps: exact f32 products differ from TF32's.
+    let a: Vec<f32> = (0..64 * 64)
+        .map(|i| 1.0 + (i % 97) as f32 * 1.0e-4)
+        .collect();
+    let ta = Tensor::<Cuda>::from_slice(&a, [64, 64], &dev).unwrap();
+    let tc = Tensor::<Cpu>::from_slice(&a, [64, 64], &Cpu::device(0)).unwrap();
+    let exact = tc.matmul(&tc).unwrap().to_vec::<f32>().unwrap();
+    let err = |g: &[f32]| {
+        g.iter()
+            .zip(&exact)
+            .map(|(x, y)| ((x - y) / y).abs())
+            .fold(0f32, f32::max)
+    };
+    let off = ta.matmul(&ta).unwrap().to_vec::<f32>().unwrap();
+    assert!(err(&off) < 1e-5, "f32 matmul off by {}", err(&off));
+    set_allow_tf32(true);
+    let on = ta.matmul(&ta).unwrap().to_vec::<f32>().unwrap();
+    set_allow_tf32(false);
+    println!(
+        "relative error: tf32 off {:e}, on {:e}",
+        err(&off),
+        err(&on)
+    );
+    assert!(err(&on) > err(&off), "TF32 should be visibly less exact");
+}
+
+#[test]
+fn copies_between_gpus_and_transposed_views() {
+    let Some(dev) = gpu() else { return };
+    let all = try_all_gpus();
+    let x = Tensor::<Cuda>::arange(0.0, 6.0, 1.0, DType::F32, &dev)
+        .unwrap()
+        .reshape([2, 3])
+        .unwrap()
+        .t()
+        .unwrap();
+    let same = x.copy_to(&dev).unwrap();
+    assert!(!same.same_storage(&x));
+    assert_eq!(same.to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+    if all.len() < 2 {
+        println!("peer copy: skipped: one CUDA device");
+        return;
+    }
+    let other = all[1];
+    let y = x.to_device(&other).unwrap();
+    assert_eq!(y.device(), &other);
+    assert_eq!(y.to_vec::<f32>().unwrap(), vec![0., 3., 1., 4., 2., 5.]);
+    let z = y.mul_scalar(2.0).unwrap().to_device(&dev).unwrap();
+    assert_eq!(z.to_vec::<f32>().unwrap(), vec![0., 6., 2., 8., 4., 10.]);
+    let e = x.add(&y).unwrap_err();
+    assert!(matches!(e, Error::DeviceMismatch { .. }), "{e}");
+    println!("peer copy between cuda:0 and cuda:1 ok");
+}
+
+#[test]
+fn large_transfers_round_trip_through_the_staging_ring() {
+    let Some(dev) = gpu() else { return };
+    let n = 10_000_019; // ~40 MB: several staging blocks, not a multiple of the block
+    let v: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
+    let t = Tensor::<Cuda>::from_slice(&v, [n], &dev).unwrap();
+    assert_eq!(t.to_vec::<f32>().unwrap(), v);
+    println!(
+        "device: {} (sm_{})",
+        dev.name().unwrap(),
+        dev.compute_capability().unwrap()
+    );
+}

@@ -1,0 +1,119 @@
+//! Tests that need no GPU: device discovery without a driver, the kernel disk cache, the
+//! kernel sources, and (when libnvrtc is present) that every kernel compiles.
+
+use kiln_backend_cuda::compile::{self, Module};
+use kiln_backend_cuda::{Cuda, device_count, try_all_gpus, try_gpu, unavailable_reason};
+use kiln_core::Backend;
+
+#[test]
+fn device_discovery_never_panics() {
+    let n = device_count();
+    assert_eq!(try_all_gpus().len(), n);
+    assert_eq!(Cuda::devices().len(), n);
+    assert!(
+        try_gpu(n).is_none(),
+        "try_gpu past the last device must be None"
+    );
+    if n == 0 {
+        let why = unavailable_reason().expect("no device must come with a reason");
+        assert!(!why.is_empty());
+        let e = Cuda::parse_device("cuda:0").unwrap_err().to_string();
+        assert!(e.contains("cuda:0") && e.contains("does not exist"), "{e}");
+    } else {
+        assert_eq!(try_gpu(0).unwrap().to_string(), "cuda:0");
+    }
+    assert!(Cuda::parse_device("cpu").is_err());
+    assert!(Cuda::parse_device("cuda:x").is_err());
+}
+
+#[test]
+fn kernel_sources_are_embedded() {
+    for m in Module::ALL {
+        let src = m.full_source();
+        assert!(src.contains("extern \"C\" __global__"), "{}", m.file_name());
+        assert!(src.contains(&format!("#line 1 \"{}\"", m.file_name())));
+    }
+    let e = Module::Elementwise.source();
+    for k in ["UNARY(exp", "binary", "cmp", "where_", "cast_"] {
+        assert!(e.contains(k), "elementwise.cu lacks {k}");
+    }
+}
+
+#[test]
+fn cache_key_depends_on_everything_it_must() {
+    let d = std::path::Path::new("/tmp/x");
+    let base = compile::cache_path(d, Module::Reduce, 90, (13, 0));
+    assert_ne!(
+        base,
+        compile::cache_path(d, Module::Reduce, 80, (13, 0)),
+        "arch"
+    );
+    assert_ne!(
+        base,
+        compile::cache_path(d, Module::Reduce, 90, (13, 1)),
+        "nvrtc version"
+    );
+    assert_ne!(
+        base,
+        compile::cache_path(d, Module::Softmax, 90, (13, 0)),
+        "source"
+    );
+    assert_eq!(
+        base,
+        compile::cache_path(d, Module::Reduce, 90, (13, 0)),
+        "stable"
+    );
+    assert_ne!(
+        compile::fnv128(&[b"ab", b"c"]),
+        compile::fnv128(&[b"a", b"bc"])
+    );
+}
+
+#[test]
+fn corrupt_or_missing_cache_entries_are_ignored() {
+    let dir = std::env::temp_dir().join(format!("kiln-cache-test-{}", std::process::id()));
+    let p = dir.join("k.cubin");
+    assert!(compile::read_cached(&p).is_none(), "missing");
+    compile::write_cached(&p, b"payload bytes");
+    assert_eq!(
+        compile::read_cached(&p).as_deref(),
+        Some(&b"payload bytes"[..])
+    );
+    // Flip one payload byte: the checksum must reject it.
+    let mut data = std::fs::read(&p).unwrap();
+    let last = data.len() - 1;
+    data[last] ^= 1;
+    std::fs::write(&p, &data).unwrap();
+    assert!(compile::read_cached(&p).is_none(), "corrupt");
+    // Truncated.
+    std::fs::write(&p, &data[..10]).unwrap();
+    assert!(compile::read_cached(&p).is_none(), "truncated");
+    // Unwritable location: silently nothing.
+    compile::write_cached(std::path::Path::new("/proc/kiln/none.cubin"), b"x");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn cache_dir_follows_the_environment() {
+    // Only read here (tests run in parallel; no env mutation).
+    let d = compile::cache_dir();
+    if let Some(v) = std::env::var_os("KILN_KERNEL_CACHE").filter(|v| !v.is_empty()) {
+        assert_eq!(d.unwrap(), std::path::PathBuf::from(v));
+    } else if std::env::var_os("HOME").is_some() || std::env::var_os("XDG_CACHE_HOME").is_some() {
+        assert!(d.unwrap().ends_with("kiln/kernels"));
+    }
+}
+
+#[test]
+fn every_kernel_compiles_when_nvrtc_is_present() {
+    match compile::check_all(90) {
+        Err(e) => println!("skipped: {e}"),
+        Ok(results) => {
+            for (file, r) in results {
+                if let Err(log) = r {
+                    panic!("kernels/{file} does not compile:\n{log}");
+                }
+            }
+        }
+    }
+}

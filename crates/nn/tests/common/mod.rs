@@ -1,0 +1,95 @@
+//! Cross-backend checks shared by `cpu.rs` (CPU against the f64 reference) and `cuda.rs`
+//! (CUDA against the CPU): the same seed must give the same weights, Dropout masks and
+//! training trajectory on every backend, because every backend draws from the same Philox.
+
+#![allow(dead_code)]
+
+use kiln_autograd::Var;
+use kiln_core::{Backend, DType, Tensor};
+use kiln_nn::{
+    Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, derive_seed,
+    loss,
+};
+use kiln_optim::{AdamConfig, Optimizer};
+
+pub fn host(t: &Tensor<impl Backend>) -> Vec<f64> {
+    t.to_f64_vec().unwrap()
+}
+
+pub fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
+        .fold(0.0, f64::max);
+    assert!(
+        worst <= tol,
+        "{what}: max relative difference {worst:e} > {tol:e}"
+    );
+}
+
+/// A small LeNet-like net (conv with padding, pool, conv, pool, linear) in `dtype`.
+pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
+    let s = |i| derive_seed(7, i);
+    Sequential::new()
+        .add(
+            Conv2dConfig::new(1, 4, 3)
+                .with_padding(1)
+                .with_dtype(dtype)
+                .init::<B>(dev, s(0))
+                .unwrap(),
+        )
+        .add(Relu)
+        .add(MaxPool2d::new(2))
+        .add(
+            Conv2dConfig::new(4, 6, 3)
+                .with_dtype(dtype)
+                .init::<B>(dev, s(3))
+                .unwrap(),
+        )
+        .add(Relu)
+        .add(MaxPool2d::new(2))
+        .add(Flatten)
+        .add(
+            LinearConfig::new(6 * 2 * 2, 5)
+                .with_dtype(dtype)
+                .init::<B>(dev, s(7))
+                .unwrap(),
+        )
+}
+
+/// Trains `small_net` for a few Adam steps on fixed random data and returns every loss and the
+/// final weights.
+pub fn trajectory<B: Backend>(dev: &B::Device) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let net = small_net::<B>(dev, DType::F32);
+    let x = Tensor::<B>::rand([8, 1, 12, 12], 0.0, 1.0, 1, DType::F32, dev).unwrap();
+    let y = Tensor::<B>::from_vec((0..8).map(|i| i % 5).collect::<Vec<i64>>(), [8], dev).unwrap();
+    let mut opt = AdamConfig::new(1e-2).init(net.parameters()).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..5 {
+        opt.zero_grad();
+        let l = loss::cross_entropy(&net.forward(&Var::constant(x.clone())).unwrap(), &y).unwrap();
+        losses.push(l.tensor().to_scalar().unwrap());
+        l.backward().unwrap();
+        opt.step().unwrap();
+    }
+    let weights = net.parameters().iter().map(|p| host(&p.tensor())).collect();
+    (losses, weights)
+}
+
+/// The masks of the first `k` training forwards of a `Dropout(0.3)` with seed 5.
+pub fn dropout_masks<B: Backend>(dev: &B::Device, k: usize) -> Vec<Vec<f64>> {
+    let d = Dropout::new(0.3, 5).unwrap();
+    let x = Var::constant(Tensor::<B>::ones([3, 257], DType::F32, dev).unwrap());
+    (0..k)
+        .map(|_| host(&d.forward(&x).unwrap().tensor()))
+        .collect()
+}
+
+/// Forward of `small_net` (fresh from its seed) on fixed inputs.
+pub fn forward<B: Backend>(dev: &B::Device, dtype: DType) -> Vec<f64> {
+    let net = small_net::<B>(dev, dtype);
+    let x = Tensor::<B>::rand([4, 1, 12, 12], -1.0, 1.0, 3, dtype, dev).unwrap();
+    host(&net.forward(&Var::constant(x)).unwrap().tensor())
+}

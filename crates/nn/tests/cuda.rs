@@ -1,0 +1,76 @@
+//! CUDA against the CPU: the same seed gives the same weights, Dropout masks, conv outputs
+//! and training trajectory on the GPU (Philox is bit-identical on both; the math differs only
+//! by summation order). Without a GPU every test prints `skipped: no CUDA device (<reason>)`.
+
+mod common;
+
+use common::*;
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
+use kiln_core::{Backend, DType};
+use kiln_nn::{Module, ModuleExt};
+
+fn gpu() -> Option<CudaDevice> {
+    let d = try_gpu(0);
+    if d.is_none() {
+        println!(
+            "skipped: no CUDA device ({})",
+            unavailable_reason().unwrap_or_default()
+        );
+    }
+    d
+}
+
+fn cpu() -> <Cpu as Backend>::Device {
+    Cpu::parse_device("cpu").unwrap()
+}
+
+#[test]
+fn dropout_masks_match_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    assert_eq!(
+        dropout_masks::<Cuda>(&dev, 3),
+        dropout_masks::<Cpu>(&cpu(), 3)
+    );
+}
+
+#[test]
+fn conv_net_forward_matches_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    for (dt, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+        assert_close(
+            &format!("{dt}"),
+            &forward::<Cuda>(&dev, dt),
+            &forward::<Cpu>(&cpu(), dt),
+            tol,
+        );
+    }
+}
+
+#[test]
+fn training_trajectory_matches_the_cpu() {
+    let Some(dev) = gpu() else { return };
+    let (la, wa) = trajectory::<Cuda>(&dev);
+    let (lb, wb) = trajectory::<Cpu>(&cpu());
+    assert_close("losses", &la, &lb, 1e-4);
+    for (i, (a, b)) in wa.iter().zip(&wb).enumerate() {
+        assert_close(&format!("param {i}"), a, b, 1e-4);
+    }
+}
+
+#[test]
+fn a_model_moves_between_backends_through_safetensors() {
+    let Some(dev) = gpu() else { return };
+    let g = small_net::<Cuda>(&dev, DType::F32);
+    let c = small_net::<Cpu>(&cpu(), DType::F32);
+    // Perturb the GPU model so the load is visible, then carry it to the CPU model by file.
+    let p = g.parameters()[0].clone();
+    p.set_tensor(p.tensor().mul_scalar(2.0).unwrap()).unwrap();
+    let path =
+        std::env::temp_dir().join(format!("kiln_nn_cuda_{}.safetensors", std::process::id()));
+    g.save(&path).unwrap();
+    c.load(&path).unwrap();
+    for ((n, a), (_, b)) in g.state_dict().iter().zip(c.state_dict().iter()) {
+        assert_eq!(host(a), host(b), "{n}");
+    }
+}

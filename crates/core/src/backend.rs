@@ -292,6 +292,66 @@ impl HostBuffer {
     }
 }
 
+/// An optimizer update applied to many parameters at once by [`Backend::fused_update`].
+///
+/// The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`, no amsgrad):
+///
+/// ```text
+/// SGD:   g = grad + weight_decay * p
+///        m = g                                  (first_step)
+///        m = momentum * m + (1 - dampening) * g  (later steps)      [only when momentum != 0]
+///        d = g + momentum * m if nesterov, else m (or g without momentum)
+///        p = p - lr * d
+/// Adam:  p = p * (1 - lr * weight_decay)         (decoupled, AdamW)
+///        g = grad + weight_decay * p             (not decoupled, Adam)
+///        m = beta1 * m + (1 - beta1) * g
+///        v = beta2 * v + (1 - beta2) * g^2
+///        p = p - lr / bias_correction1 * m / (sqrt(v) / sqrt(bias_correction2) + eps)
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UpdateRule {
+    /// State: `[m]` when `momentum != 0`, else none. With `first_step`, `m` is ignored on input.
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: bool,
+        weight_decay: f64,
+        first_step: bool,
+    },
+    /// State: `[m, v]` (zeros before the first step). `bias_correction{1,2}` are
+    /// `1 - beta^t` for the step `t` being taken.
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled: bool,
+        bias_correction1: f64,
+        bias_correction2: f64,
+    },
+}
+
+impl UpdateRule {
+    /// How many state buffers each parameter carries under this rule.
+    pub fn state_count(&self) -> usize {
+        match self {
+            UpdateRule::Sgd { momentum, .. } => usize::from(*momentum != 0.0),
+            UpdateRule::Adam { .. } => 2,
+        }
+    }
+}
+
+/// One parameter of a [`Backend::fused_update`]: contiguous buffers of `len` elements.
+pub struct UpdateSlot<'a, S> {
+    pub param: &'a S,
+    pub grad: &'a S,
+    /// `rule.state_count()` buffers.
+    pub state: Vec<&'a S>,
+    pub len: usize,
+}
+
 /// Memory held by a backend on one device, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
@@ -500,4 +560,121 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         src_layout: &Layout,
         axis: usize,
     ) -> Result<Self::Storage>;
+
+    /// Applies `rule` to every slot and returns, per slot, the new parameter and the new state
+    /// buffers (out of place). The default composes elementwise kernels, several launches per
+    /// parameter; a GPU backend overrides it with a multi-tensor kernel that updates all
+    /// parameters in a handful of launches.
+    fn fused_update(
+        rule: &UpdateRule,
+        dtype: DType,
+        slots: &[UpdateSlot<'_, Self::Storage>],
+    ) -> Result<Vec<(Self::Storage, Vec<Self::Storage>)>> {
+        slots
+            .iter()
+            .map(|slot| composed_update::<Self>(rule, dtype, slot))
+            .collect()
+    }
+}
+
+/// [`Backend::fused_update`] for one slot, out of elementwise kernels.
+fn composed_update<B: Backend>(
+    rule: &UpdateRule,
+    dtype: DType,
+    slot: &UpdateSlot<'_, B::Storage>,
+) -> Result<(B::Storage, Vec<B::Storage>)> {
+    let l = Layout::contiguous([slot.len]);
+    let scal = |s: &B::Storage, op: BinaryOp, c: f64| B::binary_scalar(op, s, &l, dtype, c, false);
+    let bin = |a: &B::Storage, op: BinaryOp, b: &B::Storage| B::binary(op, a, &l, b, &l, dtype);
+    match *rule {
+        UpdateRule::Sgd {
+            lr,
+            momentum,
+            dampening,
+            nesterov,
+            weight_decay,
+            first_step,
+        } => {
+            let g = if weight_decay != 0.0 {
+                bin(
+                    slot.grad,
+                    BinaryOp::Add,
+                    &scal(slot.param, BinaryOp::Mul, weight_decay)?,
+                )?
+            } else {
+                B::contiguous(slot.grad, &l, dtype)?
+            };
+            let mut state = Vec::new();
+            let d = if momentum != 0.0 {
+                let m = if first_step {
+                    B::contiguous(&g, &l, dtype)?
+                } else {
+                    let decayed = scal(slot.state[0], BinaryOp::Mul, momentum)?;
+                    bin(
+                        &decayed,
+                        BinaryOp::Add,
+                        &scal(&g, BinaryOp::Mul, 1.0 - dampening)?,
+                    )?
+                };
+                let d = if nesterov {
+                    bin(&g, BinaryOp::Add, &scal(&m, BinaryOp::Mul, momentum)?)?
+                } else {
+                    B::contiguous(&m, &l, dtype)?
+                };
+                state.push(m);
+                d
+            } else {
+                g
+            };
+            let p = bin(slot.param, BinaryOp::Sub, &scal(&d, BinaryOp::Mul, lr)?)?;
+            Ok((p, state))
+        }
+        UpdateRule::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            decoupled,
+            bias_correction1,
+            bias_correction2,
+        } => {
+            let mut p = B::contiguous(slot.param, &l, dtype)?;
+            let mut g = B::contiguous(slot.grad, &l, dtype)?;
+            if weight_decay != 0.0 {
+                if decoupled {
+                    p = scal(&p, BinaryOp::Mul, 1.0 - lr * weight_decay)?;
+                } else {
+                    g = bin(&g, BinaryOp::Add, &scal(&p, BinaryOp::Mul, weight_decay)?)?;
+                }
+            }
+            let m = bin(
+                &scal(slot.state[0], BinaryOp::Mul, beta1)?,
+                BinaryOp::Add,
+                &scal(&g, BinaryOp::Mul, 1.0 - beta1)?,
+            )?;
+            let g2 = B::unary(UnaryOp::Square, &g, &l, dtype)?;
+            let v = bin(
+                &scal(slot.state[1], BinaryOp::Mul, beta2)?,
+                BinaryOp::Add,
+                &scal(&g2, BinaryOp::Mul, 1.0 - beta2)?,
+            )?;
+            let denom = scal(
+                &scal(
+                    &B::unary(UnaryOp::Sqrt, &v, &l, dtype)?,
+                    BinaryOp::Mul,
+                    1.0 / bias_correction2.sqrt(),
+                )?,
+                BinaryOp::Add,
+                eps,
+            )?;
+            let upd = scal(
+                &bin(&m, BinaryOp::Div, &denom)?,
+                BinaryOp::Mul,
+                lr / bias_correction1,
+            )?;
+            let p = bin(&p, BinaryOp::Sub, &upd)?;
+            Ok((p, vec![m, v]))
+        }
+    }
 }

@@ -32,9 +32,12 @@ mod tensor;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use backend::{Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp};
+pub use backend::{
+    Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
+    UpdateSlot,
+};
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};
-pub use tensor::Tensor;
+pub use tensor::{Tensor, Updated};

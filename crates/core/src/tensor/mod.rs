@@ -7,12 +7,15 @@
 
 mod display;
 mod ops;
+mod update;
 mod view;
 
 use std::sync::Arc;
 
 use crate::backend::{Backend, HostBuffer, RandDist};
 use crate::{DType, Element, Error, Layout, Result, Shape};
+
+pub use update::Updated;
 
 pub struct Tensor<B: Backend> {
     storage: Arc<B::Storage>,

@@ -26,7 +26,7 @@ impl<B: Backend> Tensor<B> {
         Ok((shape, l, r))
     }
 
-    fn require_float(&self, op: &'static str) -> Result<()> {
+    pub(crate) fn require_float(&self, op: &'static str) -> Result<()> {
         if !self.dtype().is_float() {
             return Err(dtype_err(op, "f32 or f64", self.dtype()));
         }

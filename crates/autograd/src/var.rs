@@ -67,6 +67,32 @@ struct Inner<B: Backend> {
     creator: Mutex<Creator<B>>,
 }
 
+/// Dismantles a dropped graph iteratively: the default recursive drop (variable → node → input
+/// variable → ...) would overflow the stack on a graph tens of thousands of ops deep (a long
+/// unrolled loop dropped without `backward`). Only parts nobody else holds are taken apart.
+impl<B: Backend> Drop for Inner<B> {
+    fn drop(&mut self) {
+        let creator = self.creator.get_mut().unwrap_or_else(|e| e.into_inner());
+        let Creator::Op(node) = std::mem::replace(creator, Creator::Leaf) else {
+            return;
+        };
+        let mut stack = vec![node];
+        while let Some(node) = stack.pop() {
+            let Ok(mut node) = Arc::try_unwrap(node) else {
+                continue;
+            };
+            for (input, _) in node.inputs.drain(..) {
+                if let Ok(mut inner) = Arc::try_unwrap(input.0) {
+                    let c = inner.creator.get_mut().unwrap_or_else(|e| e.into_inner());
+                    if let Creator::Op(n) = std::mem::replace(c, Creator::Leaf) {
+                        stack.push(n);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A tensor plus its place in a define-by-run graph.
 ///
 /// Clone is cheap (an `Arc`); clones are the *same* variable (same gradient, same data).

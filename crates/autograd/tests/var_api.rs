@@ -379,3 +379,21 @@ fn softmax_cross_entropy_matches_its_definition() {
         assert!((g - w / 2.0).abs() < 1e-12, "{g} vs {}", w / 2.0);
     }
 }
+
+#[test]
+fn deep_graphs_neither_overflow_backward_nor_drop() {
+    const DEPTH: usize = 100_000;
+    let x = Var::param(t(&[1.0], &[]));
+    let mut h = x.clone();
+    for _ in 0..DEPTH {
+        h = h.add_scalar(1e-6).unwrap();
+    }
+    h.backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![1.0]);
+    // Dropped without backward.
+    let mut h = x.clone();
+    for _ in 0..DEPTH {
+        h = h.mul_scalar(1.0).unwrap();
+    }
+    drop(h);
+}

@@ -5,6 +5,8 @@
 //! cargo run --release --example logreg                      # 10000 steps on the CPU
 //! cargo run --release --example logreg -- --device cuda     # on the GPU (CPU if none)
 //! cargo run --release --example logreg -- --steps 1000 --dtype f64
+//! cargo run --release --example logreg -- --torch-script > logreg_torch.py   # the PyTorch twin
+//! python3 logreg_torch.py --device cuda
 //! ```
 //!
 //! N = 400 samples with 784 features drawn from N(0, 1) and labels in {0, 1}, then full-batch
@@ -26,6 +28,11 @@
 //! `log(sigmoid(z))` into `-softplus(-z)` (and `log(1 - sigmoid(z))` into `-softplus(z)`). We
 //! write that stable form directly, `xent = softplus(z) - y z` with
 //! `softplus(z) = max(z, 0) + log(1 + exp(-|z|))`, which is the same function and gradient.
+//!
+//! `--torch-script` prints the same program for PyTorch (eager autograd, the same ops in the
+//! same order, and the same Philox data re-implemented in numpy), so one device call can run both
+//! and compare final cost and time per step side by side: what our autograd costs against
+//! PyTorch's when the GPU work per step is tiny and the overhead per op is what matters.
 
 use std::time::Instant;
 
@@ -61,6 +68,9 @@ struct Args {
     /// Element type of data, weights and gradients.
     #[arg(long, value_enum, default_value_t = Precision::F32)]
     dtype: Precision,
+    /// Print the equivalent PyTorch program (same data, same ops) and exit.
+    #[arg(long)]
+    torch_script: bool,
 }
 
 struct Logreg {
@@ -146,6 +156,10 @@ impl Job for Logreg {
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.torch_script {
+        print!("{TORCH_SCRIPT}");
+        return Ok(());
+    }
     let job = Logreg {
         steps: args.steps,
         lr: args.lr,
@@ -157,3 +171,97 @@ fn main() -> Result<()> {
     };
     dispatch(&args.device, job)
 }
+
+/// The PyTorch twin of this program (see the module docs). Takes the same options.
+const TORCH_SCRIPT: &str = r#"#!/usr/bin/env python3
+# PyTorch twin of kiln's examples/logreg.rs (printed by `logreg --torch-script`): the same
+# Philox data, the same ops, eager autograd. Prints the same lines, prefixed with "torch".
+import argparse, time
+import numpy as np
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--device", default="cpu")
+ap.add_argument("--steps", type=int, default=10000)
+ap.add_argument("--lr", type=float, default=0.01)
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--dtype", choices=["f32", "f64"], default="f32")
+a = ap.parse_args()
+N, FEATS, L2 = 400, 784, 0.01
+MASK = np.uint64(0xFFFFFFFF)
+
+def philox_words(seed, n):
+    # kiln_core::philox::words(seed, i) for i in 0..n: counter [i_lo, i_hi, 0, 0], key seed.
+    i = np.arange(n, dtype=np.uint64)
+    c0, c1 = i & MASK, i >> np.uint64(32)
+    c2, c3 = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
+    k0, k1 = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    for r in range(10):
+        if r > 0:
+            k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+        p0 = np.uint64(0xD2511F53) * c0
+        p1 = np.uint64(0xCD9E8D57) * c2
+        c0, c1, c2, c3 = ((p1 >> np.uint64(32)) ^ c1 ^ np.uint64(k0), p1 & MASK,
+                          (p0 >> np.uint64(32)) ^ c3 ^ np.uint64(k1), p0 & MASK)
+    return c0, c1, c2, c3
+
+def unit53(hi, lo):
+    return ((hi << np.uint64(32)) | lo) >> np.uint64(11)
+
+def randn(n, seed, f64):
+    w = philox_words(seed, n)
+    if f64:
+        u1 = (unit53(w[0], w[1]) + np.uint64(1)).astype(np.float64) * 2.0**-53
+        u2 = unit53(w[2], w[3]).astype(np.float64) * 2.0**-53
+        return np.sqrt(-2.0 * np.log(u1)) * np.cos(2 * np.pi * u2)
+    f = np.float32
+    u1 = ((w[0] >> np.uint64(8)) + np.uint64(1)).astype(f) * f(2.0**-24)
+    u2 = (w[1] >> np.uint64(8)).astype(f) * f(2.0**-24)
+    return np.sqrt(f(-2.0) * np.log(u1)) * np.cos(f(2 * np.pi) * u2)
+
+def rand(n, seed, f64):
+    w = philox_words(seed, n)
+    if f64:
+        return unit53(w[0], w[1]).astype(np.float64) * 2.0**-53
+    return (w[0] >> np.uint64(8)).astype(np.float32) * np.float32(2.0**-24)
+
+f64 = a.dtype == "f64"
+dt = torch.float64 if f64 else torch.float32
+dev = torch.device(a.device)
+M64 = (1 << 64) - 1
+x = torch.tensor(randn(N * FEATS, a.seed, f64).reshape(N, FEATS), dtype=dt, device=dev)
+y = torch.tensor((rand(N, (a.seed + 1) & M64, f64) >= 0.5), dtype=dt, device=dev)
+w = torch.tensor(randn(FEATS, (a.seed + 2) & M64, f64), dtype=dt, device=dev).requires_grad_()
+b = torch.zeros((), dtype=dt, device=dev).requires_grad_()
+
+def cost():
+    z = x @ w + b
+    softplus = torch.relu(z) + torch.log(torch.exp(-z.abs()) + 1.0)
+    xent = softplus - y * z
+    return xent.mean() + (w * w).sum() * L2, z
+
+def sync():
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+with torch.no_grad():
+    print(f"torch logreg on {dev} ({a.dtype}): N={N}, {FEATS} features, {a.steps} steps, lr {a.lr}, L2 {L2}")
+    print(f"torch initial cost {cost()[0].item():.6f}")
+sync()
+t0 = time.perf_counter()
+for _ in range(a.steps):
+    c, _ = cost()
+    c.backward()
+    with torch.no_grad():
+        for p in (w, b):
+            p -= a.lr * p.grad
+            p.grad = None
+sync()
+el = time.perf_counter() - t0
+with torch.no_grad():
+    c, z = cost()
+    acc = ((z > 0).to(dt) == y).to(dt).mean().item()
+print(f"torch final cost {c.item():.6f}")
+print(f"torch training accuracy {100 * acc:.2f}%")
+print(f"torch wall time {el:.3f} s ({el * 1e6 / max(a.steps, 1):.1f} us/step)")
+"#;

@@ -1,0 +1,145 @@
+//! Multi-tensor optimizer updates ([`kiln_core::Backend::fused_update`]).
+//!
+//! The composed default runs several kernels per parameter per step; here one launch of
+//! `kernels/optim.cu` updates up to [`MT_MAX`] parameters, so a model's whole update is a
+//! handful of launches. Every pointer and offset travels by value in [`MtArgs`].
+
+use kiln_core::{DType, Error, Result, UpdateRule, UpdateSlot};
+
+use crate::compile::Module;
+use crate::launch::Args;
+use crate::memory::{CudaStorage, alloc};
+
+/// Parameters per launch; matches `KILN_MT_MAX` in `kernels/optim.cu`.
+pub(crate) const MT_MAX: usize = 24;
+const BLOCK: u32 = 256;
+
+/// Mirrors `struct MtArgs` in `kernels/optim.cu`.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MtArgs {
+    param: [u64; MT_MAX],
+    grad: [u64; MT_MAX],
+    s0: [u64; MT_MAX],
+    s1: [u64; MT_MAX],
+    out_param: [u64; MT_MAX],
+    out_s0: [u64; MT_MAX],
+    out_s1: [u64; MT_MAX],
+    start: [u64; MT_MAX + 1],
+    count: i32,
+}
+
+type Updated = (CudaStorage, Vec<CudaStorage>);
+
+pub(crate) fn fused_update(
+    rule: &UpdateRule,
+    dtype: DType,
+    slots: &[UpdateSlot<'_, CudaStorage>],
+) -> Result<Vec<Updated>> {
+    const OP: &str = "fused_update";
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::F64 => "f64",
+        _ => {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: "f32 or f64".into(),
+                got: dtype,
+            });
+        }
+    };
+    let Some(first) = slots.first() else {
+        return Ok(Vec::new());
+    };
+    let dev = first.param.state();
+    dev.bind()?;
+    let nstate = rule.state_count();
+    let size = dtype.size_in_bytes();
+    let mut outs = Vec::with_capacity(slots.len());
+    for s in slots {
+        let st = (0..nstate)
+            .map(|_| alloc(dev, s.len * size))
+            .collect::<Result<Vec<_>>>()?;
+        outs.push((alloc(dev, s.len * size)?, st));
+    }
+    let kernel = match rule {
+        UpdateRule::Sgd { .. } => format!("sgd_{suffix}"),
+        UpdateRule::Adam { .. } => format!("adam_{suffix}"),
+    };
+    let f = dev.func(Module::Optim, &kernel)?;
+    for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
+        let mut a = MtArgs {
+            param: [0; MT_MAX],
+            grad: [0; MT_MAX],
+            s0: [0; MT_MAX],
+            s1: [0; MT_MAX],
+            out_param: [0; MT_MAX],
+            out_s0: [0; MT_MAX],
+            out_s1: [0; MT_MAX],
+            start: [0; MT_MAX + 1],
+            count: chunk.len() as i32,
+        };
+        for (k, (s, (p, st))) in chunk.iter().zip(out_chunk).enumerate() {
+            if s.param.device() != first.param.device() {
+                return Err(Error::DeviceMismatch {
+                    op: OP,
+                    lhs: first.param.device().to_string(),
+                    rhs: s.param.device().to_string(),
+                });
+            }
+            a.param[k] = s.param.device_ptr();
+            a.grad[k] = s.grad.device_ptr();
+            a.out_param[k] = p.device_ptr();
+            if nstate > 0 {
+                a.s0[k] = s.state[0].device_ptr();
+                a.out_s0[k] = st[0].device_ptr();
+            }
+            if nstate > 1 {
+                a.s1[k] = s.state[1].device_ptr();
+                a.out_s1[k] = st[1].device_ptr();
+            }
+            a.start[k + 1] = a.start[k] + s.len as u64;
+        }
+        let total = a.start[chunk.len()];
+        let mut args = Args::new();
+        args.push(a);
+        match *rule {
+            UpdateRule::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                first_step,
+            } => {
+                args.push(lr)
+                    .push(momentum)
+                    .push(dampening)
+                    .push(nesterov as i32)
+                    .push(weight_decay)
+                    .push(first_step as i32);
+            }
+            UpdateRule::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                bias_correction1,
+                bias_correction2,
+            } => {
+                args.push(lr)
+                    .push(beta1)
+                    .push(beta2)
+                    .push(eps)
+                    .push(weight_decay)
+                    .push(decoupled as i32)
+                    .push(bias_correction1)
+                    .push(bias_correction2);
+            }
+        }
+        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, &mut args.ptrs())?;
+    }
+    Ok(outs)
+}

@@ -12,7 +12,9 @@ use kiln_core::{DType, Error, Layout, Result, Shape};
 use crate::elementwise::{dtype_err, slice};
 use crate::fastmath;
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
-use crate::strided::{Plan, par_out};
+use rayon::prelude::*;
+
+use crate::strided::{PAR_MIN, Plan, par_out};
 
 /// What softmax needs from a float type.
 trait SoftFloat:
@@ -212,26 +214,34 @@ fn xent_t<T: SoftFloat>(
     if out.is_empty() {
         return Ok(storage(logits.device(), out));
     }
-    par_out(&mut out, row_len, |s0, o| {
-        let mut tmp = vec![T::default(); c];
-        for (k, orow) in o.chunks_mut(row_len).enumerate() {
-            let i = s0 / row_len + k;
-            gather_row(x, ll.offset() + i * rs, cs, &mut tmp);
-            let picked = tmp[ids[i]];
-            let m = row_max(&tmp);
-            let sum = T::exp_sub_sum(&mut tmp, m);
-            match &g {
-                None => orow[0] = (m - picked) + sum.ln(),
-                Some(g) => {
-                    let scale = g[i].div(sum);
-                    for (ov, &e) in orow.iter_mut().zip(&tmp) {
-                        *ov = e * scale;
+    // Rows in parallel once the work (not the output) is large.
+    let rows_per_task = if n * c >= PAR_MIN {
+        n.div_ceil(4 * rayon::current_num_threads().max(1)).max(1)
+    } else {
+        n
+    };
+    out.par_chunks_mut(rows_per_task * row_len)
+        .enumerate()
+        .for_each(|(t, o)| {
+            let mut tmp = vec![T::default(); c];
+            for (k, orow) in o.chunks_mut(row_len).enumerate() {
+                let i = t * rows_per_task + k;
+                gather_row(x, ll.offset() + i * rs, cs, &mut tmp);
+                let picked = tmp[ids[i]];
+                let m = row_max(&tmp);
+                let sum = T::exp_sub_sum(&mut tmp, m);
+                match &g {
+                    None => orow[0] = (m - picked) + sum.ln(),
+                    Some(g) => {
+                        let scale = g[i].div(sum);
+                        for (ov, &e) in orow.iter_mut().zip(&tmp) {
+                            *ov = e * scale;
+                        }
+                        orow[ids[i]] = orow[ids[i]] - g[i];
                     }
-                    orow[ids[i]] = orow[ids[i]] - g[i];
                 }
             }
-        }
-    });
+        });
     Ok(storage(logits.device(), out))
 }
 

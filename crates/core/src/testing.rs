@@ -20,8 +20,10 @@
 //! [`Tensor::from_host`] and then, at random, permuted (transposed), narrowed (offsets, gaps)
 //! and broadcast (stride 0), so kernels see strided inputs as well as contiguous ones. Values
 //! are drawn from each op's domain (positive for `log`/`sqrt`, away from zero for divisors,
-//! in range for casts), with ties and, where the semantics are defined, NaN. All ops run
-//! through the [`Tensor`] API, so validation is exercised too.
+//! in range for casts), with ties and, where the semantics are defined, NaN. About one case in
+//! twenty uses a large shape (up to ~85k elements, rows longer than 1024, matrices up to 130),
+//! so that blocked, vectorized and multi-threaded paths are checked as well as the small ones.
+//! All ops run through the [`Tensor`] API, so validation is exercised too.
 //!
 //! ## How results are compared
 //!
@@ -39,8 +41,9 @@
 //! Cases are deterministic: each check draws from a seed derived from [`Config::seed`] and its
 //! name. Failures are shrunk by proptest and reported with the op, dtype, the inputs' shapes,
 //! strides and offsets (values too when small) and the first mismatching element. Set
-//! `KILN_CONFORMANCE_SEED=<n>` to explore other cases and `KILN_CONFORMANCE_CASES=<n>` to run
-//! more of them.
+//! `KILN_CONFORMANCE_SEED=<n>` to explore other cases, `KILN_CONFORMANCE_CASES=<n>` to run
+//! more of them (default 128 per check) and `KILN_CONFORMANCE_VERBOSE=1` to print each check's
+//! time.
 
 use std::fmt::Debug;
 
@@ -58,13 +61,16 @@ const DEFAULT_SEED: u64 = 0x6b69_6c6e_2d63_6f6e; // "kiln-con"
 /// Settings of a conformance run.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// Random cases per check (one check per op, dtype pair or variant). Default 64, or
+    /// Random cases per check (one check per op, dtype pair or variant). Default 128, or
     /// `KILN_CONFORMANCE_CASES`.
     pub cases: u32,
     /// The seed every check derives its cases from. Default fixed, or `KILN_CONFORMANCE_SEED`.
     pub seed: u64,
     /// Upper bound on proptest's shrinking steps after a failure.
     pub max_shrink_iters: u32,
+    /// Print each check's case count and time to stderr. Default: `KILN_CONFORMANCE_VERBOSE`
+    /// is set.
+    pub verbose: bool,
 }
 
 impl Default for Config {
@@ -73,9 +79,10 @@ impl Default for Config {
             std::env::var(k).ok().and_then(|v| v.trim().parse().ok())
         }
         Config {
-            cases: env("KILN_CONFORMANCE_CASES").unwrap_or(64),
+            cases: env("KILN_CONFORMANCE_CASES").unwrap_or(128),
             seed: env("KILN_CONFORMANCE_SEED").unwrap_or(DEFAULT_SEED),
             max_shrink_iters: 1024,
+            verbose: std::env::var_os("KILN_CONFORMANCE_VERBOSE").is_some(),
         }
     }
 }
@@ -209,7 +216,6 @@ fn run_groups<X: Backend, Y: Backend>(p: &Pair<X, Y>, label: &str, only: Option<
             p.cfg.seed,
             out.failures.join("\n\n")
         );
-        println!("{msg}");
         panic!("{msg}");
     }
 }
@@ -364,17 +370,25 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
             failure_persistence: None,
             rng_seed: RngSeed::Fixed(seed),
             max_shrink_iters: self.cfg.max_shrink_iters,
+            max_shrink_time: 20_000, // ms: large failing cases shrink slowly
             max_global_rejects: 100_000,
             ..PtConfig::default()
         };
         let mut runner = TestRunner::new(cfg);
         out.checks += 1;
+        let started = std::time::Instant::now();
         let count = std::sync::atomic::AtomicUsize::new(0);
         let res = runner.run(&strat, |v| {
             count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             test(v).map_err(TestCaseError::fail)
         });
-        debug_assert!(count.into_inner() >= self.cfg.cases as usize);
+        if self.cfg.verbose {
+            eprintln!(
+                "  {check}: {} cases in {:.2?}",
+                count.into_inner(),
+                started.elapsed()
+            );
+        }
         match res {
             Ok(()) => {}
             Err(TestError::Fail(reason, value)) => out
@@ -861,6 +875,23 @@ fn shape(min_rank: usize, max_rank: usize, max_dim: usize) -> BoxedStrategy<Vec<
     prop::collection::vec(dim(max_dim), min_rank..=max_rank).boxed()
 }
 
+/// Occasionally large shapes (up to ~85k elements, runs longer than 1024, axes of several
+/// hundred), so that backends' blocked, vectorized and multi-threaded paths are exercised too.
+fn big_shape(min_rank: usize) -> BoxedStrategy<Vec<usize>> {
+    let s = prop_oneof![
+        (1000..=70_000usize).prop_map(|n| vec![n]),
+        (2..=40usize, 1000..=2100usize).prop_map(|(a, b)| vec![a, b]),
+        (1000..=2100usize, 2..=40usize).prop_map(|(a, b)| vec![a, b]),
+        (2..=4usize, 90..=130usize, 90..=130usize).prop_map(|(a, b, c)| vec![a, b, c]),
+    ];
+    s.prop_filter("rank", move |d| d.len() >= min_rank).boxed()
+}
+
+/// [`shape`] with a large shape in about one case of twenty.
+fn shapes(min_rank: usize, max_rank: usize, max_dim: usize) -> BoxedStrategy<Vec<usize>> {
+    prop_oneof![19 => shape(min_rank, max_rank, max_dim), 1 => big_shape(min_rank)].boxed()
+}
+
 /// Derives an operand shape that broadcasts to `out`: leading axes dropped, some set to 1.
 fn operand_dims(out: &[usize], drop: usize, ones: &[bool]) -> Vec<usize> {
     let drop = drop.min(out.len());
@@ -872,7 +903,7 @@ fn operand_dims(out: &[usize], drop: usize, ones: &[bool]) -> Vec<usize> {
 }
 
 fn broadcast_shapes(max_rank: usize) -> BoxedStrategy<(Vec<usize>, Vec<usize>)> {
-    shape(0, max_rank, 6)
+    shapes(0, max_rank, 6)
         .prop_flat_map(|out| {
             let r = out.len();
             (
@@ -938,7 +969,7 @@ fn g_fill<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 }
 
 fn g_host<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    let strat = (shape(0, 4, 6), select(ALL.to_vec()))
+    let strat = (shapes(0, 4, 6), select(ALL.to_vec()))
         .prop_flat_map(|(dims, dtype)| spec(dims, dtype, Dom::any(dtype), true));
     p.run(out, "host_roundtrip", strat, |s| {
         // A contiguous upload must come back exactly as given.
@@ -952,12 +983,18 @@ fn g_host<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         let (g, w) = both!(a => a
             .to_host()
             .and_then(|h| Tensor::from_host(&h, a.shape().clone(), a.device())));
-        p.expect(&format!("to_host of a view, {}", s.dtype), &[("x", &a.0)], g, w, &Tol::Bits)
+        p.expect(
+            &format!("to_host of a view, {}", s.dtype),
+            &[("x", &a.0)],
+            g,
+            w,
+            &Tol::Bits,
+        )
     });
 }
 
 fn g_copy<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    let strat = (shape(0, 4, 6), select(ALL.to_vec()))
+    let strat = (shapes(0, 4, 6), select(ALL.to_vec()))
         .prop_flat_map(|(dims, dtype)| spec(dims, dtype, Dom::any(dtype), true));
     p.run(out, "copy_to/to_device", strat, |s| {
         let a = p.build(&s)?;
@@ -1001,7 +1038,7 @@ fn g_copy<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 }
 
 fn g_contiguous<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    let strat = (shape(0, 4, 6), select(ALL.to_vec()))
+    let strat = (shapes(0, 4, 6), select(ALL.to_vec()))
         .prop_flat_map(|(dims, dtype)| spec(dims, dtype, Dom::any(dtype), true));
     p.run(out, "contiguous", strat, |s| {
         let a = p.build(&s)?;
@@ -1096,7 +1133,7 @@ fn g_copy_into<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 }
 
 fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    let shapes = prop_oneof![shape(0, 3, 6), shape(1, 2, 70)];
+    let shapes = prop_oneof![8 => shape(0, 3, 6), 4 => shape(1, 2, 70), 1 => big_shape(1)];
     let strat = (
         shapes.clone(),
         select(FLOATS.to_vec()),
@@ -1184,7 +1221,7 @@ fn unary_dom(op: UnaryOp, dtype: DType) -> Dom {
 
 fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     for op in UnaryOp::ALL {
-        let strat = (shape(0, 4, 6), select(dtypes_where(|d| op.supports(d))))
+        let strat = (shapes(0, 4, 6), select(dtypes_where(|d| op.supports(d))))
             .prop_flat_map(move |(dims, dtype)| spec(dims, dtype, unary_dom(op, dtype), true));
         p.run(out, &format!("unary {}", op.name()), strat, |s| {
             let a = p.build(&s)?;
@@ -1252,7 +1289,7 @@ fn g_binary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 fn g_binary_scalar<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     for op in BinaryOp::ALL {
         let strat = (
-            shape(0, 4, 6),
+            shapes(0, 4, 6),
             select(dtypes_where(|d| op.supports(d))),
             any::<bool>(),
             -8.0..8.0f64,
@@ -1384,7 +1421,11 @@ fn g_reduce<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         };
         let min_rank = if op.is_arg() { 1 } else { 0 };
         let strat = (
-            prop_oneof![4 => shape(min_rank, 4, 6), 1 => shape(min_rank.max(1), 2, 40)],
+            prop_oneof![
+                8 => shape(min_rank, 4, 6),
+                2 => shape(min_rank.max(1), 2, 40),
+                1 => big_shape(min_rank)
+            ],
             select(dtypes),
             prop::collection::vec(any::<bool>(), 4),
             prop::collection::vec(any::<bool>(), 4),
@@ -1461,7 +1502,14 @@ fn g_reduce<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 }
 
 fn mat_dim() -> BoxedStrategy<usize> {
-    prop_oneof![1 => Just(0usize), 2 => Just(1usize), 8 => 2..=9usize, 2 => 10..=33usize].boxed()
+    prop_oneof![
+        1 => Just(0usize),
+        2 => Just(1usize),
+        8 => 2..=9usize,
+        2 => 10..=33usize,
+        1 => 34..=130usize
+    ]
+    .boxed()
 }
 
 fn g_matmul<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
@@ -1546,14 +1594,15 @@ fn row_scale<B: Backend>(t: &Tensor<B>) -> Option<(Vec<f64>, usize)> {
 fn g_softmax<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     for log in [false, true] {
         let name = if log { "log_softmax" } else { "softmax" };
-        let strat = (
-            shape(1, 4, 6),
-            0..=13usize,
-            select(FLOATS.to_vec()),
-            prop::bool::weighted(0.2),
-        )
-            .prop_flat_map(|(mut dims, last, dtype, big)| {
+        let dims = prop_oneof![
+            19 => (shape(1, 4, 6), 0..=13usize).prop_map(|(mut dims, last)| {
                 *dims.last_mut().expect("rank >= 1") = last;
+                dims
+            }),
+            1 => big_shape(1),
+        ];
+        let strat = (dims, select(FLOATS.to_vec()), prop::bool::weighted(0.2)).prop_flat_map(
+            |(dims, dtype, big)| {
                 // Large logits check the max subtraction (exp overflows f32 beyond 88).
                 let dom = if big {
                     Dom::range(-300.0, 300.0)
@@ -1561,7 +1610,8 @@ fn g_softmax<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
                     Dom::range(-10.0, 10.0)
                 };
                 spec(dims, dtype, dom, true)
-            });
+            },
+        );
         p.run(out, name, strat, |s| {
             let a = p.build(&s)?;
             let (g, w) = both!(a => if log { a.log_softmax() } else { a.softmax() });
@@ -1667,7 +1717,7 @@ fn cast_dom(from: DType, to: DType) -> Dom {
 fn g_cast<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     for from in ALL {
         for to in ALL {
-            let strat = shape(0, 4, 6)
+            let strat = shapes(0, 4, 6)
                 .prop_flat_map(move |dims| spec(dims, from, cast_dom(from, to), true));
             p.run(out, &format!("cast {from} -> {to}"), strat, |s| {
                 let a = p.build(&s)?;
@@ -1698,15 +1748,18 @@ fn B_cast<B: Backend>(t: &Tensor<B>, to: DType) -> Result<Tensor<B>> {
 
 fn g_index_select<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     let strat = (
-        shape(1, 4, 6),
+        shapes(1, 4, 6),
         select(ALL.to_vec()),
         any::<prop::sample::Index>(),
-        0..=8usize,
+        prop_oneof![10 => 0..=8usize, 1 => 100..=2000usize],
         any::<bool>(),
     )
         .prop_flat_map(|(mut dims, dtype, ax, n_ids, neg)| {
             let axis = ax.index(dims.len());
             dims[axis] = dims[axis].max(1);
+            // Keep the output below ~100k elements.
+            let others: usize = dims.iter().product::<usize>() / dims[axis];
+            let n_ids = n_ids.min(100_000 / others.max(1)).max(n_ids.min(1));
             let d = dims[axis] as f64;
             let axis_arg = if neg {
                 axis as isize - dims.len() as isize
@@ -1740,13 +1793,18 @@ fn g_index_select<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 /// `(source dims, index dims, axis)` for gather/scatter_add: index dims no larger than the
 /// source's off the axis, any length along it.
 fn index_shapes() -> BoxedStrategy<(Vec<usize>, Vec<usize>, usize)> {
+    // Mostly small; sometimes a large source with a long index axis (other index dims capped
+    // so the output stays below ~100k elements).
+    let sizes = prop_oneof![
+        12 => (shape(1, 4, 5), 0..=6usize, Just(usize::MAX)),
+        1 => (big_shape(1), 100..=2000usize, Just(40usize)),
+    ];
     (
-        shape(1, 4, 5),
+        sizes,
         any::<prop::sample::Index>(),
         prop::collection::vec(0..=2usize, 4),
-        0..=6usize,
     )
-        .prop_map(|(mut dims, ax, shrink, along)| {
+        .prop_map(|((mut dims, along, cap), ax, shrink)| {
             let axis = ax.index(dims.len());
             dims[axis] = dims[axis].max(1);
             let ids: Vec<usize> = dims
@@ -1756,7 +1814,7 @@ fn index_shapes() -> BoxedStrategy<(Vec<usize>, Vec<usize>, usize)> {
                     if i == axis {
                         along
                     } else {
-                        d.saturating_sub(shrink[i])
+                        d.saturating_sub(shrink[i]).min(cap)
                     }
                 })
                 .collect();
@@ -1891,13 +1949,15 @@ fn g_index_errors<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
             expect_index_error("gather", bad, x.gather(&idt, ax))?;
             expect_index_error("scatter_add", bad, x.scatter_add(&idt, &src, ax))?;
             // Labels of cross_entropy (and its backward) outside 0..c.
-            let c = dims[axis].max(1);
+            let c = dims[axis].max(1).min(64);
+            let n = n.min(64);
             let logits = Tensor::<X>::zeros([n, c], dtype, &p.dx).map_err(msg)?;
             let bad_label = if bad < 0 {
                 bad
             } else {
                 c as i64 + (bad - dims[axis] as i64)
             };
+            // (`n` rows, one bad label.)
             let mut labels = vec![0i64; n];
             labels[at.index(n)] = bad_label;
             let labels = Tensor::<X>::from_vec(labels, n, &p.dx).map_err(msg)?;

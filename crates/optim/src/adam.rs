@@ -9,12 +9,15 @@
 //! v = beta2 * v + (1 - beta2) * g²
 //! p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
+//!
+//! By default all parameters are updated together as one flat buffer (see `flat.rs`).
 
 use std::collections::BTreeMap;
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, Result, Tensor};
 
+use crate::flat::FlatStep;
 use crate::sgd::parse_lr;
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
@@ -29,6 +32,9 @@ pub struct AdamConfig {
     pub eps: f64,
     /// L2 penalty added to the gradient (coupled, as `torch.optim.Adam`).
     pub weight_decay: f64,
+    /// Update all parameters as one flat buffer when possible (see the `flat` module docs;
+    /// PyTorch's `foreach`). Same results either way; default on.
+    pub foreach: bool,
 }
 
 impl Default for AdamConfig {
@@ -45,6 +51,7 @@ impl AdamConfig {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
+            foreach: true,
         }
     }
     pub fn with_betas(mut self, beta1: f64, beta2: f64) -> Self {
@@ -58,6 +65,10 @@ impl AdamConfig {
     }
     pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
         self.weight_decay = weight_decay;
+        self
+    }
+    pub fn with_foreach(mut self, foreach: bool) -> Self {
+        self.foreach = foreach;
         self
     }
     pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<Adam<B>> {
@@ -89,6 +100,9 @@ impl AdamWConfig {
     pub fn with_weight_decay(self, weight_decay: f64) -> Self {
         AdamWConfig(self.0.with_weight_decay(weight_decay))
     }
+    pub fn with_foreach(self, foreach: bool) -> Self {
+        AdamWConfig(self.0.with_foreach(foreach))
+    }
     pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<AdamW<B>> {
         Adam::build(self.0, true, params)
     }
@@ -103,6 +117,10 @@ pub struct Adam<B: Backend> {
     /// Per parameter: (first moment, second moment), created at its first step.
     moments: Vec<Option<(Tensor<B>, Tensor<B>)>>,
     steps: Vec<u64>,
+    /// Flat-step buffers: the packed parameters and moments (per-parameter entries above are
+    /// views of them while they stay in step).
+    packed: Option<Tensor<B>>,
+    flat_moments: Option<(Tensor<B>, Tensor<B>)>,
 }
 
 /// AdamW is [`Adam`] with decoupled weight decay; build it with [`AdamWConfig`].
@@ -137,7 +155,85 @@ impl<B: Backend> Adam<B> {
             params,
             moments: vec![None; n],
             steps: vec![0; n],
+            packed: None,
+            flat_moments: None,
         })
+    }
+
+    /// One Adam update of `w` (see the module docs): returns the new value and moments.
+    fn update(
+        &self,
+        w: &Tensor<B>,
+        g: &Tensor<B>,
+        prev: Option<(Tensor<B>, Tensor<B>)>,
+        t: u64,
+    ) -> Result<(Tensor<B>, Tensor<B>, Tensor<B>)> {
+        let c = self.cfg;
+        let mut w = w.clone();
+        let mut g = g.clone();
+        if c.weight_decay != 0.0 {
+            if self.decoupled {
+                w = w.mul_scalar(1.0 - c.lr * c.weight_decay)?;
+            } else {
+                g = g.add(&w.mul_scalar(c.weight_decay)?)?;
+            }
+        }
+        let (m, v) = match prev {
+            None => (
+                g.mul_scalar(1.0 - c.beta1)?,
+                g.square()?.mul_scalar(1.0 - c.beta2)?,
+            ),
+            Some((m, v)) => (
+                follow(&m, &w)?
+                    .mul_scalar(c.beta1)?
+                    .add(&g.mul_scalar(1.0 - c.beta1)?)?,
+                follow(&v, &w)?
+                    .mul_scalar(c.beta2)?
+                    .add(&g.square()?.mul_scalar(1.0 - c.beta2)?)?,
+            ),
+        };
+        let t = t.min(i32::MAX as u64) as i32;
+        let bc1 = 1.0 - c.beta1.powi(t);
+        let bc2 = 1.0 - c.beta2.powi(t);
+        let denom = v.sqrt()?.affine(1.0 / bc2.sqrt(), c.eps)?;
+        let upd = m.div(&denom)?.mul_scalar(c.lr / bc1)?;
+        Ok((w.sub(&upd)?, m, v))
+    }
+
+    /// Every parameter in one flat update, when they all have gradients, share dtype and device,
+    /// and are at the same step. Returns false (nothing done) otherwise.
+    fn step_flat(&mut self) -> Result<bool> {
+        let Some(fs) = FlatStep::prepare(&self.params)? else {
+            return Ok(false);
+        };
+        let t0 = self.steps[0];
+        let all_none = self.moments.iter().all(Option::is_none);
+        let all_some = self.moments.iter().all(Option::is_some);
+        if !self.steps.iter().all(|&s| s == t0) || !(all_none || all_some) {
+            return Ok(false);
+        }
+        let w = fs.packed_values(self.packed.as_ref())?;
+        let prev = if all_some {
+            let ms: Vec<&Tensor<B>> = self.moments.iter().flatten().map(|(m, _)| m).collect();
+            let vs: Vec<&Tensor<B>> = self.moments.iter().flatten().map(|(_, v)| v).collect();
+            let (fm, fv) = match &self.flat_moments {
+                Some((m, v)) => (Some(m), Some(v)),
+                None => (None, None),
+            };
+            Some((fs.packed_state(fm, &ms)?, fs.packed_state(fv, &vs)?))
+        } else {
+            None
+        };
+        let (w, m, v) = self.update(&w, &fs.grad, prev, t0 + 1)?;
+        fs.assign(&self.params, &w)?;
+        let (mp, vp) = (fs.spans.split(&m)?, fs.spans.split(&v)?);
+        for (i, (m, v)) in mp.into_iter().zip(vp).enumerate() {
+            self.moments[i] = Some((m, v));
+            self.steps[i] = t0 + 1;
+        }
+        self.packed = Some(w);
+        self.flat_moments = Some((m, v));
+        Ok(true)
     }
 
     pub fn config(&self) -> &AdamConfig {
@@ -154,39 +250,17 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
     }
 
     fn step(&mut self) -> Result<()> {
-        let c = self.cfg;
-        for (i, p) in self.params.iter().enumerate() {
-            let Some(mut g) = p.grad() else { continue };
-            let mut w = p.tensor();
-            if c.weight_decay != 0.0 {
-                if self.decoupled {
-                    w = w.mul_scalar(1.0 - c.lr * c.weight_decay)?;
-                } else {
-                    g = g.add(&w.mul_scalar(c.weight_decay)?)?;
-                }
-            }
-            let (m, v) = match &self.moments[i] {
-                None => (
-                    g.mul_scalar(1.0 - c.beta1)?,
-                    g.square()?.mul_scalar(1.0 - c.beta2)?,
-                ),
-                Some((m, v)) => (
-                    follow(m, &w)?
-                        .mul_scalar(c.beta1)?
-                        .add(&g.mul_scalar(1.0 - c.beta1)?)?,
-                    follow(v, &w)?
-                        .mul_scalar(c.beta2)?
-                        .add(&g.square()?.mul_scalar(1.0 - c.beta2)?)?,
-                ),
-            };
-            self.steps[i] += 1;
-            let t = self.steps[i] as i32;
-            let bc1 = 1.0 - c.beta1.powi(t);
-            let bc2 = 1.0 - c.beta2.powi(t);
-            let denom = v.sqrt()?.affine(1.0 / bc2.sqrt(), c.eps)?;
-            let upd = m.div(&denom)?.mul_scalar(c.lr / bc1)?;
-            p.set_tensor(w.sub(&upd)?)?;
+        if self.cfg.foreach && self.step_flat()? {
+            return Ok(());
+        }
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            let Some(g) = p.grad() else { continue };
+            let t = self.steps[i] + 1;
+            let (w, m, v) = self.update(&p.tensor(), &g, self.moments[i].clone(), t)?;
+            p.set_tensor(w)?;
             self.moments[i] = Some((m, v));
+            self.steps[i] = t;
         }
         Ok(())
     }

@@ -15,15 +15,20 @@
 //! state, as in PyTorch. Optimizer state (momentum buffers, Adam moments, step counts) can be
 //! saved to and restored from safetensors, so training resumes exactly.
 //!
-//! Updates run as a handful of ordinary tensor ops per parameter. A fused multi-tensor update
-//! (one launch for all parameters on the GPU) is not done yet: it needs a backend kernel that
-//! takes a list of buffers.
+//! Updates are multi-tensor by default (PyTorch's `foreach`): when every parameter has a
+//! gradient and all share a dtype and device, the parameters live packed in one flat buffer
+//! (each `Var` holds a view of its slice), the gradients are concatenated, and the update math
+//! runs once over flat tensors: about one launch per op for the whole model (plus one copy per
+//! gradient) instead of one per op per tensor. Otherwise, or with `with_foreach(false)`, the
+//! same math runs per parameter; both give identical results. A single fused kernel for the
+//! whole update (one launch in all) needs a backend op and is not done.
 //!
 //! Schedules are pure functions of the step (`lr(step)`), not stateful objects: resuming is
 //! calling `set_lr(schedule.lr(step))` with the saved step, and a test is a table of values.
 
 mod adam;
 mod clip;
+mod flat;
 mod schedule;
 mod sgd;
 mod state;

@@ -8,12 +8,15 @@
 //! g = g + momentum * buf   if nesterov,  else  g = buf
 //! p = p - lr * g
 //! ```
+//!
+//! By default all parameters are updated together as one flat buffer (see `flat.rs`).
 
 use std::collections::BTreeMap;
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, Error, Result, Tensor};
 
+use crate::flat::FlatStep;
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
 
@@ -25,6 +28,9 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
+    /// Update all parameters as one flat buffer when possible (PyTorch's `foreach`; same
+    /// results either way). Default on.
+    pub foreach: bool,
 }
 
 impl SgdConfig {
@@ -36,6 +42,7 @@ impl SgdConfig {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            foreach: true,
         }
     }
     pub fn with_momentum(mut self, momentum: f64) -> Self {
@@ -52,6 +59,10 @@ impl SgdConfig {
     }
     pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
         self.weight_decay = weight_decay;
+        self
+    }
+    pub fn with_foreach(mut self, foreach: bool) -> Self {
+        self.foreach = foreach;
         self
     }
 
@@ -74,6 +85,8 @@ impl SgdConfig {
             params,
             bufs: vec![None; n],
             steps: vec![0; n],
+            packed: None,
+            flat_buf: None,
         })
     }
 }
@@ -84,11 +97,82 @@ pub struct Sgd<B: Backend> {
     params: Vec<Var<B>>,
     bufs: Vec<Option<Tensor<B>>>,
     steps: Vec<u64>,
+    /// Flat-step buffers (see `flat.rs`): packed parameters and momentum.
+    packed: Option<Tensor<B>>,
+    flat_buf: Option<Tensor<B>>,
 }
 
 impl<B: Backend> Sgd<B> {
     pub fn config(&self) -> &SgdConfig {
         &self.cfg
+    }
+
+    /// One SGD update of `w` (see the module docs): the new value and momentum buffer.
+    fn update(
+        &self,
+        w: &Tensor<B>,
+        g: &Tensor<B>,
+        buf: Option<Tensor<B>>,
+    ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
+        let c = self.cfg;
+        let mut g = g.clone();
+        if c.weight_decay != 0.0 {
+            g = g.add(&w.mul_scalar(c.weight_decay)?)?;
+        }
+        let mut new_buf = None;
+        if c.momentum != 0.0 {
+            let b = match buf {
+                None => g.clone(),
+                Some(b) => {
+                    let b = follow(&b, w)?.mul_scalar(c.momentum)?;
+                    if c.dampening == 0.0 {
+                        b.add(&g)?
+                    } else {
+                        b.add(&g.mul_scalar(1.0 - c.dampening)?)?
+                    }
+                }
+            };
+            g = if c.nesterov {
+                g.add(&b.mul_scalar(c.momentum)?)?
+            } else {
+                b.clone()
+            };
+            new_buf = Some(b);
+        }
+        Ok((w.sub(&g.mul_scalar(c.lr)?)?, new_buf))
+    }
+
+    /// Every parameter in one flat update when possible (see `flat.rs`); false otherwise.
+    fn step_flat(&mut self) -> Result<bool> {
+        let Some(fs) = FlatStep::prepare(&self.params)? else {
+            return Ok(false);
+        };
+        let momentum = self.cfg.momentum != 0.0;
+        let all_none = self.bufs.iter().all(Option::is_none);
+        let all_some = self.bufs.iter().all(Option::is_some);
+        if momentum && !(all_none || all_some) {
+            return Ok(false);
+        }
+        let w = fs.packed_values(self.packed.as_ref())?;
+        let prev = if momentum && all_some {
+            let bs: Vec<&Tensor<B>> = self.bufs.iter().flatten().collect();
+            Some(fs.packed_state(self.flat_buf.as_ref(), &bs)?)
+        } else {
+            None
+        };
+        let (w, buf) = self.update(&w, &fs.grad, prev)?;
+        fs.assign(&self.params, &w)?;
+        if let Some(b) = &buf {
+            for (i, piece) in fs.spans.split(b)?.into_iter().enumerate() {
+                self.bufs[i] = Some(piece);
+            }
+        }
+        for s in &mut self.steps {
+            *s += 1;
+        }
+        self.packed = Some(w);
+        self.flat_buf = buf;
+        Ok(true)
     }
 }
 
@@ -101,33 +185,17 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
     }
 
     fn step(&mut self) -> Result<()> {
-        let c = self.cfg;
-        for (i, p) in self.params.iter().enumerate() {
-            let Some(mut g) = p.grad() else { continue };
-            let w = p.tensor();
-            if c.weight_decay != 0.0 {
-                g = g.add(&w.mul_scalar(c.weight_decay)?)?;
+        if self.cfg.foreach && self.step_flat()? {
+            return Ok(());
+        }
+        for i in 0..self.params.len() {
+            let p = &self.params[i];
+            let Some(g) = p.grad() else { continue };
+            let (w, buf) = self.update(&p.tensor(), &g, self.bufs[i].clone())?;
+            p.set_tensor(w)?;
+            if buf.is_some() {
+                self.bufs[i] = buf;
             }
-            if c.momentum != 0.0 {
-                let buf = match &self.bufs[i] {
-                    None => g.clone(),
-                    Some(b) => {
-                        let b = follow(b, &w)?.mul_scalar(c.momentum)?;
-                        if c.dampening == 0.0 {
-                            b.add(&g)?
-                        } else {
-                            b.add(&g.mul_scalar(1.0 - c.dampening)?)?
-                        }
-                    }
-                };
-                g = if c.nesterov {
-                    g.add(&buf.mul_scalar(c.momentum)?)?
-                } else {
-                    buf.clone()
-                };
-                self.bufs[i] = Some(buf);
-            }
-            p.set_tensor(w.sub(&g.mul_scalar(c.lr)?)?)?;
             self.steps[i] += 1;
         }
         Ok(())

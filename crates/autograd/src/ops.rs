@@ -491,6 +491,39 @@ impl<B: Backend> Var<B> {
         Self::cat(&parts, axis)
     }
 
+    /// `self` with the region `start..start + src.dims()[axis]` of `axis` replaced by `src`
+    /// (out of place: the variable's tensor is never written). The region's gradient goes to
+    /// `src`, the rest to `self`.
+    pub fn slice_assign(&self, axis: isize, start: usize, src: &Self) -> Result<Self> {
+        let s = src.tensor();
+        let y = self.tensor().slice_assign(axis, start, &s)?;
+        let len = s
+            .dims()
+            .get(kiln_core::normalize_axis("slice_assign", axis, s.rank())?)
+            .copied()
+            .unwrap_or(0);
+        let src_shape = s.shape().clone();
+        Ok(Var::from_op(
+            "slice_assign",
+            &[self, src],
+            y,
+            move |g, needs| {
+                let gself = if needs[0] {
+                    let z = Tensor::zeros(src_shape.clone(), g.dtype(), g.device())?;
+                    Some(g.clone().slice_assign(axis, start, &z)?)
+                } else {
+                    None
+                };
+                let gsrc = if needs[1] {
+                    Some(g.narrow(axis, start, len)?)
+                } else {
+                    None
+                };
+                Ok(vec![gself, gsrc])
+            },
+        ))
+    }
+
     // ---- indexing ------------------------------------------------------------------------
 
     /// Entries `ids` (1-d `i64`) along `axis`; repeated ids accumulate their gradients.

@@ -709,6 +709,33 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
         }),
     ));
 
+    c.push((
+        "slice_assign".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (input_of(dims(1, 3)), 0usize..3, 0usize..4, 0usize..4, lay());
+            prop(cfg, s, |(x, axis, start, len, sl)| {
+                let axis = axis % x.dims.len();
+                let d = x.dims[axis];
+                let start = start % d;
+                let len = 1 + len % (d - start);
+                let mut sdims = x.dims.clone();
+                sdims[axis] = len;
+                let src = In {
+                    dims: sdims,
+                    lay: sl,
+                    seed: x.seed.wrapping_add(3),
+                };
+                let ins = [
+                    x.build::<B>(Vals::Normal, dev)?,
+                    src.build::<B>(Vals::Normal, dev)?,
+                ];
+                check(cfg, &ins, |v| {
+                    v[0].slice_assign(axis as isize, start, &v[1])
+                })
+            })
+        }),
+    ));
+
     // ---- indexing ----
     c.push((
         "index_select".into(),

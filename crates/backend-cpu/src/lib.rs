@@ -34,6 +34,7 @@ mod elementwise;
 mod fastmath;
 mod index;
 mod matmul;
+mod optim;
 mod random;
 pub mod reduce;
 mod softmax;
@@ -43,6 +44,7 @@ mod strided;
 pub use device::{CpuDevice, MAX_CPU_DEVICES};
 pub use storage::{CpuData, CpuStorage};
 
+use kiln_core::backend::{UpdateRule, UpdateSlot};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, MemoryStats, RandDist, ReduceOp,
     Result, UnaryOp,
@@ -424,5 +426,14 @@ impl Backend for Cpu {
             src_layout,
             axis,
         )
+    }
+
+    /// One pass per parameter (see the `optim` module), not the default's chain of kernels.
+    fn fused_update(
+        rule: &UpdateRule,
+        dtype: DType,
+        slots: &[UpdateSlot<'_, CpuStorage>],
+    ) -> Result<Vec<(CpuStorage, Vec<CpuStorage>)>> {
+        optim::fused_update(rule, dtype, slots)
     }
 }

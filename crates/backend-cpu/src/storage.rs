@@ -21,7 +21,7 @@ use kiln_core::{DType, HostBuffer, MemoryStats};
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
 
 /// Buffers smaller than this are never cached.
-pub const CACHE_MIN_BYTES: usize = 1 << 20;
+pub const CACHE_MIN_BYTES: usize = 256 << 10;
 /// The most bytes the cache keeps per device.
 pub const CACHE_MAX_BYTES: usize = 2 << 30;
 

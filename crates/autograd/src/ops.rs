@@ -65,30 +65,63 @@ fn kept_dims(dims: &[usize], axes: &[usize]) -> Vec<usize> {
     k
 }
 
-/// `dy/dx * g` for a unary op with input `x` and output `y`.
+/// A tensor a backward closure saved, or an internal error if the op's save list missed it.
+fn saved<'a, B: Backend>(t: &'a Option<Tensor<B>>, op: &'static str) -> Result<&'a Tensor<B>> {
+    t.as_ref()
+        .ok_or_else(|| Error::invalid(op, "internal: backward needs a tensor that was not saved"))
+}
+
+/// Which of input and output the gradient of a unary op needs: only those are kept alive by
+/// the graph (a relu keeps its output, not also its input), which matters for activation
+/// memory in deep networks.
+fn unary_saves(op: UnaryOp) -> (bool, bool) {
+    match op {
+        UnaryOp::Neg | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => (false, false),
+        UnaryOp::Abs | UnaryOp::Log | UnaryOp::Square | UnaryOp::Sin | UnaryOp::Cos => {
+            (true, false)
+        }
+        UnaryOp::Exp
+        | UnaryOp::Sqrt
+        | UnaryOp::Recip
+        | UnaryOp::Tanh
+        | UnaryOp::Sigmoid
+        | UnaryOp::Relu => (false, true),
+        UnaryOp::Gelu => (true, true),
+    }
+}
+
+/// `dy/dx * g` for a unary op with (saved) input `x` and output `y`.
 fn unary_grad<B: Backend>(
     op: UnaryOp,
-    x: &Tensor<B>,
-    y: &Tensor<B>,
+    x: &Option<Tensor<B>>,
+    y: &Option<Tensor<B>>,
     g: &Tensor<B>,
 ) -> Result<Tensor<B>> {
-    let dt = x.dtype();
+    let name = op.name();
+    let dt = g.dtype();
+    let x = || saved(x, name);
+    let y = || saved(y, name);
     match op {
         UnaryOp::Neg => g.neg(),
-        UnaryOp::Abs => g.mul(&x.sign()?),
-        UnaryOp::Exp => g.mul(y),
-        UnaryOp::Log => g.div(x),
-        UnaryOp::Sqrt => g.div(&y.mul_scalar(2.0)?),
-        UnaryOp::Square => g.mul(&x.mul_scalar(2.0)?),
-        UnaryOp::Recip => g.mul(&y.square()?)?.neg(),
-        UnaryOp::Sin => g.mul(&x.cos()?),
-        UnaryOp::Cos => g.mul(&x.sin()?)?.neg(),
-        UnaryOp::Tanh => g.mul(&y.square()?.scalar_binary(BinaryOp::Sub, 1.0)?),
-        UnaryOp::Sigmoid => g.mul(&y.mul(&y.scalar_binary(BinaryOp::Sub, 1.0)?)?),
-        UnaryOp::Relu => g.mul(&mask(x.compare_scalar(CmpOp::Gt, 0.0)?, dt)?),
+        UnaryOp::Abs => g.mul(&x()?.sign()?),
+        UnaryOp::Exp => g.mul(y()?),
+        UnaryOp::Log => g.div(x()?),
+        UnaryOp::Sqrt => g.div(&y()?.mul_scalar(2.0)?),
+        UnaryOp::Square => g.mul(&x()?.mul_scalar(2.0)?),
+        UnaryOp::Recip => g.mul(&y()?.square()?)?.neg(),
+        UnaryOp::Sin => g.mul(&x()?.cos()?),
+        UnaryOp::Cos => g.mul(&x()?.sin()?)?.neg(),
+        UnaryOp::Tanh => g.mul(&y()?.square()?.scalar_binary(BinaryOp::Sub, 1.0)?),
+        UnaryOp::Sigmoid => {
+            let y = y()?;
+            g.mul(&y.mul(&y.scalar_binary(BinaryOp::Sub, 1.0)?)?)
+        }
+        // relu(x) > 0 exactly where x > 0, so the output alone decides.
+        UnaryOp::Relu => g.mul(&mask(y()?.compare_scalar(CmpOp::Gt, 0.0)?, dt)?),
         UnaryOp::Gelu => {
             // d/dx x Φ(x) = Φ(x) + x φ(x). There is no erf kernel, but Φ(x) = gelu(x) / x
             // (and 1/2 at 0).
+            let (x, y) = (x()?, y()?);
             let phi = x
                 .square()?
                 .mul_scalar(-0.5)?
@@ -110,9 +143,11 @@ impl<B: Backend> Var<B> {
     pub fn unary(&self, op: UnaryOp) -> Result<Self> {
         let x = self.tensor();
         let y = x.unary(op)?;
-        let yc = y.clone();
+        let (sx, sy) = unary_saves(op);
+        let xs = sx.then_some(x);
+        let ys = sy.then(|| y.clone());
         Ok(Var::from_op(op.name(), &[self], y, move |g, _| {
-            Ok(vec![Some(unary_grad(op, &x, &yc, g)?)])
+            Ok(vec![Some(unary_grad(op, &xs, &ys, g)?)])
         }))
     }
 
@@ -121,12 +156,26 @@ impl<B: Backend> Var<B> {
         let a = self.tensor();
         let b = rhs.tensor();
         let y = a.binary(op, &b)?;
-        let yc = y.clone();
+        let (sa, sb) = (a.shape().clone(), b.shape().clone());
+        // Save only what the gradients of the inputs that need one will read.
+        let (na, nb) = (self.requires_grad(), rhs.requires_grad());
+        let (keep_a, keep_b, keep_y) = match op {
+            BinaryOp::Add | BinaryOp::Sub => (false, false, false),
+            BinaryOp::Mul => (nb, na, false),
+            BinaryOp::Div => (false, true, nb),
+            BinaryOp::Pow => (true, true, nb),
+            BinaryOp::Maximum | BinaryOp::Minimum => (true, true, false),
+        };
+        let saved = Saved {
+            a: keep_a.then_some(a),
+            b: keep_b.then_some(b),
+            y: keep_y.then(|| y.clone()),
+        };
         Ok(Var::from_op(op.name(), &[self, rhs], y, move |g, needs| {
-            let (ga, gb) = binary_grad(op, &a, &b, &yc, g, needs)?;
+            let (ga, gb) = binary_grad(op, &saved, g, needs)?;
             Ok(vec![
-                ga.map(|t| reduce_to_shape(&t, a.shape())).transpose()?,
-                gb.map(|t| reduce_to_shape(&t, b.shape())).transpose()?,
+                ga.map(|t| reduce_to_shape(&t, &sa)).transpose()?,
+                gb.map(|t| reduce_to_shape(&t, &sb)).transpose()?,
             ])
         }))
     }
@@ -171,9 +220,16 @@ impl<B: Backend> Var<B> {
         } else {
             x.binary_scalar(op, c)?
         };
-        let yc = y.clone();
+        let (keep_x, keep_y) = match (op, scalar_lhs) {
+            (BinaryOp::Div, true) => (true, true),
+            (BinaryOp::Pow, false) | (BinaryOp::Maximum | BinaryOp::Minimum, _) => (true, false),
+            (BinaryOp::Pow, true) => (false, true),
+            _ => (false, false),
+        };
+        let xs = keep_x.then_some(x);
+        let ys = keep_y.then(|| y.clone());
         Ok(Var::from_op(op.name(), &[self], y, move |g, _| {
-            Ok(vec![Some(scalar_grad(op, c, scalar_lhs, &x, &yc, g)?)])
+            Ok(vec![Some(scalar_grad(op, c, scalar_lhs, &xs, &ys, g)?)])
         }))
     }
 
@@ -702,16 +758,25 @@ fn y_axis<B: Backend>(y: &Tensor<B>, axis: isize) -> usize {
 
 type GradPair<B> = (Option<Tensor<B>>, Option<Tensor<B>>);
 
+/// What a binary op's backward kept: operands and output, each only when a gradient reads it.
+struct Saved<B: Backend> {
+    a: Option<Tensor<B>>,
+    b: Option<Tensor<B>>,
+    y: Option<Tensor<B>>,
+}
+
 /// Gradients of `y = op(a, b)` in the broadcast output shape (not yet reduced).
 fn binary_grad<B: Backend>(
     op: BinaryOp,
-    a: &Tensor<B>,
-    b: &Tensor<B>,
-    y: &Tensor<B>,
+    s: &Saved<B>,
     g: &Tensor<B>,
     needs: &[bool],
 ) -> Result<GradPair<B>> {
+    let name = op.name();
     let dt = g.dtype();
+    let a = || saved(&s.a, name);
+    let b = || saved(&s.b, name);
+    let y = || saved(&s.y, name);
     let pick = |need: bool, f: &dyn Fn() -> Result<Tensor<B>>| -> Result<Option<Tensor<B>>> {
         if need { f().map(Some) } else { Ok(None) }
     };
@@ -719,20 +784,22 @@ fn binary_grad<B: Backend>(
     match op {
         BinaryOp::Add => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| Ok(g.clone()))?)),
         BinaryOp::Sub => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| g.neg())?)),
-        BinaryOp::Mul => Ok((pick(na, &|| g.mul(b))?, pick(nb, &|| g.mul(a))?)),
+        BinaryOp::Mul => Ok((pick(na, &|| g.mul(b()?))?, pick(nb, &|| g.mul(a()?))?)),
         BinaryOp::Div => Ok((
-            pick(na, &|| g.div(b))?,
-            pick(nb, &|| g.mul(y)?.div(b)?.neg())?,
+            pick(na, &|| g.div(b()?))?,
+            pick(nb, &|| g.mul(y()?)?.div(b()?)?.neg())?,
         )),
         BinaryOp::Pow => {
             let z = zeros_scalar(g)?;
             let ga = pick(na, &|| {
+                let (a, b) = (a()?, b()?);
                 let d = b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?;
                 let d = b.compare_scalar(CmpOp::Eq, 0.0)?.where_cond(&z, &d)?;
                 g.mul(&d)
             })?;
             let gb = pick(nb, &|| {
-                let d = y.mul(&a.log()?)?;
+                let (a, b) = (a()?, b()?);
+                let d = y()?.mul(&a.log()?)?;
                 let zero_base = mask(a.compare_scalar(CmpOp::Eq, 0.0)?, dt)?
                     .mul(&mask(b.compare_scalar(CmpOp::Ge, 0.0)?, dt)?)?
                     .compare_scalar(CmpOp::Gt, 0.5)?;
@@ -741,6 +808,7 @@ fn binary_grad<B: Backend>(
             Ok((ga, gb))
         }
         BinaryOp::Maximum | BinaryOp::Minimum => {
+            let (a, b) = (a()?, b()?);
             // Weight 1 where this side wins, 1/2 on ties, 0 where it loses.
             let half_tie = || mask(a.eq(b)?, dt)?.mul_scalar(0.5);
             let (win_a, win_b) = if op == BinaryOp::Maximum {
@@ -764,11 +832,14 @@ fn scalar_grad<B: Backend>(
     op: BinaryOp,
     c: f64,
     scalar_lhs: bool,
-    x: &Tensor<B>,
-    y: &Tensor<B>,
+    x: &Option<Tensor<B>>,
+    y: &Option<Tensor<B>>,
     g: &Tensor<B>,
 ) -> Result<Tensor<B>> {
     let dt = g.dtype();
+    let name = op.name();
+    let x = || saved(x, name);
+    let y = || saved(y, name);
     match (op, scalar_lhs) {
         (BinaryOp::Add, _) => Ok(g.clone()),
         (BinaryOp::Sub, false) => Ok(g.clone()),
@@ -776,12 +847,12 @@ fn scalar_grad<B: Backend>(
         (BinaryOp::Mul, _) => g.mul_scalar(c),
         (BinaryOp::Div, false) => g.div_scalar(c),
         // d(c/x)/dx = -c/x² = -y/x
-        (BinaryOp::Div, true) => g.mul(y)?.div(x)?.neg(),
+        (BinaryOp::Div, true) => g.mul(y()?)?.div(x()?)?.neg(),
         (BinaryOp::Pow, false) => {
             if c == 0.0 {
                 g.zeros_like()
             } else {
-                g.mul(&x.pow_scalar(c - 1.0)?.mul_scalar(c)?)
+                g.mul(&x()?.pow_scalar(c - 1.0)?.mul_scalar(c)?)
             }
         }
         // d(c^x)/dx = c^x ln c; zero for c == 0 (as PyTorch masks 0^x for x >= 0).
@@ -789,11 +860,11 @@ fn scalar_grad<B: Backend>(
             if c == 0.0 {
                 g.zeros_like()
             } else {
-                g.mul(&y.mul_scalar(c.ln())?)
+                g.mul(&y()?.mul_scalar(c.ln())?)
             }
         }
-        (BinaryOp::Maximum, _) => g.mul(&mask(x.compare_scalar(CmpOp::Ge, c)?, dt)?),
-        (BinaryOp::Minimum, _) => g.mul(&mask(x.compare_scalar(CmpOp::Le, c)?, dt)?),
+        (BinaryOp::Maximum, _) => g.mul(&mask(x()?.compare_scalar(CmpOp::Ge, c)?, dt)?),
+        (BinaryOp::Minimum, _) => g.mul(&mask(x()?.compare_scalar(CmpOp::Le, c)?, dt)?),
     }
 }
 

@@ -397,3 +397,36 @@ fn deep_graphs_neither_overflow_backward_nor_drop() {
     }
     drop(h);
 }
+
+/// Ops save only what the gradients of the inputs that need one read: with one side constant
+/// the other side's gradient must be the same as when both are parameters.
+#[test]
+fn one_sided_gradients_match_two_sided() {
+    use kiln_core::BinaryOp;
+    let a = t(&[0.5, 1.5, 2.0, 0.75], &[2, 2]);
+    let b = t(&[1.25, -0.5], &[2]);
+    for op in BinaryOp::ALL {
+        let grads = |pa: bool, pb: bool| {
+            let va = if pa {
+                Var::param(a.clone())
+            } else {
+                Var::constant(a.clone())
+            };
+            let vb = if pb {
+                Var::param(b.clone())
+            } else {
+                Var::constant(b.clone())
+            };
+            va.binary(op, &vb)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (va.grad().map(|g| vals(&g)), vb.grad().map(|g| vals(&g)))
+        };
+        let (ga, gb) = grads(true, true);
+        assert_eq!(grads(true, false), (ga.clone(), None), "{op:?}");
+        assert_eq!(grads(false, true), (None, gb.clone()), "{op:?}");
+    }
+}

@@ -7,7 +7,8 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use kiln_core::backend::{
-    Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
+    Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
+    UpdateSlot,
 };
 use kiln_core::reference::{RefDevice, RefStorage, Reference};
 use kiln_core::testing::{self, Config};
@@ -21,6 +22,7 @@ const INDEX_CLAMPED: u8 = 4;
 const MATMUL_ROW_MAJOR_ONLY: u8 = 5;
 const ARGMAX_LAST_TIE: u8 = 6;
 const BROADCAST_RHS_IGNORED: u8 = 7;
+const ADAM_NO_BIAS_CORRECTION: u8 = 8;
 
 /// The reference backend with one op broken (see the mode constants).
 #[derive(Clone, Copy, Debug)]
@@ -300,6 +302,24 @@ impl<const M: u8> Backend for Broken<M> {
     ) -> Result<RefStorage> {
         R::scatter_add(b, bl, dtype, ids, il, src, sl, axis)
     }
+    #[allow(clippy::type_complexity)]
+    fn fused_update(
+        rule: &UpdateRule,
+        dtype: DType,
+        slots: &[UpdateSlot<'_, RefStorage>],
+    ) -> Result<Vec<(RefStorage, Vec<RefStorage>)>> {
+        let mut rule = *rule;
+        if let (
+            ADAM_NO_BIAS_CORRECTION,
+            UpdateRule::Adam {
+                bias_correction1, ..
+            },
+        ) = (M, &mut rule)
+        {
+            *bias_correction1 = 1.0;
+        }
+        R::fused_update(&rule, dtype, slots)
+    }
 }
 
 /// Runs `check` for `Broken<M>` and returns its panic message (None when it passed).
@@ -394,6 +414,18 @@ fn ignored_broadcast_fails_binary() {
     assert_fails::<BROADCAST_RHS_IGNORED>(
         testing::check_binary::<Broken<BROADCAST_RHS_IGNORED>>,
         &["binary", "strides [0"],
+    );
+}
+
+#[test]
+fn missing_bias_correction_fails_fused_update() {
+    assert_fails::<ADAM_NO_BIAS_CORRECTION>(
+        testing::check_fused_update::<Broken<ADAM_NO_BIAS_CORRECTION>>,
+        &["fused_update Adam", "param", "element"],
+    );
+    assert_eq!(
+        failure_of::<NONE>(testing::check_fused_update::<Broken<NONE>>),
+        None
     );
 }
 

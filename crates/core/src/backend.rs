@@ -565,6 +565,7 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// buffers (out of place). The default composes elementwise kernels, several launches per
     /// parameter; a GPU backend overrides it with a multi-tensor kernel that updates all
     /// parameters in a handful of launches.
+    #[allow(clippy::type_complexity)]
     fn fused_update(
         rule: &UpdateRule,
         dtype: DType,

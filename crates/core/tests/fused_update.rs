@@ -124,7 +124,13 @@ fn bad_inputs_are_typed_errors() {
         "{e}"
     );
     let ints = T::from_slice(&[1i64], [1], &RefDevice::default()).unwrap();
-    let e = T::fused_update(&rule, &[ints.clone()], &[ints.clone()], &[vec![ints]]).unwrap_err();
+    let e = T::fused_update(
+        &rule,
+        std::slice::from_ref(&ints),
+        std::slice::from_ref(&ints),
+        &[vec![ints.clone()]],
+    )
+    .unwrap_err();
     assert!(
         e.to_string().starts_with("fused_update: dtype mismatch"),
         "{e}"

@@ -13,6 +13,9 @@ TARGET = {
     "sgemm_8192": 0.97,
     "alloc_free_1000x230400": 1.0,
     "alloc1000_then_free1000_x230400": 1.0,
+    "exp_230400_x1000_driverpool": None,
+    "alloc_free_1000x230400_driverpool": None,
+    "alloc1000_then_free1000_x230400_driverpool": None,
 }
 rows = {}
 for line in open(sys.argv[1]):

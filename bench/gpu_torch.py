@@ -45,6 +45,7 @@ x = rand(230_400)
 y = torch.empty_like(x)
 ms = timed(5, 1000, lambda: torch.exp(x, out=y))
 report("exp_230400_x1000", ms * 1000.0, "ms")
+report("exp_230400_x1000_driverpool", ms * 1000.0, "ms")
 t0 = time.perf_counter()
 for _ in range(1000):
     torch.exp(x, out=y)
@@ -82,6 +83,7 @@ for _ in range(5):
     torch.cuda.synchronize()
     best = min(best, (time.perf_counter() - t0) * 1e6)
 report("alloc_free_1000x230400", best, "us")
+report("alloc_free_1000x230400_driverpool", best, "us")
 best = float("inf")
 for _ in range(5):
     t0 = time.perf_counter()
@@ -90,3 +92,4 @@ for _ in range(5):
     torch.cuda.synchronize()
     best = min(best, (time.perf_counter() - t0) * 1e6)
 report("alloc1000_then_free1000_x230400", best, "us")
+report("alloc1000_then_free1000_x230400_driverpool", best, "us")

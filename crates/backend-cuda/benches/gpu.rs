@@ -101,31 +101,42 @@ fn main() {
         );
     }
 
-    // Allocation churn: 1000 buffers of 230,400 f32 (host time; allocation is host work).
+    // Allocation churn: 1000 buffers of 230,400 f32 (host time; allocation is host work), with
+    // the host-side block cache (default) and with the driver's pool alone.
     let bytes = 230_400 * 4;
-    for _ in 0..2 {
-        drop(raw::alloc(&dev, bytes).unwrap());
-    }
-    Cuda::synchronize(&dev).unwrap();
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        for _ in 0..1000 {
+    for (cache, tag) in [(true, ""), (false, "_driverpool")] {
+        kiln_backend_cuda::set_block_cache(cache);
+        Cuda::empty_cache(&dev).unwrap();
+        for _ in 0..2 {
             drop(raw::alloc(&dev, bytes).unwrap());
         }
         Cuda::synchronize(&dev).unwrap();
-        best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            for _ in 0..1000 {
+                drop(raw::alloc(&dev, bytes).unwrap());
+            }
+            Cuda::synchronize(&dev).unwrap();
+            best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        report(&format!("alloc_free_1000x230400{tag}"), best, "us");
+        let mut best = f64::MAX;
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            let v: Vec<_> = (0..1000)
+                .map(|_| raw::alloc(&dev, bytes).unwrap())
+                .collect();
+            drop(v);
+            Cuda::synchronize(&dev).unwrap();
+            best = best.min(t0.elapsed().as_secs_f64() * 1e6);
+        }
+        report(&format!("alloc1000_then_free1000_x230400{tag}"), best, "us");
     }
-    report("alloc_free_1000x230400", best, "us");
-    let mut best = f64::MAX;
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        let v: Vec<_> = (0..1000)
-            .map(|_| raw::alloc(&dev, bytes).unwrap())
-            .collect();
-        drop(v);
-        Cuda::synchronize(&dev).unwrap();
-        best = best.min(t0.elapsed().as_secs_f64() * 1e6);
-    }
-    report("alloc1000_then_free1000_x230400", best, "us");
+    kiln_backend_cuda::set_block_cache(true);
+    // The exp loop again with the driver pool alone, for the record.
+    kiln_backend_cuda::set_block_cache(false);
+    let ms = time(&dev, 5, 1000, || x.exp().map(drop));
+    report("exp_230400_x1000_driverpool", ms * 1000.0, "ms");
+    kiln_backend_cuda::set_block_cache(true);
 }

@@ -28,16 +28,18 @@ pub enum Module {
     Reduce,
     Softmax,
     Index,
+    Optim,
 }
 
 impl Module {
-    pub const ALL: [Module; 6] = [
+    pub const ALL: [Module; 7] = [
         Module::Elementwise,
         Module::Copy,
         Module::Rand,
         Module::Reduce,
         Module::Softmax,
         Module::Index,
+        Module::Optim,
     ];
 
     /// The file name under `kernels/`.
@@ -49,6 +51,7 @@ impl Module {
             Module::Reduce => "reduce.cu",
             Module::Softmax => "softmax.cu",
             Module::Index => "index.cu",
+            Module::Optim => "optim.cu",
         }
     }
 
@@ -60,6 +63,7 @@ impl Module {
             Module::Reduce => include_str!("../kernels/reduce.cu"),
             Module::Softmax => include_str!("../kernels/softmax.cu"),
             Module::Index => include_str!("../kernels/index.cu"),
+            Module::Optim => include_str!("../kernels/optim.cu"),
         }
     }
 
@@ -106,11 +110,16 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
 
 /// Compiles `module` for `sm_{arch}` to a CUBIN. The error is NVRTC's log (with file/line).
 pub fn compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
+    compile_source(module.file_name(), &module.full_source(), arch)
+}
+
+/// Compiles CUDA C `source` (named `file` in diagnostics) for `sm_{arch}` to a CUBIN.
+pub fn compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
     if !nvrtc_available() {
         return Err("libnvrtc not found".into());
     }
-    let src = CString::new(module.full_source()).map_err(|e| e.to_string())?;
-    let name = CString::new(module.file_name()).map_err(|e| e.to_string())?;
+    let src = CString::new(source).map_err(|e| e.to_string())?;
+    let name = CString::new(file).map_err(|e| e.to_string())?;
     let prog = cudarc::nvrtc::result::create_program(&src, Some(&name))
         .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
     let opts = options(arch);
@@ -152,9 +161,12 @@ fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
     Ok(buf)
 }
 
+/// One source's outcome: its file name, and the CUBIN size or NVRTC's log.
+pub type CheckResult = (&'static str, Result<usize, String>);
+
 /// Compiles every kernel source for `sm_{arch}`: `(file name, Ok or NVRTC's log)`. An outer
 /// error means NVRTC itself is unavailable.
-pub fn check_all(arch: u32) -> Result<Vec<(&'static str, Result<usize, String>)>, String> {
+pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
     Ok(Module::ALL
         .iter()

@@ -108,6 +108,9 @@ pub(crate) fn sync_debug() -> bool {
     *ON.get_or_init(|| std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"))
 }
 
+/// A kernel's name, as the parts that are joined with `_` to spell it.
+pub(crate) type FuncKey = [&'static str; 5];
+
 #[derive(Clone, Copy)]
 pub(crate) struct Func(pub sys::CUfunction);
 // SAFETY: a CUfunction is a handle valid in its context from any thread.
@@ -153,9 +156,10 @@ pub(crate) struct DeviceState {
     pub err_host: *mut u32,
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
-    pub funcs: Mutex<HashMap<String, Func>>,
+    pub funcs: Mutex<HashMap<FuncKey, Func>>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
+    pub block_cache: Mutex<crate::memory::BlockCache>,
     pub in_use: AtomicUsize,
     pub peak: AtomicUsize,
     pub peers_enabled: Mutex<Vec<usize>>,
@@ -288,6 +292,7 @@ impl DeviceState {
                     blocks: Vec::new(),
                     next: 0,
                 }),
+                block_cache: Mutex::new(Default::default()),
                 in_use: AtomicUsize::new(0),
                 peak: AtomicUsize::new(0),
                 peers_enabled: Mutex::new(Vec::new()),
@@ -310,14 +315,18 @@ impl DeviceState {
         Ok(())
     }
 
-    /// The kernel `name` of `module`, compiling (or loading from the disk cache) the module on
-    /// first use; memoized.
-    pub fn func(&self, module: Module, name: &str) -> Result<Func> {
-        if let Some(f) = self.funcs.lock().unwrap().get(name) {
+    /// The kernel named by `parts` joined with `_` (e.g. `["unary", "exp", "float", "c"]`) in
+    /// `module`, compiling (or loading from the disk cache) the module on first use. Memoized
+    /// by the parts themselves, so the hot path formats no string.
+    pub fn func(&self, module: Module, parts: &[&'static str]) -> Result<Func> {
+        let mut key: FuncKey = [""; 5];
+        key[..parts.len()].copy_from_slice(parts);
+        if let Some(f) = self.funcs.lock().unwrap().get(&key) {
             return Ok(*f);
         }
+        let name = parts.join("_");
         let m = self.module(module)?;
-        let cname = CString::new(name).map_err(|e| Error::backend("kernel lookup", e))?;
+        let cname = CString::new(name.as_str()).map_err(|e| Error::backend("kernel lookup", e))?;
         let mut f = std::ptr::null_mut();
         // SAFETY: `m` is a loaded module of this context; valid out-pointer.
         check(
@@ -325,7 +334,7 @@ impl DeviceState {
             "cuModuleGetFunction",
         )
         .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
-        self.funcs.lock().unwrap().insert(name.to_string(), Func(f));
+        self.funcs.lock().unwrap().insert(key, Func(f));
         Ok(Func(f))
     }
 

@@ -62,11 +62,11 @@ pub(crate) fn fused_update(
             .collect::<Result<Vec<_>>>()?;
         outs.push((alloc(dev, s.len * size)?, st));
     }
-    let kernel = match rule {
-        UpdateRule::Sgd { .. } => format!("sgd_{suffix}"),
-        UpdateRule::Adam { .. } => format!("adam_{suffix}"),
+    let kernel: &[&'static str] = match rule {
+        UpdateRule::Sgd { .. } => &["sgd", suffix],
+        UpdateRule::Adam { .. } => &["adam", suffix],
     };
-    let f = dev.func(Module::Optim, &kernel)?;
+    let f = dev.func(Module::Optim, kernel)?;
     for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
         let mut a = MtArgs {
             param: [0; MT_MAX],
@@ -139,7 +139,8 @@ pub(crate) fn fused_update(
                     .push(bias_correction2);
             }
         }
-        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, &mut args.ptrs())?;
+        let (mut p, n) = args.ptrs();
+        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, &mut p[..n])?;
     }
     Ok(outs)
 }

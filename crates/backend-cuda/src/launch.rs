@@ -103,39 +103,53 @@ pub(crate) fn fits_u32(layouts: &[&Layout]) -> bool {
         .all(|l| l.elem_count() < (1 << 31) && l.storage_extent() < (1 << 31))
 }
 
-/// Arguments for one launch, each in its own 8-byte-aligned slot.
-#[derive(Default)]
+/// Arguments for one launch, each in its own 8-byte-aligned slot of an inline buffer (no
+/// heap allocation per launch).
 pub(crate) struct Args {
-    buf: Vec<u64>,
-    offs: Vec<usize>,
+    buf: [std::mem::MaybeUninit<u64>; ARG_WORDS],
+    used: usize,
+    offs: [usize; MAX_ARGS],
+    n: usize,
 }
+
+/// 4 KiB: the classic kernel-parameter limit.
+const ARG_WORDS: usize = 512;
+const MAX_ARGS: usize = 24;
 
 impl Args {
     pub fn new() -> Self {
         Args {
-            buf: Vec::with_capacity(96),
-            offs: Vec::with_capacity(16),
+            buf: [std::mem::MaybeUninit::uninit(); ARG_WORDS],
+            used: 0,
+            offs: [0; MAX_ARGS],
+            n: 0,
         }
     }
     /// Appends one argument with the exact C type the kernel declares.
     pub fn push<T: Copy>(&mut self, v: T) -> &mut Self {
         assert!(std::mem::align_of::<T>() <= 8);
         let words = std::mem::size_of::<T>().div_ceil(8).max(1);
-        let at = self.buf.len();
-        self.buf.resize(at + words, 0);
-        // SAFETY: the slot holds `words * 8 >= size_of::<T>()` bytes, 8-byte aligned.
-        unsafe { std::ptr::write(self.buf[at..].as_mut_ptr() as *mut T, v) };
-        self.offs.push(at);
+        assert!(
+            self.used + words <= ARG_WORDS && self.n < MAX_ARGS,
+            "too many kernel arguments"
+        );
+        // SAFETY: the slot holds `words * 8 >= size_of::<T>()` bytes, 8-byte aligned, in bounds.
+        unsafe { std::ptr::write(self.buf[self.used..].as_mut_ptr() as *mut T, v) };
+        self.offs[self.n] = self.used;
+        self.n += 1;
+        self.used += words;
         self
     }
-    /// Pointers to each argument, valid while `self` is neither moved nor changed.
-    pub fn ptrs(&mut self) -> Vec<*mut c_void> {
+    /// Pointers to each argument (the first `.1` entries), valid while `self` is neither moved
+    /// nor changed.
+    pub fn ptrs(&mut self) -> ([*mut c_void; MAX_ARGS], usize) {
         let base = self.buf.as_mut_ptr();
-        self.offs
-            .iter()
+        let mut p = [std::ptr::null_mut(); MAX_ARGS];
+        for (dst, &o) in p.iter_mut().zip(&self.offs[..self.n]) {
             // SAFETY: every offset is inside `buf`.
-            .map(|&o| unsafe { base.add(o) } as *mut c_void)
-            .collect()
+            *dst = unsafe { base.add(o) } as *mut c_void;
+        }
+        (p, self.n)
     }
 }
 

@@ -26,18 +26,19 @@
 mod blas;
 pub mod compile;
 mod device;
+mod fused;
 mod launch;
 mod memory;
 mod ops;
 
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, MemoryStats, RandDist, ReduceOp,
-    Result, UnaryOp,
+    Result, UnaryOp, UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{CudaDevice, device_count, try_all_gpus, try_gpu, unavailable_reason};
-pub use memory::{CudaStorage, reset_peak};
+pub use memory::{CudaStorage, reset_peak, set_block_cache};
 
 use device::state;
 
@@ -352,6 +353,14 @@ impl Backend for Cuda {
             src_layout,
             axis,
         )
+    }
+
+    fn fused_update(
+        rule: &UpdateRule,
+        dtype: DType,
+        slots: &[UpdateSlot<'_, CudaStorage>],
+    ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
+        fused::fused_update(rule, dtype, slots)
     }
 }
 

@@ -45,19 +45,20 @@ fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()>
     Ok(())
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     dev: &DeviceState,
     op: &'static str,
     module: Module,
-    name: &str,
+    name: &[&'static str],
     grid: (u32, u32),
     block: u32,
     smem: u32,
     args: &mut Args,
 ) -> Result<()> {
     let f = dev.func(module, name)?;
-    let mut p = args.ptrs();
-    dev.launch(op, f, grid, block, smem, &mut p)
+    let (mut p, n) = args.ptrs();
+    dev.launch(op, f, grid, block, smem, &mut p[..n])
 }
 
 /// An elementwise kernel over `inputs` (all with the output's shape) into a new contiguous
@@ -66,7 +67,7 @@ pub(crate) fn run(
 fn elementwise(
     op: &'static str,
     module: Module,
-    base: &str,
+    base: &[&'static str],
     inputs: &[(&CudaStorage, &Layout, DType)],
     out_dtype: DType,
     has_c: bool,
@@ -86,7 +87,7 @@ fn elementwise(
     let contiguous = has_c
         && inputs
             .iter()
-            .all(|(s, l, dt)| l.is_contiguous() && ptr_at(s, l, *dt) % 16 == 0);
+            .all(|(s, l, dt)| l.is_contiguous() && ptr_at(s, l, *dt).is_multiple_of(16));
     let mut a = Args::new();
     if contiguous {
         for (s, l, dt) in inputs {
@@ -100,7 +101,7 @@ fn elementwise(
             dev,
             op,
             module,
-            &format!("{base}_c"),
+            &[base, &["c"]].concat(),
             grid,
             BLOCK,
             0,
@@ -126,7 +127,7 @@ fn elementwise(
             dev,
             op,
             module,
-            &format!("{base}_{suffix}"),
+            &[base, &[suffix]].concat(),
             grid,
             BLOCK,
             0,
@@ -144,11 +145,11 @@ pub(crate) fn unary(op: UnaryOp, s: &CudaStorage, l: &Layout, dtype: DType) -> R
             got: dtype,
         });
     }
-    let base = format!("unary_{}_{}", op.name(), tname(dtype));
+    let base: &[&str] = &["unary", op.name(), tname(dtype)];
     elementwise(
         op.name(),
         Module::Elementwise,
-        &base,
+        base,
         &[(s, l, dtype)],
         dtype,
         true,
@@ -171,11 +172,11 @@ pub(crate) fn binary(
             got: dtype,
         });
     }
-    let base = format!("binary_{}_{}", op.name(), tname(dtype));
+    let base: &[&str] = &["binary", op.name(), tname(dtype)];
     elementwise(
         op.name(),
         Module::Elementwise,
-        &base,
+        base,
         &[(a, la, dtype), (b, lb, dtype)],
         dtype,
         true,
@@ -198,7 +199,7 @@ pub(crate) fn binary_scalar(
             got: dtype,
         });
     }
-    let base = format!("scalar_{}_{}", op.name(), tname(dtype));
+    let base: &[&str] = &["scalar", op.name(), tname(dtype)];
     let lhs = scalar_lhs as i32;
     let extra = |a: &mut Args| {
         match dtype {
@@ -212,7 +213,7 @@ pub(crate) fn binary_scalar(
     elementwise(
         op.name(),
         Module::Elementwise,
-        &base,
+        base,
         &[(s, l, dtype)],
         dtype,
         true,
@@ -228,11 +229,11 @@ pub(crate) fn compare(
     lb: &Layout,
     dtype: DType,
 ) -> Result<CudaStorage> {
-    let base = format!("cmp_{}_{}", op.name(), tname(dtype));
+    let base: &[&str] = &["cmp", op.name(), tname(dtype)];
     elementwise(
         op.name(),
         Module::Elementwise,
-        &base,
+        base,
         &[(a, la, dtype), (b, lb, dtype)],
         DType::U8,
         true,
@@ -250,11 +251,11 @@ pub(crate) fn where_cond(
     lf: &Layout,
     dtype: DType,
 ) -> Result<CudaStorage> {
-    let base = format!("where_{}", sized(dtype));
+    let base: &[&str] = &["where", sized(dtype)];
     elementwise(
         "where",
         Module::Elementwise,
-        &base,
+        base,
         &[(c, lc, DType::U8), (t, lt, dtype), (f, lf, dtype)],
         dtype,
         false,
@@ -266,11 +267,11 @@ pub(crate) fn cast(s: &CudaStorage, l: &Layout, from: DType, to: DType) -> Resul
     if from == to {
         return contiguous(s, l, from);
     }
-    let base = format!("cast_{}_{}", tname(from), tname(to));
+    let base: &[&str] = &["cast", tname(from), tname(to)];
     elementwise(
         "cast",
         Module::Elementwise,
-        &base,
+        base,
         &[(s, l, from)],
         to,
         false,
@@ -329,7 +330,7 @@ pub(crate) fn copy_strided(
         dev,
         "copy",
         Module::Copy,
-        &format!("copy_{}_{suffix}", sized(dtype)),
+        &["copy", sized(dtype), suffix],
         grid,
         BLOCK,
         0,
@@ -389,7 +390,7 @@ pub(crate) fn fill(
         dev,
         "fill",
         Module::Copy,
-        &format!("fill_{}", sized(dtype)),
+        &["fill", sized(dtype)],
         grid,
         BLOCK,
         0,
@@ -430,7 +431,7 @@ pub(crate) fn rand(
         dev,
         "rand",
         Module::Rand,
-        &format!("rand_{kind}_{}", tname(dtype)),
+        &["rand", kind, tname(dtype)],
         grid,
         BLOCK,
         0,
@@ -522,7 +523,7 @@ pub(crate) fn reduce(
             dev,
             name,
             Module::Reduce,
-            &format!("reduce_col_{name}_{t}"),
+            &["reduce_col", name, t],
             grid,
             BLOCK,
             0,
@@ -531,7 +532,7 @@ pub(crate) fn reduce(
         return Ok(out);
     }
     let block = block_for(inner as u64, 256);
-    let kernel = format!("reduce_row_{name}_{t}");
+    let kernel: &[&str] = &["reduce_row", name, t];
     let sms = dev.sm_count as usize;
     let splits = if !op.is_arg() && nout < sms * 2 && inner >= 1 << 16 {
         (sms * 8).div_ceil(nout).min(inner / 8192).max(1)
@@ -555,7 +556,7 @@ pub(crate) fn reduce(
             dev,
             name,
             Module::Reduce,
-            &kernel,
+            kernel,
             (grid_x, 1),
             block,
             0,
@@ -582,7 +583,7 @@ pub(crate) fn reduce(
         dev,
         name,
         Module::Reduce,
-        &kernel,
+        kernel,
         (grid_x, splits as u32),
         256,
         0,
@@ -605,7 +606,7 @@ pub(crate) fn reduce(
         dev,
         name,
         Module::Reduce,
-        &kernel,
+        kernel,
         (grid_x, 1),
         block_for(splits as u64, 256),
         0,
@@ -659,7 +660,7 @@ pub(crate) fn softmax(s: &CudaStorage, l: &Layout, dtype: DType, log: bool) -> R
         dev,
         op,
         Module::Softmax,
-        &format!("softmax_{}", tname(dtype)),
+        &["softmax", tname(dtype)],
         grid,
         block,
         shared,
@@ -704,7 +705,7 @@ pub(crate) fn cross_entropy(
         dev,
         OP,
         Module::Softmax,
-        &format!("xent_{}", tname(dtype)),
+        &["xent", tname(dtype)],
         grid,
         block_for(cols as u64 / 4, 256),
         0,
@@ -754,7 +755,7 @@ pub(crate) fn cross_entropy_backward(
         dev,
         OP,
         Module::Softmax,
-        &format!("xent_bwd_{}", tname(dtype)),
+        &["xent_bwd", tname(dtype)],
         grid,
         block_for(cols as u64 / 4, 256),
         0,
@@ -813,7 +814,7 @@ pub(crate) fn index_select(
         dev,
         OP,
         Module::Index,
-        &format!("index_select_{}", tname(dtype)),
+        &["index_select", tname(dtype)],
         dev.grid_1d(n as u64, BLOCK),
         BLOCK,
         0,
@@ -862,7 +863,7 @@ pub(crate) fn gather(
         dev,
         OP,
         Module::Index,
-        &format!("gather_{}", tname(dtype)),
+        &["gather", tname(dtype)],
         dev.grid_1d(n as u64, BLOCK),
         BLOCK,
         0,
@@ -917,7 +918,7 @@ pub(crate) fn scatter_add(
         dev,
         OP,
         Module::Index,
-        &format!("scatter_add_{}", tname(dtype)),
+        &["scatter_add", tname(dtype)],
         dev.grid_1d(n as u64, BLOCK),
         BLOCK,
         0,

@@ -149,7 +149,7 @@ fn more_than_2_pow_31_elements_use_64_bit_indexing() {
     let Some(dev) = gpu() else { return };
     let n: usize = (1 << 31) + 40;
     if dev.total_memory().unwrap() < n * 8 * 4 {
-        println!("skipped: needs {} GiB of GPU memory", n * 8 * 4 >> 30);
+        println!("skipped: needs {} GiB of GPU memory", (n * 8 * 4) >> 30);
         return;
     }
     let x = Tensor::<Cuda>::ones([n], DType::I64, &dev).unwrap();

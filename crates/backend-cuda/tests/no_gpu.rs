@@ -104,16 +104,27 @@ fn cache_dir_follows_the_environment() {
     }
 }
 
+/// NVRTC compiles a kernel source and reports errors with file and line (`cargo xtask
+/// check-kernels` compiles every source; this keeps `cargo test` fast).
 #[test]
-fn every_kernel_compiles_when_nvrtc_is_present() {
-    match compile::check_all(90) {
-        Err(e) => println!("skipped: {e}"),
-        Ok(results) => {
-            for (file, r) in results {
-                if let Err(log) = r {
-                    panic!("kernels/{file} does not compile:\n{log}");
-                }
-            }
-        }
+fn nvrtc_compiles_kernels_when_present() {
+    if !compile::nvrtc_available() {
+        println!("skipped: libnvrtc not found");
+        return;
     }
+    let bin = compile::compile(Module::Rand, 90).expect("rand.cu must compile");
+    assert!(
+        bin.starts_with(b"\x7fELF"),
+        "NVRTC must return a CUBIN (ELF)"
+    );
+    let e = compile::compile_source(
+        "broken.cu",
+        "extern \"C\" __global__ void k() { oops; }",
+        90,
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("broken.cu(1)"),
+        "error must name file and line: {e}"
+    );
 }

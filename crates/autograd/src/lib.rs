@@ -28,14 +28,29 @@
 //!   [`Var::grad`] (accumulating across calls until [`Var::zero_grad`], as in PyTorch), and then
 //!   frees the graph unless asked to keep it ([`Var::backward_retain`]).
 //! - Gradients of broadcast operands are summed back to the operand's shape
-//!   ([`reduce_to_shape`]). Gradients at kinks and ties follow PyTorch (see the `ops` module
-//!   docs on [`Var::maximum`], [`Var::max`], [`Var::clamp`], [`Var::relu`]).
+//!   ([`reduce_to_shape`]).
+//! - Each op saves only the tensors its gradient reads (a `relu` keeps its output, an `add`
+//!   nothing, a `mul` the other operand only when that side needs a gradient), so the graph
+//!   holds no more activation memory than PyTorch's.
 //! - Moving a variable to another device ([`Var::to_device`], [`Var::copy_to`]) is an op whose
 //!   backward copies the gradient back (Chainer's `F.copy`), so a model split over two GPUs
 //!   backpropagates across them. Mixing devices in any other op is an error naming both.
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
 //! - [`check_backward`] is Chainer's numerical gradient check; the generic gradient test suite
 //!   every backend runs is [`testing::run_gradient_suite`] (feature `testing`).
+//!
+//! ## Gradients at kinks and ties
+//!
+//! They follow PyTorch, so results can be compared with it:
+//! - `relu`, `abs`: the derivative at 0 is 0; `sign`, `floor`, `ceil` have a zero gradient.
+//! - [`Var::maximum`] / [`Var::minimum`] of two variables: on ties the gradient is split evenly.
+//! - [`Var::maximum_scalar`] / [`Var::minimum_scalar`] / [`Var::clamp`] (against constants): as
+//!   `torch.clamp`, the gradient passes where the value is inside the closed range, ties
+//!   included.
+//! - [`Var::max`] / [`Var::min`] reductions: as `torch.amax`/`amin`, the gradient is shared
+//!   evenly among all the elements equal to the extreme.
+//! - [`Var::pow`]: where the exponent is 0 the base gets 0; where the base is 0 and the exponent
+//!   is `>= 0` the exponent gets 0 (not `0 * log 0 = NaN`).
 //!
 //! ## For optimizers
 //!

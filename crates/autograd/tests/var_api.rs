@@ -430,3 +430,23 @@ fn one_sided_gradients_match_two_sided() {
         assert_eq!(grads(false, true), (None, gb.clone()), "{op:?}");
     }
 }
+
+#[test]
+fn empty_tensors_get_empty_gradients() {
+    let x = Var::param(Tensor::<B>::zeros([0, 3], DType::F64, &DEV).unwrap());
+    x.exp().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(x.grad().unwrap().dims(), &[0, 3]);
+    let a = Var::param(Tensor::<B>::zeros([2, 0], DType::F64, &DEV).unwrap());
+    let b = Var::param(Tensor::<B>::zeros([0, 3], DType::F64, &DEV).unwrap());
+    let y = a.matmul(&b).unwrap();
+    assert_eq!(y.dims(), vec![2, 3]);
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(a.grad().unwrap().dims(), &[2, 0]);
+    assert_eq!(b.grad().unwrap().dims(), &[0, 3]);
+    let p = Var::param(t(&[1.0, 2.0], &[1, 2]));
+    let e = Var::param(Tensor::<B>::zeros([0, 2], DType::F64, &DEV).unwrap());
+    let c = Var::cat(&[p.clone(), e.clone()], 0).unwrap();
+    c.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&p.grad().unwrap()), vec![2.0, 4.0]);
+    assert_eq!(e.grad().unwrap().dims(), &[0, 2]);
+}

@@ -131,6 +131,7 @@ pub fn compare_backends_with<A: Backend, B: Backend>(da: &A::Device, db: &B::Dev
 
 /// The names of the op groups, in the order the suite runs them.
 pub const GROUPS: &[&str] = &[
+    "devices",
     "fill",
     "host_roundtrip",
     "copy",
@@ -171,6 +172,7 @@ type GroupFn<X, Y> = fn(&Pair<X, Y>, &mut Outcome);
 
 fn group_fns<X: Backend, Y: Backend>() -> Vec<(&'static str, GroupFn<X, Y>)> {
     vec![
+        ("devices", g_devices::<X, Y>),
         ("fill", g_fill::<X, Y>),
         ("host_roundtrip", g_host::<X, Y>),
         ("copy", g_copy::<X, Y>),
@@ -248,6 +250,8 @@ macro_rules! check_fns {
 }
 
 check_fns! {
+    /// `devices`, `parse_device`, `synchronize`, `memory_stats`, `empty_cache`, `storage_device`.
+    check_devices => g_devices, "devices";
     /// `fill` (`Tensor::full`) for every dtype, including NaN/inf/-0 for floats.
     check_fill => g_fill, "fill";
     /// `from_host` then `to_host` of strided views: bit-exact for every dtype.
@@ -946,6 +950,56 @@ fn msg(e: Error) -> String {
 }
 
 // ---- groups: memory ------------------------------------------------------------------------
+
+fn g_devices<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
+    out.checks += 1;
+    let d = &p.dx;
+    let r = (|| -> Check {
+        let all = X::devices();
+        if !all.contains(d) {
+            return Err(format!(
+                "devices() = {all:?} does not list the device under test {d}"
+            ));
+        }
+        for dev in &all {
+            let name = dev.to_string();
+            match X::parse_device(&name) {
+                Ok(back) if &back == dev => {}
+                other => {
+                    return Err(format!(
+                        "parse_device({name:?}) gave {other:?}, expected {dev:?}"
+                    ));
+                }
+            }
+        }
+        if X::parse_device("no-such-device:7").is_ok() {
+            return Err("parse_device(\"no-such-device:7\") succeeded".into());
+        }
+        let t = Tensor::<X>::ones([3, 5], DType::F32, d).map_err(msg)?;
+        if &X::storage_device(t.storage()) != d {
+            return Err(format!(
+                "storage_device of a tensor made on {d} is {}",
+                X::storage_device(t.storage())
+            ));
+        }
+        X::synchronize(d).map_err(|e| format!("synchronize({d}): {e}"))?;
+        let m = X::memory_stats(d).map_err(|e| format!("memory_stats({d}): {e}"))?;
+        if m.peak < m.in_use || m.reserved < m.in_use {
+            return Err(format!(
+                "memory_stats({d}) = {m:?}: peak and reserved must be at least in_use"
+            ));
+        }
+        X::empty_cache(d).map_err(|e| format!("empty_cache({d}): {e}"))?;
+        if t.to_vec::<f32>().map_err(msg)? != vec![1.0; 15] {
+            return Err("a live tensor changed after empty_cache".into());
+        }
+        Ok(())
+    })();
+    if let Err(m) = r {
+        out.failures
+            .push(format!("[devices] {} on {d}: {m}", X::NAME));
+    }
+}
 
 fn g_fill<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     let strat = (shape(0, 4, 6), select(ALL.to_vec()), -1e4..1e4f64, 0..8u8);

@@ -10,14 +10,14 @@
 //! p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
 //!
-//! By default all parameters are updated together as one flat buffer (see `flat.rs`).
+//! By default all parameters are updated together by one multi-tensor call (`fused.rs`).
 
 use std::collections::BTreeMap;
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, Result, Tensor};
+use kiln_core::{Backend, Result, Tensor, UpdateRule};
 
-use crate::flat::FlatStep;
+use crate::fused::groups;
 use crate::sgd::parse_lr;
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
@@ -32,8 +32,8 @@ pub struct AdamConfig {
     pub eps: f64,
     /// L2 penalty added to the gradient (coupled, as `torch.optim.Adam`).
     pub weight_decay: f64,
-    /// Update all parameters as one flat buffer when possible (see the `flat` module docs;
-    /// PyTorch's `foreach`). Same results either way; default on.
+    /// Update all parameters with one multi-tensor call ([`Tensor::fused_update`]; PyTorch's
+    /// `foreach`) instead of op by op per parameter. Same formulas; default on.
     pub foreach: bool,
 }
 
@@ -117,10 +117,6 @@ pub struct Adam<B: Backend> {
     /// Per parameter: (first moment, second moment), created at its first step.
     moments: Vec<Option<(Tensor<B>, Tensor<B>)>>,
     steps: Vec<u64>,
-    /// Flat-step buffers: the packed parameters and moments (per-parameter entries above are
-    /// views of them while they stay in step).
-    packed: Option<Tensor<B>>,
-    flat_moments: Option<(Tensor<B>, Tensor<B>)>,
 }
 
 /// AdamW is [`Adam`] with decoupled weight decay; build it with [`AdamWConfig`].
@@ -155,8 +151,6 @@ impl<B: Backend> Adam<B> {
             params,
             moments: vec![None; n],
             steps: vec![0; n],
-            packed: None,
-            flat_moments: None,
         })
     }
 
@@ -200,40 +194,40 @@ impl<B: Backend> Adam<B> {
         Ok((w.sub(&upd)?, m, v))
     }
 
-    /// Every parameter in one flat update, when they all have gradients, share dtype and device,
-    /// and are at the same step. Returns false (nothing done) otherwise.
-    fn step_flat(&mut self) -> Result<bool> {
-        let Some(fs) = FlatStep::prepare(&self.params)? else {
-            return Ok(false);
-        };
-        let t0 = self.steps[0];
-        let all_none = self.moments.iter().all(Option::is_none);
-        let all_some = self.moments.iter().all(Option::is_some);
-        if !self.steps.iter().all(|&s| s == t0) || !(all_none || all_some) {
-            return Ok(false);
-        }
-        let w = fs.packed_values(self.packed.as_ref())?;
-        let prev = if all_some {
-            let ms: Vec<&Tensor<B>> = self.moments.iter().flatten().map(|(m, _)| m).collect();
-            let vs: Vec<&Tensor<B>> = self.moments.iter().flatten().map(|(_, v)| v).collect();
-            let (fm, fv) = match &self.flat_moments {
-                Some((m, v)) => (Some(m), Some(v)),
-                None => (None, None),
+    /// All parameters with gradients through [`Tensor::fused_update`], one call per group of
+    /// parameters at the same step (see `fused.rs`).
+    fn step_fused(&mut self) -> Result<()> {
+        let c = self.cfg;
+        for (step, members) in groups(&self.params, |i| self.steps[i]) {
+            let t = (step + 1).min(i32::MAX as u64) as i32;
+            let rule = UpdateRule::Adam {
+                lr: c.lr,
+                beta1: c.beta1,
+                beta2: c.beta2,
+                eps: c.eps,
+                weight_decay: c.weight_decay,
+                decoupled: self.decoupled,
+                bias_correction1: 1.0 - c.beta1.powi(t),
+                bias_correction2: 1.0 - c.beta2.powi(t),
             };
-            Some((fs.packed_state(fm, &ms)?, fs.packed_state(fv, &vs)?))
-        } else {
-            None
-        };
-        let (w, m, v) = self.update(&w, &fs.grad, prev, t0 + 1)?;
-        fs.assign(&self.params, &w)?;
-        let (mp, vp) = (fs.spans.split(&m)?, fs.spans.split(&v)?);
-        for (i, (m, v)) in mp.into_iter().zip(vp).enumerate() {
-            self.moments[i] = Some((m, v));
-            self.steps[i] = t0 + 1;
+            let mut states = Vec::with_capacity(members.len());
+            for m in &members {
+                states.push(match &self.moments[m.index] {
+                    Some((mo, v)) => vec![follow(mo, &m.value)?, follow(v, &m.value)?],
+                    None => vec![m.value.zeros_like()?, m.value.zeros_like()?],
+                });
+            }
+            let values: Vec<Tensor<B>> = members.iter().map(|m| m.value.clone()).collect();
+            let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
+            let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
+            for (m, (w, st)) in members.iter().zip(out) {
+                self.params[m.index].set_tensor(w)?;
+                let mut st = st.into_iter();
+                self.moments[m.index] = st.next().zip(st.next());
+                self.steps[m.index] = step + 1;
+            }
         }
-        self.packed = Some(w);
-        self.flat_moments = Some((m, v));
-        Ok(true)
+        Ok(())
     }
 
     pub fn config(&self) -> &AdamConfig {
@@ -250,8 +244,8 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
     }
 
     fn step(&mut self) -> Result<()> {
-        if self.cfg.foreach && self.step_flat()? {
-            return Ok(());
+        if self.cfg.foreach {
+            return self.step_fused();
         }
         for i in 0..self.params.len() {
             let p = &self.params[i];

@@ -15,20 +15,19 @@
 //! state, as in PyTorch. Optimizer state (momentum buffers, Adam moments, step counts) can be
 //! saved to and restored from safetensors, so training resumes exactly.
 //!
-//! Updates are multi-tensor by default (PyTorch's `foreach`): when every parameter has a
-//! gradient and all share a dtype and device, the parameters live packed in one flat buffer
-//! (each `Var` holds a view of its slice), the gradients are concatenated, and the update math
-//! runs once over flat tensors: about one launch per op for the whole model (plus one copy per
-//! gradient) instead of one per op per tensor. Otherwise, or with `with_foreach(false)`, the
-//! same math runs per parameter; both give identical results. A single fused kernel for the
-//! whole update (one launch in all) needs a backend op and is not done.
+//! Updates are multi-tensor by default (PyTorch's `foreach`): all parameters go to
+//! [`Tensor::fused_update`](kiln_core::Tensor::fused_update) in one call, which the CUDA
+//! backend runs as one multi-tensor kernel per batch of parameters (a handful of launches for a
+//! whole model instead of one per term per tensor) and other backends compose from elementwise
+//! kernels. `with_foreach(false)` runs the same formulas op by op per parameter; both give the
+//! same results (a test checks it).
 //!
 //! Schedules are pure functions of the step (`lr(step)`), not stateful objects: resuming is
 //! calling `set_lr(schedule.lr(step))` with the saved step, and a test is a table of values.
 
 mod adam;
 mod clip;
-mod flat;
+mod fused;
 mod schedule;
 mod sgd;
 mod state;

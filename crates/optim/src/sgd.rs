@@ -9,14 +9,14 @@
 //! p = p - lr * g
 //! ```
 //!
-//! By default all parameters are updated together as one flat buffer (see `flat.rs`).
+//! By default all parameters are updated together by one multi-tensor call (`fused.rs`).
 
 use std::collections::BTreeMap;
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, Error, Result, Tensor};
+use kiln_core::{Backend, Error, Result, Tensor, UpdateRule};
 
-use crate::flat::FlatStep;
+use crate::fused::groups;
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
 
@@ -28,8 +28,8 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
-    /// Update all parameters as one flat buffer when possible (PyTorch's `foreach`; same
-    /// results either way). Default on.
+    /// Update all parameters with one multi-tensor call ([`Tensor::fused_update`]; PyTorch's
+    /// `foreach`) instead of op by op per parameter. Same formulas; default on.
     pub foreach: bool,
 }
 
@@ -85,8 +85,6 @@ impl SgdConfig {
             params,
             bufs: vec![None; n],
             steps: vec![0; n],
-            packed: None,
-            flat_buf: None,
         })
     }
 }
@@ -97,9 +95,6 @@ pub struct Sgd<B: Backend> {
     params: Vec<Var<B>>,
     bufs: Vec<Option<Tensor<B>>>,
     steps: Vec<u64>,
-    /// Flat-step buffers (see `flat.rs`): packed parameters and momentum.
-    packed: Option<Tensor<B>>,
-    flat_buf: Option<Tensor<B>>,
 }
 
 impl<B: Backend> Sgd<B> {
@@ -142,37 +137,41 @@ impl<B: Backend> Sgd<B> {
         Ok((w.sub(&g.mul_scalar(c.lr)?)?, new_buf))
     }
 
-    /// Every parameter in one flat update when possible (see `flat.rs`); false otherwise.
-    fn step_flat(&mut self) -> Result<bool> {
-        let Some(fs) = FlatStep::prepare(&self.params)? else {
-            return Ok(false);
-        };
-        let momentum = self.cfg.momentum != 0.0;
-        let all_none = self.bufs.iter().all(Option::is_none);
-        let all_some = self.bufs.iter().all(Option::is_some);
-        if momentum && !(all_none || all_some) {
-            return Ok(false);
-        }
-        let w = fs.packed_values(self.packed.as_ref())?;
-        let prev = if momentum && all_some {
-            let bs: Vec<&Tensor<B>> = self.bufs.iter().flatten().collect();
-            Some(fs.packed_state(self.flat_buf.as_ref(), &bs)?)
-        } else {
-            None
-        };
-        let (w, buf) = self.update(&w, &fs.grad, prev)?;
-        fs.assign(&self.params, &w)?;
-        if let Some(b) = &buf {
-            for (i, piece) in fs.spans.split(b)?.into_iter().enumerate() {
-                self.bufs[i] = Some(piece);
+    /// All parameters with gradients through [`Tensor::fused_update`], one call per group
+    /// (with or without a momentum buffer yet; see `fused.rs`).
+    fn step_fused(&mut self) -> Result<()> {
+        let c = self.cfg;
+        let momentum = c.momentum != 0.0;
+        for (first_step, members) in groups(&self.params, |i| self.bufs[i].is_none()) {
+            let rule = UpdateRule::Sgd {
+                lr: c.lr,
+                momentum: c.momentum,
+                dampening: c.dampening,
+                nesterov: c.nesterov,
+                weight_decay: c.weight_decay,
+                first_step,
+            };
+            let mut states = Vec::with_capacity(members.len());
+            for m in &members {
+                states.push(match (&self.bufs[m.index], momentum) {
+                    (_, false) => vec![],
+                    (Some(b), true) => vec![follow(b, &m.value)?],
+                    // Ignored on a first step; any tensor of the right shape will do.
+                    (None, true) => vec![m.grad.clone()],
+                });
+            }
+            let values: Vec<Tensor<B>> = members.iter().map(|m| m.value.clone()).collect();
+            let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
+            let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
+            for (m, (w, st)) in members.iter().zip(out) {
+                self.params[m.index].set_tensor(w)?;
+                if momentum {
+                    self.bufs[m.index] = st.into_iter().next();
+                }
+                self.steps[m.index] += 1;
             }
         }
-        for s in &mut self.steps {
-            *s += 1;
-        }
-        self.packed = Some(w);
-        self.flat_buf = buf;
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -185,8 +184,8 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
     }
 
     fn step(&mut self) -> Result<()> {
-        if self.cfg.foreach && self.step_flat()? {
-            return Ok(());
+        if self.cfg.foreach {
+            return self.step_fused();
         }
         for i in 0..self.params.len() {
             let p = &self.params[i];

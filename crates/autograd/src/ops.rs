@@ -116,8 +116,9 @@ fn unary_grad<B: Backend>(
             let y = y()?;
             g.mul(&y.mul(&y.scalar_binary(BinaryOp::Sub, 1.0)?)?)
         }
-        // relu(x) > 0 exactly where x > 0, so the output alone decides.
-        UnaryOp::Relu => g.mul(&mask(y()?.compare_scalar(CmpOp::Gt, 0.0)?, dt)?),
+        // relu(x) > 0 exactly where x > 0, so the output alone decides, and sign(relu(x)) is
+        // that 0/1 mask in one kernel.
+        UnaryOp::Relu => g.mul(&y()?.sign()?),
         UnaryOp::Gelu => {
             // d/dx x Φ(x) = Φ(x) + x φ(x). There is no erf kernel, but Φ(x) = gelu(x) / x
             // (and 1/2 at 0).

@@ -315,6 +315,9 @@ struct Pair<X: Backend, Y: Backend> {
     cfg: Config,
     /// Tolerance multiplier: 1 against the reference, 2 between two real backends.
     slack: f64,
+    /// Comparisons where both sides returned an error (reported in verbose mode: a check whose
+    /// cases are mostly rejected tests little).
+    both_failed: std::cell::Cell<usize>,
 }
 
 type Both<X, Y> = (Tensor<X>, Tensor<Y>);
@@ -337,6 +340,7 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
             dy,
             cfg: cfg.clone(),
             slack,
+            both_failed: std::cell::Cell::new(0),
         }
     }
 
@@ -387,6 +391,7 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
         let mut runner = TestRunner::new(cfg);
         out.checks += 1;
         let started = std::time::Instant::now();
+        self.both_failed.set(0);
         let count = std::sync::atomic::AtomicUsize::new(0);
         let res = runner.run(&strat, |v| {
             count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -394,9 +399,10 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
         });
         if self.cfg.verbose {
             eprintln!(
-                "  {check}: {} cases in {:.2?}",
+                "  {check}: {} cases in {:.2?} ({} comparisons rejected by both sides)",
                 count.into_inner(),
-                started.elapsed()
+                started.elapsed(),
+                self.both_failed.get()
             );
         }
         match res {
@@ -430,7 +436,10 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
             ))
         };
         let (g, w) = match (got, want) {
-            (Err(_), Err(_)) => return Ok(()),
+            (Err(_), Err(_)) => {
+                self.both_failed.set(self.both_failed.get() + 1);
+                return Ok(());
+            }
             (Err(e), Ok(w)) => {
                 return fail(format!(
                     "failed with \"{e}\" where {} returned shape {} {}",

@@ -23,6 +23,7 @@ const MATMUL_ROW_MAJOR_ONLY: u8 = 5;
 const ARGMAX_LAST_TIE: u8 = 6;
 const BROADCAST_RHS_IGNORED: u8 = 7;
 const ADAM_NO_BIAS_CORRECTION: u8 = 8;
+const COPY_INTO_IGNORES_DST_STRIDES: u8 = 9;
 
 /// The reference backend with one op broken (see the mode constants).
 #[derive(Clone, Copy, Debug)]
@@ -85,6 +86,17 @@ impl<const M: u8> Backend for Broken<M> {
         dl: &Layout,
         dtype: DType,
     ) -> Result<()> {
+        if M == COPY_INTO_IGNORES_DST_STRIDES && !dl.is_contiguous() {
+            // Writes the region as if it were contiguous from its offset.
+            let flat = Layout::from_parts(
+                dl.shape().clone(),
+                dl.shape().contiguous_strides(),
+                dl.offset(),
+            );
+            if flat.storage_extent() <= dst.data().len() {
+                return R::copy_into(src, sl, dst, &flat, dtype);
+            }
+        }
         R::copy_into(src, sl, dst, dl, dtype)
     }
     fn contiguous(s: &RefStorage, l: &Layout, dtype: DType) -> Result<RefStorage> {
@@ -414,6 +426,14 @@ fn ignored_broadcast_fails_binary() {
     assert_fails::<BROADCAST_RHS_IGNORED>(
         testing::check_binary::<Broken<BROADCAST_RHS_IGNORED>>,
         &["binary", "strides [0"],
+    );
+}
+
+#[test]
+fn ignoring_destination_strides_fails_copy_into() {
+    assert_fails::<COPY_INTO_IGNORES_DST_STRIDES>(
+        testing::check_copy_into::<Broken<COPY_INTO_IGNORES_DST_STRIDES>>,
+        &["copy_into", "into layout", "bit for bit"],
     );
 }
 

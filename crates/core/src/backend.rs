@@ -104,7 +104,8 @@ impl UnaryOp {
 ///
 /// Float dtypes support all; `i64` supports all but `Pow` (`Div` truncates toward zero, as in
 /// Rust and C, and an integer division by zero gives 0 on every backend, since a GPU kernel
-/// cannot stop to report it); `u8` supports `Maximum` and `Minimum` only.
+/// cannot stop to report it); `u8` supports `Maximum` and `Minimum` only. On floats,
+/// `Maximum`/`Minimum` propagate NaN (as `torch.maximum`), unlike `f32::max`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BinaryOp {
     Add,
@@ -443,7 +444,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<Self::Storage>;
-    /// `op(x, scalar)`, or `op(scalar, x)` when `scalar_lhs`. The scalar is a kernel argument.
+    /// `op(x, scalar)`, or `op(scalar, x)` when `scalar_lhs`. The scalar is a kernel argument;
+    /// for `i64`/`u8` it is first converted to the dtype (`as`), then the op is exact.
     fn binary_scalar(
         op: BinaryOp,
         s: &Self::Storage,
@@ -461,8 +463,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<Self::Storage>;
-    /// `cond ? on_true : on_false` elementwise; `cond` is `u8`; all three layouts have the
-    /// output's shape.
+    /// `cond ? on_true : on_false` elementwise; `cond` is `u8` and any nonzero byte selects
+    /// `on_true`; all three layouts have the output's shape.
     #[allow(clippy::too_many_arguments)]
     fn where_cond(
         cond: &Self::Storage,

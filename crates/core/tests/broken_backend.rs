@@ -336,7 +336,11 @@ impl<const M: u8> Backend for Broken<M> {
 
 /// Runs `check` for `Broken<M>` and returns its panic message (None when it passed).
 fn failure_of<const M: u8>(check: fn(&RefDevice, &Config)) -> Option<String> {
-    let cfg = Config::with_cases(64);
+    // Detecting the failure is the point here; a short shrink keeps the test fast.
+    let cfg = Config {
+        max_shrink_iters: 64,
+        ..Config::with_cases(64)
+    };
     let r = catch_unwind(AssertUnwindSafe(|| check(&RefDevice(0), &cfg)));
     r.err().map(|p| {
         p.downcast_ref::<String>()

@@ -32,13 +32,15 @@ def data(rows, cols):
 
 
 def report(workload, sizes, totals, extra=""):
+    """One result line; `totals` holds (wall ms, process CPU ms) per repeat."""
     steps, repeats = sizes
-    total = statistics.median(totals)
+    total = statistics.median(w for w, _ in totals)
     ms = total / steps
+    cpu = statistics.median(c for _, c in totals) / steps
     print(
         f"numpy {workload} cpu steps={steps} repeats={repeats} total_ms={total:.3f} "
-        f"ms_per_step={ms:.6f} min_ms_per_step={min(totals) / steps:.6f} "
-        f"steps_per_s={1e3 / ms:.1f}{extra}",
+        f"ms_per_step={ms:.6f} min_ms_per_step={min(w for w, _ in totals) / steps:.6f} "
+        f"steps_per_s={1e3 / ms:.1f} cpu_ms_per_step={cpu:.6f}{extra}",
         flush=True,
     )
 
@@ -51,10 +53,10 @@ def timed(sizes, warmup, step, reset=None):
     for _ in range(repeats):
         if reset:
             reset()
-        t = time.perf_counter()
+        c, t = time.process_time(), time.perf_counter()
         for _ in range(steps):
             last = step()
-        totals.append((time.perf_counter() - t) * 1e3)
+        totals.append(((time.perf_counter() - t) * 1e3, (time.process_time() - c) * 1e3))
     return totals, last
 
 

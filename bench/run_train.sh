@@ -135,6 +135,13 @@ for wl in ("logreg", "mlp-small", "mlp-large"):
         notes.append(f"kiln ran on {kdev}, not a GPU")
     if kr and orr and kr.get("steps") != orr.get("steps"):
         notes.append(f"steps differ: kiln {kr.get('steps')}, {other} {orr.get('steps')}")
+    if notes:  # a figure from the wrong device is no verdict
+        verdict = "INVALID"
+    kc = [float(x["cpu_ms_per_step"]) for x in runs.get(("kiln", wl), []) if "cpu_ms_per_step" in x]
+    oc = [float(x["cpu_ms_per_step"]) for x in runs.get((other, wl), []) if "cpu_ms_per_step" in x]
+    if mode == "cpu" and kc and oc:
+        kc, oc = statistics.median(kc), statistics.median(oc)
+        notes.append(f"process CPU ms/step kiln {kc:.4f} {other} {oc:.4f} ({oc / kc:.2f}x)")
     if wl == "logreg" and kr and orr:
         a, b = float(kr["final_cost"]), float(orr["final_cost"])
         rel = abs(a - b) / max(abs(b), 1e-12)

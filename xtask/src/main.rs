@@ -5,7 +5,7 @@
 //! - `check-kernels`: compiles every CUDA kernel with NVRTC for sm_90 (no GPU needed) and
 //!   reports errors with file and line. Without libnvrtc it prints `skipped: libnvrtc not
 //!   found` and succeeds locally, but fails under CI (`CI=true`).
-//! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) of [`GPU_TEST_PACKAGES`]
+//! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) listed in [`GPU_TESTS`]
 //!   into `target/gpu-bundle/` with a `run.sh` that runs each and prints one summary line; the
 //!   bundle is what travels to a GPU machine. `--run` also runs it here.
 //! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py`, whose run
@@ -16,10 +16,15 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
-/// Packages whose integration tests need a GPU. Add autograd/examples here as they gain some.
-const GPU_TEST_PACKAGES: &[&str] = &["kiln-backend-cuda"];
-/// Packages with GPU benches (criterion-free harnesses that print `BENCH name value unit`).
-const GPU_BENCH_PACKAGES: &[&str] = &["kiln-backend-cuda"];
+/// GPU integration tests: (package, test targets; empty = every test target of the package).
+/// Add a crate's GPU tests here with one line.
+const GPU_TESTS: &[(&str, &[&str])] = &[
+    ("kiln-backend-cuda", &[]),
+    ("kiln-autograd", &["cuda_gradients"]),
+    ("kiln-nn", &["cuda"]),
+];
+/// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
+const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu"])];
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
@@ -109,59 +114,59 @@ enum Kind {
 
 /// Builds the test (or bench) executables with `--message-format=json` and returns their paths.
 fn build_executables(kind: Kind) -> Result<Vec<(String, PathBuf)>, String> {
-    let packages = match kind {
-        Kind::Test => GPU_TEST_PACKAGES,
-        Kind::Bench => GPU_BENCH_PACKAGES,
+    let targets = match kind {
+        Kind::Test => GPU_TESTS,
+        Kind::Bench => GPU_BENCHES,
     };
-    let mut args: Vec<&str> = match kind {
-        Kind::Test => vec!["test", "--release", "--no-run", "--tests"],
-        Kind::Bench => vec!["bench", "--no-run", "--benches"],
-    };
-    args.push("--message-format=json-render-diagnostics");
-    for p in packages {
-        args.extend(["-p", p]);
-    }
-    let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
-        .args(&args)
-        .current_dir(root())
-        .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
-        .env("CARGO_PROFILE_BENCH_STRIP", "symbols")
-        .stderr(std::process::Stdio::inherit())
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(format!("cargo {} failed", args.join(" ")));
-    }
     let mut exes = Vec::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        if !line.contains("\"reason\":\"compiler-artifact\"") {
-            continue;
-        }
-        let Some(exe) = json_str(line, "executable") else {
-            continue;
+    for (pkg, names) in targets {
+        let mut args: Vec<&str> = match kind {
+            Kind::Test => vec!["test", "--release", "--no-run"],
+            Kind::Bench => vec!["bench", "--no-run"],
         };
-        // Only integration tests / benches (each target is its own binary); skip lib unit tests.
-        let is_kind = match kind {
-            Kind::Test => line.contains("\"kind\":[\"test\"]"),
-            Kind::Bench => line.contains("\"kind\":[\"bench\"]"),
+        args.extend(["--message-format=json-render-diagnostics", "-p", pkg]);
+        let flag = match kind {
+            Kind::Test => "--test",
+            Kind::Bench => "--bench",
         };
-        if !is_kind {
-            continue;
+        if names.is_empty() {
+            args.push(match kind {
+                Kind::Test => "--tests",
+                Kind::Bench => "--benches",
+            });
         }
-        let name = json_str(line, "name").unwrap_or_else(|| "bin".into());
-        let pkg = json_str(line, "package_id")
-            .and_then(|p| {
-                packages
-                    .iter()
-                    .find(|n| {
-                        p.contains(&format!("/{n}#"))
-                            || p.contains(&format!("{n}@"))
-                            || p.contains(*n)
-                    })
-                    .map(|s| s.to_string())
-            })
-            .unwrap_or_default();
-        exes.push((format!("{pkg}-{name}"), PathBuf::from(exe)));
+        for n in names.iter() {
+            args.extend([flag, n]);
+        }
+        let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(&args)
+            .current_dir(root())
+            .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+            .env("CARGO_PROFILE_BENCH_STRIP", "symbols")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!("cargo {} failed", args.join(" ")));
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if !line.contains("\"reason\":\"compiler-artifact\"") {
+                continue;
+            }
+            let Some(exe) = json_str(line, "executable") else {
+                continue;
+            };
+            // Integration tests / benches only (each target is its own binary), not lib tests.
+            let is_kind = match kind {
+                Kind::Test => line.contains("\"kind\":[\"test\"]"),
+                Kind::Bench => line.contains("\"kind\":[\"bench\"]"),
+            };
+            if !is_kind {
+                continue;
+            }
+            let name = json_str(line, "name").unwrap_or_else(|| "bin".into());
+            exes.push((format!("{pkg}-{name}"), PathBuf::from(exe)));
+        }
     }
     Ok(exes)
 }

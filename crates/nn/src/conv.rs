@@ -230,8 +230,12 @@ impl Window {
 
     /// Output height and width for an `h x w` input, or an error naming `op`.
     fn out_hw(&self, op: &'static str, h: usize, w: usize) -> Result<(usize, usize)> {
-        let bad =
-            self.kernel.contains(&0) || self.stride.contains(&0) || self.dilation.contains(&0);
+        if self.kernel.contains(&0) || self.stride.contains(&0) || self.dilation.contains(&0) {
+            return Err(Error::invalid(
+                op,
+                format!("kernel, stride and dilation must be positive: {self:?}"),
+            ));
+        }
         let [kh, kw] = self.kernel;
         let [ph, pw] = self.padding;
         let [dh, dw] = self.dilation;
@@ -240,7 +244,7 @@ impl Window {
             out_len(w, kw, self.stride[1], pw, dw),
         );
         match sizes {
-            (Some(oh), Some(ow)) if !bad => Ok((oh, ow)),
+            (Some(oh), Some(ow)) => Ok((oh, ow)),
             _ => Err(Error::invalid(
                 op,
                 format!("a {h}x{w} input does not fit the window {self:?}"),

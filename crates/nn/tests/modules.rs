@@ -451,6 +451,13 @@ fn max_pool2d_forward_and_gradients() {
         .unwrap_or_else(|e| panic!("{window:?}: {e}"));
     }
     assert!(max_pool2d(&Var::constant(randn(&[1, 1, 1, 1], 0)), Window::new(2)).is_err());
+    // Degenerate windows are errors, not panics.
+    let x4 = Var::constant(randn(&[1, 1, 4, 4], 0));
+    assert!(max_pool2d(&x4, Window::new(0)).is_err());
+    assert!(max_pool2d(&x4, Window::new(2).with_stride(0)).is_err());
+    let w0 = Var::constant(randn(&[1, 1, 0, 0], 0));
+    assert!(conv2d(&x4, &w0, None, Window::new(0)).is_err());
+    assert!(MaxPool2d::<B>::new(0).forward(&x4).is_err());
 }
 
 #[test]

@@ -16,7 +16,8 @@
 //!
 //! The data defaults to the 4,000 training and 1,000 test digits bundled in `data/mnist`
 //! (found from this crate's directory, so the command works from the repository root or
-//! anywhere inside it); `--data-dir` points at the full MNIST IDX files instead. Saved weights
+//! anywhere inside it); `--data-dir` points at the full MNIST IDX files instead, and is needed
+//! by a binary copied to another machine (the bundled path is fixed at build time). Saved weights
 //! are named like the equivalent PyTorch `nn.Sequential`'s `state_dict`
 //! (`bench/mnist_torch_check.py` loads them into PyTorch and compares logits).
 

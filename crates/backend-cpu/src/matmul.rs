@@ -6,6 +6,11 @@
 //! batch stride (0 broadcasts one matrix to every batch). Large single products are threaded
 //! inside matrixmultiply (its `threading` feature, `MATMUL_NUM_THREADS` to override); many small
 //! products are spread across cores with rayon, one product per task.
+//!
+//! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
+//! matrix on every call to do one multiply-add per element. They run as dot products over
+//! contiguous rows or as axpys over contiguous columns, whichever the matrix's layout makes
+//! sequential, with sixteen accumulator lanes so that the loops vectorize.
 
 use kiln_core::{DType, Error, Layout, Result};
 use ndarray::linalg::general_mat_mul;
@@ -14,6 +19,7 @@ use rayon::prelude::*;
 
 use crate::elementwise::{dtype_err, slice};
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::strided::PAR_MIN;
 
 /// Products smaller than this many multiply-adds run one per rayon task.
 const SMALL_GEMM: usize = 1 << 18;
@@ -89,6 +95,12 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.fill(T::zero());
         return Ok(storage(a.device(), out));
     }
+    if n == 1 || m == 1 {
+        for (bi, o) in out.chunks_mut(m * n).enumerate() {
+            gemv(x, &ma, y, &mb, bi, o);
+        }
+        return Ok(storage(a.device(), out));
+    }
     let one = |bi: usize, o: &mut [T]| -> Result<()> {
         let av = ma.view(x, bi)?;
         let bv = mb.view(y, bi)?;
@@ -107,6 +119,87 @@ fn gemm<T: CpuElem + LinalgScalar>(
         }
     }
     Ok(storage(a.device(), out))
+}
+
+/// Dot product of `a[i * sa]` and `b[i * sb]` over `len` (sixteen lanes when both contiguous).
+#[inline]
+fn dot<T: CpuElem + LinalgScalar>(a: &[T], sa: usize, b: &[T], sb: usize, len: usize) -> T {
+    if sa == 1 && sb == 1 {
+        let (a, b) = (&a[..len], &b[..len]);
+        let mut acc = [T::zero(); 16];
+        let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+        let (ra, rb) = (ca.remainder(), cb.remainder());
+        for (xa, xb) in ca.zip(cb) {
+            for ((s, &u), &v) in acc.iter_mut().zip(xa).zip(xb) {
+                *s = *s + u * v;
+            }
+        }
+        let mut t = T::zero();
+        for (&u, &v) in ra.iter().zip(rb) {
+            t = t + u * v;
+        }
+        acc.iter().fold(t, |x, &y| x + y)
+    } else {
+        (0..len).fold(T::zero(), |s, i| s + a[i * sa] * b[i * sb])
+    }
+}
+
+/// `out += c * x[i * sx]` over `out.len()`.
+#[inline]
+fn axpy<T: CpuElem + LinalgScalar>(out: &mut [T], c: T, x: &[T], sx: usize) {
+    if sx == 1 {
+        let n = out.len();
+        for (o, &v) in out.iter_mut().zip(&x[..n]) {
+            *o = *o + c * v;
+        }
+    } else {
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = *o + c * x[i * sx];
+        }
+    }
+}
+
+/// One matrix-vector product of batch `bi` into `o` (`m x 1` or `1 x n`).
+fn gemv<T: CpuElem + LinalgScalar>(x: &[T], ma: &Mat, y: &[T], mb: &Mat, bi: usize, o: &mut [T]) {
+    let (m, k, n) = (ma.rows, ma.cols, mb.cols);
+    let (a0, b0) = (ma.off + bi * ma.bstride, mb.off + bi * mb.bstride);
+    if n == 1 {
+        // o[i] = A[i, :] . b[:, 0]
+        if ma.cs == 1 || k == 1 || ma.rs != 1 {
+            let row = |i: usize| dot(&x[a0 + i * ma.rs..], ma.cs, &y[b0..], mb.rs, k);
+            if m * k >= PAR_MIN {
+                o.par_iter_mut().enumerate().for_each(|(i, v)| *v = row(i));
+            } else {
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = row(i);
+                }
+            }
+        } else {
+            // Column-major A: o = sum_k A[:, k] * b[k], reading columns in order.
+            o.fill(T::zero());
+            for kk in 0..k {
+                axpy(o, y[b0 + kk * mb.rs], &x[a0 + kk * ma.cs..], 1);
+            }
+        }
+    } else {
+        // m == 1: o[j] = a[0, :] . B[:, j]
+        if mb.cs == 1 || mb.rs != 1 || k == 1 {
+            // Row-major B: o = sum_k a[k] * B[k, :], reading rows in order.
+            o.fill(T::zero());
+            for kk in 0..k {
+                axpy(o, x[a0 + kk * ma.cs], &y[b0 + kk * mb.rs..], mb.cs);
+            }
+        } else {
+            let col = |j: usize| dot(&x[a0..], ma.cs, &y[b0 + j * mb.cs..], 1, k);
+            if n * k >= PAR_MIN {
+                o.par_iter_mut().enumerate().for_each(|(j, v)| *v = col(j));
+            } else {
+                for (j, v) in o.iter_mut().enumerate() {
+                    *v = col(j);
+                }
+            }
+        }
+    }
 }
 
 pub(crate) fn matmul(

@@ -7,9 +7,12 @@
 //! large contiguous input is split into parallel partial folds instead.
 //!
 //! Accuracy: `Sum` over f32 accumulates in f64 (eight independent lanes, so the loop still
-//! vectorizes), then rounds once to f32 — so an f32 sum is as good as the correctly rounded sum
-//! for all practical sizes, and independent of how the work was split. f64 sums use the same
-//! eight lanes (a blocked summation, better than a sequential one). i64 sums wrap.
+//! vectorizes), then rounds once to f32: the f32 result is the correctly rounded sum except in
+//! rare ties, whatever the size, and so does not depend on how the work was split across
+//! threads. f64 sums use the same eight lanes (a blocked summation, more accurate than a
+//! sequential one). i64 sums wrap. Reducing the leading axes of a contiguous tensor (a bias
+//! gradient: `[n, c]` over `n`) accumulates row after row into `c` accumulators instead, so that
+//! memory is read in order.
 //!
 //! NaN: `Max`/`Min` propagate it; `ArgMax`/`ArgMin` treat it as the largest/smallest value and
 //! return the first NaN; ties pick the first occurrence.

@@ -408,3 +408,87 @@ fn cat_and_slice_assign_use_copy_into() -> Result<()> {
     assert_eq!(c.reduce(r, &[0, 1], false)?.to_scalar()?, 20.0);
     Ok(())
 }
+
+#[test]
+fn matvec_paths_match_reference() {
+    let d = data(300 * 257);
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-4 } else { 1e-12 };
+        type F<B> = fn(&Tensor<B>) -> Result<Tensor<B>>;
+        let cases: [(&str, F<Cpu>, F<Reference>); 8] = [
+            (
+                "A@v",
+                |x| x.matmul(&x.narrow(0, 0, 257)?.narrow(1, 3, 1)?),
+                |x| x.matmul(&x.narrow(0, 0, 257)?.narrow(1, 3, 1)?),
+            ),
+            (
+                "A.T@v",
+                |x| x.t()?.matmul(&x.narrow(1, 5, 1)?),
+                |x| x.t()?.matmul(&x.narrow(1, 5, 1)?),
+            ),
+            (
+                "A@v 1-d strided",
+                |x| {
+                    x.narrow(0, 0, 9)?
+                        .matmul(&x.narrow(1, 2, 1)?.squeeze(1)?.narrow(0, 0, 257)?)
+                },
+                |x| {
+                    x.narrow(0, 0, 9)?
+                        .matmul(&x.narrow(1, 2, 1)?.squeeze(1)?.narrow(0, 0, 257)?)
+                },
+            ),
+            (
+                "v@B",
+                |x| x.narrow(1, 0, 1)?.t()?.matmul(&x),
+                |x| x.narrow(1, 0, 1)?.t()?.matmul(&x),
+            ),
+            (
+                "v@B.T",
+                |x| x.narrow(0, 4, 1)?.matmul(&x.t()?),
+                |x| x.narrow(0, 4, 1)?.matmul(&x.t()?),
+            ),
+            (
+                "v@B.T small",
+                |x| {
+                    x.narrow(0, 4, 1)?
+                        .narrow(1, 0, 7)?
+                        .matmul(&x.narrow(1, 0, 7)?.narrow(0, 0, 5)?.t()?)
+                },
+                |x| {
+                    x.narrow(0, 4, 1)?
+                        .narrow(1, 0, 7)?
+                        .matmul(&x.narrow(1, 0, 7)?.narrow(0, 0, 5)?.t()?)
+                },
+            ),
+            (
+                "batched A@v",
+                |x| {
+                    x.narrow(0, 0, 240)?
+                        .reshape([4, 60, 257])?
+                        .matmul(&x.narrow(0, 0, 257)?.narrow(1, 1, 1)?)
+                },
+                |x| {
+                    x.narrow(0, 0, 240)?
+                        .reshape([4, 60, 257])?
+                        .matmul(&x.narrow(0, 0, 257)?.narrow(1, 1, 1)?)
+                },
+            ),
+            (
+                "dot",
+                |x| {
+                    x.narrow(0, 1, 1)?
+                        .squeeze(0)?
+                        .matmul(&x.narrow(0, 2, 1)?.squeeze(0)?)
+                },
+                |x| {
+                    x.narrow(0, 1, 1)?
+                        .squeeze(0)?
+                        .matmul(&x.narrow(0, 2, 1)?.squeeze(0)?)
+                },
+            ),
+        ];
+        for (name, fc, fr) in cases {
+            check_against_ref(name, &d, &[300, 257], dtype, tol, fc, fr);
+        }
+    }
+}

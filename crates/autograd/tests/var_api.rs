@@ -450,3 +450,18 @@ fn empty_tensors_get_empty_gradients() {
     assert_eq!(vals(&p.grad().unwrap()), vec![2.0, 4.0]);
     assert_eq!(e.grad().unwrap().dims(), &[0, 2]);
 }
+
+#[test]
+fn set_tensor_to_another_device_moves_the_gradient_along() {
+    let w = Var::param(t(&[1.0, 2.0], &[2]));
+    w.square().unwrap().sum_all().unwrap().backward().unwrap();
+    let d1 = RefDevice(1);
+    w.set_tensor(w.tensor().to_device(&d1).unwrap()).unwrap();
+    assert_eq!(w.device(), d1);
+    let g = w.grad().unwrap();
+    assert_eq!(*g.device(), d1);
+    assert_eq!(vals(&g), vec![2.0, 4.0]);
+    // Training continues on the new device, accumulating into the moved gradient.
+    w.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&w.grad().unwrap()), vec![4.0, 8.0]);
+}

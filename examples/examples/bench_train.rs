@@ -145,13 +145,37 @@ fn data(rows: usize, cols: usize) -> Vec<f32> {
     (0..(rows * cols) as u64).map(data_value).collect()
 }
 
-/// Milliseconds `f` takes, the device synchronized before both clock reads.
-fn time_ms<B: Backend>(dev: &B::Device, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+/// What one timed repeat took.
+#[derive(Clone, Copy, Debug)]
+struct Timing {
+    /// Wall-clock milliseconds, the device synchronized before both clock reads.
+    wall_ms: f64,
+    /// CPU milliseconds of this process over the same interval (all threads), where the OS
+    /// tells (Linux): on a shared machine, the part of the wall time that is our own work.
+    cpu_ms: Option<f64>,
+}
+
+/// Times `f`.
+fn time_ms<B: Backend>(dev: &B::Device, f: impl FnOnce() -> Result<()>) -> Result<Timing> {
     B::synchronize(dev)?;
+    let c = process_cpu_ms();
     let t = Instant::now();
     f()?;
     B::synchronize(dev)?;
-    Ok(t.elapsed().as_secs_f64() * 1e3)
+    let wall_ms = t.elapsed().as_secs_f64() * 1e3;
+    let cpu_ms = c.zip(process_cpu_ms()).map(|(a, b)| b - a);
+    Ok(Timing { wall_ms, cpu_ms })
+}
+
+/// CPU time used so far by every live thread of this process, in milliseconds: the sum of the
+/// first field (nanoseconds on a CPU) of `/proc/self/task/*/schedstat`. `None` off Linux.
+fn process_cpu_ms() -> Option<f64> {
+    let mut ns = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+        ns += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(ns as f64 / 1e6)
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -165,13 +189,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Prints the workload's result line (the format `bench/run_train.sh` parses).
-fn report(workload: &str, dev: &impl std::fmt::Display, s: Sizes, totals: &[f64], extra: &str) {
-    let total = median(totals.to_vec());
-    let ms = total / s.steps as f64;
-    let min = totals.iter().copied().fold(f64::INFINITY, f64::min) / s.steps as f64;
+fn report(workload: &str, dev: &impl std::fmt::Display, s: Sizes, runs: &[Timing], extra: &str) {
+    let per = |ms: f64| ms / s.steps as f64;
+    let total = median(runs.iter().map(|r| r.wall_ms).collect());
+    let ms = per(total);
+    let min = per(runs.iter().map(|r| r.wall_ms).fold(f64::INFINITY, f64::min));
+    let cpu = runs
+        .iter()
+        .map(|r| r.cpu_ms)
+        .collect::<Option<Vec<f64>>>()
+        .map(|v| format!(" cpu_ms_per_step={:.6}", per(median(v))))
+        .unwrap_or_default();
     println!(
         "kiln {workload} {dev} steps={} repeats={} total_ms={total:.3} ms_per_step={ms:.6} \
-         min_ms_per_step={min:.6} steps_per_s={:.1}{extra}",
+         min_ms_per_step={min:.6} steps_per_s={:.1}{cpu}{extra}",
         s.steps,
         s.repeats,
         1e3 / ms,

@@ -439,8 +439,8 @@ fn matvec_paths_match_reference() {
             ),
             (
                 "v@B",
-                |x| x.narrow(1, 0, 1)?.t()?.matmul(&x),
-                |x| x.narrow(1, 0, 1)?.t()?.matmul(&x),
+                |x| x.narrow(1, 0, 1)?.t()?.matmul(x),
+                |x| x.narrow(1, 0, 1)?.t()?.matmul(x),
             ),
             (
                 "v@B.T",

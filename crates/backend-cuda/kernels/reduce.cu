@@ -6,9 +6,9 @@
 //        reduced elements; with grid.y = S > 1, block (o, s) reduces chunk s of `chunk`
 //        elements and writes partial y[o * S + s], which a second row launch combines. When
 //        the reduced elements are one contiguous run (`contig`), loads are 16-byte vectors.
-//   col  one thread per output, looping over the reduced elements; used when the kept axes
-//        are the innermost in memory (e.g. summing the rows of a [n, c] matrix), so that
-//        neighbouring threads read neighbouring addresses.
+//   col  32 outputs per block, one per lane, 8 warps sharing the reduced elements (and grid.y
+//        splits as above); used when the kept axes are the innermost in memory (e.g. summing
+//        the rows of a [n, c] matrix), so that neighbouring threads read neighbouring addresses.
 //
 // The reduction tree depends only on the shape and the launch, never on timing: sums are
 // deterministic. Arg reductions write i64 indices into the single reduced axis.
@@ -65,14 +65,33 @@ __device__ void reduce_row(const T* __restrict__ x, O* __restrict__ y, u64 nout,
     }
 }
 
+// Column mode, for blocks of 256 threads: a block owns 32 neighbouring outputs (lane = output,
+// so loads are coalesced) and its 8 warps take every 8th reduced element of rows [r0, r1); the 8
+// partial results are combined through shared memory in a fixed order. With grid.y = S > 1,
+// block (o, s) reduces chunk s and writes partial y[o * S + s] for a second (row) launch.
 template <typename T, typename Op, typename O>
 __device__ void reduce_col(const T* __restrict__ x, O* __restrict__ y, u64 nout, Dims kd, Strides ks,
-                           Dims rd, Strides rs, u64 inner) {
-    for (u64 o = KILN_TID; o < nout; o += KILN_NTHREADS) {
-        u64 base = offset1<u64>(o, kd, ks);
+                           Dims rd, Strides rs, u64 inner, u64 chunk) {
+    __shared__ typename Op::Acc tile[8][33];
+    const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    u64 r0 = (u64)blockIdx.y * chunk;
+    u64 r1 = r0 + chunk < inner ? r0 + chunk : inner;
+    for (u64 ob = (u64)blockIdx.x * 32; ob < nout; ob += (u64)gridDim.x * 32) {
+        u64 o = ob + tx;
         typename Op::Acc acc = Op::init();
-        for (u64 r = 0; r < inner; ++r) acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
-        store(y, o, acc);
+        if (o < nout) {
+            u64 base = offset1<u64>(o, kd, ks);
+            for (u64 r = r0 + ty; r < r1; r += 8)
+                acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
+        }
+        tile[ty][tx] = acc;
+        __syncthreads();
+        if (ty == 0 && o < nout) {
+#pragma unroll
+            for (int k = 1; k < 8; ++k) acc = Op::combine(acc, tile[k][tx]);
+            store(y, o * gridDim.y + blockIdx.y, acc);
+        }
+        __syncthreads();
     }
 }
 
@@ -85,8 +104,8 @@ __device__ void reduce_col(const T* __restrict__ x, O* __restrict__ y, u64 nout,
     }                                                                                          \
     extern "C" __global__ void reduce_col_##NAME##_##T(const T* x, O* y, u64 nout, Dims kd,    \
                                                        Strides ks, Dims rd, Strides rs,        \
-                                                       u64 inner) {                            \
-        reduce_col<T, OPT, O>(x, y, nout, kd, ks, rd, rs, inner);                              \
+                                                       u64 inner, u64 chunk) {                 \
+        reduce_col<T, OPT, O>(x, y, nout, kd, ks, rd, rs, inner, chunk);                       \
     }
 
 #define REDUCE_ALL(T)                                                                          \

@@ -130,6 +130,52 @@ pub(crate) fn matmul(
     // contract); `out` holds batch * m * n elements; the handle runs on the compute stream.
     unsafe {
         match dtype {
+            // One matrix: the plain GEMM entry point (what PyTorch's `mm` calls); cuBLAS's
+            // heuristics for the batched entry point can pick other kernels.
+            DType::F32 if batch == 1 => {
+                let (alpha, beta) = (1f32, 0f32);
+                blas_check(
+                    cb::cublasSgemm_v2(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        &alpha,
+                        pb as *const f32,
+                        ldb,
+                        pa as *const f32,
+                        lda,
+                        &beta,
+                        out.device_ptr() as *mut f32,
+                        n_,
+                    ),
+                    OP,
+                )?;
+            }
+            DType::F64 if batch == 1 => {
+                let (alpha, beta) = (1f64, 0f64);
+                blas_check(
+                    cb::cublasDgemm_v2(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        &alpha,
+                        pb as *const f64,
+                        ldb,
+                        pa as *const f64,
+                        lda,
+                        &beta,
+                        out.device_ptr() as *mut f64,
+                        n_,
+                    ),
+                    OP,
+                )?;
+            }
             DType::F32 => {
                 let (alpha, beta) = (1f32, 0f32);
                 blas_check(

@@ -508,32 +508,59 @@ pub(crate) fn reduce(
         _ => true,
     };
     let t = tname(dtype);
+    let sms = dev.sm_count as usize;
     if !row_mode {
+        // 32 outputs per block; split the reduced elements too when that leaves the GPU idle.
+        let grid_x = nout.div_ceil(32).min(sms * 32);
+        let splits = if !op.is_arg() && inner >= 2048 {
+            (sms * 8).div_ceil(grid_x).min(inner / 512).max(1)
+        } else {
+            1
+        };
+        let chunk = inner.div_ceil(splits);
+        let splits = inner.div_ceil(chunk);
+        let partial = if splits > 1 {
+            Some(alloc(dev, nout * splits * dtype.size_in_bytes())?)
+        } else {
+            None
+        };
+        let dst = partial.as_ref().unwrap_or(&out);
         let mut a = Args::new();
         a.push(s.device_ptr())
-            .push(out.device_ptr())
+            .push(dst.device_ptr())
             .push(nout as u64)
             .push(kdims)
             .push(kstr)
             .push(rdims)
             .push(rstr)
-            .push(inner as u64);
-        let grid = dev.grid_1d(nout as u64, BLOCK);
+            .push(inner as u64)
+            .push(chunk as u64);
         run(
             dev,
             name,
             Module::Reduce,
             &["reduce_col", name, t],
-            grid,
-            BLOCK,
+            (grid_x as u32, splits as u32),
+            256,
             0,
             &mut a,
         )?;
+        if let Some(partial) = partial {
+            combine_partials(
+                dev,
+                name,
+                t,
+                &partial,
+                &out,
+                nout,
+                splits,
+                grid_x.min(sms * 32),
+            )?;
+        }
         return Ok(out);
     }
     let block = block_for(inner as u64, 256);
     let kernel: &[&str] = &["reduce_row", name, t];
-    let sms = dev.sm_count as usize;
     let splits = if !op.is_arg() && nout < sms * 2 && inner >= 1 << 16 {
         (sms * 8).div_ceil(nout).min(inner / 8192).max(1)
     } else {
@@ -589,6 +616,23 @@ pub(crate) fn reduce(
         0,
         &mut a,
     )?;
+    combine_partials(dev, name, t, &partial, &out, nout, splits, grid_x as usize)?;
+    Ok(out)
+}
+
+/// The second pass of a split reduction: `partial` holds `splits` contiguous partial results
+/// per output; one block per output combines them, in a fixed order, into `out`.
+#[allow(clippy::too_many_arguments)]
+fn combine_partials(
+    dev: &DeviceState,
+    name: &'static str,
+    t: &'static str,
+    partial: &CudaStorage,
+    out: &CudaStorage,
+    nout: usize,
+    splits: usize,
+    grid_x: usize,
+) -> Result<()> {
     let (pk, pks) = collapse(name, &[nout], &[&[splits]], &[0])?;
     let (pr, prs) = collapse(name, &[splits], &[&[1]], &[0])?;
     let mut a = Args::new();
@@ -606,13 +650,12 @@ pub(crate) fn reduce(
         dev,
         name,
         Module::Reduce,
-        kernel,
-        (grid_x, 1),
+        &["reduce_row", name, t],
+        (grid_x as u32, 1),
         block_for(splits as u64, 256),
         0,
         &mut a,
-    )?;
-    Ok(out)
+    )
 }
 
 // ---- rows: softmax and cross-entropy ---------------------------------------------------------

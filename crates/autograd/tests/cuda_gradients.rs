@@ -9,13 +9,21 @@ use kiln_autograd::testing::{
 };
 use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
 
+/// Prints past the test harness's output capture (a direct write to stderr, which libtest does
+/// not capture), so a skipped GPU test shows in a plain `cargo test` run instead of passing
+/// silently.
+fn say(msg: String) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{msg}");
+}
+
 fn gpu(i: usize) -> Option<CudaDevice> {
     let d = try_gpu(i);
     if d.is_none() {
-        println!(
+        say(format!(
             "skipped: no CUDA device {i} ({})",
             unavailable_reason().unwrap_or_else(|| format!("cuda:{i} is not present"))
-        );
+        ));
     }
     d
 }

@@ -24,6 +24,10 @@ use crate::strided::PAR_MIN;
 
 /// Products smaller than this many multiply-adds run one per rayon task.
 const SMALL_GEMM: usize = 1 << 18;
+/// Products with at least this many multiply-adds are split into row bands across cores;
+/// below it, the second packing of `b` and the fork cost more than the second core gives
+/// (e.g. the 100x784x100 products of a small MLP step).
+const BAND_GEMM: usize = 1 << 25;
 
 struct Mat {
     off: usize,
@@ -115,7 +119,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.par_chunks_mut(m * n)
             .enumerate()
             .try_for_each(|(bi, o)| one(bi, o))?;
-    } else if m * n * k >= SMALL_GEMM * 4 && m >= 2 * threads && threads > 1 {
+    } else if m * n * k >= BAND_GEMM && m >= 2 * threads && threads > 1 {
         // One large product: split the rows of the output into one band per core, each a
         // single-threaded GEMM (each band packs `b` once; matrixmultiply's own threading is
         // off, so cores are not oversubscribed).

@@ -126,16 +126,23 @@ pub(crate) fn matmul(
         blas.tf32 = tf32;
     }
     let sc = (m * n) as i64;
-    // SAFETY: pointers and leading dimensions describe the operands' layouts (the trait's
-    // contract); `out` holds batch * m * n elements; the handle runs on the compute stream.
-    unsafe {
-        match dtype {
-            // One matrix: the plain GEMM entry point (what PyTorch's `mm` calls); cuBLAS's
-            // heuristics for the batched entry point can pick other kernels.
-            DType::F32 if batch == 1 => {
-                let (alpha, beta) = (1f32, 0f32);
-                blas_check(
-                    cb::cublasSgemm_v2(
+    // One GEMM call, for element type `$t`: the plain entry point for one matrix (what
+    // PyTorch's `mm` calls; cuBLAS's heuristics for the batched one can pick other kernels),
+    // strided batched otherwise. Row-major C = A·B is computed as column-major Cᵀ = Bᵀ·Aᵀ.
+    macro_rules! gemm {
+        ($t:ty, $plain:ident, $batched:ident) => {{
+            let (alpha, beta): ($t, $t) = (1.0, 0.0);
+            let (pa, pb, pc) = (
+                pa as *const $t,
+                pb as *const $t,
+                out.device_ptr() as *mut $t,
+            );
+            // SAFETY: pointers and leading dimensions describe the operands' layouts (the
+            // trait's contract); `out` holds batch * m * n elements; the handle runs on the
+            // compute stream.
+            unsafe {
+                if batch == 1 {
+                    cb::$plain(
                         blas.handle,
                         op_b,
                         op_a,
@@ -143,21 +150,16 @@ pub(crate) fn matmul(
                         m_,
                         k_,
                         &alpha,
-                        pb as *const f32,
+                        pb,
                         ldb,
-                        pa as *const f32,
+                        pa,
                         lda,
                         &beta,
-                        out.device_ptr() as *mut f32,
+                        pc,
                         n_,
-                    ),
-                    OP,
-                )?;
-            }
-            DType::F64 if batch == 1 => {
-                let (alpha, beta) = (1f64, 0f64);
-                blas_check(
-                    cb::cublasDgemm_v2(
+                    )
+                } else {
+                    cb::$batched(
                         blas.handle,
                         op_b,
                         op_a,
@@ -165,78 +167,34 @@ pub(crate) fn matmul(
                         m_,
                         k_,
                         &alpha,
-                        pb as *const f64,
-                        ldb,
-                        pa as *const f64,
-                        lda,
-                        &beta,
-                        out.device_ptr() as *mut f64,
-                        n_,
-                    ),
-                    OP,
-                )?;
-            }
-            DType::F32 => {
-                let (alpha, beta) = (1f32, 0f32);
-                blas_check(
-                    cb::cublasSgemmStridedBatched(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        &alpha,
-                        pb as *const f32,
+                        pb,
                         ldb,
                         sb,
-                        pa as *const f32,
+                        pa,
                         lda,
                         sa,
                         &beta,
-                        out.device_ptr() as *mut f32,
+                        pc,
                         n_,
                         sc,
                         batch_,
-                    ),
-                    OP,
-                )?;
+                    )
+                }
             }
-            DType::F64 => {
-                let (alpha, beta) = (1f64, 0f64);
-                blas_check(
-                    cb::cublasDgemmStridedBatched(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        &alpha,
-                        pb as *const f64,
-                        ldb,
-                        sb,
-                        pa as *const f64,
-                        lda,
-                        sa,
-                        &beta,
-                        out.device_ptr() as *mut f64,
-                        n_,
-                        sc,
-                        batch_,
-                    ),
-                    OP,
-                )?;
-            }
-            d => {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: "f32 or f64".into(),
-                    got: d,
-                });
-            }
-        }
+        }};
     }
+    let status = match dtype {
+        DType::F32 => gemm!(f32, cublasSgemm_v2, cublasSgemmStridedBatched),
+        DType::F64 => gemm!(f64, cublasDgemm_v2, cublasDgemmStridedBatched),
+        d => {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: "f32 or f64".into(),
+                got: d,
+            });
+        }
+    };
+    blas_check(status, OP)?;
     drop(guard);
     if crate::device::sync_debug() {
         dev.sync(OP)?;

@@ -421,15 +421,29 @@ impl<B: Backend> Var<B> {
                 gdims.push(1);
             }
             let g2 = g.reshape(gdims)?;
+            // An operand that is a transposed view (a Linear layer's `W.t()`) gets its gradient
+            // computed transposed, `(gᵀ·x)ᵀ` rather than `xᵀ·g`: the same numbers, but laid out
+            // like the parameter behind the view, so no copy is needed to store it.
+            let transposed = |t: &Tensor<B>| {
+                t.rank() == 2 && !t.is_contiguous() && t.t().is_ok_and(|v| v.is_contiguous())
+            };
             let ga = if needs[0] {
-                let full = g2.matmul(&b2.t()?)?;
-                Some(reduce_to_shape(&full, a2.shape())?.reshape(a.shape().clone())?)
+                if transposed(&a2) && g2.rank() == 2 {
+                    Some(b2.matmul(&g2.t()?)?.t()?.reshape(a.shape().clone())?)
+                } else {
+                    let full = g2.matmul(&b2.t()?)?;
+                    Some(reduce_to_shape(&full, a2.shape())?.reshape(a.shape().clone())?)
+                }
             } else {
                 None
             };
             let gb = if needs[1] {
-                let full = a2.t()?.matmul(&g2)?;
-                Some(reduce_to_shape(&full, b2.shape())?.reshape(b.shape().clone())?)
+                if transposed(&b2) && g2.rank() == 2 {
+                    Some(g2.t()?.matmul(&a2)?.t()?.reshape(b.shape().clone())?)
+                } else {
+                    let full = a2.t()?.matmul(&g2)?;
+                    Some(reduce_to_shape(&full, b2.shape())?.reshape(b.shape().clone())?)
+                }
             } else {
                 None
             };

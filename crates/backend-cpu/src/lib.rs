@@ -35,6 +35,7 @@ mod fastmath;
 mod index;
 mod matmul;
 mod optim;
+mod pool;
 mod random;
 pub mod reduce;
 mod softmax;

@@ -3,10 +3,13 @@
 //! Each operand matrix is an ndarray view over the storage with the layout's own row and column
 //! strides, and ndarray hands those strides straight to matrixmultiply's packing kernels: a
 //! transposed (column-major) operand is read in place, never copied. Batches loop over the
-//! batch stride (0 broadcasts one matrix to every batch). A large single product is split into
-//! one band of output rows per core (rayon), each a single-threaded matrixmultiply GEMM: on two
-//! cores that scales better than matrixmultiply's own threading (1.5-1.75x), which is therefore
-//! off. Many small products are spread across cores with rayon, one product per task.
+//! batch stride (0 broadcasts one matrix to every batch). A single product from a few million
+//! multiply-adds up is split into one part per core (rayon), each a single-threaded
+//! matrixmultiply GEMM: on two cores that scales better than matrixmultiply's own threading
+//! (1.5-1.75x), which is therefore off. The split is along whichever of rows, columns or depth
+//! duplicates the least work (see [`Split`]), so the 100x784x100 products of a small MLP step
+//! gain from the second core too. Many small products are spread across cores with rayon, one
+//! product per task.
 //!
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
 //! matrix on every call to do one multiply-add per element. They run as dot products over
@@ -15,20 +18,48 @@
 
 use kiln_core::{DType, Error, Layout, Result};
 use ndarray::linalg::general_mat_mul;
-use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ShapeBuilder};
+use std::ops::Range;
+
+use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ShapeBuilder, s};
 use rayon::prelude::*;
 
 use crate::elementwise::{dtype_err, slice};
-use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::pool;
+use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, storage};
 use crate::strided::PAR_MIN;
 
 /// Products smaller than this many multiply-adds run one per rayon task.
 const SMALL_GEMM: usize = 1 << 18;
-/// Products with at least this many multiply-adds are split into row bands across cores;
-/// below it, the second packing of `b` and the fork cost more than the second core gives
-/// (e.g. the 100x784x100 products of a small MLP step).
-const BAND_GEMM: usize = 1 << 25;
+/// Single products with at least this many multiply-adds are split across cores (about 50 µs
+/// of one core's work: below it the fork and the duplicated packing cost more than they save).
+const SPLIT_GEMM: usize = 1 << 21;
 
+/// How one product is shared among cores. Each part is a single-threaded GEMM that packs its
+/// own panels of `a` and `b`, so every split duplicates some work: splitting the rows of the
+/// output packs all of `b` (k·n) once per core, splitting its columns packs all of `a` (m·k)
+/// once per core, and splitting the depth writes one m·n partial product per extra core and
+/// sums them. [`Split::pick`] takes the cheapest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Split {
+    Rows,
+    Cols,
+    Depth,
+}
+
+impl Split {
+    fn pick(m: usize, k: usize, n: usize) -> Split {
+        let (rows, cols, depth) = (k * n, m * k, 2 * m * n);
+        if depth < rows.min(cols) && k >= 256 {
+            Split::Depth
+        } else if cols < rows && n >= 64 {
+            Split::Cols
+        } else {
+            Split::Rows
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
 struct Mat {
     off: usize,
     bstride: usize,
@@ -114,37 +145,129 @@ fn gemm<T: CpuElem + LinalgScalar>(
         general_mat_mul(T::one(), &av, &bv, T::zero(), &mut cv);
         Ok(())
     };
-    let threads = rayon::current_num_threads();
     if batch > 1 && m * n * k < SMALL_GEMM {
         out.par_chunks_mut(m * n)
             .enumerate()
             .try_for_each(|(bi, o)| one(bi, o))?;
-    } else if m * n * k >= BAND_GEMM && m >= 2 * threads && threads > 1 {
-        // One large product: split the rows of the output into one band per core, each a
-        // single-threaded GEMM (each band packs `b` once; matrixmultiply's own threading is
-        // off, so cores are not oversubscribed).
-        let band = m.div_ceil(threads);
-        for (bi, o) in out.chunks_mut(m * n).enumerate() {
-            let av = ma.view(x, bi)?;
-            let bv = mb.view(y, bi)?;
-            o.par_chunks_mut(band * n)
-                .enumerate()
-                .try_for_each(|(t, ob)| -> Result<()> {
-                    let r0 = t * band;
-                    let rows = ob.len() / n;
-                    let a_band = av.slice(ndarray::s![r0..r0 + rows, ..]);
-                    let mut cv = ArrayViewMut2::from_shape((rows, n), ob)
-                        .map_err(|e| Error::invalid("matmul", e.to_string()))?;
-                    general_mat_mul(T::one(), &a_band, &bv, T::zero(), &mut cv);
-                    Ok(())
-                })?;
-        }
+    } else if batch == 1 && m * n * k >= SPLIT_GEMM && m.min(n) >= 16 && pool::parts() > 1 {
+        split_gemm((a, &ma), (b, &mb), &mut out)?;
     } else {
         for (bi, o) in out.chunks_mut(m * n).enumerate() {
             one(bi, o)?;
         }
     }
     Ok(storage(a.device(), out))
+}
+
+impl Split {
+    /// The operands of the part of `a · b` that `r` (a range of rows, columns or depth) selects.
+    fn operands<'a, T>(
+        self,
+        a: ArrayView2<'a, T>,
+        b: ArrayView2<'a, T>,
+        r: Range<usize>,
+    ) -> (ArrayView2<'a, T>, ArrayView2<'a, T>) {
+        match self {
+            Split::Rows => (a.slice_move(s![r, ..]), b),
+            Split::Cols => (a, b.slice_move(s![.., r])),
+            Split::Depth => (a.slice_move(s![.., r.clone()]), b.slice_move(s![r, ..])),
+        }
+    }
+}
+
+impl Split {
+    /// Where the part for `r` goes in the output `c`.
+    fn target<'c, T>(
+        self,
+        c: &'c mut ArrayViewMut2<'_, T>,
+        r: Range<usize>,
+    ) -> ArrayViewMut2<'c, T> {
+        match self {
+            Split::Rows => c.slice_mut(s![r, ..]),
+            Split::Cols => c.slice_mut(s![.., r]),
+            Split::Depth => c.view_mut(),
+        }
+    }
+}
+
+fn shape_err(e: ndarray::ShapeError) -> Error {
+    Error::invalid("matmul", e.to_string())
+}
+
+/// One part of a split product, computed into a buffer of its own (on a helper thread).
+fn part<T: CpuElem + LinalgScalar>(
+    (a, ma): (&CpuData, Mat),
+    (b, mb): (&CpuData, Mat),
+    split: Split,
+    r: Range<usize>,
+) -> Result<Vec<T>> {
+    let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
+    let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
+    let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
+    let mut out = vec![T::zero(); av.nrows() * bv.ncols()];
+    let mut cv =
+        ArrayViewMut2::from_shape((av.nrows(), bv.ncols()), &mut out[..]).map_err(shape_err)?;
+    general_mat_mul(T::one(), &av, &bv, T::zero(), &mut cv);
+    Ok(out)
+}
+
+/// `out = a · b` for one product (row-major `out`), split as [`Split::pick`] decides into one
+/// part per core: this thread computes the first part straight into `out`, the
+/// [`pool`](crate::pool) helpers the others into buffers of their own, which are then copied
+/// (or, for a depth split, added) into place.
+fn split_gemm<T: CpuElem + LinalgScalar>(
+    (a, ma): (&CpuStorage, &Mat),
+    (b, mb): (&CpuStorage, &Mat),
+    out: &mut [T],
+) -> Result<()> {
+    let (m, k, n) = (ma.rows, ma.cols, mb.cols);
+    let split = Split::pick(m, k, n);
+    let len = match split {
+        Split::Rows => m,
+        Split::Cols => n,
+        Split::Depth => k,
+    };
+    let per = len.div_ceil(pool::parts());
+    let ranges: Vec<Range<usize>> = (0..len)
+        .step_by(per)
+        .map(|s| s..(s + per).min(len))
+        .collect();
+    let (ma, mb) = (*ma, *mb);
+    // Hand every part but the first to a helper; a part no helper takes comes back to run here.
+    let others: Vec<_> = ranges[1..]
+        .iter()
+        .map(|r| {
+            let (ad, bd, r2) = (a.shared(), b.shared(), r.clone());
+            let job = move || part::<T>((&ad, ma), (&bd, mb), split, r2);
+            (r.clone(), pool::submit(job))
+        })
+        .collect();
+    let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
+    let (av, bv) = (ma.view(x, 0)?, mb.view(y, 0)?);
+    let mut c = ArrayViewMut2::from_shape((m, n), out).map_err(shape_err)?;
+    let (a0, b0) = split.operands(av, bv, ranges[0].clone());
+    general_mat_mul(
+        T::one(),
+        &a0,
+        &b0,
+        T::zero(),
+        &mut split.target(&mut c, ranges[0].clone()),
+    );
+    for (r, pending) in others {
+        let buf = match pending {
+            Ok(p) => p
+                .wait()
+                .ok_or_else(|| Error::backend("matmul", "a GEMM helper thread panicked"))??,
+            Err(job) => job()?,
+        };
+        let mut t = split.target(&mut c, r);
+        let src = ArrayView2::from_shape(t.raw_dim(), &buf[..]).map_err(shape_err)?;
+        match split {
+            Split::Depth => t.zip_mut_with(&src, |o, &v| *o = *o + v),
+            _ => t.assign(&src),
+        }
+    }
+    Ok(())
 }
 
 /// Dot product of `a[i * sa]` and `b[i * sb]` over `len` (sixteen lanes when both contiguous).

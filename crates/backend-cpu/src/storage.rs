@@ -11,10 +11,14 @@
 //!
 //! Accounting: `in_use` counts bytes of live storages, `peak` its maximum, `reserved` adds the
 //! cached bytes. All are plain atomics per virtual device.
+//!
+//! The data sit behind an `Arc` so that a kernel can hand a `'static` reference to a helper
+//! thread (the split GEMM of [`matmul`](crate::matmul) does); the helper's reference is gone
+//! before the kernel returns, so mutation and the cache see a unique owner again.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 use kiln_core::{DType, HostBuffer, MemoryStats};
 
@@ -74,7 +78,7 @@ impl CpuData {
 /// One buffer on one virtual CPU device. Dropping it returns large buffers to the cache.
 #[derive(Debug)]
 pub struct CpuStorage {
-    data: CpuData,
+    data: Arc<CpuData>,
     device: CpuDevice,
 }
 
@@ -82,16 +86,25 @@ impl CpuStorage {
     /// Wraps `data` as a storage on `device` (counted in the device's memory stats).
     pub fn new(device: CpuDevice, data: CpuData) -> Self {
         counters(&device).add(data.size_in_bytes());
-        CpuStorage { data, device }
+        CpuStorage {
+            data: Arc::new(data),
+            device,
+        }
     }
 
     pub fn data(&self) -> &CpuData {
         &self.data
     }
 
-    /// Mutable access for in-place writes (`copy_into`). The length must not change.
+    /// A shared reference to the data that may outlive this borrow (for a helper thread).
+    pub(crate) fn shared(&self) -> Arc<CpuData> {
+        Arc::clone(&self.data)
+    }
+
+    /// Mutable access for in-place writes (`copy_into`). The length must not change. (Never
+    /// copies in practice: shared references live only inside a kernel call.)
     pub(crate) fn data_mut(&mut self) -> &mut CpuData {
-        &mut self.data
+        Arc::make_mut(&mut self.data)
     }
 
     pub fn device(&self) -> CpuDevice {
@@ -113,9 +126,11 @@ impl CpuStorage {
 
 impl Drop for CpuStorage {
     fn drop(&mut self) {
-        let data = std::mem::replace(&mut self.data, CpuData::U8(Vec::new()));
+        let data = std::mem::replace(&mut self.data, Arc::new(CpuData::U8(Vec::new())));
         counters(&self.device).sub(data.size_in_bytes());
-        release(self.device, data);
+        if let Ok(data) = Arc::try_unwrap(data) {
+            release(self.device, data);
+        }
     }
 }
 

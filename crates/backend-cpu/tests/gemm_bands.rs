@@ -1,30 +1,73 @@
-//! Large products take the row-band path (one single-threaded GEMM per core); the conformance
-//! suite's shapes stay below its threshold, so check it here against f64 dot products, with a
-//! plain and a transposed left operand and an odd row count (uneven bands).
+//! Products from a few million multiply-adds up are split across cores (by rows, columns or
+//! depth, whichever duplicates least; see `matmul.rs`), each part on its own thread. The
+//! conformance suite's shapes stay below that threshold, so check the split paths here against
+//! f64 dot products: one shape per kind of split, with a plain and a transposed left operand,
+//! odd sizes (uneven parts), and several threads multiplying at once (the helper threads are
+//! then busy and callers compute those parts themselves).
 
 use kiln_backend_cpu::Cpu;
 use kiln_core::{DType, Tensor};
 
-#[test]
-fn banded_gemm_matches_f64_dot_products() {
+/// Checks `lhs · b` at a few positions against f64 sums.
+fn check(lhs: &Tensor<Cpu>, b: &Tensor<Cpu>, what: &str) {
+    let (m, k) = (lhs.dims()[0], lhs.dims()[1]);
+    let n = b.dims()[1];
+    let c = lhs.matmul(b).unwrap().to_vec::<f32>().unwrap();
+    let l = lhs.contiguous().unwrap().to_vec::<f32>().unwrap();
+    let bv = b.to_vec::<f32>().unwrap();
+    for &(i, j) in &[
+        (0, 0),
+        (m / 2, 7),
+        (m / 2 + 1, n - 1),
+        (m - 1, n / 2),
+        (m - 2, 0),
+    ] {
+        let want: f64 = (0..k)
+            .map(|p| l[i * k + p] as f64 * bv[p * n + j] as f64)
+            .sum();
+        let got = c[i * n + j] as f64;
+        assert!(
+            (got - want).abs() < 1e-3,
+            "{what}: c[{i}][{j}] = {got}, want {want}"
+        );
+    }
+}
+
+fn operands(m: usize, k: usize) -> [(Tensor<Cpu>, &'static str); 2] {
     let dev = Cpu::device(0);
-    let (m, k, n) = (301, 400, 300); // 36M multiply-adds: above the band threshold
     let a = Tensor::<Cpu>::randn([m, k], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
     let at = Tensor::<Cpu>::randn([k, m], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
-    let b = Tensor::<Cpu>::randn([k, n], 0.0, 1.0, 2, DType::F32, &dev).unwrap();
-    let bv = b.to_vec::<f32>().unwrap();
-    for (lhs, name) in [(a, "a"), (at.t().unwrap(), "a.T")] {
-        let c = lhs.matmul(&b).unwrap().to_vec::<f32>().unwrap();
-        let l = lhs.contiguous().unwrap().to_vec::<f32>().unwrap();
-        for &(i, j) in &[(0, 0), (150, 7), (151, 299), (300, 123), (299, 0)] {
-            let want: f64 = (0..k)
-                .map(|p| l[i * k + p] as f64 * bv[p * n + j] as f64)
-                .sum();
-            let got = c[i * n + j] as f64;
-            assert!(
-                (got - want).abs() < 1e-3,
-                "{name}: c[{i}][{j}] = {got}, want {want}"
-            );
+    [(a, "a"), (at.t().unwrap(), "a.T")]
+}
+
+fn rhs(k: usize, n: usize) -> Tensor<Cpu> {
+    Tensor::<Cpu>::randn([k, n], 0.0, 1.0, 2, DType::F32, &Cpu::device(0)).unwrap()
+}
+
+#[test]
+fn split_gemm_matches_f64_dot_products() {
+    // rows (b is no larger than a), depth (long k, small output), columns (wide b)
+    for (m, k, n) in [(301, 400, 300), (101, 785, 99), (99, 101, 785)] {
+        let b = rhs(k, n);
+        for (lhs, name) in operands(m, k) {
+            check(&lhs, &b, &format!("{m}x{k}x{n} {name}"));
         }
     }
+}
+
+#[test]
+fn split_gemm_from_several_threads_at_once() {
+    let (m, k, n) = (101, 785, 99);
+    let b = rhs(k, n);
+    let [(a, _), (at, _)] = operands(m, k);
+    std::thread::scope(|s| {
+        for t in 0..4 {
+            let (a, at, b) = (&a, &at, &b);
+            s.spawn(move || {
+                for _ in 0..5 {
+                    check(if t % 2 == 0 { a } else { at }, b, &format!("thread {t}"));
+                }
+            });
+        }
+    });
 }

@@ -16,7 +16,7 @@
 
 use std::f64::consts::PI;
 
-use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, Result, Shape, Tensor, UnaryOp};
+use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Result, Shape, Tensor, UnaryOp};
 
 use crate::var::Var;
 
@@ -75,18 +75,11 @@ fn saved<'a, B: Backend>(t: &'a Option<Tensor<B>>, op: &'static str) -> Result<&
 /// the graph (a relu keeps its output, not also its input), which matters for activation
 /// memory in deep networks.
 fn unary_saves(op: UnaryOp) -> (bool, bool) {
-    match op {
-        UnaryOp::Neg | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => (false, false),
-        UnaryOp::Abs | UnaryOp::Log | UnaryOp::Square | UnaryOp::Sin | UnaryOp::Cos => {
-            (true, false)
-        }
-        UnaryOp::Exp
-        | UnaryOp::Sqrt
-        | UnaryOp::Recip
-        | UnaryOp::Tanh
-        | UnaryOp::Sigmoid
-        | UnaryOp::Relu => (false, true),
-        UnaryOp::Gelu => (true, true),
+    match op.grad_reads() {
+        Some(GradFrom::Input) => (true, false),
+        Some(GradFrom::Output) => (false, true),
+        // GELU's derivative reads both; Neg, Sign, Floor and Ceil read neither.
+        None => (op == UnaryOp::Gelu, op == UnaryOp::Gelu),
     }
 }
 
@@ -101,24 +94,14 @@ fn unary_grad<B: Backend>(
     let dt = g.dtype();
     let x = || saved(x, name);
     let y = || saved(y, name);
+    // One backend kernel for every op whose derivative reads a single saved tensor.
+    match op.grad_reads() {
+        Some(GradFrom::Input) => return x()?.unary_backward(op, g),
+        Some(GradFrom::Output) => return y()?.unary_backward(op, g),
+        None => {}
+    }
     match op {
         UnaryOp::Neg => g.neg(),
-        UnaryOp::Abs => g.mul(&x()?.sign()?),
-        UnaryOp::Exp => g.mul(y()?),
-        UnaryOp::Log => g.div(x()?),
-        UnaryOp::Sqrt => g.div(&y()?.mul_scalar(2.0)?),
-        UnaryOp::Square => g.mul(&x()?.mul_scalar(2.0)?),
-        UnaryOp::Recip => g.mul(&y()?.square()?)?.neg(),
-        UnaryOp::Sin => g.mul(&x()?.cos()?),
-        UnaryOp::Cos => g.mul(&x()?.sin()?)?.neg(),
-        UnaryOp::Tanh => g.mul(&y()?.square()?.scalar_binary(BinaryOp::Sub, 1.0)?),
-        UnaryOp::Sigmoid => {
-            let y = y()?;
-            g.mul(&y.mul(&y.scalar_binary(BinaryOp::Sub, 1.0)?)?)
-        }
-        // relu(x) > 0 exactly where x > 0, so the output alone decides, and sign(relu(x)) is
-        // that 0/1 mask in one kernel.
-        UnaryOp::Relu => g.mul(&y()?.sign()?),
         UnaryOp::Gelu => {
             // d/dx x Φ(x) = Φ(x) + x φ(x). There is no erf kernel, but Φ(x) = gelu(x) / x
             // (and 1/2 at 0).
@@ -135,6 +118,7 @@ fn unary_grad<B: Backend>(
             g.mul(&cdf.add(&x.mul(&phi)?)?)
         }
         UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => g.zeros_like(),
+        _ => unreachable!("`{name}` has a single-operand backward kernel"),
     }
 }
 

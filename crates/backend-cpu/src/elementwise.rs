@@ -158,6 +158,61 @@ pub(crate) fn unary(
     }
 }
 
+// ---- unary backward --------------------------------------------------------------------------
+
+/// One pass of `Backend::unary_backward`: `f(saved, g)` per element, with the arithmetic of
+/// `kiln_core::backend::composed_unary_backward`, in the same order.
+macro_rules! float_unary_backward {
+    ($t:ty, $op:expr, $s:expr, $ls:expr, $g:expr, $lg:expr, $dtype:expr) => {{
+        let sign = |x: $t| {
+            if x > 0.0 {
+                1.0
+            } else if x < 0.0 {
+                -1.0
+            } else {
+                x
+            }
+        };
+        macro_rules! run {
+            ($kern:expr) => {
+                run2::<$t, $t>($s, $ls, $g, $lg, "unary_backward", $kern)
+            };
+        }
+        match $op {
+            UnaryOp::Exp => run!(ew2(|s: $t, g: $t| g * s)),
+            UnaryOp::Log => run!(ew2(|s: $t, g: $t| g / s)),
+            UnaryOp::Sqrt => run!(ew2(|s: $t, g: $t| g / (s * 2.0))),
+            UnaryOp::Square => run!(ew2(|s: $t, g: $t| g * (s * 2.0))),
+            UnaryOp::Recip => run!(ew2(|s: $t, g: $t| -(g * (s * s)))),
+            UnaryOp::Sin => run!(ew2(|s: $t, g: $t| g * s.cos())),
+            UnaryOp::Cos => run!(ew2(|s: $t, g: $t| -(g * s.sin()))),
+            UnaryOp::Tanh => run!(ew2(|s: $t, g: $t| g * (1.0 - s * s))),
+            UnaryOp::Sigmoid => run!(ew2(|s: $t, g: $t| g * (s * (1.0 - s)))),
+            UnaryOp::Relu | UnaryOp::Abs => run!(ew2(move |s: $t, g: $t| g * sign(s))),
+            _ => kiln_core::backend::composed_unary_backward::<crate::Cpu>(
+                $op, $s, $ls, $g, $lg, $dtype,
+            ),
+        }
+    }};
+}
+
+/// `g · op'(x)` in one pass (see `Backend::unary_backward`); both layouts have the output's
+/// shape.
+pub(crate) fn unary_backward(
+    op: UnaryOp,
+    s: &CpuStorage,
+    ls: &Layout,
+    g: &CpuStorage,
+    lg: &Layout,
+    dtype: DType,
+) -> Result<CpuStorage> {
+    match dtype {
+        DType::F32 => float_unary_backward!(f32, op, s, ls, g, lg, dtype),
+        DType::F64 => float_unary_backward!(f64, op, s, ls, g, lg, dtype),
+        _ => Err(dtype_err("unary_backward", "f32 or f64", dtype)),
+    }
+}
+
 // ---- binary ----------------------------------------------------------------------------------
 
 /// Calls `$body` with `$f` bound to a monomorphic (inlinable) closure for `$op` on `$t`.

@@ -244,6 +244,20 @@ impl Backend for Cpu {
         elementwise::unary(op, s, layout, dtype)
     }
 
+    fn unary_backward(
+        op: UnaryOp,
+        saved: &CpuStorage,
+        saved_layout: &Layout,
+        g: &CpuStorage,
+        g_layout: &Layout,
+        dtype: DType,
+    ) -> Result<CpuStorage> {
+        check("unary_backward", saved, saved_layout)?;
+        check("unary_backward", g, g_layout)?;
+        same_shape("unary_backward", saved_layout, g_layout)?;
+        elementwise::unary_backward(op, saved, saved_layout, g, g_layout, dtype)
+    }
+
     fn binary(
         op: BinaryOp,
         lhs: &CpuStorage,

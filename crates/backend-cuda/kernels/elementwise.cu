@@ -214,6 +214,27 @@ SCALAR(pow, double)
 SCALAR(maximum, u8)
 SCALAR(minimum, u8)
 
+// Unary backward, `g * op'(x)` from the saved `s` (x or y): the arithmetic, and its order, of
+// kiln_core::backend::composed_unary_backward. Named `unary_bwd_<op>_<T>_<flavour>`.
+template <typename T> __device__ __forceinline__ T op_bwd_exp(T s, T g) { return g * s; }
+template <typename T> __device__ __forceinline__ T op_bwd_log(T s, T g) { return g / s; }
+template <typename T> __device__ __forceinline__ T op_bwd_sqrt(T s, T g) { return g / (s * (T)2); }
+template <typename T> __device__ __forceinline__ T op_bwd_square(T s, T g) { return g * (s * (T)2); }
+template <typename T> __device__ __forceinline__ T op_bwd_recip(T s, T g) { return -(g * (s * s)); }
+template <typename T> __device__ __forceinline__ T op_bwd_sin(T s, T g) { return g * k_cos(s); }
+template <typename T> __device__ __forceinline__ T op_bwd_cos(T s, T g) { return -(g * k_sin(s)); }
+template <typename T> __device__ __forceinline__ T op_bwd_tanh(T s, T g) { return g * ((T)1 - s * s); }
+template <typename T> __device__ __forceinline__ T op_bwd_sigmoid(T s, T g) { return g * (s * ((T)1 - s)); }
+template <typename T> __device__ __forceinline__ T op_bwd_relu(T s, T g) { return g * op_sign<T>(s); }
+template <typename T> __device__ __forceinline__ T op_bwd_abs(T s, T g) { return g * op_sign<T>(s); }
+#define UNARY_BWD(NAME, T) BINARY(unary, bwd_##NAME, T, T)
+#define UNARY_BWD_ALL(T)                                                                       \
+    UNARY_BWD(exp, T) UNARY_BWD(log, T) UNARY_BWD(sqrt, T) UNARY_BWD(square, T)                \
+    UNARY_BWD(recip, T) UNARY_BWD(sin, T) UNARY_BWD(cos, T) UNARY_BWD(tanh, T)                 \
+    UNARY_BWD(sigmoid, T) UNARY_BWD(relu, T) UNARY_BWD(abs, T)
+UNARY_BWD_ALL(float)
+UNARY_BWD_ALL(double)
+
 #define CMP_ALL(T)                                                                             \
     BINARY(cmp, eq, T, u8) BINARY(cmp, ne, T, u8) BINARY(cmp, lt, T, u8)                       \
     BINARY(cmp, le, T, u8) BINARY(cmp, gt, T, u8) BINARY(cmp, ge, T, u8)

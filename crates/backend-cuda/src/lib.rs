@@ -200,6 +200,17 @@ impl Backend for Cuda {
         ops::unary(op, s, layout, dtype)
     }
 
+    fn unary_backward(
+        op: UnaryOp,
+        saved: &CudaStorage,
+        saved_layout: &Layout,
+        g: &CudaStorage,
+        g_layout: &Layout,
+        dtype: DType,
+    ) -> Result<CudaStorage> {
+        ops::unary_backward(op, saved, saved_layout, g, g_layout, dtype)
+    }
+
     fn binary(
         op: BinaryOp,
         lhs: &CudaStorage,

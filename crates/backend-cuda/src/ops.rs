@@ -184,6 +184,53 @@ pub(crate) fn binary(
     )
 }
 
+/// `Backend::unary_backward`: one kernel, `g * op'(saved)`.
+pub(crate) fn unary_backward(
+    op: UnaryOp,
+    s: &CudaStorage,
+    ls: &Layout,
+    g: &CudaStorage,
+    lg: &Layout,
+    dtype: DType,
+) -> Result<CudaStorage> {
+    const OP: &str = "unary_backward";
+    if !matches!(dtype, DType::F32 | DType::F64) {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            expected: "f32 or f64".into(),
+            got: dtype,
+        });
+    }
+    let name = match op {
+        UnaryOp::Exp => "bwd_exp",
+        UnaryOp::Log => "bwd_log",
+        UnaryOp::Sqrt => "bwd_sqrt",
+        UnaryOp::Square => "bwd_square",
+        UnaryOp::Recip => "bwd_recip",
+        UnaryOp::Sin => "bwd_sin",
+        UnaryOp::Cos => "bwd_cos",
+        UnaryOp::Tanh => "bwd_tanh",
+        UnaryOp::Sigmoid => "bwd_sigmoid",
+        UnaryOp::Relu => "bwd_relu",
+        UnaryOp::Abs => "bwd_abs",
+        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+            return Err(Error::invalid(
+                OP,
+                format!("`{}` has no single-operand backward kernel", op.name()),
+            ));
+        }
+    };
+    elementwise(
+        OP,
+        Module::Elementwise,
+        &["unary", name, tname(dtype)],
+        &[(s, ls, dtype), (g, lg, dtype)],
+        dtype,
+        true,
+        &|_| {},
+    )
+}
+
 pub(crate) fn binary_scalar(
     op: BinaryOp,
     s: &CudaStorage,

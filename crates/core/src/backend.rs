@@ -16,7 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
-use crate::{DType, Layout, Result};
+use crate::{DType, Error, Layout, Result};
 
 /// Elementwise functions of one argument.
 ///
@@ -98,6 +98,33 @@ impl UnaryOp {
             _ => false,
         }
     }
+
+    /// Which tensor [`Backend::unary_backward`] reads the derivative from: the input `x` or the
+    /// output `y = op(x)`. `None` for the ops it does not cover (`Neg`, `Gelu`, and the
+    /// piecewise-constant `Sign`, `Floor`, `Ceil`).
+    pub fn grad_reads(self) -> Option<GradFrom> {
+        match self {
+            UnaryOp::Abs | UnaryOp::Log | UnaryOp::Square | UnaryOp::Sin | UnaryOp::Cos => {
+                Some(GradFrom::Input)
+            }
+            UnaryOp::Exp
+            | UnaryOp::Sqrt
+            | UnaryOp::Recip
+            | UnaryOp::Tanh
+            | UnaryOp::Sigmoid
+            | UnaryOp::Relu => Some(GradFrom::Output),
+            UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => None,
+        }
+    }
+}
+
+/// The operand a unary op's derivative is computed from (see [`UnaryOp::grad_reads`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GradFrom {
+    /// `x`, the op's input.
+    Input,
+    /// `y = op(x)`, the op's output.
+    Output,
 }
 
 /// Elementwise functions of two arguments of the same dtype.
@@ -563,6 +590,22 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         axis: usize,
     ) -> Result<Self::Storage>;
 
+    /// The gradient of `y = op(x)` with respect to `x`, `g · op'(x)`, where `op'` is computed
+    /// from `saved`: `x` or `y`, as [`UnaryOp::grad_reads`] says (an op it returns `None` for
+    /// is an error). Float dtypes; both layouts have the output's shape (`g` may be a broadcast
+    /// view). The default composes two or three elementwise kernels, with exactly the
+    /// arithmetic listed in [`composed_unary_backward`]; backends override it with one kernel.
+    fn unary_backward(
+        op: UnaryOp,
+        saved: &Self::Storage,
+        saved_layout: &Layout,
+        g: &Self::Storage,
+        g_layout: &Layout,
+        dtype: DType,
+    ) -> Result<Self::Storage> {
+        composed_unary_backward::<Self>(op, saved, saved_layout, g, g_layout, dtype)
+    }
+
     /// Applies `rule` to every slot and returns, per slot, the new parameter and the new state
     /// buffers (out of place). The default composes elementwise kernels, several launches per
     /// parameter; a GPU backend overrides it with a multi-tensor kernel that updates all
@@ -577,6 +620,77 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
             .iter()
             .map(|slot| composed_update::<Self>(rule, dtype, slot))
             .collect()
+    }
+}
+
+/// [`Backend::unary_backward`] out of elementwise kernels, `s` being the saved `x` or `y`:
+///
+/// | op | gradient | | op | gradient |
+/// |---|---|---|---|---|
+/// | exp | `g * y` | | sin | `g * cos(x)` |
+/// | log | `g / x` | | cos | `-(g * sin(x))` |
+/// | sqrt | `g / (y * 2)` | | tanh | `g * (1 - y * y)` |
+/// | square | `g * (x * 2)` | | sigmoid | `g * (y * (1 - y))` |
+/// | recip | `-(g * (y * y))` | | relu | `g * sign(y)` |
+/// | abs | `g * sign(x)` | | | |
+///
+/// A backend's fused kernel computes the same expressions in the same order.
+pub fn composed_unary_backward<B: Backend>(
+    op: UnaryOp,
+    s: &B::Storage,
+    ls: &Layout,
+    g: &B::Storage,
+    lg: &Layout,
+    dtype: DType,
+) -> Result<B::Storage> {
+    let name = "unary_backward";
+    if !dtype.is_float() {
+        return Err(Error::DTypeMismatch {
+            op: name,
+            expected: "f32 or f64".into(),
+            got: dtype,
+        });
+    }
+    let lc = Layout::contiguous(ls.shape().clone());
+    let un = |op: UnaryOp, x: &B::Storage, l: &Layout| B::unary(op, x, l, dtype);
+    let scal = |x: &B::Storage, op: BinaryOp, c: f64, lhs: bool| {
+        B::binary_scalar(op, x, &lc, dtype, c, lhs)
+    };
+    let neg = |x: B::Storage| un(UnaryOp::Neg, &x, &lc);
+    // `g op d` for a derivative `d` laid out contiguously.
+    let with = |op: BinaryOp, d: B::Storage| B::binary(op, g, lg, &d, &lc, dtype);
+    match op {
+        UnaryOp::Exp => B::binary(BinaryOp::Mul, g, lg, s, ls, dtype),
+        UnaryOp::Log => B::binary(BinaryOp::Div, g, lg, s, ls, dtype),
+        UnaryOp::Sqrt => with(
+            BinaryOp::Div,
+            B::binary_scalar(BinaryOp::Mul, s, ls, dtype, 2.0, false)?,
+        ),
+        UnaryOp::Square => with(
+            BinaryOp::Mul,
+            B::binary_scalar(BinaryOp::Mul, s, ls, dtype, 2.0, false)?,
+        ),
+        UnaryOp::Recip => neg(with(BinaryOp::Mul, un(UnaryOp::Square, s, ls)?)?),
+        UnaryOp::Sin => with(BinaryOp::Mul, un(UnaryOp::Cos, s, ls)?),
+        UnaryOp::Cos => neg(with(BinaryOp::Mul, un(UnaryOp::Sin, s, ls)?)?),
+        UnaryOp::Tanh => with(
+            BinaryOp::Mul,
+            scal(&un(UnaryOp::Square, s, ls)?, BinaryOp::Sub, 1.0, true)?,
+        ),
+        UnaryOp::Sigmoid => {
+            let one_minus = B::binary_scalar(BinaryOp::Sub, s, ls, dtype, 1.0, true)?;
+            with(
+                BinaryOp::Mul,
+                B::binary(BinaryOp::Mul, s, ls, &one_minus, &lc, dtype)?,
+            )
+        }
+        UnaryOp::Relu | UnaryOp::Abs => with(BinaryOp::Mul, un(UnaryOp::Sign, s, ls)?),
+        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+            Err(Error::invalid(
+                name,
+                format!("`{}` has no single-operand backward kernel", op.name()),
+            ))
+        }
     }
 }
 

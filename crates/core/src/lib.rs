@@ -33,8 +33,8 @@ mod tensor;
 pub mod testing;
 
 pub use backend::{
-    Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
-    UpdateSlot,
+    Backend, BinaryOp, CmpOp, GradFrom, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
+    UpdateRule, UpdateSlot,
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};

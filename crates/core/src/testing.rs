@@ -139,6 +139,7 @@ pub const GROUPS: &[&str] = &[
     "copy_into",
     "rand",
     "unary",
+    "unary_backward",
     "binary",
     "binary_scalar",
     "compare",
@@ -180,6 +181,7 @@ fn group_fns<X: Backend, Y: Backend>() -> Vec<(&'static str, GroupFn<X, Y>)> {
         ("copy_into", g_copy_into::<X, Y>),
         ("rand", g_rand::<X, Y>),
         ("unary", g_unary::<X, Y>),
+        ("unary_backward", g_unary_backward::<X, Y>),
         ("binary", g_binary::<X, Y>),
         ("binary_scalar", g_binary_scalar::<X, Y>),
         ("compare", g_compare::<X, Y>),
@@ -267,6 +269,8 @@ check_fns! {
     check_rand => g_rand, "rand";
     /// Every `UnaryOp` on every dtype it supports.
     check_unary => g_unary, "unary";
+    /// `unary_backward` for every op it covers, with strided and broadcast gradients.
+    check_unary_backward => g_unary_backward, "unary_backward";
     /// Every `BinaryOp` on every dtype it supports, with broadcasting.
     check_binary => g_binary, "binary";
     /// Every `BinaryOp` with a scalar on either side.
@@ -1303,6 +1307,38 @@ fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
                 &p.elem(s.dtype),
             )
         });
+    }
+}
+
+fn g_unary_backward<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
+    for op in UnaryOp::ALL
+        .into_iter()
+        .filter(|op| op.grad_reads().is_some())
+    {
+        let strat = (shapes(0, 4, 6), select(dtypes_where(|d| d.is_float()))).prop_flat_map(
+            move |(dims, dtype)| {
+                (
+                    spec(dims.clone(), dtype, unary_dom(op, dtype), true),
+                    spec(dims, dtype, Dom::range(-4.0, 4.0), true),
+                )
+            },
+        );
+        p.run(
+            out,
+            &format!("unary_backward {}", op.name()),
+            strat,
+            |(ss, sg)| {
+                let (s, g) = (p.build(&ss)?, p.build(&sg)?);
+                let (got, want) = both!(s, g => s.unary_backward(op, g));
+                p.expect(
+                    &format!("unary_backward {} {}", op.name(), ss.dtype),
+                    &[("saved", &s.0), ("g", &g.0)],
+                    got,
+                    want,
+                    &p.elem(ss.dtype),
+                )
+            },
+        );
     }
 }
 

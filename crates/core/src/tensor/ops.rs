@@ -47,6 +47,39 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
 
+    /// The gradient of `y = op(x)` given the upstream gradient `g` (same shape): `g · op'(x)`,
+    /// in one kernel where the backend has one. `self` is the saved `x` or `y`, as
+    /// [`UnaryOp::grad_reads`](crate::UnaryOp::grad_reads) says. Float dtypes.
+    pub fn unary_backward(&self, op: UnaryOp, g: &Self) -> Result<Self> {
+        const OP: &str = "unary_backward";
+        if g.shape() != self.shape() {
+            return Err(Error::ShapeMismatch {
+                op: OP,
+                lhs: self.shape().clone(),
+                rhs: g.shape().clone(),
+            });
+        }
+        if g.dtype() != self.dtype() || !self.dtype().is_float() {
+            return Err(dtype_err(OP, "f32 or f64, the same for both", g.dtype()));
+        }
+        if g.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                lhs: self.device().to_string(),
+                rhs: g.device().to_string(),
+            });
+        }
+        let s = B::unary_backward(
+            op,
+            self.storage(),
+            self.layout(),
+            g.storage(),
+            g.layout(),
+            self.dtype(),
+        )?;
+        Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+    }
+
     /// `op(self, rhs)` with numpy broadcasting.
     pub fn binary(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
         let (shape, l, r) = self.broadcast_pair(op.name(), rhs)?;

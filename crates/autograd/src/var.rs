@@ -13,10 +13,10 @@
 //!   tensors the graph saved are released as soon as the pass ends.
 
 use std::cell::Cell;
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
+use kiln_core::fasthash::{FastMap, FastSet};
 use kiln_core::{Backend, DType, Error, Result, Shape, Tensor};
 
 /// What a backward closure returns: one entry per input, `None` where the input needs no
@@ -455,7 +455,7 @@ impl<B: Backend> Var<B> {
             ));
         }
         let order = topo_order(self);
-        let mut grads: HashMap<VarId, Tensor<B>> = HashMap::new();
+        let mut grads: FastMap<VarId, Tensor<B>> = FastMap::default();
         grads.insert(self.id(), seed);
         let mut leaves: Vec<Var<B>> = Vec::new();
         // `order` is post-order (inputs first): walk it from the output back.
@@ -583,7 +583,7 @@ fn check_like<B: Backend>(
 /// overflow the stack.
 fn topo_order<B: Backend>(root: &Var<B>) -> Vec<Var<B>> {
     let mut order = Vec::new();
-    let mut seen = std::collections::HashSet::new();
+    let mut seen = FastSet::default();
     let mut stack = vec![(root.clone(), false)];
     while let Some((v, expanded)) = stack.pop() {
         if expanded {

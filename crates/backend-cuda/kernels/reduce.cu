@@ -127,3 +127,50 @@ REDUCE_ALL(float)
 REDUCE_ALL(double)
 REDUCE_ALL(i64)
 REDUCE_ALL(u8)
+
+// ---- matrix-vector products ------------------------------------------------------------------
+//
+// y[i] = sum_j A[i*rs + j*cs] * x[j*xs] for i < rows (pointers already offset). A product
+// with one output row or column is a reduction, and these run it in one launch without
+// cuBLAS's per-call host work (what a host-bound loop such as logistic regression pays for).
+// The summation order depends only on the shape: deterministic, as the other reductions.
+//
+//   rows  one warp per output, lanes stride over j, then a shuffle tree (for cs == 1, each
+//         row of A contiguous, or few outputs);
+//   cols  any strides (e.g. a transposed A, rs == 1): 32 outputs per block, one per lane so
+//         neighbouring threads read neighbouring addresses, 16 warps (a 512-thread block) sharing j; the 16
+//         partial sums are added in a fixed order.
+
+#define MATVEC(T)                                                                              \
+    extern "C" __global__ void matvec_rows_##T(const T* __restrict__ a, u64 rs, u64 cs,       \
+                                               const T* __restrict__ x, u64 xs,                \
+                                               T* __restrict__ y, u64 rows, u64 k) {           \
+        u64 warp = KILN_TID / 32, nwarps = KILN_NTHREADS / 32;                                 \
+        int lane = threadIdx.x % 32;                                                           \
+        for (u64 i = warp; i < rows; i += nwarps) {                                            \
+            const T* r = a + i * rs;                                                           \
+            T acc = (T)0;                                                                      \
+            for (u64 j = lane; j < k; j += 32) acc += r[j * cs] * x[j * xs];                   \
+            for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);    \
+            if (lane == 0) y[i] = acc;                                                         \
+        }                                                                                      \
+    }                                                                                          \
+    extern "C" __global__ void matvec_cols_##T(const T* __restrict__ a, u64 rs, u64 cs,        \
+                                               const T* __restrict__ x, u64 xs,                \
+                                               T* __restrict__ y, u64 rows, u64 k) {           \
+        __shared__ T part[16][33];                                                             \
+        int tx = threadIdx.x % 32, ty = threadIdx.x / 32; /* blockDim.x == 512 */              \
+        u64 i = (u64)blockIdx.x * 32 + tx;                                                     \
+        T acc = (T)0;                                                                          \
+        if (i < rows)                                                                          \
+            for (u64 j = ty; j < k; j += 16) acc += a[i * rs + j * cs] * x[j * xs];            \
+        part[ty][tx] = acc;                                                                    \
+        __syncthreads();                                                                       \
+        if (ty == 0 && i < rows) {                                                             \
+            T t = (T)0;                                                                        \
+            for (int q = 0; q < 16; ++q) t += part[q][tx];                                     \
+            y[i] = t;                                                                          \
+        }                                                                                      \
+    }
+MATVEC(float)
+MATVEC(double)

@@ -14,7 +14,9 @@ use cudarc::cublas::sys as cb;
 use cudarc::driver::sys;
 use kiln_core::{DType, Error, Layout, Result};
 
+use crate::compile::Module;
 use crate::device::{Blas, DeviceState, check};
+use crate::launch::Args;
 use crate::memory::{CudaStorage, alloc};
 
 static TF32: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
@@ -38,6 +40,64 @@ pub fn set_allow_tf32(on: bool) {
 
 fn blas_check(r: cb::cublasStatus_t, op: &'static str) -> Result<()> {
     r.result().map_err(|e| Error::backend(op, format!("{e:?}")))
+}
+
+/// Whether matrix-vector products use our kernels (`KILN_CUDA_MATVEC=0`: always cuBLAS).
+fn matvec_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_MATVEC").map_or(true, |v| v != "0"))
+}
+
+/// One product with a single output row or column (`m == 1` or `n == 1`, one batch), as one
+/// `matvec_*` kernel of `reduce.cu`: `y[i] = Σ_j A[i, j] x[j]`, where for `n == 1` A is `a`
+/// and x the column `b`, and for `m == 1` A is `bᵀ` and x the row `a`. Used for inner
+/// dimensions up to 16K (or many outputs); longer sums go to cuBLAS, which splits them.
+fn matvec(
+    dev: &DeviceState,
+    (a, la): (&CudaStorage, &Layout),
+    (b, lb): (&CudaStorage, &Layout),
+    out: &CudaStorage,
+    dtype: DType,
+) -> Result<()> {
+    const OP: &str = "matmul";
+    let (m, k, n) = (la.dims()[1], la.dims()[2], lb.dims()[2]);
+    let (sa, sb) = (la.strides(), lb.strides());
+    let size = dtype.size_in_bytes() as u64;
+    let at = |s: &CudaStorage, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
+    // (matrix pointer, row stride, column stride, vector pointer, vector stride, rows)
+    let (pm, rs, cs, pv, vs, rows) = if n == 1 {
+        (at(a, la), sa[1], sa[2], at(b, lb), sb[1], m)
+    } else {
+        (at(b, lb), sb[2], sb[1], at(a, la), sa[2], n)
+    };
+    let t = crate::ops::tname(dtype);
+    let mut args = Args::new();
+    args.push(pm).push(rs as u64).push(cs as u64);
+    args.push(pv)
+        .push(vs as u64)
+        .push(out.device_ptr())
+        .push(rows as u64)
+        .push(k as u64);
+    // A warp per output when A's rows are contiguous or there are few outputs; else columns.
+    let (name, grid, block) = if cs == 1 || rows < 32 {
+        (
+            "matvec_rows",
+            (rows as u64).div_ceil(8).min(1 << 20) as u32,
+            256,
+        )
+    } else {
+        ("matvec_cols", (rows as u64).div_ceil(32) as u32, 512)
+    };
+    crate::ops::run(
+        dev,
+        OP,
+        Module::Reduce,
+        &[name, t],
+        (grid, 1),
+        block,
+        0,
+        &mut args,
+    )
 }
 
 fn int(op: &'static str, v: usize) -> Result<i32> {
@@ -74,6 +134,10 @@ pub(crate) fn matmul(
             unsafe { sys::cuMemsetD8Async(out.device_ptr(), 0, batch * m * n * size, dev.compute) },
             OP,
         )?;
+        return Ok(out);
+    }
+    if batch == 1 && (m == 1 || n == 1) && matvec_on() && (k <= 1 << 14 || m.max(n) >= 1 << 10) {
+        matvec(dev, (a, la), (b, lb), &out, dtype)?;
         return Ok(out);
     }
     let layout = |l: &Layout| {

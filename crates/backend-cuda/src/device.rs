@@ -12,9 +12,11 @@
 //! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
 
 use std::collections::HashMap;
+
+use kiln_core::fasthash::FastMap;
 use std::ffi::{CString, c_void};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicUsize};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
@@ -108,6 +110,26 @@ pub(crate) fn sync_debug() -> bool {
     *ON.get_or_init(|| std::env::var("KILN_CUDA_SYNC").is_ok_and(|v| v == "1"))
 }
 
+/// `KILN_CUDA_LAUNCH_STATS=1`: count kernel launches and the host time spent inside
+/// `cuLaunchKernel` (see [`launch_stats`]).
+fn launch_stats_on() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_LAUNCH_STATS").is_ok_and(|v| v == "1"))
+}
+
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static LAUNCH_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Kernel launches so far in this process (every device) and the host nanoseconds spent inside
+/// `cuLaunchKernel` for them: where a small-op workload's host time goes. Counted only with
+/// `KILN_CUDA_LAUNCH_STATS=1` (otherwise `(0, 0)`); cuBLAS's own launches are not included.
+pub fn launch_stats() -> (u64, u64) {
+    (
+        LAUNCHES.load(Ordering::Relaxed),
+        LAUNCH_NANOS.load(Ordering::Relaxed),
+    )
+}
+
 /// A kernel's name, as the parts that are joined with `_` to spell it.
 pub(crate) type FuncKey = [&'static str; 5];
 
@@ -156,7 +178,7 @@ pub(crate) struct DeviceState {
     pub err_host: *mut u32,
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
-    pub funcs: Mutex<HashMap<FuncKey, Func>>,
+    pub funcs: Mutex<FastMap<FuncKey, Func>>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<crate::memory::BlockCache>,
@@ -286,7 +308,7 @@ impl DeviceState {
                 err_host: err_host as *mut u32,
                 err_lock: Mutex::new(()),
                 modules: Mutex::new(HashMap::new()),
-                funcs: Mutex::new(HashMap::new()),
+                funcs: Mutex::new(FastMap::default()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -380,9 +402,10 @@ impl DeviceState {
         if grid.0 == 0 || grid.1 == 0 {
             return Ok(());
         }
+        let t0 = launch_stats_on().then(std::time::Instant::now);
         // SAFETY: `f` is a kernel of this context; `params` match its signature (each call
         // site passes the arguments its kernel declares) and point at live values.
-        check(
+        let r = check(
             unsafe {
                 sys::cuLaunchKernel(
                     f.0,
@@ -399,7 +422,12 @@ impl DeviceState {
                 )
             },
             op,
-        )?;
+        );
+        if let Some(t0) = t0 {
+            LAUNCHES.fetch_add(1, Ordering::Relaxed);
+            LAUNCH_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        r?;
         if sync_debug() {
             self.sync(op)?;
         }

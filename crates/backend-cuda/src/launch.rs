@@ -117,6 +117,7 @@ const ARG_WORDS: usize = 512;
 const MAX_ARGS: usize = 24;
 
 impl Args {
+    #[inline]
     pub fn new() -> Self {
         Args {
             buf: [std::mem::MaybeUninit::uninit(); ARG_WORDS],
@@ -126,6 +127,7 @@ impl Args {
         }
     }
     /// Appends one argument with the exact C type the kernel declares.
+    #[inline]
     pub fn push<T: Copy>(&mut self, v: T) -> &mut Self {
         assert!(std::mem::align_of::<T>() <= 8);
         let words = std::mem::size_of::<T>().div_ceil(8).max(1);

@@ -92,7 +92,7 @@ impl Drop for CudaStorage {
 /// Freed blocks kept for reuse, by block size.
 #[derive(Default)]
 pub(crate) struct BlockCache {
-    pub free: std::collections::HashMap<usize, Vec<sys::CUdeviceptr>>,
+    pub free: kiln_core::fasthash::FastMap<usize, Vec<sys::CUdeviceptr>>,
     /// Total bytes in `free`.
     pub bytes: usize,
 }

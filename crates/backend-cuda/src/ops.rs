@@ -45,6 +45,29 @@ fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()>
     Ok(())
 }
 
+/// `base` followed by `suffix`: the parts of a kernel name, without allocating.
+struct Name {
+    parts: [&'static str; 5],
+    len: usize,
+}
+
+impl std::ops::Deref for Name {
+    type Target = [&'static str];
+    fn deref(&self) -> &[&'static str] {
+        &self.parts[..self.len]
+    }
+}
+
+fn with_suffix(base: &[&'static str], suffix: &'static str) -> Name {
+    let mut parts = [""; 5];
+    parts[..base.len()].copy_from_slice(base);
+    parts[base.len()] = suffix;
+    Name {
+        parts,
+        len: base.len() + 1,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     dev: &DeviceState,
@@ -101,7 +124,7 @@ fn elementwise(
             dev,
             op,
             module,
-            &[base, &["c"]].concat(),
+            &with_suffix(base, "c"),
             grid,
             BLOCK,
             0,
@@ -127,7 +150,7 @@ fn elementwise(
             dev,
             op,
             module,
-            &[base, &[suffix]].concat(),
+            &with_suffix(base, suffix),
             grid,
             BLOCK,
             0,

@@ -24,6 +24,7 @@
 pub mod backend;
 mod dtype;
 mod error;
+pub mod fasthash;
 mod layout;
 pub mod philox;
 pub mod reference;

@@ -167,6 +167,16 @@ fn time_ms<B: Backend>(dev: &B::Device, f: impl FnOnce() -> Result<()>) -> Resul
     Ok(Timing { wall_ms, cpu_ms })
 }
 
+/// Kernel launches and nanoseconds inside `cuLaunchKernel` so far (CUDA with
+/// `KILN_CUDA_LAUNCH_STATS=1`; zeros otherwise).
+fn launch_stats<B: Backend>() -> (u64, u64) {
+    if B::NAME == "cuda" {
+        kiln_backend_cuda::launch_stats()
+    } else {
+        (0, 0)
+    }
+}
+
 /// CPU time used so far by every live thread of this process, in milliseconds: the sum of the
 /// first field (nanoseconds on a CPU) of `/proc/self/task/*/schedstat`. `None` off Linux.
 fn process_cpu_ms() -> Option<f64> {
@@ -256,6 +266,7 @@ fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
     }
     let mut totals = Vec::with_capacity(s.repeats);
     let mut last = None;
+    let launches0 = launch_stats::<B>();
     for _ in 0..s.repeats {
         reset()?;
         totals.push(time_ms::<B>(dev, || {
@@ -267,7 +278,16 @@ fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
     }
     // The cost of the last step's forward pass (before its update), as Theano's `train` returns.
     let cost = last.map(|c| c.tensor().to_scalar()).transpose()?;
-    let extra = format!(" final_cost={:.6}", cost.unwrap_or(f64::NAN));
+    let mut extra = format!(" final_cost={:.6}", cost.unwrap_or(f64::NAN));
+    let (l, ns) = launch_stats::<B>();
+    if l > launches0.0 {
+        let steps = (s.steps * s.repeats) as f64;
+        extra += &format!(
+            " launches_per_step={:.1} us_in_cuLaunchKernel_per_step={:.1}",
+            (l - launches0.0) as f64 / steps,
+            (ns - launches0.1) as f64 / 1e3 / steps
+        );
+    }
     report("logreg", dev, s, &totals, &extra);
     Ok(())
 }

@@ -7,13 +7,15 @@
 //!   `cpu:1`, ...). Distinct ordinals are distinct devices, so the device rules (mismatch errors,
 //!   explicit copies, model parallelism) are testable without a GPU.
 //! - **Storage**: [`CpuStorage`], one typed `Vec` per tensor, with memory stats and a small
-//!   cache of large buffers (see [`storage`](crate::storage) for why).
+//!   cache of large buffers (see [`storage`] for why).
 //! - **Kernels**: every op has a contiguous fast path over plain slices (loops LLVM vectorizes)
 //!   and a general strided path (transposed, sliced and broadcast views need no copy); work on
 //!   at least 32K elements is split across cores with rayon. Matrix products go to
 //!   matrixmultiply's sgemm/dgemm through ndarray views with the operands' own strides, so a
-//!   transposed operand is never copied; `exp` for f32 is a vectorized polynomial.
-//! - **Numerics**: f32 sums accumulate in f64 (documented in [`reduce`](crate::reduce)), softmax
+//!   transposed operand is never copied; a product from 2M multiply-adds up is split across
+//!   cores on helper threads that poll for 1 ms between jobs (`KILN_CPU_SPIN_US` changes it;
+//!   `pool.rs` says why not rayon); `exp` for f32 is a vectorized polynomial.
+//! - **Numerics**: f32 sums accumulate in f64 (documented in [`reduce`]), softmax
 //!   and cross-entropy subtract the row maximum, GELU is exact (`libm::erf`), random numbers
 //!   come from [`kiln_core::philox`] bit for bit.
 //!

@@ -2,7 +2,7 @@
 //!
 //! The input's axes are split into *kept* and *reduced* ones; each output element folds the
 //! reduced sub-layout starting at its kept offset. The reduced sub-layout is simplified like any
-//! other (see [`crate::strided::Plan`]), so reducing trailing axes of a contiguous tensor is a
+//! other (see `strided::Plan`), so reducing trailing axes of a contiguous tensor is a
 //! fold over plain slices. Outputs are computed in parallel; a reduction to one element of a
 //! large contiguous input is split into parallel partial folds instead.
 //!

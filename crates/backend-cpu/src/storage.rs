@@ -13,7 +13,7 @@
 //! cached bytes. All are plain atomics per virtual device.
 //!
 //! The data sit behind an `Arc` so that a kernel can hand a `'static` reference to a helper
-//! thread (the split GEMM of [`matmul`](crate::matmul) does); the helper's reference is gone
+//! thread (the split GEMM of `matmul.rs` does); the helper's reference is gone
 //! before the kernel returns, so mutation and the cache see a unique owner again.
 
 use std::collections::HashMap;

@@ -1,0 +1,138 @@
+//! Does the DataLoader's next batch arrive while the current one trains? Times an MLP training
+//! epoch over an in-memory dataset three ways, alternating rounds:
+//!
+//! - `compute`: the same steps on one batch already on the device (no data movement at all);
+//! - `sync`: `prefetch(0)`, each batch gathered and uploaded on this thread before its step;
+//! - `prefetch`: `prefetch(1)` (the default), the worker thread gathers and uploads the next
+//!   batch (on a GPU through pinned memory on the copy stream) while this one trains.
+//!
+//! With full overlap `prefetch` costs what `compute` costs; without any, what `sync` costs.
+//! The line `hidden=...%` is the share of the data movement (`sync - compute`) that prefetching
+//! hides.
+//!
+//! ```sh
+//! cargo run --release --example loader_overlap -- --device cuda
+//! ```
+
+use std::time::Instant;
+
+use clap::Parser;
+use kiln_core::{Backend, HostBuffer, Result};
+use kiln_data::{ArrayDataset, DataLoader};
+use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_nn::loss::cross_entropy;
+use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_optim::{Optimizer, SgdConfig};
+
+#[derive(Parser, Clone)]
+struct Args {
+    #[arg(long, default_value = "cpu", help = DEVICE_HELP)]
+    device: String,
+    /// Samples in the dataset (an epoch).
+    #[arg(long, default_value_t = 65_536)]
+    samples: usize,
+    #[arg(long, default_value_t = 4096)]
+    batch: usize,
+    /// Hidden width of the 784-h-h-10 MLP.
+    #[arg(long, default_value_t = 2048)]
+    hidden: usize,
+    /// Timed rounds (each times the three ways once).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+fn main() {
+    let a = Args::parse();
+    let device = a.device.clone();
+    if let Err(e) = dispatch(&device, Overlap(a)) {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+struct Overlap(Args);
+
+impl Job for Overlap {
+    fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
+        let a = self.0;
+        let feats: Vec<f32> = (0..a.samples * 784)
+            .map(|k| ((k as u64).wrapping_mul(2_654_435_761) & 0xffff) as f32 / 65536.0)
+            .collect();
+        let labels: Vec<i64> = (0..a.samples as i64).map(|i| i % 10).collect();
+        let data = ArrayDataset::new(
+            HostBuffer::F32(feats),
+            [784],
+            HostBuffer::I64(labels),
+            Vec::<usize>::new(),
+            a.samples,
+        )?;
+        let widths = [784, a.hidden, a.hidden, 10];
+        let mut model = Sequential::new();
+        for i in 0..3 {
+            let l = LinearConfig::new(widths[i], widths[i + 1])
+                .init::<B>(&dev, derive_seed(0, i as u64))?;
+            model = model.add(l);
+            if i < 2 {
+                model = model.add(Relu);
+            }
+        }
+        let mut opt = SgdConfig::new(0.01).init(model.parameters())?;
+        let mut step = |x: &kiln_core::Tensor<B>, y: &kiln_core::Tensor<B>| -> Result<()> {
+            let loss = cross_entropy(&model.forward(&kiln_autograd::Var::constant(x.clone()))?, y)?;
+            opt.zero_grad();
+            loss.backward()?;
+            opt.step()
+        };
+        let mut sync_loader = DataLoader::<B>::new(data.clone(), a.batch, &dev)?
+            .drop_last(true)
+            .prefetch(0);
+        let mut pre_loader = DataLoader::<B>::new(data, a.batch, &dev)?
+            .drop_last(true)
+            .prefetch(1);
+        let steps = sync_loader.num_batches();
+        let (x0, y0) = sync_loader.iter().next().expect("at least one batch")?;
+        let mut epoch = |loader: Option<&mut DataLoader<B>>| -> Result<f64> {
+            B::synchronize(&dev)?;
+            let t = Instant::now();
+            match loader {
+                Some(l) => {
+                    for b in l.iter() {
+                        let (x, y) = b?;
+                        step(&x, &y)?;
+                    }
+                }
+                None => {
+                    for _ in 0..steps {
+                        step(&x0, &y0)?;
+                    }
+                }
+            }
+            B::synchronize(&dev)?;
+            Ok(t.elapsed().as_secs_f64() * 1e3 / steps as f64)
+        };
+        // warm-up: kernels, allocator pools, pinned staging
+        epoch(None)?;
+        epoch(Some(&mut sync_loader))?;
+        epoch(Some(&mut pre_loader))?;
+        let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..a.rounds {
+            c.push(epoch(None)?);
+            s.push(epoch(Some(&mut sync_loader))?);
+            p.push(epoch(Some(&mut pre_loader))?);
+        }
+        let med = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let (c, s, p) = (med(c), med(s), med(p));
+        let mb = (a.batch * 784 * 4) as f64 / 1e6;
+        println!(
+            "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) mlp=784-{h}-{h}-10 steps={steps} \
+             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} hidden={:.0}%",
+            a.batch,
+            100.0 * (s - p) / (s - c).max(1e-9),
+            h = a.hidden,
+        );
+        Ok(())
+    }
+}

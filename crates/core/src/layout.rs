@@ -4,12 +4,13 @@
 //! Every view (reshape where possible, transpose, permute, narrow, broadcast, squeeze, unsqueeze)
 //! is a new layout over the same storage; no data moves. Broadcast dimensions have stride 0.
 
+use crate::dims::Dims;
 use crate::{Error, Result, Shape};
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Layout {
     shape: Shape,
-    strides: Vec<usize>,
+    strides: Dims,
     offset: usize,
 }
 
@@ -17,7 +18,7 @@ impl Layout {
     /// A row-major layout at offset 0.
     pub fn contiguous(shape: impl Into<Shape>) -> Self {
         let shape = shape.into();
-        let strides = shape.contiguous_strides();
+        let strides = shape.contiguous_dims();
         Layout {
             shape,
             strides,
@@ -30,7 +31,7 @@ impl Layout {
         assert_eq!(shape.rank(), strides.len(), "one stride per dimension");
         Layout {
             shape,
-            strides,
+            strides: Dims::from(strides),
             offset,
         }
     }
@@ -103,7 +104,7 @@ impl Layout {
         if self.is_contiguous() || shape.elem_count() == 0 {
             return Ok(Some(Layout {
                 shape: shape.clone(),
-                strides: shape.contiguous_strides(),
+                strides: shape.contiguous_dims(),
                 offset: self.offset,
             }));
         }
@@ -155,7 +156,7 @@ impl Layout {
         }
         Ok(Some(Layout {
             shape: shape.clone(),
-            strides: ns,
+            strides: Dims::from(ns),
             offset: self.offset,
         }))
     }
@@ -252,7 +253,7 @@ impl Layout {
         }
         Ok(Layout {
             shape: shape.clone(),
-            strides,
+            strides: Dims::from(strides),
             offset: self.offset,
         })
     }
@@ -269,13 +270,16 @@ impl Layout {
                 ),
             ));
         }
-        let mut dims = self.dims().to_vec();
-        let mut strides = self.strides.clone();
-        dims.remove(axis);
-        strides.remove(axis);
+        let keep = |v: &[usize]| -> Dims {
+            v.iter()
+                .enumerate()
+                .filter(|&(i, _)| i != axis)
+                .map(|(_, &x)| x)
+                .collect()
+        };
         Ok(Layout {
-            shape: Shape::new(dims),
-            strides,
+            shape: Shape::from_dims(keep(self.dims())),
+            strides: keep(&self.strides),
             offset: self.offset,
         })
     }
@@ -289,13 +293,17 @@ impl Layout {
                 rank: self.rank(),
             });
         }
-        let mut dims = self.dims().to_vec();
-        let mut strides = self.strides.clone();
-        dims.insert(axis, 1);
-        strides.insert(axis, 0);
+        let with = |v: &[usize], x: usize| -> Dims {
+            let (a, b) = v.split_at(axis);
+            a.iter()
+                .copied()
+                .chain([x])
+                .chain(b.iter().copied())
+                .collect()
+        };
         Ok(Layout {
-            shape: Shape::new(dims),
-            strides,
+            shape: Shape::from_dims(with(self.dims(), 1)),
+            strides: with(&self.strides, 0),
             offset: self.offset,
         })
     }

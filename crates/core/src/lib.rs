@@ -22,6 +22,7 @@
 //! ```
 
 pub mod backend;
+mod dims;
 mod dtype;
 mod error;
 pub mod fasthash;

@@ -2,20 +2,25 @@
 
 use std::fmt;
 
+use crate::dims::Dims;
 use crate::{Error, Result};
 
 /// The extent of each dimension of a tensor, outermost first. A 0-d shape (`[]`) is a scalar.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
-pub struct Shape(Vec<usize>);
+pub struct Shape(Dims);
 
 impl Shape {
     pub fn new(dims: impl Into<Vec<usize>>) -> Self {
-        Shape(dims.into())
+        Shape(Dims::from(dims.into()))
+    }
+
+    pub(crate) fn from_dims(dims: Dims) -> Self {
+        Shape(dims)
     }
 
     /// The 0-d shape of a scalar.
     pub fn scalar() -> Self {
-        Shape(Vec::new())
+        Shape(Dims::new())
     }
 
     pub fn dims(&self) -> &[usize] {
@@ -33,9 +38,14 @@ impl Shape {
 
     /// Row-major (C order) strides, in elements.
     pub fn contiguous_strides(&self) -> Vec<usize> {
-        let mut strides = vec![0; self.rank()];
+        self.contiguous_dims().to_vec()
+    }
+
+    /// [`Shape::contiguous_strides`] without a heap allocation (rank up to five).
+    pub(crate) fn contiguous_dims(&self) -> Dims {
+        let mut strides = Dims::zeros(self.rank());
         let mut acc = 1;
-        for (s, &d) in strides.iter_mut().zip(&self.0).rev() {
+        for (s, &d) in strides.iter_mut().zip(self.0.iter()).rev() {
             *s = acc;
             acc *= d;
         }
@@ -64,7 +74,7 @@ impl Shape {
     /// The shape both `self` and `other` broadcast to (numpy rules), or a `ShapeMismatch`.
     pub fn broadcast_with(&self, op: &'static str, other: &Shape) -> Result<Shape> {
         let rank = self.rank().max(other.rank());
-        let mut dims = vec![0; rank];
+        let mut dims = Dims::zeros(rank);
         for (i, d) in dims.iter_mut().enumerate() {
             let a = dim_from_right(&self.0, rank - 1 - i);
             let b = dim_from_right(&other.0, rank - 1 - i);
@@ -117,17 +127,17 @@ impl fmt::Debug for Shape {
 
 impl From<Vec<usize>> for Shape {
     fn from(v: Vec<usize>) -> Self {
-        Shape(v)
+        Shape(Dims::from(v))
     }
 }
 impl From<&[usize]> for Shape {
     fn from(v: &[usize]) -> Self {
-        Shape(v.to_vec())
+        Shape(Dims::from(v))
     }
 }
 impl<const N: usize> From<[usize; N]> for Shape {
     fn from(v: [usize; N]) -> Self {
-        Shape(v.to_vec())
+        Shape(Dims::from(&v[..]))
     }
 }
 impl From<&Shape> for Shape {
@@ -142,6 +152,6 @@ impl From<()> for Shape {
 }
 impl From<usize> for Shape {
     fn from(d: usize) -> Self {
-        Shape(vec![d])
+        Shape(Dims::from(&[d][..]))
     }
 }

@@ -34,7 +34,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use kiln_autograd::Var;
 use kiln_core::{Backend, BinaryOp, DType, Result, Shape, Tensor};
-use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_examples::{DEVICE_HELP, Job, dispatch, launch_stats};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
 use kiln_optim::{Optimizer, SgdConfig};
@@ -165,16 +165,6 @@ fn time_ms<B: Backend>(dev: &B::Device, f: impl FnOnce() -> Result<()>) -> Resul
     let wall_ms = t.elapsed().as_secs_f64() * 1e3;
     let cpu_ms = c.zip(process_cpu_ms()).map(|(a, b)| b - a);
     Ok(Timing { wall_ms, cpu_ms })
-}
-
-/// Kernel launches and nanoseconds inside `cuLaunchKernel` so far (CUDA with
-/// `KILN_CUDA_LAUNCH_STATS=1`; zeros otherwise).
-fn launch_stats<B: Backend>() -> (u64, u64) {
-    if B::NAME == "cuda" {
-        kiln_backend_cuda::launch_stats()
-    } else {
-        (0, 0)
-    }
 }
 
 /// CPU time used so far by every live thread of this process, in milliseconds: the sum of the

@@ -12,7 +12,7 @@ use std::time::Instant;
 use clap::Parser;
 use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Result, Shape, Tensor};
-use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_examples::{DEVICE_HELP, Job, dispatch, launch_stats};
 
 #[derive(Parser)]
 struct Args {
@@ -34,14 +34,6 @@ fn main() {
 
 struct Overhead(usize);
 
-fn launches<B: Backend>() -> (u64, u64) {
-    if B::NAME == "cuda" {
-        kiln_backend_cuda::launch_stats()
-    } else {
-        (0, 0)
-    }
-}
-
 /// Times `iters` calls of `f`, each making `ops` kiln ops, and prints one line.
 fn measure<B: Backend>(
     dev: &B::Device,
@@ -54,14 +46,14 @@ fn measure<B: Backend>(
         f()?;
     }
     B::synchronize(dev)?;
-    let (l0, n0) = launches::<B>();
+    let (l0, n0) = launch_stats::<B>();
     let t = Instant::now();
     for _ in 0..iters {
         f()?;
     }
     B::synchronize(dev)?;
     let us = t.elapsed().as_secs_f64() * 1e6 / (iters * ops) as f64;
-    let (l1, n1) = launches::<B>();
+    let (l1, n1) = launch_stats::<B>();
     let stats = if l1 > l0 {
         let per_op = (l1 - l0) as f64 / (iters * ops) as f64;
         let in_launch = (n1 - n0) as f64 / 1e3 / (iters * ops) as f64;

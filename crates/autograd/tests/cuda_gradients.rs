@@ -1,42 +1,23 @@
 //! The generic gradient suite on the GPU (`cargo xtask test-gpu` carries this binary to the GPU
 //! machine), and the cross-device copy checks between two GPUs when there are two.
 //!
-//! Without a GPU each test prints `skipped: no CUDA device (<reason>)` and returns.
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_autograd::CheckOptions;
 use kiln_autograd::testing::{
     SuiteConfig, run_copy_suite, run_gradient_suite, run_gradient_suite_with,
 };
-use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
-
-/// Prints past the test harness's output capture (a direct write to stderr, which libtest does
-/// not capture), so a skipped GPU test shows in a plain `cargo test` run instead of passing
-/// silently.
-fn say(msg: String) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn gpu(i: usize) -> Option<CudaDevice> {
-    let d = try_gpu(i);
-    if d.is_none() {
-        say(format!(
-            "skipped: no CUDA device {i} ({})",
-            unavailable_reason().unwrap_or_else(|| format!("cuda:{i} is not present"))
-        ));
-    }
-    d
-}
+use kiln_backend_cuda::{Cuda, gpu_or_skip};
 
 #[test]
 fn gradient_suite_on_cuda() {
-    let Some(dev) = gpu(0) else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     run_gradient_suite::<Cuda>(&dev);
 }
 
 #[test]
 fn gradient_suite_on_cuda_in_f32() {
-    let Some(dev) = gpu(0) else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     // The f64 suite above is the real check. In f32 a central difference carries rounding
     // noise of about eps_f32 * |f| / eps, and the GPU's summation order differs from the CPU's:
     // on an H200 log_softmax gave 3.67e-2 numerically vs 3.85e-2 analytically with the default
@@ -51,7 +32,7 @@ fn gradient_suite_on_cuda_in_f32() {
 
 #[test]
 fn gradients_cross_two_gpus() {
-    let Some(a) = gpu(0) else { return };
-    let Some(b) = gpu(1) else { return };
+    let Some(a) = gpu_or_skip(0) else { return };
+    let Some(b) = gpu_or_skip(1) else { return };
     run_copy_suite::<Cuda>(&a, &b);
 }

@@ -94,6 +94,19 @@ pub fn try_gpu(i: usize) -> Option<CudaDevice> {
     (i < device_count()).then(|| CudaDevice::new(i))
 }
 
+/// [`try_gpu`] for GPU tests: when GPU `i` is missing, prints `skipped: no CUDA device i
+/// (<reason>)` straight to stderr (which libtest does not capture), so that a skipped test shows
+/// in a plain `cargo test` run instead of passing silently, and returns `None`.
+pub fn gpu_or_skip(i: usize) -> Option<CudaDevice> {
+    let d = try_gpu(i);
+    if d.is_none() {
+        use std::io::Write;
+        let reason = unavailable_reason().unwrap_or_else(|| format!("cuda:{i} is not present"));
+        let _ = writeln!(std::io::stderr(), "skipped: no CUDA device {i} ({reason})");
+    }
+    d
+}
+
 /// Every GPU (empty when there is none).
 pub fn try_all_gpus() -> Vec<CudaDevice> {
     (0..device_count()).map(CudaDevice::new).collect()

@@ -38,7 +38,7 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, device_count, launch_stats, try_all_gpus, try_gpu, unavailable_reason,
+    CudaDevice, device_count, gpu_or_skip, launch_stats, try_all_gpus, try_gpu, unavailable_reason,
 };
 pub use memory::{CudaStorage, reset_peak, set_block_cache};
 

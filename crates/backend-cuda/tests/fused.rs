@@ -2,30 +2,11 @@
 //! CPU backend runs: SGD (momentum, Nesterov, first step), Adam and AdamW, f32 and f64, with
 //! more parameters than one launch takes (so the chunking runs) and sizes 0, 1 and odd.
 //!
-//! Without a GPU each test prints `skipped: no CUDA device (<reason>)` and returns.
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{Cuda, gpu_or_skip};
 use kiln_core::{Backend, DType, Tensor, UpdateRule};
-
-/// Prints past the test harness's output capture (a direct write to stderr, which libtest does
-/// not capture), so a skipped GPU test shows in a plain `cargo test` run instead of passing
-/// silently.
-fn say(msg: String) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn gpu() -> Option<CudaDevice> {
-    let d = try_gpu(0);
-    if d.is_none() {
-        say(format!(
-            "skipped: no CUDA device ({})",
-            unavailable_reason().unwrap_or_default()
-        ));
-    }
-    d
-}
 
 /// 30 parameters of assorted sizes (one launch takes 24).
 const SIZES: [usize; 30] = [
@@ -95,7 +76,7 @@ fn rules() -> Vec<UpdateRule> {
 
 #[test]
 fn fused_update_matches_the_composed_default() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let cpu = Cpu::device(0);
     for dtype in [DType::F32, DType::F64] {
         let tol = if dtype == DType::F32 { 2e-6 } else { 1e-13 };

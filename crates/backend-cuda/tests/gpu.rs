@@ -2,48 +2,27 @@
 //! random inputs, and what only a real device shows (out-of-memory, error flags, memory
 //! statistics, bit-identical Philox, > 2^31 elements, peer copies, TF32).
 //!
-//! Without a GPU each test prints `skipped: no CUDA device (<reason>)` and returns.
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{
-    Cuda, CudaDevice, set_allow_tf32, try_all_gpus, try_gpu, unavailable_reason,
-};
+use kiln_backend_cuda::{Cuda, gpu_or_skip, set_allow_tf32, try_all_gpus};
 use kiln_core::{Backend, DType, Error, Tensor, philox};
-
-/// Prints past the test harness's output capture (a direct write to stderr, which libtest does
-/// not capture), so a skipped GPU test shows in a plain `cargo test` run instead of passing
-/// silently.
-fn say(msg: String) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn gpu() -> Option<CudaDevice> {
-    let d = try_gpu(0);
-    if d.is_none() {
-        say(format!(
-            "skipped: no CUDA device ({})",
-            unavailable_reason().unwrap_or_default()
-        ));
-    }
-    d
-}
 
 #[test]
 fn conformance_against_reference() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     kiln_core::testing::run_conformance::<Cuda>(&dev);
 }
 
 #[test]
 fn cuda_matches_cpu() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     kiln_core::testing::compare_backends::<Cuda, Cpu>(&dev, &Cpu::device(0));
 }
 
 #[test]
 fn out_of_memory_is_a_typed_error_and_the_device_recovers() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let total = dev.total_memory().unwrap();
     let too_much = total * 2;
     let r = Tensor::<Cuda>::zeros([too_much / 4], DType::F32, &dev);
@@ -75,7 +54,7 @@ fn out_of_memory_is_a_typed_error_and_the_device_recovers() {
 
 #[test]
 fn index_errors_are_typed_and_the_device_stays_usable() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let x = Tensor::<Cuda>::arange(0.0, 12.0, 1.0, DType::F32, &dev)
         .unwrap()
         .reshape([3, 4])
@@ -99,7 +78,7 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
 
 #[test]
 fn memory_stats_track_use_and_empty_cache_trims() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     Cuda::synchronize(&dev).unwrap();
     let before = Cuda::memory_stats(&dev).unwrap();
     let x = Tensor::<Cuda>::zeros([1 << 20], DType::F32, &dev).unwrap();
@@ -117,7 +96,7 @@ fn memory_stats_track_use_and_empty_cache_trims() {
 
 #[test]
 fn philox_uniforms_are_bit_identical_to_core() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let n = 100_003;
     let (seed, lo, hi) = (0x1234_5678_9abc_def0u64, -3.0, 5.5);
     let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F32, &dev)
@@ -154,7 +133,7 @@ fn philox_uniforms_are_bit_identical_to_core() {
 
 #[test]
 fn more_than_2_pow_31_elements_use_64_bit_indexing() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let n: usize = (1 << 31) + 40;
     if dev.total_memory().unwrap() < n * 8 * 4 {
         println!("skipped: needs {} GiB of GPU memory", (n * 8 * 4) >> 30);
@@ -182,7 +161,7 @@ fn more_than_2_pow_31_elements_use_64_bit_indexing() {
 
 #[test]
 fn tf32_is_off_by_default_and_can_be_enabled() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     // Entries with more mantissa bits than TF32 keeps: exact f32 products differ from TF32's.
     let a: Vec<f32> = (0..64 * 64)
         .map(|i| 1.0 + (i % 97) as f32 * 1.0e-4)
@@ -211,7 +190,7 @@ fn tf32_is_off_by_default_and_can_be_enabled() {
 
 #[test]
 fn copies_between_gpus_and_transposed_views() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let all = try_all_gpus();
     let x = Tensor::<Cuda>::arange(0.0, 6.0, 1.0, DType::F32, &dev)
         .unwrap()
@@ -239,7 +218,7 @@ fn copies_between_gpus_and_transposed_views() {
 
 #[test]
 fn large_transfers_round_trip_through_the_staging_ring() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let n = 10_000_019; // ~40 MB: several staging blocks, not a multiple of the block
     let v: Vec<f32> = (0..n).map(|i| (i % 1000) as f32).collect();
     let t = Tensor::<Cuda>::from_slice(&v, [n], &dev).unwrap();

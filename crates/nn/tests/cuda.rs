@@ -1,33 +1,14 @@
 //! CUDA against the CPU: the same seed gives the same weights, Dropout masks, conv outputs
 //! and training trajectory on the GPU (Philox is bit-identical on both; the math differs only
-//! by summation order). Without a GPU every test prints `skipped: no CUDA device (<reason>)`.
+//! by summation order). Without a GPU every test prints `skipped: no CUDA device 0 (<reason>)`.
 
 mod common;
 
 use common::*;
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{Cuda, gpu_or_skip};
 use kiln_core::{Backend, DType};
 use kiln_nn::{Module, ModuleExt};
-
-/// Prints past the test harness's output capture (a direct write to stderr, which libtest does
-/// not capture), so a skipped GPU test shows in a plain `cargo test` run instead of passing
-/// silently.
-fn say(msg: String) {
-    use std::io::Write;
-    let _ = writeln!(std::io::stderr(), "{msg}");
-}
-
-fn gpu() -> Option<CudaDevice> {
-    let d = try_gpu(0);
-    if d.is_none() {
-        say(format!(
-            "skipped: no CUDA device ({})",
-            unavailable_reason().unwrap_or_default()
-        ));
-    }
-    d
-}
 
 fn cpu() -> <Cpu as Backend>::Device {
     Cpu::parse_device("cpu").unwrap()
@@ -35,7 +16,7 @@ fn cpu() -> <Cpu as Backend>::Device {
 
 #[test]
 fn dropout_masks_match_the_cpu() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     assert_eq!(
         dropout_masks::<Cuda>(&dev, 3),
         dropout_masks::<Cpu>(&cpu(), 3)
@@ -44,7 +25,7 @@ fn dropout_masks_match_the_cpu() {
 
 #[test]
 fn conv_net_forward_matches_the_cpu() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     for (dt, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
         assert_close(
             &format!("{dt}"),
@@ -57,7 +38,7 @@ fn conv_net_forward_matches_the_cpu() {
 
 #[test]
 fn training_trajectory_matches_the_cpu() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let (la, wa) = trajectory::<Cuda>(&dev);
     let (lb, wb) = trajectory::<Cpu>(&cpu());
     assert_close("losses", &la, &lb, 1e-4);
@@ -68,7 +49,7 @@ fn training_trajectory_matches_the_cpu() {
 
 #[test]
 fn a_model_moves_between_backends_through_safetensors() {
-    let Some(dev) = gpu() else { return };
+    let Some(dev) = gpu_or_skip(0) else { return };
     let g = small_net::<Cuda>(&dev, DType::F32);
     let c = small_net::<Cpu>(&cpu(), DType::F32);
     // Perturb the GPU model so the load is visible, then carry it to the CPU model by file.

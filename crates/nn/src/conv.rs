@@ -291,39 +291,6 @@ impl Window {
         }
         (ids, pads)
     }
-
-    /// For each output position `(oh, ow)`, each of `channels` planes and each tap
-    /// `(kh, kw)`, in that order: the flat index `c*h*w + ih*w + iw` of the input element
-    /// read, or `channels*h*w` (one extra element appended to each row) inside the padding.
-    /// Also returns whether any tap falls in the padding.
-    fn ids(&self, channels: usize, h: usize, w: usize, oh: usize, ow: usize) -> (Vec<i64>, bool) {
-        let [kh, kw] = self.kernel;
-        let [sh, sw] = self.stride;
-        let [ph, pw] = self.padding;
-        let [dh, dw] = self.dilation;
-        let pad = (channels * h * w) as i64;
-        let mut ids = Vec::with_capacity(oh * ow * channels * kh * kw);
-        let mut pads = false;
-        for y in 0..oh {
-            for x in 0..ow {
-                for ci in 0..channels {
-                    for ky in 0..kh {
-                        let iy = (y * sh + ky * dh) as isize - ph as isize;
-                        for kx in 0..kw {
-                            let ix = (x * sw + kx * dw) as isize - pw as isize;
-                            if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
-                                ids.push(pad);
-                                pads = true;
-                            } else {
-                                ids.push((ci * h * w + iy as usize * w + ix as usize) as i64);
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        (ids, pads)
-    }
 }
 
 /// `torch.nn.functional.conv2d`: `x` `[n, c, h, w]`, `weight` `[oc, c, kh, kw]`, `bias` `[oc]`;
@@ -488,8 +455,13 @@ fn max_pool2d_cached<B: Backend>(
     let dev = x.device();
     let l = oh * ow;
     let make = || {
-        let (ids, pads) = window.ids(1, h, w, oh, ow);
-        Ok((Tensor::from_vec(ids, [l, kh * kw], &dev)?, pads))
+        // im2col's `[kh*kw, l]` order for one plane, transposed to one row of taps per output.
+        let (cols, pads) = window.im2col_ids(1, h, w, oh, ow);
+        let taps = kh * kw;
+        let ids = (0..l * taps)
+            .map(|i| cols[(i % taps) * l + i / taps])
+            .collect();
+        Ok((Tensor::from_vec(ids, [l, taps], &dev)?, pads))
     };
     let (ids_t, pads) = match cache {
         Some(cache) => cache.get_or(vec![h, w], &dev, make)?,

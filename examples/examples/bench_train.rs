@@ -28,13 +28,18 @@
 //! the median. Nothing is read back to the host inside the timed loop. The data are not random
 //! but a fixed hash of the element index (`data_value`), computed identically by the Python
 //! scripts, so `final_cost` of `logreg` can be compared across the three implementations.
+//!
+//! On CUDA, elementwise ops are deferred and fused into one generated kernel per chain
+//! (kiln-backend-cuda's `lazy` module); the logreg step realizes its cost every step, as
+//! Theano's `train` returns it, so no work is skipped. `KILN_CUDA_FUSE=0` runs every op on its
+//! own kernel instead; `KILN_CUDA_LAUNCH_STATS=1` adds launches per step to the logreg line.
 
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use kiln_autograd::Var;
 use kiln_core::{Backend, BinaryOp, DType, Result, Shape, Tensor};
-use kiln_examples::{DEVICE_HELP, Job, dispatch, launch_stats};
+use kiln_examples::{DEVICE_HELP, Job, dispatch, fused_program_stats, launch_stats};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
 use kiln_optim::{Optimizer, SgdConfig};
@@ -239,6 +244,9 @@ fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
             .mean_all()?
             .add(&w.square()?.sum_all()?.mul_scalar(l2)?)?;
         cost.backward()?;
+        // Theano's `train` computes the cost every step; make sure a backend that defers
+        // elementwise work (CUDA) does not skip it because nothing reads it.
+        cost.tensor().realize()?;
         for v in [&w, &b] {
             if let Some(g) = v.take_grad() {
                 v.update_data(|t| t.sub(&g.mul_scalar(lr)?))?;
@@ -269,6 +277,13 @@ fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
     // The cost of the last step's forward pass (before its update), as Theano's `train` returns.
     let cost = last.map(|c| c.tensor().to_scalar()).transpose()?;
     let mut extra = format!(" final_cost={:.6}", cost.unwrap_or(f64::NAN));
+    let (programs, compile_ns) = fused_program_stats::<B>();
+    if programs > 0 {
+        extra += &format!(
+            " fused_programs={programs} fused_compile_ms={:.1}",
+            compile_ns as f64 / 1e6
+        );
+    }
     let (l, ns) = launch_stats::<B>();
     if l > launches0.0 {
         let steps = (s.steps * s.repeats) as f64;

@@ -128,9 +128,6 @@ pub struct Selection {
     pub fallback: Option<String>,
 }
 
-/// Resolves a device name: the CPU device it names, or the GPU when present, else the CPU with
-/// the reason recorded (d2l's `try_gpu(i)`). Errors for a malformed name or an out-of-range
-/// CPU ordinal.
 /// Kernel launches so far and the host nanoseconds spent inside `cuLaunchKernel` for them, when
 /// `B` is the CUDA backend and `KILN_CUDA_LAUNCH_STATS=1`; `(0, 0)` otherwise.
 pub fn launch_stats<B: Backend>() -> (u64, u64) {
@@ -141,6 +138,19 @@ pub fn launch_stats<B: Backend>() -> (u64, u64) {
     }
 }
 
+/// Fused elementwise programs built so far and the host nanoseconds spent compiling (or loading)
+/// them, when `B` is the CUDA backend; `(0, 0)` otherwise.
+pub fn fused_program_stats<B: Backend>() -> (u64, u64) {
+    if B::NAME == "cuda" {
+        kiln_backend_cuda::fused_program_stats()
+    } else {
+        (0, 0)
+    }
+}
+
+/// Resolves a device name: the CPU device it names, or the GPU when present, else the CPU with
+/// the reason recorded (d2l's `try_gpu(i)`). Errors for a malformed name or an out-of-range
+/// CPU ordinal.
 pub fn select(device: &str) -> Result<Selection> {
     match device.parse::<DeviceRequest>()? {
         DeviceRequest::Cpu(n) => Ok(Selection {

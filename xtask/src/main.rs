@@ -90,10 +90,10 @@ fn check_kernels() -> Result<(), String> {
     let mut failed = 0;
     for (file, r) in compile::check_all(90)? {
         match r {
-            Ok(bytes) => println!("ok   kernels/{file} ({bytes} bytes of CUBIN)"),
+            Ok(bytes) => println!("ok   {file} ({bytes} bytes of CUBIN)"),
             Err(log) => {
                 failed += 1;
-                println!("FAIL kernels/{file}");
+                println!("FAIL {file}");
                 for line in log.lines().filter(|l| !l.trim().is_empty()) {
                     println!("     {line}");
                 }

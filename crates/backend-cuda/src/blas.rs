@@ -17,7 +17,7 @@ use kiln_core::{DType, Error, Layout, Result};
 use crate::compile::Module;
 use crate::device::{Blas, DeviceState, check};
 use crate::launch::Args;
-use crate::memory::{CudaStorage, alloc};
+use crate::memory::{Buffer, alloc};
 
 static TF32: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
 
@@ -54,16 +54,16 @@ fn matvec_on() -> bool {
 /// dimensions up to 16K (or many outputs); longer sums go to cuBLAS, which splits them.
 fn matvec(
     dev: &DeviceState,
-    (a, la): (&CudaStorage, &Layout),
-    (b, lb): (&CudaStorage, &Layout),
-    out: &CudaStorage,
+    (a, la): (&Buffer, &Layout),
+    (b, lb): (&Buffer, &Layout),
+    out: &Buffer,
     dtype: DType,
 ) -> Result<()> {
     const OP: &str = "matmul";
     let (m, k, n) = (la.dims()[1], la.dims()[2], lb.dims()[2]);
     let (sa, sb) = (la.strides(), lb.strides());
     let size = dtype.size_in_bytes() as u64;
-    let at = |s: &CudaStorage, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
+    let at = |s: &Buffer, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
     // (matrix pointer, row stride, column stride, vector pointer, vector stride, rows)
     let (pm, rs, cs, pv, vs, rows) = if n == 1 {
         (at(a, la), sa[1], sa[2], at(b, lb), sb[1], m)
@@ -105,12 +105,12 @@ fn int(op: &'static str, v: usize) -> Result<i32> {
 }
 
 pub(crate) fn matmul(
-    a: &CudaStorage,
+    a: &Buffer,
     la: &Layout,
-    b: &CudaStorage,
+    b: &Buffer,
     lb: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "matmul";
     if a.state().ordinal != b.state().ordinal {
         return Err(Error::DeviceMismatch {

@@ -19,6 +19,10 @@ use cudarc::nvrtc::sys as nvrtc;
 /// The header prepended to every kernel source.
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
+/// The elementwise ops' scalar functions, prepended to `elementwise.cu` and to every fused
+/// kernel (`lazy.rs`).
+pub const SCALAR_OPS: &str = include_str!("../kernels/scalar_ops.cuh");
+
 /// One compilation unit under `kernels/`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
@@ -70,8 +74,13 @@ impl Module {
     /// The text NVRTC compiles: the common header, then the file, with `#line` markers so that
     /// diagnostics name the real file and line.
     pub fn full_source(self) -> String {
+        let ops = if self == Module::Elementwise {
+            format!("#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n")
+        } else {
+            String::new()
+        };
         format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}",
+            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{}",
             self.file_name(),
             self.source()
         )
@@ -162,16 +171,25 @@ fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
 }
 
 /// One source's outcome: its file name, and the CUBIN size or NVRTC's log.
-pub type CheckResult = (&'static str, Result<usize, String>);
+pub type CheckResult = (String, Result<usize, String>);
 
-/// Compiles every kernel source for `sm_{arch}`: `(file name, Ok or NVRTC's log)`. An outer
-/// error means NVRTC itself is unavailable.
+/// Compiles every kernel source for `sm_{arch}`, and sample programs of the fused-kernel
+/// generator: `(name, Ok or NVRTC's log)`. An outer error means NVRTC itself is unavailable.
 pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
-    Ok(Module::ALL
-        .iter()
-        .map(|&m| (m.file_name(), compile(m, arch).map(|c| c.len())))
-        .collect())
+    let files = Module::ALL.iter().map(|&m| {
+        (
+            format!("kernels/{}", m.file_name()),
+            compile(m, arch).map(|c| c.len()),
+        )
+    });
+    let fused = crate::lazy::sample_sources()
+        .into_iter()
+        .map(|(name, src)| {
+            let r = compile_source("fused.cu", &src, arch).map(|c| c.len());
+            (name, r)
+        });
+    Ok(files.chain(fused).collect())
 }
 
 // ---- disk cache ------------------------------------------------------------------------------
@@ -210,13 +228,30 @@ pub fn cache_path(
     arch: u32,
     version: (i32, i32),
 ) -> PathBuf {
+    source_cache_path(
+        dir,
+        module.file_name(),
+        &module.full_source(),
+        arch,
+        version,
+    )
+}
+
+/// The cache file for the full `source` named `file`.
+fn source_cache_path(
+    dir: &std::path::Path,
+    file: &str,
+    source: &str,
+    arch: u32,
+    version: (i32, i32),
+) -> PathBuf {
     let key = fnv128(&[
-        module.full_source().as_bytes(),
+        source.as_bytes(),
         options(arch).join(" ").as_bytes(),
         format!("sm_{arch}").as_bytes(),
         format!("nvrtc {}.{}", version.0, version.1).as_bytes(),
     ]);
-    dir.join(format!("{}-sm{arch}-{key:032x}.cubin", module.file_name()))
+    dir.join(format!("{file}-sm{arch}-{key:032x}.cubin"))
 }
 
 /// Reads a cache entry; `None` when missing, truncated or corrupt.
@@ -255,12 +290,17 @@ pub fn write_cached(path: &std::path::Path, payload: &[u8]) {
 /// The CUBIN of `module` for `sm_{arch}`: from the disk cache when a valid entry exists, else
 /// compiled (and then cached).
 pub fn load_or_compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
+    load_or_compile_source(module.file_name(), &module.full_source(), arch)
+}
+
+/// [`load_or_compile`] for any full source (the generated fused kernels).
+pub fn load_or_compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
     let version = nvrtc_version()?;
-    let path = cache_dir().map(|d| cache_path(&d, module, arch, version));
+    let path = cache_dir().map(|d| source_cache_path(&d, file, source, arch, version));
     if let Some(bin) = path.as_deref().and_then(read_cached) {
         return Ok(bin);
     }
-    let bin = compile(module, arch)?;
+    let bin = compile_source(file, source, arch)?;
     if let Some(p) = &path {
         write_cached(p, &bin);
     }

@@ -143,6 +143,29 @@ pub fn launch_stats() -> (u64, u64) {
     )
 }
 
+static FUSED_PROGRAMS: AtomicU64 = AtomicU64::new(0);
+static FUSED_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Fused elementwise programs built so far in this process (every device), and the host
+/// nanoseconds spent compiling them with NVRTC or loading them from the disk cache: the
+/// one-time cost of kernel fusion (see `KILN_CUDA_FUSE`).
+pub fn fused_program_stats() -> (u64, u64) {
+    (
+        FUSED_PROGRAMS.load(Ordering::Relaxed),
+        FUSED_NANOS.load(Ordering::Relaxed),
+    )
+}
+
+thread_local! {
+    static THREAD_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Kernel launches made so far by the calling thread (always counted; cuBLAS's own launches
+/// are not included): lets a test see how many kernels an op ran, whatever other threads do.
+pub fn thread_launches() -> u64 {
+    THREAD_LAUNCHES.with(|c| c.get())
+}
+
 /// A kernel's name, as the parts that are joined with `_` to spell it.
 pub(crate) type FuncKey = [&'static str; 5];
 
@@ -192,6 +215,8 @@ pub(crate) struct DeviceState {
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
     pub funcs: Mutex<FastMap<FuncKey, Func>>,
+    /// The fused elementwise kernels generated so far (`lazy.rs`), by program.
+    pub fused: Mutex<FastMap<crate::lazy::Program, Func>>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<crate::memory::BlockCache>,
@@ -322,6 +347,7 @@ impl DeviceState {
                 err_lock: Mutex::new(()),
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(FastMap::default()),
+                fused: Mutex::new(FastMap::default()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -370,6 +396,38 @@ impl DeviceState {
         )
         .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
         self.funcs.lock().unwrap().insert(key, Func(f));
+        Ok(Func(f))
+    }
+
+    /// The generated kernel `fused` of `program`, compiling `source()` (or loading it from
+    /// the disk cache) the first time.
+    pub fn fused_func(
+        &self,
+        program: &crate::lazy::Program,
+        source: impl FnOnce() -> String,
+    ) -> Result<Func> {
+        let mut map = self.fused.lock().unwrap();
+        if let Some(f) = map.get(program) {
+            return Ok(*f);
+        }
+        let t0 = std::time::Instant::now();
+        let bin = crate::compile::load_or_compile_source("fused.cu", &source(), self.arch)
+            .map_err(|e| Error::backend("nvrtc", format!("compiling a fused kernel: {e}")))?;
+        FUSED_PROGRAMS.fetch_add(1, Ordering::Relaxed);
+        FUSED_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let mut m = std::ptr::null_mut();
+        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
+        check(
+            unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
+            "cuModuleLoadData",
+        )?;
+        let mut f = std::ptr::null_mut();
+        // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
+        check(
+            unsafe { sys::cuModuleGetFunction(&mut f, m, c"fused".as_ptr()) },
+            "cuModuleGetFunction",
+        )?;
+        map.insert(program.clone(), Func(f));
         Ok(Func(f))
     }
 
@@ -436,6 +494,7 @@ impl DeviceState {
             },
             op,
         );
+        THREAD_LAUNCHES.with(|c| c.set(c.get() + 1));
         if let Some(t0) = t0 {
             LAUNCHES.fetch_add(1, Ordering::Relaxed);
             LAUNCH_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);

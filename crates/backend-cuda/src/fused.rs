@@ -8,7 +8,7 @@ use kiln_core::{DType, Error, Result, UpdateRule, UpdateSlot};
 
 use crate::compile::Module;
 use crate::launch::Args;
-use crate::memory::{CudaStorage, alloc};
+use crate::memory::{Buffer, alloc};
 
 /// Parameters per launch; matches `KILN_MT_MAX` in `kernels/optim.cu`.
 pub(crate) const MT_MAX: usize = 24;
@@ -29,12 +29,12 @@ struct MtArgs {
     count: i32,
 }
 
-type Updated = (CudaStorage, Vec<CudaStorage>);
+type Updated = (Buffer, Vec<Buffer>);
 
 pub(crate) fn fused_update(
     rule: &UpdateRule,
     dtype: DType,
-    slots: &[UpdateSlot<'_, CudaStorage>],
+    slots: &[UpdateSlot<'_, Buffer>],
 ) -> Result<Vec<Updated>> {
     const OP: &str = "fused_update";
     let suffix = match dtype {

@@ -114,7 +114,8 @@ pub(crate) struct Args {
 
 /// 4 KiB: the classic kernel-parameter limit.
 const ARG_WORDS: usize = 512;
-const MAX_ARGS: usize = 24;
+/// Enough for a fused kernel at its caps (`lazy.rs`).
+const MAX_ARGS: usize = 128;
 
 impl Args {
     #[inline]

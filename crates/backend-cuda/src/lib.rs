@@ -16,6 +16,10 @@
 //!   raised, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once, then
 //!   [`kiln_core::Error::OutOfMemory`]; pinned staging for host transfers; peer copies.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
+//! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
+//!   recorded instead of launched; the first op that needs the values runs the pending chain as
+//!   one generated kernel. A [`CudaStorage`] is a computed buffer or such pending work.
+//!   `KILN_CUDA_FUSE=0` / [`set_fusion`] turns it off.
 //!
 //! Errors found inside kernels (an index or label out of range) set a device-side error flag
 //! instead of touching memory out of bounds; the op that launched the kernel reads the flag
@@ -28,8 +32,10 @@ pub mod compile;
 mod device;
 mod fused;
 mod launch;
+mod lazy;
 mod memory;
 mod ops;
+mod storage;
 
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, MemoryStats, RandDist, ReduceOp,
@@ -38,9 +44,12 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, device_count, gpu_or_skip, launch_stats, try_all_gpus, try_gpu, unavailable_reason,
+    CudaDevice, device_count, fused_program_stats, gpu_or_skip, launch_stats, thread_launches,
+    try_all_gpus, try_gpu, unavailable_reason,
 };
-pub use memory::{CudaStorage, reset_peak, set_block_cache};
+pub use lazy::{fusion_enabled, sample_sources as fused_sample_sources, set_fusion};
+pub use memory::{reset_peak, set_block_cache};
+pub use storage::CudaStorage;
 
 use device::state;
 
@@ -123,16 +132,21 @@ impl Backend for Cuda {
     }
 
     fn fill(device: &CudaDevice, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
-        ops::fill(state(device)?, dtype, len, value)
+        lazy::fill(state(device)?, dtype, len, value)
     }
 
     fn from_host(device: &CudaDevice, data: &HostBuffer) -> Result<CudaStorage> {
-        memory::upload(state(device)?, data.as_bytes())
+        memory::upload(state(device)?, data.as_bytes()).map(CudaStorage::ready)
+    }
+
+    fn realize(storage: &CudaStorage) -> Result<()> {
+        storage.realize()
     }
 
     fn to_host(storage: &CudaStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
         let size = dtype.size_in_bytes();
         let mut out = vec![0u8; layout.elem_count() * size];
+        let storage = &*storage.buffer()?;
         if layout.is_contiguous() {
             memory::download(storage, layout.offset() * size, &mut out)?;
         } else {
@@ -150,11 +164,12 @@ impl Backend for Cuda {
     ) -> Result<CudaStorage> {
         let size = dtype.size_in_bytes();
         if storage.device() == *dst {
-            return ops::contiguous(storage, layout, dtype);
+            return Self::contiguous(storage, layout, dtype);
         }
         let dst_state = state(dst)?;
+        let storage = &*storage.buffer()?;
         storage.state().bind()?;
-        if layout.is_contiguous() {
+        let copied = if layout.is_contiguous() {
             memory::copy_peer(
                 storage,
                 layout.offset() * size,
@@ -164,7 +179,8 @@ impl Backend for Cuda {
         } else {
             let c = ops::contiguous(storage, layout, dtype)?;
             memory::copy_peer(&c, 0, layout.elem_count() * size, dst_state)
-        }
+        };
+        copied.map(CudaStorage::ready)
     }
 
     fn copy_into(
@@ -181,11 +197,18 @@ impl Backend for Cuda {
                 rhs: dst.device().to_string(),
             });
         }
-        ops::copy_strided(src, src_layout, dst, dst_layout, dtype)
+        let src = src.buffer()?;
+        ops::copy_strided(&src, src_layout, dst.buffer_mut()?, dst_layout, dtype)
     }
 
     fn contiguous(storage: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        ops::contiguous(storage, layout, dtype)
+        if let storage::Repr::Lazy(n) = storage.repr() {
+            // A pending tensor read in its own layout is already what `contiguous` returns.
+            if layout.offset() == 0 && layout.is_contiguous() && n.shape().dims() == layout.dims() {
+                return Ok(CudaStorage::pending(n.clone()));
+            }
+        }
+        ops::contiguous(&*storage.buffer()?, layout, dtype).map(CudaStorage::ready)
     }
 
     fn rand(
@@ -195,11 +218,11 @@ impl Backend for Cuda {
         seed: u64,
         dist: RandDist,
     ) -> Result<CudaStorage> {
-        ops::rand(state(device)?, dtype, len, seed, dist)
+        ops::rand(state(device)?, dtype, len, seed, dist).map(CudaStorage::ready)
     }
 
     fn unary(op: UnaryOp, s: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        ops::unary(op, s, layout, dtype)
+        lazy::record(lazy::Op::Unary(op), &[(s, layout)], dtype)
     }
 
     fn unary_backward(
@@ -210,7 +233,11 @@ impl Backend for Cuda {
         g_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::unary_backward(op, saved, saved_layout, g, g_layout, dtype)
+        lazy::record(
+            lazy::Op::UnaryBwd(op),
+            &[(saved, saved_layout), (g, g_layout)],
+            dtype,
+        )
     }
 
     fn binary(
@@ -221,7 +248,11 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::binary(op, lhs, lhs_layout, rhs, rhs_layout, dtype)
+        lazy::record(
+            lazy::Op::Binary(op),
+            &[(lhs, lhs_layout), (rhs, rhs_layout)],
+            dtype,
+        )
     }
 
     fn binary_scalar(
@@ -232,7 +263,12 @@ impl Backend for Cuda {
         scalar: f64,
         scalar_lhs: bool,
     ) -> Result<CudaStorage> {
-        ops::binary_scalar(op, s, layout, dtype, scalar, scalar_lhs)
+        let op = lazy::Op::Scalar {
+            op,
+            value: scalar,
+            lhs: scalar_lhs,
+        };
+        lazy::record(op, &[(s, layout)], dtype)
     }
 
     fn compare(
@@ -243,7 +279,15 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::compare(op, lhs, lhs_layout, rhs, rhs_layout, dtype)
+        ops::compare(
+            op,
+            &*lhs.buffer()?,
+            lhs_layout,
+            &*rhs.buffer()?,
+            rhs_layout,
+            dtype,
+        )
+        .map(CudaStorage::ready)
     }
 
     fn where_cond(
@@ -256,14 +300,15 @@ impl Backend for Cuda {
         dtype: DType,
     ) -> Result<CudaStorage> {
         ops::where_cond(
-            cond,
+            &*cond.buffer()?,
             cond_layout,
-            on_true,
+            &*on_true.buffer()?,
             true_layout,
-            on_false,
+            &*on_false.buffer()?,
             false_layout,
             dtype,
         )
+        .map(CudaStorage::ready)
     }
 
     fn reduce(
@@ -273,7 +318,7 @@ impl Backend for Cuda {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CudaStorage> {
-        ops::reduce(op, s, layout, dtype, axes)
+        ops::reduce(op, &*s.buffer()?, layout, dtype, axes).map(CudaStorage::ready)
     }
 
     fn matmul(
@@ -283,11 +328,18 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        blas::matmul(lhs, lhs_layout, rhs, rhs_layout, dtype)
+        blas::matmul(
+            &*lhs.buffer()?,
+            lhs_layout,
+            &*rhs.buffer()?,
+            rhs_layout,
+            dtype,
+        )
+        .map(CudaStorage::ready)
     }
 
     fn softmax(s: &CudaStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
-        ops::softmax(s, layout, dtype, log)
+        ops::softmax(&*s.buffer()?, layout, dtype, log).map(CudaStorage::ready)
     }
 
     fn cross_entropy(
@@ -297,7 +349,14 @@ impl Backend for Cuda {
         labels_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::cross_entropy(logits, logits_layout, labels, labels_layout, dtype)
+        ops::cross_entropy(
+            &*logits.buffer()?,
+            logits_layout,
+            &*labels.buffer()?,
+            labels_layout,
+            dtype,
+        )
+        .map(CudaStorage::ready)
     }
 
     fn cross_entropy_backward(
@@ -310,18 +369,19 @@ impl Backend for Cuda {
         dtype: DType,
     ) -> Result<CudaStorage> {
         ops::cross_entropy_backward(
-            logits,
+            &*logits.buffer()?,
             logits_layout,
-            labels,
+            &*labels.buffer()?,
             labels_layout,
-            grad,
+            &*grad.buffer()?,
             grad_layout,
             dtype,
         )
+        .map(CudaStorage::ready)
     }
 
     fn cast(s: &CudaStorage, layout: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
-        ops::cast(s, layout, from, to)
+        ops::cast(&*s.buffer()?, layout, from, to).map(CudaStorage::ready)
     }
 
     fn index_select(
@@ -332,7 +392,15 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        ops::index_select(s, layout, dtype, ids, ids_layout, axis)
+        ops::index_select(
+            &*s.buffer()?,
+            layout,
+            dtype,
+            &*ids.buffer()?,
+            ids_layout,
+            axis,
+        )
+        .map(CudaStorage::ready)
     }
 
     fn gather(
@@ -343,7 +411,15 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        ops::gather(s, layout, dtype, ids, ids_layout, axis)
+        ops::gather(
+            &*s.buffer()?,
+            layout,
+            dtype,
+            &*ids.buffer()?,
+            ids_layout,
+            axis,
+        )
+        .map(CudaStorage::ready)
     }
 
     fn scatter_add(
@@ -357,15 +433,16 @@ impl Backend for Cuda {
         axis: usize,
     ) -> Result<CudaStorage> {
         ops::scatter_add(
-            base,
+            &*base.buffer()?,
             base_layout,
             dtype,
-            ids,
+            &*ids.buffer()?,
             ids_layout,
-            src,
+            &*src.buffer()?,
             src_layout,
             axis,
         )
+        .map(CudaStorage::ready)
     }
 
     fn fused_update(
@@ -373,7 +450,37 @@ impl Backend for Cuda {
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
-        fused::fused_update(rule, dtype, slots)
+        // Computed buffers for every operand, held while the kernel's slots borrow them.
+        type Held = (
+            std::sync::Arc<memory::Buffer>,
+            std::sync::Arc<memory::Buffer>,
+            Vec<std::sync::Arc<memory::Buffer>>,
+        );
+        let held = slots
+            .iter()
+            .map(|s| -> Result<Held> {
+                let st = s.state.iter().map(|x| x.buffer()).collect::<Result<_>>()?;
+                Ok((s.param.buffer()?, s.grad.buffer()?, st))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let bslots: Vec<UpdateSlot<'_, memory::Buffer>> = held
+            .iter()
+            .zip(slots)
+            .map(|((p, g, st), s)| UpdateSlot {
+                param: &**p,
+                grad: &**g,
+                state: st.iter().map(|x| &**x).collect(),
+                len: s.len,
+            })
+            .collect();
+        let out = fused::fused_update(rule, dtype, &bslots)?;
+        Ok(out
+            .into_iter()
+            .map(|(p, st)| {
+                let st = st.into_iter().map(CudaStorage::ready).collect();
+                (CudaStorage::ready(p), st)
+            })
+            .collect())
     }
 }
 

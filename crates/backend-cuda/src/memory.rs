@@ -27,8 +27,9 @@ use kiln_core::{Error, MemoryStats, Result};
 
 use crate::device::{CudaDevice, DeviceState, STAGING_BLOCKS, STAGING_BYTES, check, state};
 
-/// One untyped buffer on one GPU (the dtype lives in the tensor).
-pub struct CudaStorage {
+/// One untyped block of memory on one GPU (the dtype lives in the tensor); what a computed
+/// [`crate::CudaStorage`] holds. Returned to the block cache (or freed) on drop.
+pub(crate) struct Buffer {
     ptr: sys::CUdeviceptr,
     /// The block's size (the request rounded up to its cache bucket).
     bytes: usize,
@@ -37,28 +38,23 @@ pub struct CudaStorage {
     dev: &'static DeviceState,
 }
 
-impl std::fmt::Debug for CudaStorage {
+impl std::fmt::Debug for Buffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "CudaStorage({} bytes on cuda:{})",
+            "Buffer({} bytes on cuda:{})",
             self.bytes, self.dev.ordinal
         )
     }
 }
 
-impl CudaStorage {
-    /// An uninitialized buffer of `bytes` on `dev` (what `torch.empty` does).
-    pub fn alloc(dev: &CudaDevice, bytes: usize) -> Result<CudaStorage> {
-        alloc(state(dev)?, bytes)
-    }
+impl Buffer {
     pub fn len_bytes(&self) -> usize {
         self.bytes
     }
     pub fn device(&self) -> CudaDevice {
         self.dev.device()
     }
-    /// The raw device address (for interop and custom kernels).
     pub fn device_ptr(&self) -> u64 {
         self.ptr
     }
@@ -67,7 +63,7 @@ impl CudaStorage {
     }
 }
 
-impl Drop for CudaStorage {
+impl Drop for Buffer {
     fn drop(&mut self) {
         if self.bytes == 0 {
             return;
@@ -123,9 +119,9 @@ pub(crate) fn bucket(bytes: usize) -> usize {
     bytes.next_multiple_of(step)
 }
 
-pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<CudaStorage> {
+pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<Buffer> {
     if bytes == 0 {
-        return Ok(CudaStorage {
+        return Ok(Buffer {
             ptr: 0,
             bytes,
             cached: false,
@@ -142,7 +138,7 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<CudaStora
             drop(c);
             let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
             dev.peak.fetch_max(now, Ordering::Relaxed);
-            return Ok(CudaStorage {
+            return Ok(Buffer {
                 ptr: p,
                 bytes,
                 cached,
@@ -183,7 +179,7 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<CudaStora
     }
     let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
     dev.peak.fetch_max(now, Ordering::Relaxed);
-    Ok(CudaStorage {
+    Ok(Buffer {
         ptr: p,
         bytes,
         cached,
@@ -193,6 +189,21 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<CudaStora
 
 /// Frees the cached blocks and returns the pool's cached memory to the driver (after the
 /// device is idle).
+/// A copy of the whole of `b` (for a write into a buffer that something else still reads).
+pub(crate) fn duplicate(b: &Buffer) -> Result<Buffer> {
+    let dev = b.state();
+    dev.bind()?;
+    let out = alloc(dev, b.len_bytes())?;
+    if b.len_bytes() > 0 {
+        // SAFETY: both blocks are `len_bytes` long (same bucket); ordered on the compute stream.
+        check(
+            unsafe { sys::cuMemcpyDtoDAsync_v2(out.ptr, b.ptr, b.len_bytes(), dev.compute) },
+            "copy",
+        )?;
+    }
+    Ok(out)
+}
+
 pub(crate) fn empty_cache(dev: &DeviceState) -> Result<()> {
     let blocks: Vec<_> = {
         let mut c = dev.block_cache.lock().unwrap();
@@ -270,7 +281,7 @@ fn staging_block(st: &mut crate::device::Staging, wait: bool) -> Result<usize> {
 
 /// Uploads `bytes` into a new buffer: chunks go through the pinned ring on the copy stream;
 /// the call returns once the last chunk is queued (asynchronous for up to the ring's size).
-pub(crate) fn upload(dev: &'static DeviceState, data: &[u8]) -> Result<CudaStorage> {
+pub(crate) fn upload(dev: &'static DeviceState, data: &[u8]) -> Result<Buffer> {
     let dst = alloc(dev, data.len())?;
     if data.is_empty() {
         return Ok(dst);
@@ -304,7 +315,7 @@ pub(crate) fn upload(dev: &'static DeviceState, data: &[u8]) -> Result<CudaStora
 
 /// Downloads `len` bytes from `src` at byte offset `off` (a contiguous range), pipelined
 /// through the pinned ring on the copy stream.
-pub(crate) fn download(src: &CudaStorage, off: usize, out: &mut [u8]) -> Result<()> {
+pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
     let dev = src.dev;
     if out.is_empty() {
         return Ok(());
@@ -361,11 +372,11 @@ pub(crate) fn download(src: &CudaStorage, off: usize, out: &mut [u8]) -> Result<
 /// Copies `bytes` from `src` (byte offset `off`) into a new buffer on `dst_dev`: a peer copy
 /// between GPUs (direct over NVLink/PCIe when the devices can access each other).
 pub(crate) fn copy_peer(
-    src: &CudaStorage,
+    src: &Buffer,
     off: usize,
     bytes: usize,
     dst_dev: &'static DeviceState,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     let src_dev = src.dev;
     enable_peer(src_dev, dst_dev);
     dst_dev.bind()?;

@@ -6,7 +6,7 @@ use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, ReduceOp, Resul
 use crate::compile::Module;
 use crate::device::{DeviceState, check};
 use crate::launch::{Args, Dims, Strides, collapse, fits_u32};
-use crate::memory::{CudaStorage, alloc};
+use crate::memory::{Buffer, alloc};
 
 pub(crate) const BLOCK: u32 = 256;
 
@@ -30,11 +30,11 @@ fn sized(dtype: DType) -> &'static str {
     }
 }
 
-fn ptr_at(s: &CudaStorage, l: &Layout, dtype: DType) -> u64 {
+fn ptr_at(s: &Buffer, l: &Layout, dtype: DType) -> u64 {
     s.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
 }
 
-fn same_device(op: &'static str, a: &CudaStorage, b: &CudaStorage) -> Result<()> {
+fn same_device(op: &'static str, a: &Buffer, b: &Buffer) -> Result<()> {
     if a.state().ordinal != b.state().ordinal {
         return Err(Error::DeviceMismatch {
             op,
@@ -91,11 +91,11 @@ fn elementwise(
     op: &'static str,
     module: Module,
     base: &[&'static str],
-    inputs: &[(&CudaStorage, &Layout, DType)],
+    inputs: &[(&Buffer, &Layout, DType)],
     out_dtype: DType,
     has_c: bool,
     extra: &dyn Fn(&mut Args),
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     let (s0, l0, _) = inputs[0];
     for (s, _, _) in &inputs[1..] {
         same_device(op, s0, s)?;
@@ -160,7 +160,7 @@ fn elementwise(
     Ok(out)
 }
 
-pub(crate) fn unary(op: UnaryOp, s: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {
+pub(crate) fn unary(op: UnaryOp, s: &Buffer, l: &Layout, dtype: DType) -> Result<Buffer> {
     if !op.supports(dtype) {
         return Err(Error::DTypeMismatch {
             op: op.name(),
@@ -182,12 +182,12 @@ pub(crate) fn unary(op: UnaryOp, s: &CudaStorage, l: &Layout, dtype: DType) -> R
 
 pub(crate) fn binary(
     op: BinaryOp,
-    a: &CudaStorage,
+    a: &Buffer,
     la: &Layout,
-    b: &CudaStorage,
+    b: &Buffer,
     lb: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     if !op.supports(dtype) {
         return Err(Error::DTypeMismatch {
             op: op.name(),
@@ -210,12 +210,12 @@ pub(crate) fn binary(
 /// `Backend::unary_backward`: one kernel, `g * op'(saved)`.
 pub(crate) fn unary_backward(
     op: UnaryOp,
-    s: &CudaStorage,
+    s: &Buffer,
     ls: &Layout,
-    g: &CudaStorage,
+    g: &Buffer,
     lg: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "unary_backward";
     if !matches!(dtype, DType::F32 | DType::F64) {
         return Err(Error::DTypeMismatch {
@@ -224,24 +224,11 @@ pub(crate) fn unary_backward(
             got: dtype,
         });
     }
-    let name = match op {
-        UnaryOp::Exp => "bwd_exp",
-        UnaryOp::Log => "bwd_log",
-        UnaryOp::Sqrt => "bwd_sqrt",
-        UnaryOp::Square => "bwd_square",
-        UnaryOp::Recip => "bwd_recip",
-        UnaryOp::Sin => "bwd_sin",
-        UnaryOp::Cos => "bwd_cos",
-        UnaryOp::Tanh => "bwd_tanh",
-        UnaryOp::Sigmoid => "bwd_sigmoid",
-        UnaryOp::Relu => "bwd_relu",
-        UnaryOp::Abs => "bwd_abs",
-        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
-            return Err(Error::invalid(
-                OP,
-                format!("`{}` has no single-operand backward kernel", op.name()),
-            ));
-        }
+    let Some(name) = bwd_name(op) else {
+        return Err(Error::invalid(
+            OP,
+            format!("`{}` has no single-operand backward kernel", op.name()),
+        ));
     };
     elementwise(
         OP,
@@ -254,14 +241,34 @@ pub(crate) fn unary_backward(
     )
 }
 
+/// The name of `op`'s backward function (`op_bwd_<op>` in scalar_ops.cuh), if it has one.
+pub(crate) fn bwd_name(op: UnaryOp) -> Option<&'static str> {
+    Some(match op {
+        UnaryOp::Exp => "bwd_exp",
+        UnaryOp::Log => "bwd_log",
+        UnaryOp::Sqrt => "bwd_sqrt",
+        UnaryOp::Square => "bwd_square",
+        UnaryOp::Recip => "bwd_recip",
+        UnaryOp::Sin => "bwd_sin",
+        UnaryOp::Cos => "bwd_cos",
+        UnaryOp::Tanh => "bwd_tanh",
+        UnaryOp::Sigmoid => "bwd_sigmoid",
+        UnaryOp::Relu => "bwd_relu",
+        UnaryOp::Abs => "bwd_abs",
+        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+            return None;
+        }
+    })
+}
+
 pub(crate) fn binary_scalar(
     op: BinaryOp,
-    s: &CudaStorage,
+    s: &Buffer,
     l: &Layout,
     dtype: DType,
     scalar: f64,
     scalar_lhs: bool,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     if !op.supports(dtype) {
         return Err(Error::DTypeMismatch {
             op: op.name(),
@@ -293,12 +300,12 @@ pub(crate) fn binary_scalar(
 
 pub(crate) fn compare(
     op: CmpOp,
-    a: &CudaStorage,
+    a: &Buffer,
     la: &Layout,
-    b: &CudaStorage,
+    b: &Buffer,
     lb: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     let base: &[&str] = &["cmp", op.name(), tname(dtype)];
     elementwise(
         op.name(),
@@ -313,14 +320,14 @@ pub(crate) fn compare(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn where_cond(
-    c: &CudaStorage,
+    c: &Buffer,
     lc: &Layout,
-    t: &CudaStorage,
+    t: &Buffer,
     lt: &Layout,
-    f: &CudaStorage,
+    f: &Buffer,
     lf: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     let base: &[&str] = &["where", sized(dtype)];
     elementwise(
         "where",
@@ -333,7 +340,7 @@ pub(crate) fn where_cond(
     )
 }
 
-pub(crate) fn cast(s: &CudaStorage, l: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
+pub(crate) fn cast(s: &Buffer, l: &Layout, from: DType, to: DType) -> Result<Buffer> {
     if from == to {
         return contiguous(s, l, from);
     }
@@ -353,9 +360,9 @@ pub(crate) fn cast(s: &CudaStorage, l: &Layout, from: DType, to: DType) -> Resul
 
 /// Strided copy of `src` (layout `ls`) into `dst` at layout `ld` (same shape).
 pub(crate) fn copy_strided(
-    src: &CudaStorage,
+    src: &Buffer,
     ls: &Layout,
-    dst: &CudaStorage,
+    dst: &Buffer,
     ld: &Layout,
     dtype: DType,
 ) -> Result<()> {
@@ -408,7 +415,7 @@ pub(crate) fn copy_strided(
     )
 }
 
-pub(crate) fn contiguous(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<CudaStorage> {
+pub(crate) fn contiguous(s: &Buffer, l: &Layout, dtype: DType) -> Result<Buffer> {
     let dev = s.state();
     dev.bind()?;
     let out = alloc(dev, l.elem_count() * dtype.size_in_bytes())?;
@@ -421,7 +428,7 @@ pub(crate) fn fill(
     dtype: DType,
     len: usize,
     value: f64,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     dev.bind()?;
     let out = alloc(dev, len * dtype.size_in_bytes())?;
     if len == 0 {
@@ -475,7 +482,7 @@ pub(crate) fn rand(
     len: usize,
     seed: u64,
     dist: RandDist,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
             op: "rand",
@@ -518,11 +525,11 @@ fn block_for(n: u64, max: u32) -> u32 {
 
 pub(crate) fn reduce(
     op: ReduceOp,
-    s: &CudaStorage,
+    s: &Buffer,
     l: &Layout,
     dtype: DType,
     axes: &[usize],
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     let name = op.name();
     let dev = s.state();
     dev.bind()?;
@@ -697,8 +704,8 @@ fn combine_partials(
     dev: &DeviceState,
     name: &'static str,
     t: &'static str,
-    partial: &CudaStorage,
-    out: &CudaStorage,
+    partial: &Buffer,
+    out: &Buffer,
     nout: usize,
     splits: usize,
     grid_x: usize,
@@ -745,7 +752,7 @@ fn rows_of(op: &'static str, l: &Layout) -> Result<(usize, usize, Dims, Strides,
     Ok((rows, cols, d, s[0], l.strides()[r - 1] as u64))
 }
 
-pub(crate) fn softmax(s: &CudaStorage, l: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
+pub(crate) fn softmax(s: &Buffer, l: &Layout, dtype: DType, log: bool) -> Result<Buffer> {
     let op = if log { "log_softmax" } else { "softmax" };
     let dev = s.state();
     dev.bind()?;
@@ -783,12 +790,12 @@ pub(crate) fn softmax(s: &CudaStorage, l: &Layout, dtype: DType, log: bool) -> R
 }
 
 pub(crate) fn cross_entropy(
-    x: &CudaStorage,
+    x: &Buffer,
     lx: &Layout,
-    labels: &CudaStorage,
+    labels: &Buffer,
     ll: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "cross_entropy";
     same_device(OP, x, labels)?;
     let dev = x.state();
@@ -830,14 +837,14 @@ pub(crate) fn cross_entropy(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn cross_entropy_backward(
-    x: &CudaStorage,
+    x: &Buffer,
     lx: &Layout,
-    labels: &CudaStorage,
+    labels: &Buffer,
     ll: &Layout,
-    g: &CudaStorage,
+    g: &Buffer,
     lg: &Layout,
     dtype: DType,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "cross_entropy_backward";
     same_device(OP, x, labels)?;
     same_device(OP, x, g)?;
@@ -887,13 +894,13 @@ fn zero_axis(l: &Layout, axis: usize) -> Vec<usize> {
 }
 
 pub(crate) fn index_select(
-    x: &CudaStorage,
+    x: &Buffer,
     l: &Layout,
     dtype: DType,
-    ids: &CudaStorage,
+    ids: &Buffer,
     li: &Layout,
     axis: usize,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "index_select";
     same_device(OP, x, ids)?;
     let dev = x.state();
@@ -938,13 +945,13 @@ pub(crate) fn index_select(
 }
 
 pub(crate) fn gather(
-    x: &CudaStorage,
+    x: &Buffer,
     l: &Layout,
     dtype: DType,
-    ids: &CudaStorage,
+    ids: &Buffer,
     li: &Layout,
     axis: usize,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "gather";
     same_device(OP, x, ids)?;
     let dev = x.state();
@@ -988,15 +995,15 @@ pub(crate) fn gather(
 
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn scatter_add(
-    base: &CudaStorage,
+    base: &Buffer,
     lb: &Layout,
     dtype: DType,
-    ids: &CudaStorage,
+    ids: &Buffer,
     li: &Layout,
-    src: &CudaStorage,
+    src: &Buffer,
     ls: &Layout,
     axis: usize,
-) -> Result<CudaStorage> {
+) -> Result<Buffer> {
     const OP: &str = "scatter_add";
     same_device(OP, base, ids)?;
     same_device(OP, base, src)?;

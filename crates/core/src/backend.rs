@@ -423,6 +423,12 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// A buffer of `len` elements, all equal to `value` (converted with an `as` cast).
     fn fill(device: &Self::Device, dtype: DType, len: usize, value: f64) -> Result<Self::Storage>;
     fn from_host(device: &Self::Device, data: &HostBuffer) -> Result<Self::Storage>;
+    /// Runs any work still deferred for `storage` (a backend may defer elementwise ops to fuse
+    /// them, as the CUDA backend does); without a host synchronization. Default: nothing to do.
+    fn realize(storage: &Self::Storage) -> Result<()> {
+        let _ = storage;
+        Ok(())
+    }
     /// The elements of `layout`, in row-major order.
     fn to_host(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<HostBuffer>;
     /// The elements of `layout`, contiguous, in a new buffer on `dst` (which may be the same

@@ -347,6 +347,13 @@ impl<B: Backend> Tensor<B> {
         Ok(T::from_host(self.to_host()?).expect("dtype checked above"))
     }
 
+    /// Computes the values now if the backend deferred them (see [`Backend::realize`]), without
+    /// waiting for the device: for benchmarks that must not skip unread results, and to bound
+    /// where deferred work runs. Reading values (`to_vec`, ...) does this on its own.
+    pub fn realize(&self) -> Result<()> {
+        B::realize(&self.storage)
+    }
+
     /// All elements widened to f64.
     pub fn to_f64_vec(&self) -> Result<Vec<f64>> {
         Ok(self.to_host()?.to_f64_vec())

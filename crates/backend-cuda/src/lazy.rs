@@ -1,0 +1,723 @@
+//! Deferred elementwise ops and the fused kernels that run them.
+//!
+//! On a GPU a small elementwise op costs far more to launch (3–5 µs of driver time per
+//! `cuLaunchKernel` on the H100/H200 we measure on) than to run, and a training step is full
+//! of chains of them: a loss's tail, the chain rule of its gradient, an update. So `unary`,
+//! `binary`, `binary_scalar`, `unary_backward` and `fill` on f32/f64 do not launch anything:
+//! they record a [`Node`] of an expression DAG whose leaves are computed buffers (fills only up
+//! to [`MAX_DEFERRED_FILL`] bytes). The first op
+//! that needs the values — a matmul, a reduction, a copy to the host, any op that is not
+//! elementwise — *forces* the node: its whole DAG becomes one kernel, generated as CUDA C,
+//! compiled by NVRTC once per distinct program (memoized per device and cached on disk like
+//! `kernels/`), and launched once. A node nobody reads never runs.
+//!
+//! What does not change: tensors stay immutable (an in-place write into a buffer that a pending
+//! node still reads copies the buffer first: `CudaStorage::buffer_mut`); every op computes with
+//! the scalar functions of the single-op kernels (`kernels/scalar_ops.cuh`); shape, dtype and
+//! device errors are raised by the op that caused them. What does: an out-of-memory or launch
+//! failure of deferred work surfaces at the op that forces it (as with any asynchronous GPU
+//! error), and `launch_stats` counts one launch for the chain.
+//!
+//! Two rules keep the generated kernels simple. A pending operand is inlined when it is read in
+//! its own shape, contiguously — or when its value is the same at every element (a fill, a
+//! scalar, a chain of those), through any view. Any other view of a pending tensor (transposed,
+//! broadcast, narrowed) forces it first and reads it as a leaf. And a node that would exceed
+//! [`MAX_OPS`] operations or [`MAX_LEAVES`] leaves forces its operands first, so programs and
+//! their argument lists stay bounded (and a value updated in a loop, `b = b - lr * g`, does not
+//! grow a chain across steps).
+//!
+//! `KILN_CUDA_FUSE=0` (or [`set_fusion`]`(false)`) runs every op eagerly instead.
+
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+
+use kiln_core::{BinaryOp, DType, Error, Layout, Result, Shape, UnaryOp};
+
+use crate::compile::{COMMON, SCALAR_OPS};
+use crate::device::DeviceState;
+use crate::launch::{Args, collapse, fits_u32};
+use crate::memory::{Buffer, alloc};
+use crate::ops::{self, BLOCK, tname};
+use crate::storage::{CudaStorage, Repr};
+
+/// Most operations in one node's DAG (counted with repeats).
+pub(crate) const MAX_OPS: u32 = 48;
+/// Most leaf reads in one node's DAG (counted with repeats).
+pub(crate) const MAX_LEAVES: u32 = 12;
+
+static FUSION: AtomicU8 = AtomicU8::new(0);
+
+/// Turns deferral and fusion of elementwise ops on or off for the whole process (default on;
+/// `KILN_CUDA_FUSE=0` starts with it off). Tensors already pending stay pending.
+pub fn set_fusion(on: bool) {
+    FUSION.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether elementwise ops are deferred and fused (see [`set_fusion`]).
+pub fn fusion_enabled() -> bool {
+    match FUSION.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("KILN_CUDA_FUSE").map_or(true, |v| v != "0");
+            set_fusion(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// One deferred elementwise op.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Op {
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `op(x, value)`, or `op(value, x)` when `lhs`.
+    Scalar {
+        op: BinaryOp,
+        value: f64,
+        lhs: bool,
+    },
+    /// `g * op'(saved)` with operands `(saved, g)`.
+    UnaryBwd(UnaryOp),
+    Fill(f64),
+}
+
+impl Op {
+    fn name(self) -> &'static str {
+        match self {
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) | Op::Scalar { op: b, .. } => b.name(),
+            Op::UnaryBwd(_) => "unary_backward",
+            Op::Fill(_) => "fill",
+        }
+    }
+
+    /// Whether this op on `dtype` can be deferred (float dtypes, ops the kernels support).
+    fn fusable(self, dtype: DType) -> bool {
+        matches!(dtype, DType::F32 | DType::F64)
+            && match self {
+                Op::Unary(u) => u.supports(dtype),
+                Op::Binary(b) | Op::Scalar { op: b, .. } => b.supports(dtype),
+                Op::UnaryBwd(u) => ops::bwd_name(u).is_some(),
+                Op::Fill(_) => true,
+            }
+    }
+}
+
+/// An input of a node: a computed buffer read through a layout of the node's shape, or another
+/// node (read in its own shape, or uniform).
+#[derive(Clone)]
+pub(crate) enum Operand {
+    Leaf { buf: Arc<Buffer>, layout: Layout },
+    Node(Arc<Node>),
+}
+
+/// A deferred elementwise op and its result once forced.
+pub(crate) struct Node {
+    dev: &'static DeviceState,
+    dtype: DType,
+    shape: Shape,
+    /// The value is the same at every element (no operand varies per element).
+    uniform: bool,
+    /// Operations and leaf reads in the DAG below, counted with repeats (for the caps).
+    ops: u32,
+    leaves: u32,
+    state: Mutex<State>,
+}
+
+enum State {
+    Pending { op: Op, args: Vec<Operand> },
+    Done(Arc<Buffer>),
+}
+
+impl Node {
+    pub(crate) fn state(&self) -> &'static DeviceState {
+        self.dev
+    }
+    pub(crate) fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub(crate) fn len_bytes(&self) -> usize {
+        self.shape.elem_count() * self.dtype.size_in_bytes()
+    }
+    pub(crate) fn is_done(&self) -> bool {
+        self.done().is_some()
+    }
+    fn done(&self) -> Option<Arc<Buffer>> {
+        match &*self.state.lock().unwrap() {
+            State::Done(b) => Some(b.clone()),
+            State::Pending { .. } => None,
+        }
+    }
+}
+
+/// Whether `l` reads a single element (every dimension of size > 1 has stride 0).
+fn reads_one(l: &Layout) -> bool {
+    l.dims()
+        .iter()
+        .zip(l.strides())
+        .all(|(&d, &s)| d <= 1 || s == 0)
+}
+
+/// `op` over `inputs` (each read through a layout of the output's shape): deferred when fusion
+/// is on and the op and dtype allow it, else run now.
+pub(crate) fn record(
+    op: Op,
+    inputs: &[(&CudaStorage, &Layout)],
+    dtype: DType,
+) -> Result<CudaStorage> {
+    let (s0, l0) = inputs[0];
+    for (s, _) in &inputs[1..] {
+        if s.state().ordinal != s0.state().ordinal {
+            return Err(Error::DeviceMismatch {
+                op: op.name(),
+                lhs: s0.device().to_string(),
+                rhs: s.device().to_string(),
+            });
+        }
+    }
+    if !fusion_enabled() || !op.fusable(dtype) {
+        let bufs = inputs
+            .iter()
+            .map(|(s, _)| s.buffer())
+            .collect::<Result<Vec<_>>>()?;
+        let args: Vec<(&Buffer, &Layout)> = bufs
+            .iter()
+            .zip(inputs)
+            .map(|(b, (_, l))| (&**b, *l))
+            .collect();
+        return eager(s0.state(), op, &args, dtype, l0.elem_count()).map(CudaStorage::ready);
+    }
+    let mut args = inputs
+        .iter()
+        .map(|(s, l)| operand(s, l))
+        .collect::<Result<Vec<_>>>()?;
+    let mut t = tally(&args);
+    if t.0 + 1 > MAX_OPS || t.1 > MAX_LEAVES {
+        for (a, (_, l)) in args.iter_mut().zip(inputs) {
+            if let Operand::Node(n) = a {
+                *a = Operand::Leaf {
+                    buf: force(n)?,
+                    layout: (*l).clone(),
+                };
+            }
+        }
+        t = tally(&args);
+    }
+    let (n_ops, n_leaves, uniform) = t;
+    Ok(CudaStorage::pending(Arc::new(Node {
+        dev: s0.state(),
+        dtype,
+        shape: l0.shape().clone(),
+        uniform: uniform || l0.elem_count() <= 1,
+        ops: n_ops + 1,
+        leaves: n_leaves,
+        state: Mutex::new(State::Pending { op, args }),
+    })))
+}
+
+/// Fills up to this many bytes are deferred (a seed gradient, a scalar constant); larger ones
+/// allocate at once, so that `zeros` of a big tensor reserves its memory (and fails with
+/// out-of-memory) where it is called, as users expect.
+pub(crate) const MAX_DEFERRED_FILL: usize = 4096;
+
+/// A deferred fill of `len` elements (a leafless, uniform node) when small, or an eager one.
+pub(crate) fn fill(
+    dev: &'static DeviceState,
+    dtype: DType,
+    len: usize,
+    value: f64,
+) -> Result<CudaStorage> {
+    let op = Op::Fill(value);
+    if !fusion_enabled() || !op.fusable(dtype) || len * dtype.size_in_bytes() > MAX_DEFERRED_FILL {
+        return ops::fill(dev, dtype, len, value).map(CudaStorage::ready);
+    }
+    Ok(CudaStorage::pending(Arc::new(Node {
+        dev,
+        dtype,
+        shape: Shape::new([len]),
+        uniform: true,
+        ops: 1,
+        leaves: 0,
+        state: Mutex::new(State::Pending {
+            op,
+            args: Vec::new(),
+        }),
+    })))
+}
+
+/// (operations, leaf reads, all uniform) of a node's operands.
+fn tally(args: &[Operand]) -> (u32, u32, bool) {
+    args.iter().fold((0, 0, true), |(o, l, u), a| match a {
+        Operand::Leaf { layout, .. } => (o, l + 1, u && reads_one(layout)),
+        Operand::Node(n) => (o + n.ops, l + n.leaves, u && n.uniform),
+    })
+}
+
+/// How a node reads `s` through `l` (see the module docs for when a pending input is inlined).
+fn operand(s: &CudaStorage, l: &Layout) -> Result<Operand> {
+    let node = match s.repr() {
+        Repr::Ready(buf) => {
+            return Ok(Operand::Leaf {
+                buf: buf.clone(),
+                layout: l.clone(),
+            });
+        }
+        Repr::Lazy(node) => node,
+    };
+    let inline =
+        node.uniform || (l.offset() == 0 && l.is_contiguous() && l.dims() == node.shape.dims());
+    Ok(match node.done() {
+        None if inline => Operand::Node(node.clone()),
+        done => Operand::Leaf {
+            buf: match done {
+                Some(b) => b,
+                None => force(node)?,
+            },
+            layout: l.clone(),
+        },
+    })
+}
+
+/// Runs `op` now with the single-op kernels.
+fn eager(
+    dev: &'static DeviceState,
+    op: Op,
+    args: &[(&Buffer, &Layout)],
+    dtype: DType,
+    len: usize,
+) -> Result<Buffer> {
+    match op {
+        Op::Unary(u) => ops::unary(u, args[0].0, args[0].1, dtype),
+        Op::Binary(b) => ops::binary(b, args[0].0, args[0].1, args[1].0, args[1].1, dtype),
+        Op::Scalar { op, value, lhs } => {
+            ops::binary_scalar(op, args[0].0, args[0].1, dtype, value, lhs)
+        }
+        Op::UnaryBwd(u) => {
+            ops::unary_backward(u, args[0].0, args[0].1, args[1].0, args[1].1, dtype)
+        }
+        Op::Fill(v) => ops::fill(dev, dtype, len, v),
+    }
+}
+
+/// The node's values: computed now (one launch for its whole pending DAG) unless already.
+pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
+    let (op, args) = match &*node.state.lock().unwrap() {
+        State::Done(b) => return Ok(b.clone()),
+        State::Pending { op, args } => (*op, args.clone()),
+    };
+    // Inputs already computed are leaves; with only leaves, the single-op kernel does it.
+    let mut leaves: Vec<(Arc<Buffer>, Layout)> = Vec::with_capacity(args.len());
+    for a in &args {
+        match a {
+            Operand::Leaf { buf, layout } => leaves.push((buf.clone(), layout.clone())),
+            Operand::Node(n) => match n.done() {
+                Some(b) => leaves.push((b, done_layout(n, &node.shape))),
+                None => break,
+            },
+        }
+    }
+    let buf = if leaves.len() == args.len() {
+        let refs: Vec<(&Buffer, &Layout)> = leaves.iter().map(|(b, l)| (&**b, l)).collect();
+        eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())?
+    } else {
+        fused(node)?
+    };
+    let buf = Arc::new(buf);
+    let mut st = node.state.lock().unwrap();
+    if let State::Done(b) = &*st {
+        return Ok(b.clone()); // another thread got there first
+    }
+    *st = State::Done(buf.clone());
+    Ok(buf)
+}
+
+/// How a consumer of shape `out` reads computed node `n`: element 0 everywhere when uniform,
+/// else contiguously in its own (equal) shape.
+fn done_layout(n: &Node, out: &Shape) -> Layout {
+    if n.uniform {
+        Layout::from_parts(out.clone(), vec![0; out.rank()], 0)
+    } else {
+        Layout::contiguous(out.clone())
+    }
+}
+
+// ---- code generation ---------------------------------------------------------------------------
+
+/// One instruction of a fused program; each defines the register with its index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Ins {
+    /// Strided leaf `k`, read per element.
+    Leaf(u8),
+    /// Uniform leaf `k` (one element, read once).
+    Uni(u8),
+    /// Scalar kernel argument `k`.
+    Const(u8),
+    Unary(UnaryOp, u16),
+    Binary(BinaryOp, u16, u16),
+    /// `op_bwd_<op>(saved, g)`.
+    Bwd(UnaryOp, u16, u16),
+}
+
+/// A fused kernel's code: what its source (and so its compiled function) depends on.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Program {
+    pub dtype: DType,
+    /// 64-bit index arithmetic (beyond 2^31 elements or storage extent).
+    pub wide: bool,
+    /// Every strided leaf is contiguous with the output (no index arithmetic).
+    pub contig: bool,
+    pub leaves: u8,
+    pub unis: u8,
+    pub consts: u8,
+    pub code: Vec<Ins>,
+}
+
+/// The program of a DAG and the arguments of one launch of it.
+struct Gen<'a> {
+    dtype: DType,
+    shape: &'a Shape,
+    code: Vec<Ins>,
+    leaves: Vec<(Arc<Buffer>, Layout)>,
+    unis: Vec<(Arc<Buffer>, u64)>,
+    consts: Vec<f64>,
+    /// Nodes already emitted (held, so that their addresses stay theirs).
+    memo: Vec<(Arc<Node>, u16)>,
+}
+
+impl Gen<'_> {
+    fn push(&mut self, ins: Ins) -> u16 {
+        self.code.push(ins);
+        (self.code.len() - 1) as u16
+    }
+
+    fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout) -> u16 {
+        if reads_one(&layout) {
+            let ptr = buf.device_ptr() + (layout.offset() * self.dtype.size_in_bytes()) as u64;
+            let k = match self.unis.iter().position(|(_, p)| *p == ptr) {
+                Some(k) => k,
+                None => {
+                    self.unis.push((buf, ptr));
+                    self.unis.len() - 1
+                }
+            };
+            return self.push(Ins::Uni(k as u8));
+        }
+        let same = |(b, l): &(Arc<Buffer>, Layout)| {
+            b.device_ptr() == buf.device_ptr()
+                && l.offset() == layout.offset()
+                && l.strides() == layout.strides()
+        };
+        let k = match self.leaves.iter().position(same) {
+            Some(k) => k,
+            None => {
+                self.leaves.push((buf, layout));
+                self.leaves.len() - 1
+            }
+        };
+        self.push(Ins::Leaf(k as u8))
+    }
+
+    fn constant(&mut self, v: f64) -> u16 {
+        self.consts.push(v);
+        self.push(Ins::Const((self.consts.len() - 1) as u8))
+    }
+
+    fn operand(&mut self, a: &Operand) -> u16 {
+        match a {
+            Operand::Leaf { buf, layout } => self.leaf(buf.clone(), layout.clone()),
+            Operand::Node(n) => self.node(n),
+        }
+    }
+
+    fn node(&mut self, n: &Arc<Node>) -> u16 {
+        if let Some(&(_, r)) = self.memo.iter().find(|(m, _)| Arc::ptr_eq(m, n)) {
+            return r;
+        }
+        let pending = match &*n.state.lock().unwrap() {
+            State::Done(b) => Err(b.clone()),
+            State::Pending { op, args } => Ok((*op, args.clone())),
+        };
+        let r = match pending {
+            Err(buf) => self.leaf(buf, done_layout(n, self.shape)),
+            Ok((op, args)) => {
+                let regs: Vec<u16> = args.iter().map(|a| self.operand(a)).collect();
+                match op {
+                    Op::Unary(u) => self.push(Ins::Unary(u, regs[0])),
+                    Op::Binary(b) => self.push(Ins::Binary(b, regs[0], regs[1])),
+                    Op::Scalar { op, value, lhs } => {
+                        let c = self.constant(value);
+                        let (x, y) = if lhs { (c, regs[0]) } else { (regs[0], c) };
+                        self.push(Ins::Binary(op, x, y))
+                    }
+                    Op::UnaryBwd(u) => self.push(Ins::Bwd(u, regs[0], regs[1])),
+                    Op::Fill(v) => self.constant(v),
+                }
+            }
+        };
+        self.memo.push((n.clone(), r));
+        r
+    }
+}
+
+/// Generates, compiles (once per program) and launches the kernel of `root`'s pending DAG.
+fn fused(root: &Arc<Node>) -> Result<Buffer> {
+    const OP: &str = "fused elementwise";
+    let dev = root.dev;
+    dev.bind()?;
+    let dtype = root.dtype;
+    let n = root.shape.elem_count();
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let mut g = Gen {
+        dtype,
+        shape: &root.shape,
+        code: Vec::new(),
+        leaves: Vec::new(),
+        unis: Vec::new(),
+        consts: Vec::new(),
+        memo: Vec::new(),
+    };
+    g.node(root);
+    let strides: Vec<&[usize]> = g.leaves.iter().map(|(_, l)| l.strides()).collect();
+    let offsets: Vec<usize> = g.leaves.iter().map(|(_, l)| l.offset()).collect();
+    let (d, ss) = collapse(OP, root.shape.dims(), &strides, &offsets)?;
+    let contig = d.rank == 0 || (d.rank == 1 && ss.iter().all(|s| s.s[0] == 1));
+    let layouts: Vec<&Layout> = g.leaves.iter().map(|(_, l)| l).collect();
+    let program = Program {
+        dtype,
+        wide: n >= (1 << 31) || !fits_u32(&layouts),
+        contig,
+        leaves: g.leaves.len() as u8,
+        unis: g.unis.len() as u8,
+        consts: g.consts.len() as u8,
+        code: std::mem::take(&mut g.code),
+    };
+    let f = dev.fused_func(&program, || source(&program))?;
+    let size = dtype.size_in_bytes() as u64;
+    let mut a = Args::new();
+    a.push(out.device_ptr()).push(n as u64);
+    if !contig {
+        a.push(d);
+    }
+    for ((buf, l), s) in g.leaves.iter().zip(&ss) {
+        if contig {
+            a.push(buf.device_ptr() + l.offset() as u64 * size);
+        } else {
+            a.push(buf.device_ptr()).push(*s);
+        }
+    }
+    for (_, p) in &g.unis {
+        a.push(*p);
+    }
+    for &c in &g.consts {
+        match dtype {
+            DType::F32 => a.push(c as f32),
+            _ => a.push(c),
+        };
+    }
+    let (mut p, np) = a.ptrs();
+    dev.launch(OP, f, dev.grid_1d(n as u64, BLOCK), BLOCK, 0, &mut p[..np])?;
+    Ok(out)
+}
+
+/// The CUDA C of `p`: one grid-stride loop; registers that do not vary per element (uniform
+/// leaves, constants, ops of those) are computed once before it.
+pub(crate) fn source(p: &Program) -> String {
+    let mut s = format!(
+        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n\
+         #line 1 \"fused.cu\"\ntypedef {} T;\ntypedef {} I;\n\
+         extern \"C\" __global__ void fused(T* __restrict__ y, u64 n",
+        tname(p.dtype),
+        if p.wide { "u64" } else { "u32" }
+    );
+    if !p.contig {
+        s += ", Dims d";
+    }
+    for k in 0..p.leaves {
+        let _ = write!(s, ", const T* __restrict__ a{k}");
+        if !p.contig {
+            let _ = write!(s, ", Strides s{k}");
+        }
+    }
+    for k in 0..p.unis {
+        let _ = write!(s, ", const T* __restrict__ u{k}");
+    }
+    for k in 0..p.consts {
+        let _ = write!(s, ", T c{k}");
+    }
+    s += ") {\n";
+    // Per-element registers: leaves and anything computed from one.
+    let mut varies = vec![false; p.code.len()];
+    for (j, ins) in p.code.iter().enumerate() {
+        varies[j] = match *ins {
+            Ins::Leaf(_) => true,
+            Ins::Uni(_) | Ins::Const(_) => false,
+            Ins::Unary(_, a) => varies[a as usize],
+            Ins::Binary(_, a, b) | Ins::Bwd(_, a, b) => varies[a as usize] || varies[b as usize],
+        };
+    }
+    let expr = |ins: Ins| -> String {
+        match ins {
+            Ins::Leaf(k) if p.contig => format!("a{k}[i]"),
+            Ins::Leaf(k) => format!("a{k}[o{k}]"),
+            Ins::Uni(k) => format!("u{k}[0]"),
+            Ins::Const(k) => format!("c{k}"),
+            Ins::Unary(u, a) => format!("op_{}<T>(r{a})", u.name()),
+            Ins::Binary(b, x, y) => format!("op_{}<T>(r{x}, r{y})", b.name()),
+            Ins::Bwd(u, x, y) => format!(
+                "op_{}<T>(r{x}, r{y})",
+                ops::bwd_name(u).expect("only ops with a backward kernel are recorded")
+            ),
+        }
+    };
+    for (j, ins) in p.code.iter().enumerate() {
+        if !varies[j] {
+            let _ = writeln!(s, "    const T r{j} = {};", expr(*ins));
+        }
+    }
+    s += "    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n";
+    if !p.contig && p.leaves > 0 {
+        s += "        I q = (I)i;\n";
+        for k in 0..p.leaves {
+            let _ = writeln!(s, "        I o{k} = (I)s{k}.offset;");
+        }
+        s += "#pragma unroll\n        for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {\n\
+              \x20           if (k < d.rank) {\n\
+              \x20               I dk = (I)d.d[k];\n\
+              \x20               I nq = q / dk;\n\
+              \x20               I m = q - nq * dk;\n";
+        for k in 0..p.leaves {
+            let _ = writeln!(s, "                o{k} += m * (I)s{k}.s[k];");
+        }
+        s += "                q = nq;\n            }\n        }\n";
+    }
+    for (j, ins) in p.code.iter().enumerate() {
+        if varies[j] {
+            let _ = writeln!(s, "        const T r{j} = {};", expr(*ins));
+        }
+    }
+    let _ = writeln!(s, "        y[i] = r{};\n    }}\n}}", p.code.len() - 1);
+    s
+}
+
+/// A few programs covering every instruction, both index widths and both layouts: what `cargo
+/// xtask check-kernels` compiles so that a code generator change that breaks NVRTC fails CI.
+pub fn sample_sources() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for (dtype, wide, contig) in [
+        (DType::F32, false, true),
+        (DType::F64, true, false),
+        (DType::F32, false, false),
+    ] {
+        let mut code = vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Uni(0), Ins::Const(0)];
+        for u in UnaryOp::ALL {
+            if u.supports(dtype) {
+                code.push(Ins::Unary(u, 0));
+            }
+            if ops::bwd_name(u).is_some() {
+                code.push(Ins::Bwd(u, 0, 1));
+            }
+        }
+        for b in BinaryOp::ALL {
+            if b.supports(dtype) {
+                code.push(Ins::Binary(b, 2, (code.len() - 1) as u16));
+            }
+        }
+        let p = Program {
+            dtype,
+            wide,
+            contig,
+            leaves: 2,
+            unis: 1,
+            consts: 1,
+            code,
+        };
+        out.push((
+            format!("fused ({dtype}, wide {wide}, contig {contig})"),
+            source(&p),
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sigmoid(a0 + u0) * c0` over strided leaves: the uniform read and the constant are
+    /// hoisted out of the loop, the per-element ops stay inside, in order.
+    #[test]
+    fn source_hoists_uniform_registers() {
+        let p = Program {
+            dtype: DType::F32,
+            wide: false,
+            contig: false,
+            leaves: 1,
+            unis: 1,
+            consts: 1,
+            code: vec![
+                Ins::Leaf(0),
+                Ins::Uni(0),
+                Ins::Binary(BinaryOp::Add, 0, 1),
+                Ins::Unary(UnaryOp::Sigmoid, 2),
+                Ins::Const(0),
+                Ins::Binary(BinaryOp::Mul, 3, 4),
+            ],
+        };
+        let src = source(&p);
+        let body = &src[src.find("extern \"C\"").unwrap()..];
+        let at = |needle: &str| {
+            body.find(needle)
+                .unwrap_or_else(|| panic!("`{needle}` missing in:\n{body}"))
+        };
+        let lp = at("for (u64 i");
+        assert!(at("const T r1 = u0[0];") < lp);
+        assert!(at("const T r4 = c0;") < lp);
+        assert!(at("const T r0 = a0[o0];") > lp);
+        assert!(at("const T r2 = op_add<T>(r0, r1);") < at("const T r3 = op_sigmoid<T>(r2);"));
+        assert!(at("y[i] = r5;") > at("const T r5 = op_mul<T>(r3, r4);"));
+        assert!(body.contains("typedef u32 I;") || src.contains("typedef u32 I;"));
+        assert!(body.contains("Strides s0") && body.contains("Dims d"));
+    }
+
+    #[test]
+    fn contiguous_programs_index_directly() {
+        let p = Program {
+            dtype: DType::F64,
+            wide: true,
+            contig: true,
+            leaves: 2,
+            unis: 0,
+            consts: 0,
+            code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Bwd(UnaryOp::Tanh, 0, 1)],
+        };
+        let src = source(&p);
+        assert!(src.contains("typedef double T;") && src.contains("typedef u64 I;"));
+        assert!(src.contains("const T r0 = a0[i];"));
+        assert!(src.contains("op_bwd_tanh<T>(r0, r1)"));
+        assert!(!src.contains("Strides s0") && !src.contains("Dims d"));
+    }
+
+    #[test]
+    fn single_element_reads_are_uniform() {
+        assert!(reads_one(&Layout::contiguous(Shape::scalar())));
+        assert!(reads_one(&Layout::from_parts(
+            Shape::new([3, 4]),
+            vec![0, 0],
+            5
+        )));
+        assert!(reads_one(&Layout::from_parts(
+            Shape::new([1, 4]),
+            vec![7, 0],
+            0
+        )));
+        assert!(!reads_one(&Layout::from_parts(
+            Shape::new([3, 4]),
+            vec![0, 1],
+            0
+        )));
+    }
+}

@@ -1,0 +1,177 @@
+//! Deferred, fused elementwise ops on the GPU (`src/lazy.rs`): the same values as the CPU
+//! backend, one launch for a chain, tensors still immutable, unread work never run.
+//!
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
+
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, gpu_or_skip, thread_launches};
+use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+
+/// The same values on both backends: a deterministic pattern in [-1.5, 1.5].
+fn pattern<B: Backend>(dims: &[usize], salt: u64, dev: &B::Device, dtype: DType) -> Tensor<B> {
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| (((i * 2654435761 + salt * 97) % 1000) as f64 / 1000.0 - 0.5) * 3.0)
+        .collect();
+    Tensor::<B>::from_vec(v, dims.to_vec(), dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// A chain that exercises every way an operand reaches a fused kernel: a transposed leaf, a
+/// broadcast row, a scalar fill, pending intermediates used twice, unary backward, scalar ops
+/// on both sides, and a pending tensor read through a transposed view (forced first).
+fn chain<B: Backend>(dev: &B::Device, dtype: DType) -> Result<Tensor<B>> {
+    let x = pattern::<B>(&[24, 16], 1, dev, dtype).t()?; // [16, 24], strided
+    let row = pattern::<B>(&[24], 2, dev, dtype).broadcast_to([16, 24])?;
+    let half = Tensor::<B>::full([16, 24], 0.5, dtype, dev)?;
+    let z = x.mul(&row)?.add(&half)?; // pending
+    let p = z.sigmoid()?; // pending, read twice below
+    let q = p.log()?.sub(&p.scalar_binary(BinaryOp::Sub, 1.0)?.log()?)?;
+    let g = p.unary_backward(UnaryOp::Sigmoid, &q)?; // sigmoid's backward at p
+    // Transposed views of pending tensors: forced, then read as strided leaves.
+    let t = g.t()?;
+    t.mul(&z.t()?.tanh()?)?
+        .div_scalar(3.0)?
+        .maximum_scalar(-0.25)
+}
+
+fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= rtol * (1.0 + y.abs()),
+            "{what}: element {i}: cuda {x} vs cpu {y}"
+        );
+    }
+}
+
+#[test]
+fn fused_chains_match_the_cpu_backend() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for (dtype, rtol) in [(DType::F32, 2e-6), (DType::F64, 1e-14)] {
+        let gpu = chain::<Cuda>(&dev, dtype).unwrap();
+        assert!(
+            gpu.storage().is_pending(),
+            "the chain should still be pending"
+        );
+        let cpu = chain::<Cpu>(&Cpu::device(0), dtype).unwrap();
+        close(
+            &gpu.to_f64_vec().unwrap(),
+            &cpu.to_f64_vec().unwrap(),
+            rtol,
+            &format!("{dtype} chain"),
+        );
+    }
+}
+
+#[test]
+fn a_chain_is_one_launch_and_unread_work_never_runs() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = pattern::<Cuda>(&[1000], 3, &dev, DType::F32);
+    let y = pattern::<Cuda>(&[1000], 4, &dev, DType::F32);
+    // Warm up: compile the program once.
+    let f = |x: &Tensor<Cuda>, y: &Tensor<Cuda>| -> Result<Tensor<Cuda>> {
+        x.mul(y)?
+            .exp()?
+            .add_scalar(1.0)?
+            .log()?
+            .mul_scalar(0.5)?
+            .sub(x)?
+            .square()
+    };
+    f(&x, &y).unwrap().realize().unwrap();
+
+    let before = thread_launches();
+    let r = f(&x, &y).unwrap();
+    assert_eq!(thread_launches(), before, "recording must not launch");
+    r.realize().unwrap();
+    assert_eq!(thread_launches(), before + 1, "seven ops, one fused launch");
+    r.realize().unwrap();
+    assert_eq!(thread_launches(), before + 1, "realized once");
+
+    let before = thread_launches();
+    drop(f(&x, &y).unwrap());
+    assert_eq!(
+        thread_launches(),
+        before,
+        "dropped before being read: never ran"
+    );
+
+    let expect: Vec<f64> = x
+        .to_f64_vec()
+        .unwrap()
+        .iter()
+        .zip(y.to_f64_vec().unwrap())
+        .map(|(&a, b)| {
+            let (a, b) = (a as f32, b as f32);
+            let v = ((a * b).exp() + 1.0).ln() * 0.5 - a;
+            (v * v) as f64
+        })
+        .collect();
+    close(&r.to_f64_vec().unwrap(), &expect, 1e-5, "softplus chain");
+}
+
+#[test]
+fn writing_into_a_buffer_a_pending_op_reads_leaves_the_op_its_old_values() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let base = Tensor::<Cuda>::arange(0.0, 8.0, 1.0, DType::F32, &dev).unwrap();
+    let doubled = base.mul_scalar(2.0).unwrap(); // pending, reads `base`'s buffer
+    assert!(doubled.storage().is_pending());
+    let ones = Tensor::<Cuda>::full([4], 1.0, DType::F32, &dev).unwrap();
+    // `base` is the only handle to its storage, so this write is in place.
+    let written = base.slice_assign(0, 2, &ones).unwrap();
+    assert_eq!(
+        written.to_vec::<f32>().unwrap(),
+        [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0]
+    );
+    assert_eq!(
+        doubled.to_vec::<f32>().unwrap(),
+        [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
+    );
+}
+
+#[test]
+fn a_value_updated_in_a_loop_stays_bounded_and_right() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    // b = b * 0.5 + 1 converges to 2; 300 steps exceed the node caps many times over.
+    let mut b = Tensor::<Cuda>::zeros([3], DType::F64, &dev).unwrap();
+    let mut expect = 0.0f64;
+    for _ in 0..300 {
+        b = b.mul_scalar(0.5).unwrap().add_scalar(1.0).unwrap();
+        expect = expect * 0.5 + 1.0;
+    }
+    for v in b.to_vec::<f64>().unwrap() {
+        assert_eq!(v, expect);
+    }
+}
+
+#[test]
+fn uniform_values_broadcast_through_any_view() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    // A pending scalar (fill, then scalar ops) broadcast into a matrix, as autograd's seed and
+    // mean backward do.
+    let s = Tensor::<Cuda>::full(kiln_core::Shape::scalar(), 1.0, DType::F32, &dev)
+        .unwrap()
+        .div_scalar(4.0)
+        .unwrap();
+    let m = pattern::<Cuda>(&[3, 5], 5, &dev, DType::F32);
+    let r = s
+        .broadcast_to([3, 5])
+        .unwrap()
+        .mul(&m)
+        .unwrap()
+        .neg()
+        .unwrap();
+    let expect: Vec<f64> = m
+        .to_f64_vec()
+        .unwrap()
+        .iter()
+        .map(|v| -(v * 0.25))
+        .collect();
+    close(&r.to_f64_vec().unwrap(), &expect, 1e-7, "broadcast scalar");
+    // A reduction of a pending tensor forces it first.
+    let total = r.sum_all().unwrap().to_scalar().unwrap();
+    assert!((total - expect.iter().sum::<f64>()).abs() < 1e-5);
+}

@@ -1,7 +1,9 @@
 //! Where the host time of a small-op workload goes: the cost per call of a few tiny ops (400
 //! elements, so the device work is negligible and what remains is kiln's own overhead plus the
-//! kernel launch), without and with autograd. On CUDA, `KILN_CUDA_LAUNCH_STATS=1` adds the
-//! launches per op and the part of each op's time spent inside `cuLaunchKernel`.
+//! kernel launch), without and with autograd, and of a chain of elementwise ops (which the CUDA
+//! backend runs as one fused kernel; `KILN_CUDA_FUSE=0` to compare). On CUDA,
+//! `KILN_CUDA_LAUNCH_STATS=1` adds the launches per op and the part of each op's time spent
+//! inside `cuLaunchKernel`.
 //!
 //! ```sh
 //! cargo run --release --example op_overhead -- --device cuda
@@ -72,17 +74,23 @@ impl Job for Overhead {
         let y = Tensor::<B>::rand([400], -1.0, 1.0, 2, DType::F32, &dev)?;
         let s = Tensor::<B>::full(Shape::scalar(), 0.5, DType::F32, &dev)?;
         println!("device {dev}, 400-element f32 tensors, {n} calls per line");
+        // Each result is realized: a backend that defers elementwise work (CUDA) runs it.
         measure::<B>(&dev, "tensor add_scalar", n, 1, &|| {
-            x.add_scalar(1.0).map(drop)
+            x.add_scalar(1.0)?.realize()
         })?;
         measure::<B>(&dev, "tensor add (same shape)", n, 1, &|| {
-            x.add(&y).map(drop)
+            x.add(&y)?.realize()
         })?;
         measure::<B>(&dev, "tensor add (0-d broadcast)", n, 1, &|| {
-            x.add(&s).map(drop)
+            x.add(&s)?.realize()
         })?;
-        measure::<B>(&dev, "tensor sigmoid", n, 1, &|| x.sigmoid().map(drop))?;
-        measure::<B>(&dev, "tensor sum_all", n, 1, &|| x.sum_all().map(drop))?;
+        measure::<B>(&dev, "tensor sigmoid", n, 1, &|| x.sigmoid()?.realize())?;
+        measure::<B>(&dev, "tensor sum_all", n, 1, &|| x.sum_all()?.realize())?;
+        // On CUDA: eight deferred ops, then one fused launch.
+        measure::<B>(&dev, "tensor 8-op elementwise chain", n / 8, 8, &|| {
+            let a = x.mul(&y)?.add_scalar(1.0)?.sigmoid()?.mul(&x)?;
+            a.sub(&y)?.square()?.mul_scalar(0.5)?.add(&s)?.realize()
+        })?;
         let (vx, vy) = (Var::param(x.clone()), Var::constant(y.clone()));
         // forward: mul, sigmoid, sum = 3 ops; backward: seed, sum (view), sigmoid, mul = 3 ops
         measure::<B>(
@@ -93,8 +101,7 @@ impl Job for Overhead {
             &|| {
                 let l = vx.mul(&vy)?.sigmoid()?.sum_all()?;
                 l.backward()?;
-                vx.take_grad();
-                Ok(())
+                vx.take_grad().map_or(Ok(()), |g| g.realize())
             },
         )?;
         Ok(())

@@ -334,7 +334,8 @@ impl<B: Backend> Var<B> {
     /// with `to_device` in place); the accumulated gradient is then moved along with it.
     /// Graphs recorded before the update keep the old tensor (they saved their own handle), so
     /// updating between `forward` and `backward` does not corrupt the backward pass.
-    /// An error on op outputs: their value is defined by the graph.
+    /// An error on op outputs: their value is defined by the graph. The new tensor is
+    /// [realized](Tensor::realize) here.
     pub fn set_tensor(&self, t: Tensor<B>) -> Result<()> {
         const OP: &str = "set_tensor";
         if !self.is_leaf() {
@@ -351,6 +352,9 @@ impl<B: Backend> Var<B> {
                 *g = Some(gr.to_device(t.device())?);
             }
         }
+        // State carried from step to step must not carry deferred work (a backend that fuses
+        // elementwise ops would otherwise grow `w - lr * g` into a longer chain every step).
+        t.realize()?;
         *self.0.data.write().unwrap_or_else(|e| e.into_inner()) = t;
         Ok(())
     }

@@ -400,15 +400,20 @@ impl DeviceState {
     }
 
     /// The generated kernel `fused` of `program`, compiling `source()` (or loading it from
-    /// the disk cache) the first time.
+    /// the disk cache) the first time; `None` when it is new and this device already holds
+    /// `budget` programs.
     pub fn fused_func(
         &self,
         program: &crate::lazy::Program,
+        budget: usize,
         source: impl FnOnce() -> String,
-    ) -> Result<Func> {
+    ) -> Result<Option<Func>> {
         let mut map = self.fused.lock().unwrap();
         if let Some(f) = map.get(program) {
-            return Ok(*f);
+            return Ok(Some(*f));
+        }
+        if map.len() >= budget {
+            return Ok(None);
         }
         let t0 = std::time::Instant::now();
         let bin = crate::compile::load_or_compile_source("fused.cu", &source(), self.arch)
@@ -428,7 +433,7 @@ impl DeviceState {
             "cuModuleGetFunction",
         )?;
         map.insert(program.clone(), Func(f));
-        Ok(Func(f))
+        Ok(Some(Func(f)))
     }
 
     fn module(&self, module: Module) -> Result<usize> {

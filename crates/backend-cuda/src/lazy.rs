@@ -26,6 +26,11 @@
 //! their argument lists stay bounded (and a value updated in a loop, `b = b - lr * g`, does not
 //! grow a chain across steps).
 //!
+//! Each device compiles at most `KILN_CUDA_FUSE_PROGRAMS` (default 256) distinct programs; past
+//! that, a new chain runs op by op on the single-op kernels. State carried across steps should
+//! be realized (`Tensor::realize`; kiln-autograd's `Var::set_tensor` does it), or a chain like
+//! `b = b - lr * g` grows by one op per step and every length is a new program.
+//!
 //! `KILN_CUDA_FUSE=0` (or [`set_fusion`]`(false)`) runs every op eagerly instead.
 
 use std::fmt::Write as _;
@@ -317,11 +322,27 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
             },
         }
     }
-    let buf = if leaves.len() == args.len() {
-        let refs: Vec<(&Buffer, &Layout)> = leaves.iter().map(|(b, l)| (&**b, l)).collect();
-        eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())?
+    let fused = if leaves.len() == args.len() {
+        None
     } else {
         fused(node)?
+    };
+    let buf = match fused {
+        Some(buf) => buf,
+        None => {
+            // Only leaves, or no program budget left: pending inputs first, then this op alone.
+            if leaves.len() < args.len() {
+                leaves = args
+                    .iter()
+                    .map(|a| match a {
+                        Operand::Leaf { buf, layout } => Ok((buf.clone(), layout.clone())),
+                        Operand::Node(n) => Ok((force(n)?, done_layout(n, &node.shape))),
+                    })
+                    .collect::<Result<_>>()?;
+            }
+            let refs: Vec<(&Buffer, &Layout)> = leaves.iter().map(|(b, l)| (&**b, l)).collect();
+            eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())?
+        }
     };
     let buf = Arc::new(buf);
     let mut st = node.state.lock().unwrap();
@@ -460,16 +481,39 @@ impl Gen<'_> {
     }
 }
 
-/// Generates, compiles (once per program) and launches the kernel of `root`'s pending DAG.
-fn fused(root: &Arc<Node>) -> Result<Buffer> {
+static PROGRAM_BUDGET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Sets how many distinct fused programs a device compiles before new chains run op by op on
+/// the single-op kernels instead (default 256, or `KILN_CUDA_FUSE_PROGRAMS`): a bound on
+/// compile time (tens of ms per program) for code whose chains keep changing shape.
+pub fn set_fusion_program_budget(programs: usize) {
+    PROGRAM_BUDGET.store(programs + 1, Ordering::Relaxed);
+}
+
+fn program_budget() -> usize {
+    match PROGRAM_BUDGET.load(Ordering::Relaxed) {
+        0 => {
+            let n = std::env::var("KILN_CUDA_FUSE_PROGRAMS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(256);
+            set_fusion_program_budget(n);
+            n
+        }
+        v => v - 1,
+    }
+}
+
+/// Generates, compiles (once per program) and launches the kernel of `root`'s pending DAG;
+/// `None` when the program is new and the device's program budget is spent.
+fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
     const OP: &str = "fused elementwise";
     let dev = root.dev;
     dev.bind()?;
     let dtype = root.dtype;
     let n = root.shape.elem_count();
-    let out = alloc(dev, n * dtype.size_in_bytes())?;
     if n == 0 {
-        return Ok(out);
+        return alloc(dev, 0).map(Some);
     }
     let mut g = Gen {
         dtype,
@@ -495,7 +539,10 @@ fn fused(root: &Arc<Node>) -> Result<Buffer> {
         consts: g.consts.len() as u8,
         code: std::mem::take(&mut g.code),
     };
-    let f = dev.fused_func(&program, || source(&program))?;
+    let Some(f) = dev.fused_func(&program, program_budget(), || source(&program))? else {
+        return Ok(None);
+    };
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
     let size = dtype.size_in_bytes() as u64;
     let mut a = Args::new();
     a.push(out.device_ptr()).push(n as u64);
@@ -520,7 +567,7 @@ fn fused(root: &Arc<Node>) -> Result<Buffer> {
     }
     let (mut p, np) = a.ptrs();
     dev.launch(OP, f, dev.grid_1d(n as u64, BLOCK), BLOCK, 0, &mut p[..np])?;
-    Ok(out)
+    Ok(Some(out))
 }
 
 /// The CUDA C of `p`: one grid-stride loop; registers that do not vary per element (uniform

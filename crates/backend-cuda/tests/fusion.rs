@@ -5,7 +5,7 @@
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, gpu_or_skip, thread_launches};
-use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+use kiln_core::{Backend, BinaryOp, DType, HostBuffer, Layout, Result, Tensor, UnaryOp};
 
 /// The same values on both backends: a deterministic pattern in [-1.5, 1.5].
 fn pattern<B: Backend>(dims: &[usize], salt: u64, dev: &B::Device, dtype: DType) -> Tensor<B> {
@@ -116,20 +116,28 @@ fn a_chain_is_one_launch_and_unread_work_never_runs() {
 #[test]
 fn writing_into_a_buffer_a_pending_op_reads_leaves_the_op_its_old_values() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let base = Tensor::<Cuda>::arange(0.0, 8.0, 1.0, DType::F32, &dev).unwrap();
-    let doubled = base.mul_scalar(2.0).unwrap(); // pending, reads `base`'s buffer
-    assert!(doubled.storage().is_pending());
-    let ones = Tensor::<Cuda>::full([4], 1.0, DType::F32, &dev).unwrap();
-    // `base` is the only handle to its storage, so this write is in place.
-    let written = base.slice_assign(0, 2, &ones).unwrap();
-    assert_eq!(
-        written.to_vec::<f32>().unwrap(),
-        [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0]
-    );
-    assert_eq!(
-        doubled.to_vec::<f32>().unwrap(),
-        [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]
-    );
+    let f32s = |v: Vec<f32>| HostBuffer::F32(v);
+    let l = Layout::contiguous([8]);
+    let mut base = Cuda::from_host(&dev, &f32s((0..8).map(|i| i as f32).collect())).unwrap();
+    // Pending, and reading `base`'s buffer.
+    let doubled = Cuda::binary_scalar(BinaryOp::Mul, &base, &l, DType::F32, 2.0, false).unwrap();
+    assert!(doubled.is_pending());
+    let ones = Cuda::from_host(&dev, &f32s(vec![1.0; 4])).unwrap();
+    let region = l.narrow(0, 2, 4).unwrap();
+    Cuda::copy_into(
+        &ones,
+        &Layout::contiguous([4]),
+        &mut base,
+        &region,
+        DType::F32,
+    )
+    .unwrap();
+    let read = |s: &<Cuda as Backend>::Storage| match Cuda::to_host(s, &l, DType::F32).unwrap() {
+        HostBuffer::F32(v) => v,
+        other => panic!("f32 expected, got {other:?}"),
+    };
+    assert_eq!(read(&base), [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 7.0]);
+    assert_eq!(read(&doubled), [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]);
 }
 
 #[test]

@@ -158,6 +158,13 @@ pub fn fused_program_stats() -> (u64, u64) {
 
 thread_local! {
     static THREAD_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Times the calling thread waited for a device's compute stream so far (`synchronize`, and
+/// the error-flag reads of index and cross-entropy kernels): where the host stops running ahead.
+pub fn thread_syncs() -> u64 {
+    THREAD_SYNCS.with(|c| c.get())
 }
 
 /// Kernel launches made so far by the calling thread (always counted; cuBLAS's own launches
@@ -520,6 +527,7 @@ impl DeviceState {
 
     /// Waits for the compute stream.
     pub fn sync(&self, op: &'static str) -> Result<()> {
+        THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         // SAFETY: the stream belongs to this (current) context.
         check(unsafe { sys::cuStreamSynchronize(self.compute) }, op)
     }

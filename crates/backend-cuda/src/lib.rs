@@ -45,7 +45,7 @@ use kiln_core::{
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
     CudaDevice, device_count, fused_program_stats, gpu_or_skip, launch_stats, thread_launches,
-    try_all_gpus, try_gpu, unavailable_reason,
+    thread_syncs, try_all_gpus, try_gpu, unavailable_reason,
 };
 pub use lazy::{
     fusion_enabled, sample_sources as fused_sample_sources, set_fusion, set_fusion_program_budget,

@@ -36,6 +36,9 @@ pub(crate) struct Buffer {
     /// Whether the block returns to the host-side cache on drop.
     cached: bool,
     dev: &'static DeviceState,
+    /// The last index check these contents passed, as ids: every id read through the layout
+    /// is in `0..limit` (see [`Buffer::ids_known_below`]).
+    ids_ok: std::sync::Mutex<Option<(kiln_core::Layout, usize)>>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -60,6 +63,20 @@ impl Buffer {
     }
     pub(crate) fn state(&self) -> &'static DeviceState {
         self.dev
+    }
+    /// Whether a device-side check already found every id read through `l` in `0..limit`
+    /// (then an index kernel over the same ids need not synchronize to read the error flag;
+    /// contents only change through [`Buffer::contents_changed`]).
+    pub fn ids_known_below(&self, l: &kiln_core::Layout, limit: usize) -> bool {
+        matches!(&*self.ids_ok.lock().unwrap(), Some((ok, lim)) if ok == l && *lim <= limit)
+    }
+    /// Records a passed check (see [`Buffer::ids_known_below`]).
+    pub fn mark_ids_below(&self, l: &kiln_core::Layout, limit: usize) {
+        *self.ids_ok.lock().unwrap() = Some((l.clone(), limit));
+    }
+    /// Forgets what was known of the contents (before an in-place write).
+    pub fn contents_changed(&self) {
+        *self.ids_ok.lock().unwrap() = None;
     }
 }
 
@@ -126,6 +143,7 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<Buffer> {
             bytes,
             cached: false,
             dev,
+            ids_ok: Default::default(),
         });
     }
     let cached = block_cache_on();
@@ -143,6 +161,7 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<Buffer> {
                 bytes,
                 cached,
                 dev,
+                ids_ok: Default::default(),
             });
         }
     }
@@ -184,6 +203,7 @@ pub(crate) fn alloc(dev: &'static DeviceState, bytes: usize) -> Result<Buffer> {
         bytes,
         cached,
         dev,
+        ids_ok: Default::default(),
     })
 }
 

@@ -831,7 +831,7 @@ pub(crate) fn cross_entropy(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP, cols)?;
+    check_ids(dev, OP, labels, ll, cols)?;
     Ok(out)
 }
 
@@ -881,8 +881,26 @@ pub(crate) fn cross_entropy_backward(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP, cols)?;
+    check_ids(dev, OP, labels, ll, cols)?;
     Ok(out)
+}
+
+/// After a kernel that checks `ids` (read through `l`) against `0..limit` on the device: reads
+/// the error flag (a synchronization) unless these same ids already passed such a check, as a
+/// cross-entropy's labels did in the forward pass when its backward runs.
+fn check_ids(
+    dev: &DeviceState,
+    op: &'static str,
+    ids: &Buffer,
+    l: &Layout,
+    limit: usize,
+) -> Result<()> {
+    if ids.ids_known_below(l, limit) {
+        return Ok(());
+    }
+    dev.check_flag(op, limit)?;
+    ids.mark_ids_below(l, limit);
+    Ok(())
 }
 
 // ---- indexing --------------------------------------------------------------------------------
@@ -940,7 +958,7 @@ pub(crate) fn index_select(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP, l.dims()[axis])?;
+    check_ids(dev, OP, ids, li, l.dims()[axis])?;
     Ok(out)
 }
 
@@ -989,7 +1007,7 @@ pub(crate) fn gather(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP, l.dims()[axis])?;
+    check_ids(dev, OP, ids, li, l.dims()[axis])?;
     Ok(out)
 }
 
@@ -1044,6 +1062,6 @@ pub(crate) fn scatter_add(
         0,
         &mut a,
     )?;
-    dev.check_flag(OP, lb.dims()[axis])?;
+    check_ids(dev, OP, ids, li, lb.dims()[axis])?;
     Ok(out)
 }

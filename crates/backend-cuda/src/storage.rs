@@ -104,6 +104,7 @@ impl CudaStorage {
         if Arc::get_mut(b).is_none() {
             *b = Arc::new(duplicate(b)?);
         }
+        b.contents_changed();
         Ok(b)
     }
 }

@@ -5,7 +5,7 @@
 //! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, gpu_or_skip, set_allow_tf32, try_all_gpus};
+use kiln_backend_cuda::{Cuda, gpu_or_skip, set_allow_tf32, thread_syncs, try_all_gpus};
 use kiln_core::{Backend, DType, Error, Tensor, philox};
 
 #[test]
@@ -74,6 +74,44 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
     let y = x.index_select(&good, 0).unwrap().to_vec::<f32>().unwrap();
     assert_eq!(y, vec![8., 9., 10., 11., 0., 1., 2., 3.]);
     Cuda::synchronize(&dev).unwrap();
+}
+
+#[test]
+fn checked_labels_are_not_checked_again_until_written() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let logits = Tensor::<Cuda>::rand([4, 5], -1.0, 1.0, 7, DType::F32, &dev).unwrap();
+    let labels = Tensor::<Cuda>::from_vec(vec![0i64, 4, 2, 1], [4], &dev).unwrap();
+    let ones = Tensor::<Cuda>::ones([4], DType::F32, &dev).unwrap();
+    let s0 = thread_syncs();
+    logits.cross_entropy(&labels).unwrap();
+    assert_eq!(
+        thread_syncs(),
+        s0 + 1,
+        "the forward pass reads the error flag"
+    );
+    logits.cross_entropy_backward(&labels, &ones).unwrap();
+    assert_eq!(
+        thread_syncs(),
+        s0 + 1,
+        "the same labels passed that check already"
+    );
+    // An in-place write forgets the check: an out-of-range label is caught again.
+    let bad = Tensor::<Cuda>::from_vec(vec![9i64], [1], &dev).unwrap();
+    let labels = labels.slice_assign(0, 3, &bad).unwrap();
+    let e = logits.cross_entropy_backward(&labels, &ones).unwrap_err();
+    assert!(e.to_string().contains("label 9"), "{e}");
+    let mut raw = Cuda::from_host(&dev, &kiln_core::HostBuffer::I64(vec![0, 4, 2, 1])).unwrap();
+    let l = kiln_core::Layout::contiguous([4]);
+    let xl = kiln_core::Layout::contiguous([4, 5]);
+    let gl = kiln_core::Layout::contiguous([4]);
+    let (x, g) = (logits.storage(), ones.storage());
+    Cuda::cross_entropy(x, &xl, &raw, &l, DType::F32).unwrap();
+    let bad = Cuda::from_host(&dev, &kiln_core::HostBuffer::I64(vec![7])).unwrap();
+    let one = kiln_core::Layout::contiguous([1]);
+    let at3 = l.narrow(0, 3, 1).unwrap();
+    Cuda::copy_into(&bad, &one, &mut raw, &at3, DType::I64).unwrap();
+    let e = Cuda::cross_entropy_backward(x, &xl, &raw, &l, g, &gl, DType::F32).unwrap_err();
+    assert!(e.to_string().contains("label 7"), "{e}");
 }
 
 #[test]

@@ -183,3 +183,114 @@ fn uniform_values_broadcast_through_any_view() {
     let total = r.sum_all().unwrap().to_scalar().unwrap();
     assert!((total - expect.iter().sum::<f64>()).abs() < 1e-5);
 }
+
+/// One random chain: leaves in every layout a fused kernel meets (contiguous, transposed,
+/// narrowed, broadcast row, broadcast scalar) and earlier results read directly (inlined) or
+/// transposed (forced first), through unary, binary and scalar ops on both sides.
+fn random_chain<B: Backend>(seed: u64, dev: &B::Device) -> Result<Tensor<B>> {
+    let mut state = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    let mut next = move |n: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % n
+    };
+    let n = [1usize, 2, 3, 5, 17][next(5) as usize];
+    let dims: Vec<usize> = if next(3) == 0 {
+        vec![2, n, n]
+    } else {
+        vec![n, n]
+    };
+    let dt = DType::F64;
+    let mut salt = seed * 1000;
+    let mut leaf = |kind: u64| -> Result<Tensor<B>> {
+        salt += 1;
+        match kind {
+            0 => Ok(pattern::<B>(&dims, salt, dev, dt)),
+            1 => pattern::<B>(&dims, salt, dev, dt).transpose(-1, -2),
+            2 => {
+                let mut big = dims.clone();
+                big[0] += 2;
+                pattern::<B>(&big, salt, dev, dt).narrow(0, 1, dims[0])
+            }
+            3 => pattern::<B>(&dims[dims.len() - 1..], salt, dev, dt).broadcast_to(dims.clone()),
+            _ => pattern::<B>(&[], salt, dev, dt).broadcast_to(dims.clone()),
+        }
+    };
+    let mut vals = vec![leaf(0)?];
+    for _ in 0..2 + next(7) {
+        let pick = |vals: &Vec<Tensor<B>>, r: u64| -> Result<Tensor<B>> {
+            let v = &vals[r as usize % vals.len()];
+            if r % 4 == 3 {
+                v.transpose(-1, -2)
+            } else {
+                Ok(v.clone())
+            }
+        };
+        let a = pick(&vals, next(64))?;
+        let out = match next(4) {
+            0 => {
+                let ops = [
+                    UnaryOp::Neg,
+                    UnaryOp::Abs,
+                    UnaryOp::Exp,
+                    UnaryOp::Sigmoid,
+                    UnaryOp::Tanh,
+                    UnaryOp::Square,
+                    UnaryOp::Relu,
+                    UnaryOp::Sin,
+                    UnaryOp::Cos,
+                ];
+                a.unary(ops[next(ops.len() as u64) as usize])?
+            }
+            1 => {
+                let b = if next(2) == 0 {
+                    leaf(next(5))?
+                } else {
+                    pick(&vals, next(64))?
+                };
+                let ops = [
+                    BinaryOp::Add,
+                    BinaryOp::Sub,
+                    BinaryOp::Mul,
+                    BinaryOp::Maximum,
+                    BinaryOp::Minimum,
+                ];
+                a.binary(ops[next(ops.len() as u64) as usize], &b)?
+            }
+            2 => {
+                let ops = [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul];
+                let op = ops[next(3) as usize];
+                let c = next(7) as f64 * 0.25 - 0.5;
+                if next(2) == 0 {
+                    a.binary_scalar(op, c)?
+                } else {
+                    a.scalar_binary(op, c)?
+                }
+            }
+            _ => a.unary_backward(UnaryOp::Tanh, &leaf(next(5))?)?,
+        };
+        vals.push(out);
+    }
+    Ok(vals.pop().expect("at least one op"))
+}
+
+#[test]
+fn random_chains_match_the_cpu_backend() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let same = |x: f64, y: f64| {
+        (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-9 * (1.0 + y.abs())
+    };
+    for seed in 1..=48 {
+        let gpu = random_chain::<Cuda>(seed, &dev).unwrap();
+        let cpu = random_chain::<Cpu>(seed, &Cpu::device(0)).unwrap();
+        assert_eq!(gpu.shape(), cpu.shape(), "seed {seed}");
+        let (g, c) = (gpu.to_f64_vec().unwrap(), cpu.to_f64_vec().unwrap());
+        for (i, (x, y)) in g.iter().zip(&c).enumerate() {
+            assert!(
+                same(*x, *y),
+                "seed {seed}, element {i}: cuda {x} vs cpu {y}"
+            );
+        }
+    }
+}

@@ -8,6 +8,8 @@ TARGET = {
     "exp_230400_x1000_wall": 1.0,
     "add_256M": 0.9,
     "sum_256M": 0.9,
+    "chain6_64M": 1.0,
+    "chain6_64M_unfused": None,
     "softmax_8192x8192": 1.0,
     "sgemm_4096": 0.97,
     "sgemm_8192": 0.97,

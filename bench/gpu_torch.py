@@ -60,6 +60,13 @@ ms = timed(5, 5, lambda: a.sum())
 report("sum_256M", 4 * n / (ms * 1e-3) / 1e9, "GB/s")
 del a, b
 
+n = 64 << 20
+x6, y6 = rand(n), rand(n)
+ms = timed(5, 5, lambda: ((x6 * y6 + 0.5).sigmoid() * x6 - y6).square())
+report("chain6_64M", 12 * n / (ms * 1e-3) / 1e9, "GB/s")
+report("chain6_64M_unfused", 12 * n / (ms * 1e-3) / 1e9, "GB/s")
+del x6, y6
+
 s = rand(8192, 8192)
 ms = timed(5, 10, lambda: torch.softmax(s, dim=-1))
 report("softmax_8192x8192", 2 * 4 * 8192 * 8192 / (ms * 1e-3) / 1e9, "GB/s")

@@ -1,6 +1,7 @@
 //! GPU benchmarks, timed with CUDA events on the device's compute stream (the same way
 //! `bench/gpu_torch.py` times PyTorch). Prints `BENCH kiln <name> <value> <unit>` lines that
-//! `bench/compare.py` puts beside PyTorch's. Run through `cargo xtask bench-gpu`.
+//! `bench/compare.py` puts beside PyTorch's. Run through `cargo xtask bench-gpu`. Elementwise
+//! results are realized (the backend defers elementwise work and would skip unread results).
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
@@ -54,11 +55,11 @@ fn main() {
 
     // exp over 230,400 f32, 1000 launches, result kept on the GPU (Theano's loop).
     let x = f32t(&[230_400], 1);
-    let ms = time(&dev, 5, 1000, || x.exp().map(drop));
+    let ms = time(&dev, 5, 1000, || x.exp()?.realize());
     report("exp_230400_x1000", ms * 1000.0, "ms");
     let t0 = Instant::now();
     for _ in 0..1000 {
-        drop(x.exp().unwrap());
+        x.exp().unwrap().realize().unwrap();
     }
     Cuda::synchronize(&dev).unwrap();
     report(
@@ -71,11 +72,32 @@ fn main() {
     let n = 256 << 20;
     let a = f32t(&[n], 2);
     let b = f32t(&[n], 3);
-    let ms = time(&dev, 5, 5, || a.add(&b).map(drop));
+    let ms = time(&dev, 5, 5, || a.add(&b)?.realize());
     report("add_256M", 3.0 * 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
     let ms = time(&dev, 5, 5, || a.sum_all().map(drop));
     report("sum_256M", 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
     drop((a, b));
+
+    // A six-op elementwise chain over 64M f32, `((x*y + 0.5).sigmoid() * x - y)^2`: one fused
+    // kernel (reads x and y, writes the result) against six kernels; effective GB/s counts
+    // those 12 bytes per element. Then the same chain with fusion off.
+    let n = 64 << 20;
+    let (x6, y6) = (f32t(&[n], 7), f32t(&[n], 8));
+    let chain = || -> Result<()> {
+        let p = x6.mul(&y6)?.add_scalar(0.5)?.sigmoid()?;
+        p.mul(&x6)?.sub(&y6)?.square()?.realize()
+    };
+    for (fuse, tag) in [(true, ""), (false, "_unfused")] {
+        kiln_backend_cuda::set_fusion(fuse);
+        let ms = time(&dev, 5, 5, chain);
+        report(
+            &format!("chain6_64M{tag}"),
+            12.0 * n as f64 / (ms * 1e-3) / 1e9,
+            "GB/s",
+        );
+    }
+    kiln_backend_cuda::set_fusion(true);
+    drop((x6, y6));
 
     // Row softmax 8192 x 8192.
     let s = f32t(&[8192, 8192], 4);
@@ -136,7 +158,7 @@ fn main() {
     kiln_backend_cuda::set_block_cache(true);
     // The exp loop again with the driver pool alone, for the record.
     kiln_backend_cuda::set_block_cache(false);
-    let ms = time(&dev, 5, 1000, || x.exp().map(drop));
+    let ms = time(&dev, 5, 1000, || x.exp()?.realize());
     report("exp_230400_x1000_driverpool", ms * 1000.0, "ms");
     kiln_backend_cuda::set_block_cache(true);
 }

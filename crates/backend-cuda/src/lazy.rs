@@ -307,41 +307,37 @@ fn eager(
 
 /// The node's values: computed now (one launch for its whole pending DAG) unless already.
 pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
-    let (op, args) = match &*node.state.lock().unwrap() {
-        State::Done(b) => return Ok(b.clone()),
-        State::Pending { op, args } => (*op, args.clone()),
-    };
-    // Inputs already computed are leaves; with only leaves, the single-op kernel does it.
-    let mut leaves: Vec<(Arc<Buffer>, Layout)> = Vec::with_capacity(args.len());
-    for a in &args {
-        match a {
-            Operand::Leaf { buf, layout } => leaves.push((buf.clone(), layout.clone())),
-            Operand::Node(n) => match n.done() {
-                Some(b) => leaves.push((b, done_layout(n, &node.shape))),
-                None => break,
-            },
+    {
+        let mut st = node.state.lock().unwrap();
+        let (op, args) = match &*st {
+            State::Done(b) => return Ok(b.clone()),
+            State::Pending { op, args } => (*op, args),
+        };
+        // Every input computed: the single-op kernel does it, under the lock (a thread that
+        // forces this node meanwhile waits for the result instead of computing it again).
+        if args.iter().all(|a| match a {
+            Operand::Leaf { .. } => true,
+            Operand::Node(n) => n.is_done(),
+        }) {
+            let buf = Arc::new(run_op(node, op, args)?);
+            *st = State::Done(buf.clone());
+            return Ok(buf);
         }
     }
-    let fused = if leaves.len() == args.len() {
-        None
-    } else {
-        fused(node)?
-    };
-    let buf = match fused {
+    let buf = match fused(node)? {
         Some(buf) => buf,
         None => {
-            // Only leaves, or no program budget left: pending inputs first, then this op alone.
-            if leaves.len() < args.len() {
-                leaves = args
-                    .iter()
-                    .map(|a| match a {
-                        Operand::Leaf { buf, layout } => Ok((buf.clone(), layout.clone())),
-                        Operand::Node(n) => Ok((force(n)?, done_layout(n, &node.shape))),
-                    })
-                    .collect::<Result<_>>()?;
+            // No program budget left: pending inputs first, then this op alone.
+            let (op, args) = match &*node.state.lock().unwrap() {
+                State::Done(b) => return Ok(b.clone()),
+                State::Pending { op, args } => (*op, args.clone()),
+            };
+            for a in &args {
+                if let Operand::Node(n) = a {
+                    force(n)?;
+                }
             }
-            let refs: Vec<(&Buffer, &Layout)> = leaves.iter().map(|(b, l)| (&**b, l)).collect();
-            eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())?
+            run_op(node, op, &args)?
         }
     };
     let buf = Arc::new(buf);
@@ -351,6 +347,32 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     }
     *st = State::Done(buf.clone());
     Ok(buf)
+}
+
+/// `op` over `args`, every one of them computed, with the single-op kernels.
+fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Buffer> {
+    let input = |a: &Operand| -> (Arc<Buffer>, Layout) {
+        match a {
+            Operand::Leaf { buf, layout } => (buf.clone(), layout.clone()),
+            Operand::Node(n) => (
+                n.done().expect("inputs are computed first"),
+                done_layout(n, &node.shape),
+            ),
+        }
+    };
+    let len = node.shape.elem_count();
+    match args {
+        [] => eager(node.dev, op, &[], node.dtype, len),
+        [a] => {
+            let (b, l) = input(a);
+            eager(node.dev, op, &[(&b, &l)], node.dtype, len)
+        }
+        [a, c] => {
+            let ((b0, l0), (b1, l1)) = (input(a), input(c));
+            eager(node.dev, op, &[(&b0, &l0), (&b1, &l1)], node.dtype, len)
+        }
+        _ => unreachable!("elementwise ops take at most two operands"),
+    }
 }
 
 /// How a consumer of shape `out` reads computed node `n`: element 0 everywhere when uniform,

@@ -3,13 +3,13 @@
 //! On a GPU a small elementwise op costs far more to launch (3–5 µs of driver time per
 //! `cuLaunchKernel` on the H100/H200 we measure on) than to run, and a training step is full
 //! of chains of them: a loss's tail, the chain rule of its gradient, an update. So `unary`,
-//! `binary`, `binary_scalar`, `unary_backward` and `fill` on f32/f64 do not launch anything:
-//! they record a [`Node`] of an expression DAG whose leaves are computed buffers (fills only up
-//! to [`MAX_DEFERRED_FILL`] bytes). The first op
-//! that needs the values — a matmul, a reduction, a copy to the host, any op that is not
-//! elementwise — *forces* the node: its whole DAG becomes one kernel, generated as CUDA C,
-//! compiled by NVRTC once per distinct program (memoized per device and cached on disk like
-//! `kernels/`), and launched once. A node nobody reads never runs.
+//! `binary`, `binary_scalar`, `unary_backward` and small `fill`s (up to [`MAX_DEFERRED_FILL`]
+//! bytes) on f32/f64 do not launch anything: they record a [`Node`] of an expression DAG whose
+//! leaves are computed buffers. The first op that needs the values — a matmul, a reduction, a
+//! copy to the host, any op that is not elementwise — *forces* the node: its whole DAG becomes
+//! one kernel, generated as CUDA C, compiled by NVRTC once per distinct program (memoized per
+//! device and cached on disk like `kernels/`), and launched once. A node nobody reads never
+//! runs.
 //!
 //! What does not change: tensors stay immutable (an in-place write into a buffer that a pending
 //! node still reads copies the buffer first: `CudaStorage::buffer_mut`); every op computes with
@@ -23,13 +23,15 @@
 //! scalar, a chain of those), through any view. Any other view of a pending tensor (transposed,
 //! broadcast, narrowed) forces it first and reads it as a leaf. And a node that would exceed
 //! [`MAX_OPS`] operations or [`MAX_LEAVES`] leaves forces its operands first, so programs and
-//! their argument lists stay bounded (and a value updated in a loop, `b = b - lr * g`, does not
-//! grow a chain across steps).
+//! their argument lists stay bounded.
 //!
-//! Each device compiles at most `KILN_CUDA_FUSE_PROGRAMS` (default 256) distinct programs; past
-//! that, a new chain runs op by op on the single-op kernels. State carried across steps should
-//! be realized (`Tensor::realize`; kiln-autograd's `Var::set_tensor` does it), or a chain like
-//! `b = b - lr * g` grows by one op per step and every length is a new program.
+//! Programs are keyed by their code, so a chain that keeps changing shape keeps compiling: a
+//! value updated in a loop and never read by anything but elementwise ops (`b = b - lr * g`)
+//! grows by a few ops per step until the cap, and every length is a new program. State carried
+//! across steps should therefore be realized ([`kiln_core::Tensor::realize`]; kiln-autograd's
+//! `Var::set_tensor` does it), and each device compiles at most `KILN_CUDA_FUSE_PROGRAMS`
+//! (default 256, [`set_fusion_program_budget`]) programs; past that, new chains run op by op on
+//! the single-op kernels.
 //!
 //! `KILN_CUDA_FUSE=0` (or [`set_fusion`]`(false)`) runs every op eagerly instead.
 

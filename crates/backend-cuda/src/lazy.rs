@@ -55,8 +55,9 @@ pub(crate) const MAX_LEAVES: u32 = 12;
 
 static FUSION: AtomicU8 = AtomicU8::new(0);
 
-/// Turns deferral and fusion of elementwise ops on or off for the whole process (default on;
-/// `KILN_CUDA_FUSE=0` starts with it off). Tensors already pending stay pending.
+/// Turns deferral and fusion of elementwise ops on or off for the whole process. Default on;
+/// `KILN_CUDA_FUSE=0` starts with it off, and so does `KILN_CUDA_SYNC=1` (which promises that
+/// a failure is reported by the op that caused it). Tensors already pending stay pending.
 pub fn set_fusion(on: bool) {
     FUSION.store(if on { 2 } else { 1 }, Ordering::Relaxed);
 }
@@ -65,7 +66,8 @@ pub fn set_fusion(on: bool) {
 pub fn fusion_enabled() -> bool {
     match FUSION.load(Ordering::Relaxed) {
         0 => {
-            let on = std::env::var("KILN_CUDA_FUSE").map_or(true, |v| v != "0");
+            let on = std::env::var("KILN_CUDA_FUSE").map_or(true, |v| v != "0")
+                && !crate::device::sync_debug();
             set_fusion(on);
             on
         }

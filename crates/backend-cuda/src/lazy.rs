@@ -39,13 +39,13 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::{BinaryOp, DType, Error, Layout, Result, Shape, UnaryOp};
+use kiln_core::{BinaryOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
 use crate::compile::{COMMON, SCALAR_OPS};
 use crate::device::DeviceState;
 use crate::launch::{Args, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
-use crate::ops::{self, BLOCK, tname};
+use crate::ops::{self, tname};
 use crate::storage::{CudaStorage, Repr};
 
 /// Most operations in one node's DAG (counted with repeats).
@@ -418,6 +418,9 @@ pub(crate) struct Program {
     pub unis: u8,
     pub consts: u8,
     pub code: Vec<Ins>,
+    /// `None`: write every element. `Some(op)`: reduce all of them with `op` (sum, max or
+    /// min), one partial result per block.
+    pub reduce: Option<ReduceOp>,
 }
 
 /// The program of a DAG and the arguments of one launch of it.
@@ -533,6 +536,44 @@ fn program_budget() -> usize {
 /// Generates, compiles (once per program) and launches the kernel of `root`'s pending DAG;
 /// `None` when the program is new and the device's program budget is spent.
 fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
+    run_program(root, None)
+}
+
+/// Reduces all of pending `s` (read through `l`) with `op` in the kernel that computes it,
+/// without writing its elements: one launch for a small chain (a loss), two (a partial result
+/// per block, then their combination) for a large one. `None` when this does not apply (not a
+/// pending node read in its own layout, fusion off, not sum/max/min) or the program budget is
+/// spent; the caller then forces the node and reduces the buffer.
+pub(crate) fn reduce_all(s: &CudaStorage, l: &Layout, op: ReduceOp) -> Result<Option<Buffer>> {
+    let Repr::Lazy(node) = s.repr() else {
+        return Ok(None);
+    };
+    let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == node.shape.dims();
+    if !fusion_enabled()
+        || !matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
+        || !plain
+        || node.shape.elem_count() == 0
+        || node.is_done()
+    {
+        return Ok(None);
+    }
+    run_program(node, Some(op))
+}
+
+/// Threads per block of the fused kernels (the block reduction needs a multiple of 32).
+const FUSED_BLOCK: u32 = 256;
+
+/// Blocks of a fused reduction over `n` elements: a function of `n` and the device alone, so
+/// the order of the sum (and so its result) is the same every time. One block up to 4,096.
+fn reduce_blocks(dev: &DeviceState, n: usize) -> usize {
+    n.div_ceil(FUSED_BLOCK as usize * 16)
+        .min(dev.sm_count as usize * 2)
+        .max(1)
+}
+
+/// The kernel of `root`'s pending DAG: generated, compiled once per program, launched. With
+/// `reduce`, the 1-element reduction of it instead of its elements.
+fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buffer>> {
     const OP: &str = "fused elementwise";
     let dev = root.dev;
     dev.bind()?;
@@ -564,12 +605,20 @@ fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
         unis: g.unis.len() as u8,
         consts: g.consts.len() as u8,
         code: std::mem::take(&mut g.code),
+        reduce,
     };
     let Some(f) = dev.fused_func(&program, program_budget(), || source(&program))? else {
         return Ok(None);
     };
-    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    let (grid, outs) = match reduce {
+        None => (dev.grid_1d(n as u64, FUSED_BLOCK), n),
+        Some(_) => {
+            let blocks = reduce_blocks(dev, n);
+            ((blocks as u32, 1), blocks)
+        }
+    };
     let size = dtype.size_in_bytes() as u64;
+    let out = alloc(dev, outs * dtype.size_in_bytes())?;
     let mut a = Args::new();
     a.push(out.device_ptr()).push(n as u64);
     if !contig {
@@ -592,8 +641,15 @@ fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
         };
     }
     let (mut p, np) = a.ptrs();
-    dev.launch(OP, f, dev.grid_1d(n as u64, BLOCK), BLOCK, 0, &mut p[..np])?;
-    Ok(Some(out))
+    dev.launch(OP, f, grid, FUSED_BLOCK, 0, &mut p[..np])?;
+    match reduce {
+        Some(op) if outs > 1 => {
+            let total = alloc(dev, dtype.size_in_bytes())?;
+            ops::combine_partials(dev, op.name(), tname(dtype), &out, &total, 1, outs, 1)?;
+            Ok(Some(total))
+        }
+        _ => Ok(Some(out)),
+    }
 }
 
 /// The CUDA C of `p`: one grid-stride loop; registers that do not vary per element (uniform
@@ -622,6 +678,15 @@ pub(crate) fn source(p: &Program) -> String {
         let _ = write!(s, ", T c{k}");
     }
     s += ") {\n";
+    let red = p.reduce.map(|op| match op {
+        ReduceOp::Max => "MaxOp<T>",
+        ReduceOp::Min => "MinOp<T>",
+        _ => "SumOp<T>",
+    });
+    if let Some(r) = red {
+        let _ = writeln!(s, "    __shared__ {r}::Acc scratch[32];");
+        let _ = writeln!(s, "    {r}::Acc acc = {r}::init();");
+    }
     // Per-element registers: leaves and anything computed from one.
     let mut varies = vec![false; p.code.len()];
     for (j, ins) in p.code.iter().enumerate() {
@@ -672,7 +737,20 @@ pub(crate) fn source(p: &Program) -> String {
             let _ = writeln!(s, "        const T r{j} = {};", expr(*ins));
         }
     }
-    let _ = writeln!(s, "        y[i] = r{};\n    }}\n}}", p.code.len() - 1);
+    let last = p.code.len() - 1;
+    match red {
+        None => {
+            let _ = writeln!(s, "        y[i] = r{last};\n    }}\n}}");
+        }
+        Some(r) => {
+            let _ = writeln!(
+                s,
+                "        acc = {r}::combine(acc, {r}::lift(r{last}, (i64)i));\n    }}\n    \
+                 acc = block_reduce<{r}>(acc, scratch);\n    \
+                 if (threadIdx.x == 0) y[blockIdx.x] = acc;\n}}"
+            );
+        }
+    }
     s
 }
 
@@ -680,10 +758,13 @@ pub(crate) fn source(p: &Program) -> String {
 /// xtask check-kernels` compiles so that a code generator change that breaks NVRTC fails CI.
 pub fn sample_sources() -> Vec<(String, String)> {
     let mut out = Vec::new();
-    for (dtype, wide, contig) in [
-        (DType::F32, false, true),
-        (DType::F64, true, false),
-        (DType::F32, false, false),
+    for (dtype, wide, contig, reduce) in [
+        (DType::F32, false, true, None),
+        (DType::F64, true, false, None),
+        (DType::F32, false, false, None),
+        (DType::F32, false, true, Some(ReduceOp::Sum)),
+        (DType::F64, true, false, Some(ReduceOp::Max)),
+        (DType::F32, false, false, Some(ReduceOp::Min)),
     ] {
         let mut code = vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Uni(0), Ins::Const(0)];
         for u in UnaryOp::ALL {
@@ -707,11 +788,11 @@ pub fn sample_sources() -> Vec<(String, String)> {
             unis: 1,
             consts: 1,
             code,
+            reduce,
         };
-        out.push((
-            format!("fused ({dtype}, wide {wide}, contig {contig})"),
-            source(&p),
-        ));
+        let what = reduce.map_or("map", |r| r.name());
+        let name = format!("fused {what} ({dtype}, wide {wide}, contig {contig})");
+        out.push((name, source(&p)));
     }
     out
 }
@@ -739,6 +820,7 @@ mod tests {
                 Ins::Const(0),
                 Ins::Binary(BinaryOp::Mul, 3, 4),
             ],
+            reduce: None,
         };
         let src = source(&p);
         let body = &src[src.find("extern \"C\"").unwrap()..];
@@ -766,6 +848,7 @@ mod tests {
             unis: 0,
             consts: 0,
             code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Bwd(UnaryOp::Tanh, 0, 1)],
+            reduce: None,
         };
         let src = source(&p);
         assert!(src.contains("typedef double T;") && src.contains("typedef u64 I;"));

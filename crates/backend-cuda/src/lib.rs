@@ -321,6 +321,17 @@ impl Backend for Cuda {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CudaStorage> {
+        // A reduction of everything in a pending elementwise chain (a loss) runs in the
+        // chain's own kernel.
+        let kept: usize = (0..layout.rank())
+            .filter(|i| !axes.contains(i))
+            .map(|i| layout.dims()[i])
+            .product();
+        if kept == 1
+            && let Some(out) = lazy::reduce_all(s, layout, op)?
+        {
+            return Ok(CudaStorage::ready(out));
+        }
         ops::reduce(op, &*s.buffer()?, layout, dtype, axes).map(CudaStorage::ready)
     }
 

@@ -294,3 +294,62 @@ fn random_chains_match_the_cpu_backend() {
         }
     }
 }
+
+#[test]
+fn reductions_of_chains_match_the_cpu_backend() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let same = |x: f64, y: f64| {
+        (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= 1e-9 * (1.0 + y.abs())
+    };
+    for seed in 1..=24 {
+        let gpu = random_chain::<Cuda>(seed, &dev).unwrap();
+        let cpu = random_chain::<Cpu>(seed, &Cpu::device(0)).unwrap();
+        for (name, g, c) in [
+            ("sum", gpu.sum_all(), cpu.sum_all()),
+            ("max", gpu.max_all(), cpu.max_all()),
+            ("min", gpu.min_all(), cpu.min_all()),
+        ] {
+            let (g, c) = (
+                g.unwrap().to_scalar().unwrap(),
+                c.unwrap().to_scalar().unwrap(),
+            );
+            assert!(same(g, c), "seed {seed}, {name}: cuda {g} vs cpu {c}");
+        }
+    }
+}
+
+#[test]
+fn a_loss_over_a_chain_is_one_launch_and_a_large_one_two() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    // (`mean_all` would add a launch for its division, unless something else consumes it.)
+    let loss = |x: &Tensor<Cuda>, y: &Tensor<Cuda>| -> Result<Tensor<Cuda>> {
+        x.sub(y)?.square()?.sum_all()
+    };
+    for (n, launches) in [(1000usize, 1u64), (1 << 20, 2)] {
+        let x = pattern::<Cuda>(&[n], 11, &dev, DType::F64);
+        let y = pattern::<Cuda>(&[n], 12, &dev, DType::F64);
+        loss(&x, &y).unwrap().realize().unwrap(); // compile
+        let before = thread_launches();
+        let l = loss(&x, &y).unwrap();
+        l.realize().unwrap();
+        assert_eq!(thread_launches() - before, launches, "n = {n}");
+        let (xs, ys) = (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap());
+        let expect = xs
+            .iter()
+            .zip(&ys)
+            .map(|(a, b)| (a - b) * (a - b))
+            .sum::<f64>();
+        let got = l.to_scalar().unwrap();
+        assert!(
+            (got - expect).abs() <= 1e-12 * expect.abs(),
+            "n = {n}: {got} vs {expect}"
+        );
+    }
+    // The chain under a reduction stays pending and is computed when read.
+    let x = pattern::<Cuda>(&[7], 13, &dev, DType::F32);
+    let sq = x.square().unwrap();
+    let total = sq.sum_all().unwrap().to_scalar().unwrap();
+    assert!(sq.storage().is_pending());
+    let v = sq.to_f64_vec().unwrap();
+    assert!((v.iter().sum::<f64>() - total).abs() < 1e-5);
+}

@@ -341,7 +341,8 @@ fn a_loss_over_a_chain_is_one_launch_and_a_large_one_two() {
             .sum::<f64>();
         let got = l.to_scalar().unwrap();
         assert!(
-            (got - expect).abs() <= 1e-12 * expect.abs(),
+            // The host's sequential sum of 2^20 terms is the less accurate of the two.
+            (got - expect).abs() <= 1e-9 * expect.abs(),
             "n = {n}: {got} vs {expect}"
         );
     }

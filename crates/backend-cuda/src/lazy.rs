@@ -52,6 +52,12 @@ use crate::storage::{CudaStorage, Repr};
 pub(crate) const MAX_OPS: u32 = 48;
 /// Most leaf reads in one node's DAG (counted with repeats).
 pub(crate) const MAX_LEAVES: u32 = 12;
+/// Most strided leaves, and uniform leaves plus constants, in one generated kernel: bounds its
+/// argument list (under 2 KiB, within `launch::Args`). The caps above keep every DAG under
+/// these (a constant or uniform read stands for at least one counted op); a DAG that still
+/// exceeds them is computed in parts rather than overflowing the argument buffer.
+const KERNEL_LEAVES: usize = 16;
+const KERNEL_SCALARS: usize = 48;
 
 static FUSION: AtomicU8 = AtomicU8::new(0);
 
@@ -331,7 +337,8 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     let buf = match fused(node)? {
         Some(buf) => buf,
         None => {
-            // No program budget left: pending inputs first, then this op alone.
+            // No program budget left, or too many arguments for one kernel: pending inputs
+            // first, then this op alone.
             let (op, args) = match &*node.state.lock().unwrap() {
                 State::Done(b) => return Ok(b.clone()),
                 State::Pending { op, args } => (*op, args.clone()),
@@ -534,7 +541,8 @@ fn program_budget() -> usize {
 }
 
 /// Generates, compiles (once per program) and launches the kernel of `root`'s pending DAG;
-/// `None` when the program is new and the device's program budget is spent.
+/// `None` when the program is new and the device's program budget is spent, or the DAG needs
+/// more arguments than one kernel takes.
 fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
     run_program(root, None)
 }
@@ -592,6 +600,11 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         memo: Vec::new(),
     };
     g.node(root);
+    if g.leaves.len() > KERNEL_LEAVES || g.unis.len() + g.consts.len() > KERNEL_SCALARS {
+        // Too many arguments for one kernel (see KERNEL_LEAVES): the caller computes the
+        // inputs first.
+        return Ok(None);
+    }
     let strides: Vec<&[usize]> = g.leaves.iter().map(|(_, l)| l.strides()).collect();
     let offsets: Vec<usize> = g.leaves.iter().map(|(_, l)| l.offset()).collect();
     let (d, ss) = collapse(OP, root.shape.dims(), &strides, &offsets)?;

@@ -186,33 +186,7 @@ WHERE(u64)
 
 // ---- casts (Rust `as` semantics: float to int truncates, saturates, NaN gives 0) -------------
 
-template <typename F, typename T> __device__ __forceinline__ T cast_to(F x) { return (T)x; }
-template <> __device__ __forceinline__ i64 cast_to(float x) {
-    if (x != x) return 0;
-    if (x >= 9223372036854775807.0f) return 9223372036854775807ll;
-    if (x <= -9223372036854775808.0f) return (-9223372036854775807ll - 1);
-    return (i64)x;
-}
-template <> __device__ __forceinline__ i64 cast_to(double x) {
-    if (x != x) return 0;
-    if (x >= 9223372036854775807.0) return 9223372036854775807ll;
-    if (x <= -9223372036854775808.0) return (-9223372036854775807ll - 1);
-    return (i64)x;
-}
-template <> __device__ __forceinline__ u8 cast_to(float x) {
-    if (!(x > 0.0f)) return 0;
-    if (x >= 255.0f) return 255;
-    return (u8)(u32)x;
-}
-template <> __device__ __forceinline__ u8 cast_to(double x) {
-    if (!(x > 0.0)) return 0;
-    if (x >= 255.0) return 255;
-    return (u8)(u32)x;
-}
-template <> __device__ __forceinline__ u8 cast_to(i64 x) { return (u8)(u64)x; }
-template <> __device__ __forceinline__ float cast_to(i64 x) { return __ll2float_rn(x); }
-template <> __device__ __forceinline__ double cast_to(i64 x) { return __ll2double_rn(x); }
-template <> __device__ __forceinline__ float cast_to(double x) { return __double2float_rn(x); }
+// (`cast_to<F, T>` is in scalar_ops.cuh.)
 
 #define CAST(F, T)                                                                             \
     template <typename I>                                                                      \

@@ -4,7 +4,8 @@
 //! `cuLaunchKernel` on the H100/H200 we measure on) than to run, and a training step is full
 //! of chains of them: a loss's tail, the chain rule of its gradient, an update. So `unary`,
 //! `binary`, `binary_scalar`, `unary_backward` and small `fill`s (up to [`MAX_DEFERRED_FILL`]
-//! bytes) on f32/f64 do not launch anything: they record a [`Node`] of an expression DAG whose
+//! bytes) on f32/f64, comparisons of floats, `where` with float branches and casts among f32,
+//! f64 and u8 (a dropout mask, a ReLU written with `where`) do not launch anything: they record a [`Node`] of an expression DAG whose
 //! leaves are computed buffers. The first op that needs the values — a matmul, a reduction, a
 //! copy to the host, any op that is not elementwise — *forces* the node: its whole DAG becomes
 //! one kernel, generated as CUDA C, compiled by NVRTC once per distinct program (memoized per
@@ -39,7 +40,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::{BinaryOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
+use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
 use crate::compile::{COMMON, SCALAR_OPS};
 use crate::device::DeviceState;
@@ -95,6 +96,12 @@ pub(crate) enum Op {
     /// `g * op'(saved)` with operands `(saved, g)`.
     UnaryBwd(UnaryOp),
     Fill(f64),
+    /// `op(a, b)` as u8 0/1.
+    Compare(CmpOp),
+    /// Rust `as` to this dtype.
+    Cast(DType),
+    /// `cond ? a : b` with operands `(cond, a, b)`.
+    Where,
 }
 
 impl Op {
@@ -104,18 +111,27 @@ impl Op {
             Op::Binary(b) | Op::Scalar { op: b, .. } => b.name(),
             Op::UnaryBwd(_) => "unary_backward",
             Op::Fill(_) => "fill",
+            Op::Compare(c) => c.name(),
+            Op::Cast(_) => "cast",
+            Op::Where => "where",
         }
     }
 
-    /// Whether this op on `dtype` can be deferred (float dtypes, ops the kernels support).
-    fn fusable(self, dtype: DType) -> bool {
-        matches!(dtype, DType::F32 | DType::F64)
-            && match self {
-                Op::Unary(u) => u.supports(dtype),
-                Op::Binary(b) | Op::Scalar { op: b, .. } => b.supports(dtype),
-                Op::UnaryBwd(u) => ops::bwd_name(u).is_some(),
-                Op::Fill(_) => true,
-            }
+    /// Whether this op, with inputs of dtypes `ins` and a result of dtype `out`, can be
+    /// deferred: float arithmetic, comparisons of floats, `where` with float branches, casts
+    /// among f32, f64 and u8.
+    fn fusable(self, ins: &[DType], out: DType) -> bool {
+        let float = |d: DType| matches!(d, DType::F32 | DType::F64);
+        match self {
+            Op::Unary(u) => float(out) && u.supports(out),
+            Op::Binary(b) | Op::Scalar { op: b, .. } => float(out) && b.supports(out),
+            Op::UnaryBwd(u) => float(out) && ops::bwd_name(u).is_some(),
+            Op::Fill(_) | Op::Where => float(out),
+            Op::Compare(_) => float(ins[0]),
+            Op::Cast(to) => [ins[0], to]
+                .iter()
+                .all(|d| matches!(d, DType::F32 | DType::F64 | DType::U8)),
+        }
     }
 }
 
@@ -123,7 +139,11 @@ impl Op {
 /// node (read in its own shape, or uniform).
 #[derive(Clone)]
 pub(crate) enum Operand {
-    Leaf { buf: Arc<Buffer>, layout: Layout },
+    Leaf {
+        buf: Arc<Buffer>,
+        layout: Layout,
+        dtype: DType,
+    },
     Node(Arc<Node>),
 }
 
@@ -174,15 +194,16 @@ fn reads_one(l: &Layout) -> bool {
         .all(|(&d, &s)| d <= 1 || s == 0)
 }
 
-/// `op` over `inputs` (each read through a layout of the output's shape): deferred when fusion
-/// is on and the op and dtype allow it, else run now.
+/// `op` over `inputs` (each read through a layout of the output's shape, with its dtype) into
+/// a result of dtype `out`: deferred when fusion is on and the op and dtypes allow it, else
+/// run now.
 pub(crate) fn record(
     op: Op,
-    inputs: &[(&CudaStorage, &Layout)],
-    dtype: DType,
+    inputs: &[(&CudaStorage, &Layout, DType)],
+    out: DType,
 ) -> Result<CudaStorage> {
-    let (s0, l0) = inputs[0];
-    for (s, _) in &inputs[1..] {
+    let (s0, l0, _) = inputs[0];
+    for (s, _, _) in &inputs[1..] {
         if s.state().ordinal != s0.state().ordinal {
             return Err(Error::DeviceMismatch {
                 op: op.name(),
@@ -191,29 +212,31 @@ pub(crate) fn record(
             });
         }
     }
-    if !fusion_enabled() || !op.fusable(dtype) {
+    let ins: Vec<DType> = inputs.iter().map(|(_, _, d)| *d).collect();
+    if !fusion_enabled() || !op.fusable(&ins, out) {
         let bufs = inputs
             .iter()
-            .map(|(s, _)| s.buffer())
+            .map(|(s, _, _)| s.buffer())
             .collect::<Result<Vec<_>>>()?;
-        let args: Vec<(&Buffer, &Layout)> = bufs
+        let args: Vec<(&Buffer, &Layout, DType)> = bufs
             .iter()
             .zip(inputs)
-            .map(|(b, (_, l))| (&**b, *l))
+            .map(|(b, (_, l, d))| (&**b, *l, *d))
             .collect();
-        return eager(s0.state(), op, &args, dtype, l0.elem_count()).map(CudaStorage::ready);
+        return eager(s0.state(), op, &args, out, l0.elem_count()).map(CudaStorage::ready);
     }
     let mut args = inputs
         .iter()
-        .map(|(s, l)| operand(s, l))
+        .map(|(s, l, d)| operand(s, l, *d))
         .collect::<Result<Vec<_>>>()?;
     let mut t = tally(&args);
     if t.0 + 1 > MAX_OPS || t.1 > MAX_LEAVES {
-        for (a, (_, l)) in args.iter_mut().zip(inputs) {
+        for (a, (_, l, d)) in args.iter_mut().zip(inputs) {
             if let Operand::Node(n) = a {
                 *a = Operand::Leaf {
                     buf: force(n)?,
                     layout: (*l).clone(),
+                    dtype: *d,
                 };
             }
         }
@@ -222,7 +245,7 @@ pub(crate) fn record(
     let (n_ops, n_leaves, uniform) = t;
     Ok(CudaStorage::pending(Arc::new(Node {
         dev: s0.state(),
-        dtype,
+        dtype: out,
         shape: l0.shape().clone(),
         uniform: uniform || l0.elem_count() <= 1,
         ops: n_ops + 1,
@@ -244,7 +267,8 @@ pub(crate) fn fill(
     value: f64,
 ) -> Result<CudaStorage> {
     let op = Op::Fill(value);
-    if !fusion_enabled() || !op.fusable(dtype) || len * dtype.size_in_bytes() > MAX_DEFERRED_FILL {
+    let small = len * dtype.size_in_bytes() <= MAX_DEFERRED_FILL;
+    if !fusion_enabled() || !op.fusable(&[], dtype) || !small {
         return ops::fill(dev, dtype, len, value).map(CudaStorage::ready);
     }
     Ok(CudaStorage::pending(Arc::new(Node {
@@ -269,13 +293,15 @@ fn tally(args: &[Operand]) -> (u32, u32, bool) {
     })
 }
 
-/// How a node reads `s` through `l` (see the module docs for when a pending input is inlined).
-fn operand(s: &CudaStorage, l: &Layout) -> Result<Operand> {
+/// How a node reads `s` (of `dtype`) through `l` (see the module docs for when a pending input
+/// is inlined).
+fn operand(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<Operand> {
     let node = match s.repr() {
         Repr::Ready(buf) => {
             return Ok(Operand::Leaf {
                 buf: buf.clone(),
                 layout: l.clone(),
+                dtype,
             });
         }
         Repr::Lazy(node) => node,
@@ -290,28 +316,32 @@ fn operand(s: &CudaStorage, l: &Layout) -> Result<Operand> {
                 None => force(node)?,
             },
             layout: l.clone(),
+            dtype,
         },
     })
 }
 
-/// Runs `op` now with the single-op kernels.
+/// Runs `op` now with the single-op kernels; `out` is the result's dtype.
 fn eager(
     dev: &'static DeviceState,
     op: Op,
-    args: &[(&Buffer, &Layout)],
-    dtype: DType,
+    args: &[(&Buffer, &Layout, DType)],
+    out: DType,
     len: usize,
 ) -> Result<Buffer> {
+    if let Op::Fill(v) = op {
+        return ops::fill(dev, out, len, v);
+    }
+    let (a, la, da) = args[0];
     match op {
-        Op::Unary(u) => ops::unary(u, args[0].0, args[0].1, dtype),
-        Op::Binary(b) => ops::binary(b, args[0].0, args[0].1, args[1].0, args[1].1, dtype),
-        Op::Scalar { op, value, lhs } => {
-            ops::binary_scalar(op, args[0].0, args[0].1, dtype, value, lhs)
-        }
-        Op::UnaryBwd(u) => {
-            ops::unary_backward(u, args[0].0, args[0].1, args[1].0, args[1].1, dtype)
-        }
-        Op::Fill(v) => ops::fill(dev, dtype, len, v),
+        Op::Unary(u) => ops::unary(u, a, la, out),
+        Op::Binary(b) => ops::binary(b, a, la, args[1].0, args[1].1, out),
+        Op::Scalar { op, value, lhs } => ops::binary_scalar(op, a, la, out, value, lhs),
+        Op::UnaryBwd(u) => ops::unary_backward(u, a, la, args[1].0, args[1].1, out),
+        Op::Compare(c) => ops::compare(c, a, la, args[1].0, args[1].1, da),
+        Op::Cast(to) => ops::cast(a, la, da, to),
+        Op::Where => ops::where_cond(a, la, args[1].0, args[1].1, args[2].0, args[2].1, out),
+        Op::Fill(_) => unreachable!("handled above"),
     }
 }
 
@@ -362,28 +392,19 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
 
 /// `op` over `args`, every one of them computed, with the single-op kernels.
 fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Buffer> {
-    let input = |a: &Operand| -> (Arc<Buffer>, Layout) {
+    let input = |a: &Operand| -> (Arc<Buffer>, Layout, DType) {
         match a {
-            Operand::Leaf { buf, layout } => (buf.clone(), layout.clone()),
+            Operand::Leaf { buf, layout, dtype } => (buf.clone(), layout.clone(), *dtype),
             Operand::Node(n) => (
                 n.done().expect("inputs are computed first"),
                 done_layout(n, &node.shape),
+                n.dtype,
             ),
         }
     };
-    let len = node.shape.elem_count();
-    match args {
-        [] => eager(node.dev, op, &[], node.dtype, len),
-        [a] => {
-            let (b, l) = input(a);
-            eager(node.dev, op, &[(&b, &l)], node.dtype, len)
-        }
-        [a, c] => {
-            let ((b0, l0), (b1, l1)) = (input(a), input(c));
-            eager(node.dev, op, &[(&b0, &l0), (&b1, &l1)], node.dtype, len)
-        }
-        _ => unreachable!("elementwise ops take at most two operands"),
-    }
+    let held: Vec<(Arc<Buffer>, Layout, DType)> = args.iter().map(input).collect();
+    let refs: Vec<(&Buffer, &Layout, DType)> = held.iter().map(|(b, l, d)| (&**b, l, *d)).collect();
+    eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())
 }
 
 /// How a consumer of shape `out` reads computed node `n`: element 0 everywhere when uniform,
@@ -411,19 +432,27 @@ pub(crate) enum Ins {
     Binary(BinaryOp, u16, u16),
     /// `op_bwd_<op>(saved, g)`.
     Bwd(UnaryOp, u16, u16),
+    /// A comparison, as u8 0/1.
+    Cmp(CmpOp, u16, u16),
+    /// `cast_to<from, to>`.
+    Cast(DType, u16),
+    /// `cond ? a : b`.
+    Where(u16, u16, u16),
 }
 
 /// A fused kernel's code: what its source (and so its compiled function) depends on.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub(crate) struct Program {
+    /// The result's dtype (the last register's).
     pub dtype: DType,
     /// 64-bit index arithmetic (beyond 2^31 elements or storage extent).
     pub wide: bool,
     /// Every strided leaf is contiguous with the output (no index arithmetic).
     pub contig: bool,
-    pub leaves: u8,
-    pub unis: u8,
-    pub consts: u8,
+    /// The dtypes of the strided leaves, uniform leaves and scalar arguments, in order.
+    pub leaves: Vec<DType>,
+    pub unis: Vec<DType>,
+    pub consts: Vec<DType>,
     pub code: Vec<Ins>,
     /// `None`: write every element. `Some(op)`: reduce all of them with `op` (sum, max or
     /// min), one partial result per block.
@@ -432,12 +461,11 @@ pub(crate) struct Program {
 
 /// The program of a DAG and the arguments of one launch of it.
 struct Gen<'a> {
-    dtype: DType,
     shape: &'a Shape,
     code: Vec<Ins>,
-    leaves: Vec<(Arc<Buffer>, Layout)>,
-    unis: Vec<(Arc<Buffer>, u64)>,
-    consts: Vec<f64>,
+    leaves: Vec<(Arc<Buffer>, Layout, DType)>,
+    unis: Vec<(Arc<Buffer>, u64, DType)>,
+    consts: Vec<(f64, DType)>,
     /// Nodes already emitted (held, so that their addresses stay theirs).
     memo: Vec<(Arc<Node>, u16)>,
 }
@@ -448,19 +476,19 @@ impl Gen<'_> {
         (self.code.len() - 1) as u16
     }
 
-    fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout) -> u16 {
+    fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout, dtype: DType) -> u16 {
         if reads_one(&layout) {
-            let ptr = buf.device_ptr() + (layout.offset() * self.dtype.size_in_bytes()) as u64;
-            let k = match self.unis.iter().position(|(_, p)| *p == ptr) {
+            let ptr = buf.device_ptr() + (layout.offset() * dtype.size_in_bytes()) as u64;
+            let k = match self.unis.iter().position(|(_, p, _)| *p == ptr) {
                 Some(k) => k,
                 None => {
-                    self.unis.push((buf, ptr));
+                    self.unis.push((buf, ptr, dtype));
                     self.unis.len() - 1
                 }
             };
             return self.push(Ins::Uni(k as u8));
         }
-        let same = |(b, l): &(Arc<Buffer>, Layout)| {
+        let same = |(b, l, _): &(Arc<Buffer>, Layout, DType)| {
             b.device_ptr() == buf.device_ptr()
                 && l.offset() == layout.offset()
                 && l.strides() == layout.strides()
@@ -468,21 +496,21 @@ impl Gen<'_> {
         let k = match self.leaves.iter().position(same) {
             Some(k) => k,
             None => {
-                self.leaves.push((buf, layout));
+                self.leaves.push((buf, layout, dtype));
                 self.leaves.len() - 1
             }
         };
         self.push(Ins::Leaf(k as u8))
     }
 
-    fn constant(&mut self, v: f64) -> u16 {
-        self.consts.push(v);
+    fn constant(&mut self, v: f64, dtype: DType) -> u16 {
+        self.consts.push((v, dtype));
         self.push(Ins::Const((self.consts.len() - 1) as u8))
     }
 
     fn operand(&mut self, a: &Operand) -> u16 {
         match a {
-            Operand::Leaf { buf, layout } => self.leaf(buf.clone(), layout.clone()),
+            Operand::Leaf { buf, layout, dtype } => self.leaf(buf.clone(), layout.clone(), *dtype),
             Operand::Node(n) => self.node(n),
         }
     }
@@ -496,19 +524,22 @@ impl Gen<'_> {
             State::Pending { op, args } => Ok((*op, args.clone())),
         };
         let r = match pending {
-            Err(buf) => self.leaf(buf, done_layout(n, self.shape)),
+            Err(buf) => self.leaf(buf, done_layout(n, self.shape), n.dtype),
             Ok((op, args)) => {
                 let regs: Vec<u16> = args.iter().map(|a| self.operand(a)).collect();
                 match op {
                     Op::Unary(u) => self.push(Ins::Unary(u, regs[0])),
                     Op::Binary(b) => self.push(Ins::Binary(b, regs[0], regs[1])),
                     Op::Scalar { op, value, lhs } => {
-                        let c = self.constant(value);
+                        let c = self.constant(value, n.dtype);
                         let (x, y) = if lhs { (c, regs[0]) } else { (regs[0], c) };
                         self.push(Ins::Binary(op, x, y))
                     }
                     Op::UnaryBwd(u) => self.push(Ins::Bwd(u, regs[0], regs[1])),
-                    Op::Fill(v) => self.constant(v),
+                    Op::Fill(v) => self.constant(v, n.dtype),
+                    Op::Compare(c) => self.push(Ins::Cmp(c, regs[0], regs[1])),
+                    Op::Cast(to) => self.push(Ins::Cast(to, regs[0])),
+                    Op::Where => self.push(Ins::Where(regs[0], regs[1], regs[2])),
                 }
             }
         };
@@ -558,6 +589,7 @@ pub(crate) fn reduce_all(s: &CudaStorage, l: &Layout, op: ReduceOp) -> Result<Op
     };
     let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == node.shape.dims();
     if !fusion_enabled()
+        || !matches!(node.dtype, DType::F32 | DType::F64)
         || !matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
         || !plain
         || node.shape.elem_count() == 0
@@ -591,7 +623,6 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         return alloc(dev, 0).map(Some);
     }
     let mut g = Gen {
-        dtype,
         shape: &root.shape,
         code: Vec::new(),
         leaves: Vec::new(),
@@ -605,18 +636,18 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         // inputs first.
         return Ok(None);
     }
-    let strides: Vec<&[usize]> = g.leaves.iter().map(|(_, l)| l.strides()).collect();
-    let offsets: Vec<usize> = g.leaves.iter().map(|(_, l)| l.offset()).collect();
+    let strides: Vec<&[usize]> = g.leaves.iter().map(|(_, l, _)| l.strides()).collect();
+    let offsets: Vec<usize> = g.leaves.iter().map(|(_, l, _)| l.offset()).collect();
     let (d, ss) = collapse(OP, root.shape.dims(), &strides, &offsets)?;
     let contig = d.rank == 0 || (d.rank == 1 && ss.iter().all(|s| s.s[0] == 1));
-    let layouts: Vec<&Layout> = g.leaves.iter().map(|(_, l)| l).collect();
+    let layouts: Vec<&Layout> = g.leaves.iter().map(|(_, l, _)| l).collect();
     let program = Program {
         dtype,
         wide: n >= (1 << 31) || !fits_u32(&layouts),
         contig,
-        leaves: g.leaves.len() as u8,
-        unis: g.unis.len() as u8,
-        consts: g.consts.len() as u8,
+        leaves: g.leaves.iter().map(|(_, _, d)| *d).collect(),
+        unis: g.unis.iter().map(|(_, _, d)| *d).collect(),
+        consts: g.consts.iter().map(|(_, d)| *d).collect(),
         code: std::mem::take(&mut g.code),
         reduce,
     };
@@ -630,26 +661,26 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
             ((blocks as u32, 1), blocks)
         }
     };
-    let size = dtype.size_in_bytes() as u64;
     let out = alloc(dev, outs * dtype.size_in_bytes())?;
     let mut a = Args::new();
     a.push(out.device_ptr()).push(n as u64);
     if !contig {
         a.push(d);
     }
-    for ((buf, l), s) in g.leaves.iter().zip(&ss) {
+    for ((buf, l, d), s) in g.leaves.iter().zip(&ss) {
         if contig {
-            a.push(buf.device_ptr() + l.offset() as u64 * size);
+            a.push(buf.device_ptr() + (l.offset() * d.size_in_bytes()) as u64);
         } else {
             a.push(buf.device_ptr()).push(*s);
         }
     }
-    for (_, p) in &g.unis {
+    for (_, p, _) in &g.unis {
         a.push(*p);
     }
-    for &c in &g.consts {
-        match dtype {
+    for &(c, d) in &g.consts {
+        match d {
             DType::F32 => a.push(c as f32),
+            DType::U8 => a.push(c as u8),
             _ => a.push(c),
         };
     }
@@ -666,7 +697,8 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
 }
 
 /// The CUDA C of `p`: one grid-stride loop; registers that do not vary per element (uniform
-/// leaves, constants, ops of those) are computed once before it.
+/// leaves, constants, ops of those) are computed once before it. `T` is the result's type;
+/// every register is declared with its own.
 pub(crate) fn source(p: &Program) -> String {
     let mut s = format!(
         "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n\
@@ -678,17 +710,17 @@ pub(crate) fn source(p: &Program) -> String {
     if !p.contig {
         s += ", Dims d";
     }
-    for k in 0..p.leaves {
-        let _ = write!(s, ", const T* __restrict__ a{k}");
+    for (k, d) in p.leaves.iter().enumerate() {
+        let _ = write!(s, ", const {}* __restrict__ a{k}", tname(*d));
         if !p.contig {
             let _ = write!(s, ", Strides s{k}");
         }
     }
-    for k in 0..p.unis {
-        let _ = write!(s, ", const T* __restrict__ u{k}");
+    for (k, d) in p.unis.iter().enumerate() {
+        let _ = write!(s, ", const {}* __restrict__ u{k}", tname(*d));
     }
-    for k in 0..p.consts {
-        let _ = write!(s, ", T c{k}");
+    for (k, d) in p.consts.iter().enumerate() {
+        let _ = write!(s, ", {} c{k}", tname(*d));
     }
     s += ") {\n";
     let red = p.reduce.map(|op| match op {
@@ -700,39 +732,59 @@ pub(crate) fn source(p: &Program) -> String {
         let _ = writeln!(s, "    __shared__ {r}::Acc scratch[32];");
         let _ = writeln!(s, "    {r}::Acc acc = {r}::init();");
     }
-    // Per-element registers: leaves and anything computed from one.
+    // Each register's type, and whether it varies per element (reads a leaf).
+    let mut ty: Vec<DType> = Vec::with_capacity(p.code.len());
     let mut varies = vec![false; p.code.len()];
     for (j, ins) in p.code.iter().enumerate() {
-        varies[j] = match *ins {
-            Ins::Leaf(_) => true,
-            Ins::Uni(_) | Ins::Const(_) => false,
-            Ins::Unary(_, a) => varies[a as usize],
-            Ins::Binary(_, a, b) | Ins::Bwd(_, a, b) => varies[a as usize] || varies[b as usize],
+        let (t, v) = match *ins {
+            Ins::Leaf(k) => (p.leaves[k as usize], true),
+            Ins::Uni(k) => (p.unis[k as usize], false),
+            Ins::Const(k) => (p.consts[k as usize], false),
+            Ins::Unary(_, a) | Ins::Cast(_, a) => (ty[a as usize], varies[a as usize]),
+            Ins::Binary(_, a, b) | Ins::Bwd(_, a, b) | Ins::Cmp(_, a, b) => {
+                (ty[a as usize], varies[a as usize] || varies[b as usize])
+            }
+            Ins::Where(c, a, b) => (
+                ty[a as usize],
+                varies[c as usize] || varies[a as usize] || varies[b as usize],
+            ),
         };
+        let t = match *ins {
+            Ins::Cmp(..) => DType::U8,
+            Ins::Cast(to, _) => to,
+            _ => t,
+        };
+        ty.push(t);
+        varies[j] = v;
     }
     let expr = |ins: Ins| -> String {
+        let t = |r: u16| tname(ty[r as usize]);
         match ins {
             Ins::Leaf(k) if p.contig => format!("a{k}[i]"),
             Ins::Leaf(k) => format!("a{k}[o{k}]"),
             Ins::Uni(k) => format!("u{k}[0]"),
             Ins::Const(k) => format!("c{k}"),
-            Ins::Unary(u, a) => format!("op_{}<T>(r{a})", u.name()),
-            Ins::Binary(b, x, y) => format!("op_{}<T>(r{x}, r{y})", b.name()),
+            Ins::Unary(u, a) => format!("op_{}<{}>(r{a})", u.name(), t(a)),
+            Ins::Binary(b, x, y) => format!("op_{}<{}>(r{x}, r{y})", b.name(), t(x)),
             Ins::Bwd(u, x, y) => format!(
-                "op_{}<T>(r{x}, r{y})",
-                ops::bwd_name(u).expect("only ops with a backward kernel are recorded")
+                "op_{}<{}>(r{x}, r{y})",
+                ops::bwd_name(u).expect("only ops with a backward kernel are recorded"),
+                t(x)
             ),
+            Ins::Cmp(c, x, y) => format!("op_{}<{}>(r{x}, r{y})", c.name(), t(x)),
+            Ins::Cast(to, a) => format!("cast_to<{}, {}>(r{a})", t(a), tname(to)),
+            Ins::Where(c, x, y) => format!("(r{c} ? r{x} : r{y})"),
         }
     };
     for (j, ins) in p.code.iter().enumerate() {
         if !varies[j] {
-            let _ = writeln!(s, "    const T r{j} = {};", expr(*ins));
+            let _ = writeln!(s, "    const {} r{j} = {};", tname(ty[j]), expr(*ins));
         }
     }
     s += "    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n";
-    if !p.contig && p.leaves > 0 {
+    if !p.contig && !p.leaves.is_empty() {
         s += "        I q = (I)i;\n";
-        for k in 0..p.leaves {
+        for k in 0..p.leaves.len() {
             let _ = writeln!(s, "        I o{k} = (I)s{k}.offset;");
         }
         s += "#pragma unroll\n        for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {\n\
@@ -740,14 +792,14 @@ pub(crate) fn source(p: &Program) -> String {
               \x20               I dk = (I)d.d[k];\n\
               \x20               I nq = q / dk;\n\
               \x20               I m = q - nq * dk;\n";
-        for k in 0..p.leaves {
+        for k in 0..p.leaves.len() {
             let _ = writeln!(s, "                o{k} += m * (I)s{k}.s[k];");
         }
         s += "                q = nq;\n            }\n        }\n";
     }
     for (j, ins) in p.code.iter().enumerate() {
         if varies[j] {
-            let _ = writeln!(s, "        const T r{j} = {};", expr(*ins));
+            let _ = writeln!(s, "        const {} r{j} = {};", tname(ty[j]), expr(*ins));
         }
     }
     let last = p.code.len() - 1;
@@ -779,7 +831,14 @@ pub fn sample_sources() -> Vec<(String, String)> {
         (DType::F64, true, false, Some(ReduceOp::Max)),
         (DType::F32, false, false, Some(ReduceOp::Min)),
     ] {
-        let mut code = vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Uni(0), Ins::Const(0)];
+        // Registers 0-1: leaves of `dtype`; 2: a uniform; 3: a constant; 4: a u8 leaf.
+        let mut code = vec![
+            Ins::Leaf(0),
+            Ins::Leaf(1),
+            Ins::Uni(0),
+            Ins::Const(0),
+            Ins::Leaf(2),
+        ];
         for u in UnaryOp::ALL {
             if u.supports(dtype) {
                 code.push(Ins::Unary(u, 0));
@@ -793,13 +852,22 @@ pub fn sample_sources() -> Vec<(String, String)> {
                 code.push(Ins::Binary(b, 2, (code.len() - 1) as u16));
             }
         }
+        let last = (code.len() - 1) as u16;
+        let n = code.len() as u16;
+        code.extend([
+            Ins::Cmp(CmpOp::Lt, 0, last), // n: u8
+            Ins::Cast(dtype, n),          // n + 1
+            Ins::Where(4, n + 1, 3),      // n + 2 (u8 leaf as the condition)
+            Ins::Cast(dtype, 4),          // n + 3
+            Ins::Binary(BinaryOp::Add, n + 2, n + 3),
+        ]);
         let p = Program {
             dtype,
             wide,
             contig,
-            leaves: 2,
-            unis: 1,
-            consts: 1,
+            leaves: vec![dtype, dtype, DType::U8],
+            unis: vec![dtype],
+            consts: vec![dtype],
             code,
             reduce,
         };
@@ -822,9 +890,9 @@ mod tests {
             dtype: DType::F32,
             wide: false,
             contig: false,
-            leaves: 1,
-            unis: 1,
-            consts: 1,
+            leaves: vec![DType::F32],
+            unis: vec![DType::F32],
+            consts: vec![DType::F32],
             code: vec![
                 Ins::Leaf(0),
                 Ins::Uni(0),
@@ -842,11 +910,14 @@ mod tests {
                 .unwrap_or_else(|| panic!("`{needle}` missing in:\n{body}"))
         };
         let lp = at("for (u64 i");
-        assert!(at("const T r1 = u0[0];") < lp);
-        assert!(at("const T r4 = c0;") < lp);
-        assert!(at("const T r0 = a0[o0];") > lp);
-        assert!(at("const T r2 = op_add<T>(r0, r1);") < at("const T r3 = op_sigmoid<T>(r2);"));
-        assert!(at("y[i] = r5;") > at("const T r5 = op_mul<T>(r3, r4);"));
+        assert!(at("const float r1 = u0[0];") < lp);
+        assert!(at("const float r4 = c0;") < lp);
+        assert!(at("const float r0 = a0[o0];") > lp);
+        assert!(
+            at("const float r2 = op_add<float>(r0, r1);")
+                < at("const float r3 = op_sigmoid<float>(r2);")
+        );
+        assert!(at("y[i] = r5;") > at("const float r5 = op_mul<float>(r3, r4);"));
         assert!(body.contains("typedef u32 I;") || src.contains("typedef u32 I;"));
         assert!(body.contains("Strides s0") && body.contains("Dims d"));
     }
@@ -857,16 +928,16 @@ mod tests {
             dtype: DType::F64,
             wide: true,
             contig: true,
-            leaves: 2,
-            unis: 0,
-            consts: 0,
+            leaves: vec![DType::F64, DType::F64],
+            unis: vec![],
+            consts: vec![],
             code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Bwd(UnaryOp::Tanh, 0, 1)],
             reduce: None,
         };
         let src = source(&p);
         assert!(src.contains("typedef double T;") && src.contains("typedef u64 I;"));
-        assert!(src.contains("const T r0 = a0[i];"));
-        assert!(src.contains("op_bwd_tanh<T>(r0, r1)"));
+        assert!(src.contains("const double r0 = a0[i];"));
+        assert!(src.contains("op_bwd_tanh<double>(r0, r1)"));
         assert!(!src.contains("Strides s0") && !src.contains("Dims d"));
     }
 

@@ -225,7 +225,7 @@ impl Backend for Cuda {
     }
 
     fn unary(op: UnaryOp, s: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        lazy::record(lazy::Op::Unary(op), &[(s, layout)], dtype)
+        lazy::record(lazy::Op::Unary(op), &[(s, layout, dtype)], dtype)
     }
 
     fn unary_backward(
@@ -238,7 +238,7 @@ impl Backend for Cuda {
     ) -> Result<CudaStorage> {
         lazy::record(
             lazy::Op::UnaryBwd(op),
-            &[(saved, saved_layout), (g, g_layout)],
+            &[(saved, saved_layout, dtype), (g, g_layout, dtype)],
             dtype,
         )
     }
@@ -253,7 +253,7 @@ impl Backend for Cuda {
     ) -> Result<CudaStorage> {
         lazy::record(
             lazy::Op::Binary(op),
-            &[(lhs, lhs_layout), (rhs, rhs_layout)],
+            &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
             dtype,
         )
     }
@@ -271,7 +271,7 @@ impl Backend for Cuda {
             value: scalar,
             lhs: scalar_lhs,
         };
-        lazy::record(op, &[(s, layout)], dtype)
+        lazy::record(op, &[(s, layout, dtype)], dtype)
     }
 
     fn compare(
@@ -282,15 +282,11 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::compare(
-            op,
-            &*lhs.buffer()?,
-            lhs_layout,
-            &*rhs.buffer()?,
-            rhs_layout,
-            dtype,
+        lazy::record(
+            lazy::Op::Compare(op),
+            &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
+            DType::U8,
         )
-        .map(CudaStorage::ready)
     }
 
     fn where_cond(
@@ -302,16 +298,15 @@ impl Backend for Cuda {
         false_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        ops::where_cond(
-            &*cond.buffer()?,
-            cond_layout,
-            &*on_true.buffer()?,
-            true_layout,
-            &*on_false.buffer()?,
-            false_layout,
+        lazy::record(
+            lazy::Op::Where,
+            &[
+                (cond, cond_layout, DType::U8),
+                (on_true, true_layout, dtype),
+                (on_false, false_layout, dtype),
+            ],
             dtype,
         )
-        .map(CudaStorage::ready)
     }
 
     fn reduce(
@@ -395,7 +390,7 @@ impl Backend for Cuda {
     }
 
     fn cast(s: &CudaStorage, layout: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
-        ops::cast(&*s.buffer()?, layout, from, to).map(CudaStorage::ready)
+        lazy::record(lazy::Op::Cast(to), &[(s, layout, from)], to)
     }
 
     fn index_select(

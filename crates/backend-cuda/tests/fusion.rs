@@ -186,7 +186,8 @@ fn uniform_values_broadcast_through_any_view() {
 
 /// One random chain: leaves in every layout a fused kernel meets (contiguous, transposed,
 /// narrowed, broadcast row, broadcast scalar) and earlier results read directly (inlined) or
-/// transposed (forced first), through unary, binary and scalar ops on both sides.
+/// transposed (forced first), through unary, binary and scalar ops on both sides, comparisons,
+/// `where` and casts through u8.
 fn random_chain<B: Backend>(seed: u64, dev: &B::Device) -> Result<Tensor<B>> {
     let mut state = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
     let mut next = move |n: u64| {
@@ -228,7 +229,7 @@ fn random_chain<B: Backend>(seed: u64, dev: &B::Device) -> Result<Tensor<B>> {
             }
         };
         let a = pick(&vals, next(64))?;
-        let out = match next(4) {
+        let out = match next(7) {
             0 => {
                 let ops = [
                     UnaryOp::Neg,
@@ -268,7 +269,14 @@ fn random_chain<B: Backend>(seed: u64, dev: &B::Device) -> Result<Tensor<B>> {
                     a.scalar_binary(op, c)?
                 }
             }
-            _ => a.unary_backward(UnaryOp::Tanh, &leaf(next(5))?)?,
+            3 => a.unary_backward(UnaryOp::Tanh, &leaf(next(5))?)?,
+            // A mask: a comparison cast back to floats (dropout's shape).
+            4 => a.gt(&leaf(next(5))?)?.to_dtype(dt)?.mul(&a)?,
+            5 => a
+                .ge(&pick(&vals, next(64))?)?
+                .where_cond(&a, &leaf(next(5))?)?,
+            // Through u8 and back (Rust `as`: truncating, saturating, NaN to 0).
+            _ => a.mul_scalar(40.0)?.to_dtype(DType::U8)?.to_dtype(dt)?,
         };
         vals.push(out);
     }

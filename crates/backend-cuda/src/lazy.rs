@@ -212,8 +212,11 @@ pub(crate) fn record(
             });
         }
     }
-    let ins: Vec<DType> = inputs.iter().map(|(_, _, d)| *d).collect();
-    if !fusion_enabled() || !op.fusable(&ins, out) {
+    let mut ins = [out; 3]; // at most three operands (`where`)
+    for (i, (_, _, d)) in inputs.iter().enumerate() {
+        ins[i] = *d;
+    }
+    if !fusion_enabled() || !op.fusable(&ins[..inputs.len()], out) {
         let bufs = inputs
             .iter()
             .map(|(s, _, _)| s.buffer())
@@ -449,6 +452,9 @@ pub(crate) struct Program {
     pub wide: bool,
     /// Every strided leaf is contiguous with the output (no index arithmetic).
     pub contig: bool,
+    /// Contiguous, every leaf of the result's dtype and 16-byte aligned, no reduction: the
+    /// loop moves 16 bytes per leaf and per store, then finishes the tail element by element.
+    pub vec: bool,
     /// The dtypes of the strided leaves, uniform leaves and scalar arguments, in order.
     pub leaves: Vec<DType>,
     pub unis: Vec<DType>,
@@ -640,11 +646,20 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let offsets: Vec<usize> = g.leaves.iter().map(|(_, l, _)| l.offset()).collect();
     let (d, ss) = collapse(OP, root.shape.dims(), &strides, &offsets)?;
     let contig = d.rank == 0 || (d.rank == 1 && ss.iter().all(|s| s.s[0] == 1));
+    let at = |(b, l, d): &(Arc<Buffer>, Layout, DType)| {
+        b.device_ptr() + (l.offset() * d.size_in_bytes()) as u64
+    };
+    let vec = contig
+        && reduce.is_none()
+        && g.leaves
+            .iter()
+            .all(|leaf| leaf.2 == dtype && at(leaf).is_multiple_of(16));
     let layouts: Vec<&Layout> = g.leaves.iter().map(|(_, l, _)| l).collect();
     let program = Program {
         dtype,
         wide: n >= (1 << 31) || !fits_u32(&layouts),
         contig,
+        vec,
         leaves: g.leaves.iter().map(|(_, _, d)| *d).collect(),
         unis: g.unis.iter().map(|(_, _, d)| *d).collect(),
         consts: g.consts.iter().map(|(_, d)| *d).collect(),
@@ -654,8 +669,9 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let Some(f) = dev.fused_func(&program, program_budget(), || source(&program))? else {
         return Ok(None);
     };
+    let per_thread = if vec { 16 / dtype.size_in_bytes() } else { 1 };
     let (grid, outs) = match reduce {
-        None => (dev.grid_1d(n as u64, FUSED_BLOCK), n),
+        None => (dev.grid_1d(n.div_ceil(per_thread) as u64, FUSED_BLOCK), n),
         Some(_) => {
             let blocks = reduce_blocks(dev, n);
             ((blocks as u32, 1), blocks)
@@ -667,11 +683,11 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     if !contig {
         a.push(d);
     }
-    for ((buf, l, d), s) in g.leaves.iter().zip(&ss) {
+    for (leaf, s) in g.leaves.iter().zip(&ss) {
         if contig {
-            a.push(buf.device_ptr() + (l.offset() * d.size_in_bytes()) as u64);
+            a.push(at(leaf));
         } else {
-            a.push(buf.device_ptr()).push(*s);
+            a.push(leaf.0.device_ptr()).push(*s);
         }
     }
     for (_, p, _) in &g.unis {
@@ -757,9 +773,11 @@ pub(crate) fn source(p: &Program) -> String {
         ty.push(t);
         varies[j] = v;
     }
-    let expr = |ins: Ins| -> String {
+    // `lane`: inside the vector loop, where leaf k's element is `w{k}.v[j]`.
+    let expr = |ins: Ins, lane: bool| -> String {
         let t = |r: u16| tname(ty[r as usize]);
         match ins {
+            Ins::Leaf(k) if lane => format!("w{k}.v[j]"),
             Ins::Leaf(k) if p.contig => format!("a{k}[i]"),
             Ins::Leaf(k) => format!("a{k}[o{k}]"),
             Ins::Uni(k) => format!("u{k}[0]"),
@@ -778,10 +796,38 @@ pub(crate) fn source(p: &Program) -> String {
     };
     for (j, ins) in p.code.iter().enumerate() {
         if !varies[j] {
-            let _ = writeln!(s, "    const {} r{j} = {};", tname(ty[j]), expr(*ins));
+            let _ = writeln!(
+                s,
+                "    const {} r{j} = {};",
+                tname(ty[j]),
+                expr(*ins, false)
+            );
         }
     }
-    s += "    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n";
+    let last = p.code.len() - 1;
+    if p.vec {
+        // 16 bytes per leaf and per store; the scalar loop below takes the tail.
+        s += "    const int N = 16 / sizeof(T);\n    const u64 nv = n / N;\n";
+        s += "    for (u64 v = KILN_TID; v < nv; v += KILN_NTHREADS) {\n";
+        for k in 0..p.leaves.len() {
+            let _ = writeln!(
+                s,
+                "        const Vec<T, N> w{k} = ((const Vec<T, N>*)a{k})[v];"
+            );
+        }
+        s += "        Vec<T, N> out;\n#pragma unroll\n        for (int j = 0; j < N; ++j) {\n";
+        for (j, ins) in p.code.iter().enumerate() {
+            if varies[j] {
+                let ex = expr(*ins, true);
+                let _ = writeln!(s, "            const {} r{j} = {ex};", tname(ty[j]));
+            }
+        }
+        let _ = writeln!(s, "            out.v[j] = r{last};\n        }}");
+        s += "        ((Vec<T, N>*)y)[v] = out;\n    }\n";
+        s += "    for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS) {\n";
+    } else {
+        s += "    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n";
+    }
     if !p.contig && !p.leaves.is_empty() {
         s += "        I q = (I)i;\n";
         for k in 0..p.leaves.len() {
@@ -799,10 +845,14 @@ pub(crate) fn source(p: &Program) -> String {
     }
     for (j, ins) in p.code.iter().enumerate() {
         if varies[j] {
-            let _ = writeln!(s, "        const {} r{j} = {};", tname(ty[j]), expr(*ins));
+            let _ = writeln!(
+                s,
+                "        const {} r{j} = {};",
+                tname(ty[j]),
+                expr(*ins, false)
+            );
         }
     }
-    let last = p.code.len() - 1;
     match red {
         None => {
             let _ = writeln!(s, "        y[i] = r{last};\n    }}\n}}");
@@ -825,6 +875,7 @@ pub fn sample_sources() -> Vec<(String, String)> {
     let mut out = Vec::new();
     for (dtype, wide, contig, reduce) in [
         (DType::F32, false, true, None),
+        (DType::F64, false, true, None),
         (DType::F64, true, false, None),
         (DType::F32, false, false, None),
         (DType::F32, false, true, Some(ReduceOp::Sum)),
@@ -865,6 +916,7 @@ pub fn sample_sources() -> Vec<(String, String)> {
             dtype,
             wide,
             contig,
+            vec: contig && reduce.is_none() && !wide,
             leaves: vec![dtype, dtype, DType::U8],
             unis: vec![dtype],
             consts: vec![dtype],
@@ -872,7 +924,10 @@ pub fn sample_sources() -> Vec<(String, String)> {
             reduce,
         };
         let what = reduce.map_or("map", |r| r.name());
-        let name = format!("fused {what} ({dtype}, wide {wide}, contig {contig})");
+        let name = format!(
+            "fused {what} ({dtype}, wide {wide}, contig {contig}, vec {})",
+            p.vec
+        );
         out.push((name, source(&p)));
     }
     out
@@ -890,6 +945,7 @@ mod tests {
             dtype: DType::F32,
             wide: false,
             contig: false,
+            vec: false,
             leaves: vec![DType::F32],
             unis: vec![DType::F32],
             consts: vec![DType::F32],
@@ -928,6 +984,7 @@ mod tests {
             dtype: DType::F64,
             wide: true,
             contig: true,
+            vec: false,
             leaves: vec![DType::F64, DType::F64],
             unis: vec![],
             consts: vec![],
@@ -939,6 +996,30 @@ mod tests {
         assert!(src.contains("const double r0 = a0[i];"));
         assert!(src.contains("op_bwd_tanh<double>(r0, r1)"));
         assert!(!src.contains("Strides s0") && !src.contains("Dims d"));
+    }
+
+    #[test]
+    fn aligned_contiguous_programs_move_16_bytes_then_finish_the_tail() {
+        let p = Program {
+            dtype: DType::F32,
+            wide: false,
+            contig: true,
+            vec: true,
+            leaves: vec![DType::F32, DType::F32],
+            unis: vec![],
+            consts: vec![],
+            code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Binary(BinaryOp::Mul, 0, 1)],
+            reduce: None,
+        };
+        let src = source(&p);
+        let at = |needle: &str| {
+            src.find(needle)
+                .unwrap_or_else(|| panic!("`{needle}` missing in:\n{src}"))
+        };
+        assert!(at("const Vec<T, N> w1 = ((const Vec<T, N>*)a1)[v];") < at("out.v[j] = r2;"));
+        assert!(at("const float r0 = w0.v[j];") < at("((Vec<T, N>*)y)[v] = out;"));
+        assert!(at("for (u64 i = nv * N + KILN_TID") < at("const float r0 = a0[i];"));
+        assert!(at("const float r0 = a0[i];") < at("y[i] = r2;"));
     }
 
     #[test]

@@ -37,7 +37,7 @@
 //!   backpropagates across them. Mixing devices in any other op is an error naming both.
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
 //! - [`check_backward`] is Chainer's numerical gradient check; the generic gradient test suite
-//!   every backend runs is [`testing::run_gradient_suite`] (feature `testing`).
+//!   every backend runs is `testing::run_gradient_suite` (feature `testing`).
 //!
 //! ## Gradients at kinks and ties
 //!

@@ -8,8 +8,9 @@
 //! - the [`Backend`] trait: a small, enum-driven set of kernels that a device implements;
 //! - [`Tensor<B>`](Tensor): the user-facing array, generic over its backend;
 //! - [`philox`]: the counter-based generator every backend implements bit for bit;
-//! - [`reference`]: a plain-loop f64 backend, obviously correct and slow, against which
-//!   the conformance suite ([`testing`], feature `testing`) checks every real backend.
+//! - [`reference`](mod@reference): a plain-loop f64 backend, obviously correct and slow,
+//!   against which the conformance suite (`testing`, behind the feature `testing`) checks every
+//!   real backend.
 //!
 //! Code written against `B: Backend` runs unchanged on the CPU and on NVIDIA GPUs:
 //!

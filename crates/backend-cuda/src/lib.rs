@@ -48,9 +48,7 @@ pub use device::{
     CudaDevice, device_count, fused_program_stats, gpu_or_skip, launch_stats, thread_launches,
     thread_syncs, try_all_gpus, try_gpu, unavailable_reason,
 };
-pub use lazy::{
-    fusion_enabled, sample_sources as fused_sample_sources, set_fusion, set_fusion_program_budget,
-};
+pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
 pub use storage::CudaStorage;
 

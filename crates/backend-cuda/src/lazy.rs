@@ -871,7 +871,7 @@ pub(crate) fn source(p: &Program) -> String {
 
 /// A few programs covering every instruction, both index widths and both layouts: what `cargo
 /// xtask check-kernels` compiles so that a code generator change that breaks NVRTC fails CI.
-pub fn sample_sources() -> Vec<(String, String)> {
+pub(crate) fn sample_sources() -> Vec<(String, String)> {
     let mut out = Vec::new();
     for (dtype, wide, contig, reduce) in [
         (DType::F32, false, true, None),

@@ -108,9 +108,3 @@ impl CudaStorage {
         Ok(b)
     }
 }
-
-impl From<Buffer> for CudaStorage {
-    fn from(b: Buffer) -> Self {
-        CudaStorage::ready(b)
-    }
-}

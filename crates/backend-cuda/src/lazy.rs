@@ -1,16 +1,16 @@
 //! Deferred elementwise ops and the fused kernels that run them.
 //!
 //! On a GPU a small elementwise op costs far more to launch (3–5 µs of driver time per
-//! `cuLaunchKernel` on the H100/H200 we measure on) than to run, and a training step is full
-//! of chains of them: a loss's tail, the chain rule of its gradient, an update. So `unary`,
-//! `binary`, `binary_scalar`, `unary_backward` and small `fill`s (up to [`MAX_DEFERRED_FILL`]
-//! bytes) on f32/f64, comparisons of floats, `where` with float branches and casts among f32,
-//! f64 and u8 (a dropout mask, a ReLU written with `where`) do not launch anything: they record a [`Node`] of an expression DAG whose
-//! leaves are computed buffers. The first op that needs the values — a matmul, a reduction, a
-//! copy to the host, any op that is not elementwise — *forces* the node: its whole DAG becomes
-//! one kernel, generated as CUDA C, compiled by NVRTC once per distinct program (memoized per
-//! device and cached on disk like `kernels/`), and launched once. A node nobody reads never
-//! runs.
+//! `cuLaunchKernel` on the H100/H200 we measure on) than to run, and a training step is full of
+//! chains of them: a loss's tail, the chain rule of its gradient, an update. So `unary`, `binary`,
+//! `binary_scalar`, `unary_backward` and small `fill`s (up to [`MAX_DEFERRED_FILL`] bytes) on
+//! f32/f64, comparisons of floats, `where` with float branches and casts among f32, f64 and u8 (a
+//! dropout mask, a ReLU written with `where`) do not launch anything: they record a [`Node`] of an
+//! expression DAG whose leaves are computed buffers. The first op that needs the values — a matmul,
+//! a reduction, a copy to the host, any op that is not elementwise — *forces* the node: its whole
+//! DAG becomes one kernel, generated as CUDA C, compiled by NVRTC once per distinct program
+//! (memoized per device and cached on disk like `kernels/`), and launched once. A node nobody reads
+//! never runs.
 //!
 //! What does not change: tensors stay immutable (an in-place write into a buffer that a pending
 //! node still reads copies the buffer first: `CudaStorage::buffer_mut`); every op computes with

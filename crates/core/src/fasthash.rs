@@ -1,7 +1,7 @@
 //! A fast hasher for the small keys of kiln's hot-path maps (kernel names, block sizes, variable
-//! ids): FNV-1a style, a multiply-xor round per 8 bytes of the key. std's SipHash resists hash flooding, which these maps,
-//! keyed by values kiln itself makes, do not need, and costs several times more per lookup —
-//! paid on every kernel launch and every backward node.
+//! ids): FNV-1a style, a multiply-xor round per 8 bytes of the key. std's SipHash resists hash
+//! flooding, which these maps, keyed by values kiln itself makes, do not need, and costs several
+//! times more per lookup — paid on every kernel launch and every backward node.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};

@@ -2,11 +2,12 @@
 //!
 //! [`Reference`] implements every op of the [`Backend`] trait as directly as the contract in
 //! [`crate::backend`] reads, so that the conformance suite (`kiln_core::testing`, feature
-//! `testing`) can compare a real backend against it. Storage keeps each dtype's values exactly (a [`HostBuffer`]); float
-//! math runs in f64 and a result of dtype f32 is rounded to f32 once, at the end. That makes the
-//! reference (nearly) the exact answer for the given inputs, and a real backend's error against
-//! it is its own error. Integer ops are exact (`i64` arithmetic wraps; `Div` truncates toward
-//! zero and a division by zero gives 0). Random numbers come from [`crate::philox`] itself.
+//! `testing`) can compare a real backend against it. Storage keeps each dtype's values exactly (a
+//! [`HostBuffer`]); float math runs in f64 and a result of dtype f32 is rounded to f32 once, at the
+//! end. That makes the reference (nearly) the exact answer for the given inputs, and a real
+//! backend's error against it is its own error. Integer ops are exact (`i64` arithmetic wraps;
+//! `Div` truncates toward zero and a division by zero gives 0). Random numbers come from
+//! [`crate::philox`] itself.
 //!
 //! Every kernel first gathers its strided inputs into contiguous row-major buffers through
 //! [`Layout::offsets`], then works on plain vectors with multi-indices. Nothing here is fast;

@@ -131,7 +131,9 @@ pub(crate) fn matmul(
     if k == 0 {
         // SAFETY: the range is exactly `out`.
         check(
-            unsafe { sys::cuMemsetD8Async(out.device_ptr(), 0, batch * m * n * size, dev.compute) },
+            unsafe {
+                sys::cuMemsetD8Async(out.device_ptr(), 0, batch * m * n * size, dev.stream())
+            },
             OP,
         )?;
         return Ok(out);
@@ -163,11 +165,10 @@ pub(crate) fn matmul(
             return Err(Error::backend(OP, "libcublas not found"));
         }
         let mut h = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the handle is bound to this device's compute stream and
-        // kept for the process' lifetime.
+        // SAFETY: valid out-pointer; the handle is kept for the process' lifetime and bound to
+        // the caller's current stream below, before every call.
         unsafe {
             blas_check(cb::cublasCreate_v2(&mut h), OP)?;
-            blas_check(cb::cublasSetStream_v2(h, dev.compute as _), OP)?;
             blas_check(
                 cb::cublasSetMathMode(h, cb::cublasMath_t::CUBLAS_DEFAULT_MATH),
                 OP,
@@ -176,9 +177,19 @@ pub(crate) fn matmul(
         *guard = Some(Blas {
             handle: h,
             tf32: false,
+            stream: 0,
         });
     }
     let blas = guard.as_mut().unwrap();
+    let stream = dev.stream();
+    if blas.stream != stream as usize {
+        // SAFETY: a live handle, used under the lock; the stream belongs to its context.
+        blas_check(
+            unsafe { cb::cublasSetStream_v2(blas.handle, stream as _) },
+            OP,
+        )?;
+        blas.stream = stream as usize;
+    }
     if blas.tf32 != tf32 {
         let mode = if tf32 {
             cb::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
@@ -203,7 +214,7 @@ pub(crate) fn matmul(
             );
             // SAFETY: pointers and leading dimensions describe the operands' layouts (the
             // trait's contract); `out` holds batch * m * n elements; the handle runs on the
-            // compute stream.
+            // caller's current stream.
             unsafe {
                 if batch == 1 {
                     cb::$plain(

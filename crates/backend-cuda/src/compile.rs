@@ -33,10 +33,11 @@ pub enum Module {
     Softmax,
     Index,
     Optim,
+    Util,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::Elementwise,
         Module::Copy,
         Module::Rand,
@@ -44,6 +45,7 @@ impl Module {
         Module::Softmax,
         Module::Index,
         Module::Optim,
+        Module::Util,
     ];
 
     /// The file name under `kernels/`.
@@ -56,6 +58,7 @@ impl Module {
             Module::Softmax => "softmax.cu",
             Module::Index => "index.cu",
             Module::Optim => "optim.cu",
+            Module::Util => "util.cu",
         }
     }
 
@@ -68,6 +71,7 @@ impl Module {
             Module::Softmax => include_str!("../kernels/softmax.cu"),
             Module::Index => include_str!("../kernels/index.cu"),
             Module::Optim => include_str!("../kernels/optim.cu"),
+            Module::Util => include_str!("../kernels/util.cu"),
         }
     }
 

@@ -80,6 +80,9 @@ fn driver_info() -> &'static std::result::Result<usize, String> {
         // SAFETY: valid out-pointer; the driver is initialized.
         check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")
             .map_err(|e| e.to_string())?;
+        if n > 0 {
+            crate::pinned::register();
+        }
         Ok(n.max(0) as usize)
     })
 }
@@ -186,6 +189,8 @@ unsafe impl Sync for Func {}
 pub(crate) struct Blas {
     pub handle: cudarc::cublas::sys::cublasHandle_t,
     pub tf32: bool,
+    /// The stream the handle is bound to (a `CUstream` as an address).
+    pub stream: usize,
 }
 // SAFETY: the handle is only used under the `blas` mutex.
 unsafe impl Send for Blas {}
@@ -231,6 +236,13 @@ pub(crate) struct DeviceState {
     pub peak: AtomicUsize,
     pub peers_enabled: Mutex<Vec<usize>>,
     pub tf32_override: AtomicBool,
+    /// Blocks waiting for other streams before they can be reused (see `memory.rs`).
+    pub deferred_frees: Mutex<Vec<DeferredFree>>,
+    pub deferred_count: AtomicUsize,
+    /// Sources of asynchronous host-to-device copies, kept alive until their copy is done.
+    pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
+    /// Spare events (timing disabled) for ordering streams and tracking copies.
+    pub events: Mutex<Vec<usize>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -241,7 +253,43 @@ unsafe impl Sync for DeviceState {}
 
 thread_local! {
     static CURRENT: std::cell::Cell<sys::CUcontext> = const { std::cell::Cell::new(std::ptr::null_mut()) };
+    /// The calling thread's current stream per device ordinal (null: the device's default
+    /// stream). Set by `stream::Stream::scope` and while deferred work launches.
+    static CURRENT_STREAM: [std::cell::Cell<sys::CUstream>; MAX_STREAM_DEVICES] =
+        const { [const { std::cell::Cell::new(std::ptr::null_mut()) }; MAX_STREAM_DEVICES] };
 }
+
+/// Devices with ordinals at or above this always run on their default stream.
+pub(crate) const MAX_STREAM_DEVICES: usize = 16;
+
+/// Makes `stream` the calling thread's current stream on device `ordinal` (null: the default
+/// stream) and returns the previous one.
+pub(crate) fn set_current_stream(ordinal: usize, stream: sys::CUstream) -> sys::CUstream {
+    CURRENT_STREAM.with(|c| match c.get(ordinal) {
+        Some(c) => c.replace(stream),
+        None => std::ptr::null_mut(),
+    })
+}
+
+/// A block freed while streams other than the one it was allocated on may still use it: it
+/// returns to the cache once every event (one per such stream) has completed.
+pub(crate) struct DeferredFree {
+    pub ptr: sys::CUdeviceptr,
+    pub bytes: usize,
+    pub stream: sys::CUstream,
+    pub events: Vec<sys::CUevent>,
+}
+// SAFETY: raw driver handles, valid from any thread.
+unsafe impl Send for DeferredFree {}
+
+/// Host memory that an asynchronous copy still reads (a pinned source's storage), held until
+/// the copy's event completes.
+pub(crate) struct InFlight {
+    pub event: sys::CUevent,
+    pub _owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+}
+// SAFETY: the event is a driver handle valid from any thread; the owner is Send + Sync.
+unsafe impl Send for InFlight {}
 
 /// The state of `dev`, created on first use.
 pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
@@ -365,12 +413,73 @@ impl DeviceState {
                 peak: AtomicUsize::new(0),
                 peers_enabled: Mutex::new(Vec::new()),
                 tf32_override: AtomicBool::new(false),
+                deferred_frees: Mutex::new(Vec::new()),
+                deferred_count: AtomicUsize::new(0),
+                in_flight: Mutex::new(Default::default()),
+                events: Mutex::new(Vec::new()),
             })
         }
     }
 
     pub fn device(&self) -> CudaDevice {
         CudaDevice::new(self.ordinal)
+    }
+
+    /// The calling thread's current stream on this device: a user stream inside its scope,
+    /// otherwise the device's default (compute) stream. Every launch, allocation and free goes
+    /// to it.
+    pub fn stream(&self) -> sys::CUstream {
+        let s = CURRENT_STREAM.with(|c| {
+            c.get(self.ordinal)
+                .map_or(std::ptr::null_mut(), |c| c.get())
+        });
+        if s.is_null() { self.compute } else { s }
+    }
+
+    /// An event with timing disabled, from the device's spare list. Give it back with
+    /// [`DeviceState::recycle_event`] once every wait on its recording has been enqueued (a
+    /// later re-record does not affect waits already enqueued) and nobody queries it.
+    pub fn event(&self) -> Result<sys::CUevent> {
+        if let Some(e) = self.events.lock().unwrap().pop() {
+            return Ok(e as sys::CUevent);
+        }
+        let mut ev = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current (callers bind first).
+        check(
+            unsafe {
+                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+            },
+            "cuEventCreate",
+        )?;
+        Ok(ev)
+    }
+
+    pub fn recycle_event(&self, ev: sys::CUevent) {
+        self.events.lock().unwrap().push(ev as usize);
+    }
+
+    /// Drops the sources of host-to-device copies that have finished.
+    pub fn sweep_in_flight(&self) {
+        let mut q = self.in_flight.lock().unwrap();
+        while let Some(f) = q.front() {
+            // SAFETY: a live event of this context.
+            let r = unsafe { sys::cuEventQuery(f.event) };
+            if r == CUresult::CUDA_ERROR_NOT_READY {
+                break;
+            }
+            let f = q.pop_front().expect("front exists");
+            self.recycle_event(f.event);
+        }
+    }
+
+    /// Waits for every stream of the device (`torch.cuda.synchronize()`).
+    pub fn sync_all(&self, op: &'static str) -> Result<()> {
+        THREAD_SYNCS.with(|c| c.set(c.get() + 1));
+        self.bind()?;
+        // SAFETY: this device's context is current.
+        check(unsafe { sys::cuCtxSynchronize() }, op)?;
+        self.sweep_in_flight();
+        Ok(())
     }
 
     /// Makes this device's context current on the calling thread (cached per thread).
@@ -499,7 +608,7 @@ impl DeviceState {
                     1,
                     1,
                     smem,
-                    self.compute,
+                    self.stream(),
                     params.as_mut_ptr(),
                     std::ptr::null_mut(),
                 )
@@ -525,11 +634,11 @@ impl DeviceState {
         (want.min(cap).max(if n == 0 { 0 } else { 1 }) as u32, 1)
     }
 
-    /// Waits for the compute stream.
+    /// Waits for the calling thread's current stream.
     pub fn sync(&self, op: &'static str) -> Result<()> {
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         // SAFETY: the stream belongs to this (current) context.
-        check(unsafe { sys::cuStreamSynchronize(self.compute) }, op)
+        check(unsafe { sys::cuStreamSynchronize(self.stream()) }, op)
     }
 
     /// Reads the device error record (synchronizing) and turns a raised flag into a typed
@@ -545,7 +654,7 @@ impl DeviceState {
                     self.err_host as *mut c_void,
                     self.err_flag,
                     16,
-                    self.compute,
+                    self.stream(),
                 ),
                 op,
             )?;
@@ -559,7 +668,7 @@ impl DeviceState {
         }
         // SAFETY: the 16-byte device record, ordered on the compute stream.
         check(
-            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 4, self.compute) },
+            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 4, self.stream()) },
             op,
         )?;
         Err(match code {
@@ -572,21 +681,21 @@ impl DeviceState {
         })
     }
 
-    /// Records an event on `from` and makes `to` wait for it.
+    /// Records an event on `from` and makes `to` wait for it (nothing when they are the same
+    /// stream).
     pub fn order(&self, from: sys::CUstream, to: sys::CUstream, op: &'static str) -> Result<()> {
-        // SAFETY: both streams belong to live contexts; the event is destroyed after the wait
-        // is enqueued, which the driver allows (it is released once the wait completes).
-        unsafe {
-            let mut ev = std::ptr::null_mut();
-            check(
-                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32),
-                op,
-            )?;
-            let r = sys::cuEventRecord(ev, from)
-                .result()
-                .and_then(|_| sys::cuStreamWaitEvent(to, ev, 0).result());
-            sys::cuEventDestroy_v2(ev);
-            r.map_err(|e| Error::backend(op, format!("{e}")))
+        if from == to {
+            return Ok(());
         }
+        let ev = self.event()?;
+        // SAFETY: both streams belong to live contexts; a later re-record of the recycled event
+        // does not affect the wait enqueued here.
+        let r = unsafe {
+            sys::cuEventRecord(ev, from)
+                .result()
+                .and_then(|_| sys::cuStreamWaitEvent(to, ev, 0).result())
+        };
+        self.recycle_event(ev);
+        r.map_err(|e| Error::backend(op, format!("{e}")))
     }
 }

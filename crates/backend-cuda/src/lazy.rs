@@ -43,7 +43,7 @@ use std::sync::{Arc, Mutex};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
 use crate::compile::{COMMON, SCALAR_OPS};
-use crate::device::DeviceState;
+use crate::device::{DeviceState, set_current_stream};
 use crate::launch::{Args, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
 use crate::ops::{self, tname};
@@ -150,6 +150,8 @@ pub(crate) enum Operand {
 /// A deferred elementwise op and its result once forced.
 pub(crate) struct Node {
     dev: &'static DeviceState,
+    /// The stream that was current when the op was recorded: the node launches there.
+    stream: usize,
     dtype: DType,
     shape: Shape,
     /// The value is the same at every element (no operand varies per element).
@@ -248,6 +250,7 @@ pub(crate) fn record(
     let (n_ops, n_leaves, uniform) = t;
     Ok(CudaStorage::pending(Arc::new(Node {
         dev: s0.state(),
+        stream: s0.state().stream() as usize,
         dtype: out,
         shape: l0.shape().clone(),
         uniform: uniform || l0.elem_count() <= 1,
@@ -276,6 +279,7 @@ pub(crate) fn fill(
     }
     Ok(CudaStorage::pending(Arc::new(Node {
         dev,
+        stream: dev.stream() as usize,
         dtype,
         shape: Shape::new([len]),
         uniform: true,
@@ -301,6 +305,8 @@ fn tally(args: &[Operand]) -> (u32, u32, bool) {
 fn operand(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<Operand> {
     let node = match s.repr() {
         Repr::Ready(buf) => {
+            // The node launches on the current stream (where it is recorded).
+            buf.mark_used(buf.state().stream());
             return Ok(Operand::Leaf {
                 buf: buf.clone(),
                 layout: l.clone(),
@@ -349,7 +355,31 @@ fn eager(
 }
 
 /// The node's values: computed now (one launch for its whole pending DAG) unless already.
+///
+/// The launch goes to the stream that was current when the node was recorded; when the caller
+/// is on another stream, the caller's stream then waits for it, so a value read on stream B
+/// never races with deferred work recorded on stream A.
 pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
+    if let Some(b) = node.done() {
+        return Ok(b);
+    }
+    let dev = node.dev;
+    let caller = dev.stream();
+    let home = node.stream as cudarc::driver::sys::CUstream;
+    if caller == home {
+        return force_here(node);
+    }
+    let prev = set_current_stream(dev.ordinal, home);
+    let r = force_here(node);
+    set_current_stream(dev.ordinal, prev);
+    let b = r?;
+    dev.order(home, caller, "force")?;
+    b.mark_used(caller);
+    Ok(b)
+}
+
+/// [`force`] on the current stream.
+fn force_here(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     {
         let mut st = node.state.lock().unwrap();
         let (op, args) = match &*st {

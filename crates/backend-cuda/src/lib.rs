@@ -36,11 +36,14 @@ mod launch;
 mod lazy;
 mod memory;
 mod ops;
+mod pinned;
 mod storage;
+mod stream;
+mod transfer;
 
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, MemoryStats, RandDist, ReduceOp,
-    Result, UnaryOp, UpdateRule, UpdateSlot,
+    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
+    ReduceOp, Result, UnaryOp, UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -50,7 +53,10 @@ pub use device::{
 };
 pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
+pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
+pub use stream::{Event, Stream, StreamGuard, synchronize};
+pub use transfer::copy_threads;
 
 use device::state;
 
@@ -65,17 +71,23 @@ impl Cuda {
     }
 }
 
-fn host_from_bytes(dtype: DType, bytes: &[u8]) -> HostBuffer {
-    fn v<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
-        let mut out = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
-        bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
-        out
-    }
+/// A zeroed host buffer of `n` elements of `dtype` (fresh pages, faulted in by whoever writes
+/// them first).
+fn host_zeros(dtype: DType, n: usize) -> HostBuffer {
     match dtype {
-        DType::F32 => HostBuffer::F32(v(bytes)),
-        DType::F64 => HostBuffer::F64(v(bytes)),
-        DType::I64 => HostBuffer::I64(v(bytes)),
-        _ => HostBuffer::U8(bytes.to_vec()),
+        DType::F32 => HostBuffer::F32(vec![0.0; n]),
+        DType::F64 => HostBuffer::F64(vec![0.0; n]),
+        DType::I64 => HostBuffer::I64(vec![0; n]),
+        _ => HostBuffer::U8(vec![0; n]),
+    }
+}
+
+fn host_bytes_of(h: &mut HostBuffer) -> &mut [u8] {
+    match h {
+        HostBuffer::F32(v) => bytemuck::cast_slice_mut(v),
+        HostBuffer::F64(v) => bytemuck::cast_slice_mut(v),
+        HostBuffer::I64(v) => bytemuck::cast_slice_mut(v),
+        HostBuffer::U8(v) => v,
     }
 }
 
@@ -115,9 +127,9 @@ impl Backend for Cuda {
         })
     }
 
+    /// Waits for every stream of the device.
     fn synchronize(device: &CudaDevice) -> Result<()> {
-        let s = state(device)?;
-        s.sync("synchronize")
+        state(device)?.sync_all("synchronize")
     }
 
     fn memory_stats(device: &CudaDevice) -> Result<MemoryStats> {
@@ -137,7 +149,42 @@ impl Backend for Cuda {
     }
 
     fn from_host(device: &CudaDevice, data: &HostBuffer) -> Result<CudaStorage> {
-        memory::upload(state(device)?, data.as_bytes()).map(CudaStorage::ready)
+        let src = HostSource::borrowed(data.as_bytes());
+        transfer::upload(state(device)?, src).map(CudaStorage::ready)
+    }
+
+    fn from_host_source(
+        device: &CudaDevice,
+        _dtype: DType,
+        src: HostSource<'_>,
+    ) -> Result<CudaStorage> {
+        transfer::upload(state(device)?, src).map(CudaStorage::ready)
+    }
+
+    fn to_host_bytes(
+        storage: &CudaStorage,
+        layout: &Layout,
+        dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let size = dtype.size_in_bytes();
+        if out.len() != layout.elem_count() * size {
+            return Err(Error::invalid(
+                "to_host",
+                format!(
+                    "the buffer holds {} bytes, the tensor {}",
+                    out.len(),
+                    layout.elem_count() * size
+                ),
+            ));
+        }
+        let buf = storage.buffer()?;
+        if layout.is_contiguous() {
+            transfer::download(&buf, layout.offset() * size, out)
+        } else {
+            let c = ops::contiguous(&buf, layout, dtype)?;
+            transfer::download(&c, 0, out)
+        }
     }
 
     fn realize(storage: &CudaStorage) -> Result<()> {
@@ -145,16 +192,9 @@ impl Backend for Cuda {
     }
 
     fn to_host(storage: &CudaStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
-        let size = dtype.size_in_bytes();
-        let mut out = vec![0u8; layout.elem_count() * size];
-        let storage = &*storage.buffer()?;
-        if layout.is_contiguous() {
-            memory::download(storage, layout.offset() * size, &mut out)?;
-        } else {
-            let c = ops::contiguous(storage, layout, dtype)?;
-            memory::download(&c, 0, &mut out)?;
-        }
-        Ok(host_from_bytes(dtype, &out))
+        let mut h = host_zeros(dtype, layout.elem_count());
+        Self::to_host_bytes(storage, layout, dtype, host_bytes_of(&mut h))?;
+        Ok(h)
     }
 
     fn copy_to_device(
@@ -171,7 +211,7 @@ impl Backend for Cuda {
         let storage = &*storage.buffer()?;
         storage.state().bind()?;
         let copied = if layout.is_contiguous() {
-            memory::copy_peer(
+            transfer::copy_peer(
                 storage,
                 layout.offset() * size,
                 layout.elem_count() * size,
@@ -179,7 +219,7 @@ impl Backend for Cuda {
             )
         } else {
             let c = ops::contiguous(storage, layout, dtype)?;
-            memory::copy_peer(&c, 0, layout.elem_count() * size, dst_state)
+            transfer::copy_peer(&c, 0, layout.elem_count() * size, dst_state)
         };
         copied.map(CudaStorage::ready)
     }
@@ -500,20 +540,43 @@ pub mod raw {
         CudaStorage::alloc(device, bytes)
     }
 
-    /// Creates a timing event pair helper: runs `f` between two CUDA events on the device's
-    /// compute stream and returns the elapsed milliseconds (after synchronizing).
+    /// Queues a kernel that keeps one GPU thread busy for `micros` microseconds on the calling
+    /// thread's current stream of `device`: work of known length that leaves the GPU otherwise
+    /// free, for testing and measuring stream concurrency and ordering.
+    pub fn spin(device: &CudaDevice, micros: u64) -> Result<()> {
+        let s = state(device)?;
+        let f = s.func(compile::Module::Util, &["spin", "ns"])?;
+        let mut ns = micros * 1000;
+        let mut p = [&mut ns as *mut u64 as *mut std::ffi::c_void];
+        s.launch("spin", f, (1, 1), 1, 0, &mut p)
+    }
+
+    /// Queues a [`spin`] of `micros` on the device's internal copy stream, delaying the host
+    /// transfers queued after it: lets a test prove that an asynchronous copy's source is kept
+    /// alive and its result ordered (no use outside tests).
+    #[doc(hidden)]
+    pub fn delay_copies(device: &CudaDevice, micros: u64) -> Result<()> {
+        let s = state(device)?;
+        let prev = device::set_current_stream(s.ordinal, s.copy);
+        let r = spin(device, micros);
+        device::set_current_stream(s.ordinal, prev);
+        r
+    }
+
+    /// Runs `f` between two timing events on the calling thread's current stream of `device`
+    /// and returns the elapsed milliseconds (after synchronizing with the second).
     pub fn time_ms(device: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<f32> {
         use cudarc::driver::sys;
         let s = state(device)?;
-        // SAFETY: events are created, recorded on the compute stream, synchronized and
+        // SAFETY: events are created, recorded on the current stream, synchronized and
         // destroyed here; valid out-pointers.
         unsafe {
             let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
             device::check(sys::cuEventCreate(&mut a, 0), "time")?;
             device::check(sys::cuEventCreate(&mut b, 0), "time")?;
-            device::check(sys::cuEventRecord(a, s.compute), "time")?;
+            device::check(sys::cuEventRecord(a, s.stream()), "time")?;
             let r = f();
-            device::check(sys::cuEventRecord(b, s.compute), "time")?;
+            device::check(sys::cuEventRecord(b, s.stream()), "time")?;
             device::check(sys::cuEventSynchronize(b), "time")?;
             let mut ms = 0f32;
             device::check(sys::cuEventElapsedTime_v2(&mut ms, a, b), "time")?;

@@ -375,14 +375,14 @@ pub(crate) fn copy_strided(
     let size = dtype.size_in_bytes();
     if ls.is_contiguous() && ld.is_contiguous() {
         // SAFETY: both ranges lie inside their buffers (the layouts' contract); ordered on the
-        // compute stream.
+        // current stream.
         return check(
             unsafe {
                 sys::cuMemcpyDtoDAsync_v2(
                     ptr_at(dst, ld, dtype),
                     ptr_at(src, ls, dtype),
                     n * size,
-                    dev.compute,
+                    dev.stream(),
                 )
             },
             "copy",
@@ -441,14 +441,14 @@ pub(crate) fn fill(
         _ => (value as u8) as u64,
     };
     if bits == 0 {
-        // SAFETY: the range is exactly `out`; ordered on the compute stream.
+        // SAFETY: the range is exactly `out`; ordered on the current stream.
         check(
             unsafe {
                 sys::cuMemsetD8Async(
                     out.device_ptr(),
                     0,
                     len * dtype.size_in_bytes(),
-                    dev.compute,
+                    dev.stream(),
                 )
             },
             "fill",
@@ -561,7 +561,7 @@ pub(crate) fn reduce(
                     out.device_ptr(),
                     0,
                     nout * out_dtype.size_in_bytes(),
-                    dev.compute,
+                    dev.stream(),
                 )
             },
             name,

@@ -84,12 +84,15 @@ impl CudaStorage {
         Ok(self.buffer()?.device_ptr())
     }
 
-    /// The computed buffer, running pending work first.
+    /// The computed buffer, running pending work first, for work on the caller's current
+    /// stream (noted on the buffer, so that it is not reused before that work has passed).
     pub(crate) fn buffer(&self) -> Result<Arc<Buffer>> {
-        match &self.repr {
-            Repr::Ready(b) => Ok(b.clone()),
-            Repr::Lazy(n) => lazy::force(n),
-        }
+        let b = match &self.repr {
+            Repr::Ready(b) => b.clone(),
+            Repr::Lazy(n) => lazy::force(n)?,
+        };
+        b.mark_used(b.state().stream());
+        Ok(b)
     }
 
     /// The buffer for an in-place write: computed, and held by nothing else (a pending node
@@ -105,6 +108,7 @@ impl CudaStorage {
             *b = Arc::new(duplicate(b)?);
         }
         b.contents_changed();
+        b.mark_used(b.state().stream());
         Ok(b)
     }
 }

@@ -16,6 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+use crate::host::HostSource;
 use crate::{DType, Error, Layout, Result};
 
 /// Elementwise functions of one argument.
@@ -309,6 +310,31 @@ impl HostBuffer {
         }
     }
 
+    /// A buffer of `dtype` holding a copy of `bytes` (native endianness; a length that is not
+    /// a whole number of elements is an error).
+    pub fn from_bytes(op: &'static str, dtype: DType, bytes: &[u8]) -> Result<HostBuffer> {
+        fn v<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+            let mut out = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
+            out
+        }
+        if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} bytes are not a whole number of {dtype} elements",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(match dtype {
+            DType::F32 => HostBuffer::F32(v(bytes)),
+            DType::F64 => HostBuffer::F64(v(bytes)),
+            DType::I64 => HostBuffer::I64(v(bytes)),
+            DType::U8 => HostBuffer::U8(bytes.to_vec()),
+        })
+    }
+
     /// The raw bytes (native endianness).
     pub fn as_bytes(&self) -> &[u8] {
         match self {
@@ -431,6 +457,79 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     }
     /// The elements of `layout`, in row-major order.
     fn to_host(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<HostBuffer>;
+
+    // ---- host transfers without waste (defaults go through `HostBuffer`) -------------------
+
+    /// A storage of `dtype` on `device` holding `src.bytes`, without an intermediate host copy
+    /// where the backend can avoid one. A GPU backend copies pinned sources asynchronously,
+    /// keeping `src.owner` alive until the copy is done; any other source is copied before the
+    /// call returns (the caller may reuse its memory at once).
+    fn from_host_source(
+        device: &Self::Device,
+        dtype: DType,
+        src: HostSource<'_>,
+    ) -> Result<Self::Storage> {
+        Self::from_host(
+            device,
+            &HostBuffer::from_bytes("from_host", dtype, src.bytes)?,
+        )
+    }
+    /// Takes ownership of a host buffer (saves a copy on host backends).
+    fn from_host_owned(device: &Self::Device, data: HostBuffer) -> Result<Self::Storage> {
+        Self::from_host(device, &data)
+    }
+    /// The elements of `layout` as host bytes, when the storage lives in host memory and the
+    /// layout is contiguous (`owner` set to the storage, so a device copy may run
+    /// asynchronously). `None` for device memory: the caller reads it with [`Self::to_host_bytes`].
+    fn host_source<'a>(
+        storage: &'a std::sync::Arc<Self::Storage>,
+        layout: &Layout,
+        dtype: DType,
+    ) -> Option<HostSource<'a>> {
+        let _ = (storage, layout, dtype);
+        None
+    }
+    /// Writes the elements of `layout` in row-major order into `out` (exactly `elem_count *
+    /// size` bytes), synchronizing with the device: reading into a buffer the caller owns, so
+    /// a loop reuses its memory.
+    fn to_host_bytes(
+        storage: &Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        let h = Self::to_host(storage, layout, dtype)?;
+        out.copy_from_slice(h.as_bytes());
+        Ok(())
+    }
+    /// The bytes of a contiguous host storage, writable (for `Tensor::copy_from` of another
+    /// backend's tensor); `None` when the storage is device memory or `layout` is not
+    /// contiguous.
+    fn host_bytes_mut<'a>(
+        storage: &'a mut Self::Storage,
+        layout: &Layout,
+        dtype: DType,
+    ) -> Option<&'a mut [u8]> {
+        let _ = (storage, layout, dtype);
+        None
+    }
+    /// A copy of the elements of `layout` in page-locked host memory (`Tensor::pin_memory`);
+    /// only host backends with a registered pinned allocator support it.
+    fn pin_memory(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<Self::Storage> {
+        let _ = (storage, layout, dtype);
+        Err(Error::invalid(
+            "pin_memory",
+            format!(
+                "the {} backend's memory cannot be pinned (only CPU tensors can)",
+                Self::NAME
+            ),
+        ))
+    }
+    /// Whether the storage lies in page-locked host memory.
+    fn is_pinned(storage: &Self::Storage) -> bool {
+        let _ = storage;
+        false
+    }
     /// The elements of `layout`, contiguous, in a new buffer on `dst` (which may be the same
     /// device: `copy_to` always copies).
     fn copy_to_device(

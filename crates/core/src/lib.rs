@@ -27,6 +27,7 @@ mod dims;
 mod dtype;
 mod error;
 pub mod fasthash;
+pub mod host;
 mod layout;
 pub mod philox;
 pub mod reference;
@@ -41,6 +42,7 @@ pub use backend::{
 };
 pub use dtype::{DType, Element};
 pub use error::{Error, Result};
+pub use host::{HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};
 pub use tensor::{Tensor, Updated};

@@ -163,17 +163,7 @@ impl<B: Backend> Tensor<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let shape = shape.into();
-        if data.len() != shape.elem_count() {
-            return Err(Error::invalid(
-                "from_vec",
-                format!(
-                    "{} values cannot fill shape {} ({} elements)",
-                    data.len(),
-                    shape,
-                    shape.elem_count()
-                ),
-            ));
-        }
+        check_len("from_vec", data.len(), &shape)?;
         let s = B::from_host(device, data)?;
         Ok(Self::from_storage(s, shape, data.dtype()))
     }
@@ -186,12 +176,19 @@ impl<B: Backend> Tensor<B> {
     ) -> Result<Self> {
         Self::from_host(&T::into_host(data), shape, device)
     }
+    /// A tensor holding a copy of `data` with `shape` (row-major). The slice is read once, with
+    /// no intermediate host copy (a GPU backend stages it through its pinned ring); it may be
+    /// reused as soon as the call returns.
     pub fn from_slice<T: Element>(
         data: &[T],
         shape: impl Into<Shape>,
         device: &B::Device,
     ) -> Result<Self> {
-        Self::from_vec(data.to_vec(), shape, device)
+        let shape = shape.into();
+        check_len("from_slice", data.len(), &shape)?;
+        let src = crate::HostSource::borrowed(bytemuck::cast_slice(data));
+        let s = B::from_host_source(device, T::DTYPE, src)?;
+        Ok(Self::from_storage(s, shape, T::DTYPE))
     }
     /// A 0-d tensor.
     pub fn scalar<T: Element>(value: T, device: &B::Device) -> Result<Self> {
@@ -347,6 +344,37 @@ impl<B: Backend> Tensor<B> {
         Ok(T::from_host(self.to_host()?).expect("dtype checked above"))
     }
 
+    /// Reads all elements in row-major order into `out`, a buffer the caller owns (so a loop
+    /// reuses its memory instead of faulting in fresh pages each time). Synchronizes with the
+    /// device. `out` must hold exactly `elem_count` elements of this tensor's dtype; page-locked
+    /// memory (a pinned tensor's) is filled by direct DMA.
+    pub fn copy_to_slice<T: Element>(&self, out: &mut [T]) -> Result<()> {
+        if T::DTYPE != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "copy_to_slice",
+                expected: T::DTYPE.to_string(),
+                got: self.dtype,
+            });
+        }
+        if out.len() != self.elem_count() {
+            return Err(Error::invalid(
+                "copy_to_slice",
+                format!(
+                    "the buffer holds {} elements, the tensor of shape {} has {}",
+                    out.len(),
+                    self.shape(),
+                    self.elem_count()
+                ),
+            ));
+        }
+        B::to_host_bytes(
+            &self.storage,
+            &self.layout,
+            self.dtype,
+            bytemuck::cast_slice_mut(out),
+        )
+    }
+
     /// Computes the values now if the backend deferred them (see [`Backend::realize`]), without
     /// waiting for the device: for benchmarks that must not skip unread results, and to bound
     /// where deferred work runs. Reading values (`to_vec`, ...) does this on its own.
@@ -390,9 +418,72 @@ impl<B: Backend> Tensor<B> {
         Ok(Self::from_storage(s, self.shape().clone(), self.dtype))
     }
 
-    /// Moves to another backend through host memory (`Tensor<Cpu>` to `Tensor<Cuda>`).
+    /// Moves to another backend (`Tensor<Cpu>` to `Tensor<Cuda>` and back). A contiguous host
+    /// tensor is handed over without an intermediate copy; from page-locked memory
+    /// ([`Tensor::pin_memory`]) a GPU backend copies by DMA and returns at once (PyTorch's
+    /// `non_blocking=True`): the copy is ordered before every later use on the GPU, and the
+    /// source stays alive until it is done.
     pub fn to_backend<C: Backend>(&self, device: &C::Device) -> Result<Tensor<C>> {
-        Tensor::<C>::from_host(&self.to_host()?, self.shape().clone(), device)
+        let s = match B::host_source(&self.storage, &self.layout, self.dtype) {
+            Some(src) => C::from_host_source(device, self.dtype, src)?,
+            None => C::from_host_owned(device, self.to_host()?)?,
+        };
+        Ok(Tensor::from_storage(s, self.shape().clone(), self.dtype))
+    }
+
+    /// Overwrites this host tensor with the values of `src`, a tensor of any backend with the
+    /// same shape and dtype (PyTorch's `cpu_tensor.copy_(gpu_tensor)`): a GPU tensor is read
+    /// straight into this tensor's memory, by DMA when it is pinned. This tensor must be
+    /// contiguous, the only handle on its storage, and in host memory.
+    pub fn copy_from<C: Backend>(&mut self, src: &Tensor<C>) -> Result<()> {
+        if src.dtype() != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op: "copy_from",
+                expected: self.dtype.to_string(),
+                got: src.dtype(),
+            });
+        }
+        if src.dims() != self.dims() {
+            return Err(Error::invalid(
+                "copy_from",
+                format!("shapes differ: {} into {}", src.shape(), self.shape()),
+            ));
+        }
+        let storage = Arc::get_mut(&mut self.storage).ok_or_else(|| {
+            Error::invalid(
+                "copy_from",
+                "the destination shares its storage with another tensor (copy it first)",
+            )
+        })?;
+        let out = B::host_bytes_mut(storage, &self.layout, self.dtype).ok_or_else(|| {
+            Error::invalid(
+                "copy_from",
+                format!(
+                    "the destination must be a contiguous tensor in host memory (it is a {} \
+                     tensor on {})",
+                    B::NAME,
+                    self.device
+                ),
+            )
+        })?;
+        C::to_host_bytes(src.storage(), src.layout(), src.dtype(), out)
+    }
+
+    /// A copy of this tensor in page-locked host memory (PyTorch's `pin_memory()`): every CPU
+    /// op reads it as usual, and copies between it and a GPU are direct, asynchronous DMA.
+    /// Needs a host backend and a GPU backend that found a GPU; a typed error otherwise, and
+    /// when the system cannot lock that much memory.
+    pub fn pin_memory(&self) -> Result<Self> {
+        if self.is_pinned() && self.layout.is_contiguous() && self.layout.offset() == 0 {
+            return Ok(self.clone());
+        }
+        let s = B::pin_memory(&self.storage, &self.layout, self.dtype)?;
+        Ok(Self::from_storage(s, self.shape().clone(), self.dtype))
+    }
+
+    /// Whether this tensor lies in page-locked host memory.
+    pub fn is_pinned(&self) -> bool {
+        B::is_pinned(&self.storage)
     }
 
     /// Errors unless `other` is on this tensor's device.
@@ -406,4 +497,20 @@ impl<B: Backend> Tensor<B> {
         }
         Ok(())
     }
+}
+
+/// `len` values must fill `shape` exactly.
+fn check_len(op: &'static str, len: usize, shape: &Shape) -> Result<()> {
+    if len != shape.elem_count() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{} values cannot fill shape {} ({} elements)",
+                len,
+                shape,
+                shape.elem_count()
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -1,0 +1,393 @@
+//! Streams and events for users (CuPy's `Stream`/`Event`, `torch.cuda.stream`).
+//!
+//! Every kiln op on a GPU goes to the calling thread's *current stream* of that device: the
+//! device's default stream, or a [`Stream`] made current with [`Stream::scope`] /
+//! [`Stream::enter`]. Work on different streams may run concurrently; ordering between them is
+//! the user's, with [`Event`]s ([`Stream::wait_event`], [`Stream::wait_stream`]), as in every
+//! CUDA framework. What kiln guarantees on its own:
+//!
+//! - memory is never reused while another stream may still use it: a tensor allocated on
+//!   stream A and used on stream B is recycled only after B's work has passed (see
+//!   `memory.rs`; PyTorch needs `record_stream` for this);
+//! - deferred (fused) elementwise work launches on the stream that was current when it was
+//!   recorded, and a read from another stream waits for it;
+//! - copies from the host are ordered before every later use on the stream that asked for them.
+//!
+//! ```no_run
+//! # use kiln_backend_cuda::{Cuda, CudaDevice, Stream, Event};
+//! # use kiln_core::{DType, Tensor};
+//! # fn main() -> kiln_core::Result<()> {
+//! let dev = CudaDevice::new(0);
+//! let s = Stream::new(&dev)?;
+//! let x = Tensor::<Cuda>::ones([1024, 1024], DType::F32, &dev)?;
+//! let (start, end) = (Event::timing(&dev)?, Event::timing(&dev)?);
+//! let y = s.scope(|| {
+//!     start.record()?;
+//!     let y = x.matmul(&x)?;
+//!     end.record()?;
+//!     Ok::<_, kiln_core::Error>(y)
+//! })?;
+//! Stream::current(&dev)?.wait_stream(&s)?; // later default-stream work sees `y`
+//! println!("{} ms", start.elapsed_ms(&end)?);
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{self, CUresult};
+use kiln_core::{Error, Result, Tensor};
+
+use crate::Cuda;
+use crate::device::{CudaDevice, DeviceState, check, set_current_stream, state};
+
+struct Raw {
+    dev: &'static DeviceState,
+    stream: sys::CUstream,
+    /// Created by us (destroyed on drop), or a device's default stream.
+    owned: bool,
+}
+// SAFETY: a stream handle is valid from any thread (with its context bound, which every use
+// below ensures).
+unsafe impl Send for Raw {}
+// SAFETY: as above; the driver's stream calls are thread-safe.
+unsafe impl Sync for Raw {}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        if self.owned && self.dev.bind().is_ok() {
+            // SAFETY: a stream we created. Work still queued on it completes first: the driver
+            // releases the stream's resources once it is idle. Blocks used on it wait for its
+            // events (recorded when they were freed), which stay valid after the destroy.
+            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        }
+    }
+}
+
+/// A CUDA stream of one device: a queue of work that runs in order. Cheap to clone.
+#[derive(Clone)]
+pub struct Stream {
+    raw: Arc<Raw>,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream({:p} on {})", self.raw.stream, self.device())
+    }
+}
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Self) -> bool {
+        self.raw.stream == other.raw.stream
+    }
+}
+
+impl Stream {
+    /// A new stream on `dev` that does not synchronize with the default stream.
+    pub fn new(dev: &CudaDevice) -> Result<Stream> {
+        Self::with_priority(dev, 0)
+    }
+
+    /// A new stream with a scheduling priority (lower numbers run first; the device's range is
+    /// typically -5..=0, and values outside it are clamped by the driver).
+    pub fn with_priority(dev: &CudaDevice, priority: i32) -> Result<Stream> {
+        let st = state(dev)?;
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the device's context is current (bound by `state`).
+        check(
+            unsafe {
+                sys::cuStreamCreateWithPriority(
+                    &mut s,
+                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                    priority,
+                )
+            },
+            "Stream::new",
+        )?;
+        Ok(Stream {
+            raw: Arc::new(Raw {
+                dev: st,
+                stream: s,
+                owned: true,
+            }),
+        })
+    }
+
+    /// The device's default stream (where kiln works outside any scope).
+    pub fn default_stream(dev: &CudaDevice) -> Result<Stream> {
+        let st = state(dev)?;
+        Ok(Self::wrap(st, st.compute))
+    }
+
+    /// The calling thread's current stream on `dev`.
+    pub fn current(dev: &CudaDevice) -> Result<Stream> {
+        let st = state(dev)?;
+        Ok(Self::wrap(st, st.stream()))
+    }
+
+    fn wrap(dev: &'static DeviceState, stream: sys::CUstream) -> Stream {
+        Stream {
+            raw: Arc::new(Raw {
+                dev,
+                stream,
+                owned: false,
+            }),
+        }
+    }
+
+    pub fn device(&self) -> CudaDevice {
+        self.raw.dev.device()
+    }
+
+    /// The raw `CUstream`, for interop with other CUDA libraries.
+    pub fn as_raw(&self) -> sys::CUstream {
+        self.raw.stream
+    }
+
+    /// Runs `f` with this stream current on its device for the calling thread (PyTorch's
+    /// `with torch.cuda.stream(s):`), then restores the previous one, also if `f` panics.
+    pub fn scope<R>(&self, f: impl FnOnce() -> R) -> R {
+        let _g = self.enter();
+        f()
+    }
+
+    /// Makes this stream current on its device until the guard drops.
+    pub fn enter(&self) -> StreamGuard {
+        let prev = set_current_stream(self.raw.dev.ordinal, self.raw.stream);
+        StreamGuard {
+            stream: self.clone(),
+            prev,
+        }
+    }
+
+    /// Waits on the host until all work queued on this stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.raw.dev.bind()?;
+        // SAFETY: a live stream of the bound context.
+        check(
+            unsafe { sys::cuStreamSynchronize(self.raw.stream) },
+            "Stream::synchronize",
+        )?;
+        self.raw.dev.sweep_in_flight();
+        Ok(())
+    }
+
+    /// Whether all work queued on this stream has finished (never blocks).
+    pub fn query(&self) -> Result<bool> {
+        self.raw.dev.bind()?;
+        // SAFETY: a live stream of the bound context.
+        match unsafe { sys::cuStreamQuery(self.raw.stream) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => check(e, "Stream::query").map(|_| false),
+        }
+    }
+
+    /// Makes later work on this stream wait until `event`'s recorded work has finished (an
+    /// event of another device is allowed: that is how two GPUs' streams are ordered).
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        self.raw.dev.bind()?;
+        // SAFETY: a live stream and a live event; waiting on another context's event is
+        // allowed by the driver.
+        check(
+            unsafe { sys::cuStreamWaitEvent(self.raw.stream, event.raw, 0) },
+            "Stream::wait_event",
+        )
+    }
+
+    /// Makes later work on this stream wait for everything queued on `other` so far.
+    pub fn wait_stream(&self, other: &Stream) -> Result<()> {
+        if other.raw.stream == self.raw.stream {
+            return Ok(());
+        }
+        let e = Event::new(&other.device())?;
+        e.record_on(other)?;
+        self.wait_event(&e)
+    }
+
+    /// Records a new event on this stream.
+    pub fn record_event(&self) -> Result<Event> {
+        let e = Event::new(&self.device())?;
+        e.record_on(self)?;
+        Ok(e)
+    }
+
+    /// Tells the allocator that `t`'s memory is used by work on this stream, so it is not
+    /// reused before that work has passed. kiln notes every use it makes itself; this is for
+    /// memory that other code reads on this stream (through [`crate::CudaStorage::device_ptr`],
+    /// a raw kernel or a library). An error when `t` lives on another device.
+    pub fn record_tensor(&self, t: &Tensor<Cuda>) -> Result<()> {
+        check_device("record_tensor", self.device(), *t.device())?;
+        t.storage().buffer()?.mark_used(self.raw.stream);
+        Ok(())
+    }
+
+    /// Runs `f` with this stream current, after checking that every tensor in `inputs` lives
+    /// on this stream's device (a typed error naming both devices otherwise).
+    pub fn scope_with<R>(
+        &self,
+        inputs: &[&Tensor<Cuda>],
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        for t in inputs {
+            check_device("Stream::scope_with", self.device(), *t.device())?;
+        }
+        self.scope(f)
+    }
+}
+
+fn check_device(op: &'static str, stream_dev: CudaDevice, tensor_dev: CudaDevice) -> Result<()> {
+    if stream_dev != tensor_dev {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: format!("a stream of {stream_dev}"),
+            rhs: format!("a tensor on {tensor_dev}"),
+        });
+    }
+    Ok(())
+}
+
+/// Restores the previous current stream when dropped (see [`Stream::enter`]).
+pub struct StreamGuard {
+    stream: Stream,
+    prev: sys::CUstream,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        set_current_stream(self.stream.raw.dev.ordinal, self.prev);
+    }
+}
+
+/// A CUDA event: a point in a stream's work to wait for, query, or time.
+pub struct Event {
+    dev: &'static DeviceState,
+    raw: sys::CUevent,
+    timing: bool,
+}
+// SAFETY: an event handle is valid from any thread; the driver's event calls are thread-safe.
+unsafe impl Send for Event {}
+// SAFETY: as above.
+unsafe impl Sync for Event {}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.dev.bind().is_ok() {
+            // SAFETY: an event we created; waits already enqueued on it stay valid.
+            unsafe { sys::cuEventDestroy_v2(self.raw) };
+        }
+    }
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event({:p} on {})", self.raw, self.dev.device())
+    }
+}
+
+impl Event {
+    /// An event for ordering and queries (no timing: cheaper to record and wait on).
+    pub fn new(dev: &CudaDevice) -> Result<Event> {
+        Self::create(dev, false)
+    }
+
+    /// An event that can be timed with [`Event::elapsed_ms`].
+    pub fn timing(dev: &CudaDevice) -> Result<Event> {
+        Self::create(dev, true)
+    }
+
+    fn create(dev: &CudaDevice, timing: bool) -> Result<Event> {
+        let st = state(dev)?;
+        let flags = if timing {
+            sys::CUevent_flags::CU_EVENT_DEFAULT
+        } else {
+            sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
+        };
+        let mut e = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the context is current.
+        check(
+            unsafe { sys::cuEventCreate(&mut e, flags as u32) },
+            "Event::new",
+        )?;
+        Ok(Event {
+            dev: st,
+            raw: e,
+            timing,
+        })
+    }
+
+    pub fn device(&self) -> CudaDevice {
+        self.dev.device()
+    }
+
+    /// Records the event on the calling thread's current stream of its device.
+    pub fn record(&self) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: event and stream belong to the bound context.
+        check(
+            unsafe { sys::cuEventRecord(self.raw, self.dev.stream()) },
+            "Event::record",
+        )
+    }
+
+    /// Records the event on `stream`; an error when the stream is another device's.
+    pub fn record_on(&self, stream: &Stream) -> Result<()> {
+        if stream.device() != self.device() {
+            return Err(Error::DeviceMismatch {
+                op: "Event::record_on",
+                lhs: format!("an event of {}", self.device()),
+                rhs: format!("a stream of {}", stream.device()),
+            });
+        }
+        self.dev.bind()?;
+        // SAFETY: event and stream belong to the bound context.
+        check(
+            unsafe { sys::cuEventRecord(self.raw, stream.raw.stream) },
+            "Event::record",
+        )
+    }
+
+    /// Whether the recorded work has finished (true for an event never recorded).
+    pub fn query(&self) -> Result<bool> {
+        self.dev.bind()?;
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            CUresult::CUDA_SUCCESS => Ok(true),
+            CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => check(e, "Event::query").map(|_| false),
+        }
+    }
+
+    /// Waits on the host until the recorded work has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev.bind()?;
+        // SAFETY: a live event.
+        check(
+            unsafe { sys::cuEventSynchronize(self.raw) },
+            "Event::synchronize",
+        )
+    }
+
+    /// Milliseconds between this event and `end` (both recorded, both timing events; waits
+    /// for `end`).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if !self.timing || !end.timing {
+            return Err(Error::invalid(
+                "Event::elapsed_ms",
+                "both events must be created with Event::timing",
+            ));
+        }
+        end.synchronize()?;
+        let mut ms = 0f32;
+        // SAFETY: two live events, both recorded and complete.
+        check(
+            unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.raw, end.raw) },
+            "Event::elapsed_ms",
+        )?;
+        Ok(ms)
+    }
+}
+
+/// Waits until all work on every stream of `dev` has finished (`torch.cuda.synchronize`).
+pub fn synchronize(dev: &CudaDevice) -> Result<()> {
+    state(dev)?.sync_all("synchronize")
+}

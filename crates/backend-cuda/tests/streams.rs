@@ -1,0 +1,248 @@
+//! Streams, events, pinned memory and host transfers on a real GPU: concurrency, the
+//! allocator's cross-stream safety, non-blocking copies whose source is dropped at once,
+//! copies into caller-owned and pinned buffers, deferred work on user streams, and typed
+//! errors for bad input.
+//!
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
+
+use std::time::Instant;
+
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, Event, Stream, gpu_or_skip, raw};
+use kiln_core::{DType, Error, PinnedBlock, Tensor};
+
+const F32: DType = DType::F32;
+
+fn ramp(n: usize) -> Vec<f32> {
+    (0..n).map(|i| (i % 1000) as f32 * 0.5 - 7.0).collect()
+}
+
+#[test]
+fn two_streams_run_concurrently() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let run = |both: bool| {
+        kiln_backend_cuda::synchronize(&dev).unwrap();
+        let t = Instant::now();
+        a.scope(|| raw::spin(&dev, 100_000)).unwrap();
+        if both {
+            b.scope(|| raw::spin(&dev, 100_000)).unwrap();
+        }
+        kiln_backend_cuda::synchronize(&dev).unwrap();
+        t.elapsed().as_secs_f64()
+    };
+    run(true); // warm-up: compiles the kernel
+    let one = run(false);
+    let two = run(true);
+    println!("one 100 ms kernel: {one:.4} s; one on each of two streams: {two:.4} s");
+    assert!(
+        two < 1.3 * one,
+        "two streams did not overlap: {two} vs {one}"
+    );
+}
+
+#[test]
+fn a_block_used_on_another_stream_is_not_reused_before_that_stream_passes() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (a, b) = (Stream::new(&dev).unwrap(), Stream::new(&dev).unwrap());
+    let n = 1 << 20;
+    let x = a
+        .scope(|| Tensor::<Cuda>::full([n], 1.0, F32, &dev))
+        .unwrap();
+    a.synchronize().unwrap();
+    // Stream B is busy for 200 ms, then reads x.
+    let y = b
+        .scope(|| {
+            raw::spin(&dev, 200_000)?;
+            let y = (&x * 2.0)?;
+            y.realize()?;
+            Ok::<_, Error>(y)
+        })
+        .unwrap();
+    drop(x);
+    // Stream A is idle: a same-size allocation there must not get x's block while B still
+    // has to read it.
+    let z = a
+        .scope(|| Tensor::<Cuda>::full([n], 7.0, F32, &dev))
+        .unwrap();
+    a.synchronize().unwrap();
+    b.synchronize().unwrap();
+    let got = y.to_vec::<f32>().unwrap();
+    assert!(
+        got.iter().all(|&v| v == 2.0),
+        "y read recycled memory: {}",
+        got[0]
+    );
+    assert!(z.to_vec::<f32>().unwrap().iter().all(|&v| v == 7.0));
+}
+
+#[test]
+fn deferred_work_runs_on_the_stream_it_was_recorded_on() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let a = Stream::new(&dev).unwrap();
+    let n = 1 << 16;
+    let y = a
+        .scope(|| {
+            raw::spin(&dev, 100_000)?;
+            let w = Tensor::<Cuda>::full([n], 5.0, F32, &dev)?; // after the spin, on A
+            (&w * 2.0)?.exp() // pending, recorded on A
+        })
+        .unwrap();
+    // Read on the default stream: the fused kernel must run on A after the fill, and the read
+    // must wait for it.
+    let got = y.to_vec::<f32>().unwrap();
+    let want = 10f32.exp();
+    assert!(
+        got.iter().all(|&v| (v - want).abs() <= want * 1e-6),
+        "{}",
+        got[0]
+    );
+}
+
+#[test]
+fn events_record_wait_query_and_time() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let s = Stream::new(&dev).unwrap();
+    let (start, end) = (Event::timing(&dev).unwrap(), Event::timing(&dev).unwrap());
+    s.scope(|| -> kiln_core::Result<()> {
+        start.record()?;
+        raw::spin(&dev, 50_000)?;
+        end.record()
+    })
+    .unwrap();
+    assert!(
+        !end.query().unwrap(),
+        "the event passed before its work ran"
+    );
+    let ms = start.elapsed_ms(&end).unwrap();
+    assert!((45.0..500.0).contains(&ms), "{ms} ms for a 50 ms kernel");
+    assert!(end.query().unwrap() && s.query().unwrap());
+    // A stream waiting on an event runs after it.
+    let t = Tensor::<Cuda>::full([1 << 20], 3.0, F32, &dev).unwrap();
+    let e = s
+        .scope(|| {
+            raw::spin(&dev, 50_000)?;
+            let u = (&t + 1.0)?;
+            u.realize()?;
+            Ok::<_, Error>((s.record_event()?, u))
+        })
+        .unwrap();
+    let default = Stream::current(&dev).unwrap();
+    default.wait_event(&e.0).unwrap();
+    assert!(e.1.to_vec::<f32>().unwrap().iter().all(|&v| v == 4.0));
+    let plain = Event::new(&dev).unwrap();
+    assert!(
+        plain.elapsed_ms(&end).is_err(),
+        "timing a non-timing event must fail"
+    );
+}
+
+#[test]
+fn a_nonblocking_copy_from_pinned_memory_keeps_its_source_alive() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    let n = 16 << 20;
+    let data = ramp(n);
+    let host = Tensor::<Cpu>::from_slice(&data, [n], &cpu)
+        .unwrap()
+        .pin_memory()
+        .unwrap();
+    assert!(host.is_pinned());
+    raw::delay_copies(&dev, 200_000).unwrap(); // the DMA starts 200 ms from now
+    let t0 = Instant::now();
+    let g = host.to_backend::<Cuda>(&dev).unwrap();
+    let returned = t0.elapsed();
+    drop(host); // the only handle: the pool may not recycle the block before the DMA ran
+    let junk = Tensor::<Cpu>::full([n], -1.0, F32, &cpu)
+        .unwrap()
+        .pin_memory()
+        .unwrap();
+    let got = g.to_vec::<f32>().unwrap();
+    assert!(
+        returned.as_millis() < 100,
+        "the copy blocked for {returned:?}"
+    );
+    assert!(got == data, "the copy read recycled pinned memory");
+    drop(junk);
+}
+
+#[test]
+fn transfers_into_caller_buffers_pinned_and_strided() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    // Not a multiple of the staging block (8 MiB), several blocks long.
+    let n = (37 << 20) / 4 + 3;
+    let data = ramp(n);
+    let g = Tensor::<Cuda>::from_slice(&data, [n], &dev).unwrap();
+    let mut out = vec![0f32; n];
+    g.copy_to_slice(&mut out).unwrap();
+    assert!(out == data);
+    assert!(g.to_vec::<f32>().unwrap() == data);
+    // Into a pinned CPU tensor, by DMA.
+    let mut pinned = Tensor::<Cpu>::zeros([n], F32, &cpu)
+        .unwrap()
+        .pin_memory()
+        .unwrap();
+    pinned.copy_from(&g).unwrap();
+    assert!(pinned.to_vec::<f32>().unwrap() == data);
+    // Pinned back to the GPU, and a strided view out.
+    let back = pinned.to_backend::<Cuda>(&dev).unwrap();
+    let m = back
+        .narrow(0, 0, 1000 * 6)
+        .unwrap()
+        .reshape([1000, 6])
+        .unwrap();
+    let col = m.t().unwrap();
+    let mut want = vec![0f32; 6000];
+    for i in 0..1000 {
+        for j in 0..6 {
+            want[j * 1000 + i] = data[i * 6 + j];
+        }
+    }
+    let mut got = vec![0f32; 6000];
+    col.copy_to_slice(&mut got).unwrap();
+    assert_eq!(got, want);
+    // Wrong sizes and dtypes are typed errors.
+    let mut short = vec![0f32; 10];
+    assert!(matches!(
+        g.copy_to_slice(&mut short),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let mut ints = vec![0i64; n];
+    assert!(matches!(
+        g.copy_to_slice(&mut ints),
+        Err(Error::DTypeMismatch { .. })
+    ));
+}
+
+#[test]
+fn pinning_more_than_the_machine_has_is_a_typed_error() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let r = PinnedBlock::new("pin_memory", 1 << 46);
+    match r {
+        Err(Error::OutOfMemory { device, .. }) => assert!(device.contains("pinned"), "{device}"),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    // Still usable.
+    let x = Tensor::<Cuda>::arange(0.0, 4.0, 1.0, F32, &dev).unwrap();
+    assert_eq!(x.sum_all().unwrap().to_scalar().unwrap(), 6.0);
+    let p = PinnedBlock::new("pin_memory", 1 << 20).unwrap();
+    assert_eq!(p.len(), 1 << 20);
+}
+
+#[test]
+fn streams_and_events_of_another_device_are_typed_errors() {
+    let Some(d0) = gpu_or_skip(0) else { return };
+    let Some(d1) = gpu_or_skip(1) else { return };
+    let s1 = Stream::new(&d1).unwrap();
+    let e0 = Event::new(&d0).unwrap();
+    let t0 = Tensor::<Cuda>::zeros([4], F32, &d0).unwrap();
+    let e = e0.record_on(&s1).unwrap_err().to_string();
+    assert!(e.contains("cuda:0") && e.contains("cuda:1"), "{e}");
+    let e = s1.record_tensor(&t0).unwrap_err().to_string();
+    assert!(e.contains("cuda:0") && e.contains("cuda:1"), "{e}");
+    let e = s1.scope_with(&[&t0], || Ok(())).unwrap_err().to_string();
+    assert!(e.contains("cuda:0") && e.contains("cuda:1"), "{e}");
+    // Cross-device waits are allowed: that is how two GPUs are ordered.
+    s1.wait_event(&e0).unwrap();
+}

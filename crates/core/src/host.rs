@@ -1,0 +1,139 @@
+//! Host memory that backends hand each other: page-locked ("pinned") blocks, and borrowed host
+//! bytes on their way to a device.
+//!
+//! Why this lives in core: pinned memory is a CPU tensor's storage (every CPU op reads it like any
+//! other buffer) but only a GPU driver can page-lock it, and the backends do not know each other.
+//! So a GPU backend registers a [`PinnedAllocator`] here once (kiln-backend-cuda does when it
+//! finds a GPU), the CPU backend allocates its pinned storages through it, and a transfer from a
+//! pinned storage tells the GPU backend, through [`HostSource::pinned`], that it may copy by
+//! direct, asynchronous DMA.
+
+use std::any::Any;
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
+
+use crate::{Error, Result};
+
+/// Allocates and frees page-locked host memory (a GPU backend's pinned pool).
+pub trait PinnedAllocator: Send + Sync + 'static {
+    /// A short name for messages (`cuda`).
+    fn name(&self) -> &'static str;
+    /// `bytes` of page-locked memory, aligned to at least 256 bytes; a typed error (never an
+    /// abort) when the system cannot lock that much.
+    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>>;
+    /// Gives a block back.
+    ///
+    /// # Safety
+    /// `ptr` came from [`PinnedAllocator::allocate`] of this allocator with the same `bytes`, and
+    /// nothing uses it any more.
+    unsafe fn release(&self, ptr: NonNull<u8>, bytes: usize);
+}
+
+static PINNED: OnceLock<&'static dyn PinnedAllocator> = OnceLock::new();
+
+/// Installs the process's pinned allocator; the first registration wins (returns whether this
+/// one did).
+pub fn register_pinned_allocator(a: &'static dyn PinnedAllocator) -> bool {
+    PINNED.set(a).is_ok()
+}
+
+/// The registered pinned allocator, if a GPU backend has found a GPU.
+pub fn pinned_allocator() -> Option<&'static dyn PinnedAllocator> {
+    PINNED.get().copied()
+}
+
+/// One block of page-locked host memory, given back to its allocator on drop. Its contents are
+/// uninitialized until written (the CPU backend writes every byte before reading).
+pub struct PinnedBlock {
+    ptr: NonNull<u8>,
+    bytes: usize,
+    alloc: &'static dyn PinnedAllocator,
+}
+
+// SAFETY: the block is plain host memory owned by this value alone; the allocator is Sync.
+unsafe impl Send for PinnedBlock {}
+// SAFETY: shared access only reads (`as_bytes`); writes need `&mut self`.
+unsafe impl Sync for PinnedBlock {}
+
+impl std::fmt::Debug for PinnedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "PinnedBlock({} bytes, {})",
+            self.bytes,
+            self.alloc.name()
+        )
+    }
+}
+
+impl PinnedBlock {
+    /// `bytes` of pinned memory from the registered allocator, zero-filled. `op` names the
+    /// caller in errors.
+    pub fn new(op: &'static str, bytes: usize) -> Result<PinnedBlock> {
+        let alloc = pinned_allocator().ok_or_else(|| {
+            Error::invalid(
+                op,
+                "page-locked memory needs a GPU backend with a GPU (none has registered a pinned \
+                 allocator: no CUDA device found yet)",
+            )
+        })?;
+        let ptr = if bytes == 0 {
+            NonNull::<u64>::dangling().cast()
+        } else {
+            alloc.allocate(bytes)?
+        };
+        let mut b = PinnedBlock { ptr, bytes, alloc };
+        b.as_bytes_mut().fill(0);
+        Ok(b)
+    }
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+    pub fn as_ptr(&self) -> *const u8 {
+        self.ptr.as_ptr()
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: `ptr` points at `bytes` initialized bytes (zero-filled at creation) that this
+        // block owns.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.bytes) }
+    }
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.bytes) }
+    }
+}
+
+impl Drop for PinnedBlock {
+    fn drop(&mut self) {
+        if self.bytes > 0 {
+            // SAFETY: the block came from this allocator with this size and is dropped once.
+            unsafe { self.alloc.release(self.ptr, self.bytes) };
+        }
+    }
+}
+
+/// Host bytes on their way to a device (see [`crate::Backend::from_host_source`]).
+pub struct HostSource<'a> {
+    /// The elements, contiguous, in the dtype's native layout.
+    pub bytes: &'a [u8],
+    /// Whether `bytes` lie in page-locked memory: a GPU backend may then copy them by direct
+    /// DMA and return before the copy ends.
+    pub pinned: bool,
+    /// Keeps `bytes` alive until an asynchronous copy has finished (the source tensor's
+    /// storage); `None` for borrowed memory, which must then be copied before returning.
+    pub owner: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl<'a> HostSource<'a> {
+    /// Ordinary (pageable) memory the caller lends only for the call.
+    pub fn borrowed(bytes: &'a [u8]) -> Self {
+        HostSource {
+            bytes,
+            pinned: false,
+            owner: None,
+        }
+    }
+}

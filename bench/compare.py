@@ -18,6 +18,15 @@ TARGET = {
     "exp_230400_x1000_driverpool": None,
     "alloc_free_1000x230400_driverpool": None,
     "alloc1000_then_free1000_x230400_driverpool": None,
+    # transfers of 256 MB (the transfers issue's targets)
+    "h2d_pageable_256MB": 1.5,
+    "h2d_pinned_256MB": 0.95,
+    "d2h_pageable_256MB": 1.5,
+    "d2h_into_buffer_256MB": 1.5,
+    "d2h_pinned_256MB": 0.95,
+    "h2d_pinned_256MB_call_returns": None,
+    "exp_230400_to_host_x1000": 1.0,
+    "exp_230400_into_buffer_x1000": 1.0,
 }
 rows = {}
 for line in open(sys.argv[1]):

@@ -100,3 +100,66 @@ for _ in range(5):
     best = min(best, (time.perf_counter() - t0) * 1e6)
 report("alloc1000_then_free1000_x230400", best, "us")
 report("alloc1000_then_free1000_x230400_driverpool", best, "us")
+
+# ---- host<->GPU transfers (twins of crates/backend-cuda/benches/transfer.rs): the user's
+# whole call, wall clock, synchronized, median of 7.
+
+
+def wall(f):
+    for _ in range(2):
+        f()
+    v = []
+    for _ in range(7):
+        t = time.perf_counter()
+        f()
+        v.append(time.perf_counter() - t)
+    v.sort()
+    return v[len(v) // 2]
+
+
+n = 64 << 20
+nbytes = 4 * n
+host = (torch.arange(n, dtype=torch.int64) % 977).to(torch.float32)
+pinned = host.pin_memory()
+gb = lambda s: nbytes / s / 1e9
+
+
+def h2d(src, **kw):
+    g = src.to(dev, **kw)
+    torch.cuda.synchronize()
+    del g
+
+
+report("h2d_pageable_256MB", gb(wall(lambda: h2d(host))), "GB/s")
+report("h2d_pinned_256MB", gb(wall(lambda: h2d(pinned, non_blocking=True))), "GB/s")
+t0 = time.perf_counter()
+g = pinned.to(dev, non_blocking=True)
+call = time.perf_counter() - t0
+torch.cuda.synchronize()
+report("h2d_pinned_256MB_call_returns", call * 1e3, "ms")
+g = host.to(dev)
+torch.cuda.synchronize()
+report("d2h_pageable_256MB", gb(wall(lambda: g.cpu())), "GB/s")
+buf = torch.empty(n, dtype=torch.float32)
+report("d2h_into_buffer_256MB", gb(wall(lambda: buf.copy_(g))), "GB/s")
+pbuf = torch.empty(n, dtype=torch.float32).pin_memory()
+report("d2h_pinned_256MB", gb(wall(lambda: pbuf.copy_(g))), "GB/s")
+del g, buf, pbuf, pinned
+x = rand(230_400)
+
+
+def exp_loop():
+    for _ in range(1000):
+        torch.exp(x).cpu()
+
+
+report("exp_230400_to_host_x1000", wall(exp_loop) * 1e3, "ms")
+out = torch.empty(230_400, dtype=torch.float32)
+
+
+def exp_into():
+    for _ in range(1000):
+        out.copy_(torch.exp(x))
+
+
+report("exp_230400_into_buffer_x1000", wall(exp_into) * 1e3, "ms")

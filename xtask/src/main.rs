@@ -24,7 +24,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-nn", &["cuda"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
-const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu"])];
+const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu", "transfer"])];
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 

@@ -42,6 +42,14 @@ pub fn pinned_allocator() -> Option<&'static dyn PinnedAllocator> {
     PINNED.get().copied()
 }
 
+fn no_allocator(op: &'static str) -> Error {
+    Error::invalid(
+        op,
+        "page-locked memory needs a GPU backend with a GPU (none has registered a pinned \
+         allocator: no CUDA device found yet)",
+    )
+}
+
 /// One block of page-locked host memory, given back to its allocator on drop. Its contents are
 /// uninitialized until written (the CPU backend writes every byte before reading).
 pub struct PinnedBlock {
@@ -70,13 +78,7 @@ impl PinnedBlock {
     /// `bytes` of pinned memory from the registered allocator, zero-filled. `op` names the
     /// caller in errors.
     pub fn new(op: &'static str, bytes: usize) -> Result<PinnedBlock> {
-        let alloc = pinned_allocator().ok_or_else(|| {
-            Error::invalid(
-                op,
-                "page-locked memory needs a GPU backend with a GPU (none has registered a pinned \
-                 allocator: no CUDA device found yet)",
-            )
-        })?;
+        let alloc = pinned_allocator().ok_or_else(|| no_allocator(op))?;
         let ptr = if bytes == 0 {
             NonNull::<u64>::dangling().cast()
         } else {
@@ -85,6 +87,20 @@ impl PinnedBlock {
         let mut b = PinnedBlock { ptr, bytes, alloc };
         b.as_bytes_mut().fill(0);
         Ok(b)
+    }
+    /// Pinned memory holding a copy of `data` (one pass: no zero-fill first).
+    pub fn from_bytes(op: &'static str, data: &[u8]) -> Result<PinnedBlock> {
+        let alloc = pinned_allocator().ok_or_else(|| no_allocator(op))?;
+        let bytes = data.len();
+        let ptr = if bytes == 0 {
+            NonNull::<u64>::dangling().cast()
+        } else {
+            alloc.allocate(bytes)?
+        };
+        // SAFETY: `ptr` holds `bytes` writable bytes that nothing else uses; `data` is a
+        // different allocation.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), ptr.as_ptr(), bytes) };
+        Ok(PinnedBlock { ptr, bytes, alloc })
     }
     pub fn len(&self) -> usize {
         self.bytes

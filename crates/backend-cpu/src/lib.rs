@@ -45,12 +45,12 @@ pub mod storage;
 mod strided;
 
 pub use device::{CpuDevice, MAX_CPU_DEVICES};
-pub use storage::{CpuData, CpuStorage};
+pub use storage::{CpuData, CpuStorage, HostVec};
 
 use kiln_core::backend::{UpdateRule, UpdateSlot};
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, MemoryStats, RandDist, ReduceOp,
-    Result, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
+    ReduceOp, Result, UnaryOp,
 };
 
 use crate::elementwise::{dtype_err, slice};
@@ -103,6 +103,24 @@ fn fill_t<T: CpuElem>(device: CpuDevice, len: usize, value: T) -> CpuStorage {
     let mut out = alloc::<T>(device, len);
     par_out(&mut out, 1, |_, o| o.fill(value));
     storage::storage(device, out)
+}
+
+/// A storage holding a copy of `bytes` (native endianness) as elements of `T`.
+fn from_bytes_t<T: CpuElem>(device: CpuDevice, bytes: &[u8]) -> Result<CpuStorage> {
+    let size = std::mem::size_of::<T>();
+    if bytes.len() % size != 0 {
+        return Err(Error::invalid(
+            "from_host",
+            format!(
+                "{} bytes are not a whole number of {} elements",
+                bytes.len(),
+                T::DTYPE
+            ),
+        ));
+    }
+    let mut out = alloc::<T>(device, bytes.len() / size);
+    bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(bytes);
+    Ok(storage::storage(device, out))
 }
 
 fn to_host_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<Vec<T>> {
@@ -184,6 +202,103 @@ impl Backend for Cpu {
 
     fn from_host(device: &CpuDevice, data: &HostBuffer) -> Result<CpuStorage> {
         Ok(CpuStorage::new(*device, CpuData::from_host(data)))
+    }
+
+    fn from_host_owned(device: &CpuDevice, data: HostBuffer) -> Result<CpuStorage> {
+        Ok(CpuStorage::new(*device, CpuData::from_host_owned(data)))
+    }
+
+    fn from_host_source(
+        device: &CpuDevice,
+        dtype: DType,
+        src: HostSource<'_>,
+    ) -> Result<CpuStorage> {
+        match dtype {
+            DType::F32 => from_bytes_t::<f32>(*device, src.bytes),
+            DType::F64 => from_bytes_t::<f64>(*device, src.bytes),
+            DType::I64 => from_bytes_t::<i64>(*device, src.bytes),
+            DType::U8 => from_bytes_t::<u8>(*device, src.bytes),
+            _ => Err(dtype_err("from_host", "f32, f64, i64 or u8", dtype)),
+        }
+    }
+
+    fn host_source<'a>(
+        storage: &'a std::sync::Arc<CpuStorage>,
+        layout: &Layout,
+        dtype: DType,
+    ) -> Option<HostSource<'a>> {
+        let r = layout.contiguous_range()?;
+        let size = dtype.size_in_bytes();
+        let bytes = storage
+            .data()
+            .as_bytes()
+            .get(r.start * size..r.end * size)?;
+        let owner: std::sync::Arc<dyn std::any::Any + Send + Sync> = storage.clone();
+        Some(HostSource {
+            bytes,
+            pinned: storage.data().is_pinned(),
+            owner: Some(owner),
+        })
+    }
+
+    fn to_host_bytes(
+        storage: &CpuStorage,
+        layout: &Layout,
+        dtype: DType,
+        out: &mut [u8],
+    ) -> Result<()> {
+        check("to_host", storage, layout)?;
+        let size = dtype.size_in_bytes();
+        if out.len() != layout.elem_count() * size {
+            return Err(Error::invalid(
+                "to_host",
+                format!(
+                    "the buffer holds {} bytes, the tensor {}",
+                    out.len(),
+                    layout.elem_count() * size
+                ),
+            ));
+        }
+        if let Some(r) = layout.contiguous_range() {
+            out.copy_from_slice(&storage.data().as_bytes()[r.start * size..r.end * size]);
+            return Ok(());
+        }
+        let h = Self::to_host(storage, layout, dtype)?;
+        out.copy_from_slice(h.as_bytes());
+        Ok(())
+    }
+
+    fn host_bytes_mut<'a>(
+        storage: &'a mut CpuStorage,
+        layout: &Layout,
+        dtype: DType,
+    ) -> Option<&'a mut [u8]> {
+        let r = layout.contiguous_range()?;
+        let size = dtype.size_in_bytes();
+        storage.bytes_mut().get_mut(r.start * size..r.end * size)
+    }
+
+    fn pin_memory(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
+        check("pin_memory", storage, layout)?;
+        let d = storage.device();
+        let data = match dtype {
+            DType::F32 => {
+                CpuData::F32(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
+            }
+            DType::F64 => {
+                CpuData::F64(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
+            }
+            DType::I64 => {
+                CpuData::I64(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
+            }
+            DType::U8 => CpuData::U8(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?),
+            _ => return Err(dtype_err("pin_memory", "f32, f64, i64 or u8", dtype)),
+        };
+        Ok(CpuStorage::new(d, data))
+    }
+
+    fn is_pinned(storage: &CpuStorage) -> bool {
+        storage.data().is_pinned()
     }
 
     fn to_host(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {

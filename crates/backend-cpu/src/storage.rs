@@ -12,6 +12,11 @@
 //! Accounting: `in_use` counts bytes of live storages, `peak` its maximum, `reserved` adds the
 //! cached bytes. All are plain atomics per virtual device.
 //!
+//! Pinned memory: a storage's elements may live in a page-locked block from the pinned allocator
+//! a GPU backend registered with kiln-core ([`HostVec::Pinned`]; `Tensor::pin_memory`). Every
+//! kernel sees a plain slice either way; copies between such a storage and a GPU are direct DMA.
+//! Pinned blocks are pooled by the GPU backend, so they bypass the cache below.
+//!
 //! The data sit behind an `Arc` so that a kernel can hand a `'static` reference to a helper
 //! thread (the split GEMM of `matmul.rs` does); the helper's reference is gone
 //! before the kernel returns, so mutation and the cache see a unique owner again.
@@ -20,7 +25,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::{DType, HostBuffer, MemoryStats};
+use kiln_core::{DType, HostBuffer, MemoryStats, PinnedBlock, Result};
 
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
 
@@ -29,13 +34,87 @@ pub const CACHE_MIN_BYTES: usize = 256 << 10;
 /// The most bytes the cache keeps per device.
 pub const CACHE_MAX_BYTES: usize = 2 << 30;
 
+/// A storage's elements: an ordinary `Vec`, or page-locked memory. Dereferences to a slice.
+pub enum HostVec<T> {
+    Heap(Vec<T>),
+    /// `len` elements at the start of a pinned block.
+    Pinned {
+        block: PinnedBlock,
+        len: usize,
+        _t: std::marker::PhantomData<T>,
+    },
+}
+
+impl<T: bytemuck::Pod> HostVec<T> {
+    /// A pinned copy of `data`.
+    pub fn pinned(op: &'static str, data: &[T]) -> Result<Self> {
+        Ok(HostVec::Pinned {
+            block: PinnedBlock::from_bytes(op, bytemuck::cast_slice(data))?,
+            len: data.len(),
+            _t: std::marker::PhantomData,
+        })
+    }
+    pub fn is_pinned(&self) -> bool {
+        matches!(self, HostVec::Pinned { .. })
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::Deref for HostVec<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        match self {
+            HostVec::Heap(v) => v,
+            HostVec::Pinned { block, len, .. } => &bytemuck::cast_slice(block.as_bytes())[..*len],
+        }
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::DerefMut for HostVec<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        match self {
+            HostVec::Heap(v) => v,
+            HostVec::Pinned { block, len, .. } => {
+                &mut bytemuck::cast_slice_mut(block.as_bytes_mut())[..*len]
+            }
+        }
+    }
+}
+
+/// A clone lands in ordinary memory (pin it again if needed).
+impl<T: bytemuck::Pod> Clone for HostVec<T> {
+    fn clone(&self) -> Self {
+        HostVec::Heap(self.to_vec())
+    }
+}
+
+impl<T: bytemuck::Pod + PartialEq> PartialEq for HostVec<T> {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
+impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for HostVec<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_pinned() {
+            f.write_str("pinned ")?;
+        }
+        f.debug_list().entries(self.iter()).finish()
+    }
+}
+
+impl<T> From<Vec<T>> for HostVec<T> {
+    fn from(v: Vec<T>) -> Self {
+        HostVec::Heap(v)
+    }
+}
+
 /// The typed contents of a storage.
 #[derive(Clone, Debug, PartialEq)]
 pub enum CpuData {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
+    F32(HostVec<f32>),
+    F64(HostVec<f64>),
+    I64(HostVec<i64>),
+    U8(HostVec<u8>),
 }
 
 impl CpuData {
@@ -66,11 +145,44 @@ impl CpuData {
     }
 
     pub(crate) fn from_host(h: &HostBuffer) -> CpuData {
+        Self::from_host_owned(h.clone())
+    }
+
+    pub(crate) fn from_host_owned(h: HostBuffer) -> CpuData {
         match h {
-            HostBuffer::F32(v) => CpuData::F32(v.clone()),
-            HostBuffer::F64(v) => CpuData::F64(v.clone()),
-            HostBuffer::I64(v) => CpuData::I64(v.clone()),
-            HostBuffer::U8(v) => CpuData::U8(v.clone()),
+            HostBuffer::F32(v) => CpuData::F32(v.into()),
+            HostBuffer::F64(v) => CpuData::F64(v.into()),
+            HostBuffer::I64(v) => CpuData::I64(v.into()),
+            HostBuffer::U8(v) => CpuData::U8(v.into()),
+        }
+    }
+
+    /// Whether the elements lie in page-locked memory.
+    pub fn is_pinned(&self) -> bool {
+        match self {
+            CpuData::F32(v) => v.is_pinned(),
+            CpuData::F64(v) => v.is_pinned(),
+            CpuData::I64(v) => v.is_pinned(),
+            CpuData::U8(v) => v.is_pinned(),
+        }
+    }
+
+    /// The elements as bytes (native endianness).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            CpuData::F32(v) => bytemuck::cast_slice(v),
+            CpuData::F64(v) => bytemuck::cast_slice(v),
+            CpuData::I64(v) => bytemuck::cast_slice(v),
+            CpuData::U8(v) => v,
+        }
+    }
+
+    pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            CpuData::F32(v) => bytemuck::cast_slice_mut(v),
+            CpuData::F64(v) => bytemuck::cast_slice_mut(v),
+            CpuData::I64(v) => bytemuck::cast_slice_mut(v),
+            CpuData::U8(v) => v,
         }
     }
 }
@@ -107,6 +219,11 @@ impl CpuStorage {
         Arc::make_mut(&mut self.data)
     }
 
+    /// The elements as writable bytes (for `Tensor::copy_from`).
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        self.data_mut().as_bytes_mut()
+    }
+
     pub fn device(&self) -> CpuDevice {
         self.device
     }
@@ -126,7 +243,7 @@ impl CpuStorage {
 
 impl Drop for CpuStorage {
     fn drop(&mut self) {
-        let data = std::mem::replace(&mut self.data, Arc::new(CpuData::U8(Vec::new())));
+        let data = std::mem::replace(&mut self.data, Arc::new(CpuData::U8(Vec::new().into())));
         counters(&self.device).sub(data.size_in_bytes());
         if let Ok(data) = Arc::try_unwrap(data) {
             release(self.device, data);
@@ -182,7 +299,7 @@ static CACHE: Mutex<Option<HashMap<Key, Vec<CpuData>>>> = Mutex::new(None);
 
 fn release(device: CpuDevice, data: CpuData) {
     let bytes = data.size_in_bytes();
-    if bytes < CACHE_MIN_BYTES {
+    if bytes < CACHE_MIN_BYTES || data.is_pinned() {
         return;
     }
     let c = counters(&device);
@@ -223,7 +340,9 @@ pub(crate) fn empty_cache(device: &CpuDevice) {
 }
 
 /// A Rust element type that a storage can hold.
-pub trait CpuElem: Copy + Default + Send + Sync + PartialOrd + std::fmt::Debug + 'static {
+pub trait CpuElem:
+    Copy + Default + Send + Sync + PartialOrd + std::fmt::Debug + bytemuck::Pod + 'static
+{
     const DTYPE: DType;
     fn wrap(v: Vec<Self>) -> CpuData;
     fn unwrap(d: CpuData) -> Option<Vec<Self>>;
@@ -241,11 +360,11 @@ macro_rules! cpu_elem {
         impl CpuElem for $t {
             const DTYPE: DType = DType::$v;
             fn wrap(v: Vec<Self>) -> CpuData {
-                CpuData::$v(v)
+                CpuData::$v(HostVec::Heap(v))
             }
             fn unwrap(d: CpuData) -> Option<Vec<Self>> {
                 match d {
-                    CpuData::$v(v) => Some(v),
+                    CpuData::$v(HostVec::Heap(v)) => Some(v),
                     _ => None,
                 }
             }

@@ -318,7 +318,8 @@ impl HostBuffer {
             bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
             out
         }
-        if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
+        #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we promise 1.85
+        if bytes.len() % dtype.size_in_bytes() != 0 {
             return Err(Error::invalid(
                 op,
                 format!(

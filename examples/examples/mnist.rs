@@ -30,12 +30,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kiln_autograd::{Var, no_grad};
 use kiln_core::{Backend, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
+use kiln_examples::models::{lenet, mlp};
 use kiln_examples::{DEVICE_HELP, Job, dispatch};
 use kiln_nn::loss::{correct_count, cross_entropy};
-use kiln_nn::{
-    Conv2dConfig, Flatten, LinearConfig, MaxPool2d, Module, ModuleExt, Relu, Sequential,
-    derive_seed, save_safetensors,
-};
+use kiln_nn::{Module, ModuleExt, Sequential, save_safetensors};
 use kiln_optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -114,38 +112,6 @@ impl Job for Train {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         train::<B>(self.0, dev)
     }
-}
-
-fn mlp<B: Backend>(hidden: usize, dev: &B::Device, seed: u64) -> Result<Sequential<B>> {
-    let s = |i| derive_seed(seed, i);
-    Ok(Sequential::new()
-        .add(LinearConfig::new(784, hidden).init::<B>(dev, s(0))?)
-        .add(Relu)
-        .add(LinearConfig::new(hidden, hidden).init::<B>(dev, s(2))?)
-        .add(Relu)
-        .add(LinearConfig::new(hidden, 10).init::<B>(dev, s(4))?))
-}
-
-/// Must match `lenet()` in bench/mnist_torch_check.py layer for layer: indices are names.
-fn lenet<B: Backend>(dev: &B::Device, seed: u64) -> Result<Sequential<B>> {
-    let s = |i| derive_seed(seed, i);
-    Ok(Sequential::new()
-        .add(
-            Conv2dConfig::new(1, 6, 5)
-                .with_padding(2)
-                .init::<B>(dev, s(0))?,
-        )
-        .add(Relu)
-        .add(MaxPool2d::new(2))
-        .add(Conv2dConfig::new(6, 16, 5).init::<B>(dev, s(3))?)
-        .add(Relu)
-        .add(MaxPool2d::new(2))
-        .add(Flatten)
-        .add(LinearConfig::new(16 * 5 * 5, 120).init::<B>(dev, s(7))?)
-        .add(Relu)
-        .add(LinearConfig::new(120, 84).init::<B>(dev, s(9))?)
-        .add(Relu)
-        .add(LinearConfig::new(84, 10).init::<B>(dev, s(11))?))
 }
 
 /// The optimizer; without `--lr`, Adam(W) uses 1e-3 for the MLP and 2e-3 for LeNet (which

@@ -125,26 +125,26 @@ gb = lambda s: nbytes / s / 1e9
 
 
 def h2d(src, **kw):
-    g = src.to(dev, **kw)
+    t = src.to(dev, **kw)
     torch.cuda.synchronize()
-    del g
+    del t
 
 
 report("h2d_pageable_256MB", gb(wall(lambda: h2d(host))), "GB/s")
 report("h2d_pinned_256MB", gb(wall(lambda: h2d(pinned, non_blocking=True))), "GB/s")
 t0 = time.perf_counter()
-g = pinned.to(dev, non_blocking=True)
+gt = pinned.to(dev, non_blocking=True)
 call = time.perf_counter() - t0
 torch.cuda.synchronize()
 report("h2d_pinned_256MB_call_returns", call * 1e3, "ms")
-g = host.to(dev)
+gt = host.to(dev)
 torch.cuda.synchronize()
-report("d2h_pageable_256MB", gb(wall(lambda: g.cpu())), "GB/s")
+report("d2h_pageable_256MB", gb(wall(lambda: gt.cpu())), "GB/s")
 buf = torch.empty(n, dtype=torch.float32)
-report("d2h_into_buffer_256MB", gb(wall(lambda: buf.copy_(g))), "GB/s")
+report("d2h_into_buffer_256MB", gb(wall(lambda: buf.copy_(gt))), "GB/s")
 pbuf = torch.empty(n, dtype=torch.float32).pin_memory()
-report("d2h_pinned_256MB", gb(wall(lambda: pbuf.copy_(g))), "GB/s")
-del g, buf, pbuf, pinned
+report("d2h_pinned_256MB", gb(wall(lambda: pbuf.copy_(gt))), "GB/s")
+del gt, buf, pbuf, pinned
 x = rand(230_400)
 
 

@@ -195,7 +195,7 @@ pub(crate) struct Blas {
 // SAFETY: the handle is only used under the `blas` mutex.
 unsafe impl Send for Blas {}
 
-/// Pinned host buffers for transfers: a ring of `STAGING_BLOCKS` blocks of `STAGING_BYTES`,
+/// Pinned host buffers for transfers: a ring of `STAGING_BLOCKS` blocks of [`staging_bytes`],
 /// each with the event of its last DMA, so a block is reused only once its copy is done.
 pub(crate) struct Staging {
     pub blocks: Vec<(*mut u8, sys::CUevent)>,
@@ -203,7 +203,17 @@ pub(crate) struct Staging {
 }
 // SAFETY: only used under the `staging` mutex.
 unsafe impl Send for Staging {}
-pub(crate) const STAGING_BYTES: usize = 8 << 20;
+/// The size of one staging block: `KILN_CUDA_STAGING_MB` MiB (default 8; read once).
+pub(crate) fn staging_bytes() -> usize {
+    static B: OnceLock<usize> = OnceLock::new();
+    *B.get_or_init(|| {
+        let mb = std::env::var("KILN_CUDA_STAGING_MB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(8);
+        mb.clamp(1, 256) << 20
+    })
+}
 pub(crate) const STAGING_BLOCKS: usize = 4;
 
 /// The lazily created state of one GPU.

@@ -24,7 +24,7 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use kiln_core::{HostSource, Result};
 
-use crate::device::{DeviceState, InFlight, STAGING_BLOCKS, STAGING_BYTES, Staging, check};
+use crate::device::{DeviceState, InFlight, STAGING_BLOCKS, Staging, check, staging_bytes};
 use crate::memory::{Buffer, alloc, alloc_on};
 use crate::pinned;
 
@@ -62,6 +62,7 @@ pub(crate) fn host_copy(dst: &mut [u8], src: &[u8]) {
 /// Takes the next block of the pinned ring (allocating it on first use). With `wait`, blocks
 /// until the block's previous DMA has finished (needed before the host writes into it).
 fn staging_block(st: &mut Staging, wait: bool) -> Result<usize> {
+    let block_bytes = staging_bytes();
     let i = st.next;
     st.next = (st.next + 1) % STAGING_BLOCKS;
     if st.blocks.len() <= i {
@@ -69,7 +70,7 @@ fn staging_block(st: &mut Staging, wait: bool) -> Result<usize> {
         unsafe {
             let mut h = std::ptr::null_mut();
             check(
-                sys::cuMemHostAlloc(&mut h, STAGING_BYTES, 0),
+                sys::cuMemHostAlloc(&mut h, block_bytes, 0),
                 "pinned staging alloc",
             )?;
             let mut ev = std::ptr::null_mut();
@@ -129,11 +130,12 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             None => check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?,
         }
     } else {
+        let block_bytes = staging_bytes();
         let mut st = dev.staging.lock().unwrap();
-        for (k, chunk) in data.chunks(STAGING_BYTES).enumerate() {
+        for (k, chunk) in data.chunks(block_bytes).enumerate() {
             let i = staging_block(&mut st, true)?;
             let (h, ev) = st.blocks[i];
-            // SAFETY: `h` is a pinned block of STAGING_BYTES >= chunk.len() whose previous DMA
+            // SAFETY: `h` is a pinned block of block_bytes >= chunk.len() whose previous DMA
             // has completed (waited above), so the host may write it.
             let block = unsafe { std::slice::from_raw_parts_mut(h, chunk.len()) };
             host_copy(block, chunk);
@@ -141,7 +143,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             unsafe {
                 check(
                     sys::cuMemcpyHtoDAsync_v2(
-                        dst.device_ptr() + (k * STAGING_BYTES) as u64,
+                        dst.device_ptr() + (k * block_bytes) as u64,
                         h as *const c_void,
                         chunk.len(),
                         dev.copy,
@@ -182,13 +184,14 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
             return check(sys::cuStreamSynchronize(dev.copy), "to_host");
         }
     }
+    let block_bytes = staging_bytes();
     let mut st = dev.staging.lock().unwrap();
-    let n = out.len().div_ceil(STAGING_BYTES);
+    let n = out.len().div_ceil(block_bytes);
     let mut pending: std::collections::VecDeque<(usize, usize)> = Default::default();
     let drain = |st: &Staging, out: &mut [u8], (k, i): (usize, usize)| -> Result<()> {
         let (h, ev) = st.blocks[i];
-        let start = k * STAGING_BYTES;
-        let len = (out.len() - start).min(STAGING_BYTES);
+        let start = k * block_bytes;
+        let len = (out.len() - start).min(block_bytes);
         // SAFETY: the event marks the end of this chunk's DMA into the pinned block `h`.
         check(unsafe { sys::cuEventSynchronize(ev) }, "to_host")?;
         // SAFETY: `h` holds `len` bytes written by that DMA; nothing else touches it until
@@ -206,9 +209,9 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
         // same copy stream.
         let i = staging_block(&mut st, false)?;
         let (h, ev) = st.blocks[i];
-        let start = k * STAGING_BYTES;
-        let len = (out.len() - start).min(STAGING_BYTES);
-        // SAFETY: the source range lies inside `src`; `h` holds STAGING_BYTES; its previous
+        let start = k * block_bytes;
+        let len = (out.len() - start).min(block_bytes);
+        // SAFETY: the source range lies inside `src`; `h` holds block_bytes; its previous
         // use was drained above (at most STAGING_BLOCKS chunks are in flight).
         unsafe {
             check(

@@ -120,10 +120,12 @@ fn events_record_wait_query_and_time() {
         end.record()
     })
     .unwrap();
-    assert!(
-        !end.query().unwrap(),
-        "the event passed before its work ran"
-    );
+    if !launches_block() {
+        assert!(
+            !end.query().unwrap(),
+            "the event passed before its work ran"
+        );
+    }
     let ms = start.elapsed_ms(&end).unwrap();
     assert!((45.0..500.0).contains(&ms), "{ms} ms for a 50 ms kernel");
     assert!(end.query().unwrap() && s.query().unwrap());

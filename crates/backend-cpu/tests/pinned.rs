@@ -1,62 +1,18 @@
-//! Pinned CPU tensors and the host-transfer API on the CPU backend, without a GPU: a test
-//! allocator stands in for the GPU backend's pinned pool (it hands out ordinary 256-byte
-//! aligned memory and counts what is live), so the CPU side of `pin_memory`, `copy_to_slice`,
-//! `copy_from` and `to_backend` is checked in CI.
-
-use std::alloc::Layout as AllocLayout;
-use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
+//! Pinned CPU tensors and the host-transfer API on the CPU backend, without a GPU: kiln-core's
+//! heap stand-in (`test_pinned`) replaces the GPU backend's pinned pool, so the CPU side of
+//! `pin_memory`, `copy_to_slice`, `copy_from` and `to_backend` is checked in CI.
 
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::Reference;
-use kiln_core::{DType, Error, PinnedAllocator, Result, Tensor};
+use kiln_core::{DType, Error, Tensor};
 
-struct TestPinned {
-    live: AtomicUsize,
-}
-
-impl PinnedAllocator for TestPinned {
-    fn name(&self) -> &'static str {
-        "test pinned"
-    }
-    fn allocate(&self, bytes: usize) -> Result<NonNull<u8>> {
-        if bytes > 1 << 40 {
-            return Err(Error::OutOfMemory {
-                device: "pinned host memory".into(),
-                requested: bytes,
-                held: self.live.load(Ordering::Relaxed),
-                msg: "test limit".into(),
-            });
-        }
-        let l = AllocLayout::from_size_align(bytes, 256).unwrap();
-        // SAFETY: a non-zero size (PinnedBlock never asks for 0 bytes).
-        let p = unsafe { std::alloc::alloc(l) };
-        self.live.fetch_add(bytes, Ordering::Relaxed);
-        Ok(NonNull::new(p).expect("allocation failed"))
-    }
-    unsafe fn release(&self, ptr: NonNull<u8>, bytes: usize) {
-        self.live.fetch_sub(bytes, Ordering::Relaxed);
-        // SAFETY: allocated above with this size and alignment.
-        unsafe {
-            std::alloc::dealloc(
-                ptr.as_ptr(),
-                AllocLayout::from_size_align(bytes, 256).unwrap(),
-            )
-        };
-    }
-}
-
-static PINNED: TestPinned = TestPinned {
-    live: AtomicUsize::new(0),
-};
-
-fn setup() {
-    kiln_core::host::register_pinned_allocator(&PINNED);
+fn setup() -> &'static kiln_core::test_pinned::HeapPinned {
+    kiln_core::test_pinned::register()
 }
 
 #[test]
 fn pinned_tensors_compute_like_any_other() {
-    setup();
+    let pool = setup();
     let cpu = Cpu::device(0);
     let x = Tensor::<Cpu>::arange(0.0, 12.0, 1.0, DType::F32, &cpu)
         .unwrap()
@@ -86,11 +42,11 @@ fn pinned_tensors_compute_like_any_other() {
         assert!(pt.is_pinned());
         assert_eq!(pt.to_f64_vec().unwrap(), t.to_f64_vec().unwrap());
     }
-    let live = PINNED.live.load(Ordering::Relaxed);
+    let live = pool.live();
     assert!(live > 0);
     drop((p, pt));
     assert!(
-        PINNED.live.load(Ordering::Relaxed) < live,
+        pool.live() < live,
         "dropping a pinned tensor frees its block"
     );
 }

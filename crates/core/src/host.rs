@@ -18,8 +18,9 @@ use crate::{Error, Result};
 pub trait PinnedAllocator: Send + Sync + 'static {
     /// A short name for messages (`cuda`).
     fn name(&self) -> &'static str;
-    /// `bytes` of page-locked memory, aligned to at least 256 bytes; a typed error (never an
-    /// abort) when the system cannot lock that much.
+    /// `bytes` of page-locked memory, aligned to at least 256 bytes, holding initialized bytes
+    /// of any value (zeros, or what an earlier user of a pooled block left); a typed error
+    /// (never an abort) when the system cannot lock that much.
     fn allocate(&self, bytes: usize) -> Result<NonNull<u8>>;
     /// Gives a block back.
     ///
@@ -50,8 +51,7 @@ fn no_allocator(op: &'static str) -> Error {
     )
 }
 
-/// One block of page-locked host memory, given back to its allocator on drop. Its contents are
-/// uninitialized until written (the CPU backend writes every byte before reading).
+/// One block of page-locked host memory, given back to its allocator on drop.
 pub struct PinnedBlock {
     ptr: NonNull<u8>,
     bytes: usize,
@@ -88,6 +88,18 @@ impl PinnedBlock {
         b.as_bytes_mut().fill(0);
         Ok(b)
     }
+    /// `bytes` of pinned memory whose contents are unspecified (zeros, or an earlier user's
+    /// bytes): for a caller that overwrites all of it, without a zero-fill pass first.
+    pub fn uninit(op: &'static str, bytes: usize) -> Result<PinnedBlock> {
+        let alloc = pinned_allocator().ok_or_else(|| no_allocator(op))?;
+        let ptr = if bytes == 0 {
+            NonNull::<u64>::dangling().cast()
+        } else {
+            alloc.allocate(bytes)?
+        };
+        Ok(PinnedBlock { ptr, bytes, alloc })
+    }
+
     /// Pinned memory holding a copy of `data` (one pass: no zero-fill first).
     pub fn from_bytes(op: &'static str, data: &[u8]) -> Result<PinnedBlock> {
         let alloc = pinned_allocator().ok_or_else(|| no_allocator(op))?;

@@ -34,6 +34,8 @@ pub mod reference;
 mod shape;
 mod tensor;
 #[cfg(feature = "testing")]
+pub mod test_pinned;
+#[cfg(feature = "testing")]
 pub mod testing;
 
 pub use backend::{

@@ -41,6 +41,27 @@ pub trait Dataset: Send + Sync {
     /// `>= len()` is an error.
     fn get_batch(&self, indices: &[usize]) -> Result<Batch>;
 
+    /// The dtypes of the features and labels, when every batch has the same: then a loader
+    /// can gather batches straight into memory of its own (page-locked, for a GPU) with
+    /// [`Dataset::get_batch_into`]. Default: unknown.
+    fn dtypes(&self) -> Option<(DType, DType)> {
+        None
+    }
+
+    /// Writes the batch of `indices` into `features` and `labels`: row-major bytes, exactly
+    /// the batch's size in the dtypes of [`Dataset::dtypes`]. The default goes through
+    /// [`Dataset::get_batch`]; in-memory datasets copy rows directly.
+    fn get_batch_into(
+        &self,
+        indices: &[usize],
+        features: &mut [u8],
+        labels: &mut [u8],
+    ) -> Result<()> {
+        let b = self.get_batch(indices)?;
+        copy_exact("Dataset::get_batch_into", features, b.features.as_bytes())?;
+        copy_exact("Dataset::get_batch_into", labels, b.labels.as_bytes())
+    }
+
     /// One sample, as a batch of one.
     fn get(&self, index: usize) -> Result<Batch> {
         self.get_batch(&[index])
@@ -112,6 +133,19 @@ impl ArrayDataset {
         self.labels.dtype()
     }
 
+    fn check_indices(&self, indices: &[usize]) -> Result<()> {
+        if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
+            return Err(Error::invalid(
+                "Dataset::get_batch",
+                format!(
+                    "index {bad} is out of range for a dataset of {} samples",
+                    self.len
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// The first `n` samples (or all when `n >= len`): a quick subset for smoke tests.
     pub fn take(&self, n: usize) -> ArrayDataset {
         let idx: Vec<usize> = (0..n.min(self.len)).collect();
@@ -123,6 +157,43 @@ impl ArrayDataset {
             label_dims: self.label_dims.clone(),
             len: b.len,
         }
+    }
+}
+
+fn copy_exact(op: &'static str, dst: &mut [u8], src: &[u8]) -> Result<()> {
+    if dst.len() != src.len() {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "the buffer holds {} bytes, the batch {}",
+                dst.len(),
+                src.len()
+            ),
+        ));
+    }
+    dst.copy_from_slice(src);
+    Ok(())
+}
+
+/// Copies rows `indices` (each `row_bytes` long) of `src` into `dst`, split over threads for
+/// large batches (one pass, no intermediate buffer).
+fn gather_bytes(src: &[u8], row_bytes: usize, indices: &[usize], dst: &mut [u8]) {
+    use rayon::prelude::*;
+    if row_bytes == 0 {
+        return;
+    }
+    let copy = |(rows, idx): (&mut [u8], &[usize])| {
+        for (d, &i) in rows.chunks_exact_mut(row_bytes).zip(idx) {
+            d.copy_from_slice(&src[i * row_bytes..(i + 1) * row_bytes]);
+        }
+    };
+    let per_task = (256 << 10) / row_bytes + 1; // about 256 KiB per task
+    if dst.len() < 1 << 20 {
+        copy((dst, indices));
+    } else {
+        dst.par_chunks_mut(per_task * row_bytes)
+            .zip(indices.par_chunks(per_task))
+            .for_each(copy);
     }
 }
 
@@ -153,16 +224,41 @@ impl Dataset for ArrayDataset {
     fn label_dims(&self) -> &[usize] {
         &self.label_dims
     }
-    fn get_batch(&self, indices: &[usize]) -> Result<Batch> {
-        if let Some(&bad) = indices.iter().find(|&&i| i >= self.len) {
-            return Err(Error::invalid(
-                "Dataset::get_batch",
-                format!(
-                    "index {bad} is out of range for a dataset of {} samples",
-                    self.len
-                ),
-            ));
+    fn dtypes(&self) -> Option<(DType, DType)> {
+        Some((self.features.dtype(), self.labels.dtype()))
+    }
+    fn get_batch_into(
+        &self,
+        indices: &[usize],
+        features: &mut [u8],
+        labels: &mut [u8],
+    ) -> Result<()> {
+        self.check_indices(indices)?;
+        let row = |b: &HostBuffer, dims: &[usize]| {
+            dims.iter().product::<usize>() * b.dtype().size_in_bytes()
+        };
+        let (fr, lr) = (
+            row(&self.features, &self.feature_dims),
+            row(&self.labels, &self.label_dims),
+        );
+        for (buf, r) in [(&*features, fr), (&*labels, lr)] {
+            if buf.len() != r * indices.len() {
+                return Err(Error::invalid(
+                    "Dataset::get_batch_into",
+                    format!(
+                        "the buffer holds {} bytes, the batch {}",
+                        buf.len(),
+                        r * indices.len()
+                    ),
+                ));
+            }
         }
+        gather_bytes(self.features.as_bytes(), fr, indices, features);
+        gather_bytes(self.labels.as_bytes(), lr, indices, labels);
+        Ok(())
+    }
+    fn get_batch(&self, indices: &[usize]) -> Result<Batch> {
+        self.check_indices(indices)?;
         Ok(Batch {
             features: gather(&self.features, self.feature_dims.iter().product(), indices),
             labels: gather(&self.labels, self.label_dims.iter().product(), indices),

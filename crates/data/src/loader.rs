@@ -19,7 +19,7 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
 use kiln_core::philox::philox4x32_10;
-use kiln_core::{Backend, Error, HostBuffer, HostSource, PinnedBlock, Result, Tensor};
+use kiln_core::{Backend, DType, Error, HostSource, PinnedBlock, Result, Tensor};
 
 use crate::dataset::Dataset;
 
@@ -261,38 +261,56 @@ struct Job<B: Backend> {
 
 impl<B: Backend> Job<B> {
     /// Gathers batch `b` on the host and uploads it.
+    ///
+    /// With `pin_memory`, a GPU backend present and a dataset of fixed dtypes, the rows are
+    /// gathered straight into page-locked blocks (pooled by the GPU backend; one pass over the
+    /// bytes), and each device copy is one direct, asynchronous DMA on the copy stream that
+    /// overlaps the training step: this worker never waits for the GPU.
     fn make(&self, b: usize) -> Result<TensorBatch<B>> {
         let start = b * self.batch_size;
         let end = (start + self.batch_size).min(self.order.len());
-        let batch = self.dataset.get_batch(&self.order[start..end])?;
-        let len = batch.len;
+        let indices = &self.order[start..end];
+        let len = indices.len();
         let mut fdims = Vec::with_capacity(1 + self.sample_dims.len());
         fdims.push(len);
         fdims.extend_from_slice(&self.sample_dims);
         let mut ldims = vec![len];
         ldims.extend_from_slice(self.dataset.label_dims());
-        let x = self.upload(&batch.features, fdims)?;
-        let y = self.upload(&batch.labels, ldims)?;
+        let pinned = self.pin_memory && len > 0 && kiln_core::host::pinned_allocator().is_some();
+        if let (true, Some((fd, ld))) = (pinned, self.dataset.dtypes()) {
+            let count = |d: &[usize]| d.iter().product::<usize>();
+            let op = "DataLoader";
+            let mut f = PinnedBlock::uninit(op, count(&fdims) * fd.size_in_bytes())?;
+            let mut l = PinnedBlock::uninit(op, count(&ldims) * ld.size_in_bytes())?;
+            self.dataset
+                .get_batch_into(indices, f.as_bytes_mut(), l.as_bytes_mut())?;
+            return Ok((
+                self.upload_pinned(f, fd, fdims)?,
+                self.upload_pinned(l, ld, ldims)?,
+            ));
+        }
+        let batch = self.dataset.get_batch(indices)?;
+        let x = Tensor::<B>::from_host(&batch.features, fdims, &self.device)?;
+        let y = Tensor::<B>::from_host(&batch.labels, ldims, &self.device)?;
         Ok((x, y))
     }
 
-    /// `data` on the device. With `pin_memory` and a GPU backend present, the batch goes into
-    /// a page-locked block first (pooled by the GPU backend), so the device copy is one direct,
-    /// asynchronous DMA on the copy stream that overlaps the training step, and this worker
-    /// never waits for the GPU.
-    fn upload(&self, data: &HostBuffer, dims: Vec<usize>) -> Result<Tensor<B>> {
-        let pinned = self.pin_memory && !data.is_empty();
-        let block = match kiln_core::host::pinned_allocator() {
-            Some(_) if pinned => Arc::new(PinnedBlock::from_bytes("DataLoader", data.as_bytes())?),
-            _ => return Tensor::<B>::from_host(data, dims, &self.device),
-        };
+    /// A pinned block on the device (asynchronously on a GPU; the block lives until the copy
+    /// is done).
+    fn upload_pinned(
+        &self,
+        block: PinnedBlock,
+        dtype: DType,
+        dims: Vec<usize>,
+    ) -> Result<Tensor<B>> {
+        let block = Arc::new(block);
         let src = HostSource {
             bytes: block.as_bytes(),
             pinned: true,
             owner: Some(block.clone()),
         };
-        let s = B::from_host_source(&self.device, data.dtype(), src)?;
-        Ok(Tensor::from_storage(s, dims, data.dtype()))
+        let s = B::from_host_source(&self.device, dtype, src)?;
+        Ok(Tensor::from_storage(s, dims, dtype))
     }
 }
 

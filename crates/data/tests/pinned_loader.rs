@@ -1,0 +1,62 @@
+//! The DataLoader's pinned path without a GPU: with kiln-core's heap stand-in registered as
+//! the pinned allocator, batches are gathered straight into pinned blocks
+//! (`Dataset::get_batch_into`) and uploaded from there; the result must equal the plain path,
+//! in small batches and in batches large enough for the threaded gather.
+
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::{HostBuffer, Result};
+use kiln_data::{ArrayDataset, DataLoader, Dataset};
+
+fn dataset(n: usize, width: usize) -> ArrayDataset {
+    let f = (0..n * width).map(|k| (k % 9973) as f32 * 0.5).collect();
+    ArrayDataset::new(
+        HostBuffer::F32(f),
+        [width],
+        HostBuffer::I64((0..n as i64).map(|i| i * 7 % 10).collect()),
+        [],
+        n,
+    )
+    .unwrap()
+}
+
+fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
+    l.iter()
+        .map(|b| -> Result<_> {
+            let (x, y) = b?;
+            Ok((x.to_f64_vec()?, y.to_f64_vec()?))
+        })
+        .collect::<Result<_>>()
+        .unwrap()
+}
+
+#[test]
+fn pinned_batches_equal_plain_batches() {
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    // 3 KiB rows: batches of 700 rows pass the threaded gather's 1 MiB threshold.
+    for (n, width, batch) in [(50, 4, 7), (2000, 784, 700)] {
+        let data = dataset(n, width);
+        let mut pinned = DataLoader::<Reference>::new(data.clone(), batch, &dev)
+            .unwrap()
+            .shuffle(3);
+        let mut plain = DataLoader::<Reference>::new(data, batch, &dev)
+            .unwrap()
+            .shuffle(3)
+            .pin_memory(false);
+        assert_eq!(all_batches(&mut pinned), all_batches(&mut plain));
+    }
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}
+
+#[test]
+fn get_batch_into_checks_its_buffers() {
+    let d = dataset(10, 3);
+    let (mut f, mut l) = (vec![0u8; 2 * 3 * 4], vec![0u8; 2 * 8]);
+    d.get_batch_into(&[4, 1], &mut f, &mut l).unwrap();
+    let b = d.get_batch(&[4, 1]).unwrap();
+    assert_eq!(f, b.features.as_bytes());
+    assert_eq!(l, b.labels.as_bytes());
+    let mut short = vec![0u8; 5];
+    assert!(d.get_batch_into(&[4, 1], &mut short, &mut l).is_err());
+    assert!(d.get_batch_into(&[40], &mut f[..12], &mut l[..8]).is_err());
+}

@@ -176,6 +176,28 @@ pub fn thread_launches() -> u64 {
     THREAD_LAUNCHES.with(|c| c.get())
 }
 
+/// Forgets every compiled kernel of `dev` (CuPy's `clear_memo`, Chainer's memoize cache):
+/// waits for the device, unloads the modules of built-in and generated kernels, and lets the
+/// next use load them again (from the disk cache, which stays). Frees their device memory
+/// (code, constants) and resets the fused-program budget.
+pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
+    let s = state(dev)?;
+    s.sync_all("clear_kernel_cache")?;
+    let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
+    modules.append(&mut s.fused_modules.lock().unwrap());
+    s.funcs.lock().unwrap().clear();
+    s.fused.lock().unwrap().clear();
+    for m in modules {
+        // SAFETY: each module was loaded into this context and nothing runs on the device
+        // (synchronized above); its functions were forgotten above.
+        check(
+            unsafe { sys::cuModuleUnload(m as sys::CUmodule) },
+            "clear_kernel_cache",
+        )?;
+    }
+    Ok(())
+}
+
 /// A kernel's name, as the parts that are joined with `_` to spell it.
 pub(crate) type FuncKey = [&'static str; 5];
 
@@ -237,8 +259,10 @@ pub(crate) struct DeviceState {
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
     pub funcs: Mutex<FastMap<FuncKey, Func>>,
-    /// The fused elementwise kernels generated so far (`lazy.rs`), by program.
+    /// The fused elementwise kernels generated so far (`lazy.rs`), by program, and the
+    /// modules they live in (unloaded by [`clear_kernel_cache`]).
     pub fused: Mutex<FastMap<crate::lazy::Program, Func>>,
+    pub fused_modules: Mutex<Vec<usize>>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<crate::memory::BlockCache>,
@@ -413,6 +437,7 @@ impl DeviceState {
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(FastMap::default()),
                 fused: Mutex::new(FastMap::default()),
+                fused_modules: Mutex::new(Vec::new()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -559,6 +584,7 @@ impl DeviceState {
             "cuModuleGetFunction",
         )?;
         map.insert(program.clone(), Func(f));
+        self.fused_modules.lock().unwrap().push(m as usize);
         Ok(Some(Func(f)))
     }
 

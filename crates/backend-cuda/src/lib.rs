@@ -48,8 +48,8 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, device_count, fused_program_stats, gpu_or_skip, launch_stats, thread_launches,
-    thread_syncs, try_all_gpus, try_gpu, unavailable_reason,
+    CudaDevice, clear_kernel_cache, device_count, fused_program_stats, gpu_or_skip, launch_stats,
+    thread_launches, thread_syncs, try_all_gpus, try_gpu, unavailable_reason,
 };
 pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};

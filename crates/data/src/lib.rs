@@ -42,4 +42,15 @@ impl<D: Dataset + ?Sized> Dataset for Arc<D> {
     fn get_batch(&self, indices: &[usize]) -> kiln_core::Result<Batch> {
         (**self).get_batch(indices)
     }
+    fn dtypes(&self) -> Option<(kiln_core::DType, kiln_core::DType)> {
+        (**self).dtypes()
+    }
+    fn get_batch_into(
+        &self,
+        indices: &[usize],
+        features: &mut [u8],
+        labels: &mut [u8],
+    ) -> kiln_core::Result<()> {
+        (**self).get_batch_into(indices, features, labels)
+    }
 }

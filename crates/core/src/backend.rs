@@ -727,6 +727,22 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
             .map(|slot| composed_update::<Self>(rule, dtype, slot))
             .collect()
     }
+
+    /// Evaluates an expression program ([`crate::expr`]) over `inputs`, each laid out in the
+    /// iteration shape `shape` (broadcast by stride 0), with `params` converted to the
+    /// parameters' dtypes. Returns one contiguous buffer per output: the iteration shape for
+    /// elementwise outputs, the kept shape (reduction axes set to 1) for reduced ones. The
+    /// default runs the program op by op ([`crate::expr::eval_composed`]); backends override it
+    /// with a fused evaluator, which must agree with it within float rounding.
+    fn eval_expr(
+        device: &Self::Device,
+        program: &crate::expr::Program,
+        shape: &crate::Shape,
+        inputs: &[(&Self::Storage, &Layout)],
+        params: &[f64],
+    ) -> Result<Vec<Self::Storage>> {
+        crate::expr::eval_composed::<Self>(device, program, shape, inputs, params)
+    }
 }
 
 /// [`Backend::unary_backward`] out of elementwise kernels, `s` being the saved `x` or `y`:

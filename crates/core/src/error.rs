@@ -72,6 +72,15 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An expression program ([`crate::expr`]) that is malformed, or that does not fit the
+    /// inputs and parameters it was given. `op` is the instruction's op (`exp`, `add`, `sum`,
+    /// ...) or `expr` for the program as a whole; `kind` says what class of mistake it is.
+    #[error("{op}: {kind}: {msg}")]
+    Expr {
+        op: &'static str,
+        kind: ExprErrorKind,
+        msg: String,
+    },
     /// A file that was read but whose contents are invalid (bad magic, truncated, wrong sizes).
     #[error("{path}: corrupt or invalid file: {msg}")]
     Corrupt { path: String, msg: String },
@@ -92,5 +101,37 @@ impl Error {
             op,
             msg: msg.to_string(),
         }
+    }
+}
+
+/// The class of an [`Error::Expr`], for code that reacts to it (and for tests).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ExprErrorKind {
+    /// The wrong number of inputs, parameters or outputs.
+    Arity,
+    /// An operand of a dtype the op does not take, or operands whose dtypes disagree.
+    DType,
+    /// Inputs whose shapes do not broadcast together, or a layout of the wrong shape.
+    Shape,
+    /// An axis outside the iteration shape's rank, or given twice.
+    Axis,
+    /// Elementwise and reduced values mixed in one op, a reduction of a reduced value, or two
+    /// different sets of reduction axes in one program.
+    Phase,
+    /// A reference to a value not yet defined, an empty program, an empty reduction with no
+    /// identity: anything else malformed.
+    Structure,
+}
+
+impl std::fmt::Display for ExprErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ExprErrorKind::Arity => "arity",
+            ExprErrorKind::DType => "dtype",
+            ExprErrorKind::Shape => "shape",
+            ExprErrorKind::Axis => "axis",
+            ExprErrorKind::Phase => "phase",
+            ExprErrorKind::Structure => "structure",
+        })
     }
 }

@@ -26,6 +26,7 @@ pub mod backend;
 mod dims;
 mod dtype;
 mod error;
+pub mod expr;
 pub mod fasthash;
 pub mod host;
 mod layout;
@@ -43,7 +44,7 @@ pub use backend::{
     UpdateRule, UpdateSlot,
 };
 pub use dtype::{DType, Element};
-pub use error::{Error, Result};
+pub use error::{Error, ExprErrorKind, Result};
 pub use host::{HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};

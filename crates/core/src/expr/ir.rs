@@ -1,0 +1,522 @@
+//! The program form of an expression: a typed SSA list of instructions, validated once.
+//!
+//! A [`Program`] is plain data (`Clone + Eq + Hash`): a backend keys its compiled kernels by it.
+//! It fixes the inputs' dtypes, the parameters' dtypes, the instructions, the outputs and the
+//! reduction axes, but no shape: one program runs on inputs of any (common) shape.
+
+use std::fmt;
+
+use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::error::ExprErrorKind;
+use crate::{DType, Error, Result, Shape};
+
+/// A value of a program: the index of the instruction that defines it.
+pub type Val = u32;
+
+pub(crate) fn expr_err(op: &'static str, kind: ExprErrorKind, msg: impl Into<String>) -> Error {
+    Error::Expr {
+        op,
+        kind,
+        msg: msg.into(),
+    }
+}
+
+/// A typed constant, held exactly (compared and hashed by its bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Scalar {
+    dtype: DType,
+    /// f32/f64: the `f64` bits of the (rounded) value; i64: the value's two's complement; u8:
+    /// the value.
+    bits: u64,
+}
+
+impl Scalar {
+    /// `value` converted to `dtype` with an `as` cast (what `binary_scalar` does).
+    pub fn new(value: f64, dtype: DType) -> Scalar {
+        let bits = match dtype {
+            DType::F32 => ((value as f32) as f64).to_bits(),
+            DType::I64 => (value as i64) as u64,
+            DType::U8 => (value as u8) as u64,
+            _ => value.to_bits(),
+        };
+        Scalar { dtype, bits }
+    }
+    pub fn dtype(self) -> DType {
+        self.dtype
+    }
+    /// The value widened to f64 (exact but for i64 beyond 2^53).
+    pub fn to_f64(self) -> f64 {
+        match self.dtype {
+            DType::I64 => self.bits as i64 as f64,
+            DType::U8 => self.bits as f64,
+            _ => f64::from_bits(self.bits),
+        }
+    }
+    /// The raw bits (see the field docs): what a code generator prints as a literal.
+    pub fn bits(self) -> u64 {
+        self.bits
+    }
+}
+
+/// How a reduction folds the values it maps: the "combine" of map / combine / post-map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Combine {
+    /// Identity 0; f32/f64/i64 (i64 wraps).
+    Sum,
+    /// Identity 1; f32/f64/i64 (i64 wraps).
+    Prod,
+    /// No identity (an empty reduction is an error); every dtype; NaN propagates.
+    Max,
+    /// As `Max`.
+    Min,
+}
+
+impl Combine {
+    pub const ALL: [Combine; 4] = [Combine::Sum, Combine::Prod, Combine::Max, Combine::Min];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Combine::Sum => "sum",
+            Combine::Prod => "prod",
+            Combine::Max => "max",
+            Combine::Min => "min",
+        }
+    }
+    pub fn supports(self, dtype: DType) -> bool {
+        match self {
+            Combine::Sum | Combine::Prod => {
+                matches!(dtype, DType::F32 | DType::F64 | DType::I64)
+            }
+            Combine::Max | Combine::Min => true,
+        }
+    }
+    /// The `Backend::reduce` op that computes the same fold, where there is one.
+    pub fn reduce_op(self) -> Option<ReduceOp> {
+        match self {
+            Combine::Sum => Some(ReduceOp::Sum),
+            Combine::Max => Some(ReduceOp::Max),
+            Combine::Min => Some(ReduceOp::Min),
+            Combine::Prod => None,
+        }
+    }
+    /// The value an empty reduction gives, if any.
+    pub fn identity(self) -> Option<f64> {
+        match self {
+            Combine::Sum => Some(0.0),
+            Combine::Prod => Some(1.0),
+            Combine::Max | Combine::Min => None,
+        }
+    }
+}
+
+/// One instruction; it defines the value with its own index. Operands are earlier values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Instr {
+    /// Tensor input `k`, read at the current element.
+    Input(u32),
+    /// Scalar parameter `k` (a kernel argument: changing its value reuses the kernel).
+    Param(u32),
+    /// A constant (part of the program: a code generator may print it as a literal).
+    Const(Scalar),
+    Unary(UnaryOp, Val),
+    Binary(BinaryOp, Val, Val),
+    /// A comparison; the value is `u8` 0/1.
+    Cmp(CmpOp, Val, Val),
+    /// `cond != 0 ? a : b` with a `u8` condition.
+    Where(Val, Val, Val),
+    /// Rust `as` to the dtype.
+    Cast(DType, Val),
+    /// Folds an elementwise value over the program's reduction axes.
+    Reduce(Combine, Val),
+}
+
+impl Instr {
+    /// The op's name, for messages.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Instr::Input(_) => "input",
+            Instr::Param(_) => "param",
+            Instr::Const(_) => "const",
+            Instr::Unary(op, _) => op.name(),
+            Instr::Binary(op, _, _) => op.name(),
+            Instr::Cmp(op, _, _) => op.name(),
+            Instr::Where(..) => "where",
+            Instr::Cast(..) => "cast",
+            Instr::Reduce(c, _) => c.name(),
+        }
+    }
+
+    /// The values the instruction reads.
+    pub fn operands(&self) -> Vec<Val> {
+        match *self {
+            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => vec![],
+            Instr::Unary(_, a) | Instr::Cast(_, a) | Instr::Reduce(_, a) => vec![a],
+            Instr::Binary(_, a, b) | Instr::Cmp(_, a, b) => vec![a, b],
+            Instr::Where(c, a, b) => vec![c, a, b],
+        }
+    }
+}
+
+/// Where a value lives in the iteration: the same for every element, per element of the
+/// iteration shape, or per element of the reduced (kept) shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// Constants, parameters and what is computed from them only.
+    Uniform,
+    /// Per element of the iteration shape (the inputs' broadcast shape).
+    Elem,
+    /// Per element of the kept shape (the iteration shape with the reduction axes set to 1):
+    /// the results of reductions and what is computed from them (the post-map). A per-element
+    /// value that the post-map reads is read at the kept position; the inputs it comes from
+    /// must not vary along the reduced axes ([`Program::post_inputs`], checked at each call).
+    Reduced,
+}
+
+/// A validated expression program (see the [module docs](super)).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Program {
+    inputs: Vec<DType>,
+    params: Vec<DType>,
+    code: Vec<Instr>,
+    outputs: Vec<Val>,
+    axes: Vec<isize>,
+    // Derived from the above (so `Eq`/`Hash` stay consistent).
+    dtypes: Vec<DType>,
+    phases: Vec<Phase>,
+    post_inputs: Vec<u32>,
+}
+
+impl Program {
+    /// Validates and builds a program.
+    ///
+    /// - `inputs`, `params`: the dtypes of the tensor inputs and scalar parameters;
+    /// - `code`: the instructions, each reading only earlier values;
+    /// - `outputs`: the values returned, in order (at least one; repeats allowed);
+    /// - `axes`: the reduction axes of every [`Instr::Reduce`] (negative counts from the end;
+    ///   resolved against the iteration shape's rank at evaluation); empty when nothing reduces.
+    pub fn new(
+        inputs: Vec<DType>,
+        params: Vec<DType>,
+        code: Vec<Instr>,
+        outputs: Vec<Val>,
+        axes: Vec<isize>,
+    ) -> Result<Program> {
+        use ExprErrorKind as K;
+        if code.is_empty() || outputs.is_empty() {
+            return Err(expr_err(
+                "expr",
+                K::Structure,
+                "a program needs at least one instruction and one output",
+            ));
+        }
+        let mut dtypes: Vec<DType> = Vec::with_capacity(code.len());
+        let mut phases: Vec<Phase> = Vec::with_capacity(code.len());
+        let mut reduces = false;
+        for (i, ins) in code.iter().enumerate() {
+            let op = ins.name();
+            for a in ins.operands() {
+                if a as usize >= i {
+                    return Err(expr_err(
+                        op,
+                        K::Structure,
+                        format!("%{i} reads %{a}, which is not defined before it"),
+                    ));
+                }
+            }
+            let dt = |v: Val| dtypes[v as usize];
+            let ph = |v: Val| phases[v as usize];
+            let bad_dtype = |what: String| expr_err(op, K::DType, format!("%{i}: {what}"));
+            let join = |vals: &[Val]| -> Result<Phase> {
+                let mut p = Phase::Uniform;
+                for &v in vals {
+                    p = match (p, ph(v)) {
+                        (Phase::Uniform, q) | (q, Phase::Uniform) => q,
+                        // A per-element value read after the reduction is read at the kept
+                        // position (see `Program::post_inputs`).
+                        (Phase::Elem, Phase::Reduced) | (Phase::Reduced, Phase::Elem) => {
+                            Phase::Reduced
+                        }
+                        (a, _) => a,
+                    }
+                }
+                Ok(p)
+            };
+            let (d, p) = match *ins {
+                Instr::Input(k) => match inputs.get(k as usize) {
+                    Some(&d) => (d, Phase::Elem),
+                    None => {
+                        return Err(expr_err(
+                            op,
+                            K::Arity,
+                            format!("%{i} reads input {k} of {}", inputs.len()),
+                        ));
+                    }
+                },
+                Instr::Param(k) => match params.get(k as usize) {
+                    Some(&d) => (d, Phase::Uniform),
+                    None => {
+                        return Err(expr_err(
+                            op,
+                            K::Arity,
+                            format!("%{i} reads parameter {k} of {}", params.len()),
+                        ));
+                    }
+                },
+                Instr::Const(s) => (s.dtype(), Phase::Uniform),
+                Instr::Unary(u, a) => {
+                    if !u.supports(dt(a)) {
+                        return Err(bad_dtype(format!(
+                            "{} of {} (see UnaryOp for the dtypes each op takes)",
+                            u.name(),
+                            dt(a)
+                        )));
+                    }
+                    (dt(a), join(&[a])?)
+                }
+                Instr::Binary(b, x, y) => {
+                    if dt(x) != dt(y) {
+                        return Err(bad_dtype(format!(
+                            "operands of {} and {} (cast one first)",
+                            dt(x),
+                            dt(y)
+                        )));
+                    }
+                    if !b.supports(dt(x)) {
+                        return Err(bad_dtype(format!(
+                            "{} of {} (see BinaryOp for the dtypes each op takes)",
+                            b.name(),
+                            dt(x)
+                        )));
+                    }
+                    (dt(x), join(&[x, y])?)
+                }
+                Instr::Cmp(_, x, y) => {
+                    if dt(x) != dt(y) {
+                        return Err(bad_dtype(format!(
+                            "operands of {} and {} (cast one first)",
+                            dt(x),
+                            dt(y)
+                        )));
+                    }
+                    (DType::U8, join(&[x, y])?)
+                }
+                Instr::Where(c, x, y) => {
+                    if dt(c) != DType::U8 {
+                        return Err(bad_dtype(format!("a condition of {}, not u8", dt(c))));
+                    }
+                    if dt(x) != dt(y) {
+                        return Err(bad_dtype(format!(
+                            "branches of {} and {} (cast one first)",
+                            dt(x),
+                            dt(y)
+                        )));
+                    }
+                    (dt(x), join(&[c, x, y])?)
+                }
+                Instr::Cast(to, a) => (to, join(&[a])?),
+                Instr::Reduce(c, a) => {
+                    if !c.supports(dt(a)) {
+                        return Err(bad_dtype(format!("{} of {}", c.name(), dt(a))));
+                    }
+                    if ph(a) == Phase::Reduced {
+                        return Err(expr_err(
+                            op,
+                            K::Phase,
+                            format!("%{i} reduces %{a}, which is already reduced"),
+                        ));
+                    }
+                    reduces = true;
+                    (dt(a), Phase::Reduced)
+                }
+            };
+            dtypes.push(d);
+            phases.push(p);
+        }
+        for &o in &outputs {
+            if o as usize >= code.len() {
+                return Err(expr_err(
+                    "expr",
+                    K::Structure,
+                    format!("output %{o} of a program of {} instructions", code.len()),
+                ));
+            }
+        }
+        if reduces && axes.is_empty() {
+            return Err(expr_err(
+                "expr",
+                K::Axis,
+                "the program reduces but names no reduction axes",
+            ));
+        }
+        if !reduces && !axes.is_empty() {
+            return Err(expr_err(
+                "expr",
+                K::Structure,
+                format!("reduction axes {axes:?} given to a program that does not reduce"),
+            ));
+        }
+        // The inputs the post-map reads other than through a reduction.
+        let mut post = vec![false; code.len()];
+        for (i, ins) in code.iter().enumerate().rev() {
+            if phases[i] == Phase::Reduced && !matches!(ins, Instr::Reduce(..)) {
+                post[i] = true;
+            }
+            if post[i] && !matches!(ins, Instr::Reduce(..)) {
+                for a in ins.operands() {
+                    post[a as usize] = true;
+                }
+            }
+        }
+        let mut post_inputs: Vec<u32> = code
+            .iter()
+            .zip(&post)
+            .filter_map(|(ins, &p)| match ins {
+                Instr::Input(k) if p => Some(*k),
+                _ => None,
+            })
+            .collect();
+        post_inputs.sort_unstable();
+        post_inputs.dedup();
+        Ok(Program {
+            inputs,
+            params,
+            code,
+            outputs,
+            axes,
+            dtypes,
+            phases,
+            post_inputs,
+        })
+    }
+
+    /// The dtypes of the tensor inputs.
+    pub fn inputs(&self) -> &[DType] {
+        &self.inputs
+    }
+    /// The dtypes of the scalar parameters.
+    pub fn params(&self) -> &[DType] {
+        &self.params
+    }
+    pub fn code(&self) -> &[Instr] {
+        &self.code
+    }
+    pub fn outputs(&self) -> &[Val] {
+        &self.outputs
+    }
+    /// The reduction axes as given (empty when nothing reduces).
+    pub fn axes(&self) -> &[isize] {
+        &self.axes
+    }
+    /// The dtype of every value.
+    pub fn dtypes(&self) -> &[DType] {
+        &self.dtypes
+    }
+    pub fn dtype(&self, v: Val) -> DType {
+        self.dtypes[v as usize]
+    }
+    /// The phase of every value.
+    pub fn phases(&self) -> &[Phase] {
+        &self.phases
+    }
+    pub fn phase(&self, v: Val) -> Phase {
+        self.phases[v as usize]
+    }
+    /// The inputs that the post-map reads directly (not through a reduction): at each call
+    /// they must be constant along the reduced axes (broadcast, stride 0, or of size 1 there),
+    /// and are read at the kept position.
+    pub fn post_inputs(&self) -> &[u32] {
+        &self.post_inputs
+    }
+    /// Whether any instruction reduces.
+    pub fn reduces(&self) -> bool {
+        !self.axes.is_empty()
+    }
+    /// The dtypes of the outputs.
+    pub fn output_dtypes(&self) -> Vec<DType> {
+        self.outputs.iter().map(|&o| self.dtype(o)).collect()
+    }
+    /// Whether output `k` has the kept shape (a reduced value) rather than the iteration shape.
+    pub fn output_is_reduced(&self, k: usize) -> bool {
+        self.phase(self.outputs[k]) == Phase::Reduced
+    }
+
+    /// The reduction axes resolved against `shape` (sorted, distinct), or an axis error.
+    pub fn resolve_axes(&self, shape: &Shape) -> Result<Vec<usize>> {
+        let rank = shape.rank() as isize;
+        let mut out = Vec::with_capacity(self.axes.len());
+        for &a in &self.axes {
+            let r = if a < 0 { a + rank } else { a };
+            if r < 0 || r >= rank {
+                return Err(expr_err(
+                    "expr",
+                    ExprErrorKind::Axis,
+                    format!("reduction axis {a} is out of range for shape {shape}"),
+                ));
+            }
+            if out.contains(&(r as usize)) {
+                return Err(expr_err(
+                    "expr",
+                    ExprErrorKind::Axis,
+                    format!("reduction axis {a} given twice (shape {shape})"),
+                ));
+            }
+            out.push(r as usize);
+        }
+        out.sort_unstable();
+        Ok(out)
+    }
+
+    /// The shape of every output for the iteration shape `shape`: `shape` itself, or for a
+    /// reduced output `shape` with the reduction axes set to 1.
+    pub fn output_shapes(&self, shape: &Shape) -> Result<Vec<Shape>> {
+        let kept = self.kept_shape(shape)?;
+        Ok((0..self.outputs.len())
+            .map(|k| {
+                if self.output_is_reduced(k) {
+                    kept.clone()
+                } else {
+                    shape.clone()
+                }
+            })
+            .collect())
+    }
+
+    /// `shape` with the reduction axes set to 1 (`shape` itself when nothing reduces).
+    pub fn kept_shape(&self, shape: &Shape) -> Result<Shape> {
+        let mut dims = shape.dims().to_vec();
+        for a in self.resolve_axes(shape)? {
+            dims[a] = 1;
+        }
+        Ok(Shape::new(dims))
+    }
+}
+
+impl fmt::Display for Program {
+    /// One line per instruction, `%3 = mul %1 %2 : f32`, then the outputs.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, ins) in self.code.iter().enumerate() {
+            write!(f, "%{i} = ")?;
+            match *ins {
+                Instr::Input(k) => write!(f, "input {k}")?,
+                Instr::Param(k) => write!(f, "param {k}")?,
+                Instr::Const(s) => write!(f, "const {}", s.to_f64())?,
+                Instr::Cast(to, a) => write!(f, "cast %{a} to {to}")?,
+                _ => {
+                    write!(f, "{}", ins.name())?;
+                    for a in ins.operands() {
+                        write!(f, " %{a}")?;
+                    }
+                }
+            }
+            writeln!(f, " : {}", self.dtypes[i])?;
+        }
+        write!(f, "outputs")?;
+        for o in &self.outputs {
+            write!(f, " %{o}")?;
+        }
+        if !self.axes.is_empty() {
+            write!(f, " (reducing axes {:?})", self.axes)?;
+        }
+        Ok(())
+    }
+}

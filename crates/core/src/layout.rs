@@ -62,7 +62,7 @@ impl Layout {
             if d != 1 && s != acc {
                 return false;
             }
-            acc *= d;
+            acc = acc.saturating_mul(d);
         }
         true
     }

@@ -31,9 +31,35 @@ impl Shape {
         self.0.len()
     }
 
-    /// Number of elements (1 for a scalar, 0 when any dimension is 0).
+    /// Number of elements (1 for a scalar, 0 when any dimension is 0), saturating at
+    /// `usize::MAX` when the product overflows.
+    ///
+    /// Why saturate: shapes are built from any user input (`zeros([usize::MAX / 2, 4])`), and a
+    /// product that wrapped around would ask a backend for a small buffer behind a huge shape,
+    /// while one that panicked would abort a program that asked a fair question. `usize::MAX`
+    /// elements can never be allocated, so the backend's allocation reports such a shape as a
+    /// typed error naming the op ([`Shape::checked_elem_count`] tells the case apart).
     pub fn elem_count(&self) -> usize {
-        self.0.iter().product()
+        self.checked_elem_count().unwrap_or(usize::MAX)
+    }
+
+    /// Number of elements, or `None` when it does not fit in `usize` (no dimension is 0 and the
+    /// product overflows).
+    pub fn checked_elem_count(&self) -> Option<usize> {
+        if self.0.contains(&0) {
+            return Some(0);
+        }
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// [`Shape::checked_elem_count`] as a typed error naming `op`.
+    pub fn elem_count_for(&self, op: &'static str) -> Result<usize> {
+        self.checked_elem_count().ok_or_else(|| {
+            Error::invalid(
+                op,
+                format!("shape {self} has more elements than usize can count"),
+            )
+        })
     }
 
     /// Row-major (C order) strides, in elements.
@@ -47,7 +73,8 @@ impl Shape {
         let mut acc = 1;
         for (s, &d) in strides.iter_mut().zip(self.0.iter()).rev() {
             *s = acc;
-            acc *= d;
+            // Saturating: a shape past usize (see `elem_count`) never gets storage.
+            acc = acc.saturating_mul(d);
         }
         strides
     }
@@ -153,5 +180,33 @@ impl From<()> for Shape {
 impl From<usize> for Shape {
     fn from(d: usize) -> Self {
         Shape(Dims::from(&[d][..]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn element_counts_past_usize_saturate_and_are_reported() {
+        let huge = Shape::new([usize::MAX / 2, 4]);
+        assert_eq!(huge.checked_elem_count(), None);
+        assert_eq!(huge.elem_count(), usize::MAX);
+        let e = huge.elem_count_for("zeros").unwrap_err();
+        assert!(
+            matches!(&e, Error::InvalidArgument { op: "zeros", msg } if msg.contains("usize")),
+            "{e}"
+        );
+        // Wrapping would have given 0 here.
+        assert_eq!(Shape::new([1 << 32, 1 << 32]).elem_count(), usize::MAX);
+        // A zero dimension empties the shape whatever comes before it.
+        assert_eq!(Shape::new([usize::MAX, 2, 0]).checked_elem_count(), Some(0));
+        assert_eq!(Shape::new([3, 4]).elem_count_for("zeros").unwrap(), 12);
+        assert_eq!(Shape::scalar().elem_count(), 1);
+        // Strides of such a shape saturate instead of panicking.
+        assert_eq!(
+            Shape::new([2, usize::MAX / 2, 4]).contiguous_strides(),
+            [usize::MAX, 4, 1]
+        );
     }
 }

@@ -51,7 +51,7 @@ fn run1<A: CpuElem, U: CpuElem>(
     kern: impl Fn(&[A], &mut [U]) + Sync,
 ) -> Result<CpuStorage> {
     let a = slice::<A>(op, s)?;
-    let mut out = alloc::<U>(s.device(), layout.elem_count());
+    let mut out = alloc::<U>(op, s.device(), layout.elem_count())?;
     map1(a, layout, &mut out, kern);
     Ok(storage(s.device(), out))
 }
@@ -65,7 +65,7 @@ fn run2<A: CpuElem, U: CpuElem>(
     kern: impl Fn(&[A], &[A], &mut [U]) + Sync,
 ) -> Result<CpuStorage> {
     let (x, y) = (slice::<A>(op, a)?, slice::<A>(op, b)?);
-    let mut out = alloc::<U>(a.device(), la.elem_count());
+    let mut out = alloc::<U>(op, a.device(), la.elem_count())?;
     map2(x, la, y, lb, &mut out, kern);
     Ok(storage(a.device(), out))
 }
@@ -386,7 +386,7 @@ fn where_t<T: CpuElem>(
 ) -> Result<CpuStorage> {
     const OP: &str = "where";
     let (cv, tv, fv) = (slice::<u8>(OP, c)?, slice::<T>(OP, t)?, slice::<T>(OP, f)?);
-    let mut out = alloc::<T>(t.device(), lt.elem_count());
+    let mut out = alloc::<T>(OP, t.device(), lt.elem_count())?;
     map3(cv, lc, tv, lt, fv, lf, &mut out, |c, t, f, o| {
         for (((o, &c), &t), &f) in o.iter_mut().zip(c).zip(t).zip(f) {
             *o = if c != 0 { t } else { f };
@@ -436,26 +436,28 @@ pub(crate) fn cast(s: &CpuStorage, layout: &Layout, from: DType, to: DType) -> R
 
 /// The elements of `layout` as a new contiguous storage on `dst` (any dtype).
 pub(crate) fn copy_contiguous(
+    op: &'static str,
     s: &CpuStorage,
     layout: &Layout,
     dtype: DType,
     dst: crate::CpuDevice,
 ) -> Result<CpuStorage> {
     fn go<T: CpuElem>(
+        op: &'static str,
         s: &CpuStorage,
         layout: &Layout,
         dst: crate::CpuDevice,
     ) -> Result<CpuStorage> {
-        let a = slice::<T>("contiguous", s)?;
-        let mut out = alloc::<T>(dst, layout.elem_count());
+        let a = slice::<T>(op, s)?;
+        let mut out = alloc::<T>(op, dst, layout.elem_count())?;
         map1(a, layout, &mut out, |x, o| o.copy_from_slice(x));
         Ok(storage(dst, out))
     }
     match dtype {
-        DType::F32 => go::<f32>(s, layout, dst),
-        DType::F64 => go::<f64>(s, layout, dst),
-        DType::I64 => go::<i64>(s, layout, dst),
-        DType::U8 => go::<u8>(s, layout, dst),
-        _ => Err(dtype_err("contiguous", "f32, f64, i64 or u8", dtype)),
+        DType::F32 => go::<f32>(op, s, layout, dst),
+        DType::F64 => go::<f64>(op, s, layout, dst),
+        DType::I64 => go::<i64>(op, s, layout, dst),
+        DType::U8 => go::<u8>(op, s, layout, dst),
+        _ => Err(dtype_err(op, "f32, f64, i64 or u8", dtype)),
     }
 }

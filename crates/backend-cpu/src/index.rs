@@ -64,7 +64,9 @@ fn index_select_t<T: CpuElem>(
     );
     let block = post.elem_count();
     let pre_n = pre.elem_count();
-    let mut out = alloc::<T>(s.device(), pre_n * ids.len() * block);
+    // Saturating: a product past usize is reported by `alloc` as an impossible size.
+    let n = pre_n.saturating_mul(ids.len()).saturating_mul(block);
+    let mut out = alloc::<T>("index_select", s.device(), n)?;
     if out.is_empty() {
         return Ok(storage(s.device(), out));
     }
@@ -202,7 +204,7 @@ fn gather_t<T: CpuElem>(
     const OP: &str = "gather";
     let x = slice::<T>(OP, s)?;
     let n = ids_layout.elem_count();
-    let mut out = alloc::<T>(s.device(), n);
+    let mut out = alloc::<T>(OP, s.device(), n)?;
     if n == 0 {
         return Ok(storage(s.device(), out));
     }
@@ -259,7 +261,7 @@ fn scatter_add_t<T: CpuElem>(
     const OP: &str = "scatter_add";
     let b = slice::<T>(OP, base)?;
     let x = slice::<T>(OP, src)?;
-    let mut out = alloc::<T>(base.device(), base_layout.elem_count());
+    let mut out = alloc::<T>(OP, base.device(), base_layout.elem_count())?;
     copy_strided(
         b,
         base_layout,

@@ -99,18 +99,22 @@ fn same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
     Ok(())
 }
 
-fn fill_t<T: CpuElem>(device: CpuDevice, len: usize, value: T) -> CpuStorage {
-    let mut out = alloc::<T>(device, len);
+fn fill_t<T: CpuElem>(device: CpuDevice, len: usize, value: T) -> Result<CpuStorage> {
+    let mut out = alloc::<T>("fill", device, len)?;
     par_out(&mut out, 1, |_, o| o.fill(value));
-    storage::storage(device, out)
+    Ok(storage::storage(device, out))
 }
 
 /// A storage holding a copy of `bytes` (native endianness) as elements of `T`.
-fn from_bytes_t<T: CpuElem>(device: CpuDevice, bytes: &[u8]) -> Result<CpuStorage> {
+fn from_bytes_t<T: CpuElem>(
+    op: &'static str,
+    device: CpuDevice,
+    bytes: &[u8],
+) -> Result<CpuStorage> {
     let size = std::mem::size_of::<T>();
     if bytes.len() % size != 0 {
         return Err(Error::invalid(
-            "from_host",
+            op,
             format!(
                 "{} bytes are not a whole number of {} elements",
                 bytes.len(),
@@ -118,19 +122,48 @@ fn from_bytes_t<T: CpuElem>(device: CpuDevice, bytes: &[u8]) -> Result<CpuStorag
             ),
         ));
     }
-    let mut out = alloc::<T>(device, bytes.len() / size);
+    let mut out = alloc::<T>(op, device, bytes.len() / size)?;
     bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(bytes);
     Ok(storage::storage(device, out))
 }
 
+/// The elements of `layout`, in row-major order, in a new `Vec`.
 fn to_host_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<Vec<T>> {
     let a = slice::<T>("to_host", s)?;
-    if let Some(r) = layout.contiguous_range() {
-        return Ok(a[r].to_vec());
-    }
-    let mut out = vec![T::default(); layout.elem_count()];
-    map1(a, layout, &mut out, |x, o| o.copy_from_slice(x));
+    let mut out = alloc::<T>("to_host", s.device(), layout.elem_count())?;
+    copy_out(a, layout, &mut out);
     Ok(out)
+}
+
+/// Copies the elements of `layout` over `a`, in row-major order, into `out`.
+fn copy_out<T: CpuElem>(a: &[T], layout: &Layout, out: &mut [T]) {
+    match layout.contiguous_range() {
+        Some(r) => out.copy_from_slice(&a[r]),
+        None => map1(a, layout, out, |x, o| o.copy_from_slice(x)),
+    }
+}
+
+/// The caller's byte buffer `out` filled with the elements of `layout` (no intermediate `Vec`
+/// unless `out` is not aligned for `T`).
+fn to_bytes_t<T: CpuElem>(s: &CpuStorage, layout: &Layout, out: &mut [u8]) -> Result<()> {
+    let a = slice::<T>("to_host", s)?;
+    match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+        Ok(o) => copy_out(a, layout, o),
+        Err(_) => out.copy_from_slice(bytemuck::cast_slice(&to_host_t::<T>(s, layout)?)),
+    }
+    Ok(())
+}
+
+/// The elements of `layout` in a new pinned buffer, copied once.
+fn pin_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<HostVec<T>> {
+    const OP: &str = "pin_memory";
+    let a = slice::<T>(OP, s)?;
+    if let Some(r) = layout.contiguous_range() {
+        return HostVec::pinned(OP, &a[r]);
+    }
+    let mut v = HostVec::pinned_zeroed(OP, layout.elem_count())?;
+    map1(a, layout, &mut v, |x, o| o.copy_from_slice(x));
+    Ok(v)
 }
 
 fn copy_into_t<T: CpuElem>(
@@ -191,17 +224,18 @@ impl Backend for Cpu {
 
     fn fill(device: &CpuDevice, dtype: DType, len: usize, value: f64) -> Result<CpuStorage> {
         let d = *device;
-        Ok(match dtype {
+        match dtype {
             DType::F32 => fill_t(d, len, value as f32),
             DType::F64 => fill_t(d, len, value),
             DType::I64 => fill_t(d, len, value as i64),
             DType::U8 => fill_t(d, len, value as u8),
-            _ => return Err(dtype_err("fill", "f32, f64, i64 or u8", dtype)),
-        })
+            _ => Err(dtype_err("fill", "f32, f64, i64 or u8", dtype)),
+        }
     }
 
     fn from_host(device: &CpuDevice, data: &HostBuffer) -> Result<CpuStorage> {
-        Ok(CpuStorage::new(*device, CpuData::from_host(data)))
+        let dtype = data.dtype();
+        Self::from_host_source(device, dtype, HostSource::borrowed(data.as_bytes()))
     }
 
     fn from_host_owned(device: &CpuDevice, data: HostBuffer) -> Result<CpuStorage> {
@@ -214,10 +248,10 @@ impl Backend for Cpu {
         src: HostSource<'_>,
     ) -> Result<CpuStorage> {
         match dtype {
-            DType::F32 => from_bytes_t::<f32>(*device, src.bytes),
-            DType::F64 => from_bytes_t::<f64>(*device, src.bytes),
-            DType::I64 => from_bytes_t::<i64>(*device, src.bytes),
-            DType::U8 => from_bytes_t::<u8>(*device, src.bytes),
+            DType::F32 => from_bytes_t::<f32>("from_host", *device, src.bytes),
+            DType::F64 => from_bytes_t::<f64>("from_host", *device, src.bytes),
+            DType::I64 => from_bytes_t::<i64>("from_host", *device, src.bytes),
+            DType::U8 => from_bytes_t::<u8>("from_host", *device, src.bytes),
             _ => Err(dtype_err("from_host", "f32, f64, i64 or u8", dtype)),
         }
     }
@@ -259,13 +293,13 @@ impl Backend for Cpu {
                 ),
             ));
         }
-        if let Some(r) = layout.contiguous_range() {
-            out.copy_from_slice(&storage.data().as_bytes()[r.start * size..r.end * size]);
-            return Ok(());
+        match dtype {
+            DType::F32 => to_bytes_t::<f32>(storage, layout, out),
+            DType::F64 => to_bytes_t::<f64>(storage, layout, out),
+            DType::I64 => to_bytes_t::<i64>(storage, layout, out),
+            DType::U8 => to_bytes_t::<u8>(storage, layout, out),
+            _ => Err(dtype_err("to_host", "f32, f64, i64 or u8", dtype)),
         }
-        let h = Self::to_host(storage, layout, dtype)?;
-        out.copy_from_slice(h.as_bytes());
-        Ok(())
     }
 
     fn host_bytes_mut<'a>(
@@ -282,16 +316,10 @@ impl Backend for Cpu {
         check("pin_memory", storage, layout)?;
         let d = storage.device();
         let data = match dtype {
-            DType::F32 => {
-                CpuData::F32(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
-            }
-            DType::F64 => {
-                CpuData::F64(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
-            }
-            DType::I64 => {
-                CpuData::I64(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?)
-            }
-            DType::U8 => CpuData::U8(HostVec::pinned("pin_memory", &to_host_t(storage, layout)?)?),
+            DType::F32 => CpuData::F32(pin_t(storage, layout)?),
+            DType::F64 => CpuData::F64(pin_t(storage, layout)?),
+            DType::I64 => CpuData::I64(pin_t(storage, layout)?),
+            DType::U8 => CpuData::U8(pin_t(storage, layout)?),
             _ => return Err(dtype_err("pin_memory", "f32, f64, i64 or u8", dtype)),
         };
         Ok(CpuStorage::new(d, data))
@@ -319,7 +347,7 @@ impl Backend for Cpu {
         dst: &CpuDevice,
     ) -> Result<CpuStorage> {
         check("copy_to", storage, layout)?;
-        elementwise::copy_contiguous(storage, layout, dtype, *dst)
+        elementwise::copy_contiguous("copy_to", storage, layout, dtype, *dst)
     }
 
     fn copy_into(
@@ -343,7 +371,7 @@ impl Backend for Cpu {
 
     fn contiguous(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
         check("contiguous", storage, layout)?;
-        elementwise::copy_contiguous(storage, layout, dtype, storage.device())
+        elementwise::copy_contiguous("contiguous", storage, layout, dtype, storage.device())
     }
 
     fn rand(

@@ -25,7 +25,7 @@ use rayon::prelude::*;
 
 use crate::elementwise::{dtype_err, slice};
 use crate::pool;
-use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, storage};
+use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
 use crate::strided::PAR_MIN;
 
 /// Products smaller than this many multiply-adds run one per rayon task.
@@ -123,7 +123,9 @@ fn gemm<T: CpuElem + LinalgScalar>(
             rhs: lb.shape().clone(),
         });
     }
-    let mut out = alloc::<T>(a.device(), batch * m * n);
+    // Saturating: a product past usize is reported by `alloc` as an impossible size.
+    let len = batch.saturating_mul(m).saturating_mul(n);
+    let mut out = alloc::<T>("matmul", a.device(), len)?;
     if m * n == 0 || batch == 0 {
         return Ok(storage(a.device(), out));
     }
@@ -196,6 +198,7 @@ fn shape_err(e: ndarray::ShapeError) -> Error {
 
 /// One part of a split product, computed into a buffer of its own (on a helper thread).
 fn part<T: CpuElem + LinalgScalar>(
+    dev: crate::CpuDevice,
     (a, ma): (&CpuData, Mat),
     (b, mb): (&CpuData, Mat),
     split: Split,
@@ -204,7 +207,7 @@ fn part<T: CpuElem + LinalgScalar>(
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
-    let mut out = vec![T::zero(); av.nrows() * bv.ncols()];
+    let mut out = new_vec::<T>("matmul", dev, av.nrows() * bv.ncols())?;
     let mut cv =
         ArrayViewMut2::from_shape((av.nrows(), bv.ncols()), &mut out[..]).map_err(shape_err)?;
     general_mat_mul(T::one(), &av, &bv, T::zero(), &mut cv);
@@ -237,8 +240,8 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     let others: Vec<_> = ranges[1..]
         .iter()
         .map(|r| {
-            let (ad, bd, r2) = (a.shared(), b.shared(), r.clone());
-            let job = move || part::<T>((&ad, ma), (&bd, mb), split, r2);
+            let (ad, bd, r2, dev) = (a.shared(), b.shared(), r.clone(), a.device());
+            let job = move || part::<T>(dev, (&ad, ma), (&bd, mb), split, r2);
             (r.clone(), pool::submit(job))
         })
         .collect();
@@ -253,13 +256,23 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         T::zero(),
         &mut split.target(&mut c, ranges[0].clone()),
     );
-    for (r, pending) in others {
-        let buf = match pending {
-            Ok(p) => p
-                .wait()
-                .ok_or_else(|| Error::backend("matmul", "a GEMM helper thread panicked"))??,
-            Err(job) => job()?,
-        };
+    // Every part is waited for before an error returns, so that no helper still holds the
+    // operands once this kernel is done.
+    let parts: Vec<_> = others
+        .into_iter()
+        .map(|(r, pending)| {
+            let buf = match pending {
+                Ok(p) => p
+                    .wait()
+                    .ok_or_else(|| Error::backend("matmul", "a GEMM helper thread panicked"))
+                    .and_then(|r| r),
+                Err(job) => job(),
+            };
+            (r, buf)
+        })
+        .collect();
+    for (r, buf) in parts {
+        let buf = buf?;
         let mut t = split.target(&mut c, r);
         let src = ArrayView2::from_shape(t.raw_dim(), &buf[..]).map_err(shape_err)?;
         match split {

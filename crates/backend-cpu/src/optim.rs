@@ -112,8 +112,11 @@ fn update_t<T: UpdFloat>(
     let (p, g, state) = parts::<T>(slot, n_state)?;
     let len = slot.len;
     let dev = slot.param.device();
-    let mut p_out = alloc::<T>(dev, len);
-    let mut st_out: Vec<Vec<T>> = (0..n_state).map(|_| alloc::<T>(dev, len)).collect();
+    const OP: &str = "fused_update";
+    let mut p_out = alloc::<T>(OP, dev, len)?;
+    let mut st_out: Vec<Vec<T>> = (0..n_state)
+        .map(|_| alloc::<T>(OP, dev, len))
+        .collect::<Result<_>>()?;
     match *rule {
         UpdateRule::Sgd {
             lr,

@@ -9,14 +9,18 @@ use crate::elementwise::dtype_err;
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
 use crate::strided::par_out;
 
-fn fill_with<T: CpuElem>(device: CpuDevice, len: usize, f: impl Fn(u64) -> T + Sync) -> CpuStorage {
-    let mut out = alloc::<T>(device, len);
+fn fill_with<T: CpuElem>(
+    device: CpuDevice,
+    len: usize,
+    f: impl Fn(u64) -> T + Sync,
+) -> Result<CpuStorage> {
+    let mut out = alloc::<T>("rand", device, len)?;
     par_out(&mut out, 1, |s, o| {
         for (j, v) in o.iter_mut().enumerate() {
             *v = f((s + j) as u64);
         }
     });
-    storage(device, out)
+    Ok(storage(device, out))
 }
 
 pub(crate) fn rand(
@@ -26,7 +30,7 @@ pub(crate) fn rand(
     seed: u64,
     dist: RandDist,
 ) -> Result<CpuStorage> {
-    Ok(match (dtype, dist) {
+    match (dtype, dist) {
         (DType::F32, RandDist::Uniform { low, high }) => {
             let (low, high) = (low as f32, high as f32);
             fill_with(device, len, |i| philox::uniform_f32(seed, i, low, high))
@@ -41,6 +45,6 @@ pub(crate) fn rand(
         (DType::F64, RandDist::Normal { mean, std }) => {
             fill_with(device, len, |i| philox::normal_f64(seed, i, mean, std))
         }
-        _ => return Err(dtype_err("rand", "f32 or f64", dtype)),
-    })
+        _ => Err(dtype_err("rand", "f32 or f64", dtype)),
+    }
 }

@@ -45,6 +45,7 @@ fn split(layout: &Layout, axes: &[usize]) -> (Layout, Layout) {
 /// `run(acc, src, start, stride, len)` folds one run of the reduced axes into `acc`.
 #[allow(clippy::too_many_arguments)]
 fn reduce_with<T, A, U>(
+    op: &'static str,
     s: &CpuStorage,
     src: &[T],
     layout: &Layout,
@@ -53,7 +54,7 @@ fn reduce_with<T, A, U>(
     run: impl Fn(A, &[T], usize, usize, usize) -> A + Sync,
     merge: Option<impl Fn(A, A) -> A + Sync + Send>,
     finish: impl Fn(A) -> U + Sync,
-) -> CpuStorage
+) -> Result<CpuStorage>
 where
     T: CpuElem,
     A: Copy + Send + Sync,
@@ -61,14 +62,14 @@ where
 {
     let (kept, red) = split(layout, axes);
     let n_out = kept.elem_count();
-    let mut out = alloc::<U>(s.device(), n_out);
+    let mut out = alloc::<U>(op, s.device(), n_out)?;
     if n_out == 0 {
-        return storage(s.device(), out);
+        return Ok(storage(s.device(), out));
     }
     let n_red = red.elem_count();
     if n_red == 0 {
         out.fill(finish(init));
-        return storage(s.device(), out);
+        return Ok(storage(s.device(), out));
     }
     // One output from a large contiguous input: parallel partial folds. (Arg reductions fold
     // positions, which partial folds would lose: their `merge` is None.)
@@ -83,7 +84,7 @@ where
             .map(|c| run(init, c, 0, 1, c.len()))
             .reduce(|| init, merge);
         out[0] = finish(acc);
-        return storage(s.device(), out);
+        return Ok(storage(s.device(), out));
     }
     let red_plan = Plan::new([&red]);
     let (rlen, rstride) = (red_plan.run_len(), red_plan.run_stride(0));
@@ -120,7 +121,7 @@ where
     } else {
         body(0, &mut out);
     }
-    storage(s.device(), out)
+    Ok(storage(s.device(), out))
 }
 
 /// Reduces the leading `r` rows of a contiguous `[r, k]` matrix into `k` outputs, row after row
@@ -130,6 +131,7 @@ where
 /// row blocks whose partial accumulators are merged.
 #[allow(clippy::too_many_arguments)]
 fn reduce_leading<T, A, U>(
+    op: &'static str,
     s: &CpuStorage,
     x: &[T],
     r: usize,
@@ -138,7 +140,7 @@ fn reduce_leading<T, A, U>(
     add_row: impl Fn(&mut [A], &[T]) + Sync,
     merge: impl Fn(A, A) -> A + Sync,
     finish: impl Fn(A) -> U + Sync,
-) -> CpuStorage
+) -> Result<CpuStorage>
 where
     T: CpuElem,
     A: Copy + Send + Sync,
@@ -166,11 +168,11 @@ where
     } else {
         fold_rows(0..r)
     };
-    let mut out = alloc::<U>(s.device(), k);
+    let mut out = alloc::<U>(op, s.device(), k)?;
     for (o, a) in out.iter_mut().zip(acc) {
         *o = finish(a);
     }
-    storage(s.device(), out)
+    Ok(storage(s.device(), out))
 }
 
 /// `Some((r, k))` when `layout` is contiguous and `axes` are its leading `j >= 1` axes with at
@@ -290,7 +292,8 @@ fn minmax<T: CpuElem>(
 ) -> Result<CpuStorage> {
     let op = if max { "max" } else { "min" };
     let src = slice::<T>(op, s)?;
-    Ok(reduce_with(
+    reduce_with(
+        op,
         s,
         src,
         layout,
@@ -314,7 +317,7 @@ fn minmax<T: CpuElem>(
         },
         Some(move |a, b| pick(max, a, b)),
         |a| a.unwrap_or_default(),
-    ))
+    )
 }
 
 fn arg<T: CpuElem>(
@@ -326,7 +329,8 @@ fn arg<T: CpuElem>(
     let op = if max { "argmax" } else { "argmin" };
     let src = slice::<T>(op, s)?;
     // The reduced sub-layout is a single axis, hence a single run: `i` is the axis index.
-    Ok(reduce_with(
+    reduce_with(
+        op,
         s,
         src,
         layout,
@@ -349,7 +353,7 @@ fn arg<T: CpuElem>(
         },
         None::<fn(i64, i64) -> i64>,
         |a| a,
-    ))
+    )
 }
 
 pub(crate) fn reduce(
@@ -397,7 +401,8 @@ pub(crate) fn reduce(
         ReduceOp::Sum => match dtype {
             DType::F32 => {
                 let src = slice::<f32>(name, s)?;
-                Ok(reduce_with(
+                reduce_with(
+                    name,
                     s,
                     src,
                     layout,
@@ -406,11 +411,12 @@ pub(crate) fn reduce(
                     |a, x, st, sd, n| a + sum_f32(x, st, sd, n),
                     Some(|a, b| a + b),
                     |a| a as f32,
-                ))
+                )
             }
             DType::F64 => {
                 let src = slice::<f64>(name, s)?;
-                Ok(reduce_with(
+                reduce_with(
+                    name,
                     s,
                     src,
                     layout,
@@ -419,11 +425,12 @@ pub(crate) fn reduce(
                     |a, x, st, sd, n| a + sum_f64(x, st, sd, n),
                     Some(|a, b| a + b),
                     |a| a,
-                ))
+                )
             }
             DType::I64 => {
                 let src = slice::<i64>(name, s)?;
-                Ok(reduce_with(
+                reduce_with(
+                    name,
                     s,
                     src,
                     layout,
@@ -432,7 +439,7 @@ pub(crate) fn reduce(
                     |a, x, st, sd, n| a.wrapping_add(sum_i64(x, st, sd, n)),
                     Some(i64::wrapping_add),
                     |a| a,
-                ))
+                )
             }
             _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
         },
@@ -450,7 +457,8 @@ fn leading_minmax<T: CpuElem>(
     range: std::ops::Range<usize>,
     max: bool,
 ) -> Result<CpuStorage> {
-    let x = &slice::<T>(if max { "max" } else { "min" }, s)?[range];
+    let op = if max { "max" } else { "min" };
+    let x = &slice::<T>(op, s)?[range];
     let better = move |a: T, v: T| {
         if a.is_nan() || !(v.is_nan() || (max && v > a) || (!max && v < a)) {
             a
@@ -458,7 +466,8 @@ fn leading_minmax<T: CpuElem>(
             v
         }
     };
-    Ok(reduce_leading(
+    reduce_leading(
+        op,
         s,
         x,
         r,
@@ -471,7 +480,7 @@ fn leading_minmax<T: CpuElem>(
         },
         better,
         |a| a,
-    ))
+    )
 }
 
 /// Sum, Max or Min over the leading axes of a contiguous tensor (see [`reduce_leading`]).
@@ -487,7 +496,8 @@ fn reduce_leading_op(
     match (op, dtype) {
         (ReduceOp::Sum, DType::F32) => {
             let x = &slice::<f32>(name, s)?[range];
-            Ok(reduce_leading(
+            reduce_leading(
+                name,
                 s,
                 x,
                 r,
@@ -500,11 +510,12 @@ fn reduce_leading_op(
                 },
                 |a, b| a + b,
                 |a| a as f32,
-            ))
+            )
         }
         (ReduceOp::Sum, DType::F64) => {
             let x = &slice::<f64>(name, s)?[range];
-            Ok(reduce_leading(
+            reduce_leading(
+                name,
                 s,
                 x,
                 r,
@@ -517,11 +528,12 @@ fn reduce_leading_op(
                 },
                 |a, b| a + b,
                 |a| a,
-            ))
+            )
         }
         (ReduceOp::Sum, DType::I64) => {
             let x = &slice::<i64>(name, s)?[range];
-            Ok(reduce_leading(
+            reduce_leading(
+                name,
                 s,
                 x,
                 r,
@@ -534,7 +546,7 @@ fn reduce_leading_op(
                 },
                 i64::wrapping_add,
                 |a| a,
-            ))
+            )
         }
         (ReduceOp::Sum, _) => Err(dtype_err(name, "f32, f64 or i64", dtype)),
         (ReduceOp::Max | ReduceOp::Min, _) => {

@@ -89,7 +89,7 @@ fn softmax_t<T: SoftFloat>(s: &CpuStorage, layout: &Layout, log: bool) -> Result
     }
     let c = layout.dims()[r - 1];
     let cs = layout.strides()[r - 1];
-    let mut out = alloc::<T>(s.device(), layout.elem_count());
+    let mut out = alloc::<T>(op, s.device(), layout.elem_count())?;
     if out.is_empty() {
         return Ok(storage(s.device(), out));
     }
@@ -210,7 +210,7 @@ fn xent_t<T: SoftFloat>(
         None => None,
     };
     let row_len = if g.is_some() { c } else { 1 };
-    let mut out = alloc::<T>(logits.device(), n * row_len);
+    let mut out = alloc::<T>(op, logits.device(), n * row_len)?;
     if out.is_empty() {
         return Ok(storage(logits.device(), out));
     }

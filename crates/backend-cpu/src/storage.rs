@@ -12,6 +12,19 @@
 //! Accounting: `in_use` counts bytes of live storages, `peak` its maximum, `reserved` adds the
 //! cached bytes. All are plain atomics per virtual device.
 //!
+//! Failure: every buffer an op creates comes through [`alloc`] (or [`new_vec`]), which never
+//! aborts the process. A size that cannot exist (an element count or byte size past the address
+//! space: a shape whose element count overflowed saturates at `usize::MAX`) is an
+//! [`Error::InvalidArgument`] naming the op; a size the system allocator refuses is an
+//! [`Error::OutOfMemory`], returned after the cache was emptied and the allocation retried once.
+//! So a user who asks for `zeros([1 << 40])` gets an error and a device that still works, not
+//! Rust's `memory allocation of ... bytes failed` abort. Fresh buffers come zeroed from `calloc`
+//! (`bytemuck::allocation::try_zeroed_vec`), as `vec![0; n]` did before: the kernel that fills
+//! them then takes the page faults in parallel, where `Vec::try_reserve_exact` plus a fill would
+//! add one single-threaded pass over the whole buffer. (Under Linux's default heuristic
+//! overcommit a request beyond RAM plus swap is refused up front; a system set to always
+//! overcommit hands out address space and fails later, where no library can report it.)
+//!
 //! Pinned memory: a storage's elements may live in a page-locked block from the pinned allocator
 //! a GPU backend registered with kiln-core ([`HostVec::Pinned`]; `Tensor::pin_memory`). Every
 //! kernel sees a plain slice either way; copies between such a storage and a GPU are direct DMA.
@@ -25,7 +38,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use kiln_core::{DType, HostBuffer, MemoryStats, PinnedBlock, Result};
+use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result};
 
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
 
@@ -56,6 +69,17 @@ impl<T: bytemuck::Pod> HostVec<T> {
     }
     pub fn is_pinned(&self) -> bool {
         matches!(self, HostVec::Pinned { .. })
+    }
+}
+
+impl<T: CpuElem> HostVec<T> {
+    /// `len` zeroed elements in pinned memory.
+    pub fn pinned_zeroed(op: &'static str, len: usize) -> Result<Self> {
+        Ok(HostVec::Pinned {
+            block: PinnedBlock::new(op, byte_size::<T>(op, len)?)?,
+            len,
+            _t: std::marker::PhantomData,
+        })
     }
 }
 
@@ -142,10 +166,6 @@ impl CpuData {
 
     pub fn size_in_bytes(&self) -> usize {
         self.len() * self.dtype().size_in_bytes()
-    }
-
-    pub(crate) fn from_host(h: &HostBuffer) -> CpuData {
-        Self::from_host_owned(h.clone())
     }
 
     pub(crate) fn from_host_owned(h: HostBuffer) -> CpuData {
@@ -316,7 +336,7 @@ fn release(device: CpuDevice, data: CpuData) {
 }
 
 fn take(device: CpuDevice, dtype: DType, len: usize) -> Option<CpuData> {
-    if len * dtype.size_in_bytes() < CACHE_MIN_BYTES {
+    if len.saturating_mul(dtype.size_in_bytes()) < CACHE_MIN_BYTES {
         return None;
     }
     let mut guard = CACHE.lock().ok()?;
@@ -337,6 +357,15 @@ pub(crate) fn empty_cache(device: &CpuDevice) {
         map.retain(|k, _| k.0 != device.ordinal());
     }
     counters(device).cached.store(0, Ordering::Relaxed);
+}
+
+/// Frees the cached buffers of every virtual device (they all share the one host memory).
+fn empty_all_caches() {
+    let freed = CACHE.lock().ok().and_then(|mut g| g.take());
+    for c in &COUNTERS {
+        c.cached.store(0, Ordering::Relaxed);
+    }
+    drop(freed);
 }
 
 /// A Rust element type that a storage can hold.
@@ -398,13 +427,62 @@ cpu_elem!(f64, F64, |x: f64| x.is_nan());
 cpu_elem!(i64, I64, |_| false);
 cpu_elem!(u8, U8, |_| false);
 
-/// A buffer of `len` elements for an op's output. Its contents are unspecified (a reused
-/// buffer keeps old values): the caller writes every element.
-pub(crate) fn alloc<T: CpuElem>(device: CpuDevice, len: usize) -> Vec<T> {
+/// A buffer of `len` elements for `op`'s output. Its contents are unspecified (a reused
+/// buffer keeps old values): the caller writes every element. Fails with a typed error, never
+/// an abort (see the module docs).
+pub(crate) fn alloc<T: CpuElem>(op: &'static str, device: CpuDevice, len: usize) -> Result<Vec<T>> {
     if let Some(v) = take(device, T::DTYPE, len).and_then(T::unwrap) {
-        return v;
+        return Ok(v);
     }
-    vec![T::default(); len]
+    new_vec(op, device, len)
+}
+
+/// `len` zeroed elements in fresh memory (never from the cache), or a typed error: an
+/// impossible size is [`Error::InvalidArgument`], a refused one [`Error::OutOfMemory`] (after
+/// emptying the cache and trying once more).
+pub(crate) fn new_vec<T: CpuElem>(
+    op: &'static str,
+    device: CpuDevice,
+    len: usize,
+) -> Result<Vec<T>> {
+    let bytes = byte_size::<T>(op, len)?;
+    if let Ok(v) = bytemuck::allocation::try_zeroed_vec(len) {
+        return Ok(v);
+    }
+    // Cached buffers are free memory that kiln holds back: give them up and try again.
+    empty_all_caches();
+    bytemuck::allocation::try_zeroed_vec(len).map_err(|()| Error::OutOfMemory {
+        device: device.to_string(),
+        requested: bytes,
+        held: counters(&device).in_use.load(Ordering::Relaxed),
+        msg: format!(
+            "{op}: the system allocator refused, even after kiln's buffer cache was freed"
+        ),
+    })
+}
+
+/// The bytes of `len` elements of `T`, or an [`Error::InvalidArgument`] naming `op` when no
+/// allocation can be that large (more than `isize::MAX` bytes, Rust's limit for one object).
+pub(crate) fn byte_size<T: CpuElem>(op: &'static str, len: usize) -> Result<usize> {
+    match len.checked_mul(std::mem::size_of::<T>()) {
+        Some(b) if b <= isize::MAX as usize => Ok(b),
+        _ if len == usize::MAX => Err(Error::invalid(
+            op,
+            format!(
+                "the element count overflows usize (a shape with more than {} elements)",
+                usize::MAX
+            ),
+        )),
+        _ => Err(Error::invalid(
+            op,
+            format!(
+                "{len} elements of {} need {} bytes, more than one allocation can hold ({} bytes)",
+                T::DTYPE,
+                len as u128 * std::mem::size_of::<T>() as u128,
+                isize::MAX
+            ),
+        )),
+    }
 }
 
 /// Wraps a typed vector as a storage.

@@ -28,6 +28,7 @@ mod dtype;
 mod error;
 pub mod expr;
 pub mod fasthash;
+pub mod fsutil;
 pub mod host;
 mod layout;
 pub mod philox;

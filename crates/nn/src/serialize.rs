@@ -13,6 +13,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use kiln_core::fsutil::{io_error, write_atomically};
 use kiln_core::{Backend, DType, Error, HostBuffer, Result, Tensor};
 use safetensors::{Dtype, SafeTensors, View};
 
@@ -94,6 +95,10 @@ pub fn to_safetensors_bytes<B: Backend>(
 }
 
 /// Writes named tensors to a safetensors file at `path` (see [`to_safetensors_bytes`]).
+///
+/// The file is replaced atomically ([`kiln_core::fsutil::write_atomically`]): it is written to
+/// a temporary file beside `path`, synced to disk and renamed into place, so a crash or an error
+/// midway leaves the previous checkpoint intact and no partial file behind.
 pub fn save_safetensors<B: Backend>(
     path: impl AsRef<Path>,
     tensors: &[(String, Tensor<B>)],
@@ -101,10 +106,7 @@ pub fn save_safetensors<B: Backend>(
 ) -> Result<()> {
     let path = path.as_ref();
     let bytes = to_safetensors_bytes(tensors, metadata)?;
-    std::fs::write(path, bytes).map_err(|source| Error::Io {
-        path: path.display().to_string(),
-        source,
-    })
+    write_atomically(path, |w| w.write_all(&bytes).map_err(io_error(path)))
 }
 
 /// The tensors of a safetensors file, by name (sorted), plus its `__metadata__`.

@@ -53,6 +53,67 @@ fn round_trip_every_dtype_and_views() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Nothing lost on the way to disk: a save replaces the file in one step (temporary file,
+/// sync, rename), so a failed save keeps the previous checkpoint and a reader that opened it
+/// keeps reading it whole.
+#[test]
+fn saving_replaces_the_previous_checkpoint_atomically() {
+    let d = dev();
+    let dir = std::env::temp_dir().join(format!("kiln_nn_atomic_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ckpt.safetensors");
+    let v1 = Tensor::<Cpu>::arange(0.0, 1000.0, 1.0, DType::F32, &d).unwrap();
+    let v2 = (&v1 * 2.0).unwrap();
+    save_safetensors(&path, &[("w".to_string(), v1.clone())], None).unwrap();
+    let old_bytes = std::fs::read(&path).unwrap();
+    let mut reader = std::fs::File::open(&path).unwrap();
+    save_safetensors(&path, &[("w".to_string(), v2.clone())], None).unwrap();
+    let f = load_safetensors::<Cpu>(&path, &d).unwrap();
+    assert_eq!(
+        f.tensors["w"].to_vec::<f32>().unwrap(),
+        v2.to_vec::<f32>().unwrap()
+    );
+    // A reader of the old checkpoint still reads all of it (writing in place truncates it).
+    #[cfg(unix)]
+    {
+        use std::io::Read;
+        let mut got = Vec::new();
+        reader.read_to_end(&mut got).unwrap();
+        assert_eq!(got, old_bytes, "the old file was overwritten in place");
+    }
+    #[cfg(not(unix))]
+    drop((&mut reader, old_bytes));
+    // A save that fails keeps the previous checkpoint.
+    let dup = [("w".to_string(), v1.clone()), ("w".to_string(), v1.clone())];
+    assert!(save_safetensors(&path, &dup, None).is_err());
+    let f = load_safetensors::<Cpu>(&path, &d).unwrap();
+    assert_eq!(
+        f.tensors["w"].to_vec::<f32>().unwrap(),
+        v2.to_vec::<f32>().unwrap()
+    );
+    // A save that fails after writing (the target is a directory: the rename fails) leaves no
+    // temporary file behind and names the path.
+    let taken = dir.join("taken.safetensors");
+    std::fs::create_dir_all(taken.join("x")).unwrap();
+    let e = save_safetensors(&taken, &[("w".to_string(), v1)], None).unwrap_err();
+    assert!(
+        matches!(&e, Error::Io { path, .. } if path.contains("taken")),
+        "{e}"
+    );
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["ckpt.safetensors", "taken.safetensors"],
+        "no temporary files remain"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn the_bytes_are_little_endian_row_major_as_pytorch_writes_them() {
     // Header then raw data: the last 8 bytes are the f32s 1.0 and 2.0 in little endian.

@@ -32,7 +32,8 @@ impl<B: Backend> Clone for OptimizerState<B> {
 }
 
 impl<B: Backend> OptimizerState<B> {
-    /// Writes the state to a safetensors file.
+    /// Writes the state to a safetensors file, atomically (see [`save_safetensors`]): a failed
+    /// or interrupted save leaves the previous file as it was.
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let named: Vec<(String, Tensor<B>)> = self
             .tensors

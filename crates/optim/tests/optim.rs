@@ -371,6 +371,43 @@ fn state_round_trip_resumes_exactly_and_bad_state_is_rejected() {
     assert!(adam.load_state(missing).is_err());
 }
 
+/// Saving optimizer state replaces the previous file in one step: a reader of the old file
+/// keeps all of it, and no temporary file remains.
+#[test]
+fn state_save_replaces_the_previous_file_atomically() {
+    let p = Var::param(t(&[1.0, 2.0, 3.0]));
+    let mut adam = AdamConfig::new(0.1).init(vec![p.clone()]).unwrap();
+    let dir = std::env::temp_dir().join(format!("kiln_optim_atomic_{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("adam.safetensors");
+    p.set_grad(Some(t(&[1.0, -1.0, 0.5]))).unwrap();
+    adam.step().unwrap();
+    adam.state().unwrap().save(&path).unwrap();
+    let old_bytes = std::fs::read(&path).unwrap();
+    let mut reader = std::fs::File::open(&path).unwrap();
+    adam.step().unwrap();
+    let newer = adam.state().unwrap();
+    newer.save(&path).unwrap();
+    let back = kiln_optim::OptimizerState::load(&path, adam.params()).unwrap();
+    assert_eq!(
+        back.tensors["0.exp_avg"].to_vec::<f64>().unwrap(),
+        newer.tensors["0.exp_avg"].to_vec::<f64>().unwrap()
+    );
+    #[cfg(unix)]
+    {
+        use std::io::Read;
+        let mut got = Vec::new();
+        reader.read_to_end(&mut got).unwrap();
+        assert_eq!(got, old_bytes, "the old file was overwritten in place");
+    }
+    #[cfg(not(unix))]
+    drop((&mut reader, old_bytes));
+    let names: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert_eq!(names.len(), 1, "no temporary file remains");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_tiny_mlp_learns_xor_like_data() {
     // 64 points in 2-d, label = quadrant parity; an MLP must fit it, a linear model cannot.

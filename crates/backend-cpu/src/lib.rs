@@ -33,6 +33,7 @@
 
 mod device;
 mod elementwise;
+mod expr;
 mod fastmath;
 mod index;
 mod matmul;
@@ -595,5 +596,16 @@ impl Backend for Cpu {
         slots: &[UpdateSlot<'_, CpuStorage>],
     ) -> Result<Vec<(CpuStorage, Vec<CpuStorage>)>> {
         optim::fused_update(rule, dtype, slots)
+    }
+
+    /// One fused pass, block by block (see the `expr` module), not one kernel per instruction.
+    fn eval_expr(
+        device: &CpuDevice,
+        program: &kiln_core::expr::Program,
+        shape: &kiln_core::Shape,
+        inputs: &[(&CpuStorage, &Layout)],
+        params: &[f64],
+    ) -> Result<Vec<CpuStorage>> {
+        expr::eval_expr(device, program, shape, inputs, params)
     }
 }

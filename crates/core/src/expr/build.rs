@@ -4,8 +4,9 @@
 //! An `Expr` carries no dtype of its own: inputs get theirs when the tree is lowered
 //! ([`Program::from_exprs`]), and constants and parameters take the dtype of the values they meet
 //! (a "weak" scalar, as a Python float meeting a float32 array in numpy/PyTorch). So one function
-//! written over `Expr`s lowers to an f32 program or an f64 one. A subtree with no input at all
-//! (constants only) is f32, kiln's default dtype. Lowering shares common subexpressions: the
+//! written over `Expr`s lowers to an f32 program or an f64 one. A subtree whose dtype nothing
+//! fixes (constants and parameters only, e.g. both sides of a comparison) takes the dtype of
+//! input 0, or f32, kiln's default, in a program without inputs. Lowering shares common subexpressions: the
 //! same `Expr` used twice, or two equal instructions, become one value.
 
 use std::collections::HashMap;
@@ -257,6 +258,11 @@ struct Lower<'a> {
 }
 
 impl Lower<'_> {
+    /// The dtype of a subtree nothing types (see the module docs).
+    fn default_dtype(&self) -> DType {
+        self.inputs.first().copied().unwrap_or(DType::F32)
+    }
+
     /// The dtype a subtree has by itself (`None`: only weak scalars and parameters).
     fn strong(&mut self, e: &Expr) -> Result<Option<DType>> {
         let key = Arc::as_ptr(&e.0);
@@ -323,7 +329,7 @@ impl Lower<'_> {
                 let sa = self.strong(a)?;
                 let od = match sa {
                     Some(x) => x,
-                    None => self.strong(b)?.unwrap_or(DType::F32),
+                    None => self.strong(b)?.unwrap_or(self.default_dtype()),
                 };
                 Instr::Cmp(*op, self.lower(a, od)?, self.lower(b, od)?)
             }
@@ -374,7 +380,7 @@ impl Program {
         };
         let mut outs = Vec::with_capacity(outputs.len());
         for e in outputs {
-            let d = l.strong(e)?.unwrap_or(DType::F32);
+            let d = l.strong(e)?.unwrap_or(l.default_dtype());
             outs.push(l.lower(e, d)?);
         }
         let params = l.params.iter().map(|p| p.unwrap_or(DType::F64)).collect();

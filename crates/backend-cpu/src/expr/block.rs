@@ -1,0 +1,444 @@
+//! One block of a program: typed registers of at most [`BLOCK`] elements and the slice kernels
+//! that compute one instruction into one register.
+//!
+//! A value of a block is in a register, in an input's storage (a contiguous run read in place,
+//! no copy), or uniform (a constant, a parameter, an input broadcast along the block, or an op of
+//! uniform values, computed once). Kernels are plain loops over slices (or a slice and a
+//! scalar), which LLVM vectorizes; their per-element functions are those of
+//! `elementwise.rs`, so a fused result equals the op-by-op one.
+
+use kiln_core::expr::{Instr, Program};
+use kiln_core::{BinaryOp, CmpOp, DType, UnaryOp};
+
+use crate::fastmath;
+use crate::storage::{CpuElem, CpuStorage};
+
+/// `op` on floats of type `$t`, as `elementwise.rs` computes it.
+macro_rules! float_binary {
+    ($t:ty, $op:expr, $a:expr, $b:expr, $o:expr) => {{
+        let (a, b, o): (Src<'_, $t>, Src<'_, $t>, &mut [$t]) = ($a, $b, $o);
+        match $op {
+            BinaryOp::Add => map2(a, b, o, |x, y| x + y),
+            BinaryOp::Sub => map2(a, b, o, |x, y| x - y),
+            BinaryOp::Mul => map2(a, b, o, |x, y| x * y),
+            BinaryOp::Div => map2(a, b, o, |x, y| x / y),
+            BinaryOp::Pow => map2(a, b, o, |x: $t, y| x.powf(y)),
+            BinaryOp::Maximum => map2(
+                a,
+                b,
+                o,
+                |x: $t, y: $t| if y > x || y.is_nan() { y } else { x },
+            ),
+            BinaryOp::Minimum => map2(
+                a,
+                b,
+                o,
+                |x: $t, y: $t| if y < x || y.is_nan() { y } else { x },
+            ),
+        }
+    }};
+}
+
+/// Elements per block: every register of a block stays in L1/L2 (numexpr's choice).
+pub(super) const BLOCK: usize = 2048;
+
+/// A typed scalar.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum Sv {
+    F32(f32),
+    F64(f64),
+    I64(i64),
+    U8(u8),
+}
+
+impl Sv {
+    /// `v` converted to `dtype` with `as`.
+    pub(super) fn new(v: f64, dtype: DType) -> Sv {
+        match dtype {
+            DType::F32 => Sv::F32(v as f32),
+            DType::I64 => Sv::I64(v as i64),
+            DType::U8 => Sv::U8(v as u8),
+            _ => Sv::F64(v),
+        }
+    }
+}
+
+/// A typed register.
+pub(super) enum Buf {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+impl Buf {
+    pub(super) fn new(dtype: DType, len: usize) -> Buf {
+        match dtype {
+            DType::F32 => Buf::F32(vec![0.0; len]),
+            DType::I64 => Buf::I64(vec![0; len]),
+            DType::U8 => Buf::U8(vec![0; len]),
+            _ => Buf::F64(vec![0.0; len]),
+        }
+    }
+}
+
+/// The element types a program computes with.
+pub(super) trait Elt: CpuElem {
+    fn reg(b: &Buf) -> &[Self];
+    fn reg_mut(b: &mut Buf) -> &mut [Self];
+    fn sv(s: Sv) -> Self;
+    fn to_sv(self) -> Sv;
+}
+
+macro_rules! elt {
+    ($t:ty, $v:ident) => {
+        impl Elt for $t {
+            fn reg(b: &Buf) -> &[Self] {
+                match b {
+                    Buf::$v(v) => v,
+                    _ => unreachable!("register of another dtype (validated program)"),
+                }
+            }
+            fn reg_mut(b: &mut Buf) -> &mut [Self] {
+                match b {
+                    Buf::$v(v) => v,
+                    _ => unreachable!("register of another dtype (validated program)"),
+                }
+            }
+            fn sv(s: Sv) -> Self {
+                match s {
+                    Sv::$v(x) => x,
+                    _ => unreachable!("scalar of another dtype (validated program)"),
+                }
+            }
+            fn to_sv(self) -> Sv {
+                Sv::$v(self)
+            }
+        }
+    };
+}
+elt!(f32, F32);
+elt!(f64, F64);
+elt!(i64, I64);
+elt!(u8, U8);
+
+/// Where a value of the current block is.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Loc {
+    /// In its register.
+    Reg,
+    /// The same everywhere in the block.
+    Uni(Sv),
+    /// Elements `start..start + len` of input `k`'s storage.
+    In { k: usize, start: usize },
+}
+
+/// An operand of a slice kernel.
+#[derive(Clone, Copy)]
+pub(super) enum Src<'a, T> {
+    S(&'a [T]),
+    C(T),
+}
+
+impl<T: Copy> Src<'_, T> {
+    #[inline(always)]
+    fn get(&self, i: usize) -> T {
+        match self {
+            Src::S(s) => s[i],
+            Src::C(c) => *c,
+        }
+    }
+}
+
+/// The registers and value locations of one block.
+pub(super) struct Frame<'a> {
+    pub(super) regs: Vec<Buf>,
+    pub(super) locs: Vec<Loc>,
+    pub(super) len: usize,
+    pub(super) inputs: &'a [&'a CpuStorage],
+}
+
+impl<'a> Frame<'a> {
+    pub(super) fn new(program: &Program, inputs: &'a [&'a CpuStorage]) -> Frame<'a> {
+        Frame {
+            regs: program
+                .dtypes()
+                .iter()
+                .map(|&d| Buf::new(d, BLOCK))
+                .collect(),
+            locs: vec![Loc::Uni(Sv::U8(0)); program.code().len()],
+            len: 0,
+            inputs,
+        }
+    }
+
+    pub(super) fn src<T: Elt>(&self, v: u32) -> Src<'_, T> {
+        let v = v as usize;
+        match self.locs[v] {
+            Loc::Reg => Src::S(&T::reg(&self.regs[v])[..self.len]),
+            Loc::Uni(s) => Src::C(T::sv(s)),
+            Loc::In { k, start } => Src::S(
+                &T::slice(self.inputs[k].data()).expect("input dtype checked")
+                    [start..start + self.len],
+            ),
+        }
+    }
+
+    /// Copies value `v` of the block into `out` (`len` elements).
+    pub(super) fn read<T: Elt>(&self, v: u32, out: &mut [T]) {
+        match self.src::<T>(v) {
+            Src::S(s) => out.copy_from_slice(s),
+            Src::C(c) => out.fill(c),
+        }
+    }
+
+    /// Computes instruction `i` (an op, not a leaf) for the current block.
+    pub(super) fn exec(&mut self, i: usize, ins: &Instr, dtype: DType) {
+        let uniform = ins
+            .operands()
+            .iter()
+            .all(|&a| matches!(self.locs[a as usize], Loc::Uni(_)));
+        let len = self.len;
+        if uniform {
+            self.len = 1;
+        }
+        let mut out = std::mem::replace(&mut self.regs[i], Buf::U8(Vec::new()));
+        self.kernel(ins, dtype, &mut out);
+        self.regs[i] = out;
+        self.len = len;
+        self.locs[i] = if uniform {
+            Loc::Uni(match &self.regs[i] {
+                Buf::F32(v) => Sv::F32(v[0]),
+                Buf::F64(v) => Sv::F64(v[0]),
+                Buf::I64(v) => Sv::I64(v[0]),
+                Buf::U8(v) => Sv::U8(v[0]),
+            })
+        } else {
+            Loc::Reg
+        };
+    }
+
+    fn kernel(&self, ins: &Instr, dtype: DType, out: &mut Buf) {
+        let n = self.len;
+        match *ins {
+            Instr::Unary(op, a) => match out {
+                Buf::F32(o) => unary_f32(op, self.src(a), &mut o[..n]),
+                Buf::F64(o) => unary_f64(op, self.src(a), &mut o[..n]),
+                Buf::I64(o) => unary_i64(op, self.src(a), &mut o[..n]),
+                Buf::U8(_) => unreachable!("no unary op on u8 (validated program)"),
+            },
+            Instr::Binary(op, a, b) => match out {
+                Buf::F32(o) => float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n]),
+                Buf::F64(o) => float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n]),
+                Buf::I64(o) => binary_i64(op, self.src(a), self.src(b), &mut o[..n]),
+                Buf::U8(o) => {
+                    let (x, y) = (self.src::<u8>(a), self.src::<u8>(b));
+                    match op {
+                        BinaryOp::Maximum => map2(x, y, &mut o[..n], |p, q| p.max(q)),
+                        _ => map2(x, y, &mut o[..n], |p, q| p.min(q)),
+                    }
+                }
+            },
+            Instr::Cmp(op, a, b) => {
+                let o = &mut u8::reg_mut(out)[..n];
+                match self.operand_dtype(a) {
+                    DType::F32 => cmp(op, self.src::<f32>(a), self.src(b), o),
+                    DType::F64 => cmp(op, self.src::<f64>(a), self.src(b), o),
+                    DType::I64 => cmp(op, self.src::<i64>(a), self.src(b), o),
+                    _ => cmp(op, self.src::<u8>(a), self.src(b), o),
+                }
+            }
+            Instr::Where(c, a, b) => {
+                let c = self.src::<u8>(c);
+                match out {
+                    Buf::F32(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
+                    Buf::F64(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
+                    Buf::I64(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
+                    Buf::U8(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
+                }
+            }
+            Instr::Cast(_, a) => {
+                macro_rules! to {
+                    ($x:expr) => {
+                        match out {
+                            Buf::F32(o) => map1($x, &mut o[..n], |v| v as f32),
+                            Buf::F64(o) => map1($x, &mut o[..n], |v| v as f64),
+                            Buf::I64(o) => map1($x, &mut o[..n], |v| v as i64),
+                            Buf::U8(o) => map1($x, &mut o[..n], |v| v as u8),
+                        }
+                    };
+                }
+                match self.operand_dtype(a) {
+                    DType::F32 => to!(self.src::<f32>(a)),
+                    DType::F64 => to!(self.src::<f64>(a)),
+                    DType::I64 => to!(self.src::<i64>(a)),
+                    _ => to!(self.src::<u8>(a)),
+                }
+            }
+            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) | Instr::Reduce(..) => {
+                unreachable!("leaves are placed by the driver ({dtype})")
+            }
+        }
+    }
+
+    /// The dtype of value `v`, from its register.
+    fn operand_dtype(&self, v: u32) -> DType {
+        match self.regs[v as usize] {
+            Buf::F32(_) => DType::F32,
+            Buf::F64(_) => DType::F64,
+            Buf::I64(_) => DType::I64,
+            Buf::U8(_) => DType::U8,
+        }
+    }
+}
+
+// ---- slice kernels ---------------------------------------------------------------------------
+
+#[inline(always)]
+pub(super) fn map1<A: Copy, U>(a: Src<'_, A>, out: &mut [U], f: impl Fn(A) -> U) {
+    match a {
+        Src::S(x) => {
+            for (o, &x) in out.iter_mut().zip(x) {
+                *o = f(x);
+            }
+        }
+        Src::C(c) => {
+            for o in out.iter_mut() {
+                *o = f(c);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+pub(super) fn map2<A: Copy, B: Copy, U>(
+    a: Src<'_, A>,
+    b: Src<'_, B>,
+    out: &mut [U],
+    f: impl Fn(A, B) -> U,
+) {
+    match (a, b) {
+        (Src::S(x), Src::S(y)) => {
+            for ((o, &x), &y) in out.iter_mut().zip(x).zip(y) {
+                *o = f(x, y);
+            }
+        }
+        (Src::S(x), Src::C(c)) => {
+            for (o, &x) in out.iter_mut().zip(x) {
+                *o = f(x, c);
+            }
+        }
+        (Src::C(c), Src::S(y)) => {
+            for (o, &y) in out.iter_mut().zip(y) {
+                *o = f(c, y);
+            }
+        }
+        (Src::C(c), Src::C(d)) => {
+            for o in out.iter_mut() {
+                *o = f(c, d);
+            }
+        }
+    }
+}
+
+fn select<T: Copy>(c: Src<'_, u8>, a: Src<'_, T>, b: Src<'_, T>, out: &mut [T]) {
+    if let Src::C(c) = c {
+        return map1(if c != 0 { a } else { b }, out, |x| x);
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = if c.get(i) != 0 { a.get(i) } else { b.get(i) };
+    }
+}
+
+fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: Src<'_, T>, b: Src<'_, T>, o: &mut [u8]) {
+    match op {
+        CmpOp::Eq => map2(a, b, o, |x, y| (x == y) as u8),
+        CmpOp::Ne => map2(a, b, o, |x, y| (x != y) as u8),
+        CmpOp::Lt => map2(a, b, o, |x, y| (x < y) as u8),
+        CmpOp::Le => map2(a, b, o, |x, y| (x <= y) as u8),
+        CmpOp::Gt => map2(a, b, o, |x, y| (x > y) as u8),
+        CmpOp::Ge => map2(a, b, o, |x, y| (x >= y) as u8),
+    }
+}
+
+fn binary_i64(op: BinaryOp, a: Src<'_, i64>, b: Src<'_, i64>, o: &mut [i64]) {
+    match op {
+        BinaryOp::Add => map2(a, b, o, |x, y| x.wrapping_add(y)),
+        BinaryOp::Sub => map2(a, b, o, |x, y| x.wrapping_sub(y)),
+        BinaryOp::Mul => map2(a, b, o, |x, y| x.wrapping_mul(y)),
+        BinaryOp::Div => map2(a, b, o, |x, y| if y == 0 { 0 } else { x.wrapping_div(y) }),
+        BinaryOp::Maximum => map2(a, b, o, |x, y| x.max(y)),
+        BinaryOp::Minimum => map2(a, b, o, |x, y| x.min(y)),
+        BinaryOp::Pow => unreachable!("no i64 pow (validated program)"),
+    }
+}
+
+/// Unary ops shared by both float types (`$t`), as `elementwise.rs` computes them.
+macro_rules! float_unary_common {
+    ($t:ty, $op:expr, $a:expr, $o:expr, $erf:path) => {{
+        let (a, o): (Src<'_, $t>, &mut [$t]) = ($a, $o);
+        match $op {
+            UnaryOp::Neg => map1(a, o, |x| -x),
+            UnaryOp::Abs => map1(a, o, |x: $t| x.abs()),
+            UnaryOp::Log => map1(a, o, |x: $t| x.ln()),
+            UnaryOp::Sqrt => map1(a, o, |x: $t| x.sqrt()),
+            UnaryOp::Square => map1(a, o, |x| x * x),
+            UnaryOp::Recip => map1(a, o, |x| 1.0 / x),
+            UnaryOp::Sin => map1(a, o, |x: $t| x.sin()),
+            UnaryOp::Cos => map1(a, o, |x: $t| x.cos()),
+            UnaryOp::Tanh => map1(a, o, |x: $t| x.tanh()),
+            UnaryOp::Relu => map1(a, o, |x: $t| if x > 0.0 || x.is_nan() { x } else { 0.0 }),
+            UnaryOp::Gelu => map1(a, o, |x: $t| {
+                0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t))
+            }),
+            UnaryOp::Sign => map1(a, o, |x: $t| {
+                if x > 0.0 {
+                    1.0
+                } else if x < 0.0 {
+                    -1.0
+                } else {
+                    x
+                }
+            }),
+            UnaryOp::Floor => map1(a, o, |x: $t| x.floor()),
+            UnaryOp::Ceil => map1(a, o, |x: $t| x.ceil()),
+            UnaryOp::Exp | UnaryOp::Sigmoid => unreachable!("handled by the caller"),
+        }
+    }};
+}
+
+fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32]) {
+    // The vectorized polynomial of `fastmath`, as the single-op kernels use.
+    let via = |f: fn(&[f32], &mut [f32]), a: Src<'_, f32>, o: &mut [f32]| match a {
+        Src::S(x) => f(x, o),
+        Src::C(c) => {
+            let mut r = [0.0f32];
+            f(&[c], &mut r);
+            o.fill(r[0]);
+        }
+    };
+    match op {
+        UnaryOp::Exp => via(fastmath::exp_f32, a, o),
+        UnaryOp::Sigmoid => via(fastmath::sigmoid_f32, a, o),
+        _ => float_unary_common!(f32, op, a, o, libm::erff),
+    }
+}
+
+fn unary_f64(op: UnaryOp, a: Src<'_, f64>, o: &mut [f64]) {
+    match op {
+        UnaryOp::Exp => map1(a, o, |x: f64| x.exp()),
+        UnaryOp::Sigmoid => map1(a, o, |x: f64| 1.0 / (1.0 + (-x).exp())),
+        _ => float_unary_common!(f64, op, a, o, libm::erf),
+    }
+}
+
+fn unary_i64(op: UnaryOp, a: Src<'_, i64>, o: &mut [i64]) {
+    match op {
+        UnaryOp::Neg => map1(a, o, |x: i64| x.wrapping_neg()),
+        UnaryOp::Abs => map1(a, o, |x: i64| x.wrapping_abs()),
+        UnaryOp::Square => map1(a, o, |x: i64| x.wrapping_mul(x)),
+        UnaryOp::Sign => map1(a, o, |x: i64| x.signum()),
+        UnaryOp::Relu => map1(a, o, |x: i64| x.max(0)),
+        _ => unreachable!("i64 {} (validated program)", op.name()),
+    }
+}

@@ -1,0 +1,326 @@
+//! The CPU's fused evaluator of expression programs (`Backend::eval_expr`).
+//!
+//! numexpr's model: the iteration is cut into blocks of [`BLOCK`] consecutive elements, and a
+//! block goes through the whole program before the next one starts, each instruction a loop
+//! over the block (vectorized by LLVM) into a register of `BLOCK` elements. Every register stays
+//! in cache, so the data are read from memory once per input and written once per output, with
+//! no full-size temporary per sub-expression, where op by op every intermediate makes a round
+//! trip through memory. Contiguous runs of an input are read in place; broadcast runs are a
+//! single value; other views are gathered per block ([`walk`]). Large iterations are split in
+//! chunks of blocks across cores with rayon.
+//!
+//! Reductions: the iteration axes are reordered kept-first, so that the elements folded into one
+//! output (a "row") are consecutive; blocks run over rows (a block may span several short rows),
+//! each block's values are folded into per-row accumulators (f32 sums and products in f64, as
+//! `reduce.rs` does, then rounded once), and when a batch of rows is complete the post-map runs
+//! over it as a block too. With few rows and many elements per row, the rows' ranges are split
+//! across cores into partial accumulators, then merged. Elementwise outputs of a reducing
+//! program are written during the same pass.
+//!
+//! Not done yet: reductions over leading axes (a column sum) read their input with the stride
+//! of a row; a strategy that folds whole rows of accumulators at once would read it in order.
+
+mod block;
+mod fold;
+mod walk;
+
+use kiln_core::expr::{Instr, Program, check_call};
+use kiln_core::{DType, Error, ExprErrorKind, Layout, Result, Shape};
+use rayon::prelude::*;
+
+use crate::device::CpuDevice;
+use crate::storage::{CpuStorage, alloc, storage};
+use crate::strided::{PAR_MIN, par_chunk};
+use block::{BLOCK, Buf, Elt, Frame, Loc, Sv};
+use walk::{Run, Walk};
+
+/// Output buffers written from several threads at disjoint positions.
+struct Outs {
+    ptrs: Vec<(*mut u8, DType, usize)>,
+}
+
+// SAFETY: `Outs` is only used to write disjoint elements of buffers that outlive the parallel
+// section (see `Outs::put`/`Outs::slice`); no two tasks touch the same element.
+unsafe impl Sync for Outs {}
+unsafe impl Send for Outs {}
+
+impl Outs {
+    fn new(bufs: &mut [CpuStorage]) -> Outs {
+        Outs {
+            ptrs: bufs
+                .iter_mut()
+                .map(|s| {
+                    let (dt, len) = (s.dtype(), s.len());
+                    (s.bytes_mut().as_mut_ptr(), dt, len)
+                })
+                .collect(),
+        }
+    }
+
+    /// A pointer to the first element of output `j`, of type `T`.
+    fn ptr<T: Elt>(&self, j: usize) -> *mut T {
+        let (p, dt, _) = self.ptrs[j];
+        assert!(dt == T::DTYPE, "output of another dtype");
+        p as *mut T
+    }
+
+    /// Elements `start..start + len` of output `j` as a slice of `T`.
+    ///
+    /// # Safety
+    /// The caller's task must be the only one to access these elements while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice<T: Elt>(&self, j: usize, start: usize, len: usize) -> &mut [T] {
+        let (p, dt, n) = self.ptrs[j];
+        assert!(
+            dt == T::DTYPE && start + len <= n,
+            "output slice out of bounds"
+        );
+        // SAFETY: the buffer holds `n` elements of `T` (dtype checked above) and stays alive
+        // and unmoved for the whole evaluation; exclusivity is the caller's promise.
+        unsafe { std::slice::from_raw_parts_mut((p as *mut T).add(start), len) }
+    }
+}
+
+/// Evaluates `program` fused (see the module docs).
+pub(crate) fn eval_expr(
+    device: &CpuDevice,
+    program: &Program,
+    shape: &Shape,
+    inputs: &[(&CpuStorage, &Layout)],
+    params: &[f64],
+) -> Result<Vec<CpuStorage>> {
+    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
+    let plan = check_call(program, shape, &layouts, params)?;
+    for (k, ((s, l), &dt)) in inputs.iter().zip(program.inputs()).enumerate() {
+        if s.dtype() != dt {
+            return Err(Error::Expr {
+                op: "expr",
+                kind: ExprErrorKind::DType,
+                msg: format!("input {k} is {}, the program takes {dt}", s.dtype()),
+            });
+        }
+        if l.storage_extent() > s.len() {
+            return Err(Error::invalid(
+                "expr",
+                format!(
+                    "input {k}: layout {:?} (offset {}) reaches past a storage of {} elements",
+                    l.strides(),
+                    l.offset(),
+                    s.len()
+                ),
+            ));
+        }
+    }
+    let n_kept = plan.kept.elem_count();
+    let mut outs = program
+        .outputs()
+        .iter()
+        .enumerate()
+        .map(|(j, &o)| {
+            let n = if program.output_is_reduced(j) {
+                n_kept
+            } else {
+                shape.elem_count()
+            };
+            alloc_out(*device, program.dtype(o), n)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if shape.elem_count() > 0 || (n_kept > 0 && program.reduces()) {
+        let stores: Vec<&CpuStorage> = inputs.iter().map(|(s, _)| *s).collect();
+        let leaves = Leaves::new(program, params);
+        let o = Outs::new(&mut outs);
+        if program.reduces() {
+            fold::run(program, shape, &plan.axes, &layouts, &stores, &leaves, &o);
+        } else {
+            elementwise(program, shape, &layouts, &stores, &leaves, &o);
+        }
+    }
+    Ok(outs)
+}
+
+fn alloc_out(device: CpuDevice, dtype: DType, n: usize) -> Result<CpuStorage> {
+    Ok(match dtype {
+        DType::F32 => storage(device, alloc::<f32>("expr", device, n)?),
+        DType::F64 => storage(device, alloc::<f64>("expr", device, n)?),
+        DType::I64 => storage(device, alloc::<i64>("expr", device, n)?),
+        _ => storage(device, alloc::<u8>("expr", device, n)?),
+    })
+}
+
+/// The values of constants and parameters.
+struct Leaves {
+    uni: Vec<Option<Sv>>,
+}
+
+impl Leaves {
+    fn new(program: &Program, params: &[f64]) -> Leaves {
+        Leaves {
+            uni: program
+                .code()
+                .iter()
+                .enumerate()
+                .map(|(i, ins)| match *ins {
+                    Instr::Const(c) => Some(Sv::new(c.to_f64(), c.dtype())),
+                    Instr::Param(k) => Some(Sv::new(params[k as usize], program.dtypes()[i])),
+                    _ => None,
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Places input `k` for the block `start..start + len` read through `walk`.
+fn place_input(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize, dtype: DType) {
+    let len = f.len;
+    f.locs[i] = match walk.run(start, len) {
+        Run::Contig(off) => Loc::In { k, start: off },
+        Run::Const(off) => Loc::Uni(read_one(f.inputs[k], off, dtype)),
+        Run::Strided => {
+            gather_into(f, i, k, walk, start, dtype);
+            Loc::Reg
+        }
+    };
+}
+
+fn read_one(s: &CpuStorage, off: usize, dtype: DType) -> Sv {
+    fn one<T: Elt>(s: &CpuStorage, off: usize) -> Sv {
+        T::slice(s.data()).expect("input dtype checked")[off].to_sv()
+    }
+    match dtype {
+        DType::F32 => one::<f32>(s, off),
+        DType::F64 => one::<f64>(s, off),
+        DType::I64 => one::<i64>(s, off),
+        _ => one::<u8>(s, off),
+    }
+}
+
+fn gather_into(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize, dtype: DType) {
+    fn go<T: Elt>(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize) {
+        let src = T::slice(f.inputs[k].data()).expect("input dtype checked");
+        let len = f.len;
+        walk.gather(src, start, &mut T::reg_mut(&mut f.regs[i])[..len]);
+    }
+    match dtype {
+        DType::F32 => go::<f32>(f, i, k, walk, start),
+        DType::F64 => go::<f64>(f, i, k, walk, start),
+        DType::I64 => go::<i64>(f, i, k, walk, start),
+        _ => go::<u8>(f, i, k, walk, start),
+    }
+}
+
+/// Copies value `v` of the current block to output `j` at `start`.
+///
+/// # Safety
+/// As [`Outs::slice`]: this task alone writes those elements.
+unsafe fn store(f: &Frame<'_>, v: u32, dtype: DType, outs: &Outs, j: usize, start: usize) {
+    // SAFETY: forwarded to the caller.
+    unsafe {
+        match dtype {
+            DType::F32 => f.read::<f32>(v, outs.slice(j, start, f.len)),
+            DType::F64 => f.read::<f64>(v, outs.slice(j, start, f.len)),
+            DType::I64 => f.read::<i64>(v, outs.slice(j, start, f.len)),
+            _ => f.read::<u8>(v, outs.slice(j, start, f.len)),
+        }
+    }
+}
+
+/// Evaluates the instructions flagged in `run` for the current block; leaves (inputs,
+/// constants, parameters) are placed by `place`, the rest computed.
+fn exec_block(
+    f: &mut Frame<'_>,
+    program: &Program,
+    leaves: &Leaves,
+    run: &[bool],
+    mut place: impl FnMut(&mut Frame<'_>, usize, u32),
+) {
+    for (i, ins) in program.code().iter().enumerate() {
+        if !run[i] {
+            continue;
+        }
+        match *ins {
+            Instr::Input(k) => place(f, i, k),
+            Instr::Const(_) | Instr::Param(_) => {
+                f.locs[i] = Loc::Uni(leaves.uni[i].expect("leaf value"));
+            }
+            Instr::Reduce(..) => {} // placed by the reduction driver
+            _ => f.exec(i, ins, program.dtypes()[i]),
+        }
+    }
+}
+
+/// A program without reductions: flat blocks over the iteration, in parallel chunks.
+fn elementwise(
+    program: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    inputs: &[&CpuStorage],
+    leaves: &Leaves,
+    outs: &Outs,
+) {
+    let n = shape.elem_count();
+    let walks: Vec<Walk> = layouts.iter().map(|l| Walk::new(l)).collect();
+    let run = vec![true; program.code().len()];
+    let chunk = if n < PAR_MIN {
+        n
+    } else {
+        par_chunk(n).div_ceil(BLOCK) * BLOCK
+    };
+    let task = |c: usize| {
+        let mut f = Frame::new(program, inputs);
+        let end = ((c + 1) * chunk).min(n);
+        let mut start = c * chunk;
+        while start < end {
+            f.len = BLOCK.min(end - start);
+            exec_block(&mut f, program, leaves, &run, |f, i, k| {
+                let dt = program.inputs()[k as usize];
+                place_input(f, i, k as usize, &walks[k as usize], start, dt);
+            });
+            for (j, &o) in program.outputs().iter().enumerate() {
+                // SAFETY: chunks are disjoint ranges of the flat index, and every output of
+                // this program has the iteration shape, so this task alone writes
+                // `start..start + len` of each output.
+                unsafe { store(&f, o, program.dtype(o), outs, j, start) };
+            }
+            start += f.len;
+        }
+    };
+    let tasks = n.div_ceil(chunk.max(1));
+    if tasks <= 1 {
+        task(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// The register dtype of an accumulator for `dtype` values folded with a sum or product.
+fn widen(dtype: DType) -> DType {
+    if dtype == DType::F32 {
+        DType::F64
+    } else {
+        dtype
+    }
+}
+
+/// Converts accumulators (`acc`) into the register of a `Reduce` value of `dtype`.
+fn finish_acc(acc: &Buf, out: &mut Buf, len: usize) {
+    match (acc, out) {
+        (Buf::F64(a), Buf::F32(o)) => {
+            for (o, &a) in o[..len].iter_mut().zip(&a[..len]) {
+                *o = a as f32;
+            }
+        }
+        (Buf::F64(a), Buf::F64(o)) => o[..len].copy_from_slice(&a[..len]),
+        (Buf::F32(a), Buf::F32(o)) => o[..len].copy_from_slice(&a[..len]),
+        (Buf::I64(a), Buf::I64(o)) => o[..len].copy_from_slice(&a[..len]),
+        (Buf::U8(a), Buf::U8(o)) => o[..len].copy_from_slice(&a[..len]),
+        _ => unreachable!("accumulator of another dtype"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn block_is_a_multiple_of_the_vector_width() {
+        assert_eq!(super::BLOCK % 64, 0);
+    }
+}

@@ -1,0 +1,324 @@
+//! The fused evaluator (`Backend::eval_expr` on the CPU) against the op-by-op evaluation of the
+//! same program (`kiln_core::expr::eval_composed::<Cpu>`, one CPU kernel per instruction) and
+//! against the f64 reference backend: random expression trees over broadcast, transposed and
+//! sliced inputs, with and without axis reductions, in f32 and f64.
+
+use kiln_backend_cpu::Cpu;
+use kiln_core::expr::{Combine, Expr, Program, eval_composed};
+use kiln_core::{
+    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
+};
+use proptest::prelude::*;
+
+type T = Tensor<Cpu>;
+
+/// A random expression over `n` inputs (built into an `Expr` by `build`).
+#[derive(Clone, Debug)]
+enum Tree {
+    In(usize),
+    Const(f64),
+    Param,
+    Un(UnaryOp, Box<Tree>),
+    Bin(BinaryOp, Box<Tree>, Box<Tree>),
+    /// `where(cmp(a, b), c, d)`
+    Sel(CmpOp, Box<Tree>, Box<Tree>, Box<Tree>, Box<Tree>),
+    /// A round trip through the other float dtype.
+    Cast(Box<Tree>),
+}
+
+fn build(t: &Tree, dtype: DType, other: DType) -> Expr {
+    match t {
+        Tree::In(k) => Expr::input(*k),
+        Tree::Const(c) => Expr::constant(*c),
+        // (a parameter has one dtype: none inside a cast to the other one)
+        Tree::Param if dtype != other => Expr::param(0),
+        Tree::Param => Expr::constant(0.3),
+        Tree::Un(op, a) => build(a, dtype, other).unary(*op),
+        Tree::Bin(op, a, b) => build(a, dtype, other).binary(*op, build(b, dtype, other)),
+        Tree::Sel(op, a, b, c, d) => build(a, dtype, other)
+            .compare(*op, build(b, dtype, other))
+            .where_cond(build(c, dtype, other), build(d, dtype, other)),
+        Tree::Cast(a) => build(a, other, other).to_dtype(dtype),
+    }
+}
+
+const UNARY: [UnaryOp; 16] = UnaryOp::ALL;
+
+fn tree(n_inputs: usize) -> impl Strategy<Value = Tree> {
+    let leaf = prop_oneof![
+        4 => (0..n_inputs).prop_map(Tree::In),
+        1 => (-2.0f64..2.0).prop_map(Tree::Const),
+        1 => Just(Tree::Param),
+    ];
+    leaf.prop_recursive(4, 24, 3, |inner| {
+        prop_oneof![
+            3 => (prop::sample::select(UNARY.to_vec()), inner.clone())
+                .prop_map(|(op, a)| Tree::Un(op, Box::new(a))),
+            4 => (prop::sample::select(BinaryOp::ALL.to_vec()), inner.clone(), inner.clone())
+                .prop_map(|(op, a, b)| Tree::Bin(op, Box::new(a), Box::new(b))),
+            1 => (prop::sample::select(CmpOp::ALL.to_vec()), inner.clone(), inner.clone(),
+                  inner.clone(), inner.clone())
+                .prop_map(|(op, a, b, c, d)| Tree::Sel(op, Box::new(a), Box::new(b),
+                    Box::new(c), Box::new(d))),
+            1 => inner.prop_map(|a| Tree::Cast(Box::new(a))),
+        ]
+    })
+}
+
+/// How an input is laid out.
+#[derive(Clone, Copy, Debug)]
+enum View {
+    Contiguous,
+    /// Axes reversed (a transposed view of a contiguous tensor).
+    Transposed,
+    /// A narrowed window of a wider tensor.
+    Sliced,
+}
+
+#[derive(Clone, Debug)]
+struct Input {
+    /// Which axes of the iteration shape this input broadcasts along (size 1 there).
+    ones: Vec<bool>,
+    /// Leading axes dropped (broadcast by rank).
+    drop: usize,
+    view: View,
+    seed: u64,
+}
+
+fn input(rank: usize) -> impl Strategy<Value = Input> {
+    (
+        prop::collection::vec(prop::bool::weighted(0.25), rank),
+        0..=rank.min(1),
+        prop_oneof![
+            Just(View::Contiguous),
+            Just(View::Transposed),
+            Just(View::Sliced)
+        ],
+        any::<u64>(),
+    )
+        .prop_map(|(ones, drop, view, seed)| Input {
+            ones,
+            drop,
+            view,
+            seed,
+        })
+}
+
+/// The iteration shape: mostly small, sometimes past a block (2048) or a parallel chunk.
+fn shape() -> impl Strategy<Value = Vec<usize>> {
+    prop_oneof![
+        6 => prop::collection::vec(0usize..6, 0..=3),
+        1 => prop::collection::vec(1usize..6, 1..=2).prop_map(|mut v| { v.push(3000); v }),
+        1 => (40_000usize..70_000).prop_map(|n| vec![n]),
+        1 => (2usize..5, 9000usize..20_000).prop_map(|(a, b)| vec![b, a]),
+    ]
+}
+
+fn make(spec: &Input, shape: &[usize], dtype: DType) -> T {
+    let dims: Vec<usize> = shape
+        .iter()
+        .zip(&spec.ones)
+        .skip(spec.drop)
+        .map(|(&d, &one)| if one { 1 } else { d })
+        .collect();
+    let dev = Cpu::device(0);
+    let rand = |d: Vec<usize>| T::rand(d, -2.0, 2.0, spec.seed, dtype, &dev).unwrap();
+    match spec.view {
+        View::Contiguous => rand(dims),
+        View::Transposed => {
+            let rev: Vec<usize> = dims.iter().rev().copied().collect();
+            let perm: Vec<usize> = (0..dims.len()).rev().collect();
+            rand(rev).permute(&perm).unwrap()
+        }
+        View::Sliced => {
+            if dims.is_empty() {
+                return rand(dims);
+            }
+            let mut wide = dims.clone();
+            let last = wide.len() - 1;
+            wide[last] += 3;
+            rand(wide).narrow(last as isize, 1, dims[last]).unwrap()
+        }
+    }
+}
+
+/// Both NaN, equal infinities, or within `atol + rtol * |want|`.
+fn close(got: &[f64], want: &[f64], atol: f64, rtol: f64) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} values, want {}", got.len(), want.len()));
+    }
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan())
+            || g == w
+            || (g.is_finite() && w.is_finite() && (g - w).abs() <= atol + rtol * w.abs());
+        if !ok {
+            return Err(format!("element {i}: got {g}, want {w}"));
+        }
+    }
+    Ok(())
+}
+
+fn values(t: &T) -> Vec<f64> {
+    t.to_host().unwrap().to_f64_vec()
+}
+
+/// Runs `p` fused and op by op (both on the CPU) and compares every output.
+fn compare(p: &Program, xs: &[T], params: &[f64], rtol: f64) -> Result<(), TestCaseError> {
+    let refs: Vec<&T> = xs.iter().collect();
+    let fused = p
+        .run(&refs, params)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut shape = xs[0].shape().clone();
+    for x in xs {
+        shape = shape.broadcast_with("t", x.shape()).unwrap();
+    }
+    let layouts: Vec<Layout> = xs
+        .iter()
+        .map(|x| x.layout().broadcast_to(&shape).unwrap())
+        .collect();
+    let args: Vec<(&<Cpu as Backend>::Storage, &Layout)> = xs
+        .iter()
+        .zip(&layouts)
+        .map(|(x, l)| (x.storage(), l))
+        .collect();
+    let dev = Cpu::device(0);
+    let composed = eval_composed::<Cpu>(&dev, p, &shape, &args, params)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (j, (f, c)) in fused.iter().zip(composed).enumerate() {
+        let c = T::from_storage(c, f.shape().clone(), f.dtype());
+        close(&values(f), &values(&c), 1e-6, rtol)
+            .map_err(|m| TestCaseError::fail(format!("output {j}: {m}\nprogram:\n{p}")))?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+    /// Elementwise programs: two outputs (the tree and a second use of its inputs).
+    #[test]
+    fn elementwise_trees_match_op_by_op(
+        t in tree(3),
+        shp in shape(),
+        ins in prop::collection::vec(input(3), 3),
+        f64_ in any::<bool>(),
+        param in -2.0f64..2.0,
+    ) {
+        let dtype = if f64_ { DType::F64 } else { DType::F32 };
+        let other = if f64_ { DType::F32 } else { DType::F64 };
+        let rank = shp.len();
+        let xs: Vec<T> = ins.iter().map(|i| {
+            let mut i = i.clone();
+            i.ones.resize(rank, false);
+            i.drop = i.drop.min(rank);
+            make(&i, &shp, dtype)
+        }).collect();
+        let e = build(&t, dtype, other);
+        let second = Expr::input(0) * 2.0 - Expr::input(1);
+        let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
+        let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
+        // Same kernels, same order: only sums may differ, and there are none here.
+        compare(&p, &xs, &params, 1e-12)?;
+    }
+
+    /// Reductions over random axes with a post-map; also an elementwise output of the same
+    /// pass.
+    #[test]
+    fn reductions_match_op_by_op(
+        t in tree(2),
+        shp in shape().prop_filter("rank >= 1", |s| !s.is_empty()),
+        ins in prop::collection::vec(input(3), 2),
+        axes_mask in prop::collection::vec(any::<bool>(), 3),
+        combine in prop::sample::select(Combine::ALL.to_vec()),
+        f64_ in any::<bool>(),
+        with_elem in any::<bool>(),
+    ) {
+        let dtype = if f64_ { DType::F64 } else { DType::F32 };
+        let other = if f64_ { DType::F32 } else { DType::F64 };
+        let rank = shp.len();
+        let mut axes: Vec<isize> = (0..rank).filter(|&a| axes_mask[a]).map(|a| a as isize).collect();
+        if axes.is_empty() {
+            axes.push(-1);
+        }
+        // Long products overflow in one order and not in another: keep them short.
+        let big = shp.iter().product::<usize>() > 4096;
+        prop_assume!(!(combine == Combine::Prod && big));
+        let empty_fold = axes.iter().any(|&a| shp[(a + rank as isize) as usize % rank] == 0);
+        prop_assume!(!(empty_fold && matches!(combine, Combine::Max | Combine::Min)));
+        let xs: Vec<T> = ins.iter().enumerate().map(|(k, i)| {
+            let mut i = i.clone();
+            i.ones.resize(rank, false);
+            i.drop = i.drop.min(rank);
+            if k == 1 {
+                // input 1 has the iteration shape itself
+                i.drop = 0;
+                i.ones = vec![false; rank];
+            }
+            make(&i, &shp, dtype)
+        }).collect();
+        // Bounded map values, so that sums in another order stay close.
+        let body = build(&t, dtype, other).tanh() * 1.5 + Expr::input(1);
+        let red = body.reduce(combine, &axes);
+        let post = (&red * 0.5).abs() + Expr::param(0);
+        let mut outs = vec![post, red];
+        if with_elem {
+            outs.push(body.sigmoid());
+        }
+        let p = Program::from_exprs(&[dtype; 2], &outs).unwrap();
+        let params = vec![0.25; p.params().len()];
+        let rtol = if f64_ { 1e-9 } else { 1e-4 };
+        compare(&p, &xs, &params, rtol)?;
+    }
+}
+
+#[test]
+fn agrees_with_the_reference_backend() {
+    use kiln_core::reference::{RefDevice, Reference};
+    let x = Expr::input(0);
+    let m = Expr::input(1);
+    let lse = (&x - &m).exp().sum(&[-1]).log() + &m;
+    let p = Program::from_exprs(&[DType::F64, DType::F64], &[lse, x.gelu() * x.sigmoid()]).unwrap();
+    let dev = Cpu::device(0);
+    let xc = T::rand([37, 3001], -3.0, 3.0, 5, DType::F64, &dev).unwrap();
+    let mc = xc.max(&[-1], true).unwrap();
+    let xr =
+        Tensor::<Reference>::from_host(&xc.to_host().unwrap(), [37, 3001], &RefDevice(0)).unwrap();
+    let mr =
+        Tensor::<Reference>::from_host(&mc.to_host().unwrap(), [37, 1], &RefDevice(0)).unwrap();
+    let got = p.run(&[&xc, &mc], &[]).unwrap();
+    let want = p.run(&[&xr, &mr], &[]).unwrap();
+    for (g, w) in got.iter().zip(&want) {
+        close(&values(g), &w.to_host().unwrap().to_f64_vec(), 1e-12, 1e-12).unwrap();
+    }
+}
+
+#[test]
+fn bad_calls_are_typed_errors_and_the_device_stays_usable() {
+    let dev = Cpu::device(0);
+    let x = Expr::input(0);
+    let kind = |e: Error| match e {
+        Error::Expr { kind, .. } => kind,
+        other => panic!("{other}"),
+    };
+    let p = Program::from_exprs(&[DType::F32], &[x.exp().sum(&[1])]).unwrap();
+    let a = T::rand([2, 3], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let b = T::rand([2, 3], 0.0, 1.0, 1, DType::F64, &dev).unwrap();
+    assert_eq!(kind(p.run(&[&b], &[]).unwrap_err()), ExprErrorKind::DType);
+    assert_eq!(
+        kind(p.run(&[&a, &a], &[]).unwrap_err()),
+        ExprErrorKind::Arity
+    );
+    let v = T::rand([3], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
+    assert_eq!(kind(p.run(&[&v], &[]).unwrap_err()), ExprErrorKind::Axis);
+    // below the tensor layer: a layout that is not the iteration shape, a wrong storage dtype
+    let shape = Shape::new([2, 3]);
+    let l = Layout::contiguous([3, 2]);
+    let e = Cpu::eval_expr(&dev, &p, &shape, &[(a.storage(), &l)], &[]).unwrap_err();
+    assert_eq!(kind(e), ExprErrorKind::Shape);
+    let e = Cpu::eval_expr(&dev, &p, &shape, &[(b.storage(), b.layout())], &[]).unwrap_err();
+    assert_eq!(kind(e), ExprErrorKind::DType);
+    // ... and the next program runs
+    let s = p.run(&[&a], &[]).unwrap();
+    let want = a.exp().unwrap().sum(&[1], true).unwrap();
+    close(&values(&s[0]), &values(&want), 1e-6, 1e-6).unwrap();
+}

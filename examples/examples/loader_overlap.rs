@@ -87,6 +87,7 @@ impl Job for Overlap {
             .drop_last(true)
             .prefetch(0)
             .sample_shape(shape.clone())?;
+        let probe = data.clone();
         let mut pre_loader = DataLoader::<B>::new(data, a.batch, &dev)?
             .drop_last(true)
             .prefetch(1)
@@ -127,6 +128,22 @@ impl Job for Overlap {
             v[v.len() / 2]
         };
         let (c, s, p) = (med(c), med(s), med(p));
+        // Where one batch's data movement goes: loading alone (gather + upload, no step) and
+        // the host gather alone.
+        B::synchronize(&dev)?;
+        let t = Instant::now();
+        for b in sync_loader.iter() {
+            drop(b?);
+        }
+        B::synchronize(&dev)?;
+        let load = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
+        let idx: Vec<usize> = (0..a.batch).collect();
+        let (mut fb, mut lb) = (vec![0u8; a.batch * 784 * 4], vec![0u8; a.batch * 8]);
+        let t = Instant::now();
+        for _ in 0..steps {
+            kiln_data::Dataset::get_batch_into(&probe, &idx, &mut fb, &mut lb)?;
+        }
+        let gather = t.elapsed().as_secs_f64() * 1e3 / steps as f64;
         let mb = (a.batch * 784 * 4) as f64 / 1e6;
         // The share of the data movement (sync - compute) that prefetching hides.
         let hidden = if s > c * 1.001 {
@@ -141,7 +158,7 @@ impl Job for Overlap {
         };
         println!(
             "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} steps={steps} \
-             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={:.3} hidden={hidden}",
+             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={:.3} hidden={hidden} load_only={load:.3} gather_only={gather:.3}",
             a.batch,
             p / c,
         );

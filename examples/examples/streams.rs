@@ -5,8 +5,8 @@
 //!    call returns at once, the copy is ordered before every later use).
 //! 2. Reading a GPU tensor back into a fresh `Vec`, into a buffer the loop reuses, and into a
 //!    pinned CPU tensor.
-//! 3. Two independent matrix products on two streams, timed with events, against the same
-//!    work on one stream.
+//! 3. Uploads from pinned memory overlapping matrix products (the copy stream at work), timed
+//!    with events; and work on a user stream, ordered before the default stream's.
 //!
 //! ```sh
 //! cargo run --release --example streams      # needs a GPU; says so and exits without one
@@ -76,37 +76,59 @@ fn main() -> Result<()> {
     );
     assert!(buf == data && host.to_vec::<f32>()? == data);
 
-    // 3. Two streams. Each product is small enough to leave SMs idle, so two can share the GPU.
-    let a = Tensor::<Cuda>::rand([512, 512], -1.0, 1.0, 1, DType::F32, &dev)?;
-    let b = Tensor::<Cuda>::rand([512, 512], -1.0, 1.0, 2, DType::F32, &dev)?;
-    let (s1, s2) = (Stream::new(&dev)?, Stream::new(&dev)?);
-    let work = |x: &Tensor<Cuda>| -> Result<()> {
-        let mut y = x.clone();
-        for _ in 0..200 {
-            y = y.matmul(x)?.tanh()?;
+    // 3. Copies overlap compute. Uploads from pinned memory run on the device's copy stream, so
+    //    matrix products queued on the default stream and the uploads proceed side by side.
+    let a = Tensor::<Cuda>::rand([4096, 4096], -1.0, 1.0, 1, DType::F32, &dev)?;
+    let batch = Tensor::<Cpu>::from_slice(&data[..16 << 20], [16 << 20], &cpu)?.pin_memory()?;
+    let compute = || -> Result<()> {
+        for _ in 0..10 {
+            a.matmul(&a)?.realize()?;
         }
-        y.realize()
+        Ok(())
     };
-    work(&a)?; // warm-up: kernels compiled, memory cached
+    let upload = || -> Result<()> {
+        for _ in 0..20 {
+            drop(batch.to_backend::<Cuda>(&dev)?);
+        }
+        Ok(())
+    };
+    compute()?; // warm-up: cuBLAS, memory cached
+    upload()?;
     let (start, end) = (Event::timing(&dev)?, Event::timing(&dev)?);
-    start.record()?;
-    work(&a)?;
-    work(&b)?;
-    end.record()?;
-    let one = start.elapsed_ms(&end)?;
-    let default = Stream::current(&dev)?;
-    start.record()?;
-    s1.wait_stream(&default)?;
-    s2.wait_stream(&default)?;
-    s1.scope(|| work(&a))?;
-    s2.scope(|| work(&b))?;
-    default.wait_stream(&s1)?;
-    default.wait_stream(&s2)?;
-    end.record()?;
-    let two = start.elapsed_ms(&end)?;
+    let timed = |f: &dyn Fn() -> Result<()>| -> Result<f32> {
+        kiln_backend_cuda::synchronize(&dev)?;
+        start.record()?;
+        f()?;
+        kiln_backend_cuda::synchronize(&dev)?; // every stream, the copy stream too
+        end.record()?;
+        start.elapsed_ms(&end)
+    };
+    let c = timed(&compute)?;
+    let u = timed(&upload)?;
+    let both = timed(&|| {
+        compute()?;
+        upload()
+    })?;
     println!(
-        "two chains of 200 (512x512 matmul + tanh): one stream {one:.2} ms, two streams {two:.2} ms ({:.2}x)",
-        one / two
+        "10 matmuls 4096^2: {c:.2} ms; 20 uploads of 64 MB pinned: {u:.2} ms; both at once: {both:.2} ms \
+         (sum {:.2}: {:.0}% of the shorter one hidden)",
+        c + u,
+        100.0 * (c + u - both) / c.min(u)
+    );
+
+    // 4. A user stream: work in its scope runs there; the default stream waits for it.
+    let s = Stream::new(&dev)?;
+    let y = s.scope(|| {
+        start.record()?;
+        let y = a.matmul(&a)?;
+        end.record()?;
+        Ok::<_, kiln_core::Error>(y)
+    })?;
+    Stream::current(&dev)?.wait_stream(&s)?;
+    println!(
+        "one matmul on a user stream: {:.2} ms (sum of the result {:.1})",
+        start.elapsed_ms(&end)?,
+        y.sum_all()?.to_scalar()?
     );
     Ok(())
 }

@@ -225,14 +225,15 @@ pub(crate) struct Staging {
 }
 // SAFETY: only used under the `staging` mutex.
 unsafe impl Send for Staging {}
-/// The size of one staging block: `KILN_CUDA_STAGING_MB` MiB (default 8; read once).
+/// The size of one staging block: `KILN_CUDA_STAGING_MB` MiB (default 32, the best of 8 and 32
+/// for 256 MB copies on an H100 host, BENCHMARKS.md; read once).
 pub(crate) fn staging_bytes() -> usize {
     static B: OnceLock<usize> = OnceLock::new();
     *B.get_or_init(|| {
         let mb = std::env::var("KILN_CUDA_STAGING_MB")
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(8);
+            .unwrap_or(32);
         mb.clamp(1, 256) << 20
     })
 }

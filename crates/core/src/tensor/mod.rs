@@ -137,7 +137,7 @@ impl<B: Backend> Tensor<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let shape = shape.into();
-        let s = B::fill(device, dtype, shape.elem_count(), value)?;
+        let s = B::fill(device, dtype, shape.elem_count_for("full")?, value)?;
         Ok(Self::from_storage(s, shape, dtype))
     }
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: &B::Device) -> Result<Self> {
@@ -300,7 +300,7 @@ impl<B: Backend> Tensor<B> {
                 got: dtype,
             });
         }
-        let s = B::rand(device, dtype, shape.elem_count(), seed, dist)?;
+        let s = B::rand(device, dtype, shape.elem_count_for("rand")?, seed, dist)?;
         Ok(Self::from_storage(s, shape, dtype))
     }
 

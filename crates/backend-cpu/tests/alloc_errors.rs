@@ -167,13 +167,13 @@ fn sizes_past_the_address_space_are_invalid_arguments() {
     // The element count overflows usize (it used to panic with `capacity overflow`).
     invalid(
         Tensor::<Cpu>::zeros([usize::MAX / 2, 4], DType::F32, &cpu),
-        "fill",
-        "overflows usize",
+        "full",
+        "more elements than usize can count",
     );
     invalid(
         Tensor::<Cpu>::zeros([1 << 32, 1 << 32], DType::U8, &cpu),
-        "fill",
-        "overflows usize",
+        "full",
+        "more elements than usize can count",
     );
     // The count fits, its bytes do not.
     invalid(
@@ -189,7 +189,7 @@ fn sizes_past_the_address_space_are_invalid_arguments() {
     invalid(
         Tensor::<Cpu>::randn([usize::MAX / 2, 4], 0.0, 1.0, 1, DType::F64, &cpu),
         "rand",
-        "overflows usize",
+        "more elements than usize can count",
     );
     let big = Tensor::<Cpu>::ones([1], DType::F32, &cpu)
         .unwrap()

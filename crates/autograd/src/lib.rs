@@ -36,6 +36,8 @@
 //!   backward copies the gradient back (Chainer's `F.copy`), so a model split over two GPUs
 //!   backpropagates across them. Mixing devices in any other op is an error naming both.
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
+//! - Fused user functions ([`fuse`]): written once over `Expr`s, run as one pass on any
+//!   backend, differentiated through the expression IR (no hand-written backward).
 //! - [`check_backward`] is Chainer's numerical gradient check; the generic gradient test suite
 //!   every backend runs is `testing::run_gradient_suite` (feature `testing`).
 //!
@@ -66,11 +68,13 @@
 //! on `Var`s do not exist; `set_tensor` is the only mutation and is for leaves.
 
 mod check;
+mod fuse;
 mod ops;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod var;
 
 pub use check::{CheckOptions, assert_backward, check_backward};
+pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;
 pub use var::{BackwardFn, InputGrads, Var, VarId, is_grad_enabled, no_grad};

@@ -40,7 +40,7 @@ macro_rules! float_binary {
 }
 
 /// Elements per block: every register of a block stays in L1/L2 (numexpr's choice).
-pub(super) const BLOCK: usize = 2048;
+pub(super) const BLOCK: usize = 4096;
 
 /// A typed scalar.
 #[derive(Clone, Copy, Debug, PartialEq)]

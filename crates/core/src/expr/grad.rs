@@ -25,7 +25,7 @@
 use std::collections::HashMap;
 
 use super::build::Emitter;
-use super::ir::{Combine, Instr, Program, Scalar, Val, expr_err};
+use super::ir::{Combine, Instr, Phase, Program, Scalar, Val, expr_err};
 use crate::backend::{BinaryOp, CmpOp, UnaryOp};
 use crate::error::ExprErrorKind;
 use crate::{DType, Result};
@@ -61,8 +61,9 @@ pub struct Gradient {
     /// elements equal its result (in the reduction's dtype). Run it before [`Self::backward`].
     pub ties: Option<Program>,
     /// Inputs: the forward inputs, the `R` reduced values, the `T` tie counts, then the
-    /// cotangent of the output (its shape). Parameters: the forward's. Outputs: one gradient per
-    /// requested input, in the iteration shape.
+    /// cotangent of the output (its shape). Parameters: the forward's, and for a forward that
+    /// reduces one more (f64): the number of elements each reduction folds (the product of
+    /// the reduced extents). Outputs: one gradient per requested input, in the iteration shape.
     pub backward: Program,
 }
 
@@ -140,6 +141,10 @@ fn compact(code: &[Instr], outputs: &[Val]) -> (Vec<Instr>, Vec<Val>) {
 struct Adj<'a> {
     em: &'a mut Emitter,
     dtypes: Vec<DType>,
+    /// The forward phase of each forward value (rewritten numbering).
+    fphase: Vec<Phase>,
+    /// The index of the parameter holding the number of elements each reduction folds.
+    count_param: u32,
 }
 
 impl Adj<'_> {
@@ -308,9 +313,16 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
     }
     let first_tie = (n + r_count) as u32;
     let g_input = first_tie + t_count as u32;
+    let mut fphase = vec![Phase::Uniform; em.code.len()];
+    for (i, &m) in map.iter().enumerate() {
+        fphase[m as usize] = program.phases()[i];
+    }
+    let count_param = program.params().len() as u32;
     let mut a = Adj {
         em: &mut em,
         dtypes,
+        fphase,
+        count_param,
     };
     let g = a.emit(Instr::Input(g_input), gdt);
     let forward_len = map.iter().map(|&m| m as usize + 1).max().unwrap_or(0);
@@ -351,7 +363,7 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
                         }
                         Combine::Prod => unreachable!("rejected above"),
                     };
-                    add_to(&mut a, &mut adj, mapped, d);
+                    add_raw(&mut a, &mut adj, mapped, d);
                 }
             }
             Instr::Param(_) | Instr::Const(_) | Instr::Cmp(..) => {}
@@ -423,7 +435,7 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
                     UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => None,
                 };
                 if let Some(d) = d {
-                    add_to(&mut a, &mut adj, x, d);
+                    add_to(&mut a, &mut adj, v, x, d);
                 }
             }
             Instr::Binary(op, x, z) => {
@@ -482,28 +494,28 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
                     }
                 };
                 if dx {
-                    add_to(&mut a, &mut adj, x, gx);
+                    add_to(&mut a, &mut adj, v, x, gx);
                 }
                 if dz {
-                    add_to(&mut a, &mut adj, z, gz);
+                    add_to(&mut a, &mut adj, v, z, gz);
                 }
             }
             Instr::Where(c, x, z) => {
                 let zero = a.c(0.0, dt);
                 if dep(x) {
                     let d = a.select(c, g, zero);
-                    add_to(&mut a, &mut adj, x, d);
+                    add_to(&mut a, &mut adj, v, x, d);
                 }
                 if dep(z) {
                     let d = a.select(c, zero, g);
-                    add_to(&mut a, &mut adj, z, d);
+                    add_to(&mut a, &mut adj, v, z, d);
                 }
             }
             Instr::Cast(_, x) => {
                 if dep(x) && dt.is_float() {
                     let from = a.dt(x);
                     let d = a.emit(Instr::Cast(from, g), from);
-                    add_to(&mut a, &mut adj, x, d);
+                    add_to(&mut a, &mut adj, v, x, d);
                 }
             }
             Instr::Reduce(..) => unreachable!("rewritten as inputs"),
@@ -527,7 +539,11 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
         }
     }
     inputs.push(gdt);
-    let backward = Program::new(inputs, program.params().to_vec(), code, outs, vec![])?;
+    let mut params = program.params().to_vec();
+    if program.reduces() {
+        params.push(DType::F64);
+    }
+    let backward = Program::new(inputs, params, code, outs, vec![])?;
     Ok(Gradient {
         reductions: r_count,
         ties,
@@ -535,8 +551,31 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
     })
 }
 
+/// `adj[v] += d`, for a contribution from value `from`. A post-map value (kept shape) that
+/// reads a per-element value is evaluated once per kept element, but the backward program runs
+/// per element of the iteration: its contribution is divided by the number of elements each
+/// reduction folds (the backward's last parameter), so that summing the gradient back to the
+/// input's shape counts it once.
+fn add_to(a: &mut Adj<'_>, adj: &mut HashMap<Val, Val>, from: Val, v: Val, d: Val) {
+    let d = if a.fphase.get(from as usize) == Some(&Phase::Reduced)
+        && a.fphase.get(v as usize) == Some(&Phase::Elem)
+    {
+        let dt = a.dt(d);
+        let r = a.emit(Instr::Param(a.count_param), DType::F64);
+        let r = if dt == DType::F64 {
+            r
+        } else {
+            a.emit(Instr::Cast(dt, r), dt)
+        };
+        a.bin(BinaryOp::Div, d, r)
+    } else {
+        d
+    };
+    add_raw(a, adj, v, d)
+}
+
 /// `adj[v] += d`.
-fn add_to(a: &mut Adj<'_>, adj: &mut HashMap<Val, Val>, v: Val, d: Val) {
+fn add_raw(a: &mut Adj<'_>, adj: &mut HashMap<Val, Val>, v: Val, d: Val) {
     let new = match adj.get(&v) {
         Some(&prev) => a.bin(BinaryOp::Add, prev, d),
         None => d,

@@ -180,7 +180,26 @@ fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
     }
     args.push(gy.clone());
     let a: Vec<&T> = args.iter().collect();
-    let grads = g.backward.run(&a, &[]).unwrap();
+    let mut bparams = vec![];
+    if p.reduces() {
+        let shape = fwd
+            .iter()
+            .map(|t| t.shape().clone())
+            .fold(xs[0].shape().clone(), |s, t| {
+                s.broadcast_with("t", &t).unwrap()
+            });
+        let shape = xs
+            .iter()
+            .fold(shape, |s, x| s.broadcast_with("t", x.shape()).unwrap());
+        let n: usize = p
+            .resolve_axes(&shape)
+            .unwrap()
+            .iter()
+            .map(|&a| shape.dims()[a])
+            .product();
+        bparams.push(n as f64);
+    }
+    let grads = g.backward.run(&a, &bparams).unwrap();
     let f = |xs: &[T]| -> f64 {
         let r: Vec<&T> = xs.iter().collect();
         let y = &p.run(&r, &[]).unwrap()[0];
@@ -252,6 +271,12 @@ fn gradients_match_central_differences() {
     );
     check_grad(&|e| e[0].max(&[0]) * e[0].sum(&[0]), &[x.t().unwrap()]);
     check_grad(&|e| e[0].min(&[-1]).exp(), &[x.narrow(1, 1, 2).unwrap()]);
+    // a post-map that reads an input constant along the reduced axis (log-sum-exp given m)
+    let m = x.max(&[1], true).unwrap();
+    check_grad(
+        &|e| (&e[0] - &e[1]).exp().sum(&[1]).log() + &e[1],
+        &[x.clone(), m],
+    );
 }
 
 #[test]

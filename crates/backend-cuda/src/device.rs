@@ -80,9 +80,6 @@ fn driver_info() -> &'static std::result::Result<usize, String> {
         // SAFETY: valid out-pointer; the driver is initialized.
         check(unsafe { sys::cuDeviceGetCount(&mut n) }, "cuDeviceGetCount")
             .map_err(|e| e.to_string())?;
-        if n > 0 {
-            crate::pinned::register();
-        }
         Ok(n.max(0) as usize)
     })
 }
@@ -108,11 +105,6 @@ pub fn gpu_or_skip(i: usize) -> Option<CudaDevice> {
         let _ = writeln!(std::io::stderr(), "skipped: no CUDA device {i} ({reason})");
     }
     d
-}
-
-/// Every GPU (empty when there is none).
-pub fn try_all_gpus() -> Vec<CudaDevice> {
-    (0..device_count()).map(CudaDevice::new).collect()
 }
 
 /// Turns a driver status into a typed error naming the op.

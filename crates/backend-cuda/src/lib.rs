@@ -8,13 +8,21 @@
 //!   `None` — never a panic. The bound CUDA version is 13.0 by default; build with
 //!   `--no-default-features --features cuda-12080` (or `cuda-12060`, `cuda-12040`) for a 12.x
 //!   driver.
-//! - **Per-GPU state, created lazily** (`device.rs`): context, a compute stream, a copy
-//!   stream ordered against it with events, the cuBLAS handle, the kernel cache.
+//! - **Per-GPU state, created lazily** (`device.rs`): context, a default (compute) stream, a
+//!   copy stream, the cuBLAS handle, the kernel cache.
+//! - **Streams and events for users** (`stream.rs`): [`Stream::scope`] makes a stream current
+//!   for the calling thread; every launch, allocation, cuBLAS call and copy goes to the current
+//!   stream; [`Event`] records, waits, queries and times.
+//! - **Transfers** (`transfer.rs`, `pinned.rs`): uploads run on the copy stream (direct,
+//!   asynchronous DMA from pinned memory; a threaded pinned staging ring from ordinary memory),
+//!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs
+//!   `Tensor::<Cpu>::pin_memory`.
 //! - **Our own kernels** (`kernels/*.cu`), compiled by NVRTC for the device's architecture on
 //!   first use, memoized per device and cached on disk (`compile.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
-//!   raised, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once, then
-//!   [`kiln_core::Error::OutOfMemory`]; pinned staging for host transfers; peer copies.
+//!   raised, a block cache per stream that never reuses a block before every stream that used
+//!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
+//!   then [`kiln_core::Error::OutOfMemory`].
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
 //! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
@@ -48,8 +56,8 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, clear_kernel_cache, device_count, fused_program_stats, gpu_or_skip, launch_stats,
-    thread_launches, thread_syncs, try_all_gpus, try_gpu, unavailable_reason,
+    CudaDevice, clear_kernel_cache, fused_program_stats, launch_stats, thread_launches,
+    thread_syncs, unavailable_reason,
 };
 pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
@@ -59,6 +67,36 @@ pub use stream::{Event, Stream, StreamGuard, synchronize};
 pub use transfer::copy_threads;
 
 use device::state;
+
+// Device discovery. Finding a GPU also registers the pinned host pool with kiln-core, so CPU
+// tensors can be pinned from then on (see `pinned.rs`).
+
+/// Number of usable GPUs (0 without a driver or a GPU; never panics).
+pub fn device_count() -> usize {
+    let n = device::device_count();
+    if n > 0 {
+        pinned::register();
+    }
+    n
+}
+
+/// GPU `i` if it exists (d2l's `try_gpu`); `None` otherwise. The caller picks the CPU then.
+pub fn try_gpu(i: usize) -> Option<CudaDevice> {
+    (i < device_count()).then(|| CudaDevice::new(i))
+}
+
+/// Every GPU (empty when there is none).
+pub fn try_all_gpus() -> Vec<CudaDevice> {
+    (0..device_count()).map(CudaDevice::new).collect()
+}
+
+/// [`try_gpu`] for GPU tests: when GPU `i` is missing, prints `skipped: no CUDA device i
+/// (<reason>)` straight to stderr (which libtest does not capture), so that a skipped test shows
+/// in a plain `cargo test` run instead of passing silently, and returns `None`.
+pub fn gpu_or_skip(i: usize) -> Option<CudaDevice> {
+    device_count();
+    device::gpu_or_skip(i)
+}
 
 /// The CUDA backend (a marker type: state lives per device).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -31,7 +31,7 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// The device with this ordinal; does not check that it exists (see [`try_gpu`]).
+    /// The device with this ordinal; does not check that it exists (see [`crate::try_gpu`]).
     pub fn new(ordinal: usize) -> Self {
         CudaDevice { ordinal }
     }

@@ -26,19 +26,20 @@ enum Tree {
     Cast(Box<Tree>),
 }
 
-fn build(t: &Tree, dtype: DType, other: DType) -> Expr {
+/// The expression of `t`; `cast` is the other float dtype and `dtype` the program's.
+fn build(t: &Tree, dtype: DType, cast: DType, in_cast: bool) -> Expr {
+    let b = |t: &Tree| build(t, dtype, cast, in_cast);
     match t {
         Tree::In(k) => Expr::input(*k),
         Tree::Const(c) => Expr::constant(*c),
-        // (a parameter has one dtype: none inside a cast to the other one)
-        Tree::Param if dtype != other => Expr::param(0),
+        // A parameter has one dtype: inside a cast, where an untyped subtree would take the
+        // other one, a constant stands in for it.
+        Tree::Param if !in_cast => Expr::param(0),
         Tree::Param => Expr::constant(0.3),
-        Tree::Un(op, a) => build(a, dtype, other).unary(*op),
-        Tree::Bin(op, a, b) => build(a, dtype, other).binary(*op, build(b, dtype, other)),
-        Tree::Sel(op, a, b, c, d) => build(a, dtype, other)
-            .compare(*op, build(b, dtype, other))
-            .where_cond(build(c, dtype, other), build(d, dtype, other)),
-        Tree::Cast(a) => build(a, other, other).to_dtype(dtype),
+        Tree::Un(op, a) => b(a).unary(*op),
+        Tree::Bin(op, x, y) => b(x).binary(*op, b(y)),
+        Tree::Sel(op, w, x, y, z) => b(w).compare(*op, b(x)).where_cond(b(y), b(z)),
+        Tree::Cast(a) => build(a, dtype, cast, true).to_dtype(cast).to_dtype(dtype),
     }
 }
 
@@ -213,7 +214,7 @@ proptest! {
             i.drop = i.drop.min(rank);
             make(&i, &shp, dtype)
         }).collect();
-        let e = build(&t, dtype, other);
+        let e = build(&t, dtype, other, false);
         let second = Expr::input(0) * 2.0 - Expr::input(1);
         let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
         let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
@@ -257,7 +258,7 @@ proptest! {
             make(&i, &shp, dtype)
         }).collect();
         // Bounded map values, so that sums in another order stay close.
-        let body = build(&t, dtype, other).tanh() * 1.5 + Expr::input(1);
+        let body = build(&t, dtype, other, false).tanh() * 1.5 + Expr::input(1);
         let red = body.reduce(combine, &axes);
         let post = (&red * 0.5).abs() + Expr::param(0);
         let mut outs = vec![post, red];

@@ -216,10 +216,10 @@ unsafe fn store(f: &Frame<'_>, v: u32, dtype: DType, outs: &Outs, j: usize, star
     // SAFETY: forwarded to the caller.
     unsafe {
         match dtype {
-            DType::F32 => f.read::<f32>(v, outs.slice(j, start, f.len)),
-            DType::F64 => f.read::<f64>(v, outs.slice(j, start, f.len)),
-            DType::I64 => f.read::<i64>(v, outs.slice(j, start, f.len)),
-            _ => f.read::<u8>(v, outs.slice(j, start, f.len)),
+            DType::F32 => f.store::<f32>(v, outs.slice(j, start, f.len)),
+            DType::F64 => f.store::<f64>(v, outs.slice(j, start, f.len)),
+            DType::I64 => f.store::<i64>(v, outs.slice(j, start, f.len)),
+            _ => f.store::<u8>(v, outs.slice(j, start, f.len)),
         }
     }
 }

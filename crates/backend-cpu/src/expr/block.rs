@@ -156,6 +156,10 @@ pub(super) struct Frame<'a> {
     pub(super) locs: Vec<Loc>,
     pub(super) len: usize,
     pub(super) inputs: &'a [&'a CpuStorage],
+    /// Byte ranges (addresses) of the next block's inputs still to prefetch, and how many
+    /// cache lines to request after each instruction (see [`Frame::prefetch_some`]).
+    pub(super) prefetch: Vec<(usize, usize)>,
+    pub(super) prefetch_step: usize,
 }
 
 impl<'a> Frame<'a> {
@@ -169,6 +173,37 @@ impl<'a> Frame<'a> {
             locs: vec![Loc::Uni(Sv::U8(0)); program.code().len()],
             len: 0,
             inputs,
+            prefetch: Vec::new(),
+            prefetch_step: 0,
+        }
+    }
+
+    /// Requests the next `prefetch_step` cache lines of the next block's inputs.
+    ///
+    /// Why: a block first waits for its inputs to arrive from memory, then computes from
+    /// cache while memory idles; a streaming loop hides this, a block pipeline does not. Asking
+    /// for the next block a few lines after each instruction overlaps the two (asking for all
+    /// of it at once stalls on the processor's few outstanding-miss slots instead).
+    pub(super) fn prefetch_some(&mut self) {
+        let mut budget = self.prefetch_step;
+        while budget > 0 {
+            let Some(last) = self.prefetch.last_mut() else {
+                return;
+            };
+            if last.0 >= last.1 {
+                self.prefetch.pop();
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: a prefetch is a hint: it never faults and changes no value, whatever the
+            // address (and these addresses lie inside an input's storage).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(
+                    last.0 as *const i8,
+                );
+            }
+            last.0 += 64;
+            budget -= 1;
         }
     }
 
@@ -217,6 +252,7 @@ impl<'a> Frame<'a> {
         let mut out = std::mem::replace(&mut self.regs[i], Buf::U8(Vec::new()));
         self.kernel(ins, dtype, &mut out);
         self.regs[i] = out;
+        self.prefetch_some();
         self.len = len;
         self.locs[i] = if uniform {
             Loc::Uni(match &self.regs[i] {

@@ -248,6 +248,39 @@ fn exec_block(
     }
 }
 
+/// Queues the contiguous inputs of the block at `next` (up to `end`) for prefetching, spread
+/// over the current block's instructions (see `Frame::prefetch_some`).
+fn schedule_prefetch(
+    f: &mut Frame<'_>,
+    program: &Program,
+    walks: &[Walk],
+    next: usize,
+    end: usize,
+) {
+    f.prefetch.clear();
+    if next >= end {
+        return;
+    }
+    let len = BLOCK.min(end - next);
+    let mut lines = 0;
+    for (k, w) in walks.iter().enumerate() {
+        if let Run::Contig(off) = w.run(next, len) {
+            let size = program.inputs()[k].size_in_bytes();
+            let base = f.inputs[k].data().as_bytes().as_ptr() as usize;
+            f.prefetch
+                .push((base + off * size, base + (off + len) * size));
+            lines += (len * size).div_ceil(64);
+        }
+    }
+    let ops = program
+        .code()
+        .iter()
+        .filter(|i| !matches!(i, Instr::Input(_) | Instr::Param(_) | Instr::Const(_)))
+        .count()
+        .max(1);
+    f.prefetch_step = lines.div_ceil(ops);
+}
+
 /// A program without reductions: flat blocks over the iteration, in parallel chunks.
 fn elementwise(
     program: &Program,
@@ -271,6 +304,8 @@ fn elementwise(
         let mut start = c * chunk;
         while start < end {
             f.len = BLOCK.min(end - start);
+            let next = start + f.len;
+            schedule_prefetch(&mut f, program, &walks, next, end);
             exec_block(&mut f, program, leaves, &run, |f, i, k| {
                 let dt = program.inputs()[k as usize];
                 place_input(f, i, k as usize, &walks[k as usize], start, dt);

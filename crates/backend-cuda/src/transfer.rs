@@ -117,13 +117,20 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
         )?;
         match src.owner {
             Some(owner) => {
+                // One event both orders the caller's stream after the copy and tells when the
+                // source may go.
                 let event = dev.event()?;
-                // SAFETY: a live event and stream of this context.
-                check(unsafe { sys::cuEventRecord(event, dev.copy) }, "from_host")?;
+                // SAFETY: a live event and streams of this context.
+                unsafe {
+                    check(sys::cuEventRecord(event, dev.copy), "from_host")?;
+                    check(sys::cuStreamWaitEvent(user, event, 0), "from_host")?;
+                }
                 dev.in_flight.lock().unwrap().push_back(InFlight {
                     event,
                     _owner: owner,
                 });
+                dst.mark_used(user);
+                return Ok(dst);
             }
             // Borrowed memory: the caller may reuse it once we return.
             // SAFETY: the copy stream belongs to this (current) context.

@@ -30,14 +30,22 @@ fn swish_forward_and_gradient() {
     let x = randn(&[5, 7], 1);
     let want = x.mul(&x.sigmoid().unwrap()).unwrap();
     assert_close(&swish.tensor(&x).unwrap(), &want, 1e-12);
-    assert_backward(|v| swish.var(&v[0]), std::slice::from_ref(&x), &CheckOptions::default());
+    assert_backward(
+        |v| swish.var(&v[0]),
+        std::slice::from_ref(&x),
+        &CheckOptions::default(),
+    );
     // a transposed input, in f32 too
     assert_backward(
         |v| swish.var(&v[0]),
         &[x.t().unwrap()],
         &CheckOptions::default(),
     );
-    assert_backward(|v| swish.var(&v[0]), std::slice::from_ref(&x), &CheckOptions::f32());
+    assert_backward(
+        |v| swish.var(&v[0]),
+        std::slice::from_ref(&x),
+        &CheckOptions::f32(),
+    );
     // the same gradient as the graph of separate ops
     let (a, b) = (Var::param(x.clone()), Var::param(x.clone()));
     swish

@@ -5,6 +5,8 @@
 //! - `chain5_32m`: `exp(a * b + 1) * 0.5 - b` over two 32M-element f32 vectors, five ops:
 //!   - `op_by_op`: five `Tensor` ops, each a kernel that reads and writes 128 MiB;
 //!   - `fused`: one program, one pass (`Program::run` → `Backend::eval_expr`);
+//! - `mul_32m`: `a * b` alone, fused and as the built-in kernel: the memory floor of the
+//!   chain (both read 256 MiB and write 128 MiB);
 //! - `lse_rows_4096x4096`: a row-wise log-sum-exp `log(sum(exp(x - m))) + m` given the row
 //!   maxima `m`, fused (one pass, post-map included) and op by op.
 //!
@@ -35,6 +37,17 @@ fn benches(c: &mut Criterion) {
     });
     g.bench_function("fused", |bch| {
         bch.iter(|| black_box(p.run(&[&a, &b], &[]).unwrap()))
+    });
+    g.finish();
+
+    // The memory floor: one multiply, fused (one program) and as the built-in kernel.
+    let prod = Program::from_exprs(&[DType::F32, DType::F32], &[&x * &y]).unwrap();
+    let mut g = c.benchmark_group("mul_32m");
+    g.throughput(Throughput::Elements(n as u64));
+    g.sample_size(10);
+    g.bench_function("op", |bch| bch.iter(|| black_box(a.mul(&b).unwrap())));
+    g.bench_function("fused", |bch| {
+        bch.iter(|| black_box(prod.run(&[&a, &b], &[]).unwrap()))
     });
     g.finish();
 

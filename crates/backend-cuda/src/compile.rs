@@ -178,7 +178,7 @@ fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
 pub type CheckResult = (String, Result<usize, String>);
 
 /// Compiles every kernel source for `sm_{arch}`, and sample programs of the fused-kernel
-/// generator: `(name, Ok or NVRTC's log)`. An outer error means NVRTC itself is unavailable.
+/// generators (`lazy.rs`, `codegen.rs`): `(name, Ok or NVRTC's log)`. An outer error means NVRTC itself is unavailable.
 pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
     let files = Module::ALL.iter().map(|&m| {
@@ -193,7 +193,13 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
             let r = compile_source("fused.cu", &src, arch).map(|c| c.len());
             (name, r)
         });
-    Ok(files.chain(fused).collect())
+    let expr = crate::codegen::sample_sources()
+        .into_iter()
+        .map(|(name, src)| {
+            let r = compile_source("expr.cu", &src, arch).map(|c| c.len());
+            (name, r)
+        });
+    Ok(files.chain(fused).chain(expr).collect())
 }
 
 // ---- disk cache ------------------------------------------------------------------------------

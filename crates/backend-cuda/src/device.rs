@@ -179,6 +179,7 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     modules.append(&mut s.fused_modules.lock().unwrap());
     s.funcs.lock().unwrap().clear();
     s.fused.lock().unwrap().clear();
+    s.expr_funcs.lock().unwrap().clear();
     for m in modules {
         // SAFETY: each module was loaded into this context and nothing runs on the device
         // (synchronized above); its functions were forgotten above.
@@ -256,6 +257,9 @@ pub(crate) struct DeviceState {
     /// modules they live in (unloaded by [`clear_kernel_cache`]).
     pub fused: Mutex<FastMap<crate::lazy::Program, Func>>,
     pub fused_modules: Mutex<Vec<usize>>,
+    /// The kernels of expression programs (`expr_eval.rs`), by program and variant; their
+    /// modules are in `fused_modules`.
+    pub expr_funcs: Mutex<FastMap<(kiln_core::expr::Program, crate::codegen::Variant), Func>>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<crate::memory::BlockCache>,
@@ -431,6 +435,7 @@ impl DeviceState {
                 funcs: Mutex::new(FastMap::default()),
                 fused: Mutex::new(FastMap::default()),
                 fused_modules: Mutex::new(Vec::new()),
+                expr_funcs: Mutex::new(FastMap::default()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),

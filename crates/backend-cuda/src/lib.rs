@@ -37,8 +37,10 @@
 //! instead of fusing chains).
 
 mod blas;
+mod codegen;
 pub mod compile;
 mod device;
+mod expr_eval;
 mod fused;
 mod launch;
 mod lazy;
@@ -528,6 +530,16 @@ impl Backend for Cuda {
             axis,
         )
         .map(CudaStorage::ready)
+    }
+
+    fn eval_expr(
+        device: &CudaDevice,
+        program: &kiln_core::expr::Program,
+        shape: &kiln_core::Shape,
+        inputs: &[(&CudaStorage, &Layout)],
+        params: &[f64],
+    ) -> Result<Vec<CudaStorage>> {
+        expr_eval::eval_expr(device, program, shape, inputs, params)
     }
 
     fn fused_update(

@@ -1,0 +1,294 @@
+//! `Backend::eval_expr` on CUDA: one generated kernel per distinct program and variant.
+//!
+//! # Why
+//!
+//! An expression program ([`kiln_core::expr`]) run op by op launches one kernel per instruction
+//! and sends every intermediate through device memory. Here the whole program is one kernel:
+//! each input is read once, each output written once, reductions and their post-map included.
+//!
+//! # How
+//!
+//! `check_call` validates the call; [`codegen::plan`] classifies every operand's layout and
+//! merges dimensions (pure, no device); [`codegen::source`] writes the CUDA C; NVRTC compiles it
+//! through the disk cache of `compile.rs`, and the function is memoized per device by `(program,
+//! variant)` in `DeviceState::expr_funcs` (its module is unloaded by `clear_kernel_cache` with
+//! the other generated kernels). Inputs are read through their computed buffers (pending lazy
+//! work runs first); outputs are fresh contiguous buffers; the launch goes to the calling
+//! thread's current stream.
+//!
+//! What is not fused runs op by op ([`eval_composed`], the trait's default), so results are
+//! always those of the op-by-op semantics: layouts with more than 8 non-mergeable dimensions,
+//! argument lists beyond what a launch takes, and programs past [`MAX_KERNELS`] per device (a
+//! bound on compile time). A kernel NVRTC rejects is an [`Error::Backend`] carrying its log.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use kiln_core::expr::{Program, check_call, eval_composed};
+use kiln_core::{DType, Error, Layout, Result, Shape};
+
+use crate::Cuda;
+use crate::codegen::{self, Access, Geometry, KERNEL, Strategy, Variant};
+use crate::device::{CudaDevice, DeviceState, Func, check, state};
+use crate::launch::{Args, Dims, MAX_DIMS, Strides};
+use crate::memory::{Buffer, alloc};
+use crate::storage::CudaStorage;
+
+/// Distinct generated kernels per device; past this, new programs run op by op.
+pub(crate) const MAX_KERNELS: usize = 1024;
+
+/// Threads per block of the elementwise and thread-per-kept-element kernels.
+const BLOCK: u32 = 256;
+
+/// A launch's argument budget, below `launch::Args`'s capacity (128 arguments, 512 words).
+const MAX_ARG_COUNT: usize = 120;
+const MAX_ARG_WORDS: usize = 500;
+
+/// Evaluates `program` fused (see the module docs).
+pub(crate) fn eval_expr(
+    device: &CudaDevice,
+    program: &Program,
+    shape: &Shape,
+    inputs: &[(&CudaStorage, &Layout)],
+    params: &[f64],
+) -> Result<Vec<CudaStorage>> {
+    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
+    let call = check_call(program, shape, &layouts, params)?;
+    for (s, _) in inputs {
+        if s.device() != *device {
+            return Err(Error::DeviceMismatch {
+                op: "expr",
+                lhs: device.to_string(),
+                rhs: s.device().to_string(),
+            });
+        }
+    }
+    let dev = state(device)?;
+    let Ok(geo) = codegen::plan(program, shape, &layouts, &call.axes) else {
+        return eval_composed::<Cuda>(device, program, shape, inputs, params);
+    };
+    if !fits_args(program, &geo) {
+        return eval_composed::<Cuda>(device, program, shape, inputs, params);
+    }
+    let Some(f) = kernel(dev, program, &geo.variant)? else {
+        return eval_composed::<Cuda>(device, program, shape, inputs, params);
+    };
+    // Computed input buffers, held until the launch is enqueued.
+    let bufs = inputs
+        .iter()
+        .map(|(s, _)| s.buffer())
+        .collect::<Result<Vec<Arc<Buffer>>>>()?;
+    for (k, ((b, l), &dt)) in bufs.iter().zip(&layouts).zip(program.inputs()).enumerate() {
+        if l.storage_extent() * dt.size_in_bytes() > b.len_bytes() {
+            return Err(Error::invalid(
+                "expr",
+                format!(
+                    "input {k}: layout {:?} (offset {}) reaches past a buffer of {} bytes",
+                    l.strides(),
+                    l.offset(),
+                    b.len_bytes()
+                ),
+            ));
+        }
+    }
+    let n_iter = shape.elem_count();
+    let n_kept = call.kept.elem_count();
+    let outs = program
+        .outputs()
+        .iter()
+        .enumerate()
+        .map(|(j, &o)| {
+            let n = if program.output_is_reduced(j) {
+                n_kept
+            } else {
+                n_iter
+            };
+            alloc(dev, n * program.dtype(o).size_in_bytes())
+        })
+        .collect::<Result<Vec<Buffer>>>()?;
+    let work = if program.reduces() { n_kept } else { n_iter };
+    if work > 0 {
+        launch(dev, f, program, &geo, &bufs, &layouts, &outs, params)?;
+    }
+    Ok(outs.into_iter().map(CudaStorage::ready).collect())
+}
+
+/// Whether the launch's arguments fit (see [`MAX_ARG_COUNT`]).
+fn fits_args(p: &Program, g: &Geometry) -> bool {
+    const DIMS: usize = std::mem::size_of::<Dims>() / 8;
+    const STRIDES: usize = std::mem::size_of::<Strides>() / 8;
+    let strided = g
+        .variant
+        .access
+        .iter()
+        .filter(|a| **a == Access::Strided)
+        .count();
+    let ptrs = p.outputs().len() + p.inputs().len();
+    let (count, words) = if p.reduces() {
+        let ops = g.variant.access.len();
+        (
+            4 + ptrs + ops + strided + p.params().len(),
+            2 + 2 * DIMS + ptrs + (ops + strided) * STRIDES + p.params().len(),
+        )
+    } else {
+        (
+            2 + ptrs + strided + p.params().len(),
+            1 + DIMS + ptrs + strided * STRIDES + p.params().len(),
+        )
+    };
+    count <= MAX_ARG_COUNT && words <= MAX_ARG_WORDS
+}
+
+fn dims_arg(d: &[usize]) -> Dims {
+    debug_assert!(d.len() <= MAX_DIMS, "checked by codegen::plan");
+    let mut out = Dims {
+        rank: d.len() as i32,
+        ..Default::default()
+    };
+    for (o, &x) in out.d.iter_mut().zip(d) {
+        *o = x as u64;
+    }
+    out
+}
+
+fn strides_arg(s: &[usize]) -> Strides {
+    let mut out = Strides::default();
+    for (o, &x) in out.s.iter_mut().zip(s) {
+        *o = x as u64;
+    }
+    out
+}
+
+/// Packs the arguments in the order `codegen::source` declares them, and launches.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    dev: &'static DeviceState,
+    f: Func,
+    p: &Program,
+    g: &Geometry,
+    bufs: &[Arc<Buffer>],
+    layouts: &[&Layout],
+    outs: &[Buffer],
+    params: &[f64],
+) -> Result<()> {
+    let at = |k: usize| -> u64 {
+        bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
+    };
+    let mut a = Args::new();
+    let reduces = p.reduces();
+    if reduces {
+        a.push(g.n as u64).push(g.n_red as u64);
+        a.push(dims_arg(&g.dims)).push(dims_arg(&g.red_dims));
+    } else {
+        a.push(g.n as u64).push(dims_arg(&g.dims));
+    }
+    for o in outs {
+        a.push(o.device_ptr());
+    }
+    for k in 0..p.inputs().len() {
+        a.push(at(k));
+        if !reduces && g.variant.access[k] == Access::Strided {
+            a.push(strides_arg(&g.strides[k]));
+        }
+    }
+    if reduces {
+        for m in 0..g.variant.access.len() {
+            a.push(strides_arg(&g.strides[m]));
+            if g.variant.access[m] == Access::Strided {
+                a.push(strides_arg(&g.red_strides[m]));
+            }
+        }
+    }
+    for (&v, &d) in params.iter().zip(p.params()) {
+        match d {
+            DType::F32 => a.push(v as f32),
+            DType::I64 => a.push(v as i64),
+            DType::U8 => a.push(v as u8),
+            _ => a.push(v),
+        };
+    }
+    let (grid, block) = match g.variant.strategy {
+        Strategy::Elementwise | Strategy::Thread => (dev.grid_1d(g.n as u64, BLOCK), BLOCK),
+        Strategy::Block => {
+            let block = (g.n_red.next_power_of_two() as u32).clamp(32, BLOCK);
+            let blocks = g.n.min(dev.sm_count as usize * 16).max(1);
+            ((blocks as u32, 1), block)
+        }
+    };
+    let (mut ptrs, np) = a.ptrs();
+    dev.launch("expr", f, grid, block, 0, &mut ptrs[..np])
+}
+
+/// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
+/// cache) and loaded; `None` when the device already holds [`MAX_KERNELS`] of them.
+fn kernel(dev: &'static DeviceState, p: &Program, v: &Variant) -> Result<Option<Func>> {
+    let key = (p.clone(), v.clone());
+    let mut map = dev.expr_funcs.lock().unwrap();
+    if let Some(f) = map.get(&key) {
+        return Ok(Some(*f));
+    }
+    if map.len() >= MAX_KERNELS {
+        return Ok(None);
+    }
+    let src = codegen::source(p, v)?;
+    let bin = build(&src, dev.arch)?;
+    let f = load(dev, &bin)?;
+    map.insert(key, f);
+    Ok(Some(f))
+}
+
+/// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
+/// an [`Error::Backend`] naming `expr` when it does not compile.
+pub(crate) fn build(source: &str, arch: u32) -> Result<Vec<u8>> {
+    crate::compile::load_or_compile_source("expr.cu", source, arch).map_err(|log| {
+        Error::backend(
+            "expr",
+            format!("NVRTC could not compile a generated kernel for sm_{arch}: {log}"),
+        )
+    })
+}
+
+/// Loads `bin` into `dev`'s context and returns its [`KERNEL`] function; the module is kept
+/// with the other generated ones (unloaded by `clear_kernel_cache`).
+fn load(dev: &'static DeviceState, bin: &[u8]) -> Result<Func> {
+    dev.bind()?;
+    let mut m = std::ptr::null_mut();
+    // SAFETY: `bin` is a CUBIN image (NVRTC output for this device's architecture), alive for
+    // the call; valid out-pointer; this device's context is current (bound above).
+    check(
+        unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
+        "expr: cuModuleLoadData",
+    )?;
+    let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
+    let mut f = std::ptr::null_mut();
+    // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
+    check(
+        unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) },
+        "expr: cuModuleGetFunction",
+    )?;
+    dev.fused_modules.lock().unwrap().push(m as usize);
+    Ok(Func(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source NVRTC rejects gives a typed error carrying NVRTC's log (needs libnvrtc only).
+    #[test]
+    fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log() {
+        if !crate::compile::nvrtc_available() {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let src = "extern \"C\" __global__ void expr(float* y) { y[0] = undefined_name; }";
+        match build(src, 90) {
+            Err(Error::Backend { op, msg }) => {
+                assert_eq!(op, "expr");
+                assert!(msg.contains("undefined_name"), "{msg}");
+            }
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+    }
+}

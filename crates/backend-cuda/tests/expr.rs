@@ -1,0 +1,550 @@
+//! The fused CUDA evaluator of expression programs (`Backend::eval_expr` on CUDA,
+//! `src/expr_eval.rs` + `src/codegen.rs`) against the op-by-op evaluation of the same program
+//! on the same GPU (`kiln_core::expr::eval_composed::<Cuda>`: the single-op kernels, which
+//! call the same scalar device functions) for random expression trees over broadcast,
+//! transposed and sliced inputs, with and without axis reductions; and fixed programs against
+//! the CPU backend.
+//!
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
+
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, CudaDevice, clear_kernel_cache, gpu_or_skip};
+use kiln_core::expr::{Combine, Expr, Program, eval_composed};
+use kiln_core::{
+    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestRunner};
+
+type G = Tensor<Cuda>;
+
+/// A random expression over `n` inputs (built into an `Expr` by `build`).
+#[derive(Clone, Debug)]
+enum Tree {
+    In(usize),
+    Const(f64),
+    Param,
+    Un(UnaryOp, Box<Tree>),
+    Bin(BinaryOp, Box<Tree>, Box<Tree>),
+    /// `where(cmp(a, b), c, d)`
+    Sel(CmpOp, Box<Tree>, Box<Tree>, Box<Tree>, Box<Tree>),
+    /// A round trip through the other float dtype.
+    Cast(Box<Tree>),
+}
+
+fn build(t: &Tree, dtype: DType, other: DType) -> Expr {
+    match t {
+        Tree::In(k) => Expr::input(*k),
+        Tree::Const(c) => Expr::constant(*c),
+        // (a parameter has one dtype: none inside a cast to the other one)
+        Tree::Param if dtype != other => Expr::param(0),
+        Tree::Param => Expr::constant(0.3),
+        Tree::Un(op, a) => build(a, dtype, other).unary(*op),
+        Tree::Bin(op, a, b) => build(a, dtype, other).binary(*op, build(b, dtype, other)),
+        Tree::Sel(op, a, b, c, d) => build(a, dtype, other)
+            .compare(*op, build(b, dtype, other))
+            .where_cond(build(c, dtype, other), build(d, dtype, other)),
+        Tree::Cast(a) => build(a, other, other).to_dtype(dtype),
+    }
+}
+
+/// Continuous unary ops only: the fused kernel may contract a multiply and an add into one
+/// FMA where the single-op kernels round twice, and a discontinuous op (floor, ceil, sign)
+/// would turn that last-bit difference into a different value. The generator's output for
+/// every op is compiled by the codegen unit tests and exercised by the fixed programs below.
+const UNARY: [UnaryOp; 13] = [
+    UnaryOp::Neg,
+    UnaryOp::Abs,
+    UnaryOp::Exp,
+    UnaryOp::Log,
+    UnaryOp::Sqrt,
+    UnaryOp::Square,
+    UnaryOp::Recip,
+    UnaryOp::Sin,
+    UnaryOp::Cos,
+    UnaryOp::Tanh,
+    UnaryOp::Sigmoid,
+    UnaryOp::Relu,
+    UnaryOp::Gelu,
+];
+
+fn tree(n_inputs: usize) -> impl Strategy<Value = Tree> {
+    let leaf = prop_oneof![
+        4 => (0..n_inputs).prop_map(Tree::In),
+        1 => (-2.0f64..2.0).prop_map(Tree::Const),
+        1 => Just(Tree::Param),
+    ];
+    leaf.prop_recursive(4, 24, 3, |inner| {
+        prop_oneof![
+            3 => (prop::sample::select(UNARY.to_vec()), inner.clone())
+                .prop_map(|(op, a)| Tree::Un(op, Box::new(a))),
+            4 => (prop::sample::select(BinaryOp::ALL.to_vec()), inner.clone(), inner.clone())
+                .prop_map(|(op, a, b)| Tree::Bin(op, Box::new(a), Box::new(b))),
+            1 => (prop::sample::select(CmpOp::ALL.to_vec()), inner.clone(), inner.clone(),
+                  inner.clone(), inner.clone())
+                .prop_map(|(op, a, b, c, d)| Tree::Sel(op, Box::new(a), Box::new(b),
+                    Box::new(c), Box::new(d))),
+            1 => inner.prop_map(|a| Tree::Cast(Box::new(a))),
+        ]
+    })
+}
+
+/// How an input is laid out.
+#[derive(Clone, Copy, Debug)]
+enum View {
+    Contiguous,
+    /// Axes reversed (a transposed view of a contiguous tensor).
+    Transposed,
+    /// A narrowed window of a wider tensor.
+    Sliced,
+}
+
+#[derive(Clone, Debug)]
+struct Input {
+    /// Which axes of the iteration shape this input broadcasts along (size 1 there).
+    ones: Vec<bool>,
+    /// Leading axes dropped (broadcast by rank).
+    drop: usize,
+    view: View,
+    seed: u64,
+}
+
+fn input(rank: usize) -> impl Strategy<Value = Input> {
+    (
+        prop::collection::vec(prop::bool::weighted(0.25), rank),
+        0..=rank.min(1),
+        prop_oneof![
+            Just(View::Contiguous),
+            Just(View::Transposed),
+            Just(View::Sliced)
+        ],
+        any::<u64>(),
+    )
+        .prop_map(|(ones, drop, view, seed)| Input {
+            ones,
+            drop,
+            view,
+            seed,
+        })
+}
+
+/// The iteration shape: mostly small, sometimes long rows or many rows.
+fn shape() -> impl Strategy<Value = Vec<usize>> {
+    prop_oneof![
+        6 => prop::collection::vec(0usize..6, 0..=3),
+        1 => prop::collection::vec(1usize..6, 1..=2).prop_map(|mut v| { v.push(3000); v }),
+        1 => (40_000usize..70_000).prop_map(|n| vec![n]),
+        1 => (2usize..5, 9000usize..20_000).prop_map(|(a, b)| vec![b, a]),
+    ]
+}
+
+/// Input `spec` on the GPU: random values made on the CPU, uploaded, then viewed.
+fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
+    let dims: Vec<usize> = shape
+        .iter()
+        .zip(&spec.ones)
+        .skip(spec.drop)
+        .map(|(&d, &one)| if one { 1 } else { d })
+        .collect();
+    let rand = |d: Vec<usize>| {
+        let c =
+            Tensor::<Cpu>::rand(d.clone(), -2.0, 2.0, spec.seed, dtype, &Cpu::device(0)).unwrap();
+        G::from_host(&c.to_host().unwrap(), d, dev).unwrap()
+    };
+    match spec.view {
+        View::Contiguous => rand(dims),
+        View::Transposed => {
+            let rev: Vec<usize> = dims.iter().rev().copied().collect();
+            let perm: Vec<usize> = (0..dims.len()).rev().collect();
+            rand(rev).permute(&perm).unwrap()
+        }
+        View::Sliced => {
+            if dims.is_empty() {
+                return rand(dims);
+            }
+            let mut wide = dims.clone();
+            let last = wide.len() - 1;
+            wide[last] += 3;
+            rand(wide).narrow(last as isize, 1, dims[last]).unwrap()
+        }
+    }
+}
+
+/// Both NaN, equal, or within `atol + rtol * |want|`.
+fn close(got: &[f64], want: &[f64], atol: f64, rtol: f64) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!("{} values, want {}", got.len(), want.len()));
+    }
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = (g.is_nan() && w.is_nan())
+            || g == w
+            || (g.is_finite() && w.is_finite() && (g - w).abs() <= atol + rtol * w.abs());
+        if !ok {
+            return Err(format!("element {i}: got {g}, want {w}"));
+        }
+    }
+    Ok(())
+}
+
+fn values<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
+    t.to_host().unwrap().to_f64_vec()
+}
+
+/// Runs `p` fused and op by op (both on the GPU) and compares every output.
+fn compare(
+    dev: &CudaDevice,
+    p: &Program,
+    xs: &[G],
+    params: &[f64],
+    atol: f64,
+    rtol: f64,
+) -> Result<(), TestCaseError> {
+    let refs: Vec<&G> = xs.iter().collect();
+    let fused = p
+        .run(&refs, params)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut shape = xs[0].shape().clone();
+    for x in xs {
+        shape = shape.broadcast_with("t", x.shape()).unwrap();
+    }
+    let layouts: Vec<Layout> = xs
+        .iter()
+        .map(|x| x.layout().broadcast_to(&shape).unwrap())
+        .collect();
+    let args: Vec<(&<Cuda as Backend>::Storage, &Layout)> = xs
+        .iter()
+        .zip(&layouts)
+        .map(|(x, l)| (x.storage(), l))
+        .collect();
+    let composed = eval_composed::<Cuda>(dev, p, &shape, &args, params)
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+    for (j, (f, c)) in fused.iter().zip(composed).enumerate() {
+        let c = G::from_storage(c, f.shape().clone(), f.dtype());
+        close(&values(f), &values(&c), atol, rtol)
+            .map_err(|m| TestCaseError::fail(format!("output {j}: {m}\nprogram:\n{p}")))?;
+    }
+    Ok(())
+}
+
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    })
+}
+
+/// Elementwise programs: two outputs (the tree and a second use of its inputs).
+#[test]
+fn elementwise_trees_match_op_by_op() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let strategy = (
+        tree(3),
+        shape(),
+        prop::collection::vec(input(3), 3),
+        any::<bool>(),
+        -2.0f64..2.0,
+    );
+    runner(160)
+        .run(&strategy, |(t, shp, ins, f64_, param)| {
+            let dtype = if f64_ { DType::F64 } else { DType::F32 };
+            let other = if f64_ { DType::F32 } else { DType::F64 };
+            let rank = shp.len();
+            let xs: Vec<G> = ins
+                .iter()
+                .map(|i| {
+                    let mut i = i.clone();
+                    i.ones.resize(rank, false);
+                    i.drop = i.drop.min(rank);
+                    make(&dev, &i, &shp, dtype)
+                })
+                .collect();
+            let e = build(&t, dtype, other);
+            let second = Expr::input(0) * 2.0 - Expr::input(1);
+            let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
+            let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
+            let (atol, rtol) = if f64_ { (1e-9, 1e-9) } else { (1e-4, 1e-4) };
+            compare(&dev, &p, &xs, &params, atol, rtol)
+        })
+        .unwrap();
+}
+
+/// Reductions over random axes with a post-map; also an elementwise output of the same pass.
+#[test]
+fn reductions_match_op_by_op() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let strategy = (
+        tree(2),
+        shape().prop_filter("rank >= 1", |s| !s.is_empty()),
+        prop::collection::vec(input(3), 2),
+        prop::collection::vec(any::<bool>(), 3),
+        prop::sample::select(Combine::ALL.to_vec()),
+        any::<bool>(),
+        any::<bool>(),
+    );
+    runner(160)
+        .run(
+            &strategy,
+            |(t, shp, ins, axes_mask, combine, f64_, with_elem)| {
+                let dtype = if f64_ { DType::F64 } else { DType::F32 };
+                let other = if f64_ { DType::F32 } else { DType::F64 };
+                let rank = shp.len();
+                let mut axes: Vec<isize> = (0..rank)
+                    .filter(|&a| axes_mask[a])
+                    .map(|a| a as isize)
+                    .collect();
+                if axes.is_empty() {
+                    axes.push(-1);
+                }
+                // Long products overflow in one order and not in another: keep them short.
+                let big = shp.iter().product::<usize>() > 4096;
+                prop_assume!(!(combine == Combine::Prod && big));
+                let empty_fold = axes
+                    .iter()
+                    .any(|&a| shp[(a + rank as isize) as usize % rank] == 0);
+                prop_assume!(!(empty_fold && matches!(combine, Combine::Max | Combine::Min)));
+                let xs: Vec<G> = ins
+                    .iter()
+                    .enumerate()
+                    .map(|(k, i)| {
+                        let mut i = i.clone();
+                        i.ones.resize(rank, false);
+                        i.drop = i.drop.min(rank);
+                        if k == 1 {
+                            // input 1 has the iteration shape itself
+                            i.drop = 0;
+                            i.ones = vec![false; rank];
+                        }
+                        make(&dev, &i, &shp, dtype)
+                    })
+                    .collect();
+                // Bounded map values, so that sums in another order stay close.
+                let body = build(&t, dtype, other).tanh() * 1.5 + Expr::input(1);
+                let red = body.reduce(combine, &axes);
+                let post = (&red * 0.5).abs() + Expr::param(0);
+                let mut outs = vec![post, red];
+                if with_elem {
+                    outs.push(body.sigmoid());
+                }
+                let p = Program::from_exprs(&[dtype; 2], &outs).unwrap();
+                let params = vec![0.25; p.params().len()];
+                let (atol, rtol) = if f64_ { (1e-9, 1e-9) } else { (1e-3, 1e-4) };
+                compare(&dev, &p, &xs, &params, atol, rtol)
+            },
+        )
+        .unwrap();
+}
+
+/// Uploads a CPU tensor.
+fn up(dev: &CudaDevice, c: &Tensor<Cpu>) -> G {
+    G::from_host(&c.to_host().unwrap(), c.shape().clone(), dev).unwrap()
+}
+
+/// Runs `p` on the GPU (inputs uploaded, then viewed by `view`) and on the CPU, and compares.
+fn against_cpu(
+    dev: &CudaDevice,
+    p: &Program,
+    xs: &[Tensor<Cpu>],
+    view: impl Fn(usize, G) -> G,
+    cpu_view: impl Fn(usize, Tensor<Cpu>) -> Tensor<Cpu>,
+    params: &[f64],
+    rtol: f64,
+) {
+    let g: Vec<G> = xs
+        .iter()
+        .enumerate()
+        .map(|(k, x)| view(k, up(dev, x)))
+        .collect();
+    let c: Vec<Tensor<Cpu>> = xs
+        .iter()
+        .enumerate()
+        .map(|(k, x)| cpu_view(k, x.clone()))
+        .collect();
+    let gr: Vec<&G> = g.iter().collect();
+    let cr: Vec<&Tensor<Cpu>> = c.iter().collect();
+    let got = p.run(&gr, params).unwrap();
+    let want = p.run(&cr, params).unwrap();
+    assert_eq!(got.len(), want.len());
+    for (j, (a, b)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(a.shape(), b.shape(), "output {j}");
+        assert_eq!(a.dtype(), b.dtype(), "output {j}");
+        close(&values(a), &values(b), rtol, rtol)
+            .unwrap_or_else(|m| panic!("output {j}: {m}\nprogram:\n{p}"));
+    }
+}
+
+fn rand_cpu(dims: &[usize], seed: u64, dtype: DType) -> Tensor<Cpu> {
+    Tensor::<Cpu>::rand(dims.to_vec(), -3.0, 3.0, seed, dtype, &Cpu::device(0)).unwrap()
+}
+
+/// A row-wise log-sum-exp (one block per row) with the softmax as an elementwise output of the
+/// same pass, on f32 and f64, against the CPU.
+#[test]
+fn log_sum_exp_rows_match_the_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for (dtype, rtol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+        let x = rand_cpu(&[37, 3001], 1, dtype);
+        let m = x.max(&[-1], true).unwrap();
+        let (xe, me) = (Expr::input(0), Expr::input(1));
+        let e = (&xe - &me).exp();
+        let lse = e.sum(&[-1]).log() + &me;
+        let p = Program::from_exprs(&[dtype, dtype], &[lse, e.sigmoid()]).unwrap();
+        against_cpu(&dev, &p, &[x, m], |_, t| t, |_, t| t, &[], rtol);
+    }
+}
+
+/// Column sums and maxima of a transposed input (strided fold), short rows (one thread per
+/// kept element) and a reduction over two axes of three, each with a post-map and a parameter.
+#[test]
+fn axis_reductions_of_views_match_the_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Expr::input(0);
+    for dtype in [DType::F32, DType::F64] {
+        let rtol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        for axes in [vec![0isize], vec![1], vec![0, 1]] {
+            for c in Combine::ALL {
+                let red = x.tanh().reduce(c, &axes);
+                let p =
+                    Program::from_exprs(&[dtype], &[(&red * Expr::param(0)).exp(), red]).unwrap();
+                // a [300, 7] view of a [7, 300] tensor
+                let t = rand_cpu(&[7, 300], 3, dtype);
+                let tr = |_: usize, v: G| v.permute(&[1, 0]).unwrap();
+                let trc = |_: usize, v: Tensor<Cpu>| v.permute(&[1, 0]).unwrap();
+                let rt = if c == Combine::Prod { 1e-3 } else { rtol };
+                against_cpu(&dev, &p, std::slice::from_ref(&t), tr, trc, &[0.5], rt);
+            }
+        }
+        // three axes, reducing the first and last of a sliced input
+        let big = rand_cpu(&[6, 5, 70], 4, dtype);
+        let sl = |_: usize, v: G| v.narrow(2, 3, 64).unwrap();
+        let slc = |_: usize, v: Tensor<Cpu>| v.narrow(2, 3, 64).unwrap();
+        let p = Program::from_exprs(&[dtype], &[x.square().sum(&[0, 2]).sqrt()]).unwrap();
+        against_cpu(&dev, &p, std::slice::from_ref(&big), sl, slc, &[], rtol);
+    }
+}
+
+/// Every unary op (floor, ceil and sign included), integer and u8 arithmetic, casts,
+/// comparisons and `where`, with a broadcast row and a scalar input, against the CPU.
+#[test]
+fn every_op_and_dtype_matches_the_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (x, y) = (Expr::input(0), Expr::input(1));
+    for dtype in [DType::F32, DType::F64] {
+        let rtol = if dtype == DType::F32 { 2e-6 } else { 1e-13 };
+        let xs = [rand_cpu(&[33, 65], 5, dtype), rand_cpu(&[65], 6, dtype)];
+        for u in UnaryOp::ALL {
+            let p = Program::from_exprs(&[dtype, dtype], &[(&x * &y).unary(u)]).unwrap();
+            against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[], rtol);
+        }
+        for b in BinaryOp::ALL {
+            let p = Program::from_exprs(&[dtype, dtype], &[x.binary(b, y.abs() + 0.5)]).unwrap();
+            against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[], rtol);
+        }
+        for c in CmpOp::ALL {
+            let mask = x.compare(c, &y);
+            let p = Program::from_exprs(
+                &[dtype, dtype],
+                &[mask.where_cond(&x, Expr::param(0)), mask],
+            )
+            .unwrap();
+            against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[-0.75], rtol);
+        }
+        // casts to every dtype and back
+        for to in [DType::F32, DType::F64, DType::I64, DType::U8] {
+            let p =
+                Program::from_exprs(&[dtype, dtype], &[(&x * 40.0).to_dtype(to), y.to_dtype(to)])
+                    .unwrap();
+            against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[], rtol);
+        }
+    }
+    // i64 arithmetic (wrapping, division by zero gives 0) and u8 maximum, with a sum
+    let xi = rand_cpu(&[40, 50], 7, DType::F64)
+        .mul_scalar(1e6)
+        .unwrap()
+        .to_dtype(DType::I64)
+        .unwrap();
+    let yi = rand_cpu(&[50], 8, DType::F64).to_dtype(DType::I64).unwrap();
+    let p = Program::from_exprs(
+        &[DType::I64, DType::I64],
+        &[
+            (&x * &y - x.abs()).sum(&[0]),
+            (&x / &y).max(&[0]),
+            (&x * 3.0).square().sign().min(&[0]),
+        ],
+    )
+    .unwrap();
+    against_cpu(
+        &dev,
+        &p,
+        &[xi.clone(), yi.clone()],
+        |_, t| t,
+        |_, t| t,
+        &[],
+        0.0,
+    );
+    let xu = xi.to_dtype(DType::U8).unwrap();
+    let yu = yi.to_dtype(DType::U8).unwrap();
+    let p = Program::from_exprs(
+        &[DType::U8, DType::U8],
+        &[x.maximum(&y), x.minimum(&y).max(&[1])],
+    )
+    .unwrap();
+    against_cpu(&dev, &p, &[xu, yu], |_, t| t, |_, t| t, &[], 0.0);
+}
+
+/// Inputs that are pending lazy work are computed first; an empty iteration and an empty
+/// sum give empty and identity outputs.
+#[test]
+fn pending_inputs_and_empty_shapes() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Expr::input(0);
+    let c = rand_cpu(&[64, 9], 9, DType::F32);
+    let g = up(&dev, &c).exp().unwrap(); // pending on the GPU
+    let p = Program::from_exprs(&[DType::F32], &[x.log().sum(&[1])]).unwrap();
+    let got = p.run(&[&g], &[]).unwrap();
+    let want = p.run(&[&c.exp().unwrap()], &[]).unwrap();
+    close(&values(&got[0]), &values(&want[0]), 1e-5, 1e-5).unwrap();
+    let e = up(&dev, &rand_cpu(&[3, 0], 1, DType::F32));
+    let p = Program::from_exprs(&[DType::F32], &[x.exp(), (&x + 1.0).sum(&[1]) + 2.0]).unwrap();
+    let out = p.run(&[&e], &[]).unwrap();
+    assert_eq!(out[0].shape().dims(), &[3, 0]);
+    assert_eq!(values(&out[1]), vec![2.0; 3]);
+}
+
+/// Bad calls are typed errors, and the device stays usable: the next program runs, also after
+/// the kernel cache is cleared.
+#[test]
+fn bad_calls_are_typed_errors_and_the_device_stays_usable() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Expr::input(0);
+    let kind = |e: Error| match e {
+        Error::Expr { kind, .. } => kind,
+        other => panic!("{other}"),
+    };
+    let p = Program::from_exprs(&[DType::F32], &[x.exp().sum(&[1])]).unwrap();
+    let a = up(&dev, &rand_cpu(&[2, 3], 1, DType::F32));
+    let b = up(&dev, &rand_cpu(&[2, 3], 1, DType::F64));
+    assert_eq!(kind(p.run(&[&b], &[]).unwrap_err()), ExprErrorKind::DType);
+    assert_eq!(
+        kind(p.run(&[&a, &a], &[]).unwrap_err()),
+        ExprErrorKind::Arity
+    );
+    let v = up(&dev, &rand_cpu(&[3], 1, DType::F32));
+    assert_eq!(kind(p.run(&[&v], &[]).unwrap_err()), ExprErrorKind::Axis);
+    let shape = Shape::new([2, 3]);
+    let l = Layout::contiguous([3, 2]);
+    let e = Cuda::eval_expr(&dev, &p, &shape, &[(a.storage(), &l)], &[]).unwrap_err();
+    assert_eq!(kind(e), ExprErrorKind::Shape);
+    // a layout reaching past its buffer
+    let far = Layout::from_parts(shape.clone(), vec![3, 1], 1 << 20);
+    let e = Cuda::eval_expr(&dev, &p, &shape, &[(a.storage(), &far)], &[]).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument { .. }), "{e}");
+    let check = |p: &Program| {
+        let s = p.run(&[&a], &[]).unwrap();
+        let want = a.exp().unwrap().sum(&[1], true).unwrap();
+        close(&values(&s[0]), &values(&want), 1e-6, 1e-6).unwrap();
+    };
+    check(&p);
+    clear_kernel_cache(&dev).unwrap();
+    check(&p);
+}

@@ -72,7 +72,7 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// An expression program ([`crate::expr`]) that is malformed, or that does not fit the
+    /// An expression program (module `expr`) that is malformed, or that does not fit the
     /// inputs and parameters it was given. `op` is the instruction's op (`exp`, `add`, `sum`,
     /// ...) or `expr` for the program as a whole; `kind` says what class of mistake it is.
     #[error("{op}: {kind}: {msg}")]

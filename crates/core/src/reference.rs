@@ -21,7 +21,8 @@ use std::fmt;
 use crate::backend::{
     Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
 };
-use crate::{DType, Error, Layout, Result, philox};
+use crate::expr::Program;
+use crate::{DType, Error, Layout, Result, Shape, philox};
 
 /// How many virtual devices the reference backend has.
 pub const DEVICE_COUNT: usize = 2;
@@ -963,6 +964,17 @@ impl Backend for Reference {
             }
         };
         Ok(new(base.device, out))
+    }
+
+    /// Op by op: the reference is the oracle the fused evaluators are tested against.
+    fn eval_expr(
+        device: &RefDevice,
+        program: &Program,
+        shape: &Shape,
+        inputs: &[(&RefStorage, &Layout)],
+        params: &[f64],
+    ) -> Result<Vec<RefStorage>> {
+        crate::expr::eval_composed::<Self>(device, program, shape, inputs, params)
     }
 }
 

@@ -332,6 +332,15 @@ impl<const M: u8> Backend for Broken<M> {
         }
         R::fused_update(&rule, dtype, slots)
     }
+    fn eval_expr(
+        d: &RefDevice,
+        p: &kiln_core::expr::Program,
+        shape: &kiln_core::Shape,
+        inputs: &[(&RefStorage, &Layout)],
+        params: &[f64],
+    ) -> Result<Vec<RefStorage>> {
+        kiln_core::expr::eval_composed::<Self>(d, p, shape, inputs, params)
+    }
 }
 
 /// Runs `check` for `Broken<M>` and returns its panic message (None when it passed).

@@ -45,12 +45,22 @@
 //!
 //! # Evaluators
 //!
-//! - **Op by op** ([`eval_composed`]): the default of `Backend::eval_expr`, one backend kernel
-//!   per instruction. Every backend (the f64 reference, CPU, CUDA) runs every program from day
-//!   one, with exactly its op-by-op semantics; the reference backend is the oracle the fused
-//!   evaluators are tested against.
+//! - **Op by op** ([`eval_composed`]): one backend kernel per instruction, with exactly that
+//!   backend's op-by-op semantics. The f64 reference backend's `eval_expr` is this evaluator
+//!   (it is the oracle the fused evaluators are tested against), and fused evaluators fall back
+//!   to it for what they do not fuse.
 //! - **CPU** (kiln-backend-cpu `expr`): one pass over the data, block by block, as numexpr.
-//! - **CUDA** (to be rebuilt on this IR; see below).
+//! - **CUDA** (kiln-backend-cuda `expr_eval`): one generated kernel per program and variant.
+//!
+//! # Module layers
+//!
+//! The IR's data (programs, [`Expr`], [`check_call`], [`grad`]) lives in a private module below
+//! `backend` (it imports only the op enums, errors, dtypes, shapes and layouts), because
+//! [`Backend::eval_expr`](crate::Backend::eval_expr) takes a [`Program`]. This module sits
+//! above `backend` and `tensor` and re-exports the IR: it adds what needs a backend, the
+//! op-by-op evaluator and [`Program::run`]. `eval_expr` therefore has no default (a default
+//! calling `eval_composed` would make `backend` import this module, a circle): each backend
+//! names its evaluator.
 //!
 //! # Generating a CUDA kernel from a program
 //!
@@ -79,13 +89,8 @@
 //! Index arithmetic (iota, argmax), gathers, matmul, and reductions over several different axis
 //! sets in one program (split such a computation in several programs).
 
-mod build;
 mod eval;
-pub mod grad;
-mod ir;
-#[cfg(test)]
-mod tests;
 
-pub use build::Expr;
-pub use eval::{CallPlan, check_call, eval_composed};
-pub use ir::{Combine, Instr, Phase, Program, Scalar, Val};
+pub use crate::ir::grad;
+pub use crate::ir::{CallPlan, Combine, Expr, Instr, Phase, Program, Scalar, Val, check_call};
+pub use eval::eval_composed;

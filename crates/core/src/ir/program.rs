@@ -6,8 +6,8 @@
 
 use std::fmt;
 
-use crate::backend::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::error::ExprErrorKind;
+use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::{DType, Error, Result, Shape};
 
 /// A value of a program: the index of the instruction that defines it.
@@ -172,7 +172,7 @@ pub enum Phase {
     Reduced,
 }
 
-/// A validated expression program (see the [module docs](super)).
+/// A validated expression program (see the `kiln_core::expr` module docs).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Program {
     inputs: Vec<DType>,

@@ -13,9 +13,9 @@ use std::collections::HashMap;
 use std::ops;
 use std::sync::Arc;
 
-use super::ir::{Combine, Instr, Program, Scalar, Val, expr_err};
-use crate::backend::{BinaryOp, CmpOp, UnaryOp};
+use super::program::{Combine, Instr, Program, Scalar, Val, expr_err};
 use crate::error::ExprErrorKind;
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{DType, Result};
 
 /// An expression over tensor inputs and scalar parameters (see the module docs). Cheap to

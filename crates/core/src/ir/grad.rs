@@ -1,6 +1,6 @@
 //! Reverse-mode differentiation of a program into programs of the same IR.
 //!
-//! The backward of a fused function is itself fused: [`derive`] turns a program and one of its
+//! The backward of a fused function is itself fused: [`derive()`] turns a program and one of its
 //! outputs into a backward program that recomputes whatever forward values it needs from the
 //! inputs (recomputing an elementwise value is cheaper than storing and reloading it) and
 //! returns the gradient of every requested input, in the iteration shape. The caller sums each
@@ -25,9 +25,9 @@
 use std::collections::HashMap;
 
 use super::build::Emitter;
-use super::ir::{Combine, Instr, Phase, Program, Scalar, Val, expr_err};
-use crate::backend::{BinaryOp, CmpOp, UnaryOp};
+use super::program::{Combine, Instr, Phase, Program, Scalar, Val, expr_err};
 use crate::error::ExprErrorKind;
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{DType, Result};
 
 /// `program` with one more output per reduction (each `Reduce` value, in instruction order,
@@ -51,7 +51,7 @@ pub fn reductions(program: &Program) -> Vec<Val> {
         .collect()
 }
 
-/// The programs that compute the gradient of one output (see [`derive`]).
+/// The programs that compute the gradient of one output (see [`derive()`]).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct Gradient {
     /// The number of reductions of the forward program (`R`).

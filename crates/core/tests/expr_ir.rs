@@ -1,9 +1,11 @@
-//! Unit tests of the IR on the f64 reference backend (the CPU's fused evaluator has its own
-//! property tests in kiln-backend-cpu).
+//! Tests of the expression IR (`kiln_core::expr`) through its public API on the f64 reference
+//! backend (the CPU's fused evaluator has its own property tests in kiln-backend-cpu). They
+//! live here rather than in `src/expr` because they need the reference backend, which sits
+//! above the IR in kiln-core's module layers.
 
-use super::*;
-use crate::reference::{RefDevice, Reference};
-use crate::{DType, Error, ExprErrorKind, Tensor};
+use kiln_core::expr::*;
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::{DType, Error, ExprErrorKind, Tensor};
 
 type T = Tensor<Reference>;
 
@@ -100,7 +102,7 @@ fn typed_errors() {
     let e = Program::new(
         vec![DType::F32],
         vec![],
-        vec![Instr::Unary(crate::UnaryOp::Exp, 1), Instr::Input(0)],
+        vec![Instr::Unary(kiln_core::UnaryOp::Exp, 1), Instr::Input(0)],
         vec![0],
         vec![],
     )
@@ -208,7 +210,7 @@ fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
     for k in 0..xs.len() {
         let d = xs[k].randn_like(0.0, 1.0, 11 + k as u64).unwrap();
         let shape = xs[k].shape().clone();
-        let gk = grads[k].sum_to_shape_for_test(&shape);
+        let gk = sum_to_shape(&grads[k], &shape);
         let analytic = gk.mul(&d).unwrap().sum_all().unwrap().to_scalar().unwrap();
         let eps = 1e-6;
         let mut plus = xs.to_vec();
@@ -224,22 +226,20 @@ fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
     }
 }
 
-impl T {
-    /// Sums a gradient of the iteration shape back to `shape` (what autograd's
-    /// `reduce_to_shape` does).
-    fn sum_to_shape_for_test(&self, shape: &crate::Shape) -> T {
-        let extra = self.rank() - shape.rank();
-        let axes: Vec<isize> = (0..self.rank())
-            .filter(|&i| i < extra || (shape.dims()[i - extra] == 1 && self.dims()[i] != 1))
-            .map(|i| i as isize)
-            .collect();
-        let s = if axes.is_empty() {
-            self.clone()
-        } else {
-            self.sum(&axes, true).unwrap()
-        };
-        s.reshape(shape.clone()).unwrap()
-    }
+/// Sums a gradient of the iteration shape back to `shape` (what autograd's `reduce_to_shape`
+/// does).
+fn sum_to_shape(g: &T, shape: &kiln_core::Shape) -> T {
+    let extra = g.rank() - shape.rank();
+    let axes: Vec<isize> = (0..g.rank())
+        .filter(|&i| i < extra || (shape.dims()[i - extra] == 1 && g.dims()[i] != 1))
+        .map(|i| i as isize)
+        .collect();
+    let s = if axes.is_empty() {
+        g.clone()
+    } else {
+        g.sum(&axes, true).unwrap()
+    };
+    s.reshape(shape.clone()).unwrap()
 }
 
 #[test]

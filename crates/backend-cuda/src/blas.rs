@@ -14,10 +14,10 @@ use cudarc::cublas::sys as cb;
 use cudarc::driver::sys;
 use kiln_core::{DType, Error, Layout, Result};
 
-use crate::compile::Module;
 use crate::device::{Blas, DeviceState, check};
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
+use crate::sources::Module;
 
 static TF32: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
 

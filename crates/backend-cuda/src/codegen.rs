@@ -6,7 +6,7 @@
 //! Generating source needs no device: keeping it apart from the runtime (context, memory,
 //! module cache) lets it be read, unit-tested and compiled with NVRTC on a machine with no GPU
 //! (`cargo xtask check-kernels` compiles [`sample_sources`]). It imports kiln-core, the kernel
-//! header texts of `compile.rs` and the pure layout helpers of `launch.rs`, nothing else.
+//! header texts of `sources.rs` and the pure layout helpers of `launch.rs`, nothing else.
 //!
 //! # The kernels
 //!
@@ -38,8 +38,8 @@ use std::fmt::Write as _;
 use kiln_core::expr::{Combine, Instr, Phase, Program};
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
-use crate::compile::{COMMON, SCALAR_OPS};
 use crate::launch::{MAX_DIMS, collapse_raw};
+use crate::sources::{COMMON, SCALAR_OPS};
 
 /// The generated kernel's name.
 pub(crate) const KERNEL: &str = "expr";
@@ -981,12 +981,12 @@ mod tests {
     fn sample_sources_compile_with_nvrtc() {
         let samples = sample_sources();
         assert!(samples.len() >= 20, "{} samples", samples.len());
-        if !crate::compile::nvrtc_available() {
+        if !crate::nvrtc::nvrtc_available() {
             eprintln!("skipped: libnvrtc not found");
             return;
         }
         for (name, src) in samples {
-            if let Err(log) = crate::compile::compile_source("expr.cu", &src, 90) {
+            if let Err(log) = crate::nvrtc::compile_source("expr.cu", &src, 90) {
                 panic!("{name} does not compile:\n{log}\n{}", body(&src));
             }
         }

@@ -1,243 +1,23 @@
-//! Kernel sources, NVRTC compilation and the on-disk kernel cache.
+//! Kernel compilation as a tool: the public face of `nvrtc.rs` plus [`check_all`].
 //!
-//! Our kernels are CUDA C files under `kernels/`, embedded in the binary. Each is compiled by
-//! NVRTC, on first use, to a CUBIN for the exact architecture of the device (`sm_XY`), so the
-//! driver loads machine code with no PTX JIT step. The result is memoized per device (see
-//! `device.rs`) and cached on disk, keyed by a hash of the source, the NVRTC options, the
-//! architecture and the NVRTC version, in `$KILN_KERNEL_CACHE` (default:
-//! `$XDG_CACHE_HOME/kiln/kernels` or `~/.cache/kiln/kernels`). A cache entry carries a
-//! checksum; a corrupt, truncated or unwritable cache only costs a recompilation, never an error.
+//! # Why a module of its own
 //!
-//! [`check_all`] compiles every source without a GPU (NVRTC needs none): `cargo xtask
-//! check-kernels` uses it so that a kernel that does not compile fails CI.
+//! `cargo xtask check-kernels` compiles every kernel kiln can run without a GPU (NVRTC needs
+//! none): our files under `kernels/` and sample sources of every code generator (`lazygen.rs`,
+//! `codegen.rs`). That needs every generator in view, so it sits above them;
+//! the runtime below (`nvrtc.rs`: NVRTC + disk cache; `device.rs`: per-device memo) imports
+//! only source text. Nothing inside the crate imports this module.
 
-use std::ffi::{CStr, CString};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
-use cudarc::nvrtc::sys as nvrtc;
-
-/// The header prepended to every kernel source.
-pub const COMMON: &str = include_str!("../kernels/common.cuh");
-
-/// The elementwise ops' scalar functions, prepended to `elementwise.cu` and to every fused
-/// kernel (`lazy.rs`).
-pub const SCALAR_OPS: &str = include_str!("../kernels/scalar_ops.cuh");
-
-/// One compilation unit under `kernels/`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Module {
-    Elementwise,
-    Copy,
-    Rand,
-    Reduce,
-    Softmax,
-    Index,
-    Optim,
-    Util,
-}
-
-impl Module {
-    pub const ALL: [Module; 8] = [
-        Module::Elementwise,
-        Module::Copy,
-        Module::Rand,
-        Module::Reduce,
-        Module::Softmax,
-        Module::Index,
-        Module::Optim,
-        Module::Util,
-    ];
-
-    /// The file name under `kernels/`.
-    pub fn file_name(self) -> &'static str {
-        match self {
-            Module::Elementwise => "elementwise.cu",
-            Module::Copy => "copy.cu",
-            Module::Rand => "rand.cu",
-            Module::Reduce => "reduce.cu",
-            Module::Softmax => "softmax.cu",
-            Module::Index => "index.cu",
-            Module::Optim => "optim.cu",
-            Module::Util => "util.cu",
-        }
-    }
-
-    pub fn source(self) -> &'static str {
-        match self {
-            Module::Elementwise => include_str!("../kernels/elementwise.cu"),
-            Module::Copy => include_str!("../kernels/copy.cu"),
-            Module::Rand => include_str!("../kernels/rand.cu"),
-            Module::Reduce => include_str!("../kernels/reduce.cu"),
-            Module::Softmax => include_str!("../kernels/softmax.cu"),
-            Module::Index => include_str!("../kernels/index.cu"),
-            Module::Optim => include_str!("../kernels/optim.cu"),
-            Module::Util => include_str!("../kernels/util.cu"),
-        }
-    }
-
-    /// The text NVRTC compiles: the common header, then the file, with `#line` markers so that
-    /// diagnostics name the real file and line.
-    pub fn full_source(self) -> String {
-        let ops = if self == Module::Elementwise {
-            format!("#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n")
-        } else {
-            String::new()
-        };
-        format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{}",
-            self.file_name(),
-            self.source()
-        )
-    }
-}
-
-/// NVRTC options for compute capability `arch` (e.g. 90). No fast-math: results match the
-/// CPU backend to the usual float tolerances, and the random kernels use explicit `_rn`
-/// intrinsics where bit-exactness matters.
-pub fn options(arch: u32) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture=sm_{arch}"),
-        "--std=c++17".to_string(),
-    ]
-}
-
-/// Whether libnvrtc can be loaded.
-pub fn nvrtc_available() -> bool {
-    // SAFETY: only tries to dlopen the library by its candidate names.
-    unsafe { nvrtc::is_culib_present() }
-}
-
-/// NVRTC's `(major, minor)` version.
-pub fn nvrtc_version() -> Result<(i32, i32), String> {
-    if !nvrtc_available() {
-        return Err("libnvrtc not found".into());
-    }
-    let (mut major, mut minor) = (0, 0);
-    // SAFETY: two valid out-pointers.
-    let r = unsafe { nvrtc::nvrtcVersion(&mut major, &mut minor) };
-    if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-        return Err(format!("nvrtcVersion failed: {r:?}"));
-    }
-    Ok((major, minor))
-}
-
-/// Compiles `module` for `sm_{arch}` to a CUBIN. The error is NVRTC's log (with file/line).
-pub fn compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
-    compile_source(module.file_name(), &module.full_source(), arch)
-}
-
-/// Compiles CUDA C `source` (named `file` in diagnostics) for `sm_{arch}` to a CUBIN.
-pub fn compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
-    if !nvrtc_available() {
-        return Err("libnvrtc not found".into());
-    }
-    let src = CString::new(source).map_err(|e| e.to_string())?;
-    let name = CString::new(file).map_err(|e| e.to_string())?;
-    let prog = cudarc::nvrtc::result::create_program(&src, Some(&name))
-        .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
-    let opts = options(arch);
-    // SAFETY: `prog` is a live program; `src` and `name` outlive it (destroyed below).
-    let compiled = unsafe { cudarc::nvrtc::result::compile_program(prog, &opts) };
-    let out = match compiled {
-        Ok(()) => cubin(prog),
-        Err(e) => {
-            // SAFETY: `prog` is live.
-            let log = unsafe { cudarc::nvrtc::result::get_program_log(prog) }
-                .map(|l| {
-                    // SAFETY: NVRTC returns a NUL-terminated C string.
-                    unsafe { CStr::from_ptr(l.as_ptr()) }
-                        .to_string_lossy()
-                        .into_owned()
-                })
-                .unwrap_or_default();
-            Err(format!("{e:?}\n{log}"))
-        }
-    };
-    // SAFETY: `prog` is live and not used afterwards.
-    let _ = unsafe { cudarc::nvrtc::result::destroy_program(prog) };
-    out
-}
-
-fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
-    let mut size = 0usize;
-    // SAFETY: `prog` was compiled successfully; `size` is a valid out-pointer.
-    let r = unsafe { nvrtc::nvrtcGetCUBINSize(prog, &mut size) };
-    if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-        return Err(format!("nvrtcGetCUBINSize: {r:?}"));
-    }
-    let mut buf = vec![0u8; size];
-    // SAFETY: `buf` has the size NVRTC asked for.
-    let r = unsafe { nvrtc::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _) };
-    if r != nvrtc::nvrtcResult::NVRTC_SUCCESS {
-        return Err(format!("nvrtcGetCUBIN: {r:?}"));
-    }
-    Ok(buf)
-}
-
-/// One source's outcome: its file name, and the CUBIN size or NVRTC's log.
-pub type CheckResult = (String, Result<usize, String>);
-
-/// Compiles every kernel source for `sm_{arch}`, and sample programs of the fused-kernel
-/// generators (`lazy.rs`, `codegen.rs`): `(name, Ok or NVRTC's log)`. An outer error means NVRTC itself is unavailable.
-pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
-    nvrtc_version()?;
-    let files = Module::ALL.iter().map(|&m| {
-        (
-            format!("kernels/{}", m.file_name()),
-            compile(m, arch).map(|c| c.len()),
-        )
-    });
-    let fused = crate::lazy::sample_sources()
-        .into_iter()
-        .map(|(name, src)| {
-            let r = compile_source("fused.cu", &src, arch).map(|c| c.len());
-            (name, r)
-        });
-    let expr = crate::codegen::sample_sources()
-        .into_iter()
-        .map(|(name, src)| {
-            let r = compile_source("expr.cu", &src, arch).map(|c| c.len());
-            (name, r)
-        });
-    Ok(files.chain(fused).chain(expr).collect())
-}
-
-// ---- disk cache ------------------------------------------------------------------------------
-
-const MAGIC: &[u8; 8] = b"KILNBIN1";
-
-/// 128-bit FNV-1a: a stable (across Rust versions and platforms) content hash for cache keys.
-pub fn fnv128(parts: &[&[u8]]) -> u128 {
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for p in parts {
-        for &b in p.iter().chain(&[0xffu8]) {
-            h ^= b as u128;
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-    }
-    h
-}
-
-/// The cache directory: `$KILN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/kiln/kernels`, else
-/// `$HOME/.cache/kiln/kernels`; `None` when none can be named (then nothing is cached).
-pub fn cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
-    if let Some(d) = env("KILN_KERNEL_CACHE") {
-        return Some(PathBuf::from(d));
-    }
-    let base = env("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("kiln").join("kernels"))
-}
+pub use crate::nvrtc::{
+    cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
+    nvrtc_available, nvrtc_version, options, read_cached, source_cache_path, write_cached,
+};
+pub use crate::sources::{COMMON, Module, SCALAR_OPS};
 
 /// The cache file for `module` on `sm_{arch}` with NVRTC `version`.
-pub fn cache_path(
-    dir: &std::path::Path,
-    module: Module,
-    arch: u32,
-    version: (i32, i32),
-) -> PathBuf {
+pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) -> PathBuf {
     source_cache_path(
         dir,
         module.file_name(),
@@ -247,72 +27,29 @@ pub fn cache_path(
     )
 }
 
-/// The cache file for the full `source` named `file`.
-fn source_cache_path(
-    dir: &std::path::Path,
-    file: &str,
-    source: &str,
-    arch: u32,
-    version: (i32, i32),
-) -> PathBuf {
-    let key = fnv128(&[
-        source.as_bytes(),
-        options(arch).join(" ").as_bytes(),
-        format!("sm_{arch}").as_bytes(),
-        format!("nvrtc {}.{}", version.0, version.1).as_bytes(),
-    ]);
-    dir.join(format!("{file}-sm{arch}-{key:032x}.cubin"))
-}
+/// One source's outcome: its file name, and the CUBIN size or NVRTC's log.
+pub type CheckResult = (String, Result<usize, String>);
 
-/// Reads a cache entry; `None` when missing, truncated or corrupt.
-pub fn read_cached(path: &std::path::Path) -> Option<Vec<u8>> {
-    let data = std::fs::read(path).ok()?;
-    if data.len() < 24 || &data[..8] != MAGIC {
-        return None;
-    }
-    let len = u64::from_le_bytes(data[8..16].try_into().ok()?) as usize;
-    let sum = u64::from_le_bytes(data[16..24].try_into().ok()?);
-    let payload = &data[24..];
-    if payload.len() != len || (fnv128(&[payload]) as u64) != sum {
-        return None;
-    }
-    Some(payload.to_vec())
-}
-
-/// Writes a cache entry atomically (temp file + rename); failures are ignored.
-pub fn write_cached(path: &std::path::Path, payload: &[u8]) {
-    let write = || -> std::io::Result<()> {
-        if let Some(d) = path.parent() {
-            std::fs::create_dir_all(d)?;
-        }
-        let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-        let mut data = Vec::with_capacity(payload.len() + 24);
-        data.extend_from_slice(MAGIC);
-        data.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        data.extend_from_slice(&(fnv128(&[payload]) as u64).to_le_bytes());
-        data.extend_from_slice(payload);
-        std::fs::write(&tmp, &data)?;
-        std::fs::rename(&tmp, path)
-    };
-    let _ = write();
-}
-
-/// The CUBIN of `module` for `sm_{arch}`: from the disk cache when a valid entry exists, else
-/// compiled (and then cached).
-pub fn load_or_compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
-    load_or_compile_source(module.file_name(), &module.full_source(), arch)
-}
-
-/// [`load_or_compile`] for any full source (the generated fused kernels).
-pub fn load_or_compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
-    let version = nvrtc_version()?;
-    let path = cache_dir().map(|d| source_cache_path(&d, file, source, arch, version));
-    if let Some(bin) = path.as_deref().and_then(read_cached) {
-        return Ok(bin);
-    }
-    let bin = compile_source(file, source, arch)?;
-    if let Some(p) = &path {
-        write_cached(p, &bin);
-    }
-    Ok(bin)
+/// Compiles every kernel source for `sm_{arch}`, and sample programs of the code generators
+/// (lazy chains, expression programs): `(name, Ok or NVRTC's log)`. An outer
+/// error means NVRTC itself is unavailable.
+pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
+    nvrtc_version()?;
+    let files = Module::ALL.iter().map(|&m| {
+        (
+            format!("kernels/{}", m.file_name()),
+            compile(m, arch).map(|c| c.len()),
+        )
+    });
+    let generated = [
+        ("fused.cu", crate::lazygen::sample_sources()),
+        ("expr.cu", crate::codegen::sample_sources()),
+    ];
+    let generated = generated.into_iter().flat_map(|(file, samples)| {
+        samples.into_iter().map(move |(name, src)| {
+            let r = compile_source(file, &src, arch).map(|c| c.len());
+            (name, r)
+        })
+    });
+    Ok(files.chain(generated).collect())
 }

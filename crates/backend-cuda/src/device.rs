@@ -22,7 +22,8 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
-use crate::compile::Module;
+use crate::pool::{BlockCache, DeferredFree};
+use crate::sources::Module;
 
 /// One NVIDIA GPU, by ordinal. Displays as `cuda:N`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -138,19 +139,6 @@ pub fn launch_stats() -> (u64, u64) {
     )
 }
 
-static FUSED_PROGRAMS: AtomicU64 = AtomicU64::new(0);
-static FUSED_NANOS: AtomicU64 = AtomicU64::new(0);
-
-/// Fused elementwise programs built so far in this process (every device), and the host
-/// nanoseconds spent compiling them with NVRTC or loading them from the disk cache: the
-/// one-time cost of kernel fusion (see `KILN_CUDA_FUSE`).
-pub fn fused_program_stats() -> (u64, u64) {
-    (
-        FUSED_PROGRAMS.load(Ordering::Relaxed),
-        FUSED_NANOS.load(Ordering::Relaxed),
-    )
-}
-
 thread_local! {
     static THREAD_LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
     static THREAD_SYNCS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
@@ -169,17 +157,20 @@ pub fn thread_launches() -> u64 {
 }
 
 /// Forgets every compiled kernel of `dev` (CuPy's `clear_memo`, Chainer's memoize cache):
-/// waits for the device, unloads the modules of built-in and generated kernels, and lets the
-/// next use load them again (from the disk cache, which stays). Frees their device memory
-/// (code, constants) and resets the fused-program budget.
+/// waits for the device, unloads the modules of built-in and generated kernels (lazy chains,
+/// expression programs, user kernels), and lets the next use load them again (from the disk
+/// cache, which stays). Frees their device memory (code, constants) and resets the per-device
+/// budgets of generated kernels.
 pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     let s = state(dev)?;
     s.sync_all("clear_kernel_cache")?;
     let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
-    modules.append(&mut s.fused_modules.lock().unwrap());
     s.funcs.lock().unwrap().clear();
-    s.fused.lock().unwrap().clear();
-    s.expr_funcs.lock().unwrap().clear();
+    {
+        let mut g = s.generated.lock().unwrap();
+        g.slots.clear();
+        modules.append(&mut g.modules);
+    }
     for m in modules {
         // SAFETY: each module was loaded into this context and nothing runs on the device
         // (synchronized above); its functions were forgotten above.
@@ -232,6 +223,14 @@ pub(crate) fn staging_bytes() -> usize {
 }
 pub(crate) const STAGING_BLOCKS: usize = 4;
 
+/// The generated kernels of one device: per generator (by the `TypeId` of its key type) a
+/// `FastMap<K, Func>`, and the modules they live in.
+#[derive(Default)]
+pub(crate) struct Generated {
+    slots: HashMap<std::any::TypeId, Box<dyn std::any::Any + Send>>,
+    modules: Vec<usize>,
+}
+
 /// The lazily created state of one GPU.
 pub(crate) struct DeviceState {
     pub ordinal: usize,
@@ -253,16 +252,12 @@ pub(crate) struct DeviceState {
     pub err_lock: Mutex<()>,
     pub modules: Mutex<HashMap<Module, usize>>,
     pub funcs: Mutex<FastMap<FuncKey, Func>>,
-    /// The fused elementwise kernels generated so far (`lazy.rs`), by program, and the
-    /// modules they live in (unloaded by [`clear_kernel_cache`]).
-    pub fused: Mutex<FastMap<crate::lazy::Program, Func>>,
-    pub fused_modules: Mutex<Vec<usize>>,
-    /// The kernels of expression programs (`expr_eval.rs`), by program and variant; their
-    /// modules are in `fused_modules`.
-    pub expr_funcs: Mutex<FastMap<(kiln_core::expr::Program, crate::codegen::Variant), Func>>,
+    /// Generated kernels (lazy chains, expression programs, user kernels), memoized per
+    /// generator under a key of the generator's choosing (see [`DeviceState::generated_func`]).
+    pub generated: Mutex<Generated>,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
-    pub block_cache: Mutex<crate::memory::BlockCache>,
+    pub block_cache: Mutex<BlockCache>,
     pub in_use: AtomicUsize,
     pub peak: AtomicUsize,
     pub peers_enabled: Mutex<Vec<usize>>,
@@ -301,17 +296,6 @@ pub(crate) fn set_current_stream(ordinal: usize, stream: sys::CUstream) -> sys::
         None => std::ptr::null_mut(),
     })
 }
-
-/// A block freed while streams other than the one it was allocated on may still use it: it
-/// returns to the cache once every event (one per such stream) has completed.
-pub(crate) struct DeferredFree {
-    pub ptr: sys::CUdeviceptr,
-    pub bytes: usize,
-    pub stream: sys::CUstream,
-    pub events: Vec<sys::CUevent>,
-}
-// SAFETY: raw driver handles, valid from any thread.
-unsafe impl Send for DeferredFree {}
 
 /// Host memory that an asynchronous copy still reads (a pinned source's storage), held until
 /// the copy's event completes.
@@ -433,9 +417,7 @@ impl DeviceState {
                 err_lock: Mutex::new(()),
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(FastMap::default()),
-                fused: Mutex::new(FastMap::default()),
-                fused_modules: Mutex::new(Vec::new()),
-                expr_funcs: Mutex::new(FastMap::default()),
+                generated: Mutex::new(Generated::default()),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -548,41 +530,62 @@ impl DeviceState {
         Ok(Func(f))
     }
 
-    /// The generated kernel `fused` of `program`, compiling `source()` (or loading it from
-    /// the disk cache) the first time; `None` when it is new and this device already holds
-    /// `budget` programs.
-    pub fn fused_func(
+    /// The generated kernel memoized under `key` in the memo of key type `K` (one per
+    /// generator; the type is the generator's own, so this module names none of them): on a
+    /// miss, `build` returns the CUBIN and the kernel's name, the module is loaded and kept
+    /// (unloaded by [`clear_kernel_cache`]). `None` when the key is new and this generator
+    /// already holds `budget` kernels on this device. The memo is locked while `build` runs,
+    /// so two threads never compile the same kernel twice.
+    pub fn generated_func<K>(
         &self,
-        program: &crate::lazy::Program,
+        key: &K,
         budget: usize,
-        source: impl FnOnce() -> String,
-    ) -> Result<Option<Func>> {
-        let mut map = self.fused.lock().unwrap();
-        if let Some(f) = map.get(program) {
+        build: impl FnOnce() -> Result<(Vec<u8>, CString)>,
+    ) -> Result<Option<Func>>
+    where
+        K: Clone + Eq + std::hash::Hash + Send + 'static,
+    {
+        let mut g = self.generated.lock().unwrap();
+        let Generated { slots, modules } = &mut *g;
+        let map = slots
+            .entry(std::any::TypeId::of::<K>())
+            .or_insert_with(|| Box::new(FastMap::<K, Func>::default()))
+            .downcast_mut::<FastMap<K, Func>>()
+            .expect("a memo slot holds the map of its own key type");
+        if let Some(f) = map.get(key) {
             return Ok(Some(*f));
         }
         if map.len() >= budget {
             return Ok(None);
         }
-        let t0 = std::time::Instant::now();
-        let bin = crate::compile::load_or_compile_source("fused.cu", &source(), self.arch)
-            .map_err(|e| Error::backend("nvrtc", format!("compiling a fused kernel: {e}")))?;
-        FUSED_PROGRAMS.fetch_add(1, Ordering::Relaxed);
-        FUSED_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let (bin, name) = build()?;
+        self.bind()?;
         let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
+        // SAFETY: `bin` is a CUBIN image (NVRTC output for this device's architecture), alive
+        // for the call; valid out-pointer; this device's context is current (bound above).
         check(
             unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
             "cuModuleLoadData",
         )?;
         let mut f = std::ptr::null_mut();
         // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m, c"fused".as_ptr()) },
+        let found = check(
+            unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) },
             "cuModuleGetFunction",
-        )?;
-        map.insert(program.clone(), Func(f));
-        self.fused_modules.lock().unwrap().push(m as usize);
+        );
+        if let Err(e) = found {
+            // SAFETY: the module was loaded above and none of its functions is known.
+            unsafe { sys::cuModuleUnload(m) };
+            return Err(Error::backend(
+                "cuModuleGetFunction",
+                format!(
+                    "no kernel `{}` in the compiled module: {e}",
+                    name.to_string_lossy()
+                ),
+            ));
+        }
+        modules.push(m as usize);
+        map.insert(key.clone(), Func(f));
         Ok(Some(Func(f)))
     }
 
@@ -591,7 +594,7 @@ impl DeviceState {
         if let Some(&m) = mods.get(&module) {
             return Ok(m);
         }
-        let bin = crate::compile::load_or_compile(module, self.arch).map_err(|e| {
+        let bin = crate::nvrtc::load_or_compile(module, self.arch).map_err(|e| {
             Error::backend(
                 "nvrtc",
                 format!("compiling {} for sm_{}: {e}", module.file_name(), self.arch),
@@ -602,8 +605,8 @@ impl DeviceState {
         let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
         if r != CUresult::CUDA_SUCCESS {
             // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
-            let bin = crate::compile::compile(module, self.arch)
-                .map_err(|e| Error::backend("nvrtc", e))?;
+            let bin =
+                crate::nvrtc::compile(module, self.arch).map_err(|e| Error::backend("nvrtc", e))?;
             // SAFETY: as above.
             check(
                 unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
@@ -614,8 +617,8 @@ impl DeviceState {
         Ok(m as usize)
     }
 
-    /// Launches `f` on the compute stream. `params` point at the kernel's arguments, in order
-    /// and with the exact C types the kernel declares.
+    /// Launches `f` on the calling thread's current stream. `params` point at the kernel's
+    /// arguments, in order and with the exact C types the kernel declares.
     pub fn launch(
         &self,
         op: &'static str,
@@ -625,22 +628,36 @@ impl DeviceState {
         smem: u32,
         params: &mut [*mut c_void],
     ) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 {
+        self.launch_3d(op, f, [grid.0, grid.1, 1], [block, 1, 1], smem, params)
+    }
+
+    /// [`DeviceState::launch`] with a 3-d grid and block (nothing when the grid is empty).
+    pub fn launch_3d(
+        &self,
+        op: &'static str,
+        f: Func,
+        grid: [u32; 3],
+        block: [u32; 3],
+        smem: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if grid.contains(&0) {
             return Ok(());
         }
         let t0 = launch_stats_on().then(std::time::Instant::now);
         // SAFETY: `f` is a kernel of this context; `params` match its signature (each call
-        // site passes the arguments its kernel declares) and point at live values.
+        // site passes the arguments its kernel declares; user kernels' are checked against
+        // the compiled parameter list) and point at live values.
         let r = check(
             unsafe {
                 sys::cuLaunchKernel(
                     f.0,
-                    grid.0,
-                    grid.1,
-                    1,
-                    block,
-                    1,
-                    1,
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    block[0],
+                    block[1],
+                    block[2],
                     smem,
                     self.stream(),
                     params.as_mut_ptr(),

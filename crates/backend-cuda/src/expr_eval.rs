@@ -10,9 +10,9 @@
 //!
 //! `check_call` validates the call; [`codegen::plan`] classifies every operand's layout and
 //! merges dimensions (pure, no device); [`codegen::source`] writes the CUDA C; NVRTC compiles it
-//! through the disk cache of `compile.rs`, and the function is memoized per device by `(program,
-//! variant)` in `DeviceState::expr_funcs` (its module is unloaded by `clear_kernel_cache` with
-//! the other generated kernels). Inputs are read through their computed buffers (pending lazy
+//! through the disk cache of `nvrtc.rs`, and the function is memoized per device by `(program,
+//! variant)` (`DeviceState::generated_func`; its module is unloaded by `clear_kernel_cache`
+//! with the other generated kernels). Inputs are read through their computed buffers (pending lazy
 //! work runs first); outputs are fresh contiguous buffers; the launch goes to the calling
 //! thread's current stream.
 //!
@@ -21,16 +21,14 @@
 //! argument lists beyond what a launch takes, and programs past [`MAX_KERNELS`] per device (a
 //! bound on compile time). A kernel NVRTC rejects is an [`Error::Backend`] carrying its log.
 
-use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
 use kiln_core::expr::{Program, check_call, eval_composed};
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
 use crate::Cuda;
 use crate::codegen::{self, Access, Geometry, KERNEL, Strategy, Variant};
-use crate::device::{CudaDevice, DeviceState, Func, check, state};
+use crate::device::{CudaDevice, DeviceState, Func, state};
 use crate::launch::{Args, Dims, MAX_DIMS, Strides};
 use crate::memory::{Buffer, alloc};
 use crate::storage::CudaStorage;
@@ -223,52 +221,27 @@ fn launch(
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
 /// cache) and loaded; `None` when the device already holds [`MAX_KERNELS`] of them.
 fn kernel(dev: &'static DeviceState, p: &Program, v: &Variant) -> Result<Option<Func>> {
-    let key = (p.clone(), v.clone());
-    let mut map = dev.expr_funcs.lock().unwrap();
-    if let Some(f) = map.get(&key) {
-        return Ok(Some(*f));
-    }
-    if map.len() >= MAX_KERNELS {
-        return Ok(None);
-    }
-    let src = codegen::source(p, v)?;
-    let bin = build(&src, dev.arch)?;
-    let f = load(dev, &bin)?;
-    map.insert(key, f);
-    Ok(Some(f))
+    let key = ExprKey(p.clone(), v.clone());
+    dev.generated_func(&key, MAX_KERNELS, || {
+        let src = codegen::source(p, v)?;
+        let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
+        Ok((build(&src, dev.arch)?, name))
+    })
 }
+
+/// The memo key of an expression kernel on a device (`DeviceState::generated_func`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ExprKey(Program, Variant);
 
 /// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
 /// an [`Error::Backend`] naming `expr` when it does not compile.
 pub(crate) fn build(source: &str, arch: u32) -> Result<Vec<u8>> {
-    crate::compile::load_or_compile_source("expr.cu", source, arch).map_err(|log| {
+    crate::nvrtc::load_or_compile_source("expr.cu", source, arch).map_err(|log| {
         Error::backend(
             "expr",
             format!("NVRTC could not compile a generated kernel for sm_{arch}: {log}"),
         )
     })
-}
-
-/// Loads `bin` into `dev`'s context and returns its [`KERNEL`] function; the module is kept
-/// with the other generated ones (unloaded by `clear_kernel_cache`).
-fn load(dev: &'static DeviceState, bin: &[u8]) -> Result<Func> {
-    dev.bind()?;
-    let mut m = std::ptr::null_mut();
-    // SAFETY: `bin` is a CUBIN image (NVRTC output for this device's architecture), alive for
-    // the call; valid out-pointer; this device's context is current (bound above).
-    check(
-        unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-        "expr: cuModuleLoadData",
-    )?;
-    let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
-    let mut f = std::ptr::null_mut();
-    // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
-    check(
-        unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) },
-        "expr: cuModuleGetFunction",
-    )?;
-    dev.fused_modules.lock().unwrap().push(m as usize);
-    Ok(Func(f))
 }
 
 #[cfg(test)]
@@ -278,7 +251,7 @@ mod tests {
     /// A source NVRTC rejects gives a typed error carrying NVRTC's log (needs libnvrtc only).
     #[test]
     fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log() {
-        if !crate::compile::nvrtc_available() {
+        if !crate::nvrtc::nvrtc_available() {
             eprintln!("skipped: libnvrtc not found");
             return;
         }

@@ -6,9 +6,9 @@
 
 use kiln_core::{DType, Error, Result, UpdateRule, UpdateSlot};
 
-use crate::compile::Module;
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
+use crate::sources::Module;
 
 /// Parameters per launch; matches `KILN_MT_MAX` in `kernels/optim.cu`.
 pub(crate) const MT_MAX: usize = 24;

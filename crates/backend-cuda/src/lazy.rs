@@ -13,7 +13,7 @@
 //! never runs.
 //!
 //! What does not change: tensors stay immutable (an in-place write into a buffer that a pending
-//! node still reads copies the buffer first: `CudaStorage::buffer_mut`); every op computes with
+//! node still reads copies the buffer first: `Repr::buffer_mut`); every op computes with
 //! the scalar functions of the single-op kernels (`kernels/scalar_ops.cuh`); shape, dtype and
 //! device errors are raised by the op that caused them. What does: an out-of-memory or launch
 //! failure of deferred work surfaces at the op that forces it (as with any asynchronous GPU
@@ -36,18 +36,16 @@
 //!
 //! `KILN_CUDA_FUSE=0` (or [`set_fusion`]`(false)`) runs every op eagerly instead.
 
-use std::fmt::Write as _;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
-use crate::compile::{COMMON, SCALAR_OPS};
 use crate::device::{DeviceState, set_current_stream};
 use crate::launch::{Args, collapse, fits_u32};
-use crate::memory::{Buffer, alloc};
+use crate::lazygen::{Ins, Program, source};
+use crate::memory::{Buffer, alloc, duplicate};
 use crate::ops::{self, tname};
-use crate::storage::{CudaStorage, Repr};
 
 /// Most operations in one node's DAG (counted with repeats).
 pub(crate) const MAX_OPS: u32 = 48;
@@ -80,6 +78,74 @@ pub fn fusion_enabled() -> bool {
         }
         v => v == 2,
     }
+}
+
+/// What a tensor's storage holds: a computed buffer, or deferred work (`CudaStorage` wraps
+/// this; the deferral layer works on it directly, so it needs nothing from the storage type).
+pub(crate) enum Repr {
+    Ready(Arc<Buffer>),
+    Lazy(Arc<Node>),
+}
+
+impl Repr {
+    pub(crate) fn state(&self) -> &'static DeviceState {
+        match self {
+            Repr::Ready(b) => b.state(),
+            Repr::Lazy(n) => n.state(),
+        }
+    }
+    pub(crate) fn len_bytes(&self) -> usize {
+        match self {
+            Repr::Ready(b) => b.len_bytes(),
+            Repr::Lazy(n) => n.len_bytes(),
+        }
+    }
+    /// Whether this holds elementwise work that has not run yet.
+    pub(crate) fn is_pending(&self) -> bool {
+        match self {
+            Repr::Ready(_) => false,
+            Repr::Lazy(n) => !n.is_done(),
+        }
+    }
+    /// The computed buffer, running pending work first, for work on the caller's current
+    /// stream (noted on the buffer, so that it is not reused before that work has passed).
+    pub(crate) fn buffer(&self) -> Result<Arc<Buffer>> {
+        let b = match self {
+            Repr::Ready(b) => b.clone(),
+            Repr::Lazy(n) => force(n)?,
+        };
+        b.mark_used(b.state().stream());
+        Ok(b)
+    }
+    /// The buffer for an in-place write: computed, and held by nothing else (a pending node
+    /// that still reads it gets the old contents, in a copy made here).
+    pub(crate) fn buffer_mut(&mut self) -> Result<&Buffer> {
+        if let Repr::Lazy(n) = self {
+            *self = Repr::Ready(force(n)?);
+        }
+        let Repr::Ready(b) = self else {
+            unreachable!("made ready above")
+        };
+        if Arc::get_mut(b).is_none() {
+            *b = Arc::new(duplicate(b)?);
+        }
+        b.contents_changed();
+        b.mark_used(b.state().stream());
+        Ok(b)
+    }
+}
+
+static FUSED_PROGRAMS: AtomicU64 = AtomicU64::new(0);
+static FUSED_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Fused elementwise programs built so far in this process (every device), and the host
+/// nanoseconds spent compiling them with NVRTC or loading them from the disk cache: the
+/// one-time cost of kernel fusion (see `KILN_CUDA_FUSE`).
+pub fn fused_program_stats() -> (u64, u64) {
+    (
+        FUSED_PROGRAMS.load(Ordering::Relaxed),
+        FUSED_NANOS.load(Ordering::Relaxed),
+    )
 }
 
 /// One deferred elementwise op.
@@ -199,18 +265,14 @@ fn reads_one(l: &Layout) -> bool {
 /// `op` over `inputs` (each read through a layout of the output's shape, with its dtype) into
 /// a result of dtype `out`: deferred when fusion is on and the op and dtypes allow it, else
 /// run now.
-pub(crate) fn record(
-    op: Op,
-    inputs: &[(&CudaStorage, &Layout, DType)],
-    out: DType,
-) -> Result<CudaStorage> {
+pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> Result<Repr> {
     let (s0, l0, _) = inputs[0];
     for (s, _, _) in &inputs[1..] {
         if s.state().ordinal != s0.state().ordinal {
             return Err(Error::DeviceMismatch {
                 op: op.name(),
-                lhs: s0.device().to_string(),
-                rhs: s.device().to_string(),
+                lhs: s0.state().device().to_string(),
+                rhs: s.state().device().to_string(),
             });
         }
     }
@@ -228,7 +290,8 @@ pub(crate) fn record(
             .zip(inputs)
             .map(|(b, (_, l, d))| (&**b, *l, *d))
             .collect();
-        return eager(s0.state(), op, &args, out, l0.elem_count()).map(CudaStorage::ready);
+        return eager(s0.state(), op, &args, out, l0.elem_count())
+            .map(|b| Repr::Ready(Arc::new(b)));
     }
     let mut args = inputs
         .iter()
@@ -248,7 +311,7 @@ pub(crate) fn record(
         t = tally(&args);
     }
     let (n_ops, n_leaves, uniform) = t;
-    Ok(CudaStorage::pending(Arc::new(Node {
+    Ok(Repr::Lazy(Arc::new(Node {
         dev: s0.state(),
         stream: s0.state().stream() as usize,
         dtype: out,
@@ -271,13 +334,13 @@ pub(crate) fn fill(
     dtype: DType,
     len: usize,
     value: f64,
-) -> Result<CudaStorage> {
+) -> Result<Repr> {
     let op = Op::Fill(value);
     let small = len * dtype.size_in_bytes() <= MAX_DEFERRED_FILL;
     if !fusion_enabled() || !op.fusable(&[], dtype) || !small {
-        return ops::fill(dev, dtype, len, value).map(CudaStorage::ready);
+        return ops::fill(dev, dtype, len, value).map(|b| Repr::Ready(Arc::new(b)));
     }
-    Ok(CudaStorage::pending(Arc::new(Node {
+    Ok(Repr::Lazy(Arc::new(Node {
         dev,
         stream: dev.stream() as usize,
         dtype,
@@ -302,8 +365,8 @@ fn tally(args: &[Operand]) -> (u32, u32, bool) {
 
 /// How a node reads `s` (of `dtype`) through `l` (see the module docs for when a pending input
 /// is inlined).
-fn operand(s: &CudaStorage, l: &Layout, dtype: DType) -> Result<Operand> {
-    let node = match s.repr() {
+fn operand(s: &Repr, l: &Layout, dtype: DType) -> Result<Operand> {
+    let node = match s {
         Repr::Ready(buf) => {
             // The node launches on the current stream (where it is recorded).
             buf.mark_used(buf.state().stream());
@@ -450,51 +513,6 @@ fn done_layout(n: &Node, out: &Shape) -> Layout {
     }
 }
 
-// ---- code generation ---------------------------------------------------------------------------
-
-/// One instruction of a fused program; each defines the register with its index.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Ins {
-    /// Strided leaf `k`, read per element.
-    Leaf(u8),
-    /// Uniform leaf `k` (one element, read once).
-    Uni(u8),
-    /// Scalar kernel argument `k`.
-    Const(u8),
-    Unary(UnaryOp, u16),
-    Binary(BinaryOp, u16, u16),
-    /// `op_bwd_<op>(saved, g)`.
-    Bwd(UnaryOp, u16, u16),
-    /// A comparison, as u8 0/1.
-    Cmp(CmpOp, u16, u16),
-    /// `cast_to<from, to>`.
-    Cast(DType, u16),
-    /// `cond ? a : b`.
-    Where(u16, u16, u16),
-}
-
-/// A fused kernel's code: what its source (and so its compiled function) depends on.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct Program {
-    /// The result's dtype (the last register's).
-    pub dtype: DType,
-    /// 64-bit index arithmetic (beyond 2^31 elements or storage extent).
-    pub wide: bool,
-    /// Every strided leaf is contiguous with the output (no index arithmetic).
-    pub contig: bool,
-    /// Contiguous, every leaf of the result's dtype and 16-byte aligned, no reduction: the
-    /// loop moves 16 bytes per leaf and per store, then finishes the tail element by element.
-    pub vec: bool,
-    /// The dtypes of the strided leaves, uniform leaves and scalar arguments, in order.
-    pub leaves: Vec<DType>,
-    pub unis: Vec<DType>,
-    pub consts: Vec<DType>,
-    pub code: Vec<Ins>,
-    /// `None`: write every element. `Some(op)`: reduce all of them with `op` (sum, max or
-    /// min), one partial result per block.
-    pub reduce: Option<ReduceOp>,
-}
-
 /// The program of a DAG and the arguments of one launch of it.
 struct Gen<'a> {
     shape: &'a Shape,
@@ -619,8 +637,8 @@ fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
 /// per block, then their combination) for a large one. `None` when this does not apply (not a
 /// pending node read in its own layout, fusion off, not sum/max/min) or the program budget is
 /// spent; the caller then forces the node and reduces the buffer.
-pub(crate) fn reduce_all(s: &CudaStorage, l: &Layout, op: ReduceOp) -> Result<Option<Buffer>> {
-    let Repr::Lazy(node) = s.repr() else {
+pub(crate) fn reduce_all(s: &Repr, l: &Layout, op: ReduceOp) -> Result<Option<Buffer>> {
+    let Repr::Lazy(node) = s else {
         return Ok(None);
     };
     let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == node.shape.dims();
@@ -696,7 +714,15 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         code: std::mem::take(&mut g.code),
         reduce,
     };
-    let Some(f) = dev.fused_func(&program, program_budget(), || source(&program))? else {
+    let build = || {
+        let t0 = std::time::Instant::now();
+        let bin = crate::nvrtc::load_or_compile_source("fused.cu", &source(&program), dev.arch)
+            .map_err(|e| Error::backend("nvrtc", format!("compiling a fused kernel: {e}")))?;
+        FUSED_PROGRAMS.fetch_add(1, Ordering::Relaxed);
+        FUSED_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        Ok((bin, c"fused".to_owned()))
+    };
+    let Some(f) = dev.generated_func(&program, program_budget(), build)? else {
         return Ok(None);
     };
     let per_thread = if vec { 16 / dtype.size_in_bytes() } else { 1 };
@@ -742,315 +768,9 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     }
 }
 
-/// The CUDA C of `p`: one grid-stride loop; registers that do not vary per element (uniform
-/// leaves, constants, ops of those) are computed once before it. `T` is the result's type;
-/// every register is declared with its own.
-pub(crate) fn source(p: &Program) -> String {
-    let mut s = format!(
-        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n\
-         #line 1 \"fused.cu\"\ntypedef {} T;\ntypedef {} I;\n\
-         extern \"C\" __global__ void fused(T* __restrict__ y, u64 n",
-        tname(p.dtype),
-        if p.wide { "u64" } else { "u32" }
-    );
-    if !p.contig {
-        s += ", Dims d";
-    }
-    for (k, d) in p.leaves.iter().enumerate() {
-        let _ = write!(s, ", const {}* __restrict__ a{k}", tname(*d));
-        if !p.contig {
-            let _ = write!(s, ", Strides s{k}");
-        }
-    }
-    for (k, d) in p.unis.iter().enumerate() {
-        let _ = write!(s, ", const {}* __restrict__ u{k}", tname(*d));
-    }
-    for (k, d) in p.consts.iter().enumerate() {
-        let _ = write!(s, ", {} c{k}", tname(*d));
-    }
-    s += ") {\n";
-    let red = p.reduce.map(|op| match op {
-        ReduceOp::Max => "MaxOp<T>",
-        ReduceOp::Min => "MinOp<T>",
-        _ => "SumOp<T>",
-    });
-    if let Some(r) = red {
-        let _ = writeln!(s, "    __shared__ {r}::Acc scratch[32];");
-        let _ = writeln!(s, "    {r}::Acc acc = {r}::init();");
-    }
-    // Each register's type, and whether it varies per element (reads a leaf).
-    let mut ty: Vec<DType> = Vec::with_capacity(p.code.len());
-    let mut varies = vec![false; p.code.len()];
-    for (j, ins) in p.code.iter().enumerate() {
-        let (t, v) = match *ins {
-            Ins::Leaf(k) => (p.leaves[k as usize], true),
-            Ins::Uni(k) => (p.unis[k as usize], false),
-            Ins::Const(k) => (p.consts[k as usize], false),
-            Ins::Unary(_, a) | Ins::Cast(_, a) => (ty[a as usize], varies[a as usize]),
-            Ins::Binary(_, a, b) | Ins::Bwd(_, a, b) | Ins::Cmp(_, a, b) => {
-                (ty[a as usize], varies[a as usize] || varies[b as usize])
-            }
-            Ins::Where(c, a, b) => (
-                ty[a as usize],
-                varies[c as usize] || varies[a as usize] || varies[b as usize],
-            ),
-        };
-        let t = match *ins {
-            Ins::Cmp(..) => DType::U8,
-            Ins::Cast(to, _) => to,
-            _ => t,
-        };
-        ty.push(t);
-        varies[j] = v;
-    }
-    // `lane`: inside the vector loop, where leaf k's element is `w{k}.v[j]`.
-    let expr = |ins: Ins, lane: bool| -> String {
-        let t = |r: u16| tname(ty[r as usize]);
-        match ins {
-            Ins::Leaf(k) if lane => format!("w{k}.v[j]"),
-            Ins::Leaf(k) if p.contig => format!("a{k}[i]"),
-            Ins::Leaf(k) => format!("a{k}[o{k}]"),
-            Ins::Uni(k) => format!("u{k}[0]"),
-            Ins::Const(k) => format!("c{k}"),
-            Ins::Unary(u, a) => format!("op_{}<{}>(r{a})", u.name(), t(a)),
-            Ins::Binary(b, x, y) => format!("op_{}<{}>(r{x}, r{y})", b.name(), t(x)),
-            Ins::Bwd(u, x, y) => format!(
-                "op_{}<{}>(r{x}, r{y})",
-                ops::bwd_name(u).expect("only ops with a backward kernel are recorded"),
-                t(x)
-            ),
-            Ins::Cmp(c, x, y) => format!("op_{}<{}>(r{x}, r{y})", c.name(), t(x)),
-            Ins::Cast(to, a) => format!("cast_to<{}, {}>(r{a})", t(a), tname(to)),
-            Ins::Where(c, x, y) => format!("(r{c} ? r{x} : r{y})"),
-        }
-    };
-    for (j, ins) in p.code.iter().enumerate() {
-        if !varies[j] {
-            let _ = writeln!(
-                s,
-                "    const {} r{j} = {};",
-                tname(ty[j]),
-                expr(*ins, false)
-            );
-        }
-    }
-    let last = p.code.len() - 1;
-    if p.vec {
-        // 16 bytes per leaf and per store; the scalar loop below takes the tail.
-        s += "    const int N = 16 / sizeof(T);\n    const u64 nv = n / N;\n";
-        s += "    for (u64 v = KILN_TID; v < nv; v += KILN_NTHREADS) {\n";
-        for k in 0..p.leaves.len() {
-            let _ = writeln!(
-                s,
-                "        const Vec<T, N> w{k} = ((const Vec<T, N>*)a{k})[v];"
-            );
-        }
-        s += "        Vec<T, N> out;\n#pragma unroll\n        for (int j = 0; j < N; ++j) {\n";
-        for (j, ins) in p.code.iter().enumerate() {
-            if varies[j] {
-                let ex = expr(*ins, true);
-                let _ = writeln!(s, "            const {} r{j} = {ex};", tname(ty[j]));
-            }
-        }
-        let _ = writeln!(s, "            out.v[j] = r{last};\n        }}");
-        s += "        ((Vec<T, N>*)y)[v] = out;\n    }\n";
-        s += "    for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS) {\n";
-    } else {
-        s += "    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n";
-    }
-    if !p.contig && !p.leaves.is_empty() {
-        s += "        I q = (I)i;\n";
-        for k in 0..p.leaves.len() {
-            let _ = writeln!(s, "        I o{k} = (I)s{k}.offset;");
-        }
-        s += "#pragma unroll\n        for (int k = KILN_MAX_DIMS - 1; k >= 0; --k) {\n\
-              \x20           if (k < d.rank) {\n\
-              \x20               I dk = (I)d.d[k];\n\
-              \x20               I nq = q / dk;\n\
-              \x20               I m = q - nq * dk;\n";
-        for k in 0..p.leaves.len() {
-            let _ = writeln!(s, "                o{k} += m * (I)s{k}.s[k];");
-        }
-        s += "                q = nq;\n            }\n        }\n";
-    }
-    for (j, ins) in p.code.iter().enumerate() {
-        if varies[j] {
-            let _ = writeln!(
-                s,
-                "        const {} r{j} = {};",
-                tname(ty[j]),
-                expr(*ins, false)
-            );
-        }
-    }
-    match red {
-        None => {
-            let _ = writeln!(s, "        y[i] = r{last};\n    }}\n}}");
-        }
-        Some(r) => {
-            let _ = writeln!(
-                s,
-                "        acc = {r}::combine(acc, {r}::lift(r{last}, (i64)i));\n    }}\n    \
-                 acc = block_reduce<{r}>(acc, scratch);\n    \
-                 if (threadIdx.x == 0) y[blockIdx.x] = acc;\n}}"
-            );
-        }
-    }
-    s
-}
-
-/// A few programs covering every instruction, both index widths and both layouts: what `cargo
-/// xtask check-kernels` compiles so that a code generator change that breaks NVRTC fails CI.
-pub(crate) fn sample_sources() -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for (dtype, wide, contig, reduce) in [
-        (DType::F32, false, true, None),
-        (DType::F64, false, true, None),
-        (DType::F64, true, false, None),
-        (DType::F32, false, false, None),
-        (DType::F32, false, true, Some(ReduceOp::Sum)),
-        (DType::F64, true, false, Some(ReduceOp::Max)),
-        (DType::F32, false, false, Some(ReduceOp::Min)),
-    ] {
-        // Registers 0-1: leaves of `dtype`; 2: a uniform; 3: a constant; 4: a u8 leaf.
-        let mut code = vec![
-            Ins::Leaf(0),
-            Ins::Leaf(1),
-            Ins::Uni(0),
-            Ins::Const(0),
-            Ins::Leaf(2),
-        ];
-        for u in UnaryOp::ALL {
-            if u.supports(dtype) {
-                code.push(Ins::Unary(u, 0));
-            }
-            if ops::bwd_name(u).is_some() {
-                code.push(Ins::Bwd(u, 0, 1));
-            }
-        }
-        for b in BinaryOp::ALL {
-            if b.supports(dtype) {
-                code.push(Ins::Binary(b, 2, (code.len() - 1) as u16));
-            }
-        }
-        let last = (code.len() - 1) as u16;
-        let n = code.len() as u16;
-        code.extend([
-            Ins::Cmp(CmpOp::Lt, 0, last), // n: u8
-            Ins::Cast(dtype, n),          // n + 1
-            Ins::Where(4, n + 1, 3),      // n + 2 (u8 leaf as the condition)
-            Ins::Cast(dtype, 4),          // n + 3
-            Ins::Binary(BinaryOp::Add, n + 2, n + 3),
-        ]);
-        let p = Program {
-            dtype,
-            wide,
-            contig,
-            vec: contig && reduce.is_none() && !wide,
-            leaves: vec![dtype, dtype, DType::U8],
-            unis: vec![dtype],
-            consts: vec![dtype],
-            code,
-            reduce,
-        };
-        let what = reduce.map_or("map", |r| r.name());
-        let name = format!(
-            "fused {what} ({dtype}, wide {wide}, contig {contig}, vec {})",
-            p.vec
-        );
-        out.push((name, source(&p)));
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// `sigmoid(a0 + u0) * c0` over strided leaves: the uniform read and the constant are
-    /// hoisted out of the loop, the per-element ops stay inside, in order.
-    #[test]
-    fn source_hoists_uniform_registers() {
-        let p = Program {
-            dtype: DType::F32,
-            wide: false,
-            contig: false,
-            vec: false,
-            leaves: vec![DType::F32],
-            unis: vec![DType::F32],
-            consts: vec![DType::F32],
-            code: vec![
-                Ins::Leaf(0),
-                Ins::Uni(0),
-                Ins::Binary(BinaryOp::Add, 0, 1),
-                Ins::Unary(UnaryOp::Sigmoid, 2),
-                Ins::Const(0),
-                Ins::Binary(BinaryOp::Mul, 3, 4),
-            ],
-            reduce: None,
-        };
-        let src = source(&p);
-        let body = &src[src.find("extern \"C\"").unwrap()..];
-        let at = |needle: &str| {
-            body.find(needle)
-                .unwrap_or_else(|| panic!("`{needle}` missing in:\n{body}"))
-        };
-        let lp = at("for (u64 i");
-        assert!(at("const float r1 = u0[0];") < lp);
-        assert!(at("const float r4 = c0;") < lp);
-        assert!(at("const float r0 = a0[o0];") > lp);
-        assert!(
-            at("const float r2 = op_add<float>(r0, r1);")
-                < at("const float r3 = op_sigmoid<float>(r2);")
-        );
-        assert!(at("y[i] = r5;") > at("const float r5 = op_mul<float>(r3, r4);"));
-        assert!(body.contains("typedef u32 I;") || src.contains("typedef u32 I;"));
-        assert!(body.contains("Strides s0") && body.contains("Dims d"));
-    }
-
-    #[test]
-    fn contiguous_programs_index_directly() {
-        let p = Program {
-            dtype: DType::F64,
-            wide: true,
-            contig: true,
-            vec: false,
-            leaves: vec![DType::F64, DType::F64],
-            unis: vec![],
-            consts: vec![],
-            code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Bwd(UnaryOp::Tanh, 0, 1)],
-            reduce: None,
-        };
-        let src = source(&p);
-        assert!(src.contains("typedef double T;") && src.contains("typedef u64 I;"));
-        assert!(src.contains("const double r0 = a0[i];"));
-        assert!(src.contains("op_bwd_tanh<double>(r0, r1)"));
-        assert!(!src.contains("Strides s0") && !src.contains("Dims d"));
-    }
-
-    #[test]
-    fn aligned_contiguous_programs_move_16_bytes_then_finish_the_tail() {
-        let p = Program {
-            dtype: DType::F32,
-            wide: false,
-            contig: true,
-            vec: true,
-            leaves: vec![DType::F32, DType::F32],
-            unis: vec![],
-            consts: vec![],
-            code: vec![Ins::Leaf(0), Ins::Leaf(1), Ins::Binary(BinaryOp::Mul, 0, 1)],
-            reduce: None,
-        };
-        let src = source(&p);
-        let at = |needle: &str| {
-            src.find(needle)
-                .unwrap_or_else(|| panic!("`{needle}` missing in:\n{src}"))
-        };
-        assert!(at("const Vec<T, N> w1 = ((const Vec<T, N>*)a1)[v];") < at("out.v[j] = r2;"));
-        assert!(at("const float r0 = w0.v[j];") < at("((Vec<T, N>*)y)[v] = out;"));
-        assert!(at("for (u64 i = nv * N + KILN_TID") < at("const float r0 = a0[i];"));
-        assert!(at("const float r0 = a0[i];") < at("y[i] = r2;"));
-    }
 
     #[test]
     fn single_element_reads_are_uniform() {

@@ -18,7 +18,7 @@
 //!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs
 //!   `Tensor::<Cpu>::pin_memory`.
 //! - **Our own kernels** (`kernels/*.cu`), compiled by NVRTC for the device's architecture on
-//!   first use, memoized per device and cached on disk (`compile.rs`; `KILN_KERNEL_CACHE`).
+//!   first use, memoized per device (`device.rs`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used
 //!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
@@ -35,7 +35,29 @@
 //! `KILN_CUDA_SYNC=1` to synchronize and check after every launch, so that an asynchronous
 //! failure is reported by the op that caused it (this also runs every elementwise op on its own
 //! instead of fusing chains).
+//!
+//! # Layers
+//!
+//! Modules import downward only (no circle among the `crate::` imports of the files), so the
+//! code generators can be read, tested and compiled with NVRTC on a machine with no GPU, and
+//! the runtime knows nothing of what runs on it:
+//!
+//! 1. **Source text and pure helpers** — `sources.rs` (the `kernels/` files and headers, C type
+//!    names), `launch.rs` (kernel argument packing, dimension merging).
+//! 2. **Code generators, pure** — `codegen.rs` (expression IR → CUDA C), `lazygen.rs`
+//!    (deferred elementwise chains → CUDA C).
+//! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `pool.rs` (block-cache bookkeeping),
+//!    `device.rs` (context, streams, per-device memo of modules and of generated kernels,
+//!    type-erased so that it names no generator), `memory.rs`, `stream.rs`, `pinned.rs`,
+//!    `transfer.rs`.
+//! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates).
+//! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
+//!    then `storage.rs` (the public [`CudaStorage`] handle over it).
+//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `compile.rs` (the public
+//!    compile tooling and `check_all`, which needs every generator's samples).
+//! 7. `lib.rs`: the `Backend` implementation.
 
+// Layers, bottom to top: each module imports only modules listed before it (see "Layers").
 mod blas;
 mod codegen;
 pub mod compile;
@@ -44,9 +66,13 @@ mod expr_eval;
 mod fused;
 mod launch;
 mod lazy;
+mod lazygen;
 mod memory;
+mod nvrtc;
 mod ops;
 mod pinned;
+mod pool;
+mod sources;
 mod storage;
 mod stream;
 mod transfer;
@@ -58,10 +84,9 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, clear_kernel_cache, fused_program_stats, launch_stats, thread_launches,
-    thread_syncs, unavailable_reason,
+    CudaDevice, clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
-pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
+pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
@@ -131,6 +156,19 @@ fn host_bytes_of(h: &mut HostBuffer) -> &mut [u8] {
     }
 }
 
+/// Records (or runs) elementwise `op` over `inputs` through the deferral layer.
+fn record(
+    op: lazy::Op,
+    inputs: &[(&CudaStorage, &Layout, DType)],
+    out: DType,
+) -> Result<CudaStorage> {
+    let mut reprs: [(&lazy::Repr, &Layout, DType); 3] = [(inputs[0].0.repr(), inputs[0].1, out); 3];
+    for (r, (s, l, d)) in reprs.iter_mut().zip(inputs) {
+        *r = (s.repr(), l, *d);
+    }
+    lazy::record(op, &reprs[..inputs.len()], out).map(CudaStorage::from)
+}
+
 impl Backend for Cuda {
     type Device = CudaDevice;
     type Storage = CudaStorage;
@@ -185,7 +223,7 @@ impl Backend for Cuda {
     }
 
     fn fill(device: &CudaDevice, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
-        lazy::fill(state(device)?, dtype, len, value)
+        lazy::fill(state(device)?, dtype, len, value).map(CudaStorage::from)
     }
 
     fn from_host(device: &CudaDevice, data: &HostBuffer) -> Result<CudaStorage> {
@@ -283,7 +321,7 @@ impl Backend for Cuda {
     }
 
     fn contiguous(storage: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        if let storage::Repr::Lazy(n) = storage.repr() {
+        if let lazy::Repr::Lazy(n) = storage.repr() {
             // A pending tensor read in its own layout is already what `contiguous` returns.
             if layout.offset() == 0 && layout.is_contiguous() && n.shape().dims() == layout.dims() {
                 return Ok(CudaStorage::pending(n.clone()));
@@ -303,7 +341,7 @@ impl Backend for Cuda {
     }
 
     fn unary(op: UnaryOp, s: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        lazy::record(lazy::Op::Unary(op), &[(s, layout, dtype)], dtype)
+        record(lazy::Op::Unary(op), &[(s, layout, dtype)], dtype)
     }
 
     fn unary_backward(
@@ -314,7 +352,7 @@ impl Backend for Cuda {
         g_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        lazy::record(
+        record(
             lazy::Op::UnaryBwd(op),
             &[(saved, saved_layout, dtype), (g, g_layout, dtype)],
             dtype,
@@ -329,7 +367,7 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        lazy::record(
+        record(
             lazy::Op::Binary(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
             dtype,
@@ -349,7 +387,7 @@ impl Backend for Cuda {
             value: scalar,
             lhs: scalar_lhs,
         };
-        lazy::record(op, &[(s, layout, dtype)], dtype)
+        record(op, &[(s, layout, dtype)], dtype)
     }
 
     fn compare(
@@ -360,7 +398,7 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        lazy::record(
+        record(
             lazy::Op::Compare(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
             DType::U8,
@@ -376,7 +414,7 @@ impl Backend for Cuda {
         false_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        lazy::record(
+        record(
             lazy::Op::Where,
             &[
                 (cond, cond_layout, DType::U8),
@@ -401,7 +439,7 @@ impl Backend for Cuda {
             .map(|i| layout.dims()[i])
             .product();
         if kept == 1
-            && let Some(out) = lazy::reduce_all(s, layout, op)?
+            && let Some(out) = lazy::reduce_all(s.repr(), layout, op)?
         {
             return Ok(CudaStorage::ready(out));
         }
@@ -468,7 +506,7 @@ impl Backend for Cuda {
     }
 
     fn cast(s: &CudaStorage, layout: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
-        lazy::record(lazy::Op::Cast(to), &[(s, layout, from)], to)
+        record(lazy::Op::Cast(to), &[(s, layout, from)], to)
     }
 
     fn index_select(

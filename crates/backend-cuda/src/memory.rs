@@ -27,7 +27,8 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, MemoryStats, Result};
 
-use crate::device::{CudaDevice, DeferredFree, DeviceState, check, state};
+use crate::device::{CudaDevice, DeviceState, check, state};
+use crate::pool::{DeferredFree, bucket};
 
 /// One untyped block of memory on one GPU (the dtype lives in the tensor); what a computed
 /// [`crate::CudaStorage`] holds. Returned to the block cache (or freed) on drop.
@@ -186,21 +187,6 @@ fn sweep_deferred(dev: &DeviceState) {
     }
 }
 
-/// Freed blocks kept for reuse, by (home stream, block size).
-#[derive(Default)]
-pub(crate) struct BlockCache {
-    pub free: kiln_core::fasthash::FastMap<(usize, usize), Vec<sys::CUdeviceptr>>,
-    /// Total bytes in `free`.
-    pub bytes: usize,
-}
-
-impl BlockCache {
-    fn put(&mut self, stream: usize, bytes: usize, ptr: sys::CUdeviceptr) {
-        self.bytes += bytes;
-        self.free.entry((stream, bytes)).or_default().push(ptr);
-    }
-}
-
 static BLOCK_CACHE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
 
 /// Whether freed blocks are cached on the host side (default on; `KILN_CUDA_CACHE=0` turns it
@@ -218,13 +204,6 @@ fn block_cache_on() -> bool {
         }
         v => v == 2,
     }
-}
-
-/// The cache bucket of a request: a multiple of 512 bytes and of 1/8 of the request's power of
-/// two, so rounding wastes at most 12.5% and similar sizes share blocks.
-pub(crate) fn bucket(bytes: usize) -> usize {
-    let step = (bytes.next_power_of_two() / 8).max(512);
-    bytes.next_multiple_of(step)
 }
 
 /// `bytes` of device memory on the calling thread's current stream.

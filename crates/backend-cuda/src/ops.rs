@@ -3,23 +3,13 @@
 use cudarc::driver::sys;
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, ReduceOp, Result, UnaryOp};
 
-use crate::compile::Module;
 use crate::device::{DeviceState, check};
 use crate::launch::{Args, Dims, Strides, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
+use crate::sources::Module;
+pub(crate) use crate::sources::{bwd_name, ctype as tname};
 
 pub(crate) const BLOCK: u32 = 256;
-
-/// The C element type name used in kernel names.
-pub(crate) fn tname(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "float",
-        DType::F64 => "double",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        _ => "unsupported",
-    }
-}
 
 /// The kernel type for moving elements of `dtype` without looking at them.
 fn sized(dtype: DType) -> &'static str {
@@ -239,26 +229,6 @@ pub(crate) fn unary_backward(
         true,
         &|_| {},
     )
-}
-
-/// The name of `op`'s backward function (`op_bwd_<op>` in scalar_ops.cuh), if it has one.
-pub(crate) fn bwd_name(op: UnaryOp) -> Option<&'static str> {
-    Some(match op {
-        UnaryOp::Exp => "bwd_exp",
-        UnaryOp::Log => "bwd_log",
-        UnaryOp::Sqrt => "bwd_sqrt",
-        UnaryOp::Square => "bwd_square",
-        UnaryOp::Recip => "bwd_recip",
-        UnaryOp::Sin => "bwd_sin",
-        UnaryOp::Cos => "bwd_cos",
-        UnaryOp::Tanh => "bwd_tanh",
-        UnaryOp::Sigmoid => "bwd_sigmoid",
-        UnaryOp::Relu => "bwd_relu",
-        UnaryOp::Abs => "bwd_abs",
-        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
-            return None;
-        }
-    })
 }
 
 pub(crate) fn binary_scalar(

@@ -18,7 +18,7 @@ use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, PinnedAllocator, Result};
 
 use crate::device::{CudaDevice, state};
-use crate::memory::bucket;
+use crate::pool::bucket;
 
 /// Memory held by the pinned pool, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -1,23 +1,21 @@
 //! [`CudaStorage`]: what a tensor on a GPU holds — a computed buffer, or elementwise work that
 //! has not run yet (`lazy.rs`). Every op that is not elementwise asks for the buffer, which
 //! runs the pending work first.
+//!
+//! The representation and its forcing belong to the deferral layer (`lazy::Repr`); this is
+//! the public handle above it, so that layer never names the storage type.
 
 use std::sync::Arc;
 
 use kiln_core::Result;
 
 use crate::device::{CudaDevice, DeviceState, state};
-use crate::lazy::{self, Node};
-use crate::memory::{Buffer, alloc, duplicate};
+use crate::lazy::{Node, Repr};
+use crate::memory::{Buffer, alloc};
 
 /// A tensor's storage on one GPU (untyped; the dtype lives in the tensor).
 pub struct CudaStorage {
     repr: Repr,
-}
-
-pub(crate) enum Repr {
-    Ready(Arc<Buffer>),
-    Lazy(Arc<Node>),
 }
 
 impl std::fmt::Debug for CudaStorage {
@@ -29,6 +27,12 @@ impl std::fmt::Debug for CudaStorage {
             self.len_bytes(),
             self.state().ordinal
         )
+    }
+}
+
+impl From<Repr> for CudaStorage {
+    fn from(repr: Repr) -> Self {
+        CudaStorage { repr }
     }
 }
 
@@ -54,26 +58,17 @@ impl CudaStorage {
     /// Bytes held (for a computed buffer, its allocation: the request rounded up to the
     /// cache's bucket).
     pub fn len_bytes(&self) -> usize {
-        match &self.repr {
-            Repr::Ready(b) => b.len_bytes(),
-            Repr::Lazy(n) => n.len_bytes(),
-        }
+        self.repr.len_bytes()
     }
     pub fn device(&self) -> CudaDevice {
         self.state().device()
     }
     pub(crate) fn state(&self) -> &'static DeviceState {
-        match &self.repr {
-            Repr::Ready(b) => b.state(),
-            Repr::Lazy(n) => n.state(),
-        }
+        self.repr.state()
     }
     /// Whether this holds elementwise work that has not run yet.
     pub fn is_pending(&self) -> bool {
-        match &self.repr {
-            Repr::Ready(_) => false,
-            Repr::Lazy(n) => !n.is_done(),
-        }
+        self.repr.is_pending()
     }
     /// Runs pending work, if any (one launch); the values are then in device memory.
     pub fn realize(&self) -> Result<()> {
@@ -87,28 +82,12 @@ impl CudaStorage {
     /// The computed buffer, running pending work first, for work on the caller's current
     /// stream (noted on the buffer, so that it is not reused before that work has passed).
     pub(crate) fn buffer(&self) -> Result<Arc<Buffer>> {
-        let b = match &self.repr {
-            Repr::Ready(b) => b.clone(),
-            Repr::Lazy(n) => lazy::force(n)?,
-        };
-        b.mark_used(b.state().stream());
-        Ok(b)
+        self.repr.buffer()
     }
 
     /// The buffer for an in-place write: computed, and held by nothing else (a pending node
     /// that still reads it gets the old contents, in a copy made here).
     pub(crate) fn buffer_mut(&mut self) -> Result<&Buffer> {
-        if let Repr::Lazy(n) = &self.repr {
-            self.repr = Repr::Ready(lazy::force(n)?);
-        }
-        let Repr::Ready(b) = &mut self.repr else {
-            unreachable!("made ready above")
-        };
-        if Arc::get_mut(b).is_none() {
-            *b = Arc::new(duplicate(b)?);
-        }
-        b.contents_changed();
-        b.mark_used(b.state().stream());
-        Ok(b)
+        self.repr.buffer_mut()
     }
 }

@@ -1,0 +1,119 @@
+//! The texts every kernel is built from: our hand-written kernel files under `kernels/`, the
+//! shared headers, and the names that connect Rust to them (C type names, backward functions).
+//!
+//! # Why a module of its own
+//!
+//! This is the bottom of the crate: plain data, no device, no NVRTC. The code generators
+//! (`codegen.rs`, `lazygen.rs`, `user_kernel/`) prepend these headers to what they write, the
+//! runtime (`nvrtc.rs`, `device.rs`) compiles and loads them, and the ops name their kernels
+//! with them — all of them import this module, and it imports none of them.
+
+use kiln_core::{DType, UnaryOp};
+
+/// The header prepended to every kernel source (types, `Dims`/`Strides`, block reductions).
+pub const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// The elementwise ops' scalar functions, prepended to `elementwise.cu` and to every generated
+/// kernel, so fused and single-op results agree bit for bit.
+pub const SCALAR_OPS: &str = include_str!("../kernels/scalar_ops.cuh");
+
+/// One compilation unit under `kernels/`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Module {
+    Elementwise,
+    Copy,
+    Rand,
+    Reduce,
+    Softmax,
+    Index,
+    Optim,
+    Util,
+}
+
+impl Module {
+    pub const ALL: [Module; 8] = [
+        Module::Elementwise,
+        Module::Copy,
+        Module::Rand,
+        Module::Reduce,
+        Module::Softmax,
+        Module::Index,
+        Module::Optim,
+        Module::Util,
+    ];
+
+    /// The file name under `kernels/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Module::Elementwise => "elementwise.cu",
+            Module::Copy => "copy.cu",
+            Module::Rand => "rand.cu",
+            Module::Reduce => "reduce.cu",
+            Module::Softmax => "softmax.cu",
+            Module::Index => "index.cu",
+            Module::Optim => "optim.cu",
+            Module::Util => "util.cu",
+        }
+    }
+
+    pub fn source(self) -> &'static str {
+        match self {
+            Module::Elementwise => include_str!("../kernels/elementwise.cu"),
+            Module::Copy => include_str!("../kernels/copy.cu"),
+            Module::Rand => include_str!("../kernels/rand.cu"),
+            Module::Reduce => include_str!("../kernels/reduce.cu"),
+            Module::Softmax => include_str!("../kernels/softmax.cu"),
+            Module::Index => include_str!("../kernels/index.cu"),
+            Module::Optim => include_str!("../kernels/optim.cu"),
+            Module::Util => include_str!("../kernels/util.cu"),
+        }
+    }
+
+    /// The text NVRTC compiles: the common header, then the file, with `#line` markers so that
+    /// diagnostics name the real file and line.
+    pub fn full_source(self) -> String {
+        let ops = if self == Module::Elementwise {
+            format!("#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n")
+        } else {
+            String::new()
+        };
+        format!(
+            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{}",
+            self.file_name(),
+            self.source()
+        )
+    }
+}
+
+/// The C type of `dtype` in our kernels (`common.cuh`'s typedefs), also the dtype part of the
+/// single-op kernels' names.
+pub(crate) fn ctype(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::I64 => "i64",
+        DType::U8 => "u8",
+        _ => "unsupported",
+    }
+}
+
+/// The device function of `op`'s backward (`op_<name>(saved, g)` in `scalar_ops.cuh`), for the
+/// ops that have one.
+pub(crate) fn bwd_name(op: UnaryOp) -> Option<&'static str> {
+    Some(match op {
+        UnaryOp::Exp => "bwd_exp",
+        UnaryOp::Log => "bwd_log",
+        UnaryOp::Sqrt => "bwd_sqrt",
+        UnaryOp::Square => "bwd_square",
+        UnaryOp::Recip => "bwd_recip",
+        UnaryOp::Sin => "bwd_sin",
+        UnaryOp::Cos => "bwd_cos",
+        UnaryOp::Tanh => "bwd_tanh",
+        UnaryOp::Sigmoid => "bwd_sigmoid",
+        UnaryOp::Relu => "bwd_relu",
+        UnaryOp::Abs => "bwd_abs",
+        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+            return None;
+        }
+    })
+}

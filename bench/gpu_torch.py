@@ -163,3 +163,27 @@ def exp_into():
 
 
 report("exp_230400_into_buffer_x1000", wall(exp_into) * 1e3, "ms")
+
+# ---- issue 13: user-defined fused work (twins of crates/backend-cuda/benches/fuse.rs) -------
+n = 64 << 20
+x5, y5 = rand(n), rand(n)
+c5 = torch.empty_like(x5)
+ms = timed(5, 10, lambda: c5.copy_(x5))
+report("copy_64M", 8 * n / (ms * 1e-3) / 1e9, "GB/s")
+ms = timed(5, 10, lambda: (x5 * y5 + 0.5).sigmoid() * x5 - y5)
+report("fuse5_64M", 12 * n / (ms * 1e-3) / 1e9, "GB/s")
+del x5, y5, c5
+
+s = rand(8192, 8192)
+ms = timed(5, 5, lambda: torch.logsumexp(s, dim=-1))
+report("lse_8192x8192", ms, "ms")
+
+
+def lse_manual():
+    m = s.max(dim=-1, keepdim=True).values
+    return (s - m).exp().sum(dim=-1, keepdim=True).log() + m
+
+
+ms = timed(5, 5, lse_manual)
+report("lse_8192x8192_manual", ms, "ms")
+del s

@@ -8,8 +8,9 @@
 //! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) listed in [`GPU_TESTS`]
 //!   into `target/gpu-bundle/` with a `run.sh` that runs each and prints one summary line; the
 //!   bundle is what travels to a GPU machine. `--run` also runs it here.
-//! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py`, whose run
-//!   prints one kiln-vs-PyTorch table (`target/gpu-bundle/bench.sh`).
+//! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py` and
+//!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
+//!   (`target/gpu-bundle/bench.sh`).
 //!
 //! Why a bundle: the GPU machine has no Rust toolchain, so binaries are built here and carried.
 
@@ -24,7 +25,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-nn", &["cuda"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
-const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu", "transfer"])];
+const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu", "transfer", "fuse"])];
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
@@ -220,6 +221,7 @@ export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
 for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
 PYTHONUNBUFFERED=1 python3 gpu_torch.py | tee -a "$out"
+PYTHONUNBUFFERED=1 python3 gpu_cupy.py | tee -a "$out"
 python3 compare.py "$out"
 "#
         }
@@ -230,7 +232,7 @@ python3 compare.py "$out"
     };
     std::fs::write(dir.join(script_name), script).map_err(|e| e.to_string())?;
     if kind == Kind::Bench {
-        for f in ["gpu_torch.py", "compare.py"] {
+        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py"] {
             let src = root().join("bench").join(f);
             std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
         }

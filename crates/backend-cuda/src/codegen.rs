@@ -75,6 +75,11 @@ pub(crate) struct Variant {
     /// Per operand: the inputs in order, then (reducing programs only) the elementwise
     /// outputs in output order. Elementwise programs store their outputs at the loop index.
     pub access: Vec<Access>,
+    /// Elementwise programs whose operands are all contiguous or broadcast, whose contiguous
+    /// inputs and outputs share one element size and start 16-byte aligned: elements per
+    /// 16-byte vector (the loop moves `vec` elements per load and store, then finishes the
+    /// tail one by one). 0: element by element. Chosen at launch (it depends on addresses).
+    pub vec: u32,
 }
 
 /// The C type of `dtype`.
@@ -257,13 +262,24 @@ fn emit_offsets(
 /// Emits the instructions flagged in `which` (inputs loaded at `off<k>`); `acc`: a `Reduce`
 /// reads its finished accumulator `acc<i>`.
 fn emit_values(s: &mut String, ind: &str, p: &Program, which: &[bool], off: &str) {
+    emit_values_with(s, ind, p, which, &|k| format!("x{k}[{off}{k}]"));
+}
+
+/// [`emit_values`] with input `k` read as `input(k)`.
+fn emit_values_with(
+    s: &mut String,
+    ind: &str,
+    p: &Program,
+    which: &[bool],
+    input: &dyn Fn(u32) -> String,
+) {
     for (i, ins) in p.code().iter().enumerate() {
         if !which[i] {
             continue;
         }
         let t = ctype(p.dtype(i as u32));
         let e = match *ins {
-            Instr::Input(k) => format!("x{k}[{off}{k}]"),
+            Instr::Input(k) => input(k),
             Instr::Reduce(c, a) => {
                 let at = acc_type(c, p.dtype(a));
                 if at == t {
@@ -388,7 +404,13 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
 }
 
 fn elementwise_body(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
-    s.push_str("    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n");
+    if v.vec > 1 {
+        vector_loop(s, p, v, nd);
+        // the tail, element by element
+        s.push_str("    for (u64 i = nv * VN + KILN_TID; i < n; i += KILN_NTHREADS) {\n");
+    } else {
+        s.push_str("    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {\n");
+    }
     let ind = "        ";
     for (k, a) in v.access.iter().enumerate() {
         match a {
@@ -408,6 +430,44 @@ fn elementwise_body(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
     emit_values(s, ind, p, &nd.elem, "off");
     for (j, &o) in p.outputs().iter().enumerate() {
         let _ = writeln!(s, "{ind}y{j}[i] = v{o};");
+    }
+    s.push_str("    }\n");
+}
+
+/// The vector part of an elementwise kernel (see [`Variant::vec`]): `VN` consecutive elements
+/// per iteration, each contiguous input loaded and each output stored as one 16-byte `Vec`.
+fn vector_loop(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
+    let _ = writeln!(s, "    const int VN = {};", v.vec);
+    s.push_str("    const u64 nv = n / VN;\n");
+    s.push_str("    for (u64 w = KILN_TID; w < nv; w += KILN_NTHREADS) {\n");
+    for (k, a) in v.access.iter().enumerate() {
+        if *a == Access::Contig {
+            let t = ctype(p.inputs()[k]);
+            let _ = writeln!(
+                s,
+                "        const Vec<{t}, VN> w{k} = ((const Vec<{t}, VN>*)x{k})[w];"
+            );
+        }
+    }
+    for (j, &o) in p.outputs().iter().enumerate() {
+        let _ = writeln!(s, "        Vec<{}, VN> o{j};", ctype(p.dtype(o)));
+    }
+    s.push_str("#pragma unroll\n        for (int l = 0; l < VN; ++l) {\n");
+    let input = |k: u32| match v.access[k as usize] {
+        Access::Contig => format!("w{k}.v[l]"),
+        _ => format!("x{k}[0]"),
+    };
+    emit_values_with(s, "            ", p, &nd.elem, &input);
+    for (j, &o) in p.outputs().iter().enumerate() {
+        let _ = writeln!(s, "            o{j}.v[l] = v{o};");
+    }
+    s.push_str("        }\n");
+    for j in 0..p.outputs().len() {
+        let _ = writeln!(
+            s,
+            "        ((Vec<{}, VN>*)y{j})[w] = o{j};",
+            ctype(p.dtype(p.outputs()[j]))
+        );
     }
     s.push_str("    }\n");
 }
@@ -616,6 +676,7 @@ pub(crate) fn plan(
             variant: Variant {
                 wide,
                 strategy: Strategy::Elementwise,
+                vec: 0,
                 access,
             },
             n,
@@ -688,6 +749,7 @@ pub(crate) fn plan(
         variant: Variant {
             wide,
             strategy,
+            vec: 0,
             access,
         },
         n: n_kept,
@@ -736,10 +798,24 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             let v = Variant {
                 wide,
                 strategy: Strategy::Elementwise,
+                vec: 0,
                 access: access.to_vec(),
             };
             if let Ok(src) = source(&map, &v) {
                 out.push((format!("expr map ({dtype}, wide {wide})"), src));
+            }
+        }
+        // the 16-byte vector loop: contiguous and broadcast inputs of one element size
+        let vmap = Program::from_exprs(&[dtype, dtype], &[(&x * &y).exp() + &y, &x - &y]);
+        if let Ok(vmap) = vmap {
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Elementwise,
+                vec: (16 / dtype.size_in_bytes()) as u32,
+                access: vec![Access::Contig, Access::Bcast],
+            };
+            if let Ok(src) = source(&vmap, &v) {
+                out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
             }
         }
         for c in Combine::ALL {
@@ -776,6 +852,7 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
                 let v = Variant {
                     wide,
                     strategy,
+                    vec: 0,
                     access: access.to_vec(),
                 };
                 if let Ok(src) = source(&rp, &v) {
@@ -813,6 +890,7 @@ mod tests {
         let v = Variant {
             wide: false,
             strategy: Strategy::Elementwise,
+            vec: 0,
             access: vec![Access::Contig],
         };
         let src = source(&p, &v).unwrap();
@@ -829,12 +907,40 @@ mod tests {
     }
 
     #[test]
+    fn vector_loops_move_16_bytes_then_finish_the_tail() {
+        let (x, y) = (Expr::input(0), Expr::input(1));
+        let p = prog(&[DType::F32, DType::F32], &[(&x * &y).sigmoid()]);
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Elementwise,
+            vec: 4,
+            access: vec![Access::Contig, Access::Bcast],
+        };
+        let src = source(&p, &v).unwrap();
+        let b = body(&src);
+        assert!(b.contains("const int VN = 4;"), "{b}");
+        let w = at(b, "for (u64 w = KILN_TID; w < nv;");
+        assert!(
+            w < at(
+                b,
+                "const Vec<float, VN> w0 = ((const Vec<float, VN>*)x0)[w];"
+            )
+        );
+        assert!(!b.contains("Vec<float, VN> w1"), "{b}");
+        assert!(at(b, "const float v0 = w0.v[l];") < at(b, "o0.v[l] = v"));
+        assert!(b.contains("const float v1 = x1[0];"), "{b}");
+        assert!(at(b, "((Vec<float, VN>*)y0)[w] = o0;") < at(b, "for (u64 i = nv * VN + KILN_TID"));
+        assert!(at(b, "for (u64 i = nv * VN + KILN_TID") < at(b, "y0[i] = v"));
+    }
+
+    #[test]
     fn strided_inputs_share_one_set_of_divisions() {
         let (x, y, z) = (Expr::input(0), Expr::input(1), Expr::input(2));
         let p = prog(&[DType::F64; 3], &[&x * &y - &z]);
         let v = Variant {
             wide: true,
             strategy: Strategy::Elementwise,
+            vec: 0,
             access: vec![Access::Strided, Access::Bcast, Access::Strided],
         };
         let src = source(&p, &v).unwrap();
@@ -855,6 +961,7 @@ mod tests {
         let v = Variant {
             wide: false,
             strategy: Strategy::Block,
+            vec: 0,
             access: vec![Access::Contig, Access::Bcast, Access::Contig],
         };
         let src = source(&p, &v).unwrap();
@@ -882,6 +989,7 @@ mod tests {
         let v = Variant {
             wide: false,
             strategy: Strategy::Thread,
+            vec: 0,
             access: vec![Access::Strided],
         };
         let b = source(&p, &v).unwrap();
@@ -916,12 +1024,14 @@ mod tests {
         let v = Variant {
             wide: false,
             strategy: Strategy::Elementwise,
+            vec: 0,
             access: vec![],
         };
         assert!(source(&p, &v).is_err());
         let v = Variant {
             wide: false,
             strategy: Strategy::Block,
+            vec: 0,
             access: vec![Access::Contig],
         };
         assert!(source(&p, &v).is_err());

@@ -4,7 +4,7 @@
 //!
 //! `cargo xtask check-kernels` compiles every kernel kiln can run without a GPU (NVRTC needs
 //! none): our files under `kernels/` and sample sources of every code generator (`lazygen.rs`,
-//! `codegen.rs`). That needs every generator in view, so it sits above them;
+//! `codegen.rs`, `user_kernel/`). That needs every generator in view, so it sits above them;
 //! the runtime below (`nvrtc.rs`: NVRTC + disk cache; `device.rs`: per-device memo) imports
 //! only source text. Nothing inside the crate imports this module.
 
@@ -31,7 +31,7 @@ pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) ->
 pub type CheckResult = (String, Result<usize, String>);
 
 /// Compiles every kernel source for `sm_{arch}`, and sample programs of the code generators
-/// (lazy chains, expression programs): `(name, Ok or NVRTC's log)`. An outer
+/// (lazy chains, expression programs, user kernels): `(name, Ok or NVRTC's log)`. An outer
 /// error means NVRTC itself is unavailable.
 pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
@@ -44,6 +44,7 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     let generated = [
         ("fused.cu", crate::lazygen::sample_sources()),
         ("expr.cu", crate::codegen::sample_sources()),
+        ("user.cu", crate::user_kernel::sample_sources()),
     ];
     let generated = generated.into_iter().flat_map(|(file, samples)| {
         samples.into_iter().map(move |(name, src)| {

@@ -166,11 +166,8 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     s.sync_all("clear_kernel_cache")?;
     let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
     s.funcs.lock().unwrap().clear();
-    {
-        let mut g = s.generated.lock().unwrap();
-        g.slots.clear();
-        modules.append(&mut g.modules);
-    }
+    s.generated.slots.lock().unwrap().clear();
+    modules.append(&mut s.generated.modules.lock().unwrap());
     for m in modules {
         // SAFETY: each module was loaded into this context and nothing runs on the device
         // (synchronized above); its functions were forgotten above.
@@ -224,12 +221,15 @@ pub(crate) fn staging_bytes() -> usize {
 pub(crate) const STAGING_BLOCKS: usize = 4;
 
 /// The generated kernels of one device: per generator (by the `TypeId` of its key type) a
-/// `FastMap<K, Func>`, and the modules they live in.
+/// `FastMap<K, Func>` behind its own lock (a compilation blocks only its own generator), and
+/// the modules they live in.
 #[derive(Default)]
 pub(crate) struct Generated {
-    slots: HashMap<std::any::TypeId, Box<dyn std::any::Any + Send>>,
-    modules: Vec<usize>,
+    slots: Mutex<HashMap<std::any::TypeId, Slot>>,
+    modules: Mutex<Vec<usize>>,
 }
+
+type Slot = std::sync::Arc<Mutex<Box<dyn std::any::Any + Send>>>;
 
 /// The lazily created state of one GPU.
 pub(crate) struct DeviceState {
@@ -254,7 +254,7 @@ pub(crate) struct DeviceState {
     pub funcs: Mutex<FastMap<FuncKey, Func>>,
     /// Generated kernels (lazy chains, expression programs, user kernels), memoized per
     /// generator under a key of the generator's choosing (see [`DeviceState::generated_func`]).
-    pub generated: Mutex<Generated>,
+    pub generated: Generated,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<BlockCache>,
@@ -417,7 +417,7 @@ impl DeviceState {
                 err_lock: Mutex::new(()),
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(FastMap::default()),
-                generated: Mutex::new(Generated::default()),
+                generated: Generated::default(),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -535,7 +535,7 @@ impl DeviceState {
     /// miss, `build` returns the CUBIN and the kernel's name, the module is loaded and kept
     /// (unloaded by [`clear_kernel_cache`]). `None` when the key is new and this generator
     /// already holds `budget` kernels on this device. The memo is locked while `build` runs,
-    /// so two threads never compile the same kernel twice.
+    /// so two threads never compile the same kernel twice (other generators are not held up).
     pub fn generated_func<K>(
         &self,
         key: &K,
@@ -545,11 +545,18 @@ impl DeviceState {
     where
         K: Clone + Eq + std::hash::Hash + Send + 'static,
     {
-        let mut g = self.generated.lock().unwrap();
-        let Generated { slots, modules } = &mut *g;
-        let map = slots
+        let slot: Slot = self
+            .generated
+            .slots
+            .lock()
+            .unwrap()
             .entry(std::any::TypeId::of::<K>())
-            .or_insert_with(|| Box::new(FastMap::<K, Func>::default()))
+            .or_insert_with(|| {
+                std::sync::Arc::new(Mutex::new(Box::new(FastMap::<K, Func>::default())))
+            })
+            .clone();
+        let mut guard = slot.lock().unwrap();
+        let map = guard
             .downcast_mut::<FastMap<K, Func>>()
             .expect("a memo slot holds the map of its own key type");
         if let Some(f) = map.get(key) {
@@ -584,7 +591,7 @@ impl DeviceState {
                 ),
             ));
         }
-        modules.push(m as usize);
+        self.generated.modules.lock().unwrap().push(m as usize);
         map.insert(key.clone(), Func(f));
         Ok(Some(Func(f)))
     }

@@ -63,20 +63,21 @@ pub(crate) fn eval_expr(
         }
     }
     let dev = state(device)?;
-    let Ok(geo) = codegen::plan(program, shape, &layouts, &call.axes) else {
+    let Ok(mut geo) = codegen::plan(program, shape, &layouts, &call.axes) else {
         return eval_composed::<Cuda>(device, program, shape, inputs, params);
     };
     if !fits_args(program, &geo) {
         return eval_composed::<Cuda>(device, program, shape, inputs, params);
     }
-    let Some(f) = kernel(dev, program, &geo.variant)? else {
-        return eval_composed::<Cuda>(device, program, shape, inputs, params);
-    };
     // Computed input buffers, held until the launch is enqueued.
     let bufs = inputs
         .iter()
         .map(|(s, _)| s.buffer())
         .collect::<Result<Vec<Arc<Buffer>>>>()?;
+    geo.variant.vec = vec_width(program, &geo, &bufs, &layouts);
+    let Some(f) = kernel(dev, program, &geo.variant)? else {
+        return eval_composed::<Cuda>(device, program, shape, inputs, params);
+    };
     for (k, ((b, l), &dt)) in bufs.iter().zip(&layouts).zip(program.inputs()).enumerate() {
         if l.storage_extent() * dt.size_in_bytes() > b.len_bytes() {
             return Err(Error::invalid(
@@ -110,6 +111,40 @@ pub(crate) fn eval_expr(
         launch(dev, f, program, &geo, &bufs, &layouts, &outs, params)?;
     }
     Ok(outs.into_iter().map(CudaStorage::ready).collect())
+}
+
+/// The elements per 16-byte vector of an elementwise program's loop (see
+/// `codegen::Variant::vec`), or 0: every operand contiguous or broadcast, the contiguous
+/// inputs and the outputs of one element size, the contiguous inputs 16-byte aligned (fresh
+/// outputs always are).
+fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout]) -> u32 {
+    if p.reduces() || g.variant.access.contains(&Access::Strided) {
+        return 0;
+    }
+    let mut size = None;
+    let contig = (0..p.inputs().len()).filter(|&k| g.variant.access[k] == Access::Contig);
+    let sizes = contig
+        .clone()
+        .map(|k| p.inputs()[k].size_in_bytes())
+        .chain(p.outputs().iter().map(|&o| p.dtype(o).size_in_bytes()));
+    for sz in sizes {
+        match size {
+            None => size = Some(sz),
+            Some(s) if s != sz => return 0,
+            Some(_) => {}
+        }
+    }
+    let Some(size) = size else { return 0 };
+    let aligned = contig.into_iter().all(|k| {
+        let at =
+            bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64;
+        at.is_multiple_of(16)
+    });
+    if aligned && size < 16 {
+        (16 / size) as u32
+    } else {
+        0
+    }
 }
 
 /// Whether the launch's arguments fit (see [`MAX_ARG_COUNT`]).
@@ -207,6 +242,10 @@ fn launch(
         };
     }
     let (grid, block) = match g.variant.strategy {
+        Strategy::Elementwise if g.variant.vec > 1 => (
+            dev.grid_1d((g.n as u64).div_ceil(g.variant.vec as u64), BLOCK),
+            BLOCK,
+        ),
         Strategy::Elementwise | Strategy::Thread => (dev.grid_1d(g.n as u64, BLOCK), BLOCK),
         Strategy::Block => {
             let block = (g.n_red.next_power_of_two() as u32).clamp(32, BLOCK);

@@ -8,8 +8,9 @@
 //! dropout mask, a ReLU written with `where`) do not launch anything: they record a [`Node`] of an
 //! expression DAG whose leaves are computed buffers. The first op that needs the values — a matmul,
 //! a reduction, a copy to the host, any op that is not elementwise — *forces* the node: its whole
-//! DAG becomes one kernel, generated as CUDA C, compiled by NVRTC once per distinct program
-//! (memoized per device and cached on disk like `kernels/`), and launched once. A node nobody reads
+//! DAG becomes one kernel, generated as CUDA C (by `lazygen.rs`, which needs no device),
+//! compiled by NVRTC once per distinct program (memoized per device and cached on disk like
+//! `kernels/`), and launched once. A node nobody reads
 //! never runs.
 //!
 //! What does not change: tensors stay immutable (an in-place write into a buffer that a pending

@@ -23,6 +23,9 @@
 //!   raised, a block cache per stream that never reuses a block before every stream that used
 //!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
 //!   then [`kiln_core::Error::OutOfMemory`].
+//! - **User kernels** (`user_kernel/`): CuPy's [`ElementwiseKernel`], [`ReductionKernel`]
+//!   and [`RawKernel`] — a few lines of CUDA C with type placeholders, compiled once per
+//!   device and dtype signature.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
 //! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
@@ -53,8 +56,11 @@
 //! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
-//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `compile.rs` (the public
-//!    compile tooling and `check_all`, which needs every generator's samples).
+//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `user_kernel/`
+//!    (CuPy-style [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists
+//!    and source generation in `params.rs`/`source.rs`, pure; launching in the others);
+//!    `compile.rs` (the public compile tooling and `check_all`, which needs every generator's
+//!    samples).
 //! 7. `lib.rs`: the `Backend` implementation.
 
 // Layers, bottom to top: each module imports only modules listed before it (see "Layers").
@@ -76,6 +82,7 @@ mod sources;
 mod storage;
 mod stream;
 mod transfer;
+mod user_kernel;
 
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
@@ -92,6 +99,7 @@ pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
 pub use transfer::copy_threads;
+pub use user_kernel::{Dim3, ElementwiseKernel, KernelArg, RawKernel, ReductionKernel, empty};
 
 use device::state;
 

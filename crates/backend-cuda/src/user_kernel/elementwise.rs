@@ -1,0 +1,413 @@
+//! [`ElementwiseKernel`]: a CUDA C body run once per element of its broadcast arguments.
+
+use kiln_core::{Error, Layout, Result, Shape, Tensor};
+
+use super::params::{Bound, Param, concrete, parse_params, resolve};
+use super::source::{self, Slot, Spec};
+use super::{KernelArg, Taken, UserKey, access, common_device, kernel, merged, push_scalar};
+use crate::codegen::Access;
+use crate::device::state;
+use crate::launch::Args;
+use crate::memory::alloc;
+use crate::{Cuda, CudaStorage};
+
+const OP: &str = "ElementwiseKernel";
+/// Threads per block.
+const BLOCK: u32 = 256;
+
+/// An elementwise kernel from a few lines of CUDA C (CuPy's `ElementwiseKernel`).
+///
+/// ```no_run
+/// # use kiln_backend_cuda::{Cuda, ElementwiseKernel};
+/// # use kiln_core::{DType, Tensor};
+/// # fn main() -> kiln_core::Result<()> {
+/// # let dev = kiln_backend_cuda::try_gpu(0).unwrap();
+/// let sqdiff = ElementwiseKernel::new("T x, T y", "T z", "z = (x - y) * (x - y)", "sqdiff")?;
+/// let x = Tensor::<Cuda>::rand([4, 5], -1.0, 1.0, 1, DType::F32, &dev)?;
+/// let y = Tensor::<Cuda>::rand([5], -1.0, 1.0, 2, DType::F32, &dev)?; // broadcast
+/// let z = sqdiff.call1(&[(&x).into(), (&y).into()])?; // T = float, z: [4, 5] f32
+/// # Ok(()) }
+/// ```
+///
+/// Parameters are `[raw] TYPE NAME`, comma-separated. `TYPE` is a concrete type (`float32` or
+/// `float`, `float64`/`double`, `int64`, `uint8`, and `int32`/`int` for scalars) or a
+/// placeholder (any other identifier), resolved at each call from the dtypes of the tensors
+/// bound to parameters of that type. In the body an input is the `const` value of its
+/// element, an output a reference to its element, a `raw` parameter the tensor's pointer
+/// (indexed by the body; the tensor must be contiguous), a scalar its value; `i` is the index
+/// of the element and `n` the number of elements. Tensor inputs and outputs broadcast
+/// together (numpy rules).
+#[derive(Clone, Debug)]
+pub struct ElementwiseKernel {
+    name: String,
+    /// Inputs, then outputs.
+    params: Vec<Param>,
+    n_in: usize,
+    body: String,
+    preamble: String,
+    id: u128,
+}
+
+impl ElementwiseKernel {
+    /// A kernel named `name` (a C identifier; the compiled function's name) with parameter
+    /// lists `in_params` and `out_params` (at least one output) and `body`. Nothing is
+    /// compiled until the first call; a malformed parameter list is an error here.
+    pub fn new(in_params: &str, out_params: &str, body: &str, name: &str) -> Result<Self> {
+        let ins = parse_params(OP, in_params)?;
+        let outs = parse_params(OP, out_params)?;
+        if outs.is_empty() {
+            return Err(Error::invalid(OP, format!("kernel `{name}` has no output")));
+        }
+        check_name(name)?;
+        for o in &outs {
+            if ins.iter().any(|p| p.name == o.name) {
+                return Err(Error::invalid(
+                    OP,
+                    format!("`{}` is both an input and an output of `{name}`", o.name),
+                ));
+            }
+        }
+        let n_in = ins.len();
+        let mut k = ElementwiseKernel {
+            name: name.to_string(),
+            params: ins.into_iter().chain(outs).collect(),
+            n_in,
+            body: body.to_string(),
+            preamble: String::new(),
+            id: 0,
+        };
+        k.rehash();
+        Ok(k)
+    }
+
+    /// Code placed before the kernel (helper device functions, constants).
+    pub fn with_preamble(mut self, preamble: &str) -> Self {
+        self.preamble = preamble.to_string();
+        self.rehash();
+        self
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn rehash(&mut self) {
+        let decl = format!("{:?}", (&self.params, self.n_in));
+        self.id = crate::nvrtc::fnv128(&[
+            b"elementwise",
+            self.name.as_bytes(),
+            decl.as_bytes(),
+            self.body.as_bytes(),
+            self.preamble.as_bytes(),
+        ]);
+    }
+
+    /// Runs the kernel over `inputs` (one per input parameter, in order) and returns the
+    /// outputs, allocated in the broadcast shape of the tensor inputs with their parameters'
+    /// types.
+    pub fn call(&self, inputs: &[KernelArg]) -> Result<Vec<Tensor<Cuda>>> {
+        self.run(inputs, &mut [])
+    }
+
+    /// [`ElementwiseKernel::call`] for a kernel with one output.
+    pub fn call1(&self, inputs: &[KernelArg]) -> Result<Tensor<Cuda>> {
+        if self.params.len() - self.n_in != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "call1 on `{}`, which has {} outputs (use call)",
+                    self.name,
+                    self.params.len() - self.n_in
+                ),
+            ));
+        }
+        Ok(self.call(inputs)?.remove(0))
+    }
+
+    /// Runs the kernel writing into `outputs` (one per output parameter, in order), which take
+    /// part in broadcasting and must have the broadcast shape. Each must own its storage (no
+    /// other tensor shares it).
+    pub fn call_into(&self, inputs: &[KernelArg], outputs: &mut [&mut Tensor<Cuda>]) -> Result<()> {
+        let n_out = self.params.len() - self.n_in;
+        if outputs.len() != n_out {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "kernel `{}` has {n_out} output(s), {} were given",
+                    self.name,
+                    outputs.len()
+                ),
+            ));
+        }
+        self.run(inputs, outputs).map(drop)
+    }
+
+    fn run(
+        &self,
+        inputs: &[KernelArg],
+        given: &mut [&mut Tensor<Cuda>],
+    ) -> Result<Vec<Tensor<Cuda>>> {
+        let (ins, outs) = self.params.split_at(self.n_in);
+        if inputs.len() != ins.len() {
+            return Err(arity(&self.name, ins, inputs.len()));
+        }
+        let mut bound = Vec::with_capacity(self.params.len());
+        for (p, a) in ins.iter().zip(inputs) {
+            bound.push(bind(&self.name, p, a)?);
+        }
+        for g in given.iter() {
+            bound.push(Bound::Tensor(g.dtype()));
+        }
+        bound.resize(self.params.len(), Bound::Output);
+        let r = resolve(OP, &self.name, &self.params, &bound, None)?;
+        let tensors = inputs.iter().filter_map(|a| match a {
+            KernelArg::Tensor(t) => Some(*t),
+            _ => None,
+        });
+        let dev = common_device(OP, tensors.chain(given.iter().map(|t| &**t)))?
+            .ok_or_else(|| no_tensor(&self.name))?;
+        // The iteration shape: every non-raw tensor broadcast together.
+        let mut shape: Option<Shape> = None;
+        let shaped = ins
+            .iter()
+            .zip(inputs)
+            .filter(|(p, _)| !p.raw)
+            .filter_map(|(_, a)| match a {
+                KernelArg::Tensor(t) => Some(t.shape()),
+                _ => None,
+            })
+            .chain(
+                given
+                    .iter()
+                    .zip(outs)
+                    .filter(|(_, p)| !p.raw)
+                    .map(|(t, _)| t.shape()),
+            );
+        for s in shaped {
+            shape = Some(match shape {
+                None => s.clone(),
+                Some(have) => have.broadcast_with(OP, s)?,
+            });
+        }
+        let shape = shape.ok_or_else(|| no_tensor(&self.name))?;
+        for (g, p) in given.iter().zip(outs) {
+            if !p.raw && g.shape() != &shape {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: shape.clone(),
+                    rhs: g.shape().clone(),
+                });
+            }
+        }
+        for (t, p) in given.iter().zip(outs).filter(|(_, p)| p.raw) {
+            if !t.is_contiguous() {
+                return Err(not_contiguous(&self.name, &p.name));
+            }
+        }
+        for (p, a) in ins.iter().zip(inputs) {
+            if let (true, KernelArg::Tensor(t)) = (p.raw, a)
+                && !t.is_contiguous()
+            {
+                return Err(not_contiguous(&self.name, &p.name));
+            }
+        }
+        let out_types = outs
+            .iter()
+            .map(|p| {
+                let c = concrete(&p.ty, &r);
+                c.dtype().ok_or_else(|| int_output(&self.name, &p.name))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let n = shape.elem_count();
+        // Layouts (broadcast to the shape) and slots.
+        let contiguous = Layout::contiguous(shape.clone());
+        let mut layouts: Vec<Option<Layout>> = Vec::with_capacity(self.params.len());
+        let mut slots: Vec<Slot> = Vec::with_capacity(self.params.len());
+        for (p, a) in ins.iter().zip(inputs) {
+            match a {
+                KernelArg::Tensor(_) if p.raw => {
+                    layouts.push(None);
+                    slots.push(Slot::Raw);
+                }
+                KernelArg::Tensor(t) => {
+                    let l = t.layout().broadcast_to(&shape)?;
+                    slots.push(Slot::Tensor(access(l.dims(), l.strides())));
+                    layouts.push(Some(l));
+                }
+                _ => {
+                    layouts.push(None);
+                    slots.push(Slot::Scalar);
+                }
+            }
+        }
+        for (j, p) in outs.iter().enumerate() {
+            if p.raw {
+                layouts.push(None);
+                slots.push(Slot::Raw);
+                continue;
+            }
+            let l = match given.get(j) {
+                Some(g) => g.layout().clone(),
+                None => contiguous.clone(),
+            };
+            slots.push(Slot::Tensor(match access(l.dims(), l.strides()) {
+                Access::Bcast if n > 1 => Access::Strided, // only for 1-element shapes
+                a => a,
+            }));
+            layouts.push(Some(l));
+        }
+        let wide = n >= (1 << 31)
+            || layouts
+                .iter()
+                .flatten()
+                .any(|l| l.storage_extent() >= (1 << 31));
+        let strided: Vec<&[usize]> = layouts
+            .iter()
+            .zip(&slots)
+            .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
+            .map(|(l, _)| l.as_ref().expect("tensor slot").strides())
+            .collect();
+        let (dims, strides) = merged(OP, shape.dims(), &strided)?;
+        let key = UserKey {
+            id: self.id,
+            types: r.iter().map(|(_, c)| *c).collect(),
+            slots: slots.clone(),
+            wide,
+        };
+        let s = state(&dev)?;
+        let spec = Spec {
+            name: &self.name,
+            inputs: ins,
+            outputs: outs,
+            preamble: &self.preamble,
+        };
+        let f = kernel(s, OP, &self.name, &key, || {
+            source::elementwise(&spec, &self.body, &r, &slots, wide)
+        })?;
+        // Buffers: inputs computed (pending work runs) and marked used on this stream.
+        let held = inputs
+            .iter()
+            .map(|a| match a {
+                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut taken = Vec::with_capacity(given.len());
+        for (g, p) in given.iter_mut().zip(outs) {
+            taken.push(Taken::new(OP, &p.name, g)?);
+        }
+        let mut fresh = Vec::new();
+        let mut out_ptrs = Vec::with_capacity(outs.len());
+        for (j, t) in out_types.iter().enumerate() {
+            match taken.get_mut(j) {
+                Some(tk) => out_ptrs.push(tk.write_ptr()?),
+                None => {
+                    let b = alloc(s, n * t.size_in_bytes())?;
+                    out_ptrs.push(b.device_ptr());
+                    fresh.push(b);
+                }
+            }
+        }
+        let mut args = Args::new();
+        args.push(n as u64).push(dims);
+        let mut st = strides.iter();
+        for (k, p) in self.params.iter().enumerate() {
+            let slot = slots[k];
+            let ptr = if k < self.n_in {
+                match (&inputs[k], &held[k]) {
+                    (KernelArg::Tensor(t), Some(b)) => Some(
+                        b.device_ptr() + (t.layout().offset() * t.dtype().size_in_bytes()) as u64,
+                    ),
+                    (a, _) => {
+                        push_scalar(&mut args, a, concrete(&p.ty, &r));
+                        None
+                    }
+                }
+            } else {
+                Some(out_ptrs[k - self.n_in])
+            };
+            if let Some(ptr) = ptr {
+                args.push(ptr);
+                if slot == Slot::Tensor(Access::Strided) {
+                    args.push(*st.next().expect("one per strided operand"));
+                }
+            }
+        }
+        if n > 0 {
+            let (mut pp, np) = args.ptrs();
+            s.launch(OP, f, s.grid_1d(n as u64, BLOCK), BLOCK, 0, &mut pp[..np])?;
+        }
+        drop(held);
+        drop(taken);
+        Ok(fresh
+            .into_iter()
+            .zip(out_types.iter().skip(given.len()))
+            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), shape.clone(), dt))
+            .collect())
+    }
+}
+
+pub(super) fn check_name(name: &str) -> Result<()> {
+    if !super::params::is_ident(name) || name.starts_with("_k") {
+        return Err(Error::invalid(
+            "user kernel",
+            format!("kernel name `{name}` is not a C identifier (or starts with `_k`)"),
+        ));
+    }
+    Ok(())
+}
+
+/// What a call binds to input parameter `p`.
+pub(super) fn bind(kernel: &str, p: &Param, a: &KernelArg) -> Result<Bound> {
+    match a {
+        KernelArg::Tensor(t) => Ok(Bound::Tensor(t.dtype())),
+        _ if p.raw => Err(Error::invalid(
+            OP,
+            format!(
+                "kernel `{kernel}`: raw parameter `{}` needs a tensor, got {}",
+                p.name,
+                a.describe()
+            ),
+        )),
+        _ => Ok(Bound::Scalar),
+    }
+}
+
+pub(super) fn arity(kernel: &str, ins: &[Param], got: usize) -> Error {
+    let names: Vec<&str> = ins.iter().map(|p| p.name.as_str()).collect();
+    Error::invalid(
+        "user kernel",
+        format!(
+            "kernel `{kernel}` takes {} input argument(s) ({}), got {got}",
+            ins.len(),
+            names.join(", ")
+        ),
+    )
+}
+
+pub(super) fn no_tensor(kernel: &str) -> Error {
+    Error::invalid(
+        "user kernel",
+        format!("kernel `{kernel}`: no tensor argument to take the device and shape from"),
+    )
+}
+
+pub(super) fn not_contiguous(kernel: &str, param: &str) -> Error {
+    Error::invalid(
+        "user kernel",
+        format!(
+            "kernel `{kernel}`: raw parameter `{param}` needs a contiguous tensor (call \
+             .contiguous() first)"
+        ),
+    )
+}
+
+pub(super) fn int_output(kernel: &str, param: &str) -> Error {
+    Error::invalid(
+        "user kernel",
+        format!(
+            "kernel `{kernel}`: output `{param}` has type int; outputs are tensors of f32, f64, \
+             i64 or u8"
+        ),
+    )
+}

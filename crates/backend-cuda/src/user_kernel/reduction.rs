@@ -1,0 +1,418 @@
+//! [`ReductionKernel`]: map, reduce and post-map snippets over chosen axes.
+
+use kiln_core::{Error, Layout, Result, Shape, Tensor};
+
+use super::elementwise::{arity, bind, check_name, int_output, no_tensor, not_contiguous};
+use super::params::{Bound, CType, Param, ParamType, concrete, parse_params, resolve};
+use super::source::{self, Reduction, Slot, Spec};
+use super::{KernelArg, Taken, UserKey, access, common_device, kernel, merged, push_scalar};
+use crate::codegen::Access;
+use crate::device::state;
+use crate::launch::Args;
+use crate::memory::alloc;
+use crate::{Cuda, CudaStorage};
+
+const OP: &str = "ReductionKernel";
+/// Most threads per block.
+const BLOCK: u32 = 256;
+
+/// A reduction from a few lines of CUDA C (CuPy's `ReductionKernel`).
+///
+/// ```no_run
+/// # use kiln_backend_cuda::{Cuda, ReductionKernel};
+/// # use kiln_core::{DType, Tensor};
+/// # fn main() -> kiln_core::Result<()> {
+/// # let dev = kiln_backend_cuda::try_gpu(0).unwrap();
+/// let l2 = ReductionKernel::new("T x", "T y", "x * x", "a + b", "y = sqrt(a)", "0", "l2norm")?;
+/// let x = Tensor::<Cuda>::rand([8, 100], -1.0, 1.0, 1, DType::F32, &dev)?;
+/// let rows = l2.call(&[(&x).into()], Some(&[1]), false)?; // [8]
+/// let all = l2.call(&[(&x).into()], None, false)?; // [] (every axis)
+/// # Ok(()) }
+/// ```
+///
+/// Parameters follow [`crate::ElementwiseKernel`]'s rules (names `a` and `b` are taken). The
+/// map expression is evaluated per element of the broadcast tensor inputs, converted to the
+/// accumulator type (by default the first output's type; see
+/// [`ReductionKernel::with_reduce_type`]), and combined with the reduce expression over `a`
+/// and `b`, starting from the identity; the post-map statement then sees the result as `a`
+/// and writes the outputs, which have the shape of the kept axes.
+///
+/// Each kept element is reduced by one block of up to 256 threads (a shared-memory tree after
+/// each thread's own fold): fast when there are at least as many kept elements as the GPU has
+/// multiprocessors, and bounded by one multiprocessor's bandwidth when there are few (a full
+/// reduction of a large tensor).
+#[derive(Clone, Debug)]
+pub struct ReductionKernel {
+    name: String,
+    params: Vec<Param>,
+    n_in: usize,
+    map: String,
+    reduce: String,
+    post_map: String,
+    identity: String,
+    reduce_type: Option<ParamType>,
+    preamble: String,
+    id: u128,
+}
+
+impl ReductionKernel {
+    /// A reduction named `name` (a C identifier) with parameter lists `in_params` and
+    /// `out_params` (at least one output), the map expression, the reduce expression (over
+    /// `a` and `b`), the post-map statement (`a` is the reduced value), and the identity (a C
+    /// expression). Nothing is compiled until the first call.
+    pub fn new(
+        in_params: &str,
+        out_params: &str,
+        map_expr: &str,
+        reduce_expr: &str,
+        post_map_expr: &str,
+        identity: &str,
+        name: &str,
+    ) -> Result<Self> {
+        let ins = parse_params(OP, in_params)?;
+        let outs = parse_params(OP, out_params)?;
+        if outs.is_empty() {
+            return Err(Error::invalid(OP, format!("kernel `{name}` has no output")));
+        }
+        check_name(name)?;
+        for p in ins.iter().chain(&outs) {
+            if p.name == "a" || p.name == "b" {
+                return Err(Error::invalid(
+                    OP,
+                    format!("kernel `{name}`: `a` and `b` name the reduced values, not parameters"),
+                ));
+            }
+            if outs.iter().filter(|o| o.name == p.name).count()
+                + ins.iter().filter(|i| i.name == p.name).count()
+                > 1
+            {
+                return Err(Error::invalid(
+                    OP,
+                    format!("`{}` is declared twice in `{name}`", p.name),
+                ));
+            }
+        }
+        if outs.iter().any(|p| p.raw) {
+            return Err(Error::invalid(
+                OP,
+                format!("kernel `{name}`: outputs of a reduction cannot be raw"),
+            ));
+        }
+        let n_in = ins.len();
+        let mut k = ReductionKernel {
+            name: name.to_string(),
+            params: ins.into_iter().chain(outs).collect(),
+            n_in,
+            map: map_expr.to_string(),
+            reduce: reduce_expr.to_string(),
+            post_map: post_map_expr.to_string(),
+            identity: identity.to_string(),
+            reduce_type: None,
+            preamble: String::new(),
+            id: 0,
+        };
+        k.rehash();
+        Ok(k)
+    }
+
+    /// The accumulator's type: concrete (`float64` to sum f32 values in double) or a
+    /// placeholder of the parameter lists.
+    pub fn with_reduce_type(mut self, ty: &str) -> Result<Self> {
+        self.reduce_type = Some(match CType::parse(ty) {
+            Some(c) => ParamType::Concrete(c),
+            None if super::params::is_ident(ty) => ParamType::Placeholder(ty.to_string()),
+            None => {
+                return Err(Error::invalid(
+                    OP,
+                    format!("reduce type `{ty}` is neither a type nor a placeholder"),
+                ));
+            }
+        });
+        self.rehash();
+        Ok(self)
+    }
+
+    /// Code placed before the kernel (helper device functions, constants).
+    pub fn with_preamble(mut self, preamble: &str) -> Self {
+        self.preamble = preamble.to_string();
+        self.rehash();
+        self
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn rehash(&mut self) {
+        let decl = format!("{:?}", (&self.params, self.n_in, &self.reduce_type));
+        self.id = crate::nvrtc::fnv128(&[
+            b"reduction",
+            self.name.as_bytes(),
+            decl.as_bytes(),
+            self.map.as_bytes(),
+            self.reduce.as_bytes(),
+            self.post_map.as_bytes(),
+            self.identity.as_bytes(),
+            self.preamble.as_bytes(),
+        ]);
+    }
+
+    /// Reduces `inputs` (one per input parameter) over `axes` of their broadcast shape (`None`:
+    /// every axis; negative axes count from the end) and returns the outputs, allocated in the
+    /// kept shape (with the reduced axes as 1s when `keepdims`).
+    pub fn call(
+        &self,
+        inputs: &[KernelArg],
+        axes: Option<&[isize]>,
+        keepdims: bool,
+    ) -> Result<Vec<Tensor<Cuda>>> {
+        self.run(inputs, axes, keepdims, &mut [])
+    }
+
+    /// [`ReductionKernel::call`] writing into `outputs` (one per output parameter, each of
+    /// the kept shape and owning its storage).
+    pub fn call_into(
+        &self,
+        inputs: &[KernelArg],
+        axes: Option<&[isize]>,
+        keepdims: bool,
+        outputs: &mut [&mut Tensor<Cuda>],
+    ) -> Result<()> {
+        let n_out = self.params.len() - self.n_in;
+        if outputs.len() != n_out {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "kernel `{}` has {n_out} output(s), {} were given",
+                    self.name,
+                    outputs.len()
+                ),
+            ));
+        }
+        self.run(inputs, axes, keepdims, outputs).map(drop)
+    }
+
+    fn run(
+        &self,
+        inputs: &[KernelArg],
+        axes: Option<&[isize]>,
+        keepdims: bool,
+        given: &mut [&mut Tensor<Cuda>],
+    ) -> Result<Vec<Tensor<Cuda>>> {
+        let (ins, outs) = self.params.split_at(self.n_in);
+        if inputs.len() != ins.len() {
+            return Err(arity(&self.name, ins, inputs.len()));
+        }
+        let mut bound = Vec::with_capacity(self.params.len());
+        for (p, a) in ins.iter().zip(inputs) {
+            bound.push(bind(&self.name, p, a)?);
+        }
+        for g in given.iter() {
+            bound.push(Bound::Tensor(g.dtype()));
+        }
+        bound.resize(self.params.len(), Bound::Output);
+        let acc_ty = self
+            .reduce_type
+            .clone()
+            .unwrap_or_else(|| outs[0].ty.clone());
+        let r = resolve(OP, &self.name, &self.params, &bound, Some(&acc_ty))?;
+        let acc = concrete(&acc_ty, &r);
+        let tensors = inputs.iter().filter_map(|a| match a {
+            KernelArg::Tensor(t) => Some(*t),
+            _ => None,
+        });
+        let dev = common_device(OP, tensors.chain(given.iter().map(|t| &**t)))?
+            .ok_or_else(|| no_tensor(&self.name))?;
+        let mut shape: Option<Shape> = None;
+        for (p, a) in ins.iter().zip(inputs) {
+            match a {
+                KernelArg::Tensor(t) if p.raw && !t.is_contiguous() => {
+                    return Err(not_contiguous(&self.name, &p.name));
+                }
+                KernelArg::Tensor(t) if !p.raw => {
+                    shape = Some(match shape {
+                        None => t.shape().clone(),
+                        Some(have) => have.broadcast_with(OP, t.shape())?,
+                    });
+                }
+                _ => {}
+            }
+        }
+        let shape = shape.ok_or_else(|| no_tensor(&self.name))?;
+        let axes: Vec<usize> = match axes {
+            None => (0..shape.rank()).collect(),
+            Some(a) => shape.axes(OP, a)?,
+        };
+        let dims = shape.dims();
+        let kept_axes: Vec<usize> = (0..dims.len()).filter(|a| !axes.contains(a)).collect();
+        let out_shape = Shape::new(if keepdims {
+            (0..dims.len())
+                .map(|a| if axes.contains(&a) { 1 } else { dims[a] })
+                .collect::<Vec<_>>()
+        } else {
+            kept_axes.iter().map(|&a| dims[a]).collect()
+        });
+        for g in given.iter() {
+            if g.shape() != &out_shape {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: out_shape.clone(),
+                    rhs: g.shape().clone(),
+                });
+            }
+        }
+        let out_types = outs
+            .iter()
+            .map(|p| {
+                concrete(&p.ty, &r)
+                    .dtype()
+                    .ok_or_else(|| int_output(&self.name, &p.name))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pick =
+            |v: &[usize], which: &[usize]| -> Vec<usize> { which.iter().map(|&a| v[a]).collect() };
+        let kdims = pick(dims, &kept_axes);
+        let rdims = pick(dims, &axes);
+        let n_kept: usize = kdims.iter().product();
+        let n_red: usize = rdims.iter().product();
+        // Per tensor operand: its layout, its strides along the kept axes and (inputs) along
+        // the reduced ones.
+        let mut slots: Vec<Slot> = Vec::with_capacity(self.params.len());
+        let mut kstr: Vec<Vec<usize>> = Vec::new();
+        let mut rstr: Vec<Vec<usize>> = Vec::new();
+        let mut extents: Vec<usize> = Vec::new();
+        for (p, a) in ins.iter().zip(inputs) {
+            match a {
+                KernelArg::Tensor(_) if p.raw => slots.push(Slot::Raw),
+                KernelArg::Tensor(t) => {
+                    let l = t.layout().broadcast_to(&shape)?;
+                    let rs = pick(l.strides(), &axes);
+                    slots.push(Slot::Tensor(access(&rdims, &rs)));
+                    kstr.push(pick(l.strides(), &kept_axes));
+                    rstr.push(rs);
+                    extents.push(l.storage_extent());
+                }
+                _ => slots.push(Slot::Scalar),
+            }
+        }
+        let contiguous = Layout::contiguous(out_shape.clone());
+        for j in 0..outs.len() {
+            let l = given.get(j).map_or(&contiguous, |g| g.layout());
+            let ks = if keepdims {
+                pick(l.strides(), &kept_axes)
+            } else {
+                l.strides().to_vec()
+            };
+            kstr.push(ks);
+            extents.push(l.storage_extent());
+            slots.push(Slot::Tensor(Access::Contig));
+        }
+        let wide = n_kept.saturating_mul(n_red.max(1)) >= (1 << 31)
+            || extents.iter().any(|&e| e >= (1 << 31));
+        let krefs: Vec<&[usize]> = kstr.iter().map(|v| v.as_slice()).collect();
+        let (kd, ks) = merged(OP, &kdims, &krefs)?;
+        let strided_red: Vec<&[usize]> = rstr
+            .iter()
+            .zip(slots.iter().filter(|s| matches!(s, Slot::Tensor(_))))
+            .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
+            .map(|(v, _)| v.as_slice())
+            .collect();
+        let (rd, rs) = merged(OP, &rdims, &strided_red)?;
+        let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
+        types.push(acc);
+        let key = UserKey {
+            id: self.id,
+            types,
+            slots: slots.clone(),
+            wide,
+        };
+        let s = state(&dev)?;
+        let spec = Spec {
+            name: &self.name,
+            inputs: ins,
+            outputs: outs,
+            preamble: &self.preamble,
+        };
+        let red = Reduction {
+            map: &self.map,
+            reduce: &self.reduce,
+            post_map: &self.post_map,
+            identity: &self.identity,
+            acc,
+        };
+        let f = kernel(s, OP, &self.name, &key, || {
+            source::reduction(&spec, &red, &r, &slots, wide)
+        })?;
+        let held = inputs
+            .iter()
+            .map(|a| match a {
+                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut taken = Vec::with_capacity(given.len());
+        for (g, p) in given.iter_mut().zip(outs) {
+            taken.push(Taken::new(OP, &p.name, g)?);
+        }
+        let mut fresh = Vec::new();
+        let mut out_ptrs = Vec::with_capacity(outs.len());
+        for (j, t) in out_types.iter().enumerate() {
+            match taken.get_mut(j) {
+                Some(tk) => out_ptrs.push(tk.write_ptr()?),
+                None => {
+                    let b = alloc(s, n_kept * t.size_in_bytes())?;
+                    out_ptrs.push(b.device_ptr());
+                    fresh.push(b);
+                }
+            }
+        }
+        let mut args = Args::new();
+        args.push(n_kept as u64)
+            .push(n_red as u64)
+            .push(kd)
+            .push(rd);
+        let mut ks_it = ks.iter();
+        let mut rs_it = rs.iter();
+        for (k, p) in self.params.iter().enumerate() {
+            let slot = slots[k];
+            let ptr = if k < self.n_in {
+                match (&inputs[k], &held[k]) {
+                    (KernelArg::Tensor(t), Some(b)) => Some(
+                        b.device_ptr() + (t.layout().offset() * t.dtype().size_in_bytes()) as u64,
+                    ),
+                    (a, _) => {
+                        push_scalar(&mut args, a, concrete(&p.ty, &r));
+                        None
+                    }
+                }
+            } else {
+                Some(out_ptrs[k - self.n_in])
+            };
+            let Some(ptr) = ptr else { continue };
+            args.push(ptr);
+            if let Slot::Tensor(a) = slot {
+                args.push(*ks_it.next().expect("one per tensor operand"));
+                if k < self.n_in && a == Access::Strided {
+                    args.push(*rs_it.next().expect("one per strided input"));
+                }
+            }
+        }
+        if n_kept > 0 {
+            let block = if n_red >= BLOCK as usize {
+                BLOCK
+            } else {
+                (n_red.next_power_of_two() as u32).clamp(32, BLOCK)
+            };
+            let blocks = n_kept.min(s.sm_count as usize * 16).max(1);
+            let (mut pp, np) = args.ptrs();
+            s.launch(OP, f, (blocks as u32, 1), block, 0, &mut pp[..np])?;
+        }
+        drop(held);
+        drop(taken);
+        Ok(fresh
+            .into_iter()
+            .zip(out_types.iter().skip(given.len()))
+            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), out_shape.clone(), dt))
+            .collect())
+    }
+}

@@ -509,6 +509,7 @@ impl DeviceState {
     pub fn sync_all(&self, op: &'static str) -> Result<()> {
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         self.bind()?;
+        let _prof = crate::profile::sync(self, op);
         // SAFETY: this device's context is current.
         check(unsafe { sys::cuCtxSynchronize() }, op)?;
         self.sweep_in_flight();
@@ -628,6 +629,7 @@ impl DeviceState {
         if grid.0 == 0 || grid.1 == 0 {
             return Ok(());
         }
+        let _prof = crate::profile::launch(self, op, false);
         let t0 = launch_stats_on().then(std::time::Instant::now);
         // SAFETY: `f` is a kernel of this context; `params` match its signature (each call
         // site passes the arguments its kernel declares) and point at live values.
@@ -671,6 +673,7 @@ impl DeviceState {
     /// Waits for the calling thread's current stream.
     pub fn sync(&self, op: &'static str) -> Result<()> {
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
+        let _prof = crate::profile::sync(self, op);
         // SAFETY: the stream belongs to this (current) context.
         check(unsafe { sys::cuStreamSynchronize(self.stream()) }, op)
     }

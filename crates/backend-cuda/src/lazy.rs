@@ -731,6 +731,7 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         };
     }
     let (mut p, np) = a.ptrs();
+    crate::profile::fused_ops(|| crate::profile::lazy_op_names(&program.code, reduce));
     dev.launch(OP, f, grid, FUSED_BLOCK, 0, &mut p[..np])?;
     match reduce {
         Some(op) if outs > 1 => {

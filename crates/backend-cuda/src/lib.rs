@@ -47,6 +47,7 @@ mod lazy;
 mod memory;
 mod ops;
 mod pinned;
+mod profile;
 mod storage;
 mod stream;
 mod transfer;

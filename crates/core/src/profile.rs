@@ -660,8 +660,10 @@ impl Profile {
         let mut op_dev: BTreeMap<&str, u64> = BTreeMap::new();
         let mut op_alloc: BTreeMap<&str, u64> = BTreeMap::new();
         for r in &self.records {
-            let row = rows.entry((r.kind, &r.name)).or_insert_with(|| Row {
-                name: r.name.to_string(),
+            // Allocations are one row (each op's also show in its Allocated column).
+            let name: &str = if r.kind == Kind::Alloc { "alloc" } else { &r.name };
+            let row = rows.entry((r.kind, name)).or_insert_with(|| Row {
+                name: name.to_string(),
                 kind: r.kind.label(),
                 ..Default::default()
             });

@@ -1,6 +1,7 @@
-"""Joins `BENCH kiln ...` and `BENCH torch ...` lines into one table (markdown).
-ratio = kiln/torch for throughputs (GB/s, TFLOP/s), torch/kiln for times (us, ms):
-above 1 means kiln is faster."""
+"""Joins `BENCH kiln ...`, `BENCH torch ...` and `BENCH torch_graph ...` lines into one table
+(markdown). ratio = kiln/torch for throughputs (GB/s, TFLOP/s), torch/kiln for times (us, ms):
+above 1 means kiln is faster; "vs graph" compares with PyTorch's step captured in a CUDA graph.
+Rows only kiln reports (the profiler's overhead, in %) follow with their limits."""
 import sys
 
 TARGET = {
@@ -27,6 +28,20 @@ TARGET = {
     "h2d_pinned_256MB_call_returns": None,
     "exp_230400_to_host_x1000": 1.0,
     "exp_230400_into_buffer_x1000": 1.0,
+    # training steps and the seeds' loops (benches/steps.rs)
+    "mlp_small_sgd_step": 1.0,
+    "mlp_small_adam_step": 1.0,
+    "mlp_deep_sgd_step": 0.95,
+    "d2l_matmul_norm_x1000_host": 1.0,
+    "d2l_matmul_norm_x1000_gpu": 1.0,
+}
+# Against the CUDA-graph column: the issue asks the small SGD step for half the captured time.
+TARGET_GRAPH = {"mlp_small_sgd_step": 2.0, "mlp_small_adam_step": 1.0}
+# kiln-only rows: upper limits.
+LIMIT = {
+    "mlp_small_sgd_profile_off_overhead": 1.0,
+    "mlp_small_sgd_profile_on_overhead": 15.0,
+    "d2l_matmul_norm_x1000_gpu": 12.0,
 }
 rows = {}
 for line in open(sys.argv[1]):
@@ -35,13 +50,37 @@ for line in open(sys.argv[1]):
         rows.setdefault(p[2], {})[p[1]] = (float(p[3]), p[4])
     elif "device:" in line:
         print(line.strip())
-print("| workload | kiln | PyTorch | unit | ratio (>1: kiln faster) | target | met |")
-print("|---|---|---|---|---|---|---|")
+
+def ratio_of(k, t, unit):
+    return k / t if unit in ("GB/s", "TFLOP/s") else t / k
+
+
+print("| workload | kiln | PyTorch | PyTorch graph | unit | ratio (>1: kiln faster) | vs graph | target | met |")
+print("|---|---|---|---|---|---|---|---|---|")
 for name, r in rows.items():
     if "kiln" not in r or "torch" not in r:
         continue
     (k, unit), (t, _) = r["kiln"], r["torch"]
-    ratio = k / t if unit in ("GB/s", "TFLOP/s") else t / k
+    ratio = ratio_of(k, t, unit)
     tgt = TARGET.get(name)
     met = "" if tgt is None else ("yes" if ratio >= tgt else "NO")
-    print(f"| {name} | {k:.3f} | {t:.3f} | {unit} | {ratio:.3f} | {tgt if tgt else ''} | {met} |")
+    gcol, gratio = "", ""
+    if "torch_graph" in r:
+        gt = r["torch_graph"][0]
+        gr = ratio_of(k, gt, unit)
+        gcol, gratio = f"{gt:.3f}", f"{gr:.3f}"
+        gtgt = TARGET_GRAPH.get(name)
+        if gtgt is not None:
+            ok = "yes" if gr >= gtgt else "NO"
+            met = f"{met} / graph x{gtgt}: {ok}" if met else f"graph x{gtgt}: {ok}"
+    print(f"| {name} | {k:.3f} | {t:.3f} | {gcol} | {unit} | {ratio:.3f} | {gratio} | {tgt if tgt else ''} | {met} |")
+print()
+print("| kiln only | value | unit | limit | met |")
+print("|---|---|---|---|---|")
+for name, r in rows.items():
+    if "kiln" not in r or (name not in LIMIT and "torch" in r):
+        continue
+    k, unit = r["kiln"]
+    lim = LIMIT.get(name)
+    met = "" if lim is None else ("yes" if k <= lim else "NO")
+    print(f"| {name} | {k:.3f} | {unit} | {lim if lim is not None else ''} | {met} |")

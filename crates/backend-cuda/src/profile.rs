@@ -15,7 +15,8 @@
 //! second, `cuEventElapsedTime`) only when a profile is collected, then returns them to the
 //! pool. To place device spans on the host clock of the trace, the first timed event of each
 //! device is preceded by an anchor: one synchronization, one event, and the host time at which
-//! it completed. `KILN_PROFILE_DEVICE=0` records no events (host times only).
+//! it completed (renewed every 10 s, so that offsets keep microsecond precision).
+//! `KILN_PROFILE_DEVICE=0` records no events (host times only).
 
 use std::cell::RefCell;
 use std::sync::{Mutex, OnceLock};
@@ -36,9 +37,13 @@ fn device_timing() -> bool {
 static POOL: [Mutex<Vec<usize>>; MAX_STREAM_DEVICES] =
     [const { Mutex::new(Vec::new()) }; MAX_STREAM_DEVICES];
 
-/// Per device: the anchor event and the host time ([`now_ns`]) at which it completed.
-static ANCHOR: [OnceLock<Option<(usize, u64)>>; MAX_STREAM_DEVICES] =
-    [const { OnceLock::new() }; MAX_STREAM_DEVICES];
+/// Per device: the latest anchor event and the host time ([`now_ns`]) at which it completed.
+static ANCHOR: [Mutex<Option<(usize, u64)>>; MAX_STREAM_DEVICES] =
+    [const { Mutex::new(None) }; MAX_STREAM_DEVICES];
+
+/// A new anchor after this long: `cuEventElapsedTime` is an f32 of milliseconds, so offsets
+/// from an older anchor would lose sub-microsecond precision.
+const ANCHOR_NS: u64 = 10_000_000_000;
 
 fn take_event(dev: &DeviceState) -> Option<sys::CUevent> {
     if let Some(e) = POOL.get(dev.ordinal)?.lock().unwrap().pop() {
@@ -50,31 +55,40 @@ fn take_event(dev: &DeviceState) -> Option<sys::CUevent> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(ev)
 }
 
+/// The device's anchor, made (one synchronization) on first use and every [`ANCHOR_NS`].
+/// Anchors are never recycled: timers made under one keep using it.
 fn anchor(dev: &DeviceState) -> Option<(usize, u64)> {
-    *ANCHOR.get(dev.ordinal)?.get_or_init(|| {
-        let ev = take_event(dev)?;
-        // SAFETY: the context is current; the event is ours; we wait for it before reading
-        // the host clock, so the anchor's host time is when the device reached it.
-        unsafe {
-            sys::cuCtxSynchronize().result().ok()?;
-            sys::cuEventRecord(ev, dev.stream()).result().ok()?;
-            sys::cuEventSynchronize(ev).result().ok()?;
-        }
-        Some((ev as usize, now_ns()))
-    })
+    let mut a = ANCHOR.get(dev.ordinal)?.lock().unwrap();
+    if let Some((ev, host)) = *a
+        && now_ns().saturating_sub(host) < ANCHOR_NS
+    {
+        return Some((ev, host));
+    }
+    let ev = take_event(dev)?;
+    // SAFETY: the context is current; the event is ours; we wait for it before reading the
+    // host clock, so the anchor's host time is when the device reached it.
+    unsafe {
+        sys::cuCtxSynchronize().result().ok()?;
+        sys::cuEventRecord(ev, dev.stream()).result().ok()?;
+        sys::cuEventSynchronize(ev).result().ok()?;
+    }
+    *a = Some((ev as usize, now_ns()));
+    *a
 }
 
 /// Two events around work on one stream, resolved at collection.
 struct Timer {
     ordinal: usize,
+    /// The anchor event and its host time.
+    anchor: (usize, u64),
     start: usize,
     end: usize,
 }
 
 impl DeviceTimer for Timer {
     fn resolve(&mut self) -> Option<DeviceTime> {
-        let dev = crate::device::state(&crate::CudaDevice::new(self.ordinal)).ok()?;
-        let (anchor, host) = anchor(dev)?;
+        crate::device::state(&crate::CudaDevice::new(self.ordinal)).ok()?;
+        let (anchor, host) = self.anchor;
         let (mut from_anchor, mut dur) = (0f32, 0f32);
         // SAFETY: all three events belong to this device's context and were recorded (the
         // anchor before every timed event); waiting for the last is what resolving means.
@@ -189,13 +203,15 @@ impl Span {
                 .is_some_and(|op| op != name)
                 .then_some("fusion off");
         }
-        let timer = if timed && device_timing() && anchor(dev).is_some() {
+        let anchored = (timed && device_timing()).then(|| anchor(dev)).flatten();
+        let timer = if let Some(anchor) = anchored {
             match (take_event(dev), take_event(dev)) {
                 (Some(s), Some(e)) => {
                     // SAFETY: our event, the stream of this (current) context.
                     unsafe { sys::cuEventRecord(s, stream) };
                     Some(Timer {
                         ordinal: dev.ordinal,
+                        anchor,
                         start: s as usize,
                         end: e as usize,
                     })

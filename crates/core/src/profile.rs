@@ -227,6 +227,8 @@ pub struct Record {
 struct Raw {
     rec: Record,
     timer: Option<Box<dyn DeviceTimer>>,
+    /// An op's detail, rendered into `rec.detail` at collection.
+    detail: Option<OpDetail>,
 }
 
 struct ThreadBuf {
@@ -266,7 +268,20 @@ fn with_local<R>(f: impl FnOnce(&mut Local) -> R) -> R {
     })
 }
 
-fn push(mut rec: Record, timer: Option<Box<dyn DeviceTimer>>, own_op: bool) {
+fn push(rec: Record, timer: Option<Box<dyn DeviceTimer>>, own_op: bool) {
+    push_raw(rec, timer, own_op, None);
+}
+
+fn push_op(rec: Record, detail: OpDetail) {
+    push_raw(rec, None, true, Some(detail));
+}
+
+fn push_raw(
+    mut rec: Record,
+    timer: Option<Box<dyn DeviceTimer>>,
+    own_op: bool,
+    detail: Option<OpDetail>,
+) {
     with_local(|l| {
         rec.thread = l.id;
         let n = l.ops.len();
@@ -277,7 +292,11 @@ fn push(mut rec: Record, timer: Option<Box<dyn DeviceTimer>>, own_op: bool) {
         if rec.range.is_none() {
             rec.range = l.ranges.last().cloned();
         }
-        l.buf.records.lock().unwrap().push(Raw { rec, timer });
+        l.buf
+            .records
+            .lock()
+            .unwrap()
+            .push(Raw { rec, timer, detail });
     });
 }
 
@@ -318,10 +337,63 @@ pub fn current_op() -> Option<&'static str> {
 
 // ---- spans and ranges --------------------------------------------------------------------
 
+/// An op's dtype and up to three operand shapes, kept as numbers while recording and turned
+/// into text ([`Record::detail`], `f32 [100, 784] [784, 100]`) only when collected.
+#[derive(Clone, Copy, Debug)]
+pub struct OpDetail {
+    dtype: crate::DType,
+    n: u8,
+    ranks: [u8; 3],
+    dims: [[u32; 6]; 3],
+    /// More operands, or more dims, than are kept.
+    more: bool,
+}
+
+impl OpDetail {
+    pub fn new(dtype: crate::DType) -> Self {
+        OpDetail {
+            dtype,
+            n: 0,
+            ranks: [0; 3],
+            dims: [[0; 6]; 3],
+            more: false,
+        }
+    }
+
+    /// Adds an operand's shape.
+    pub fn push(&mut self, dims: &[usize]) {
+        let k = self.n as usize;
+        if k == 3 || dims.len() > 6 {
+            self.more = true;
+            return;
+        }
+        for (d, &x) in self.dims[k].iter_mut().zip(dims) {
+            *d = x.min(u32::MAX as usize) as u32;
+        }
+        self.ranks[k] = dims.len() as u8;
+        self.n += 1;
+    }
+
+    fn render(&self) -> String {
+        let mut s = self.dtype.to_string();
+        for k in 0..self.n as usize {
+            let dims: Vec<String> = self.dims[k][..self.ranks[k] as usize]
+                .iter()
+                .map(|d| d.to_string())
+                .collect();
+            let _ = write!(s, " [{}]", dims.join(", "));
+        }
+        if self.more {
+            s.push_str(" ...");
+        }
+        s
+    }
+}
+
 /// An open op span (see [`op`]); recorded when dropped.
 pub struct OpSpan {
     name: &'static str,
-    detail: String,
+    detail: OpDetail,
     device: String,
     bytes: u64,
     elementwise: bool,
@@ -335,7 +407,7 @@ pub struct OpSpan {
 pub fn op(
     name: &'static str,
     device: String,
-    detail: String,
+    detail: OpDetail,
     bytes: u64,
     elementwise: bool,
 ) -> OpSpan {
@@ -357,7 +429,7 @@ impl Drop for OpSpan {
         let rec = Record {
             kind: Kind::Op,
             name: Cow::Borrowed(self.name),
-            detail: std::mem::take(&mut self.detail),
+            detail: String::new(),
             device: std::mem::take(&mut self.device),
             stream: 0,
             thread: 0,
@@ -372,7 +444,7 @@ impl Drop for OpSpan {
             elementwise: self.elementwise,
             device_time: None,
         };
-        push(rec, None, true);
+        push_op(rec, self.detail);
         with_local(|l| {
             l.ops.pop();
         });
@@ -471,6 +543,9 @@ fn collect(since_ns: u64, clear: bool) -> Vec<Record> {
             }
             if let Some(mut t) = raw.timer.take() {
                 raw.rec.device_time = t.resolve();
+            }
+            if let Some(d) = raw.detail.take() {
+                raw.rec.detail = d.render();
             }
             out.push(raw.rec.clone());
         }
@@ -661,7 +736,11 @@ impl Profile {
         let mut op_alloc: BTreeMap<&str, u64> = BTreeMap::new();
         for r in &self.records {
             // Allocations are one row (each op's also show in its Allocated column).
-            let name: &str = if r.kind == Kind::Alloc { "alloc" } else { &r.name };
+            let name: &str = if r.kind == Kind::Alloc {
+                "alloc"
+            } else {
+                &r.name
+            };
             let row = rows.entry((r.kind, name)).or_insert_with(|| Row {
                 name: name.to_string(),
                 kind: r.kind.label(),

@@ -55,6 +55,7 @@ fn nested_ops_and_ranges_carry_their_parents() {
     let mm = mine.find(Kind::Op, "matmul").next().expect("matmul span");
     assert_eq!(mm.depth, 0);
     assert_eq!(mm.range.as_deref(), Some("nest-outer/inner"));
+    assert_eq!(mm.detail, "f32 [3, 4] [4, 5]", "dtype and operand shapes");
     let c = mine
         .find(Kind::Op, "contiguous")
         .next()

@@ -148,11 +148,11 @@ impl<B: Backend> Tensor<B> {
     #[cold]
     #[inline(never)]
     fn prof_open(&self, op: &'static str, others: &[&Self], elementwise: bool) -> OpSpan {
-        let mut detail = format!("{} {}", self.dtype, self.shape());
+        let mut detail = profile::OpDetail::new(self.dtype);
+        detail.push(self.dims());
         let mut bytes = self.byte_len();
         for o in others {
-            use std::fmt::Write as _;
-            let _ = write!(detail, " {}", o.shape());
+            detail.push(o.dims());
             bytes += o.byte_len();
         }
         profile::op(op, self.device.to_string(), detail, bytes, elementwise)
@@ -571,7 +571,8 @@ fn prof_new_open<B: Backend>(
     shape: &Shape,
     bytes: u64,
 ) -> Option<OpSpan> {
-    let detail = format!("{dtype} {shape}");
+    let mut detail = profile::OpDetail::new(dtype);
+    detail.push(shape.dims());
     Some(profile::op(op, device.to_string(), detail, bytes, false))
 }
 

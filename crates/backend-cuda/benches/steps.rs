@@ -195,7 +195,9 @@ fn main() {
         hooks * check / (off * 1e6) * 100.0,
         "%",
     );
-    println!("kiln note: {hooks:.0} profiler records per small SGD step, {check:.2} ns per off check");
+    println!(
+        "kiln note: {hooks:.0} profiler records per small SGD step, {check:.2} ns per off check"
+    );
     drop(step);
 
     let mut step = mlp_step(&dev, &[784, 100, 100, 10], true).unwrap();
@@ -218,9 +220,8 @@ fn main() {
 
     // d2l: 1000 x (100x100 matmul, Frobenius norm), logged to the host or kept on the GPU.
     let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 11, DType::F32, &dev).unwrap();
-    let norm = |a: &Tensor<Cuda>| -> Result<Tensor<Cuda>> {
-        a.matmul(a)?.square()?.sum_all()?.sqrt()
-    };
+    let norm =
+        |a: &Tensor<Cuda>| -> Result<Tensor<Cuda>> { a.matmul(a)?.square()?.sum_all()?.sqrt() };
     let mut host = || -> Result<()> {
         let mut log = Vec::with_capacity(1000);
         for _ in 0..1000 {

@@ -553,8 +553,28 @@ fn collect(since_ns: u64, clear: bool) -> Vec<Record> {
             v.clear();
         }
     }
+    if clear {
+        prune();
+    }
     out.sort_by_key(|r| (r.start_ns, r.thread));
     out
+}
+
+fn clear_all() {
+    let bufs: Vec<Arc<ThreadBuf>> = REGISTRY.lock().unwrap().clone();
+    for b in bufs {
+        b.records.lock().unwrap().clear();
+    }
+    prune();
+}
+
+/// Forgets the buffers of threads that have exited (only the registry holds them) once they
+/// are empty.
+fn prune() {
+    REGISTRY
+        .lock()
+        .unwrap()
+        .retain(|b| Arc::strong_count(b) > 1 || !b.records.lock().unwrap().is_empty());
 }
 
 /// A profiling scope (see [`start`]).
@@ -576,9 +596,14 @@ pub fn start() -> Session {
 impl Session {
     /// Stops this scope and returns what was recorded since it started (on every thread).
     pub fn finish(mut self) -> Profile {
+        // Collect before stopping: the last session to stop empties the buffers, and must not
+        // do so before every other one has its records.
+        let p = Profile::new(collect(self.start_ns, false));
         self.stop();
-        let last = SESSIONS.load(Ordering::SeqCst) == 0 && !env_on();
-        Profile::new(collect(self.start_ns, last))
+        if SESSIONS.load(Ordering::SeqCst) == 0 && !env_on() {
+            clear_all();
+        }
+        p
     }
 
     fn stop(&mut self) {

@@ -203,3 +203,40 @@ fn the_table_is_sorted_by_time() {
     assert_eq!(rows, ["long", "mid", "short"]);
     assert!(p.to_string().contains("where did it run"));
 }
+
+#[test]
+fn records_of_other_threads_are_merged() {
+    let s = start();
+    let main_thread = {
+        let _r = range("threads-main");
+        let mut ev = Event::new(Kind::Launch(LaunchKind::Kernel), "on_main", "gpu:3");
+        ev.dur_ns = 1;
+        record(ev);
+        with_local(|l| l.id)
+    };
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let _r = range("threads-worker");
+                let mut ev = Event::new(Kind::Copy(CopyKind::HostToDevice), "upload", "gpu:3");
+                ev.bytes = 100 + i;
+                record(ev);
+                with_local(|l| l.id)
+            })
+        })
+        .collect();
+    let ids: Vec<u64> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    let p = s.finish();
+    let up = p.in_range("threads-worker");
+    let row = up
+        .row(Kind::Copy(CopyKind::HostToDevice), "upload")
+        .unwrap();
+    assert_eq!((row.calls, row.bytes), (3, 303));
+    let threads: std::collections::BTreeSet<u64> = up
+        .find(Kind::Copy(CopyKind::HostToDevice), "upload")
+        .map(|r| r.thread)
+        .collect();
+    assert_eq!(threads.len(), 3, "one buffer per thread");
+    assert!(!ids.contains(&main_thread));
+    assert_eq!(p.in_range("threads-main").records().len(), 2);
+}

@@ -291,7 +291,8 @@ fn bundle_examples(dir: &Path) -> Result<(), String> {
 # Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/profile.sh [TRACE]
 here="$(cd "$(dirname "$0")" && pwd)"
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$here/.kernel-cache}"
-KILN_PROFILE=1 KILN_PROFILE_TRACE="${1:-$here/mnist-trace.json}"     "$here/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
+KILN_PROFILE=1 KILN_PROFILE_TRACE="${1:-$here/mnist-trace.json}" \
+    "$here/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
 "#;
     std::fs::write(dir.join("profile.sh"), script).map_err(|e| e.to_string())
 }

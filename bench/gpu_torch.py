@@ -187,3 +187,98 @@ def lse_manual():
 ms = timed(5, 5, lse_manual)
 report("lse_8192x8192_manual", ms, "ms")
 del s
+
+# ---- training steps and the seeds' loops (twins of crates/backend-cuda/benches/steps.rs).
+# Eager PyTorch under `torch`; the same step captured in a CUDA graph (torch.cuda.graph, the
+# best a PyTorch user can do by hand) under `torch_graph`.
+
+
+def report_graph(name, value, unit):
+    print(f"BENCH torch_graph {name} {value:.4f} {unit}", flush=True)
+
+
+def mlp(widths):
+    layers = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i + 2 < len(widths):
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers).to(dev)
+
+
+def mlp_rows(name, widths, adam, iters):
+    batch = 100
+    x = torch.rand(batch, widths[0], device=dev, generator=g)
+    y = (torch.arange(batch, device=dev) % widths[-1]).long()
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def make(capturable):
+        model = mlp(widths)
+        if adam:
+            # Eager: the default (foreach) Adam; a captured step needs capturable=True.
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3, capturable=capturable)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+
+        return model, opt, step
+
+    _, _, step = make(False)
+    report(name, timed(5, iters, step), "ms")
+    # Capture: warm up on a side stream, then record one whole step into a graph.
+    model, opt, step = make(True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+    report_graph(name, timed(5, iters, graph.replay), "ms")
+
+
+mlp_rows("mlp_small_sgd_step", [784, 100, 100, 10], False, 200)
+mlp_rows("mlp_small_adam_step", [784, 100, 100, 10], True, 200)
+mlp_rows("mlp_deep_sgd_step", [784, 1000, 1000, 2000, 1000, 1000, 10], False, 50)
+
+
+def wall_sync(f):
+    f()
+    torch.cuda.synchronize()
+    v = []
+    for _ in range(5):
+        t = time.perf_counter()
+        f()
+        torch.cuda.synchronize()
+        v.append(time.perf_counter() - t)
+    v.sort()
+    return v[2] * 1e3
+
+
+a = rand(100, 100)
+
+
+def d2l_host():
+    log = []
+    for _ in range(1000):
+        log.append(torch.linalg.matrix_norm(a @ a).item())
+
+
+def d2l_gpu():
+    log = []
+    for _ in range(1000):
+        log.append(torch.linalg.matrix_norm(a @ a))
+
+
+report("d2l_matmul_norm_x1000_host", wall_sync(d2l_host), "ms")
+report("d2l_matmul_norm_x1000_gpu", wall_sync(d2l_gpu), "ms")

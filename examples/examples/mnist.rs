@@ -20,6 +20,10 @@
 //! by a binary copied to another machine (the bundled path is fixed at build time). Saved weights
 //! are named like the equivalent PyTorch `nn.Sequential`'s `state_dict`
 //! (`bench/mnist_torch_check.py` loads them into PyTorch and compares logits).
+//!
+//! `KILN_PROFILE=1` prints kiln's profile at the end (per-op table, where each op ran, memory
+//! per op and per range `train_step/forward`, `train_step/backward`, `train_step/step`, `evaluate`);
+//! `KILN_PROFILE_TRACE=trace.json` also writes a Chrome trace (open it in Perfetto).
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -28,6 +32,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln_autograd::{Var, no_grad};
+use kiln_core::profile::range;
 use kiln_core::{Backend, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::{lenet, mlp};
@@ -100,7 +105,9 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let device = args.device.clone();
-    if let Err(e) = dispatch(&device, Train(args)) {
+    let r = dispatch(&device, Train(args));
+    kiln_core::profile::report();
+    if let Err(e) = r {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
@@ -211,10 +218,17 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         for (i, batch) in train.iter().enumerate() {
             let (x, y) = batch?;
             let n = y.elem_count();
+            let _step = range("train_step");
             opt.zero_grad();
+            let fwd = range("forward");
             let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y)?;
+            drop(fwd);
+            let bwd = range("backward");
             loss.backward()?;
+            drop(bwd);
+            let step = range("step");
             opt.step()?;
+            drop(step);
             let l = loss.tensor().mul_scalar(n as f64)?;
             loss_sum = Some(match loss_sum {
                 None => l,
@@ -271,6 +285,7 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
 /// Mean test loss and accuracy, in evaluation mode and without recording a graph.
 fn evaluate<B: Backend>(model: &mut Sequential<B>, test: &mut DataLoader<B>) -> Result<(f64, f64)> {
     model.eval();
+    let _r = range("evaluate");
     no_grad(|| {
         let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
         for batch in test.iter() {

@@ -10,7 +10,8 @@
 //!   bundle is what travels to a GPU machine. `--run` also runs it here.
 //! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py` and
 //!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
-//!   (`target/gpu-bundle/bench.sh`).
+//!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
+//!   which runs it on the GPU with `KILN_PROFILE=1`.
 //!
 //! Why a bundle: the GPU machine has no Rust toolchain, so binaries are built here and carried.
 
@@ -25,7 +26,10 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-nn", &["cuda"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
-const GPU_BENCHES: &[(&str, &[&str])] = &[("kiln-backend-cuda", &["gpu", "transfer", "fuse"])];
+const GPU_BENCHES: &[(&str, &[&str])] =
+    &[("kiln-backend-cuda", &["gpu", "transfer", "fuse", "steps"])];
+/// Examples carried by the bench bundle (run by `profile.sh`, not by `bench.sh`).
+const GPU_EXAMPLES: &[&str] = &["mnist"];
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
@@ -232,6 +236,7 @@ python3 compare.py "$out"
     };
     std::fs::write(dir.join(script_name), script).map_err(|e| e.to_string())?;
     if kind == Kind::Bench {
+        bundle_examples(&dir)?;
         for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py"] {
             let src = root().join("bench").join(f);
             std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
@@ -261,6 +266,38 @@ python3 compare.py "$out"
         }
     }
     Ok(())
+}
+
+/// Builds [`GPU_EXAMPLES`] (release, stripped) into `dir` with `profile.sh`, which runs one
+/// MNIST epoch on the GPU with the profiler on and writes a Chrome trace.
+fn bundle_examples(dir: &Path) -> Result<(), String> {
+    let mut args = vec!["build", "--release", "-p", "kiln-examples"];
+    for e in GPU_EXAMPLES {
+        args.extend(["--example", e]);
+    }
+    let st = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+        .args(&args)
+        .current_dir(root())
+        .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !st.success() {
+        return Err(format!("cargo {} failed", args.join(" ")));
+    }
+    for e in GPU_EXAMPLES {
+        let src = root().join("target/release/examples").join(e);
+        std::fs::copy(&src, dir.join(e)).map_err(|err| format!("{}: {err}", src.display()))?;
+    }
+    let script = r#"#!/usr/bin/env bash
+# One MNIST epoch on the GPU with kiln's profiler on: prints the per-op table, the "where did it
+# run" listing and the memory view, and writes a Chrome trace (open it in Perfetto).
+# Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/profile.sh [TRACE]
+here="$(cd "$(dirname "$0")" && pwd)"
+export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$here/.kernel-cache}"
+KILN_PROFILE=1 KILN_PROFILE_TRACE="${1:-$here/mnist-trace.json}" \
+    "$here/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
+"#;
+    std::fs::write(dir.join("profile.sh"), script).map_err(|e| e.to_string())
 }
 
 fn dir_size(p: &Path) -> u64 {

@@ -207,6 +207,9 @@ fn part<T: CpuElem + LinalgScalar>(
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
+    if kiln_core::profile::enabled() {
+        crate::storage::profile_alloc("matmul", dev, av.nrows() * bv.ncols() * size_of::<T>());
+    }
     let mut out = new_vec::<T>("matmul", dev, av.nrows() * bv.ncols())?;
     let mut cv =
         ArrayViewMut2::from_shape((av.nrows(), bv.ncols()), &mut out[..]).map_err(shape_err)?;

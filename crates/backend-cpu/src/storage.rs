@@ -431,10 +431,24 @@ cpu_elem!(u8, U8, |_| false);
 /// buffer keeps old values): the caller writes every element. Fails with a typed error, never
 /// an abort (see the module docs).
 pub(crate) fn alloc<T: CpuElem>(op: &'static str, device: CpuDevice, len: usize) -> Result<Vec<T>> {
+    if kiln_core::profile::enabled() {
+        profile_alloc(op, device, len * std::mem::size_of::<T>());
+    }
     if let Some(v) = take(device, T::DTYPE, len).and_then(T::unwrap) {
         return Ok(v);
     }
     new_vec(op, device, len)
+}
+
+/// Reports an output buffer of `bytes` for `op` to the profiler, with the memory in use
+/// counting it.
+#[cold]
+pub(crate) fn profile_alloc(op: &'static str, device: CpuDevice, bytes: usize) {
+    use kiln_core::profile::{Event, Kind, record};
+    let mut ev = Event::new(Kind::Alloc, op, device);
+    ev.bytes = bytes as u64;
+    ev.mem_in_use = Some((counters(&device).in_use.load(Ordering::Relaxed) + bytes) as u64);
+    record(ev);
 }
 
 /// `len` zeroed elements in fresh memory (never from the cache), or a typed error: an

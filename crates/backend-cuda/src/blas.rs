@@ -258,6 +258,7 @@ pub(crate) fn matmul(
             }
         }};
     }
+    let _prof = crate::profile::launch(dev, OP, true);
     let status = match dtype {
         DType::F32 => gemm!(f32, cublasSgemm_v2, cublasSgemmStridedBatched),
         DType::F64 => gemm!(f64, cublasDgemm_v2, cublasDgemmStridedBatched),

@@ -287,6 +287,19 @@ thread_local! {
 
 /// Devices with ordinals at or above this always run on their default stream.
 pub(crate) const MAX_STREAM_DEVICES: usize = 16;
+const _: () = assert!(MAX_STREAM_DEVICES == crate::profile::MAX_DEVICES);
+
+impl crate::profile::Site for DeviceState {
+    fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    fn current_stream(&self) -> sys::CUstream {
+        self.stream()
+    }
+    fn bytes_in_use(&self) -> usize {
+        self.in_use.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
 
 /// Makes `stream` the calling thread's current stream on device `ordinal` (null: the default
 /// stream) and returns the previous one.
@@ -324,6 +337,7 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
         )
     })?;
     let s = slot.get_or_init(|| {
+        crate::profile::set_binder(|o| state(&CudaDevice::new(o)).is_ok());
         DeviceState::create(dev.ordinal)
             .map(|s| &*Box::leak(Box::new(s)))
             .map_err(|e| e.to_string())
@@ -491,6 +505,7 @@ impl DeviceState {
     pub fn sync_all(&self, op: &'static str) -> Result<()> {
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         self.bind()?;
+        let _prof = crate::profile::sync(self, op);
         // SAFETY: this device's context is current.
         check(unsafe { sys::cuCtxSynchronize() }, op)?;
         self.sweep_in_flight();
@@ -651,6 +666,7 @@ impl DeviceState {
         if grid.contains(&0) {
             return Ok(());
         }
+        let _prof = crate::profile::launch(self, op, false);
         let t0 = launch_stats_on().then(std::time::Instant::now);
         // SAFETY: `f` is a kernel of this context; `params` match its signature (each call
         // site passes the arguments its kernel declares; user kernels' are checked against
@@ -695,6 +711,7 @@ impl DeviceState {
     /// Waits for the calling thread's current stream.
     pub fn sync(&self, op: &'static str) -> Result<()> {
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
+        let _prof = crate::profile::sync(self, op);
         // SAFETY: the stream belongs to this (current) context.
         check(unsafe { sys::cuStreamSynchronize(self.stream()) }, op)
     }

@@ -254,6 +254,7 @@ fn launch(
         }
     };
     let (mut ptrs, np) = a.ptrs();
+    crate::profile::fused_ops(|| crate::profile::expr_op_names(p));
     dev.launch("expr", f, grid, block, 0, &mut ptrs[..np])
 }
 

@@ -66,6 +66,7 @@ static FUSION: AtomicU8 = AtomicU8::new(0);
 /// a failure is reported by the op that caused it). Tensors already pending stay pending.
 pub fn set_fusion(on: bool) {
     FUSION.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+    crate::profile::note_fusion(on);
 }
 
 /// Whether elementwise ops are deferred and fused (see [`set_fusion`]).
@@ -758,6 +759,7 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         };
     }
     let (mut p, np) = a.ptrs();
+    crate::profile::fused_ops(|| crate::profile::lazy_op_names(&program.code, reduce));
     dev.launch(OP, f, grid, FUSED_BLOCK, 0, &mut p[..np])?;
     match reduce {
         Some(op) if outs > 1 => {

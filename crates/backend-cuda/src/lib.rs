@@ -78,6 +78,7 @@ mod nvrtc;
 mod ops;
 mod pinned;
 mod pool;
+mod profile;
 mod sources;
 mod storage;
 mod stream;

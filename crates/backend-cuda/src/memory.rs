@@ -233,6 +233,7 @@ pub(crate) fn alloc_on(
     let cached = block_cache_on();
     let requested = bytes;
     let bytes = if cached { bucket(bytes) } else { bytes };
+    crate::profile::alloc(dev, bytes, stream);
     if cached {
         if dev.deferred_count.load(Ordering::Relaxed) > 0 {
             sweep_deferred(dev);
@@ -288,6 +289,7 @@ pub(crate) fn duplicate(b: &Buffer) -> Result<Buffer> {
     dev.bind()?;
     let out = alloc(dev, b.len_bytes())?;
     if b.len_bytes() > 0 {
+        let _prof = crate::profile::d2d(dev, "copy", dev.stream(), b.len_bytes());
         // SAFETY: both blocks are `len_bytes` long (same bucket); ordered on the compute stream.
         check(
             unsafe { sys::cuMemcpyDtoDAsync_v2(out.ptr, b.ptr, b.len_bytes(), dev.stream()) },

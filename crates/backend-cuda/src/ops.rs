@@ -344,6 +344,7 @@ pub(crate) fn copy_strided(
     }
     let size = dtype.size_in_bytes();
     if ls.is_contiguous() && ld.is_contiguous() {
+        let _prof = crate::profile::d2d(dev, "copy", dev.stream(), n * size);
         // SAFETY: both ranges lie inside their buffers (the layouts' contract); ordered on the
         // current stream.
         return check(

@@ -162,6 +162,7 @@ impl Stream {
     /// Waits on the host until all work queued on this stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.raw.dev.bind()?;
+        let _prof = crate::profile::sync(self.raw.dev, "Stream::synchronize");
         // SAFETY: a live stream of the bound context.
         check(
             unsafe { sys::cuStreamSynchronize(self.raw.stream) },
@@ -360,6 +361,7 @@ impl Event {
     /// Waits on the host until the recorded work has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.dev.bind()?;
+        let _prof = crate::profile::sync(self.dev, "Event::synchronize");
         // SAFETY: a live event.
         check(
             unsafe { sys::cuEventSynchronize(self.raw) },

@@ -102,6 +102,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
     }
     dev.sweep_in_flight();
     if src.pinned || pinned::is_pinned(data.as_ptr(), data.len()) {
+        let prof = crate::profile::h2d(dev, "from_host", dev.copy, data.len());
         // SAFETY: `data` is page-locked host memory of `len` bytes, kept alive below until the
         // DMA is done; the device range is `dst`.
         check(
@@ -115,6 +116,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             },
             "from_host",
         )?;
+        drop(prof);
         match src.owner {
             Some(owner) => {
                 // One event both orders the caller's stream after the copy and tells when the
@@ -134,7 +136,10 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             }
             // Borrowed memory: the caller may reuse it once we return.
             // SAFETY: the copy stream belongs to this (current) context.
-            None => check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?,
+            None => {
+                let _prof = crate::profile::sync(dev, "from_host");
+                check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?
+            }
         }
     } else {
         let block_bytes = staging_bytes();
@@ -146,6 +151,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             // has completed (waited above), so the host may write it.
             let block = unsafe { std::slice::from_raw_parts_mut(h, chunk.len()) };
             host_copy(block, chunk);
+            let _prof = crate::profile::h2d(dev, "from_host", dev.copy, chunk.len());
             // SAFETY: the device range lies inside `dst`; the event is the block's.
             unsafe {
                 check(
@@ -176,6 +182,7 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
     dev.bind()?;
     dev.order(dev.stream(), dev.copy, "to_host")?;
     if pinned::is_pinned(out.as_ptr(), out.len()) {
+        let prof = crate::profile::d2h(dev, "to_host", dev.copy, out.len());
         // SAFETY: `out` is page-locked memory the caller lends us until we return, after the
         // copy stream is synchronized; the source range lies inside `src`.
         unsafe {
@@ -188,6 +195,8 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
                 ),
                 "to_host",
             )?;
+            drop(prof);
+            let _prof = crate::profile::sync(dev, "to_host");
             return check(sys::cuStreamSynchronize(dev.copy), "to_host");
         }
     }
@@ -199,8 +208,10 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
         let (h, ev) = st.blocks[i];
         let start = k * block_bytes;
         let len = (out.len() - start).min(block_bytes);
+        let prof = crate::profile::sync(dev, "to_host");
         // SAFETY: the event marks the end of this chunk's DMA into the pinned block `h`.
         check(unsafe { sys::cuEventSynchronize(ev) }, "to_host")?;
+        drop(prof);
         // SAFETY: `h` holds `len` bytes written by that DMA; nothing else touches it until
         // the next DMA into it is queued (after this drain).
         let block = unsafe { std::slice::from_raw_parts(h, len) };
@@ -218,6 +229,7 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
         let (h, ev) = st.blocks[i];
         let start = k * block_bytes;
         let len = (out.len() - start).min(block_bytes);
+        let _prof = crate::profile::d2h(dev, "to_host", dev.copy, len);
         // SAFETY: the source range lies inside `src`; `h` holds block_bytes; its previous
         // use was drained above (at most STAGING_BLOCKS chunks are in flight).
         unsafe {
@@ -258,6 +270,7 @@ pub(crate) fn copy_peer(
     // dst's (recycled) memory may still be in use by earlier work on dst's stream.
     cross_order(dst_dev, src_dev, "copy_to_device")?;
     src_dev.bind()?;
+    let _prof = crate::profile::d2d(src_dev, "copy_to_device", src_dev.stream(), bytes);
     // SAFETY: both ranges are inside live buffers; the copy is ordered on src's current
     // stream after src's producers, and after dst's earlier work by the event above.
     check(

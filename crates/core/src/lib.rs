@@ -8,6 +8,7 @@
 //! - the [`Backend`] trait: a small, enum-driven set of kernels that a device implements;
 //! - [`Tensor<B>`](Tensor): the user-facing array, generic over its backend;
 //! - [`philox`]: the counter-based generator every backend implements bit for bit;
+//! - [`profile`]: the profiler (`KILN_PROFILE=1`), per-op tables and Chrome traces;
 //! - [`reference`](mod@reference): a plain-loop f64 backend, obviously correct and slow,
 //!   against which the conformance suite (`testing`, behind the feature `testing`) checks every
 //!   real backend.
@@ -34,11 +35,14 @@ mod ir;
 mod layout;
 mod op;
 pub mod philox;
+pub mod profile;
 pub mod reference;
 mod shape;
 mod tensor;
 #[cfg(feature = "testing")]
 pub mod test_pinned;
+#[cfg(any(test, feature = "testing"))]
+pub mod test_profile;
 #[cfg(feature = "testing")]
 pub mod testing;
 

@@ -297,7 +297,9 @@ impl Program {
             .zip(&layouts)
             .map(|(t, l)| (t.storage(), l))
             .collect();
+        let p = first.prof("expr", &[], false);
         let outs = B::eval_expr(first.device(), self, &shape, &args, params)?;
+        drop(p);
         let shapes = self.output_shapes(&shape)?;
         if outs.len() != shapes.len() {
             return Err(crate::Error::backend(

@@ -13,6 +13,7 @@ mod view;
 use std::sync::Arc;
 
 use crate::backend::{Backend, HostBuffer, RandDist};
+use crate::profile::{self, OpSpan};
 use crate::{DType, Element, Error, Layout, Result, Shape};
 
 pub use update::Updated;
@@ -127,6 +128,40 @@ impl<B: Backend> Tensor<B> {
         }
     }
 
+    // ---- profiling -----------------------------------------------------------------------
+
+    /// A profiler span for `op` over `self` and `others`, or `None` (a load and a branch) when
+    /// the profiler is off. `elementwise` marks ops a GPU backend may fuse.
+    #[inline(always)]
+    pub(crate) fn prof(
+        &self,
+        op: &'static str,
+        others: &[&Self],
+        elementwise: bool,
+    ) -> Option<OpSpan> {
+        if !profile::enabled() {
+            return None;
+        }
+        Some(self.prof_open(op, others, elementwise))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn prof_open(&self, op: &'static str, others: &[&Self], elementwise: bool) -> OpSpan {
+        let mut detail = profile::OpDetail::new(self.dtype);
+        detail.push(self.dims());
+        let mut bytes = self.byte_len();
+        for o in others {
+            detail.push(o.dims());
+            bytes += o.byte_len();
+        }
+        profile::op(op, self.device.to_string(), detail, bytes, elementwise)
+    }
+
+    fn byte_len(&self) -> u64 {
+        (self.elem_count() * self.dtype.size_in_bytes()) as u64
+    }
+
     // ---- constructors --------------------------------------------------------------------
 
     /// A tensor filled with `value` (converted to `dtype`).
@@ -137,6 +172,7 @@ impl<B: Backend> Tensor<B> {
         device: &B::Device,
     ) -> Result<Self> {
         let shape = shape.into();
+        let _p = prof_new::<B>("full", device, dtype, &shape, 0);
         let s = B::fill(device, dtype, shape.elem_count_for("full")?, value)?;
         Ok(Self::from_storage(s, shape, dtype))
     }
@@ -164,6 +200,8 @@ impl<B: Backend> Tensor<B> {
     ) -> Result<Self> {
         let shape = shape.into();
         check_len("from_vec", data.len(), &shape)?;
+        let bytes = data.as_bytes().len() as u64;
+        let _p = prof_new::<B>("from_host", device, data.dtype(), &shape, bytes);
         let s = B::from_host(device, data)?;
         Ok(Self::from_storage(s, shape, data.dtype()))
     }
@@ -186,6 +224,8 @@ impl<B: Backend> Tensor<B> {
     ) -> Result<Self> {
         let shape = shape.into();
         check_len("from_slice", data.len(), &shape)?;
+        let bytes = std::mem::size_of_val(data) as u64;
+        let _p = prof_new::<B>("from_slice", device, T::DTYPE, &shape, bytes);
         let src = crate::HostSource::borrowed(bytemuck::cast_slice(data));
         let s = B::from_host_source(device, T::DTYPE, src)?;
         Ok(Self::from_storage(s, shape, T::DTYPE))
@@ -300,6 +340,7 @@ impl<B: Backend> Tensor<B> {
                 got: dtype,
             });
         }
+        let _p = prof_new::<B>("rand", device, dtype, &shape, 0);
         let s = B::rand(device, dtype, shape.elem_count_for("rand")?, seed, dist)?;
         Ok(Self::from_storage(s, shape, dtype))
     }
@@ -329,6 +370,7 @@ impl<B: Backend> Tensor<B> {
 
     /// All elements in row-major order, as a host buffer (synchronizes with the device).
     pub fn to_host(&self) -> Result<HostBuffer> {
+        let _p = self.prof("to_host", &[], false);
         B::to_host(&self.storage, &self.layout, self.dtype)
     }
 
@@ -367,6 +409,7 @@ impl<B: Backend> Tensor<B> {
                 ),
             ));
         }
+        let _p = self.prof("copy_to_slice", &[], false);
         B::to_host_bytes(
             &self.storage,
             &self.layout,
@@ -379,6 +422,7 @@ impl<B: Backend> Tensor<B> {
     /// waiting for the device: for benchmarks that must not skip unread results, and to bound
     /// where deferred work runs. Reading values (`to_vec`, ...) does this on its own.
     pub fn realize(&self) -> Result<()> {
+        let _p = self.prof("realize", &[], false);
         B::realize(&self.storage)
     }
 
@@ -414,6 +458,7 @@ impl<B: Backend> Tensor<B> {
 
     /// A new copy of this tensor on `device`, always (even the same device).
     pub fn copy_to(&self, device: &B::Device) -> Result<Self> {
+        let _p = self.prof("copy_to", &[], false);
         let s = B::copy_to_device(&self.storage, &self.layout, self.dtype, device)?;
         Ok(Self::from_storage(s, self.shape().clone(), self.dtype))
     }
@@ -424,6 +469,7 @@ impl<B: Backend> Tensor<B> {
     /// `non_blocking=True`): the copy is ordered before every later use on the GPU, and the
     /// source stays alive until it is done.
     pub fn to_backend<C: Backend>(&self, device: &C::Device) -> Result<Tensor<C>> {
+        let _p = self.prof("to_backend", &[], false);
         let s = match B::host_source(&self.storage, &self.layout, self.dtype) {
             Some(src) => C::from_host_source(device, self.dtype, src)?,
             None => C::from_host_owned(device, self.to_host()?)?,
@@ -466,6 +512,7 @@ impl<B: Backend> Tensor<B> {
                 ),
             )
         })?;
+        let _p = src.prof("copy_from", &[], false);
         C::to_host_bytes(src.storage(), src.layout(), src.dtype(), out)
     }
 
@@ -477,6 +524,7 @@ impl<B: Backend> Tensor<B> {
         if self.is_pinned() && self.layout.is_contiguous() && self.layout.offset() == 0 {
             return Ok(self.clone());
         }
+        let _p = self.prof("pin_memory", &[], false);
         let s = B::pin_memory(&self.storage, &self.layout, self.dtype)?;
         Ok(Self::from_storage(s, self.shape().clone(), self.dtype))
     }
@@ -497,6 +545,35 @@ impl<B: Backend> Tensor<B> {
         }
         Ok(())
     }
+}
+
+/// A profiler span for a constructor (no input tensor): `None` when the profiler is off.
+#[inline(always)]
+fn prof_new<B: Backend>(
+    op: &'static str,
+    device: &B::Device,
+    dtype: DType,
+    shape: &Shape,
+    bytes: u64,
+) -> Option<OpSpan> {
+    if !profile::enabled() {
+        return None;
+    }
+    prof_new_open::<B>(op, device, dtype, shape, bytes)
+}
+
+#[cold]
+#[inline(never)]
+fn prof_new_open<B: Backend>(
+    op: &'static str,
+    device: &B::Device,
+    dtype: DType,
+    shape: &Shape,
+    bytes: u64,
+) -> Option<OpSpan> {
+    let mut detail = profile::OpDetail::new(dtype);
+    detail.push(shape.dims());
+    Some(profile::op(op, device.to_string(), detail, bytes, false))
 }
 
 /// `len` values must fill `shape` exactly.

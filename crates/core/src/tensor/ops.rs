@@ -43,6 +43,7 @@ impl<B: Backend> Tensor<B> {
                 self.dtype(),
             ));
         }
+        let _p = self.prof(op.name(), &[], true);
         let s = B::unary(op, self.storage(), self.layout(), self.dtype())?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
@@ -69,6 +70,7 @@ impl<B: Backend> Tensor<B> {
                 rhs: g.device().to_string(),
             });
         }
+        let _p = self.prof("unary_backward", &[g], true);
         let s = B::unary_backward(
             op,
             self.storage(),
@@ -90,6 +92,7 @@ impl<B: Backend> Tensor<B> {
                 self.dtype(),
             ));
         }
+        let _p = self.prof(op.name(), &[rhs], true);
         let s = B::binary(op, self.storage(), &l, rhs.storage(), &r, self.dtype())?;
         Ok(self.fresh(s, shape, self.dtype()))
     }
@@ -112,6 +115,7 @@ impl<B: Backend> Tensor<B> {
                 self.dtype(),
             ));
         }
+        let _p = self.prof(op.name(), &[], true);
         let s = B::binary_scalar(
             op,
             self.storage(),
@@ -229,6 +233,7 @@ impl<B: Backend> Tensor<B> {
     /// A `u8` mask of `op(self, rhs)`, broadcasting.
     pub fn compare(&self, op: CmpOp, rhs: &Self) -> Result<Self> {
         let (shape, l, r) = self.broadcast_pair(op.name(), rhs)?;
+        let _p = self.prof(op.name(), &[rhs], true);
         let s = B::compare(op, self.storage(), &l, rhs.storage(), &r, self.dtype())?;
         Ok(self.fresh(s, shape, DType::U8))
     }
@@ -270,6 +275,7 @@ impl<B: Backend> Tensor<B> {
         let c = self.layout().broadcast_to(&shape)?;
         let t = t.broadcast_to(&shape)?;
         let f = f.broadcast_to(&shape)?;
+        let _p = self.prof("where", &[on_true, on_false], true);
         let s = B::where_cond(
             self.storage(),
             &c,
@@ -287,6 +293,7 @@ impl<B: Backend> Tensor<B> {
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
+        let _p = self.prof("cast", &[], true);
         let s = B::cast(self.storage(), self.layout(), self.dtype(), dtype)?;
         Ok(self.fresh(s, self.shape().clone(), dtype))
     }
@@ -316,7 +323,9 @@ impl<B: Backend> Tensor<B> {
                 format!("cannot reduce an empty axis of shape {}", self.shape()),
             ));
         }
+        let p = self.prof(name, &[], false);
         let s = B::reduce(op, self.storage(), self.layout(), self.dtype(), &axes)?;
+        drop(p);
         let mut kept = self.dims().to_vec();
         for &a in &axes {
             kept[a] = 1;
@@ -421,6 +430,7 @@ impl<B: Backend> Tensor<B> {
                 lhs: self.shape().clone(),
                 rhs: rhs.shape().clone(),
             })?;
+        let _p = self.prof(OP, &[rhs], false);
         let a3 = as_batched_matrix(&a, &batch, m, k)?;
         let b3 = as_batched_matrix(&b, &batch, k, n)?;
         let s = B::matmul(
@@ -455,6 +465,7 @@ impl<B: Backend> Tensor<B> {
         if self.rank() == 0 {
             return Err(Error::invalid(op, "needs rank >= 1, got a scalar"));
         }
+        let _p = self.prof(op, &[], false);
         let s = B::softmax(self.storage(), self.layout(), self.dtype(), log)?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
@@ -463,6 +474,7 @@ impl<B: Backend> Tensor<B> {
     /// tensor of `logsumexp(row) - row[label]`.
     pub fn cross_entropy(&self, labels: &Self) -> Result<Self> {
         check_xent::<B>("cross_entropy", self, labels)?;
+        let _p = self.prof("cross_entropy", &[labels], false);
         let s = B::cross_entropy(
             self.storage(),
             self.layout(),
@@ -485,6 +497,7 @@ impl<B: Backend> Tensor<B> {
                 rhs: grad.shape().clone(),
             });
         }
+        let _p = self.prof(OP, &[labels, grad], false);
         let s = B::cross_entropy_backward(
             self.storage(),
             self.layout(),
@@ -510,6 +523,7 @@ impl<B: Backend> Tensor<B> {
                 format!("indices must be 1-d, got shape {}", ids.shape()),
             ));
         }
+        let _p = self.prof(OP, &[ids], false);
         let s = B::index_select(
             self.storage(),
             self.layout(),
@@ -529,6 +543,7 @@ impl<B: Backend> Tensor<B> {
         let axis = normalize_axis(OP, axis, self.rank())?;
         check_ids::<B>(OP, self, ids)?;
         check_index_shape(OP, self.shape(), ids.shape(), axis)?;
+        let _p = self.prof(OP, &[ids], false);
         let s = B::gather(
             self.storage(),
             self.layout(),
@@ -557,6 +572,7 @@ impl<B: Backend> Tensor<B> {
             });
         }
         check_index_shape(OP, self.shape(), ids.shape(), axis)?;
+        let _p = self.prof(OP, &[ids, src], false);
         let s = B::scatter_add(
             self.storage(),
             self.layout(),

@@ -88,7 +88,9 @@ impl<B: Backend> Tensor<B> {
                 len: p.elem_count(),
             })
             .collect();
+        let p = first.prof(OP, &[], false);
         let out = B::fused_update(rule, dtype, &slots)?;
+        drop(p);
         Ok(out
             .into_iter()
             .zip(params)

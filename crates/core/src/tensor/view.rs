@@ -84,6 +84,7 @@ impl<B: Backend> Tensor<B> {
         if self.is_contiguous() && self.layout().offset() == 0 {
             return Ok(self.clone());
         }
+        let _p = self.prof("contiguous", &[], false);
         let s = B::contiguous(self.storage(), self.layout(), self.dtype())?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
@@ -117,6 +118,7 @@ impl<B: Backend> Tensor<B> {
             dims[axis] += t.dims()[axis];
         }
         let shape = Shape::new(dims);
+        let _p = first.prof("cat", &[], false);
         let mut out = B::fill(first.device(), first.dtype(), shape.elem_count(), 0.0)?;
         let out_layout = Layout::contiguous(shape.clone());
         let mut start = 0;
@@ -176,6 +178,7 @@ impl<B: Backend> Tensor<B> {
                 std::sync::Arc::get_mut(&mut me.storage).expect("fresh copy is unique")
             }
         };
+        let _p = src.prof("slice_assign", &[], false);
         B::copy_into(src.storage(), src.layout(), storage, &region, dtype)?;
         Ok(me)
     }

@@ -45,6 +45,7 @@ mod fused;
 mod launch;
 mod lazy;
 mod memory;
+pub mod nccl;
 mod ops;
 mod pinned;
 mod storage;
@@ -63,6 +64,7 @@ pub use device::{
 };
 pub use lazy::{fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
+pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};

@@ -473,7 +473,8 @@ fn grad_hooks_fire_once_per_backward_as_soon_as_a_leaf_is_complete() {
     let x = Var::constant(t(&[1.0, 2.0], &[1, 2]));
     let w1 = Var::param(t(&[1.0, 0.5, -1.0, 2.0], &[2, 2]));
     let w2 = Var::param(t(&[3.0, -1.0], &[2, 1]));
-    let log: Arc<Mutex<Vec<(&'static str, bool, bool)>>> = Arc::default();
+    type Log = Arc<Mutex<Vec<(&'static str, bool, bool)>>>;
+    let log: Log = Arc::default();
     let mut handles = Vec::new();
     for (name, w, other) in [("w1", &w1, &w2), ("w2", &w2, &w1)] {
         let log = log.clone();

@@ -514,6 +514,11 @@ impl NcclComm {
     pub fn abort(&self, why: &str) {
         self.shared.abort(DistErrorKind::Aborted, why.to_string());
     }
+    /// [`NcclComm::abort`] with the class of the cause (e.g. [`DistErrorKind::PeerLost`] when
+    /// a rendezvous link reported a dead peer).
+    pub fn abort_with(&self, kind: DistErrorKind, why: &str) {
+        self.shared.abort(kind, why.to_string());
+    }
 
     /// Orders the communication stream after the caller's current stream, records `t`'s
     /// memory there, and returns its contiguous form and device address.

@@ -342,7 +342,7 @@ fn train_rank<B: Backend>(
     let mut opt = SgdConfig::new(args.lr).init(model.parameters())?;
     let data = data::<B>(args, &dev)?;
     let gb = args.global_batch();
-    if gb % world != 0 {
+    if !gb.is_multiple_of(world) {
         return Err(Error::invalid(
             "data_parallel",
             format!("global batch {gb} is not divisible by {world} ranks"),
@@ -525,7 +525,7 @@ fn chainer<B: Backend>(args: &Args, devs: Vec<B::Device>) -> Result<()> {
         .map(|d| data::<B>(args, d))
         .collect::<Result<_>>()?;
     let gb = args.global_batch();
-    if gb % n != 0 {
+    if !gb.is_multiple_of(n) {
         return Err(Error::invalid(
             "data_parallel",
             format!("global batch {gb} is not divisible by {n} devices"),

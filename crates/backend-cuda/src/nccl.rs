@@ -672,23 +672,15 @@ impl Drop for NcclComm {
         if self.shared.aborted.load(Ordering::Acquire) {
             return;
         }
-        // Finish outstanding work (bounded by the timeout), then free the communicator.
-        if self.synchronize().is_err() {
-            return;
-        }
-        *self.shared.cause.lock().unwrap_or_else(|e| e.into_inner()) = Some((
+        // Finish this rank's outstanding work (bounded by the timeout), then free the
+        // communicator with ncclCommAbort rather than ncclCommDestroy: destroy may finalize
+        // collectively and wait for peers that have already exited or failed, while abort is
+        // local and never blocks (what PyTorch's ProcessGroupNCCL does on shutdown too).
+        let _ = self.synchronize();
+        self.shared.abort(
             DistErrorKind::Aborted,
             "the communicator was dropped".into(),
-        ));
-        self.shared.aborted.store(true, Ordering::Release);
-        let mut c = self.shared.comm.lock().unwrap_or_else(|e| e.into_inner());
-        if !c.0.is_null() {
-            // SAFETY: a live communicator whose work has finished (synchronized above); the
-            // watchdog has ended, and the handle is nulled under the lock so that collectives
-            // still holding the shared state never use it.
-            unsafe { nsys::ncclCommDestroy(c.0) };
-            c.0 = std::ptr::null_mut();
-        }
+        );
     }
 }
 

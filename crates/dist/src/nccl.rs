@@ -32,8 +32,16 @@ impl NcclGroup {
     /// `env.local_rank`. Rank 0 makes NCCL's id and hands it out over the TCP rendezvous;
     /// every rank then joins the communicator. The rendezvous links stay open: a peer
     /// process that dies aborts the communicator at once with an error naming that rank.
+    ///
+    /// The GPU is `cuda:LOCAL_RANK`, or `cuda:0` when the process sees exactly one GPU (a
+    /// launcher that binds one GPU per task through `CUDA_VISIBLE_DEVICES`, as `srun` can).
     pub fn from_env(env: &DistEnv) -> Result<NcclGroup> {
-        let dev = kiln_backend_cuda::try_gpu(env.local_rank).ok_or_else(|| {
+        let ordinal = if kiln_backend_cuda::device_count() == 1 {
+            0
+        } else {
+            env.local_rank
+        };
+        let dev = kiln_backend_cuda::try_gpu(ordinal).ok_or_else(|| {
             Error::dist(
                 "NcclGroup::from_env",
                 DistErrorKind::Environment,

@@ -73,7 +73,10 @@ pub fn nccl_version() -> Result<i32> {
         // SAFETY: only tries to dlopen libnccl by its candidate names.
         if !unsafe { nsys::is_culib_present() } {
             return Err(
-                "libnccl not found (install NCCL or put libnccl.so.2 on the library path)".into(),
+                "libnccl not found: cudarc loads `libnccl.so` (or `libnccl.so.<CUDA major>`); \
+                 where only `libnccl.so.2` is installed, link `libnccl.so` to it in a directory \
+                 on LD_LIBRARY_PATH (bench/multi_gpu.sh does)"
+                    .into(),
             );
         }
         let mut v = 0;

@@ -13,6 +13,11 @@
 //!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
 //!   which runs it on the GPU with `KILN_PROFILE=1`.
 //!
+//! - `multi-gpu`: issue 12's two-GPU bundle: the `data_parallel`, `model_parallel` and
+//!   `two_gpu_matmul` examples, the NCCL test binary, the bundled MNIST files,
+//!   `bench/ddp_torch.py` (PyTorch DDP twin) and `multi_gpu.sh` (from `bench/`), which runs
+//!   every check and benchmark and prints a summary: `bash target/gpu-bundle/multi_gpu.sh`.
+//!
 //! Why a bundle: the GPU machine has no Rust toolchain, so binaries are built here and carried.
 
 use std::path::{Path, PathBuf};
@@ -42,9 +47,10 @@ fn main() -> ExitCode {
         Some("check-kernels") => check_kernels(),
         Some("test-gpu") => bundle(Kind::Test, run),
         Some("bench-gpu") => bundle(Kind::Bench, run),
+        Some("multi-gpu") => multi_gpu_bundle(run),
         _ => {
             eprintln!(
-                "usage: cargo xtask <test | bench | check-kernels | test-gpu [--run] | bench-gpu [--run]>"
+                "usage: cargo xtask <test | bench | check-kernels | test-gpu [--run] | bench-gpu [--run] | multi-gpu [--run]>"
             );
             Err("unknown task".into())
         }
@@ -298,6 +304,106 @@ KILN_PROFILE=1 KILN_PROFILE_TRACE="${1:-$here/mnist-trace.json}" \
     "$here/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
 "#;
     std::fs::write(dir.join("profile.sh"), script).map_err(|e| e.to_string())
+}
+
+/// Examples and test targets of issue 12's two-GPU bundle.
+const MULTI_GPU_EXAMPLES: &[&str] = &["data_parallel", "model_parallel", "two_gpu_matmul"];
+const MULTI_GPU_TESTS: &[(&str, &str)] = &[("kiln-backend-cuda", "nccl")];
+
+/// Builds `target/gpu-bundle/multi/` and `multi_gpu.sh` (see the crate docs).
+fn multi_gpu_bundle(run: bool) -> Result<(), String> {
+    let dir = root().join("target").join("gpu-bundle");
+    let multi = dir.join("multi");
+    let _ = std::fs::remove_dir_all(&multi);
+    std::fs::create_dir_all(multi.join("tests")).map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(multi.join("mnist")).map_err(|e| e.to_string())?;
+    let mut jobs: Vec<(Vec<String>, &str)> = vec![(
+        ["build", "--release", "-p", "kiln-examples"]
+            .into_iter()
+            .map(String::from)
+            .chain(
+                MULTI_GPU_EXAMPLES
+                    .iter()
+                    .flat_map(|e| ["--example".to_string(), e.to_string()]),
+            )
+            .collect(),
+        "example",
+    )];
+    for (pkg, t) in MULTI_GPU_TESTS {
+        jobs.push((
+            ["test", "--release", "--no-run", "-p", pkg, "--test", t]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            "test",
+        ));
+    }
+    for (mut args, kind) in jobs {
+        args.push("--message-format=json-render-diagnostics".into());
+        let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args(&args)
+            .current_dir(root())
+            .env("CARGO_PROFILE_RELEASE_STRIP", "symbols")
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .map_err(|e| e.to_string())?;
+        if !out.status.success() {
+            return Err(format!("cargo {} failed", args.join(" ")));
+        }
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            if !line.contains("\"reason\":\"compiler-artifact\"")
+                || !line.contains(&format!("\"kind\":[\"{kind}\"]"))
+            {
+                continue;
+            }
+            let (Some(exe), Some(name)) = (json_str(line, "executable"), json_str(line, "name"))
+            else {
+                continue;
+            };
+            let dst = if kind == "test" {
+                multi.join("tests").join(&name)
+            } else {
+                multi.join(&name)
+            };
+            std::fs::copy(&exe, &dst).map_err(|e| format!("{exe}: {e}"))?;
+        }
+    }
+    let mnist = root().join("data").join("mnist");
+    for e in std::fs::read_dir(&mnist).map_err(|e| format!("{}: {e}", mnist.display()))? {
+        let p = e.map_err(|e| e.to_string())?.path();
+        if p.extension().is_some_and(|x| x == "gz") {
+            std::fs::copy(&p, multi.join("mnist").join(p.file_name().unwrap()))
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    for f in ["ddp_torch.py", "multi_gpu.sh"] {
+        let src = root().join("bench").join(f);
+        std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
+    }
+    let total = dir_size(&dir);
+    println!(
+        "bundle: {} (multi-GPU part in multi/; whole bundle {:.1} MiB); run: bash {}",
+        dir.display(),
+        total as f64 / (1 << 20) as f64,
+        dir.join("multi_gpu.sh").display()
+    );
+    if total > BUNDLE_LIMIT {
+        return Err(format!(
+            "bundle is {} MiB, over the {} MiB carry limit",
+            total >> 20,
+            BUNDLE_LIMIT >> 20
+        ));
+    }
+    if run {
+        let st = Command::new("bash")
+            .arg(dir.join("multi_gpu.sh"))
+            .status()
+            .map_err(|e| e.to_string())?;
+        if !st.success() {
+            return Err("multi_gpu.sh failed".into());
+        }
+    }
+    Ok(())
 }
 
 fn dir_size(p: &Path) -> u64 {

@@ -77,4 +77,4 @@ mod var;
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;
-pub use var::{BackwardFn, InputGrads, Var, VarId, is_grad_enabled, no_grad};
+pub use var::{BackwardFn, GradHook, HookHandle, InputGrads, Var, VarId, is_grad_enabled, no_grad};

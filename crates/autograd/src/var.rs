@@ -29,6 +29,14 @@ pub type InputGrads<B> = Vec<Option<Tensor<B>>>;
 pub type BackwardFn<B> =
     Box<dyn Fn(&Tensor<B>, &[bool]) -> Result<InputGrads<B>> + Send + Sync + 'static>;
 
+/// A gradient hook (see [`Var::register_grad_hook`]): called with the leaf whose gradient
+/// `backward` has just finished accumulating.
+pub type GradHook<B> = Arc<dyn Fn(&Var<B>) -> Result<()> + Send + Sync + 'static>;
+
+/// Identifies a registered gradient hook, for [`Var::remove_grad_hook`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HookHandle(u64);
+
 /// A unique, never reused identity of a [`Var`] (optimizers key their per-parameter state by it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct VarId(u64);
@@ -65,6 +73,7 @@ struct Inner<B: Backend> {
     retain_grad: AtomicBool,
     grad: Mutex<Option<Tensor<B>>>,
     creator: Mutex<Creator<B>>,
+    hooks: Mutex<Vec<(HookHandle, GradHook<B>)>>,
 }
 
 /// Dismantles a dropped graph iteratively: the default recursive drop (variable → node → input
@@ -173,6 +182,7 @@ impl<B: Backend> Var<B> {
             retain_grad: AtomicBool::new(false),
             grad: Mutex::new(None),
             creator: Mutex::new(creator),
+            hooks: Mutex::new(Vec::new()),
         }))
     }
 
@@ -312,6 +322,35 @@ impl<B: Backend> Var<B> {
             check_like("set_grad", &self.tensor(), g, true)?;
         }
         *lock(&self.0.grad) = grad;
+        Ok(())
+    }
+
+    /// Registers `hook` to run each time a `backward` has finished accumulating this leaf's
+    /// gradient (PyTorch's `register_post_accumulate_grad_hook`). It runs on the thread doing
+    /// the backward pass, as soon as every contribution of that pass to this leaf is summed —
+    /// before the rest of the pass, which is what lets data parallelism start communicating a
+    /// gradient while backward goes on. An error from a hook ends the backward pass with it.
+    /// Only leaves that require a gradient have gradients, so only their hooks ever run.
+    pub fn register_grad_hook(&self, hook: GradHook<B>) -> HookHandle {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let h = HookHandle(NEXT.fetch_add(1, Ordering::Relaxed));
+        lock(&self.0.hooks).push((h, hook));
+        h
+    }
+
+    /// Removes a hook registered with [`Var::register_grad_hook`]; false if it was not there.
+    pub fn remove_grad_hook(&self, handle: HookHandle) -> bool {
+        let mut hooks = lock(&self.0.hooks);
+        let n = hooks.len();
+        hooks.retain(|(h, _)| *h != handle);
+        hooks.len() != n
+    }
+
+    fn run_grad_hooks(&self) -> Result<()> {
+        let hooks: Vec<GradHook<B>> = lock(&self.0.hooks).iter().map(|(_, f)| f.clone()).collect();
+        for f in hooks {
+            f(self)?;
+        }
         Ok(())
     }
 
@@ -459,96 +498,122 @@ impl<B: Backend> Var<B> {
             ));
         }
         let order = topo_order(self);
-        let mut grads: FastMap<VarId, Tensor<B>> = FastMap::default();
-        grads.insert(self.id(), seed);
-        let mut leaves: Vec<Var<B>> = Vec::new();
-        // `order` is post-order (inputs first): walk it from the output back.
-        for v in order.iter().rev() {
-            let Some(g) = grads.remove(&v.id()) else {
-                continue;
-            };
-            let Some(node) = v.node() else {
-                // A leaf (only the output itself can be a leaf here).
-                v.accumulate_grad(g)?;
-                continue;
-            };
-            if v.0.retain_grad.load(Ordering::Relaxed) {
-                v.accumulate_grad(g.clone())?;
-            }
-            let needs: Vec<bool> = node.inputs.iter().map(|(_, n)| *n).collect();
-            let input_grads = (node.backward)(&g, &needs)?;
-            drop(g);
-            if input_grads.len() != node.inputs.len() {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "internal: backward of `{}` returned {} gradients for {} inputs",
-                        node.name,
-                        input_grads.len(),
-                        node.inputs.len()
-                    ),
-                ));
-            }
-            for ((input, need), gi) in node.inputs.iter().zip(input_grads) {
-                let Some(gi) = gi else { continue };
-                if !need {
-                    continue;
-                }
-                let it = input.tensor();
-                if gi.shape() != it.shape()
-                    || gi.dtype() != it.dtype()
-                    || gi.device() != it.device()
-                {
-                    return Err(Error::invalid(
-                        OP,
-                        format!(
-                            "internal: backward of `{}` returned a {} {} gradient on {} for an \
-                             input of shape {} ({}, {})",
-                            node.name,
-                            gi.shape(),
-                            gi.dtype(),
-                            gi.device(),
-                            it.shape(),
-                            it.dtype(),
-                            it.device()
-                        ),
-                    ));
-                }
-                if let Some(name) = input.freed_name() {
-                    return Err(Error::invalid(
-                        OP,
-                        format!(
-                            "the graph through `{name}` (an input of `{}`) was already freed by a \
-                             previous backward; use backward_retain() to backpropagate through \
-                             it twice",
-                            node.name
-                        ),
-                    ));
-                }
-                let is_leaf = input.node().is_none();
-                match grads.remove(&input.id()) {
-                    Some(acc) => {
-                        grads.insert(input.id(), acc.add(&gi)?);
-                    }
-                    None => {
-                        if is_leaf {
-                            leaves.push(input.clone());
-                        }
-                        grads.insert(input.id(), gi);
+        // Where each leaf gets its last contribution: the earliest position (in post-order)
+        // of a node that consumes it. Walking backwards, the leaf's gradient is complete
+        // once that node has run, so it is accumulated and its hooks run right then.
+        let mut last_use: FastMap<VarId, usize> = FastMap::default();
+        for (pos, v) in order.iter().enumerate() {
+            if let Some(node) = v.node() {
+                for (input, need) in &node.inputs {
+                    if *need && input.node().is_none() && input.freed_name().is_none() {
+                        last_use.entry(input.id()).or_insert(pos);
                     }
                 }
             }
         }
-        for leaf in leaves {
-            if let Some(g) = grads.remove(&leaf.id())
-                && leaf.requires_grad()
-            {
-                leaf.accumulate_grad(g)?;
+        let mut flush_at: FastMap<usize, Vec<Var<B>>> = FastMap::default();
+        let mut grads: FastMap<VarId, Tensor<B>> = FastMap::default();
+        grads.insert(self.id(), seed);
+        // `order` is post-order (inputs first): walk it from the output back.
+        for (pos, v) in order.iter().enumerate().rev() {
+            Self::backward_node(v, &mut grads, &last_use, &mut flush_at)?;
+            for leaf in flush_at.remove(&pos).unwrap_or_default() {
+                if let Some(g) = grads.remove(&leaf.id())
+                    && leaf.requires_grad()
+                {
+                    leaf.accumulate_grad(g)?;
+                    leaf.run_grad_hooks()?;
+                }
             }
         }
         if !retain_graph {
             for v in &order {
                 v.free_graph();
+            }
+        }
+        Ok(())
+    }
+
+    /// One step of [`Var::backward_opts`]: runs `v`'s backward with its gradient from `grads`
+    /// and adds the input gradients there; leaves seen for the first time are queued in
+    /// `flush_at` at their last use.
+    fn backward_node(
+        v: &Var<B>,
+        grads: &mut FastMap<VarId, Tensor<B>>,
+        last_use: &FastMap<VarId, usize>,
+        flush_at: &mut FastMap<usize, Vec<Var<B>>>,
+    ) -> Result<()> {
+        const OP: &str = "backward";
+        let Some(g) = grads.remove(&v.id()) else {
+            return Ok(());
+        };
+        let Some(node) = v.node() else {
+            // A leaf (only the output itself can be a leaf here).
+            v.accumulate_grad(g)?;
+            v.run_grad_hooks()?;
+            return Ok(());
+        };
+        if v.0.retain_grad.load(Ordering::Relaxed) {
+            v.accumulate_grad(g.clone())?;
+        }
+        let needs: Vec<bool> = node.inputs.iter().map(|(_, n)| *n).collect();
+        let input_grads = (node.backward)(&g, &needs)?;
+        drop(g);
+        if input_grads.len() != node.inputs.len() {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "internal: backward of `{}` returned {} gradients for {} inputs",
+                    node.name,
+                    input_grads.len(),
+                    node.inputs.len()
+                ),
+            ));
+        }
+        for ((input, need), gi) in node.inputs.iter().zip(input_grads) {
+            let Some(gi) = gi else { continue };
+            if !need {
+                continue;
+            }
+            let it = input.tensor();
+            if gi.shape() != it.shape() || gi.dtype() != it.dtype() || gi.device() != it.device() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "internal: backward of `{}` returned a {} {} gradient on {} for an \
+                         input of shape {} ({}, {})",
+                        node.name,
+                        gi.shape(),
+                        gi.dtype(),
+                        gi.device(),
+                        it.shape(),
+                        it.dtype(),
+                        it.device()
+                    ),
+                ));
+            }
+            if let Some(name) = input.freed_name() {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the graph through `{name}` (an input of `{}`) was already freed by a \
+                         previous backward; use backward_retain() to backpropagate through \
+                         it twice",
+                        node.name
+                    ),
+                ));
+            }
+            let is_leaf = input.node().is_none();
+            match grads.remove(&input.id()) {
+                Some(acc) => {
+                    grads.insert(input.id(), acc.add(&gi)?);
+                }
+                None => {
+                    if is_leaf && let Some(pos) = last_use.get(&input.id()) {
+                        flush_at.entry(*pos).or_default().push(input.clone());
+                    }
+                    grads.insert(input.id(), gi);
+                }
             }
         }
         Ok(())

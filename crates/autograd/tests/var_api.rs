@@ -465,3 +465,72 @@ fn set_tensor_to_another_device_moves_the_gradient_along() {
     w.square().unwrap().sum_all().unwrap().backward().unwrap();
     assert_eq!(vals(&w.grad().unwrap()), vec![4.0, 8.0]);
 }
+
+#[test]
+fn grad_hooks_fire_once_per_backward_as_soon_as_a_leaf_is_complete() {
+    use std::sync::{Arc, Mutex};
+    // y = sum(relu(x·w1)·w2): w2's gradient is complete before w1's is computed.
+    let x = Var::constant(t(&[1.0, 2.0], &[1, 2]));
+    let w1 = Var::param(t(&[1.0, 0.5, -1.0, 2.0], &[2, 2]));
+    let w2 = Var::param(t(&[3.0, -1.0], &[2, 1]));
+    type Log = Arc<Mutex<Vec<(&'static str, bool, bool)>>>;
+    let log: Log = Arc::default();
+    let mut handles = Vec::new();
+    for (name, w, other) in [("w1", &w1, &w2), ("w2", &w2, &w1)] {
+        let log = log.clone();
+        let other = other.clone();
+        handles.push(w.register_grad_hook(Arc::new(move |v: &Var<B>| {
+            // The hooked leaf's gradient is in place; record whether the other one is yet.
+            log.lock()
+                .unwrap()
+                .push((name, v.grad().is_some(), other.grad().is_some()));
+            Ok(())
+        })));
+    }
+    let y = x
+        .matmul(&w1)
+        .unwrap()
+        .relu()
+        .unwrap()
+        .matmul(&w2)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    y.backward().unwrap();
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![("w2", true, false), ("w1", true, true)],
+        "w2's hook runs before w1's gradient exists"
+    );
+    // Values are the same as without hooks: dy/dw2 = relu(x·w1)ᵀ = [-1→0, 4.5]ᵀ.
+    assert_eq!(vals(&w2.grad().unwrap()), vec![0.0, 4.5]);
+    assert!(w1.remove_grad_hook(handles[0]));
+    assert!(!w1.remove_grad_hook(handles[0]));
+    log.lock().unwrap().clear();
+    let y = x
+        .matmul(&w1)
+        .unwrap()
+        .matmul(&w2)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    y.backward().unwrap();
+    assert_eq!(log.lock().unwrap().len(), 1, "only w2's hook is left");
+}
+
+#[test]
+fn a_failing_grad_hook_fails_backward() {
+    use std::sync::Arc;
+    let w = Var::param(t(&[1.0, 2.0], &[2]));
+    w.register_grad_hook(Arc::new(|_v: &Var<B>| {
+        Err(kiln_core::Error::invalid("hook", "planted failure"))
+    }));
+    let e = w
+        .mul(&w)
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap_err();
+    assert!(e.to_string().contains("planted failure"), "{e}");
+}

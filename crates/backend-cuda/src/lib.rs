@@ -74,6 +74,7 @@ mod launch;
 mod lazy;
 mod lazygen;
 mod memory;
+pub mod nccl;
 mod nvrtc;
 mod ops;
 mod pinned;
@@ -96,6 +97,7 @@ pub use device::{
 };
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
+pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};

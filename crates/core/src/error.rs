@@ -84,6 +84,14 @@ pub enum Error {
     /// A file that was read but whose contents are invalid (bad magic, truncated, wrong sizes).
     #[error("{path}: corrupt or invalid file: {msg}")]
     Corrupt { path: String, msg: String },
+    /// A failure of distributed work (rendezvous, a collective, a peer rank, data-parallel
+    /// bookkeeping); `kind` says which class, so callers and tests can react to it.
+    #[error("{op}: {kind}: {msg}")]
+    Distributed {
+        op: &'static str,
+        kind: DistErrorKind,
+        msg: String,
+    },
 }
 
 impl Error {
@@ -95,12 +103,64 @@ impl Error {
         }
     }
 
+    /// Shorthand for [`Error::Distributed`].
+    pub fn dist(op: &'static str, kind: DistErrorKind, msg: impl std::fmt::Display) -> Self {
+        Error::Distributed {
+            op,
+            kind,
+            msg: msg.to_string(),
+        }
+    }
+
+    /// The class of a distributed failure, `None` for every other error.
+    pub fn dist_kind(&self) -> Option<DistErrorKind> {
+        match self {
+            Error::Distributed { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
     /// Shorthand for [`Error::Backend`].
     pub fn backend(op: &'static str, msg: impl std::fmt::Display) -> Self {
         Error::Backend {
             op,
             msg: msg.to_string(),
         }
+    }
+}
+
+/// The class of an [`Error::Distributed`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DistErrorKind {
+    /// A process's place (`RANK`, `WORLD_SIZE`, ...) is missing or malformed.
+    Environment,
+    /// The rendezvous did not complete: rank 0 unreachable, or ranks missing at the deadline.
+    Rendezvous,
+    /// A collective or the communicator's setup did not finish within the timeout.
+    Timeout,
+    /// A peer rank went away (its connection closed, NCCL reported a remote error).
+    PeerLost,
+    /// The communication library reported an error (or is not installed).
+    Library,
+    /// The communicator was aborted earlier (after a timeout or an error); it is unusable.
+    Aborted,
+    /// Data-parallel bookkeeping found a mismatch (a parameter without a gradient, ranks that
+    /// disagree on the model).
+    Mismatch,
+}
+
+impl std::fmt::Display for DistErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DistErrorKind::Environment => "bad launch environment",
+            DistErrorKind::Rendezvous => "rendezvous failed",
+            DistErrorKind::Timeout => "timed out",
+            DistErrorKind::PeerLost => "peer rank lost",
+            DistErrorKind::Library => "communication library error",
+            DistErrorKind::Aborted => "communicator aborted",
+            DistErrorKind::Mismatch => "ranks disagree",
+        })
     }
 }
 

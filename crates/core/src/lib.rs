@@ -51,7 +51,7 @@ pub use backend::{
     UpdateRule, UpdateSlot,
 };
 pub use dtype::{DType, Element};
-pub use error::{Error, ExprErrorKind, Result};
+pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
 pub use host::{HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};

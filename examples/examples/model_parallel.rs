@@ -20,10 +20,10 @@ use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
 use kiln_core::{Backend, Result, Tensor};
-use kiln_data::{Dataset, Mnist};
+use kiln_data::{Dataset, Mnist, permutation};
 use kiln_nn::loss::{correct_count, cross_entropy};
 use kiln_nn::{Linear, LinearConfig, Module, derive_seed};
-use kiln_optim::{Optimizer, SgdConfig};
+use kiln_optim::{AdamConfig, Optimizer};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,7 +35,8 @@ struct Args {
     epochs: usize,
     #[arg(long, default_value_t = 100)]
     batch: usize,
-    #[arg(long, default_value_t = 0.05)]
+    /// Adam's learning rate (Chainer's example trains with Adam's defaults).
+    #[arg(long, default_value_t = 1e-3)]
     lr: f64,
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -104,7 +105,7 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
     ];
     let mut params = towers[0].params();
     params.extend(towers[1].params());
-    let mut opt = SgdConfig::new(args.lr).init(params)?;
+    let mut opt = AdamConfig::new(args.lr).init(params)?;
     let m = Mnist::load(args.data_dir.clone().unwrap_or_else(Mnist::bundled_dir))?;
     let n = m.train.len();
     let tx = Tensor::<B>::from_host(m.train.features(), [n, 784], &d0)?;
@@ -115,16 +116,28 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
     let steps = n / args.batch;
     let mut acc = 0.0;
     let mut step_time = 0.0;
+    let mut last_loss = f32::NAN;
     for epoch in 1..=args.epochs {
         B::synchronize(&d0)?;
         B::synchronize(&d1)?;
         let t0 = Instant::now();
+        // A new order each epoch (the bundled subset is sorted by digit).
+        let order: Vec<i64> = permutation(n, args.seed, epoch as u64)
+            .into_iter()
+            .map(|i| i as i64)
+            .collect();
+        let ids = Tensor::<B>::from_slice(&order, [n], &d0)?;
+        let (sx, sy) = (tx.index_select(&ids, 0)?, ty.index_select(&ids, 0)?);
         for s in 0..steps {
-            let x = Var::constant(tx.narrow(0, s * args.batch, args.batch)?);
-            let y = ty.narrow(0, s * args.batch, args.batch)?;
+            let x = Var::constant(sx.narrow(0, s * args.batch, args.batch)?);
+            let y = sy.narrow(0, s * args.batch, args.batch)?;
             opt.zero_grad();
-            cross_entropy(&forward(&towers, &x)?, &y)?.backward()?;
+            let loss = cross_entropy(&forward(&towers, &x)?, &y)?;
+            loss.backward()?;
             opt.step()?;
+            if s + 1 == steps {
+                last_loss = loss.tensor().to_vec::<f32>()?[0];
+            }
         }
         B::synchronize(&d0)?;
         B::synchronize(&d1)?;
@@ -132,7 +145,7 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
         let logits = no_grad(|| forward(&towers, &Var::constant(ex.clone())))?;
         acc = correct_count(&logits.tensor(), &ey)? as f64 / nt as f64;
         println!(
-            "epoch {epoch}: test accuracy {acc:.4}, {:.2} ms/step",
+            "epoch {epoch}: last train loss {last_loss:.4}, test accuracy {acc:.4}, {:.2} ms/step",
             step_time * 1e3
         );
     }

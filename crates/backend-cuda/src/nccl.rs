@@ -247,6 +247,28 @@ impl Shared {
             c.0 = std::ptr::null_mut();
         }
     }
+    /// The clean shutdown, which every rank reaches: `ncclCommFinalize` (collective: it flushes
+    /// this rank's work and waits, bounded by the timeout, until the peers finalize too), then
+    /// `ncclCommDestroy`. Freeing a communicator while a peer on the same node still runs (an
+    /// abort right away) can free buffers that peer's proxy thread still reads, which crashed
+    /// the surviving process (SIGSEGV) on 2 H200s. On an error or the timeout: abort.
+    fn finalize(&self) {
+        const OP: &str = "NcclComm::drop (ncclCommFinalize)";
+        // SAFETY: a live communicator (`with_comm`); finalizing it is a documented call.
+        let Ok(r) = self.with_comm(OP, |c| unsafe { nsys::ncclCommFinalize(c) }) else {
+            return;
+        };
+        if self.call(OP, r).is_err() {
+            self.abort(DistErrorKind::Aborted, "ncclCommFinalize failed".into());
+            return;
+        }
+        let mut c = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if !c.0.is_null() {
+            // SAFETY: a live, finalized communicator; nulled so nothing uses it again.
+            unsafe { nsys::ncclCommDestroy(c.0) };
+            c.0 = std::ptr::null_mut();
+        }
+    }
     /// NCCL's asynchronous error state: `Ok(true)` when idle/ready, `Ok(false)` while an
     /// operation is still in progress (non-blocking communicators), an error otherwise.
     fn poll(&self, op: &'static str) -> Result<bool> {
@@ -336,6 +358,10 @@ pub struct NcclComm {
     stream: Stream,
     watch: Mutex<Option<mpsc::Sender<Watched>>>,
     watchdog: Option<std::thread::JoinHandle<()>>,
+    /// One rank per process (`init_rank`): dropped with finalize + destroy, in step with the
+    /// peers. Communicators of one process (`init_all`) are aborted: their drops run one
+    /// after another, so a collective finalize would wait for a peer dropped later.
+    finalize_on_drop: bool,
 }
 
 impl std::fmt::Debug for NcclComm {
@@ -424,7 +450,9 @@ impl NcclComm {
             ));
         }
         shared.call(OP, r)?;
-        Ok(Self::finish(shared, stream))
+        let mut comm = Self::finish(shared, stream);
+        comm.finalize_on_drop = true;
+        Ok(comm)
     }
 
     /// One communicator per GPU for one process driving them all (`ncclCommInitAll`): element
@@ -478,6 +506,7 @@ impl NcclComm {
             stream,
             watch: Mutex::new(Some(tx)),
             watchdog,
+            finalize_on_drop: false,
         }
     }
 
@@ -675,15 +704,17 @@ impl Drop for NcclComm {
         if self.shared.aborted.load(Ordering::Acquire) {
             return;
         }
-        // Finish this rank's outstanding work (bounded by the timeout), then free the
-        // communicator with ncclCommAbort rather than ncclCommDestroy: destroy may finalize
-        // collectively and wait for peers that have already exited or failed, while abort is
-        // local and never blocks (what PyTorch's ProcessGroupNCCL does on shutdown too).
-        let _ = self.synchronize();
-        self.shared.abort(
-            DistErrorKind::Aborted,
-            "the communicator was dropped".into(),
-        );
+        // Finish this rank's outstanding work (bounded by the timeout), then finalize with the
+        // peers and destroy (`Shared::finalize`); a peer that died or never finalizes makes it
+        // an abort after the timeout, never a hang.
+        if self.synchronize().is_ok() && self.finalize_on_drop {
+            self.shared.finalize();
+        } else {
+            self.shared.abort(
+                DistErrorKind::Aborted,
+                "the communicator was dropped".into(),
+            );
+        }
     }
 }
 

@@ -41,6 +41,7 @@ mod tensor;
 pub mod test_pinned;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod update;
 
 pub use backend::{
     Backend, BinaryOp, CmpOp, GradFrom, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,

@@ -11,10 +11,11 @@
 //!   maxima `m`, fused (one pass, post-map included) and op by op.
 //!
 //! - `adam_512k` and `sgd_momentum_78400` (the first weight of the 784-100-100-10 MLP):
-//!   `Tensor::fused_update`, which runs the rule's expression program through the fused
-//!   evaluator, against `hand_loop`, the one-pass loop over slices that the CPU backend used to
-//!   carry for it (same arithmetic, outputs allocated the same way): what moving the update onto
-//!   the IR costs.
+//!   `program`, the rule's expression program (`UpdateRule::program`, what
+//!   `Backend::fused_update`'s default runs) through the fused evaluator, against
+//!   `fused_update` (the CPU backend's hand-written one-pass loop, `src/optim.rs`) and
+//!   `hand_loop` (the same loop written here over plain vectors): what moving the CPU's update
+//!   onto the IR would cost.
 //!
 //! kiln's results are allocated through the backend's buffer cache on both sides.
 
@@ -158,6 +159,10 @@ fn updates(c: &mut Criterion) {
     grp.bench_function("hand_loop", |bch| {
         bch.iter(|| black_box(adam_loop(&ps, &gs, &ms, &vs, consts)))
     });
+    let (prog, params) = rule.program(DType::F32).unwrap();
+    grp.bench_function("program", |bch| {
+        bch.iter(|| black_box(prog.run(&[&p, &g, &m, &v], &params).unwrap()))
+    });
     grp.finish();
 
     let n = 78_400;
@@ -185,6 +190,10 @@ fn updates(c: &mut Criterion) {
     });
     grp.bench_function("hand_loop", |bch| {
         bch.iter(|| black_box(sgd_loop(&ps, &gs, &ms, 0.1, 0.9, 1.0)))
+    });
+    let (prog, params) = rule.program(DType::F32).unwrap();
+    grp.bench_function("program", |bch| {
+        bch.iter(|| black_box(prog.run(&[&p, &g, &m], &params).unwrap()))
     });
     grp.finish();
 }

@@ -251,11 +251,9 @@ fn exec_block(
 /// Queues the contiguous inputs of the block at `next` (up to `end`) for prefetching, spread
 /// over the current block's instructions (see `Frame::prefetch_some`).
 ///
-/// Off unless `KILN_CPU_PREFETCH=1`: measured on the 2-core EPYC (Zen 4) VM, a one-multiply
-/// program over 32M f32 took 46 ms with it against 30 ms for the built-in multiply, with a fifth
-/// of the samples stalled on the prefetch instructions themselves (a whole block's lines issued
-/// at once fill the line-fill buffers); the hardware prefetcher already follows these
-/// sequential streams.
+/// On unless `KILN_CPU_PREFETCH=0` (the switch is for measuring it: on the 2-core EPYC VM,
+/// alternating runs gave the five-op chain over 32M f32 47-70 ms with it and 74-76 ms without,
+/// and a one-multiply program the same 44-45 ms either way).
 fn schedule_prefetch(
     f: &mut Frame<'_>,
     program: &Program,
@@ -287,10 +285,11 @@ fn schedule_prefetch(
     f.prefetch_step = lines.div_ceil(ops);
 }
 
-/// Whether software prefetching is on (`KILN_CPU_PREFETCH=1`; see [`schedule_prefetch`]).
+/// Whether software prefetching is on (`KILN_CPU_PREFETCH=0` turns it off; see
+/// [`schedule_prefetch`]).
 fn prefetch_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_CPU_PREFETCH").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("KILN_CPU_PREFETCH").map_or(true, |v| v != "0"))
 }
 
 /// Elementwise programs run on several cores only when the elements times the instructions

@@ -153,7 +153,15 @@ fn updates(c: &mut Criterion) {
     grp.bench_function("fused_update", |bch| {
         bch.iter(|| {
             let st = vec![vec![m.clone(), v.clone()]];
-            black_box(Tensor::fused_update(&rule, &[p.clone()], &[g.clone()], &st).unwrap())
+            black_box(
+                Tensor::fused_update(
+                    &rule,
+                    std::slice::from_ref(&p),
+                    std::slice::from_ref(&g),
+                    &st,
+                )
+                .unwrap(),
+            )
         })
     });
     grp.bench_function("hand_loop", |bch| {
@@ -185,7 +193,15 @@ fn updates(c: &mut Criterion) {
     grp.bench_function("fused_update", |bch| {
         bch.iter(|| {
             let st = vec![vec![m.clone()]];
-            black_box(Tensor::fused_update(&rule, &[p.clone()], &[g.clone()], &st).unwrap())
+            black_box(
+                Tensor::fused_update(
+                    &rule,
+                    std::slice::from_ref(&p),
+                    std::slice::from_ref(&g),
+                    &st,
+                )
+                .unwrap(),
+            )
         })
     });
     grp.bench_function("hand_loop", |bch| {

@@ -3,12 +3,12 @@
 //! (`UpdateRule::program`), op for op, with the rule's constants computed in f64 and converted
 //! to the dtype once, exactly as the program's parameters are.
 //!
-//! Why not the default (the rule's program through the fused evaluator, `eval_expr`): measured
-//! with `benches/fuse.rs` on the 2-core VM, SGD with momentum over a 100x784 weight (78,400
-//! f32) took 96-117 µs through the evaluator against 26-31 µs for this loop, and an MLP step
-//! updates such weights every step. The evaluator's per-call and per-block costs dominate at
-//! that size (Adam over 512K elements was faster through it: 2.1 ms against 4.4 ms for the
-//! same loop on one core); once they are cut, this module can go.
+//! Why not the default (the rule's program through the fused evaluator, `eval_expr`), measured
+//! with `benches/fuse.rs` on the busy 2-core VM: the two are within noise of each other on
+//! two threads (Adam over 512K f32: 2.25 ms vs 2.24 ms; SGD with momentum over 78,400: 158 µs
+//! vs 147 µs), but on one thread the program is 34% slower for Adam (3.12 vs 2.33 ms). Once
+//! the evaluator's per-block costs are cut, this module (and the `fused_update` override in
+//! `lib.rs`) can go.
 
 use kiln_core::backend::{UpdateRule, UpdateSlot};
 use kiln_core::{DType, Error, Result};

@@ -294,9 +294,9 @@ fn prefetch_on() -> bool {
 
 /// Elementwise programs run on several cores only when the elements times the instructions
 /// reach this: a cheap program over a medium tensor (an SGD update of a 100x784 weight, ~9
-/// instructions over 78,400 elements) takes tens of µs on one core, less than waking a sleeping
-/// rayon worker costs on a busy VM (the update took 157 µs split against 40 µs for a one-core
-/// loop).
+/// instructions over 78,400 elements) is tens of µs of one core's work, about what waking a
+/// sleeping rayon worker costs on a busy 2-core VM (~70 µs measured there; the same reasoning
+/// as the hand-written update's threshold in `optim.rs`).
 const PAR_WORK: usize = 1 << 21;
 
 /// A program without reductions: flat blocks over the iteration, in parallel chunks.

@@ -11,11 +11,10 @@
 //!   maxima `m`, fused (one pass, post-map included) and op by op.
 //!
 //! - `adam_512k` and `sgd_momentum_78400` (the first weight of the 784-100-100-10 MLP):
-//!   `program`, the rule's expression program (`UpdateRule::program`, what
-//!   `Backend::fused_update`'s default runs) through the fused evaluator, against
-//!   `fused_update` (the CPU backend's hand-written one-pass loop, `src/optim.rs`) and
-//!   `hand_loop` (the same loop written here over plain vectors): what moving the CPU's update
-//!   onto the IR would cost.
+//!   `program`, the rule's expression program (`UpdateRule::program`) run through the fused
+//!   evaluator; `fused_update`, `Tensor::fused_update` (on the CPU the same program, through
+//!   `Backend::fused_update`'s default); and `hand_loop`, the one-pass loop the CPU backend
+//!   carried before (`src/optim.rs` until the IR replaced it) written over bare vectors.
 //!
 //! kiln's results are allocated through the backend's buffer cache on both sides.
 

@@ -10,12 +10,18 @@
 //! - `lse_rows_4096x4096`: a row-wise log-sum-exp `log(sum(exp(x - m))) + m` given the row
 //!   maxima `m`, fused (one pass, post-map included) and op by op.
 //!
+//! - `adam_512k` and `sgd_momentum_78400` (the first weight of the 784-100-100-10 MLP):
+//!   `program`, the rule's expression program (`UpdateRule::program`) run through the fused
+//!   evaluator; `fused_update`, `Tensor::fused_update` (on the CPU the same program, through
+//!   `Backend::fused_update`'s default); and `hand_loop`, the one-pass loop the CPU backend
+//!   carried before (`src/optim.rs` until the IR replaced it) written over bare vectors.
+//!
 //! kiln's results are allocated through the backend's buffer cache on both sides.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kiln_backend_cpu::Cpu;
 use kiln_core::expr::{Expr, Program};
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Tensor, UpdateRule};
 use std::hint::black_box;
 
 fn benches(c: &mut Criterion) {
@@ -72,5 +78,140 @@ fn benches(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(fuse, benches);
+/// The Adam update the CPU backend once wrote by hand (`optim.rs` before the IR), one pass.
+fn adam_loop(p: &[f32], g: &[f32], m0: &[f32], v0: &[f32], c: [f32; 7]) -> [Vec<f32>; 3] {
+    let [b1, b1c, b2, b2c, inv_bc2, eps, step] = c;
+    let n = p.len();
+    let (mut pn, mut mn, mut vn) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let outs = pn.iter_mut().zip(mn.iter_mut()).zip(vn.iter_mut());
+    let ins = p.iter().zip(g).zip(m0.iter().zip(v0));
+    for (((pn, mn), vn), ((&p, &g), (&m0, &v0))) in outs.zip(ins) {
+        let m = m0 * b1 + g * b1c;
+        let v = v0 * b2 + (g * g) * b2c;
+        *mn = m;
+        *vn = v;
+        *pn = p - (m / (v.sqrt() * inv_bc2 + eps)) * step;
+    }
+    [pn, mn, vn]
+}
+
+/// SGD with momentum, as the CPU backend once wrote it by hand.
+fn sgd_loop(p: &[f32], g: &[f32], m0: &[f32], lr: f32, mom: f32, damp1: f32) -> [Vec<f32>; 2] {
+    let n = p.len();
+    let (mut pn, mut mn) = (vec![0.0; n], vec![0.0; n]);
+    for (((pn, mn), (&p, &g)), &m0) in pn
+        .iter_mut()
+        .zip(mn.iter_mut())
+        .zip(p.iter().zip(g))
+        .zip(m0)
+    {
+        let m = m0 * mom + g * damp1;
+        *mn = m;
+        *pn = p - m * lr;
+    }
+    [pn, mn]
+}
+
+fn updates(c: &mut Criterion) {
+    let dev = Cpu::device(0);
+    let t = |n: usize, seed: u64, lo: f64| {
+        Tensor::<Cpu>::rand([n], lo, 1.0, seed, DType::F32, &dev).unwrap()
+    };
+    // Below the old hand-written path's parallel threshold (2^20): one core on that side.
+    let n = 1 << 19;
+    let (p, g, m, v) = (t(n, 1, -1.0), t(n, 2, -1.0), t(n, 3, -1.0), t(n, 4, 0.1));
+    let (beta1, beta2, lr, eps) = (0.9f64, 0.999f64, 1e-3f64, 1e-8f64);
+    let (bc1, bc2) = (1.0 - beta1.powi(3), 1.0 - beta2.powi(3));
+    let rule = UpdateRule::Adam {
+        lr,
+        beta1,
+        beta2,
+        eps,
+        weight_decay: 0.0,
+        decoupled: false,
+        bias_correction1: bc1,
+        bias_correction2: bc2,
+    };
+    let (ps, gs, ms, vs) = (
+        p.to_vec::<f32>().unwrap(),
+        g.to_vec::<f32>().unwrap(),
+        m.to_vec::<f32>().unwrap(),
+        v.to_vec::<f32>().unwrap(),
+    );
+    let consts = [
+        beta1 as f32,
+        (1.0 - beta1) as f32,
+        beta2 as f32,
+        (1.0 - beta2) as f32,
+        (1.0 / bc2.sqrt()) as f32,
+        eps as f32,
+        (lr / bc1) as f32,
+    ];
+    let mut grp = c.benchmark_group("adam_512k");
+    grp.throughput(Throughput::Elements(n as u64));
+    grp.bench_function("fused_update", |bch| {
+        bch.iter(|| {
+            let st = vec![vec![m.clone(), v.clone()]];
+            black_box(
+                Tensor::fused_update(
+                    &rule,
+                    std::slice::from_ref(&p),
+                    std::slice::from_ref(&g),
+                    &st,
+                )
+                .unwrap(),
+            )
+        })
+    });
+    grp.bench_function("hand_loop", |bch| {
+        bch.iter(|| black_box(adam_loop(&ps, &gs, &ms, &vs, consts)))
+    });
+    let (prog, params) = rule.program(DType::F32).unwrap();
+    grp.bench_function("program", |bch| {
+        bch.iter(|| black_box(prog.run(&[&p, &g, &m, &v], &params).unwrap()))
+    });
+    grp.finish();
+
+    let n = 78_400;
+    let (p, g, m) = (t(n, 5, -1.0), t(n, 6, -1.0), t(n, 7, -1.0));
+    let rule = UpdateRule::Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.0,
+        nesterov: false,
+        weight_decay: 0.0,
+        first_step: false,
+    };
+    let (ps, gs, ms) = (
+        p.to_vec::<f32>().unwrap(),
+        g.to_vec::<f32>().unwrap(),
+        m.to_vec::<f32>().unwrap(),
+    );
+    let mut grp = c.benchmark_group("sgd_momentum_78400");
+    grp.throughput(Throughput::Elements(n as u64));
+    grp.bench_function("fused_update", |bch| {
+        bch.iter(|| {
+            let st = vec![vec![m.clone()]];
+            black_box(
+                Tensor::fused_update(
+                    &rule,
+                    std::slice::from_ref(&p),
+                    std::slice::from_ref(&g),
+                    &st,
+                )
+                .unwrap(),
+            )
+        })
+    });
+    grp.bench_function("hand_loop", |bch| {
+        bch.iter(|| black_box(sgd_loop(&ps, &gs, &ms, 0.1, 0.9, 1.0)))
+    });
+    let (prog, params) = rule.program(DType::F32).unwrap();
+    grp.bench_function("program", |bch| {
+        bch.iter(|| black_box(prog.run(&[&p, &g, &m], &params).unwrap()))
+    });
+    grp.finish();
+}
+
+criterion_group!(fuse, benches, updates);
 criterion_main!(fuse);

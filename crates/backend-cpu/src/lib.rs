@@ -37,7 +37,6 @@ mod expr;
 mod fastmath;
 mod index;
 mod matmul;
-mod optim;
 mod pool;
 mod random;
 pub mod reduce;
@@ -48,7 +47,6 @@ mod strided;
 pub use device::{CpuDevice, MAX_CPU_DEVICES};
 pub use storage::{CpuData, CpuStorage, HostVec};
 
-use kiln_core::backend::{UpdateRule, UpdateSlot};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
     ReduceOp, Result, UnaryOp,
@@ -587,15 +585,6 @@ impl Backend for Cpu {
             src_layout,
             axis,
         )
-    }
-
-    /// One pass per parameter (see the `optim` module), not the default's chain of kernels.
-    fn fused_update(
-        rule: &UpdateRule,
-        dtype: DType,
-        slots: &[UpdateSlot<'_, CpuStorage>],
-    ) -> Result<Vec<(CpuStorage, Vec<CpuStorage>)>> {
-        optim::fused_update(rule, dtype, slots)
     }
 
     /// One fused pass, block by block (see the `expr` module), not one kernel per instruction.

@@ -19,6 +19,7 @@ use std::hash::Hash;
 use crate::host::HostSource;
 use crate::ir::Program;
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
+pub use crate::update::{UpdateRule, UpdateSlot};
 use crate::{DType, Error, Layout, Result, Shape};
 
 /// Distributions for [`Backend::rand`].
@@ -117,66 +118,6 @@ impl HostBuffer {
             HostBuffer::U8(v) => v,
         }
     }
-}
-
-/// An optimizer update applied to many parameters at once by [`Backend::fused_update`].
-///
-/// The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`, no amsgrad):
-///
-/// ```text
-/// SGD:   g = grad + weight_decay * p
-///        m = g                                  (first_step)
-///        m = momentum * m + (1 - dampening) * g  (later steps)      [only when momentum != 0]
-///        d = g + momentum * m if nesterov, else m (or g without momentum)
-///        p = p - lr * d
-/// Adam:  p = p * (1 - lr * weight_decay)         (decoupled, AdamW)
-///        g = grad + weight_decay * p             (not decoupled, Adam)
-///        m = beta1 * m + (1 - beta1) * g
-///        v = beta2 * v + (1 - beta2) * g^2
-///        p = p - lr / bias_correction1 * m / (sqrt(v) / sqrt(bias_correction2) + eps)
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum UpdateRule {
-    /// State: `[m]` when `momentum != 0`, else none. With `first_step`, `m` is ignored on input.
-    Sgd {
-        lr: f64,
-        momentum: f64,
-        dampening: f64,
-        nesterov: bool,
-        weight_decay: f64,
-        first_step: bool,
-    },
-    /// State: `[m, v]` (zeros before the first step). `bias_correction{1,2}` are
-    /// `1 - beta^t` for the step `t` being taken.
-    Adam {
-        lr: f64,
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-        decoupled: bool,
-        bias_correction1: f64,
-        bias_correction2: f64,
-    },
-}
-
-impl UpdateRule {
-    /// How many state buffers each parameter carries under this rule.
-    pub fn state_count(&self) -> usize {
-        match self {
-            UpdateRule::Sgd { momentum, .. } => usize::from(*momentum != 0.0),
-            UpdateRule::Adam { .. } => 2,
-        }
-    }
-}
-
-/// One parameter of a [`Backend::fused_update`]: contiguous buffers of `len` elements.
-pub struct UpdateSlot<'a, S> {
-    pub param: &'a S,
-    pub grad: &'a S,
-    /// `rule.state_count()` buffers.
-    pub state: Vec<&'a S>,
-    pub len: usize,
 }
 
 /// Memory held by a backend on one device, in bytes.
@@ -485,8 +426,10 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     }
 
     /// Applies `rule` to every slot and returns, per slot, the new parameter and the new state
-    /// buffers (out of place). The default composes elementwise kernels, several launches per
-    /// parameter; a GPU backend overrides it with a multi-tensor kernel that updates all
+    /// buffers (out of place). The default evaluates the rule's expression program
+    /// ([`UpdateRule::program`]) once per slot through [`Backend::eval_expr`]: one fused pass
+    /// per parameter on a backend that fuses programs (the CPU), op by op on one that does not
+    /// (the reference). A GPU backend overrides it with a multi-tensor kernel that updates all
     /// parameters in a handful of launches.
     #[allow(clippy::type_complexity)]
     fn fused_update(
@@ -494,9 +437,24 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         dtype: DType,
         slots: &[UpdateSlot<'_, Self::Storage>],
     ) -> Result<Vec<(Self::Storage, Vec<Self::Storage>)>> {
+        let (program, params) = rule.program(dtype)?;
         slots
             .iter()
-            .map(|slot| composed_update::<Self>(rule, dtype, slot))
+            .map(|slot| {
+                let l = Layout::contiguous([slot.len]);
+                let mut inputs = vec![(slot.param, &l), (slot.grad, &l)];
+                inputs.extend(slot.state.iter().map(|s| (*s, &l)));
+                let dev = Self::storage_device(slot.param);
+                let mut outs = Self::eval_expr(&dev, &program, l.shape(), &inputs, &params)?;
+                if outs.is_empty() {
+                    return Err(Error::backend(
+                        "fused_update",
+                        "the update program returned no outputs",
+                    ));
+                }
+                let p = outs.remove(0);
+                Ok((p, outs))
+            })
             .collect()
     }
 
@@ -583,108 +541,6 @@ pub fn composed_unary_backward<B: Backend>(
                 name,
                 format!("`{}` has no single-operand backward kernel", op.name()),
             ))
-        }
-    }
-}
-
-/// [`Backend::fused_update`] for one slot, out of elementwise kernels.
-fn composed_update<B: Backend>(
-    rule: &UpdateRule,
-    dtype: DType,
-    slot: &UpdateSlot<'_, B::Storage>,
-) -> Result<(B::Storage, Vec<B::Storage>)> {
-    let l = Layout::contiguous([slot.len]);
-    let scal = |s: &B::Storage, op: BinaryOp, c: f64| B::binary_scalar(op, s, &l, dtype, c, false);
-    let bin = |a: &B::Storage, op: BinaryOp, b: &B::Storage| B::binary(op, a, &l, b, &l, dtype);
-    match *rule {
-        UpdateRule::Sgd {
-            lr,
-            momentum,
-            dampening,
-            nesterov,
-            weight_decay,
-            first_step,
-        } => {
-            let g = if weight_decay != 0.0 {
-                bin(
-                    slot.grad,
-                    BinaryOp::Add,
-                    &scal(slot.param, BinaryOp::Mul, weight_decay)?,
-                )?
-            } else {
-                B::contiguous(slot.grad, &l, dtype)?
-            };
-            let mut state = Vec::new();
-            let d = if momentum != 0.0 {
-                let m = if first_step {
-                    B::contiguous(&g, &l, dtype)?
-                } else {
-                    let decayed = scal(slot.state[0], BinaryOp::Mul, momentum)?;
-                    bin(
-                        &decayed,
-                        BinaryOp::Add,
-                        &scal(&g, BinaryOp::Mul, 1.0 - dampening)?,
-                    )?
-                };
-                let d = if nesterov {
-                    bin(&g, BinaryOp::Add, &scal(&m, BinaryOp::Mul, momentum)?)?
-                } else {
-                    B::contiguous(&m, &l, dtype)?
-                };
-                state.push(m);
-                d
-            } else {
-                g
-            };
-            let p = bin(slot.param, BinaryOp::Sub, &scal(&d, BinaryOp::Mul, lr)?)?;
-            Ok((p, state))
-        }
-        UpdateRule::Adam {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-            decoupled,
-            bias_correction1,
-            bias_correction2,
-        } => {
-            let mut p = B::contiguous(slot.param, &l, dtype)?;
-            let mut g = B::contiguous(slot.grad, &l, dtype)?;
-            if weight_decay != 0.0 {
-                if decoupled {
-                    p = scal(&p, BinaryOp::Mul, 1.0 - lr * weight_decay)?;
-                } else {
-                    g = bin(&g, BinaryOp::Add, &scal(&p, BinaryOp::Mul, weight_decay)?)?;
-                }
-            }
-            let m = bin(
-                &scal(slot.state[0], BinaryOp::Mul, beta1)?,
-                BinaryOp::Add,
-                &scal(&g, BinaryOp::Mul, 1.0 - beta1)?,
-            )?;
-            let g2 = B::unary(UnaryOp::Square, &g, &l, dtype)?;
-            let v = bin(
-                &scal(slot.state[1], BinaryOp::Mul, beta2)?,
-                BinaryOp::Add,
-                &scal(&g2, BinaryOp::Mul, 1.0 - beta2)?,
-            )?;
-            let denom = scal(
-                &scal(
-                    &B::unary(UnaryOp::Sqrt, &v, &l, dtype)?,
-                    BinaryOp::Mul,
-                    1.0 / bias_correction2.sqrt(),
-                )?,
-                BinaryOp::Add,
-                eps,
-            )?;
-            let upd = scal(
-                &bin(&m, BinaryOp::Div, &denom)?,
-                BinaryOp::Mul,
-                lr / bias_correction1,
-            )?;
-            let p = bin(&p, BinaryOp::Sub, &upd)?;
-            Ok((p, vec![m, v]))
         }
     }
 }

@@ -45,6 +45,7 @@ pub mod test_pinned;
 pub mod test_profile;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod update;
 
 pub use backend::{
     Backend, BinaryOp, CmpOp, GradFrom, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,

@@ -250,6 +250,10 @@ fn exec_block(
 
 /// Queues the contiguous inputs of the block at `next` (up to `end`) for prefetching, spread
 /// over the current block's instructions (see `Frame::prefetch_some`).
+///
+/// On unless `KILN_CPU_PREFETCH=0` (the switch is for measuring it: on the 2-core EPYC VM,
+/// alternating runs gave the five-op chain over 32M f32 47-70 ms with it and 74-76 ms without,
+/// and a one-multiply program the same 44-45 ms either way).
 fn schedule_prefetch(
     f: &mut Frame<'_>,
     program: &Program,
@@ -258,7 +262,7 @@ fn schedule_prefetch(
     end: usize,
 ) {
     f.prefetch.clear();
-    if next >= end {
+    if next >= end || !prefetch_on() {
         return;
     }
     let len = BLOCK.min(end - next);
@@ -281,6 +285,20 @@ fn schedule_prefetch(
     f.prefetch_step = lines.div_ceil(ops);
 }
 
+/// Whether software prefetching is on (`KILN_CPU_PREFETCH=0` turns it off; see
+/// [`schedule_prefetch`]).
+fn prefetch_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CPU_PREFETCH").map_or(true, |v| v != "0"))
+}
+
+/// Elementwise programs run on several cores only when the elements times the instructions
+/// reach this: a cheap program over a medium tensor (an SGD update of a 100x784 weight, ~9
+/// instructions over 78,400 elements) is tens of µs of one core's work, about what waking a
+/// sleeping rayon worker costs on a busy 2-core VM (~70 µs measured there; the same reasoning
+/// as the hand-written update's threshold in `optim.rs`).
+const PAR_WORK: usize = 1 << 21;
+
 /// A program without reductions: flat blocks over the iteration, in parallel chunks.
 fn elementwise(
     program: &Program,
@@ -293,7 +311,7 @@ fn elementwise(
     let n = shape.elem_count();
     let walks: Vec<Walk> = layouts.iter().map(|l| Walk::new(l)).collect();
     let run = vec![true; program.code().len()];
-    let chunk = if n < PAR_MIN {
+    let chunk = if n < PAR_MIN || n.saturating_mul(program.code().len()) < PAR_WORK {
         n
     } else {
         par_chunk(n).div_ceil(BLOCK) * BLOCK

@@ -1,0 +1,151 @@
+//! Optimizer update rules ([`UpdateRule`]) as data, and each rule as one expression program.
+//!
+//! # Why programs
+//!
+//! An update reads a parameter, its gradient and its state once and writes the new ones: a
+//! textbook fusion. Written as a [`Program`] ([`UpdateRule::program`]), it needs no
+//! hand-written kernel on a backend that evaluates programs fused: the default of
+//! [`Backend::fused_update`](crate::Backend::fused_update) runs it through `eval_expr`, so the
+//! CPU gets a one-pass update (vectorized, parallel for large tensors) from its expression
+//! evaluator, and the reference backend the same arithmetic op by op. Only a backend that can
+//! do better than one evaluation per parameter (CUDA: a multi-tensor kernel over all of them)
+//! overrides it. This module sits below `backend` (it needs only the IR).
+
+use crate::ir::{Expr, Program};
+use crate::{DType, Result};
+
+/// An optimizer update applied to many parameters at once by [`Backend::fused_update`](crate::Backend::fused_update).
+///
+/// The formulas are PyTorch's (`torch.optim.SGD`, `Adam`, `AdamW`, no amsgrad):
+///
+/// ```text
+/// SGD:   g = grad + weight_decay * p
+///        m = g                                  (first_step)
+///        m = momentum * m + (1 - dampening) * g  (later steps)      [only when momentum != 0]
+///        d = g + momentum * m if nesterov, else m (or g without momentum)
+///        p = p - lr * d
+/// Adam:  p = p * (1 - lr * weight_decay)         (decoupled, AdamW)
+///        g = grad + weight_decay * p             (not decoupled, Adam)
+///        m = beta1 * m + (1 - beta1) * g
+///        v = beta2 * v + (1 - beta2) * g^2
+///        p = p - lr / bias_correction1 * m / (sqrt(v) / sqrt(bias_correction2) + eps)
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UpdateRule {
+    /// State: `[m]` when `momentum != 0`, else none. With `first_step`, `m` is ignored on input.
+    Sgd {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        nesterov: bool,
+        weight_decay: f64,
+        first_step: bool,
+    },
+    /// State: `[m, v]` (zeros before the first step). `bias_correction{1,2}` are
+    /// `1 - beta^t` for the step `t` being taken.
+    Adam {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled: bool,
+        bias_correction1: f64,
+        bias_correction2: f64,
+    },
+}
+
+impl UpdateRule {
+    /// How many state buffers each parameter carries under this rule.
+    pub fn state_count(&self) -> usize {
+        match self {
+            UpdateRule::Sgd { momentum, .. } => usize::from(*momentum != 0.0),
+            UpdateRule::Adam { .. } => 2,
+        }
+    }
+}
+
+/// One parameter of a [`Backend::fused_update`](crate::Backend::fused_update): contiguous buffers of `len` elements.
+pub struct UpdateSlot<'a, S> {
+    pub param: &'a S,
+    pub grad: &'a S,
+    /// `rule.state_count()` buffers.
+    pub state: Vec<&'a S>,
+    pub len: usize,
+}
+
+impl UpdateRule {
+    /// The rule as one program for parameters of `dtype`, and the values of its parameters.
+    ///
+    /// Inputs: `[param, grad, state...]`; outputs: `[new param, new state...]`, in the order
+    /// of `state` ([`UpdateRule::state_count`]). The arithmetic is the formulas above, op for
+    /// op, with every constant (`lr`, `1 - beta1`, `lr / bias_correction1`, ...) computed in
+    /// f64 and converted to `dtype` once, as a scalar kernel argument would be; the flags
+    /// (`nesterov`, `first_step`, `decoupled`, a zero weight decay or momentum) choose which
+    /// program, so no branch runs per element.
+    pub fn program(&self, dtype: DType) -> Result<(Program, Vec<f64>)> {
+        let mut params = Vec::new();
+        let mut param = |v: f64| {
+            params.push(v);
+            Expr::param(params.len() - 1)
+        };
+        let (p, g) = (Expr::input(0), Expr::input(1));
+        let outs = match *self {
+            UpdateRule::Sgd {
+                lr,
+                momentum,
+                dampening,
+                nesterov,
+                weight_decay,
+                first_step,
+            } => {
+                let g = if weight_decay != 0.0 {
+                    &g + &p * param(weight_decay)
+                } else {
+                    g
+                };
+                if momentum != 0.0 {
+                    let m = if first_step {
+                        g.clone()
+                    } else {
+                        Expr::input(2) * param(momentum) + &g * param(1.0 - dampening)
+                    };
+                    let d = if nesterov {
+                        &g + &m * param(momentum)
+                    } else {
+                        m.clone()
+                    };
+                    vec![&p - d * param(lr), m]
+                } else {
+                    vec![&p - g * param(lr)]
+                }
+            }
+            UpdateRule::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                bias_correction1,
+                bias_correction2,
+            } => {
+                let (mut p, mut g) = (p, g);
+                if weight_decay != 0.0 {
+                    if decoupled {
+                        p = p * param(1.0 - lr * weight_decay);
+                    } else {
+                        g = &g + &p * param(weight_decay);
+                    }
+                }
+                let m = Expr::input(2) * param(beta1) + &g * param(1.0 - beta1);
+                let v = Expr::input(3) * param(beta2) + g.square() * param(1.0 - beta2);
+                let denom = v.sqrt() * param(1.0 / bias_correction2.sqrt()) + param(eps);
+                let upd = (&m / denom) * param(lr / bias_correction1);
+                vec![p - upd, m, v]
+            }
+        };
+        let inputs = vec![dtype; 2 + self.state_count()];
+        Ok((Program::from_exprs(&inputs, &outs)?, params))
+    }
+}

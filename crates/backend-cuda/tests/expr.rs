@@ -33,18 +33,25 @@ enum Tree {
 }
 
 fn build(t: &Tree, dtype: DType, other: DType) -> Expr {
+    build_in(t, dtype, other, dtype)
+}
+
+/// `build` with the dtype of the subtree (`at`: `dtype`, or `other` inside a cast) apart from
+/// the inputs' dtype: an input inside a cast is cast to `other` first, so no operation mixes
+/// dtypes (the IR rejects that, as it should).
+fn build_in(t: &Tree, at: DType, other: DType, input: DType) -> Expr {
+    let b = |t: &Tree| build_in(t, at, other, input);
     match t {
+        Tree::In(k) if at != input => Expr::input(*k).to_dtype(at),
         Tree::In(k) => Expr::input(*k),
         Tree::Const(c) => Expr::constant(*c),
         // (a parameter has one dtype: none inside a cast to the other one)
-        Tree::Param if dtype != other => Expr::param(0),
+        Tree::Param if at == input => Expr::param(0),
         Tree::Param => Expr::constant(0.3),
-        Tree::Un(op, a) => build(a, dtype, other).unary(*op),
-        Tree::Bin(op, a, b) => build(a, dtype, other).binary(*op, build(b, dtype, other)),
-        Tree::Sel(op, a, b, c, d) => build(a, dtype, other)
-            .compare(*op, build(b, dtype, other))
-            .where_cond(build(c, dtype, other), build(d, dtype, other)),
-        Tree::Cast(a) => build(a, other, other).to_dtype(dtype),
+        Tree::Un(op, a) => b(a).unary(*op),
+        Tree::Bin(op, x, y) => b(x).binary(*op, b(y)),
+        Tree::Sel(op, x, y, c, d) => b(x).compare(*op, b(y)).where_cond(b(c), b(d)),
+        Tree::Cast(a) => build_in(a, other, other, input).to_dtype(at),
     }
 }
 

@@ -16,7 +16,7 @@
 //! work runs first); outputs are fresh contiguous buffers; the launch goes to the calling
 //! thread's current stream.
 //!
-//! What is not fused runs op by op ([`eval_composed`], the trait's default), so results are
+//! What is not fused runs op by op ([`eval_composed`], kiln-core's composed evaluator), so results are
 //! always those of the op-by-op semantics: layouts with more than 8 non-mergeable dimensions,
 //! argument lists beyond what a launch takes, and programs past [`MAX_KERNELS`] per device (a
 //! bound on compile time). A kernel NVRTC rejects is an [`Error::Backend`] carrying its log.

@@ -9,17 +9,20 @@ use std::time::{Duration, Instant};
 
 use kiln_backend_cuda::{Cuda, CudaDevice, NcclComm, NcclReduceOp, device_count, nccl_version};
 use kiln_core::{DType, DistErrorKind, Tensor};
+use std::io::Write as _;
 
 fn two_comms() -> Option<Vec<NcclComm>> {
     if device_count() < 2 {
-        eprintln!(
+        // Straight to stderr: the test harness captures `eprintln!`, and a skip must show.
+        let _ = writeln!(
+            std::io::stderr(),
             "skipped: NCCL tests need 2 GPUs, {} visible",
             device_count()
         );
         return None;
     }
     if let Err(e) = nccl_version() {
-        eprintln!("skipped: {e}");
+        let _ = writeln!(std::io::stderr(), "skipped: {e}");
         return None;
     }
     Some(NcclComm::init_all(&[CudaDevice::new(0), CudaDevice::new(1)]).unwrap())

@@ -34,7 +34,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
 const GPU_BENCHES: &[(&str, &[&str])] =
     &[("kiln-backend-cuda", &["gpu", "transfer", "fuse", "steps"])];
 /// Examples carried by the bench bundle (run by `profile.sh`, not by `bench.sh`).
-const GPU_EXAMPLES: &[&str] = &["mnist"];
+const GPU_EXAMPLES: &[&str] = &["mnist", "loader_overlap"];
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 

@@ -238,16 +238,20 @@ impl Backend for Cuda {
     }
 
     fn from_host(device: &CudaDevice, data: &HostBuffer) -> Result<CudaStorage> {
-        let src = HostSource::borrowed(data.as_bytes());
-        transfer::upload(state(device)?, src).map(CudaStorage::ready)
+        Self::from_host_source(device, data.dtype(), HostSource::borrowed(data.as_bytes()))
     }
 
     fn from_host_source(
         device: &CudaDevice,
-        _dtype: DType,
+        dtype: DType,
         src: HostSource<'_>,
     ) -> Result<CudaStorage> {
-        transfer::upload(state(device)?, src).map(CudaStorage::ready)
+        let bytes = src.bytes;
+        let buf = transfer::upload(state(device)?, src)?;
+        if let Some(bound) = transfer::host_id_bound(dtype, bytes) {
+            buf.mark_all_ids_below(bound);
+        }
+        Ok(CudaStorage::ready(buf))
     }
 
     fn to_host_bytes(

@@ -43,9 +43,8 @@ pub(crate) struct Buffer {
     home: usize,
     /// Other streams it was used on (see the module docs).
     foreign: std::sync::Mutex<Vec<usize>>,
-    /// The last index check these contents passed, as ids: every id read through the layout
-    /// is in `0..limit` (see [`Buffer::ids_known_below`]).
-    ids_ok: std::sync::Mutex<Option<(kiln_core::Layout, usize)>>,
+    /// What is known of these contents as ids (see [`Buffer::ids_known_below`]).
+    ids_ok: std::sync::Mutex<IdsKnown>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -86,16 +85,35 @@ impl Buffer {
     /// (then an index kernel over the same ids need not synchronize to read the error flag;
     /// contents only change through [`Buffer::contents_changed`]).
     pub fn ids_known_below(&self, l: &kiln_core::Layout, limit: usize) -> bool {
-        matches!(&*self.ids_ok.lock().unwrap(), Some((ok, lim)) if ok == l && *lim <= limit)
+        let k = self.ids_ok.lock().unwrap();
+        k.all_below.is_some_and(|b| b <= limit)
+            || matches!(&k.checked, Some((ok, lim)) if ok == l && *lim <= limit)
     }
     /// Records a passed check (see [`Buffer::ids_known_below`]).
     pub fn mark_ids_below(&self, l: &kiln_core::Layout, limit: usize) {
-        *self.ids_ok.lock().unwrap() = Some((l.clone(), limit));
+        self.ids_ok.lock().unwrap().checked = Some((l.clone(), limit));
+    }
+    /// Records that every element of the buffer, read as an id, is in `0..bound` (known on the
+    /// host when the contents were uploaded; see `transfer::host_id_bound`).
+    pub fn mark_all_ids_below(&self, bound: usize) {
+        self.ids_ok.lock().unwrap().all_below = Some(bound);
     }
     /// Forgets what was known of the contents (before an in-place write).
     pub fn contents_changed(&self) {
-        *self.ids_ok.lock().unwrap() = None;
+        *self.ids_ok.lock().unwrap() = IdsKnown::default();
     }
+}
+
+/// What is known of a buffer's contents read as ids, so that an index kernel's bounds check
+/// need not synchronize to read the device's error flag (one host–GPU round trip per step
+/// would otherwise follow every fresh batch of labels).
+#[derive(Default)]
+struct IdsKnown {
+    /// The last device-side check these contents passed: every id read through the layout is
+    /// in `0..limit`.
+    checked: Option<(kiln_core::Layout, usize)>,
+    /// Every element is in `0..bound` (scanned on the host at upload).
+    all_below: Option<usize>,
 }
 
 impl Drop for Buffer {

@@ -22,7 +22,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use kiln_core::{HostSource, Result};
+use kiln_core::{DType, HostSource, Result};
 
 use crate::device::{DeviceState, InFlight, STAGING_BLOCKS, Staging, check, staging_bytes};
 use crate::memory::{Buffer, alloc, alloc_on};
@@ -41,6 +41,30 @@ pub fn copy_threads() -> usize {
             .unwrap_or_else(|| rayon::current_num_threads().min(8))
             .max(1)
     })
+}
+
+/// Integer uploads at most this large are scanned on the host for their range (a few µs for a
+/// batch of labels; bigger id tensors skip the scan and are checked on the device).
+pub(crate) const ID_SCAN_MAX_BYTES: usize = 1 << 20;
+
+/// When `bytes` of `dtype` are all non-negative ids, one past the largest: what lets an index
+/// kernel over a freshly uploaded batch of labels skip the synchronizing read of its bounds
+/// check. `None` for floats, negative values, or more than [`ID_SCAN_MAX_BYTES`].
+pub(crate) fn host_id_bound(dtype: DType, bytes: &[u8]) -> Option<usize> {
+    if bytes.len() > ID_SCAN_MAX_BYTES {
+        return None;
+    }
+    match dtype {
+        DType::I64 => {
+            let (lo, hi) = bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
+                .fold((0i64, -1i64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            (lo >= 0).then(|| (hi + 1) as usize)
+        }
+        DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
+        _ => None,
+    }
 }
 
 /// `dst.copy_from_slice(src)`, split over [`copy_threads`] threads when large: one thread's
@@ -340,4 +364,24 @@ fn enable_peer(a: &DeviceState, b: &DeviceState) {
 
 fn set_location_id(l: &mut sys::CUmemLocation, id: i32) {
     l.id = id;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn i64s(v: &[i64]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+    }
+
+    #[test]
+    fn host_id_bound_is_one_past_the_largest_non_negative_id() {
+        assert_eq!(host_id_bound(DType::I64, &i64s(&[3, 0, 9, 2])), Some(10));
+        assert_eq!(host_id_bound(DType::I64, &i64s(&[])), Some(0));
+        assert_eq!(host_id_bound(DType::I64, &i64s(&[3, -1])), None);
+        assert_eq!(host_id_bound(DType::U8, &[4, 200, 7]), Some(201));
+        assert_eq!(host_id_bound(DType::F32, &[0; 8]), None);
+        let big = vec![0u8; ID_SCAN_MAX_BYTES + 8];
+        assert_eq!(host_id_bound(DType::I64, &big), None, "too big to scan");
+    }
 }

@@ -259,14 +259,27 @@ struct Job<B: Backend> {
     sample_dims: Vec<usize>,
 }
 
+/// A batch gathered on the host, not yet on the device.
+enum Gathered<B: Backend> {
+    /// Rows gathered into page-locked blocks; [`Job::upload`] turns them into tensors.
+    Pinned {
+        features: PinnedBlock,
+        labels: PinnedBlock,
+        dtypes: (DType, DType),
+        dims: (Vec<usize>, Vec<usize>),
+    },
+    /// Already on the device (no pinned memory: uploaded where it was gathered).
+    Ready(TensorBatch<B>),
+}
+
 impl<B: Backend> Job<B> {
-    /// Gathers batch `b` on the host and uploads it.
+    /// Gathers batch `b` on the host.
     ///
     /// With `pin_memory`, a GPU backend present and a dataset of fixed dtypes, the rows are
     /// gathered straight into page-locked blocks (pooled by the GPU backend; one pass over the
-    /// bytes), and each device copy is one direct, asynchronous DMA on the copy stream that
-    /// overlaps the training step: this worker never waits for the GPU.
-    fn make(&self, b: usize) -> Result<TensorBatch<B>> {
+    /// bytes) and no driver call is made here. Otherwise the batch is gathered into ordinary
+    /// memory and uploaded at once.
+    fn gather(&self, b: usize) -> Result<Gathered<B>> {
         let start = b * self.batch_size;
         let end = (start + self.batch_size).min(self.order.len());
         let indices = &self.order[start..end];
@@ -284,15 +297,35 @@ impl<B: Backend> Job<B> {
             let mut l = PinnedBlock::uninit(op, count(&ldims) * ld.size_in_bytes())?;
             self.dataset
                 .get_batch_into(indices, f.as_bytes_mut(), l.as_bytes_mut())?;
-            return Ok((
-                self.upload_pinned(f, fd, fdims)?,
-                self.upload_pinned(l, ld, ldims)?,
-            ));
+            return Ok(Gathered::Pinned {
+                features: f,
+                labels: l,
+                dtypes: (fd, ld),
+                dims: (fdims, ldims),
+            });
         }
         let batch = self.dataset.get_batch(indices)?;
         let x = Tensor::<B>::from_host(&batch.features, fdims, &self.device)?;
         let y = Tensor::<B>::from_host(&batch.labels, ldims, &self.device)?;
-        Ok((x, y))
+        Ok(Gathered::Ready((x, y)))
+    }
+
+    /// Puts a gathered batch on the device: from pinned blocks, two asynchronous DMAs on the
+    /// backend's copy stream, ordered before the caller's later work (the blocks live until
+    /// the copies are done).
+    fn upload(&self, g: Gathered<B>) -> Result<TensorBatch<B>> {
+        match g {
+            Gathered::Ready(batch) => Ok(batch),
+            Gathered::Pinned {
+                features,
+                labels,
+                dtypes: (fd, ld),
+                dims: (fdims, ldims),
+            } => Ok((
+                self.upload_pinned(features, fd, fdims)?,
+                self.upload_pinned(labels, ld, ldims)?,
+            )),
+        }
     }
 
     /// A pinned block on the device (asynchronously on a GPU; the block lives until the copy
@@ -327,11 +360,17 @@ enum State<B: Backend> {
         job: Arc<Job<B>>,
         next: usize,
     },
+    /// A worker thread gathers batches on the host; `next()` uploads them, one batch ahead.
     Worker {
-        rx: Option<Receiver<Result<TensorBatch<B>>>>,
+        job: Arc<Job<B>>,
+        rx: Option<Receiver<Result<Gathered<B>>>>,
         handle: Option<JoinHandle<()>>,
         stop: Arc<AtomicBool>,
+        /// The next batch, already uploaded (its copy runs while the current one trains).
+        ahead: Option<Result<TensorBatch<B>>>,
     },
+    /// The worker died after the current batch was handed out: the next call reports it.
+    Failed(Result<TensorBatch<B>>),
     Done,
 }
 
@@ -354,9 +393,11 @@ impl<B: Backend> Epoch<B> {
             .spawn(move || worker(&worker_job, tx, &worker_stop));
         let state = match spawned {
             Ok(handle) => State::Worker {
+                job,
                 rx: Some(rx),
                 handle: Some(handle),
                 stop,
+                ahead: None,
             },
             // No thread (resource limits): prepare batches inline instead.
             Err(_) => State::Inline { job, next: 0 },
@@ -371,7 +412,10 @@ impl<B: Backend> Epoch<B> {
 
     /// Stops the worker (if any) and waits for it; returns its panic message if it panicked.
     fn shut_down(&mut self) -> Option<String> {
-        let State::Worker { rx, handle, stop } = &mut self.state else {
+        let State::Worker {
+            rx, handle, stop, ..
+        } = &mut self.state
+        else {
             return None;
         };
         stop.store(true, Ordering::Relaxed);
@@ -386,14 +430,38 @@ impl<B: Backend> Epoch<B> {
         self.state = State::Done;
         panic
     }
+
+    /// The worker's next batch, uploaded; `None` when the worker ended without sending it.
+    fn receive(&mut self) -> Option<Result<TensorBatch<B>>> {
+        let State::Worker { job, rx, .. } = &self.state else {
+            return None;
+        };
+        match rx.as_ref()?.recv() {
+            Ok(gathered) => Some(gathered.and_then(|g| job.upload(g))),
+            Err(_) => None,
+        }
+    }
+
+    /// The error for a worker that ended early (it panicked), after joining it.
+    fn worker_failed(&mut self) -> Error {
+        let msg = self
+            .shut_down()
+            .unwrap_or_else(|| "it stopped early".into());
+        Error::backend(
+            "DataLoader",
+            format!("the loader's worker thread failed: {msg}"),
+        )
+    }
 }
 
-fn worker<B: Backend>(job: &Job<B>, tx: SyncSender<Result<TensorBatch<B>>>, stop: &AtomicBool) {
+/// Gathers every batch of the epoch in order on the host (no driver calls: they stay on the
+/// consuming thread, which launches the training step's kernels anyway).
+fn worker<B: Backend>(job: &Job<B>, tx: SyncSender<Result<Gathered<B>>>, stop: &AtomicBool) {
     for b in 0..job.num_batches {
         if stop.load(Ordering::Relaxed) {
             return;
         }
-        let item = job.make(b);
+        let item = job.gather(b);
         let failed = item.is_err();
         // A send error means the consumer is gone: stop quietly.
         if tx.send(item).is_err() || failed {
@@ -413,23 +481,39 @@ impl<B: Backend> Iterator for Epoch<B> {
         let item = match &mut self.state {
             State::Done => return None,
             State::Inline { job, next } => {
-                let item = job.make(*next);
+                let item = job.gather(*next).and_then(|g| job.upload(g));
                 *next += 1;
                 item
             }
-            State::Worker { rx, .. } => match rx.as_ref().map(|rx| rx.recv()) {
-                Some(Ok(item)) => item,
-                // The worker ended without sending every batch: it panicked.
-                _ => {
-                    let msg = self
-                        .shut_down()
-                        .unwrap_or_else(|| "it stopped early".into());
-                    self.remaining = 0;
-                    return Some(Err(Error::backend(
-                        "DataLoader",
-                        format!("the loader's worker thread failed: {msg}"),
-                    )));
+            State::Worker { ahead, .. } => {
+                let current = match ahead.take() {
+                    Some(item) => Some(item),
+                    None => self.receive(),
+                };
+                match current {
+                    Some(item) => {
+                        // Upload the next batch now: its DMA overlaps this batch's step.
+                        if self.remaining > 1 && item.is_ok() {
+                            let next = self.receive().unwrap_or_else(|| Err(self.worker_failed()));
+                            if let State::Worker { ahead, .. } = &mut self.state {
+                                *ahead = Some(next);
+                            } else {
+                                // The worker failed and was shut down: report it next time.
+                                self.state = State::Failed(next);
+                            }
+                        }
+                        item
+                    }
+                    None => {
+                        let e = self.worker_failed();
+                        self.remaining = 0;
+                        return Some(Err(e));
+                    }
                 }
+            }
+            State::Failed(_) => match std::mem::replace(&mut self.state, State::Done) {
+                State::Failed(item) => item,
+                _ => unreachable!("matched Failed"),
             },
         };
         self.remaining -= 1;

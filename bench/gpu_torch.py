@@ -229,7 +229,23 @@ def mlp_rows(name, widths, adam, iters):
         return model, opt, step
 
     _, _, step = make(False)
-    report(name, timed(5, iters, step), "ms")
+    eager = timed(5, iters, step)
+    report(name, eager, "ms")
+    if name == "mlp_small_sgd_step":
+        # PyTorch's own profiler (CPU + CUDA activities through CUPTI) on the same step: the
+        # reference for what kiln's profiler costs when on.
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=acts):
+            step()  # CUPTI's start-up outside the timed rounds
+        on = []
+        for _ in range(5):
+            with profile(activities=acts):
+                on.append(timed(1, iters, step))
+        on = sorted(on)[len(on) // 2]
+        report(name + "_profiled", on, "ms")
+        report("mlp_small_sgd_profile_on_overhead", 100.0 * (on / eager - 1.0), "%")
     # Capture: warm up on a side stream, then record one whole step into a graph.
     model, opt, step = make(True)
     s = torch.cuda.Stream()

@@ -323,3 +323,22 @@ fn bad_calls_are_typed_errors_and_the_device_stays_usable() {
     let want = a.exp().unwrap().sum(&[1], true).unwrap();
     close(&values(&s[0]), &values(&want), 1e-6, 1e-6).unwrap();
 }
+
+#[test]
+fn norm_agrees_with_the_reference() {
+    use kiln_core::reference::{RefDevice, Reference};
+    let v: Vec<f32> = (0..10_000)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    let want: f64 = v
+        .iter()
+        .map(|&x| (x as f64) * (x as f64))
+        .sum::<f64>()
+        .sqrt();
+    let x = Tensor::<Cpu>::from_slice(&v, [100, 100], &Cpu::device(0)).unwrap();
+    let got = x.norm().unwrap().to_scalar().unwrap();
+    assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");
+    let r = Tensor::<Reference>::from_slice(&v, [100, 100], &RefDevice(0)).unwrap();
+    let want_ref = r.norm().unwrap().to_scalar().unwrap();
+    assert!((got - want_ref).abs() <= 1e-5 * want, "{got} vs {want_ref}");
+}

@@ -220,8 +220,7 @@ fn main() {
 
     // d2l: 1000 x (100x100 matmul, Frobenius norm), logged to the host or kept on the GPU.
     let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 11, DType::F32, &dev).unwrap();
-    let norm =
-        |a: &Tensor<Cuda>| -> Result<Tensor<Cuda>> { a.matmul(a)?.square()?.sum_all()?.sqrt() };
+    let norm = |a: &Tensor<Cuda>| -> Result<Tensor<Cuda>> { a.matmul(a)?.norm() };
     let mut host = || -> Result<()> {
         let mut log = Vec::with_capacity(1000);
         for _ in 0..1000 {

@@ -9,17 +9,21 @@
 //!
 //! # Device time without serializing the stream
 //!
-//! A launch or copy is bracketed by two CUDA events recorded on the stream it goes to, taken
-//! from a pool per device. Nothing waits for them while the program runs: the profiler keeps
-//! them in its record as a [`DeviceTimer`] and resolves them (`cuEventSynchronize` on the
-//! second, `cuEventElapsedTime`) only when a profile is collected, then returns them to the
-//! pool. To place device spans on the host clock of the trace, the first timed event of each
+//! A launch or copy is followed by one CUDA event recorded on the stream it went to, taken from
+//! a pool per device (an event costs about as much driver time as a small launch, so one per
+//! launch, not two). The work started when the stream was done with what came before it —
+//! the previous timed event on that stream — or, if the device was idle by then, when the
+//! host enqueued it: its device time is the shorter of `elapsed(previous event, its event)`
+//! and the span from the host's enqueue to its event on the host clock. Nothing waits for the
+//! events while the program runs: the profiler keeps them in its record as a [`DeviceTimer`]
+//! and resolves them (`cuEventSynchronize`, `cuEventElapsedTime`) only when a profile is
+//! collected; an event returns to the pool when no timer needs it any more. To place device spans on the host clock of the trace, the first timed event of each
 //! device is preceded by an anchor: one synchronization, one event, and the host time at which
 //! it completed (renewed every 10 s, so that offsets keep microsecond precision).
 //! `KILN_PROFILE_DEVICE=0` records no events (host times only).
 
 use std::cell::RefCell;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 use kiln_core::profile::{
@@ -62,6 +66,12 @@ fn device_name(dev: &dyn Site) -> String {
     format!("cuda:{}", dev.ordinal())
 }
 
+/// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).
+fn debug_timers() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_PROFILE_DEBUG").is_ok_and(|v| v == "1"))
+}
+
 fn device_timing() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_PROFILE_DEVICE").map_or(true, |v| v != "0"))
@@ -88,6 +98,25 @@ fn take_event(dev: &dyn Site) -> Option<sys::CUevent> {
     (r == sys::CUresult::CUDA_SUCCESS).then_some(ev)
 }
 
+/// A timing event of the pool, back in it when the last timer (or [`LAST`]) lets go.
+struct Pooled {
+    ordinal: usize,
+    ev: usize,
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(p) = POOL.get(self.ordinal) {
+            p.lock().unwrap().push(self.ev);
+        }
+    }
+}
+
+/// Per device: the last timing event recorded on each stream (stream as an address), where
+/// the next timed work on that stream starts at the earliest.
+static LAST: [Mutex<Vec<(usize, Arc<Pooled>)>>; MAX_DEVICES] =
+    [const { Mutex::new(Vec::new()) }; MAX_DEVICES];
+
 /// The device's anchor, made (one synchronization) on first use and every [`ANCHOR_NS`].
 /// Anchors are never recycled: timers made under one keep using it.
 fn anchor(dev: &dyn Site) -> Option<(usize, u64)> {
@@ -109,13 +138,27 @@ fn anchor(dev: &dyn Site) -> Option<(usize, u64)> {
     *a
 }
 
-/// Two events around work on one stream, resolved at collection.
+/// One event after work on one stream, resolved at collection (see the module docs).
 struct Timer {
     ordinal: usize,
     /// The anchor event and its host time.
     anchor: (usize, u64),
-    start: usize,
-    end: usize,
+    /// Host time just before the work was enqueued.
+    submit_ns: u64,
+    /// The stream's previous timing event, if any.
+    prev: Option<Arc<Pooled>>,
+    end: Arc<Pooled>,
+}
+
+/// Milliseconds from event `a` to event `b` (both recorded and complete).
+fn elapsed_ms(a: usize, b: usize) -> Option<f32> {
+    let mut ms = 0f32;
+    // SAFETY: two timing events of the current context, both recorded; the caller waited for
+    // the later one.
+    unsafe { sys::cuEventElapsedTime_v2(&mut ms, a as sys::CUevent, b as sys::CUevent) }
+        .result()
+        .ok()?;
+    Some(ms.max(0.0))
 }
 
 impl DeviceTimer for Timer {
@@ -124,40 +167,29 @@ impl DeviceTimer for Timer {
             return None;
         }
         let (anchor, host) = self.anchor;
-        let (mut from_anchor, mut dur) = (0f32, 0f32);
-        // SAFETY: all three events belong to this device's context and were recorded (the
-        // anchor before every timed event); waiting for the last is what resolving means.
-        unsafe {
-            sys::cuEventSynchronize(self.end as sys::CUevent)
-                .result()
-                .ok()?;
-            sys::cuEventElapsedTime_v2(
-                &mut from_anchor,
-                anchor as sys::CUevent,
-                self.start as sys::CUevent,
-            )
+        // SAFETY: an event of this device's context, recorded after the anchor; waiting for it
+        // is what resolving means.
+        unsafe { sys::cuEventSynchronize(self.end.ev as sys::CUevent) }
             .result()
             .ok()?;
-            sys::cuEventElapsedTime_v2(
-                &mut dur,
-                self.start as sys::CUevent,
-                self.end as sys::CUevent,
-            )
-            .result()
-            .ok()?;
+        let end_ns = host + (elapsed_ms(anchor, self.end.ev)? as f64 * 1e6) as u64;
+        let since_submit = end_ns.saturating_sub(self.submit_ns);
+        let from_prev = match &self.prev {
+            Some(p) => Some((elapsed_ms(p.ev, self.end.ev)? as f64 * 1e6) as u64),
+            None => None,
+        };
+        let dur_ns = from_prev.map_or(since_submit, |p| p.min(since_submit));
+        if debug_timers() {
+            eprintln!(
+                "kiln profile timer: end {end_ns} submit {} since_submit {since_submit} \
+                 from_prev {from_prev:?}",
+                self.submit_ns
+            );
         }
         Some(DeviceTime {
-            start_ns: host + (from_anchor.max(0.0) as f64 * 1e6) as u64,
-            dur_ns: (dur.max(0.0) as f64 * 1e6) as u64,
+            start_ns: end_ns - dur_ns,
+            dur_ns,
         })
-    }
-}
-
-impl Drop for Timer {
-    fn drop(&mut self) {
-        if let Some(p) = POOL.get(self.ordinal) {
-            p.lock().unwrap().extend([self.start, self.end]);
-        }
     }
 }
 
@@ -212,7 +244,9 @@ pub(crate) fn expr_op_names(p: &kiln_core::expr::Program) -> String {
 /// An open launch, copy or wait; reported when dropped.
 pub(crate) struct Span {
     ev: Option<Event>,
-    timer: Option<Timer>,
+    /// The device's anchor when the work is timed on the device.
+    anchor: Option<(usize, u64)>,
+    ordinal: usize,
     stream: sys::CUstream,
 }
 
@@ -240,28 +274,12 @@ impl Span {
                 .is_some_and(|op| op != name)
                 .then_some("fusion off");
         }
-        let anchored = (timed && device_timing()).then(|| anchor(dev)).flatten();
-        let timer = if let Some(anchor) = anchored {
-            match (take_event(dev), take_event(dev)) {
-                (Some(s), Some(e)) => {
-                    // SAFETY: our event, the stream of this (current) context.
-                    unsafe { sys::cuEventRecord(s, stream) };
-                    Some(Timer {
-                        ordinal: dev.ordinal(),
-                        anchor,
-                        start: s as usize,
-                        end: e as usize,
-                    })
-                }
-                _ => None,
-            }
-        } else {
-            None
-        };
+        let anchor = (timed && device_timing()).then(|| anchor(dev)).flatten();
         ev.start_ns = now_ns();
         Span {
             ev: Some(ev),
-            timer,
+            anchor,
+            ordinal: dev.ordinal(),
             stream,
         }
     }
@@ -270,13 +288,54 @@ impl Span {
 impl Drop for Span {
     fn drop(&mut self) {
         let Some(mut ev) = self.ev.take() else { return };
-        if let Some(t) = self.timer.take() {
-            // SAFETY: our event, recorded on the stream the work went to.
-            unsafe { sys::cuEventRecord(t.end as sys::CUevent, self.stream) };
-            ev.timer = Some(Box::new(t));
+        if let Some(anchor) = self.anchor {
+            ev.timer = self.finish_timer(anchor, ev.start_ns);
         }
         ev.dur_ns = now_ns().saturating_sub(ev.start_ns);
         profile::record(ev);
+    }
+}
+
+impl Span {
+    /// Records the event after the work and pairs it with the stream's previous one.
+    fn finish_timer(&self, anchor: (usize, u64), submit_ns: u64) -> Option<Box<dyn DeviceTimer>> {
+        let last = LAST.get(self.ordinal)?;
+        let ev = match POOL.get(self.ordinal)?.lock().unwrap().pop() {
+            Some(e) => e as sys::CUevent,
+            None => {
+                let mut e = std::ptr::null_mut();
+                // SAFETY: valid out-pointer; the context that ran the work is current.
+                unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) }
+                    .result()
+                    .ok()?;
+                e
+            }
+        };
+        let end = Arc::new(Pooled {
+            ordinal: self.ordinal,
+            ev: ev as usize,
+        });
+        let key = self.stream as usize;
+        // Recording and noting the event under one lock keeps `prev` in stream order.
+        let mut last = last.lock().unwrap();
+        // SAFETY: our event, the stream the work went to (of the current context).
+        unsafe { sys::cuEventRecord(ev, self.stream) }
+            .result()
+            .ok()?;
+        let prev = match last.iter_mut().find(|(s, _)| *s == key) {
+            Some((_, p)) => Some(std::mem::replace(p, end.clone())),
+            None => {
+                last.push((key, end.clone()));
+                None
+            }
+        };
+        Some(Box::new(Timer {
+            ordinal: self.ordinal,
+            anchor,
+            submit_ns,
+            prev,
+            end,
+        }))
     }
 }
 

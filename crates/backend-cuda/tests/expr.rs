@@ -555,3 +555,33 @@ fn bad_calls_are_typed_errors_and_the_device_stays_usable() {
     clear_kernel_cache(&dev).unwrap();
     check(&p);
 }
+
+#[test]
+fn norm_is_one_fused_kernel_and_agrees_with_the_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let v: Vec<f32> = (0..10_000)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect();
+    let x = Tensor::<Cuda>::from_slice(&v, [100, 100], &dev).unwrap();
+    let want = Tensor::<Cpu>::from_slice(&v, [100, 100], &Cpu::device(0))
+        .unwrap()
+        .norm()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    x.norm().unwrap().realize().unwrap();
+    let l0 = kiln_backend_cuda::thread_launches();
+    let n = x.norm().unwrap();
+    n.realize().unwrap();
+    assert_eq!(kiln_backend_cuda::thread_launches() - l0, 1, "one kernel");
+    let got = n.to_scalar().unwrap();
+    assert!((got - want).abs() <= 1e-5 * want, "{got} vs {want}");
+    let t = x
+        .transpose(0, 1)
+        .unwrap()
+        .norm()
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    assert!((t - want).abs() <= 1e-5 * want, "{t} vs {want}");
+}

@@ -4,7 +4,7 @@
 //!
 //! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
-use kiln_backend_cuda::{Cuda, Stream, gpu_or_skip, thread_syncs};
+use kiln_backend_cuda::{Cuda, Stream, gpu_or_skip, raw, thread_syncs};
 use kiln_core::profile::{self, Kind, LaunchKind};
 use kiln_core::test_profile::{check_chrome_trace, check_profile_counts};
 use kiln_core::{Backend, DType, Tensor};
@@ -120,4 +120,61 @@ fn trace_file_has_host_and_device_events() {
     let c = check_chrome_trace(&text).unwrap();
     assert!(c.host >= 3 && c.device >= 2 && c.ranges == 2, "{c:?}");
     assert!(text.contains("\"cuda:0\""), "a process per device");
+}
+
+#[test]
+fn device_time_excludes_idle_time_and_queueing() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    raw::spin(&dev, 1_000).unwrap();
+    Cuda::synchronize(&dev).unwrap();
+    let (_, p) = profile::profile(|| {
+        let _r = profile::range("idle-then-spin");
+        // The device idles 20 ms before the first spin; the second waits in the queue behind
+        // the first. Each ran for 5 ms, and that is what each must show.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        raw::spin(&dev, 5_000).unwrap();
+        raw::spin(&dev, 5_000).unwrap();
+        Cuda::synchronize(&dev).unwrap();
+    });
+    let spins: Vec<_> = p
+        .in_range("idle-then-spin")
+        .records()
+        .iter()
+        .filter(|r| r.name == "spin")
+        .map(|r| r.device_time.expect("device time").dur_ns as f64 / 1e6)
+        .collect();
+    assert_eq!(spins.len(), 2, "{spins:?}");
+    for ms in spins {
+        assert!((4.9..7.0).contains(&ms), "a 5 ms spin timed at {ms} ms");
+    }
+}
+
+#[test]
+fn every_kind_of_launch_after_a_cublas_call_gets_device_time() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
+    a.matmul(&a).unwrap().norm().unwrap().to_scalar().unwrap();
+    let (_, p) = profile::profile(|| {
+        let _r = profile::range("blas-expr-copy");
+        for _ in 0..3 {
+            a.matmul(&a).unwrap().norm().unwrap().to_scalar().unwrap();
+        }
+    });
+    let mine = p.in_range("blas-expr-copy");
+    let timed: Vec<_> = mine
+        .records()
+        .iter()
+        .filter(|r| matches!(r.kind, Kind::Launch(_) | Kind::Copy(_)))
+        .collect();
+    assert_eq!(
+        timed.len(),
+        9,
+        "a GEMM, the norm and a copy, 3 times:\n{mine}"
+    );
+    for r in timed {
+        let d = r
+            .device_time
+            .unwrap_or_else(|| panic!("no device time: {r:?}"));
+        assert!(d.dur_ns > 0, "zero device time: {r:?}\n{mine}");
+    }
 }

@@ -309,3 +309,20 @@ fn to_device_shares_when_already_there_and_copy_to_always_copies() {
     assert!(a.contiguous().unwrap().same_storage(&a));
     assert!(!v.contiguous().unwrap().same_storage(&a));
 }
+
+// ---- norm ------------------------------------------------------------------------------------
+
+#[test]
+fn norm_is_the_euclidean_norm_of_every_element() {
+    let x = t(&[3.0, 4.0, 0.0, 12.0], &[2, 2], R0);
+    assert_eq!(x.norm().unwrap().to_scalar().unwrap(), 13.0);
+    assert_eq!(x.norm().unwrap().rank(), 0);
+    // A transposed view and a scalar.
+    let xt = x.transpose(0, 1).unwrap();
+    assert_eq!(xt.norm().unwrap().to_scalar().unwrap(), 13.0);
+    let s = t(&[-2.0], &[], R0);
+    assert_eq!(s.norm().unwrap().to_scalar().unwrap(), 2.0);
+    let ids = T::from_vec(vec![1i64, 2], [2], &R0).unwrap();
+    let (_, m) = err(ids.norm());
+    assert!(m.contains("norm") && m.contains("i64"), "{m}");
+}

@@ -177,6 +177,30 @@ fn copy_exact(op: &'static str, dst: &mut [u8], src: &[u8]) -> Result<()> {
 
 /// Copies rows `indices` (each `row_bytes` long) of `src` into `dst`, split over threads for
 /// large batches (one pass, no intermediate buffer).
+/// Threads that gather one batch of 1 MiB or more: a pool of their own, a quarter of the
+/// cores and at most 4 (`KILN_GATHER_THREADS` overrides it). Enough to copy a batch of a few
+/// MB well within a training step, yet few enough that the loader does not take the cores of
+/// the training thread, which on a GPU spends its time launching kernels.
+fn gather_pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: std::sync::OnceLock<Option<rayon::ThreadPool>> = std::sync::OnceLock::new();
+    POOL.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let threads = std::env::var("KILN_GATHER_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or((cores / 4).clamp(1, 4));
+        if threads == 1 {
+            return None;
+        }
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("kiln-gather-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
 fn gather_bytes(src: &[u8], row_bytes: usize, indices: &[usize], dst: &mut [u8]) {
     use rayon::prelude::*;
     if row_bytes == 0 {
@@ -188,12 +212,13 @@ fn gather_bytes(src: &[u8], row_bytes: usize, indices: &[usize], dst: &mut [u8])
         }
     };
     let per_task = (256 << 10) / row_bytes + 1; // about 256 KiB per task
-    if dst.len() < 1 << 20 {
-        copy((dst, indices));
-    } else {
-        dst.par_chunks_mut(per_task * row_bytes)
-            .zip(indices.par_chunks(per_task))
-            .for_each(copy);
+    match gather_pool() {
+        Some(pool) if dst.len() >= 1 << 20 => pool.install(|| {
+            dst.par_chunks_mut(per_task * row_bytes)
+                .zip(indices.par_chunks(per_task))
+                .for_each(copy)
+        }),
+        _ => copy((dst, indices)),
     }
 }
 

@@ -90,6 +90,7 @@
 //! sets in one program (split such a computation in several programs).
 
 mod eval;
+mod norm;
 
 pub use crate::ir::grad;
 pub use crate::ir::{CallPlan, Combine, Expr, Instr, Phase, Program, Scalar, Val, check_call};

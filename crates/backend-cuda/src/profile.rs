@@ -114,8 +114,10 @@ impl Drop for Pooled {
 
 /// Per device: the last timing event recorded on each stream (stream as an address), where
 /// the next timed work on that stream starts at the earliest.
-static LAST: [Mutex<Vec<(usize, Arc<Pooled>)>>; MAX_DEVICES] =
-    [const { Mutex::new(Vec::new()) }; MAX_DEVICES];
+static LAST: [Mutex<LastOnStreams>; MAX_DEVICES] = [const { Mutex::new(Vec::new()) }; MAX_DEVICES];
+
+/// `(stream as an address, its last timing event)` pairs of one device.
+type LastOnStreams = Vec<(usize, Arc<Pooled>)>;
 
 /// The device's anchor, made (one synchronization) on first use and every [`ANCHOR_NS`].
 /// Anchors are never recycled: timers made under one keep using it.

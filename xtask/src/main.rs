@@ -248,9 +248,17 @@ python3 compare.py "$out"
             std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
         }
     }
-    let total = dir_size(&dir);
+    // What one `run` carries for this kind (the other kinds' parts of the folder stay home).
+    let mut carried: Vec<PathBuf> = vec![bin_dir.clone(), dir.join(script_name)];
+    if kind == Kind::Bench {
+        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py", "profile.sh"] {
+            carried.push(dir.join(f));
+        }
+        carried.extend(GPU_EXAMPLES.iter().map(|e| dir.join(e)));
+    }
+    let total = carried.iter().map(|p| path_size(p)).sum::<u64>();
     println!(
-        "bundle: {} ({} binaries, {:.1} MiB)",
+        "bundle: {} ({} binaries, {:.1} MiB to carry)",
         dir.display(),
         exes.len(),
         total as f64 / (1 << 20) as f64
@@ -380,9 +388,16 @@ fn multi_gpu_bundle(run: bool) -> Result<(), String> {
         let src = root().join("bench").join(f);
         std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
     }
-    let total = dir_size(&dir);
+    let total = [
+        multi.clone(),
+        dir.join("ddp_torch.py"),
+        dir.join("multi_gpu.sh"),
+    ]
+    .iter()
+    .map(|p| path_size(p))
+    .sum::<u64>();
     println!(
-        "bundle: {} (multi-GPU part in multi/; whole bundle {:.1} MiB); run: bash {}",
+        "bundle: {} (multi-GPU part: multi/, ddp_torch.py, multi_gpu.sh, {:.1} MiB to carry); run: bash {}",
         dir.display(),
         total as f64 / (1 << 20) as f64,
         dir.join("multi_gpu.sh").display()
@@ -404,6 +419,15 @@ fn multi_gpu_bundle(run: bool) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Bytes under `p` (a file or a folder); 0 when it does not exist.
+fn path_size(p: &Path) -> u64 {
+    match std::fs::metadata(p) {
+        Ok(m) if m.is_dir() => dir_size(p),
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    }
 }
 
 fn dir_size(p: &Path) -> u64 {

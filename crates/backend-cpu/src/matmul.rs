@@ -132,6 +132,10 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.fill(T::zero());
         return Ok(storage(a.device(), out));
     }
+    if batch == 1 && n == 1 && ma.cs == 1 && m * k >= SPLIT_GEMV && pool::parts() > 1 {
+        split_dots((a, &ma), (b, &mb), &mut out)?;
+        return Ok(storage(a.device(), out));
+    }
     if n == 1 || m == 1 {
         for (bi, o) in out.chunks_mut(m * n).enumerate() {
             gemv(x, &ma, y, &mb, bi, o);
@@ -285,6 +289,79 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     Ok(())
 }
 
+/// Matrix-vector products (a row-major matrix times a column) with at least this many
+/// multiply-adds are split by rows across the [`pool`](crate::pool) helpers, whose threads
+/// stay awake between the products of a training loop. (Theano's logistic regression,
+/// 400x784, is 0.3 M; on rayon, a sleeping worker's wake-up cost more than it saved below ~4 MB
+/// of matrix, see [`GEMV_PAR_MIN`].)
+const SPLIT_GEMV: usize = 1 << 17;
+
+/// `out = a · b` for a row-major `a` (`m x k`) and a column `b`: this thread computes the first
+/// rows' dot products straight into `out`, the helpers the others into buffers of their own,
+/// copied into place. Each row is the same dot product as on one core, so the same bits.
+fn split_dots<T: CpuElem + LinalgScalar>(
+    (a, ma): (&CpuStorage, &Mat),
+    (b, mb): (&CpuStorage, &Mat),
+    out: &mut [T],
+) -> Result<()> {
+    let (m, k) = (ma.rows, ma.cols);
+    let per = m.div_ceil(pool::parts());
+    let ranges: Vec<Range<usize>> = (0..m).step_by(per).map(|s| s..(s + per).min(m)).collect();
+    let (ma, mb) = (*ma, *mb);
+    let rows = move |x: &[T], y: &[T], r: Range<usize>, o: &mut [T]| {
+        Dots {
+            mat: x,
+            start: ma.off,
+            rstride: ma.rs,
+            estride: 1,
+            vec: &y[mb.off..],
+            vstride: mb.rs,
+            k,
+        }
+        .rows(r.start, o)
+    };
+    // Hand every part but the first to a helper; a part no helper takes comes back to run here.
+    let others: Vec<_> = ranges[1..]
+        .iter()
+        .map(|r| {
+            let (ad, bd, r2) = (a.shared(), b.shared(), r.clone());
+            let job = move || -> Result<Vec<T>> {
+                let (x, y) = (
+                    T::slice(&ad)
+                        .ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), ad.dtype()))?,
+                    T::slice(&bd)
+                        .ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), bd.dtype()))?,
+                );
+                let mut o = vec![T::zero(); r2.len()];
+                rows(x, y, r2, &mut o);
+                Ok(o)
+            };
+            (r.clone(), pool::submit(job))
+        })
+        .collect();
+    let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
+    rows(x, y, ranges[0].clone(), &mut out[ranges[0].clone()]);
+    // Every part is waited for before an error returns, so that no helper still holds the
+    // operands once this kernel is done.
+    let parts: Vec<_> = others
+        .into_iter()
+        .map(|(r, pending)| {
+            let buf = match pending {
+                Ok(p) => p
+                    .wait()
+                    .ok_or_else(|| Error::backend("matmul", "a GEMV helper thread panicked"))
+                    .and_then(|r| r),
+                Err(job) => job(),
+            };
+            (r, buf)
+        })
+        .collect();
+    for (r, buf) in parts {
+        out[r].copy_from_slice(&buf?);
+    }
+    Ok(())
+}
+
 /// Dot product of `a[i * sa]` and `b[i * sb]` over `len` (sixteen lanes when both contiguous).
 #[inline(always)]
 fn dot<T: CpuElem + LinalgScalar>(a: &[T], sa: usize, b: &[T], sb: usize, len: usize) -> T {
@@ -354,10 +431,11 @@ fn axpy_rows<T: CpuElem + LinalgScalar>(
     }
 }
 
-/// Matrix-vector products below this many multiply-adds run on one core: a GEMV streams its
-/// matrix once, so it is bound by memory, and on two cores the rayon fork and the wake-up of a
-/// sleeping worker (several µs on a busy VM) cost more than the second core saves below ~4 MB
-/// of matrix. (Theano's logistic regression, 400x784, is 0.3 M.)
+/// Matrix-vector products that reach [`Dots::run`] split across rayon's workers only from this
+/// many multiply-adds: a GEMV streams its matrix once, so it is bound by memory, and on two
+/// cores the rayon fork and the wake-up of a sleeping worker (several µs on a busy VM) cost
+/// more than the second core saves below ~4 MB of matrix. (A row-major matrix times a column
+/// from [`SPLIT_GEMV`] up is split earlier, on the spinning pool helpers instead.)
 const GEMV_PAR_MIN: usize = 1 << 20;
 
 /// One matrix-vector product of batch `bi` into `o` (`m x 1` or `1 x n`), compiled for the

@@ -98,11 +98,27 @@ fn left(deadline: Instant) -> Option<Duration> {
         .filter(|d| !d.is_zero())
 }
 
+/// Binds `addr`, retrying for up to a second (within `deadline`) while it is in use: another
+/// rank that started first and retries its connection to this very port can be handed it by
+/// the kernel as its own local port (a TCP self-connection, when the ephemeral range covers
+/// it); that rank drops such a socket at once, so the port frees within milliseconds.
+fn bind_until(addr: &str, deadline: Instant) -> std::io::Result<TcpListener> {
+    let until = deadline.min(Instant::now() + Duration::from_secs(1));
+    loop {
+        match TcpListener::bind(addr) {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn serve(env: &DistEnv, payload: Vec<u8>, deadline: Instant) -> Result<(Vec<u8>, Links)> {
     let world = env.world_size;
     let secs = env.timeout.as_secs_f64();
     let addr = format!("0.0.0.0:{}", env.rdzv_port);
-    let listener = TcpListener::bind(&addr).map_err(|e| {
+    let listener = bind_until(&addr, deadline).map_err(|e| {
         rdzv_err(format!(
             "rank 0 cannot listen on {addr}: {e} (is another job using the port? set \
              MASTER_PORT or KILN_RDZV_PORT)"
@@ -297,34 +313,65 @@ mod tests {
         }
     }
 
+    /// Runs `f` on a free port, and again on another (up to 3 times) when rank 0 could not
+    /// listen on it: in about 1 run in 12 on CI machines something held a port that was free a
+    /// moment before (the cause was not found; the test is about the rendezvous, not that).
+    fn on_a_port<T>(f: impl Fn(u16) -> std::result::Result<T, Error>) -> T {
+        let mut last = String::new();
+        for _ in 0..3 {
+            match f(free_port()) {
+                Ok(v) => return v,
+                Err(e) if e.to_string().contains("cannot listen") => last = e.to_string(),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        panic!("no port to listen on in 3 tries: {last}")
+    }
+
     #[test]
     fn three_ranks_get_rank_zeros_payload() {
         let _s = serial();
-        let port = free_port();
-        let hs: Vec<_> = (0..3)
-            .map(|r| {
-                std::thread::spawn(move || {
-                    rendezvous(&env(r, 3, port, 10.0), || Ok(b"the id".to_vec())).map(|(p, _)| p)
+        let payloads = on_a_port(|port| {
+            let hs: Vec<_> = (1..3)
+                .map(|r| {
+                    std::thread::spawn(move || {
+                        rendezvous(&env(r, 3, port, 3.0), || Ok(b"the id".to_vec())).map(|(p, _)| p)
+                    })
                 })
-            })
-            .collect();
-        for h in hs {
-            assert_eq!(h.join().unwrap().unwrap(), b"the id");
+                .collect();
+            let p0 = rendezvous(&env(0, 3, port, 3.0), || Ok(b"the id".to_vec())).map(|(p, _)| p);
+            let others: Vec<_> = hs.into_iter().map(|h| h.join().unwrap()).collect();
+            let p0 = p0?;
+            others
+                .into_iter()
+                .map(|p| p.map_err(|e| Error::invalid("test", e.to_string())))
+                .chain(std::iter::once(Ok(p0)))
+                .collect::<Result<Vec<_>>>()
+        });
+        for p in payloads {
+            assert_eq!(p, b"the id");
         }
     }
 
     #[test]
     fn a_missing_rank_is_named_by_rank_zero_within_the_timeout() {
         let _s = serial();
-        let port = free_port();
-        let t = Instant::now();
-        let h1 = std::thread::spawn(move || rendezvous(&env(1, 3, port, 1.0), || unreachable!()));
-        let e = rendezvous(&env(0, 3, port, 1.0), || Ok(vec![1])).unwrap_err();
-        assert!(t.elapsed() < Duration::from_secs(5));
+        let (e, e1, took) = on_a_port(|port| {
+            let t = Instant::now();
+            let h1 =
+                std::thread::spawn(move || rendezvous(&env(1, 3, port, 1.0), || unreachable!()));
+            let e = rendezvous(&env(0, 3, port, 1.0), || Ok(vec![1])).unwrap_err();
+            let took = t.elapsed();
+            let e1 = h1.join().unwrap().unwrap_err();
+            if e.to_string().contains("cannot listen") {
+                return Err(e);
+            }
+            Ok((e, e1, took))
+        });
+        assert!(took < Duration::from_secs(5));
         assert_eq!(e.dist_kind(), Some(DistErrorKind::Rendezvous), "{e}");
         assert!(e.to_string().contains("[2]"), "{e}");
         // Rank 1 joined but never got the id: its error says so.
-        let e1 = h1.join().unwrap().unwrap_err();
         assert_eq!(e1.dist_kind(), Some(DistErrorKind::Rendezvous), "{e1}");
     }
 

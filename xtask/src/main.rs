@@ -256,28 +256,15 @@ python3 compare.py "$out"
         }
         carried.extend(GPU_EXAMPLES.iter().map(|e| dir.join(e)));
     }
-    let total = carried.iter().map(|p| path_size(p)).sum::<u64>();
+    let total = carry_size(&carried)?;
     println!(
         "bundle: {} ({} binaries, {:.1} MiB to carry)",
         dir.display(),
         exes.len(),
         total as f64 / (1 << 20) as f64
     );
-    if total > BUNDLE_LIMIT {
-        return Err(format!(
-            "bundle is {} MiB, over the {} MiB carry limit",
-            total >> 20,
-            BUNDLE_LIMIT >> 20
-        ));
-    }
     if run {
-        let st = Command::new("bash")
-            .arg(dir.join(script_name))
-            .status()
-            .map_err(|e| e.to_string())?;
-        if !st.success() {
-            return Err(format!("{script_name} failed"));
-        }
+        run_script(&dir.join(script_name))?;
     }
     Ok(())
 }
@@ -388,20 +375,26 @@ fn multi_gpu_bundle(run: bool) -> Result<(), String> {
         let src = root().join("bench").join(f);
         std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
     }
-    let total = [
+    let total = carry_size(&[
         multi.clone(),
         dir.join("ddp_torch.py"),
         dir.join("multi_gpu.sh"),
-    ]
-    .iter()
-    .map(|p| path_size(p))
-    .sum::<u64>();
+    ])?;
     println!(
         "bundle: {} (multi-GPU part: multi/, ddp_torch.py, multi_gpu.sh, {:.1} MiB to carry); run: bash {}",
         dir.display(),
         total as f64 / (1 << 20) as f64,
         dir.join("multi_gpu.sh").display()
     );
+    if run {
+        run_script(&dir.join("multi_gpu.sh"))?;
+    }
+    Ok(())
+}
+
+/// Bytes that one `run` carries for `paths`, or an error past the device tool's limit.
+fn carry_size(paths: &[PathBuf]) -> Result<u64, String> {
+    let total = paths.iter().map(|p| path_size(p)).sum::<u64>();
     if total > BUNDLE_LIMIT {
         return Err(format!(
             "bundle is {} MiB, over the {} MiB carry limit",
@@ -409,14 +402,17 @@ fn multi_gpu_bundle(run: bool) -> Result<(), String> {
             BUNDLE_LIMIT >> 20
         ));
     }
-    if run {
-        let st = Command::new("bash")
-            .arg(dir.join("multi_gpu.sh"))
-            .status()
-            .map_err(|e| e.to_string())?;
-        if !st.success() {
-            return Err("multi_gpu.sh failed".into());
-        }
+    Ok(total)
+}
+
+/// Runs a bundle's script with bash (`--run`, where the GPU and the toolchain are one machine).
+fn run_script(script: &Path) -> Result<(), String> {
+    let st = Command::new("bash")
+        .arg(script)
+        .status()
+        .map_err(|e| e.to_string())?;
+    if !st.success() {
+        return Err(format!("{} failed", script.display()));
     }
     Ok(())
 }

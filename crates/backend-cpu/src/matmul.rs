@@ -262,22 +262,7 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         T::zero(),
         &mut split.target(&mut c, ranges[0].clone()),
     );
-    // Every part is waited for before an error returns, so that no helper still holds the
-    // operands once this kernel is done.
-    let parts: Vec<_> = others
-        .into_iter()
-        .map(|(r, pending)| {
-            let buf = match pending {
-                Ok(p) => p
-                    .wait()
-                    .ok_or_else(|| Error::backend("matmul", "a GEMM helper thread panicked"))
-                    .and_then(|r| r),
-                Err(job) => job(),
-            };
-            (r, buf)
-        })
-        .collect();
-    for (r, buf) in parts {
+    for (r, buf) in collect_parts(others) {
         let buf = buf?;
         let mut t = split.target(&mut c, r);
         let src = ArrayView2::from_shape(t.raw_dim(), &buf[..]).map_err(shape_err)?;
@@ -287,6 +272,35 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         }
     }
     Ok(())
+}
+
+/// One part of a split product handed to the pool: its range, and the pending result (or the
+/// job back, when no helper was free).
+type Submitted<T, F> = (
+    Range<usize>,
+    std::result::Result<pool::Pending<Result<Vec<T>>>, F>,
+);
+
+/// The helpers' parts of a split product (a part no helper took runs here), each with its
+/// range. Every part is waited for before any error is looked at, so that no helper still
+/// holds the operands once the kernel returns.
+fn collect_parts<T, F>(others: Vec<Submitted<T, F>>) -> Vec<(Range<usize>, Result<Vec<T>>)>
+where
+    F: FnOnce() -> Result<Vec<T>>,
+{
+    others
+        .into_iter()
+        .map(|(r, pending)| {
+            let buf = match pending {
+                Ok(p) => p
+                    .wait()
+                    .ok_or_else(|| Error::backend("matmul", "a helper thread panicked"))
+                    .and_then(|r| r),
+                Err(job) => job(),
+            };
+            (r, buf)
+        })
+        .collect()
 }
 
 /// Matrix-vector products (a row-major matrix times a column) with at least this many
@@ -341,22 +355,7 @@ fn split_dots<T: CpuElem + LinalgScalar>(
         .collect();
     let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
     rows(x, y, ranges[0].clone(), &mut out[ranges[0].clone()]);
-    // Every part is waited for before an error returns, so that no helper still holds the
-    // operands once this kernel is done.
-    let parts: Vec<_> = others
-        .into_iter()
-        .map(|(r, pending)| {
-            let buf = match pending {
-                Ok(p) => p
-                    .wait()
-                    .ok_or_else(|| Error::backend("matmul", "a GEMV helper thread panicked"))
-                    .and_then(|r| r),
-                Err(job) => job(),
-            };
-            (r, buf)
-        })
-        .collect();
-    for (r, buf) in parts {
+    for (r, buf) in collect_parts(others) {
         out[r].copy_from_slice(&buf?);
     }
     Ok(())

@@ -88,8 +88,9 @@ static ANCHOR: [Mutex<Option<(usize, u64)>>; MAX_DEVICES] =
 /// from an older anchor would lose sub-microsecond precision.
 const ANCHOR_NS: u64 = 10_000_000_000;
 
-fn take_event(dev: &dyn Site) -> Option<sys::CUevent> {
-    if let Some(e) = POOL.get(dev.ordinal())?.lock().unwrap().pop() {
+/// A timing event of device `ordinal`'s pool, or a new one (its context must be current).
+fn take_event(ordinal: usize) -> Option<sys::CUevent> {
+    if let Some(e) = POOL.get(ordinal)?.lock().unwrap().pop() {
         return Some(e as sys::CUevent);
     }
     let mut ev = std::ptr::null_mut();
@@ -128,7 +129,7 @@ fn anchor(dev: &dyn Site) -> Option<(usize, u64)> {
     {
         return Some((ev, host));
     }
-    let ev = take_event(dev)?;
+    let ev = take_event(dev.ordinal())?;
     // SAFETY: the context is current; the event is ours; we wait for it before reading the
     // host clock, so the anchor's host time is when the device reached it.
     unsafe {
@@ -302,17 +303,7 @@ impl Span {
     /// Records the event after the work and pairs it with the stream's previous one.
     fn finish_timer(&self, anchor: (usize, u64), submit_ns: u64) -> Option<Box<dyn DeviceTimer>> {
         let last = LAST.get(self.ordinal)?;
-        let ev = match POOL.get(self.ordinal)?.lock().unwrap().pop() {
-            Some(e) => e as sys::CUevent,
-            None => {
-                let mut e = std::ptr::null_mut();
-                // SAFETY: valid out-pointer; the context that ran the work is current.
-                unsafe { sys::cuEventCreate(&mut e, sys::CUevent_flags::CU_EVENT_DEFAULT as u32) }
-                    .result()
-                    .ok()?;
-                e
-            }
-        };
+        let ev = take_event(self.ordinal)?;
         let end = Arc::new(Pooled {
             ordinal: self.ordinal,
             ev: ev as usize,

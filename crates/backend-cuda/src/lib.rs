@@ -254,6 +254,36 @@ impl Backend for Cuda {
         Ok(CudaStorage::ready(buf))
     }
 
+    fn from_host_sources(
+        device: &CudaDevice,
+        srcs: Vec<(DType, HostSource<'_>)>,
+    ) -> Result<Vec<CudaStorage>> {
+        let all_pinned = srcs
+            .iter()
+            .all(|(_, s)| s.pinned && s.owner.is_some() && !s.bytes.is_empty());
+        if !all_pinned {
+            return srcs
+                .into_iter()
+                .map(|(dtype, src)| Self::from_host_source(device, dtype, src))
+                .collect();
+        }
+        let pairs: Vec<_> = srcs
+            .iter()
+            .map(|(_, s)| (s.bytes, s.owner.clone().expect("checked above")))
+            .collect();
+        let bufs = transfer::upload_pinned(state(device)?, &pairs)?;
+        Ok(bufs
+            .into_iter()
+            .zip(&srcs)
+            .map(|(buf, (dtype, src))| {
+                if let Some(bound) = transfer::host_id_bound(*dtype, src.bytes) {
+                    buf.mark_all_ids_below(bound);
+                }
+                CudaStorage::ready(buf)
+            })
+            .collect())
+    }
+
     fn to_host_bytes(
         storage: &CudaStorage,
         layout: &Layout,

@@ -19,7 +19,9 @@
 //! instead of staging was measured (BENCHMARKS.md, "transfers"): pinning pages costs more
 //! than the staged copy of the same bytes, so kiln stages.
 
+use std::any::Any;
 use std::ffi::c_void;
+use std::sync::Arc;
 
 use cudarc::driver::sys;
 use kiln_core::{DType, HostSource, Result};
@@ -118,6 +120,11 @@ fn staging_block(st: &mut Staging, wait: bool) -> Result<usize> {
 /// before the copy is done).
 pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<Buffer> {
     let data = src.bytes;
+    let pinned = !data.is_empty() && (src.pinned || pinned::is_pinned(data.as_ptr(), data.len()));
+    if let (true, Some(owner)) = (pinned, src.owner) {
+        let mut bufs = upload_pinned(dev, &[(data, owner)])?;
+        return Ok(bufs.pop().expect("one buffer per source"));
+    }
     dev.bind()?;
     let user = dev.stream();
     let dst = alloc_on(dev, data.len(), dev.copy)?;
@@ -125,10 +132,10 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
         return Ok(dst);
     }
     dev.sweep_in_flight();
-    if src.pinned || pinned::is_pinned(data.as_ptr(), data.len()) {
+    if pinned {
         let prof = crate::profile::h2d(dev, "from_host", dev.copy, data.len());
-        // SAFETY: `data` is page-locked host memory of `len` bytes, kept alive below until the
-        // DMA is done; the device range is `dst`.
+        // SAFETY: `data` is page-locked host memory of `len` bytes that the caller lends for
+        // this call only: we wait for the copy before returning; the device range is `dst`.
         check(
             unsafe {
                 sys::cuMemcpyHtoDAsync_v2(
@@ -141,30 +148,9 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             "from_host",
         )?;
         drop(prof);
-        match src.owner {
-            Some(owner) => {
-                // One event both orders the caller's stream after the copy and tells when the
-                // source may go.
-                let event = dev.event()?;
-                // SAFETY: a live event and streams of this context.
-                unsafe {
-                    check(sys::cuEventRecord(event, dev.copy), "from_host")?;
-                    check(sys::cuStreamWaitEvent(user, event, 0), "from_host")?;
-                }
-                dev.in_flight.lock().unwrap().push_back(InFlight {
-                    event,
-                    _owner: owner,
-                });
-                dst.mark_used(user);
-                return Ok(dst);
-            }
-            // Borrowed memory: the caller may reuse it once we return.
-            // SAFETY: the copy stream belongs to this (current) context.
-            None => {
-                let _prof = crate::profile::sync(dev, "from_host");
-                check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?
-            }
-        }
+        let _prof = crate::profile::sync(dev, "from_host");
+        // SAFETY: the copy stream belongs to this (current) context.
+        check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?;
     } else {
         let block_bytes = staging_bytes();
         let mut st = dev.staging.lock().unwrap();
@@ -194,6 +180,55 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
     dst.mark_used(user);
     dev.order(dev.copy, user, "from_host")?;
     Ok(dst)
+}
+
+/// Copies page-locked sources to new device buffers asynchronously on the copy stream: one
+/// DMA each, then one event that both orders the caller's stream after all of them and tells
+/// when the sources (kept alive by their owners until then) may go. A batch's features and
+/// labels thus cost one event, not one each.
+pub(crate) fn upload_pinned(
+    dev: &'static DeviceState,
+    srcs: &[(&[u8], Arc<dyn Any + Send + Sync>)],
+) -> Result<Vec<Buffer>> {
+    dev.bind()?;
+    let user = dev.stream();
+    dev.sweep_in_flight();
+    let mut bufs = Vec::with_capacity(srcs.len());
+    for (data, _) in srcs {
+        let dst = alloc_on(dev, data.len(), dev.copy)?;
+        if !data.is_empty() {
+            let _prof = crate::profile::h2d(dev, "from_host", dev.copy, data.len());
+            // SAFETY: `data` is page-locked host memory of `len` bytes, kept alive by its owner
+            // (held in `in_flight` below) until the DMA is done; the device range is `dst`.
+            check(
+                unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(
+                        dst.device_ptr(),
+                        data.as_ptr() as *const c_void,
+                        data.len(),
+                        dev.copy,
+                    )
+                },
+                "from_host",
+            )?;
+        }
+        bufs.push(dst);
+    }
+    let event = dev.event()?;
+    // SAFETY: a live event and streams of this context.
+    unsafe {
+        check(sys::cuEventRecord(event, dev.copy), "from_host")?;
+        check(sys::cuStreamWaitEvent(user, event, 0), "from_host")?;
+    }
+    let owners: Vec<_> = srcs.iter().map(|(_, o)| o.clone()).collect();
+    dev.in_flight.lock().unwrap().push_back(InFlight {
+        event,
+        _owner: Arc::new(owners),
+    });
+    for b in &bufs {
+        b.mark_used(user);
+    }
+    Ok(bufs)
 }
 
 /// Reads `out.len()` bytes from `src` at byte offset `off` (a contiguous range) into `out`,

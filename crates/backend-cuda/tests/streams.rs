@@ -263,3 +263,42 @@ fn streams_and_events_of_another_device_are_typed_errors() {
     // Cross-device waits are allowed: that is how two GPUs are ordered.
     s1.wait_event(&e0).unwrap();
 }
+
+#[test]
+fn several_pinned_sources_upload_behind_one_event_and_stay_alive() {
+    use kiln_core::{Backend, HostSource};
+    use std::sync::Arc;
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let n = 4 << 20;
+    let data = ramp(n);
+    let ids: Vec<i64> = (0..1000).map(|i| i % 10).collect();
+    let block = |bytes: &[u8]| Arc::new(PinnedBlock::from_bytes("test", bytes).unwrap());
+    let (f, l) = (
+        block(bytemuck::cast_slice(&data)),
+        block(bytemuck::cast_slice(&ids)),
+    );
+    fn src(b: &Arc<PinnedBlock>) -> HostSource<'_> {
+        HostSource {
+            bytes: b.as_bytes(),
+            pinned: true,
+            owner: Some(b.clone()),
+        }
+    }
+    raw::delay_copies(&dev, 200_000).unwrap(); // the DMAs start 200 ms from now
+    let mut s = Cuda::from_host_sources(&dev, vec![(F32, src(&f)), (DType::I64, src(&l))]).unwrap();
+    drop((f, l)); // only the uploads hold the blocks now
+    let junk = PinnedBlock::new("test", n * 4).unwrap();
+    let ls = Tensor::<Cuda>::from_storage(s.pop().unwrap(), [1000], DType::I64);
+    let fs = Tensor::<Cuda>::from_storage(s.pop().unwrap(), [n], F32);
+    assert!(
+        fs.to_vec::<f32>().unwrap() == data,
+        "features read recycled memory"
+    );
+    assert_eq!(ls.to_vec::<i64>().unwrap(), ids);
+    // The labels were scanned on the host: a loss over them needs no flag read.
+    let logits = Tensor::<Cuda>::zeros([1000, 10], F32, &dev).unwrap();
+    let s0 = kiln_backend_cuda::thread_syncs();
+    logits.cross_entropy(&ls).unwrap();
+    assert_eq!(kiln_backend_cuda::thread_syncs(), s0);
+    drop(junk);
+}

@@ -188,6 +188,17 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
             &HostBuffer::from_bytes("from_host", dtype, src.bytes)?,
         )
     }
+    /// Several storages from host sources at once, like [`Self::from_host_source`] on each (a
+    /// batch's features and labels): a GPU backend orders all of them with one event instead
+    /// of one each.
+    fn from_host_sources(
+        device: &Self::Device,
+        srcs: Vec<(DType, HostSource<'_>)>,
+    ) -> Result<Vec<Self::Storage>> {
+        srcs.into_iter()
+            .map(|(dtype, src)| Self::from_host_source(device, dtype, src))
+            .collect()
+    }
     /// Takes ownership of a host buffer (saves a copy on host backends).
     fn from_host_owned(device: &Self::Device, data: HostBuffer) -> Result<Self::Storage> {
         Self::from_host(device, &data)

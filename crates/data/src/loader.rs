@@ -311,8 +311,8 @@ impl<B: Backend> Job<B> {
     }
 
     /// Puts a gathered batch on the device: from pinned blocks, two asynchronous DMAs on the
-    /// backend's copy stream, ordered before the caller's later work (the blocks live until
-    /// the copies are done).
+    /// backend's copy stream and one event that orders the caller's later work after both (the
+    /// blocks live until the copies are done).
     fn upload(&self, g: Gathered<B>) -> Result<TensorBatch<B>> {
         match g {
             Gathered::Ready(batch) => Ok(batch),
@@ -321,29 +321,29 @@ impl<B: Backend> Job<B> {
                 labels,
                 dtypes: (fd, ld),
                 dims: (fdims, ldims),
-            } => Ok((
-                self.upload_pinned(features, fd, fdims)?,
-                self.upload_pinned(labels, ld, ldims)?,
-            )),
+            } => {
+                let (f, l) = (Arc::new(features), Arc::new(labels));
+                fn src(b: &Arc<PinnedBlock>) -> HostSource<'_> {
+                    HostSource {
+                        bytes: b.as_bytes(),
+                        pinned: true,
+                        owner: Some(b.clone()),
+                    }
+                }
+                let mut s = B::from_host_sources(&self.device, vec![(fd, src(&f)), (ld, src(&l))])?;
+                let (ls, fs) = (s.pop(), s.pop());
+                match (fs, ls) {
+                    (Some(fs), Some(ls)) => Ok((
+                        Tensor::from_storage(fs, fdims, fd),
+                        Tensor::from_storage(ls, ldims, ld),
+                    )),
+                    _ => Err(Error::backend(
+                        "DataLoader",
+                        "the backend returned fewer storages than sources",
+                    )),
+                }
+            }
         }
-    }
-
-    /// A pinned block on the device (asynchronously on a GPU; the block lives until the copy
-    /// is done).
-    fn upload_pinned(
-        &self,
-        block: PinnedBlock,
-        dtype: DType,
-        dims: Vec<usize>,
-    ) -> Result<Tensor<B>> {
-        let block = Arc::new(block);
-        let src = HostSource {
-            bytes: block.as_bytes(),
-            pinned: true,
-            owner: Some(block.clone()),
-        };
-        let s = B::from_host_source(&self.device, dtype, src)?;
-        Ok(Tensor::from_storage(s, dims, dtype))
     }
 }
 

@@ -269,6 +269,10 @@ pub(crate) struct DeviceState {
     pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
     /// Spare events (timing disabled) for ordering streams and tracking copies.
     pub events: Mutex<Vec<usize>>,
+    /// Streams of dropped [`crate::Stream`]s, by priority, for the next `Stream::new`. A stream
+    /// is never destroyed: blocks it used still name it, and record an event on it when they
+    /// are freed (see `memory.rs`), possibly long after the `Stream` was dropped.
+    pub spare_streams: Mutex<Vec<(i32, usize)>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -446,6 +450,7 @@ impl DeviceState {
                 deferred_count: AtomicUsize::new(0),
                 in_flight: Mutex::new(Default::default()),
                 events: Mutex::new(Vec::new()),
+                spare_streams: Mutex::new(Vec::new()),
             })
         }
     }

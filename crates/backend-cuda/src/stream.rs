@@ -43,8 +43,9 @@ use crate::device::{CudaDevice, DeviceState, check, set_current_stream, state};
 struct Raw {
     dev: &'static DeviceState,
     stream: sys::CUstream,
-    /// Created by us (destroyed on drop), or a device's default stream.
-    owned: bool,
+    /// Created by [`Stream::with_priority`] (returned to the device's spares on drop, with
+    /// this priority), or a device's default stream (`None`).
+    owned: Option<i32>,
 }
 // SAFETY: a stream handle is valid from any thread (with its context bound, which every use
 // below ensures).
@@ -54,11 +55,13 @@ unsafe impl Sync for Raw {}
 
 impl Drop for Raw {
     fn drop(&mut self) {
-        if self.owned && self.dev.bind().is_ok() {
-            // SAFETY: a stream we created. Work still queued on it completes first: the driver
-            // releases the stream's resources once it is idle. Blocks used on it wait for its
-            // events (recorded when they were freed), which stay valid after the destroy.
-            unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        // Not destroyed but kept for the next `Stream::new`, as PyTorch keeps a pool of
+        // streams: a tensor used on this stream may outlive the `Stream` (an NCCL
+        // communicator's output, a user's scope), and its free records an event here.
+        // Destroying the stream made that record a use after free (SIGSEGV at exit).
+        if let Some(priority) = self.owned {
+            let mut spare = self.dev.spare_streams.lock().unwrap();
+            spare.push((priority, self.stream as usize));
         }
     }
 }
@@ -91,23 +94,35 @@ impl Stream {
     /// typically -5..=0, and values outside it are clamped by the driver).
     pub fn with_priority(dev: &CudaDevice, priority: i32) -> Result<Stream> {
         let st = state(dev)?;
-        let mut s = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the device's context is current (bound by `state`).
-        check(
-            unsafe {
-                sys::cuStreamCreateWithPriority(
-                    &mut s,
-                    sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                    priority,
-                )
-            },
-            "Stream::new",
-        )?;
+        let spare = {
+            let mut spare = st.spare_streams.lock().unwrap();
+            let i = spare.iter().rposition(|&(p, _)| p == priority);
+            i.map(|i| spare.swap_remove(i).1 as sys::CUstream)
+        };
+        let s = match spare {
+            Some(s) => s,
+            None => {
+                let mut s = std::ptr::null_mut();
+                // SAFETY: valid out-pointer; the device's context is current (bound by
+                // `state`).
+                check(
+                    unsafe {
+                        sys::cuStreamCreateWithPriority(
+                            &mut s,
+                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                            priority,
+                        )
+                    },
+                    "Stream::new",
+                )?;
+                s
+            }
+        };
         Ok(Stream {
             raw: Arc::new(Raw {
                 dev: st,
                 stream: s,
-                owned: true,
+                owned: Some(priority),
             }),
         })
     }
@@ -129,7 +144,7 @@ impl Stream {
             raw: Arc::new(Raw {
                 dev,
                 stream,
-                owned: false,
+                owned: None,
             }),
         }
     }

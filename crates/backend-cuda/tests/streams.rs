@@ -86,6 +86,39 @@ fn a_block_used_on_another_stream_is_not_reused_before_that_stream_passes() {
     assert!(z.to_vec::<f32>().unwrap().iter().all(|&v| v == 7.0));
 }
 
+/// A tensor used on a stream that is dropped before the tensor: the tensor's free records an
+/// event on that stream, so the stream must still exist (it crashed `data_parallel` at exit,
+/// where a collective's output outlived its communicator's stream).
+#[test]
+fn a_tensor_used_on_a_dropped_stream_is_freed_safely() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let n = 1 << 16;
+    let mut handles = Vec::new();
+    for round in 0..20 {
+        let x = Tensor::<Cuda>::full([n], round as f64, F32, &dev).unwrap();
+        let s = Stream::new(&dev).unwrap();
+        handles.push(format!("{s:?}"));
+        let y = s
+            .scope(|| {
+                let y = (&x + 1.0)?;
+                y.realize()?;
+                Ok::<_, Error>(y)
+            })
+            .unwrap();
+        s.synchronize().unwrap();
+        drop(s);
+        drop(x); // records "x is free once the dropped stream passes here"
+        drop(y);
+        let z = Tensor::<Cuda>::full([n], 3.0, F32, &dev).unwrap();
+        assert_eq!(z.sum_all().unwrap().to_scalar().unwrap(), 3.0 * n as f64);
+    }
+    // The dropped streams were kept and handed out again, not destroyed and recreated.
+    handles.sort();
+    handles.dedup();
+    assert_eq!(handles.len(), 1, "streams were not reused: {handles:?}");
+    kiln_backend_cuda::synchronize(&dev).unwrap();
+}
+
 #[test]
 fn deferred_work_runs_on_the_stream_it_was_recorded_on() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -7,6 +7,8 @@
 //!   batch (on a GPU through pinned memory on the copy stream) while this one trains.
 //!
 //! With full overlap `prefetch` costs what `compute` costs; without any, what `sync` costs.
+//! `prefetch/compute` is the median over rounds of each round's ratio (the two epochs run back
+//! to back), with the range over rounds beside it.
 //! The line `hidden=...%` is the share of the data movement (`sync - compute`) that prefetching
 //! hides.
 //!
@@ -39,8 +41,8 @@ struct Args {
     /// The model: the MLP, or LeNet (samples reshaped to [1, 28, 28]).
     #[arg(long, default_value = "mlp")]
     arch: String,
-    /// Timed rounds (each times the three ways once).
-    #[arg(long, default_value_t = 3)]
+    /// Timed rounds (each times the three ways once, back to back).
+    #[arg(long, default_value_t = 9)]
     rounds: usize,
 }
 
@@ -119,14 +121,21 @@ impl Job for Overlap {
         epoch(Some(&mut pre_loader))?;
         let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds {
-            c.push(epoch(None)?);
             s.push(epoch(Some(&mut sync_loader))?);
+            c.push(epoch(None)?);
             p.push(epoch(Some(&mut pre_loader))?);
         }
         let med = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
             v[v.len() / 2]
         };
+        // The overlap figure pairs each round's prefetch epoch with the compute epoch just
+        // before it, so drift between rounds (clocks, other load on the host) cancels.
+        let ratios: Vec<f64> = p.iter().zip(&c).map(|(p, c)| p / c).collect();
+        let (lo, hi) = ratios
+            .iter()
+            .fold((f64::MAX, 0f64), |(l, h), &r| (l.min(r), h.max(r)));
+        let ratio = med(ratios);
         let (c, s, p) = (med(c), med(s), med(p));
         // Where one batch's data movement goes: loading alone (gather + upload, no step) and
         // the host gather alone.
@@ -158,9 +167,9 @@ impl Job for Overlap {
         };
         println!(
             "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} steps={steps} \
-             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={:.3} hidden={hidden} load_only={load:.3} gather_only={gather:.3}",
+             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3}",
             a.batch,
-            p / c,
+            rounds = a.rounds,
         );
         Ok(())
     }

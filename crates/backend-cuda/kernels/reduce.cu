@@ -174,3 +174,37 @@ REDUCE_ALL(u8)
     }
 MATVEC(float)
 MATVEC(double)
+
+// ---- small matrix products -------------------------------------------------------------------
+//
+// C[z] = A[z] . B[z] for products too small to fill the GPU (m*n*k up to about 128^3), where
+// cuBLAS's host work per call (~10 us) is several times the device time: one launch of 16x16
+// output tiles, A and B read through any strides (transposed, sliced, broadcast batches), C
+// contiguous [batch, m, n]. blockIdx.y runs over batch * tiles_m. Each output is one FMA chain
+// over k in order: deterministic, no TF32 (what cuBLAS's default math gives in f32).
+
+#define GEMM_SMALL(T)                                                                          \
+    extern "C" __global__ void gemm_small_##T(                                                 \
+        const T* __restrict__ a, u64 ars, u64 acs, u64 azs, const T* __restrict__ b, u64 brs,  \
+        u64 bcs, u64 bzs, T* __restrict__ c, u64 m, u64 n, u64 k, u64 tiles_m) {               \
+        __shared__ T ta[16][17];                                                               \
+        __shared__ T tb[16][17];                                                               \
+        int tx = threadIdx.x % 16, ty = threadIdx.x / 16; /* blockDim.x == 256 */              \
+        u64 z = blockIdx.y / tiles_m;                                                          \
+        u64 row = (blockIdx.y % tiles_m) * 16 + ty, col = (u64)blockIdx.x * 16 + tx;           \
+        a += z * azs;                                                                          \
+        b += z * bzs;                                                                          \
+        c += z * m * n;                                                                        \
+        T acc = (T)0;                                                                          \
+        for (u64 k0 = 0; k0 < k; k0 += 16) {                                                   \
+            u64 ka = k0 + tx, kb = k0 + ty;                                                    \
+            ta[ty][tx] = (row < m && ka < k) ? a[row * ars + ka * acs] : (T)0;                 \
+            tb[ty][tx] = (kb < k && col < n) ? b[kb * brs + col * bcs] : (T)0;                 \
+            __syncthreads();                                                                   \
+            _Pragma("unroll") for (int q = 0; q < 16; ++q) acc += ta[ty][q] * tb[q][tx];       \
+            __syncthreads();                                                                   \
+        }                                                                                      \
+        if (row < m && col < n) c[row * n + col] = acc;                                        \
+    }
+GEMM_SMALL(float)
+GEMM_SMALL(double)

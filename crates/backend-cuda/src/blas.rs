@@ -100,6 +100,58 @@ fn matvec(
     )
 }
 
+/// Whether small products use our kernel (`KILN_CUDA_SMALL_GEMM=0`: always cuBLAS).
+fn small_gemm_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_SMALL_GEMM").map_or(true, |v| v != "0"))
+}
+
+/// Products up to this many multiply-adds go to `gemm_small` (about 128³): there cuBLAS's
+/// host work per call is several times the device time, and a loop of small products (d2l's
+/// 100×100 matmul exercise, a small MLP's hidden layer) is bound by it.
+const SMALL_GEMM_MACS: usize = 1 << 21;
+
+/// One `gemm_small_*` launch of `reduce.cu` (see there): any operand strides, contiguous out.
+fn gemm_small(
+    dev: &DeviceState,
+    (a, la): (&Buffer, &Layout),
+    (b, lb): (&Buffer, &Layout),
+    out: &Buffer,
+    dtype: DType,
+) -> Result<()> {
+    let (batch, m, k, n) = (la.dims()[0], la.dims()[1], la.dims()[2], lb.dims()[2]);
+    let (sa, sb) = (la.strides(), lb.strides());
+    let size = dtype.size_in_bytes() as u64;
+    let at = |s: &Buffer, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
+    let tiles_m = m.div_ceil(16) as u64;
+    let mut args = Args::new();
+    args.push(at(a, la))
+        .push(sa[1] as u64)
+        .push(sa[2] as u64)
+        .push(sa[0] as u64);
+    args.push(at(b, lb))
+        .push(sb[1] as u64)
+        .push(sb[2] as u64)
+        .push(sb[0] as u64);
+    args.push(out.device_ptr())
+        .push(m as u64)
+        .push(n as u64)
+        .push(k as u64)
+        .push(tiles_m);
+    let grid = (n.div_ceil(16) as u32, (batch as u64 * tiles_m) as u32);
+    let t = crate::ops::tname(dtype);
+    crate::ops::run(
+        dev,
+        "matmul",
+        Module::Reduce,
+        &["gemm_small", t],
+        grid,
+        256,
+        0,
+        &mut args,
+    )
+}
+
 fn int(op: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(op, format!("dimension {v} exceeds cuBLAS's i32")))
 }
@@ -142,6 +194,15 @@ pub(crate) fn matmul(
         matvec(dev, (a, la), (b, lb), &out, dtype)?;
         return Ok(out);
     }
+    let tf32 = allow_tf32() || dev.tf32_override.load(Ordering::Relaxed);
+    // With TF32 allowed the product is cuBLAS's (tensor cores), whatever its size.
+    let small = batch.saturating_mul(m).saturating_mul(n).saturating_mul(k) <= SMALL_GEMM_MACS
+        && batch as u64 * m.div_ceil(16) as u64 <= 65_535
+        && !tf32;
+    if small && small_gemm_on() && matches!(dtype, DType::F32 | DType::F64) {
+        gemm_small(dev, (a, la), (b, lb), &out, dtype)?;
+        return Ok(out);
+    }
     let layout = |l: &Layout| {
         let s = l.strides();
         if s[2] == 1 {
@@ -157,7 +218,6 @@ pub(crate) fn matmul(
     let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
     let pa = a.device_ptr() + (la.offset() * size) as u64;
     let pb = b.device_ptr() + (lb.offset() * size) as u64;
-    let tf32 = allow_tf32() || dev.tf32_override.load(Ordering::Relaxed);
     let mut guard = dev.blas.lock().unwrap();
     if guard.is_none() {
         // SAFETY: only dlopens libcublas by its candidate names.

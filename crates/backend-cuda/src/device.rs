@@ -164,6 +164,7 @@ pub fn thread_launches() -> u64 {
 pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     let s = state(dev)?;
     s.sync_all("clear_kernel_cache")?;
+    KERNEL_EPOCH.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
     s.funcs.lock().unwrap().clear();
     s.generated.slots.lock().unwrap().clear();
@@ -178,6 +179,10 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     }
     Ok(())
 }
+
+/// Changes whenever [`clear_kernel_cache`] unloads modules: memos of kernel handles kept
+/// outside the device state (per-thread ones) are valid only for the epoch they were made in.
+pub(crate) static KERNEL_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A kernel's name, as the parts that are joined with `_` to spell it.
 pub(crate) type FuncKey = [&'static str; 5];

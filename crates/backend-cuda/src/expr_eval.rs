@@ -21,14 +21,16 @@
 //! argument lists beyond what a launch takes, and programs past [`MAX_KERNELS`] per device (a
 //! bound on compile time). A kernel NVRTC rejects is an [`Error::Backend`] carrying its log.
 
+use std::cell::RefCell;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use kiln_core::expr::{Program, check_call, eval_composed};
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
 use crate::Cuda;
 use crate::codegen::{self, Access, Geometry, KERNEL, Strategy, Variant};
-use crate::device::{CudaDevice, DeviceState, Func, state};
+use crate::device::{CudaDevice, DeviceState, Func, KERNEL_EPOCH, state};
 use crate::launch::{Args, Dims, MAX_DIMS, Strides};
 use crate::memory::{Buffer, alloc};
 use crate::storage::CudaStorage;
@@ -261,12 +263,57 @@ fn launch(
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
 /// cache) and loaded; `None` when the device already holds [`MAX_KERNELS`] of them.
 fn kernel(dev: &'static DeviceState, p: &Program, v: &Variant) -> Result<Option<Func>> {
+    let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+    let hit = RECENT.with(|r| {
+        r.borrow()
+            .iter()
+            .find(|e| {
+                e.ordinal == dev.ordinal && e.epoch == epoch && e.variant == *v && e.program == *p
+            })
+            .map(|e| e.func)
+    });
+    if hit.is_some() {
+        return Ok(hit);
+    }
     let key = ExprKey(p.clone(), v.clone());
-    dev.generated_func(&key, MAX_KERNELS, || {
+    let f = dev.generated_func(&key, MAX_KERNELS, || {
         let src = codegen::source(p, v)?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
         Ok((build(&src, dev.arch)?, name))
-    })
+    })?;
+    if let Some(func) = f {
+        RECENT.with(|r| {
+            let mut r = r.borrow_mut();
+            if r.len() == RECENT_LEN {
+                r.remove(0);
+            }
+            r.push(Recent {
+                ordinal: dev.ordinal,
+                epoch,
+                program: key.0,
+                variant: key.1,
+                func,
+            });
+        });
+    }
+    Ok(f)
+}
+
+/// Kernels a thread looked up last, so that a program run again (a norm in a loop) finds its
+/// kernel by comparing, without cloning and hashing the program and taking the device's memo
+/// locks. Valid for one [`KERNEL_EPOCH`] (`clear_kernel_cache` unloads the modules).
+struct Recent {
+    ordinal: usize,
+    epoch: u64,
+    program: Program,
+    variant: Variant,
+    func: Func,
+}
+
+const RECENT_LEN: usize = 8;
+
+thread_local! {
+    static RECENT: RefCell<Vec<Recent>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The memo key of an expression kernel on a device (`DeviceState::generated_func`).

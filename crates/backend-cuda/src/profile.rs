@@ -21,6 +21,15 @@
 //! device is preceded by an anchor: one synchronization, one event, and the host time at which
 //! it completed (renewed every 10 s, so that offsets keep microsecond precision).
 //! `KILN_PROFILE_DEVICE=0` records no events (host times only).
+//!
+//! # Sampling
+//!
+//! Each timing event costs the driver about as much as a small launch, and timing every
+//! launch of a launch-bound training step made it ~40 % slower. So by default launches are
+//! timed at random, one in [`profile::device_sample_every`] (the first two of each name
+//! always), each between two events of its own; copies are always timed. The profile
+//! estimates the untimed launches from the timed ones of the same name. With
+//! `KILN_PROFILE_SAMPLE=1` every launch is timed with one event, as described above.
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -150,6 +159,9 @@ struct Timer {
     submit_ns: u64,
     /// The stream's previous timing event, if any.
     prev: Option<Arc<Pooled>>,
+    /// `prev` was recorded just before this work (sampling), so `elapsed(prev, end)` is its
+    /// time; otherwise the host's enqueue time bounds it too (the device may have idled).
+    own_start: bool,
     end: Arc<Pooled>,
 }
 
@@ -181,7 +193,11 @@ impl DeviceTimer for Timer {
             Some(p) => Some((elapsed_ms(p.ev, self.end.ev)? as f64 * 1e6) as u64),
             None => None,
         };
-        let dur_ns = from_prev.map_or(since_submit, |p| p.min(since_submit));
+        let dur_ns = match from_prev {
+            Some(p) if self.own_start => p,
+            Some(p) => p.min(since_submit),
+            None => since_submit,
+        };
         if debug_timers() {
             eprintln!(
                 "kiln profile timer: end {end_ns} submit {} since_submit {since_submit} \
@@ -249,8 +265,73 @@ pub(crate) struct Span {
     ev: Option<Event>,
     /// The device's anchor when the work is timed on the device.
     anchor: Option<(usize, u64)>,
+    /// Under sampling, the event recorded just before the timed work (the stream's previous
+    /// timing event may be many untimed launches back).
+    start: Option<Arc<Pooled>>,
     ordinal: usize,
     stream: sys::CUstream,
+}
+
+/// Per thread: a xorshift state and how often each launch name was seen in the current
+/// profiling scope (see [`sampled`]).
+struct Sampler {
+    rng: u64,
+    generation: u64,
+    seen: Vec<(usize, u8)>,
+}
+
+thread_local! {
+    static SAMPLER: RefCell<Sampler> = RefCell::new(Sampler {
+        rng: 0x9e37_79b9_7f4a_7c15 ^ now_ns().max(1),
+        generation: u64::MAX,
+        seen: Vec::new(),
+    });
+}
+
+/// Whether this launch is timed on the device ([`profile::device_sample_every`]): the first
+/// two of each name on this thread in each profiling scope, then one in n at random.
+fn sampled(name: &'static str, every: u32) -> bool {
+    if every <= 1 {
+        return true;
+    }
+    SAMPLER.with(|s| {
+        let mut s = s.borrow_mut();
+        let generation = profile::generation();
+        if s.generation != generation {
+            s.generation = generation;
+            s.seen.clear();
+        }
+        let key = name.as_ptr() as usize;
+        match s.seen.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, c)) if *c >= 2 => {}
+            Some((_, c)) => {
+                *c += 1;
+                return true;
+            }
+            None => {
+                s.seen.push((key, 1));
+                return true;
+            }
+        }
+        let mut x = s.rng;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        s.rng = x;
+        x % every as u64 == 0
+    })
+}
+
+/// Records a timing event on `stream` now (the start of sampled work).
+fn start_event(ordinal: usize, stream: sys::CUstream) -> Option<Arc<Pooled>> {
+    let ev = take_event(ordinal)?;
+    let start = Arc::new(Pooled {
+        ordinal,
+        ev: ev as usize,
+    });
+    // SAFETY: our event, a stream of the current context.
+    unsafe { sys::cuEventRecord(ev, stream) }.result().ok()?;
+    Some(start)
 }
 
 impl Span {
@@ -277,11 +358,28 @@ impl Span {
                 .is_some_and(|op| op != name)
                 .then_some("fusion off");
         }
-        let anchor = (timed && device_timing()).then(|| anchor(dev)).flatten();
+        let mut anchor = None;
+        let mut start = None;
+        if device_timing() {
+            let every = profile::device_sample_every();
+            let launch = matches!(kind, Kind::Launch(_));
+            if timed && launch && !sampled(name, every) {
+                ev.sampled_out = true;
+            } else if timed {
+                anchor = self::anchor(dev);
+                if every > 1 && anchor.is_some() {
+                    // With sampling the stream's previous timing event is no start: time
+                    // this work between two events of its own.
+                    start = start_event(dev.ordinal(), stream);
+                    anchor = anchor.filter(|_| start.is_some());
+                }
+            }
+        }
         ev.start_ns = now_ns();
         Span {
             ev: Some(ev),
             anchor,
+            start,
             ordinal: dev.ordinal(),
             stream,
         }
@@ -301,13 +399,31 @@ impl Drop for Span {
 
 impl Span {
     /// Records the event after the work and pairs it with the stream's previous one.
-    fn finish_timer(&self, anchor: (usize, u64), submit_ns: u64) -> Option<Box<dyn DeviceTimer>> {
-        let last = LAST.get(self.ordinal)?;
+    fn finish_timer(
+        &mut self,
+        anchor: (usize, u64),
+        submit_ns: u64,
+    ) -> Option<Box<dyn DeviceTimer>> {
         let ev = take_event(self.ordinal)?;
         let end = Arc::new(Pooled {
             ordinal: self.ordinal,
             ev: ev as usize,
         });
+        if let Some(start) = self.start.take() {
+            // SAFETY: our event, the stream the work went to (of the current context).
+            unsafe { sys::cuEventRecord(ev, self.stream) }
+                .result()
+                .ok()?;
+            return Some(Box::new(Timer {
+                ordinal: self.ordinal,
+                anchor,
+                submit_ns,
+                prev: Some(start),
+                own_start: true,
+                end,
+            }));
+        }
+        let last = LAST.get(self.ordinal)?;
         let key = self.stream as usize;
         // Recording and noting the event under one lock keeps `prev` in stream order.
         let mut last = last.lock().unwrap();
@@ -327,6 +443,7 @@ impl Span {
             anchor,
             submit_ns,
             prev,
+            own_start: false,
             end,
         }))
     }

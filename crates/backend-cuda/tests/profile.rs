@@ -12,6 +12,7 @@ use kiln_core::{Backend, DType, Tensor};
 #[test]
 fn known_sequence_calls_bytes_copies_and_device_time() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let p = check_profile_counts::<Cuda>(&dev, "cuda-known-sequence", true);
     let mine = p.in_range("cuda-known-sequence");
     // exp and add are deferred and run as one fused program when the result is read.
@@ -38,6 +39,7 @@ fn known_sequence_calls_bytes_copies_and_device_time() {
 #[test]
 fn profiling_adds_no_synchronization_per_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let x = Tensor::<Cuda>::rand([230_400], -1.0, 1.0, 1, DType::F32, &dev).unwrap();
     x.exp().unwrap().realize().unwrap();
     Cuda::synchronize(&dev).unwrap();
@@ -75,6 +77,7 @@ fn profiling_adds_no_synchronization_per_op() {
 #[test]
 fn device_spans_are_on_the_stream_they_ran_on() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let s = Stream::new(&dev).unwrap();
     let x = Tensor::<Cuda>::rand([1 << 16], -1.0, 1.0, 2, DType::F32, &dev).unwrap();
     let (_, p) = profile::profile(|| {
@@ -102,6 +105,7 @@ fn device_spans_are_on_the_stream_they_ran_on() {
 #[test]
 fn trace_file_has_host_and_device_events() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let (_, p) = profile::profile(|| {
         let _r = profile::range("gpu-trace");
         let a = Tensor::<Cuda>::rand([128, 128], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
@@ -125,6 +129,7 @@ fn trace_file_has_host_and_device_events() {
 #[test]
 fn device_time_excludes_idle_time_and_queueing() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
     raw::spin(&dev, 1_000).unwrap();
     Cuda::synchronize(&dev).unwrap();
     let (_, p) = profile::profile(|| {
@@ -152,7 +157,9 @@ fn device_time_excludes_idle_time_and_queueing() {
 #[test]
 fn every_kind_of_launch_after_a_cublas_call_gets_device_time() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
+    profile::set_device_sample_every(1); // every launch timed: these tests check each one
+    // 256³ multiply-adds: cuBLAS's (smaller products run kiln's own kernel).
+    let a = Tensor::<Cuda>::rand([256, 256], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
     a.matmul(&a).unwrap().norm().unwrap().to_scalar().unwrap();
     let (_, p) = profile::profile(|| {
         let _r = profile::range("blas-expr-copy");
@@ -171,10 +178,70 @@ fn every_kind_of_launch_after_a_cublas_call_gets_device_time() {
         9,
         "a GEMM, the norm and a copy, 3 times:\n{mine}"
     );
+    assert_eq!(
+        timed
+            .iter()
+            .filter(|r| r.kind == Kind::Launch(LaunchKind::Blas))
+            .count(),
+        3,
+        "{mine}"
+    );
     for r in timed {
         let d = r
             .device_time
             .unwrap_or_else(|| panic!("no device time: {r:?}"));
         assert!(d.dur_ns > 0, "zero device time: {r:?}\n{mine}");
     }
+}
+
+#[test]
+fn sampling_times_a_random_share_of_launches_and_estimates_the_rest() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    profile::set_device_sample_every(4);
+    let x = Tensor::<Cuda>::rand([1 << 20], -1.0, 1.0, 4, DType::F32, &dev).unwrap();
+    x.exp().unwrap().realize().unwrap();
+    let (_, p) = profile::profile(|| {
+        let _r = profile::range("sampled-loop");
+        for _ in 0..400 {
+            x.exp().unwrap().realize().unwrap();
+        }
+        Cuda::synchronize(&dev).unwrap();
+    });
+    profile::set_device_sample_every(1);
+    let mine = p.in_range("sampled-loop");
+    let launches: Vec<_> = mine
+        .records()
+        .iter()
+        .filter(|r| matches!(r.kind, Kind::Launch(_)))
+        .collect();
+    assert_eq!(launches.len(), 400, "{mine}");
+    let timed: Vec<_> = launches.iter().filter(|r| !r.device_estimated).collect();
+    // 1 in 4 at random (plus the first ones of the name): about 100, far from 400 or 0.
+    assert!(
+        (50..=170).contains(&timed.len()),
+        "{} of 400 launches timed",
+        timed.len()
+    );
+    let mean = |v: &[&&kiln_core::profile::Record]| {
+        v.iter()
+            .map(|r| r.device_time.expect("device time").dur_ns as f64)
+            .sum::<f64>()
+            / v.len() as f64
+    };
+    let est: Vec<_> = launches.iter().filter(|r| r.device_estimated).collect();
+    assert!(
+        (mean(&est) - mean(&timed)).abs() <= 0.01 * mean(&timed),
+        "estimated launches get the timed mean"
+    );
+    let c = check_chrome_trace(&mine.chrome_trace_json()).unwrap();
+    assert_eq!(
+        c.device,
+        timed.len(),
+        "device spans only for timed launches: {c:?}"
+    );
+    assert!(
+        mine.table().contains("sampled at random"),
+        "{}",
+        mine.table()
+    );
 }

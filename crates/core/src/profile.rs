@@ -83,6 +83,50 @@ pub fn now_ns() -> u64 {
     T0.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
+/// Launches are timed on the device one in this many by default (see [`device_sample_every`]).
+pub const DEFAULT_SAMPLE_EVERY: u32 = 16;
+
+/// 0 until first read.
+static SAMPLE_EVERY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// How backends sample device timing of launches: each launch is timed with probability
+/// 1/n, and the first two launches of each name on a thread in each profiling scope always
+/// are (copies are always timed). A timing event costs the driver about as much as a small launch, so timing every
+/// launch of a launch-bound step made it 60 % slower (an H100, 2026-11-23), at 1 in 16 ~25 %.
+/// Untimed launches get the mean device time of the timed launches of the same name at
+/// collection ([`Record::device_estimated`]), which is unbiased because the choice is
+/// random, not periodic. `KILN_PROFILE_SAMPLE=n` sets it (1: time every launch), as does
+/// [`set_device_sample_every`].
+pub fn device_sample_every() -> u32 {
+    match SAMPLE_EVERY.load(Ordering::Relaxed) {
+        0 => {
+            let n = std::env::var("KILN_PROFILE_SAMPLE")
+                .ok()
+                .and_then(|v| v.parse::<u32>().ok())
+                .filter(|&n| n > 0)
+                .unwrap_or(DEFAULT_SAMPLE_EVERY);
+            SAMPLE_EVERY.store(n, Ordering::Relaxed);
+            n
+        }
+        n => n,
+    }
+}
+
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// A number that changes whenever a profiling scope starts ([`start`], [`profile`]): backends
+/// that sample per name restart their counts with it, so every scope times the first
+/// launches of each name.
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Relaxed)
+}
+
+/// Sets [`device_sample_every`] for the whole process (`1` times every launch; `0` is read
+/// as 1).
+pub fn set_device_sample_every(n: u32) {
+    SAMPLE_EVERY.store(n.max(1), Ordering::Relaxed);
+}
+
 // ---- records -----------------------------------------------------------------------------
 
 /// What a launch ran.
@@ -175,6 +219,9 @@ pub struct Event {
     /// Why this did not take the normal path (e.g. `"unfused"`), if it did not.
     pub fallback: Option<&'static str>,
     pub timer: Option<Box<dyn DeviceTimer>>,
+    /// Device work left untimed by sampling ([`device_sample_every`]): its device time is
+    /// estimated at collection from the timed records of the same kind, name and device.
+    pub sampled_out: bool,
 }
 
 impl Event {
@@ -192,6 +239,7 @@ impl Event {
             mem_in_use: None,
             fallback: None,
             timer: None,
+            sampled_out: false,
         }
     }
 }
@@ -220,8 +268,12 @@ pub struct Record {
     pub depth: u16,
     /// An elementwise op (for the "where did it run" listing).
     pub elementwise: bool,
-    /// Device time, when the backend gave a timer and it resolved.
+    /// Device time, when the backend gave a timer and it resolved — or, when
+    /// [`Record::device_estimated`], the mean of the timed records like it.
     pub device_time: Option<DeviceTime>,
+    /// The device time is an estimate: this launch was not timed (sampling; see
+    /// [`device_sample_every`]). Totals count it; the trace draws no device span for it.
+    pub device_estimated: bool,
 }
 
 struct Raw {
@@ -322,6 +374,7 @@ pub fn record(ev: Event) {
         depth: 0,
         elementwise: false,
         device_time: None,
+        device_estimated: ev.sampled_out,
     };
     push(rec, ev.timer, false);
 }
@@ -443,6 +496,7 @@ impl Drop for OpSpan {
             depth: 0,
             elementwise: self.elementwise,
             device_time: None,
+            device_estimated: false,
         };
         push_op(rec, self.detail);
         with_local(|l| {
@@ -507,6 +561,7 @@ impl Drop for Range {
             depth: 0,
             elementwise: false,
             device_time: None,
+            device_estimated: false,
         };
         push(rec, None, false);
     }
@@ -556,8 +611,41 @@ fn collect(since_ns: u64, clear: bool) -> Vec<Record> {
     if clear {
         prune();
     }
+    estimate_sampled(&mut out);
     out.sort_by_key(|r| (r.start_ns, r.thread));
     out
+}
+
+/// Gives each record that sampling left untimed the mean device time of the timed records of
+/// the same kind, name and device (none if no such record was timed).
+fn estimate_sampled(recs: &mut [Record]) {
+    if !recs.iter().any(|r| r.device_estimated) {
+        return;
+    }
+    let mut timed: BTreeMap<(Kind, &str, &str), (u64, u64)> = BTreeMap::new();
+    for r in recs.iter().filter(|r| !r.device_estimated) {
+        if let Some(d) = r.device_time {
+            let e = timed.entry((r.kind, &r.name, &r.device)).or_default();
+            *e = (e.0 + d.dur_ns, e.1 + 1);
+        }
+    }
+    let means: Vec<Option<u64>> = recs
+        .iter()
+        .map(|r| {
+            r.device_estimated
+                .then(|| timed.get(&(r.kind, &*r.name, &*r.device)))
+                .flatten()
+                .map(|&(sum, n)| sum / n)
+        })
+        .collect();
+    for (r, m) in recs.iter_mut().zip(means) {
+        if let Some(dur_ns) = m {
+            r.device_time = Some(DeviceTime {
+                start_ns: r.start_ns,
+                dur_ns,
+            });
+        }
+    }
 }
 
 fn clear_all() {
@@ -585,6 +673,7 @@ pub struct Session {
 
 /// Starts recording (whatever `KILN_PROFILE` says) until [`Session::finish`] or drop.
 pub fn start() -> Session {
+    GENERATION.fetch_add(1, Ordering::Relaxed);
     SESSIONS.fetch_add(1, Ordering::SeqCst);
     refresh_state();
     Session {
@@ -914,6 +1003,20 @@ impl Profile {
             fmt_ns(t.sync_ns),
             fmt_ns(t.overhead_ns)
         );
+        let launches = self
+            .records
+            .iter()
+            .filter(|r| matches!(r.kind, Kind::Launch(_)));
+        let (n, est) = launches.fold((0, 0), |(n, e), r| (n + 1, e + r.device_estimated as u64));
+        if est > 0 {
+            let _ = writeln!(
+                s,
+                "Device times of launches: {} of {n} timed (1 in {} sampled at random; \
+                 KILN_PROFILE_SAMPLE=1 times every launch), the rest estimated from their name's mean",
+                n - est,
+                device_sample_every()
+            );
+        }
         s
     }
 
@@ -1143,7 +1246,7 @@ impl Profile {
                     us(r.start_ns + r.dur_ns)
                 ));
             }
-            if let Some(d) = r.device_time {
+            if let (Some(d), false) = (r.device_time, r.device_estimated) {
                 let next = pids.len() as u64 + 1;
                 let pid = *pids.entry(&r.device).or_insert(next);
                 let next = tids.keys().filter(|k| k.0 == pid).count() as u64;

@@ -445,7 +445,7 @@ pub(crate) fn alloc<T: CpuElem>(op: &'static str, device: CpuDevice, len: usize)
 #[cold]
 pub(crate) fn profile_alloc(op: &'static str, device: CpuDevice, bytes: usize) {
     use kiln_core::profile::{Event, Kind, record};
-    let mut ev = Event::new(Kind::Alloc, op, device);
+    let mut ev = Event::new(Kind::Alloc, op, kiln_core::profile::device_label(&device));
     ev.bytes = bytes as u64;
     ev.mem_in_use = Some((counters(&device).in_use.load(Ordering::Relaxed) + bytes) as u64);
     record(ev);

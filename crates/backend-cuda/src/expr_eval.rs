@@ -256,7 +256,8 @@ fn launch(
         }
     };
     let (mut ptrs, np) = a.ptrs();
-    crate::profile::fused_ops(|| crate::profile::expr_op_names(p));
+    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
+    crate::profile::fused_ops(kernel, || crate::profile::expr_op_names(p));
     dev.launch("expr", f, grid, block, 0, &mut ptrs[..np])
 }
 

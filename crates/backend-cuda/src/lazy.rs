@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex};
 
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
-use crate::device::{DeviceState, set_current_stream};
+use crate::device::{DeviceState, KERNEL_EPOCH, set_current_stream};
 use crate::launch::{Args, collapse, fits_u32};
 use crate::lazygen::{Ins, Program, source};
 use crate::memory::{Buffer, alloc, duplicate};
@@ -759,7 +759,10 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
         };
     }
     let (mut p, np) = a.ptrs();
-    crate::profile::fused_ops(|| crate::profile::lazy_op_names(&program.code, reduce));
+    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
+    crate::profile::fused_ops(kernel, || {
+        crate::profile::lazy_op_names(&program.code, reduce)
+    });
     dev.launch(OP, f, grid, FUSED_BLOCK, 0, &mut p[..np])?;
     match reduce {
         Some(op) if outs > 1 => {

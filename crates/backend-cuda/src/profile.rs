@@ -71,8 +71,14 @@ pub(crate) fn note_fusion(on: bool) {
     FUSION.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn device_name(dev: &dyn Site) -> String {
-    format!("cuda:{}", dev.ordinal())
+/// `cuda:N`, formatted once per ordinal.
+fn device_name(dev: &dyn Site) -> std::borrow::Cow<'static, str> {
+    static NAMES: [OnceLock<String>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+    let name = || format!("cuda:{}", dev.ordinal());
+    match NAMES.get(dev.ordinal()) {
+        Some(n) => n.get_or_init(name).as_str().into(),
+        None => name().into(),
+    }
 }
 
 /// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).
@@ -217,11 +223,36 @@ thread_local! {
     static FUSED: RefCell<Option<String>> = const { RefCell::new(None) };
 }
 
+/// Op lists already written on one thread, by kernel handle and kernel-cache epoch.
+type Named = Vec<((usize, u64), std::rc::Rc<str>)>;
+
+thread_local! {
+    static NAMED: RefCell<Named> = const { RefCell::new(Vec::new()) };
+}
+
+/// Op lists remembered per thread (the oldest is forgotten first).
+const NAMED_LEN: usize = 256;
+
 /// Names the ops of the fused program the next launch on this thread runs (when profiling).
-pub(crate) fn fused_ops(names: impl FnOnce() -> String) {
-    if enabled() {
-        FUSED.with(|f| *f.borrow_mut() = Some(names()));
+/// `kernel` (its handle and the kernel-cache epoch) identifies the program, so `names` runs
+/// once per kernel: printing a program for every launch cost microseconds per fused launch.
+pub(crate) fn fused_ops(kernel: (usize, u64), names: impl FnOnce() -> String) {
+    if !enabled() {
+        return;
     }
+    let ops = NAMED.with(|n| {
+        let mut n = n.borrow_mut();
+        if let Some((_, s)) = n.iter().find(|(k, _)| *k == kernel) {
+            return s.clone();
+        }
+        if n.len() == NAMED_LEN {
+            n.remove(0);
+        }
+        let s: std::rc::Rc<str> = names().into();
+        n.push((kernel, s.clone()));
+        s
+    });
+    FUSED.with(|f| *f.borrow_mut() = Some(ops.to_string()));
 }
 
 /// The op names of a lazy program, in order (its leaves and constants left out).

@@ -83,6 +83,29 @@ pub fn now_ns() -> u64 {
     T0.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
+/// `device` as it displays (`cuda:0`), formatted once per device and thread: records name
+/// their device without formatting it each time. One leaked string per distinct device.
+pub fn device_label<D: std::fmt::Display + PartialEq + Clone + 'static>(
+    device: &D,
+) -> &'static str {
+    type Labels = RefCell<Vec<(Box<dyn std::any::Any>, &'static str)>>;
+    thread_local! {
+        static LABELS: Labels = const { RefCell::new(Vec::new()) };
+    }
+    LABELS.with(|l| {
+        let found = l.borrow().iter().find_map(|(d, s)| {
+            d.downcast_ref::<D>()
+                .is_some_and(|d| d == device)
+                .then_some(*s)
+        });
+        found.unwrap_or_else(|| {
+            let s: &'static str = Box::leak(device.to_string().into_boxed_str());
+            l.borrow_mut().push((Box::new(device.clone()), s));
+            s
+        })
+    })
+}
+
 /// Launches are timed on the device one in this many by default (see [`device_sample_every`]).
 pub const DEFAULT_SAMPLE_EVERY: u32 = 16;
 
@@ -205,8 +228,8 @@ pub struct Event {
     pub name: Cow<'static, str>,
     /// Free text: dtype and shapes, or the ops a fused program contains.
     pub detail: String,
-    /// The device, as it displays (`cpu`, `cuda:0`).
-    pub device: String,
+    /// The device, as it displays (`cpu`, `cuda:0`; see [`device_label`]).
+    pub device: Cow<'static, str>,
     /// The stream (any id the backend chooses; 0 for none).
     pub stream: u64,
     /// Host start and duration ([`now_ns`]).
@@ -226,12 +249,16 @@ pub struct Event {
 
 impl Event {
     /// An event of `kind` named `name` on `device`, starting now with no duration.
-    pub fn new(kind: Kind, name: impl Into<Cow<'static, str>>, device: impl ToString) -> Self {
+    pub fn new(
+        kind: Kind,
+        name: impl Into<Cow<'static, str>>,
+        device: impl Into<Cow<'static, str>>,
+    ) -> Self {
         Event {
             kind,
             name: name.into(),
             detail: String::new(),
-            device: device.to_string(),
+            device: device.into(),
             stream: 0,
             start_ns: now_ns(),
             dur_ns: 0,
@@ -250,7 +277,7 @@ pub struct Record {
     pub kind: Kind,
     pub name: Cow<'static, str>,
     pub detail: String,
-    pub device: String,
+    pub device: Cow<'static, str>,
     pub stream: u64,
     /// The profiler's id of the recording thread.
     pub thread: u64,
@@ -447,7 +474,7 @@ impl OpDetail {
 pub struct OpSpan {
     name: &'static str,
     detail: OpDetail,
-    device: String,
+    device: Cow<'static, str>,
     bytes: u64,
     elementwise: bool,
     start_ns: u64,
@@ -459,7 +486,7 @@ pub struct OpSpan {
 /// operands') describe it. The tensor layer calls this only when [`enabled`].
 pub fn op(
     name: &'static str,
-    device: String,
+    device: impl Into<Cow<'static, str>>,
     detail: OpDetail,
     bytes: u64,
     elementwise: bool,
@@ -468,7 +495,7 @@ pub fn op(
     OpSpan {
         name,
         detail,
-        device,
+        device: device.into(),
         bytes,
         elementwise,
         start_ns: now_ns(),
@@ -1038,7 +1065,7 @@ impl Profile {
                 Kind::Op => {
                     let w = m.entry(&r.name).or_default();
                     w.calls += 1;
-                    w.devices.insert(r.device.clone());
+                    w.devices.insert(r.device.to_string());
                     w.elementwise |= r.elementwise;
                 }
                 Kind::Launch(_) | Kind::Copy(_) => {
@@ -1141,10 +1168,10 @@ impl Profile {
             }
             for k in keys {
                 let e = m
-                    .entry((k.clone(), r.device.clone()))
+                    .entry((k.clone(), r.device.to_string()))
                     .or_insert_with(|| MemRow {
                         name: k,
-                        device: r.device.clone(),
+                        device: r.device.to_string(),
                         ..Default::default()
                     });
                 e.allocs += 1;

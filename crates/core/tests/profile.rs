@@ -196,3 +196,47 @@ fn the_table_is_sorted_by_time() {
     assert_eq!(rows, ["long", "mid", "short"]);
     assert!(p.to_string().contains("where did it run"));
 }
+
+#[test]
+fn launches_left_untimed_by_sampling_get_their_names_mean() {
+    let n = Arc::new(AtomicUsize::new(0));
+    let s = start();
+    {
+        let _r = range("sampled");
+        for i in 0..10u64 {
+            let mut ev = Event::new(Kind::Launch(LaunchKind::Kernel), "k", "gpu:3");
+            if i < 4 {
+                ev.timer = Some(Box::new(Fake(
+                    n.clone(),
+                    DeviceTime {
+                        start_ns: 1_000 * i,
+                        dur_ns: 10 * (i + 1),
+                    },
+                )));
+            } else {
+                ev.sampled_out = true;
+            }
+            record(ev);
+        }
+        // A name with no timed launch gets no estimate.
+        let mut ev = Event::new(Kind::Launch(LaunchKind::Kernel), "never", "gpu:3");
+        ev.sampled_out = true;
+        record(ev);
+    }
+    let p = s.finish().in_range("sampled");
+    // Timed: 10 + 20 + 30 + 40; six more at the mean, 25.
+    let row = p.row(Kind::Launch(LaunchKind::Kernel), "k").unwrap();
+    assert_eq!((row.calls, row.device_ns), (10, 100 + 6 * 25));
+    assert_eq!(p.totals().compute_ns, 250);
+    let never = p
+        .find(Kind::Launch(LaunchKind::Kernel), "never")
+        .next()
+        .unwrap();
+    assert!(never.device_estimated && never.device_time.is_none());
+    let c = check_chrome_trace(&p.chrome_trace_json()).unwrap();
+    assert_eq!(
+        c.device, 4,
+        "device spans only for the timed launches: {c:?}"
+    );
+    assert!(p.table().contains("4 of 11 timed"), "{}", p.table());
+}

@@ -155,7 +155,13 @@ impl<B: Backend> Tensor<B> {
             detail.push(o.dims());
             bytes += o.byte_len();
         }
-        profile::op(op, self.device.to_string(), detail, bytes, elementwise)
+        profile::op(
+            op,
+            profile::device_label(&self.device),
+            detail,
+            bytes,
+            elementwise,
+        )
     }
 
     fn byte_len(&self) -> u64 {
@@ -573,7 +579,13 @@ fn prof_new_open<B: Backend>(
 ) -> Option<OpSpan> {
     let mut detail = profile::OpDetail::new(dtype);
     detail.push(shape.dims());
-    Some(profile::op(op, device.to_string(), detail, bytes, false))
+    Some(profile::op(
+        op,
+        profile::device_label(device),
+        detail,
+        bytes,
+        false,
+    ))
 }
 
 /// `len` values must fill `shape` exactly.

@@ -132,8 +132,13 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.fill(T::zero());
         return Ok(storage(a.device(), out));
     }
-    if batch == 1 && n == 1 && ma.cs == 1 && m * k >= SPLIT_GEMV && pool::parts() > 1 {
-        split_dots((a, &ma), (b, &mb), &mut out)?;
+    if batch == 1
+        && n == 1
+        && (ma.cs == 1 || ma.rs == 1)
+        && m * k >= SPLIT_GEMV
+        && pool::parts() > 1
+    {
+        split_gemv((a, &ma), (b, &mb), &mut out)?;
         return Ok(storage(a.device(), out));
     }
     if n == 1 || m == 1 {
@@ -303,36 +308,50 @@ where
         .collect()
 }
 
-/// Matrix-vector products (a row-major matrix times a column) with at least this many
-/// multiply-adds are split by rows across the [`pool`](crate::pool) helpers, whose threads
-/// stay awake between the products of a training loop. (Theano's logistic regression,
-/// 400x784, is 0.3 M; on rayon, a sleeping worker's wake-up cost more than it saved below ~4 MB
-/// of matrix, see [`GEMV_PAR_MIN`].)
+/// Matrix-vector products (a row- or column-major matrix times a column) with at least this
+/// many multiply-adds are split by output rows across the [`pool`](crate::pool) helpers,
+/// whose threads stay awake between the products of a training loop. (Theano's logistic
+/// regression, 400x784, is 0.3 M: its forward product `x · w` is row-major, its gradient
+/// `xᵀ · g` column-major; on rayon, a sleeping worker's wake-up cost more than it saved below
+/// ~4 MB of matrix, see [`GEMV_PAR_MIN`].)
 const SPLIT_GEMV: usize = 1 << 17;
 
-/// `out = a · b` for a row-major `a` (`m x k`) and a column `b`: this thread computes the first
-/// rows' dot products straight into `out`, the helpers the others into buffers of their own,
-/// copied into place. Each row is the same dot product as on one core, so the same bits.
-fn split_dots<T: CpuElem + LinalgScalar>(
+/// `out = a · b` for a row- or column-major `a` (`m x k`) and a column `b`: this thread
+/// computes the first rows of `out` straight into it, the helpers the others into buffers of
+/// their own, copied into place. Every output element is computed by the same operations in
+/// the same order as on one core, so the result has the same bits.
+fn split_gemv<T: CpuElem + LinalgScalar>(
     (a, ma): (&CpuStorage, &Mat),
     (b, mb): (&CpuStorage, &Mat),
     out: &mut [T],
 ) -> Result<()> {
-    let (m, k) = (ma.rows, ma.cols);
-    let per = m.div_ceil(pool::parts());
+    let m = ma.rows;
+    // Parts of whole 16-element vectors, so that every part's loops vectorize the same way.
+    let per = m.div_ceil(pool::parts()).next_multiple_of(16);
     let ranges: Vec<Range<usize>> = (0..m).step_by(per).map(|s| s..(s + per).min(m)).collect();
     let (ma, mb) = (*ma, *mb);
-    let rows = move |x: &[T], y: &[T], r: Range<usize>, o: &mut [T]| {
-        Dots {
-            mat: x,
-            start: ma.off,
-            rstride: ma.rs,
-            estride: 1,
-            vec: &y[mb.off..],
-            vstride: mb.rs,
-            k,
+    let part = move |x: &[T], y: &[T], r: Range<usize>, o: &mut [T]| {
+        if ma.cs == 1 {
+            // Row-major: one dot product per output row.
+            let dots = Dots {
+                mat: x,
+                start: ma.off,
+                rstride: ma.rs,
+                estride: 1,
+                vec: &y[mb.off..],
+                vstride: mb.rs,
+                k: ma.cols,
+            };
+            dots.rows(r.start, o)
+        } else {
+            // Column-major: `gemv`'s column sweep over this block of rows.
+            let rows = Mat {
+                rows: r.len(),
+                off: ma.off + r.start,
+                ..ma
+            };
+            gemv(x, &rows, y, &mb, 0, o)
         }
-        .rows(r.start, o)
     };
     // Hand every part but the first to a helper; a part no helper takes comes back to run here.
     let others: Vec<_> = ranges[1..]
@@ -347,14 +366,14 @@ fn split_dots<T: CpuElem + LinalgScalar>(
                         .ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), bd.dtype()))?,
                 );
                 let mut o = vec![T::zero(); r2.len()];
-                rows(x, y, r2, &mut o);
+                part(x, y, r2, &mut o);
                 Ok(o)
             };
             (r.clone(), pool::submit(job))
         })
         .collect();
     let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
-    rows(x, y, ranges[0].clone(), &mut out[ranges[0].clone()]);
+    part(x, y, ranges[0].clone(), &mut out[ranges[0].clone()]);
     for (r, buf) in collect_parts(others) {
         out[r].copy_from_slice(&buf?);
     }

@@ -75,32 +75,35 @@ fn split_gemm_from_several_threads_at_once() {
 #[test]
 fn a_large_matrix_vector_product_split_by_rows_is_exact_in_every_row() {
     // 1001 x 300 (0.3 M multiply-adds, above the split threshold; an odd row count, so the
-    // parts are uneven): every row against f64, so a part copied to the wrong rows shows.
+    // parts are uneven), the matrix row-major and transposed (column-major, as a gradient
+    // `xᵀ · g`): every row against f64, so a part copied to the wrong rows shows.
     let dev = Cpu::device(0);
     let (m, k) = (1001, 300);
-    let a = Tensor::<Cpu>::randn([m, k], 0.0, 1.0, 3, DType::F32, &dev).unwrap();
     let v = Tensor::<Cpu>::randn([k, 1], 0.0, 1.0, 4, DType::F32, &dev).unwrap();
-    let c = a.matmul(&v).unwrap().to_vec::<f32>().unwrap();
-    let (av, vv) = (a.to_vec::<f32>().unwrap(), v.to_vec::<f32>().unwrap());
-    for (i, &got) in c.iter().enumerate() {
-        let want: f64 = (0..k).map(|p| av[i * k + p] as f64 * vv[p] as f64).sum();
-        assert!(
-            (got as f64 - want).abs() < 1e-3,
-            "row {i}: {got}, want {want}"
-        );
-    }
-    // The same product on one thread at a time from several callers (helpers busy).
-    let hs: Vec<_> = (0..4)
-        .map(|_| {
-            let (a, v) = (a.clone(), v.clone());
-            std::thread::spawn(move || a.matmul(&v).unwrap().to_vec::<f32>().unwrap())
-        })
-        .collect();
-    for h in hs {
-        assert_eq!(
-            h.join().unwrap(),
-            c,
-            "the same bits whoever computes each part"
-        );
+    for (a, what) in operands(m, k) {
+        let c = a.matmul(&v).unwrap().to_vec::<f32>().unwrap();
+        let av = a.contiguous().unwrap().to_vec::<f32>().unwrap();
+        let vv = v.to_vec::<f32>().unwrap();
+        for (i, &got) in c.iter().enumerate() {
+            let want: f64 = (0..k).map(|p| av[i * k + p] as f64 * vv[p] as f64).sum();
+            assert!(
+                (got as f64 - want).abs() < 1e-3,
+                "{what}: row {i}: {got}, want {want}"
+            );
+        }
+        // The same product on one thread at a time from several callers (helpers busy).
+        let hs: Vec<_> = (0..4)
+            .map(|_| {
+                let (a, v) = (a.clone(), v.clone());
+                std::thread::spawn(move || a.matmul(&v).unwrap().to_vec::<f32>().unwrap())
+            })
+            .collect();
+        for h in hs {
+            assert_eq!(
+                h.join().unwrap(),
+                c,
+                "{what}: the same bits whoever computes each part"
+            );
+        }
     }
 }

@@ -25,7 +25,7 @@
 //! # Sampling
 //!
 //! Each timing event costs the driver about as much as a small launch, and timing every
-//! launch of a launch-bound training step made it ~40 % slower. So by default launches are
+//! launch of a launch-bound training step made it 36–63 % slower. So by default launches are
 //! timed at random, one in [`profile::device_sample_every`] (the first two of each name
 //! always), each between two events of its own; copies are always timed. The profile
 //! estimates the untimed launches from the timed ones of the same name. With

@@ -96,7 +96,8 @@ fn a_tensor_used_on_a_dropped_stream_is_freed_safely() {
     let mut handles = Vec::new();
     for round in 0..20 {
         let x = Tensor::<Cuda>::full([n], round as f64, F32, &dev).unwrap();
-        let s = Stream::new(&dev).unwrap();
+        // A priority no other test uses, so that no other test takes this spare meanwhile.
+        let s = Stream::with_priority(&dev, -2).unwrap();
         handles.push(format!("{s:?}"));
         let y = s
             .scope(|| {

@@ -86,6 +86,11 @@ impl PartialEq for Stream {
 
 impl Stream {
     /// A new stream on `dev` that does not synchronize with the default stream.
+    ///
+    /// Streams are pooled per device, as in PyTorch: the CUDA stream of a dropped `Stream` is
+    /// kept and handed out again (tensors it touched may still record events on it when they
+    /// are freed). Work still queued from its earlier use runs before new work, as on any
+    /// stream.
     pub fn new(dev: &CudaDevice) -> Result<Stream> {
         Self::with_priority(dev, 0)
     }

@@ -83,26 +83,38 @@ pub fn now_ns() -> u64 {
     T0.get_or_init(Instant::now).elapsed().as_nanos() as u64
 }
 
-/// `device` as it displays (`cuda:0`), formatted once per device and thread: records name
-/// their device without formatting it each time. One leaked string per distinct device.
-pub fn device_label<D: std::fmt::Display + PartialEq + Clone + 'static>(
+/// `device` as it displays (`cuda:0`), formatted once per device: records name their device
+/// without formatting it each time. A per-thread cache in front of a process-wide one, so
+/// that each distinct device leaks one string however many threads record on it.
+pub fn device_label<D: std::fmt::Display + PartialEq + Clone + Send + 'static>(
     device: &D,
 ) -> &'static str {
-    type Labels = RefCell<Vec<(Box<dyn std::any::Any>, &'static str)>>;
-    thread_local! {
-        static LABELS: Labels = const { RefCell::new(Vec::new()) };
-    }
-    LABELS.with(|l| {
-        let found = l.borrow().iter().find_map(|(d, s)| {
+    type Labels = Vec<(Box<dyn std::any::Any + Send>, &'static str)>;
+    fn find<D: PartialEq + 'static>(labels: &Labels, device: &D) -> Option<&'static str> {
+        labels.iter().find_map(|(d, s)| {
             d.downcast_ref::<D>()
                 .is_some_and(|d| d == device)
                 .then_some(*s)
-        });
-        found.unwrap_or_else(|| {
-            let s: &'static str = Box::leak(device.to_string().into_boxed_str());
-            l.borrow_mut().push((Box::new(device.clone()), s));
-            s
         })
+    }
+    static SHARED: Mutex<Labels> = Mutex::new(Vec::new());
+    thread_local! {
+        static LOCAL: RefCell<Labels> = const { RefCell::new(Vec::new()) };
+    }
+    LOCAL.with(|l| {
+        if let Some(s) = find(&l.borrow(), device) {
+            return s;
+        }
+        let s = {
+            let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+            find(&shared, device).unwrap_or_else(|| {
+                let s: &'static str = Box::leak(device.to_string().into_boxed_str());
+                shared.push((Box::new(device.clone()), s));
+                s
+            })
+        };
+        l.borrow_mut().push((Box::new(device.clone()), s));
+        s
     })
 }
 

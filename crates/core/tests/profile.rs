@@ -240,3 +240,13 @@ fn launches_left_untimed_by_sampling_get_their_names_mean() {
     );
     assert!(p.table().contains("4 of 11 timed"), "{}", p.table());
 }
+
+#[test]
+fn a_device_label_is_one_string_whatever_thread_asks() {
+    let here = device_label(&RefDevice(3));
+    let there = std::thread::spawn(|| device_label(&RefDevice(3)))
+        .join()
+        .unwrap();
+    assert_eq!(here, RefDevice(3).to_string());
+    assert!(std::ptr::eq(here, there), "one leaked label per device");
+}

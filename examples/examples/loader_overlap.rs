@@ -10,7 +10,8 @@
 //! `prefetch/compute` is the median over rounds of each round's ratio (the two epochs run back
 //! to back), with the range over rounds beside it.
 //! The line `hidden=...%` is the share of the data movement (`sync - compute`) that prefetching
-//! hides.
+//! hides; `host_us_per_batch` is the training thread's own time in the loader's `next()` and in
+//! dropping a used batch, which no prefetching can hide when the step is bound by the host.
 //!
 //! ```sh
 //! cargo run --release --example loader_overlap -- --device cuda
@@ -96,14 +97,25 @@ impl Job for Overlap {
             .sample_shape(shape)?;
         let steps = sync_loader.num_batches();
         let (x0, y0) = sync_loader.iter().next().expect("at least one batch")?;
-        let mut epoch = |loader: Option<&mut DataLoader<B>>| -> Result<f64> {
+        // Host time the training thread spends in the loader's `next()` and in dropping a
+        // used batch (both included in the epoch's time), summed over the timed epochs.
+        let (mut next_s, mut drop_s, mut loaded) = ([0f64; 2], [0f64; 2], [0usize; 2]);
+        let mut epoch = |loader: Option<(&mut DataLoader<B>, usize)>| -> Result<f64> {
             B::synchronize(&dev)?;
             let t = Instant::now();
             match loader {
-                Some(l) => {
-                    for b in l.iter() {
+                Some((l, k)) => {
+                    let mut it = l.iter();
+                    loop {
+                        let t0 = Instant::now();
+                        let Some(b) = it.next() else { break };
+                        next_s[k] += t0.elapsed().as_secs_f64();
                         let (x, y) = b?;
                         step(&x, &y)?;
+                        let t0 = Instant::now();
+                        drop((x, y));
+                        drop_s[k] += t0.elapsed().as_secs_f64();
+                        loaded[k] += 1;
                     }
                 }
                 None => {
@@ -117,13 +129,13 @@ impl Job for Overlap {
         };
         // warm-up: kernels, allocator pools, pinned staging
         epoch(None)?;
-        epoch(Some(&mut sync_loader))?;
-        epoch(Some(&mut pre_loader))?;
+        epoch(Some((&mut sync_loader, 0)))?;
+        epoch(Some((&mut pre_loader, 1)))?;
         let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds {
-            s.push(epoch(Some(&mut sync_loader))?);
+            s.push(epoch(Some((&mut sync_loader, 0)))?);
             c.push(epoch(None)?);
-            p.push(epoch(Some(&mut pre_loader))?);
+            p.push(epoch(Some((&mut pre_loader, 1)))?);
         }
         let med = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
@@ -131,6 +143,10 @@ impl Job for Overlap {
         };
         // The overlap figure pairs each round's prefetch epoch with the compute epoch just
         // before it, so drift between rounds (clocks, other load on the host) cancels.
+        drop(epoch);
+        let us = |s: [f64; 2], k: usize| s[k] * 1e6 / loaded[k].max(1) as f64;
+        let next_us = [us(next_s, 0), us(next_s, 1)];
+        let drop_us = [us(drop_s, 0), us(drop_s, 1)];
         let ratios: Vec<f64> = p.iter().zip(&c).map(|(p, c)| p / c).collect();
         let (lo, hi) = ratios
             .iter()
@@ -167,8 +183,13 @@ impl Job for Overlap {
         };
         println!(
             "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} steps={steps} \
-             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3}",
+             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3} \
+             host_us_per_batch: prefetch next={:.1} drop={:.1} sync next={:.1} drop={:.1}",
             a.batch,
+            next_us[1],
+            drop_us[1],
+            next_us[0],
+            drop_us[0],
             rounds = a.rounds,
         );
         Ok(())

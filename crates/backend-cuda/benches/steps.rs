@@ -163,6 +163,40 @@ fn off_check_ns() -> f64 {
     t.elapsed().as_secs_f64() * 1e9 / n as f64
 }
 
+/// Nanoseconds per profiler clock read, per recorded event and per op span while the
+/// profiler is on (host work only: what each of a step's records costs before any device
+/// timing; collection runs outside the timed loops).
+fn on_costs_ns() -> (f64, f64, f64) {
+    let n = 200_000u32;
+    let per = |t: Instant| t.elapsed().as_secs_f64() * 1e9 / n as f64;
+    let t = Instant::now();
+    let mut k = 0u64;
+    for _ in 0..n {
+        k = k.wrapping_add(std::hint::black_box(profile::now_ns()));
+    }
+    std::hint::black_box(k);
+    let clock = per(t);
+    let session = profile::start();
+    let t = Instant::now();
+    for _ in 0..n {
+        profile::record(profile::Event::new(profile::Kind::Alloc, "probe", "cpu"));
+    }
+    let record = per(t);
+    let t = Instant::now();
+    for _ in 0..n {
+        drop(profile::op(
+            "probe",
+            "cpu",
+            profile::OpDetail::new(DType::F32),
+            0,
+            false,
+        ));
+    }
+    let span = per(t);
+    drop(session.finish());
+    (clock, record, span)
+}
+
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
         return; // `cargo test` runs benches as tests: nothing to do
@@ -210,8 +244,10 @@ fn main() {
         hooks * check / (off * 1e6) * 100.0,
         "%",
     );
+    let (clock, record, span) = on_costs_ns();
     println!(
-        "kiln note: {hooks:.0} profiler records per small SGD step, {check:.2} ns per off check"
+        "kiln note: {hooks:.0} profiler records per small SGD step, {check:.2} ns per off check; \
+         profiler on: {clock:.0} ns per clock read, {record:.0} ns per event, {span:.0} ns per op span"
     );
     drop(step);
 

@@ -1,4 +1,5 @@
-//! Matrix products through cuBLAS (`sgemm`/`dgemm` strided batched).
+//! Matrix products: through cuBLAS (`sgemm`/`dgemm`, strided batched), or, for one output row
+//! or column and for small products, through kiln's own kernels of `reduce.cu`.
 //!
 //! The trait hands us `[batch, m, k] x [batch, k, n]` with each matrix row- or column-major
 //! and any batch stride (0 broadcasts). cuBLAS is column-major, so we compute the row-major
@@ -8,6 +9,7 @@
 //! TF32 is off by default, as in PyTorch: f32 products are full f32. Turn it on with
 //! [`set_allow_tf32`] or `KILN_ALLOW_TF32=1`.
 
+use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use cudarc::cublas::sys as cb;
@@ -44,8 +46,18 @@ fn blas_check(r: cb::cublasStatus_t, op: &'static str) -> Result<()> {
 
 /// Whether matrix-vector products use our kernels (`KILN_CUDA_MATVEC=0`: always cuBLAS).
 fn matvec_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_CUDA_MATVEC").map_or(true, |v| v != "0"))
+    static ON: OnceLock<bool> = OnceLock::new();
+    env_switch(&ON, "KILN_CUDA_MATVEC")
+}
+
+/// An on/off switch of the environment, read once into `cell`: on unless `var` is `0`.
+fn env_switch(cell: &'static OnceLock<bool>, var: &str) -> bool {
+    *cell.get_or_init(|| std::env::var(var).map_or(true, |v| v != "0"))
+}
+
+/// The device address of an operand's first element (its buffer plus the layout's offset).
+fn operand_ptr(buf: &Buffer, l: &Layout, dtype: DType) -> u64 {
+    buf.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
 }
 
 /// One product with a single output row or column (`m == 1` or `n == 1`, one batch), as one
@@ -62,8 +74,7 @@ fn matvec(
     const OP: &str = "matmul";
     let (m, k, n) = (la.dims()[1], la.dims()[2], lb.dims()[2]);
     let (sa, sb) = (la.strides(), lb.strides());
-    let size = dtype.size_in_bytes() as u64;
-    let at = |s: &Buffer, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
+    let at = |s: &Buffer, l: &Layout| operand_ptr(s, l, dtype);
     // (matrix pointer, row stride, column stride, vector pointer, vector stride, rows)
     let (pm, rs, cs, pv, vs, rows) = if n == 1 {
         (at(a, la), sa[1], sa[2], at(b, lb), sb[1], m)
@@ -102,8 +113,8 @@ fn matvec(
 
 /// Whether small products use our kernel (`KILN_CUDA_SMALL_GEMM=0`: always cuBLAS).
 fn small_gemm_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_CUDA_SMALL_GEMM").map_or(true, |v| v != "0"))
+    static ON: OnceLock<bool> = OnceLock::new();
+    env_switch(&ON, "KILN_CUDA_SMALL_GEMM")
 }
 
 /// Products up to this many multiply-adds go to `gemm_small` (about 128³): there cuBLAS's
@@ -121,15 +132,13 @@ fn gemm_small(
 ) -> Result<()> {
     let (batch, m, k, n) = (la.dims()[0], la.dims()[1], la.dims()[2], lb.dims()[2]);
     let (sa, sb) = (la.strides(), lb.strides());
-    let size = dtype.size_in_bytes() as u64;
-    let at = |s: &Buffer, l: &Layout| s.device_ptr() + l.offset() as u64 * size;
     let tiles_m = m.div_ceil(16) as u64;
     let mut args = Args::new();
-    args.push(at(a, la))
+    args.push(operand_ptr(a, la, dtype))
         .push(sa[1] as u64)
         .push(sa[2] as u64)
         .push(sa[0] as u64);
-    args.push(at(b, lb))
+    args.push(operand_ptr(b, lb, dtype))
         .push(sb[1] as u64)
         .push(sb[2] as u64)
         .push(sb[0] as u64);
@@ -216,8 +225,7 @@ pub(crate) fn matmul(
     let (m_, n_, k_) = (int(OP, m)?, int(OP, n)?, int(OP, k)?);
     let (lda, ldb, batch_) = (int(OP, lda)?, int(OP, ldb)?, int(OP, batch)?);
     let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
-    let pa = a.device_ptr() + (la.offset() * size) as u64;
-    let pb = b.device_ptr() + (lb.offset() * size) as u64;
+    let (pa, pb) = (operand_ptr(a, la, dtype), operand_ptr(b, lb, dtype));
     let mut guard = dev.blas.lock().unwrap();
     if guard.is_none() {
         // SAFETY: only dlopens libcublas by its candidate names.

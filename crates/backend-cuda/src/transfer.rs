@@ -133,21 +133,9 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
     }
     dev.sweep_in_flight();
     if pinned {
-        let prof = crate::profile::h2d(dev, "from_host", dev.copy, data.len());
-        // SAFETY: `data` is page-locked host memory of `len` bytes that the caller lends for
-        // this call only: we wait for the copy before returning; the device range is `dst`.
-        check(
-            unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
-                    dst.device_ptr(),
-                    data.as_ptr() as *const c_void,
-                    data.len(),
-                    dev.copy,
-                )
-            },
-            "from_host",
-        )?;
-        drop(prof);
+        // SAFETY: `data` is page-locked host memory that the caller lends for this call only:
+        // we wait for the copy before returning; the device range is `dst`.
+        unsafe { dma_to_device(dev, dst.device_ptr(), data) }?;
         let _prof = crate::profile::sync(dev, "from_host");
         // SAFETY: the copy stream belongs to this (current) context.
         check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?;
@@ -161,18 +149,10 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             // has completed (waited above), so the host may write it.
             let block = unsafe { std::slice::from_raw_parts_mut(h, chunk.len()) };
             host_copy(block, chunk);
-            let _prof = crate::profile::h2d(dev, "from_host", dev.copy, chunk.len());
-            // SAFETY: the device range lies inside `dst`; the event is the block's.
+            // SAFETY: the device range lies inside `dst`; the pinned block is not written
+            // again before its event (recorded next) has completed.
             unsafe {
-                check(
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dst.device_ptr() + (k * block_bytes) as u64,
-                        h as *const c_void,
-                        chunk.len(),
-                        dev.copy,
-                    ),
-                    "from_host",
-                )?;
+                dma_to_device(dev, dst.device_ptr() + (k * block_bytes) as u64, block)?;
                 check(sys::cuEventRecord(ev, dev.copy), "from_host")?;
             }
         }
@@ -197,20 +177,9 @@ pub(crate) fn upload_pinned(
     for (data, _) in srcs {
         let dst = alloc_on(dev, data.len(), dev.copy)?;
         if !data.is_empty() {
-            let _prof = crate::profile::h2d(dev, "from_host", dev.copy, data.len());
-            // SAFETY: `data` is page-locked host memory of `len` bytes, kept alive by its owner
-            // (held in `in_flight` below) until the DMA is done; the device range is `dst`.
-            check(
-                unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
-                        dst.device_ptr(),
-                        data.as_ptr() as *const c_void,
-                        data.len(),
-                        dev.copy,
-                    )
-                },
-                "from_host",
-            )?;
+            // SAFETY: `data` is page-locked host memory kept alive by its owner (held in
+            // `in_flight` below) until the DMA is done; the device range is `dst`.
+            unsafe { dma_to_device(dev, dst.device_ptr(), data) }?;
         }
         bufs.push(dst);
     }
@@ -229,6 +198,24 @@ pub(crate) fn upload_pinned(
         b.mark_used(user);
     }
     Ok(bufs)
+}
+
+/// Queues one copy of `src` to device address `dst` on the copy stream (profiled as a
+/// host-to-device copy). Every caller passes page-locked memory, so the copy is one DMA and
+/// the call returns before it is done.
+///
+/// # Safety
+/// `src` must stay alive and unchanged until the copy stream has passed this copy, and
+/// `dst..dst + src.len()` must lie in a live buffer of `dev`.
+unsafe fn dma_to_device(dev: &DeviceState, dst: u64, src: &[u8]) -> Result<()> {
+    let _prof = crate::profile::h2d(dev, "from_host", dev.copy, src.len());
+    // SAFETY: the caller's contract above.
+    check(
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), dev.copy)
+        },
+        "from_host",
+    )
 }
 
 /// Reads `out.len()` bytes from `src` at byte offset `off` (a contiguous range) into `out`,

@@ -232,7 +232,10 @@ impl<'a> Frame<'a> {
     /// non-temporal stores, which write whole cache lines without first reading them from
     /// memory (a plain store reads every output line before overwriting it: a quarter of a
     /// two-input program's memory traffic) and leave the cache to the inputs.
-    pub(super) fn store<T: Elt>(&self, v: u32, out: &mut [T]) {
+    ///
+    /// Unfenced: the caller calls [`store_fence`] before anyone else may read `out` (once per
+    /// task rather than once per block: the fence waits for every streaming store in flight).
+    pub(super) fn store_unfenced<T: Elt>(&self, v: u32, out: &mut [T]) {
         match self.src::<T>(v) {
             Src::S(s) => stream_copy(bytemuck::cast_slice(s), bytemuck::cast_slice_mut(out)),
             Src::C(c) => out.fill(c),
@@ -241,10 +244,14 @@ impl<'a> Frame<'a> {
 
     /// Computes instruction `i` (an op, not a leaf) for the current block.
     pub(super) fn exec(&mut self, i: usize, ins: &Instr, dtype: DType) {
-        let uniform = ins
-            .operands()
-            .iter()
-            .all(|&a| matches!(self.locs[a as usize], Loc::Uni(_)));
+        let uni = |a: u32| matches!(self.locs[a as usize], Loc::Uni(_));
+        // (Not `Instr::operands`, which allocates: this runs per instruction and block.)
+        let uniform = match *ins {
+            Instr::Unary(_, a) | Instr::Cast(_, a) | Instr::Reduce(_, a) => uni(a),
+            Instr::Binary(_, a, b) | Instr::Cmp(_, a, b) => uni(a) && uni(b),
+            Instr::Where(c, a, b) => uni(c) && uni(a) && uni(b),
+            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => true,
+        };
         let len = self.len;
         if uniform {
             self.len = 1;
@@ -529,12 +536,12 @@ fn unary_i64(op: UnaryOp, a: Src<'_, i64>, o: &mut [i64]) {
 }
 
 /// `dst.copy_from_slice(src)`, with non-temporal stores where `dst` is 16-byte aligned and at
-/// least 1 KiB (see [`Frame::store`]).
+/// least 1 KiB (see [`Frame::store_unfenced`]); unfenced (see [`store_fence`]).
 fn stream_copy(src: &[u8], dst: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we promise 1.85
     if dst.len() >= 1024 && (dst.as_ptr() as usize) % 16 == 0 {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let n = dst.len() / 16 * 16;
         let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
         for i in (0..n).step_by(16) {
@@ -547,10 +554,17 @@ fn stream_copy(src: &[u8], dst: &mut [u8]) {
             }
         }
         dst[n..].copy_from_slice(&src[n..]);
-        // SAFETY: a fence has no memory-safety preconditions; it orders the streaming stores
-        // before any later store, so whoever reads the output after this task sees them.
-        unsafe { _mm_sfence() };
         return;
     }
     dst.copy_from_slice(src);
+}
+
+/// Orders the streaming stores made so far by this thread before any later store, so whoever
+/// reads the output after this task sees them (the end of a task is such a later store).
+pub(super) fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a fence has no memory-safety preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
 }

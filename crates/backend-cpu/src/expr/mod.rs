@@ -214,12 +214,22 @@ fn gather_into(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize,
 /// As [`Outs::slice`]: this task alone writes those elements.
 unsafe fn store(f: &Frame<'_>, v: u32, dtype: DType, outs: &Outs, j: usize, start: usize) {
     // SAFETY: forwarded to the caller.
+    unsafe { store_unfenced(f, v, dtype, outs, j, start) };
+    block::store_fence();
+}
+
+/// As [`store`] without the fence: the task calls [`block::store_fence`] when it ends.
+///
+/// # Safety
+/// As [`Outs::slice`]: this task alone writes those elements.
+unsafe fn store_unfenced(f: &Frame<'_>, v: u32, dtype: DType, outs: &Outs, j: usize, start: usize) {
+    // SAFETY: forwarded to the caller.
     unsafe {
         match dtype {
-            DType::F32 => f.store::<f32>(v, outs.slice(j, start, f.len)),
-            DType::F64 => f.store::<f64>(v, outs.slice(j, start, f.len)),
-            DType::I64 => f.store::<i64>(v, outs.slice(j, start, f.len)),
-            _ => f.store::<u8>(v, outs.slice(j, start, f.len)),
+            DType::F32 => f.store_unfenced::<f32>(v, outs.slice(j, start, f.len)),
+            DType::F64 => f.store_unfenced::<f64>(v, outs.slice(j, start, f.len)),
+            DType::I64 => f.store_unfenced::<i64>(v, outs.slice(j, start, f.len)),
+            _ => f.store_unfenced::<u8>(v, outs.slice(j, start, f.len)),
         }
     }
 }
@@ -260,6 +270,7 @@ fn schedule_prefetch(
     walks: &[Walk],
     next: usize,
     end: usize,
+    ops: usize,
 ) {
     f.prefetch.clear();
     if next >= end || !prefetch_on() {
@@ -276,13 +287,18 @@ fn schedule_prefetch(
             lines += (len * size).div_ceil(64);
         }
     }
-    let ops = program
+    f.prefetch_step = lines.div_ceil(ops);
+}
+
+/// The instructions of `program` that compute (not leaves): how many times a block calls
+/// [`Frame::prefetch_some`].
+fn op_count(program: &Program) -> usize {
+    program
         .code()
         .iter()
         .filter(|i| !matches!(i, Instr::Input(_) | Instr::Param(_) | Instr::Const(_)))
         .count()
-        .max(1);
-    f.prefetch_step = lines.div_ceil(ops);
+        .max(1)
 }
 
 /// Whether software prefetching is on (`KILN_CPU_PREFETCH=0` turns it off; see
@@ -316,6 +332,7 @@ fn elementwise(
     } else {
         par_chunk(n).div_ceil(BLOCK) * BLOCK
     };
+    let ops = op_count(program);
     let task = |c: usize| {
         let mut f = Frame::new(program, inputs);
         let end = ((c + 1) * chunk).min(n);
@@ -323,7 +340,7 @@ fn elementwise(
         while start < end {
             f.len = BLOCK.min(end - start);
             let next = start + f.len;
-            schedule_prefetch(&mut f, program, &walks, next, end);
+            schedule_prefetch(&mut f, program, &walks, next, end, ops);
             exec_block(&mut f, program, leaves, &run, |f, i, k| {
                 let dt = program.inputs()[k as usize];
                 place_input(f, i, k as usize, &walks[k as usize], start, dt);
@@ -331,11 +348,12 @@ fn elementwise(
             for (j, &o) in program.outputs().iter().enumerate() {
                 // SAFETY: chunks are disjoint ranges of the flat index, and every output of
                 // this program has the iteration shape, so this task alone writes
-                // `start..start + len` of each output.
-                unsafe { store(&f, o, program.dtype(o), outs, j, start) };
+                // `start..start + len` of each output; the task fences before it ends.
+                unsafe { store_unfenced(&f, o, program.dtype(o), outs, j, start) };
             }
             start += f.len;
         }
+        block::store_fence();
     };
     let tasks = n.div_ceil(chunk.max(1));
     if tasks <= 1 {

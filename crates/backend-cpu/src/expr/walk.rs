@@ -69,6 +69,17 @@ impl Walk {
         (idx, off)
     }
 
+    /// The storage index of flat element `f` (as [`Walk::locate`], without the multi-index:
+    /// this runs once per block and input, so it allocates nothing).
+    fn offset_of(&self, mut f: usize) -> usize {
+        let mut off = self.offset;
+        for (&d, &s) in self.dims.iter().zip(&self.strides).rev() {
+            off += f % d * s;
+            f /= d;
+        }
+        off
+    }
+
     /// Where elements `start..start + len` are.
     pub(super) fn run(&self, start: usize, len: usize) -> Run {
         let last = self.dims.len() - 1;
@@ -78,7 +89,7 @@ impl Walk {
         }
         let i = start % d;
         if i + len <= d {
-            let off = self.locate(start).1;
+            let off = self.offset_of(start);
             if s == 1 || len == 1 {
                 return Run::Contig(off);
             }

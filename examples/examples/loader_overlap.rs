@@ -45,6 +45,14 @@ struct Args {
     /// Timed rounds (each times the three ways once, back to back).
     #[arg(long, default_value_t = 9)]
     rounds: usize,
+    /// Also print the profiler's table of one compute epoch and one prefetch epoch (where
+    /// the difference between the two goes).
+    #[arg(long)]
+    profile: bool,
+    /// The loader's `upload_bytes` (batches grouped into uploads of at least this many
+    /// bytes of features; 0: one batch per upload); default: the loader's own.
+    #[arg(long)]
+    upload_bytes: Option<usize>,
 }
 
 fn main() {
@@ -95,11 +103,15 @@ impl Job for Overlap {
             .drop_last(true)
             .prefetch(1)
             .sample_shape(shape)?;
+        if let Some(bytes) = a.upload_bytes {
+            pre_loader = pre_loader.upload_bytes(bytes);
+        }
         let steps = sync_loader.num_batches();
         let (x0, y0) = sync_loader.iter().next().expect("at least one batch")?;
         // Host time the training thread spends in the loader's `next()` and in dropping a
         // used batch (both included in the epoch's time), summed over the timed epochs.
         let (mut next_s, mut drop_s, mut loaded) = ([0f64; 2], [0f64; 2], [0usize; 2]);
+        let (mut wait_s, mut upload_s, mut uploads) = (0f64, 0f64, 0usize);
         let mut epoch = |loader: Option<(&mut DataLoader<B>, usize)>| -> Result<f64> {
             B::synchronize(&dev)?;
             let t = Instant::now();
@@ -117,6 +129,10 @@ impl Job for Overlap {
                         drop_s[k] += t0.elapsed().as_secs_f64();
                         loaded[k] += 1;
                     }
+                    let times = it.times();
+                    wait_s += times.waiting.as_secs_f64();
+                    upload_s += times.uploading.as_secs_f64();
+                    uploads += times.uploads;
                 }
                 None => {
                     for _ in 0..steps {
@@ -131,6 +147,20 @@ impl Job for Overlap {
         epoch(None)?;
         epoch(Some((&mut sync_loader, 0)))?;
         epoch(Some((&mut pre_loader, 1)))?;
+        if a.profile {
+            let (r, prof) = kiln_core::profile::profile(|| epoch(None));
+            r?;
+            println!(
+                "== profile of a compute epoch ({steps} steps)\n{}",
+                prof.table()
+            );
+            let (r, prof) = kiln_core::profile::profile(|| epoch(Some((&mut pre_loader, 1))));
+            r?;
+            println!(
+                "== profile of a prefetch epoch ({steps} steps)\n{}",
+                prof.table()
+            );
+        }
         let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds {
             s.push(epoch(Some((&mut sync_loader, 0)))?);
@@ -147,6 +177,8 @@ impl Job for Overlap {
         let us = |s: [f64; 2], k: usize| s[k] * 1e6 / loaded[k].max(1) as f64;
         let next_us = [us(next_s, 0), us(next_s, 1)];
         let drop_us = [us(drop_s, 0), us(drop_s, 1)];
+        let (wait_us, upload_us) = (us([0.0, wait_s], 1), us([0.0, upload_s], 1));
+        let per = loaded[1] as f64 / uploads.max(1) as f64;
         let ratios: Vec<f64> = p.iter().zip(&c).map(|(p, c)| p / c).collect();
         let (lo, hi) = ratios
             .iter()
@@ -184,7 +216,7 @@ impl Job for Overlap {
         println!(
             "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} steps={steps} \
              ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3} \
-             host_us_per_batch: prefetch next={:.1} drop={:.1} sync next={:.1} drop={:.1}",
+             host_us_per_batch: prefetch next={:.1} (waiting {wait_us:.1}, uploading {upload_us:.1}; {per:.1} batches per upload) drop={:.1} sync next={:.1} drop={:.1}",
             a.batch,
             next_us[1],
             drop_us[1],

@@ -127,6 +127,140 @@ fn main() {
         }
     });
     report("exp_230400_into_buffer_x1000", s * 1e3, "ms");
+
+    batch_upload_probe(&dev);
+}
+
+/// Host time per call of what a DataLoader's consumer does for each batch (MNIST-shaped: 784
+/// f32 features and one i64 label per sample, from pinned blocks), with the GPU otherwise idle:
+/// the upload of the batch's two sources, the drop of the batch two batches later (as a loop
+/// that keeps one batch ahead does), and the driver calls they are made of. Microseconds.
+fn batch_upload_probe(dev: &kiln_backend_cuda::CudaDevice) {
+    use cudarc::driver::sys;
+    use kiln_core::{HostSource, PinnedBlock};
+    use std::sync::Arc;
+    const N: usize = 2000;
+    let us = |t: Instant| t.elapsed().as_secs_f64() * 1e6 / N as f64;
+    let ok = |r: sys::CUresult| assert_eq!(r, sys::CUresult::CUDA_SUCCESS);
+    for batch in [100, 1000] {
+        let f = Arc::new(PinnedBlock::new("probe", batch * 784 * 4).unwrap());
+        let l = Arc::new(PinnedBlock::new("probe", batch * 8).unwrap());
+        fn src(b: &Arc<PinnedBlock>) -> HostSource<'_> {
+            HostSource {
+                bytes: b.as_bytes(),
+                pinned: true,
+                owner: Some(b.clone()),
+            }
+        }
+        let (mut up, mut down) = (0f64, 0f64);
+        let mut ring = std::collections::VecDeque::new();
+        Cuda::synchronize(dev).unwrap();
+        for k in 0..N + 100 {
+            let t = Instant::now();
+            let s =
+                Cuda::from_host_sources(dev, vec![(DType::F32, src(&f)), (DType::I64, src(&l))])
+                    .unwrap();
+            let dt = t.elapsed().as_secs_f64();
+            ring.push_back(s);
+            let t = Instant::now();
+            if ring.len() > 2 {
+                drop(ring.pop_front());
+            }
+            if k >= 100 {
+                up += dt;
+                down += t.elapsed().as_secs_f64();
+            }
+            if k % 64 == 63 {
+                Cuda::synchronize(dev).unwrap(); // bound the queue, as a step would
+            }
+        }
+        drop(ring);
+        Cuda::synchronize(dev).unwrap();
+        // The same calls as the profiler sees them (host time of each copy, allocations).
+        let (_, p) = kiln_core::profile::profile(|| {
+            let mut ring = std::collections::VecDeque::new();
+            for _ in 0..200 {
+                let srcs = vec![(DType::F32, src(&f)), (DType::I64, src(&l))];
+                ring.push_back(Cuda::from_host_sources(dev, srcs).unwrap());
+                if ring.len() > 2 {
+                    drop(ring.pop_front());
+                }
+            }
+        });
+        println!("profile of 200 batch{batch} uploads:\n{}", p.table());
+        report(
+            &format!("batch{batch}_upload_call_us"),
+            up * 1e6 / N as f64,
+            "us",
+        );
+        report(
+            &format!("batch{batch}_drop_call_us"),
+            down * 1e6 / N as f64,
+            "us",
+        );
+
+        // The driver calls one by one, on a stream of our own.
+        let dst = kiln_backend_cuda::raw::alloc(dev, batch * 784 * 4).unwrap();
+        let ptr = dst.device_ptr().unwrap();
+        // SAFETY: the device's context is current on this thread (used just above); every
+        // handle is created here and destroyed at the end; the copies read pinned blocks that
+        // outlive them (synchronized before the blocks drop) into a live allocation.
+        unsafe {
+            let (mut s1, mut s2, mut ev) = (
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let nb = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+            ok(sys::cuStreamCreate(&mut s1, nb));
+            ok(sys::cuStreamCreate(&mut s2, nb));
+            let dis = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+            ok(sys::cuEventCreate(&mut ev, dis));
+            let fp = f.as_bytes().as_ptr() as *const std::ffi::c_void;
+            let lp = l.as_bytes().as_ptr() as *const std::ffi::c_void;
+            let mut memcpy = 0f64;
+            for k in 0..N {
+                let t = Instant::now();
+                ok(sys::cuMemcpyHtoDAsync_v2(ptr, fp, batch * 784 * 4, s1));
+                memcpy += t.elapsed().as_secs_f64();
+                if k % 64 == 63 {
+                    ok(sys::cuStreamSynchronize(s1));
+                }
+            }
+            ok(sys::cuStreamSynchronize(s1));
+            report(
+                &format!("batch{batch}_memcpy_features_us"),
+                memcpy * 1e6 / N as f64,
+                "us",
+            );
+            let t = Instant::now();
+            for _ in 0..N {
+                ok(sys::cuMemcpyHtoDAsync_v2(ptr, lp, batch * 8, s1));
+            }
+            report(&format!("batch{batch}_memcpy_labels_us"), us(t), "us");
+            ok(sys::cuStreamSynchronize(s1));
+            let t = Instant::now();
+            for _ in 0..N {
+                ok(sys::cuEventRecord(ev, s1));
+            }
+            report(&format!("batch{batch}_event_record_us"), us(t), "us");
+            let t = Instant::now();
+            for _ in 0..N {
+                ok(sys::cuStreamWaitEvent(s2, ev, 0));
+            }
+            report(&format!("batch{batch}_stream_wait_us"), us(t), "us");
+            ok(sys::cuStreamSynchronize(s1));
+            let t = Instant::now();
+            for _ in 0..N {
+                std::hint::black_box(sys::cuEventQuery(ev));
+            }
+            report(&format!("batch{batch}_event_query_us"), us(t), "us");
+            ok(sys::cuStreamSynchronize(s2));
+            ok(sys::cuEventDestroy_v2(ev));
+            ok(sys::cuStreamDestroy_v2(s1));
+            ok(sys::cuStreamDestroy_v2(s2));
+        }
+    }
 }
 
 /// Times `cuMemHostRegister` of an ordinary 256 MB buffer, a direct copy from it, and the

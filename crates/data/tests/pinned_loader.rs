@@ -49,6 +49,42 @@ fn pinned_batches_equal_plain_batches() {
 }
 
 #[test]
+fn grouped_uploads_hand_out_the_same_batches() {
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    // 50 rows of 4 f32 in batches of 7: 8 batches, the last of 1 row; a batch is 112 bytes.
+    let data = dataset(50, 4);
+    let plain = all_batches(
+        &mut DataLoader::<Reference>::new(data.clone(), 7, &dev)
+            .unwrap()
+            .shuffle(5)
+            .pin_memory(false),
+    );
+    for (bytes, uploads) in [
+        (0, 8),
+        (1, 8),
+        (3 * 112, 4),
+        (3 * 112 + 111, 4),
+        (1 << 20, 2),
+    ] {
+        let mut l = DataLoader::<Reference>::new(data.clone(), 7, &dev)
+            .unwrap()
+            .shuffle(5)
+            .upload_bytes(bytes);
+        let mut it = l.iter();
+        let mut got = Vec::new();
+        for b in &mut it {
+            let (x, y) = b.unwrap();
+            got.push((x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap()));
+        }
+        assert_eq!(got, plain, "upload_bytes {bytes}");
+        // The first batch alone, then as many as fit in `bytes`.
+        assert_eq!(it.times().uploads, uploads, "upload_bytes {bytes}");
+    }
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}
+
+#[test]
 fn get_batch_into_checks_its_buffers() {
     let d = dataset(10, 3);
     let (mut f, mut l) = (vec![0u8; 2 * 3 * 4], vec![0u8; 2 * 8]);

@@ -56,6 +56,16 @@ fn exp_loop<const FMA: bool>(x: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `exp`, then `y * m[k] + a[k]` for k = 0, 1, each a separately rounded multiply and add
+/// (the fused evaluator's scalar tail, see `expr::block::Aff`).
+#[inline(always)]
+fn exp_then_loop<const FMA: bool>(x: &[f32], out: &mut [f32], m: [f32; 2], a: [f32; 2]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        let y = exp1::<FMA>(v) * m[0] + a[0];
+        *o = y * m[1] + a[1];
+    }
+}
+
 #[inline(always)]
 fn sigmoid_loop<const FMA: bool>(x: &[f32], out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
@@ -118,6 +128,10 @@ macro_rules! dispatch {
 dispatch!(
     /// `out[i] = exp(x[i])` (the slices have equal length).
     exp_f32, exp_loop, (x: &[f32], out: &mut [f32]) -> ()
+);
+dispatch!(
+    /// `out[i] = (exp(x[i]) * m[0] + a[0]) * m[1] + a[1]`, no operation fused with another.
+    exp_then_f32, exp_then_loop, (x: &[f32], out: &mut [f32], m: [f32; 2], a: [f32; 2]) -> ()
 );
 dispatch!(
     /// `out[i] = 1 / (1 + exp(-x[i]))`.

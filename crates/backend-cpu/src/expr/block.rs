@@ -13,28 +13,24 @@ use kiln_core::{BinaryOp, CmpOp, DType, UnaryOp};
 use crate::fastmath;
 use crate::storage::{CpuElem, CpuStorage};
 
-/// `op` on floats of type `$t`, as `elementwise.rs` computes it.
+/// `op` on floats of type `$t`, as `elementwise.rs` computes it, each result then passed
+/// through `$post` (a scalar tail, or the identity) in the same loop.
 macro_rules! float_binary {
-    ($t:ty, $op:expr, $a:expr, $b:expr, $o:expr) => {{
+    ($t:ty, $op:expr, $a:expr, $b:expr, $o:expr, $post:expr) => {{
         let (a, b, o): (Src<'_, $t>, Src<'_, $t>, &mut [$t]) = ($a, $b, $o);
+        let post = $post;
         match $op {
-            BinaryOp::Add => map2(a, b, o, |x, y| x + y),
-            BinaryOp::Sub => map2(a, b, o, |x, y| x - y),
-            BinaryOp::Mul => map2(a, b, o, |x, y| x * y),
-            BinaryOp::Div => map2(a, b, o, |x, y| x / y),
-            BinaryOp::Pow => map2(a, b, o, |x: $t, y| x.powf(y)),
-            BinaryOp::Maximum => map2(
-                a,
-                b,
-                o,
-                |x: $t, y: $t| if y > x || y.is_nan() { y } else { x },
-            ),
-            BinaryOp::Minimum => map2(
-                a,
-                b,
-                o,
-                |x: $t, y: $t| if y < x || y.is_nan() { y } else { x },
-            ),
+            BinaryOp::Add => map2(a, b, o, |x, y| post(x + y)),
+            BinaryOp::Sub => map2(a, b, o, |x, y| post(x - y)),
+            BinaryOp::Mul => map2(a, b, o, |x, y| post(x * y)),
+            BinaryOp::Div => map2(a, b, o, |x, y| post(x / y)),
+            BinaryOp::Pow => map2(a, b, o, |x: $t, y| post(x.powf(y))),
+            BinaryOp::Maximum => map2(a, b, o, |x: $t, y: $t| {
+                post(if y > x || y.is_nan() { y } else { x })
+            }),
+            BinaryOp::Minimum => map2(a, b, o, |x: $t, y: $t| {
+                post(if y < x || y.is_nan() { y } else { x })
+            }),
         }
     }};
 }
@@ -61,6 +57,60 @@ impl Sv {
             _ => Sv::F64(v),
         }
     }
+}
+
+/// A scalar tail: up to two ops with a uniform operand (`x + c`, `x - c`, `c - x`, `x * c`,
+/// `c * x`) applied to each result of an instruction inside that instruction's loop, instead
+/// of as two more passes over the block (see `Step` in the parent module). Each op is written
+/// `x * m + a`, two separately rounded operations (Rust never contracts them into a fused
+/// multiply-add), which give the op's own result bit for bit: `x + c` is `x * 1 + c`, `x - c`
+/// is `x * 1 + (-c)` (IEEE subtraction is the addition of the negation), `c - x` is
+/// `x * -1 + c`, and `x * c` is `x * c + (-0)` (adding -0 changes no value, not even the sign
+/// of a zero, where adding +0 would turn -0 into +0). A missing second op is `x * 1 + (-0)`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Aff<T> {
+    m: [T; 2],
+    a: [T; 2],
+}
+
+macro_rules! aff {
+    ($t:ty) => {
+        impl Aff<$t> {
+            /// The tail of `ops` (at most two): (op, uniform value, uniform on the left).
+            pub(super) fn new(ops: &[(BinaryOp, $t, bool)]) -> Self {
+                let mut t = Aff {
+                    m: [1.0; 2],
+                    a: [-0.0; 2],
+                };
+                for (k, &(op, c, lhs)) in ops.iter().enumerate() {
+                    (t.m[k], t.a[k]) = match (op, lhs) {
+                        (BinaryOp::Add, _) => (1.0, c),
+                        (BinaryOp::Sub, false) => (1.0, -c),
+                        (BinaryOp::Sub, true) => (-1.0, c),
+                        (BinaryOp::Mul, _) => (c, -0.0),
+                        _ => unreachable!("no tail for {op:?} (planned)"),
+                    };
+                }
+                t
+            }
+
+            #[inline(always)]
+            pub(super) fn apply(&self, x: $t) -> $t {
+                let x = x * self.m[0] + self.a[0];
+                x * self.m[1] + self.a[1]
+            }
+        }
+    };
+}
+aff!(f32);
+aff!(f64);
+
+/// The scalar tail of an instruction's kernel, if any.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Post {
+    None,
+    F32(Aff<f32>),
+    F64(Aff<f64>),
 }
 
 /// A typed register.
@@ -244,6 +294,42 @@ impl<'a> Frame<'a> {
 
     /// Computes instruction `i` (an op, not a leaf) for the current block.
     pub(super) fn exec(&mut self, i: usize, ins: &Instr, dtype: DType) {
+        self.exec_post(i, ins, dtype, Post::None)
+    }
+
+    /// Computes value `i` as instruction `head` followed by the tail `ops` (op, uniform
+    /// operand, uniform on the left), in one loop (see [`Aff`]).
+    pub(super) fn exec_tail(
+        &mut self,
+        i: usize,
+        head: &Instr,
+        dtype: DType,
+        ops: &[(BinaryOp, u32, bool)],
+    ) {
+        let uni = |v: u32| match self.locs[v as usize] {
+            Loc::Uni(s) => s,
+            _ => unreachable!("a tail's operand is uniform (planned)"),
+        };
+        let post = match dtype {
+            DType::F32 => {
+                let ops: Vec<_> = ops
+                    .iter()
+                    .map(|&(o, v, l)| (o, f32::sv(uni(v)), l))
+                    .collect();
+                Post::F32(Aff::<f32>::new(&ops))
+            }
+            _ => {
+                let ops: Vec<_> = ops
+                    .iter()
+                    .map(|&(o, v, l)| (o, f64::sv(uni(v)), l))
+                    .collect();
+                Post::F64(Aff::<f64>::new(&ops))
+            }
+        };
+        self.exec_post(i, head, dtype, post)
+    }
+
+    fn exec_post(&mut self, i: usize, ins: &Instr, dtype: DType, post: Post) {
         let uni = |a: u32| matches!(self.locs[a as usize], Loc::Uni(_));
         // (Not `Instr::operands`, which allocates: this runs per instruction and block.)
         let uniform = match *ins {
@@ -257,7 +343,7 @@ impl<'a> Frame<'a> {
             self.len = 1;
         }
         let mut out = std::mem::replace(&mut self.regs[i], Buf::U8(Vec::new()));
-        self.kernel(ins, dtype, &mut out);
+        self.kernel(ins, dtype, &mut out, post);
         self.regs[i] = out;
         self.prefetch_some();
         self.len = len;
@@ -277,44 +363,64 @@ impl<'a> Frame<'a> {
     /// (AVX-512 or AVX2 on x86-64, detected at run time, as `fastmath` does): the slice loops
     /// are then 16 or 8 lanes wide instead of SSE's 4. Same operations in the same order, so
     /// the same results on every path.
-    fn kernel(&self, ins: &Instr, dtype: DType, out: &mut Buf) {
+    fn kernel(&self, ins: &Instr, dtype: DType, out: &mut Buf, post: Post) {
         #[cfg(target_arch = "x86_64")]
         {
             #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
-            unsafe fn avx512(f: &Frame<'_>, ins: &Instr, dtype: DType, out: &mut Buf) {
-                f.kernel_body(ins, dtype, out)
+            unsafe fn avx512(f: &Frame<'_>, ins: &Instr, dtype: DType, out: &mut Buf, p: Post) {
+                f.kernel_body(ins, dtype, out, p)
             }
             #[target_feature(enable = "avx2,fma")]
-            unsafe fn avx2(f: &Frame<'_>, ins: &Instr, dtype: DType, out: &mut Buf) {
-                f.kernel_body(ins, dtype, out)
+            unsafe fn avx2(f: &Frame<'_>, ins: &Instr, dtype: DType, out: &mut Buf, p: Post) {
+                f.kernel_body(ins, dtype, out, p)
             }
             use std::arch::is_x86_feature_detected as has;
             if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
                 // SAFETY: the processor has every feature `avx512` is compiled for (checked
                 // just above); the function itself is safe Rust.
-                return unsafe { avx512(self, ins, dtype, out) };
+                return unsafe { avx512(self, ins, dtype, out, post) };
             }
             if has!("avx2") && has!("fma") {
                 // SAFETY: as above, for AVX2 and FMA.
-                return unsafe { avx2(self, ins, dtype, out) };
+                return unsafe { avx2(self, ins, dtype, out, post) };
             }
         }
-        self.kernel_body(ins, dtype, out)
+        self.kernel_body(ins, dtype, out, post)
     }
 
     #[inline(always)]
-    fn kernel_body(&self, ins: &Instr, dtype: DType, out: &mut Buf) {
+    fn kernel_body(&self, ins: &Instr, dtype: DType, out: &mut Buf, post: Post) {
         let n = self.len;
         match *ins {
-            Instr::Unary(op, a) => match out {
-                Buf::F32(o) => unary_f32(op, self.src(a), &mut o[..n]),
-                Buf::F64(o) => unary_f64(op, self.src(a), &mut o[..n]),
-                Buf::I64(o) => unary_i64(op, self.src(a), &mut o[..n]),
-                Buf::U8(_) => unreachable!("no unary op on u8 (validated program)"),
+            Instr::Unary(op, a) => match (out, post) {
+                (Buf::F32(o), Post::None) => unary_f32(op, self.src(a), &mut o[..n], None),
+                (Buf::F32(o), Post::F32(t)) => unary_f32(op, self.src(a), &mut o[..n], Some(t)),
+                (Buf::F64(o), Post::None) => unary_f64(op, self.src(a), &mut o[..n], |x| x),
+                (Buf::F64(o), Post::F64(t)) => {
+                    unary_f64(op, self.src(a), &mut o[..n], |x| t.apply(x))
+                }
+                (Buf::I64(o), Post::None) => unary_i64(op, self.src(a), &mut o[..n]),
+                (Buf::U8(_), _) => unreachable!("no unary op on u8 (validated program)"),
+                _ => unreachable!("a tail on a float op of the same dtype only (planned)"),
+            },
+            Instr::Binary(op, a, b) if !matches!(post, Post::None) => match (out, post) {
+                (Buf::F32(o), Post::F32(t)) => {
+                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n], |x| t
+                        .apply(x))
+                }
+                (Buf::F64(o), Post::F64(t)) => {
+                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n], |x| t
+                        .apply(x))
+                }
+                _ => unreachable!("a tail on a float op of the same dtype only (planned)"),
             },
             Instr::Binary(op, a, b) => match out {
-                Buf::F32(o) => float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n]),
-                Buf::F64(o) => float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n]),
+                Buf::F32(o) => {
+                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n], |x| x)
+                }
+                Buf::F64(o) => {
+                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n], |x| x)
+                }
                 Buf::I64(o) => binary_i64(op, self.src(a), self.src(b), &mut o[..n]),
                 Buf::U8(o) => {
                     let (x, y) = (self.src::<u8>(a), self.src::<u8>(b));
@@ -464,42 +570,46 @@ fn binary_i64(op: BinaryOp, a: Src<'_, i64>, b: Src<'_, i64>, o: &mut [i64]) {
 
 /// Unary ops shared by both float types (`$t`), as `elementwise.rs` computes them.
 macro_rules! float_unary_common {
-    ($t:ty, $op:expr, $a:expr, $o:expr, $erf:path) => {{
+    ($t:ty, $op:expr, $a:expr, $o:expr, $erf:path, $post:expr) => {{
         let (a, o): (Src<'_, $t>, &mut [$t]) = ($a, $o);
+        let post = $post;
         match $op {
-            UnaryOp::Neg => map1(a, o, |x| -x),
-            UnaryOp::Abs => map1(a, o, |x: $t| x.abs()),
-            UnaryOp::Log => map1(a, o, |x: $t| x.ln()),
-            UnaryOp::Sqrt => map1(a, o, |x: $t| x.sqrt()),
-            UnaryOp::Square => map1(a, o, |x| x * x),
-            UnaryOp::Recip => map1(a, o, |x| 1.0 / x),
-            UnaryOp::Sin => map1(a, o, |x: $t| x.sin()),
-            UnaryOp::Cos => map1(a, o, |x: $t| x.cos()),
-            UnaryOp::Tanh => map1(a, o, |x: $t| x.tanh()),
-            UnaryOp::Relu => map1(a, o, |x: $t| if x > 0.0 || x.is_nan() { x } else { 0.0 }),
+            UnaryOp::Neg => map1(a, o, |x: $t| post(-x)),
+            UnaryOp::Abs => map1(a, o, |x: $t| post(x.abs())),
+            UnaryOp::Log => map1(a, o, |x: $t| post(x.ln())),
+            UnaryOp::Sqrt => map1(a, o, |x: $t| post(x.sqrt())),
+            UnaryOp::Square => map1(a, o, |x: $t| post(x * x)),
+            UnaryOp::Recip => map1(a, o, |x: $t| post(1.0 / x)),
+            UnaryOp::Sin => map1(a, o, |x: $t| post(x.sin())),
+            UnaryOp::Cos => map1(a, o, |x: $t| post(x.cos())),
+            UnaryOp::Tanh => map1(a, o, |x: $t| post(x.tanh())),
+            UnaryOp::Relu => map1(a, o, |x: $t| {
+                post(if x > 0.0 || x.is_nan() { x } else { 0.0 })
+            }),
             UnaryOp::Gelu => map1(a, o, |x: $t| {
-                0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t))
+                post(0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t)))
             }),
             UnaryOp::Sign => map1(a, o, |x: $t| {
-                if x > 0.0 {
+                post(if x > 0.0 {
                     1.0
                 } else if x < 0.0 {
                     -1.0
                 } else {
                     x
-                }
+                })
             }),
-            UnaryOp::Floor => map1(a, o, |x: $t| x.floor()),
-            UnaryOp::Ceil => map1(a, o, |x: $t| x.ceil()),
+            UnaryOp::Floor => map1(a, o, |x: $t| post(x.floor())),
+            UnaryOp::Ceil => map1(a, o, |x: $t| post(x.ceil())),
             UnaryOp::Exp | UnaryOp::Sigmoid => unreachable!("handled by the caller"),
         }
     }};
 }
 
+/// Unary `op` on f32, then the scalar tail `post` if any.
 #[inline(always)]
-fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32]) {
+fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Option<Aff<f32>>) {
     // The vectorized polynomial of `fastmath`, as the single-op kernels use.
-    let via = |f: fn(&[f32], &mut [f32]), a: Src<'_, f32>, o: &mut [f32]| match a {
+    let via = |f: &dyn Fn(&[f32], &mut [f32]), a: Src<'_, f32>, o: &mut [f32]| match a {
         Src::S(x) => f(x, o),
         Src::C(c) => {
             let mut r = [0.0f32];
@@ -507,19 +617,27 @@ fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32]) {
             o.fill(r[0]);
         }
     };
-    match op {
-        UnaryOp::Exp => via(fastmath::exp_f32, a, o),
-        UnaryOp::Sigmoid => via(fastmath::sigmoid_f32, a, o),
-        _ => float_unary_common!(f32, op, a, o, libm::erff),
+    match (op, post) {
+        (UnaryOp::Exp, None) => via(&fastmath::exp_f32, a, o),
+        (UnaryOp::Exp, Some(t)) => via(&|x, o| fastmath::exp_then_f32(x, o, t.m, t.a), a, o),
+        (UnaryOp::Sigmoid, _) => {
+            via(&fastmath::sigmoid_f32, a, o);
+            if let Some(t) = post {
+                o.iter_mut().for_each(|v| *v = t.apply(*v));
+            }
+        }
+        (_, None) => float_unary_common!(f32, op, a, o, libm::erff, |x| x),
+        (_, Some(t)) => float_unary_common!(f32, op, a, o, libm::erff, |x| t.apply(x)),
     }
 }
 
+/// Unary `op` on f64, each result passed through `post`.
 #[inline(always)]
-fn unary_f64(op: UnaryOp, a: Src<'_, f64>, o: &mut [f64]) {
+fn unary_f64(op: UnaryOp, a: Src<'_, f64>, o: &mut [f64], post: impl Fn(f64) -> f64) {
     match op {
-        UnaryOp::Exp => map1(a, o, |x: f64| x.exp()),
-        UnaryOp::Sigmoid => map1(a, o, |x: f64| 1.0 / (1.0 + (-x).exp())),
-        _ => float_unary_common!(f64, op, a, o, libm::erf),
+        UnaryOp::Exp => map1(a, o, |x: f64| post(x.exp())),
+        UnaryOp::Sigmoid => map1(a, o, |x: f64| post(1.0 / (1.0 + (-x).exp()))),
+        _ => float_unary_common!(f64, op, a, o, libm::erf, post),
     }
 }
 

@@ -17,6 +17,10 @@
 //! across cores into partial accumulators, then merged. Elementwise outputs of a reducing
 //! program are written during the same pass.
 //!
+//! Scalar tails: an op with a uniform operand (`x * 0.5`, `x + 1`, `c - x`) whose other operand
+//! is used nowhere else runs inside the loop of the op that computes that operand, up to two
+//! per loop, with the same bits as on its own (see `plan_steps` and `block::Aff`).
+//!
 //! Not done yet: reductions over leading axes (a column sum) read their input with the stride
 //! of a row; a strategy that folds whole rows of accumulators at once would read it in order.
 
@@ -24,8 +28,8 @@ mod block;
 mod fold;
 mod walk;
 
-use kiln_core::expr::{Instr, Program, check_call};
-use kiln_core::{DType, Error, ExprErrorKind, Layout, Result, Shape};
+use kiln_core::expr::{Instr, Phase, Program, check_call};
+use kiln_core::{BinaryOp, DType, Error, ExprErrorKind, Layout, Result, Shape};
 use rayon::prelude::*;
 
 use crate::device::CpuDevice;
@@ -147,14 +151,86 @@ fn alloc_out(device: CpuDevice, dtype: DType, n: usize) -> Result<CpuStorage> {
     })
 }
 
-/// The values of constants and parameters.
+/// The values of constants and parameters, and how each instruction is run.
 struct Leaves {
     uni: Vec<Option<Sv>>,
+    steps: Vec<Step>,
+}
+
+/// How an instruction is run for a block.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// On its own.
+    Plain,
+    /// Not at all: its only use is the next op of a scalar tail, which computes it.
+    Skip,
+    /// As instruction `head` followed by up to two ops with a uniform operand (op, operand,
+    /// operand on the left), in one loop (see `block::Aff`).
+    Tail {
+        head: u32,
+        ops: [(BinaryOp, u32, bool); 2],
+        n: usize,
+    },
+}
+
+/// Scalar tails: an f32 or f64 `x + c`, `x - c`, `c - x`, `x * c` or `c * x` whose `c` is
+/// uniform (constants, parameters and what is computed from them) and whose `x` is a unary or
+/// binary op used nowhere else (nor an output) is computed inside `x`'s loop, up to two such
+/// ops per loop. `exp(a * b + 1) * 0.5 - b` then takes three passes over a block instead of
+/// five: `a * b + 1`, `exp(..) * 0.5`, `.. - b`. The values are the same bits (see
+/// `block::Aff`).
+fn plan_steps(program: &Program) -> Vec<Step> {
+    let code = program.code();
+    let phase = |v: u32| program.phase(v);
+    let mut uses = vec![0usize; code.len()];
+    for ins in code {
+        for a in ins.operands() {
+            uses[a as usize] += 1;
+        }
+    }
+    for &o in program.outputs() {
+        uses[o as usize] += 1;
+    }
+    let mut steps = vec![Step::Plain; code.len()];
+    for (c, ins) in code.iter().enumerate() {
+        let Instr::Binary(op @ (BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul), p, q) = *ins else {
+            continue;
+        };
+        let dt = program.dtypes()[c];
+        if !matches!(dt, DType::F32 | DType::F64) || phase(c as u32) == Phase::Uniform {
+            continue;
+        }
+        let (x, u, lhs) = match (phase(p), phase(q)) {
+            (Phase::Uniform, Phase::Uniform) => continue,
+            (_, Phase::Uniform) => (p, q, false),
+            (Phase::Uniform, _) => (q, p, true),
+            _ => continue,
+        };
+        if uses[x as usize] != 1 || program.dtypes()[x as usize] != dt {
+            continue;
+        }
+        let (head, mut ops, n) = match steps[x as usize] {
+            Step::Tail { head, ops, n } if n < 2 => (head, ops, n),
+            Step::Plain if matches!(code[x as usize], Instr::Unary(..) | Instr::Binary(..)) => {
+                (x, [(op, u, lhs); 2], 0)
+            }
+            _ => continue,
+        };
+        ops[n] = (op, u, lhs);
+        steps[x as usize] = Step::Skip;
+        steps[c] = Step::Tail {
+            head,
+            ops,
+            n: n + 1,
+        };
+    }
+    steps
 }
 
 impl Leaves {
     fn new(program: &Program, params: &[f64]) -> Leaves {
         Leaves {
+            steps: plan_steps(program),
             uni: program
                 .code()
                 .iter()
@@ -253,7 +329,14 @@ fn exec_block(
                 f.locs[i] = Loc::Uni(leaves.uni[i].expect("leaf value"));
             }
             Instr::Reduce(..) => {} // placed by the reduction driver
-            _ => f.exec(i, ins, program.dtypes()[i]),
+            _ => match leaves.steps[i] {
+                Step::Plain => f.exec(i, ins, program.dtypes()[i]),
+                Step::Skip => {}
+                Step::Tail { head, ops, n } => {
+                    let h = &program.code()[head as usize];
+                    f.exec_tail(i, h, program.dtypes()[i], &ops[..n]);
+                }
+            },
         }
     }
 }
@@ -290,13 +373,17 @@ fn schedule_prefetch(
     f.prefetch_step = lines.div_ceil(ops);
 }
 
-/// The instructions of `program` that compute (not leaves): how many times a block calls
-/// [`Frame::prefetch_some`].
-fn op_count(program: &Program) -> usize {
+/// The instructions of `program` that compute (not leaves nor skipped): how many times a
+/// block calls [`Frame::prefetch_some`].
+fn op_count(program: &Program, leaves: &Leaves) -> usize {
     program
         .code()
         .iter()
-        .filter(|i| !matches!(i, Instr::Input(_) | Instr::Param(_) | Instr::Const(_)))
+        .zip(&leaves.steps)
+        .filter(|(i, s)| {
+            !matches!(i, Instr::Input(_) | Instr::Param(_) | Instr::Const(_))
+                && !matches!(s, Step::Skip)
+        })
         .count()
         .max(1)
 }
@@ -332,7 +419,7 @@ fn elementwise(
     } else {
         par_chunk(n).div_ceil(BLOCK) * BLOCK
     };
-    let ops = op_count(program);
+    let ops = op_count(program, leaves);
     let task = |c: usize| {
         let mut f = Frame::new(program, inputs);
         let end = ((c + 1) * chunk).min(n);

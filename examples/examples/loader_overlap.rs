@@ -173,7 +173,6 @@ impl Job for Overlap {
         };
         // The overlap figure pairs each round's prefetch epoch with the compute epoch just
         // before it, so drift between rounds (clocks, other load on the host) cancels.
-        drop(epoch);
         let us = |s: [f64; 2], k: usize| s[k] * 1e6 / loaded[k].max(1) as f64;
         let next_us = [us(next_s, 0), us(next_s, 1)];
         let drop_us = [us(drop_s, 0), us(drop_s, 1)];

@@ -471,6 +471,11 @@ pub struct LoaderTimes {
     pub uploads: usize,
 }
 
+/// What the worker sends: a group and its rows gathered on the host.
+type Sent<B> = Result<(Group, Gathered<B>)>;
+
+// One state per epoch: the size of the worker variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum State<B: Backend> {
     /// No worker: batches are made in `next()`, one at a time.
     Inline {
@@ -481,7 +486,7 @@ enum State<B: Backend> {
     /// group ahead.
     Worker {
         job: Arc<Job<B>>,
-        rx: Option<Receiver<Result<(Group, Gathered<B>)>>>,
+        rx: Option<Receiver<Sent<B>>>,
         handle: Option<JoinHandle<()>>,
         stop: Arc<AtomicBool>,
         /// The group being handed out.
@@ -566,13 +571,12 @@ impl<B: Backend> Epoch<B> {
         stop.store(true, Ordering::Relaxed);
         // Dropping the receiver wakes a worker blocked in `send`, which then exits.
         drop(rx.take());
-        let panic = handle.take().and_then(|h| h.join().err()).map(|p| {
+        handle.take().and_then(|h| h.join().err()).map(|p| {
             p.downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| p.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into())
-        });
-        panic
+        })
     }
 
     /// The worker's next group, uploaded; `None` when the worker ended without sending it,
@@ -670,12 +674,7 @@ impl<B: Backend> Epoch<B> {
 
 /// Gathers the epoch's groups of batches in order on the host (no driver calls: they stay on
 /// the consuming thread, which launches the training step's kernels anyway).
-fn worker<B: Backend>(
-    job: &Job<B>,
-    groups: &[Group],
-    tx: SyncSender<Result<(Group, Gathered<B>)>>,
-    stop: &AtomicBool,
-) {
+fn worker<B: Backend>(job: &Job<B>, groups: &[Group], tx: SyncSender<Sent<B>>, stop: &AtomicBool) {
     for &g in groups {
         if stop.load(Ordering::Relaxed) {
             return;

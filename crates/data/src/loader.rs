@@ -6,7 +6,14 @@
 //! bounded channel, so it never runs away with memory) hides that work behind the compute, as
 //! PyTorch's `DataLoader` workers and Chainer's `MultiprocessIterator` do. On a GPU the upload is
 //! one DMA from page-locked memory on the backend's copy stream, asynchronous
-//! ([`DataLoader::pin_memory`]).
+//! ([`DataLoader::pin_memory`]), and small batches share one: the worker gathers consecutive
+//! batches into one block, the consuming thread uploads it and hands out views
+//! ([`DataLoader::upload_bytes`]), because each upload costs that thread the same whatever its
+//! size.
+//!
+//! Why the consuming thread uploads, not the worker: the driver serializes calls from threads
+//! of one context, so a worker's copies slowed the training thread's launches by as much as
+//! making the copies itself (BENCHMARKS.md, the fifth session of 2026-11-23).
 //!
 //! Why Philox for the order: the permutation of epoch `e` is a pure function of
 //! `(seed, e, len)` (see [`permutation`]), computed with integer arithmetic only, so a run
@@ -143,8 +150,10 @@ impl<B: Backend> DataLoader<B> {
         self
     }
 
-    /// How many batches the worker may have ready ahead of the consumer (the channel's
-    /// capacity); `0` prepares each batch in `next()` on the calling thread, with no worker.
+    /// How many uploads the worker may have gathered ahead of the consumer (the channel's
+    /// capacity; an upload is one batch or, with pinned memory, a group of them: see
+    /// [`upload_bytes`](Self::upload_bytes)); `0` prepares each batch in `next()` on the
+    /// calling thread, with no worker.
     pub fn prefetch(mut self, batches: usize) -> Self {
         self.prefetch = batches;
         self

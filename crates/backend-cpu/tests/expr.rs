@@ -343,11 +343,11 @@ fn norm_agrees_with_the_reference() {
     assert!((got - want_ref).abs() <= 1e-5 * want, "{got} vs {want_ref}");
 }
 
-/// Scalar tails (ops with a uniform operand computed inside the previous op's loop) give the
-/// op-by-op bits, signed zeros, infinities and NaN included, in f32 and f64, on one core and
-/// across cores.
+/// Scalar tails (ops with a uniform operand computed inside the previous op's loop) and the
+/// last instruction written a piece at a time give the op-by-op bits, signed zeros, infinities
+/// and NaN included, in f32 and f64, on one core and across cores.
 #[test]
-fn scalar_tails_give_the_op_by_op_bits() {
+fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
     let dev = Cpu::device(0);
     let specials = [
         0.0,

@@ -205,6 +205,9 @@ pub(super) struct Frame<'a> {
     pub(super) regs: Vec<Buf>,
     pub(super) locs: Vec<Loc>,
     pub(super) len: usize,
+    /// Where in the block the elements computed next start (see [`Frame::exec`]); 0 but
+    /// while the elementwise driver runs the last instruction a piece at a time.
+    pub(super) base: usize,
     pub(super) inputs: &'a [&'a CpuStorage],
     /// Byte ranges (addresses) of the next block's inputs still to prefetch, and how many
     /// cache lines to request after each instruction (see [`Frame::prefetch_some`]).
@@ -222,6 +225,7 @@ impl<'a> Frame<'a> {
                 .collect(),
             locs: vec![Loc::Uni(Sv::U8(0)); program.code().len()],
             len: 0,
+            base: 0,
             inputs,
             prefetch: Vec::new(),
             prefetch_step: 0,
@@ -261,11 +265,11 @@ impl<'a> Frame<'a> {
     pub(super) fn src<T: Elt>(&self, v: u32) -> Src<'_, T> {
         let v = v as usize;
         match self.locs[v] {
-            Loc::Reg => Src::S(&T::reg(&self.regs[v])[..self.len]),
+            Loc::Reg => Src::S(&T::reg(&self.regs[v])[self.base..self.base + self.len]),
             Loc::Uni(s) => Src::C(T::sv(s)),
             Loc::In { k, start } => Src::S(
                 &T::slice(self.inputs[k].data()).expect("input dtype checked")
-                    [start..start + self.len],
+                    [start + self.base..start + self.base + self.len],
             ),
         }
     }
@@ -338,15 +342,15 @@ impl<'a> Frame<'a> {
             Instr::Where(c, a, b) => uni(c) && uni(a) && uni(b),
             Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => true,
         };
-        let len = self.len;
+        let (len, base) = (self.len, self.base);
         if uniform {
-            self.len = 1;
+            (self.len, self.base) = (1, 0);
         }
         let mut out = std::mem::replace(&mut self.regs[i], Buf::U8(Vec::new()));
         self.kernel(ins, dtype, &mut out, post);
         self.regs[i] = out;
         self.prefetch_some();
-        self.len = len;
+        (self.len, self.base) = (len, base);
         self.locs[i] = if uniform {
             Loc::Uni(match &self.regs[i] {
                 Buf::F32(v) => Sv::F32(v[0]),
@@ -390,48 +394,50 @@ impl<'a> Frame<'a> {
 
     #[inline(always)]
     fn kernel_body(&self, ins: &Instr, dtype: DType, out: &mut Buf, post: Post) {
-        let n = self.len;
+        let (lo, n) = (self.base, self.len);
         match *ins {
             Instr::Unary(op, a) => match (out, post) {
-                (Buf::F32(o), Post::None) => unary_f32(op, self.src(a), &mut o[..n], None),
-                (Buf::F32(o), Post::F32(t)) => unary_f32(op, self.src(a), &mut o[..n], Some(t)),
-                (Buf::F64(o), Post::None) => unary_f64(op, self.src(a), &mut o[..n], |x| x),
-                (Buf::F64(o), Post::F64(t)) => {
-                    unary_f64(op, self.src(a), &mut o[..n], |x| t.apply(x))
+                (Buf::F32(o), Post::None) => unary_f32(op, self.src(a), &mut o[lo..lo + n], None),
+                (Buf::F32(o), Post::F32(t)) => {
+                    unary_f32(op, self.src(a), &mut o[lo..lo + n], Some(t))
                 }
-                (Buf::I64(o), Post::None) => unary_i64(op, self.src(a), &mut o[..n]),
+                (Buf::F64(o), Post::None) => unary_f64(op, self.src(a), &mut o[lo..lo + n], |x| x),
+                (Buf::F64(o), Post::F64(t)) => {
+                    unary_f64(op, self.src(a), &mut o[lo..lo + n], |x| t.apply(x))
+                }
+                (Buf::I64(o), Post::None) => unary_i64(op, self.src(a), &mut o[lo..lo + n]),
                 (Buf::U8(_), _) => unreachable!("no unary op on u8 (validated program)"),
                 _ => unreachable!("a tail on a float op of the same dtype only (planned)"),
             },
             Instr::Binary(op, a, b) if !matches!(post, Post::None) => match (out, post) {
                 (Buf::F32(o), Post::F32(t)) => {
-                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n], |x| t
+                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[lo..lo + n], |x| t
                         .apply(x))
                 }
                 (Buf::F64(o), Post::F64(t)) => {
-                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n], |x| t
+                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[lo..lo + n], |x| t
                         .apply(x))
                 }
                 _ => unreachable!("a tail on a float op of the same dtype only (planned)"),
             },
             Instr::Binary(op, a, b) => match out {
                 Buf::F32(o) => {
-                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[..n], |x| x)
+                    float_binary!(f32, op, self.src(a), self.src(b), &mut o[lo..lo + n], |x| x)
                 }
                 Buf::F64(o) => {
-                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[..n], |x| x)
+                    float_binary!(f64, op, self.src(a), self.src(b), &mut o[lo..lo + n], |x| x)
                 }
-                Buf::I64(o) => binary_i64(op, self.src(a), self.src(b), &mut o[..n]),
+                Buf::I64(o) => binary_i64(op, self.src(a), self.src(b), &mut o[lo..lo + n]),
                 Buf::U8(o) => {
                     let (x, y) = (self.src::<u8>(a), self.src::<u8>(b));
                     match op {
-                        BinaryOp::Maximum => map2(x, y, &mut o[..n], |p, q| p.max(q)),
-                        _ => map2(x, y, &mut o[..n], |p, q| p.min(q)),
+                        BinaryOp::Maximum => map2(x, y, &mut o[lo..lo + n], |p, q| p.max(q)),
+                        _ => map2(x, y, &mut o[lo..lo + n], |p, q| p.min(q)),
                     }
                 }
             },
             Instr::Cmp(op, a, b) => {
-                let o = &mut u8::reg_mut(out)[..n];
+                let o = &mut u8::reg_mut(out)[lo..lo + n];
                 match self.operand_dtype(a) {
                     DType::F32 => cmp(op, self.src::<f32>(a), self.src(b), o),
                     DType::F64 => cmp(op, self.src::<f64>(a), self.src(b), o),
@@ -442,20 +448,20 @@ impl<'a> Frame<'a> {
             Instr::Where(c, a, b) => {
                 let c = self.src::<u8>(c);
                 match out {
-                    Buf::F32(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
-                    Buf::F64(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
-                    Buf::I64(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
-                    Buf::U8(o) => select(c, self.src(a), self.src(b), &mut o[..n]),
+                    Buf::F32(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
+                    Buf::F64(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
+                    Buf::I64(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
+                    Buf::U8(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
                 }
             }
             Instr::Cast(_, a) => {
                 macro_rules! to {
                     ($x:expr) => {
                         match out {
-                            Buf::F32(o) => map1($x, &mut o[..n], |v| v as f32),
-                            Buf::F64(o) => map1($x, &mut o[..n], |v| v as f64),
-                            Buf::I64(o) => map1($x, &mut o[..n], |v| v as i64),
-                            Buf::U8(o) => map1($x, &mut o[..n], |v| v as u8),
+                            Buf::F32(o) => map1($x, &mut o[lo..lo + n], |v| v as f32),
+                            Buf::F64(o) => map1($x, &mut o[lo..lo + n], |v| v as f64),
+                            Buf::I64(o) => map1($x, &mut o[lo..lo + n], |v| v as i64),
+                            Buf::U8(o) => map1($x, &mut o[lo..lo + n], |v| v as u8),
                         }
                     };
                 }

@@ -21,6 +21,11 @@
 //! is used nowhere else runs inside the loop of the op that computes that operand, up to two
 //! per loop, with the same bits as on its own (see `plan_steps` and `block::Aff`).
 //!
+//! Writing out: outputs go to memory with streaming stores (see `Frame::store_unfenced`). The
+//! program's last instruction, when it is an output, runs a piece of [`PIECE`] elements at a
+//! time, each piece streamed out at once, so that its writes overlap its reads (one core, a
+//! lone multiply over 32M f32: 22.7 -> 16.8 ms; see `elementwise`).
+//!
 //! Not done yet: reductions over leading axes (a column sum) read their input with the stride
 //! of a row; a strategy that folds whole rows of accumulators at once would read it in order.
 
@@ -329,17 +334,26 @@ fn exec_block(
                 f.locs[i] = Loc::Uni(leaves.uni[i].expect("leaf value"));
             }
             Instr::Reduce(..) => {} // placed by the reduction driver
-            _ => match leaves.steps[i] {
-                Step::Plain => f.exec(i, ins, program.dtypes()[i]),
-                Step::Skip => {}
-                Step::Tail { head, ops, n } => {
-                    let h = &program.code()[head as usize];
-                    f.exec_tail(i, h, program.dtypes()[i], &ops[..n]);
-                }
-            },
+            _ => exec_op(f, program, leaves, i),
         }
     }
 }
+
+/// Computes instruction `i`, an op (not a leaf), as its step says.
+fn exec_op(f: &mut Frame<'_>, program: &Program, leaves: &Leaves, i: usize) {
+    match leaves.steps[i] {
+        Step::Plain => f.exec(i, &program.code()[i], program.dtypes()[i]),
+        Step::Skip => {}
+        Step::Tail { head, ops, n } => {
+            let h = &program.code()[head as usize];
+            f.exec_tail(i, h, program.dtypes()[i], &ops[..n]);
+        }
+    }
+}
+
+/// Elements of the last instruction computed and written out at a time (see
+/// [`elementwise`]).
+const PIECE: usize = 1024;
 
 /// Queues the contiguous inputs of the block at `next` (up to `end`) for prefetching, spread
 /// over the current block's instructions (see `Frame::prefetch_some`).
@@ -413,13 +427,26 @@ fn elementwise(
 ) {
     let n = shape.elem_count();
     let walks: Vec<Walk> = layouts.iter().map(|l| Walk::new(l)).collect();
-    let run = vec![true; program.code().len()];
+    let mut run = vec![true; program.code().len()];
     let chunk = if n < PAR_MIN || n.saturating_mul(program.code().len()) < PAR_WORK {
         n
     } else {
         par_chunk(n).div_ceil(BLOCK) * BLOCK
     };
     let ops = op_count(program, leaves);
+    // The last instruction, when it is an op whose value is an output, runs a piece at a
+    // time, each piece streamed into the output at once: the output's writes then overlap
+    // the reads of that instruction's inputs, as in a single-op kernel, instead of following
+    // the whole block's computation.
+    let last = program.code().len().saturating_sub(1);
+    let piecewise = program
+        .code()
+        .get(last)
+        .is_some_and(|i| !matches!(i, Instr::Input(_) | Instr::Param(_) | Instr::Const(_)))
+        && program.outputs().contains(&(last as u32));
+    if piecewise {
+        run[last] = false;
+    }
     let task = |c: usize| {
         let mut f = Frame::new(program, inputs);
         let end = ((c + 1) * chunk).min(n);
@@ -432,7 +459,28 @@ fn elementwise(
                 let dt = program.inputs()[k as usize];
                 place_input(f, i, k as usize, &walks[k as usize], start, dt);
             });
+            let len = f.len;
+            if piecewise {
+                let step = f.prefetch_step;
+                f.prefetch_step = step.div_ceil(len.div_ceil(PIECE));
+                while f.base < len {
+                    f.len = PIECE.min(len - f.base);
+                    exec_op(&mut f, program, leaves, last);
+                    for (j, &o) in program.outputs().iter().enumerate() {
+                        if o as usize == last {
+                            // SAFETY: as below, for elements `start + base ..` of `start ..`.
+                            let at = start + f.base;
+                            unsafe { store_unfenced(&f, o, program.dtype(o), outs, j, at) };
+                        }
+                    }
+                    f.base += f.len;
+                }
+                (f.base, f.len, f.prefetch_step) = (0, len, step);
+            }
             for (j, &o) in program.outputs().iter().enumerate() {
+                if piecewise && o as usize == last {
+                    continue;
+                }
                 // SAFETY: chunks are disjoint ranges of the flat index, and every output of
                 // this program has the iteration shape, so this task alone writes
                 // `start..start + len` of each output; the task fences before it ends.

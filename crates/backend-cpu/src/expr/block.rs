@@ -130,6 +130,46 @@ impl Buf {
             _ => Buf::F64(vec![0.0; len]),
         }
     }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Buf::F32(_) => DType::F32,
+            Buf::F64(_) => DType::F64,
+            Buf::I64(_) => DType::I64,
+            Buf::U8(_) => DType::U8,
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            Buf::F32(v) => v.len(),
+            Buf::F64(v) => v.len(),
+            Buf::I64(v) => v.len(),
+            Buf::U8(v) => v.len(),
+        }
+    }
+}
+
+/// Most block registers a thread keeps for its next frames.
+const SPARE_REGS: usize = 32;
+
+thread_local! {
+    /// Block registers of this thread's finished frames, for the next ones. Why: a frame
+    /// needs one 16–32 KiB register per instruction, and allocating (and zeroing) them per
+    /// call cost a 9-instruction program 12–14 µs a call, most of it page faults of heap that
+    /// the allocator had given back in between. Their contents are never read before an
+    /// instruction writes them, so reused registers need no clearing.
+    static SPARE: std::cell::RefCell<Vec<Buf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A block register of `dtype`, reused from this thread's spares when there is one.
+fn take_reg(dtype: DType) -> Buf {
+    let spare = SPARE.with(|s| {
+        let mut s = s.borrow_mut();
+        let i = s.iter().position(|b| b.dtype() == dtype)?;
+        Some(s.swap_remove(i))
+    });
+    spare.unwrap_or_else(|| Buf::new(dtype, BLOCK))
 }
 
 /// The element types a program computes with.
@@ -215,14 +255,25 @@ pub(super) struct Frame<'a> {
     pub(super) prefetch_step: usize,
 }
 
+impl Drop for Frame<'_> {
+    fn drop(&mut self) {
+        // (`try_with`: a frame dropped while the thread's locals are torn down just frees.)
+        let _ = SPARE.try_with(|s| {
+            let mut s = s.borrow_mut();
+            for r in self.regs.drain(..).filter(|r| r.len() == BLOCK) {
+                if s.len() == SPARE_REGS {
+                    break;
+                }
+                s.push(r);
+            }
+        });
+    }
+}
+
 impl<'a> Frame<'a> {
     pub(super) fn new(program: &Program, inputs: &'a [&'a CpuStorage]) -> Frame<'a> {
         Frame {
-            regs: program
-                .dtypes()
-                .iter()
-                .map(|&d| Buf::new(d, BLOCK))
-                .collect(),
+            regs: program.dtypes().iter().map(|&d| take_reg(d)).collect(),
             locs: vec![Loc::Uni(Sv::U8(0)); program.code().len()],
             len: 0,
             base: 0,

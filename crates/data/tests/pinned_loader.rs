@@ -19,6 +19,10 @@ fn dataset(n: usize, width: usize) -> ArrayDataset {
     .unwrap()
 }
 
+/// The stand-in pool is one per process and these tests check that it ends empty: they hold
+/// this lock so that one test's live blocks are not counted by another running beside it.
+static POOL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
     l.iter()
         .map(|b| -> Result<_> {
@@ -31,6 +35,7 @@ fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
 
 #[test]
 fn pinned_batches_equal_plain_batches() {
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let pool = kiln_core::test_pinned::register();
     let dev = RefDevice(0);
     // 3 KiB rows: batches of 700 rows pass the threaded gather's 1 MiB threshold.
@@ -50,6 +55,7 @@ fn pinned_batches_equal_plain_batches() {
 
 #[test]
 fn grouped_uploads_hand_out_the_same_batches() {
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let pool = kiln_core::test_pinned::register();
     let dev = RefDevice(0);
     // 50 rows of 4 f32 in batches of 7: 8 batches, the last of 1 row; a batch is 112 bytes.

@@ -435,6 +435,64 @@ impl<B: Backend> Var<B> {
         }))
     }
 
+    /// `self · wᵀ + b` (PyTorch's `F.linear`): `w` is `[out, in]`, `b` is `[out]`, `self` is
+    /// `[.., in]`; gives `[.., out]`. The same products as `self.matmul(&w.t()?)?.add(b)` (the
+    /// same bits), recorded as one node whose inputs are the parameters themselves: their
+    /// gradients are a leaf's, so a backward pass computes them before the input's and runs their
+    /// hooks at once (see [`Var::register_grad_hook`]), and data parallelism starts reducing
+    /// them while the input's gradient is still being computed.
+    pub fn linear(&self, w: &Self, b: Option<&Self>) -> Result<Self> {
+        const OP: &str = "linear";
+        let x = self.tensor();
+        let wt = w.tensor();
+        if wt.rank() != 2 || x.rank() == 0 || x.dims()[x.rank() - 1] != wt.dims()[1] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "expects an input [.., in] and a weight [out, in], got {} and {}",
+                    x.shape(),
+                    wt.shape()
+                ),
+            ));
+        }
+        let (n_out, n_in) = (wt.dims()[0], wt.dims()[1]);
+        let mut y = x.matmul(&wt.t()?)?;
+        let mut inputs = vec![self, w];
+        if let Some(b) = b {
+            if b.dims() != [n_out] {
+                return Err(Error::invalid(
+                    OP,
+                    format!("expects a bias [{n_out}], got {}", b.shape()),
+                ));
+            }
+            y = y.add(&b.tensor())?;
+            inputs.push(b);
+        }
+        Ok(Var::from_op(OP, &inputs, y, move |g, needs| {
+            let rows = g.elem_count() / n_out.max(1);
+            let g2 = g.reshape([rows, n_out])?;
+            let gw = if needs[1] {
+                Some(g2.t()?.matmul(&x.reshape([rows, n_in])?)?)
+            } else {
+                None
+            };
+            let gb = match needs.get(2) {
+                Some(true) => Some(g2.sum(&[0], false)?),
+                _ => None,
+            };
+            let gx = if needs[0] {
+                Some(g.matmul(&wt)?.reshape(x.shape().clone())?)
+            } else {
+                None
+            };
+            let mut grads = vec![gx, gw];
+            if needs.len() > 2 {
+                grads.push(gb);
+            }
+            Ok(grads)
+        }))
+    }
+
     // ---- views ---------------------------------------------------------------------------
 
     fn view_op(

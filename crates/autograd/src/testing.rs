@@ -527,6 +527,46 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
         }),
     ));
 
+    // ---- linear: x · wᵀ + b with x of rank 1 to 3, with and without a bias ----
+    c.push((
+        "linear".into(),
+        Box::new(|dev: &B::Device, cfg: &SuiteConfig| {
+            let s = (0usize..3, 1usize..=3, 1usize..=4, 1usize..=4, any::<bool>());
+            let s = (s, lay(), lay(), any::<u64>()).prop_map(
+                |((lead, b, i, o, bias), lx, lw, seed)| {
+                    let mut xd = vec![b; lead];
+                    xd.push(i);
+                    let x = In {
+                        dims: xd,
+                        lay: lx,
+                        seed,
+                    };
+                    let w = In {
+                        dims: vec![o, i],
+                        lay: lw,
+                        seed: seed.wrapping_add(1),
+                    };
+                    let bias = bias.then_some(In {
+                        dims: vec![o],
+                        lay: Lay::Contiguous,
+                        seed: seed.wrapping_add(2),
+                    });
+                    (x, w, bias)
+                },
+            );
+            prop(cfg, s, |(x, w, bias)| {
+                let mut ins = vec![
+                    x.build::<B>(Vals::Normal, dev)?,
+                    w.build::<B>(Vals::Normal, dev)?,
+                ];
+                if let Some(b) = &bias {
+                    ins.push(b.build::<B>(Vals::Normal, dev)?);
+                }
+                check(cfg, &ins, |v| v[0].linear(&v[1], v.get(2)))
+            })
+        }),
+    ));
+
     // ---- views ----
     c.push((
         "view/reshape".into(),

@@ -346,6 +346,10 @@ impl<B: Backend> Var<B> {
         hooks.len() != n
     }
 
+    fn has_grad_hooks(&self) -> bool {
+        !lock(&self.0.hooks).is_empty()
+    }
+
     fn run_grad_hooks(&self) -> Result<()> {
         let hooks: Vec<GradHook<B>> = lock(&self.0.hooks).iter().map(|(_, f)| f.clone()).collect();
         for f in hooks {
@@ -516,7 +520,7 @@ impl<B: Backend> Var<B> {
         grads.insert(self.id(), seed);
         // `order` is post-order (inputs first): walk it from the output back.
         for (pos, v) in order.iter().enumerate().rev() {
-            Self::backward_node(v, &mut grads, &last_use, &mut flush_at)?;
+            Self::backward_node(v, pos, &mut grads, &last_use, &mut flush_at)?;
             for leaf in flush_at.remove(&pos).unwrap_or_default() {
                 if let Some(g) = grads.remove(&leaf.id())
                     && leaf.requires_grad()
@@ -534,16 +538,22 @@ impl<B: Backend> Var<B> {
         Ok(())
     }
 
-    /// One step of [`Var::backward_opts`]: runs `v`'s backward with its gradient from `grads`
-    /// and adds the input gradients there; leaves seen for the first time are queued in
-    /// `flush_at` at their last use.
+    /// One step of [`Var::backward_opts`]: runs `v`'s backward (the node at `pos` of the
+    /// order) with its gradient from `grads` and adds the input gradients there; leaves seen for
+    /// the first time are queued in `flush_at` at their last use.
+    ///
+    /// Leaves with gradient hooks whose last use is this node come first: when the node also
+    /// has other inputs to differentiate, its backward runs twice with disjoint `needs` (hooked
+    /// leaves, then the rest) and those leaves are accumulated and their hooks run in between,
+    /// so that a hook's work (DDP's all-reduce) is queued before the rest of the node's (the
+    /// input's gradient) and overlaps it.
     fn backward_node(
         v: &Var<B>,
+        pos: usize,
         grads: &mut FastMap<VarId, Tensor<B>>,
         last_use: &FastMap<VarId, usize>,
         flush_at: &mut FastMap<usize, Vec<Var<B>>>,
     ) -> Result<()> {
-        const OP: &str = "backward";
         let Some(g) = grads.remove(&v.id()) else {
             return Ok(());
         };
@@ -557,8 +567,46 @@ impl<B: Backend> Var<B> {
             v.accumulate_grad(g.clone())?;
         }
         let needs: Vec<bool> = node.inputs.iter().map(|(_, n)| *n).collect();
+        let first: Vec<bool> = node
+            .inputs
+            .iter()
+            .map(|(input, need)| {
+                *need
+                    && input.node().is_none()
+                    && last_use.get(&input.id()) == Some(&pos)
+                    && input.has_grad_hooks()
+            })
+            .collect();
+        let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
+        if first.iter().any(|&f| f) && rest.iter().any(|&r| r) {
+            let early = (node.backward)(&g, &first)?;
+            Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
+            for (input, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
+                let input = &input.0;
+                if let Some(g) = grads.remove(&input.id()) {
+                    input.accumulate_grad(g)?;
+                    input.run_grad_hooks()?;
+                }
+            }
+            let late = (node.backward)(&g, &rest)?;
+            return Self::add_input_grads(&node, late, &rest, grads, last_use, flush_at);
+        }
         let input_grads = (node.backward)(&g, &needs)?;
         drop(g);
+        Self::add_input_grads(&node, input_grads, &needs, grads, last_use, flush_at)
+    }
+
+    /// Adds the gradients a node's backward returned for the inputs marked in `wanted` to
+    /// `grads`, checking each against its input.
+    fn add_input_grads(
+        node: &Node<B>,
+        input_grads: InputGrads<B>,
+        wanted: &[bool],
+        grads: &mut FastMap<VarId, Tensor<B>>,
+        last_use: &FastMap<VarId, usize>,
+        flush_at: &mut FastMap<usize, Vec<Var<B>>>,
+    ) -> Result<()> {
+        const OP: &str = "backward";
         if input_grads.len() != node.inputs.len() {
             return Err(Error::invalid(
                 OP,
@@ -570,7 +618,7 @@ impl<B: Backend> Var<B> {
                 ),
             ));
         }
-        for ((input, need), gi) in node.inputs.iter().zip(input_grads) {
+        for (((input, _), gi), need) in node.inputs.iter().zip(input_grads).zip(wanted) {
             let Some(gi) = gi else { continue };
             if !need {
                 continue;

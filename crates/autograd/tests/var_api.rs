@@ -534,3 +534,70 @@ fn a_failing_grad_hook_fails_backward() {
         .unwrap_err();
     assert!(e.to_string().contains("planted failure"), "{e}");
 }
+
+#[test]
+fn a_hooked_leaf_gets_its_gradient_and_hook_before_the_nodes_other_inputs() {
+    use std::sync::{Arc, Mutex};
+    // y = sum(x ⊙ w) with x = 3·x0 computed and w a leaf: the node's backward is asked for w's
+    // gradient alone, w's hook runs, and only then is x's gradient computed (so that DDP's
+    // all-reduce of w is queued before the work for x). Without a hook: one call for both.
+    for hooked in [true, false] {
+        let log: Arc<Mutex<Vec<String>>> = Arc::default();
+        let x0 = Var::param(t(&[1.0, 2.0], &[2]));
+        let x = x0.mul_scalar(3.0).unwrap();
+        let w = Var::param(t(&[0.5, -1.0], &[2]));
+        if hooked {
+            let l = log.clone();
+            w.register_grad_hook(Arc::new(move |v: &Var<B>| {
+                l.lock()
+                    .unwrap()
+                    .push(format!("hook {:?}", vals(&v.grad().unwrap())));
+                Ok(())
+            }));
+        }
+        let (xt, wt) = (x.tensor(), w.tensor());
+        let l = log.clone();
+        let y = Var::from_op("pair", &[&x, &w], xt.mul(&wt).unwrap(), move |g, needs| {
+            l.lock().unwrap().push(format!("backward {needs:?}"));
+            Ok(vec![
+                needs[0].then(|| g.mul(&wt)).transpose()?,
+                needs[1].then(|| g.mul(&xt)).transpose()?,
+            ])
+        });
+        y.sum_all().unwrap().backward().unwrap();
+        let want: Vec<String> = if hooked {
+            vec![
+                "backward [false, true]".into(),
+                "hook [3.0, 6.0]".into(),
+                "backward [true, false]".into(),
+            ]
+        } else {
+            vec!["backward [true, true]".into()]
+        };
+        assert_eq!(*log.lock().unwrap(), want);
+        assert_eq!(vals(&w.grad().unwrap()), vec![3.0, 6.0]);
+        assert_eq!(vals(&x0.grad().unwrap()), vec![1.5, -3.0]);
+    }
+}
+
+#[test]
+fn linear_is_matmul_with_the_transposed_weight_plus_the_bias() {
+    // The same values and gradients as the two-op form, with the parameters as direct inputs.
+    let x = Var::param(t(&[1.0, -2.0, 0.5, 3.0, 0.0, -1.0], &[3, 2]));
+    let w = Var::param(t(&[0.5, 1.0, -1.5, 2.0], &[2, 2]));
+    let b = Var::param(t(&[0.25, -0.5], &[2]));
+    let y = x.linear(&w, Some(&b)).unwrap();
+    let r = x.matmul(&w.t().unwrap()).unwrap().add(&b).unwrap();
+    assert_eq!(vals(&y.tensor()), vals(&r.tensor()));
+    y.square().unwrap().sum_all().unwrap().backward().unwrap();
+    let (gx, gw, gb) = (x.take_grad(), w.take_grad(), b.take_grad());
+    r.square().unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&gx.unwrap()), vals(&x.grad().unwrap()));
+    assert_eq!(vals(&gw.unwrap()), vals(&w.grad().unwrap()));
+    assert_eq!(vals(&gb.unwrap()), vals(&b.grad().unwrap()));
+    // Shapes are checked, naming the op.
+    let e = x.linear(&b, None).unwrap_err().to_string();
+    assert!(e.contains("linear"), "{e}");
+    let e = x.linear(&w, Some(&w)).unwrap_err().to_string();
+    assert!(e.contains("linear") && e.contains("bias"), "{e}");
+}

@@ -114,12 +114,9 @@ impl<B: Backend> Module<B> for Linear<B> {
                 ),
             ));
         }
-        // `t()` is a transposed view: the backend's GEMM reads W column-major, no copy.
-        let y = x.matmul(&self.weight.t()?)?;
-        match &self.bias {
-            Some(b) => y.add(b),
-            None => Ok(y),
-        }
+        // One node with the parameters as direct inputs (see `Var::linear`); the backend's
+        // GEMM reads W column-major through a transposed view, no copy.
+        x.linear(&self.weight, self.bias.as_ref())
     }
 
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {

@@ -81,8 +81,26 @@ __device__ void reduce_col(const T* __restrict__ x, O* __restrict__ y, u64 nout,
         typename Op::Acc acc = Op::init();
         if (o < nout) {
             u64 base = offset1<u64>(o, kd, ks);
-            for (u64 r = r0 + ty; r < r1; r += 8)
-                acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
+            u64 r = r0 + ty;
+            if (rd.rank == 1) {
+                // One reduced axis (the usual case after collapsing): a plain stride, no index
+                // division per element, and four loads in flight per step. The same
+                // combination order as the general loop below.
+                const T* p = x + base;
+                const u64 st = rs.s[0];
+                for (; r + 24 < r1; r += 32) {
+                    T a0 = p[r * st], a1 = p[(r + 8) * st], a2 = p[(r + 16) * st],
+                      a3 = p[(r + 24) * st];
+                    acc = Op::combine(acc, Op::lift(a0, (i64)r));
+                    acc = Op::combine(acc, Op::lift(a1, (i64)(r + 8)));
+                    acc = Op::combine(acc, Op::lift(a2, (i64)(r + 16)));
+                    acc = Op::combine(acc, Op::lift(a3, (i64)(r + 24)));
+                }
+                for (; r < r1; r += 8) acc = Op::combine(acc, Op::lift(p[r * st], (i64)r));
+            } else {
+                for (; r < r1; r += 8)
+                    acc = Op::combine(acc, Op::lift(x[base + offset1<u64>(r, rd, rs)], (i64)r));
+            }
         }
         tile[ty][tx] = acc;
         __syncthreads();

@@ -602,7 +602,9 @@ pub(crate) fn reduce(
                 &out,
                 nout,
                 splits,
-                grid_x.min(sms * 32),
+                // One block per output (up to 32 per SM): a block of 32 threads has only a
+                // few partials to add, so fewer blocks would leave the GPU waiting on latency.
+                nout.min(sms * 32),
             )?;
         }
         return Ok(out);

@@ -90,6 +90,21 @@ check bench-torch-ddp ok 240 torchrun --nproc_per_node 2 --master_port "$(free_p
 check torchrun-launches-kiln ok 180 torchrun --nproc_per_node 2 --master_port "$(free_port)" --no-python \
     $DP --mode ddp-procs --model big --steps 30 --warmup 5
 check two-gpu-matmul ok 120 $M/two_gpu_matmul
+# PyTorch's twin of two_gpu_matmul's 256 MB GPU-to-GPU copy (same measure: the call until both
+# devices are idle, median of 5).
+check torch-copy-peer ok 120 python3 - <<'PY'
+import time, torch
+src = torch.ones(64 << 20, device="cuda:0")
+def once():
+    torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+    t = time.perf_counter()
+    dst = src.to("cuda:1")
+    torch.cuda.synchronize(0); torch.cuda.synchronize(1)
+    return time.perf_counter() - t
+once()
+s = sorted(once() for _ in range(5))[2]
+print(f"torch copy_peer_256MB ms={s * 1e3:.3f} gb_per_s={4 * (64 << 20) / s / 1e9:.1f}")
+PY
 
 echo; echo "================ ISSUE 12 SUMMARY ================"
 for r in "${RESULTS[@]}"; do echo "$r"; done
@@ -101,7 +116,7 @@ for n in fault-rank-exits fault-rdzv-missing-rank fault-rdzv-no-rank0; do
 done
 python3 - "$OUT" <<'PY'
 import re, sys
-rows = {}
+rows, copies = {}, {}
 for line in open(sys.argv[1]):
     m = re.match(r"(kiln|torch) data_parallel mode=(\S+) model=Big gpus=(\d+) .*step_ms=([\d.]+) samples_per_s=(\d+)", line)
     if m:
@@ -109,6 +124,9 @@ for line in open(sys.argv[1]):
     m = re.match(r"kiln two_gpu_matmul .* speedup=([\d.]+)", line)
     if m:
         print(f"two_gpu_matmul speedup: {float(m[1]):.3f}x (target >= 1.97)")
+    m = re.match(r"(kiln|torch) copy_peer_256MB .* gb_per_s=([\d.]+)", line)
+    if m:
+        copies[m[1]] = float(m[2])
 print("samples/s, MLP 784-4096x3-10, global batch 8192:")
 for k, v in sorted(rows.items()):
     print(f"  {k[0]:5} {k[1]:12} gpus={k[2]}: {v:>10.0f}")
@@ -123,6 +141,9 @@ for mode in ("ddp-threads", "ddp-procs", "chainer"):
         print(s)
 if t1 and t2:
     print(f"torch DDP: 2-GPU speedup {t2 / t1:.3f}x")
+kc = copies.get("kiln"); tc = copies.get("torch")
+if kc and tc:
+    print(f"copy_peer 256 MB: kiln {kc:.1f} GB/s, torch {tc:.1f} GB/s, {kc / tc:.3f}x (target >= 0.95)")
 PY
 echo "ISSUE 12 CHECKS: $pass passed, $fail failed (logs in $LOG)"
 [ "$fail" -eq 0 ]

@@ -120,7 +120,10 @@ fn main() {
     DistEnv::apply_nvls_off();
     let args = Args::parse();
     kiln_backend_cuda::set_allow_tf32(false);
-    if let Err(e) = run(args) {
+    let r = run(args);
+    // With KILN_PROFILE=1: the table (and KILN_PROFILE_TRACE's Chrome trace) of this process.
+    kiln_core::profile::report();
+    if let Err(e) = r {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

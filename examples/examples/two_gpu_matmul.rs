@@ -10,7 +10,9 @@
 //! kiln launches GPU work asynchronously, so issuing device 0's products and then device 1's
 //! from one thread keeps both GPUs busy at once; only the final synchronization waits. Prints
 //! `kiln two_gpu_matmul ... one_gpu_ms=... two_gpus_ms=... speedup=...` (median of the repeats;
-//! TF32 off).
+//! TF32 off), then `kiln copy_peer_256MB ... gb_per_s=...`: a 256 MB tensor copied from the first
+//! device to the second with `copy_to` (median of the repeats, from the call until both devices
+//! are idle), issue 12's GPU-to-GPU copy row.
 
 use std::time::Instant;
 
@@ -83,6 +85,36 @@ fn run<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
         t2 * 1e3,
         t1 / t2,
         flops / t2 / 1e12
+    );
+    copy_peer::<B>(args, &d0, &d1)
+}
+
+/// 256 MB from `d0` to `d1` through `copy_to`, as a user calls it: the whole call until both
+/// devices are idle.
+fn copy_peer<B: Backend>(args: &Args, d0: &B::Device, d1: &B::Device) -> Result<()> {
+    let n = 64 << 20;
+    let src = Tensor::<B>::ones([n], DType::F32, d0)?;
+    let once = || -> Result<f64> {
+        B::synchronize(d0)?;
+        B::synchronize(d1)?;
+        let t = Instant::now();
+        let dst = src.copy_to(d1)?;
+        B::synchronize(d0)?;
+        B::synchronize(d1)?;
+        let s = t.elapsed().as_secs_f64();
+        drop(dst);
+        Ok(s)
+    };
+    once()?;
+    let s = median(
+        (0..args.repeats.max(5))
+            .map(|_| once())
+            .collect::<Result<_>>()?,
+    );
+    println!(
+        "kiln copy_peer_256MB devices={d0},{d1} ms={:.3} gb_per_s={:.1}",
+        s * 1e3,
+        4.0 * n as f64 / s / 1e9
     );
     Ok(())
 }

@@ -643,8 +643,17 @@ impl NcclComm {
         let current = Stream::current(&self.shared.dev)?;
         self.stream.wait_stream(&current)?;
         let stream = self.stream.as_raw() as nsys::cudaStream_t;
+        // Profiled as a device-to-device transfer of the output's bytes, on the
+        // communication stream.
+        let prof = crate::profile::d2d(
+            crate::device::state(&self.shared.dev)?,
+            op,
+            self.stream.as_raw(),
+            out.elem_count() * out.dtype().size_in_bytes(),
+        );
         let r = self.shared.with_comm(op, |c| launch(c, stream))?;
         self.shared.call(op, r)?;
+        drop(prof);
         let event = Arc::new(self.stream.record_event()?);
         if let Some(tx) = &*self.watch.lock().unwrap_or_else(|e| e.into_inner()) {
             let _ = tx.send(Watched {

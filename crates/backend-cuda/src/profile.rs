@@ -71,14 +71,9 @@ pub(crate) fn note_fusion(on: bool) {
     FUSION.store(if on { 2 } else { 1 }, std::sync::atomic::Ordering::Relaxed);
 }
 
-/// `cuda:N`, formatted once per ordinal.
+/// `cuda:N`, formatted once per device (kiln-core's label cache).
 fn device_name(dev: &dyn Site) -> std::borrow::Cow<'static, str> {
-    static NAMES: [OnceLock<String>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
-    let name = || format!("cuda:{}", dev.ordinal());
-    match NAMES.get(dev.ordinal()) {
-        Some(n) => n.get_or_init(name).as_str().into(),
-        None => name().into(),
-    }
+    kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal())).into()
 }
 
 /// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).

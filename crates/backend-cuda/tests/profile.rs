@@ -245,3 +245,39 @@ fn sampling_times_a_random_share_of_launches_and_estimates_the_rest() {
         mine.table()
     );
 }
+
+#[test]
+fn collectives_are_profiled_as_transfers_on_the_communication_stream() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    if let Err(e) = kiln_backend_cuda::nccl::nccl_version() {
+        println!("skipped: NCCL is not available ({e})");
+        return;
+    }
+    profile::set_device_sample_every(1);
+    // A world of one on one GPU: the collective still runs through NCCL.
+    let comm = kiln_backend_cuda::nccl::NcclComm::init_all(&[dev]).unwrap();
+    let x = Tensor::<Cuda>::ones([1 << 20], DType::F32, &dev).unwrap();
+    let (sum, p) = profile::profile(|| {
+        let _r = profile::range("collective");
+        let c = comm[0]
+            .all_reduce(&x, kiln_backend_cuda::nccl::ReduceOp::Sum)
+            .unwrap();
+        c.wait().unwrap().to_vec::<f32>().unwrap()
+    });
+    assert!(sum.iter().all(|&v| v == 1.0));
+    let mine = p.in_range("collective");
+    let rows: Vec<_> = mine
+        .records()
+        .iter()
+        .filter(|r| r.name == "all_reduce")
+        .collect();
+    assert_eq!(rows.len(), 1, "one all_reduce record:\n{mine}");
+    let r = rows[0];
+    assert_eq!(
+        r.kind,
+        Kind::Copy(profile::CopyKind::DeviceToDevice),
+        "{r:?}"
+    );
+    assert_eq!(r.bytes, 4 << 20, "{r:?}");
+    assert!(r.device_time.is_some(), "{r:?}");
+}

@@ -196,6 +196,10 @@ impl DeviceTimer for Timer {
         };
         let dur_ns = match from_prev {
             Some(p) if self.own_start => p,
+            // The anchor's clock mapping drifts (the GPU's clock against the host's, up to
+            // ANCHOR_NS apart): an end mapped before the submission is that drift, not a
+            // kernel of no length, so the previous event bounds it instead.
+            Some(p) if since_submit == 0 => p,
             Some(p) => p.min(since_submit),
             None => since_submit,
         };

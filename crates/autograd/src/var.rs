@@ -583,7 +583,9 @@ impl<B: Backend> Var<B> {
             Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
             for (input, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
                 let input = &input.0;
-                if let Some(g) = grads.remove(&input.id()) {
+                if let Some(g) = grads.remove(&input.id())
+                    && input.requires_grad()
+                {
                     input.accumulate_grad(g)?;
                     input.run_grad_hooks()?;
                 }

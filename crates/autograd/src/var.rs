@@ -522,18 +522,25 @@ impl<B: Backend> Var<B> {
         for (pos, v) in order.iter().enumerate().rev() {
             Self::backward_node(v, pos, &mut grads, &last_use, &mut flush_at)?;
             for leaf in flush_at.remove(&pos).unwrap_or_default() {
-                if let Some(g) = grads.remove(&leaf.id())
-                    && leaf.requires_grad()
-                {
-                    leaf.accumulate_grad(g)?;
-                    leaf.run_grad_hooks()?;
-                }
+                leaf.flush_grad(&mut grads)?;
             }
         }
         if !retain_graph {
             for v in &order {
                 v.free_graph();
             }
+        }
+        Ok(())
+    }
+
+    /// Moves this leaf's complete gradient out of `grads` into its `.grad()` (while it still
+    /// requires one) and runs its hooks.
+    fn flush_grad(&self, grads: &mut FastMap<VarId, Tensor<B>>) -> Result<()> {
+        if let Some(g) = grads.remove(&self.id())
+            && self.requires_grad()
+        {
+            self.accumulate_grad(g)?;
+            self.run_grad_hooks()?;
         }
         Ok(())
     }
@@ -582,13 +589,7 @@ impl<B: Backend> Var<B> {
             let early = (node.backward)(&g, &first)?;
             Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
             for (input, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
-                let input = &input.0;
-                if let Some(g) = grads.remove(&input.id())
-                    && input.requires_grad()
-                {
-                    input.accumulate_grad(g)?;
-                    input.run_grad_hooks()?;
-                }
+                input.0.flush_grad(grads)?;
             }
             let late = (node.backward)(&g, &rest)?;
             return Self::add_input_grads(&node, late, &rest, grads, last_use, flush_at);

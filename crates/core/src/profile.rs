@@ -130,8 +130,8 @@ static SAMPLE_EVERY: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32
 /// launch, so timing every launch of a launch-bound step made it 36–63 % slower (an H100,
 /// 2026-11-23), at 1 in 16 12–19 %. Untimed launches get the mean device time of the timed
 /// launches of the same name at collection ([`Record::device_estimated`]), which is unbiased
-/// because the choice is random, not periodic. `KILN_PROFILE_SAMPLE=n` sets it (1: time every launch), as does
-/// [`set_device_sample_every`].
+/// because the choice is random, not periodic. `KILN_PROFILE_SAMPLE=n` sets it (1: time
+/// every launch), as does [`set_device_sample_every`].
 pub fn device_sample_every() -> u32 {
     match SAMPLE_EVERY.load(Ordering::Relaxed) {
         0 => {

@@ -9,6 +9,8 @@
 //!   `mlp_small_sgd_profile_off_overhead` an estimate of what the profiler's hooks cost when
 //!   off (hooks per step × the measured cost of one off check, over the step time): both are
 //!   reported, never asserted.
+//! - `mlp_small_sgd_step_graph`: the same step captured in a [`CudaGraph`] (after three eager
+//!   steps) and replayed; `mlp_deep_sgd_step_graph` likewise (PyTorch: its captured step).
 //! - `mlp_small_adam_step`: the same with Adam (lr 1e-3).
 //! - `mlp_deep_sgd_step`: 784-1000-1000-2000-1000-1000-10, batch 100, SGD.
 //! - `d2l_matmul_norm_x1000_host` / `_gpu`: d2l's exercise, 1000 × (100×100 matmul, then its
@@ -23,7 +25,9 @@
 use std::time::Instant;
 
 use kiln_autograd::Var;
-use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{
+    Cuda, CudaDevice, CudaGraph, raw, set_allow_tf32, try_gpu, unavailable_reason,
+};
 use kiln_core::{Backend, DType, Result, Tensor, profile};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
@@ -132,6 +136,14 @@ fn mlp_step(
         loss.backward()?;
         opt.step()
     }))
+}
+
+/// `step` captured in a CUDA graph after three eager warm-up steps.
+fn captured(dev: &CudaDevice, step: &mut dyn FnMut() -> Result<()>) -> CudaGraph {
+    for _ in 0..3 {
+        step().unwrap();
+    }
+    CudaGraph::capture(dev, step).unwrap().0
 }
 
 /// Prints the profiler's table for `n` calls of `f` (stderr), and returns the records per call.
@@ -251,6 +263,21 @@ fn main() {
     );
     drop(step);
 
+    // The same step captured in a CUDA graph (after warm-up steps, as PyTorch's), replayed.
+    let mut step = mlp_step(&dev, &[784, 100, 100, 10], false).unwrap();
+    let graph = captured(&dev, &mut *step);
+    let mut replay = || graph.replay();
+    report(
+        "mlp_small_sgd_step_graph",
+        time(&dev, 9, 200, &mut replay, false),
+        "ms",
+    );
+    println!(
+        "kiln note: the captured small SGD step is {} graph nodes",
+        graph.node_count()
+    );
+    drop((graph, step));
+
     let mut step = mlp_step(&dev, &[784, 100, 100, 10], true).unwrap();
     report(
         "mlp_small_adam_step",
@@ -267,7 +294,14 @@ fn main() {
         "ms",
     );
     profile_of("mlp_deep_sgd_step", 5, &mut *step, show);
-    drop(step);
+    let graph = captured(&dev, &mut *step);
+    let mut replay = || graph.replay();
+    report(
+        "mlp_deep_sgd_step_graph",
+        time(&dev, 5, 50, &mut replay, false),
+        "ms",
+    );
+    drop((graph, step));
 
     // d2l: 1000 x (100x100 matmul, Frobenius norm), logged to the host or kept on the GPU.
     let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 11, DType::F32, &dev).unwrap();

@@ -22,7 +22,7 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
-use crate::pool::{BlockCache, DeferredFree};
+use crate::pool::{BlockCache, DeferredFree, GraphPool};
 use crate::sources::Module;
 
 /// One NVIDIA GPU, by ordinal. Displays as `cuda:N`.
@@ -292,6 +292,19 @@ thread_local! {
     /// stream). Set by `stream::Stream::scope` and while deferred work launches.
     static CURRENT_STREAM: [std::cell::Cell<sys::CUstream>; MAX_STREAM_DEVICES] =
         const { [const { std::cell::Cell::new(std::ptr::null_mut()) }; MAX_STREAM_DEVICES] };
+    /// The private pool of the CUDA graph this thread is capturing, if any (`graph.rs`), and
+    /// its device's ordinal + 1 (0: none) for a check without a borrow.
+    static CAPTURE: std::cell::RefCell<Option<std::sync::Arc<GraphPool>>> =
+        const { std::cell::RefCell::new(None) };
+    static CAPTURING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Starts (`Some`) or ends (`None`) this thread's capture into `pool`; returns the previous.
+pub(crate) fn set_capture(
+    pool: Option<std::sync::Arc<GraphPool>>,
+) -> Option<std::sync::Arc<GraphPool>> {
+    CAPTURING.with(|c| c.set(pool.as_ref().map_or(0, |p| p.ordinal + 1)));
+    CAPTURE.with(|c| c.replace(pool))
 }
 
 /// Devices with ordinals at or above this always run on their default stream.
@@ -307,6 +320,9 @@ impl crate::profile::Site for DeviceState {
     }
     fn bytes_in_use(&self) -> usize {
         self.in_use.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn capturing(&self) -> bool {
+        DeviceState::capturing(self)
     }
 }
 
@@ -511,8 +527,40 @@ impl DeviceState {
         }
     }
 
+    /// Whether the calling thread is capturing a CUDA graph on this device (`graph.rs`).
+    #[inline]
+    pub fn capturing(&self) -> bool {
+        CAPTURING.with(|c| c.get()) == self.ordinal + 1
+    }
+
+    /// The pool of the graph the calling thread is capturing on this device, if any.
+    pub fn capture_pool(&self) -> Option<std::sync::Arc<GraphPool>> {
+        if !self.capturing() {
+            return None;
+        }
+        CAPTURE.with(|c| c.borrow().clone())
+    }
+
+    /// A typed error for `op`, which does `what`, when the calling thread is capturing a CUDA
+    /// graph on this device: a capture records work for later replays, so it cannot wait for
+    /// the device or exchange data with the host (the driver would invalidate the capture).
+    pub fn refuse_in_capture(&self, op: &'static str, what: &str) -> Result<()> {
+        if !self.capturing() {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            op,
+            format!(
+                "{what} while a CUDA graph is being captured on {}: a capture only records \
+                 device work for later replays; do this before the capture or after a replay",
+                self.device()
+            ),
+        ))
+    }
+
     /// Waits for every stream of the device (`torch.cuda.synchronize()`).
     pub fn sync_all(&self, op: &'static str) -> Result<()> {
+        self.refuse_in_capture(op, "waiting for the device")?;
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         self.bind()?;
         let _prof = crate::profile::sync(self, op);
@@ -720,6 +768,7 @@ impl DeviceState {
 
     /// Waits for the calling thread's current stream.
     pub fn sync(&self, op: &'static str) -> Result<()> {
+        self.refuse_in_capture(op, "waiting for the device")?;
         THREAD_SYNCS.with(|c| c.set(c.get() + 1));
         let _prof = crate::profile::sync(self, op);
         // SAFETY: the stream belongs to this (current) context.

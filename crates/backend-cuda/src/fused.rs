@@ -37,17 +37,7 @@ pub(crate) fn fused_update(
     slots: &[UpdateSlot<'_, Buffer>],
 ) -> Result<Vec<Updated>> {
     const OP: &str = "fused_update";
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::F64 => "f64",
-        _ => {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: "f32 or f64".into(),
-                got: dtype,
-            });
-        }
-    };
+    let suffix = suffix(OP, dtype)?;
     let Some(first) = slots.first() else {
         return Ok(Vec::new());
     };
@@ -62,6 +52,78 @@ pub(crate) fn fused_update(
             .collect::<Result<Vec<_>>>()?;
         outs.push((alloc(dev, s.len * size)?, st));
     }
+    let targets: Vec<(&Buffer, Vec<&Buffer>)> = outs
+        .iter()
+        .map(|(p, st)| (p, st.iter().collect()))
+        .collect();
+    launch(rule, suffix, slots, &targets)?;
+    Ok(outs)
+}
+
+/// [`fused_update`] writing into each parameter's and state's own buffer (the kernels read an
+/// element before writing it, so in place is exact): how a captured CUDA graph updates a
+/// model, since each replay must start from the previous one's parameters (`graph.rs`).
+/// Refuses what a graph would freeze: Adam's bias correction (a function of the step count)
+/// and SGD's first momentum step.
+pub(crate) fn fused_update_in_place(
+    rule: &UpdateRule,
+    dtype: DType,
+    slots: &[UpdateSlot<'_, Buffer>],
+) -> Result<()> {
+    const OP: &str = "fused_update";
+    let frozen = match *rule {
+        UpdateRule::Adam { .. } => Some(
+            "Adam's bias correction depends on the step count, which a graph would freeze: \
+             capture SGD, or run Adam outside the graph",
+        ),
+        UpdateRule::Sgd {
+            momentum,
+            first_step: true,
+            ..
+        } if momentum != 0.0 => Some(
+            "SGD's first momentum step initializes the buffer, which every replay would \
+             repeat: take one step before capturing",
+        ),
+        UpdateRule::Sgd { .. } => None,
+    };
+    if let Some(why) = frozen {
+        return Err(Error::invalid(
+            OP,
+            format!("under CUDA graph capture: {why}"),
+        ));
+    }
+    let suffix = suffix(OP, dtype)?;
+    let targets: Vec<(&Buffer, Vec<&Buffer>)> =
+        slots.iter().map(|s| (s.param, s.state.clone())).collect();
+    launch(rule, suffix, slots, &targets)
+}
+
+fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+    match dtype {
+        DType::F32 => Ok("f32"),
+        DType::F64 => Ok("f64"),
+        _ => Err(Error::DTypeMismatch {
+            op,
+            expected: "f32 or f64".into(),
+            got: dtype,
+        }),
+    }
+}
+
+/// Launches the update of `slots` into `outs` (new parameter, new states per slot).
+fn launch(
+    rule: &UpdateRule,
+    suffix: &'static str,
+    slots: &[UpdateSlot<'_, Buffer>],
+    outs: &[(&Buffer, Vec<&Buffer>)],
+) -> Result<()> {
+    const OP: &str = "fused_update";
+    let Some(first) = slots.first() else {
+        return Ok(());
+    };
+    let dev = first.param.state();
+    dev.bind()?;
+    let nstate = rule.state_count();
     let kernel: &[&'static str] = match rule {
         UpdateRule::Sgd { .. } => &["sgd", suffix],
         UpdateRule::Adam { .. } => &["adam", suffix],
@@ -142,5 +204,5 @@ pub(crate) fn fused_update(
         let (mut p, n) = args.ptrs();
         dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, &mut p[..n])?;
     }
-    Ok(outs)
+    Ok(())
 }

@@ -42,10 +42,10 @@ use std::sync::{Arc, Mutex};
 
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
-use crate::device::{DeviceState, KERNEL_EPOCH, set_current_stream};
+use crate::device::{DeviceState, KERNEL_EPOCH, set_capture, set_current_stream};
 use crate::launch::{Args, collapse, fits_u32};
 use crate::lazygen::{Ins, Program, source};
-use crate::memory::{Buffer, alloc, duplicate};
+use crate::memory::{Buffer, alloc, duplicate, note_capture_use};
 use crate::ops::{self, tname};
 
 /// Most operations in one node's DAG (counted with repeats).
@@ -117,6 +117,7 @@ impl Repr {
             Repr::Lazy(n) => force(n)?,
         };
         b.mark_used(b.state().stream());
+        note_capture_use(&b);
         Ok(b)
     }
     /// The buffer for an in-place write: computed, and held by nothing else (a pending node
@@ -133,6 +134,7 @@ impl Repr {
         }
         b.contents_changed();
         b.mark_used(b.state().stream());
+        note_capture_use(b);
         Ok(b)
     }
 }
@@ -313,7 +315,7 @@ pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> 
         t = tally(&args);
     }
     let (n_ops, n_leaves, uniform) = t;
-    Ok(Repr::Lazy(Arc::new(Node {
+    Ok(Repr::Lazy(captured(Node {
         dev: s0.state(),
         stream: s0.state().stream() as usize,
         dtype: out,
@@ -323,6 +325,37 @@ pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> 
         leaves: n_leaves,
         state: Mutex::new(State::Pending { op, args }),
     })))
+}
+
+thread_local! {
+    /// Nodes recorded while this thread captures a CUDA graph: forced before the capture
+    /// ends ([`force_captured`]), so that their kernels are part of the graph.
+    static CAPTURED: std::cell::RefCell<Vec<std::sync::Weak<Node>>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `node` in an `Arc`, noted for [`force_captured`] when recorded during a capture.
+fn captured(node: Node) -> Arc<Node> {
+    let capturing = node.dev.capturing();
+    let node = Arc::new(node);
+    if capturing {
+        CAPTURED.with(|c| c.borrow_mut().push(Arc::downgrade(&node)));
+    }
+    node
+}
+
+/// Runs every node recorded during the calling thread's capture that is still pending and
+/// still held by someone (`graph.rs` calls it before ending the capture); with `run: false`
+/// only forgets them (a failed capture).
+pub(crate) fn force_captured(run: bool) -> Result<()> {
+    let nodes = CAPTURED.with(|c| std::mem::take(&mut *c.borrow_mut()));
+    if !run {
+        return Ok(());
+    }
+    for n in nodes.iter().filter_map(|w| w.upgrade()) {
+        force(&n)?;
+    }
+    Ok(())
 }
 
 /// Fills up to this many bytes are deferred (a seed gradient, a scalar constant); larger ones
@@ -342,7 +375,7 @@ pub(crate) fn fill(
     if !fusion_enabled() || !op.fusable(&[], dtype) || !small {
         return ops::fill(dev, dtype, len, value).map(|b| Repr::Ready(Arc::new(b)));
     }
-    Ok(Repr::Lazy(Arc::new(Node {
+    Ok(Repr::Lazy(captured(Node {
         dev,
         stream: dev.stream() as usize,
         dtype,
@@ -434,12 +467,39 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     if caller == home {
         return force_here(node);
     }
+    if dev.capturing() {
+        return force_outside_capture(node, home);
+    }
     let prev = set_current_stream(dev.ordinal, home);
     let r = force_here(node);
     set_current_stream(dev.ordinal, prev);
     let b = r?;
     dev.order(home, caller, "force")?;
     b.mark_used(caller);
+    Ok(b)
+}
+
+/// [`force`] of a node recorded before the calling thread began capturing a CUDA graph (on
+/// another stream): it runs now, outside the graph, on its own stream, and the host waits for
+/// it (a capturing stream cannot wait for work that is not captured; the wait is legal in the
+/// relaxed capture mode `graph.rs` uses). Its value is then ready for every replay.
+fn force_outside_capture(
+    node: &Arc<Node>,
+    home: cudarc::driver::sys::CUstream,
+) -> Result<Arc<Buffer>> {
+    let dev = node.dev;
+    let pool = set_capture(None);
+    let prev = set_current_stream(dev.ordinal, home);
+    let r = force_here(node);
+    set_current_stream(dev.ordinal, prev);
+    set_capture(pool);
+    let b = r?;
+    // SAFETY: a live stream of this device, which is not capturing.
+    crate::device::check(
+        unsafe { cudarc::driver::sys::cuStreamSynchronize(home) },
+        "force",
+    )?;
+    note_capture_use(&b);
     Ok(b)
 }
 
@@ -501,6 +561,9 @@ fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Buffer> {
         }
     };
     let held: Vec<(Arc<Buffer>, Layout, DType)> = args.iter().map(input).collect();
+    for (b, _, _) in &held {
+        note_capture_use(b);
+    }
     let refs: Vec<(&Buffer, &Layout, DType)> = held.iter().map(|(b, l, d)| (&**b, l, *d)).collect();
     eager(node.dev, op, &refs, node.dtype, node.shape.elem_count())
 }
@@ -533,6 +596,7 @@ impl Gen<'_> {
     }
 
     fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout, dtype: DType) -> u16 {
+        note_capture_use(&buf);
         if reads_one(&layout) {
             let ptr = buf.device_ptr() + (layout.offset() * dtype.size_in_bytes()) as u64;
             let k = match self.unis.iter().position(|(_, p, _)| *p == ptr) {

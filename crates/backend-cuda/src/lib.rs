@@ -26,6 +26,9 @@
 //! - **User kernels** (`user_kernel/`): CuPy's [`ElementwiseKernel`], [`ReductionKernel`]
 //!   and [`RawKernel`] — a few lines of CUDA C with type placeholders, compiled once per
 //!   device and dtype signature.
+//! - **CUDA graphs** (`graph.rs`): [`CudaGraph::capture`] records a block of kiln work (a
+//!   training step) once; [`CudaGraph::replay`] runs it with one launch, on memory private to
+//!   the graph.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
 //! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
@@ -70,6 +73,7 @@ pub mod compile;
 mod device;
 mod expr_eval;
 mod fused;
+mod graph;
 mod launch;
 mod lazy;
 mod lazygen;
@@ -95,6 +99,7 @@ pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
     CudaDevice, clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
+pub use graph::{CudaGraph, write_static};
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
 pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
@@ -653,6 +658,24 @@ impl Backend for Cuda {
                 len: s.len,
             })
             .collect();
+        if bslots.first().is_some_and(|s| s.param.state().capturing()) {
+            // A captured graph updates the parameters where they are (see `graph.rs`).
+            fused::fused_update_in_place(rule, dtype, &bslots)?;
+            return Ok(held
+                .iter()
+                .map(|(p, _, st)| {
+                    p.contents_changed();
+                    let st = st
+                        .iter()
+                        .map(|b| {
+                            b.contents_changed();
+                            CudaStorage::from(lazy::Repr::Ready(b.clone()))
+                        })
+                        .collect();
+                    (CudaStorage::from(lazy::Repr::Ready(p.clone())), st)
+                })
+                .collect());
+        }
         let out = fused::fused_update(rule, dtype, &bslots)?;
         Ok(out
             .into_iter()

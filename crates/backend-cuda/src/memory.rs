@@ -22,13 +22,14 @@
 //! what we hold.
 
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, MemoryStats, Result};
 
 use crate::device::{CudaDevice, DeviceState, check, state};
-use crate::pool::{DeferredFree, bucket};
+use crate::pool::{DeferredFree, GraphPool, bucket};
 
 /// One untyped block of memory on one GPU (the dtype lives in the tensor); what a computed
 /// [`crate::CudaStorage`] holds. Returned to the block cache (or freed) on drop.
@@ -45,6 +46,9 @@ pub(crate) struct Buffer {
     foreign: std::sync::Mutex<Vec<usize>>,
     /// What is known of these contents as ids (see [`Buffer::ids_known_below`]).
     ids_ok: std::sync::Mutex<IdsKnown>,
+    /// The CUDA graph whose private pool the block belongs to (allocated while capturing);
+    /// it returns there on drop, never to the device's cache.
+    graph: Option<Arc<GraphPool>>,
 }
 
 impl std::fmt::Debug for Buffer {
@@ -119,6 +123,10 @@ struct IdsKnown {
 impl Drop for Buffer {
     fn drop(&mut self) {
         if self.bytes == 0 {
+            return;
+        }
+        if let Some(pool) = &self.graph {
+            pool.put(self.bytes, self.ptr);
             return;
         }
         let dev = self.dev;
@@ -244,9 +252,13 @@ pub(crate) fn alloc_on(
         home,
         foreign: Default::default(),
         ids_ok: Default::default(),
+        graph: None,
     };
     if bytes == 0 {
         return Ok(buffer(0, 0, false));
+    }
+    if let Some(pool) = dev.capture_pool() {
+        return alloc_in_graph(dev, pool, bytes, home);
     }
     let cached = block_cache_on();
     let requested = bytes;
@@ -299,6 +311,83 @@ pub(crate) fn alloc_on(
     let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
     dev.peak.fetch_max(now, Ordering::Relaxed);
     Ok(buffer(p, bytes, cached))
+}
+
+/// A block of `pool` for a buffer allocated while its graph is being captured: one the capture
+/// freed, or a new one from the driver. `cuMemAlloc` rather than the stream-ordered pool, whose
+/// allocation on a capturing stream would become a node of the graph.
+fn alloc_in_graph(
+    dev: &'static DeviceState,
+    pool: Arc<GraphPool>,
+    bytes: usize,
+    home: usize,
+) -> Result<Buffer> {
+    let bytes = bucket(bytes);
+    crate::profile::alloc(dev, bytes, home as sys::CUstream);
+    let ptr = match pool.take(bytes) {
+        Some(p) => p,
+        None => {
+            let mut p = 0;
+            // SAFETY: valid out-pointer; this device's context is current (callers bind).
+            let r = unsafe { sys::cuMemAlloc_v2(&mut p, bytes) };
+            if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                return Err(Error::OutOfMemory {
+                    device: dev.device().to_string(),
+                    requested: bytes,
+                    held: dev.in_use.load(Ordering::Relaxed),
+                    msg: "while capturing a CUDA graph (its memory is private to the graph)".into(),
+                });
+            }
+            check(r, "alloc (graph capture)")?;
+            pool.blocks.lock().unwrap().push((p, bytes));
+            let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
+            dev.peak.fetch_max(now, Ordering::Relaxed);
+            p
+        }
+    };
+    Ok(Buffer {
+        ptr,
+        bytes,
+        cached: false,
+        dev,
+        home,
+        foreign: Default::default(),
+        ids_ok: Default::default(),
+        graph: Some(pool),
+    })
+}
+
+/// Gives a dropped graph pool's blocks back to the driver, once the device is idle (a replay
+/// may still be running on any stream).
+pub(crate) fn release_graph_blocks(ordinal: usize, blocks: &[(sys::CUdeviceptr, usize)]) {
+    let Ok(dev) = state(&CudaDevice::new(ordinal)) else {
+        return; // the device is gone: nothing to give back to
+    };
+    // SAFETY: this device's context is current (bound by `state`).
+    if unsafe { sys::cuCtxSynchronize() } != CUresult::CUDA_SUCCESS {
+        return; // the context is broken: leak rather than free memory a kernel may still use
+    }
+    for &(p, bytes) in blocks {
+        // SAFETY: `p` came from cuMemAlloc on this device, belongs to no buffer any more (the
+        // pool drops after its last buffer) and no work uses it (the device is idle).
+        unsafe { sys::cuMemFree_v2(p) };
+        dev.in_use.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Keeps `b` alive as long as the graph being captured on the calling thread, if any: the
+/// graph's replays will use it whatever happens to the tensors that hold it now.
+pub(crate) fn note_capture_use(b: &Arc<Buffer>) {
+    if b.graph.is_some() || b.bytes == 0 {
+        return;
+    }
+    if let Some(pool) = b.dev.capture_pool() {
+        pool.keep
+            .lock()
+            .unwrap()
+            .entry(b.ptr)
+            .or_insert_with(|| b.clone());
+    }
 }
 
 /// A copy of the whole of `b` (for a write into a buffer that something else still reads).

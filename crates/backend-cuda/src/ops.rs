@@ -462,6 +462,10 @@ pub(crate) fn rand(
         });
     }
     dev.bind()?;
+    dev.refuse_in_capture(
+        "rand",
+        "drawing random numbers (every replay would draw the same ones)",
+    )?;
     let out = alloc(dev, len * dtype.size_in_bytes())?;
     let (kind, p, q) = match dist {
         RandDist::Uniform { low, high } => ("uniform", low, high),

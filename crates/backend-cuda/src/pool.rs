@@ -42,3 +42,55 @@ pub(crate) fn bucket(bytes: usize) -> usize {
     let step = (bytes.next_power_of_two() / 8).max(512);
     bytes.next_multiple_of(step)
 }
+
+/// The private memory of one CUDA graph (`graph.rs`), like PyTorch's graph pools.
+///
+/// A captured graph replays its kernels on the addresses they had at capture, so every block
+/// allocated during the capture belongs to the graph for as long as the graph or any tensor
+/// holding one of its blocks lives: such a block must never be handed to work outside the
+/// graph, which would then be overwritten by a replay. Blocks freed during the capture are
+/// reused by later allocations of the same capture (the graph runs its kernels in the captured
+/// order, so the reuse is as safe as on one stream); after the capture they stay here.
+pub(crate) struct GraphPool {
+    pub ordinal: usize,
+    /// Freed blocks by size (bucketed like the block cache).
+    pub free: std::sync::Mutex<kiln_core::fasthash::FastMap<usize, Vec<sys::CUdeviceptr>>>,
+    /// Every block of the pool, `(ptr, bytes)`, released by `release` when the pool drops.
+    pub blocks: std::sync::Mutex<Vec<(sys::CUdeviceptr, usize)>>,
+    /// Buffers from outside the pool that the captured work reads or writes, held while the
+    /// graph lives (type-erased: the allocator's buffer type lives above this module).
+    /// Keyed by device address.
+    pub keep: std::sync::Mutex<Kept>,
+    /// Gives the blocks back to the driver (supplied by the allocator).
+    pub release: fn(usize, &[(sys::CUdeviceptr, usize)]),
+}
+
+/// Buffers kept alive by a graph, by device address.
+pub(crate) type Kept =
+    kiln_core::fasthash::FastMap<sys::CUdeviceptr, std::sync::Arc<dyn std::any::Any + Send + Sync>>;
+
+impl GraphPool {
+    /// A freed block of exactly `bytes` (a bucket size), if the capture freed one.
+    pub fn take(&self, bytes: usize) -> Option<sys::CUdeviceptr> {
+        self.free.lock().unwrap().get_mut(&bytes)?.pop()
+    }
+    pub fn put(&self, bytes: usize, ptr: sys::CUdeviceptr) {
+        self.free
+            .lock()
+            .unwrap()
+            .entry(bytes)
+            .or_default()
+            .push(ptr);
+    }
+    /// Total bytes of the pool's blocks.
+    pub fn bytes(&self) -> usize {
+        self.blocks.lock().unwrap().iter().map(|b| b.1).sum()
+    }
+}
+
+impl Drop for GraphPool {
+    fn drop(&mut self) {
+        let blocks = std::mem::take(&mut *self.blocks.lock().unwrap());
+        (self.release)(self.ordinal, &blocks);
+    }
+}

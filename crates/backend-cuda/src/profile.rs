@@ -51,6 +51,9 @@ pub(crate) trait Site {
     fn current_stream(&self) -> sys::CUstream;
     /// Bytes of device memory in use (before the allocation being reported).
     fn bytes_in_use(&self) -> usize;
+    /// Whether the calling thread is capturing a CUDA graph on this device: captured work
+    /// does not run now, so it gets host time only (its replays are timed as one launch).
+    fn capturing(&self) -> bool;
 }
 
 /// Makes device `ordinal`'s context current on this thread (registered by the runtime, see
@@ -390,6 +393,7 @@ impl Span {
         }
         let mut anchor = None;
         let mut start = None;
+        let timed = timed && !dev.capturing();
         if device_timing() {
             let every = profile::device_sample_every();
             let launch = matches!(kind, Kind::Launch(_));

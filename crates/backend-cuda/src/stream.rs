@@ -182,6 +182,11 @@ impl Stream {
     /// Waits on the host until all work queued on this stream has finished.
     pub fn synchronize(&self) -> Result<()> {
         self.raw.dev.bind()?;
+        if self.raw.stream == self.raw.dev.stream() {
+            self.raw
+                .dev
+                .refuse_in_capture("Stream::synchronize", "waiting for the device")?;
+        }
         let _prof = crate::profile::sync(self.raw.dev, "Stream::synchronize");
         // SAFETY: a live stream of the bound context.
         check(

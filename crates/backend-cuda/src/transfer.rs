@@ -119,6 +119,7 @@ fn staging_block(st: &mut Staging, wait: bool) -> Result<usize> {
 /// A new buffer on `dev` holding `src.bytes` (see the module docs for when this returns
 /// before the copy is done).
 pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<Buffer> {
+    dev.refuse_in_capture("from_host", "copying from the host")?;
     let data = src.bytes;
     let pinned = !data.is_empty() && (src.pinned || pinned::is_pinned(data.as_ptr(), data.len()));
     if let (true, Some(owner)) = (pinned, src.owner) {
@@ -170,6 +171,7 @@ pub(crate) fn upload_pinned(
     dev: &'static DeviceState,
     srcs: &[(&[u8], Arc<dyn Any + Send + Sync>)],
 ) -> Result<Vec<Buffer>> {
+    dev.refuse_in_capture("from_host", "copying from the host")?;
     dev.bind()?;
     let user = dev.stream();
     dev.sweep_in_flight();
@@ -225,6 +227,7 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
     if out.is_empty() {
         return Ok(());
     }
+    dev.refuse_in_capture("to_host", "copying to the host")?;
     dev.bind()?;
     dev.order(dev.stream(), dev.copy, "to_host")?;
     if pinned::is_pinned(out.as_ptr(), out.len()) {

@@ -226,8 +226,9 @@ impl Drop for CudaGraph {
 
 /// Writes the values of `src` into `dst`'s own storage, in place, on the current stream: how
 /// new data reaches a graph's static input (see the module docs). Unlike kiln's other ops,
-/// this changes a tensor's values under every handle to its storage; `dst` must be a whole,
-/// contiguous tensor (not a view), of `src`'s shape, dtype and device.
+/// this changes a tensor's values under every handle to its storage. `dst` must be contiguous
+/// (a whole tensor, or a contiguous part such as leading rows), of `src`'s shape, dtype and
+/// device; `src` may be any view.
 pub fn write_static(dst: &Tensor<Cuda>, src: &Tensor<Cuda>) -> Result<()> {
     const OP: &str = "write_static";
     dst.check_same_device(OP, src)?;
@@ -245,14 +246,16 @@ pub fn write_static(dst: &Tensor<Cuda>, src: &Tensor<Cuda>) -> Result<()> {
             rhs: src.shape().clone(),
         });
     }
-    let bytes = dst.shape().elem_count() * dst.dtype().size_in_bytes();
-    let whole = dst.layout().offset() == 0
-        && dst.layout().is_contiguous()
-        && dst.storage().len_bytes() >= bytes;
-    if !whole {
+    let size = dst.dtype().size_in_bytes();
+    let bytes = dst.shape().elem_count() * size;
+    if !dst.layout().is_contiguous() {
         return Err(Error::invalid(
             OP,
-            "the destination must be a whole contiguous tensor (a graph's input), not a view",
+            format!(
+                "the destination must be contiguous (a graph's input or a contiguous part of \
+                 it), got strides {:?}",
+                dst.layout().strides()
+            ),
         ));
     }
     let src = src.contiguous()?;
@@ -262,15 +265,20 @@ pub fn write_static(dst: &Tensor<Cuda>, src: &Tensor<Cuda>) -> Result<()> {
         return Ok(());
     }
     let dev = d.state();
-    let off = src.layout().offset() * src.dtype().size_in_bytes();
+    let (doff, soff) = (dst.layout().offset() * size, src.layout().offset() * size);
     let stream = dev.stream();
     let _prof = crate::profile::d2d(dev, OP, stream, bytes);
-    // SAFETY: both ranges lie inside their live buffers (checked above: `dst` is whole and
-    // contiguous, `src` contiguous of the same size); ordered on the current stream, after
-    // every earlier use there.
+    // SAFETY: both ranges lie inside their live buffers (both layouts are contiguous, of the
+    // same element count, within their storages); ordered on the current stream, after every
+    // earlier use there.
     check(
         unsafe {
-            sys::cuMemcpyDtoDAsync_v2(d.device_ptr(), s.device_ptr() + off as u64, bytes, stream)
+            sys::cuMemcpyDtoDAsync_v2(
+                d.device_ptr() + doff as u64,
+                s.device_ptr() + soff as u64,
+                bytes,
+                stream,
+            )
         },
         OP,
     )?;

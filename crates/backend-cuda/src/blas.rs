@@ -340,7 +340,8 @@ pub(crate) fn matmul(
     };
     blas_check(status, OP)?;
     drop(guard);
-    if crate::device::sync_debug() {
+    // A capture records instead of running: nothing to wait for (graph.rs).
+    if crate::device::sync_debug() && !dev.capturing() {
         dev.sync(OP)?;
     }
     Ok(out)

@@ -753,7 +753,8 @@ impl DeviceState {
             LAUNCH_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         r?;
-        if sync_debug() {
+        // A capture records instead of running: nothing to wait for (graph.rs).
+        if sync_debug() && !self.capturing() {
             self.sync(op)?;
         }
         Ok(())

@@ -239,3 +239,36 @@ fn what_a_capture_cannot_record_is_refused_and_the_device_stays_usable() {
     );
     usable();
 }
+
+#[test]
+fn the_profiler_records_a_capture_and_times_each_replay() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Tensor::<Cuda>::from_vec(ramp(1 << 20, 0.001), [1024, 1024], &dev).unwrap();
+    let (r, p) = kiln_core::profile::profile(|| {
+        let (graph, y) = CudaGraph::capture(&dev, || x.matmul(&x)?.exp()?.sum_all())?;
+        graph.replay()?;
+        graph.replay()?;
+        let v = y.to_scalar()?;
+        Ok::<_, Error>(v)
+    });
+    assert!(r.unwrap().is_finite());
+    let replays: Vec<_> = p
+        .records()
+        .iter()
+        .filter(|r| r.name == "cuda graph")
+        .collect();
+    assert_eq!(replays.len(), 2, "{p}");
+    // Both replays are timed on the device (the first two launches of a name always are), and
+    // each covers at least the 1024³ matmul it replays.
+    for r in &replays {
+        let d = r.device_time.expect("a replay has device time");
+        assert!(d.dur_ns > 1_000, "{r:?}");
+    }
+    // The captured launches are recorded on the host, without device time (they ran later).
+    let captured = p
+        .records()
+        .iter()
+        .filter(|r| r.name != "cuda graph" && matches!(r.kind, kiln_core::profile::Kind::Launch(_)))
+        .count();
+    assert!(captured >= 2, "{p}");
+}

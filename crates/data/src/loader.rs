@@ -85,6 +85,8 @@ pub struct DataLoader<B: Backend> {
     upload_bytes: usize,
     sample_dims: Vec<usize>,
     epoch: u64,
+    /// The next epoch, started when the current one was (see [`DataLoader::iter`]).
+    next: Option<(u64, Epoch<B>)>,
 }
 
 /// Default of [`DataLoader::upload_bytes`].
@@ -135,17 +137,20 @@ impl<B: Backend> DataLoader<B> {
             upload_bytes: UPLOAD_BYTES,
             sample_dims,
             epoch: 0,
+            next: None,
         })
     }
 
     /// Shuffles every epoch with the Philox permutation of `(seed, epoch)`.
     pub fn shuffle(mut self, seed: u64) -> Self {
+        self.next = None;
         self.shuffle_seed = Some(seed);
         self
     }
 
     /// Drops the last batch of an epoch when it is smaller than `batch_size`.
     pub fn drop_last(mut self, drop_last: bool) -> Self {
+        self.next = None;
         self.drop_last = drop_last;
         self
     }
@@ -155,6 +160,7 @@ impl<B: Backend> DataLoader<B> {
     /// [`upload_bytes`](Self::upload_bytes)); `0` prepares each batch in `next()` on the
     /// calling thread, with no worker.
     pub fn prefetch(mut self, batches: usize) -> Self {
+        self.next = None;
         self.prefetch = batches;
         self
     }
@@ -163,6 +169,7 @@ impl<B: Backend> DataLoader<B> {
     /// on; it takes effect only when a GPU backend has found a GPU). Then each upload is one
     /// asynchronous DMA that overlaps the training step (PyTorch's `pin_memory=True`).
     pub fn pin_memory(mut self, on: bool) -> Self {
+        self.next = None;
         self.pin_memory = on;
         self
     }
@@ -176,6 +183,7 @@ impl<B: Backend> DataLoader<B> {
     /// first upload of an epoch is one batch, so the first step does not wait for a whole
     /// group. A batch kept beyond its step keeps its group's device memory alive.
     pub fn upload_bytes(mut self, bytes: usize) -> Self {
+        self.next = None;
         self.upload_bytes = bytes;
         self
     }
@@ -197,6 +205,7 @@ impl<B: Backend> DataLoader<B> {
             ));
         }
         self.sample_dims = dims;
+        self.next = None;
         Ok(self)
     }
 
@@ -242,14 +251,34 @@ impl<B: Backend> DataLoader<B> {
     }
 
     /// Runs the next epoch: an iterator of `Result<(features, labels)>`.
+    ///
+    /// With a worker ([`prefetch`](Self::prefetch) > 0), the epoch after it is prepared
+    /// too: once this epoch's worker has gathered its last batch, the next one's worker
+    /// gathers that epoch's first uploads (never both at once: the dataset is read in order)
+    /// and waits for the next `iter`, so an epoch's first step does not wait for the gather.
+    /// A [`set_epoch`](Self::set_epoch) to another epoch, or a change of the loader's
+    /// settings, discards it.
     pub fn iter(&mut self) -> Epoch<B> {
         let e = self.epoch;
         self.epoch += 1;
-        self.epoch_iter(e)
+        let current = match self.next.take() {
+            Some((n, epoch)) if n == e => epoch,
+            _ => self.epoch_iter(e),
+        };
+        self.next = current
+            .finished
+            .clone()
+            .map(|after| (e + 1, self.start_epoch(e + 1, Some(after))));
+        current
     }
 
     /// The batches of epoch `epoch`, without advancing the loader's epoch counter.
     pub fn epoch_iter(&self, epoch: u64) -> Epoch<B> {
+        self.start_epoch(epoch, None)
+    }
+
+    /// Epoch `epoch`, its worker (if any) starting to gather once `after` opens.
+    fn start_epoch(&self, epoch: u64, after: Option<Arc<Gate>>) -> Epoch<B> {
         let n = self.dataset.len();
         let order = match self.shuffle_seed {
             Some(seed) => permutation(n, seed, epoch),
@@ -265,7 +294,7 @@ impl<B: Backend> DataLoader<B> {
             upload_bytes: self.upload_bytes,
             sample_dims: self.sample_dims.clone(),
         };
-        Epoch::start(job, self.prefetch)
+        Epoch::start(job, self.prefetch, after)
     }
 }
 
@@ -465,6 +494,50 @@ pub struct Epoch<B: Backend> {
     /// Batches not yet yielded.
     remaining: usize,
     times: LoaderTimes,
+    /// Opens when this epoch's worker has stopped gathering (done, stopped or failed); the
+    /// next epoch's worker waits for it. `None` without a worker.
+    finished: Option<Arc<Gate>>,
+}
+
+/// A one-way gate between two workers: closed until [`Gate::open`].
+#[derive(Default)]
+pub(crate) struct Gate {
+    open: std::sync::Mutex<bool>,
+    changed: std::sync::Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        *self.open.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.changed.notify_all();
+    }
+    /// Wakes the waiters without opening (they check `stop`).
+    fn wake(&self) {
+        let _g = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
+    }
+    /// Waits until the gate opens (true) or `stop` is set (false).
+    fn wait(&self, stop: &AtomicBool) -> bool {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if *open {
+                return true;
+            }
+            if stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            open = self.changed.wait(open).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Opens its gate when dropped: a worker's exit, however it ends.
+struct OpenOnDrop(Arc<Gate>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
 }
 
 /// Where the consuming thread's time in [`Epoch::next`] went so far ([`Epoch::times`]): when a
@@ -503,12 +576,14 @@ enum State<B: Backend> {
         ahead: Option<Result<Uploaded<B>>>,
         /// Groups not yet received from the worker.
         unreceived: usize,
+        /// The previous epoch's gate this worker waits on (woken to stop it).
+        after: Option<Arc<Gate>>,
     },
     Done,
 }
 
 impl<B: Backend> Epoch<B> {
-    fn start(job: Job<B>, prefetch: usize) -> Self {
+    fn start(job: Job<B>, prefetch: usize, after: Option<Arc<Gate>>) -> Self {
         let remaining = job.num_batches;
         let job = Arc::new(job);
         let times = LoaderTimes::default();
@@ -517,17 +592,24 @@ impl<B: Backend> Epoch<B> {
                 state: State::Inline { job, next: 0 },
                 remaining,
                 times,
+                finished: None,
             };
         }
         let groups = job.groups();
         let (tx, rx) = sync_channel(prefetch);
         let stop = Arc::new(AtomicBool::new(false));
-        let worker_stop = stop.clone();
-        let worker_job = job.clone();
+        let finished = Arc::new(Gate::default());
+        let (worker_stop, worker_job) = (stop.clone(), job.clone());
+        let (worker_after, worker_done) = (after.clone(), OpenOnDrop(finished.clone()));
         let unreceived = groups.len();
         let spawned = std::thread::Builder::new()
             .name("kiln-data-loader".into())
-            .spawn(move || worker(&worker_job, &groups, tx, &worker_stop));
+            .spawn(move || {
+                let _done = worker_done;
+                if worker_after.is_none_or(|g| g.wait(&worker_stop)) {
+                    worker(&worker_job, &groups, tx, &worker_stop);
+                }
+            });
         let state = match spawned {
             Ok(handle) => State::Worker {
                 job,
@@ -537,14 +619,19 @@ impl<B: Backend> Epoch<B> {
                 current: None,
                 ahead: None,
                 unreceived,
+                after,
             },
             // No thread (resource limits): prepare batches inline instead.
-            Err(_) => State::Inline { job, next: 0 },
+            Err(_) => {
+                finished.open();
+                State::Inline { job, next: 0 }
+            }
         };
         Epoch {
             state,
             remaining,
             times,
+            finished: Some(finished),
         }
     }
 
@@ -571,12 +658,19 @@ impl<B: Backend> Epoch<B> {
     /// panic message if it panicked.
     fn stop_worker(&mut self) -> Option<String> {
         let State::Worker {
-            rx, handle, stop, ..
+            rx,
+            handle,
+            stop,
+            after,
+            ..
         } = &mut self.state
         else {
             return None;
         };
         stop.store(true, Ordering::Relaxed);
+        if let Some(g) = after {
+            g.wake(); // a worker still waiting for the previous epoch's
+        }
         // Dropping the receiver wakes a worker blocked in `send`, which then exits.
         drop(rx.take());
         handle.take().and_then(|h| h.join().err()).map(|p| {

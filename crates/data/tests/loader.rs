@@ -110,6 +110,41 @@ fn shuffle_is_seeded_per_epoch_and_covers_everything() {
 }
 
 #[test]
+fn the_next_epoch_started_ahead_is_the_one_iter_runs() {
+    let n = 57;
+    let mut l = Loader::new(counting(n), 8, &DEV).unwrap().shuffle(3);
+    let want = |e: u64| -> Vec<i64> { permutation(n, 3, e).iter().map(|&i| i as i64).collect() };
+    // Consecutive epochs (each one's successor started ahead), a jump back, a jump forward,
+    // and a change of settings in between: each epoch is the documented one.
+    for e in [0, 1, 2] {
+        assert_eq!(epoch_labels(l.iter()).concat(), want(e), "epoch {e}");
+    }
+    l.set_epoch(1);
+    assert_eq!(epoch_labels(l.iter()).concat(), want(1));
+    l.set_epoch(7);
+    assert_eq!(epoch_labels(l.iter()).concat(), want(7));
+    let mut l = l.shuffle(4);
+    assert_eq!(
+        epoch_labels(l.iter()).concat(),
+        permutation(n, 4, 8)
+            .iter()
+            .map(|&i| i as i64)
+            .collect::<Vec<_>>()
+    );
+    // An epoch abandoned half-way does not disturb the next one.
+    let mut it = l.iter();
+    it.next().unwrap().unwrap();
+    drop(it);
+    assert_eq!(
+        epoch_labels(l.iter()).concat(),
+        permutation(n, 4, 10)
+            .iter()
+            .map(|&i| i as i64)
+            .collect::<Vec<_>>()
+    );
+}
+
+#[test]
 fn prefetch_depths_agree() {
     let runs: Vec<Vec<Vec<i64>>> = [0, 1, 2, 5]
         .into_iter()

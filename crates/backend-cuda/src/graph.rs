@@ -163,6 +163,15 @@ impl CudaGraph {
             destroy(graph);
             return Err(e);
         }
+        // Moves the graph's setup to the device now rather than at the first replay.
+        // SAFETY: an instantiated graph of this context and a live stream of it.
+        let uploaded = check(unsafe { sys::cuGraphUpload(exec, st.stream()) }, OP);
+        if let Err(e) = uploaded {
+            // SAFETY: created above, destroyed once.
+            unsafe { sys::cuGraphExecDestroy(exec) };
+            destroy(graph);
+            return Err(e);
+        }
         Ok((
             CudaGraph {
                 dev: st,

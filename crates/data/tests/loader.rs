@@ -280,9 +280,21 @@ fn dropping_mid_epoch_stops_the_worker() {
             made <= 2 + 2 + 1,
             "worker made {made} batches after the drop"
         );
-        // Drop joined the worker: nothing runs any more.
-        std::thread::yield_now();
-        assert_eq!(calls.load(Ordering::SeqCst), made, "worker still running");
+        // Drop joined the worker. The next epoch's worker, started ahead, then gathers at
+        // most its channel's worth (plus one in flight) and waits for `iter`.
+        std::thread::sleep(Duration::from_millis(200));
+        let later = calls.load(Ordering::SeqCst);
+        assert!(
+            later <= made + 2 + 1,
+            "the next epoch made {} batches",
+            later - made
+        );
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(
+            calls.load(Ordering::SeqCst),
+            later,
+            "a worker still running"
+        );
         // Dropped before the first batch, and a loader dropped while its worker is blocked
         // on a full channel.
         drop(l.iter());

@@ -138,6 +138,9 @@ impl CudaGraph {
         // SAFETY: the stream began capturing above, on this thread; valid out-pointer.
         let ended = check(unsafe { sys::cuStreamEndCapture(s, &mut graph) }, OP);
         drop(guard);
+        // What other graphs left while this one was captured can go now.
+        crate::memory::release_deferred_graph_blocks(st.ordinal);
+        release_deferred_graphs(st);
         let destroy = |g: sys::CUgraph| {
             if !g.is_null() {
                 // SAFETY: a graph returned by the capture, owned here and not instantiated.
@@ -223,12 +226,44 @@ impl Drop for CudaGraph {
         if self.dev.bind().is_err() {
             return;
         }
+        if self.dev.capturing() {
+            // Waiting for the device now would invalidate the capture: after it, then.
+            let mut d = DEFERRED_GRAPHS.lock().unwrap();
+            d.push((self.dev.ordinal, self.exec as usize, self.graph as usize));
+            return;
+        }
         // SAFETY: this device's context is current; a replay may still be running, so wait
         // for the device before destroying what it uses. Each handle is destroyed once.
         unsafe {
             sys::cuCtxSynchronize();
             sys::cuGraphExecDestroy(self.exec);
             sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// Graphs dropped while their thread captured another one on the same device: `(ordinal,
+/// exec, graph)`, destroyed when that capture ends.
+static DEFERRED_GRAPHS: std::sync::Mutex<Vec<(usize, usize, usize)>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn release_deferred_graphs(dev: &DeviceState) {
+    let mine: Vec<_> = {
+        let mut d = DEFERRED_GRAPHS.lock().unwrap();
+        let (mine, rest): (Vec<_>, Vec<_>) = d.drain(..).partition(|g| g.0 == dev.ordinal);
+        *d = rest;
+        mine
+    };
+    if mine.is_empty() || dev.bind().is_err() {
+        return;
+    }
+    // SAFETY: this device's context is current and no capture runs on this thread; the
+    // device is idle after the synchronize, and each deferred handle is destroyed once.
+    unsafe {
+        sys::cuCtxSynchronize();
+        for (_, exec, graph) in mine {
+            sys::cuGraphExecDestroy(exec as sys::CUgraphExec);
+            sys::cuGraphDestroy(graph as sys::CUgraph);
         }
     }
 }

@@ -357,12 +357,23 @@ fn alloc_in_graph(
     })
 }
 
+/// Blocks of graph pools dropped while their thread was capturing another graph, by device:
+/// released after that capture ([`release_deferred_graph_blocks`]).
+static DEFERRED_GRAPH_BLOCKS: std::sync::Mutex<Vec<(usize, sys::CUdeviceptr, usize)>> =
+    std::sync::Mutex::new(Vec::new());
+
 /// Gives a dropped graph pool's blocks back to the driver, once the device is idle (a replay
-/// may still be running on any stream).
+/// may still be running on any stream). While the calling thread captures a graph on the
+/// device, waiting for it would invalidate that capture: the blocks wait for its end instead.
 pub(crate) fn release_graph_blocks(ordinal: usize, blocks: &[(sys::CUdeviceptr, usize)]) {
     let Ok(dev) = state(&CudaDevice::new(ordinal)) else {
         return; // the device is gone: nothing to give back to
     };
+    if dev.capturing() {
+        let mut d = DEFERRED_GRAPH_BLOCKS.lock().unwrap();
+        d.extend(blocks.iter().map(|&(p, b)| (ordinal, p, b)));
+        return;
+    }
     // SAFETY: this device's context is current (bound by `state`).
     if unsafe { sys::cuCtxSynchronize() } != CUresult::CUDA_SUCCESS {
         return; // the context is broken: leak rather than free memory a kernel may still use
@@ -372,6 +383,21 @@ pub(crate) fn release_graph_blocks(ordinal: usize, blocks: &[(sys::CUdeviceptr, 
         // pool drops after its last buffer) and no work uses it (the device is idle).
         unsafe { sys::cuMemFree_v2(p) };
         dev.in_use.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+/// Releases the blocks [`release_graph_blocks`] deferred on device `ordinal` (called by a
+/// capture once it has ended).
+pub(crate) fn release_deferred_graph_blocks(ordinal: usize) {
+    let mine: Vec<_> = {
+        let mut d = DEFERRED_GRAPH_BLOCKS.lock().unwrap();
+        let (mine, rest): (Vec<_>, Vec<_>) = d.drain(..).partition(|b| b.0 == ordinal);
+        *d = rest;
+        mine
+    };
+    if !mine.is_empty() {
+        let blocks: Vec<_> = mine.into_iter().map(|(_, p, b)| (p, b)).collect();
+        release_graph_blocks(ordinal, &blocks);
     }
 }
 

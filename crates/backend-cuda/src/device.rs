@@ -299,6 +299,11 @@ thread_local! {
     static CAPTURING: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// Whether this thread is capturing a CUDA graph on any device.
+pub(crate) fn capture_active() -> bool {
+    CAPTURING.with(|c| c.get()) != 0
+}
+
 /// Starts (`Some`) or ends (`None`) this thread's capture into `pool`; returns the previous.
 pub(crate) fn set_capture(
     pool: Option<std::sync::Arc<GraphPool>>,

@@ -62,7 +62,9 @@ use cudarc::driver::sys;
 use kiln_core::{Error, Result, Tensor};
 
 use crate::Cuda;
-use crate::device::{CudaDevice, DeviceState, check, set_capture, state, sync_debug};
+use crate::device::{
+    CudaDevice, DeviceState, capture_active, check, set_capture, state, sync_debug,
+};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
 
@@ -100,10 +102,13 @@ impl CudaGraph {
     pub fn capture<R>(dev: &CudaDevice, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
         const OP: &str = "CudaGraph::capture";
         let st = state(dev)?;
-        if st.capture_pool().is_some() {
+        if capture_active() {
             return Err(Error::invalid(
                 OP,
-                format!("a capture is already running on {dev} in this thread: they do not nest"),
+                format!(
+                    "a capture is already running in this thread (asked for one on {dev}): \
+                     captures do not nest"
+                ),
             ));
         }
         let stream = Stream::new(dev)?;
@@ -130,10 +135,12 @@ impl CudaGraph {
             OP,
         )?;
         set_capture(Some(pool.clone()));
+        let mut ender = EndOnUnwind(Some(s));
         let out = f();
         // Deferred work recorded in `f` joins the graph now (or is forgotten if `f` failed).
         let forced = crate::lazy::force_captured(out.is_ok());
         set_capture(None);
+        ender.0 = None;
         let mut graph = std::ptr::null_mut();
         // SAFETY: the stream began capturing above, on this thread; valid out-pointer.
         let ended = check(unsafe { sys::cuStreamEndCapture(s, &mut graph) }, OP);
@@ -238,6 +245,27 @@ impl Drop for CudaGraph {
             sys::cuCtxSynchronize();
             sys::cuGraphExecDestroy(self.exec);
             sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// Ends a capture whose closure panicked (while unwinding out of [`CudaGraph::capture`]), so
+/// that the thread and the stream are left as they were before it.
+struct EndOnUnwind(Option<sys::CUstream>);
+
+impl Drop for EndOnUnwind {
+    fn drop(&mut self) {
+        let Some(s) = self.0 else { return };
+        set_capture(None);
+        let _ = crate::lazy::force_captured(false);
+        let mut graph = std::ptr::null_mut();
+        // SAFETY: the stream is capturing, begun on this thread; the partial graph, if any, is
+        // destroyed once.
+        unsafe {
+            sys::cuStreamEndCapture(s, &mut graph);
+            if !graph.is_null() {
+                sys::cuGraphDestroy(graph);
+            }
         }
     }
 }

@@ -297,3 +297,23 @@ fn a_graph_dropped_while_another_is_captured_does_not_spoil_the_capture() {
     g2.replay().unwrap();
     assert!(max_diff(&y2.to_vec::<f32>().unwrap(), &want) < 1e-3);
 }
+
+#[test]
+fn a_panic_inside_a_capture_leaves_the_thread_and_device_usable() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Tensor::<Cuda>::from_vec(ramp(1024, 0.5), [1024], &dev).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = CudaGraph::capture(&dev, || -> kiln_core::Result<()> {
+            let _y = x.exp()?;
+            panic!("a user's bug inside the step");
+        });
+    }));
+    assert!(r.is_err());
+    // The thread is no longer capturing: eager work runs and reads back, and a new capture
+    // works.
+    let v = x.add_scalar(1.0).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(v[0], ramp(1, 0.5)[0] + 1.0);
+    let (g, y) = CudaGraph::capture(&dev, || x.mul_scalar(2.0)).unwrap();
+    g.replay().unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap()[1], ramp(2, 0.5)[1] * 2.0);
+}

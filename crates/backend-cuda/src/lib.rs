@@ -319,6 +319,10 @@ impl Backend for Cuda {
         storage.realize()
     }
 
+    fn is_deferred(storage: &CudaStorage) -> bool {
+        storage.is_pending()
+    }
+
     fn to_host(storage: &CudaStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
         let mut h = host_zeros(dtype, layout.elem_count());
         Self::to_host_bytes(storage, layout, dtype, host_bytes_of(&mut h))?;

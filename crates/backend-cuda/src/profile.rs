@@ -409,7 +409,10 @@ impl Span {
                 }
             }
         }
-        ev.start_ns = now_ns();
+        if start.is_some() || anchor.is_some() {
+            // The start event and the anchor took time: the host span starts after them.
+            ev.start_ns = now_ns();
+        }
         Span {
             ev: Some(ev),
             anchor,

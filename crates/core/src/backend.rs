@@ -169,6 +169,12 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         let _ = storage;
         Ok(())
     }
+    /// Whether `storage` still holds deferred work ([`Backend::realize`] would run it).
+    /// Default: never.
+    fn is_deferred(storage: &Self::Storage) -> bool {
+        let _ = storage;
+        false
+    }
     /// The elements of `layout`, in row-major order.
     fn to_host(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<HostBuffer>;
 

@@ -111,7 +111,7 @@ fn from_bytes_t<T: CpuElem>(
     bytes: &[u8],
 ) -> Result<CpuStorage> {
     let size = std::mem::size_of::<T>();
-    if bytes.len() % size != 0 {
+    if !bytes.len().is_multiple_of(size) {
         return Err(Error::invalid(
             op,
             format!(

@@ -75,7 +75,7 @@ fn run(h: &Helper, spin: Duration) {
         let mut polls = 0u32;
         while !h.ready.load(Ordering::Acquire) {
             polls = polls.wrapping_add(1);
-            if polls % 64 == 0 {
+            if polls.is_multiple_of(64) {
                 if idle_since.elapsed() > spin {
                     std::thread::park();
                 } else {

@@ -91,8 +91,7 @@ impl HostBuffer {
             bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
             out
         }
-        #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we promise 1.85
-        if bytes.len() % dtype.size_in_bytes() != 0 {
+        if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
             return Err(Error::invalid(
                 op,
                 format!(

@@ -714,8 +714,7 @@ fn unary_i64(op: UnaryOp, a: Src<'_, i64>, o: &mut [i64]) {
 /// least 1 KiB (see [`Frame::store_unfenced`]); unfenced (see [`store_fence`]).
 fn stream_copy(src: &[u8], dst: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; we promise 1.85
-    if dst.len() >= 1024 && (dst.as_ptr() as usize) % 16 == 0 {
+    if dst.len() >= 1024 && (dst.as_ptr() as usize).is_multiple_of(16) {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let n = dst.len() / 16 * 16;
         let (s, d) = (src.as_ptr(), dst.as_mut_ptr());

@@ -3,8 +3,9 @@
 //!
 //! - `compute`: the same steps on one batch already on the device (no data movement at all);
 //! - `sync`: `prefetch(0)`, each batch gathered and uploaded on this thread before its step;
-//! - `prefetch`: `prefetch(1)` (the default), the worker thread gathers and uploads the next
-//!   batch (on a GPU through pinned memory on the copy stream) while this one trains.
+//! - `prefetch`: the loader's default prefetching (`--prefetch N` overrides it): the worker
+//!   thread gathers the next batches, uploaded (on a GPU through pinned memory on the copy
+//!   stream) while this one trains.
 //!
 //! With full overlap `prefetch` costs what `compute` costs; without any, what `sync` costs.
 //! `prefetch/compute` is the median over rounds of each round's ratio (the two epochs run back
@@ -53,6 +54,10 @@ struct Args {
     /// bytes of features; 0: one batch per upload); default: the loader's own.
     #[arg(long)]
     upload_bytes: Option<usize>,
+    /// Batches (groups) the prefetching loader's worker may hold ready ahead of the training
+    /// thread (`DataLoader::prefetch`); default: the loader's own.
+    #[arg(long)]
+    prefetch: Option<usize>,
 }
 
 fn main() {
@@ -101,10 +106,12 @@ impl Job for Overlap {
         let probe = data.clone();
         let mut pre_loader = DataLoader::<B>::new(data, a.batch, &dev)?
             .drop_last(true)
-            .prefetch(1)
             .sample_shape(shape)?;
         if let Some(bytes) = a.upload_bytes {
             pre_loader = pre_loader.upload_bytes(bytes);
+        }
+        if let Some(n) = a.prefetch {
+            pre_loader = pre_loader.prefetch(n.max(1));
         }
         let steps = sync_loader.num_batches();
         let (x0, y0) = sync_loader.iter().next().expect("at least one batch")?;

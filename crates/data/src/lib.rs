@@ -23,7 +23,7 @@ pub mod mnist;
 
 pub use dataset::{ArrayDataset, Batch, Dataset};
 pub use idx::{Idx, IdxData, parse_idx, read_idx, write_idx};
-pub use loader::{DataLoader, Epoch, LoaderTimes, TensorBatch, permutation};
+pub use loader::{DataLoader, Epoch, LoaderTimes, PREFETCH, TensorBatch, permutation};
 pub use mnist::{Mnist, Pixels};
 
 use std::sync::Arc;

@@ -343,11 +343,43 @@ pub(crate) fn set_current_stream(ordinal: usize, stream: sys::CUstream) -> sys::
 /// Host memory that an asynchronous copy still reads (a pinned source's storage), held until
 /// the copy's event completes.
 pub(crate) struct InFlight {
-    pub event: sys::CUevent,
+    pub event: std::sync::Arc<SharedEvent>,
     pub _owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
-// SAFETY: the event is a driver handle valid from any thread; the owner is Send + Sync.
-unsafe impl Send for InFlight {}
+
+/// An event of the device's pool with several holders (an upload's in-flight record and the
+/// buffers it fills): back to the pool when the last one drops, so no holder ever sees it
+/// re-recorded for other work.
+pub(crate) struct SharedEvent {
+    pub event: sys::CUevent,
+    dev: &'static DeviceState,
+}
+
+impl SharedEvent {
+    /// A pooled event of `dev`, recorded on `stream`.
+    pub fn record(
+        dev: &'static DeviceState,
+        stream: sys::CUstream,
+        op: &'static str,
+    ) -> Result<Self> {
+        let event = dev.event()?;
+        let e = SharedEvent { event, dev };
+        // SAFETY: a live event and a stream of this context.
+        check(unsafe { sys::cuEventRecord(event, stream) }, op)?;
+        Ok(e)
+    }
+}
+
+impl Drop for SharedEvent {
+    fn drop(&mut self) {
+        self.dev.recycle_event(self.event);
+    }
+}
+
+// SAFETY: an event handle is valid from any thread of the process; the state is 'static.
+unsafe impl Send for SharedEvent {}
+// SAFETY: as above; the handle is only read.
+unsafe impl Sync for SharedEvent {}
 
 /// The state of `dev`, created on first use.
 pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
@@ -523,12 +555,11 @@ impl DeviceState {
         let mut q = self.in_flight.lock().unwrap();
         while let Some(f) = q.front() {
             // SAFETY: a live event of this context.
-            let r = unsafe { sys::cuEventQuery(f.event) };
+            let r = unsafe { sys::cuEventQuery(f.event.event) };
             if r == CUresult::CUDA_ERROR_NOT_READY {
                 break;
             }
-            let f = q.pop_front().expect("front exists");
-            self.recycle_event(f.event);
+            q.pop_front(); // the event returns to the pool with its last holder
         }
     }
 

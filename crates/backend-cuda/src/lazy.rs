@@ -116,7 +116,7 @@ impl Repr {
             Repr::Ready(b) => b.clone(),
             Repr::Lazy(n) => force(n)?,
         };
-        b.mark_used(b.state().stream());
+        b.mark_used(b.state().stream())?;
         note_capture_use(&b);
         Ok(b)
     }
@@ -133,7 +133,7 @@ impl Repr {
             *b = Arc::new(duplicate(b)?);
         }
         b.contents_changed();
-        b.mark_used(b.state().stream());
+        b.mark_used(b.state().stream())?;
         note_capture_use(b);
         Ok(b)
     }
@@ -404,7 +404,7 @@ fn operand(s: &Repr, l: &Layout, dtype: DType) -> Result<Operand> {
     let node = match s {
         Repr::Ready(buf) => {
             // The node launches on the current stream (where it is recorded).
-            buf.mark_used(buf.state().stream());
+            buf.mark_used(buf.state().stream())?;
             return Ok(Operand::Leaf {
                 buf: buf.clone(),
                 layout: l.clone(),
@@ -475,7 +475,7 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     set_current_stream(dev.ordinal, prev);
     let b = r?;
     dev.order(home, caller, "force")?;
-    b.mark_used(caller);
+    b.mark_used(caller)?;
     Ok(b)
 }
 

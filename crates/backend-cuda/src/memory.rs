@@ -28,8 +28,14 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, MemoryStats, Result};
 
-use crate::device::{CudaDevice, DeviceState, check, state};
+use crate::device::{CudaDevice, DeviceState, SharedEvent, check, state};
 use crate::pool::{DeferredFree, GraphPool, bucket};
+
+/// A copy into a [`Buffer`] still in flight (see [`Buffer::set_pending`]).
+struct PendingCopy {
+    event: Arc<SharedEvent>,
+    waited: Vec<usize>,
+}
 
 /// One untyped block of memory on one GPU (the dtype lives in the tensor); what a computed
 /// [`crate::CudaStorage`] holds. Returned to the block cache (or freed) on drop.
@@ -44,6 +50,12 @@ pub(crate) struct Buffer {
     home: usize,
     /// Other streams it was used on (see the module docs).
     foreign: std::sync::Mutex<Vec<usize>>,
+    /// A copy into the block still queued on another stream (an upload on the copy stream),
+    /// and the streams already told to wait for it: the first use on each stream waits there
+    /// ([`Buffer::mark_used`]), rather than every stream at the time of the upload.
+    pending: std::sync::Mutex<Option<PendingCopy>>,
+    /// Whether `pending` may hold a copy (a lock-free check on every use).
+    has_pending: std::sync::atomic::AtomicBool,
     /// What is known of these contents as ids (see [`Buffer::ids_known_below`]).
     ids_ok: std::sync::Mutex<IdsKnown>,
     /// The CUDA graph whose private pool the block belongs to (allocated while capturing);
@@ -75,8 +87,17 @@ impl Buffer {
         self.dev
     }
     /// Notes that work on `stream` uses this block, so that it is not reused before that work
-    /// has passed (free when `stream` is the block's home).
-    pub fn mark_used(&self, stream: sys::CUstream) {
+    /// has passed (free when `stream` is the block's home), and orders that work after a copy
+    /// into the block still in flight ([`Buffer::set_pending`]).
+    pub fn mark_used(&self, stream: sys::CUstream) -> Result<()> {
+        self.note_stream(stream);
+        if self.has_pending.load(Ordering::Acquire) {
+            self.wait_pending(stream)?;
+        }
+        Ok(())
+    }
+    /// The bookkeeping half of [`Buffer::mark_used`]: no wait for a pending copy.
+    pub fn note_stream(&self, stream: sys::CUstream) {
         let s = stream as usize;
         if s != self.home && self.bytes > 0 {
             let mut f = self.foreign.lock().unwrap();
@@ -84,6 +105,44 @@ impl Buffer {
                 f.push(s);
             }
         }
+    }
+    /// Records that a copy into the block, queued on another stream, completes with `event`:
+    /// every stream that uses the block from now on waits for it first.
+    pub fn set_pending(&self, event: Arc<SharedEvent>) {
+        *self.pending.lock().unwrap() = Some(PendingCopy {
+            event,
+            waited: Vec::new(),
+        });
+        self.has_pending.store(true, Ordering::Release);
+    }
+    /// Orders `stream` after the pending copy (once per stream). While the calling thread
+    /// captures a CUDA graph the host waits instead: a capturing stream cannot wait for an
+    /// event recorded outside the capture (the relaxed capture mode allows the host wait).
+    fn wait_pending(&self, stream: sys::CUstream) -> Result<()> {
+        let mut p = self.pending.lock().unwrap();
+        let Some(copy) = p.as_mut() else {
+            return Ok(());
+        };
+        let s = stream as usize;
+        if copy.waited.contains(&s) {
+            return Ok(());
+        }
+        let ev = copy.event.event;
+        if self.dev.capturing() {
+            // SAFETY: a live event of this context.
+            check(unsafe { sys::cuEventSynchronize(ev) }, "from_host")?;
+            *p = None;
+            self.has_pending.store(false, Ordering::Release);
+            return Ok(());
+        }
+        // SAFETY: a live event and a stream of this context; the event stays recorded for
+        // this copy while `copy` holds it (`SharedEvent`).
+        check(
+            unsafe { sys::cuStreamWaitEvent(stream, ev, 0) },
+            "from_host",
+        )?;
+        copy.waited.push(s);
+        Ok(())
     }
     /// Whether a device-side check already found every id read through `l` in `0..limit`
     /// (then an index kernel over the same ids need not synchronize to read the error flag;
@@ -251,6 +310,8 @@ pub(crate) fn alloc_on(
         dev,
         home,
         foreign: Default::default(),
+        pending: Default::default(),
+        has_pending: Default::default(),
         ids_ok: Default::default(),
         graph: None,
     };
@@ -352,6 +413,8 @@ fn alloc_in_graph(
         dev,
         home,
         foreign: Default::default(),
+        pending: Default::default(),
+        has_pending: Default::default(),
         ids_ok: Default::default(),
         graph: Some(pool),
     })
@@ -422,13 +485,13 @@ pub(crate) fn duplicate(b: &Buffer) -> Result<Buffer> {
     dev.bind()?;
     let out = alloc(dev, b.len_bytes())?;
     if b.len_bytes() > 0 {
+        b.mark_used(dev.stream())?;
         let _prof = crate::profile::d2d(dev, "copy", dev.stream(), b.len_bytes());
         // SAFETY: both blocks are `len_bytes` long (same bucket); ordered on the compute stream.
         check(
             unsafe { sys::cuMemcpyDtoDAsync_v2(out.ptr, b.ptr, b.len_bytes(), dev.stream()) },
             "copy",
         )?;
-        b.mark_used(dev.stream());
     }
     Ok(out)
 }

@@ -243,7 +243,7 @@ impl Stream {
     /// a raw kernel or a library). An error when `t` lives on another device.
     pub fn record_tensor(&self, t: &Tensor<Cuda>) -> Result<()> {
         check_device("record_tensor", self.device(), *t.device())?;
-        t.storage().buffer()?.mark_used(self.raw.stream);
+        t.storage().buffer()?.mark_used(self.raw.stream)?;
         Ok(())
     }
 

@@ -26,7 +26,9 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use kiln_core::{DType, HostSource, Result};
 
-use crate::device::{DeviceState, InFlight, STAGING_BLOCKS, Staging, check, staging_bytes};
+use crate::device::{
+    DeviceState, InFlight, STAGING_BLOCKS, SharedEvent, Staging, check, staging_bytes,
+};
 use crate::memory::{Buffer, alloc, alloc_on};
 use crate::pinned;
 
@@ -158,15 +160,20 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             }
         }
     }
-    dst.mark_used(user);
+    dst.note_stream(user);
     dev.order(dev.copy, user, "from_host")?;
     Ok(dst)
 }
 
 /// Copies page-locked sources to new device buffers asynchronously on the copy stream: one
-/// DMA each, then one event that both orders the caller's stream after all of them and tells
-/// when the sources (kept alive by their owners until then) may go. A batch's features and
-/// labels thus cost one event, not one each.
+/// DMA each, then one event that tells when the sources (kept alive by their owners until
+/// then) may go, and that each buffer's first use on a stream waits for
+/// ([`Buffer::set_pending`]). A batch's features and labels thus cost one event, not one each.
+///
+/// Why not order the caller's stream after the copies here: the DataLoader uploads the next
+/// group of batches ahead, before the current step's kernels are queued, and a wait queued
+/// now would hold those kernels until the next batch's DMA was done (~66 µs for 3.1 MB,
+/// against a 0.15 ms step of a small MLP on an H200).
 pub(crate) fn upload_pinned(
     dev: &'static DeviceState,
     srcs: &[(&[u8], Arc<dyn Any + Send + Sync>)],
@@ -185,19 +192,15 @@ pub(crate) fn upload_pinned(
         }
         bufs.push(dst);
     }
-    let event = dev.event()?;
-    // SAFETY: a live event and streams of this context.
-    unsafe {
-        check(sys::cuEventRecord(event, dev.copy), "from_host")?;
-        check(sys::cuStreamWaitEvent(user, event, 0), "from_host")?;
-    }
+    let event = Arc::new(SharedEvent::record(dev, dev.copy, "from_host")?);
     let owners: Vec<_> = srcs.iter().map(|(_, o)| o.clone()).collect();
     dev.in_flight.lock().unwrap().push_back(InFlight {
-        event,
+        event: event.clone(),
         _owner: Arc::new(owners),
     });
     for b in &bufs {
-        b.mark_used(user);
+        b.note_stream(user);
+        b.set_pending(event.clone());
     }
     Ok(bufs)
 }

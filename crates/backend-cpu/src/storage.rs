@@ -444,11 +444,9 @@ pub(crate) fn alloc<T: CpuElem>(op: &'static str, device: CpuDevice, len: usize)
 /// counting it.
 #[cold]
 pub(crate) fn profile_alloc(op: &'static str, device: CpuDevice, bytes: usize) {
-    use kiln_core::profile::{Event, Kind, record};
-    let mut ev = Event::new(Kind::Alloc, op, kiln_core::profile::device_label(&device));
-    ev.bytes = bytes as u64;
-    ev.mem_in_use = Some((counters(&device).in_use.load(Ordering::Relaxed) + bytes) as u64);
-    record(ev);
+    let label = kiln_core::profile::device_label(&device);
+    let in_use = counters(&device).in_use.load(Ordering::Relaxed) + bytes;
+    kiln_core::profile::record_alloc(op, label, 0, bytes as u64, in_use as u64);
 }
 
 /// `len` zeroed elements in fresh memory (never from the cache), or a typed error: an

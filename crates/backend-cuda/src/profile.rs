@@ -584,10 +584,7 @@ pub(crate) fn alloc(dev: &dyn Site, bytes: usize, stream: sys::CUstream) {
 #[cold]
 #[inline(never)]
 fn alloc_slow(dev: &dyn Site, bytes: usize, stream: sys::CUstream) {
-    let mut ev = Event::new(Kind::Alloc, "alloc", device_name(dev));
-    ev.stream = stream as u64;
-    ev.bytes = bytes as u64;
+    let label = kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal()));
     let in_use = dev.bytes_in_use() + bytes;
-    ev.mem_in_use = Some(in_use as u64);
-    profile::record(ev);
+    profile::record_alloc("alloc", label, stream as u64, bytes as u64, in_use as u64);
 }

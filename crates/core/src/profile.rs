@@ -318,12 +318,95 @@ pub struct Record {
 struct Raw {
     rec: Record,
     timer: Option<Box<dyn DeviceTimer>>,
-    /// An op's detail, rendered into `rec.detail` at collection.
-    detail: Option<OpDetail>,
 }
 
 struct ThreadBuf {
+    /// The recording thread's id ([`Record::thread`]).
+    id: u64,
     records: Mutex<Vec<Raw>>,
+    allocs: Mutex<Vec<AllocRaw>>,
+    spans: Mutex<Vec<SpanRaw>>,
+}
+
+/// A closed op span as the hot path records it (about half a [`Raw`]; its detail stays numbers),
+/// made into a [`Record`] when collected.
+struct SpanRaw {
+    name: &'static str,
+    device: Cow<'static, str>,
+    /// The enclosing op span, and how many are open around this one.
+    op: Option<&'static str>,
+    depth: u16,
+    elementwise: bool,
+    start_ns: u64,
+    dur_ns: u64,
+    bytes: u64,
+    detail: OpDetail,
+    range: Option<Arc<str>>,
+}
+
+impl SpanRaw {
+    fn record(&self, thread: u64) -> Record {
+        Record {
+            kind: Kind::Op,
+            name: Cow::Borrowed(self.name),
+            detail: self.detail.render(),
+            device: self.device.clone(),
+            stream: 0,
+            thread,
+            start_ns: self.start_ns,
+            dur_ns: self.dur_ns,
+            bytes: self.bytes,
+            mem_in_use: None,
+            fallback: None,
+            op: self.op,
+            range: self.range.clone(),
+            depth: self.depth,
+            elementwise: self.elementwise,
+            device_time: None,
+            device_estimated: false,
+        }
+    }
+}
+
+/// An allocation as the hot path records it ([`record_alloc`]): 72 bytes instead of a whole
+/// [`Raw`] (over 300), made into a [`Record`] when collected. A training step allocates for
+/// almost every op (28 of the small MLP step's 72 records), so this is most of what profiling
+/// a step writes.
+struct AllocRaw {
+    name: &'static str,
+    device: &'static str,
+    op: Option<&'static str>,
+    start_ns: u64,
+    stream: u64,
+    bytes: u64,
+    mem_in_use: u64,
+    depth: u16,
+    /// The user range, if any (rarely open: kept out of line).
+    range: Option<Arc<str>>,
+}
+
+impl AllocRaw {
+    fn record(&self, thread: u64) -> Record {
+        Record {
+            kind: Kind::Alloc,
+            name: Cow::Borrowed(self.name),
+            detail: String::new(),
+            device: Cow::Borrowed(self.device),
+            stream: self.stream,
+            thread,
+            start_ns: self.start_ns,
+            dur_ns: 0,
+            bytes: self.bytes,
+            mem_in_use: Some(self.mem_in_use),
+            fallback: None,
+            op: self.op,
+            range: self.range.clone(),
+            depth: self.depth,
+            elementwise: false,
+            device_time: None,
+            device_estimated: false,
+        }
+    }
 }
 
 static REGISTRY: Mutex<Vec<Arc<ThreadBuf>>> = Mutex::new(Vec::new());
@@ -344,12 +427,16 @@ fn with_local<R>(f: impl FnOnce(&mut Local) -> R) -> R {
     LOCAL.with(|l| {
         let mut l = l.borrow_mut();
         let l = l.get_or_insert_with(|| {
+            let id = NEXT_THREAD.fetch_add(1, Ordering::Relaxed);
             let buf = Arc::new(ThreadBuf {
+                id,
                 records: Mutex::new(Vec::new()),
+                allocs: Mutex::new(Vec::new()),
+                spans: Mutex::new(Vec::new()),
             });
             REGISTRY.lock().unwrap().push(buf.clone());
             Local {
-                id: NEXT_THREAD.fetch_add(1, Ordering::Relaxed),
+                id,
                 buf,
                 ops: Vec::new(),
                 ranges: Vec::new(),
@@ -359,35 +446,16 @@ fn with_local<R>(f: impl FnOnce(&mut Local) -> R) -> R {
     })
 }
 
-fn push(rec: Record, timer: Option<Box<dyn DeviceTimer>>, own_op: bool) {
-    push_raw(rec, timer, own_op, None);
-}
-
-fn push_op(rec: Record, detail: OpDetail) {
-    push_raw(rec, None, true, Some(detail));
-}
-
-fn push_raw(
-    mut rec: Record,
-    timer: Option<Box<dyn DeviceTimer>>,
-    own_op: bool,
-    detail: Option<OpDetail>,
-) {
+fn push(mut rec: Record, timer: Option<Box<dyn DeviceTimer>>) {
     with_local(|l| {
         rec.thread = l.id;
         let n = l.ops.len();
-        // An op span's own name is on the stack while it runs; its parent is the one below.
-        let outer = if own_op { n.saturating_sub(1) } else { n };
-        rec.op = outer.checked_sub(1).map(|i| l.ops[i]);
-        rec.depth = outer as u16;
+        rec.op = n.checked_sub(1).map(|i| l.ops[i]);
+        rec.depth = n as u16;
         if rec.range.is_none() {
             rec.range = l.ranges.last().cloned();
         }
-        l.buf
-            .records
-            .lock()
-            .unwrap()
-            .push(Raw { rec, timer, detail });
+        l.buf.records.lock().unwrap().push(Raw { rec, timer });
     });
 }
 
@@ -415,7 +483,39 @@ pub fn record(ev: Event) {
         device_time: None,
         device_estimated: ev.sampled_out,
     };
-    push(rec, ev.timer, false);
+    push(rec, ev.timer);
+}
+
+/// Records an allocation of `bytes` for `name` (an op, or `"alloc"`) on `device` (a label from
+/// [`device_label`]) and `stream`, with `mem_in_use` bytes in use after it: what
+/// `record(Event::new(Kind::Alloc, ..))` records, written compactly (nothing when the profiler
+/// is off).
+pub fn record_alloc(
+    name: &'static str,
+    device: &'static str,
+    stream: u64,
+    bytes: u64,
+    mem_in_use: u64,
+) {
+    if !enabled() {
+        return;
+    }
+    let start_ns = now_ns();
+    with_local(|l| {
+        let n = l.ops.len();
+        let a = AllocRaw {
+            name,
+            device,
+            op: n.checked_sub(1).map(|i| l.ops[i]),
+            start_ns,
+            stream,
+            bytes,
+            mem_in_use,
+            depth: n as u16,
+            range: l.ranges.last().cloned(),
+        };
+        l.buf.allocs.lock().unwrap().push(a);
+    });
 }
 
 /// The name of the innermost op span open on this thread (backends name their events after
@@ -518,27 +618,22 @@ pub fn op(
 impl Drop for OpSpan {
     fn drop(&mut self) {
         let end = now_ns();
-        let rec = Record {
-            kind: Kind::Op,
-            name: Cow::Borrowed(self.name),
-            detail: String::new(),
-            device: std::mem::take(&mut self.device),
-            stream: 0,
-            thread: 0,
-            start_ns: self.start_ns,
-            dur_ns: end.saturating_sub(self.start_ns),
-            bytes: self.bytes,
-            mem_in_use: None,
-            fallback: None,
-            op: None,
-            range: None,
-            depth: 0,
-            elementwise: self.elementwise,
-            device_time: None,
-            device_estimated: false,
-        };
-        push_op(rec, self.detail);
         with_local(|l| {
+            // This span's own name is on top of the stack; its parent is the one below.
+            let outer = l.ops.len().saturating_sub(1);
+            let span = SpanRaw {
+                name: self.name,
+                device: std::mem::take(&mut self.device),
+                op: outer.checked_sub(1).map(|i| l.ops[i]),
+                depth: outer as u16,
+                elementwise: self.elementwise,
+                start_ns: self.start_ns,
+                dur_ns: end.saturating_sub(self.start_ns),
+                bytes: self.bytes,
+                detail: self.detail,
+                range: l.ranges.last().cloned(),
+            };
+            l.buf.spans.lock().unwrap().push(span);
             l.ops.pop();
         });
     }
@@ -602,7 +697,7 @@ impl Drop for Range {
             device_time: None,
             device_estimated: false,
         };
-        push(rec, None, false);
+        push(rec, None);
     }
 }
 
@@ -638,13 +733,30 @@ fn collect(since_ns: u64, clear: bool) -> Vec<Record> {
             if let Some(mut t) = raw.timer.take() {
                 raw.rec.device_time = t.resolve();
             }
-            if let Some(d) = raw.detail.take() {
-                raw.rec.detail = d.render();
-            }
             out.push(raw.rec.clone());
         }
         if clear {
             v.clear();
+        }
+        drop(v);
+        let mut a = b.allocs.lock().unwrap();
+        out.extend(
+            a.iter()
+                .filter(|r| r.start_ns >= since_ns)
+                .map(|r| r.record(b.id)),
+        );
+        if clear {
+            a.clear();
+        }
+        drop(a);
+        let mut sp = b.spans.lock().unwrap();
+        out.extend(
+            sp.iter()
+                .filter(|r| r.start_ns >= since_ns)
+                .map(|r| r.record(b.id)),
+        );
+        if clear {
+            sp.clear();
         }
     }
     if clear {
@@ -691,6 +803,8 @@ fn clear_all() {
     let bufs: Vec<Arc<ThreadBuf>> = REGISTRY.lock().unwrap().clone();
     for b in bufs {
         b.records.lock().unwrap().clear();
+        b.allocs.lock().unwrap().clear();
+        b.spans.lock().unwrap().clear();
     }
     prune();
 }
@@ -698,10 +812,12 @@ fn clear_all() {
 /// Forgets the buffers of threads that have exited (only the registry holds them) once they
 /// are empty.
 fn prune() {
-    REGISTRY
-        .lock()
-        .unwrap()
-        .retain(|b| Arc::strong_count(b) > 1 || !b.records.lock().unwrap().is_empty());
+    REGISTRY.lock().unwrap().retain(|b| {
+        Arc::strong_count(b) > 1
+            || !b.records.lock().unwrap().is_empty()
+            || !b.allocs.lock().unwrap().is_empty()
+            || !b.spans.lock().unwrap().is_empty()
+    });
 }
 
 /// A profiling scope (see [`start`]).

@@ -250,3 +250,41 @@ fn a_device_label_is_one_string_whatever_thread_asks() {
     assert_eq!(here, RefDevice(3).to_string());
     assert!(std::ptr::eq(here, there), "one leaked label per device");
 }
+
+/// Allocations and op spans are written compactly on the hot path (`record_alloc`, `OpSpan`'s
+/// drop) and made into records at collection: each keeps its enclosing op, depth, range,
+/// device, stream, bytes and detail, and the memory view sees the allocation.
+#[test]
+fn compact_allocations_and_spans_keep_op_range_and_depth() {
+    let s = start();
+    {
+        let _r = range("compact");
+        let _outer = op("outer_op", "gpu:3", OpDetail::new(DType::F32), 0, false);
+        record_alloc("alloc", "gpu:3", 5, 1 << 10, 7 << 10);
+        let mut d = OpDetail::new(DType::F32);
+        d.push(&[2, 3]);
+        drop(op("inner_op", "gpu:3", d, 24, true));
+    }
+    let p = s.finish().in_range("compact");
+    let a = p.find(Kind::Alloc, "alloc").next().expect("the allocation");
+    assert_eq!(
+        (a.op, a.depth, a.stream, a.bytes, a.mem_in_use),
+        (Some("outer_op"), 1, 5, 1 << 10, Some(7 << 10))
+    );
+    assert_eq!((&*a.device, a.range.as_deref()), ("gpu:3", Some("compact")));
+    let inner = p.find(Kind::Op, "inner_op").next().expect("the inner span");
+    assert_eq!(
+        (inner.op, inner.depth, inner.bytes, inner.elementwise),
+        (Some("outer_op"), 1, 24, true)
+    );
+    assert_eq!(inner.detail, "f32 [2, 3]");
+    let outer = p.find(Kind::Op, "outer_op").next().expect("the outer span");
+    assert_eq!(
+        (outer.op, outer.depth, outer.range.as_deref()),
+        (None, 0, Some("compact"))
+    );
+    assert!(outer.start_ns <= a.start_ns && a.start_ns <= outer.start_ns + outer.dur_ns);
+    let mem = p.memory();
+    let r = mem.iter().find(|m| m.name == "range compact").unwrap();
+    assert_eq!((r.peak, r.alloc_bytes), (7 << 10, 1 << 10));
+}

@@ -11,7 +11,8 @@
 //!   `memory.rs`; PyTorch needs `record_stream` for this);
 //! - deferred (fused) elementwise work launches on the stream that was current when it was
 //!   recorded, and a read from another stream waits for it;
-//! - copies from the host are ordered before every later use on the stream that asked for them.
+//! - copies from the host are ordered before every later use on the stream that asked for them
+//!   (from pinned memory, before the first use on any stream, and nothing else waits for them).
 //!
 //! ```no_run
 //! # use kiln_backend_cuda::{Cuda, CudaDevice, Stream, Event};

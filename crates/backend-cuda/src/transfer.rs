@@ -2,11 +2,13 @@
 //!
 //! Host to device: the destination is allocated on the device's copy stream and the copy runs
 //! there, so it overlaps kernels queued on the compute stream (a DataLoader thread's upload
-//! overlaps the training step); the caller's current stream then waits for it with an event,
-//! and the buffer is marked as used on that stream (see `memory.rs`). From page-locked memory
-//! (a pinned tensor, or any range of the pinned pool) the copy is one direct DMA, and when the
-//! source's owner is known the call returns before the DMA ends (PyTorch's `non_blocking`):
-//! the owner is kept in the device's in-flight list until the copy's event completes. From
+//! overlaps the training step); the buffer is marked as used on the caller's current stream
+//! (see `memory.rs`). From page-locked memory (a pinned tensor, or any range of the pinned
+//! pool) the copy is one direct DMA, and when the source's owner is known the call returns
+//! before the DMA ends (PyTorch's `non_blocking`): the owner is kept in the device's in-flight
+//! list until the copy's event completes, and the first use of the buffer on each stream waits
+//! for that event ([`upload_pinned`] says why not the caller's stream at once). Otherwise the
+//! caller's stream waits for the copy with an event right away. From
 //! ordinary memory the bytes go through a ring of pinned staging blocks: the host copies chunk
 //! `k + 1` into the ring (split over threads, [`host_copy`]) while the DMA engine moves chunk
 //! `k`, and nothing else is allocated on the way.

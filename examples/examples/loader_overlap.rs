@@ -123,7 +123,10 @@ impl Job for Overlap {
         // used batch (both included in the epoch's time), summed over the timed epochs.
         let (mut next_s, mut drop_s, mut loaded) = ([0f64; 2], [0f64; 2], [0usize; 2]);
         let (mut wait_s, mut upload_s, mut uploads) = (0f64, 0f64, 0usize);
-        let mut epoch = |loader: Option<(&mut DataLoader<B>, usize)>| -> Result<f64> {
+        // `timed`: the warm-up and profiled epochs are left out of these sums (their first
+        // uploads grow the device and pinned pools: milliseconds that once made a 16 MiB
+        // group's upload look 7 times as costly as in steady state).
+        let mut epoch = |loader: Option<(&mut DataLoader<B>, usize)>, timed: bool| -> Result<f64> {
             B::synchronize(&dev)?;
             let t = Instant::now();
             match loader {
@@ -132,7 +135,7 @@ impl Job for Overlap {
                     loop {
                         let t0 = Instant::now();
                         let Some(b) = it.next() else { break };
-                        next_s[k] += t0.elapsed().as_secs_f64();
+                        let next_took = t0.elapsed().as_secs_f64();
                         let (x, y) = b?;
                         if a.train_on_first {
                             step(&x0, &y0)?;
@@ -141,13 +144,18 @@ impl Job for Overlap {
                         }
                         let t0 = Instant::now();
                         drop((x, y));
-                        drop_s[k] += t0.elapsed().as_secs_f64();
-                        loaded[k] += 1;
+                        if timed {
+                            next_s[k] += next_took;
+                            drop_s[k] += t0.elapsed().as_secs_f64();
+                            loaded[k] += 1;
+                        }
                     }
-                    let times = it.times();
-                    wait_s += times.waiting.as_secs_f64();
-                    upload_s += times.uploading.as_secs_f64();
-                    uploads += times.uploads;
+                    if timed {
+                        let times = it.times();
+                        wait_s += times.waiting.as_secs_f64();
+                        upload_s += times.uploading.as_secs_f64();
+                        uploads += times.uploads;
+                    }
                 }
                 None => {
                     for _ in 0..steps {
@@ -159,17 +167,18 @@ impl Job for Overlap {
             Ok(t.elapsed().as_secs_f64() * 1e3 / steps as f64)
         };
         // warm-up: kernels, allocator pools, pinned staging
-        epoch(None)?;
-        epoch(Some((&mut sync_loader, 0)))?;
-        epoch(Some((&mut pre_loader, 1)))?;
+        epoch(None, false)?;
+        epoch(Some((&mut sync_loader, 0)), false)?;
+        epoch(Some((&mut pre_loader, 1)), false)?;
         if a.profile {
-            let (r, prof) = kiln_core::profile::profile(|| epoch(None));
+            let (r, prof) = kiln_core::profile::profile(|| epoch(None, false));
             r?;
             println!(
                 "== profile of a compute epoch ({steps} steps)\n{}",
                 prof.table()
             );
-            let (r, prof) = kiln_core::profile::profile(|| epoch(Some((&mut pre_loader, 1))));
+            let (r, prof) =
+                kiln_core::profile::profile(|| epoch(Some((&mut pre_loader, 1)), false));
             r?;
             println!(
                 "== profile of a prefetch epoch ({steps} steps)\n{}",
@@ -178,9 +187,9 @@ impl Job for Overlap {
         }
         let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds {
-            s.push(epoch(Some((&mut sync_loader, 0)))?);
-            c.push(epoch(None)?);
-            p.push(epoch(Some((&mut pre_loader, 1)))?);
+            s.push(epoch(Some((&mut sync_loader, 0)), true)?);
+            c.push(epoch(None, true)?);
+            p.push(epoch(Some((&mut pre_loader, 1)), true)?);
         }
         let med = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);

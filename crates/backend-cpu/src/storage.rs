@@ -12,7 +12,7 @@
 //! Accounting: `in_use` counts bytes of live storages, `peak` its maximum, `reserved` adds the
 //! cached bytes. All are plain atomics per virtual device.
 //!
-//! Failure: every buffer an op creates comes through [`alloc`] (or [`new_vec`]), which never
+//! Failure: every buffer an op creates comes through `alloc` (or `new_vec`), which never
 //! aborts the process. A size that cannot exist (an element count or byte size past the address
 //! space: a shape whose element count overflowed saturates at `usize::MAX`) is an
 //! [`Error::InvalidArgument`] naming the op; a size the system allocator refuses is an

@@ -214,7 +214,8 @@ mod avx512 {
 }
 
 macro_rules! dispatch {
-    ($(#[$doc:meta])* $name:ident, $loop:ident, $wide:ident, ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
+    ($(#[$doc:meta])* $name:ident, $loop:ident, $wide:ident,
+     ($($arg:ident: $ty:ty),*) -> $ret:ty) => {
         $(#[$doc])*
         pub fn $name($($arg: $ty),*) -> $ret {
             #[cfg(target_arch = "x86_64")]
@@ -247,7 +248,8 @@ dispatch!(
 );
 dispatch!(
     /// `out[i] = (exp(x[i]) * m[0] + a[0]) * m[1] + a[1]`, no operation fused with another.
-    exp_then_f32, exp_then_loop, exp_then, (x: &[f32], out: &mut [f32], m: [f32; 2], a: [f32; 2]) -> ()
+    exp_then_f32, exp_then_loop, exp_then,
+    (x: &[f32], out: &mut [f32], m: [f32; 2], a: [f32; 2]) -> ()
 );
 dispatch!(
     /// `out[i] = 1 / (1 + exp(-x[i]))`.

@@ -75,8 +75,8 @@ pub(crate) fn note_fusion(on: bool) {
 }
 
 /// `cuda:N`, formatted once per device (kiln-core's label cache).
-fn device_name(dev: &dyn Site) -> std::borrow::Cow<'static, str> {
-    kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal())).into()
+fn device_name(dev: &dyn Site) -> &'static str {
+    kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal()))
 }
 
 /// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).
@@ -584,7 +584,12 @@ pub(crate) fn alloc(dev: &dyn Site, bytes: usize, stream: sys::CUstream) {
 #[cold]
 #[inline(never)]
 fn alloc_slow(dev: &dyn Site, bytes: usize, stream: sys::CUstream) {
-    let label = kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal()));
     let in_use = dev.bytes_in_use() + bytes;
-    profile::record_alloc("alloc", label, stream as u64, bytes as u64, in_use as u64);
+    profile::record_alloc(
+        "alloc",
+        device_name(dev),
+        stream as u64,
+        bytes as u64,
+        in_use as u64,
+    );
 }

@@ -90,10 +90,10 @@ pub struct DataLoader<B: Backend> {
 }
 
 /// Default of [`DataLoader::prefetch`]: two uploads ready ahead (PyTorch's `prefetch_factor`
-/// is 2 too). With one, the worker was late for 12–15 µs of every step of a 784-100-100-10 MLP
-/// at batch 1000 on an H200 (three runs each, 2026-11-26: prefetch ÷ compute-only epoch 1.24–1.29
-/// with one, 1.17–1.24 with two; four gained nothing more); the cost is one more group of
-/// pinned memory.
+/// is 2 too). With one, the training thread waited for the worker more often: a 784-100-100-10
+/// MLP at batch 1000 on an H200 ran its prefetching epoch at 1.24–1.29 times the compute-only
+/// one with one, 1.17–1.24 with two (three runs each, 2026-11-26; four gained nothing more).
+/// The cost is one more group of pinned memory.
 pub const PREFETCH: usize = 2;
 
 /// Default of [`DataLoader::upload_bytes`].
@@ -168,9 +168,9 @@ impl<B: Backend> DataLoader<B> {
     }
 
     /// How many uploads the worker may have gathered ahead of the consumer (default
-    /// [`PREFETCH`]; the channel's capacity; an upload is one batch or, with pinned memory, a group of them: see
-    /// [`upload_bytes`](Self::upload_bytes)); `0` prepares each batch in `next()` on the
-    /// calling thread, with no worker.
+    /// [`PREFETCH`]; the channel's capacity; an upload is one batch or, with pinned memory, a
+    /// group of them: see [`upload_bytes`](Self::upload_bytes)); `0` prepares each batch in
+    /// `next()` on the calling thread, with no worker.
     pub fn prefetch(mut self, batches: usize) -> Self {
         self.next = None;
         self.prefetch = batches;

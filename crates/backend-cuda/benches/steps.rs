@@ -259,7 +259,9 @@ fn main() {
     let (clock, record, span) = on_costs_ns();
     println!(
         "kiln note: {hooks:.0} profiler records per small SGD step, {check:.2} ns per off check; \
-         profiler on: {clock:.0} ns per clock read, {record:.0} ns per event, {span:.0} ns per op span"
+         profiler on: {clock:.0} ns per clock read ({}), {record:.0} ns per event, {span:.0} ns per op \
+         span",
+        profile::clock_source()
     );
     drop(step);
 

@@ -24,6 +24,7 @@
 //! ```
 
 pub mod backend;
+mod clock;
 mod dims;
 mod dtype;
 mod error;

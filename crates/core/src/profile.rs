@@ -37,7 +37,6 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
 
 use crate::{Error, Result};
 
@@ -76,11 +75,20 @@ fn refresh_state() {
     STATE.store(if on { ON } else { OFF }, Ordering::SeqCst);
 }
 
-/// Nanoseconds on the profiler's host clock (a monotonic clock started with the first call).
-/// Backends time their events with it.
+/// Nanoseconds on the profiler's host clock (monotonic, started with the first call; the CPU's
+/// time-stamp counter where that is cheaper to read than the OS clock). Backends time their
+/// events with it, and only with it: it may sit microseconds away from [`Instant`].
+///
+/// [`Instant`]: std::time::Instant
+#[inline]
 pub fn now_ns() -> u64 {
-    static T0: OnceLock<Instant> = OnceLock::new();
-    T0.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    crate::clock::now_ns()
+}
+
+/// Which clock [`now_ns`] reads: `"tsc"` (the CPU's time-stamp counter, calibrated against the
+/// OS clock) or `"os"` (`KILN_PROFILE_CLOCK=os` forces it).
+pub fn clock_source() -> &'static str {
+    crate::clock::source()
 }
 
 /// `device` as it displays (`cuda:0`), formatted once per device: records name their device

@@ -16,7 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
-use crate::host::HostSource;
+use crate::host::{HostRows, HostSource};
 use crate::ir::Program;
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
 pub use crate::update::{UpdateRule, UpdateSlot};
@@ -203,6 +203,25 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         srcs.into_iter()
             .map(|(dtype, src)| Self::from_host_source(device, dtype, src))
             .collect()
+    }
+    /// Rows `rows` of each of `srcs` gathered into new storages on `device` by the device
+    /// itself, reading straight from page-locked host memory (a GPU reads mapped host memory
+    /// over the bus, so the host copies nothing): the DataLoader's path for a pinned dataset.
+    /// Asynchronous like a pinned upload: the sources stay alive until the gather is done, and
+    /// work that reads a storage waits for it. `Ok(None)` when the backend cannot (the caller
+    /// gathers on the host instead); the default. A row number out of range is an error.
+    fn gather_host_rows(
+        device: &Self::Device,
+        srcs: &[HostRows],
+        rows: &[usize],
+    ) -> Result<Option<Vec<Self::Storage>>> {
+        let _ = (device, srcs, rows);
+        Ok(None)
+    }
+    /// Whether [`Self::gather_host_rows`] can run on `device` (it returns `Ok(None)` when not).
+    fn gathers_host_rows(device: &Self::Device) -> bool {
+        let _ = device;
+        false
     }
     /// Takes ownership of a host buffer (saves a copy on host backends).
     fn from_host_owned(device: &Self::Device, data: HostBuffer) -> Result<Self::Storage> {

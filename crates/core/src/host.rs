@@ -165,3 +165,55 @@ impl<'a> HostSource<'a> {
         }
     }
 }
+
+/// A host array of rows in page-locked memory that a device may read directly (see
+/// [`crate::Backend::gather_host_rows`]): the DataLoader's dataset when pinned.
+#[derive(Clone)]
+pub struct HostRows {
+    /// The rows, back to back.
+    pub block: Arc<PinnedBlock>,
+    /// The dtype of the gathered storage.
+    pub dtype: crate::DType,
+    /// Bytes of one row in `block` (a whole number of elements as stored).
+    pub row_bytes: usize,
+    /// `Some(d)`: `block` holds one byte per element and `dtype` is `F32`; the device writes
+    /// `byte as f32 / d` (MNIST's pixels, `byte / 255`, kept as bytes: a quarter of the bytes
+    /// cross the bus, and the result equals the host's `byte as f32 / d` exactly).
+    pub bytes_over: Option<f32>,
+    /// For integer arrays of non-negative ids (labels): one past the largest, so that an op
+    /// indexing with gathered rows needs no device-side bounds read (`None`: unknown).
+    pub id_bound: Option<usize>,
+}
+
+impl std::fmt::Debug for HostRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRows")
+            .field("rows", &self.rows())
+            .field("dtype", &self.dtype)
+            .field("row_bytes", &self.row_bytes)
+            .field("bytes_over", &self.bytes_over)
+            .field("id_bound", &self.id_bound)
+            .finish()
+    }
+}
+
+impl HostRows {
+    /// How many rows the block holds.
+    pub fn rows(&self) -> usize {
+        self.block.len().checked_div(self.row_bytes).unwrap_or(0)
+    }
+
+    /// Bytes of one stored element: 1 for bytes decoded on the device, else the dtype's size.
+    pub fn stored_size(&self) -> usize {
+        if self.bytes_over.is_some() {
+            1
+        } else {
+            self.dtype.size_in_bytes()
+        }
+    }
+
+    /// Bytes of one gathered row (on the device).
+    pub fn out_row_bytes(&self) -> usize {
+        self.row_bytes / self.stored_size() * self.dtype.size_in_bytes()
+    }
+}

@@ -54,7 +54,7 @@ pub use backend::{
 };
 pub use dtype::{DType, Element};
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
-pub use host::{HostSource, PinnedAllocator, PinnedBlock};
+pub use host::{HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};
 pub use tensor::{Tensor, Updated};

@@ -367,6 +367,42 @@ impl Backend for Reference {
         gather("to_host", storage, layout, dtype)
     }
 
+    /// Gathers on the host (the reference has no device to read host memory), so that the
+    /// DataLoader's device-gather path runs in tests without a GPU.
+    fn gather_host_rows(
+        device: &RefDevice,
+        srcs: &[crate::HostRows],
+        rows: &[usize],
+    ) -> Result<Option<Vec<RefStorage>>> {
+        const OP: &str = "gather_host_rows";
+        check_device(OP, device)?;
+        srcs.iter()
+            .map(|s| {
+                let (rb, n) = (s.row_bytes, s.rows());
+                let mut out = Vec::with_capacity(rows.len() * rb);
+                for &r in rows {
+                    if r >= n {
+                        return Err(Error::invalid(
+                            OP,
+                            format!("row {r} requested of an array of {n} rows"),
+                        ));
+                    }
+                    out.extend_from_slice(&s.block.as_bytes()[r * rb..(r + 1) * rb]);
+                }
+                let data = match s.bytes_over {
+                    Some(d) => HostBuffer::F32(out.iter().map(|&b| b as f32 / d).collect()),
+                    None => HostBuffer::from_bytes(OP, s.dtype, &out)?,
+                };
+                Ok(new(*device, data))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
+
+    fn gathers_host_rows(device: &RefDevice) -> bool {
+        device.0 < DEVICE_COUNT
+    }
+
     fn copy_to_device(
         storage: &RefStorage,
         layout: &Layout,

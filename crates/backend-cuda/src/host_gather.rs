@@ -7,9 +7,21 @@
 //! and then copies the block by DMA: for a 784-100-100-10 MLP at batch 1000 on an H200 that is
 //! ~30 GB/s of host memory traffic beside the training thread, and the prefetching epoch ran
 //! 1.08–1.12× the compute-only one with no host call left to blame (BENCHMARKS.md, ninth
-//! session). Here the host writes only the row numbers; one kernel on the copy stream reads
-//! each row once over the bus and writes it to device memory (DGL's "UVA sampling" does the
-//! same for graph features).
+//! session). Here the host writes only the row numbers (copied to the device by one small
+//! DMA); one kernel on the copy stream reads each row once over the bus and writes it to
+//! device memory (DGL's "UVA sampling" does the same for graph features). Bytes decoded to
+//! f32 on the way (`HostRows::bytes_over`) cut the bus traffic of MNIST-like pixels by four.
+//!
+//! # Measured (H200, 2026-11-26; BENCHMARKS.md, tenth session)
+//!
+//! A 1000-row batch of MNIST-shaped f32 rows takes ~66 µs (~47 GB/s, the bus's rate), of
+//! pixel bytes ~25 µs. The kernel runs beside the training step, and how many blocks it has
+//! decides how much it slows the step: with 132 blocks (one per multiprocessor) the
+//! prefetching epoch of a 784-100-100-10 MLP at batch 1000 was 1.31–1.41× the compute-only
+//! one, with 16 blocks 1.07–1.11, with 8 the gather itself was too slow (1.17). A first
+//! version that staged row numbers in shared memory was worse still (1.35 at 64 blocks): a
+//! block holding shared memory can keep a multiprocessor in a configuration the step's
+//! kernels do not fit.
 //!
 //! # Ordering
 //!
@@ -36,16 +48,25 @@ struct GatherArray {
     dst: u64,
     row_words: u64,
     word: u32,
-    per_block: u32,
+    decode: u32,
+    div: f32,
+    pad: u32,
 }
 
-/// Rows per tile at most (`GATHER_TILE` in the kernel).
-const TILE: usize = 1024;
 /// Threads per block.
 const BLOCK: u32 = 256;
-/// Blocks at most: enough reads in flight to move a batch well within a training step
-/// (32 × 256 threads, 16 bytes each), few enough to leave the multiprocessors to the step.
-const MAX_BLOCKS: usize = 32;
+/// Blocks at most (`KILN_GATHER_BLOCKS` overrides it): enough reads in flight to move a
+/// batch well within a training step, few enough to leave the multiprocessors to the step.
+fn max_blocks() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("KILN_GATHER_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(16)
+    })
+}
 
 /// The largest word (16, 8, 4 or 1 bytes) that divides `row_bytes` and both addresses.
 fn word_size(row_bytes: usize, src: u64, dst: u64) -> u32 {
@@ -60,13 +81,6 @@ fn word_size(row_bytes: usize, src: u64, dst: u64) -> u32 {
         .unwrap_or(1)
 }
 
-/// Rows per tile: at least four words per thread of a block, at most [`TILE`].
-fn rows_per_tile(row_words: usize) -> usize {
-    (4 * BLOCK as usize)
-        .div_ceil(row_words.max(1))
-        .clamp(1, TILE)
-}
-
 /// Checks `srcs` and `rows` (typed errors naming the op).
 fn check(srcs: &[HostRows], rows: &[usize]) -> Result<()> {
     if rows.len() > u32::MAX as usize {
@@ -76,13 +90,25 @@ fn check(srcs: &[HostRows], rows: &[usize]) -> Result<()> {
         ));
     }
     for (k, s) in srcs.iter().enumerate() {
-        let size = s.dtype.size_in_bytes();
+        let size = s.stored_size();
         if s.row_bytes == 0 || !s.row_bytes.is_multiple_of(size) {
             return Err(Error::invalid(
                 OP,
                 format!(
                     "array {k}: a row of {} bytes is not a whole number of {} elements",
                     s.row_bytes, s.dtype
+                ),
+            ));
+        }
+        if let Some(d) = s.bytes_over
+            && (s.dtype != kiln_core::DType::F32 || !d.is_finite() || d == 0.0)
+        {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "array {k}: bytes decode to f32 by a finite, non-zero divisor (got {} and \
+                     {d})",
+                    s.dtype
                 ),
             ));
         }
@@ -117,7 +143,7 @@ pub(crate) fn gather_host_rows(
     dev.sweep_in_flight();
     let bufs = srcs
         .iter()
-        .map(|s| alloc_on(dev, rows.len() * s.row_bytes, dev.copy))
+        .map(|s| alloc_on(dev, rows.len() * s.out_row_bytes(), dev.copy))
         .collect::<Result<Vec<_>>>()?;
     if rows.is_empty() || srcs.is_empty() {
         for b in &bufs {
@@ -129,20 +155,38 @@ pub(crate) fn gather_host_rows(
     for (d, &r) in idx.as_bytes_mut().chunks_exact_mut(4).zip(rows) {
         d.copy_from_slice(&(r as u32).to_ne_bytes());
     }
+    // The row numbers go to device memory first (one small DMA): every tile reads its own,
+    // and a read over the bus per tile would come before each tile's row reads.
+    let idx_dev = alloc_on(dev, idx.len(), dev.copy)?;
+    // SAFETY: `idx` is page-locked and kept alive (in-flight list, below) until the copy
+    // stream passes the copy; the range is `idx_dev`'s.
+    unsafe { crate::transfer::dma_to_device(dev, idx_dev.device_ptr(), idx.as_bytes()) }?;
     let f = dev.func(Module::Util, &["gather", "rows"])?;
     let arrays: Vec<GatherArray> = srcs
         .iter()
         .zip(&bufs)
         .map(|(s, b)| {
             let (src, dst) = (s.block.as_ptr() as u64, b.device_ptr());
-            let word = word_size(s.row_bytes, src, dst);
+            // Decoded bytes: 16 or 4 bytes in, four float4s or one out (the output is 16-byte
+            // aligned wherever the input word is: device buffers are, and rows scale by 4).
+            let word = match s.bytes_over {
+                Some(_) => word_size(s.row_bytes, src, dst).min(16),
+                None => word_size(s.row_bytes, src, dst),
+            };
+            let word = if s.bytes_over.is_some() && word == 8 {
+                4
+            } else {
+                word
+            };
             let row_words = s.row_bytes / word as usize;
             GatherArray {
                 src,
                 dst,
                 row_words: row_words as u64,
                 word,
-                per_block: rows_per_tile(row_words) as u32,
+                decode: s.bytes_over.is_some() as u32,
+                div: s.bytes_over.unwrap_or(1.0),
+                pad: 0,
             }
         })
         .collect();
@@ -150,12 +194,14 @@ pub(crate) fn gather_host_rows(
     let launched = (|| {
         for pair in arrays.chunks(2) {
             let (a0, a1) = (pair[0], pair.get(1).copied().unwrap_or_default());
-            let tiles = pair
+            // Four words a thread per pass of the grid (the kernel's reads in flight).
+            let words = pair
                 .iter()
-                .map(|a| rows.len().div_ceil(a.per_block as usize))
+                .map(|a| rows.len() * a.row_words as usize)
                 .max()
                 .unwrap_or(1);
-            let mut rows_ptr = idx.as_ptr() as u64;
+            let blocks = words.div_ceil(4 * BLOCK as usize).max(1);
+            let mut rows_ptr = idx_dev.device_ptr();
             let mut n = rows.len() as u32;
             let (mut a0, mut a1) = (a0, a1);
             let mut p = [
@@ -164,7 +210,7 @@ pub(crate) fn gather_host_rows(
                 &mut a0 as *mut GatherArray as *mut std::ffi::c_void,
                 &mut a1 as *mut GatherArray as *mut std::ffi::c_void,
             ];
-            let grid = [tiles.min(MAX_BLOCKS) as u32, pair.len() as u32, 1];
+            let grid = [blocks.min(max_blocks()) as u32, pair.len() as u32, 1];
             dev.launch_3d(OP, f, grid, [BLOCK, 1, 1], 0, &mut p)?;
         }
         Ok(())
@@ -175,6 +221,9 @@ pub(crate) fn gather_host_rows(
     let mut owners: Vec<Arc<dyn std::any::Any + Send + Sync>> =
         srcs.iter().map(|s| s.block.clone() as _).collect();
     owners.push(Arc::new(idx));
+    // Freed on the copy stream after the kernel that reads it (the pool reuses it in order).
+    idx_dev.note_stream(dev.copy);
+    drop(idx_dev);
     dev.in_flight.lock().unwrap().push_back(InFlight {
         event: event.clone(),
         _owner: Arc::new(owners),
@@ -194,17 +243,15 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_argument_struct_matches_the_kernel() {
+        assert_eq!(std::mem::size_of::<GatherArray>(), 40);
+    }
+
+    #[test]
     fn words_divide_the_row_and_both_addresses() {
         assert_eq!(word_size(3136, 4096, 256), 16);
         assert_eq!(word_size(8, 4096, 256), 8);
         assert_eq!(word_size(8, 4096 + 4, 256), 4);
         assert_eq!(word_size(3, 4096, 256), 1);
-    }
-
-    #[test]
-    fn tiles_hold_four_words_a_thread_within_the_kernel_tile() {
-        assert_eq!(rows_per_tile(196), 6); // MNIST rows of 16-byte words
-        assert_eq!(rows_per_tile(1), TILE); // labels
-        assert_eq!(rows_per_tile(100_000), 1);
     }
 }

@@ -74,6 +74,7 @@ mod device;
 mod expr_eval;
 mod fused;
 mod graph;
+mod host_gather;
 mod launch;
 mod lazy;
 mod lazygen;
@@ -257,6 +258,19 @@ impl Backend for Cuda {
             buf.mark_all_ids_below(bound);
         }
         Ok(CudaStorage::ready(buf))
+    }
+
+    fn gather_host_rows(
+        device: &CudaDevice,
+        srcs: &[kiln_core::HostRows],
+        rows: &[usize],
+    ) -> Result<Option<Vec<CudaStorage>>> {
+        let bufs = host_gather::gather_host_rows(state(device)?, srcs, rows)?;
+        Ok(Some(bufs.into_iter().map(CudaStorage::ready).collect()))
+    }
+
+    fn gathers_host_rows(device: &CudaDevice) -> bool {
+        state(device).is_ok()
     }
 
     fn from_host_sources(

@@ -214,7 +214,7 @@ pub(crate) fn upload_pinned(
 /// # Safety
 /// `src` must stay alive and unchanged until the copy stream has passed this copy, and
 /// `dst..dst + src.len()` must lie in a live buffer of `dev`.
-unsafe fn dma_to_device(dev: &DeviceState, dst: u64, src: &[u8]) -> Result<()> {
+pub(crate) unsafe fn dma_to_device(dev: &DeviceState, dst: u64, src: &[u8]) -> Result<()> {
     let _prof = crate::profile::h2d(dev, "from_host", dev.copy, src.len());
     // SAFETY: the caller's contract above.
     check(

@@ -397,3 +397,191 @@ fn an_upload_from_pinned_memory_holds_back_only_the_work_that_reads_it() {
         "work that does not read the upload waited for it ({unrelated_ms:.1} ms)"
     );
 }
+
+/// `gather_host_rows` (the DataLoader's path for a pinned dataset): the GPU reads the rows of
+/// page-locked host arrays itself. Rows of 3136 bytes (16-byte words), 8-byte labels and
+/// 3-byte rows (byte words) come out as a host gather gives them, in the requested order with
+/// repeats, and bytes decoded to f32 (16, 4 and 1 at a time) equal the host's
+/// division bit for bit; the gather runs on the copy stream, so with that stream delayed by 200 ms the
+/// caller's unrelated work is not held back, and the first kernel that reads a result waits for
+/// it. Then bad input: a row out of range and a row size that is not a whole number of
+/// elements are typed errors, and the device keeps working.
+#[test]
+fn the_gpu_gathers_rows_of_pinned_host_arrays() {
+    use kiln_core::{Backend, HostRows};
+    use std::sync::Arc;
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let rows_n = 5000;
+    let feats = ramp(rows_n * 784);
+    let labels: Vec<i64> = (0..rows_n as i64).map(|i| i * 7 % 10).collect();
+    let bytes3: Vec<u8> = (0..rows_n * 3).map(|i| (i % 251) as u8).collect();
+    let pixels: Vec<u8> = (0..rows_n * 784).map(|i| (i * 37 % 256) as u8).collect();
+    let pinned = |b: &[u8]| Arc::new(PinnedBlock::from_bytes("test", b).unwrap());
+    let srcs = [
+        HostRows {
+            block: pinned(bytemuck::cast_slice(&feats)),
+            dtype: F32,
+            row_bytes: 784 * 4,
+            id_bound: None,
+            bytes_over: None,
+        },
+        HostRows {
+            block: pinned(bytemuck::cast_slice(&labels)),
+            dtype: DType::I64,
+            row_bytes: 8,
+            id_bound: Some(10),
+            bytes_over: None,
+        },
+        HostRows {
+            block: pinned(&bytes3),
+            dtype: DType::U8,
+            row_bytes: 3,
+            id_bound: None,
+            bytes_over: None,
+        },
+        // MNIST-like pixels kept as bytes, decoded to `byte / 255` on the device.
+        HostRows {
+            block: pinned(&pixels),
+            dtype: F32,
+            row_bytes: 784,
+            id_bound: None,
+            bytes_over: Some(255.0),
+        },
+        // 12-byte rows (four bytes, one float4 at a time), divided by 3.
+        HostRows {
+            block: pinned(&pixels),
+            dtype: F32,
+            row_bytes: 12,
+            id_bound: None,
+            bytes_over: Some(3.0),
+        },
+        // The same bytes a row of 3 (one byte, one float at a time).
+        HostRows {
+            block: pinned(&bytes3),
+            dtype: F32,
+            row_bytes: 3,
+            id_bound: None,
+            bytes_over: Some(1.0),
+        },
+    ];
+    let order: Vec<usize> = (0..3000)
+        .map(|i| (i * 7919 + 13) % rows_n)
+        .chain([0, 0, rows_n - 1])
+        .collect();
+    let other = Tensor::<Cuda>::full([1 << 20], 3.0, F32, &dev).unwrap();
+    (&other + 1.0).unwrap().realize().unwrap();
+    // Warm-up: the gather's module loaded (loading waits for the whole device).
+    drop(Cuda::gather_host_rows(&dev, &srcs, &[1]).unwrap());
+    kiln_backend_cuda::synchronize(&dev).unwrap();
+    raw::delay_copies(&dev, 200_000).unwrap();
+    let t0 = Instant::now();
+    let got = Cuda::gather_host_rows(&dev, &srcs, &order)
+        .unwrap()
+        .unwrap();
+    let unrelated = (&other + 1.0).unwrap();
+    unrelated.realize().unwrap();
+    let done = Event::new(&dev).unwrap();
+    done.record().unwrap();
+    done.synchronize().unwrap();
+    let unrelated_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let mut got = got.into_iter();
+    let x = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 784], F32);
+    let y = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len()], DType::I64);
+    let z = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 3], DType::U8);
+    let px = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 784], F32);
+    let px12 = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 12], F32);
+    let z1 = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 3], F32);
+    let x2 = (&x * 2.0).unwrap().to_vec::<f32>().unwrap();
+    let want: Vec<f32> = order
+        .iter()
+        .flat_map(|&r| feats[r * 784..(r + 1) * 784].iter().map(|v| v * 2.0))
+        .collect();
+    assert!(
+        x2 == want,
+        "the gathered features differ from the host rows"
+    );
+    let want: Vec<i64> = order.iter().map(|&r| labels[r]).collect();
+    assert_eq!(y.to_vec::<i64>().unwrap(), want);
+    let want: Vec<u8> = order
+        .iter()
+        .flat_map(|&r| bytes3[r * 3..r * 3 + 3].to_vec())
+        .collect();
+    assert_eq!(z.to_vec::<u8>().unwrap(), want);
+    let want_f: Vec<u32> = want.iter().map(|&b| (b as f32 / 1.0).to_bits()).collect();
+    let got_f: Vec<u32> = z1
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert!(got_f == want_f, "bytes decoded one at a time differ");
+    let want_px: Vec<u32> = order
+        .iter()
+        .flat_map(|&r| {
+            pixels[r * 784..(r + 1) * 784]
+                .iter()
+                .map(|&b| (b as f32 / 255.0).to_bits())
+        })
+        .collect();
+    let got_px: Vec<u32> = px
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert!(
+        got_px == want_px,
+        "pixels decoded on the device differ from the host's byte / 255"
+    );
+    let want12: Vec<u32> = order
+        .iter()
+        .flat_map(|&r| {
+            pixels[r * 12..(r + 1) * 12]
+                .iter()
+                .map(|&b| (b as f32 / 3.0).to_bits())
+        })
+        .collect();
+    let got12: Vec<u32> = px12
+        .to_vec::<f32>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    assert!(got12 == want12, "bytes decoded four at a time differ");
+    if !launches_block() {
+        println!("unrelated work done {unrelated_ms:.1} ms after a gather delayed by 200 ms");
+        assert!(
+            unrelated_ms < 100.0,
+            "work that does not read the gather waited for it ({unrelated_ms:.1} ms)"
+        );
+    }
+    // Bad input.
+    match Cuda::gather_host_rows(&dev, &srcs, &[0, rows_n]) {
+        Err(Error::InvalidArgument { op, msg }) => {
+            assert_eq!(op, "gather_host_rows");
+            assert!(msg.contains(&format!("row {rows_n}")), "{msg}");
+        }
+        other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
+    }
+    // A row size that is not a whole number of elements.
+    let heap = vec![0u8; 64];
+    let odd = HostRows {
+        block: pinned(&heap),
+        dtype: F32,
+        row_bytes: 6,
+        id_bound: None,
+        bytes_over: None,
+    };
+    assert!(matches!(
+        Cuda::gather_host_rows(&dev, &[odd], &[0]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(
+        (&other + 1.0)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .all(|&v| v == 4.0)
+    );
+}

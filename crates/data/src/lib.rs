@@ -53,4 +53,7 @@ impl<D: Dataset + ?Sized> Dataset for Arc<D> {
     ) -> kiln_core::Result<()> {
         (**self).get_batch_into(indices, features, labels)
     }
+    fn pinned_rows(&self) -> Option<(kiln_core::HostRows, kiln_core::HostRows)> {
+        (**self).pinned_rows()
+    }
 }

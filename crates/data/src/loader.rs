@@ -11,6 +11,10 @@
 //! ([`DataLoader::upload_bytes`]), because each upload costs that thread the same whatever its
 //! size.
 //!
+//! A dataset kept in page-locked memory ([`crate::ArrayDataset::pin`]) skips the host gather
+//! altogether on a GPU: the device reads each batch's rows over the bus
+//! ([`Backend::gather_host_rows`]), launched from `next()` a few groups ahead, with no worker.
+//!
 //! Why the consuming thread uploads, not the worker: the driver serializes calls from threads
 //! of one context, so a worker's copies slowed the training thread's launches by as much as
 //! making the copies itself (BENCHMARKS.md, the fifth session of 2026-11-23).
@@ -20,13 +24,14 @@
 //! visits samples in the same order on every machine and every backend, and resuming at epoch
 //! `e` needs no saved generator state.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
 use kiln_core::philox::philox4x32_10;
-use kiln_core::{Backend, DType, Error, HostSource, PinnedBlock, Result, Tensor};
+use kiln_core::{Backend, DType, Error, HostRows, HostSource, PinnedBlock, Result, Tensor};
 
 use crate::dataset::Dataset;
 
@@ -180,6 +185,12 @@ impl<B: Backend> DataLoader<B> {
     /// Whether batches pass through page-locked memory on their way to the device (default
     /// on; it takes effect only when a GPU backend has found a GPU). Then each upload is one
     /// asynchronous DMA that overlaps the training step (PyTorch's `pin_memory=True`).
+    ///
+    /// When the dataset itself is page-locked ([`crate::ArrayDataset::pin`]) and the backend
+    /// can read host memory ([`Backend::gather_host_rows`]: CUDA can), the device gathers each
+    /// group of batches from it instead: `next()` launches one gather kernel per group on the
+    /// copy stream, [`prefetch`](Self::prefetch) groups ahead, and no worker thread gathers on
+    /// the host (DGL calls this UVA sampling).
     pub fn pin_memory(mut self, on: bool) -> Self {
         self.next = None;
         self.pin_memory = on;
@@ -305,8 +316,18 @@ impl<B: Backend> DataLoader<B> {
             pin_memory: self.pin_memory,
             upload_bytes: self.upload_bytes,
             sample_dims: self.sample_dims.clone(),
+            host_rows: self.device_gather(),
         };
         Epoch::start(job, self.prefetch, after)
+    }
+
+    /// The dataset's page-locked arrays when the device gathers batches from them (see
+    /// [`DataLoader::pin_memory`]).
+    fn device_gather(&self) -> Option<[HostRows; 2]> {
+        if !self.pin_memory || !B::gathers_host_rows(&self.device) {
+            return None;
+        }
+        self.dataset.pinned_rows().map(|(f, l)| [f, l])
     }
 }
 
@@ -328,6 +349,8 @@ struct Job<B: Backend> {
     pin_memory: bool,
     upload_bytes: usize,
     sample_dims: Vec<usize>,
+    /// The dataset's pinned features and labels, when the device gathers each group itself.
+    host_rows: Option<[HostRows; 2]>,
 }
 
 /// Consecutive batches of an epoch gathered and uploaded together: batches `start..end`.
@@ -438,11 +461,7 @@ impl<B: Backend> Job<B> {
         let end = (g.end * self.batch_size).min(self.order.len());
         let indices = &self.order[start..end];
         let len = indices.len();
-        let mut fdims = Vec::with_capacity(1 + self.sample_dims.len());
-        fdims.push(len);
-        fdims.extend_from_slice(&self.sample_dims);
-        let mut ldims = vec![len];
-        ldims.extend_from_slice(self.dataset.label_dims());
+        let (fdims, ldims) = self.group_dims(len);
         if let (true, Some((fd, ld))) = (len > 0, self.pinned_path()) {
             let count = |d: &[usize]| d.iter().product::<usize>();
             let op = "DataLoader";
@@ -461,6 +480,48 @@ impl<B: Backend> Job<B> {
         let x = Tensor::<B>::from_host(&batch.features, fdims, &self.device)?;
         let y = Tensor::<B>::from_host(&batch.labels, ldims, &self.device)?;
         Ok(Gathered::Ready((x, y)))
+    }
+
+    /// The shapes of a group of `len` rows: features and labels.
+    fn group_dims(&self, len: usize) -> (Vec<usize>, Vec<usize>) {
+        let mut fdims = Vec::with_capacity(1 + self.sample_dims.len());
+        fdims.push(len);
+        fdims.extend_from_slice(&self.sample_dims);
+        let mut ldims = vec![len];
+        ldims.extend_from_slice(self.dataset.label_dims());
+        (fdims, ldims)
+    }
+
+    /// The batches of `g` gathered by the device from the dataset's pinned arrays: one launch
+    /// on the backend's copy stream, no host copy (see [`DataLoader::pin_memory`]).
+    fn gather_on_device(&self, g: Group, host_rows: &[HostRows; 2]) -> Result<Uploaded<B>> {
+        let start = g.start * self.batch_size;
+        let end = (g.end * self.batch_size).min(self.order.len());
+        let (fdims, ldims) = self.group_dims(end - start);
+        let mut s = B::gather_host_rows(&self.device, host_rows, &self.order[start..end])?
+            .ok_or_else(|| {
+                Error::backend(
+                    "DataLoader",
+                    "the backend cannot gather rows from host memory",
+                )
+            })?;
+        let (ls, fs) = (s.pop(), s.pop());
+        let (Some(fs), Some(ls)) = (fs, ls) else {
+            return Err(Error::backend(
+                "DataLoader",
+                "the backend returned fewer storages than arrays",
+            ));
+        };
+        let batch = (
+            Tensor::from_storage(fs, fdims, host_rows[0].dtype),
+            Tensor::from_storage(ls, ldims, host_rows[1].dtype),
+        );
+        Ok(Uploaded {
+            batch: Some(batch),
+            rows: self.rows(g),
+            next: 0,
+            row: 0,
+        })
     }
 
     /// Puts gathered rows on the device: from pinned blocks, two asynchronous DMAs on the
@@ -591,6 +652,18 @@ enum State<B: Backend> {
         /// The previous epoch's gate this worker waits on (woken to stop it).
         after: Option<Arc<Gate>>,
     },
+    /// The device gathers each group from the dataset's pinned arrays: `next()` launches the
+    /// gathers itself, up to `prefetch` groups ahead of the one being handed out.
+    Device {
+        job: Arc<Job<B>>,
+        host_rows: [HostRows; 2],
+        groups: Vec<Group>,
+        /// Groups launched so far.
+        launched: usize,
+        prefetch: usize,
+        current: Option<Uploaded<B>>,
+        ahead: VecDeque<Uploaded<B>>,
+    },
     Done,
 }
 
@@ -599,6 +672,23 @@ impl<B: Backend> Epoch<B> {
         let remaining = job.num_batches;
         let job = Arc::new(job);
         let times = LoaderTimes::default();
+        if let (Some(host_rows), true) = (job.host_rows.clone(), remaining > 0) {
+            let groups = job.groups();
+            return Epoch {
+                state: State::Device {
+                    job,
+                    host_rows,
+                    groups,
+                    launched: 0,
+                    prefetch,
+                    current: None,
+                    ahead: VecDeque::new(),
+                },
+                remaining,
+                times,
+                finished: None,
+            };
+        }
         if prefetch == 0 || remaining == 0 {
             return Epoch {
                 state: State::Inline { job, next: 0 },
@@ -784,6 +874,45 @@ impl<B: Backend> Epoch<B> {
         }
         batch
     }
+
+    /// The next batch gathered by the device: moves to the next group when the current one is
+    /// handed out, and keeps `prefetch` groups launched beyond it, so that their gathers run
+    /// on the copy stream while this group trains.
+    fn next_from_device(&mut self) -> Result<TensorBatch<B>> {
+        let State::Device {
+            job,
+            host_rows,
+            groups,
+            launched,
+            prefetch,
+            current,
+            ahead,
+        } = &mut self.state
+        else {
+            unreachable!("called in the device state")
+        };
+        let t = std::time::Instant::now();
+        let times = &mut self.times;
+        let mut launch = |launched: &mut usize| -> Result<Uploaded<B>> {
+            let g = groups[*launched];
+            *launched += 1;
+            times.uploads += 1;
+            job.gather_on_device(g, host_rows)
+        };
+        if current.as_ref().is_none_or(Uploaded::exhausted) {
+            *current = None;
+            *current = Some(match ahead.pop_front() {
+                Some(u) => u,
+                None => launch(launched)?,
+            });
+        }
+        let batch = current.as_mut().expect("set above").take();
+        while ahead.len() < *prefetch && *launched < groups.len() {
+            ahead.push_back(launch(launched)?);
+        }
+        self.times.uploading += t.elapsed();
+        batch
+    }
 }
 
 /// Gathers the epoch's groups of batches in order on the host (no driver calls: they stay on
@@ -822,6 +951,7 @@ impl<B: Backend> Iterator for Epoch<B> {
                 item
             }
             State::Worker { .. } => self.next_from_worker(),
+            State::Device { .. } => self.next_from_device(),
         };
         self.remaining -= 1;
         if item.is_err() {

@@ -190,6 +190,19 @@ fn bad_arguments() {
     assert!(items[0].is_err());
 }
 
+/// Pinning a dataset needs a GPU backend's page-locked pool: without one (this test binary
+/// registers none) it is a typed error naming the op, not an abort.
+#[test]
+fn pinning_without_a_gpu_is_a_typed_error() {
+    match counting(5).pin() {
+        Err(Error::InvalidArgument { op, msg }) => {
+            assert_eq!(op, "ArrayDataset::pin");
+            assert!(msg.contains("page-locked"), "{msg}");
+        }
+        other => panic!("expected a typed error, got {other:?}"),
+    }
+}
+
 /// Counts `get_batch` calls; fails at call `fail_at` (an error or a panic), sleeps `delay`.
 struct Probe {
     inner: ArrayDataset,

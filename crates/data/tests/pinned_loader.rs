@@ -102,3 +102,144 @@ fn get_batch_into_checks_its_buffers() {
     assert!(d.get_batch_into(&[4, 1], &mut short, &mut l).is_err());
     assert!(d.get_batch_into(&[40], &mut f[..12], &mut l[..8]).is_err());
 }
+
+/// Counts the host gathers a loader asks of a dataset (none when the device gathers).
+struct Counting {
+    inner: ArrayDataset,
+    host_gathers: std::sync::atomic::AtomicUsize,
+}
+
+impl Dataset for Counting {
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn feature_dims(&self) -> &[usize] {
+        self.inner.feature_dims()
+    }
+    fn get_batch(&self, indices: &[usize]) -> Result<kiln_data::Batch> {
+        self.host_gathers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.get_batch(indices)
+    }
+    fn dtypes(&self) -> Option<(kiln_core::DType, kiln_core::DType)> {
+        self.inner.dtypes()
+    }
+    fn get_batch_into(&self, indices: &[usize], f: &mut [u8], l: &mut [u8]) -> Result<()> {
+        self.host_gathers
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.get_batch_into(indices, f, l)
+    }
+    fn pinned_rows(&self) -> Option<(kiln_core::HostRows, kiln_core::HostRows)> {
+        self.inner.pinned_rows()
+    }
+}
+
+/// A pinned dataset on a backend that gathers host rows itself (the reference does, on the
+/// host): no host gather at all, the same batches as the plain path whatever the grouping and
+/// the prefetch depth, the labels' id bound known, and every pinned block given back.
+#[test]
+fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    let data = dataset(50, 4);
+    let plain = all_batches(
+        &mut DataLoader::<Reference>::new(data.clone(), 7, &dev)
+            .unwrap()
+            .shuffle(5)
+            .pin_memory(false),
+    );
+    let pinned = data.clone().pin().unwrap();
+    assert!(pinned.is_pinned() && !data.is_pinned());
+    assert_eq!(pinned, data, "pinning keeps the contents");
+    let (_, labels) = pinned.pinned_rows().unwrap();
+    assert_eq!(labels.id_bound, Some(10), "labels are i * 7 % 10");
+    drop(labels);
+    let counting = std::sync::Arc::new(Counting {
+        inner: pinned,
+        host_gathers: Default::default(),
+    });
+    for (bytes, prefetch, uploads) in [(0, 2, 8), (3 * 112, 1, 4), (1 << 20, 0, 2), (1, 5, 8)] {
+        let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
+            .unwrap()
+            .shuffle(5)
+            .upload_bytes(bytes)
+            .prefetch(prefetch);
+        // Two epochs: the second must not reuse the first's groups.
+        for _ in 0..2 {
+            let mut it = l.iter();
+            let got: Vec<_> = (&mut it)
+                .map(|b| {
+                    let (x, y) = b.unwrap();
+                    (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap())
+                })
+                .collect();
+            assert_eq!(it.times().uploads, uploads, "upload_bytes {bytes}");
+            drop(it);
+            let mut again = DataLoader::<Reference>::new(data.clone(), 7, &dev)
+                .unwrap()
+                .shuffle(5)
+                .pin_memory(false);
+            again.set_epoch(l.epoch() - 1);
+            assert_eq!(got, all_batches(&mut again), "upload_bytes {bytes}");
+        }
+        assert_eq!(
+            got_host_gathers(&counting),
+            0,
+            "the device gathered every batch"
+        );
+    }
+    assert_eq!(
+        all_batches(
+            &mut DataLoader::<Reference>::new(counting.clone(), 7, &dev)
+                .unwrap()
+                .shuffle(5)
+        ),
+        plain
+    );
+    // With pinning off the loader gathers on the host again.
+    let mut off = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
+        .unwrap()
+        .shuffle(5)
+        .pin_memory(false);
+    assert_eq!(all_batches(&mut off), plain);
+    assert!(got_host_gathers(&counting) > 0);
+    drop((off, counting));
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}
+
+fn got_host_gathers(c: &Counting) -> usize {
+    c.host_gathers.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// MNIST-like features (`byte / 255`) are pinned as bytes and decoded on the device: the same
+/// batches, bit for bit, as the plain path.
+#[test]
+fn pixel_features_are_pinned_as_bytes_and_decode_to_the_same_batches() {
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    let (n, width) = (40, 12);
+    let f = (0..n * width)
+        .map(|k| (k * 37 % 256) as f32 / 255.0)
+        .collect();
+    let labels = HostBuffer::I64((0..n as i64).map(|i| i % 10).collect());
+    let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
+    let pinned = data.clone().pin().unwrap();
+    let (features, _) = pinned.pinned_rows().unwrap();
+    assert_eq!(features.bytes_over, Some(255.0));
+    assert_eq!(features.block.len(), n * width, "one byte per pixel");
+    drop(features);
+    let plain = all_batches(
+        &mut DataLoader::<Reference>::new(data, 6, &dev)
+            .unwrap()
+            .shuffle(1)
+            .pin_memory(false),
+    );
+    let mut l = DataLoader::<Reference>::new(pinned, 6, &dev)
+        .unwrap()
+        .shuffle(1);
+    assert_eq!(all_batches(&mut l), plain);
+    drop(l);
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}

@@ -5,7 +5,8 @@
 //! - `sync`: `prefetch(0)`, each batch gathered and uploaded on this thread before its step;
 //! - `prefetch`: the loader's default prefetching (`--prefetch N` overrides it): the worker
 //!   thread gathers the next batches, uploaded (on a GPU through pinned memory on the copy
-//!   stream) while this one trains.
+//!   stream) while this one trains; with `--pin-dataset` the GPU gathers them from the pinned
+//!   dataset instead, on the copy stream, and no worker runs.
 //!
 //! With full overlap `prefetch` costs what `compute` costs; without any, what `sync` costs.
 //! `prefetch/compute` is the median over rounds of each round's ratio (the two epochs run back
@@ -18,10 +19,12 @@
 //! cargo run --release --example loader_overlap -- --device cuda
 //! ```
 
-use std::time::Instant;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kiln_core::{Backend, HostBuffer, Result};
+use kiln_core::{Backend, DType, HostBuffer, HostSource, PinnedBlock, Result};
 use kiln_data::{ArrayDataset, DataLoader};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, models};
 use kiln_nn::Module;
@@ -62,6 +65,20 @@ struct Args {
     /// first batch (resident), so no step depends on a copy (what the data dependency costs).
     #[arg(long)]
     train_on_first: bool,
+    /// Keep the dataset in page-locked memory (`ArrayDataset::pin`): on a GPU the device then
+    /// gathers each group of batches itself, reading the rows over the bus, and the host
+    /// copies nothing.
+    #[arg(long)]
+    pin_dataset: bool,
+    /// Synthetic features shaped like MNIST's pixels (`byte / 255`) instead of 16-bit
+    /// fractions: a pinned dataset then keeps them as bytes (`ArrayDataset::pin`).
+    #[arg(long)]
+    pixels: bool,
+    /// Diagnostic: also time compute-only epochs while another thread copies pinned 16 MiB
+    /// blocks to the device at this many GB/s (the loader's bytes without the loader): what
+    /// the bus traffic alone costs the step (`bus/compute`).
+    #[arg(long)]
+    bus_load: Option<f64>,
 }
 
 fn main() {
@@ -75,11 +92,64 @@ fn main() {
 
 struct Overlap(Args);
 
+/// A thread that copies a pinned 16 MiB block to the device at a set rate while `on`.
+struct BusLoad {
+    on: Arc<AtomicBool>,
+    alive: Arc<AtomicBool>,
+    handle: std::thread::JoinHandle<Result<usize>>,
+}
+
+impl BusLoad {
+    fn start<B: Backend>(dev: &B::Device, gbps: f64) -> BusLoad {
+        let (on, alive) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(true)),
+        );
+        let (on2, alive2, dev) = (on.clone(), alive.clone(), dev.clone());
+        let handle = std::thread::spawn(move || -> Result<usize> {
+            let block = Arc::new(PinnedBlock::new("bus_load", 16 << 20)?);
+            let period = Duration::from_secs_f64((16 << 20) as f64 / (gbps * 1e9));
+            let (mut next, mut copies) = (Instant::now(), 0);
+            while alive2.load(Ordering::Relaxed) {
+                if !on2.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_micros(100));
+                    next = Instant::now();
+                    continue;
+                }
+                let src = HostSource {
+                    bytes: block.as_bytes(),
+                    pinned: true,
+                    owner: Some(block.clone()),
+                };
+                drop(B::from_host_source(&dev, DType::F32, src)?);
+                copies += 1;
+                next += period;
+                if let Some(d) = next.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(d);
+                }
+            }
+            Ok(copies)
+        });
+        BusLoad { on, alive, handle }
+    }
+
+    fn stop(self) -> Result<usize> {
+        self.alive.store(false, Ordering::Relaxed);
+        self.handle
+            .join()
+            .expect("the bus-load thread does not panic")
+    }
+}
+
 impl Job for Overlap {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         let a = self.0;
+        let hash = |k: usize| (k as u64).wrapping_mul(2_654_435_761);
         let feats: Vec<f32> = (0..a.samples * 784)
-            .map(|k| ((k as u64).wrapping_mul(2_654_435_761) & 0xffff) as f32 / 65536.0)
+            .map(|k| match a.pixels {
+                true => (hash(k) >> 8 & 0xff) as f32 / 255.0,
+                false => (hash(k) & 0xffff) as f32 / 65536.0,
+            })
             .collect();
         let labels: Vec<i64> = (0..a.samples as i64).map(|i| i % 10).collect();
         let data = ArrayDataset::new(
@@ -89,6 +159,7 @@ impl Job for Overlap {
             Vec::<usize>::new(),
             a.samples,
         )?;
+        let data = if a.pin_dataset { data.pin()? } else { data };
         let lenet = a.arch == "lenet";
         let model = if lenet {
             models::lenet::<B>(&dev, 0)?
@@ -185,11 +256,26 @@ impl Job for Overlap {
                 prof.table()
             );
         }
-        let (mut c, mut s, mut p) = (Vec::new(), Vec::new(), Vec::new());
+        let bus = a.bus_load.map(|gbps| BusLoad::start::<B>(&dev, gbps));
+        let (mut c, mut s, mut p, mut with_bus) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..a.rounds {
             s.push(epoch(Some((&mut sync_loader, 0)), true)?);
             c.push(epoch(None, true)?);
             p.push(epoch(Some((&mut pre_loader, 1)), true)?);
+            if let Some(bus) = &bus {
+                bus.on.store(true, Ordering::Relaxed);
+                let ms = epoch(None, true);
+                bus.on.store(false, Ordering::Relaxed);
+                with_bus.push(ms? / c.last().expect("pushed above"));
+            }
+        }
+        if let Some(bus) = bus {
+            let copies = bus.stop()?;
+            with_bus.sort_by(f64::total_cmp);
+            println!(
+                "loader_overlap bus/compute={:.3} ({copies} background copies of 16 MiB)",
+                with_bus[with_bus.len() / 2]
+            );
         }
         let med = |mut v: Vec<f64>| {
             v.sort_by(f64::total_cmp);
@@ -237,10 +323,12 @@ impl Job for Overlap {
             format!("mlp-784-{h}-{h}-10", h = a.hidden)
         };
         println!(
-            "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} steps={steps} \
+            "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} pinned_dataset={} pixels={} steps={steps} \
              ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3} \
              host_us_per_batch: prefetch next={:.1} (waiting {wait_us:.1}, uploading {upload_us:.1}; {per:.1} batches per upload) drop={:.1} sync next={:.1} drop={:.1}",
             a.batch,
+            a.pin_dataset,
+            a.pixels,
             next_us[1],
             drop_us[1],
             next_us[0],

@@ -340,6 +340,21 @@ fn several_pinned_sources_upload_behind_one_event_and_stay_alive() {
     drop(junk);
 }
 
+/// `other + 1` queued and waited for on the current stream: the result, and the milliseconds
+/// from `t0` until it was done (work that must not wait for a delayed copy stream).
+fn unrelated_work(
+    dev: &kiln_backend_cuda::CudaDevice,
+    other: &Tensor<Cuda>,
+    t0: Instant,
+) -> (Tensor<Cuda>, f64) {
+    let unrelated = (other + 1.0).unwrap();
+    unrelated.realize().unwrap();
+    let done = Event::new(dev).unwrap();
+    done.record().unwrap();
+    done.synchronize().unwrap();
+    (unrelated, t0.elapsed().as_secs_f64() * 1e3)
+}
+
 /// An upload from pinned memory holds back only the work that reads its result: the current
 /// stream's other work runs while the copy is still queued (the DataLoader uploads the next
 /// batch ahead, before the current step's kernels), and the first op that reads the upload,
@@ -372,12 +387,7 @@ fn an_upload_from_pinned_memory_holds_back_only_the_work_that_reads_it() {
     let mut s = Cuda::from_host_sources(&dev, vec![(F32, src)]).unwrap();
     drop(f);
     let x = Tensor::<Cuda>::from_storage(s.pop().unwrap(), [n], F32);
-    let unrelated = (&other + 1.0).unwrap();
-    unrelated.realize().unwrap();
-    let done = Event::new(&dev).unwrap();
-    done.record().unwrap();
-    done.synchronize().unwrap();
-    let unrelated_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (unrelated, unrelated_ms) = unrelated_work(&dev, &other, t0);
     let y = (&x * 2.0).unwrap();
     y.realize().unwrap();
     let got = y.to_vec::<f32>().unwrap();
@@ -478,12 +488,7 @@ fn the_gpu_gathers_rows_of_pinned_host_arrays() {
     let got = Cuda::gather_host_rows(&dev, &srcs, &order)
         .unwrap()
         .unwrap();
-    let unrelated = (&other + 1.0).unwrap();
-    unrelated.realize().unwrap();
-    let done = Event::new(&dev).unwrap();
-    done.record().unwrap();
-    done.synchronize().unwrap();
-    let unrelated_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let (_, unrelated_ms) = unrelated_work(&dev, &other, t0);
     let mut got = got.into_iter();
     let x = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len(), 784], F32);
     let y = Tensor::<Cuda>::from_storage(got.next().unwrap(), [order.len()], DType::I64);
@@ -507,47 +512,36 @@ fn the_gpu_gathers_rows_of_pinned_host_arrays() {
         .flat_map(|&r| bytes3[r * 3..r * 3 + 3].to_vec())
         .collect();
     assert_eq!(z.to_vec::<u8>().unwrap(), want);
-    let want_f: Vec<u32> = want.iter().map(|&b| (b as f32 / 1.0).to_bits()).collect();
-    let got_f: Vec<u32> = z1
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect();
-    assert!(got_f == want_f, "bytes decoded one at a time differ");
-    let want_px: Vec<u32> = order
-        .iter()
-        .flat_map(|&r| {
-            pixels[r * 784..(r + 1) * 784]
-                .iter()
-                .map(|&b| (b as f32 / 255.0).to_bits())
-        })
-        .collect();
-    let got_px: Vec<u32> = px
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect();
+    // Decoded bytes, compared as bits with the host's `byte as f32 / d`.
+    let bits = |t: &Tensor<Cuda>| -> Vec<u32> {
+        t.to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let host = |bytes: &[u8], row: usize, d: f32| -> Vec<u32> {
+        order
+            .iter()
+            .flat_map(|&r| {
+                bytes[r * row..(r + 1) * row]
+                    .iter()
+                    .map(move |&b| (b as f32 / d).to_bits())
+            })
+            .collect()
+    };
     assert!(
-        got_px == want_px,
+        bits(&z1) == host(&bytes3, 3, 1.0),
+        "bytes decoded one at a time differ"
+    );
+    assert!(
+        bits(&px) == host(&pixels, 784, 255.0),
         "pixels decoded on the device differ from the host's byte / 255"
     );
-    let want12: Vec<u32> = order
-        .iter()
-        .flat_map(|&r| {
-            pixels[r * 12..(r + 1) * 12]
-                .iter()
-                .map(|&b| (b as f32 / 3.0).to_bits())
-        })
-        .collect();
-    let got12: Vec<u32> = px12
-        .to_vec::<f32>()
-        .unwrap()
-        .iter()
-        .map(|v| v.to_bits())
-        .collect();
-    assert!(got12 == want12, "bytes decoded four at a time differ");
+    assert!(
+        bits(&px12) == host(&pixels, 12, 3.0),
+        "bytes decoded four at a time differ"
+    );
     if !launches_block() {
         println!("unrelated work done {unrelated_ms:.1} ms after a gather delayed by 200 ms");
         assert!(

@@ -33,6 +33,22 @@ fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
         .unwrap()
 }
 
+/// Epoch `epoch` of a loader that does not pin, in batches of `batch` shuffled with `seed`: what
+/// every pinned path must reproduce.
+fn plain_batches(
+    data: ArrayDataset,
+    batch: usize,
+    seed: u64,
+    epoch: u64,
+) -> Vec<(Vec<f64>, Vec<f64>)> {
+    let mut l = DataLoader::<Reference>::new(data, batch, &RefDevice(0))
+        .unwrap()
+        .shuffle(seed)
+        .pin_memory(false);
+    l.set_epoch(epoch);
+    all_batches(&mut l)
+}
+
 #[test]
 fn pinned_batches_equal_plain_batches() {
     let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -44,11 +60,7 @@ fn pinned_batches_equal_plain_batches() {
         let mut pinned = DataLoader::<Reference>::new(data.clone(), batch, &dev)
             .unwrap()
             .shuffle(3);
-        let mut plain = DataLoader::<Reference>::new(data, batch, &dev)
-            .unwrap()
-            .shuffle(3)
-            .pin_memory(false);
-        assert_eq!(all_batches(&mut pinned), all_batches(&mut plain));
+        assert_eq!(all_batches(&mut pinned), plain_batches(data, batch, 3, 0));
     }
     assert_eq!(pool.live(), 0, "every pinned block was given back");
 }
@@ -60,12 +72,7 @@ fn grouped_uploads_hand_out_the_same_batches() {
     let dev = RefDevice(0);
     // 50 rows of 4 f32 in batches of 7: 8 batches, the last of 1 row; a batch is 112 bytes.
     let data = dataset(50, 4);
-    let plain = all_batches(
-        &mut DataLoader::<Reference>::new(data.clone(), 7, &dev)
-            .unwrap()
-            .shuffle(5)
-            .pin_memory(false),
-    );
+    let plain = plain_batches(data.clone(), 7, 5, 0);
     for (bytes, uploads) in [
         (0, 8),
         (1, 8),
@@ -143,12 +150,7 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
     let pool = kiln_core::test_pinned::register();
     let dev = RefDevice(0);
     let data = dataset(50, 4);
-    let plain = all_batches(
-        &mut DataLoader::<Reference>::new(data.clone(), 7, &dev)
-            .unwrap()
-            .shuffle(5)
-            .pin_memory(false),
-    );
+    let plain = plain_batches(data.clone(), 7, 5, 0);
     let pinned = data.clone().pin().unwrap();
     assert!(pinned.is_pinned() && !data.is_pinned());
     assert_eq!(pinned, data, "pinning keeps the contents");
@@ -176,12 +178,8 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
                 .collect();
             assert_eq!(it.times().uploads, uploads, "upload_bytes {bytes}");
             drop(it);
-            let mut again = DataLoader::<Reference>::new(data.clone(), 7, &dev)
-                .unwrap()
-                .shuffle(5)
-                .pin_memory(false);
-            again.set_epoch(l.epoch() - 1);
-            assert_eq!(got, all_batches(&mut again), "upload_bytes {bytes}");
+            let want = plain_batches(data.clone(), 7, 5, l.epoch() - 1);
+            assert_eq!(got, want, "upload_bytes {bytes}");
         }
         assert_eq!(
             got_host_gathers(&counting),
@@ -230,12 +228,7 @@ fn pixel_features_are_pinned_as_bytes_and_decode_to_the_same_batches() {
     assert_eq!(features.bytes_over, Some(255.0));
     assert_eq!(features.block.len(), n * width, "one byte per pixel");
     drop(features);
-    let plain = all_batches(
-        &mut DataLoader::<Reference>::new(data, 6, &dev)
-            .unwrap()
-            .shuffle(1)
-            .pin_memory(false),
-    );
+    let plain = plain_batches(data, 6, 1, 0);
     let mut l = DataLoader::<Reference>::new(pinned, 6, &dev)
         .unwrap()
         .shuffle(1);

@@ -57,7 +57,8 @@ pub(crate) fn eval_expr(
     params: &[f64],
 ) -> Result<Vec<CudaStorage>> {
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
-    let call = check_call(program, shape, &layouts, params)?;
+    let planned = planned(program, shape, &layouts, params)?;
+    let (call, geo) = (&planned.call, &planned.geo);
     for (s, _) in inputs {
         if s.device() != *device {
             return Err(Error::DeviceMismatch {
@@ -68,19 +69,18 @@ pub(crate) fn eval_expr(
         }
     }
     let dev = state(device)?;
-    let Ok(mut geo) = codegen::plan(program, shape, &layouts, &call.axes) else {
+    let Some(geo) = geo else {
         return eval_composed::<Cuda>(device, program, shape, inputs, params);
     };
-    if !fits_args(program, &geo) {
-        return eval_composed::<Cuda>(device, program, shape, inputs, params);
-    }
     // Computed input buffers, held until the launch is enqueued.
     let bufs = inputs
         .iter()
         .map(|(s, _)| s.buffer())
         .collect::<Result<Vec<Arc<Buffer>>>>()?;
-    geo.variant.vec = vec_width(program, &geo, &bufs, &layouts);
-    let Some(f) = kernel(dev, program, &geo.variant)? else {
+    // The vector width depends on the buffers' alignment.
+    let geo = planned.with_vec(geo, vec_width(program, geo, &bufs, &layouts));
+    let geo = &*geo;
+    let Some(f) = planned.kernel(dev, program, &geo.variant)? else {
         return eval_composed::<Cuda>(device, program, shape, inputs, params);
     };
     for (k, ((b, l), &dt)) in bufs.iter().zip(&layouts).zip(program.inputs()).enumerate() {
@@ -113,9 +113,122 @@ pub(crate) fn eval_expr(
         .collect::<Result<Vec<Buffer>>>()?;
     let work = if program.reduces() { n_kept } else { n_iter };
     if work > 0 {
-        launch(dev, f, program, &geo, &bufs, &layouts, &outs, params)?;
+        launch(dev, f, program, geo, &bufs, &layouts, &outs, params)?;
     }
     Ok(outs.into_iter().map(CudaStorage::ready).collect())
+}
+
+/// A checked call and its plan (`None`: the program runs op by op), for one program, iteration
+/// shape, input layouts and parameter count.
+struct Planned {
+    program: Program,
+    shape: Shape,
+    layouts: Vec<Layout>,
+    params: usize,
+    call: kiln_core::expr::CallPlan,
+    geo: Option<Geometry>,
+    /// `geo` with each vector width seen so far (alignment of the buffers decides it).
+    by_vec: RefCell<Vec<std::rc::Rc<Geometry>>>,
+    /// The kernels found for it: (device ordinal, kernel-cache epoch, vector width, kernel).
+    funcs: RefCell<Vec<(usize, u64, u32, Func)>>,
+}
+
+impl Planned {
+    /// `geo` (this plan's) with `variant.vec` set to `vec`, made once per width.
+    fn with_vec(&self, geo: &Geometry, vec: u32) -> std::rc::Rc<Geometry> {
+        let mut by_vec = self.by_vec.borrow_mut();
+        if let Some(g) = by_vec.iter().find(|g| g.variant.vec == vec) {
+            return g.clone();
+        }
+        let mut g = geo.clone();
+        g.variant.vec = vec;
+        let g = std::rc::Rc::new(g);
+        by_vec.push(g.clone());
+        g
+    }
+
+    /// [`kernel`] for this plan's program and `variant`, remembered per device, epoch and
+    /// vector width (so a hit compares no program).
+    fn kernel(
+        &self,
+        dev: &'static DeviceState,
+        program: &Program,
+        variant: &Variant,
+    ) -> Result<Option<Func>> {
+        let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+        let key = (dev.ordinal, epoch, variant.vec);
+        let hit = self
+            .funcs
+            .borrow()
+            .iter()
+            .find(|(o, e, v, _)| (*o, *e, *v) == key)
+            .map(|e| e.3);
+        if hit.is_some() {
+            return Ok(hit);
+        }
+        let f = kernel(dev, program, variant)?;
+        if let Some(f) = f {
+            self.funcs.borrow_mut().push((key.0, key.1, key.2, f));
+        }
+        Ok(f)
+    }
+}
+
+/// Plans a thread made last. A program run again on operands of the same layouts (a norm in a
+/// loop) reuses its checked call and plan instead of making them again: `check_call` and
+/// `codegen::plan` were a fifth of the host time of d2l's matmul-and-norm loop, profiled
+/// against a stand-in driver.
+const PLANNED_LEN: usize = 8;
+
+thread_local! {
+    static PLANNED: RefCell<Vec<std::rc::Rc<Planned>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The checked call and plan of `program` over `layouts` (see [`PLANNED`]); a bad call is an
+/// error as `check_call` says, and is not remembered.
+fn planned(
+    program: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: &[f64],
+) -> Result<std::rc::Rc<Planned>> {
+    let hit = PLANNED.with(|m| {
+        m.borrow()
+            .iter()
+            .find(|e| {
+                e.params == params.len()
+                    && e.shape == *shape
+                    && e.layouts.len() == layouts.len()
+                    && e.layouts.iter().zip(layouts).all(|(a, b)| a == *b)
+                    && e.program == *program
+            })
+            .cloned()
+    });
+    if let Some(p) = hit {
+        return Ok(p);
+    }
+    let call = check_call(program, shape, layouts, params)?;
+    let geo = codegen::plan(program, shape, layouts, &call.axes)
+        .ok()
+        .filter(|g| fits_args(program, g));
+    let p = std::rc::Rc::new(Planned {
+        program: program.clone(),
+        shape: shape.clone(),
+        layouts: layouts.iter().map(|l| (*l).clone()).collect(),
+        params: params.len(),
+        call,
+        geo,
+        by_vec: RefCell::new(Vec::new()),
+        funcs: RefCell::new(Vec::new()),
+    });
+    PLANNED.with(|m| {
+        let mut m = m.borrow_mut();
+        if m.len() == PLANNED_LEN {
+            m.remove(0);
+        }
+        m.push(p.clone());
+    });
+    Ok(p)
 }
 
 /// The elements per 16-byte vector of an elementwise program's loop (see
@@ -266,10 +379,10 @@ fn launch(
             ((blocks as u32, 1), block)
         }
     };
-    let (mut ptrs, np) = a.ptrs();
+    let ptrs = a.ptrs();
     let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
     crate::profile::fused_ops(kernel, || crate::profile::expr_op_names(p));
-    dev.launch("expr", f, grid, block, 0, &mut ptrs[..np])
+    dev.launch("expr", f, grid, block, 0, ptrs)
 }
 
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk

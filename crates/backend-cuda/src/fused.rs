@@ -201,8 +201,7 @@ fn launch(
                     .push(bias_correction2);
             }
         }
-        let (mut p, n) = args.ptrs();
-        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, &mut p[..n])?;
+        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, args.ptrs())?;
     }
     Ok(())
 }

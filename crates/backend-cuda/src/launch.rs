@@ -6,6 +6,7 @@
 //! most views need one or two dimensions and the kernels' index arithmetic stays short.
 
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 
 use kiln_core::{Error, Layout, Result};
 
@@ -104,12 +105,14 @@ pub(crate) fn fits_u32(layouts: &[&Layout]) -> bool {
 }
 
 /// Arguments for one launch, each in its own 8-byte-aligned slot of an inline buffer (no
-/// heap allocation per launch).
+/// heap allocation per launch), and the pointers to them that `cuLaunchKernel` takes, written
+/// only for the arguments there are (a launch used to zero and return a 1 KiB array of them).
 pub(crate) struct Args {
-    buf: [std::mem::MaybeUninit<u64>; ARG_WORDS],
+    buf: [MaybeUninit<u64>; ARG_WORDS],
     used: usize,
-    offs: [usize; MAX_ARGS],
+    offs: [u16; MAX_ARGS],
     n: usize,
+    ptrs: [MaybeUninit<*mut c_void>; MAX_ARGS],
 }
 
 /// 4 KiB: the classic kernel-parameter limit.
@@ -121,10 +124,11 @@ impl Args {
     #[inline]
     pub fn new() -> Self {
         Args {
-            buf: [std::mem::MaybeUninit::uninit(); ARG_WORDS],
+            buf: [MaybeUninit::uninit(); ARG_WORDS],
             used: 0,
             offs: [0; MAX_ARGS],
             n: 0,
+            ptrs: [MaybeUninit::uninit(); MAX_ARGS],
         }
     }
     /// Appends one argument with the exact C type the kernel declares.
@@ -138,21 +142,21 @@ impl Args {
         );
         // SAFETY: the slot holds `words * 8 >= size_of::<T>()` bytes, 8-byte aligned, in bounds.
         unsafe { std::ptr::write(self.buf[self.used..].as_mut_ptr() as *mut T, v) };
-        self.offs[self.n] = self.used;
+        self.offs[self.n] = self.used as u16; // below ARG_WORDS
         self.n += 1;
         self.used += words;
         self
     }
-    /// Pointers to each argument (the first `.1` entries), valid while `self` is neither moved
-    /// nor changed.
-    pub fn ptrs(&mut self) -> ([*mut c_void; MAX_ARGS], usize) {
+    /// Pointers to each argument, valid while `self` is neither moved nor changed.
+    pub fn ptrs(&mut self) -> &mut [*mut c_void] {
         let base = self.buf.as_mut_ptr();
-        let mut p = [std::ptr::null_mut(); MAX_ARGS];
-        for (dst, &o) in p.iter_mut().zip(&self.offs[..self.n]) {
+        for (dst, &o) in self.ptrs.iter_mut().zip(&self.offs[..self.n]) {
             // SAFETY: every offset is inside `buf`.
-            *dst = unsafe { base.add(o) } as *mut c_void;
+            *dst = MaybeUninit::new(unsafe { base.add(o as usize) } as *mut c_void);
         }
-        (p, self.n)
+        // SAFETY: the first `n` entries were written just above; `MaybeUninit<T>` has `T`'s
+        // layout.
+        unsafe { std::slice::from_raw_parts_mut(self.ptrs.as_mut_ptr().cast(), self.n) }
     }
 }
 

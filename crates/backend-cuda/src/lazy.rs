@@ -822,12 +822,12 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
             _ => a.push(c),
         };
     }
-    let (mut p, np) = a.ptrs();
+    let p = a.ptrs();
     let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
     crate::profile::fused_ops(kernel, || {
         crate::profile::lazy_op_names(&program.code, reduce)
     });
-    dev.launch(OP, f, grid, FUSED_BLOCK, 0, &mut p[..np])?;
+    dev.launch(OP, f, grid, FUSED_BLOCK, 0, p)?;
     match reduce {
         Some(op) if outs > 1 => {
             let total = alloc(dev, dtype.size_in_bytes())?;

@@ -70,8 +70,7 @@ pub(crate) fn run(
     args: &mut Args,
 ) -> Result<()> {
     let f = dev.func(module, name)?;
-    let (mut p, n) = args.ptrs();
-    dev.launch(op, f, grid, block, smem, &mut p[..n])
+    dev.launch(op, f, grid, block, smem, args.ptrs())
 }
 
 /// An elementwise kernel over `inputs` (all with the output's shape) into a new contiguous

@@ -334,8 +334,7 @@ impl ElementwiseKernel {
             }
         }
         if n > 0 {
-            let (mut pp, np) = args.ptrs();
-            s.launch(OP, f, s.grid_1d(n as u64, BLOCK), BLOCK, 0, &mut pp[..np])?;
+            s.launch(OP, f, s.grid_1d(n as u64, BLOCK), BLOCK, 0, args.ptrs())?;
         }
         drop(held);
         drop(taken);

@@ -172,14 +172,14 @@ impl RawKernel {
                 (KernelArg::Tensor(_), None) => unreachable!("held above"),
             };
         }
-        let (mut pp, np) = p.ptrs();
+        let pp = p.ptrs();
         s.launch_3d(
             OP,
             f,
             [grid.0, grid.1, grid.2],
             [block.0, block.1, block.2],
             shared_mem,
-            &mut pp[..np],
+            pp,
         )
     }
 }

@@ -404,8 +404,7 @@ impl ReductionKernel {
                 (n_red.next_power_of_two() as u32).clamp(32, BLOCK)
             };
             let blocks = n_kept.min(s.sm_count as usize * 16).max(1);
-            let (mut pp, np) = args.ptrs();
-            s.launch(OP, f, (blocks as u32, 1), block, 0, &mut pp[..np])?;
+            s.launch(OP, f, (blocks as u32, 1), block, 0, args.ptrs())?;
         }
         drop(held);
         drop(taken);

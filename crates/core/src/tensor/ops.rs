@@ -597,7 +597,12 @@ fn as_batched_matrix<B: Backend>(
 ) -> Result<Tensor<B>> {
     let mut full = batch.dims().to_vec();
     full.extend([rows, cols]);
-    let t = t.broadcast_to(full)?;
+    // Already of that shape (every plain 2-d product): no new layout to build.
+    let t = if t.dims() == full.as_slice() {
+        t.clone()
+    } else {
+        t.broadcast_to(full)?
+    };
     let nb = batch.elem_count();
     let try_view = |t: &Tensor<B>| -> Option<Layout> {
         let r = t.rank();

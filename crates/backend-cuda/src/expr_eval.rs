@@ -12,7 +12,9 @@
 //! merges dimensions (pure, no device); [`codegen::source`] writes the CUDA C; NVRTC compiles it
 //! through the disk cache of `nvrtc.rs`, and the function is memoized per device by `(program,
 //! variant)` (`DeviceState::generated_func`; its module is unloaded by `clear_kernel_cache`
-//! with the other generated kernels). Inputs are read through their computed buffers (pending lazy
+//! with the other generated kernels). A program run again on operands of the same layouts finds
+//! its checked call, plan and kernel in a per-thread memo ([`PLANNED`]) and redoes none of
+//! them. Inputs are read through their computed buffers (pending lazy
 //! work runs first); outputs are fresh contiguous buffers; the launch goes to the calling
 //! thread's current stream.
 //!

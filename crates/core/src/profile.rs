@@ -323,6 +323,32 @@ pub struct Record {
     pub device_estimated: bool,
 }
 
+impl Record {
+    /// A record of `kind` named `name` on `device`, every other field zero or empty (the
+    /// recording paths fill in what they know).
+    fn blank(kind: Kind, name: Cow<'static, str>, device: Cow<'static, str>) -> Record {
+        Record {
+            kind,
+            name,
+            detail: String::new(),
+            device,
+            stream: 0,
+            thread: 0,
+            start_ns: 0,
+            dur_ns: 0,
+            bytes: 0,
+            mem_in_use: None,
+            fallback: None,
+            op: None,
+            range: None,
+            depth: 0,
+            elementwise: false,
+            device_time: None,
+            device_estimated: false,
+        }
+    }
+}
+
 struct Raw {
     rec: Record,
     timer: Option<Box<dyn DeviceTimer>>,
@@ -355,23 +381,16 @@ struct SpanRaw {
 impl SpanRaw {
     fn record(&self, thread: u64) -> Record {
         Record {
-            kind: Kind::Op,
-            name: Cow::Borrowed(self.name),
             detail: self.detail.render(),
-            device: self.device.clone(),
-            stream: 0,
             thread,
             start_ns: self.start_ns,
             dur_ns: self.dur_ns,
             bytes: self.bytes,
-            mem_in_use: None,
-            fallback: None,
             op: self.op,
             range: self.range.clone(),
             depth: self.depth,
             elementwise: self.elementwise,
-            device_time: None,
-            device_estimated: false,
+            ..Record::blank(Kind::Op, Cow::Borrowed(self.name), self.device.clone())
         }
     }
 }
@@ -396,23 +415,19 @@ struct AllocRaw {
 impl AllocRaw {
     fn record(&self, thread: u64) -> Record {
         Record {
-            kind: Kind::Alloc,
-            name: Cow::Borrowed(self.name),
-            detail: String::new(),
-            device: Cow::Borrowed(self.device),
             stream: self.stream,
             thread,
             start_ns: self.start_ns,
-            dur_ns: 0,
             bytes: self.bytes,
             mem_in_use: Some(self.mem_in_use),
-            fallback: None,
             op: self.op,
             range: self.range.clone(),
             depth: self.depth,
-            elementwise: false,
-            device_time: None,
-            device_estimated: false,
+            ..Record::blank(
+                Kind::Alloc,
+                Cow::Borrowed(self.name),
+                Cow::Borrowed(self.device),
+            )
         }
     }
 }
@@ -473,23 +488,15 @@ pub fn record(ev: Event) {
         return;
     }
     let rec = Record {
-        kind: ev.kind,
-        name: ev.name,
         detail: ev.detail,
-        device: ev.device,
         stream: ev.stream,
-        thread: 0,
         start_ns: ev.start_ns,
         dur_ns: ev.dur_ns,
         bytes: ev.bytes,
         mem_in_use: ev.mem_in_use,
         fallback: ev.fallback,
-        op: None,
-        range: None,
-        depth: 0,
-        elementwise: false,
-        device_time: None,
         device_estimated: ev.sampled_out,
+        ..Record::blank(ev.kind, ev.name, ev.device)
     };
     push(rec, ev.timer);
 }
@@ -687,23 +694,10 @@ impl Drop for Range {
             l.ranges.pop();
         });
         let rec = Record {
-            kind: Kind::Range,
-            name: Cow::Owned(path.to_string()),
-            detail: String::new(),
-            device: "host".into(),
-            stream: 0,
-            thread: 0,
             start_ns: start,
             dur_ns: now_ns().saturating_sub(start),
-            bytes: 0,
-            mem_in_use: None,
-            fallback: None,
-            op: None,
-            range: Some(path),
-            depth: 0,
-            elementwise: false,
-            device_time: None,
-            device_estimated: false,
+            range: Some(path.clone()),
+            ..Record::blank(Kind::Range, Cow::Owned(path.to_string()), "host".into())
         };
         push(rec, None);
     }

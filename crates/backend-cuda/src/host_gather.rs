@@ -34,9 +34,11 @@ use std::sync::Arc;
 use kiln_core::{Error, HostRows, PinnedBlock, Result};
 
 use crate::compile::Module;
-use crate::device::{DeviceState, InFlight, SharedEvent, set_current_stream};
+use crate::device::{DeviceState, set_current_stream};
+use crate::launch::Args;
 use crate::memory::{Buffer, alloc_on};
 use crate::pinned;
+use crate::transfer::{dma_to_device, hand_over};
 
 const OP: &str = "gather_host_rows";
 
@@ -167,28 +169,24 @@ pub(crate) fn gather_host_rows(
     for (d, &r) in words.iter_mut().zip(rows) {
         *d = r as u32; // `check` made sure it fits
     }
-    // The row numbers go to device memory first (one small DMA): every tile reads its own,
-    // and a read over the bus per tile would come before each tile's row reads.
+    // The row numbers go to device memory first (one small DMA): every thread reads the number
+    // of the row its words belong to, which over the bus would be one more read per word.
     let idx_dev = alloc_on(dev, idx.len(), dev.copy)?;
     // SAFETY: `idx` is page-locked and kept alive (in-flight list, below) until the copy
     // stream passes the copy; the range is `idx_dev`'s.
-    unsafe { crate::transfer::dma_to_device(dev, idx_dev.device_ptr(), idx.as_bytes()) }?;
+    unsafe { dma_to_device(dev, idx_dev.device_ptr(), idx.as_bytes()) }?;
     let f = dev.func(Module::Util, &["gather", "rows"])?;
     let arrays: Vec<GatherArray> = srcs
         .iter()
         .zip(&bufs)
         .map(|(s, b)| {
             let (src, dst) = (s.block.as_ptr() as u64, b.device_ptr());
-            // Decoded bytes: 16 or 4 bytes in, four float4s or one out (the output is 16-byte
-            // aligned wherever the input word is: device buffers are, and rows scale by 4).
-            let word = match s.bytes_over {
-                Some(_) => word_size(s.row_bytes, src, dst).min(16),
-                None => word_size(s.row_bytes, src, dst),
-            };
-            let word = if s.bytes_over.is_some() && word == 8 {
-                4
-            } else {
-                word
+            // Decoded bytes go 16, 4 or 1 at a time (four float4s, one float4 or one float
+            // out; the output is 16-byte aligned wherever the input word is: device buffers
+            // are, and rows scale by 4).
+            let word = match (s.bytes_over, word_size(s.row_bytes, src, dst)) {
+                (Some(_), 8) => 4,
+                (_, w) => w,
             };
             let row_words = s.row_bytes / word as usize;
             GatherArray {
@@ -205,7 +203,6 @@ pub(crate) fn gather_host_rows(
     let prev = set_current_stream(dev.ordinal, dev.copy);
     let launched = (|| {
         for pair in arrays.chunks(2) {
-            let (a0, a1) = (pair[0], pair.get(1).copied().unwrap_or_default());
             // Four words a thread per pass of the grid (the kernel's reads in flight).
             let words = pair
                 .iter()
@@ -213,36 +210,26 @@ pub(crate) fn gather_host_rows(
                 .max()
                 .unwrap_or(1);
             let blocks = words.div_ceil(4 * BLOCK as usize).max(1);
-            let mut rows_ptr = idx_dev.device_ptr();
-            let mut n = rows.len() as u32;
-            let (mut a0, mut a1) = (a0, a1);
-            let mut p = [
-                &mut rows_ptr as *mut u64 as *mut std::ffi::c_void,
-                &mut n as *mut u32 as *mut std::ffi::c_void,
-                &mut a0 as *mut GatherArray as *mut std::ffi::c_void,
-                &mut a1 as *mut GatherArray as *mut std::ffi::c_void,
-            ];
+            let mut args = Args::new();
+            args.push(idx_dev.device_ptr())
+                .push(rows.len() as u32)
+                .push(pair[0])
+                .push(pair.get(1).copied().unwrap_or_default());
             let grid = [blocks.min(max_blocks()) as u32, pair.len() as u32, 1];
-            dev.launch_3d(OP, f, grid, [BLOCK, 1, 1], 0, &mut p)?;
+            dev.launch_3d(OP, f, grid, [BLOCK, 1, 1], 0, args.ptrs())?;
         }
         Ok(())
     })();
     set_current_stream(dev.ordinal, prev);
     launched?;
-    let event = Arc::new(SharedEvent::record(dev, dev.copy, OP)?);
+    // `idx_dev` is freed on the copy stream, after the kernel that reads it (the pool reuses
+    // it in stream order).
+    drop(idx_dev);
     let mut owners: Vec<Arc<dyn std::any::Any + Send + Sync>> =
         srcs.iter().map(|s| s.block.clone() as _).collect();
     owners.push(Arc::new(idx));
-    // Freed on the copy stream after the kernel that reads it (the pool reuses it in order).
-    idx_dev.note_stream(dev.copy);
-    drop(idx_dev);
-    dev.in_flight.lock().unwrap().push_back(InFlight {
-        event: event.clone(),
-        _owner: Arc::new(owners),
-    });
+    hand_over(dev, user, &bufs, owners, OP)?;
     for (b, s) in bufs.iter().zip(srcs) {
-        b.note_stream(user);
-        b.set_pending(event.clone());
         if let Some(bound) = s.id_bound {
             b.mark_all_ids_below(bound);
         }

@@ -194,17 +194,32 @@ pub(crate) fn upload_pinned(
         }
         bufs.push(dst);
     }
-    let event = Arc::new(SharedEvent::record(dev, dev.copy, "from_host")?);
-    let owners: Vec<_> = srcs.iter().map(|(_, o)| o.clone()).collect();
+    let owners = srcs.iter().map(|(_, o)| o.clone()).collect();
+    hand_over(dev, user, &bufs, owners, "from_host")?;
+    Ok(bufs)
+}
+
+/// Ends an asynchronous fill of `bufs` queued on the copy stream (pinned uploads, the GPU's
+/// gather from host memory): one event after it keeps `owners` (the host memory it reads) in
+/// the in-flight list until it completes, and each buffer's first use on a stream waits for
+/// it ([`Buffer::set_pending`]); the buffers count as used on `user`, the caller's stream.
+pub(crate) fn hand_over(
+    dev: &'static DeviceState,
+    user: sys::CUstream,
+    bufs: &[Buffer],
+    owners: Vec<Arc<dyn Any + Send + Sync>>,
+    op: &'static str,
+) -> Result<()> {
+    let event = Arc::new(SharedEvent::record(dev, dev.copy, op)?);
     dev.in_flight.lock().unwrap().push_back(InFlight {
         event: event.clone(),
         _owner: Arc::new(owners),
     });
-    for b in &bufs {
+    for b in bufs {
         b.note_stream(user);
         b.set_pending(event.clone());
     }
-    Ok(bufs)
+    Ok(())
 }
 
 /// Queues one copy of `src` to device address `dst` on the copy stream (profiled as a

@@ -494,7 +494,10 @@ impl<B: Backend> Job<B> {
 
     /// The batches of `g` gathered by the device from the dataset's pinned arrays: one launch
     /// on the backend's copy stream, no host copy (see [`DataLoader::pin_memory`]).
-    fn gather_on_device(&self, g: Group, host_rows: &[HostRows; 2]) -> Result<Uploaded<B>> {
+    fn gather_on_device(&self, g: Group) -> Result<Uploaded<B>> {
+        let Some(host_rows) = &self.host_rows else {
+            return Err(Error::backend("DataLoader", "the dataset is not pinned"));
+        };
         let start = g.start * self.batch_size;
         let end = (g.end * self.batch_size).min(self.order.len());
         let (fdims, ldims) = self.group_dims(end - start);
@@ -656,7 +659,6 @@ enum State<B: Backend> {
     /// gathers itself, up to `prefetch` groups ahead of the one being handed out.
     Device {
         job: Arc<Job<B>>,
-        host_rows: [HostRows; 2],
         groups: Vec<Group>,
         /// Groups launched so far.
         launched: usize,
@@ -672,12 +674,11 @@ impl<B: Backend> Epoch<B> {
         let remaining = job.num_batches;
         let job = Arc::new(job);
         let times = LoaderTimes::default();
-        if let (Some(host_rows), true) = (job.host_rows.clone(), remaining > 0) {
+        if job.host_rows.is_some() && remaining > 0 {
             let groups = job.groups();
             return Epoch {
                 state: State::Device {
                     job,
-                    host_rows,
                     groups,
                     launched: 0,
                     prefetch,
@@ -881,7 +882,6 @@ impl<B: Backend> Epoch<B> {
     fn next_from_device(&mut self) -> Result<TensorBatch<B>> {
         let State::Device {
             job,
-            host_rows,
             groups,
             launched,
             prefetch,
@@ -897,7 +897,7 @@ impl<B: Backend> Epoch<B> {
             let g = groups[*launched];
             *launched += 1;
             times.uploads += 1;
-            job.gather_on_device(g, host_rows)
+            job.gather_on_device(g)
         };
         if current.as_ref().is_none_or(Uploaded::exhausted) {
             *current = None;

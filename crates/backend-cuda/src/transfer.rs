@@ -53,24 +53,12 @@ pub fn copy_threads() -> usize {
 /// batch of labels; bigger id tensors skip the scan and are checked on the device).
 pub(crate) const ID_SCAN_MAX_BYTES: usize = 1 << 20;
 
-/// When `bytes` of `dtype` are all non-negative ids, one past the largest: what lets an index
-/// kernel over a freshly uploaded batch of labels skip the synchronizing read of its bounds
-/// check. `None` for floats, negative values, or more than [`ID_SCAN_MAX_BYTES`].
+/// [`kiln_core::host::id_bound`] for uploads of at most [`ID_SCAN_MAX_BYTES`] (`None` above).
 pub(crate) fn host_id_bound(dtype: DType, bytes: &[u8]) -> Option<usize> {
     if bytes.len() > ID_SCAN_MAX_BYTES {
         return None;
     }
-    match dtype {
-        DType::I64 => {
-            let (lo, hi) = bytes
-                .chunks_exact(8)
-                .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
-                .fold((0i64, -1i64), |(lo, hi), v| (lo.min(v), hi.max(v)));
-            (lo >= 0).then(|| (hi + 1) as usize)
-        }
-        DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
-        _ => None,
-    }
+    kiln_core::host::id_bound(dtype, bytes)
 }
 
 /// `dst.copy_from_slice(src)`, split over [`copy_threads`] threads when large: one thread's

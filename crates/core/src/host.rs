@@ -217,3 +217,20 @@ impl HostRows {
         self.row_bytes / self.stored_size() * self.dtype.size_in_bytes()
     }
 }
+
+/// When `bytes` of `dtype` (native layout) are all non-negative ids, one past the largest:
+/// what lets an index kernel over a freshly uploaded or gathered batch of labels skip the
+/// synchronizing read of its bounds check. `None` for floats and for negative values.
+pub fn id_bound(dtype: crate::DType, bytes: &[u8]) -> Option<usize> {
+    match dtype {
+        crate::DType::I64 => {
+            let (lo, hi) = bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
+                .fold((0i64, -1i64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+            (lo >= 0).then(|| (hi + 1) as usize)
+        }
+        crate::DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
+        _ => None,
+    }
+}

@@ -203,7 +203,11 @@ impl ArrayDataset {
             },
             _ => rows(&self.features, &self.feature_dims, None)?,
         };
-        let l = rows(&self.labels, &self.label_dims, id_bound(&self.labels))?;
+        let l = rows(
+            &self.labels,
+            &self.label_dims,
+            kiln_core::host::id_bound(self.labels.dtype(), self.labels.as_bytes()),
+        )?;
         self.pinned = Some((f, l));
         Ok(self)
     }
@@ -254,21 +258,6 @@ fn bytes_over(v: &[f32]) -> Option<(Vec<u8>, f32)> {
             .collect::<Option<Vec<u8>>>()
             .map(|bytes| (bytes, d))
     })
-}
-
-/// For integer labels that are all non-negative: one past the largest (what lets a GPU
-/// loss over gathered labels skip reading its bounds check back).
-fn id_bound(labels: &HostBuffer) -> Option<usize> {
-    match labels {
-        HostBuffer::I64(v) => {
-            let (lo, hi) = v
-                .iter()
-                .fold((0i64, -1i64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
-            (lo >= 0).then(|| (hi + 1) as usize)
-        }
-        HostBuffer::U8(v) => Some(v.iter().copied().max().map_or(0, |m| m as usize + 1)),
-        _ => None,
-    }
 }
 
 fn copy_exact(op: &'static str, dst: &mut [u8], src: &[u8]) -> Result<()> {

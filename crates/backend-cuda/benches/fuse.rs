@@ -10,6 +10,8 @@
 //! - `lse_8192x8192`: a user-written row-wise log-sum-exp over 8192×8192 f32 as two fused
 //!   programs (row max; then `log(sum(exp(x - m))) + m` reading `m` broadcast), beside
 //!   PyTorch's `torch.logsumexp` and its manual max/exp/sum/log (`lse_8192x8192_manual`).
+//! - `norm_64M`: a user-written L2 norm `sqrt(sum(x * x))` of 64M f32 as one program (a
+//!   full reduction, split over many blocks), beside `torch.linalg.vector_norm`.
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
@@ -74,7 +76,13 @@ fn main() {
     let fuse5 = 12.0 * n as f64 / (ms * 1e-3) / 1e9;
     report("fuse5_64M", fuse5, "GB/s");
     report("fuse5_64M_of_copy", fuse5 / copy, "frac");
-    drop((x, y));
+    drop(y);
+
+    // A full reduction: the L2 norm of the same 64M f32.
+    let pn = Program::from_exprs(&[DType::F32], &[(&ex * &ex).sum(&[0]).sqrt()]).unwrap();
+    let ms = time(&dev, 5, 10, || pn.run(&[&x], &[]).map(drop));
+    report("norm_64M", ms, "ms");
+    drop(x);
 
     // ElementwiseKernel exp, 1000 launches.
     let kexp = ElementwiseKernel::new("T x", "T y", "y = exp(x)", "kexp").unwrap();

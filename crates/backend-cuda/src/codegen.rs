@@ -27,6 +27,13 @@
 //!   the fold.
 //! - **Reductions**, [`Strategy::Thread`]: one thread per kept element, folding its reduced
 //!   elements in order: for short reductions, where a block per kept element would idle.
+//! - **Reductions**, [`Strategy::Split`]: few kept elements and long reductions (a norm of a
+//!   whole tensor): a block per kept element would leave the device idle (one block for a
+//!   full reduction), so each kept element's reduced range is cut into [`Geometry::parts`]
+//!   consecutive parts, a block folds one part into a partial accumulator per `Reduce` (launch
+//!   with `phase == 0`), and a second launch of the same kernel (`phase == 1`, a block per
+//!   kept element) folds the partials in a fixed order and runs the post-map. The parts depend on the
+//!   sizes alone ([`split_parts`]), so a result is the same on every run and every device.
 //!
 //! How each operand (input, or an elementwise output of a reducing program) is addressed in
 //! the inner loop is part of the variant ([`Access`]): contiguous with the loop index (no
@@ -64,6 +71,9 @@ pub(crate) enum Strategy {
     Block,
     /// One thread per kept element.
     Thread,
+    /// Several blocks per kept element, then a pass over their partials (see the module
+    /// docs).
+    Split,
 }
 
 /// What the source of a program's kernel depends on besides the program.
@@ -99,6 +109,24 @@ fn acc_type(c: Combine, dtype: DType) -> &'static str {
         (Combine::Sum | Combine::Prod, DType::F32) => "double",
         _ => ctype(dtype),
     }
+}
+
+/// The accumulator dtype of each live `Reduce` of `p`, in instruction order: the partial
+/// buffers a [`Strategy::Split`] launch takes (`part<i>` in the source), `n_kept * parts`
+/// accumulators each.
+pub(crate) fn split_partials(p: &Program) -> Vec<DType> {
+    let nd = need(p);
+    p.code()
+        .iter()
+        .enumerate()
+        .filter_map(|(i, ins)| match *ins {
+            Instr::Reduce(c, a) if nd.live[i] => Some(match acc_type(c, p.dtype(a)) {
+                "double" => DType::F64,
+                _ => p.dtype(a),
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 /// The reduction functors (the `Op` interface of `block_reduce` in common.cuh).
@@ -386,6 +414,13 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
     for (k, &d) in p.params().iter().enumerate() {
         params.push(format!("{} p{k}", ctype(d)));
     }
+    if v.strategy == Strategy::Split {
+        params.push("u64 parts".into());
+        params.push("u32 phase".into());
+        for (i, d) in live_reduces(p).into_iter().zip(split_partials(p)) {
+            params.push(format!("{}* __restrict__ part{i}", ctype(d)));
+        }
+    }
     s += &params.join(", ");
     s += ") {\n";
     let nd = need(p);
@@ -472,6 +507,52 @@ fn vector_loop(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
     s.push_str("    }\n");
 }
 
+/// The instruction index of each live `Reduce`, in order (as [`split_partials`]).
+fn live_reduces(p: &Program) -> Vec<usize> {
+    let nd = need(p);
+    (0..p.code().len())
+        .filter(|&i| nd.live[i] && matches!(p.code()[i], Instr::Reduce(..)))
+        .collect()
+}
+
+/// Phase 1 of a [`Strategy::Split`] kernel: a block per kept element folds its parts' partial
+/// accumulators (thread `t` the parts `t`, `t + blockDim.x`, ..., then the shared-memory tree:
+/// a fixed order), and thread 0 runs the post-map.
+fn split_finish(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
+    let all: Vec<usize> = (0..v.access.len()).collect();
+    s.push_str("    if (phase == 1) {\n");
+    s.push_str("    for (u64 ko = blockIdx.x; ko < n_kept; ko += gridDim.x) {\n");
+    let ind = "        ";
+    emit_offsets(s, ind, "ko", "kd", "ks", "kb", &|_| "0".into(), &all);
+    for (i, ins) in p.code().iter().enumerate() {
+        let Instr::Reduce(c, a) = *ins else { continue };
+        if !nd.live[i] {
+            continue;
+        }
+        let at = acc_type(c, p.dtype(a));
+        let f = functor(c);
+        let _ = writeln!(s, "{ind}{at} acc{i} = {f}<{at}>::init();");
+        let _ = writeln!(
+            s,
+            "{ind}for (u64 q = threadIdx.x; q < parts; q += blockDim.x) acc{i} = \
+             {f}<{at}>::combine(acc{i}, part{i}[ko * parts + q]);"
+        );
+        let _ = writeln!(
+            s,
+            "{ind}acc{i} = block_reduce<{f}<{at}>>(acc{i}, scratch{i});"
+        );
+    }
+    s.push_str("        if (threadIdx.x == 0) {\n");
+    let ind = "            ";
+    emit_values(s, ind, p, &nd.post, "kb");
+    for (j, &o) in p.outputs().iter().enumerate() {
+        if p.output_is_reduced(j) {
+            let _ = writeln!(s, "{ind}y{j}[ko] = v{o};");
+        }
+    }
+    s.push_str("        }\n    }\n    return;\n    }\n");
+}
+
 fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[usize]) {
     let n_ops = v.access.len();
     let all: Vec<usize> = (0..n_ops).collect();
@@ -489,7 +570,8 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
             _ => None,
         })
         .collect();
-    let block = v.strategy == Strategy::Block;
+    let split = v.strategy == Strategy::Split;
+    let block = v.strategy == Strategy::Block || split;
     if block {
         for &(i, c, a) in &reduces {
             let _ = writeln!(
@@ -498,6 +580,18 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
                 acc_type(c, p.dtype(a))
             );
         }
+    }
+    if split {
+        split_finish(s, p, v, nd);
+    }
+    if split {
+        // Block `b` folds part `b % parts` of kept element `b / parts`.
+        s.push_str("    for (u64 b = blockIdx.x; b < n_kept * parts; b += gridDim.x) {\n");
+        s.push_str("        const u64 ko = b / parts, pi = b - ko * parts;\n");
+        s.push_str("        const u64 chunk = (n_red + parts - 1) / parts;\n");
+        s.push_str("        const u64 r0 = pi * chunk;\n");
+        s.push_str("        const u64 r1 = r0 + chunk < n_red ? r0 + chunk : n_red;\n");
+    } else if block {
         s.push_str("    for (u64 ko = blockIdx.x; ko < n_kept; ko += gridDim.x) {\n");
     } else {
         s.push_str("    for (u64 ko = KILN_TID; ko < n_kept; ko += KILN_NTHREADS) {\n");
@@ -508,7 +602,9 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
         let at = acc_type(c, p.dtype(a));
         let _ = writeln!(s, "{ind}{at} acc{i} = {}<{at}>::init();", functor(c));
     }
-    if block {
+    if split {
+        s.push_str("        for (u64 r = r0 + threadIdx.x; r < r1; r += blockDim.x) {\n");
+    } else if block {
         s.push_str("        for (u64 r = threadIdx.x; r < n_red; r += blockDim.x) {\n");
     } else {
         s.push_str("        for (u64 r = 0; r < n_red; ++r) {\n");
@@ -565,6 +661,13 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
         s.push_str("        {\n");
         "            "
     };
+    if split {
+        for &(i, _, _) in &reduces {
+            let _ = writeln!(s, "{ind3}part{i}[b] = acc{i};");
+        }
+        s.push_str("        }\n    }\n");
+        return;
+    }
     // The post-map, at the kept position: inputs read at their kept base (constant along the
     // reduced axes, as check_call made sure).
     emit_values(s, ind3, p, &nd.post, "kb");
@@ -593,6 +696,8 @@ pub(crate) struct Geometry {
     /// in them (empty unless strided).
     pub red_dims: Vec<usize>,
     pub red_strides: Vec<Vec<usize>>,
+    /// [`Strategy::Split`]: the parts each kept element's reduction is cut into (else 1).
+    pub parts: usize,
 }
 
 /// Whether `dims`/`strides` address one element throughout.
@@ -622,6 +727,20 @@ fn too_many_dims(n: usize) -> Error {
 /// Reductions with at most this many elements per kept element run one thread per kept
 /// element.
 const THREAD_MAX_RED: usize = 64;
+
+/// Blocks a [`Strategy::Split`] reduction aims for (about 8 resident blocks on each of an
+/// H100's or H200's 132 multiprocessors), and the fewest reduced elements a part gets.
+const SPLIT_BLOCKS: usize = 1024;
+const SPLIT_MIN_PART: usize = 1 << 16;
+
+/// The parts of a [`Strategy::Split`] reduction of `n_kept` kept elements of `n_red` reduced
+/// elements each (1: do not split). Below two parts' worth of elements (128K) one block does
+/// it alone: the second launch would cost a host-bound loop more (3–4 µs of driver time) than
+/// the one block takes (a norm of 64K f32 is one launch in d2l-style loops).
+pub(crate) fn split_parts(n_kept: usize, n_red: usize) -> usize {
+    let want = SPLIT_BLOCKS.div_ceil(n_kept.max(1));
+    want.min(n_red / SPLIT_MIN_PART).max(1)
+}
 
 /// Plans one call: `layouts` are the inputs' layouts in the iteration shape `shape`, `axes`
 /// the resolved reduction axes. An error when the layouts need more dimensions than a kernel
@@ -685,6 +804,7 @@ pub(crate) fn plan(
             strides,
             red_dims: Vec::new(),
             red_strides: Vec::new(),
+            parts: 1,
         });
     }
     // Operands: the inputs, then the elementwise outputs (contiguous in the iteration shape).
@@ -740,8 +860,11 @@ pub(crate) fn plan(
         .collect();
     let n_kept: usize = kdims.iter().product();
     let n_red: usize = rdims.iter().product();
+    let parts = split_parts(n_kept, n_red);
     let strategy = if n_red <= THREAD_MAX_RED {
         Strategy::Thread
+    } else if parts > 1 {
+        Strategy::Split
     } else {
         Strategy::Block
     };
@@ -758,6 +881,11 @@ pub(crate) fn plan(
         strides: ks,
         red_dims: rd,
         red_strides,
+        parts: if strategy == Strategy::Split {
+            parts
+        } else {
+            1
+        },
     })
 }
 
@@ -833,6 +961,17 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
                         Access::Contig,
                         Access::Strided,
                         Access::Contig,
+                        Access::Bcast,
+                        Access::Contig,
+                    ],
+                ),
+                (
+                    Strategy::Split,
+                    false,
+                    [
+                        Access::Contig,
+                        Access::Contig,
+                        Access::Bcast,
                         Access::Bcast,
                         Access::Contig,
                     ],
@@ -980,6 +1119,70 @@ mod tests {
         // the post-map reads input 1 at the kept position
         assert!(b[t0..].contains("x1[kb1]"), "{b}");
         assert!(b.contains("Strides ks0") && b.contains("Strides ks2") && !b.contains("rs0"));
+    }
+
+    #[test]
+    fn split_reductions_fold_parts_then_finish_in_a_second_phase() {
+        let x = Expr::input(0);
+        let norm = (&x * &x).sum(&[0]).sqrt();
+        let p = prog(&[DType::F32], &[norm, x.max(&[0]), x.exp()]);
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Split,
+            vec: 0,
+            access: vec![Access::Contig, Access::Contig],
+        };
+        let src = source(&p, &v).unwrap();
+        let b = body(&src);
+        // the partial buffers, one per live reduction, of the accumulator's type
+        assert!(
+            b.contains("u64 parts, u32 phase, double* __restrict__ part"),
+            "{b}"
+        );
+        assert!(b.contains("float* __restrict__ part"), "{b}");
+        // phase 1 comes first and returns: a block folds the partials, its tree, then
+        // thread 0 runs the post-map
+        let fin = at(b, "if (phase == 1)");
+        let fold_parts = at(b, "for (u64 q = threadIdx.x; q < parts; q += blockDim.x)");
+        let tree1 = at(b, "block_reduce<ExprSum<double>>");
+        let sqrt = at(b, "op_sqrt<float>");
+        let ret = at(b, "return;");
+        assert!(fin < fold_parts && fold_parts < tree1 && tree1 < sqrt && sqrt < ret);
+        assert!(at(b, "y0[ko] = v") < ret && at(b, "y1[ko] = v") < ret);
+        // phase 0: a block per part, its range folded, the tree, the partial stored
+        let blocks = at(
+            b,
+            "for (u64 b = blockIdx.x; b < n_kept * parts; b += gridDim.x)",
+        );
+        let fold = at(b, "for (u64 r = r0 + threadIdx.x; r < r1; r += blockDim.x)");
+        let tree = ret + at(&b[ret..], "block_reduce<ExprSum<double>>");
+        assert!(ret < blocks && blocks < fold && fold < tree);
+        assert!(at(b, "part2[b] = acc2;") > tree, "{b}");
+        // the elementwise output is stored during the fold; no post-map in phase 0
+        assert!(at(b, "y2[off1] = v") < tree);
+        assert_eq!(b.matches("op_sqrt<float>").count(), 1, "{b}");
+        assert_eq!(split_partials(&p), vec![DType::F64, DType::F32]);
+    }
+
+    #[test]
+    fn long_reductions_of_few_kept_elements_split() {
+        assert_eq!(split_parts(1, 10_000), 1, "a small norm stays one launch");
+        assert_eq!(split_parts(1, 256 * 256), 1);
+        assert_eq!(split_parts(1, 1 << 26), SPLIT_BLOCKS);
+        assert_eq!(split_parts(1, 5 * SPLIT_MIN_PART), 5);
+        assert_eq!(split_parts(4, 1 << 26), SPLIT_BLOCKS / 4);
+        assert_eq!(split_parts(4096, 1 << 20), 1, "enough blocks already");
+        let x = Expr::input(0);
+        let p = prog(&[DType::F32], &[(&x * &x).sum(&[0, 1])]);
+        let shape = Shape::new([2048, 2048]);
+        let l = Layout::contiguous(shape.clone());
+        let g = plan(&p, &shape, &[&l], &[0, 1]).unwrap();
+        assert_eq!(g.variant.strategy, Strategy::Split);
+        assert_eq!((g.n, g.n_red, g.parts), (1, 1 << 22, 64));
+        let small = Shape::new([100, 100]);
+        let l = Layout::contiguous(small.clone());
+        let g = plan(&p, &small, &[&l], &[0, 1]).unwrap();
+        assert_eq!((g.variant.strategy, g.parts), (Strategy::Block, 1));
     }
 
     #[test]

@@ -280,9 +280,14 @@ fn fits_args(p: &Program, g: &Geometry) -> bool {
     let ptrs = p.outputs().len() + p.inputs().len();
     let (count, words) = if p.reduces() {
         let ops = g.variant.access.len();
+        // A split reduction's parts, phase and partial buffers.
+        let split = match g.variant.strategy {
+            Strategy::Split => 2 + codegen::split_partials(p).len(),
+            _ => 0,
+        };
         (
-            4 + ptrs + ops + strided + p.params().len(),
-            2 + 2 * DIMS + ptrs + (ops + strided) * STRIDES + p.params().len(),
+            4 + ptrs + ops + strided + p.params().len() + split,
+            2 + 2 * DIMS + ptrs + (ops + strided) * STRIDES + p.params().len() + split,
         )
     } else {
         (
@@ -361,6 +366,11 @@ fn launch(
             _ => a.push(v),
         };
     }
+    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
+    crate::profile::fused_ops(kernel, || crate::profile::expr_op_names(p));
+    if g.variant.strategy == Strategy::Split {
+        return launch_split(dev, f, p, g, a);
+    }
     let (grid, block) = match g.variant.strategy {
         Strategy::Elementwise if g.variant.vec > 1 => (
             dev.grid_1d((g.n as u64).div_ceil(g.variant.vec as u64), BLOCK),
@@ -380,11 +390,38 @@ fn launch(
             let blocks = g.n.min(dev.sm_count as usize * 16).max(1);
             ((blocks as u32, 1), block)
         }
+        Strategy::Split => unreachable!("launched by launch_split"),
     };
-    let ptrs = a.ptrs();
-    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
-    crate::profile::fused_ops(kernel, || crate::profile::expr_op_names(p));
-    dev.launch("expr", f, grid, block, 0, ptrs)
+    dev.launch("expr", f, grid, block, 0, a.ptrs())
+}
+
+/// The two launches of a [`Strategy::Split`] kernel whose arguments up to its parameters are
+/// `args`: a block per part of each kept element folds into the partial buffers (made here,
+/// freed in stream order after the second launch), then a block per kept element folds the
+/// partials and runs the post-map.
+fn launch_split(
+    dev: &'static DeviceState,
+    f: Func,
+    p: &Program,
+    g: &Geometry,
+    args: Args,
+) -> Result<()> {
+    let slots = g.n * g.parts;
+    let partials = codegen::split_partials(p)
+        .into_iter()
+        .map(|d| alloc(dev, slots * d.size_in_bytes()))
+        .collect::<Result<Vec<Buffer>>>()?;
+    for phase in [0u32, 1] {
+        let mut a = args.clone();
+        a.push(g.parts as u64).push(phase);
+        for b in &partials {
+            a.push(b.device_ptr());
+        }
+        let blocks = if phase == 0 { slots } else { g.n };
+        let grid = (blocks.min(dev.sm_count as usize * 16) as u32, 1);
+        dev.launch("expr", f, grid, BLOCK, 0, a.ptrs())?;
+    }
+    Ok(())
 }
 
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk

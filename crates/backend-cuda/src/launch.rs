@@ -107,6 +107,8 @@ pub(crate) fn fits_u32(layouts: &[&Layout]) -> bool {
 /// Arguments for one launch, each in its own 8-byte-aligned slot of an inline buffer (no
 /// heap allocation per launch), and the pointers to them that `cuLaunchKernel` takes, written
 /// only for the arguments there are (a launch used to zero and return a 1 KiB array of them).
+/// A clone holds the same arguments (its pointers are rewritten by its own [`Args::ptrs`]).
+#[derive(Clone)]
 pub(crate) struct Args {
     buf: [MaybeUninit<u64>; ARG_WORDS],
     used: usize,

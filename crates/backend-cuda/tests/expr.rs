@@ -453,6 +453,48 @@ fn axis_reductions_of_views_match_the_cpu() {
     }
 }
 
+/// Long reductions of few kept elements are split over many blocks (`Strategy::Split`: two
+/// launches, the partials folded in order): a norm and a max of a whole 4M-element tensor with
+/// an elementwise output, and three long rows of a transposed input with a post-map and a
+/// parameter, on f32 and f64, against the CPU; the split result is the same on every run.
+#[test]
+fn long_reductions_split_over_blocks_match_the_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let x = Expr::input(0);
+    for (dtype, rtol) in [(DType::F32, 1e-5), (DType::F64, 1e-12)] {
+        let t = rand_cpu(&[2048, 2048], 5, dtype);
+        let norm = x.square().sum(&[0, 1]).sqrt();
+        let p = Program::from_exprs(&[dtype], &[norm, x.max(&[0, 1]), x.exp()]).unwrap();
+        against_cpu(
+            &dev,
+            &p,
+            std::slice::from_ref(&t),
+            |_, v| v,
+            |_, v| v,
+            &[],
+            rtol,
+        );
+        let g = up(&dev, &t);
+        g.realize().unwrap();
+        let l0 = kiln_backend_cuda::thread_launches();
+        let a = p.run(&[&g], &[]).unwrap().remove(0);
+        assert_eq!(
+            kiln_backend_cuda::thread_launches() - l0,
+            2,
+            "fold, then finish"
+        );
+        let b = p.run(&[&g], &[]).unwrap().remove(0);
+        assert_eq!(values(&a), values(&b), "the same sum order every run");
+        // three rows of 2^19 elements, read transposed (a strided fold)
+        let r = rand_cpu(&[1 << 19, 3], 6, dtype);
+        let rows = (x.tanh().sum(&[-1]) * Expr::param(0)).exp();
+        let p = Program::from_exprs(&[dtype], &[rows]).unwrap();
+        let tr = |_: usize, v: G| v.permute(&[1, 0]).unwrap();
+        let trc = |_: usize, v: Tensor<Cpu>| v.permute(&[1, 0]).unwrap();
+        against_cpu(&dev, &p, std::slice::from_ref(&r), tr, trc, &[1e-3], rtol);
+    }
+}
+
 /// Every unary op (floor, ceil and sign included), integer and u8 arithmetic, casts,
 /// comparisons and `where`, with a broadcast row and a scalar input, against the CPU.
 #[test]

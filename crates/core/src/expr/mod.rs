@@ -93,5 +93,7 @@ mod eval;
 mod norm;
 
 pub use crate::ir::grad;
-pub use crate::ir::{CallPlan, Combine, Expr, Instr, Phase, Program, Scalar, Val, check_call};
+pub use crate::ir::{
+    CallPlan, Combine, Expr, Instr, Operands, Phase, Program, Scalar, Val, check_call, fingerprint,
+};
 pub use eval::eval_composed;

@@ -16,4 +16,4 @@ mod program;
 pub use build::Expr;
 pub use call::{CallPlan, check_call};
 pub(crate) use program::expr_err;
-pub use program::{Combine, Instr, Phase, Program, Scalar, Val};
+pub use program::{Combine, Instr, Operands, Phase, Program, Scalar, Val, fingerprint};

@@ -146,15 +146,93 @@ impl Instr {
         }
     }
 
-    /// The values the instruction reads.
-    pub fn operands(&self) -> Vec<Val> {
-        match *self {
-            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => vec![],
-            Instr::Unary(_, a) | Instr::Cast(_, a) | Instr::Reduce(_, a) => vec![a],
-            Instr::Binary(_, a, b) | Instr::Cmp(_, a, b) => vec![a, b],
-            Instr::Where(c, a, b) => vec![c, a, b],
-        }
+    /// The values the instruction reads (no allocation: validation and the code generators
+    /// call this per instruction on hot paths).
+    pub fn operands(&self) -> Operands {
+        let (vals, len) = match *self {
+            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => ([0; 3], 0),
+            Instr::Unary(_, a) | Instr::Cast(_, a) | Instr::Reduce(_, a) => ([a, 0, 0], 1),
+            Instr::Binary(_, a, b) | Instr::Cmp(_, a, b) => ([a, b, 0], 2),
+            Instr::Where(c, a, b) => ([c, a, b], 3),
+        };
+        Operands { vals, len }
     }
+}
+
+/// The operands of an [`Instr`] (at most three): a slice, and an iterator of values.
+#[derive(Clone, Copy, Debug)]
+pub struct Operands {
+    vals: [Val; 3],
+    len: usize,
+}
+
+impl std::ops::Deref for Operands {
+    type Target = [Val];
+    fn deref(&self) -> &[Val] {
+        &self.vals[..self.len]
+    }
+}
+
+impl IntoIterator for Operands {
+    type Item = Val;
+    type IntoIter = std::iter::Take<std::array::IntoIter<Val, 3>>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.vals.into_iter().take(self.len)
+    }
+}
+
+impl std::hash::Hash for Program {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_u64(self.fingerprint);
+    }
+}
+
+/// A 64-bit digest of a program's defining fields (what [`Program::new`] takes): one
+/// multiply-xor round per word, each instruction packed into two words. Equal programs have
+/// equal fingerprints; a caller that memoizes work per program can look it up by the parts,
+/// before building (and validating) the program again.
+pub fn fingerprint(
+    inputs: &[DType],
+    params: &[DType],
+    code: &[Instr],
+    outputs: &[Val],
+    axes: &[isize],
+) -> u64 {
+    const P: u64 = 0x0000_0100_0000_01b3; // FNV-1a's 64-bit prime
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut mix = |w: u64| h = (h ^ w).wrapping_mul(P).rotate_left(29);
+    mix(inputs.len() as u64 | (params.len() as u64) << 32);
+    for &d in inputs.iter().chain(params) {
+        mix(d as u64);
+    }
+    for ins in code {
+        let (tag, op, extra) = match *ins {
+            Instr::Input(_) => (0u64, 0u64, 0u64),
+            Instr::Param(_) => (1, 0, 0),
+            Instr::Const(c) => (2, c.dtype() as u64, c.bits()),
+            Instr::Unary(u, _) => (3, u as u64, 0),
+            Instr::Binary(b, _, _) => (4, b as u64, 0),
+            Instr::Cmp(c, _, _) => (5, c as u64, 0),
+            Instr::Where(..) => (6, 0, 0),
+            Instr::Cast(d, _) => (7, d as u64, 0),
+            Instr::Reduce(c, _) => (8, c as u64, 0),
+        };
+        let k = match *ins {
+            Instr::Input(k) | Instr::Param(k) => k as u64,
+            _ => 0,
+        };
+        let ops = ins.operands();
+        let at = |j: usize| ops.get(j).copied().unwrap_or(0) as u64;
+        mix(tag | op << 8 | k << 32);
+        mix(extra ^ (at(0) | at(1) << 21 | at(2) << 42));
+    }
+    for &o in outputs {
+        mix(o as u64 | 1 << 63);
+    }
+    for &a in axes {
+        mix(a as u64 ^ 1 << 62);
+    }
+    h
 }
 
 /// Where a value lives in the iteration: the same for every element, per element of the
@@ -173,8 +251,14 @@ pub enum Phase {
 }
 
 /// A validated expression program (see the `kiln_core::expr` module docs).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+///
+/// Hashing reads only a fingerprint of the program computed once by [`Program::new`], and
+/// equality compares it first: backends look their kernels up by program on every launch, and
+/// the derived hash of every field cost a recorded chain's lookup more than the rest of it.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Program {
+    /// A function of the fields below (so equal programs have equal fingerprints).
+    fingerprint: u64,
     inputs: Vec<DType>,
     params: Vec<DType>,
     code: Vec<Instr>,
@@ -378,6 +462,7 @@ impl Program {
         post_inputs.sort_unstable();
         post_inputs.dedup();
         Ok(Program {
+            fingerprint: fingerprint(&inputs, &params, &code, &outputs, &axes),
             inputs,
             params,
             code,
@@ -389,6 +474,10 @@ impl Program {
         })
     }
 
+    /// [`fingerprint`] of the program's parts, computed once.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
     /// The dtypes of the tensor inputs.
     pub fn inputs(&self) -> &[DType] {
         &self.inputs

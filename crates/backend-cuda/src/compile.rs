@@ -3,8 +3,8 @@
 //! # Why a module of its own
 //!
 //! `cargo xtask check-kernels` compiles every kernel kiln can run without a GPU (NVRTC needs
-//! none): our files under `kernels/` and sample sources of every code generator (`lazygen.rs`,
-//! `codegen.rs`, `user_kernel/`). That needs every generator in view, so it sits above them;
+//! none): our files under `kernels/` and sample sources of every code generator (`codegen.rs`,
+//! `user_kernel/`). That needs every generator in view, so it sits above them;
 //! the runtime below (`nvrtc.rs`: NVRTC + disk cache; `device.rs`: per-device memo) imports
 //! only source text. Nothing inside the crate imports this module.
 
@@ -42,7 +42,6 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
         )
     });
     let generated = [
-        ("fused.cu", crate::lazygen::sample_sources()),
         ("expr.cu", crate::codegen::sample_sources()),
         ("user.cu", crate::user_kernel::sample_sources()),
     ];

@@ -8,10 +8,10 @@
 //! dropout mask, a ReLU written with `where`) do not launch anything: they record a [`Node`] of an
 //! expression DAG whose leaves are computed buffers. The first op that needs the values — a matmul,
 //! a reduction, a copy to the host, any op that is not elementwise — *forces* the node: its whole
-//! DAG becomes one kernel, generated as CUDA C (by `lazygen.rs`, which needs no device),
-//! compiled by NVRTC once per distinct program (memoized per device and cached on disk like
-//! `kernels/`), and launched once. A node nobody reads
-//! never runs.
+//! DAG becomes one expression program ([`kiln_core::expr`], the IR users write programs in:
+//! constants become parameters, a `unary_backward` the arithmetic of its single-op kernel), run
+//! by `expr_run.rs` as one generated kernel, compiled by NVRTC once per distinct program
+//! (memoized per device and cached on disk like `kernels/`). A node nobody reads never runs.
 //!
 //! What does not change: tensors stay immutable (an in-place write into a buffer that a pending
 //! node still reads copies the buffer first: `Repr::buffer_mut`); every op computes with
@@ -37,28 +37,21 @@
 //!
 //! `KILN_CUDA_FUSE=0` (or [`set_fusion`]`(false)`) runs every op eagerly instead.
 
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 
+use kiln_core::expr::{Combine, Instr, Scalar, Val};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, ReduceOp, Result, Shape, UnaryOp};
 
-use crate::device::{DeviceState, KERNEL_EPOCH, set_capture, set_current_stream};
-use crate::launch::{Args, collapse, fits_u32};
-use crate::lazygen::{Ins, Program, source};
+use crate::device::{DeviceState, set_capture, set_current_stream};
+use crate::expr_run::{Caller, Parts, planned_parts, run_planned};
 use crate::memory::{Buffer, alloc, duplicate, note_capture_use};
-use crate::ops::{self, tname};
+use crate::ops;
 
 /// Most operations in one node's DAG (counted with repeats).
 pub(crate) const MAX_OPS: u32 = 48;
 /// Most leaf reads in one node's DAG (counted with repeats).
 pub(crate) const MAX_LEAVES: u32 = 12;
-/// Most strided leaves, and uniform leaves plus constants, in one generated kernel: bounds its
-/// argument list (under 2 KiB, within `launch::Args`). The caps above keep every DAG under
-/// these (a constant or uniform read stands for at least one counted op); a DAG that still
-/// exceeds them is computed in parts rather than overflowing the argument buffer.
-const KERNEL_LEAVES: usize = 16;
-const KERNEL_SCALARS: usize = 48;
-
 static FUSION: AtomicU8 = AtomicU8::new(0);
 
 /// Turns deferral and fusion of elementwise ops on or off for the whole process. Default on;
@@ -139,17 +132,11 @@ impl Repr {
     }
 }
 
-static FUSED_PROGRAMS: AtomicU64 = AtomicU64::new(0);
-static FUSED_NANOS: AtomicU64 = AtomicU64::new(0);
-
 /// Fused elementwise programs built so far in this process (every device), and the host
 /// nanoseconds spent compiling them with NVRTC or loading them from the disk cache: the
 /// one-time cost of kernel fusion (see `KILN_CUDA_FUSE`).
 pub fn fused_program_stats() -> (u64, u64) {
-    (
-        FUSED_PROGRAMS.load(Ordering::Relaxed),
-        FUSED_NANOS.load(Ordering::Relaxed),
-    )
+    crate::expr_run::lazy_program_stats()
 }
 
 /// One deferred elementwise op.
@@ -578,64 +565,120 @@ fn done_layout(n: &Node, out: &Shape) -> Layout {
     }
 }
 
-/// The program of a DAG and the arguments of one launch of it.
+/// The expression program of a DAG and the arguments of one launch of it.
 struct Gen<'a> {
+    /// The root's shape: the iteration shape.
     shape: &'a Shape,
-    code: Vec<Ins>,
-    leaves: Vec<(Arc<Buffer>, Layout, DType)>,
-    unis: Vec<(Arc<Buffer>, u64, DType)>,
-    consts: Vec<(f64, DType)>,
+    code: Vec<Instr>,
+    /// The program's inputs: buffers read through layouts of `shape`.
+    inputs: Vec<(Arc<Buffer>, Layout, DType)>,
+    /// Its parameters: the constants of scalar ops and fills (kernel arguments, so a chain
+    /// that differs only in its constants reuses the kernel).
+    params: Vec<(f64, DType)>,
     /// Nodes already emitted (held, so that their addresses stay theirs).
-    memo: Vec<(Arc<Node>, u16)>,
+    memo: Vec<(Arc<Node>, Val)>,
 }
 
 impl Gen<'_> {
-    fn push(&mut self, ins: Ins) -> u16 {
+    fn push(&mut self, ins: Instr) -> Val {
         self.code.push(ins);
-        (self.code.len() - 1) as u16
+        (self.code.len() - 1) as Val
     }
 
-    fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout, dtype: DType) -> u16 {
+    /// An input read through `layout`. A layout that reads one element (a uniform leaf, which
+    /// may sit under a uniform node of another shape) becomes a broadcast of that element in
+    /// the root's shape; equal reads share an input.
+    fn leaf(&mut self, buf: Arc<Buffer>, layout: Layout, dtype: DType) -> Val {
         note_capture_use(&buf);
-        if reads_one(&layout) {
-            let ptr = buf.device_ptr() + (layout.offset() * dtype.size_in_bytes()) as u64;
-            let k = match self.unis.iter().position(|(_, p, _)| *p == ptr) {
-                Some(k) => k,
-                None => {
-                    self.unis.push((buf, ptr, dtype));
-                    self.unis.len() - 1
-                }
-            };
-            return self.push(Ins::Uni(k as u8));
-        }
+        let layout = if reads_one(&layout) {
+            let rank = self.shape.rank();
+            Layout::from_parts(self.shape.clone(), vec![0; rank], layout.offset())
+        } else {
+            layout
+        };
         let same = |(b, l, _): &(Arc<Buffer>, Layout, DType)| {
             b.device_ptr() == buf.device_ptr()
                 && l.offset() == layout.offset()
                 && l.strides() == layout.strides()
         };
-        let k = match self.leaves.iter().position(same) {
+        let k = match self.inputs.iter().position(same) {
             Some(k) => k,
             None => {
-                self.leaves.push((buf, layout, dtype));
-                self.leaves.len() - 1
+                self.inputs.push((buf, layout, dtype));
+                self.inputs.len() - 1
             }
         };
-        self.push(Ins::Leaf(k as u8))
+        self.push(Instr::Input(k as u32))
     }
 
-    fn constant(&mut self, v: f64, dtype: DType) -> u16 {
-        self.consts.push((v, dtype));
-        self.push(Ins::Const((self.consts.len() - 1) as u8))
+    fn param(&mut self, v: f64, dtype: DType) -> Val {
+        self.params.push((v, dtype));
+        self.push(Instr::Param((self.params.len() - 1) as u32))
     }
 
-    fn operand(&mut self, a: &Operand) -> u16 {
+    fn constant(&mut self, v: f64, dtype: DType) -> Val {
+        self.push(Instr::Const(Scalar::new(v, dtype)))
+    }
+
+    fn operand(&mut self, a: &Operand) -> Val {
         match a {
             Operand::Leaf { buf, layout, dtype } => self.leaf(buf.clone(), layout.clone(), *dtype),
             Operand::Node(n) => self.node(n),
         }
     }
 
-    fn node(&mut self, n: &Arc<Node>) -> u16 {
+    /// `g * op'(s)`, with the arithmetic of the single-op backward kernels (`op_bwd_<op>` of
+    /// `kernels/scalar_ops.cuh`, the table of `kiln_core::composed_unary_backward`), so that
+    /// the generated code is theirs inlined.
+    fn unary_backward(&mut self, op: UnaryOp, s: Val, g: Val, dtype: DType) -> Val {
+        use BinaryOp::{Div, Mul, Sub};
+        let bin = |g_: &mut Self, op, a, b| g_.push(Instr::Binary(op, a, b));
+        let un = |g_: &mut Self, op, a| g_.push(Instr::Unary(op, a));
+        match op {
+            UnaryOp::Exp => bin(self, Mul, g, s),
+            UnaryOp::Log => bin(self, Div, g, s),
+            UnaryOp::Sqrt | UnaryOp::Square => {
+                let two = self.constant(2.0, dtype);
+                let d = bin(self, Mul, s, two);
+                bin(self, if op == UnaryOp::Sqrt { Div } else { Mul }, g, d)
+            }
+            UnaryOp::Recip => {
+                let ss = bin(self, Mul, s, s);
+                let d = bin(self, Mul, g, ss);
+                un(self, UnaryOp::Neg, d)
+            }
+            UnaryOp::Sin => {
+                let c = un(self, UnaryOp::Cos, s);
+                bin(self, Mul, g, c)
+            }
+            UnaryOp::Cos => {
+                let sn = un(self, UnaryOp::Sin, s);
+                let d = bin(self, Mul, g, sn);
+                un(self, UnaryOp::Neg, d)
+            }
+            UnaryOp::Tanh => {
+                let one = self.constant(1.0, dtype);
+                let ss = bin(self, Mul, s, s);
+                let d = bin(self, Sub, one, ss);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Sigmoid => {
+                let one = self.constant(1.0, dtype);
+                let d = bin(self, Sub, one, s);
+                let d = bin(self, Mul, s, d);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Relu | UnaryOp::Abs => {
+                let d = un(self, UnaryOp::Sign, s);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+                unreachable!("only ops with a backward kernel are recorded (Op::fusable)")
+            }
+        }
+    }
+
+    fn node(&mut self, n: &Arc<Node>) -> Val {
         if let Some(&(_, r)) = self.memo.iter().find(|(m, _)| Arc::ptr_eq(m, n)) {
             return r;
         }
@@ -646,20 +689,20 @@ impl Gen<'_> {
         let r = match pending {
             Err(buf) => self.leaf(buf, done_layout(n, self.shape), n.dtype),
             Ok((op, args)) => {
-                let regs: Vec<u16> = args.iter().map(|a| self.operand(a)).collect();
+                let regs: Vec<Val> = args.iter().map(|a| self.operand(a)).collect();
                 match op {
-                    Op::Unary(u) => self.push(Ins::Unary(u, regs[0])),
-                    Op::Binary(b) => self.push(Ins::Binary(b, regs[0], regs[1])),
+                    Op::Unary(u) => self.push(Instr::Unary(u, regs[0])),
+                    Op::Binary(b) => self.push(Instr::Binary(b, regs[0], regs[1])),
                     Op::Scalar { op, value, lhs } => {
-                        let c = self.constant(value, n.dtype);
+                        let c = self.param(value, n.dtype);
                         let (x, y) = if lhs { (c, regs[0]) } else { (regs[0], c) };
-                        self.push(Ins::Binary(op, x, y))
+                        self.push(Instr::Binary(op, x, y))
                     }
-                    Op::UnaryBwd(u) => self.push(Ins::Bwd(u, regs[0], regs[1])),
-                    Op::Fill(v) => self.constant(v, n.dtype),
-                    Op::Compare(c) => self.push(Ins::Cmp(c, regs[0], regs[1])),
-                    Op::Cast(to) => self.push(Ins::Cast(to, regs[0])),
-                    Op::Where => self.push(Ins::Where(regs[0], regs[1], regs[2])),
+                    Op::UnaryBwd(u) => self.unary_backward(u, regs[0], regs[1], n.dtype),
+                    Op::Fill(v) => self.param(v, n.dtype),
+                    Op::Compare(c) => self.push(Instr::Cmp(c, regs[0], regs[1])),
+                    Op::Cast(to) => self.push(Instr::Cast(to, regs[0])),
+                    Op::Where => self.push(Instr::Where(regs[0], regs[1], regs[2])),
                 }
             }
         };
@@ -699,16 +742,18 @@ fn fused(root: &Arc<Node>) -> Result<Option<Buffer>> {
 }
 
 /// Reduces all of pending `s` (read through `l`) with `op` in the kernel that computes it,
-/// without writing its elements: one launch for a small chain (a loss), two (a partial result
-/// per block, then their combination) for a large one. `None` when this does not apply (not a
-/// pending node read in its own layout, fusion off, not sum/max/min) or the program budget is
-/// spent; the caller then forces the node and reduces the buffer.
+/// without writing its elements: one launch for a small chain (a loss), two (partial results
+/// of many blocks, then their combination: `codegen`'s split strategy) from 128K elements.
+/// `None` when this does not apply (not a pending node read in its own layout, a 0-d node,
+/// fusion off, not sum/max/min) or the program budget is spent; the caller then forces the
+/// node and reduces the buffer.
 pub(crate) fn reduce_all(s: &Repr, l: &Layout, op: ReduceOp) -> Result<Option<Buffer>> {
     let Repr::Lazy(node) = s else {
         return Ok(None);
     };
     let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == node.shape.dims();
     if !fusion_enabled()
+        || node.shape.rank() == 0
         || !matches!(node.dtype, DType::F32 | DType::F64)
         || !matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
         || !plain
@@ -720,122 +765,58 @@ pub(crate) fn reduce_all(s: &Repr, l: &Layout, op: ReduceOp) -> Result<Option<Bu
     run_program(node, Some(op))
 }
 
-/// Threads per block of the fused kernels (the block reduction needs a multiple of 32).
-const FUSED_BLOCK: u32 = 256;
-
-/// Blocks of a fused reduction over `n` elements: a function of `n` and the device alone, so
-/// the order of the sum (and so its result) is the same every time. One block up to 4,096.
-fn reduce_blocks(dev: &DeviceState, n: usize) -> usize {
-    n.div_ceil(FUSED_BLOCK as usize * 16)
-        .min(dev.sm_count as usize * 2)
-        .max(1)
-}
-
-/// The kernel of `root`'s pending DAG: generated, compiled once per program, launched. With
-/// `reduce`, the 1-element reduction of it instead of its elements.
+/// The kernel of `root`'s pending DAG, as an expression program (`expr_eval.rs` generates,
+/// compiles once per program and launches it). With `reduce`, the 1-element reduction of it
+/// over every axis instead of its elements. `None`: the program budget is spent, or the DAG
+/// cannot run as one kernel (too many arguments or dimensions).
 fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buffer>> {
-    const OP: &str = "fused elementwise";
     let dev = root.dev;
     dev.bind()?;
-    let dtype = root.dtype;
-    let n = root.shape.elem_count();
-    if n == 0 {
+    if root.shape.elem_count() == 0 {
         return alloc(dev, 0).map(Some);
     }
     let mut g = Gen {
         shape: &root.shape,
         code: Vec::new(),
-        leaves: Vec::new(),
-        unis: Vec::new(),
-        consts: Vec::new(),
+        inputs: Vec::new(),
+        params: Vec::new(),
         memo: Vec::new(),
     };
-    g.node(root);
-    if g.leaves.len() > KERNEL_LEAVES || g.unis.len() + g.consts.len() > KERNEL_SCALARS {
-        // Too many arguments for one kernel (see KERNEL_LEAVES): the caller computes the
-        // inputs first.
-        return Ok(None);
-    }
-    let strides: Vec<&[usize]> = g.leaves.iter().map(|(_, l, _)| l.strides()).collect();
-    let offsets: Vec<usize> = g.leaves.iter().map(|(_, l, _)| l.offset()).collect();
-    let (d, ss) = collapse(OP, root.shape.dims(), &strides, &offsets)?;
-    let contig = d.rank == 0 || (d.rank == 1 && ss.iter().all(|s| s.s[0] == 1));
-    let at = |(b, l, d): &(Arc<Buffer>, Layout, DType)| {
-        b.device_ptr() + (l.offset() * d.size_in_bytes()) as u64
-    };
-    let vec = contig
-        && reduce.is_none()
-        && g.leaves
-            .iter()
-            .all(|leaf| leaf.2 == dtype && at(leaf).is_multiple_of(16));
-    let layouts: Vec<&Layout> = g.leaves.iter().map(|(_, l, _)| l).collect();
-    let program = Program {
-        dtype,
-        wide: n >= (1 << 31) || !fits_u32(&layouts),
-        contig,
-        vec,
-        leaves: g.leaves.iter().map(|(_, _, d)| *d).collect(),
-        unis: g.unis.iter().map(|(_, _, d)| *d).collect(),
-        consts: g.consts.iter().map(|(_, d)| *d).collect(),
-        code: std::mem::take(&mut g.code),
-        reduce,
-    };
-    let build = || {
-        let t0 = std::time::Instant::now();
-        let bin = crate::nvrtc::load_or_compile_source("fused.cu", &source(&program), dev.arch)
-            .map_err(|e| Error::backend("nvrtc", format!("compiling a fused kernel: {e}")))?;
-        FUSED_PROGRAMS.fetch_add(1, Ordering::Relaxed);
-        FUSED_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        Ok((bin, c"fused".to_owned()))
-    };
-    let Some(f) = dev.generated_func(&program, program_budget(), build)? else {
-        return Ok(None);
-    };
-    let per_thread = if vec { 16 / dtype.size_in_bytes() } else { 1 };
-    let (grid, outs) = match reduce {
-        None => (dev.grid_1d(n.div_ceil(per_thread) as u64, FUSED_BLOCK), n),
-        Some(_) => {
-            let blocks = reduce_blocks(dev, n);
-            ((blocks as u32, 1), blocks)
-        }
-    };
-    let out = alloc(dev, outs * dtype.size_in_bytes())?;
-    let mut a = Args::new();
-    a.push(out.device_ptr()).push(n as u64);
-    if !contig {
-        a.push(d);
-    }
-    for (leaf, s) in g.leaves.iter().zip(&ss) {
-        if contig {
-            a.push(at(leaf));
-        } else {
-            a.push(leaf.0.device_ptr()).push(*s);
-        }
-    }
-    for (_, p, _) in &g.unis {
-        a.push(*p);
-    }
-    for &(c, d) in &g.consts {
-        match d {
-            DType::F32 => a.push(c as f32),
-            DType::U8 => a.push(c as u8),
-            _ => a.push(c),
+    let mut out = g.node(root);
+    let mut axes = Vec::new();
+    if let Some(op) = reduce {
+        let combine = match op {
+            ReduceOp::Max => Combine::Max,
+            ReduceOp::Min => Combine::Min,
+            _ => Combine::Sum,
         };
+        out = g.push(Instr::Reduce(combine, out));
+        axes = (0..root.shape.rank() as isize).collect();
     }
-    let p = a.ptrs();
-    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
-    crate::profile::fused_ops(kernel, || {
-        crate::profile::lazy_op_names(&program.code, reduce)
-    });
-    dev.launch(OP, f, grid, FUSED_BLOCK, 0, p)?;
-    match reduce {
-        Some(op) if outs > 1 => {
-            let total = alloc(dev, dtype.size_in_bytes())?;
-            ops::combine_partials(dev, op.name(), tname(dtype), &out, &total, 1, outs, 1)?;
-            Ok(Some(total))
-        }
-        _ => Ok(Some(out)),
-    }
+    let dtypes: Vec<DType> = g.inputs.iter().map(|(_, _, d)| *d).collect();
+    let param_dtypes: Vec<DType> = g.params.iter().map(|(_, d)| *d).collect();
+    let parts = Parts {
+        inputs: &dtypes,
+        params: &param_dtypes,
+        code: &g.code,
+        outputs: &[out],
+        axes: &axes,
+    };
+    let layouts: Vec<&Layout> = g.inputs.iter().map(|(_, l, _)| l).collect();
+    let params: Vec<f64> = g.params.iter().map(|(v, _)| *v).collect();
+    let planned = planned_parts(parts, &root.shape, &layouts, &params)?;
+    // Every recorded op is a valid instruction (`Op::fusable` allows a subset of what the IR
+    // does); should one not be, the chain still runs, op by op.
+    debug_assert!(planned.is_some(), "an invalid program: {:?}", g.code);
+    let Some(planned) = planned else {
+        return Ok(None);
+    };
+    let bufs: Vec<Arc<Buffer>> = g.inputs.iter().map(|(b, _, _)| b.clone()).collect();
+    let caller = Caller::Lazy {
+        budget: program_budget(),
+    };
+    let outs = run_planned(dev, &planned, &bufs, &layouts, &params, caller)?;
+    Ok(outs.map(|mut o| o.remove(0)))
 }
 
 #[cfg(test)]

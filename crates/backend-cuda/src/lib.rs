@@ -50,13 +50,14 @@
 //!
 //! 1. **Source text and pure helpers** — `sources.rs` (the `kernels/` files and headers, C type
 //!    names), `launch.rs` (kernel argument packing, dimension merging).
-//! 2. **Code generators, pure** — `codegen.rs` (expression IR → CUDA C), `lazygen.rs`
-//!    (deferred elementwise chains → CUDA C).
+//! 2. **Code generator, pure** — `codegen.rs` (expression IR → CUDA C; the deferral layer's
+//!    recorded chains are expression programs too).
 //! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `pool.rs` (block-cache bookkeeping),
 //!    `device.rs` (context, streams, per-device memo of modules and of generated kernels,
 //!    type-erased so that it names no generator), `memory.rs`, `stream.rs`, `pinned.rs`,
 //!    `transfer.rs`.
-//! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates).
+//! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates),
+//!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
 //! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `user_kernel/`
@@ -72,12 +73,12 @@ mod codegen;
 pub mod compile;
 mod device;
 mod expr_eval;
+mod expr_run;
 mod fused;
 mod graph;
 mod host_gather;
 mod launch;
 mod lazy;
-mod lazygen;
 mod memory;
 pub mod nccl;
 mod nvrtc;

@@ -676,7 +676,7 @@ pub(crate) fn reduce(
 /// The second pass of a split reduction: `partial` holds `splits` contiguous partial results
 /// per output; one block per output combines them, in a fixed order, into `out`.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn combine_partials(
+fn combine_partials(
     dev: &DeviceState,
     name: &'static str,
     t: &'static str,

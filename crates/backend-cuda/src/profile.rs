@@ -257,40 +257,16 @@ pub(crate) fn fused_ops(kernel: (usize, u64), names: impl FnOnce() -> String) {
     FUSED.with(|f| *f.borrow_mut() = Some(ops.to_string()));
 }
 
-/// The op names of a lazy program, in order (its leaves and constants left out).
-pub(crate) fn lazy_op_names(
-    code: &[crate::lazygen::Ins],
-    reduce: Option<kiln_core::ReduceOp>,
-) -> String {
-    use crate::lazygen::Ins;
-    let mut v: Vec<String> = code
-        .iter()
-        .filter_map(|i| match i {
-            Ins::Unary(u, _) => Some(u.name().to_string()),
-            Ins::Binary(b, ..) => Some(b.name().to_string()),
-            Ins::Bwd(u, ..) => Some(format!("{}_backward", u.name())),
-            Ins::Cmp(c, ..) => Some(c.name().to_string()),
-            Ins::Cast(..) => Some("cast".into()),
-            Ins::Where(..) => Some("where".into()),
-            Ins::Leaf(_) | Ins::Uni(_) | Ins::Const(_) => None,
-        })
-        .collect();
-    if let Some(r) = reduce {
-        v.push(r.name().to_string());
-    }
-    v.join(", ")
-}
-
 /// The op names of an expression program, in order (from its printed form: inputs,
 /// parameters and constants left out).
-pub(crate) fn expr_op_names(p: &kiln_core::expr::Program) -> String {
+pub(crate) fn program_op_names(p: &kiln_core::expr::Program) -> String {
     let text = p.to_string();
     let names: Vec<&str> = text
         .lines()
         .filter_map(|l| l.split(" = ").nth(1)?.split(' ').next())
         .filter(|n| !matches!(*n, "input" | "param" | "const"))
         .collect();
-    format!("expr: {}", names.join(", "))
+    names.join(", ")
 }
 
 /// An open launch, copy or wait; reported when dropped.

@@ -1,0 +1,675 @@
+//! Expression programs on CUDA: one generated kernel per distinct program and variant, for
+//! users' programs (`Backend::eval_expr`, in `expr_eval.rs`) and for the deferral layer's
+//! recorded chains (`lazy.rs`).
+//!
+//! # Why
+//!
+//! An expression program ([`kiln_core::expr`]) run op by op launches one kernel per instruction
+//! and sends every intermediate through device memory. Here the whole program is one kernel:
+//! each input is read once, each output written once, reductions and their post-map included.
+//! One code generator ([`codegen`]) serves both callers, so a chain kiln records and a program
+//! a user writes compile to the same kind of kernel.
+//!
+//! # How
+//!
+//! `check_call` validates the call; [`codegen::plan`] classifies every operand's layout and
+//! merges dimensions (pure, no device); [`codegen::source`] writes the CUDA C; NVRTC compiles it
+//! through the disk cache of `nvrtc.rs`, and the function is memoized per device by `(program,
+//! variant)` (`DeviceState::generated_func`; its module is unloaded by `clear_kernel_cache`
+//! with the other generated kernels), apart for each [`Caller`]. A program run again on
+//! operands of the same layouts finds its checked call, plan and kernel in a per-thread memo
+//! ([`PLANNED`]) and redoes none of them. Inputs are computed buffers; outputs are fresh
+//! contiguous buffers; the launch goes to the calling thread's current stream.
+//!
+//! A program that cannot run as one kernel (layouts with more than 8 non-mergeable dimensions,
+//! argument lists beyond what a launch takes, a caller's kernel budget spent) gives `None`, and
+//! the caller runs it another way. A kernel NVRTC rejects is an [`Error::Backend`] carrying its
+//! log.
+
+use std::cell::RefCell;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use std::sync::atomic::AtomicU64;
+
+use kiln_core::expr::{Instr, Program, Val, check_call};
+use kiln_core::{DType, Error, Layout, Result, Shape};
+
+use crate::codegen::{self, Access, Geometry, KERNEL, Strategy, Variant};
+use crate::device::{DeviceState, Func, KERNEL_EPOCH};
+use crate::launch::{Args, Dims, MAX_DIMS, Strides};
+use crate::memory::{Buffer, alloc};
+
+/// Distinct generated kernels per device; past this, new programs run op by op.
+pub(crate) const MAX_KERNELS: usize = 1024;
+
+/// Threads per block of the elementwise and thread-per-kept-element kernels.
+const BLOCK: u32 = 256;
+/// Threads per block of a reduction with few kept elements (at most 128 registers a thread
+/// then fit an SM; `block_reduce`'s scratch holds up to 32 warps).
+const WIDE_BLOCK: u32 = 512;
+
+/// A launch's argument budget, below `launch::Args`'s capacity (128 arguments, 512 words).
+const MAX_ARG_COUNT: usize = 120;
+const MAX_ARG_WORDS: usize = 500;
+
+/// Who runs a program: its kernels are memoized apart, under their own budget, and launched
+/// under their own name (what the profiler shows).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Caller {
+    /// `Backend::eval_expr`: a user's program, up to [`MAX_KERNELS`] per device ("expr").
+    User,
+    /// The deferral layer (`lazy.rs`): a recorded chain of elementwise ops, up to `budget`
+    /// programs per device ("fused elementwise").
+    Lazy { budget: usize },
+}
+
+impl Caller {
+    fn op(self) -> &'static str {
+        match self {
+            Caller::User => "expr",
+            Caller::Lazy { .. } => "fused elementwise",
+        }
+    }
+}
+
+static LAZY_PROGRAMS: AtomicU64 = AtomicU64::new(0);
+static LAZY_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// The deferral layer's programs built so far in this process (every device) and the host
+/// nanoseconds spent building them (NVRTC, or the disk cache): see
+/// `lazy::fused_program_stats`.
+pub(crate) fn lazy_program_stats() -> (u64, u64) {
+    (
+        LAZY_PROGRAMS.load(Ordering::Relaxed),
+        LAZY_NANOS.load(Ordering::Relaxed),
+    )
+}
+
+/// Runs a planned program over computed buffers (`layouts`, the planned ones): one generated
+/// kernel (two for a split reduction), its outputs fresh buffers. `None` when the program
+/// cannot run fused (too many dimensions or arguments, or the caller's kernel budget is
+/// spent): the caller then runs it another way.
+pub(crate) fn run_planned(
+    dev: &'static DeviceState,
+    planned: &Planned,
+    bufs: &[Arc<Buffer>],
+    layouts: &[&Layout],
+    params: &[f64],
+    caller: Caller,
+) -> Result<Option<Vec<Buffer>>> {
+    let (program, call) = (&planned.program, &planned.call);
+    let Some(geo) = &planned.geo else {
+        return Ok(None);
+    };
+    // The vector width depends on the buffers' alignment.
+    let geo = planned.with_vec(geo, vec_width(program, geo, bufs, layouts));
+    let geo = &*geo;
+    let Some(f) = planned.kernel(dev, program, &geo.variant, caller)? else {
+        return Ok(None);
+    };
+    for (k, ((b, l), &dt)) in bufs.iter().zip(layouts).zip(program.inputs()).enumerate() {
+        if l.storage_extent() * dt.size_in_bytes() > b.len_bytes() {
+            return Err(Error::invalid(
+                caller.op(),
+                format!(
+                    "input {k}: layout {:?} (offset {}) reaches past a buffer of {} bytes",
+                    l.strides(),
+                    l.offset(),
+                    b.len_bytes()
+                ),
+            ));
+        }
+    }
+    let n_iter = planned.shape.elem_count();
+    let n_kept = call.kept.elem_count();
+    let outs = program
+        .outputs()
+        .iter()
+        .enumerate()
+        .map(|(j, &o)| {
+            let n = if program.output_is_reduced(j) {
+                n_kept
+            } else {
+                n_iter
+            };
+            alloc(dev, n * program.dtype(o).size_in_bytes())
+        })
+        .collect::<Result<Vec<Buffer>>>()?;
+    let work = if program.reduces() { n_kept } else { n_iter };
+    if work > 0 {
+        launch(dev, f, program, geo, bufs, layouts, &outs, params, caller)?;
+    }
+    Ok(Some(outs))
+}
+
+/// A checked call and its plan (`None`: the program runs op by op), for one program, iteration
+/// shape, input layouts and parameter count.
+pub(crate) struct Planned {
+    program: Program,
+    shape: Shape,
+    layouts: Vec<Layout>,
+    params: usize,
+    call: kiln_core::expr::CallPlan,
+    /// `None`: the program cannot run as one kernel.
+    pub(crate) geo: Option<Geometry>,
+    /// `geo` with each vector width seen so far (alignment of the buffers decides it).
+    by_vec: RefCell<Vec<std::rc::Rc<Geometry>>>,
+    /// The kernels found for it: (device ordinal, kernel-cache epoch, vector width, kernel).
+    funcs: RefCell<Vec<(usize, u64, u32, Func)>>,
+}
+
+impl Planned {
+    /// `geo` (this plan's) with `variant.vec` set to `vec`, made once per width.
+    fn with_vec(&self, geo: &Geometry, vec: u32) -> std::rc::Rc<Geometry> {
+        let mut by_vec = self.by_vec.borrow_mut();
+        if let Some(g) = by_vec.iter().find(|g| g.variant.vec == vec) {
+            return g.clone();
+        }
+        let mut g = geo.clone();
+        g.variant.vec = vec;
+        let g = std::rc::Rc::new(g);
+        by_vec.push(g.clone());
+        g
+    }
+
+    /// [`kernel`] for this plan's program and `variant`, remembered per device, epoch and
+    /// vector width (so a hit compares no program).
+    fn kernel(
+        &self,
+        dev: &'static DeviceState,
+        program: &Program,
+        variant: &Variant,
+        caller: Caller,
+    ) -> Result<Option<Func>> {
+        let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+        let key = (dev.ordinal, epoch, variant.vec);
+        let hit = self
+            .funcs
+            .borrow()
+            .iter()
+            .find(|(o, e, v, _)| (*o, *e, *v) == key)
+            .map(|e| e.3);
+        if hit.is_some() {
+            return Ok(hit);
+        }
+        let f = kernel(dev, program, variant, caller)?;
+        if let Some(f) = f {
+            self.funcs.borrow_mut().push((key.0, key.1, key.2, f));
+        }
+        Ok(f)
+    }
+}
+
+/// Plans a thread made, by a hash of what they depend on. A program run again on operands of
+/// the same layouts (a norm in a loop; every chain the deferral layer records in a training
+/// step) reuses its checked call and plan instead of making them again: `check_call` and
+/// `codegen::plan` were a fifth of the host time of d2l's matmul-and-norm loop, profiled
+/// against a stand-in driver. At most [`PLANNED_LEN`]; when full, it starts over.
+const PLANNED_LEN: usize = 512;
+
+type PlanMemo = kiln_core::fasthash::FastMap<u64, Vec<std::rc::Rc<Planned>>>;
+
+thread_local! {
+    static PLANNED: RefCell<(PlanMemo, usize)> = RefCell::new((PlanMemo::default(), 0));
+}
+
+/// The defining parts of a program (what `Program::new` takes).
+#[derive(Clone, Copy)]
+pub(crate) struct Parts<'a> {
+    pub inputs: &'a [DType],
+    pub params: &'a [DType],
+    pub code: &'a [Instr],
+    pub outputs: &'a [Val],
+    pub axes: &'a [isize],
+}
+
+impl Parts<'_> {
+    fn of(p: &Program) -> Parts<'_> {
+        Parts {
+            inputs: p.inputs(),
+            params: p.params(),
+            code: p.code(),
+            outputs: p.outputs(),
+            axes: p.axes(),
+        }
+    }
+    fn matches(&self, p: &Program) -> bool {
+        self.code == p.code()
+            && self.inputs == p.inputs()
+            && self.params == p.params()
+            && self.outputs == p.outputs()
+            && self.axes == p.axes()
+    }
+}
+
+fn plan_key(fingerprint: u64, shape: &Shape, layouts: &[&Layout], params: usize) -> u64 {
+    use std::hash::Hasher;
+    let mut h = kiln_core::fasthash::FnvHasher::default();
+    h.write_u64(fingerprint);
+    h.write_usize(params);
+    for &d in shape.dims() {
+        h.write_usize(d);
+    }
+    for l in layouts {
+        h.write_usize(l.offset());
+        for &s in l.strides() {
+            h.write_usize(s);
+        }
+    }
+    h.finish()
+}
+
+/// The checked call and plan of `program` over `layouts` (see [`PLANNED`]); a bad call is an
+/// error as `check_call` says, and is not remembered.
+pub(crate) fn planned(
+    program: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: &[f64],
+) -> Result<std::rc::Rc<Planned>> {
+    let key = plan_key(program.fingerprint(), shape, layouts, params.len());
+    if let Some(p) = planned_hit(key, Parts::of(program), shape, layouts, params.len()) {
+        return Ok(p);
+    }
+    plan_new(key, program.clone(), shape, layouts, params)
+}
+
+/// [`planned`] of the program `Program::new` would make of `parts`, which it builds only
+/// when this call was not planned before (the deferral layer records its chains anew every
+/// step; building and validating the same program again was a tenth of a logistic-regression
+/// step's host time). `None`: `parts` is not a valid program.
+pub(crate) fn planned_parts(
+    parts: Parts<'_>,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: &[f64],
+) -> Result<Option<std::rc::Rc<Planned>>> {
+    let fp = kiln_core::expr::fingerprint(
+        parts.inputs,
+        parts.params,
+        parts.code,
+        parts.outputs,
+        parts.axes,
+    );
+    let key = plan_key(fp, shape, layouts, params.len());
+    if let Some(p) = planned_hit(key, parts, shape, layouts, params.len()) {
+        return Ok(Some(p));
+    }
+    let Ok(program) = Program::new(
+        parts.inputs.to_vec(),
+        parts.params.to_vec(),
+        parts.code.to_vec(),
+        parts.outputs.to_vec(),
+        parts.axes.to_vec(),
+    ) else {
+        return Ok(None);
+    };
+    plan_new(key, program, shape, layouts, params).map(Some)
+}
+
+fn planned_hit(
+    key: u64,
+    parts: Parts<'_>,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: usize,
+) -> Option<std::rc::Rc<Planned>> {
+    PLANNED.with(|m| {
+        m.borrow().0.get(&key).and_then(|bucket| {
+            bucket
+                .iter()
+                .find(|e| {
+                    e.params == params
+                        && e.shape == *shape
+                        && e.layouts.len() == layouts.len()
+                        && e.layouts.iter().zip(layouts).all(|(a, b)| a == *b)
+                        && parts.matches(&e.program)
+                })
+                .cloned()
+        })
+    })
+}
+
+fn plan_new(
+    key: u64,
+    program: Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: &[f64],
+) -> Result<std::rc::Rc<Planned>> {
+    let call = check_call(&program, shape, layouts, params)?;
+    let geo = codegen::plan(&program, shape, layouts, &call.axes)
+        .ok()
+        .filter(|g| fits_args(&program, g));
+    let p = std::rc::Rc::new(Planned {
+        program,
+        shape: shape.clone(),
+        layouts: layouts.iter().map(|l| (*l).clone()).collect(),
+        params: params.len(),
+        call,
+        geo,
+        by_vec: RefCell::new(Vec::new()),
+        funcs: RefCell::new(Vec::new()),
+    });
+    PLANNED.with(|m| {
+        let (map, len) = &mut *m.borrow_mut();
+        if *len == PLANNED_LEN {
+            map.clear();
+            *len = 0;
+        }
+        map.entry(key).or_default().push(p.clone());
+        *len += 1;
+    });
+    Ok(p)
+}
+
+/// The elements per 16-byte vector of an elementwise program's loop (see
+/// `codegen::Variant::vec`), or 0: every operand contiguous or broadcast, the contiguous
+/// inputs and the outputs of one element size, the contiguous inputs 16-byte aligned (fresh
+/// outputs always are).
+fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout]) -> u32 {
+    if p.reduces() || g.variant.access.contains(&Access::Strided) {
+        return 0;
+    }
+    let mut size = None;
+    let contig = (0..p.inputs().len()).filter(|&k| g.variant.access[k] == Access::Contig);
+    let sizes = contig
+        .clone()
+        .map(|k| p.inputs()[k].size_in_bytes())
+        .chain(p.outputs().iter().map(|&o| p.dtype(o).size_in_bytes()));
+    for sz in sizes {
+        match size {
+            None => size = Some(sz),
+            Some(s) if s != sz => return 0,
+            Some(_) => {}
+        }
+    }
+    let Some(size) = size else { return 0 };
+    let aligned = contig.into_iter().all(|k| {
+        let at =
+            bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64;
+        at.is_multiple_of(16)
+    });
+    if aligned && size < 16 {
+        (16 / size) as u32
+    } else {
+        0
+    }
+}
+
+/// Whether the launch's arguments fit (see [`MAX_ARG_COUNT`]).
+fn fits_args(p: &Program, g: &Geometry) -> bool {
+    const DIMS: usize = std::mem::size_of::<Dims>() / 8;
+    const STRIDES: usize = std::mem::size_of::<Strides>() / 8;
+    let strided = g
+        .variant
+        .access
+        .iter()
+        .filter(|a| **a == Access::Strided)
+        .count();
+    let ptrs = p.outputs().len() + p.inputs().len();
+    let (count, words) = if p.reduces() {
+        let ops = g.variant.access.len();
+        // A split reduction's parts, phase and partial buffers.
+        let split = match g.variant.strategy {
+            Strategy::Split => 2 + codegen::split_partials(p).len(),
+            _ => 0,
+        };
+        (
+            4 + ptrs + ops + strided + p.params().len() + split,
+            2 + 2 * DIMS + ptrs + (ops + strided) * STRIDES + p.params().len() + split,
+        )
+    } else {
+        (
+            2 + ptrs + strided + p.params().len(),
+            1 + DIMS + ptrs + strided * STRIDES + p.params().len(),
+        )
+    };
+    count <= MAX_ARG_COUNT && words <= MAX_ARG_WORDS
+}
+
+fn dims_arg(d: &[usize]) -> Dims {
+    debug_assert!(d.len() <= MAX_DIMS, "checked by codegen::plan");
+    let mut out = Dims {
+        rank: d.len() as i32,
+        ..Default::default()
+    };
+    for (o, &x) in out.d.iter_mut().zip(d) {
+        *o = x as u64;
+    }
+    out
+}
+
+fn strides_arg(s: &[usize]) -> Strides {
+    let mut out = Strides::default();
+    for (o, &x) in out.s.iter_mut().zip(s) {
+        *o = x as u64;
+    }
+    out
+}
+
+/// Packs the arguments in the order `codegen::source` declares them, and launches.
+#[allow(clippy::too_many_arguments)]
+fn launch(
+    dev: &'static DeviceState,
+    f: Func,
+    p: &Program,
+    g: &Geometry,
+    bufs: &[Arc<Buffer>],
+    layouts: &[&Layout],
+    outs: &[Buffer],
+    params: &[f64],
+    caller: Caller,
+) -> Result<()> {
+    let at = |k: usize| -> u64 {
+        bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
+    };
+    let mut a = Args::new();
+    let reduces = p.reduces();
+    if reduces {
+        a.push(g.n as u64).push(g.n_red as u64);
+        a.push(dims_arg(&g.dims)).push(dims_arg(&g.red_dims));
+    } else {
+        a.push(g.n as u64).push(dims_arg(&g.dims));
+    }
+    for o in outs {
+        a.push(o.device_ptr());
+    }
+    for k in 0..p.inputs().len() {
+        a.push(at(k));
+        if !reduces && g.variant.access[k] == Access::Strided {
+            a.push(strides_arg(&g.strides[k]));
+        }
+    }
+    if reduces {
+        for m in 0..g.variant.access.len() {
+            a.push(strides_arg(&g.strides[m]));
+            if g.variant.access[m] == Access::Strided {
+                a.push(strides_arg(&g.red_strides[m]));
+            }
+        }
+    }
+    for (&v, &d) in params.iter().zip(p.params()) {
+        match d {
+            DType::F32 => a.push(v as f32),
+            DType::I64 => a.push(v as i64),
+            DType::U8 => a.push(v as u8),
+            _ => a.push(v),
+        };
+    }
+    let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
+    crate::profile::fused_ops(kernel, || match caller {
+        Caller::User => format!("expr: {}", crate::profile::program_op_names(p)),
+        Caller::Lazy { .. } => crate::profile::program_op_names(p),
+    });
+    if g.variant.strategy == Strategy::Split {
+        return launch_split(dev, f, g, a, p, caller.op());
+    }
+    let (grid, block) = match g.variant.strategy {
+        Strategy::Elementwise if g.variant.vec > 1 => (
+            dev.grid_1d((g.n as u64).div_ceil(g.variant.vec as u64), BLOCK),
+            BLOCK,
+        ),
+        Strategy::Elementwise | Strategy::Thread => (dev.grid_1d(g.n as u64, BLOCK), BLOCK),
+        Strategy::Block => {
+            // Fewer kept elements than SMs (a full reduction, such as a norm): wider blocks,
+            // since each block reduces its whole share alone. A 10,000-element norm took ~9 µs
+            // of GPU time with 256 threads, more than the whole rest of d2l's loop step.
+            let max = if g.n < dev.sm_count as usize {
+                WIDE_BLOCK
+            } else {
+                BLOCK
+            };
+            let block = (g.n_red.next_power_of_two() as u32).clamp(32, max);
+            let blocks = g.n.min(dev.sm_count as usize * 16).max(1);
+            ((blocks as u32, 1), block)
+        }
+        Strategy::Split => unreachable!("launched by launch_split"),
+    };
+    dev.launch(caller.op(), f, grid, block, 0, a.ptrs())
+}
+
+/// The two launches of a [`Strategy::Split`] kernel whose arguments up to its parameters are
+/// `args`: a block per part of each kept element folds into the partial buffers (made here,
+/// freed in stream order after the second launch), then a block per kept element folds the
+/// partials and runs the post-map.
+fn launch_split(
+    dev: &'static DeviceState,
+    f: Func,
+    g: &Geometry,
+    args: Args,
+    p: &Program,
+    op: &'static str,
+) -> Result<()> {
+    let slots = g.n * g.parts;
+    let partials = codegen::split_partials(p)
+        .into_iter()
+        .map(|d| alloc(dev, slots * d.size_in_bytes()))
+        .collect::<Result<Vec<Buffer>>>()?;
+    for phase in [0u32, 1] {
+        let mut a = args.clone();
+        a.push(g.parts as u64).push(phase);
+        for b in &partials {
+            a.push(b.device_ptr());
+        }
+        let blocks = if phase == 0 { slots } else { g.n };
+        let grid = (blocks.min(dev.sm_count as usize * 16) as u32, 1);
+        dev.launch(op, f, grid, BLOCK, 0, a.ptrs())?;
+    }
+    Ok(())
+}
+
+/// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
+/// cache) and loaded; `None` when the device already holds the caller's budget of them
+/// ([`MAX_KERNELS`] for users' programs).
+fn kernel(
+    dev: &'static DeviceState,
+    p: &Program,
+    v: &Variant,
+    caller: Caller,
+) -> Result<Option<Func>> {
+    let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+    let hit = RECENT.with(|r| {
+        r.borrow()
+            .iter()
+            .find(|e| {
+                e.ordinal == dev.ordinal && e.epoch == epoch && e.variant == *v && e.program == *p
+            })
+            .map(|e| e.func)
+    });
+    if hit.is_some() {
+        return Ok(hit);
+    }
+    let key = ExprKey(p.clone(), v.clone());
+    let build = || {
+        let t0 = std::time::Instant::now();
+        let src = codegen::source(p, v)?;
+        let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
+        let bin = build(&src, dev.arch)?;
+        if let Caller::Lazy { .. } = caller {
+            LAZY_PROGRAMS.fetch_add(1, Ordering::Relaxed);
+            LAZY_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        Ok((bin, name))
+    };
+    let f = match caller {
+        Caller::User => dev.generated_func(&key, MAX_KERNELS, build)?,
+        // The deferral layer's programs are memoized apart (their own budget).
+        Caller::Lazy { budget } => dev.generated_func(&LazyKey(key.clone()), budget, build)?,
+    };
+    if let Some(func) = f {
+        RECENT.with(|r| {
+            let mut r = r.borrow_mut();
+            if r.len() == RECENT_LEN {
+                r.remove(0);
+            }
+            r.push(Recent {
+                ordinal: dev.ordinal,
+                epoch,
+                program: key.0,
+                variant: key.1,
+                func,
+            });
+        });
+    }
+    Ok(f)
+}
+
+/// Kernels a thread looked up last, so that a program run again (a norm in a loop) finds its
+/// kernel by comparing, without cloning and hashing the program and taking the device's memo
+/// locks. Valid for one [`KERNEL_EPOCH`] (`clear_kernel_cache` unloads the modules).
+struct Recent {
+    ordinal: usize,
+    epoch: u64,
+    program: Program,
+    variant: Variant,
+    func: Func,
+}
+
+const RECENT_LEN: usize = 8;
+
+thread_local! {
+    static RECENT: RefCell<Vec<Recent>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The memo key of an expression kernel on a device (`DeviceState::generated_func`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct ExprKey(Program, Variant);
+
+/// The same for the deferral layer's programs (a memo of its own, under its own budget).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct LazyKey(ExprKey);
+
+/// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
+/// an [`Error::Backend`] naming `expr` when it does not compile.
+pub(crate) fn build(source: &str, arch: u32) -> Result<Vec<u8>> {
+    crate::nvrtc::load_or_compile_source("expr.cu", source, arch).map_err(|log| {
+        Error::backend(
+            "expr",
+            format!("NVRTC could not compile a generated kernel for sm_{arch}: {log}"),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source NVRTC rejects gives a typed error carrying NVRTC's log (needs libnvrtc only).
+    #[test]
+    fn a_kernel_that_does_not_compile_is_a_typed_error_with_the_log() {
+        if !crate::nvrtc::nvrtc_available() {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let src = "extern \"C\" __global__ void expr(float* y) { y[0] = undefined_name; }";
+        match build(src, 90) {
+            Err(Error::Backend { op, msg }) => {
+                assert_eq!(op, "expr");
+                assert!(msg.contains("undefined_name"), "{msg}");
+            }
+            other => panic!("expected a backend error, got {other:?}"),
+        }
+    }
+}

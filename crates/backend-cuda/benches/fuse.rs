@@ -11,13 +11,16 @@
 //!   programs (row max; then `log(sum(exp(x - m))) + m` reading `m` broadcast), beside
 //!   PyTorch's `torch.logsumexp` and its manual max/exp/sum/log (`lse_8192x8192_manual`).
 //! - `norm_64M`: a user-written L2 norm `sqrt(sum(x * x))` of 64M f32 as one program (a
-//!   full reduction, split over many blocks), beside `torch.linalg.vector_norm`.
+//!   full reduction, split over many blocks), beside `torch.linalg.vector_norm`; `user_norm_64M`:
+//!   the same as a CuPy-style `ReductionKernel` accumulating in double.
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
 use std::time::Instant;
 
-use kiln_backend_cuda::{Cuda, CudaDevice, ElementwiseKernel, raw, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{
+    Cuda, CudaDevice, ElementwiseKernel, ReductionKernel, raw, try_gpu, unavailable_reason,
+};
 use kiln_core::expr::{Expr, Program};
 use kiln_core::{Backend, DType, Result, Tensor};
 
@@ -82,6 +85,15 @@ fn main() {
     let pn = Program::from_exprs(&[DType::F32], &[(&ex * &ex).sum(&[0]).sqrt()]).unwrap();
     let ms = time(&dev, 5, 10, || pn.run(&[&x], &[]).map(drop));
     report("norm_64M", ms, "ms");
+    // The same as CuPy's L2-norm ReductionKernel (accumulating in double).
+    let l2 = ReductionKernel::new("T x", "T y", "x * x", "a + b", "y = sqrt(a)", "0", "l2")
+        .unwrap()
+        .with_reduce_type("float64")
+        .unwrap();
+    let ms = time(&dev, 5, 10, || {
+        l2.call(&[(&x).into()], None, false).map(drop)
+    });
+    report("user_norm_64M", ms, "ms");
     drop(x);
 
     // ElementwiseKernel exp, 1000 launches.

@@ -203,6 +203,51 @@ fn reductions_match_cpu_over_axes() {
     }
 }
 
+/// A full reduction of a large tensor, and long rows of few kept elements, are split over many
+/// blocks (two launches); the results match the CPU, with the accumulator in double, a
+/// post-map, and the same bits on a second call.
+#[test]
+fn long_reductions_are_split_over_blocks() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let l2 = ReductionKernel::new("T x", "T y", "x * x", "a + b", "y = sqrt(a)", "0", "l2norm")
+        .unwrap()
+        .with_reduce_type("float64")
+        .unwrap();
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+        let x = rand(&[2048, 2048], 14, dtype, &dev);
+        let c = cpu(&x);
+        let sq = c.mul(&c).unwrap();
+        let got = l2.call(&[(&x).into()], None, false).unwrap().remove(0);
+        let want = sq.sum(&[0, 1], false).unwrap().sqrt().unwrap();
+        close(&host(&got), &want.to_f64_vec().unwrap(), tol);
+        let l0 = kiln_backend_cuda::thread_launches();
+        let again = l2.call(&[(&x).into()], None, false).unwrap().remove(0);
+        assert_eq!(
+            kiln_backend_cuda::thread_launches() - l0,
+            2,
+            "fold, then finish"
+        );
+        assert_eq!(host(&again), host(&got), "the same order every call");
+        // three rows of 2^19 read transposed: a strided fold per part
+        let r = rand(&[1 << 19, 3], 15, dtype, &dev);
+        let rt = r.permute(&[1, 0]).unwrap();
+        let got = l2
+            .call(&[(&rt).into()], Some(&[1]), false)
+            .unwrap()
+            .remove(0);
+        let rc = cpu(&r);
+        let want = rc
+            .mul(&rc)
+            .unwrap()
+            .sum(&[0], false)
+            .unwrap()
+            .sqrt()
+            .unwrap();
+        close(&host(&got), &want.to_f64_vec().unwrap(), tol);
+    }
+}
+
 #[test]
 fn reductions_with_two_inputs_scalars_a_reduce_type_and_given_outputs() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -273,6 +273,7 @@ impl ElementwiseKernel {
             types: r.iter().map(|(_, c)| *c).collect(),
             slots: slots.clone(),
             wide,
+            split: false,
         };
         let s = state(&dev)?;
         let spec = Spec {

@@ -140,6 +140,8 @@ struct UserKey {
     types: Vec<params::CType>,
     slots: Vec<source::Slot>,
     wide: bool,
+    /// A reduction split over blocks (see `source::reduction`).
+    split: bool,
 }
 
 /// The memoized kernel of `key` on `dev`, compiled from `source()` on a miss. A source NVRTC

@@ -144,6 +144,7 @@ impl RawKernel {
             types: Vec::new(),
             slots: Vec::new(),
             wide: false,
+            split: false,
         };
         let f = kernel(s, OP, &self.name, &key, || self.source.clone())?;
         check_params(f, &self.name, args)?;

@@ -38,9 +38,10 @@ const BLOCK: u32 = 256;
 /// and writes the outputs, which have the shape of the kept axes.
 ///
 /// Each kept element is reduced by one block of up to 256 threads (a shared-memory tree after
-/// each thread's own fold): fast when there are at least as many kept elements as the GPU has
-/// multiprocessors, and bounded by one multiprocessor's bandwidth when there are few (a full
-/// reduction of a large tensor).
+/// each thread's own fold). With few kept elements and long reductions (a full reduction of a
+/// large tensor) each kept element's range is split over many blocks and their accumulators
+/// combined, in a fixed order, by a second launch of the same kernel; before, one block alone
+/// read a whole tensor at one multiprocessor's bandwidth.
 #[derive(Clone, Debug)]
 pub struct ReductionKernel {
     name: String,
@@ -320,11 +321,15 @@ impl ReductionKernel {
         let (rd, rs) = merged(OP, &rdims, &strided_red)?;
         let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
         types.push(acc);
+        // Few kept elements and long reductions: split over many blocks, as expression
+        // programs are (`codegen::split_parts`).
+        let parts = crate::codegen::split_parts(n_kept, n_red);
         let key = UserKey {
             id: self.id,
             types,
             slots: slots.clone(),
             wide,
+            split: parts > 1,
         };
         let s = state(&dev)?;
         let spec = Spec {
@@ -341,7 +346,7 @@ impl ReductionKernel {
             acc,
         };
         let f = kernel(s, OP, &self.name, &key, || {
-            source::reduction(&spec, &red, &r, &slots, wide)
+            source::reduction(&spec, &red, &r, &slots, wide, parts > 1)
         })?;
         let held = inputs
             .iter()
@@ -397,7 +402,21 @@ impl ReductionKernel {
                 }
             }
         }
-        if n_kept > 0 {
+        if n_kept > 0 && parts > 1 {
+            // Phase 0 folds each part into `partials`; phase 1 folds those and post-maps.
+            let slots = n_kept * parts;
+            let size = match acc {
+                CType::I32 => 4,
+                c => c.dtype().map_or(8, |d| d.size_in_bytes()),
+            };
+            let partials = alloc(s, slots * size)?;
+            for (phase, blocks) in [(0u32, slots), (1, n_kept)] {
+                let mut a = args.clone();
+                a.push(parts as u64).push(phase).push(partials.device_ptr());
+                let grid = (blocks.min(s.sm_count as usize * 16) as u32, 1);
+                s.launch(OP, f, grid, BLOCK, 0, a.ptrs())?;
+            }
+        } else if n_kept > 0 {
             let block = if n_red >= BLOCK as usize {
                 BLOCK
             } else {

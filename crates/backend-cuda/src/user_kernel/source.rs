@@ -171,7 +171,20 @@ pub struct Reduction<'a> {
 /// u64 n_red, Dims kept_dims, Dims red_dims`, then per parameter: a tensor's pointer, its
 /// kept-axes `Strides` and (inputs, when strided along the reduced axes) its reduced-axes
 /// `Strides`; a raw pointer; a scalar's value.
-pub fn reduction(spec: &Spec, red: &Reduction, r: &Resolved, slots: &[Slot], wide: bool) -> String {
+///
+/// `split` (few kept elements, long reductions; the expression generator's split strategy):
+/// three more parameters, `u64 parts, u32 phase, Acc* part`. With `phase == 0` a block folds
+/// part `b % parts` of kept element `b / parts` into `part[b]`; with `phase == 1` a block per
+/// kept element folds its parts' accumulators with the reduce expression and runs the
+/// post-map.
+pub fn reduction(
+    spec: &Spec,
+    red: &Reduction,
+    r: &Resolved,
+    slots: &[Slot],
+    wide: bool,
+    split: bool,
+) -> String {
     let mut s = String::new();
     head(&mut s, spec, r, wide);
     let acc = red.acc.c_name();
@@ -204,22 +217,49 @@ pub fn reduction(spec: &Spec, red: &Reduction, r: &Resolved, slots: &[Slot], wid
             }
         }
     }
+    if split {
+        decl.push("const u64 _kparts".into());
+        decl.push("const u32 _kphase".into());
+        decl.push("_KRed::Acc* __restrict__ _kpart".into());
+    }
     let _ = writeln!(
         s,
         "extern \"C\" __global__ void {name}({}) {{",
         decl.join(", ")
     );
     s += "    __shared__ _KRed::Acc _kscratch[32];\n";
-    s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
     let tensors: Vec<&str> = spec
         .params()
         .zip(slots)
         .filter(|(_, s)| matches!(s, Slot::Tensor(_)))
         .map(|((p, _), _)| p.name.as_str())
         .collect();
+    if split {
+        // Phase 1: the parts' accumulators of each kept element, folded, then the post-map.
+        s += "    if (_kphase == 1) {\n";
+        s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
+        offsets(&mut s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
+        s += "        _KRed::Acc _kacc = _KRed::init();\n";
+        s += "        for (u64 _kq = threadIdx.x; _kq < _kparts; _kq += blockDim.x)\n";
+        s += "            _kacc = _KRed::combine(_kacc, _kpart[_kko * _kparts + _kq]);\n";
+        post_map(&mut s, spec, red, r);
+        s += "    return;\n    }\n";
+        // Phase 0: block `_kb0` folds part `_kb0 % parts` of kept element `_kb0 / parts`.
+        s += "    for (u64 _kb0 = blockIdx.x; _kb0 < _knk * _kparts; _kb0 += gridDim.x) {\n";
+        s += "        const u64 _kko = _kb0 / _kparts, _kpi = _kb0 - _kko * _kparts;\n";
+        s += "        const u64 _kchunk = (_knr + _kparts - 1) / _kparts;\n";
+        s += "        const u64 _kr0 = _kpi * _kchunk;\n";
+        s += "        const u64 _kr1 = _kr0 + _kchunk < _knr ? _kr0 + _kchunk : _knr;\n";
+    } else {
+        s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
+    }
     offsets(&mut s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
     s += "        _KRed::Acc _kacc = _KRed::init();\n";
-    s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
+    if split {
+        s += "        for (u64 _kri = _kr0 + threadIdx.x; _kri < _kr1; _kri += blockDim.x) {\n";
+    } else {
+        s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
+    }
     let ins = || spec.inputs.iter().zip(slots);
     let strided: Vec<&str> = ins()
         .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
@@ -254,8 +294,22 @@ pub fn reduction(spec: &Spec, red: &Reduction, r: &Resolved, slots: &[Slot], wid
         red.map
     );
     s += "            _kacc = _KRed::combine(_kacc, _kv);\n        }\n";
-    s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
-    s += "        if (threadIdx.x == 0) {\n            const _KRed::Acc a = _kacc;\n";
+    if split {
+        s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
+        s += "        if (threadIdx.x == 0) _kpart[_kb0] = _kacc;\n    }\n";
+    } else {
+        post_map(&mut s, spec, red, r);
+    }
+    s += "}\n";
+    s
+}
+
+/// The end of a kept element's block: the tree of the threads' accumulators, then thread 0
+/// binds the outputs, runs the post-map (the result as `a`), and closes the kept loop.
+fn post_map(s: &mut String, spec: &Spec, red: &Reduction, r: &Resolved) {
+    let name = spec.name;
+    *s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
+    *s += "        if (threadIdx.x == 0) {\n            const _KRed::Acc a = _kacc;\n";
     for p in spec.outputs {
         let t = concrete(&p.ty, r).c_name();
         let _ = writeln!(
@@ -266,10 +320,9 @@ pub fn reduction(spec: &Spec, red: &Reduction, r: &Resolved, slots: &[Slot], wid
     }
     let _ = writeln!(
         s,
-        "            {{\n#line 1 \"{name}: post-map\"\n{}\n;\n            }}\n        }}\n    }}\n}}",
+        "            {{\n#line 1 \"{name}: post-map\"\n{}\n;\n            }}\n        }}\n    }}",
         red.post_map
     );
-    s
 }
 
 /// Sample kernels of both generators over every slot kind and both index widths: what `cargo
@@ -319,7 +372,11 @@ pub fn sample_sources() -> Vec<(String, String)> {
         ];
         out.push((
             format!("user reduction ({}, wide {wide})", t.c_name()),
-            reduction(&spec, &red, &r, &rslots, wide),
+            reduction(&spec, &red, &r, &rslots, wide, false),
+        ));
+        out.push((
+            format!("user reduction, split ({}, wide {wide})", t.c_name()),
+            reduction(&spec, &red, &r, &rslots, wide, true),
         ));
         let rslots2 = [
             Slot::Tensor(Access::Bcast),
@@ -335,7 +392,7 @@ pub fn sample_sources() -> Vec<(String, String)> {
                 "user reduction, broadcast input ({}, wide {wide})",
                 t.c_name()
             ),
-            reduction(&spec, &red, &r, &rslots2, wide),
+            reduction(&spec, &red, &r, &rslots2, wide, false),
         ));
     }
     out
@@ -401,7 +458,7 @@ mod tests {
             acc: CType::F32,
         };
         let slots = [Slot::Tensor(Access::Contig), Slot::Tensor(Access::Contig)];
-        let src = reduction(&spec, &red, &r, &slots, true);
+        let src = reduction(&spec, &red, &r, &slots, true, false);
         assert!(src.contains("typedef u64 _KI;"));
         let k = &src[at(&src, "struct _KRed")..];
         assert!(at(k, "return (Acc)(0);") < at(k, "return (Acc)(a + b);"));
@@ -410,6 +467,31 @@ mod tests {
         assert!(at(k, "block_reduce<_KRed>") < at(k, "float &y = _kp_y[_kb_y];"));
         assert!(at(k, "float &y = _kp_y[_kb_y];") < at(k, "y = sqrt(a)"));
         assert!(!k.contains("_krs_x"));
+        assert!(!k.contains("_kphase"));
+        // Split: phase 1 folds the parts' accumulators and post-maps; phase 0 folds a part.
+        let src = reduction(&spec, &red, &r, &slots, false, true);
+        let k = &src[at(&src, "extern \"C\"")..];
+        assert!(
+            k.contains("const u64 _kparts, const u32 _kphase, _KRed::Acc* __restrict__ _kpart")
+        );
+        let p1 = at(k, "if (_kphase == 1)");
+        let parts = at(
+            k,
+            "_kacc = _KRed::combine(_kacc, _kpart[_kko * _kparts + _kq]);",
+        );
+        let post = at(k, "y = sqrt(a)");
+        let ret = at(k, "return;");
+        assert!(p1 < parts && parts < post && post < ret, "{k}");
+        let fold = at(
+            k,
+            "for (u64 _kri = _kr0 + threadIdx.x; _kri < _kr1; _kri += blockDim.x)",
+        );
+        let store = at(k, "if (threadIdx.x == 0) _kpart[_kb0] = _kacc;");
+        assert!(
+            ret < fold && fold < at(k, "x * x") && at(k, "x * x") < store,
+            "{k}"
+        );
+        assert_eq!(k.matches("y = sqrt(a)").count(), 1, "{k}");
     }
 
     /// The samples compile with NVRTC for sm_90 when libnvrtc is present.

@@ -88,7 +88,10 @@ pub(crate) struct Variant {
     /// Elementwise programs whose operands are all contiguous or broadcast, whose contiguous
     /// inputs and outputs share one element size and start 16-byte aligned: elements per
     /// 16-byte vector (the loop moves `vec` elements per load and store, then finishes the
-    /// tail one by one). 0: element by element. Chosen at launch (it depends on addresses).
+    /// tail one by one). [`Strategy::Split`] reductions: 4 when every operand is contiguous
+    /// or broadcast along the reduced axes and the contiguous inputs have 4-byte elements
+    /// and 16-byte aligned rows (each thread then loads its groups of 4 as one vector). 0:
+    /// element by element. Chosen at launch (it depends on addresses).
     pub vec: u32,
 }
 
@@ -588,7 +591,8 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
         // Block `b` folds part `b % parts` of kept element `b / parts`.
         s.push_str("    for (u64 b = blockIdx.x; b < n_kept * parts; b += gridDim.x) {\n");
         s.push_str("        const u64 ko = b / parts, pi = b - ko * parts;\n");
-        s.push_str("        const u64 chunk = (n_red + parts - 1) / parts;\n");
+        // Parts start at multiples of 4: each thread folds groups of 4 consecutive elements.
+        s.push_str("        const u64 chunk = ((n_red + parts - 1) / parts + 3) / 4 * 4;\n");
         s.push_str("        const u64 r0 = pi * chunk;\n");
         s.push_str("        const u64 r1 = r0 + chunk < n_red ? r0 + chunk : n_red;\n");
     } else if block {
@@ -602,48 +606,84 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
         let at = acc_type(c, p.dtype(a));
         let _ = writeln!(s, "{ind}{at} acc{i} = {}<{at}>::init();", functor(c));
     }
-    if split {
-        s.push_str("        for (u64 r = r0 + threadIdx.x; r < r1; r += blockDim.x) {\n");
-    } else if block {
-        s.push_str("        for (u64 r = threadIdx.x; r < n_red; r += blockDim.x) {\n");
-    } else {
-        s.push_str("        for (u64 r = 0; r < n_red; ++r) {\n");
-    }
-    let ind2 = "            ";
-    for (m, a) in v.access.iter().enumerate() {
-        match a {
-            Access::Contig => {
-                let _ = writeln!(s, "{ind2}const I off{m} = kb{m} + (I)r;");
-            }
-            Access::Bcast => {
-                let _ = writeln!(s, "{ind2}const I off{m} = kb{m};");
-            }
-            Access::Strided => {}
-        }
-    }
-    emit_offsets(
-        s,
-        ind2,
-        "r",
-        "rd",
-        "rs",
-        "off",
-        &|m| format!("kb{m}"),
-        &strided,
-    );
-    emit_values(s, ind2, p, &nd.elem, "off");
-    for &(i, c, a) in &reduces {
-        let at = acc_type(c, p.dtype(a));
-        let _ = writeln!(
-            s,
-            "{ind2}acc{i} = {}<{at}>::combine(acc{i}, ({at})v{a});",
-            functor(c)
-        );
-    }
     let n_in = p.inputs().len();
-    for (e, &j) in eouts.iter().enumerate() {
-        let o = p.outputs()[j];
-        let _ = writeln!(s, "{ind2}y{j}[off{}] = v{o};", n_in + e);
+    // The fold's body for reduced index `r`: offsets, values, accumulators, elementwise stores;
+    // `input` reads input k.
+    let body = |s: &mut String, ind: &str, input: &dyn Fn(u32) -> String| {
+        for (m, a) in v.access.iter().enumerate() {
+            match a {
+                Access::Contig => {
+                    let _ = writeln!(s, "{ind}const I off{m} = kb{m} + (I)r;");
+                }
+                Access::Bcast => {
+                    let _ = writeln!(s, "{ind}const I off{m} = kb{m};");
+                }
+                Access::Strided => {}
+            }
+        }
+        emit_offsets(
+            s,
+            ind,
+            "r",
+            "rd",
+            "rs",
+            "off",
+            &|m| format!("kb{m}"),
+            &strided,
+        );
+        emit_values_with(s, ind, p, &nd.elem, input);
+        for &(i, c, a) in &reduces {
+            let at = acc_type(c, p.dtype(a));
+            let _ = writeln!(
+                s,
+                "{ind}acc{i} = {}<{at}>::combine(acc{i}, ({at})v{a});",
+                functor(c)
+            );
+        }
+        for (e, &j) in eouts.iter().enumerate() {
+            let o = p.outputs()[j];
+            let _ = writeln!(s, "{ind}y{j}[off{}] = v{o};", n_in + e);
+        }
+    };
+    let scalar = |k: u32| format!("x{k}[off{k}]");
+    if split {
+        // Thread t folds the groups t, t + blockDim.x, ... of 4 consecutive elements, lane by
+        // lane, whether or not the inputs are read as 16-byte vectors (`Variant::vec`), so
+        // the result does not depend on the buffers' alignment.
+        s.push_str("        for (u64 g = r0 / 4 + threadIdx.x; g * 4 < r1; g += blockDim.x) {\n");
+        if v.vec == 4 {
+            s.push_str("            if (g * 4 + 4 <= r1) {\n");
+            for (k, a) in v.access[..n_in].iter().enumerate() {
+                if *a == Access::Contig {
+                    let t = ctype(p.inputs()[k]);
+                    let _ = writeln!(
+                        s,
+                        "                const Vec<{t}, 4> w{k} = ((const Vec<{t}, 4>*)(x{k} + kb{k}))[g];"
+                    );
+                }
+            }
+            s.push_str("#pragma unroll\n");
+            s.push_str("                for (int l = 0; l < 4; ++l) {\n");
+            s.push_str("                    const u64 r = g * 4 + l;\n");
+            let lanes = |k: u32| match v.access[k as usize] {
+                Access::Contig => format!("w{k}.v[l]"),
+                _ => format!("x{k}[off{k}]"),
+            };
+            body(s, "                    ", &lanes);
+            s.push_str("                }\n                continue;\n            }\n");
+        }
+        s.push_str("            for (int l = 0; l < 4; ++l) {\n");
+        s.push_str("                const u64 r = g * 4 + l;\n");
+        s.push_str("                if (r >= r1) break;\n");
+        body(s, "                ", &scalar);
+        s.push_str("            }\n");
+    } else {
+        if block {
+            s.push_str("        for (u64 r = threadIdx.x; r < n_red; r += blockDim.x) {\n");
+        } else {
+            s.push_str("        for (u64 r = 0; r < n_red; ++r) {\n");
+        }
+        body(s, "            ", &scalar);
     }
     s.push_str("        }\n");
     let ind3 = if block {
@@ -953,6 +993,20 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             let Ok(rp) = Program::from_exprs(&ins4, &[post, sel.clone(), red]) else {
                 continue;
             };
+            if dtype == DType::F32 {
+                let v = Variant {
+                    wide: false,
+                    strategy: Strategy::Split,
+                    vec: 4,
+                    access: vec![Access::Contig; 5],
+                };
+                if let Ok(src) = source(&rp, &v) {
+                    out.push((
+                        format!("expr {} (f32, Split, 16-byte loads)", c.name()),
+                        src,
+                    ));
+                }
+            }
             for (strategy, wide, access) in [
                 (
                     Strategy::Block,
@@ -1154,7 +1208,14 @@ mod tests {
             b,
             "for (u64 b = blockIdx.x; b < n_kept * parts; b += gridDim.x)",
         );
-        let fold = at(b, "for (u64 r = r0 + threadIdx.x; r < r1; r += blockDim.x)");
+        let fold = at(
+            b,
+            "for (u64 g = r0 / 4 + threadIdx.x; g * 4 < r1; g += blockDim.x)",
+        );
+        assert!(
+            !b.contains("Vec<float, 4>"),
+            "no vector loads unless asked: {b}"
+        );
         let tree = ret + at(&b[ret..], "block_reduce<ExprSum<double>>");
         assert!(ret < blocks && blocks < fold && fold < tree);
         assert!(at(b, "part2[b] = acc2;") > tree, "{b}");
@@ -1162,6 +1223,18 @@ mod tests {
         assert!(at(b, "y2[off1] = v") < tree);
         assert_eq!(b.matches("op_sqrt<float>").count(), 1, "{b}");
         assert_eq!(split_partials(&p), vec![DType::F64, DType::F32]);
+        // 16-byte loads of each group of 4, then the same lanes in the same order
+        let v4 = Variant { vec: 4, ..v };
+        let src = source(&p, &v4).unwrap();
+        let b = body(&src);
+        let vec = at(b, "if (g * 4 + 4 <= r1)");
+        let load = at(
+            b,
+            "const Vec<float, 4> w0 = ((const Vec<float, 4>*)(x0 + kb0))[g];",
+        );
+        let lane = at(b, "const float v0 = w0.v[l];");
+        let tail = at(b, "if (r >= r1) break;");
+        assert!(vec < load && load < lane && lane < tail, "{b}");
     }
 
     #[test]

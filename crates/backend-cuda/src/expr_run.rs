@@ -367,9 +367,27 @@ fn plan_new(
 /// The elements per 16-byte vector of an elementwise program's loop (see
 /// `codegen::Variant::vec`), or 0: every operand contiguous or broadcast, the contiguous
 /// inputs and the outputs of one element size, the contiguous inputs 16-byte aligned (fresh
-/// outputs always are).
+/// outputs always are). For a split reduction, 4 or 0 (see `Variant::vec`).
 fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout]) -> u32 {
-    if p.reduces() || g.variant.access.contains(&Access::Strided) {
+    if g.variant.access.contains(&Access::Strided) {
+        return 0;
+    }
+    let at = |k: usize| {
+        bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
+    };
+    if g.variant.strategy == Strategy::Split {
+        // Groups of 4 four-byte elements per load: every contiguous input 16-byte aligned at
+        // the start of every kept element's row (parts start at multiples of 4 elements).
+        let ok = (0..p.inputs().len())
+            .filter(|&k| g.variant.access[k] == Access::Contig)
+            .all(|k| {
+                p.inputs()[k].size_in_bytes() == 4
+                    && at(k).is_multiple_of(16)
+                    && (g.n == 1 || g.strides[k].iter().all(|s| s % 4 == 0))
+            });
+        return if ok { 4 } else { 0 };
+    }
+    if p.reduces() {
         return 0;
     }
     let mut size = None;
@@ -386,11 +404,7 @@ fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout
         }
     }
     let Some(size) = size else { return 0 };
-    let aligned = contig.into_iter().all(|k| {
-        let at =
-            bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64;
-        at.is_multiple_of(16)
-    });
+    let aligned = contig.into_iter().all(|k| at(k).is_multiple_of(16));
     if aligned && size < 16 {
         (16 / size) as u32
     } else {

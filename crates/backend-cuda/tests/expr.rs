@@ -494,7 +494,11 @@ fn long_reductions_split_over_blocks_match_the_cpu() {
             .reshape([2048, 2048])
             .unwrap();
         let c = p.run(&[&shifted], &[]).unwrap().remove(0);
-        assert_eq!(values(&a), values(&c), "the same sum order at any alignment");
+        assert_eq!(
+            values(&a),
+            values(&c),
+            "the same sum order at any alignment"
+        );
         // three rows of 2^19 elements, read transposed (a strided fold)
         let r = rand_cpu(&[1 << 19, 3], 6, dtype);
         let rows = (x.tanh().sum(&[-1]) * Expr::param(0)).exp();

@@ -229,6 +229,19 @@ fn long_reductions_are_split_over_blocks() {
             "fold, then finish"
         );
         assert_eq!(host(&again), host(&got), "the same order every call");
+        // the same values one element into a buffer (no 16-byte loads): the same bits
+        let flat = c.reshape([2048 * 2048]).unwrap();
+        let pad = C::zeros([1], dtype, &Default::default()).unwrap();
+        let shifted = C::cat(&[pad, flat], 0).unwrap();
+        let shifted = G::from_host(&shifted.to_host().unwrap(), [2048 * 2048 + 1], &dev)
+            .unwrap()
+            .narrow(0, 1, 2048 * 2048)
+            .unwrap();
+        let moved = l2
+            .call(&[(&shifted).into()], None, false)
+            .unwrap()
+            .remove(0);
+        assert_eq!(host(&moved), host(&got), "the same order at any alignment");
         // three rows of 2^19 read transposed: a strided fold per part
         let r = rand(&[1 << 19, 3], 15, dtype, &dev);
         let rt = r.permute(&[1, 0]).unwrap();

@@ -273,7 +273,7 @@ impl ElementwiseKernel {
             types: r.iter().map(|(_, c)| *c).collect(),
             slots: slots.clone(),
             wide,
-            split: false,
+            split: 0,
         };
         let s = state(&dev)?;
         let spec = Spec {

@@ -140,8 +140,8 @@ struct UserKey {
     types: Vec<params::CType>,
     slots: Vec<source::Slot>,
     wide: bool,
-    /// A reduction split over blocks (see `source::reduction`).
-    split: bool,
+    /// A reduction split over blocks: 0 (not), 1, or 4 (16-byte loads; `source::reduction`).
+    split: u32,
 }
 
 /// The memoized kernel of `key` on `dev`, compiled from `source()` on a miss. A source NVRTC

@@ -144,7 +144,7 @@ impl RawKernel {
             types: Vec::new(),
             slots: Vec::new(),
             wide: false,
-            split: false,
+            split: 0,
         };
         let f = kernel(s, OP, &self.name, &key, || self.source.clone())?;
         check_params(f, &self.name, args)?;

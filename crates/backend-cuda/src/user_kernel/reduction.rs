@@ -321,15 +321,43 @@ impl ReductionKernel {
         let (rd, rs) = merged(OP, &rdims, &strided_red)?;
         let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
         types.push(acc);
+        let held = inputs
+            .iter()
+            .map(|a| match a {
+                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
         // Few kept elements and long reductions: split over many blocks, as expression
-        // programs are (`codegen::split_parts`).
+        // programs are (`codegen::split_parts`), reading groups of 4 f32 as one 16-byte load
+        // when every contiguous input's rows are 16-byte aligned.
         let parts = crate::codegen::split_parts(n_kept, n_red);
+        let split = if parts == 1 {
+            0
+        } else {
+            let mut tensor = 0; // index among the tensor operands (`kstr`)
+            let mut vec = true;
+            for (k, p) in ins.iter().enumerate() {
+                let (KernelArg::Tensor(t), Slot::Tensor(a)) = (&inputs[k], slots[k]) else {
+                    continue;
+                };
+                if a == Access::Contig {
+                    let b = held[k].as_ref().expect("a tensor's buffer");
+                    let at = b.device_ptr() + (t.layout().offset() * 4) as u64;
+                    vec &= concrete(&p.ty, &r) == CType::F32
+                        && at.is_multiple_of(16)
+                        && (n_kept == 1 || kstr[tensor].iter().all(|s| s % 4 == 0));
+                }
+                tensor += 1;
+            }
+            if vec { 4 } else { 1 }
+        };
         let key = UserKey {
             id: self.id,
             types,
             slots: slots.clone(),
             wide,
-            split: parts > 1,
+            split,
         };
         let s = state(&dev)?;
         let spec = Spec {
@@ -346,15 +374,8 @@ impl ReductionKernel {
             acc,
         };
         let f = kernel(s, OP, &self.name, &key, || {
-            source::reduction(&spec, &red, &r, &slots, wide, parts > 1)
+            source::reduction(&spec, &red, &r, &slots, wide, split)
         })?;
-        let held = inputs
-            .iter()
-            .map(|a| match a {
-                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
         let mut taken = Vec::with_capacity(given.len());
         for (g, p) in given.iter_mut().zip(outs) {
             taken.push(Taken::new(OP, &p.name, g)?);

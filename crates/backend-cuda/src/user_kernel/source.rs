@@ -172,10 +172,12 @@ pub struct Reduction<'a> {
 /// kept-axes `Strides` and (inputs, when strided along the reduced axes) its reduced-axes
 /// `Strides`; a raw pointer; a scalar's value.
 ///
-/// `split` (few kept elements, long reductions; the expression generator's split strategy):
-/// three more parameters, `u64 parts, u32 phase, Acc* part`. With `phase == 0` a block folds
-/// part `b % parts` of kept element `b / parts` into `part[b]`; with `phase == 1` a block per
-/// kept element folds its parts' accumulators with the reduce expression and runs the
+/// `split` (few kept elements, long reductions; the expression generator's split strategy),
+/// 0 when not split, else 1 or 4: three more parameters, `u64 parts, u32 phase, Acc* part`.
+/// With `phase == 0` a block folds part `b % parts` of kept element `b / parts` into
+/// `part[b]`, each thread taking groups of 4 consecutive elements (one 16-byte load per
+/// contiguous input when `split == 4`; the same order either way); with `phase == 1` a block
+/// per kept element folds its parts' accumulators with the reduce expression and runs the
 /// post-map.
 pub fn reduction(
     spec: &Spec,
@@ -183,7 +185,7 @@ pub fn reduction(
     r: &Resolved,
     slots: &[Slot],
     wide: bool,
-    split: bool,
+    split: u32,
 ) -> String {
     let mut s = String::new();
     head(&mut s, spec, r, wide);
@@ -217,7 +219,7 @@ pub fn reduction(
             }
         }
     }
-    if split {
+    if split > 0 {
         decl.push("const u64 _kparts".into());
         decl.push("const u32 _kphase".into());
         decl.push("_KRed::Acc* __restrict__ _kpart".into());
@@ -234,7 +236,7 @@ pub fn reduction(
         .filter(|(_, s)| matches!(s, Slot::Tensor(_)))
         .map(|((p, _), _)| p.name.as_str())
         .collect();
-    if split {
+    if split > 0 {
         // Phase 1: the parts' accumulators of each kept element, folded, then the post-map.
         s += "    if (_kphase == 1) {\n";
         s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
@@ -247,7 +249,7 @@ pub fn reduction(
         // Phase 0: block `_kb0` folds part `_kb0 % parts` of kept element `_kb0 / parts`.
         s += "    for (u64 _kb0 = blockIdx.x; _kb0 < _knk * _kparts; _kb0 += gridDim.x) {\n";
         s += "        const u64 _kko = _kb0 / _kparts, _kpi = _kb0 - _kko * _kparts;\n";
-        s += "        const u64 _kchunk = (_knr + _kparts - 1) / _kparts;\n";
+        s += "        const u64 _kchunk = ((_knr + _kparts - 1) / _kparts + 3) / 4 * 4;\n";
         s += "        const u64 _kr0 = _kpi * _kchunk;\n";
         s += "        const u64 _kr1 = _kr0 + _kchunk < _knr ? _kr0 + _kchunk : _knr;\n";
     } else {
@@ -255,46 +257,68 @@ pub fn reduction(
     }
     offsets(&mut s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
     s += "        _KRed::Acc _kacc = _KRed::init();\n";
-    if split {
-        s += "        for (u64 _kri = _kr0 + threadIdx.x; _kri < _kr1; _kri += blockDim.x) {\n";
-    } else {
-        s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
-    }
     let ins = || spec.inputs.iter().zip(slots);
     let strided: Vec<&str> = ins()
         .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
         .map(|(p, _)| p.name.as_str())
         .collect();
-    offsets(
-        &mut s,
-        "            ",
-        "_kri",
-        "_krd",
-        "_krs",
-        "_ko",
-        &strided,
-    );
-    for (p, &slot) in ins() {
-        let Slot::Tensor(a) = slot else { continue };
-        let t = concrete(&p.ty, r).c_name();
-        let at = match a {
-            Access::Contig => format!("_kb_{} + (_KI)_kri", p.name),
-            Access::Bcast => format!("_kb_{}", p.name),
-            Access::Strided => format!("_kb_{} + _ko_{}", p.name, p.name),
-        };
+    // The fold's body for reduced index `_kri`; `read(name, access, type)` reads an input.
+    let body = |s: &mut String, ind: &str, read: &dyn Fn(&str, Access) -> String| {
+        offsets(s, ind, "_kri", "_krd", "_krs", "_ko", &strided);
+        for (p, &slot) in ins() {
+            let Slot::Tensor(a) = slot else { continue };
+            let t = concrete(&p.ty, r).c_name();
+            let _ = writeln!(s, "{ind}const {t} {} = {};", p.name, read(&p.name, a));
+        }
         let _ = writeln!(
             s,
-            "            const {t} {} = _kp_{}[{at}];",
-            p.name, p.name
+            "{ind}const _KRed::Acc _kv = (_KRed::Acc)(\n#line 1 \"{name}: map expression\"\n{}\n);",
+            red.map
         );
+        let _ = writeln!(s, "{ind}_kacc = _KRed::combine(_kacc, _kv);");
+    };
+    let scalar = |n: &str, a: Access| match a {
+        Access::Contig => format!("_kp_{n}[_kb_{n} + (_KI)_kri]"),
+        Access::Bcast => format!("_kp_{n}[_kb_{n}]"),
+        Access::Strided => format!("_kp_{n}[_kb_{n} + _ko_{n}]"),
+    };
+    if split > 0 {
+        // Groups of 4 consecutive elements per thread, lane by lane (as the expression
+        // generator's split fold), read as one 16-byte vector each when `split == 4`.
+        s +=
+            "        for (u64 _kg = _kr0 / 4 + threadIdx.x; _kg * 4 < _kr1; _kg += blockDim.x) {\n";
+        if split == 4 {
+            s += "            if (_kg * 4 + 4 <= _kr1) {\n";
+            for (p, &slot) in ins() {
+                if slot == Slot::Tensor(Access::Contig) {
+                    let t = concrete(&p.ty, r).c_name();
+                    let n = &p.name;
+                    let _ = writeln!(
+                        s,
+                        "                const Vec<{t}, 4> _kw_{n} = ((const Vec<{t}, 4>*)(_kp_{n} + _kb_{n}))[_kg];"
+                    );
+                }
+            }
+            s += "#pragma unroll\n                for (int _kl = 0; _kl < 4; ++_kl) {\n";
+            s += "                    const u64 _kri = _kg * 4 + _kl;\n";
+            let lanes = |n: &str, a: Access| match a {
+                Access::Contig => format!("_kw_{n}.v[_kl]"),
+                a => scalar(n, a),
+            };
+            body(&mut s, "                    ", &lanes);
+            s += "                }\n                continue;\n            }\n";
+        }
+        s += "            for (int _kl = 0; _kl < 4; ++_kl) {\n";
+        s += "                const u64 _kri = _kg * 4 + _kl;\n";
+        s += "                if (_kri >= _kr1) break;\n";
+        body(&mut s, "                ", &scalar);
+        s += "            }\n        }\n";
+    } else {
+        s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
+        body(&mut s, "            ", &scalar);
+        s += "        }\n";
     }
-    let _ = writeln!(
-        s,
-        "            const _KRed::Acc _kv = (_KRed::Acc)(\n#line 1 \"{name}: map expression\"\n{}\n);",
-        red.map
-    );
-    s += "            _kacc = _KRed::combine(_kacc, _kv);\n        }\n";
-    if split {
+    if split > 0 {
         s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
         s += "        if (threadIdx.x == 0) _kpart[_kb0] = _kacc;\n    }\n";
     } else {
@@ -372,12 +396,18 @@ pub fn sample_sources() -> Vec<(String, String)> {
         ];
         out.push((
             format!("user reduction ({}, wide {wide})", t.c_name()),
-            reduction(&spec, &red, &r, &rslots, wide, false),
+            reduction(&spec, &red, &r, &rslots, wide, 0),
         ));
         out.push((
             format!("user reduction, split ({}, wide {wide})", t.c_name()),
-            reduction(&spec, &red, &r, &rslots, wide, true),
+            reduction(&spec, &red, &r, &rslots, wide, 1),
         ));
+        if t == CType::F32 {
+            out.push((
+                format!("user reduction, split, 16-byte loads (wide {wide})"),
+                reduction(&spec, &red, &r, &rslots, wide, 4),
+            ));
+        }
         let rslots2 = [
             Slot::Tensor(Access::Bcast),
             Slot::Tensor(Access::Contig),
@@ -392,7 +422,7 @@ pub fn sample_sources() -> Vec<(String, String)> {
                 "user reduction, broadcast input ({}, wide {wide})",
                 t.c_name()
             ),
-            reduction(&spec, &red, &r, &rslots2, wide, false),
+            reduction(&spec, &red, &r, &rslots2, wide, 0),
         ));
     }
     out
@@ -458,7 +488,7 @@ mod tests {
             acc: CType::F32,
         };
         let slots = [Slot::Tensor(Access::Contig), Slot::Tensor(Access::Contig)];
-        let src = reduction(&spec, &red, &r, &slots, true, false);
+        let src = reduction(&spec, &red, &r, &slots, true, 0);
         assert!(src.contains("typedef u64 _KI;"));
         let k = &src[at(&src, "struct _KRed")..];
         assert!(at(k, "return (Acc)(0);") < at(k, "return (Acc)(a + b);"));
@@ -469,7 +499,7 @@ mod tests {
         assert!(!k.contains("_krs_x"));
         assert!(!k.contains("_kphase"));
         // Split: phase 1 folds the parts' accumulators and post-maps; phase 0 folds a part.
-        let src = reduction(&spec, &red, &r, &slots, false, true);
+        let src = reduction(&spec, &red, &r, &slots, false, 1);
         let k = &src[at(&src, "extern \"C\"")..];
         assert!(
             k.contains("const u64 _kparts, const u32 _kphase, _KRed::Acc* __restrict__ _kpart")
@@ -484,14 +514,26 @@ mod tests {
         assert!(p1 < parts && parts < post && post < ret, "{k}");
         let fold = at(
             k,
-            "for (u64 _kri = _kr0 + threadIdx.x; _kri < _kr1; _kri += blockDim.x)",
+            "for (u64 _kg = _kr0 / 4 + threadIdx.x; _kg * 4 < _kr1; _kg += blockDim.x)",
         );
+        assert!(!k.contains("Vec<float, 4>"), "{k}");
         let store = at(k, "if (threadIdx.x == 0) _kpart[_kb0] = _kacc;");
         assert!(
             ret < fold && fold < at(k, "x * x") && at(k, "x * x") < store,
             "{k}"
         );
         assert_eq!(k.matches("y = sqrt(a)").count(), 1, "{k}");
+        // with 16-byte loads: the vector read, then the same lanes, then the scalar tail
+        let src = reduction(&spec, &red, &r, &slots, false, 4);
+        let k = &src[at(&src, "extern \"C\"")..];
+        let vec = at(k, "if (_kg * 4 + 4 <= _kr1)");
+        let load = at(
+            k,
+            "const Vec<float, 4> _kw_x = ((const Vec<float, 4>*)(_kp_x + _kb_x))[_kg];",
+        );
+        let lane = at(k, "const float x = _kw_x.v[_kl];");
+        let tail = at(k, "if (_kri >= _kr1) break;");
+        assert!(vec < load && load < lane && lane < tail, "{k}");
     }
 
     /// The samples compile with NVRTC for sm_90 when libnvrtc is present.

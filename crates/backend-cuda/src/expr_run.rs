@@ -121,22 +121,20 @@ pub(crate) fn run_planned(
             ));
         }
     }
-    let n_iter = planned.shape.elem_count();
-    let n_kept = call.kept.elem_count();
     let outs = program
         .outputs()
         .iter()
         .enumerate()
         .map(|(j, &o)| {
-            let n = if program.output_is_reduced(j) {
-                n_kept
-            } else {
-                n_iter
-            };
+            let n = call.output_len(program, j, &planned.shape);
             alloc(dev, n * program.dtype(o).size_in_bytes())
         })
         .collect::<Result<Vec<Buffer>>>()?;
-    let work = if program.reduces() { n_kept } else { n_iter };
+    let work = if program.reduces() {
+        call.kept.elem_count()
+    } else {
+        planned.shape.elem_count()
+    };
     if work > 0 {
         launch(dev, f, program, geo, bufs, layouts, &outs, params, caller)?;
     }

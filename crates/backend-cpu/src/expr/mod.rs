@@ -126,11 +126,7 @@ pub(crate) fn eval_expr(
         .iter()
         .enumerate()
         .map(|(j, &o)| {
-            let n = if program.output_is_reduced(j) {
-                n_kept
-            } else {
-                shape.elem_count()
-            };
+            let n = plan.output_len(program, j, shape);
             alloc_out(*device, program.dtype(o), n)
         })
         .collect::<Result<Vec<_>>>()?;

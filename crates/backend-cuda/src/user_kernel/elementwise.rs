@@ -4,7 +4,9 @@ use kiln_core::{Error, Layout, Result, Shape, Tensor};
 
 use super::params::{Bound, Param, concrete, parse_params, resolve};
 use super::source::{self, Slot, Spec};
-use super::{KernelArg, Taken, UserKey, access, common_device, kernel, merged, push_scalar};
+use super::{
+    KernelArg, Taken, UserKey, access, common_device, held_buffers, kernel, merged, push_scalar,
+};
 use crate::codegen::Access;
 use crate::device::state;
 use crate::launch::Args;
@@ -286,13 +288,7 @@ impl ElementwiseKernel {
             source::elementwise(&spec, &self.body, &r, &slots, wide)
         })?;
         // Buffers: inputs computed (pending work runs) and marked used on this stream.
-        let held = inputs
-            .iter()
-            .map(|a| match a {
-                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let held = held_buffers(inputs)?;
         let mut taken = Vec::with_capacity(given.len());
         for (g, p) in given.iter_mut().zip(outs) {
             taken.push(Taken::new(OP, &p.name, g)?);

@@ -232,6 +232,17 @@ fn merged(op: &'static str, dims: &[usize], strided: &[&[usize]]) -> Result<(Dim
 }
 
 /// Pushes scalar `a` converted to `c` (the parameter's type) onto a launch's arguments.
+/// The computed buffer of each tensor argument (pending work runs first; each is marked used
+/// on the current stream), `None` for scalars: held until the launch is enqueued.
+fn held_buffers(args: &[KernelArg]) -> Result<Vec<Option<std::sync::Arc<crate::memory::Buffer>>>> {
+    args.iter()
+        .map(|a| match a {
+            KernelArg::Tensor(t) => t.storage().buffer().map(Some),
+            _ => Ok(None),
+        })
+        .collect()
+}
+
 fn push_scalar(args: &mut crate::launch::Args, a: &KernelArg, c: params::CType) {
     let (f, i) = match *a {
         KernelArg::I32(v) => (v as f64, v as i64),

@@ -3,7 +3,7 @@
 use cudarc::driver::sys;
 use kiln_core::{Error, Result};
 
-use super::{KernelArg, UserKey, common_device, kernel};
+use super::{KernelArg, UserKey, common_device, held_buffers, kernel};
 use crate::CudaDevice;
 use crate::device::{Func, state};
 use crate::launch::Args;
@@ -148,13 +148,7 @@ impl RawKernel {
         };
         let f = kernel(s, OP, &self.name, &key, || self.source.clone())?;
         check_params(f, &self.name, args)?;
-        let held = args
-            .iter()
-            .map(|a| match a {
-                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let held = held_buffers(args)?;
         let mut p = Args::new();
         for (a, b) in args.iter().zip(&held) {
             match (a, b) {

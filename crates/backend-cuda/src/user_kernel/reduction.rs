@@ -5,7 +5,9 @@ use kiln_core::{Error, Layout, Result, Shape, Tensor};
 use super::elementwise::{arity, bind, check_name, int_output, no_tensor, not_contiguous};
 use super::params::{Bound, CType, Param, ParamType, concrete, parse_params, resolve};
 use super::source::{self, Reduction, Slot, Spec};
-use super::{KernelArg, Taken, UserKey, access, common_device, kernel, merged, push_scalar};
+use super::{
+    KernelArg, Taken, UserKey, access, common_device, held_buffers, kernel, merged, push_scalar,
+};
 use crate::codegen::Access;
 use crate::device::state;
 use crate::launch::Args;
@@ -321,13 +323,7 @@ impl ReductionKernel {
         let (rd, rs) = merged(OP, &rdims, &strided_red)?;
         let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
         types.push(acc);
-        let held = inputs
-            .iter()
-            .map(|a| match a {
-                KernelArg::Tensor(t) => t.storage().buffer().map(Some),
-                _ => Ok(None),
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let held = held_buffers(inputs)?;
         // Few kept elements and long reductions: split over many blocks, as expression
         // programs are (`codegen::split_parts`), reading groups of 4 f32 as one 16-byte load
         // when every contiguous input's rows are 16-byte aligned.

@@ -14,6 +14,18 @@ pub struct CallPlan {
     pub kept: Shape,
 }
 
+impl CallPlan {
+    /// The element count of output `j` of `program` over the iteration shape `shape`: the
+    /// kept shape's for a reduced output, else the iteration shape's.
+    pub fn output_len(&self, program: &Program, j: usize, shape: &Shape) -> usize {
+        if program.output_is_reduced(j) {
+            self.kept.elem_count()
+        } else {
+            shape.elem_count()
+        }
+    }
+}
+
 /// Checks one evaluation of `program` over the iteration shape `shape`: the number of inputs
 /// and parameters, every input layout's shape, the reduction axes, and that no `max`/`min` folds
 /// an empty axis. Backends call it first; it is what makes a bad call an [`Error::Expr`]

@@ -129,6 +129,130 @@ fn main() {
     report("exp_230400_into_buffer_x1000", s * 1e3, "ms");
 
     batch_upload_probe(&dev);
+    #[cfg(feature = "cuda-13000")]
+    rows_dma_probe(&dev);
+}
+
+/// Could the copy engine gather a shuffled group of rows instead of a kernel (issue 11: the
+/// gather kernel shares multiprocessors with the training step)? 21,000 rows of 784 bytes
+/// (MNIST pixels: a 16 MiB group of batch-1000 steps) scattered over a pinned dataset of
+/// 65,536 rows, copied into device memory by one `cuMemcpyBatchAsync` call, against one
+/// contiguous copy of the same bytes. GB/s of row bytes, and the host time of the call.
+///
+/// Answer on an H200 (2026-11-26): no. 0.68 GB/s, the call alone taking 24 ms of host time,
+/// against 53 GB/s for the contiguous copy; a batch-1000 MLP step needs ~5 GB/s.
+#[cfg(feature = "cuda-13000")]
+fn rows_dma_probe(dev: &kiln_backend_cuda::CudaDevice) {
+    use cudarc::driver::sys;
+    use kiln_core::PinnedBlock;
+    const TOTAL: usize = 65_536;
+    const ROW: usize = 784;
+    const N: usize = 21_000;
+    let ok = |r: sys::CUresult| assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{r:?}");
+    let mut data = PinnedBlock::new("probe", TOTAL * ROW).unwrap();
+    for (i, b) in data.as_bytes_mut().iter_mut().enumerate() {
+        *b = (i % 251) as u8;
+    }
+    let dst = kiln_backend_cuda::raw::alloc(dev, N * ROW).unwrap();
+    let ptr = dst.device_ptr().unwrap();
+    let host = data.as_bytes().as_ptr() as u64;
+    // an odd multiplier permutes 0..2^16: rows in a shuffled order
+    let mut dsts: Vec<sys::CUdeviceptr> = (0..N).map(|i| ptr + (i * ROW) as u64).collect();
+    let mut srcs: Vec<sys::CUdeviceptr> = (0..N)
+        .map(|i| host + ((i * 40_503) % TOTAL * ROW) as u64)
+        .collect();
+    let mut sizes = vec![ROW; N];
+    let loc = |type_, id| sys::CUmemLocation { type_, id };
+    let mut attrs = sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: loc(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0),
+        dstLocHint: loc(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, 0),
+        flags: 0,
+    };
+    let mut idx = [0usize];
+    let (mut call, mut total, mut contig) = (Vec::new(), Vec::new(), Vec::new());
+    // SAFETY: the device's context is current on this thread (used above); every pointer
+    // array holds N entries; sources lie in the pinned block and destinations in `dst`, both
+    // alive until the stream is synchronized after each copy.
+    unsafe {
+        let mut st = std::ptr::null_mut();
+        let nb = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        ok(sys::cuStreamCreate(&mut st, nb));
+        for k in 0..7 {
+            let t = Instant::now();
+            ok(sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                N,
+                &mut attrs,
+                idx.as_mut_ptr(),
+                1,
+                st,
+            ));
+            let c = t.elapsed().as_secs_f64();
+            ok(sys::cuStreamSynchronize(st));
+            if k >= 2 {
+                call.push(c);
+                total.push(t.elapsed().as_secs_f64());
+            }
+            let t = Instant::now();
+            ok(sys::cuMemcpyHtoDAsync_v2(
+                ptr,
+                data.as_bytes().as_ptr() as *const std::ffi::c_void,
+                N * ROW,
+                st,
+            ));
+            ok(sys::cuStreamSynchronize(st));
+            if k >= 2 {
+                contig.push(t.elapsed().as_secs_f64());
+            }
+        }
+        // the rows arrived where they belong (the last copy was the contiguous one: redo)
+        ok(sys::cuMemcpyBatchAsync_v2(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            N,
+            &mut attrs,
+            idx.as_mut_ptr(),
+            1,
+            st,
+        ));
+        ok(sys::cuStreamSynchronize(st));
+        let mut back = vec![0u8; 3 * ROW];
+        ok(sys::cuMemcpyDtoH_v2(
+            back.as_mut_ptr() as *mut std::ffi::c_void,
+            ptr + (N as u64 - 3) * ROW as u64,
+            3 * ROW,
+        ));
+        for (j, row) in back.chunks(ROW).enumerate() {
+            let r = (N - 3 + j) * 40_503 % TOTAL;
+            assert_eq!(
+                row,
+                &data.as_bytes()[r * ROW..(r + 1) * ROW],
+                "row {}",
+                N - 3 + j
+            );
+        }
+        ok(sys::cuStreamDestroy_v2(st));
+    }
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let bytes = (N * ROW) as f64;
+    report(
+        "rows_dma_batch_21000x784_gbs",
+        bytes / med(total) / 1e9,
+        "GB/s",
+    );
+    report("rows_dma_batch_call_us", med(call) * 1e6, "us");
+    report(
+        "rows_contiguous_16MB_gbs",
+        bytes / med(contig) / 1e9,
+        "GB/s",
+    );
 }
 
 /// Host time per call of what a DataLoader's consumer does for each batch (MNIST-shaped: 784

@@ -161,6 +161,47 @@ fn programs_are_keys() {
     assert!(set.contains(&b));
 }
 
+/// The fingerprint (what a program hashes to) is a function of the parts, the same when
+/// computed from them before building the program, and tells apart programs that differ in
+/// one constant, operand, op, dtype, output or axis.
+#[test]
+fn fingerprints_follow_the_parts() {
+    use kiln_core::BinaryOp;
+    let sub = |a, b| {
+        let code = vec![
+            Instr::Input(0),
+            Instr::Input(1),
+            Instr::Binary(BinaryOp::Sub, a, b),
+        ];
+        Program::new(vec![DType::F32; 2], vec![], code, vec![2], vec![]).unwrap()
+    };
+    let x = Expr::input(0);
+    let y = Expr::input(1);
+    let f32s = [DType::F32, DType::F32];
+    let progs = [
+        Program::from_exprs(&f32s, &[(&x * &y + 1.0).exp()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y + 2.0).exp()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&y * &x + 1.0).exp()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x - &y + 1.0).exp()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y + 1.0).sigmoid()]).unwrap(),
+        Program::from_exprs(&[DType::F64; 2], &[(&x * &y + 1.0).exp()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y + 1.0).exp(), x.clone()]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y).sum(&[0])]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y).sum(&[1])]).unwrap(),
+        Program::from_exprs(&f32s, &[(&x * &y).max(&[1])]).unwrap(),
+        // the same instructions with one operand order swapped: x - y, then y - x
+        sub(0, 1),
+        sub(1, 0),
+    ];
+    for (i, a) in progs.iter().enumerate() {
+        let parts = fingerprint(a.inputs(), a.params(), a.code(), a.outputs(), a.axes());
+        assert_eq!(parts, a.fingerprint(), "program {i}");
+        for (j, b) in progs.iter().enumerate().skip(i + 1) {
+            assert_ne!(a.fingerprint(), b.fingerprint(), "programs {i} and {j}");
+        }
+    }
+}
+
 /// The backward program against central differences, on the reference backend.
 fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
     let ins: Vec<Expr> = (0..xs.len()).map(Expr::input).collect();

@@ -586,8 +586,6 @@ fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need, eouts: &[
     }
     if split {
         split_finish(s, p, v, nd);
-    }
-    if split {
         // Block `b` folds part `b % parts` of kept element `b / parts`.
         s.push_str("    for (u64 b = blockIdx.x; b < n_kept * parts; b += gridDim.x) {\n");
         s.push_str("        const u64 ko = b / parts, pi = b - ko * parts;\n");

@@ -734,8 +734,10 @@ pub(crate) struct Geometry {
     /// in them (empty unless strided).
     pub red_dims: Vec<usize>,
     pub red_strides: Vec<Vec<usize>>,
-    /// [`Strategy::Split`]: the parts each kept element's reduction is cut into (else 1).
+    /// [`Strategy::Split`]: the parts each kept element's reduction is cut into (else 1),
+    /// and the accumulator dtype of each partial buffer ([`split_partials`]; else empty).
     pub parts: usize,
+    pub partials: Vec<DType>,
 }
 
 /// Whether `dims`/`strides` address one element throughout.
@@ -843,6 +845,7 @@ pub(crate) fn plan(
             red_dims: Vec::new(),
             red_strides: Vec::new(),
             parts: 1,
+            partials: Vec::new(),
         });
     }
     // Operands: the inputs, then the elementwise outputs (contiguous in the iteration shape).
@@ -923,6 +926,11 @@ pub(crate) fn plan(
             parts
         } else {
             1
+        },
+        partials: if strategy == Strategy::Split {
+            split_partials(p)
+        } else {
+            Vec::new()
         },
     })
 }

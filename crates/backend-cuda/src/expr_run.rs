@@ -425,7 +425,7 @@ fn fits_args(p: &Program, g: &Geometry) -> bool {
         let ops = g.variant.access.len();
         // A split reduction's parts, phase and partial buffers.
         let split = match g.variant.strategy {
-            Strategy::Split => 2 + codegen::split_partials(p).len(),
+            Strategy::Split => 2 + g.partials.len(),
             _ => 0,
         };
         (
@@ -516,7 +516,7 @@ fn launch(
         Caller::Lazy { .. } => crate::profile::program_op_names(p),
     });
     if g.variant.strategy == Strategy::Split {
-        return launch_split(dev, f, g, a, p, caller.op());
+        return launch_split(dev, f, g, a, caller.op());
     }
     let (grid, block) = match g.variant.strategy {
         Strategy::Elementwise if g.variant.vec > 1 => (
@@ -551,12 +551,12 @@ fn launch_split(
     f: Func,
     g: &Geometry,
     args: Args,
-    p: &Program,
     op: &'static str,
 ) -> Result<()> {
     let slots = g.n * g.parts;
-    let partials = codegen::split_partials(p)
-        .into_iter()
+    let partials = g
+        .partials
+        .iter()
         .map(|d| alloc(dev, slots * d.size_in_bytes()))
         .collect::<Result<Vec<Buffer>>>()?;
     for phase in [0u32, 1] {

@@ -89,6 +89,7 @@
 //! Index arithmetic (iota, argmax), gathers, matmul, and reductions over several different axis
 //! sets in one program (split such a computation in several programs).
 
+pub mod defer;
 mod eval;
 mod norm;
 

@@ -1,0 +1,566 @@
+//! The deferral graph: elementwise ops recorded instead of run, and the expression program of
+//! a recorded chain.
+//!
+//! A backend that fuses (the CUDA backend always, the CPU backend for large tensors) does not
+//! run `unary`, `binary`, `binary_scalar`, `unary_backward`, comparisons, casts, `where` and
+//! small fills when they are called: it records a [`Node`] whose operands are computed buffers
+//! or other nodes. The first op that needs the values *forces* the node: [`build`] turns its
+//! pending DAG into one program of this IR (constants become parameters, a `unary_backward`
+//! the arithmetic of its single-op kernel, so the program needs no instruction of its own),
+//! which the backend runs in one pass. Both backends share this module, so a chain is the same
+//! program, with the same bits, on either.
+//!
+//! What stays with the backend ([`Deferral`]): its buffer type, the context a node runs in
+//! (the CUDA backend's device and stream), its single-op kernels for a node whose inputs are
+//! all computed, and how it runs a program.
+//!
+//! Two rules keep programs simple. A pending operand is inlined when it is read in its own
+//! shape, contiguously, or when its value is the same at every element (a fill, a scalar, a
+//! chain of those), through any view; any other view forces it first and reads it as a leaf
+//! ([`operand`]). And a node that would exceed [`MAX_OPS`] operations or [`MAX_LEAVES`] leaf
+//! reads forces its operands first ([`node`]), so that programs stay bounded.
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::ir::{Combine, Instr, Scalar, Val};
+use crate::{BinaryOp, CmpOp, DType, Layout, ReduceOp, Result, Shape, UnaryOp};
+
+/// Most operations in one node's DAG (counted with repeats).
+pub const MAX_OPS: u32 = 48;
+/// Most leaf reads in one node's DAG (counted with repeats).
+pub const MAX_LEAVES: u32 = 12;
+
+/// What a backend supplies to the deferral graph.
+pub trait Deferral: Sized + 'static {
+    /// A computed buffer (shared: a node and the tensors reading it hold it together).
+    type Buf: Clone + Send + Sync;
+    /// Where a node runs (the device, a stream): recorded with the node.
+    type Ctx: Copy + Send + Sync;
+    /// Whether two buffers are the same memory (equal reads of it share a program input).
+    fn same_buf(a: &Self::Buf, b: &Self::Buf) -> bool;
+    /// Called for every buffer a program reads (the CUDA backend notes reads during a graph
+    /// capture).
+    fn note_leaf(_buf: &Self::Buf) {}
+}
+
+/// One deferred elementwise op.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Op {
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+    /// `op(x, value)`, or `op(value, x)` when `lhs`.
+    Scalar {
+        op: BinaryOp,
+        value: f64,
+        lhs: bool,
+    },
+    /// `g * op'(saved)` with operands `(saved, g)`.
+    UnaryBwd(UnaryOp),
+    Fill(f64),
+    /// `op(a, b)` as u8 0/1.
+    Compare(CmpOp),
+    /// Rust `as` to this dtype.
+    Cast(DType),
+    /// `cond ? a : b` with operands `(cond, a, b)`.
+    Where,
+}
+
+/// Whether `op` has a single-operand backward kernel (`Backend::unary_backward` in one pass),
+/// whose arithmetic [`build`] lowers to.
+pub fn has_backward(op: UnaryOp) -> bool {
+    !matches!(
+        op,
+        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil
+    )
+}
+
+impl Op {
+    /// The op's name, for errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) | Op::Scalar { op: b, .. } => b.name(),
+            Op::UnaryBwd(_) => "unary_backward",
+            Op::Fill(_) => "fill",
+            Op::Compare(c) => c.name(),
+            Op::Cast(_) => "cast",
+            Op::Where => "where",
+        }
+    }
+
+    /// Whether this op, with inputs of dtypes `ins` and a result of dtype `out`, can be
+    /// deferred: float arithmetic, comparisons of floats, `where` with float branches, casts
+    /// among f32, f64 and u8.
+    pub fn fusable(self, ins: &[DType], out: DType) -> bool {
+        let float = |d: DType| matches!(d, DType::F32 | DType::F64);
+        match self {
+            Op::Unary(u) => float(out) && u.supports(out),
+            Op::Binary(b) | Op::Scalar { op: b, .. } => float(out) && b.supports(out),
+            Op::UnaryBwd(u) => float(out) && has_backward(u),
+            Op::Fill(_) | Op::Where => float(out),
+            Op::Compare(_) => float(ins[0]),
+            Op::Cast(to) => [ins[0], to]
+                .iter()
+                .all(|d| matches!(d, DType::F32 | DType::F64 | DType::U8)),
+        }
+    }
+}
+
+/// An input of a node: a computed buffer read through a layout of the node's shape, or another
+/// node (read in its own shape, or uniform).
+pub enum Operand<D: Deferral> {
+    Leaf {
+        buf: D::Buf,
+        layout: Layout,
+        dtype: DType,
+    },
+    Node(Arc<Node<D>>),
+}
+
+impl<D: Deferral> Clone for Operand<D> {
+    fn clone(&self) -> Self {
+        match self {
+            Operand::Leaf { buf, layout, dtype } => Operand::Leaf {
+                buf: buf.clone(),
+                layout: layout.clone(),
+                dtype: *dtype,
+            },
+            Operand::Node(n) => Operand::Node(n.clone()),
+        }
+    }
+}
+
+/// A deferred elementwise op, and its result once forced.
+pub struct Node<D: Deferral> {
+    ctx: D::Ctx,
+    dtype: DType,
+    shape: Shape,
+    /// The value is the same at every element (no operand varies per element).
+    uniform: bool,
+    /// Operations and leaf reads in the DAG below, counted with repeats (for the caps).
+    ops: u32,
+    leaves: u32,
+    /// The op and its operands until the node is computed (then `None`: the operands, and
+    /// the buffers they hold, are released).
+    pending: Mutex<Option<(Op, Vec<Operand<D>>)>>,
+    done: OnceLock<D::Buf>,
+}
+
+impl<D: Deferral> Node<D> {
+    /// A node of `op` over `args` (read through layouts of `shape`), of dtype `dtype`.
+    fn new(ctx: D::Ctx, op: Op, args: Vec<Operand<D>>, shape: Shape, dtype: DType) -> Self {
+        let (ops, leaves, uniform) = tally(&args);
+        Node {
+            ctx,
+            dtype,
+            uniform: uniform || shape.elem_count() <= 1,
+            shape,
+            ops: ops + 1,
+            leaves,
+            pending: Mutex::new(Some((op, args))),
+            done: OnceLock::new(),
+        }
+    }
+    pub fn ctx(&self) -> D::Ctx {
+        self.ctx
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+    pub fn len_bytes(&self) -> usize {
+        self.shape.elem_count() * self.dtype.size_in_bytes()
+    }
+    /// The computed buffer, if the node was forced.
+    pub fn done(&self) -> Option<&D::Buf> {
+        self.done.get()
+    }
+    pub fn is_done(&self) -> bool {
+        self.done.get().is_some()
+    }
+    /// Takes the computed buffer out of a node that nobody else holds (a storage about to be
+    /// written in place takes its value back instead of copying it).
+    pub fn take_done(&mut self) -> Option<D::Buf> {
+        self.done.take()
+    }
+    /// The op and operands, while pending.
+    pub fn pending(&self) -> Option<(Op, Vec<Operand<D>>)> {
+        self.pending.lock().unwrap().clone()
+    }
+
+    /// Stores `buf` as the node's value and releases its operands; returns the value, which
+    /// is another thread's when that one finished first.
+    pub fn finish(&self, buf: D::Buf) -> D::Buf {
+        let mut pending = self.pending.lock().unwrap();
+        let value = self.done.get_or_init(|| buf).clone();
+        *pending = None;
+        value
+    }
+}
+
+/// Whether `l` reads a single element (every dimension of size > 1 has stride 0).
+pub fn reads_one(l: &Layout) -> bool {
+    l.dims()
+        .iter()
+        .zip(l.strides())
+        .all(|(&d, &s)| d <= 1 || s == 0)
+}
+
+/// (operations, leaf reads, all uniform) of a node's operands.
+fn tally<D: Deferral>(args: &[Operand<D>]) -> (u32, u32, bool) {
+    args.iter().fold((0, 0, true), |(o, l, u), a| match a {
+        Operand::Leaf { layout, .. } => (o, l + 1, u && reads_one(layout)),
+        Operand::Node(n) => (o + n.ops, l + n.leaves, u && n.uniform),
+    })
+}
+
+/// How a node reads pending-or-computed node `n` (of `dtype`) through `l`: inlined when read
+/// in its own shape contiguously or when uniform, else as a leaf of its value (forced with
+/// `force` if needed).
+pub fn operand<D: Deferral>(
+    n: &Arc<Node<D>>,
+    l: &Layout,
+    dtype: DType,
+    force: impl Fn(&Arc<Node<D>>) -> Result<D::Buf>,
+) -> Result<Operand<D>> {
+    let inline = n.uniform || (l.offset() == 0 && l.is_contiguous() && l.dims() == n.shape.dims());
+    Ok(match n.done() {
+        None if inline => Operand::Node(n.clone()),
+        done => Operand::Leaf {
+            buf: match done {
+                Some(b) => b.clone(),
+                None => force(n)?,
+            },
+            layout: l.clone(),
+            dtype,
+        },
+    })
+}
+
+/// A node of `op` over `args`, each read through the layout of the same index in `layouts`
+/// (all of `shape`). When the DAG would exceed a cap, pending operands are forced first with
+/// `force` and read as leaves.
+pub fn node<D: Deferral>(
+    ctx: D::Ctx,
+    op: Op,
+    mut args: Vec<Operand<D>>,
+    layouts: &[&Layout],
+    dtype: DType,
+    force: impl Fn(&Arc<Node<D>>) -> Result<D::Buf>,
+) -> Result<Arc<Node<D>>> {
+    let (ops, leaves, _) = tally(&args);
+    if ops + 1 > MAX_OPS || leaves > MAX_LEAVES {
+        for (a, l) in args.iter_mut().zip(layouts) {
+            if let Operand::Node(n) = a {
+                *a = Operand::Leaf {
+                    buf: force(n)?,
+                    layout: (*l).clone(),
+                    dtype: n.dtype,
+                };
+            }
+        }
+    }
+    Ok(Arc::new(Node::new(
+        ctx,
+        op,
+        args,
+        layouts[0].shape().clone(),
+        dtype,
+    )))
+}
+
+/// A deferred fill of `len` elements of `dtype` (a leafless, uniform node).
+pub fn fill<D: Deferral>(ctx: D::Ctx, dtype: DType, len: usize, value: f64) -> Arc<Node<D>> {
+    Arc::new(Node::new(
+        ctx,
+        Op::Fill(value),
+        Vec::new(),
+        Shape::new([len]),
+        dtype,
+    ))
+}
+
+/// How a consumer of shape `out` reads computed node `n`: element 0 everywhere when uniform,
+/// else contiguously in its own (equal) shape.
+pub fn done_layout<D: Deferral>(n: &Node<D>, out: &Shape) -> Layout {
+    if n.uniform {
+        Layout::from_parts(out.clone(), vec![0; out.rank()], 0)
+    } else {
+        Layout::contiguous(out.clone())
+    }
+}
+
+/// The operands of `node`, every one computed, as (buffer, layout, dtype) for its single-op
+/// kernel.
+///
+/// # Panics
+/// When an operand node was not forced first.
+pub fn computed_args<D: Deferral>(
+    node: &Node<D>,
+    args: &[Operand<D>],
+) -> Vec<(D::Buf, Layout, DType)> {
+    args.iter()
+        .map(|a| match a {
+            Operand::Leaf { buf, layout, dtype } => (buf.clone(), layout.clone(), *dtype),
+            Operand::Node(n) => (
+                n.done().expect("operands are computed first").clone(),
+                done_layout(n, &node.shape),
+                n.dtype,
+            ),
+        })
+        .collect()
+}
+
+/// Computes `node` (unless done) the way both backends do:
+/// - every operand computed: `run_op` (the single-op kernel), under the node's lock, so that
+///   a thread forcing the same node meanwhile waits for the result instead of recomputing it;
+/// - else `fused`: one program for the whole pending DAG;
+/// - when that declines (`None`: no program budget left, too many arguments), the pending
+///   operands through `force`, then `run_op`.
+pub fn force_with<D: Deferral>(
+    node: &Arc<Node<D>>,
+    run_op: impl Fn(&Node<D>, Op, &[Operand<D>]) -> Result<D::Buf>,
+    fused: impl FnOnce(&Arc<Node<D>>) -> Result<Option<D::Buf>>,
+    force: impl Fn(&Arc<Node<D>>) -> Result<D::Buf>,
+) -> Result<D::Buf> {
+    {
+        let mut pending = node.pending.lock().unwrap();
+        let Some((op, args)) = &*pending else {
+            return Ok(node.done().expect("a node without work is done").clone());
+        };
+        if args.iter().all(|a| match a {
+            Operand::Leaf { .. } => true,
+            Operand::Node(n) => n.is_done(),
+        }) {
+            let buf = run_op(node, *op, args)?;
+            let value = node.done.get_or_init(|| buf).clone();
+            *pending = None;
+            return Ok(value);
+        }
+    }
+    let buf = match fused(node)? {
+        Some(buf) => buf,
+        None => {
+            let Some((op, args)) = node.pending() else {
+                return Ok(node.done().expect("a node without work is done").clone());
+            };
+            for a in &args {
+                if let Operand::Node(n) = a {
+                    force(n)?;
+                }
+            }
+            run_op(node, op, &args)?
+        }
+    };
+    Ok(node.finish(buf))
+}
+
+/// The expression program of a node's pending DAG and the arguments of one run of it.
+pub struct Built<D: Deferral> {
+    pub code: Vec<Instr>,
+    /// The program's inputs: buffers read through layouts of the root's shape.
+    pub inputs: Vec<(D::Buf, Layout, DType)>,
+    /// Its parameters: the constants of scalar ops and fills (arguments, so that a chain that
+    /// differs only in its constants is the same program).
+    pub params: Vec<(f64, DType)>,
+    /// The value computed: the root, or its reduction over every axis.
+    pub out: Val,
+    /// Every axis when reducing, else empty.
+    pub axes: Vec<isize>,
+}
+
+/// The program of `root`'s pending DAG; with `reduce`, of the 1-element reduction of it over
+/// every axis instead of its elements.
+pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<ReduceOp>) -> Built<D> {
+    let mut g = Gen {
+        shape: &root.shape,
+        code: Vec::new(),
+        inputs: Vec::new(),
+        params: Vec::new(),
+        memo: Vec::new(),
+    };
+    let mut out = g.node(root);
+    let mut axes = Vec::new();
+    if let Some(op) = reduce {
+        let combine = match op {
+            ReduceOp::Max => Combine::Max,
+            ReduceOp::Min => Combine::Min,
+            _ => Combine::Sum,
+        };
+        out = g.push(Instr::Reduce(combine, out));
+        axes = (0..root.shape.rank() as isize).collect();
+    }
+    Built {
+        code: g.code,
+        inputs: g.inputs,
+        params: g.params,
+        out,
+        axes,
+    }
+}
+
+struct Gen<'a, D: Deferral> {
+    /// The root's shape: the iteration shape.
+    shape: &'a Shape,
+    code: Vec<Instr>,
+    inputs: Vec<(D::Buf, Layout, DType)>,
+    params: Vec<(f64, DType)>,
+    /// Nodes already emitted (held, so that their addresses stay theirs).
+    memo: Vec<(Arc<Node<D>>, Val)>,
+}
+
+impl<D: Deferral> Gen<'_, D> {
+    fn push(&mut self, ins: Instr) -> Val {
+        self.code.push(ins);
+        (self.code.len() - 1) as Val
+    }
+
+    /// An input read through `layout`. A layout that reads one element (a uniform leaf, which
+    /// may sit under a uniform node of another shape) becomes a broadcast of that element in
+    /// the root's shape; equal reads share an input.
+    fn leaf(&mut self, buf: D::Buf, layout: Layout, dtype: DType) -> Val {
+        D::note_leaf(&buf);
+        let layout = if reads_one(&layout) {
+            let rank = self.shape.rank();
+            Layout::from_parts(self.shape.clone(), vec![0; rank], layout.offset())
+        } else {
+            layout
+        };
+        let same = |(b, l, _): &(D::Buf, Layout, DType)| {
+            D::same_buf(b, &buf) && l.offset() == layout.offset() && l.strides() == layout.strides()
+        };
+        let k = match self.inputs.iter().position(same) {
+            Some(k) => k,
+            None => {
+                self.inputs.push((buf, layout, dtype));
+                self.inputs.len() - 1
+            }
+        };
+        self.push(Instr::Input(k as u32))
+    }
+
+    fn param(&mut self, v: f64, dtype: DType) -> Val {
+        self.params.push((v, dtype));
+        self.push(Instr::Param((self.params.len() - 1) as u32))
+    }
+
+    fn constant(&mut self, v: f64, dtype: DType) -> Val {
+        self.push(Instr::Const(Scalar::new(v, dtype)))
+    }
+
+    fn operand(&mut self, a: &Operand<D>) -> Val {
+        match a {
+            Operand::Leaf { buf, layout, dtype } => self.leaf(buf.clone(), layout.clone(), *dtype),
+            Operand::Node(n) => self.node(n),
+        }
+    }
+
+    /// `g * op'(s)`, with the arithmetic of the single-op backward kernels (the table of
+    /// `backend::composed_unary_backward`, which the CPU's one-pass kernel and the CUDA
+    /// backend's `op_bwd_<op>` compute in the same order), so the same bits.
+    fn unary_backward(&mut self, op: UnaryOp, s: Val, g: Val, dtype: DType) -> Val {
+        use BinaryOp::{Div, Mul, Sub};
+        let bin = |g_: &mut Self, op, a, b| g_.push(Instr::Binary(op, a, b));
+        let un = |g_: &mut Self, op, a| g_.push(Instr::Unary(op, a));
+        match op {
+            UnaryOp::Exp => bin(self, Mul, g, s),
+            UnaryOp::Log => bin(self, Div, g, s),
+            UnaryOp::Sqrt | UnaryOp::Square => {
+                let two = self.constant(2.0, dtype);
+                let d = bin(self, Mul, s, two);
+                bin(self, if op == UnaryOp::Sqrt { Div } else { Mul }, g, d)
+            }
+            UnaryOp::Recip => {
+                let ss = bin(self, Mul, s, s);
+                let d = bin(self, Mul, g, ss);
+                un(self, UnaryOp::Neg, d)
+            }
+            UnaryOp::Sin => {
+                let c = un(self, UnaryOp::Cos, s);
+                bin(self, Mul, g, c)
+            }
+            UnaryOp::Cos => {
+                let sn = un(self, UnaryOp::Sin, s);
+                let d = bin(self, Mul, g, sn);
+                un(self, UnaryOp::Neg, d)
+            }
+            UnaryOp::Tanh => {
+                let one = self.constant(1.0, dtype);
+                let ss = bin(self, Mul, s, s);
+                let d = bin(self, Sub, one, ss);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Sigmoid => {
+                let one = self.constant(1.0, dtype);
+                let d = bin(self, Sub, one, s);
+                let d = bin(self, Mul, s, d);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Relu | UnaryOp::Abs => {
+                let d = un(self, UnaryOp::Sign, s);
+                bin(self, Mul, g, d)
+            }
+            UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
+                unreachable!("only ops with a backward kernel are recorded (Op::fusable)")
+            }
+        }
+    }
+
+    fn node(&mut self, n: &Arc<Node<D>>) -> Val {
+        if let Some(&(_, r)) = self.memo.iter().find(|(m, _)| Arc::ptr_eq(m, n)) {
+            return r;
+        }
+        let r = match n.pending() {
+            None => {
+                let buf = n.done().expect("a node without work is done").clone();
+                self.leaf(buf, done_layout(n, self.shape), n.dtype)
+            }
+            Some((op, args)) => {
+                let regs: Vec<Val> = args.iter().map(|a| self.operand(a)).collect();
+                match op {
+                    Op::Unary(u) => self.push(Instr::Unary(u, regs[0])),
+                    Op::Binary(b) => self.push(Instr::Binary(b, regs[0], regs[1])),
+                    Op::Scalar { op, value, lhs } => {
+                        let c = self.param(value, n.dtype);
+                        let (x, y) = if lhs { (c, regs[0]) } else { (regs[0], c) };
+                        self.push(Instr::Binary(op, x, y))
+                    }
+                    Op::UnaryBwd(u) => self.unary_backward(u, regs[0], regs[1], n.dtype),
+                    Op::Fill(v) => self.param(v, n.dtype),
+                    Op::Compare(c) => self.push(Instr::Cmp(c, regs[0], regs[1])),
+                    Op::Cast(to) => self.push(Instr::Cast(to, regs[0])),
+                    Op::Where => self.push(Instr::Where(regs[0], regs[1], regs[2])),
+                }
+            }
+        };
+        self.memo.push((n.clone(), r));
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn single_element_reads_are_uniform() {
+        assert!(reads_one(&Layout::contiguous(Shape::scalar())));
+        assert!(reads_one(&Layout::from_parts(
+            Shape::new([3, 4]),
+            vec![0, 0],
+            5
+        )));
+        assert!(reads_one(&Layout::from_parts(
+            Shape::new([1, 4]),
+            vec![7, 0],
+            0
+        )));
+        assert!(!reads_one(&Layout::from_parts(
+            Shape::new([3, 4]),
+            vec![0, 1],
+            0
+        )));
+    }
+}

@@ -3,8 +3,11 @@
 //! both alternately):
 //!
 //! - `chain5_32m`: `exp(a * b + 1) * 0.5 - b` over two 32M-element f32 vectors, five ops:
-//!   - `op_by_op`: five `Tensor` ops, each a kernel that reads and writes 128 MiB;
-//!   - `fused`: one program, one pass (`Program::run` → `Backend::eval_expr`);
+//!   - `op_by_op`: five `Tensor` ops with deferral off (`set_fusion(false)`), each a kernel
+//!     that reads and writes 128 MiB;
+//!   - `deferred`: the same five `Tensor` ops as users write them, deferral on (the default),
+//!     then `realize`: recorded, then run as one program (`lazy.rs`);
+//!   - `fused`: one program written with `Expr`, one pass (`Program::run` → `Backend::eval_expr`);
 //! - `mul_32m`: `a * b` alone, fused and as the built-in kernel: the memory floor of the
 //!   chain (both read 256 MiB and write 128 MiB);
 //! - `lse_rows_4096x4096`: a row-wise log-sum-exp `log(sum(exp(x - m))) + m` given the row
@@ -19,7 +22,7 @@
 //! kiln's results are allocated through the backend's buffer cache on both sides.
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use kiln_backend_cpu::Cpu;
+use kiln_backend_cpu::{Cpu, set_fusion};
 use kiln_core::expr::{Expr, Program};
 use kiln_core::{DType, Tensor, UpdateRule};
 use std::hint::black_box;
@@ -35,12 +38,16 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("chain5_32m");
     g.throughput(Throughput::Elements(n as u64));
     g.sample_size(10);
-    g.bench_function("op_by_op", |bch| {
-        bch.iter(|| {
-            let t = a.mul(&b).unwrap().add_scalar(1.0).unwrap().exp().unwrap();
-            black_box(t.mul_scalar(0.5).unwrap().sub(&b).unwrap())
-        })
-    });
+    let tensor_chain = || {
+        let t = a.mul(&b).unwrap().add_scalar(1.0).unwrap().exp().unwrap();
+        let y = t.mul_scalar(0.5).unwrap().sub(&b).unwrap();
+        y.realize().unwrap();
+        y
+    };
+    set_fusion(false);
+    g.bench_function("op_by_op", |bch| bch.iter(|| black_box(tensor_chain())));
+    set_fusion(true);
+    g.bench_function("deferred", |bch| bch.iter(|| black_box(tensor_chain())));
     g.bench_function("fused", |bch| {
         bch.iter(|| black_box(p.run(&[&a, &b], &[]).unwrap()))
     });
@@ -51,7 +58,13 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("mul_32m");
     g.throughput(Throughput::Elements(n as u64));
     g.sample_size(10);
-    g.bench_function("op", |bch| bch.iter(|| black_box(a.mul(&b).unwrap())));
+    g.bench_function("op", |bch| {
+        bch.iter(|| {
+            let y = a.mul(&b).unwrap();
+            y.realize().unwrap();
+            black_box(y)
+        })
+    });
     g.bench_function("fused", |bch| {
         bch.iter(|| black_box(prod.run(&[&a, &b], &[]).unwrap()))
     });
@@ -66,12 +79,14 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("lse_rows_4096x4096");
     g.throughput(Throughput::Elements((r * r) as u64));
     g.sample_size(10);
+    set_fusion(false);
     g.bench_function("op_by_op", |bch| {
         bch.iter(|| {
             let e = s.sub(&m).unwrap().exp().unwrap().sum(&[1], true).unwrap();
             black_box(e.log().unwrap().add(&m).unwrap())
         })
     });
+    set_fusion(true);
     g.bench_function("fused", |bch| {
         bch.iter(|| black_box(p.run(&[&s, &m], &[]).unwrap()))
     });

@@ -21,7 +21,7 @@ pub(crate) fn dtype_err(op: &'static str, expected: &str, got: DType) -> Error {
 
 /// The typed slice of `s`, or a dtype error naming `op`.
 pub(crate) fn slice<'a, T: CpuElem>(op: &'static str, s: &'a CpuStorage) -> Result<&'a [T]> {
-    T::slice(s.data()).ok_or_else(|| dtype_err(op, T::DTYPE.as_str(), s.dtype()))
+    T::slice(s.data()?).ok_or_else(|| dtype_err(op, T::DTYPE.as_str(), s.dtype()))
 }
 
 /// A slice kernel from an elementwise function.

@@ -36,6 +36,7 @@ mod elementwise;
 mod expr;
 mod fastmath;
 mod index;
+mod lazy;
 mod matmul;
 mod pool;
 mod random;
@@ -45,8 +46,13 @@ pub mod storage;
 mod strided;
 
 pub use device::{CpuDevice, MAX_CPU_DEVICES};
+pub use lazy::{
+    DEFAULT_FUSION_MIN_ELEMENTS, fusion_enabled, fusion_min_elements, set_fusion,
+    set_fusion_min_elements,
+};
 pub use storage::{CpuData, CpuStorage, HostVec};
 
+use kiln_core::expr::defer::Op;
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
     ReduceOp, Result, UnaryOp,
@@ -68,6 +74,13 @@ impl Cpu {
     pub fn device(n: usize) -> CpuDevice {
         CpuDevice::new(n).expect("CPU device ordinal out of range")
     }
+}
+
+/// Computes `s` if it holds deferred work (see `lazy.rs`), then [`check`]s `layout`: the
+/// first step of every op that reads elements.
+fn input(op: &'static str, s: &CpuStorage, layout: &Layout) -> Result<()> {
+    lazy::compute(s)?;
+    check(op, s, layout)
 }
 
 /// Rejects a layout that reaches outside its storage (instead of panicking on an index).
@@ -173,7 +186,7 @@ fn copy_into_t<T: CpuElem>(
 ) -> Result<()> {
     let got = dst.dtype();
     let s = slice::<T>("copy_into", src)?;
-    let d = T::slice_mut(dst.data_mut())
+    let d = T::slice_mut(dst.data_mut()?)
         .ok_or_else(|| dtype_err("copy_into", T::DTYPE.as_str(), got))?;
     strided::copy_strided(s, ls, d, ld);
     Ok(())
@@ -206,6 +219,15 @@ impl Backend for Cpu {
     /// Kernels run to completion before they return: nothing to wait for.
     fn synchronize(_device: &CpuDevice) -> Result<()> {
         Ok(())
+    }
+
+    /// Runs the deferred elementwise chain behind `storage`, if any (see `lazy.rs`).
+    fn realize(storage: &CpuStorage) -> Result<()> {
+        lazy::compute(storage)
+    }
+
+    fn is_deferred(storage: &CpuStorage) -> bool {
+        storage.is_pending()
     }
 
     fn memory_stats(device: &CpuDevice) -> Result<MemoryStats> {
@@ -262,14 +284,13 @@ impl Backend for Cpu {
     ) -> Option<HostSource<'a>> {
         let r = layout.contiguous_range()?;
         let size = dtype.size_in_bytes();
-        let bytes = storage
-            .data()
-            .as_bytes()
-            .get(r.start * size..r.end * size)?;
+        lazy::compute(storage).ok()?;
+        let data = storage.data().ok()?;
+        let bytes = data.as_bytes().get(r.start * size..r.end * size)?;
         let owner: std::sync::Arc<dyn std::any::Any + Send + Sync> = storage.clone();
         Some(HostSource {
             bytes,
-            pinned: storage.data().is_pinned(),
+            pinned: data.is_pinned(),
             owner: Some(owner),
         })
     }
@@ -280,7 +301,7 @@ impl Backend for Cpu {
         dtype: DType,
         out: &mut [u8],
     ) -> Result<()> {
-        check("to_host", storage, layout)?;
+        input("to_host", storage, layout)?;
         let size = dtype.size_in_bytes();
         if out.len() != layout.elem_count() * size {
             return Err(Error::invalid(
@@ -308,11 +329,15 @@ impl Backend for Cpu {
     ) -> Option<&'a mut [u8]> {
         let r = layout.contiguous_range()?;
         let size = dtype.size_in_bytes();
-        storage.bytes_mut().get_mut(r.start * size..r.end * size)
+        lazy::compute(storage).ok()?;
+        storage
+            .bytes_mut()
+            .ok()?
+            .get_mut(r.start * size..r.end * size)
     }
 
     fn pin_memory(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
-        check("pin_memory", storage, layout)?;
+        input("pin_memory", storage, layout)?;
         let d = storage.device();
         let data = match dtype {
             DType::F32 => CpuData::F32(pin_t(storage, layout)?),
@@ -325,11 +350,11 @@ impl Backend for Cpu {
     }
 
     fn is_pinned(storage: &CpuStorage) -> bool {
-        storage.data().is_pinned()
+        storage.data().is_ok_and(|d| d.is_pinned())
     }
 
     fn to_host(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
-        check("to_host", storage, layout)?;
+        input("to_host", storage, layout)?;
         Ok(match dtype {
             DType::F32 => HostBuffer::F32(to_host_t(storage, layout)?),
             DType::F64 => HostBuffer::F64(to_host_t(storage, layout)?),
@@ -345,7 +370,7 @@ impl Backend for Cpu {
         dtype: DType,
         dst: &CpuDevice,
     ) -> Result<CpuStorage> {
-        check("copy_to", storage, layout)?;
+        input("copy_to", storage, layout)?;
         elementwise::copy_contiguous("copy_to", storage, layout, dtype, *dst)
     }
 
@@ -356,8 +381,8 @@ impl Backend for Cpu {
         dst_layout: &Layout,
         dtype: DType,
     ) -> Result<()> {
-        check("copy_into", src, src_layout)?;
-        check("copy_into", dst, dst_layout)?;
+        input("copy_into", src, src_layout)?;
+        input("copy_into", dst, dst_layout)?;
         same_shape("copy_into", src_layout, dst_layout)?;
         match dtype {
             DType::F32 => copy_into_t::<f32>(src, src_layout, dst, dst_layout),
@@ -369,7 +394,7 @@ impl Backend for Cpu {
     }
 
     fn contiguous(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
-        check("contiguous", storage, layout)?;
+        input("contiguous", storage, layout)?;
         elementwise::copy_contiguous("contiguous", storage, layout, dtype, storage.device())
     }
 
@@ -385,7 +410,7 @@ impl Backend for Cpu {
 
     fn unary(op: UnaryOp, s: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
         check(op.name(), s, layout)?;
-        elementwise::unary(op, s, layout, dtype)
+        lazy::record(Op::Unary(op), &[(s, layout, dtype)], dtype)
     }
 
     fn unary_backward(
@@ -399,7 +424,8 @@ impl Backend for Cpu {
         check("unary_backward", saved, saved_layout)?;
         check("unary_backward", g, g_layout)?;
         same_shape("unary_backward", saved_layout, g_layout)?;
-        elementwise::unary_backward(op, saved, saved_layout, g, g_layout, dtype)
+        let args = [(saved, saved_layout, dtype), (g, g_layout, dtype)];
+        lazy::record(Op::UnaryBwd(op), &args, dtype)
     }
 
     fn binary(
@@ -413,7 +439,8 @@ impl Backend for Cpu {
         check(op.name(), lhs, lhs_layout)?;
         check(op.name(), rhs, rhs_layout)?;
         same_shape(op.name(), lhs_layout, rhs_layout)?;
-        elementwise::binary(op, lhs, lhs_layout, rhs, rhs_layout, dtype)
+        let args = [(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)];
+        lazy::record(Op::Binary(op), &args, dtype)
     }
 
     fn binary_scalar(
@@ -425,7 +452,12 @@ impl Backend for Cpu {
         scalar_lhs: bool,
     ) -> Result<CpuStorage> {
         check(op.name(), s, layout)?;
-        elementwise::binary_scalar(op, s, layout, dtype, scalar, scalar_lhs)
+        let op = Op::Scalar {
+            op,
+            value: scalar,
+            lhs: scalar_lhs,
+        };
+        lazy::record(op, &[(s, layout, dtype)], dtype)
     }
 
     fn compare(
@@ -439,7 +471,8 @@ impl Backend for Cpu {
         check(op.name(), lhs, lhs_layout)?;
         check(op.name(), rhs, rhs_layout)?;
         same_shape(op.name(), lhs_layout, rhs_layout)?;
-        elementwise::compare(op, lhs, lhs_layout, rhs, rhs_layout, dtype)
+        let args = [(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)];
+        lazy::record(Op::Compare(op), &args, DType::U8)
     }
 
     fn where_cond(
@@ -456,15 +489,12 @@ impl Backend for Cpu {
         check("where", on_false, false_layout)?;
         same_shape("where", cond_layout, true_layout)?;
         same_shape("where", cond_layout, false_layout)?;
-        elementwise::where_cond(
-            cond,
-            cond_layout,
-            on_true,
-            true_layout,
-            on_false,
-            false_layout,
-            dtype,
-        )
+        let args = [
+            (cond, cond_layout, DType::U8),
+            (on_true, true_layout, dtype),
+            (on_false, false_layout, dtype),
+        ];
+        lazy::record(Op::Where, &args, dtype)
     }
 
     fn reduce(
@@ -474,7 +504,7 @@ impl Backend for Cpu {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CpuStorage> {
-        check(op.name(), s, layout)?;
+        input(op.name(), s, layout)?;
         reduce::reduce(op, s, layout, dtype, axes)
     }
 
@@ -485,14 +515,14 @@ impl Backend for Cpu {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CpuStorage> {
-        check("matmul", lhs, lhs_layout)?;
-        check("matmul", rhs, rhs_layout)?;
+        input("matmul", lhs, lhs_layout)?;
+        input("matmul", rhs, rhs_layout)?;
         matmul::matmul(lhs, lhs_layout, rhs, rhs_layout, dtype)
     }
 
     fn softmax(s: &CpuStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CpuStorage> {
         let op = if log { "log_softmax" } else { "softmax" };
-        check(op, s, layout)?;
+        input(op, s, layout)?;
         softmax::softmax(s, layout, dtype, log)
     }
 
@@ -503,8 +533,8 @@ impl Backend for Cpu {
         labels_layout: &Layout,
         dtype: DType,
     ) -> Result<CpuStorage> {
-        check("cross_entropy", logits, logits_layout)?;
-        check("cross_entropy", labels, labels_layout)?;
+        input("cross_entropy", logits, logits_layout)?;
+        input("cross_entropy", labels, labels_layout)?;
         softmax::cross_entropy(logits, logits_layout, labels, labels_layout, None, dtype)
     }
 
@@ -518,9 +548,9 @@ impl Backend for Cpu {
         dtype: DType,
     ) -> Result<CpuStorage> {
         const OP: &str = "cross_entropy_backward";
-        check(OP, logits, logits_layout)?;
-        check(OP, labels, labels_layout)?;
-        check(OP, grad, grad_layout)?;
+        input(OP, logits, logits_layout)?;
+        input(OP, labels, labels_layout)?;
+        input(OP, grad, grad_layout)?;
         softmax::cross_entropy(
             logits,
             logits_layout,
@@ -533,7 +563,7 @@ impl Backend for Cpu {
 
     fn cast(s: &CpuStorage, layout: &Layout, from: DType, to: DType) -> Result<CpuStorage> {
         check("cast", s, layout)?;
-        elementwise::cast(s, layout, from, to)
+        lazy::record(Op::Cast(to), &[(s, layout, from)], to)
     }
 
     fn index_select(
@@ -544,8 +574,8 @@ impl Backend for Cpu {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CpuStorage> {
-        check("index_select", s, layout)?;
-        check("index_select", ids, ids_layout)?;
+        input("index_select", s, layout)?;
+        input("index_select", ids, ids_layout)?;
         index::index_select(s, layout, dtype, ids, ids_layout, axis)
     }
 
@@ -557,8 +587,8 @@ impl Backend for Cpu {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CpuStorage> {
-        check("gather", s, layout)?;
-        check("gather", ids, ids_layout)?;
+        input("gather", s, layout)?;
+        input("gather", ids, ids_layout)?;
         index::gather(s, layout, dtype, ids, ids_layout, axis)
     }
 
@@ -572,9 +602,9 @@ impl Backend for Cpu {
         src_layout: &Layout,
         axis: usize,
     ) -> Result<CpuStorage> {
-        check("scatter_add", base, base_layout)?;
-        check("scatter_add", ids, ids_layout)?;
-        check("scatter_add", src, src_layout)?;
+        input("scatter_add", base, base_layout)?;
+        input("scatter_add", ids, ids_layout)?;
+        input("scatter_add", src, src_layout)?;
         index::scatter_add(
             base,
             base_layout,
@@ -595,6 +625,9 @@ impl Backend for Cpu {
         inputs: &[(&CpuStorage, &Layout)],
         params: &[f64],
     ) -> Result<Vec<CpuStorage>> {
+        for (s, _) in inputs {
+            lazy::compute(s)?;
+        }
         expr::eval_expr(device, program, shape, inputs, params)
     }
 }

@@ -248,10 +248,11 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         .collect();
     let (ma, mb) = (*ma, *mb);
     // Hand every part but the first to a helper; a part no helper takes comes back to run here.
+    let (a_block, b_block) = (a.shared()?, b.shared()?);
     let others: Vec<_> = ranges[1..]
         .iter()
         .map(|r| {
-            let (ad, bd, r2, dev) = (a.shared(), b.shared(), r.clone(), a.device());
+            let (ad, bd, r2, dev) = (a_block.clone(), b_block.clone(), r.clone(), a.device());
             let job = move || part::<T>(dev, (&ad, ma), (&bd, mb), split, r2);
             (r.clone(), pool::submit(job))
         })
@@ -371,10 +372,11 @@ fn split_gemv<T: CpuElem + LinalgScalar>(
         }
     };
     // Hand every part but the first to a helper; a part no helper takes comes back to run here.
+    let (a_block, b_block) = (a.shared()?, b.shared()?);
     let others: Vec<_> = ranges[1..]
         .iter()
         .map(|r| {
-            let (ad, bd, r2) = (a.shared(), b.shared(), r.clone());
+            let (ad, bd, r2) = (a_block.clone(), b_block.clone(), r.clone());
             let job = move || -> Result<Vec<T>> {
                 let (x, y) = (
                     T::slice(&ad)

@@ -30,14 +30,15 @@
 //! kernel sees a plain slice either way; copies between such a storage and a GPU are direct DMA.
 //! Pinned blocks are pooled by the GPU backend, so they bypass the cache below.
 //!
-//! The data sit behind an `Arc` so that a kernel can hand a `'static` reference to a helper
-//! thread (the split GEMM of `matmul.rs` does); the helper's reference is gone
-//! before the kernel returns, so mutation and the cache see a unique owner again.
+//! The data sit in a [`Block`] behind an `Arc`, so that a kernel can hand a `'static` reference
+//! to a helper thread (the split GEMM of `matmul.rs` does) and a deferred op (`lazy.rs`) can
+//! hold its inputs; the memory counts as in use, and returns to the cache, with the last holder.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
+use kiln_core::expr::defer::{self, Deferral};
 use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result};
 
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
@@ -207,41 +208,175 @@ impl CpuData {
     }
 }
 
-/// One buffer on one virtual CPU device. Dropping it returns large buffers to the cache.
-#[derive(Debug)]
-pub struct CpuStorage {
-    data: Arc<CpuData>,
+/// A computed buffer: the elements, counted against their device's memory while any holder
+/// (a storage, a pending node that reads it, a helper thread) keeps it; the last one's drop
+/// returns a large buffer to the cache.
+pub struct Block {
+    data: CpuData,
     device: CpuDevice,
+}
+
+impl Block {
+    fn new(device: CpuDevice, data: CpuData) -> Block {
+        counters(&device).add(data.size_in_bytes());
+        Block { data, device }
+    }
+}
+
+impl std::ops::Deref for Block {
+    type Target = CpuData;
+    fn deref(&self) -> &CpuData {
+        &self.data
+    }
+}
+
+/// A copy in fresh memory (for an in-place write into a shared buffer).
+impl Clone for Block {
+    fn clone(&self) -> Block {
+        Block::new(self.device, self.data.clone())
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        let data = std::mem::replace(&mut self.data, CpuData::U8(Vec::new().into()));
+        counters(&self.device).sub(data.size_in_bytes());
+        release(self.device, data);
+    }
+}
+
+/// The CPU's side of the deferral graph (`kiln_core::expr::defer`): nodes hold blocks and
+/// remember their device. Recording and forcing are `lazy.rs`'s.
+pub(crate) struct CpuDeferral;
+
+impl Deferral for CpuDeferral {
+    type Buf = Arc<Block>;
+    type Ctx = CpuDevice;
+    fn same_buf(a: &Arc<Block>, b: &Arc<Block>) -> bool {
+        Arc::ptr_eq(a, b)
+    }
+}
+
+/// A deferred elementwise op of the CPU backend.
+pub(crate) type Node = defer::Node<CpuDeferral>;
+
+/// The error of a read of deferred work that was not computed (a kiln bug if it reaches a
+/// user: the backend's ops compute their inputs first).
+fn unforced() -> Error {
+    Error::invalid(
+        "read",
+        "the storage holds deferred elementwise work that was not computed \
+         (Tensor::realize computes it)",
+    )
+}
+
+/// A storage's contents: computed, or deferred work.
+enum Repr {
+    Ready(Arc<Block>),
+    Pending(Arc<Node>),
+}
+
+/// One buffer on one virtual CPU device, or the deferred elementwise work that computes it
+/// (see `lazy.rs`: large elementwise chains are fused). The backend's ops compute a pending
+/// storage before they read it; [`CpuStorage::data`] of one still pending is an error.
+pub struct CpuStorage {
+    repr: Repr,
+    device: CpuDevice,
+}
+
+impl std::fmt::Debug for CpuStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.repr {
+            Repr::Ready(b) => f
+                .debug_struct("CpuStorage")
+                .field("device", &self.device)
+                .field("data", &b.data)
+                .finish(),
+            Repr::Pending(n) => f
+                .debug_struct("CpuStorage")
+                .field("device", &self.device)
+                .field("pending", &(n.dtype(), n.shape()))
+                .finish(),
+        }
+    }
 }
 
 impl CpuStorage {
     /// Wraps `data` as a storage on `device` (counted in the device's memory stats).
     pub fn new(device: CpuDevice, data: CpuData) -> Self {
-        counters(&device).add(data.size_in_bytes());
         CpuStorage {
-            data: Arc::new(data),
+            repr: Repr::Ready(Arc::new(Block::new(device, data))),
             device,
         }
     }
 
-    pub fn data(&self) -> &CpuData {
-        &self.data
+    /// A storage whose contents are `block`.
+    pub(crate) fn from_block(block: Arc<Block>) -> Self {
+        CpuStorage {
+            device: block.device,
+            repr: Repr::Ready(block),
+        }
     }
 
-    /// A shared reference to the data that may outlive this borrow (for a helper thread).
-    pub(crate) fn shared(&self) -> Arc<CpuData> {
-        Arc::clone(&self.data)
+    /// A storage computed by deferred `node`.
+    pub(crate) fn pending(node: Arc<Node>) -> Self {
+        CpuStorage {
+            device: node.ctx(),
+            repr: Repr::Pending(node),
+        }
     }
 
-    /// Mutable access for in-place writes (`copy_into`). The length must not change. (Never
-    /// copies in practice: shared references live only inside a kernel call.)
-    pub(crate) fn data_mut(&mut self) -> &mut CpuData {
-        Arc::make_mut(&mut self.data)
+    /// The deferred work behind this storage, if it is (or was) deferred.
+    pub(crate) fn node(&self) -> Option<&Arc<Node>> {
+        match &self.repr {
+            Repr::Ready(_) => None,
+            Repr::Pending(n) => Some(n),
+        }
+    }
+
+    /// The computed block, if computed.
+    pub(crate) fn block(&self) -> Option<&Arc<Block>> {
+        match &self.repr {
+            Repr::Ready(b) => Some(b),
+            Repr::Pending(n) => n.done(),
+        }
+    }
+
+    /// The elements. An error when the storage is deferred work not computed yet
+    /// (`Tensor::realize` computes it).
+    pub fn data(&self) -> Result<&CpuData> {
+        self.block().map(|b| &b.data).ok_or_else(unforced)
+    }
+
+    /// A shared reference to the computed block that may outlive this borrow (for a helper
+    /// thread).
+    pub(crate) fn shared(&self) -> Result<Arc<Block>> {
+        self.block().cloned().ok_or_else(unforced)
+    }
+
+    /// Mutable access for in-place writes (`copy_into`). The length must not change. A block
+    /// that someone else still holds (a pending node reading the old contents) is copied first.
+    pub(crate) fn data_mut(&mut self) -> Result<&mut CpuData> {
+        if let Repr::Pending(n) = &mut self.repr {
+            let taken = Arc::get_mut(n).and_then(|n| n.take_done());
+            let block = match taken {
+                Some(b) => b,
+                None => match n.done() {
+                    Some(b) => b.clone(),
+                    None => return Err(unforced()),
+                },
+            };
+            self.repr = Repr::Ready(block);
+        }
+        let Repr::Ready(b) = &mut self.repr else {
+            unreachable!("made ready above")
+        };
+        Ok(&mut Arc::make_mut(b).data)
     }
 
     /// The elements as writable bytes (for `Tensor::copy_from`).
-    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
-        self.data_mut().as_bytes_mut()
+    pub(crate) fn bytes_mut(&mut self) -> Result<&mut [u8]> {
+        Ok(self.data_mut()?.as_bytes_mut())
     }
 
     pub fn device(&self) -> CpuDevice {
@@ -249,25 +384,26 @@ impl CpuStorage {
     }
 
     pub fn dtype(&self) -> DType {
-        self.data.dtype()
+        match &self.repr {
+            Repr::Ready(b) => b.data.dtype(),
+            Repr::Pending(n) => n.dtype(),
+        }
     }
 
     pub fn len(&self) -> usize {
-        self.data.len()
+        match &self.repr {
+            Repr::Ready(b) => b.data.len(),
+            Repr::Pending(n) => n.shape().elem_count(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.data.is_empty()
+        self.len() == 0
     }
-}
 
-impl Drop for CpuStorage {
-    fn drop(&mut self) {
-        let data = std::mem::replace(&mut self.data, Arc::new(CpuData::U8(Vec::new().into())));
-        counters(&self.device).sub(data.size_in_bytes());
-        if let Ok(data) = Arc::try_unwrap(data) {
-            release(self.device, data);
-        }
+    /// Whether this holds deferred work not computed yet.
+    pub fn is_pending(&self) -> bool {
+        self.block().is_none()
     }
 }
 

@@ -11,7 +11,7 @@ use kiln_core::expr::{Instr, Program};
 use kiln_core::{BinaryOp, CmpOp, DType, UnaryOp};
 
 use crate::fastmath;
-use crate::storage::{CpuElem, CpuStorage};
+use crate::storage::{CpuData, CpuElem};
 
 /// `op` on floats of type `$t`, as `elementwise.rs` computes it, each result then passed
 /// through `$post` (a scalar tail, or the identity) in the same loop.
@@ -248,7 +248,7 @@ pub(super) struct Frame<'a> {
     /// Where in the block the elements computed next start (see [`Frame::exec`]); 0 but
     /// while the elementwise driver runs the last instruction a piece at a time.
     pub(super) base: usize,
-    pub(super) inputs: &'a [&'a CpuStorage],
+    pub(super) inputs: &'a [&'a CpuData],
     /// Byte ranges (addresses) of the next block's inputs still to prefetch, and how many
     /// cache lines to request after each instruction (see [`Frame::prefetch_some`]).
     pub(super) prefetch: Vec<(usize, usize)>,
@@ -271,7 +271,7 @@ impl Drop for Frame<'_> {
 }
 
 impl<'a> Frame<'a> {
-    pub(super) fn new(program: &Program, inputs: &'a [&'a CpuStorage]) -> Frame<'a> {
+    pub(super) fn new(program: &Program, inputs: &'a [&'a CpuData]) -> Frame<'a> {
         Frame {
             regs: program.dtypes().iter().map(|&d| take_reg(d)).collect(),
             locs: vec![Loc::Uni(Sv::U8(0)); program.code().len()],
@@ -319,7 +319,7 @@ impl<'a> Frame<'a> {
             Loc::Reg => Src::S(&T::reg(&self.regs[v])[self.base..self.base + self.len]),
             Loc::Uni(s) => Src::C(T::sv(s)),
             Loc::In { k, start } => Src::S(
-                &T::slice(self.inputs[k].data()).expect("input dtype checked")
+                &T::slice(self.inputs[k]).expect("input dtype checked")
                     [start + self.base..start + self.base + self.len],
             ),
         }

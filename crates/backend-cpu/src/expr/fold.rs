@@ -9,7 +9,7 @@ use rayon::prelude::*;
 use super::block::{BLOCK, Buf, Elt, Frame, Loc, Src};
 use super::walk::Walk;
 use super::{Leaves, Outs, exec_block, finish_acc, place_input, store, widen};
-use crate::storage::CpuStorage;
+use crate::storage::CpuData;
 use crate::strided::{PAR_MIN, par_chunk};
 
 /// One `Reduce` instruction: its index, combine, operand and the operand's dtype.
@@ -68,7 +68,7 @@ pub(super) fn run(
     shape: &Shape,
     axes: &[usize],
     layouts: &[&Layout],
-    inputs: &[&CpuStorage],
+    inputs: &[&CpuData],
     leaves: &Leaves,
     outs: &Outs,
 ) {

@@ -38,7 +38,7 @@ use kiln_core::{BinaryOp, DType, Error, ExprErrorKind, Layout, Result, Shape};
 use rayon::prelude::*;
 
 use crate::device::CpuDevice;
-use crate::storage::{CpuStorage, alloc, storage};
+use crate::storage::{CpuData, CpuStorage, alloc, storage};
 use crate::strided::{PAR_MIN, par_chunk};
 use block::{BLOCK, Buf, Elt, Frame, Loc, Sv};
 use walk::{Run, Walk};
@@ -54,16 +54,15 @@ unsafe impl Sync for Outs {}
 unsafe impl Send for Outs {}
 
 impl Outs {
-    fn new(bufs: &mut [CpuStorage]) -> Outs {
-        Outs {
-            ptrs: bufs
-                .iter_mut()
-                .map(|s| {
-                    let (dt, len) = (s.dtype(), s.len());
-                    (s.bytes_mut().as_mut_ptr(), dt, len)
-                })
-                .collect(),
-        }
+    fn new(bufs: &mut [CpuStorage]) -> Result<Outs> {
+        let ptrs = bufs
+            .iter_mut()
+            .map(|s| {
+                let (dt, len) = (s.dtype(), s.len());
+                Ok((s.bytes_mut()?.as_mut_ptr(), dt, len))
+            })
+            .collect::<Result<_>>()?;
+        Ok(Outs { ptrs })
     }
 
     /// A pointer to the first element of output `j`, of type `T`.
@@ -131,9 +130,12 @@ pub(crate) fn eval_expr(
         })
         .collect::<Result<Vec<_>>>()?;
     if shape.elem_count() > 0 || (n_kept > 0 && program.reduces()) {
-        let stores: Vec<&CpuStorage> = inputs.iter().map(|(s, _)| *s).collect();
+        let stores = inputs
+            .iter()
+            .map(|(s, _)| s.data())
+            .collect::<Result<Vec<_>>>()?;
         let leaves = Leaves::new(program, params);
-        let o = Outs::new(&mut outs);
+        let o = Outs::new(&mut outs)?;
         if program.reduces() {
             fold::run(program, shape, &plan.axes, &layouts, &stores, &leaves, &o);
         } else {
@@ -259,9 +261,9 @@ fn place_input(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize,
     };
 }
 
-fn read_one(s: &CpuStorage, off: usize, dtype: DType) -> Sv {
-    fn one<T: Elt>(s: &CpuStorage, off: usize) -> Sv {
-        T::slice(s.data()).expect("input dtype checked")[off].to_sv()
+fn read_one(s: &CpuData, off: usize, dtype: DType) -> Sv {
+    fn one<T: Elt>(s: &CpuData, off: usize) -> Sv {
+        T::slice(s).expect("input dtype checked")[off].to_sv()
     }
     match dtype {
         DType::F32 => one::<f32>(s, off),
@@ -273,7 +275,7 @@ fn read_one(s: &CpuStorage, off: usize, dtype: DType) -> Sv {
 
 fn gather_into(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize, dtype: DType) {
     fn go<T: Elt>(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize) {
-        let src = T::slice(f.inputs[k].data()).expect("input dtype checked");
+        let src = T::slice(f.inputs[k]).expect("input dtype checked");
         let len = f.len;
         walk.gather(src, start, &mut T::reg_mut(&mut f.regs[i])[..len]);
     }
@@ -374,7 +376,7 @@ fn schedule_prefetch(
     for (k, w) in walks.iter().enumerate() {
         if let Run::Contig(off) = w.run(next, len) {
             let size = program.inputs()[k].size_in_bytes();
-            let base = f.inputs[k].data().as_bytes().as_ptr() as usize;
+            let base = f.inputs[k].as_bytes().as_ptr() as usize;
             f.prefetch
                 .push((base + off * size, base + (off + len) * size));
             lines += (len * size).div_ceil(64);
@@ -417,7 +419,7 @@ fn elementwise(
     program: &Program,
     shape: &Shape,
     layouts: &[&Layout],
-    inputs: &[&CpuStorage],
+    inputs: &[&CpuData],
     leaves: &Leaves,
     outs: &Outs,
 ) {

@@ -1,0 +1,156 @@
+//! Deferred, fused elementwise ops on the CPU (`src/lazy.rs`). Every test here lowers the size
+//! threshold to 0, so that every fusable op is deferred (this binary is its own process: the
+//! setting does not reach the other tests).
+
+use kiln_backend_cpu::{Cpu, set_fusion_min_elements};
+use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+
+fn all_deferred() {
+    set_fusion_min_elements(0);
+}
+
+/// A deterministic pattern in [-1.5, 1.5].
+fn pattern(dims: &[usize], salt: u64, dtype: DType) -> Tensor<Cpu> {
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| (((i * 2654435761 + salt * 97) % 1000) as f64 / 1000.0 - 0.5) * 3.0)
+        .collect();
+    Tensor::<Cpu>::from_vec(v, dims.to_vec(), &Cpu::device(0))
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// A chain that exercises every way an operand reaches a fused pass: a transposed leaf, a
+/// broadcast row, a scalar fill, pending intermediates used twice, unary backward, scalar ops
+/// on both sides, comparisons, `where`, casts, and pending tensors read through transposed
+/// views (computed first). With `step`, every op's result is computed at once (op by op).
+fn chain(dtype: DType, step: bool) -> Result<Tensor<Cpu>> {
+    let dev = Cpu::device(0);
+    let s = |t: Tensor<Cpu>| -> Result<Tensor<Cpu>> {
+        if step {
+            t.realize()?;
+        }
+        Ok(t)
+    };
+    let x = pattern(&[24, 16], 1, dtype).t()?; // [16, 24], strided
+    let row = pattern(&[24], 2, dtype).broadcast_to([16, 24])?;
+    let half = Tensor::<Cpu>::full([16, 24], 0.5, dtype, &dev)?;
+    let z = s(s(x.mul(&row)?)?.add(&half)?)?;
+    let p = s(z.sigmoid()?)?; // read twice below
+    let one_minus = s(p.scalar_binary(BinaryOp::Sub, 1.0)?)?;
+    let q = s(s(p.log()?)?.sub(&s(one_minus.log()?)?)?)?;
+    let g = s(p.unary_backward(UnaryOp::Sigmoid, &q)?)?;
+    let pos = s(z.gt(&half)?)?;
+    let w = s(pos.where_cond(&g, &s(g.neg()?)?)?)?;
+    let c = s(s(w.to_dtype(DType::F64)?)?.to_dtype(dtype)?)?;
+    let t = c.t()?;
+    let r = s(t.mul(&s(z.t()?.tanh()?)?)?)?;
+    s(s(r.div_scalar(3.0)?)?.maximum_scalar(-0.25)?)
+}
+
+fn bits(t: &Tensor<Cpu>) -> Vec<u64> {
+    match t.dtype() {
+        DType::F32 => t
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits() as u64)
+            .collect(),
+        _ => t
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect(),
+    }
+}
+
+#[test]
+fn a_fused_chain_has_the_bits_of_the_op_by_op_one() {
+    all_deferred();
+    for dtype in [DType::F32, DType::F64] {
+        let fused = chain(dtype, false).unwrap();
+        assert!(Cpu::is_deferred(fused.storage()), "{dtype}: deferred");
+        let stepped = chain(dtype, true).unwrap();
+        assert!(!Cpu::is_deferred(stepped.storage()));
+        assert_eq!(bits(&fused), bits(&stepped), "{dtype}");
+        assert!(!Cpu::is_deferred(fused.storage()), "read, so computed");
+    }
+}
+
+#[test]
+fn the_conformance_suite_passes_with_every_op_deferred() {
+    all_deferred();
+    kiln_core::testing::run_conformance::<Cpu>(&Cpu::device(0));
+}
+
+#[test]
+fn a_deferred_result_is_counted_only_once_computed() {
+    all_deferred();
+    let dev = Cpu::device(6);
+    let a = Tensor::<Cpu>::ones([1 << 16], DType::F32, &dev).unwrap();
+    let before = Cpu::memory_stats(&dev).unwrap().in_use;
+    let y = (&(&a * 3.0).unwrap().exp().unwrap() - 1.0).unwrap();
+    assert_eq!(
+        Cpu::memory_stats(&dev).unwrap().in_use,
+        before,
+        "nothing ran"
+    );
+    y.realize().unwrap();
+    let after = Cpu::memory_stats(&dev).unwrap().in_use;
+    assert_eq!(
+        after,
+        before + (1 << 16) * 4,
+        "one buffer: the chain's result"
+    );
+    assert_eq!(y.to_vec::<f32>().unwrap()[7], 3f32.exp() - 1.0);
+    drop(y);
+    assert_eq!(Cpu::memory_stats(&dev).unwrap().in_use, before);
+}
+
+#[test]
+fn writing_into_a_tensor_that_a_pending_op_reads_keeps_the_old_values() {
+    all_deferred();
+    let dev = Cpu::device(0);
+    let mut a = Tensor::<Cpu>::from_slice(&[1f32, 2.0, 3.0], [3], &dev).unwrap();
+    let y = (&a * 2.0).unwrap();
+    assert!(Cpu::is_deferred(y.storage()));
+    let new = Tensor::<Cpu>::from_slice(&[10f32, 20.0, 30.0], [3], &dev).unwrap();
+    a.copy_from(&new).unwrap();
+    assert_eq!(y.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0]);
+    assert_eq!(a.to_vec::<f32>().unwrap(), [10.0, 20.0, 30.0]);
+    // And into a pending tensor itself: computed first, then written.
+    let mut z = (&y + 1.0).unwrap();
+    z.copy_from(&new).unwrap();
+    assert_eq!(z.to_vec::<f32>().unwrap(), [10.0, 20.0, 30.0]);
+    assert_eq!(y.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0]);
+}
+
+#[test]
+fn errors_still_name_the_op_that_caused_them() {
+    all_deferred();
+    let dev = Cpu::device(0);
+    let a = Tensor::<Cpu>::ones([4], DType::F32, &dev).unwrap();
+    let b = Tensor::<Cpu>::ones([5], DType::F32, &dev).unwrap();
+    let pending = (&a + 1.0).unwrap();
+    let e = pending.add(&b).unwrap_err();
+    assert!(e.to_string().contains("add"), "{e}");
+    let ints = Tensor::<Cpu>::ones([4], DType::I64, &dev).unwrap();
+    assert!(pending.add(&ints).is_err(), "f32 + i64");
+    // The pending tensor is still usable after both errors.
+    assert_eq!(pending.to_vec::<f32>().unwrap(), [2.0; 4]);
+}
+
+#[test]
+fn a_long_chain_is_cut_into_bounded_programs() {
+    all_deferred();
+    let dev = Cpu::device(0);
+    let mut x = Tensor::<Cpu>::ones([1000], DType::F64, &dev).unwrap();
+    for _ in 0..200 {
+        x = (&x * 1.01).unwrap();
+    }
+    let want = 1.01f64.powi(200);
+    let got = x.to_vec::<f64>().unwrap()[999];
+    assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
+}

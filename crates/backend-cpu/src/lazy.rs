@@ -108,8 +108,7 @@ pub(crate) fn record(
         .iter()
         .map(|(s, l, d)| operand(s, l, *d))
         .collect::<Result<Vec<_>>>()?;
-    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l, _)| *l).collect();
-    let node = defer::node(s0.device(), op, args, &layouts, out, force)?;
+    let node = defer::node(s0.device(), op, args, l0.shape(), out, force)?;
     Ok(CpuStorage::pending(node))
 }
 

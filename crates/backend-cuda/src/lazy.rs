@@ -204,8 +204,7 @@ pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> 
         .iter()
         .map(|(s, l, d)| operand(s, l, *d))
         .collect::<Result<Vec<_>>>()?;
-    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l, _)| *l).collect();
-    let node = defer::node(home(s0.state()), op, args, &layouts, out, force)?;
+    let node = defer::node(home(s0.state()), op, args, l0.shape(), out, force)?;
     Ok(Repr::Lazy(captured(node)))
 }
 

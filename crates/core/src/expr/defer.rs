@@ -148,8 +148,15 @@ pub struct Node<D: Deferral> {
 
 impl<D: Deferral> Node<D> {
     /// A node of `op` over `args` (read through layouts of `shape`), of dtype `dtype`.
-    fn new(ctx: D::Ctx, op: Op, args: Vec<Operand<D>>, shape: Shape, dtype: DType) -> Self {
-        let (ops, leaves, uniform) = tally(&args);
+    /// `tally` is [`tally`]`(&args)`.
+    fn new(
+        ctx: D::Ctx,
+        op: Op,
+        args: Vec<Operand<D>>,
+        (ops, leaves, uniform): (u32, u32, bool),
+        shape: Shape,
+        dtype: DType,
+    ) -> Self {
         Node {
             ctx,
             dtype,
@@ -239,44 +246,41 @@ pub fn operand<D: Deferral>(
     })
 }
 
-/// A node of `op` over `args`, each read through the layout of the same index in `layouts`
-/// (all of `shape`). When the DAG would exceed a cap, pending operands are forced first with
-/// `force` and read as leaves.
+/// A node of `op` over `args` (read through layouts of `shape`). When the DAG would exceed a
+/// cap, pending operands are forced first with `force` and read as leaves.
 pub fn node<D: Deferral>(
     ctx: D::Ctx,
     op: Op,
     mut args: Vec<Operand<D>>,
-    layouts: &[&Layout],
+    shape: &Shape,
     dtype: DType,
     force: impl Fn(&Arc<Node<D>>) -> Result<D::Buf>,
 ) -> Result<Arc<Node<D>>> {
-    let (ops, leaves, _) = tally(&args);
-    if ops + 1 > MAX_OPS || leaves > MAX_LEAVES {
-        for (a, l) in args.iter_mut().zip(layouts) {
+    let mut t = tally(&args);
+    if t.0 + 1 > MAX_OPS || t.1 > MAX_LEAVES {
+        for a in args.iter_mut() {
             if let Operand::Node(n) = a {
+                // An inlined operand is read in its own (this) shape, or is uniform.
                 *a = Operand::Leaf {
                     buf: force(n)?,
-                    layout: (*l).clone(),
+                    layout: done_layout(n, shape),
                     dtype: n.dtype,
                 };
             }
         }
+        t = tally(&args);
     }
-    Ok(Arc::new(Node::new(
-        ctx,
-        op,
-        args,
-        layouts[0].shape().clone(),
-        dtype,
-    )))
+    Ok(Arc::new(Node::new(ctx, op, args, t, shape.clone(), dtype)))
 }
 
 /// A deferred fill of `len` elements of `dtype` (a leafless, uniform node).
 pub fn fill<D: Deferral>(ctx: D::Ctx, dtype: DType, len: usize, value: f64) -> Arc<Node<D>> {
+    let leafless = (0, 0, true);
     Arc::new(Node::new(
         ctx,
         Op::Fill(value),
         Vec::new(),
+        leafless,
         Shape::new([len]),
         dtype,
     ))

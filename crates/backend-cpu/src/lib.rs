@@ -6,8 +6,8 @@
 //! - **Devices**: [`CpuDevice`] is a *virtual* ordinal over the one host memory (`cpu`,
 //!   `cpu:1`, ...). Distinct ordinals are distinct devices, so the device rules (mismatch errors,
 //!   explicit copies, model parallelism) are testable without a GPU.
-//! - **Storage**: [`CpuStorage`], one typed `Vec` per tensor, with memory stats and a small
-//!   cache of large buffers (see [`storage`] for why).
+//! - **Storage**: [`CpuStorage`], one typed `Vec` per tensor (or the deferred work that computes
+//!   it), with memory stats and a small cache of large buffers (see [`storage`] for why).
 //! - **Kernels**: every op has a contiguous fast path over plain slices (loops LLVM vectorizes)
 //!   and a general strided path (transposed, sliced and broadcast views need no copy); work on
 //!   at least 32K elements is split across cores with rayon. Matrix products go to
@@ -15,6 +15,9 @@
 //!   transposed operand is never copied; a product from 2M multiply-adds up is split across
 //!   cores on helper threads that poll for 1 ms between jobs (`KILN_CPU_SPIN_US` changes it;
 //!   `pool.rs` says why not rayon); `exp` for f32 is a vectorized polynomial.
+//! - **Fusion**: expression programs (`kiln_core::expr`) run in one blocked pass (`expr`), and
+//!   elementwise ops with large results are deferred and run as such a program when read
+//!   (`lazy`; [`set_fusion`], [`set_fusion_min_elements`]).
 //! - **Numerics**: f32 sums accumulate in f64 (documented in [`reduce`]), softmax
 //!   and cross-entropy subtract the row maximum, GELU is exact (`libm::erf`), random numbers
 //!   come from [`kiln_core::philox`] bit for bit.

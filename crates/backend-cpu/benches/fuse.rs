@@ -11,7 +11,8 @@
 //! - `mul_32m`: `a * b` alone, fused and as the built-in kernel: the memory floor of the
 //!   chain (both read 256 MiB and write 128 MiB);
 //! - `lse_rows_4096x4096`: a row-wise log-sum-exp `log(sum(exp(x - m))) + m` given the row
-//!   maxima `m`, fused (one pass, post-map included) and op by op.
+//!   maxima `m`, fused (one pass, post-map included), op by op, and deferred (the same tensor
+//!   ops: `x - m`, `exp` and the row sum run as one pass, the rest on 4096 elements at once).
 //!
 //! - `adam_512k` and `sgd_momentum_78400` (the first weight of the 784-100-100-10 MLP):
 //!   `program`, the rule's expression program (`UpdateRule::program`) run through the fused
@@ -79,14 +80,16 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("lse_rows_4096x4096");
     g.throughput(Throughput::Elements((r * r) as u64));
     g.sample_size(10);
+    let tensor_lse = || {
+        let e = s.sub(&m).unwrap().exp().unwrap().sum(&[1], true).unwrap();
+        let y = e.log().unwrap().add(&m).unwrap();
+        y.realize().unwrap();
+        y
+    };
     set_fusion(false);
-    g.bench_function("op_by_op", |bch| {
-        bch.iter(|| {
-            let e = s.sub(&m).unwrap().exp().unwrap().sum(&[1], true).unwrap();
-            black_box(e.log().unwrap().add(&m).unwrap())
-        })
-    });
+    g.bench_function("op_by_op", |bch| bch.iter(|| black_box(tensor_lse())));
     set_fusion(true);
+    g.bench_function("deferred", |bch| bch.iter(|| black_box(tensor_lse())));
     g.bench_function("fused", |bch| {
         bch.iter(|| black_box(p.run(&[&s, &m], &[]).unwrap()))
     });

@@ -26,7 +26,8 @@ use std::sync::{Arc, OnceLock};
 
 use kiln_core::expr::Program;
 use kiln_core::expr::defer::{self, Op};
-use kiln_core::{DType, Layout, Result};
+use kiln_core::profile;
+use kiln_core::{DType, Layout, ReduceOp, Result};
 
 use crate::elementwise;
 use crate::expr::eval_expr;
@@ -193,7 +194,56 @@ fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Arc<Block>> {
 /// `root`'s pending DAG as one program, run by the fused evaluator. `None` should the program
 /// be invalid (every recorded op is a valid instruction: then the chain runs op by op).
 fn fused(root: &Arc<Node>) -> Result<Option<Arc<Block>>> {
-    let g = defer::build(root, None);
+    run_program(root, None)
+}
+
+/// The reduction `op` over `axes` of pending `s` (read through `l`), computed in the pass of
+/// its chain, without writing the chain's elements (`log(sum(exp(x - m)))`'s sum reads `x`
+/// once). `None` when this does not apply (see `defer::fusable_reduction`): the caller
+/// computes `s`, then reduces it.
+pub(crate) fn reduce(
+    s: &CpuStorage,
+    l: &Layout,
+    op: ReduceOp,
+    dtype: DType,
+    axes: &[usize],
+) -> Result<Option<CpuStorage>> {
+    // Axes the plain reduction would refuse stay with it, so that its error is the one raised.
+    let valid = !axes.is_empty()
+        && axes.iter().all(|&a| a < l.rank())
+        && axes.iter().enumerate().all(|(i, a)| !axes[..i].contains(a));
+    match (s.node(), s.block()) {
+        (Some(n), None)
+            if valid
+                && fusion_enabled()
+                && n.dtype() == dtype
+                && defer::fusable_reduction(n, l, op) =>
+        {
+            Ok(run_program(n, Some((op, axes)))?.map(CpuStorage::from_block))
+        }
+        _ => Ok(None),
+    }
+}
+
+/// Runs `root`'s pending DAG (or its reduction) as one program of the fused evaluator.
+fn run_program(
+    root: &Arc<Node>,
+    reduce: Option<(ReduceOp, &[usize])>,
+) -> Result<Option<Arc<Block>>> {
+    // The profiler shows the pass as an op of its own inside the op that needed its values.
+    let _span = profile::enabled().then(|| {
+        let mut detail = profile::OpDetail::new(root.dtype());
+        detail.push(root.shape().dims());
+        let label = profile::device_label(&root.ctx());
+        profile::op(
+            "fused elementwise",
+            label,
+            detail,
+            root.len_bytes() as u64,
+            true,
+        )
+    });
+    let g = defer::build(root, reduce);
     let dtypes: Vec<DType> = g.inputs.iter().map(|(_, _, d)| *d).collect();
     let param_dtypes: Vec<DType> = g.params.iter().map(|(_, d)| *d).collect();
     let program = Program::new(dtypes, param_dtypes, g.code, vec![g.out], g.axes);

@@ -507,6 +507,11 @@ impl Backend for Cpu {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CpuStorage> {
+        // A sum, max or min of a pending chain runs in the chain's own pass.
+        check(op.name(), s, layout)?;
+        if let Some(out) = lazy::reduce(s, layout, op, dtype, axes)? {
+            return Ok(out);
+        }
         input(op.name(), s, layout)?;
         reduce::reduce(op, s, layout, dtype, axes)
     }

@@ -154,3 +154,71 @@ fn a_long_chain_is_cut_into_bounded_programs() {
     let got = x.to_vec::<f64>().unwrap()[999];
     assert!((got - want).abs() < 1e-9 * want, "{got} vs {want}");
 }
+
+#[test]
+fn a_reduction_of_a_pending_chain_runs_in_its_pass() {
+    all_deferred();
+    let chain = |x: &Tensor<Cpu>| x.mul_scalar(0.5).unwrap().exp().unwrap();
+    for dtype in [DType::F32, DType::F64] {
+        let x = pattern(&[64, 48], 3, dtype);
+        for (axes, keep) in [
+            (&[1isize][..], true),
+            (&[0][..], false),
+            (&[0, 1][..], false),
+        ] {
+            let stepped = chain(&x);
+            stepped.realize().unwrap();
+            let want_sum = stepped.sum(axes, keep).unwrap();
+            let want_max = stepped.max(axes, keep).unwrap();
+            let pending = chain(&x);
+            let sum = pending.sum(axes, keep).unwrap();
+            let max = pending.max(axes, keep).unwrap();
+            assert!(
+                Cpu::is_deferred(pending.storage()),
+                "the chain itself never ran"
+            );
+            assert_eq!(sum.dims(), want_sum.dims());
+            let f64s = |t: &Tensor<Cpu>| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+            let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
+            for (g, w) in f64s(&sum).iter().zip(&f64s(&want_sum)) {
+                assert!(
+                    (g - w).abs() <= tol * w.abs(),
+                    "{dtype} {axes:?}: {g} vs {w}"
+                );
+            }
+            assert_eq!(bits(&max), bits(&want_max), "{dtype} {axes:?} max");
+        }
+    }
+}
+
+#[test]
+fn a_fused_reduction_never_allocates_the_chain() {
+    all_deferred();
+    let dev = Cpu::device(7); // a device of its own: its peak is this test's
+    let x = Tensor::<Cpu>::ones([512, 512], DType::F32, &dev).unwrap();
+    let before = Cpu::memory_stats(&dev).unwrap();
+    let s = (&x * 2.0).unwrap().exp().unwrap().sum(&[1], false).unwrap();
+    assert_eq!(s.to_vec::<f32>().unwrap()[0], 512.0 * 2f32.exp());
+    let peak = Cpu::memory_stats(&dev).unwrap().peak;
+    assert!(
+        peak - before.in_use < 512 * 512 * 4,
+        "peak {peak} from {}: the chain's 1 MiB was allocated",
+        before.in_use
+    );
+}
+
+#[test]
+fn the_profiler_shows_the_fused_pass() {
+    use kiln_core::profile::{self, Kind};
+    all_deferred();
+    let x = pattern(&[256], 4, DType::F32);
+    let (v, p) = profile::profile(|| {
+        let _r = profile::range("fused-pass");
+        let y = (&x.exp().unwrap() * 2.0).unwrap();
+        y.to_vec::<f32>().unwrap()
+    });
+    assert_eq!(v.len(), 256);
+    let p = p.in_range("fused-pass");
+    let row = p.row(Kind::Op, "fused elementwise").expect("a fused pass");
+    assert_eq!(row.calls, 1, "{}", p.table());
+}

@@ -408,16 +408,7 @@ pub(crate) fn reduce_all(s: &Repr, l: &Layout, op: ReduceOp) -> Result<Option<Bu
     let Repr::Lazy(node) = s else {
         return Ok(None);
     };
-    let shape = node.shape();
-    let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == shape.dims();
-    if !fusion_enabled()
-        || shape.rank() == 0
-        || !matches!(node.dtype(), DType::F32 | DType::F64)
-        || !matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
-        || !plain
-        || shape.elem_count() == 0
-        || node.is_done()
-    {
+    if !fusion_enabled() || !defer::fusable_reduction(node, l, op) {
         return Ok(None);
     }
     run_program(node, Some(op))
@@ -433,7 +424,12 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     if root.shape().elem_count() == 0 {
         return alloc(dev, 0).map(Some);
     }
-    let g = defer::build(root, reduce);
+    // (Collected only when reducing: no allocation for a plain chain.)
+    let every_axis: Vec<usize> = match reduce {
+        Some(_) => (0..root.shape().rank()).collect(),
+        None => Vec::new(),
+    };
+    let g = defer::build(root, reduce.map(|op| (op, &every_axis[..])));
     let dtypes: Vec<DType> = g.inputs.iter().map(|(_, _, d)| *d).collect();
     let param_dtypes: Vec<DType> = g.params.iter().map(|(_, d)| *d).collect();
     let parts = Parts {

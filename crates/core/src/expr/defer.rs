@@ -369,15 +369,15 @@ pub struct Built<D: Deferral> {
     /// Its parameters: the constants of scalar ops and fills (arguments, so that a chain that
     /// differs only in its constants is the same program).
     pub params: Vec<(f64, DType)>,
-    /// The value computed: the root, or its reduction over every axis.
+    /// The value computed: the root, or its reduction.
     pub out: Val,
-    /// Every axis when reducing, else empty.
+    /// The reduced axes, if reducing, else empty.
     pub axes: Vec<isize>,
 }
 
-/// The program of `root`'s pending DAG; with `reduce`, of the 1-element reduction of it over
-/// every axis instead of its elements.
-pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<ReduceOp>) -> Built<D> {
+/// The program of `root`'s pending DAG; with `reduce`, of its reduction over the given axes
+/// (of `root`'s shape) instead of its elements.
+pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize])>) -> Built<D> {
     let mut g = Gen {
         shape: &root.shape,
         code: Vec::new(),
@@ -387,14 +387,14 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<ReduceOp>) -> Buil
     };
     let mut out = g.node(root);
     let mut axes = Vec::new();
-    if let Some(op) = reduce {
+    if let Some((op, over)) = reduce {
         let combine = match op {
             ReduceOp::Max => Combine::Max,
             ReduceOp::Min => Combine::Min,
             _ => Combine::Sum,
         };
         out = g.push(Instr::Reduce(combine, out));
-        axes = (0..root.shape.rank() as isize).collect();
+        axes = over.iter().map(|&a| a as isize).collect();
     }
     Built {
         code: g.code,
@@ -403,6 +403,18 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<ReduceOp>) -> Buil
         out,
         axes,
     }
+}
+
+/// Whether a reduction `op` of pending `n`, read through `l`, can run in the program of `n`'s
+/// chain: a sum, maximum or minimum of floats, over `n` read in its own shape, with elements.
+pub fn fusable_reduction<D: Deferral>(n: &Node<D>, l: &Layout, op: ReduceOp) -> bool {
+    let plain = l.offset() == 0 && l.is_contiguous() && l.dims() == n.shape.dims();
+    plain
+        && n.shape.rank() > 0
+        && n.shape.elem_count() > 0
+        && matches!(n.dtype, DType::F32 | DType::F64)
+        && matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
+        && !n.is_done()
 }
 
 struct Gen<'a, D: Deferral> {

@@ -198,6 +198,34 @@ impl CpuData {
         }
     }
 
+    /// A copy for an in-place write, in the same kind of memory (pinned stays pinned); a typed
+    /// error, not an abort, when there is no memory for it.
+    fn copy_for_write(&self, device: CpuDevice) -> Result<CpuData> {
+        const OP: &str = "copy_into";
+        fn copy_vec<T: CpuElem>(v: &HostVec<T>, device: CpuDevice) -> Result<HostVec<T>> {
+            if v.is_pinned() {
+                return HostVec::pinned(OP, v);
+            }
+            let mut out: Vec<T> = Vec::new();
+            if out.try_reserve_exact(v.len()).is_err() {
+                return Err(Error::OutOfMemory {
+                    device: device.to_string(),
+                    requested: v.len() * std::mem::size_of::<T>(),
+                    held: counters(&device).in_use.load(Ordering::Relaxed),
+                    msg: format!("{OP}: a copy of a buffer that a pending op still reads"),
+                });
+            }
+            out.extend_from_slice(v);
+            Ok(HostVec::Heap(out))
+        }
+        Ok(match self {
+            CpuData::F32(v) => CpuData::F32(copy_vec(v, device)?),
+            CpuData::F64(v) => CpuData::F64(copy_vec(v, device)?),
+            CpuData::I64(v) => CpuData::I64(copy_vec(v, device)?),
+            CpuData::U8(v) => CpuData::U8(copy_vec(v, device)?),
+        })
+    }
+
     pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
         match self {
             CpuData::F32(v) => bytemuck::cast_slice_mut(v),
@@ -211,7 +239,7 @@ impl CpuData {
 /// A computed buffer: the elements, counted against their device's memory while any holder
 /// (a storage, a pending node that reads it, a helper thread) keeps it; the last one's drop
 /// returns a large buffer to the cache.
-pub struct Block {
+pub(crate) struct Block {
     data: CpuData,
     device: CpuDevice,
 }
@@ -227,13 +255,6 @@ impl std::ops::Deref for Block {
     type Target = CpuData;
     fn deref(&self) -> &CpuData {
         &self.data
-    }
-}
-
-/// A copy in fresh memory (for an in-place write into a shared buffer).
-impl Clone for Block {
-    fn clone(&self) -> Block {
-        Block::new(self.device, self.data.clone())
     }
 }
 
@@ -371,7 +392,12 @@ impl CpuStorage {
         let Repr::Ready(b) = &mut self.repr else {
             unreachable!("made ready above")
         };
-        Ok(&mut Arc::make_mut(b).data)
+        if Arc::get_mut(b).is_none() {
+            // Someone else (a pending node) still reads these contents: write into a copy,
+            // page-locked if they are.
+            *b = Arc::new(Block::new(self.device, b.data.copy_for_write(self.device)?));
+        }
+        Ok(&mut Arc::get_mut(b).expect("unique: copied above").data)
     }
 
     /// The elements as writable bytes (for `Tensor::copy_from`).

@@ -222,3 +222,24 @@ fn the_profiler_shows_the_fused_pass() {
     let row = p.row(Kind::Op, "fused elementwise").expect("a fused pass");
     assert_eq!(row.calls, 1, "{}", p.table());
 }
+
+#[test]
+fn writing_into_a_pinned_tensor_that_a_pending_op_reads_keeps_it_pinned() {
+    all_deferred();
+    kiln_core::test_pinned::register();
+    let dev = Cpu::device(0);
+    let mut p = Tensor::<Cpu>::from_slice(&[1f32, 2.0, 3.0], [3], &dev)
+        .unwrap()
+        .pin_memory()
+        .unwrap();
+    let y = (&p * 2.0).unwrap();
+    assert!(Cpu::is_deferred(y.storage()));
+    let new = Tensor::<Cpu>::from_slice(&[10f32, 20.0, 30.0], [3], &dev).unwrap();
+    p.copy_from(&new).unwrap();
+    assert!(
+        p.is_pinned(),
+        "the copy the write went to is page-locked too"
+    );
+    assert_eq!(p.to_vec::<f32>().unwrap(), [10.0, 20.0, 30.0]);
+    assert_eq!(y.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0]);
+}

@@ -30,7 +30,7 @@
 //! kernel sees a plain slice either way; copies between such a storage and a GPU are direct DMA.
 //! Pinned blocks are pooled by the GPU backend, so they bypass the cache below.
 //!
-//! The data sit in a [`Block`] behind an `Arc`, so that a kernel can hand a `'static` reference
+//! The data sit in a `Block` behind an `Arc`, so that a kernel can hand a `'static` reference
 //! to a helper thread (the split GEMM of `matmul.rs` does) and a deferred op (`lazy.rs`) can
 //! hold its inputs; the memory counts as in use, and returns to the cache, with the last holder.
 

@@ -11,6 +11,9 @@
 //! IR here, in kiln-core, knowing no backend, and each backend evaluates it its own way
 //! ([`Backend::eval_expr`](crate::Backend::eval_expr)); autograd differentiates it into another
 //! program of the same IR ([`grad`]), so a fused function needs no hand-written backward.
+//! Both backends also *defer* plain tensor ops into it: [`defer`] records elementwise ops as a
+//! graph and turns a chain into one program when its values are read (every chain on a GPU, on
+//! the CPU those over tensors larger than the caches).
 //!
 //! # The IR
 //!

@@ -142,6 +142,55 @@ fn pending_inputs_run_first() {
     close(&host(&z), &d.mul(&d).unwrap().to_f64_vec().unwrap(), 1e-5);
 }
 
+/// A call like the one before reuses its plan (types, shape, addressing, kernel); any change
+/// that matters must not: other strides, another offset, another dtype, another kernel
+/// definition made from a clone, or a cleared kernel cache between two identical calls.
+#[test]
+fn repeated_calls_reuse_a_plan_only_while_it_applies() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let k = ElementwiseKernel::new("T x", "T y", "y = x * 2", "plan_probe").unwrap();
+    let base = rand(&[8, 12], 21, DType::F32, &dev);
+    let twice = |t: &G| -> Vec<f64> { host(t).iter().map(|v| v * 2.0).collect() };
+    let views = [
+        base.clone(),
+        base.t().unwrap(),                  // other strides
+        base.narrow(1, 3, 6).unwrap(),      // other shape, an offset
+        base.narrow(1, 4, 6).unwrap(),      // same shape and strides, another offset
+        base.to_dtype(DType::F64).unwrap(), // another dtype
+    ];
+    for _ in 0..2 {
+        for v in &views {
+            let y = k.call1(&[v.into()]).unwrap();
+            assert_eq!(y.dims(), v.dims());
+            assert_eq!(y.dtype(), v.dtype());
+            close(&host(&y), &twice(v), 1e-6);
+            // The same call again: the same values.
+            close(&host(&k.call1(&[v.into()]).unwrap()), &twice(v), 1e-6);
+        }
+    }
+    // A clone given another definition shares nothing stale with the original.
+    let scaled = |c: &str| {
+        ElementwiseKernel::new("float32 x", "float32 y", "y = scale(x)", "plan_probe_pre")
+            .unwrap()
+            .with_preamble(&format!(
+                "__device__ float scale(float v) {{ return v * {c}; }}"
+            ))
+    };
+    let k2 = scaled("2.f");
+    let k3 = k2
+        .clone()
+        .with_preamble("__device__ float scale(float v) { return v * 3.f; }");
+    let v = &views[0];
+    close(&host(&k2.call1(&[v.into()]).unwrap()), &twice(v), 1e-6);
+    let thrice: Vec<f64> = host(v).iter().map(|x| x * 3.0).collect();
+    close(&host(&k3.call1(&[v.into()]).unwrap()), &thrice, 1e-6);
+    close(&host(&k2.call1(&[v.into()]).unwrap()), &twice(v), 1e-6);
+    // A cleared kernel cache unloads the plan's kernel: the next identical call plans again.
+    clear_kernel_cache(&dev).unwrap();
+    close(&host(&k.call1(&[v.into()]).unwrap()), &twice(v), 1e-6);
+    still_works(&dev);
+}
+
 #[test]
 fn kernels_are_memoized_per_dtype_signature_and_cleared() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -1,17 +1,20 @@
 //! [`ElementwiseKernel`]: a CUDA C body run once per element of its broadcast arguments.
 
-use kiln_core::{Error, Layout, Result, Shape, Tensor};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
-use super::params::{Bound, Param, concrete, parse_params, resolve};
+use kiln_core::{DType, Error, Layout, Result, Shape, Tensor};
+
+use super::params::{Bound, CType, Param, concrete, parse_params, resolve};
 use super::source::{self, Slot, Spec};
 use super::{
     KernelArg, Taken, UserKey, access, common_device, held_buffers, kernel, merged, push_scalar,
 };
 use crate::codegen::Access;
-use crate::device::state;
-use crate::launch::Args;
+use crate::device::{Func, KERNEL_EPOCH, state};
+use crate::launch::{Args, Dims, Strides};
 use crate::memory::alloc;
-use crate::{Cuda, CudaStorage};
+use crate::{Cuda, CudaDevice, CudaStorage};
 
 const OP: &str = "ElementwiseKernel";
 /// Threads per block.
@@ -48,6 +51,79 @@ pub struct ElementwiseKernel {
     body: String,
     preamble: String,
     id: u128,
+    /// The last call's plan (shared by clones).
+    last: LastPlan,
+}
+
+/// What a call derives from its arguments' dtypes, shapes, strides and devices alone, kept for
+/// the next call with the same [`signature`]: a loop calling a kernel on same-shaped tensors
+/// then skips binding, type resolution, broadcasting, dimension merging and the kernel lookup
+/// (against a stand-in driver, most of the gap between a user kernel's call and a built-in
+/// op's).
+struct Plan {
+    sig: Vec<u64>,
+    /// The [`KERNEL_EPOCH`] `f` belongs to.
+    epoch: u64,
+    dev: CudaDevice,
+    shape: Shape,
+    out_types: Vec<DType>,
+    slots: Vec<Slot>,
+    /// Every parameter's concrete type.
+    types: Vec<CType>,
+    dims: Dims,
+    strides: Vec<Strides>,
+    f: Func,
+    n: usize,
+}
+
+/// A one-entry memo of [`Plan`]s.
+#[derive(Clone, Default)]
+struct LastPlan(Arc<Mutex<Option<Arc<Plan>>>>);
+
+impl LastPlan {
+    fn get(&self, sig: &[u64], epoch: u64) -> Option<Arc<Plan>> {
+        let last = self.0.lock().unwrap();
+        last.as_ref()
+            .filter(|p| p.epoch == epoch && p.sig == sig)
+            .cloned()
+    }
+    fn put(&self, plan: Arc<Plan>) {
+        *self.0.lock().unwrap() = Some(plan);
+    }
+}
+
+impl std::fmt::Debug for LastPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LastPlan")
+    }
+}
+
+/// A call's signature: for each argument, whether it is a tensor and, if so, its device,
+/// dtype, dimensions and strides (not its offset: pointers are computed per call, but whether
+/// it needs 64-bit indexing); then the same for each output given.
+fn signature(inputs: &[KernelArg], given: &[&mut Tensor<Cuda>]) -> Vec<u64> {
+    let mut sig = Vec::with_capacity(8 * (inputs.len() + given.len()));
+    let tensor = |sig: &mut Vec<u64>, t: &Tensor<Cuda>| {
+        let l = t.layout();
+        // (Whether the offset takes the extent past 32-bit indexing is part of the plan.)
+        let wide = (l.storage_extent() >= (1 << 31)) as u64;
+        sig.push(
+            1 + (wide << 1) + ((t.device().ordinal() as u64) << 8) + ((t.dtype() as u64) << 32),
+        );
+        sig.push(l.rank() as u64);
+        sig.extend(l.dims().iter().map(|&d| d as u64));
+        sig.extend(l.strides().iter().map(|&s| s as u64));
+    };
+    for a in inputs {
+        match a {
+            KernelArg::Tensor(t) => tensor(&mut sig, t),
+            _ => sig.push(0),
+        }
+    }
+    for t in given {
+        tensor(&mut sig, t);
+    }
+    sig
 }
 
 impl ElementwiseKernel {
@@ -77,6 +153,7 @@ impl ElementwiseKernel {
             body: body.to_string(),
             preamble: String::new(),
             id: 0,
+            last: LastPlan::default(),
         };
         k.rehash();
         Ok(k)
@@ -102,6 +179,8 @@ impl ElementwiseKernel {
             self.body.as_bytes(),
             self.preamble.as_bytes(),
         ]);
+        // Another definition: plans made for the old one (shared with clones) do not apply.
+        self.last = LastPlan::default();
     }
 
     /// Runs the kernel over `inputs` (one per input parameter, in order) and returns the
@@ -149,10 +228,33 @@ impl ElementwiseKernel {
         inputs: &[KernelArg],
         given: &mut [&mut Tensor<Cuda>],
     ) -> Result<Vec<Tensor<Cuda>>> {
-        let (ins, outs) = self.params.split_at(self.n_in);
-        if inputs.len() != ins.len() {
-            return Err(arity(&self.name, ins, inputs.len()));
+        if inputs.len() != self.n_in {
+            return Err(arity(&self.name, &self.params[..self.n_in], inputs.len()));
         }
+        let sig = signature(inputs, given);
+        let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+        let plan = match self.last.get(&sig, epoch) {
+            Some(p) => p,
+            None => {
+                let p = Arc::new(self.plan(inputs, given, sig, epoch)?);
+                self.last.put(p.clone());
+                p
+            }
+        };
+        self.launch(&plan, inputs, given)
+    }
+
+    /// Everything a call derives from its arguments' dtypes, shapes, strides and devices: the
+    /// checks, the resolved types, the iteration shape, how each argument is addressed, and
+    /// the compiled kernel.
+    fn plan(
+        &self,
+        inputs: &[KernelArg],
+        given: &[&mut Tensor<Cuda>],
+        sig: Vec<u64>,
+        epoch: u64,
+    ) -> Result<Plan> {
+        let (ins, outs) = self.params.split_at(self.n_in);
         let mut bound = Vec::with_capacity(self.params.len());
         for (p, a) in ins.iter().zip(inputs) {
             bound.push(bind(&self.name, p, a)?);
@@ -287,6 +389,34 @@ impl ElementwiseKernel {
         let f = kernel(s, OP, &self.name, &key, || {
             source::elementwise(&spec, &self.body, &r, &slots, wide)
         })?;
+        let types = self.params.iter().map(|p| concrete(&p.ty, &r)).collect();
+        Ok(Plan {
+            sig,
+            epoch,
+            dev,
+            shape,
+            out_types,
+            slots,
+            types,
+            dims,
+            strides,
+            f,
+            n,
+        })
+    }
+
+    /// Runs `plan` over this call's buffers: the per-call part (pointers, output buffers,
+    /// stream bookkeeping, the launch).
+    fn launch(
+        &self,
+        plan: &Plan,
+        inputs: &[KernelArg],
+        given: &mut [&mut Tensor<Cuda>],
+    ) -> Result<Vec<Tensor<Cuda>>> {
+        let outs = &self.params[self.n_in..];
+        let (n, f, slots) = (plan.n, plan.f, &plan.slots);
+        let s = state(&plan.dev)?;
+
         // Buffers: inputs computed (pending work runs) and marked used on this stream.
         let held = held_buffers(inputs)?;
         let mut taken = Vec::with_capacity(given.len());
@@ -295,7 +425,7 @@ impl ElementwiseKernel {
         }
         let mut fresh = Vec::new();
         let mut out_ptrs = Vec::with_capacity(outs.len());
-        for (j, t) in out_types.iter().enumerate() {
+        for (j, t) in plan.out_types.iter().enumerate() {
             match taken.get_mut(j) {
                 Some(tk) => out_ptrs.push(tk.write_ptr()?),
                 None => {
@@ -306,17 +436,16 @@ impl ElementwiseKernel {
             }
         }
         let mut args = Args::new();
-        args.push(n as u64).push(dims);
-        let mut st = strides.iter();
-        for (k, p) in self.params.iter().enumerate() {
-            let slot = slots[k];
+        args.push(n as u64).push(plan.dims);
+        let mut st = plan.strides.iter();
+        for (k, slot) in slots.iter().copied().enumerate() {
             let ptr = if k < self.n_in {
                 match (&inputs[k], &held[k]) {
                     (KernelArg::Tensor(t), Some(b)) => Some(
                         b.device_ptr() + (t.layout().offset() * t.dtype().size_in_bytes()) as u64,
                     ),
                     (a, _) => {
-                        push_scalar(&mut args, a, concrete(&p.ty, &r));
+                        push_scalar(&mut args, a, plan.types[k]);
                         None
                     }
                 }
@@ -337,8 +466,8 @@ impl ElementwiseKernel {
         drop(taken);
         Ok(fresh
             .into_iter()
-            .zip(out_types.iter().skip(given.len()))
-            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), shape.clone(), dt))
+            .zip(plan.out_types.iter().skip(given.len()))
+            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), plan.shape.clone(), dt))
             .collect())
     }
 }

@@ -243,3 +243,127 @@ fn writing_into_a_pinned_tensor_that_a_pending_op_reads_keeps_it_pinned() {
     assert_eq!(p.to_vec::<f32>().unwrap(), [10.0, 20.0, 30.0]);
     assert_eq!(y.to_vec::<f32>().unwrap(), [2.0, 4.0, 6.0]);
 }
+
+/// One step of a random chain: an op over earlier values (indices into the list so far).
+#[derive(Clone, Debug)]
+enum Step {
+    Unary(UnaryOp, usize),
+    Binary(BinaryOp, usize, usize),
+    Scalar(BinaryOp, usize, f64, bool),
+    Backward(UnaryOp, usize, usize),
+    WhereGt(usize, usize, usize),
+    RoundTrip(usize),
+    Transposed(usize),
+}
+
+fn step_strategy() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    let unary = prop_oneof![
+        Just(UnaryOp::Exp),
+        Just(UnaryOp::Tanh),
+        Just(UnaryOp::Sigmoid),
+        Just(UnaryOp::Abs),
+        Just(UnaryOp::Neg),
+        Just(UnaryOp::Relu),
+        Just(UnaryOp::Sin),
+        Just(UnaryOp::Square),
+    ];
+    let binary = prop_oneof![
+        Just(BinaryOp::Add),
+        Just(BinaryOp::Sub),
+        Just(BinaryOp::Mul),
+        Just(BinaryOp::Div),
+        Just(BinaryOp::Maximum),
+        Just(BinaryOp::Minimum),
+    ];
+    let backward = prop_oneof![
+        Just(UnaryOp::Tanh),
+        Just(UnaryOp::Sigmoid),
+        Just(UnaryOp::Exp),
+        Just(UnaryOp::Relu),
+        Just(UnaryOp::Cos),
+    ];
+    let i = || 0usize..64; // taken modulo the values so far
+    prop_oneof![
+        (unary, i()).prop_map(|(u, a)| Step::Unary(u, a)),
+        (binary.clone(), i(), i()).prop_map(|(b, x, y)| Step::Binary(b, x, y)),
+        (binary, i(), -2.0f64..2.0, any::<bool>())
+            .prop_map(|(b, x, c, l)| Step::Scalar(b, x, c, l)),
+        (backward, i(), i()).prop_map(|(u, s, g)| Step::Backward(u, s, g)),
+        (i(), i(), i()).prop_map(|(c, a, b)| Step::WhereGt(c, a, b)),
+        i().prop_map(Step::RoundTrip),
+        i().prop_map(Step::Transposed),
+    ]
+}
+
+/// The chain of `steps` over three inputs of shape [6, 6] (one transposed, one a broadcast
+/// row), every value realized at once when `stepped`; returns the last value and a row sum and
+/// column max of it.
+fn random_chain(steps: &[Step], dtype: DType, stepped: bool) -> Vec<Tensor<Cpu>> {
+    let x = pattern(&[6, 6], 11, dtype);
+    let y = pattern(&[6, 6], 12, dtype).t().unwrap();
+    let r = pattern(&[6], 13, dtype).broadcast_to([6, 6]).unwrap();
+    let mut v = vec![x, y, r];
+    for s in steps {
+        let at = |k: usize| v[k % v.len()].clone();
+        let t = match *s {
+            Step::Unary(u, a) => at(a).unary(u),
+            Step::Binary(b, p, q) => at(p).binary(b, &at(q)),
+            Step::Scalar(b, a, c, lhs) if lhs => at(a).scalar_binary(b, c),
+            Step::Scalar(b, a, c, _) => at(a).binary_scalar(b, c),
+            Step::Backward(u, a, g) => at(a).unary_backward(u, &at(g)),
+            Step::WhereGt(c, a, b) => at(c).gt(&at(a)).and_then(|m| m.where_cond(&at(a), &at(b))),
+            Step::RoundTrip(a) => {
+                let other = if dtype == DType::F32 {
+                    DType::F64
+                } else {
+                    DType::F32
+                };
+                at(a).to_dtype(other).and_then(|t| t.to_dtype(dtype))
+            }
+            Step::Transposed(a) => at(a).t(),
+        }
+        .unwrap();
+        if stepped {
+            t.realize().unwrap();
+        }
+        v.push(t);
+    }
+    let last = v.pop().unwrap();
+    let sum = last.sum(&[1], false).unwrap();
+    let max = last.max(&[0], true).unwrap();
+    vec![last, sum, max]
+}
+
+/// Equal bits, or both NaN (a NaN's payload may differ between two equal computations).
+fn same(a: &[u64], b: &[u64], dtype: DType) -> bool {
+    let nan = |v: u64| match dtype {
+        DType::F32 => f32::from_bits(v as u32).is_nan(),
+        _ => f64::from_bits(v).is_nan(),
+    };
+    a.len() == b.len() && a.iter().zip(b).all(|(&x, &y)| x == y || (nan(x) && nan(y)))
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+    /// Random chains (transposed, broadcast and pending-transposed operands, scalar ops on
+    /// either side, backward ops, `where`, casts) computed fused have the op-by-op bits, and so
+    /// does the max of one; its row sum (fused into the chain's pass) agrees within rounding.
+    #[test]
+    fn random_chains_fused_match_op_by_op(steps in proptest::collection::vec(step_strategy(), 1..24)) {
+        all_deferred();
+        for dtype in [DType::F32, DType::F64] {
+            let fused = random_chain(&steps, dtype, false);
+            let stepped = random_chain(&steps, dtype, true);
+            proptest::prop_assert!(same(&bits(&fused[0]), &bits(&stepped[0]), dtype), "{:?}", dtype);
+            proptest::prop_assert!(same(&bits(&fused[2]), &bits(&stepped[2]), dtype), "{:?} max", dtype);
+            let f64s = |t: &Tensor<Cpu>| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+            let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+            for (g, w) in f64s(&fused[1]).iter().zip(&f64s(&stepped[1])) {
+                let ok = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= tol * (1.0 + w.abs());
+                proptest::prop_assert!(ok, "{:?} sum: {} vs {}", dtype, g, w);
+            }
+        }
+    }
+}

@@ -512,7 +512,7 @@ impl Backend for Cpu {
         if let Some(out) = lazy::reduce(s, layout, op, dtype, axes)? {
             return Ok(out);
         }
-        input(op.name(), s, layout)?;
+        lazy::compute(s)?;
         reduce::reduce(op, s, layout, dtype, axes)
     }
 

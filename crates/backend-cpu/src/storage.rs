@@ -199,23 +199,15 @@ impl CpuData {
     }
 
     /// A copy for an in-place write, in the same kind of memory (pinned stays pinned); a typed
-    /// error, not an abort, when there is no memory for it.
+    /// error, not an abort, when there is no memory for it (`alloc`).
     fn copy_for_write(&self, device: CpuDevice) -> Result<CpuData> {
         const OP: &str = "copy_into";
         fn copy_vec<T: CpuElem>(v: &HostVec<T>, device: CpuDevice) -> Result<HostVec<T>> {
             if v.is_pinned() {
                 return HostVec::pinned(OP, v);
             }
-            let mut out: Vec<T> = Vec::new();
-            if out.try_reserve_exact(v.len()).is_err() {
-                return Err(Error::OutOfMemory {
-                    device: device.to_string(),
-                    requested: v.len() * std::mem::size_of::<T>(),
-                    held: counters(&device).in_use.load(Ordering::Relaxed),
-                    msg: format!("{OP}: a copy of a buffer that a pending op still reads"),
-                });
-            }
-            out.extend_from_slice(v);
+            let mut out = alloc::<T>(OP, device, v.len())?;
+            out.copy_from_slice(v);
             Ok(HostVec::Heap(out))
         }
         Ok(match self {

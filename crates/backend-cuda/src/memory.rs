@@ -152,6 +152,18 @@ impl Buffer {
         k.all_below.is_some_and(|b| b <= limit)
             || matches!(&k.checked, Some((ok, lim)) if ok == l && *lim <= limit)
     }
+    /// A bound known for every element read through `l`, as ids: the upload's scan, or a
+    /// device-side check of this very layout. Selecting such elements (`index_select`,
+    /// `gather`) gives a buffer with the same bound, so the labels of a batch picked from
+    /// labels already on the device need no check of their own.
+    pub fn known_id_bound(&self, l: &kiln_core::Layout) -> Option<usize> {
+        let k = self.ids_ok.lock().unwrap();
+        match (&k.all_below, &k.checked) {
+            (Some(b), _) => Some(*b),
+            (None, Some((ok, lim))) if ok == l => Some(*lim),
+            _ => None,
+        }
+    }
     /// Records a passed check (see [`Buffer::ids_known_below`]).
     pub fn mark_ids_below(&self, l: &kiln_core::Layout, limit: usize) {
         self.ids_ok.lock().unwrap().checked = Some((l.clone(), limit));

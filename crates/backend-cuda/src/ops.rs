@@ -935,6 +935,9 @@ pub(crate) fn index_select(
         &mut a,
     )?;
     check_ids(dev, OP, ids, li, l.dims()[axis])?;
+    if let Some(bound) = x.known_id_bound(l) {
+        out.mark_all_ids_below(bound);
+    }
     Ok(out)
 }
 
@@ -984,6 +987,9 @@ pub(crate) fn gather(
         &mut a,
     )?;
     check_ids(dev, OP, ids, li, l.dims()[axis])?;
+    if let Some(bound) = x.known_id_bound(l) {
+        out.mark_all_ids_below(bound);
+    }
     Ok(out)
 }
 

@@ -123,6 +123,39 @@ fn checked_labels_are_not_checked_again_until_written() {
     assert!(e.to_string().contains("label 7"), "{e}");
 }
 
+/// A batch of labels picked on the device from labels already there (a dataset kept on the
+/// GPU) keeps the bound known of its source: the step's cross-entropy does not wait for the
+/// GPU, while an index that the pick itself gets wrong is still caught.
+#[test]
+fn labels_picked_on_the_device_keep_their_bound() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let logits = Tensor::<Cuda>::rand([3, 5], -1.0, 1.0, 7, DType::F32, &dev).unwrap();
+    let all = Tensor::<Cuda>::from_vec(vec![0i64, 4, 2, 1, 3, 0], [6], &dev).unwrap();
+    let order = Tensor::<Cuda>::from_vec(vec![5i64, 1, 3, 2, 0, 4], [6], &dev).unwrap();
+    let ids = order.narrow(0, 3, 3).unwrap();
+    let s0 = thread_syncs();
+    let picked = all.index_select(&ids, 0).unwrap();
+    let gathered = all.gather(&ids, 0).unwrap();
+    logits.cross_entropy(&picked).unwrap();
+    logits.cross_entropy(&gathered).unwrap();
+    assert_eq!(
+        thread_syncs(),
+        s0,
+        "picked labels inherit the upload's scan"
+    );
+    assert_eq!(picked.to_vec::<i64>().unwrap(), vec![2, 0, 3]);
+    // Labels of another bound: the cross-entropy over 5 classes catches a 7.
+    let wide = Tensor::<Cuda>::from_vec(vec![7i64, 1, 2], [3], &dev).unwrap();
+    let first = Tensor::<Cuda>::from_vec(vec![0i64, 1, 2], [3], &dev).unwrap();
+    let picked = wide.index_select(&first, 0).unwrap();
+    let e = logits.cross_entropy(&picked).unwrap_err();
+    assert!(e.to_string().contains('7'), "{e}");
+    // Indices out of range are still caught by the pick (no bound is passed on then).
+    let bad = Tensor::<Cuda>::from_vec(vec![0i64, 9], [2], &dev).unwrap();
+    assert!(all.index_select(&bad, 0).is_err());
+    assert!(logits.cross_entropy(&all.narrow(0, 0, 3).unwrap()).is_ok());
+}
+
 #[test]
 fn memory_stats_track_use_and_empty_cache_trims() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -212,6 +212,15 @@ impl HostRows {
         }
     }
 
+    /// The dtype of the elements as `block` stores them: `U8` for bytes decoded on the device.
+    pub fn stored_dtype(&self) -> crate::DType {
+        if self.bytes_over.is_some() {
+            crate::DType::U8
+        } else {
+            self.dtype
+        }
+    }
+
     /// Bytes of one gathered row (on the device).
     pub fn out_row_bytes(&self) -> usize {
         self.row_bytes / self.stored_size() * self.dtype.size_in_bytes()

@@ -301,7 +301,7 @@ fn gather_pool() -> Option<&'static rayon::ThreadPool> {
     .as_ref()
 }
 
-fn gather_bytes(src: &[u8], row_bytes: usize, indices: &[usize], dst: &mut [u8]) {
+pub(crate) fn gather_bytes(src: &[u8], row_bytes: usize, indices: &[usize], dst: &mut [u8]) {
     use rayon::prelude::*;
     if row_bytes == 0 {
         return;

@@ -142,7 +142,7 @@ impl Dataset for Counting {
 }
 
 /// A pinned dataset on a backend that gathers host rows itself (the reference does, on the
-/// host): no host gather at all, the same batches as the plain path whatever the grouping and
+/// host), asked to (`device_gather`): no host gather at all, the same batches as the plain path whatever the grouping and
 /// the prefetch depth, the labels' id bound known, and every pinned block given back.
 #[test]
 fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
@@ -165,6 +165,7 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
         let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
             .unwrap()
             .shuffle(5)
+            .device_gather(true)
             .upload_bytes(bytes)
             .prefetch(prefetch);
         // Two epochs: the second must not reuse the first's groups.
@@ -192,6 +193,7 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
             &mut DataLoader::<Reference>::new(counting.clone(), 7, &dev)
                 .unwrap()
                 .shuffle(5)
+                .device_gather(true)
         ),
         plain
     );
@@ -203,6 +205,50 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
     assert_eq!(all_batches(&mut off), plain);
     assert!(got_host_gathers(&counting) > 0);
     drop((off, counting));
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}
+
+/// A pinned dataset by default: the worker copies its rows as stored into pinned blocks (not
+/// through `get_batch_into`) and the backend decodes them: the plain path's batches, whatever
+/// the grouping and the prefetch depth, and every pinned block given back.
+#[test]
+fn a_pinned_dataset_is_copied_as_stored_into_the_same_batches() {
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    let data = dataset(50, 4);
+    let counting = std::sync::Arc::new(Counting {
+        inner: data.clone().pin().unwrap(),
+        host_gathers: Default::default(),
+    });
+    for (bytes, prefetch) in [(0, 2), (3 * 112, 1), (1 << 20, 0), (1, 5)] {
+        let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
+            .unwrap()
+            .shuffle(5)
+            .upload_bytes(bytes)
+            .prefetch(prefetch);
+        for _ in 0..2 {
+            let got = all_batches(&mut l);
+            let want = plain_batches(data.clone(), 7, 5, l.epoch() - 1);
+            assert_eq!(got, want, "upload_bytes {bytes}, prefetch {prefetch}");
+        }
+    }
+    // In order (no shuffling) each group is one range of the pinned arrays, uploaded from the
+    // dataset's own blocks, whoever would gather.
+    let mut want = DataLoader::<Reference>::new(data.clone(), 7, &dev)
+        .unwrap()
+        .pin_memory(false);
+    let want = all_batches(&mut want);
+    for (device_gather, prefetch) in [(false, 2), (false, 0), (true, 2)] {
+        let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
+            .unwrap()
+            .upload_bytes(3 * 112)
+            .device_gather(device_gather)
+            .prefetch(prefetch);
+        assert_eq!(all_batches(&mut l), want, "in order, {device_gather}");
+    }
+    assert_eq!(got_host_gathers(&counting), 0, "rows copied as stored");
+    drop(counting);
     assert_eq!(pool.live(), 0, "every pinned block was given back");
 }
 
@@ -228,11 +274,33 @@ fn pixel_features_are_pinned_as_bytes_and_decode_to_the_same_batches() {
     assert_eq!(features.bytes_over, Some(255.0));
     assert_eq!(features.block.len(), n * width, "one byte per pixel");
     drop(features);
-    let plain = plain_batches(data, 6, 1, 0);
-    let mut l = DataLoader::<Reference>::new(pinned, 6, &dev)
+    let plain = plain_batches(data.clone(), 6, 1, 0);
+    // Copied as bytes by the worker and decoded after the upload, or gathered and decoded by
+    // the device.
+    let mut in_order = DataLoader::<Reference>::new(data, 6, &dev)
         .unwrap()
-        .shuffle(1);
-    assert_eq!(all_batches(&mut l), plain);
-    drop(l);
+        .pin_memory(false);
+    let in_order = all_batches(&mut in_order);
+    for (device_gather, shuffle) in [(false, true), (true, true), (false, false), (true, false)] {
+        let l = DataLoader::<Reference>::new(pinned.clone(), 6, &dev)
+            .unwrap()
+            .device_gather(device_gather);
+        let (mut l, plain) = match shuffle {
+            true => (l.shuffle(1), &plain),
+            false => (l, &in_order),
+        };
+        let got = all_batches(&mut l);
+        assert_eq!(
+            &got, plain,
+            "device_gather {device_gather}, shuffle {shuffle}"
+        );
+        let bits = |v: &[(Vec<f64>, Vec<f64>)]| -> Vec<u64> {
+            v.iter()
+                .flat_map(|(x, _)| x.iter().map(|f| f.to_bits()))
+                .collect()
+        };
+        assert_eq!(bits(&got), bits(plain), "the same bits");
+    }
+    drop(pinned);
     assert_eq!(pool.live(), 0, "every pinned block was given back");
 }

@@ -1,7 +1,10 @@
 //! Does the DataLoader's next batch arrive while the current one trains? Times an MLP training
-//! epoch over an in-memory dataset three ways, alternating rounds:
+//! epoch over an in-memory dataset four ways, alternating rounds:
 //!
 //! - `compute`: the same steps on one batch already on the device (no data movement at all);
+//! - `resident`: the same epoch with the dataset already on the device, as a user would keep a
+//!   small dataset there: the epoch's order uploaded once, each batch gathered on the device
+//!   (`index_select` of its rows) — the alternative a user weighs the loader against;
 //! - `sync`: `prefetch(0)`, each batch gathered and uploaded on this thread before its step;
 //! - `prefetch`: the loader's default prefetching (`--prefetch N` overrides it): the worker
 //!   thread gathers the next batches, uploaded (on a GPU through pinned memory on the copy
@@ -10,7 +13,8 @@
 //!
 //! With full overlap `prefetch` costs what `compute` costs; without any, what `sync` costs.
 //! `prefetch/compute` is the median over rounds of each round's ratio (the two epochs run back
-//! to back), with the range over rounds beside it.
+//! to back), with the range over rounds beside it; `prefetch/resident` likewise. Without
+//! `--shuffle` the batches are consecutive rows, so `resident` narrows instead of gathering.
 //! The line `hidden=...%` is the share of the data movement (`sync - compute`) that prefetching
 //! hides; `host_us_per_batch` is the training thread's own time in the loader's `next()` and in
 //! dropping a used batch, which no prefetching can hide when the step is bound by the host.
@@ -24,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kiln_core::{Backend, DType, HostBuffer, HostSource, PinnedBlock, Result};
+use kiln_core::{Backend, DType, HostBuffer, HostSource, PinnedBlock, Result, Tensor};
 use kiln_data::{ArrayDataset, DataLoader};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, models};
 use kiln_nn::Module;
@@ -70,10 +74,17 @@ struct Args {
     /// copies nothing.
     #[arg(long)]
     pin_dataset: bool,
+    /// With `--pin-dataset`: the worker copies the rows into pinned blocks, one DMA a group,
+    /// instead of the GPU gathering them over the bus (`DataLoader::device_gather(false)`).
+    #[arg(long)]
+    host_gather: bool,
     /// Synthetic features shaped like MNIST's pixels (`byte / 255`) instead of 16-bit
     /// fractions: a pinned dataset then keeps them as bytes (`ArrayDataset::pin`).
     #[arg(long)]
     pixels: bool,
+    /// Shuffle every epoch with this seed (`DataLoader::shuffle`), as training does.
+    #[arg(long)]
+    shuffle: Option<u64>,
     /// Diagnostic: also time compute-only epochs while another thread copies pinned 16 MiB
     /// blocks to the device at this many GB/s (the loader's bytes without the loader): what
     /// the bus traffic alone costs the step (`bus/compute`).
@@ -91,6 +102,16 @@ fn main() {
 }
 
 struct Overlap(Args);
+
+/// How an epoch gets its batches.
+enum Way<'a, B: Backend> {
+    /// One batch already on the device, for every step.
+    Compute,
+    /// The loaders' batches, from the dataset already on the device.
+    Resident,
+    /// From a loader (0: the synchronous one, 1: the prefetching one; indexes the sums).
+    Loader(&'a mut DataLoader<B>, usize),
+}
 
 /// A thread that copies a pinned 16 MiB block to the device at a set rate while `on`.
 struct BusLoad {
@@ -152,6 +173,12 @@ impl Job for Overlap {
             })
             .collect();
         let labels: Vec<i64> = (0..a.samples as i64).map(|i| i % 10).collect();
+        let lenet = a.arch == "lenet";
+        let shape: Vec<usize> = if lenet { vec![1, 28, 28] } else { vec![784] };
+        // The dataset already on the device, for the `resident` epochs.
+        let dims = |n: usize| [vec![n], shape.clone()].concat();
+        let x_dev = Tensor::<B>::from_host(&HostBuffer::F32(feats.clone()), dims(a.samples), &dev)?;
+        let y_dev = Tensor::<B>::from_host(&HostBuffer::I64(labels.clone()), [a.samples], &dev)?;
         let data = ArrayDataset::new(
             HostBuffer::F32(feats),
             [784],
@@ -160,13 +187,11 @@ impl Job for Overlap {
             a.samples,
         )?;
         let data = if a.pin_dataset { data.pin()? } else { data };
-        let lenet = a.arch == "lenet";
         let model = if lenet {
             models::lenet::<B>(&dev, 0)?
         } else {
             models::mlp::<B>(a.hidden, &dev, 0)?
         };
-        let shape: Vec<usize> = if lenet { vec![1, 28, 28] } else { vec![784] };
         let mut opt = SgdConfig::new(0.01).init(model.parameters())?;
         let mut step = |x: &kiln_core::Tensor<B>, y: &kiln_core::Tensor<B>| -> Result<()> {
             let loss = cross_entropy(&model.forward(&kiln_autograd::Var::constant(x.clone()))?, y)?;
@@ -174,12 +199,18 @@ impl Job for Overlap {
             loss.backward()?;
             opt.step()
         };
-        let mut sync_loader = DataLoader::<B>::new(data.clone(), a.batch, &dev)?
+        let shuffled = |l: DataLoader<B>| match a.shuffle {
+            Some(seed) => l.shuffle(seed),
+            None => l,
+        };
+        let mut sync_loader = shuffled(DataLoader::<B>::new(data.clone(), a.batch, &dev)?)
+            .device_gather(!a.host_gather)
             .drop_last(true)
             .prefetch(0)
             .sample_shape(shape.clone())?;
         let probe = data.clone();
-        let mut pre_loader = DataLoader::<B>::new(data, a.batch, &dev)?
+        let mut pre_loader = shuffled(DataLoader::<B>::new(data, a.batch, &dev)?)
+            .device_gather(!a.host_gather)
             .drop_last(true)
             .sample_shape(shape)?;
         if let Some(bytes) = a.upload_bytes {
@@ -197,11 +228,38 @@ impl Job for Overlap {
         // `timed`: the warm-up and profiled epochs are left out of these sums (their first
         // uploads grow the device and pinned pools: milliseconds that once made a 16 MiB
         // group's upload look 7 times as costly as in steady state).
-        let mut epoch = |loader: Option<(&mut DataLoader<B>, usize)>, timed: bool| -> Result<f64> {
+        let mut resident_epoch = 0u64;
+        let mut epoch = |way: Way<'_, B>, timed: bool| -> Result<f64> {
             B::synchronize(&dev)?;
             let t = Instant::now();
-            match loader {
-                Some((l, k)) => {
+            match way {
+                Way::Resident => {
+                    let n = steps * a.batch;
+                    // The epoch's order, uploaded once (the loaders' permutation).
+                    let order = match a.shuffle {
+                        Some(seed) => {
+                            let p = kiln_data::permutation(a.samples, seed, resident_epoch);
+                            let p = p.into_iter().take(n).map(|i| i as i64).collect();
+                            Some(Tensor::<B>::from_host(&HostBuffer::I64(p), [n], &dev)?)
+                        }
+                        None => None,
+                    };
+                    resident_epoch += 1;
+                    for k in 0..steps {
+                        let (x, y) = match &order {
+                            Some(order) => {
+                                let ids = order.narrow(0, k * a.batch, a.batch)?;
+                                (x_dev.index_select(&ids, 0)?, y_dev.index_select(&ids, 0)?)
+                            }
+                            None => (
+                                x_dev.narrow(0, k * a.batch, a.batch)?,
+                                y_dev.narrow(0, k * a.batch, a.batch)?,
+                            ),
+                        };
+                        step(&x, &y)?;
+                    }
+                }
+                Way::Loader(l, k) => {
                     let mut it = l.iter();
                     loop {
                         let t0 = Instant::now();
@@ -230,7 +288,7 @@ impl Job for Overlap {
                         uploads += times.uploads;
                     }
                 }
-                None => {
+                Way::Compute => {
                     for _ in 0..steps {
                         step(&x0, &y0)?;
                     }
@@ -240,18 +298,19 @@ impl Job for Overlap {
             Ok(t.elapsed().as_secs_f64() * 1e3 / steps as f64)
         };
         // warm-up: kernels, allocator pools, pinned staging
-        epoch(None, false)?;
-        epoch(Some((&mut sync_loader, 0)), false)?;
-        epoch(Some((&mut pre_loader, 1)), false)?;
+        epoch(Way::Compute, false)?;
+        epoch(Way::Loader(&mut sync_loader, 0), false)?;
+        epoch(Way::Loader(&mut pre_loader, 1), false)?;
+        epoch(Way::Resident, false)?;
         if a.profile {
-            let (r, prof) = kiln_core::profile::profile(|| epoch(None, false));
+            let (r, prof) = kiln_core::profile::profile(|| epoch(Way::Compute, false));
             r?;
             println!(
                 "== profile of a compute epoch ({steps} steps)\n{}",
                 prof.table()
             );
             let (r, prof) =
-                kiln_core::profile::profile(|| epoch(Some((&mut pre_loader, 1)), false));
+                kiln_core::profile::profile(|| epoch(Way::Loader(&mut pre_loader, 1), false));
             r?;
             println!(
                 "== profile of a prefetch epoch ({steps} steps)\n{}",
@@ -260,13 +319,15 @@ impl Job for Overlap {
         }
         let bus = a.bus_load.map(|gbps| BusLoad::start::<B>(&dev, gbps));
         let (mut c, mut s, mut p, mut with_bus) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut r = Vec::new();
         for _ in 0..a.rounds {
-            s.push(epoch(Some((&mut sync_loader, 0)), true)?);
-            c.push(epoch(None, true)?);
-            p.push(epoch(Some((&mut pre_loader, 1)), true)?);
+            s.push(epoch(Way::Loader(&mut sync_loader, 0), true)?);
+            c.push(epoch(Way::Compute, true)?);
+            r.push(epoch(Way::Resident, true)?);
+            p.push(epoch(Way::Loader(&mut pre_loader, 1), true)?);
             if let Some(bus) = &bus {
                 bus.on.store(true, Ordering::Relaxed);
-                let ms = epoch(None, true);
+                let ms = epoch(Way::Compute, true);
                 bus.on.store(false, Ordering::Relaxed);
                 with_bus.push(ms? / c.last().expect("pushed above"));
             }
@@ -295,7 +356,11 @@ impl Job for Overlap {
             .iter()
             .fold((f64::MAX, 0f64), |(l, h), &r| (l.min(r), h.max(r)));
         let ratio = med(ratios);
-        let (c, s, p) = (med(c), med(s), med(p));
+        let mut by_res: Vec<f64> = p.iter().zip(&r).map(|(p, r)| p / r).collect();
+        by_res.sort_by(f64::total_cmp);
+        let (rlo, rhi) = (by_res[0], by_res[by_res.len() - 1]);
+        let res_ratio = med(by_res);
+        let (c, s, p, r) = (med(c), med(s), med(p), med(r));
         // Where one batch's data movement goes: loading alone (gather + upload, no step) and
         // the host gather alone.
         B::synchronize(&dev)?;
@@ -325,12 +390,15 @@ impl Job for Overlap {
             format!("mlp-784-{h}-{h}-10", h = a.hidden)
         };
         println!(
-            "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} pinned_dataset={} pixels={} steps={steps} \
-             ms_per_step: compute={c:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3} \
+            "loader_overlap {dev} batch={} ({mb:.1} MB of f32 features) model={model_name} pinned_dataset={} device_gather={} pixels={} shuffle={} steps={steps} \
+             ms_per_step: compute={c:.3} resident={r:.3} sync={s:.3} prefetch={p:.3} prefetch/compute={ratio:.3} (rounds {rounds}: {lo:.3}..{hi:.3}) \
+             prefetch/resident={res_ratio:.3} ({rlo:.3}..{rhi:.3}) hidden={hidden} load_only={load:.3} gather_only={gather:.3} \
              host_us_per_batch: prefetch next={:.1} (waiting {wait_us:.1}, uploading {upload_us:.1}; {per:.1} batches per upload) drop={:.1} sync next={:.1} drop={:.1}",
             a.batch,
             a.pin_dataset,
+            !a.host_gather,
             a.pixels,
+            a.shuffle.is_some(),
             next_us[1],
             drop_us[1],
             next_us[0],

@@ -365,20 +365,22 @@ impl<'a> Frame<'a> {
             Loc::Uni(s) => s,
             _ => unreachable!("a tail's operand is uniform (planned)"),
         };
+        // (Arrays, not `Vec`s: this runs per instruction and block.)
+        let n = ops.len().min(2);
         let post = match dtype {
             DType::F32 => {
-                let ops: Vec<_> = ops
-                    .iter()
-                    .map(|&(o, v, l)| (o, f32::sv(uni(v)), l))
-                    .collect();
-                Post::F32(Aff::<f32>::new(&ops))
+                let mut t = [(BinaryOp::Add, 0f32, false); 2];
+                for (d, &(o, v, l)) in t.iter_mut().zip(ops) {
+                    *d = (o, f32::sv(uni(v)), l);
+                }
+                Post::F32(Aff::<f32>::new(&t[..n]))
             }
             _ => {
-                let ops: Vec<_> = ops
-                    .iter()
-                    .map(|&(o, v, l)| (o, f64::sv(uni(v)), l))
-                    .collect();
-                Post::F64(Aff::<f64>::new(&ops))
+                let mut t = [(BinaryOp::Add, 0f64, false); 2];
+                for (d, &(o, v, l)) in t.iter_mut().zip(ops) {
+                    *d = (o, f64::sv(uni(v)), l);
+                }
+                Post::F64(Aff::<f64>::new(&t[..n]))
             }
         };
         self.exec_post(i, head, dtype, post)

@@ -408,6 +408,68 @@ fn an_upload_from_pinned_memory_holds_back_only_the_work_that_reads_it() {
     );
 }
 
+/// The DataLoader over a pinned dataset of MNIST-like pixels (`byte / 255`, kept as bytes) on
+/// the GPU, each way it moves them: gathered by the device, copied as bytes by the worker, and
+/// in order (one DMA of the dataset's own memory a group, decoded by a deferred cast and
+/// division): every batch equals the host's, bit for bit, labels included.
+#[test]
+fn the_loader_moves_a_pinned_pixel_dataset_to_the_gpu_bit_for_bit() {
+    use kiln_core::HostBuffer;
+    use kiln_data::{ArrayDataset, DataLoader};
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (n, width) = (2000, 784);
+    let f: Vec<f32> = (0..n * width)
+        .map(|k| (k * 37 % 256) as f32 / 255.0)
+        .collect();
+    let labels = HostBuffer::I64((0..n as i64).map(|i| i * 7 % 10).collect());
+    let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
+    let pinned = data.clone().pin().unwrap();
+    let host = |shuffle: bool| -> Vec<(Vec<u32>, Vec<i64>)> {
+        let l = DataLoader::<Cpu>::new(data.clone(), 300, &Cpu::device(0)).unwrap();
+        let mut l = if shuffle { l.shuffle(3) } else { l };
+        l.iter()
+            .map(|b| {
+                let (x, y) = b.unwrap();
+                let x = x
+                    .to_vec::<f32>()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect();
+                (x, y.to_vec::<i64>().unwrap())
+            })
+            .collect()
+    };
+    for shuffle in [false, true] {
+        let want = host(shuffle);
+        for device_gather in [true, false] {
+            // 1 MB groups: several batches an upload, and a short last batch.
+            let l = DataLoader::<Cuda>::new(pinned.clone(), 300, &dev)
+                .unwrap()
+                .upload_bytes(1 << 20)
+                .device_gather(device_gather);
+            let mut l = if shuffle { l.shuffle(3) } else { l };
+            let got: Vec<(Vec<u32>, Vec<i64>)> = l
+                .iter()
+                .map(|b| {
+                    let (x, y) = b.unwrap();
+                    let x = x
+                        .to_vec::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect();
+                    (x, y.to_vec::<i64>().unwrap())
+                })
+                .collect();
+            assert!(
+                got == want,
+                "shuffle {shuffle}, device_gather {device_gather}: batches differ"
+            );
+        }
+    }
+}
+
 /// `gather_host_rows` (the DataLoader's path for a pinned dataset): the GPU reads the rows of
 /// page-locked host arrays itself. Rows of 3136 bytes (16-byte words), 8-byte labels and
 /// 3-byte rows (byte words) come out as a host gather gives them, in the requested order with

@@ -424,21 +424,19 @@ fn the_loader_moves_a_pinned_pixel_dataset_to_the_gpu_bit_for_bit() {
     let labels = HostBuffer::I64((0..n as i64).map(|i| i * 7 % 10).collect());
     let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
     let pinned = data.clone().pin().unwrap();
-    let host = |shuffle: bool| -> Vec<(Vec<u32>, Vec<i64>)> {
-        let l = DataLoader::<Cpu>::new(data.clone(), 300, &Cpu::device(0)).unwrap();
-        let mut l = if shuffle { l.shuffle(3) } else { l };
+    // An epoch's batches: feature bits and labels.
+    fn epoch<B: kiln_core::Backend>(l: &mut DataLoader<B>) -> Vec<(Vec<u32>, Vec<i64>)> {
+        let bits = |x: Vec<f32>| x.iter().map(|v| v.to_bits()).collect();
         l.iter()
             .map(|b| {
                 let (x, y) = b.unwrap();
-                let x = x
-                    .to_vec::<f32>()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect();
-                (x, y.to_vec::<i64>().unwrap())
+                (bits(x.to_vec::<f32>().unwrap()), y.to_vec::<i64>().unwrap())
             })
             .collect()
+    }
+    let host = |shuffle: bool| {
+        let l = DataLoader::<Cpu>::new(data.clone(), 300, &Cpu::device(0)).unwrap();
+        epoch(&mut if shuffle { l.shuffle(3) } else { l })
     };
     for shuffle in [false, true] {
         let want = host(shuffle);
@@ -448,20 +446,7 @@ fn the_loader_moves_a_pinned_pixel_dataset_to_the_gpu_bit_for_bit() {
                 .unwrap()
                 .upload_bytes(1 << 20)
                 .device_gather(device_gather);
-            let mut l = if shuffle { l.shuffle(3) } else { l };
-            let got: Vec<(Vec<u32>, Vec<i64>)> = l
-                .iter()
-                .map(|b| {
-                    let (x, y) = b.unwrap();
-                    let x = x
-                        .to_vec::<f32>()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect();
-                    (x, y.to_vec::<i64>().unwrap())
-                })
-                .collect();
+            let got = epoch(&mut if shuffle { l.shuffle(3) } else { l });
             assert!(
                 got == want,
                 "shuffle {shuffle}, device_gather {device_gather}: batches differ"

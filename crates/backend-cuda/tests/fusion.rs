@@ -140,6 +140,38 @@ fn writing_into_a_buffer_a_pending_op_reads_leaves_the_op_its_old_values() {
     assert_eq!(read(&doubled), [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]);
 }
 
+/// A deferred result already computed (read, so its node holds the value) and then written in
+/// place gives the node's buffer back to the write: no copy of the whole tensor, and the
+/// values right.
+#[test]
+fn an_in_place_write_into_a_computed_deferred_result_does_not_copy_it() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let f32s = |v: Vec<f32>| HostBuffer::F32(v);
+    let n = 1 << 22; // 16 MiB of f32
+    let l = Layout::contiguous([n]);
+    let base = Cuda::from_host(&dev, &f32s(vec![1.0; n])).unwrap();
+    let mut x = Cuda::binary_scalar(BinaryOp::Add, &base, &l, DType::F32, 1.0, false).unwrap();
+    assert!(x.is_pending());
+    drop(Cuda::to_host(&x, &l, DType::F32).unwrap()); // computed; the node keeps the value
+    Cuda::synchronize(&dev).unwrap();
+    kiln_backend_cuda::reset_peak(&dev).unwrap();
+    let before = Cuda::memory_stats(&dev).unwrap().in_use;
+    let five = Cuda::from_host(&dev, &f32s(vec![5.0; 2])).unwrap();
+    let region = l.narrow(0, 1, 2).unwrap();
+    Cuda::copy_into(&five, &Layout::contiguous([2]), &mut x, &region, DType::F32).unwrap();
+    Cuda::synchronize(&dev).unwrap();
+    let peak = Cuda::memory_stats(&dev).unwrap().peak;
+    assert!(
+        peak < before + n * 4,
+        "the write copied the tensor: peak {peak} bytes, {before} before"
+    );
+    let head = l.narrow(0, 0, 4).unwrap();
+    match Cuda::to_host(&x, &head, DType::F32).unwrap() {
+        HostBuffer::F32(v) => assert_eq!(v, [2.0, 5.0, 5.0, 2.0]),
+        other => panic!("f32 expected, got {other:?}"),
+    }
+}
+
 #[test]
 fn a_value_updated_in_a_loop_stays_bounded_and_right() {
     let Some(dev) = gpu_or_skip(0) else { return };

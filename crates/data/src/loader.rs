@@ -598,9 +598,10 @@ impl<B: Backend> Job<B> {
     /// backend's copy stream and one event that orders the caller's later work after both (the
     /// blocks live until the copies are done).
     fn upload(&self, g: Gathered<B>) -> Result<TensorBatch<B>> {
-        fn src(b: &Arc<PinnedBlock>) -> HostSource<'_> {
+        /// Bytes `r` of `b`, kept alive by `b` until the copy is done.
+        fn range(b: &Arc<PinnedBlock>, r: std::ops::Range<usize>) -> HostSource<'_> {
             HostSource {
-                bytes: b.as_bytes(),
+                bytes: &b.as_bytes()[r],
                 pinned: true,
                 owner: Some(b.clone()),
             }
@@ -625,13 +626,6 @@ impl<B: Backend> Job<B> {
                     .as_ref()
                     .expect("stored rows come from host_rows");
                 let (fd, ld) = (rows[0].stored_dtype(), rows[1].stored_dtype());
-                fn range(b: &Arc<PinnedBlock>, r: std::ops::Range<usize>) -> HostSource<'_> {
-                    HostSource {
-                        bytes: &b.as_bytes()[r],
-                        pinned: true,
-                        owner: Some(b.clone()),
-                    }
-                }
                 let srcs = vec![(fd, range(&f, fr)), (ld, range(&l, lr))];
                 let s = B::from_host_sources(&self.device, srcs)?;
                 let (fs, ls) = two::<B>(s)?;
@@ -650,7 +644,8 @@ impl<B: Backend> Job<B> {
                 dims: (fdims, ldims),
             } => {
                 let (f, l) = (Arc::new(features), Arc::new(labels));
-                let s = B::from_host_sources(&self.device, vec![(fd, src(&f)), (ld, src(&l))])?;
+                let srcs = vec![(fd, range(&f, 0..f.len())), (ld, range(&l, 0..l.len()))];
+                let s = B::from_host_sources(&self.device, srcs)?;
                 let (fs, ls) = two::<B>(s)?;
                 Ok((
                     Tensor::from_storage(fs, fdims, fd),

@@ -370,15 +370,10 @@ impl CpuStorage {
     /// Mutable access for in-place writes (`copy_into`). The length must not change. A block
     /// that someone else still holds (a pending node reading the old contents) is copied first.
     pub(crate) fn data_mut(&mut self) -> Result<&mut CpuData> {
-        if let Repr::Pending(n) = &mut self.repr {
-            let taken = Arc::get_mut(n).and_then(|n| n.take_done());
-            let block = match taken {
-                Some(b) => b,
-                None => match n.done() {
-                    Some(b) => b.clone(),
-                    None => return Err(unforced()),
-                },
-            };
+        if let Repr::Pending(n) = &self.repr {
+            // Replacing the node drops it (when this storage was its only holder), and with it
+            // the node's reference to the block, which is then ours alone.
+            let block = n.done().cloned().ok_or_else(unforced)?;
             self.repr = Repr::Ready(block);
         }
         let Repr::Ready(b) = &mut self.repr else {

@@ -148,9 +148,7 @@ impl Buffer {
     /// (then an index kernel over the same ids need not synchronize to read the error flag;
     /// contents only change through [`Buffer::contents_changed`]).
     pub fn ids_known_below(&self, l: &kiln_core::Layout, limit: usize) -> bool {
-        let k = self.ids_ok.lock().unwrap();
-        k.all_below.is_some_and(|b| b <= limit)
-            || matches!(&k.checked, Some((ok, lim)) if ok == l && *lim <= limit)
+        self.known_id_bound(l).is_some_and(|b| b <= limit)
     }
     /// A bound known for every element read through `l`, as ids: the upload's scan, or a
     /// device-side check of this very layout. Selecting such elements (`index_select`,
@@ -158,10 +156,15 @@ impl Buffer {
     /// labels already on the device need no check of their own.
     pub fn known_id_bound(&self, l: &kiln_core::Layout) -> Option<usize> {
         let k = self.ids_ok.lock().unwrap();
-        match (&k.all_below, &k.checked) {
-            (Some(b), _) => Some(*b),
-            (None, Some((ok, lim))) if ok == l => Some(*lim),
-            _ => None,
+        let checked = k
+            .checked
+            .as_ref()
+            .filter(|(ok, _)| ok == l)
+            .map(|&(_, lim)| lim);
+        // The tighter of the two when both are known.
+        match (k.all_below, checked) {
+            (Some(a), Some(c)) => Some(a.min(c)),
+            (a, c) => a.or(c),
         }
     }
     /// Records a passed check (see [`Buffer::ids_known_below`]).

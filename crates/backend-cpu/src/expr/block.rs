@@ -77,12 +77,12 @@ macro_rules! aff {
     ($t:ty) => {
         impl Aff<$t> {
             /// The tail of `ops` (at most two): (op, uniform value, uniform on the left).
-            pub(super) fn new(ops: &[(BinaryOp, $t, bool)]) -> Self {
+            pub(super) fn new(ops: impl IntoIterator<Item = (BinaryOp, $t, bool)>) -> Self {
                 let mut t = Aff {
                     m: [1.0; 2],
                     a: [-0.0; 2],
                 };
-                for (k, &(op, c, lhs)) in ops.iter().enumerate() {
+                for (k, (op, c, lhs)) in ops.into_iter().enumerate() {
                     (t.m[k], t.a[k]) = match (op, lhs) {
                         (BinaryOp::Add, _) => (1.0, c),
                         (BinaryOp::Sub, false) => (1.0, -c),
@@ -365,23 +365,14 @@ impl<'a> Frame<'a> {
             Loc::Uni(s) => s,
             _ => unreachable!("a tail's operand is uniform (planned)"),
         };
-        // (Arrays, not `Vec`s: this runs per instruction and block.)
-        let n = ops.len().min(2);
+        // (An iterator, not a `Vec`: this runs per instruction and block.)
         let post = match dtype {
-            DType::F32 => {
-                let mut t = [(BinaryOp::Add, 0f32, false); 2];
-                for (d, &(o, v, l)) in t.iter_mut().zip(ops) {
-                    *d = (o, f32::sv(uni(v)), l);
-                }
-                Post::F32(Aff::<f32>::new(&t[..n]))
-            }
-            _ => {
-                let mut t = [(BinaryOp::Add, 0f64, false); 2];
-                for (d, &(o, v, l)) in t.iter_mut().zip(ops) {
-                    *d = (o, f64::sv(uni(v)), l);
-                }
-                Post::F64(Aff::<f64>::new(&t[..n]))
-            }
+            DType::F32 => Post::F32(Aff::<f32>::new(
+                ops.iter().map(|&(o, v, l)| (o, f32::sv(uni(v)), l)),
+            )),
+            _ => Post::F64(Aff::<f64>::new(
+                ops.iter().map(|&(o, v, l)| (o, f64::sv(uni(v)), l)),
+            )),
         };
         self.exec_post(i, head, dtype, post)
     }

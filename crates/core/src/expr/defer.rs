@@ -67,7 +67,7 @@ pub enum Op {
 
 /// Whether `op` has a single-operand backward kernel (`Backend::unary_backward` in one pass),
 /// whose arithmetic [`build`] lowers to.
-pub fn has_backward(op: UnaryOp) -> bool {
+fn has_backward(op: UnaryOp) -> bool {
     !matches!(
         op,
         UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil
@@ -187,13 +187,8 @@ impl<D: Deferral> Node<D> {
     pub fn is_done(&self) -> bool {
         self.done.get().is_some()
     }
-    /// Takes the computed buffer out of a node that nobody else holds (a storage about to be
-    /// written in place takes its value back instead of copying it).
-    pub fn take_done(&mut self) -> Option<D::Buf> {
-        self.done.take()
-    }
     /// The op and operands, while pending.
-    pub fn pending(&self) -> Option<(Op, Vec<Operand<D>>)> {
+    fn pending(&self) -> Option<(Op, Vec<Operand<D>>)> {
         self.pending.lock().unwrap().clone()
     }
 
@@ -208,7 +203,7 @@ impl<D: Deferral> Node<D> {
 }
 
 /// Whether `l` reads a single element (every dimension of size > 1 has stride 0).
-pub fn reads_one(l: &Layout) -> bool {
+fn reads_one(l: &Layout) -> bool {
     l.dims()
         .iter()
         .zip(l.strides())
@@ -288,7 +283,7 @@ pub fn fill<D: Deferral>(ctx: D::Ctx, dtype: DType, len: usize, value: f64) -> A
 
 /// How a consumer of shape `out` reads computed node `n`: element 0 everywhere when uniform,
 /// else contiguously in its own (equal) shape.
-pub fn done_layout<D: Deferral>(n: &Node<D>, out: &Shape) -> Layout {
+fn done_layout<D: Deferral>(n: &Node<D>, out: &Shape) -> Layout {
     if n.uniform {
         Layout::from_parts(out.clone(), vec![0; out.rank()], 0)
     } else {

@@ -343,8 +343,9 @@ fn norm_agrees_with_the_reference() {
     assert!((got - want_ref).abs() <= 1e-5 * want, "{got} vs {want_ref}");
 }
 
-/// Scalar tails (ops with a uniform operand computed inside the previous op's loop) and the
-/// last instruction written a piece at a time give the op-by-op bits, signed zeros, infinities
+/// Scalar tails (ops with a uniform operand computed inside the previous op's loop), the
+/// last instruction written a piece at a time and values read by several later ops give the
+/// op-by-op bits, signed zeros, infinities
 /// and NaN included, in f32 and f64, on one core and across cores.
 #[test]
 fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
@@ -369,6 +370,17 @@ fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
         x.sqrt() + Expr::param(0) - 3.0,
         (((&x * &y) + 1.0) * 2.0 - 3.0) * 0.25,
         2.0 * x.abs() + 0.0,
+        // A value read again after other values were computed: its register must not have
+        // been reused in between (`flat.rs`'s register assignment).
+        {
+            let t = x.sin();
+            (&t * &y).exp() + (&t * &x).cos() + &t
+        },
+        {
+            let (s, c) = (x.sin(), y.cos());
+            let m = &s * &c;
+            ((&m + &s).sqrt() * &c - &m) / (&s + 3.0)
+        },
     ];
     for dtype in [DType::F32, DType::F64] {
         for n in [3 * 4096 + 1007, 300_000] {

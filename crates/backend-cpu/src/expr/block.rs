@@ -657,7 +657,7 @@ macro_rules! float_unary_common {
 
 /// Unary `op` on f32, then the scalar tail `post` if any.
 #[inline(always)]
-fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Option<Aff<f32>>) {
+pub(super) fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Option<Aff<f32>>) {
     // The vectorized polynomial of `fastmath`, as the single-op kernels use.
     let via = |f: &dyn Fn(&[f32], &mut [f32]), a: Src<'_, f32>, o: &mut [f32]| match a {
         Src::S(x) => f(x, o),
@@ -678,6 +678,21 @@ fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Option<Aff<f32>>
         }
         (_, None) => float_unary_common!(f32, op, a, o, libm::erff, |x| x),
         (_, Some(t)) => float_unary_common!(f32, op, a, o, libm::erff, |x| t.apply(x)),
+    }
+}
+
+/// Binary `op` on f32, then the scalar tail `post` if any.
+#[inline(always)]
+pub(super) fn binary_f32(
+    op: BinaryOp,
+    a: Src<'_, f32>,
+    b: Src<'_, f32>,
+    o: &mut [f32],
+    post: Option<Aff<f32>>,
+) {
+    match post {
+        None => float_binary!(f32, op, a, b, o, |x| x),
+        Some(t) => float_binary!(f32, op, a, b, o, |x| t.apply(x)),
     }
 }
 
@@ -705,7 +720,7 @@ fn unary_i64(op: UnaryOp, a: Src<'_, i64>, o: &mut [i64]) {
 
 /// `dst.copy_from_slice(src)`, with non-temporal stores where `dst` is 16-byte aligned and at
 /// least 1 KiB (see [`Frame::store_unfenced`]); unfenced (see [`store_fence`]).
-fn stream_copy(src: &[u8], dst: &mut [u8]) {
+pub(super) fn stream_copy(src: &[u8], dst: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
     if dst.len() >= 1024 && (dst.as_ptr() as usize).is_multiple_of(16) {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};

@@ -9,6 +9,12 @@
 //! single value; other views are gathered per block ([`walk`]). Large iterations are split in
 //! chunks of blocks across cores with rayon.
 //!
+//! The fast path ([`flat`]): an elementwise f32 program whose inputs are contiguous or a single
+//! value (the common case: a chain of tensor ops, an optimizer update) is planned once per call
+//! and run in blocks of 256 elements with registers reused once dead, so every decision above
+//! is taken once instead of per block, and a block's values stay in L1 while the hardware
+//! prefetcher streams the inputs. Everything else takes the general driver below.
+//!
 //! Reductions: the iteration axes are reordered kept-first, so that the elements folded into one
 //! output (a "row") are consecutive; blocks run over rows (a block may span several short rows),
 //! each block's values are folded into per-row accumulators (f32 sums and products in f64, as
@@ -30,6 +36,7 @@
 //! of a row; a strategy that folds whole rows of accumulators at once would read it in order.
 
 mod block;
+mod flat;
 mod fold;
 mod walk;
 
@@ -407,6 +414,13 @@ fn prefetch_on() -> bool {
     *ON.get_or_init(|| std::env::var("KILN_CPU_PREFETCH").map_or(true, |v| v != "0"))
 }
 
+/// Whether f32 programs over contiguous inputs take the fast path ([`flat`]); on unless
+/// `KILN_CPU_FLAT=0` (the switch is for measuring the two drivers against each other).
+fn flat_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CPU_FLAT").map_or(true, |v| v != "0"))
+}
+
 /// Elementwise programs run on several cores only when the elements times the instructions
 /// reach this: a cheap program over a medium tensor (an SGD update of a 100x784 weight, ~9
 /// instructions over 78,400 elements) is tens of µs of one core's work, about what waking a
@@ -424,6 +438,11 @@ fn elementwise(
     outs: &Outs,
 ) {
     let n = shape.elem_count();
+    if flat_on()
+        && let Some(plan) = flat::plan(program, layouts, inputs, leaves, n)
+    {
+        return flat::run(&plan, program, inputs, n, outs);
+    }
     let walks: Vec<Walk> = layouts.iter().map(|l| Walk::new(l)).collect();
     let mut run = vec![true; program.code().len()];
     let chunk = if n < PAR_MIN || n.saturating_mul(program.code().len()) < PAR_WORK {

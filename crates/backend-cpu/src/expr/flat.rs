@@ -1,0 +1,340 @@
+//! The elementwise driver's fast path: f32 programs whose inputs are contiguous or a single
+//! value, run element block by element block with every decision taken once per call.
+//!
+//! Why a second driver: the general one ([`super::elementwise`]) decides per block and per
+//! instruction where each operand is (an input's run, a broadcast value, a gathered view), which
+//! dtype it has and whether it is uniform. That cost is paid per block, so its blocks must be
+//! long (4096 elements; 1024 or 2048 measured no faster) to amortize it, and a long block makes
+//! the program wait for memory, then compute, with little overlap. Here the plan is made once: each instruction
+//! becomes a step with resolved operands (a register, an input at a fixed offset, a constant)
+//! and its scalar tail; registers are reused once their value is dead, so a chain needs two or
+//! three; and a block is only [`BLOCK`] elements, a few kilobytes that stay in L1 while the
+//! hardware prefetcher streams the inputs in. The kernels are those of the general driver, so
+//! the results are the same bits.
+
+use std::cell::RefCell;
+
+use kiln_core::expr::{Instr, Program};
+use kiln_core::{BinaryOp, DType, UnaryOp};
+use rayon::prelude::*;
+
+use super::block::{Aff, Elt, Src, binary_f32, store_fence, stream_copy, unary_f32};
+use super::walk::{Run, Walk};
+use super::{Leaves, Outs, PAR_WORK, Step};
+use crate::storage::{CpuData, CpuElem};
+use crate::strided::{PAR_MIN, par_chunk};
+
+/// Elements per block. The five-op chain of the fuse bench over 32M f32 on the 2-core EPYC VM
+/// (2026-11-26), by block size: 128: 14.0–15.4 ms, 256: 11.9–12.5, 512: 18.5–20.7, 1024:
+/// 15.6–18.9, 2048: 19.6–21.5 (the hand-written AVX-512 loop: 12.2).
+const BLOCK: usize = 256;
+
+/// Where a step's operand is.
+#[derive(Clone, Copy, Debug)]
+enum Opd {
+    /// Register `r` of the block.
+    Reg(usize),
+    /// Input `k`, from storage index `off` onwards (element `i` of the iteration at `off + i`).
+    In { k: usize, off: usize },
+    /// One value everywhere.
+    Uni(f32),
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    Unary(UnaryOp),
+    Binary(BinaryOp),
+}
+
+/// One loop over a block: `out = post(op(a, b))`.
+#[derive(Clone, Copy, Debug)]
+struct FStep {
+    op: Op,
+    a: Opd,
+    b: Opd,
+    post: Option<Aff<f32>>,
+    out: usize,
+}
+
+/// A program resolved for one call (see the module docs).
+pub(super) struct Plan {
+    steps: Vec<FStep>,
+    regs: usize,
+    /// Output `j` is this operand.
+    outs: Vec<Opd>,
+}
+
+/// The plan of `program` over `n` elements, or `None` when the general driver must run it:
+/// a value that is not f32, a reduction, a comparison, a select or a cast, or an input read
+/// with strides.
+pub(super) fn plan(
+    program: &Program,
+    layouts: &[&kiln_core::Layout],
+    inputs: &[&CpuData],
+    leaves: &Leaves,
+    n: usize,
+) -> Option<Plan> {
+    let f32_only = program.inputs().iter().all(|&d| d == DType::F32)
+        && program.dtypes().iter().all(|&d| d == DType::F32);
+    if !f32_only || program.reduces() {
+        return None;
+    }
+    let code = program.code();
+    // Each value's operand; `None` for values computed by the tail op that uses them.
+    let mut vals: Vec<Option<Opd>> = vec![None; code.len()];
+    // Steps with value indices as outputs (registers are assigned below).
+    let mut steps: Vec<(FStep, usize)> = Vec::new();
+    let uni = |vals: &[Option<Opd>], v: u32| match vals[v as usize] {
+        Some(Opd::Uni(c)) => Some(c),
+        _ => None,
+    };
+    for (i, ins) in code.iter().enumerate() {
+        let (op, a, b, post) = match (*ins, leaves.steps[i]) {
+            (Instr::Input(k), _) => {
+                let k = k as usize;
+                let data = f32::slice(inputs[k])?;
+                vals[i] = Some(match Walk::new(layouts[k]).run(0, n) {
+                    Run::Contig(off) => Opd::In { k, off },
+                    Run::Const(off) => Opd::Uni(data[off]),
+                    Run::Strided => return None,
+                });
+                continue;
+            }
+            (Instr::Const(_) | Instr::Param(_), _) => {
+                let c = leaves.uni[i].expect("leaf value");
+                vals[i] = Some(Opd::Uni(f32::sv(c)));
+                continue;
+            }
+            (_, Step::Skip) => continue,
+            (Instr::Unary(op, a), Step::Plain) => (Op::Unary(op), a, a, None),
+            (Instr::Binary(op, a, b), Step::Plain) => (Op::Binary(op), a, b, None),
+            (_, Step::Tail { head, ops, n }) => {
+                let post = Aff::<f32>::new(
+                    ops[..n]
+                        .iter()
+                        .map(|&(o, v, l)| uni(&vals, v).map(|c| (o, c, l)))
+                        .collect::<Option<Vec<_>>>()?,
+                );
+                match code[head as usize] {
+                    Instr::Unary(op, a) => (Op::Unary(op), a, a, Some(post)),
+                    Instr::Binary(op, a, b) => (Op::Binary(op), a, b, Some(post)),
+                    _ => return None,
+                }
+            }
+            _ => return None,
+        };
+        let (a, b) = (vals[a as usize]?, vals[b as usize]?);
+        let step = FStep {
+            op,
+            a,
+            b,
+            post,
+            out: 0,
+        };
+        if let (Opd::Uni(_), Opd::Uni(_)) = (a, b) {
+            // Uniform: computed once, here.
+            let mut r = [0.0f32];
+            exec(
+                &step,
+                src(a, &[], &[], 0, 1),
+                src(b, &[], &[], 0, 1),
+                &mut r,
+            );
+            vals[i] = Some(Opd::Uni(r[0]));
+            continue;
+        }
+        vals[i] = Some(Opd::Reg(i));
+        steps.push((step, i));
+    }
+    let outs: Vec<Opd> = program
+        .outputs()
+        .iter()
+        .map(|&o| vals[o as usize])
+        .collect::<Option<_>>()?;
+    Some(assign_registers(steps, outs, code.len()))
+}
+
+/// Maps values to registers, reusing a register once its value's last reader has run (never
+/// for that reader's own output: a kernel's output does not alias its operands). Operands and
+/// outputs name values on the way in, registers on the way out.
+fn assign_registers(steps: Vec<(FStep, usize)>, mut outs: Vec<Opd>, values: usize) -> Plan {
+    let mut last_use: Vec<Option<usize>> = vec![None; values];
+    for (s, (st, _)) in steps.iter().enumerate() {
+        for o in [st.a, st.b] {
+            if let Opd::Reg(v) = o {
+                last_use[v] = Some(s);
+            }
+        }
+    }
+    for o in &outs {
+        if let Opd::Reg(v) = *o {
+            last_use[v] = Some(usize::MAX);
+        }
+    }
+    let mut reg_of = vec![usize::MAX; values];
+    let (mut free, mut regs) = (Vec::new(), 0);
+    for (s, (st, v)) in steps.iter().enumerate() {
+        let r = free.pop().unwrap_or_else(|| {
+            regs += 1;
+            regs - 1
+        });
+        reg_of[*v] = r;
+        let mut read = [st.a, st.b].map(|o| match o {
+            Opd::Reg(u) => Some(u),
+            _ => None,
+        });
+        if read[0] == read[1] {
+            read[1] = None;
+        }
+        for u in read.into_iter().flatten() {
+            if last_use[u] == Some(s) {
+                free.push(reg_of[u]);
+            }
+        }
+        if last_use[*v].is_none() {
+            free.push(r); // never read: the next step may overwrite it
+        }
+    }
+    let reg = |o: Opd| match o {
+        Opd::Reg(v) => Opd::Reg(reg_of[v]),
+        o => o,
+    };
+    for o in &mut outs {
+        *o = reg(*o);
+    }
+    let steps = steps
+        .into_iter()
+        .map(|(st, v)| FStep {
+            a: reg(st.a),
+            b: reg(st.b),
+            out: reg_of[v],
+            ..st
+        })
+        .collect();
+    Plan { steps, regs, outs }
+}
+
+/// Operand `o` for elements `start..start + len`.
+#[inline(always)]
+fn src<'a>(o: Opd, regs: &'a [f32], ins: &[&'a [f32]], start: usize, len: usize) -> Src<'a, f32> {
+    match o {
+        Opd::Reg(r) => Src::S(&regs[r * BLOCK..r * BLOCK + len]),
+        Opd::In { k, off } => Src::S(&ins[k][off + start..off + start + len]),
+        Opd::Uni(c) => Src::C(c),
+    }
+}
+
+#[inline(always)]
+fn exec(st: &FStep, a: Src<'_, f32>, b: Src<'_, f32>, out: &mut [f32]) {
+    match st.op {
+        Op::Unary(op) => unary_f32(op, a, out, st.post),
+        Op::Binary(op) => binary_f32(op, a, b, out, st.post),
+    }
+}
+
+thread_local! {
+    /// This thread's registers of the last call, for the next one (no allocation per call).
+    static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `plan` over `n` elements into `outs`, in chunks across cores when large.
+pub(super) fn run(plan: &Plan, program: &Program, inputs: &[&CpuData], n: usize, outs: &Outs) {
+    let ins: Vec<&[f32]> = inputs
+        .iter()
+        .map(|d| f32::slice(d).unwrap_or(&[]))
+        .collect();
+    let chunk = if n < PAR_MIN || n.saturating_mul(program.code().len()) < PAR_WORK {
+        n
+    } else {
+        par_chunk(n).div_ceil(BLOCK) * BLOCK
+    };
+    let task = |c: usize| {
+        let (start, end) = (c * chunk, ((c + 1) * chunk).min(n));
+        let mut regs = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+        regs.resize(plan.regs * BLOCK, 0.0);
+        run_range(plan, &ins, start, end, &mut regs, outs);
+        SCRATCH.with(|s| *s.borrow_mut() = regs);
+    };
+    let tasks = n.div_ceil(chunk.max(1));
+    if tasks <= 1 {
+        task(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+}
+
+/// Elements `start..end`, compiled for the widest vector unit the processor has (as
+/// `Frame::kernel` is).
+fn run_range(plan: &Plan, ins: &[&[f32]], start: usize, end: usize, regs: &mut [f32], o: &Outs) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+        unsafe fn avx512(p: &Plan, i: &[&[f32]], s: usize, e: usize, r: &mut [f32], o: &Outs) {
+            run_body(p, i, s, e, r, o)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2(p: &Plan, i: &[&[f32]], s: usize, e: usize, r: &mut [f32], o: &Outs) {
+            run_body(p, i, s, e, r, o)
+        }
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx512bw") && has!("avx512dq") && has!("avx512vl") {
+            // SAFETY: the processor has every feature `avx512` is compiled for (checked just
+            // above); the function itself is safe Rust.
+            return unsafe { avx512(plan, ins, start, end, regs, o) };
+        }
+        if has!("avx2") && has!("fma") {
+            // SAFETY: as above, for AVX2 and FMA.
+            return unsafe { avx2(plan, ins, start, end, regs, o) };
+        }
+    }
+    run_body(plan, ins, start, end, regs, o)
+}
+
+#[inline(always)]
+fn run_body(plan: &Plan, ins: &[&[f32]], mut start: usize, end: usize, regs: &mut [f32], o: &Outs) {
+    while start < end {
+        let len = BLOCK.min(end - start);
+        for st in &plan.steps {
+            // The output register is never an operand (see `assign_registers`): take it out.
+            let (lo, hi) = regs.split_at_mut(st.out * BLOCK);
+            let (out, hi) = hi.split_at_mut(BLOCK);
+            let (a, b) = (
+                split_src(st.a, lo, hi, st.out, ins, start, len),
+                split_src(st.b, lo, hi, st.out, ins, start, len),
+            );
+            exec(st, a, b, &mut out[..len]);
+        }
+        for (j, &v) in plan.outs.iter().enumerate() {
+            // SAFETY: chunks are disjoint ranges of the flat index and every output has the
+            // iteration's shape, so this task alone writes `start..start + len` of each.
+            let dst = unsafe { o.slice::<f32>(j, start, len) };
+            match src(v, regs, ins, start, len) {
+                Src::S(s) => stream_copy(bytemuck::cast_slice(s), bytemuck::cast_slice_mut(dst)),
+                Src::C(c) => dst.fill(c),
+            }
+        }
+        start += len;
+    }
+    store_fence();
+}
+
+/// As [`src`], for registers split around register `out` (`lo` below it, `hi` above it).
+#[inline(always)]
+fn split_src<'a>(
+    o: Opd,
+    lo: &'a [f32],
+    hi: &'a [f32],
+    out: usize,
+    ins: &[&'a [f32]],
+    start: usize,
+    len: usize,
+) -> Src<'a, f32> {
+    match o {
+        Opd::Reg(r) if r < out => Src::S(&lo[r * BLOCK..r * BLOCK + len]),
+        Opd::Reg(r) => {
+            let at = (r - out - 1) * BLOCK;
+            Src::S(&hi[at..at + len])
+        }
+        o => src(o, &[], ins, start, len),
+    }
+}

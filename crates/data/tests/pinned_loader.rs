@@ -78,7 +78,7 @@ fn grouped_uploads_hand_out_the_same_batches() {
         (1, 8),
         (3 * 112, 4),
         (3 * 112 + 111, 4),
-        (1 << 20, 2),
+        (1 << 20, 4),
     ] {
         let mut l = DataLoader::<Reference>::new(data.clone(), 7, &dev)
             .unwrap()
@@ -91,7 +91,8 @@ fn grouped_uploads_hand_out_the_same_batches() {
             got.push((x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap()));
         }
         assert_eq!(got, plain, "upload_bytes {bytes}");
-        // The first batch alone, then as many as fit in `bytes`.
+        // The first batch alone, then groups doubling up to as many as fit in `bytes`:
+        // 1, 2, 3, 2 batches with room for 3; 1, 2, 4, 1 with room for all.
         assert_eq!(it.times().uploads, uploads, "upload_bytes {bytes}");
     }
     assert_eq!(pool.live(), 0, "every pinned block was given back");
@@ -161,7 +162,7 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
         inner: pinned,
         host_gathers: Default::default(),
     });
-    for (bytes, prefetch, uploads) in [(0, 2, 8), (3 * 112, 1, 4), (1 << 20, 0, 2), (1, 5, 8)] {
+    for (bytes, prefetch, uploads) in [(0, 2, 8), (3 * 112, 1, 4), (1 << 20, 0, 4), (1, 5, 8)] {
         let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
             .unwrap()
             .shuffle(5)

@@ -43,7 +43,7 @@ fn main() -> ExitCode {
     let run = args.iter().any(|a| a == "--run");
     let r = match args.first().map(String::as_str) {
         Some("test") => cargo(&["test", "--workspace"]),
-        Some("bench") => cargo(&["bench", "-p", "kiln-backend-cpu"]),
+        Some("bench") => cpu_bench(),
         Some("check-kernels") => check_kernels(),
         Some("test-gpu") => bundle(Kind::Test, run),
         Some("bench-gpu") => bundle(Kind::Bench, run),
@@ -80,6 +80,32 @@ fn cargo(args: &[&str]) -> Result<(), String> {
     st.success()
         .then_some(())
         .ok_or_else(|| format!("cargo {} failed", args.join(" ")))
+}
+
+/// The CPU benchmarks beside numpy in the same run: `bench/cpu_compare.sh` and
+/// `bench/fuse_compare.sh`, one round each (each builds its criterion bench, then alternates
+/// kiln and numpy). Criterion alone, saying why, where python3 cannot import numpy.
+fn cpu_bench() -> Result<(), String> {
+    let numpy = Command::new("python3")
+        .args(["-c", "import numpy"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !numpy {
+        eprintln!("xtask bench: python3 cannot import numpy; running kiln's side only");
+        return cargo(&["bench", "-p", "kiln-backend-cpu"]);
+    }
+    for script in ["cpu_compare.sh", "fuse_compare.sh"] {
+        let st = Command::new("bash")
+            .arg(root().join("bench").join(script))
+            .arg("1")
+            .current_dir(root())
+            .status()
+            .map_err(|e| format!("bench/{script}: {e}"))?;
+        if !st.success() {
+            return Err(format!("bench/{script} failed"));
+        }
+    }
+    Ok(())
 }
 
 fn check_kernels() -> Result<(), String> {

@@ -18,11 +18,11 @@ echo "cpu: $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
 for r in $(seq "$rounds"); do
     echo "== round $r: kiln (load $(cut -d' ' -f1-3 /proc/loadavg))"
     "$bin" --bench --warm-up-time 1 --measurement-time 4 --noplot >/dev/null 2>&1
-    python3 bench/criterion_summary.py target/criterion
+    python3 bench/criterion_summary.py target/criterion sgemm_1024 exp_230400 add_32m misc
     echo "== round $r: kiln, one thread (RAYON_NUM_THREADS=1 MATMUL_NUM_THREADS=1)"
     RAYON_NUM_THREADS=1 MATMUL_NUM_THREADS=1 "$bin" --bench --warm-up-time 1 \
         --measurement-time 4 --noplot >/dev/null 2>&1
-    python3 bench/criterion_summary.py target/criterion
+    python3 bench/criterion_summary.py target/criterion sgemm_1024 exp_230400 add_32m misc
     echo "== round $r: numpy (load $(cut -d' ' -f1-3 /proc/loadavg))"
     # This machine sets OPENBLAS_CORETYPE/OPENBLAS_L2_SIZE for old OpenBLAS builds; they slow a
     # current numpy, so they are unset for the numpy run only.

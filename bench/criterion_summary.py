@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Summarizes the last criterion run of the kiln CPU bench the way bench/cpu_numpy.py reports:
+"""Summarizes the last criterion run of the kiln CPU bench (`criterion_summary.py [DIR]
+[GROUP...]`, all groups when none is named) the way bench/cpu_numpy.py reports:
 median and min over samples of the time per iteration (each criterion sample is the mean of
 many iterations, so its min is, if anything, kinder to the other side)."""
 
@@ -16,8 +17,12 @@ WORK = {  # elements (or flops) per iteration, to print a rate
 }
 
 root = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "target/criterion")
+# Further arguments: the groups to show (target/criterion also keeps other benches' last runs).
+only = set(sys.argv[2:])
 for f in sorted(root.glob("*/*/new/sample.json")):
     group, name = f.parts[-4], f.parts[-3]
+    if only and group not in only:
+        continue
     s = json.loads(f.read_text())
     per = [t / i for t, i in zip(s["times"], s["iters"])]  # ns per iteration
     med, best = statistics.median(per) / 1e9, min(per) / 1e9

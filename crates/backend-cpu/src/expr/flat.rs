@@ -108,9 +108,16 @@ pub(super) fn plan(
             (_, Step::Skip) => continue,
             (Instr::Unary(op, a), Step::Plain) => (Op::Unary(op), a, a, None),
             (Instr::Binary(op, a, b), Step::Plain) => (Op::Binary(op), a, b, None),
-            (_, Step::Tail { head, ops, n }) => {
+            (
+                _,
+                Step::Tail {
+                    head,
+                    ops,
+                    n: count,
+                },
+            ) => {
                 let post = Aff::<f32>::new(
-                    ops[..n]
+                    ops[..count]
                         .iter()
                         .map(|&(o, v, l)| uni(&vals, v).map(|c| (o, c, l)))
                         .collect::<Option<Vec<_>>>()?,

@@ -740,23 +740,6 @@ pub(crate) struct Geometry {
     pub partials: Vec<DType>,
 }
 
-/// Whether `dims`/`strides` address one element throughout.
-fn reads_one(dims: &[usize], strides: &[usize]) -> bool {
-    dims.iter().zip(strides).all(|(&d, &s)| d <= 1 || s == 0)
-}
-
-/// Whether `dims`/`strides` are row-major contiguous (size-1 dims ignored).
-fn row_major(dims: &[usize], strides: &[usize]) -> bool {
-    let mut acc = 1usize;
-    for (&d, &s) in dims.iter().zip(strides).rev() {
-        if d != 1 && s != acc {
-            return false;
-        }
-        acc = acc.saturating_mul(d);
-    }
-    true
-}
-
 fn too_many_dims(n: usize) -> Error {
     Error::invalid(
         "expr",
@@ -801,7 +784,7 @@ pub(crate) fn plan(
         let access: Vec<Access> = layouts
             .iter()
             .map(|l| {
-                if reads_one(l.dims(), l.strides()) {
+                if l.reads_one() {
                     Access::Bcast
                 } else if l.is_contiguous() {
                     Access::Contig
@@ -869,9 +852,9 @@ pub(crate) fn plan(
     let access: Vec<Access> = rstr
         .iter()
         .map(|s| {
-            if reads_one(&rdims, s) {
+            if Layout::strides_read_one(&rdims, s) {
                 Access::Bcast
-            } else if row_major(&rdims, s) {
+            } else if Layout::strides_row_major(&rdims, s) {
                 Access::Contig
             } else {
                 Access::Strided

@@ -57,14 +57,32 @@ impl Layout {
 
     /// Row-major with no gaps (strides of size-1 dimensions do not matter).
     pub fn is_contiguous(&self) -> bool {
-        let mut acc = 1;
-        for (&d, &s) in self.dims().iter().zip(&self.strides).rev() {
+        Self::strides_row_major(self.dims(), &self.strides)
+    }
+
+    /// Whether every index reads the same element (each dimension of size > 1 has stride 0).
+    pub fn reads_one(&self) -> bool {
+        Self::strides_read_one(self.dims(), &self.strides)
+    }
+
+    /// Whether `strides` are row-major with no gaps for `dims` (strides of size-1 dimensions do
+    /// not matter): [`Layout::is_contiguous`] for dimensions and strides held apart, as the
+    /// code generators simplify them.
+    pub fn strides_row_major(dims: &[usize], strides: &[usize]) -> bool {
+        let mut acc = 1usize;
+        for (&d, &s) in dims.iter().zip(strides).rev() {
             if d != 1 && s != acc {
                 return false;
             }
             acc = acc.saturating_mul(d);
         }
         true
+    }
+
+    /// Whether `dims`/`strides` address one element throughout: [`Layout::reads_one`] for
+    /// dimensions and strides held apart.
+    pub fn strides_read_one(dims: &[usize], strides: &[usize]) -> bool {
+        dims.iter().zip(strides).all(|(&d, &s)| d <= 1 || s == 0)
     }
 
     /// `Some(offset..offset+len)` when the elements are one contiguous run in row-major order.
@@ -355,6 +373,16 @@ impl Iterator for StridedOffsets<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn single_element_reads_and_row_major_strides() {
+        assert!(Layout::contiguous(Shape::scalar()).reads_one());
+        assert!(Layout::from_parts(Shape::new([3, 4]), vec![0, 0], 5).reads_one());
+        assert!(Layout::from_parts(Shape::new([1, 4]), vec![7, 0], 0).reads_one());
+        assert!(!Layout::from_parts(Shape::new([3, 4]), vec![0, 1], 0).reads_one());
+        assert!(Layout::strides_row_major(&[3, 1, 4], &[4, 99, 1]));
+        assert!(!Layout::strides_row_major(&[3, 4], &[1, 3]));
+    }
 
     #[test]
     fn offsets_of_transpose() {

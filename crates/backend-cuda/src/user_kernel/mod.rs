@@ -171,28 +171,11 @@ fn kernel(
     Ok(f.expect("user kernels have no budget"))
 }
 
-/// Whether `l` reads one element for every index (stride 0 or extent 1 everywhere).
-fn reads_one(dims: &[usize], strides: &[usize]) -> bool {
-    dims.iter().zip(strides).all(|(&d, &s)| d <= 1 || s == 0)
-}
-
-/// Whether `strides` are row-major contiguous for `dims` (extent-1 dims ignored).
-fn row_major(dims: &[usize], strides: &[usize]) -> bool {
-    let mut want = 1;
-    for (&d, &s) in dims.iter().zip(strides).rev() {
-        if d > 1 && s != want {
-            return false;
-        }
-        want *= d;
-    }
-    true
-}
-
 /// How a kernel addresses a tensor read or written through `dims`/`strides`.
 fn access(dims: &[usize], strides: &[usize]) -> Access {
-    if reads_one(dims, strides) {
+    if Layout::strides_read_one(dims, strides) {
         Access::Bcast
-    } else if row_major(dims, strides) {
+    } else if Layout::strides_row_major(dims, strides) {
         Access::Contig
     } else {
         Access::Strided

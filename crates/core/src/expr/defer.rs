@@ -202,18 +202,10 @@ impl<D: Deferral> Node<D> {
     }
 }
 
-/// Whether `l` reads a single element (every dimension of size > 1 has stride 0).
-fn reads_one(l: &Layout) -> bool {
-    l.dims()
-        .iter()
-        .zip(l.strides())
-        .all(|(&d, &s)| d <= 1 || s == 0)
-}
-
 /// (operations, leaf reads, all uniform) of a node's operands.
 fn tally<D: Deferral>(args: &[Operand<D>]) -> (u32, u32, bool) {
     args.iter().fold((0, 0, true), |(o, l, u), a| match a {
-        Operand::Leaf { layout, .. } => (o, l + 1, u && reads_one(layout)),
+        Operand::Leaf { layout, .. } => (o, l + 1, u && layout.reads_one()),
         Operand::Node(n) => (o + n.ops, l + n.leaves, u && n.uniform),
     })
 }
@@ -433,7 +425,7 @@ impl<D: Deferral> Gen<'_, D> {
     /// the root's shape; equal reads share an input.
     fn leaf(&mut self, buf: D::Buf, layout: Layout, dtype: DType) -> Val {
         D::note_leaf(&buf);
-        let layout = if reads_one(&layout) {
+        let layout = if layout.reads_one() {
             let rank = self.shape.rank();
             Layout::from_parts(self.shape.clone(), vec![0; rank], layout.offset())
         } else {
@@ -548,30 +540,5 @@ impl<D: Deferral> Gen<'_, D> {
         };
         self.memo.push((n.clone(), r));
         r
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn single_element_reads_are_uniform() {
-        assert!(reads_one(&Layout::contiguous(Shape::scalar())));
-        assert!(reads_one(&Layout::from_parts(
-            Shape::new([3, 4]),
-            vec![0, 0],
-            5
-        )));
-        assert!(reads_one(&Layout::from_parts(
-            Shape::new([1, 4]),
-            vec![7, 0],
-            0
-        )));
-        assert!(!reads_one(&Layout::from_parts(
-            Shape::new([3, 4]),
-            vec![0, 1],
-            0
-        )));
     }
 }

@@ -422,3 +422,50 @@ fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
         }
     }
 }
+
+/// On one thread, outputs of 8 MiB and more are written by the steps that compute them, with
+/// plain stores (`flat::direct_writes`): the same bits as op by op on two threads, for
+/// an output that is only written, one that a later step also reads, and one value named by
+/// two outputs.
+#[test]
+fn one_thread_direct_writes_give_the_op_by_op_bits() {
+    let dev = Cpu::device(0);
+    let n = (8 << 20) / 4 + 1000;
+    let xs = [1, 2].map(|seed| T::rand([n], -3.0, 3.0, seed, DType::F32, &dev).unwrap());
+    let (x, y) = (Expr::input(0), Expr::input(1));
+    let s = x.sin();
+    let e = (&x * &y + 1.0).exp();
+    let programs = [
+        vec![((&x * &y + 1.0).exp() * 0.5) - &y],
+        vec![s.clone(), &s * &y + 2.0],
+        vec![e.clone(), e],
+    ];
+    let bits = |t: &T| -> Vec<u32> {
+        t.to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| if x.is_nan() { 1 } else { x.to_bits() })
+            .collect()
+    };
+    let pool = |k| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(k)
+            .build()
+            .unwrap()
+    };
+    let (one, two) = (pool(1), pool(2));
+    let l = Layout::contiguous([n]);
+    for outs in &programs {
+        let p = Program::from_exprs(&[DType::F32, DType::F32], outs).unwrap();
+        // The reference on two threads: streamed outputs, not direct writes.
+        let args: Vec<(&<Cpu as Backend>::Storage, &Layout)> =
+            xs.iter().map(|x| (x.storage(), &l)).collect();
+        let shape = Shape::new([n]);
+        let want = two.install(|| eval_composed::<Cpu>(&dev, &p, &shape, &args, &[]).unwrap());
+        let got = one.install(|| p.run(&[&xs[0], &xs[1]], &[]).unwrap());
+        for (j, (g, w)) in got.iter().zip(want).enumerate() {
+            let w = T::from_storage(w, [n], DType::F32);
+            assert!(bits(g) == bits(&w), "output {j} of\n{p}");
+        }
+    }
+}

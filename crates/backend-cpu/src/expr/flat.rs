@@ -53,26 +53,32 @@ struct FStep {
     a: Opd,
     b: Opd,
     post: Option<Aff<f32>>,
+    /// The register written (unused when `write` is set).
     out: usize,
+    /// Output `j` written directly, with plain stores, instead of a register.
+    write: Option<usize>,
 }
 
 /// A program resolved for one call (see the module docs).
 pub(super) struct Plan {
     steps: Vec<FStep>,
     regs: usize,
-    /// Output `j` is this operand.
-    outs: Vec<Opd>,
+    /// Output `j` is this operand, or `None` when its step writes it (see [`plan`]'s `direct`).
+    outs: Vec<Option<Opd>>,
 }
 
 /// The plan of `program` over `n` elements, or `None` when the general driver must run it:
 /// a value that is not f32, a reduction, a comparison, a select or a cast, or an input read
-/// with strides.
+/// with strides. With `direct`, a step whose value is one output and read by no other step
+/// writes that output itself with plain stores; otherwise every output is computed into a
+/// register and streamed out (see [`direct_writes`]).
 pub(super) fn plan(
     program: &Program,
     layouts: &[&kiln_core::Layout],
     inputs: &[&CpuData],
     leaves: &Leaves,
     n: usize,
+    direct: bool,
 ) -> Option<Plan> {
     let f32_only = program.inputs().iter().all(|&d| d == DType::F32)
         && program.dtypes().iter().all(|&d| d == DType::F32);
@@ -137,6 +143,7 @@ pub(super) fn plan(
             b,
             post,
             out: 0,
+            write: None,
         };
         if let (Opd::Uni(_), Opd::Uni(_)) = (a, b) {
             // Uniform: computed once, here.
@@ -158,13 +165,20 @@ pub(super) fn plan(
         .iter()
         .map(|&o| vals[o as usize])
         .collect::<Option<_>>()?;
-    Some(assign_registers(steps, outs, code.len()))
+    Some(assign_registers(steps, outs, code.len(), direct))
 }
 
 /// Maps values to registers, reusing a register once its value's last reader has run (never
-/// for that reader's own output: a kernel's output does not alias its operands). Operands and
-/// outputs name values on the way in, registers on the way out.
-fn assign_registers(steps: Vec<(FStep, usize)>, mut outs: Vec<Opd>, values: usize) -> Plan {
+/// for that reader's own output: a kernel's output does not alias its operands). A value that
+/// is one output and read by no step is written straight into that output, with no register,
+/// when `direct`.
+/// Operands and outputs name values on the way in, registers on the way out.
+fn assign_registers(
+    steps: Vec<(FStep, usize)>,
+    outs: Vec<Opd>,
+    values: usize,
+    direct: bool,
+) -> Plan {
     let mut last_use: Vec<Option<usize>> = vec![None; values];
     for (s, (st, _)) in steps.iter().enumerate() {
         for o in [st.a, st.b] {
@@ -173,19 +187,42 @@ fn assign_registers(steps: Vec<(FStep, usize)>, mut outs: Vec<Opd>, values: usiz
             }
         }
     }
+    let mut named = vec![0usize; values];
     for o in &outs {
         if let Opd::Reg(v) = *o {
+            named[v] += 1;
+        }
+    }
+    let mut write_of = vec![None; values];
+    let outs: Vec<Option<Opd>> = outs
+        .into_iter()
+        .enumerate()
+        .map(|(j, o)| match o {
+            Opd::Reg(v) if direct && last_use[v].is_none() && named[v] == 1 => {
+                write_of[v] = Some(j);
+                None
+            }
+            o => Some(o),
+        })
+        .collect();
+    for o in &outs {
+        if let Some(Opd::Reg(v)) = *o {
             last_use[v] = Some(usize::MAX);
         }
     }
     let mut reg_of = vec![usize::MAX; values];
     let (mut free, mut regs) = (Vec::new(), 0);
     for (s, (st, v)) in steps.iter().enumerate() {
-        let r = free.pop().unwrap_or_else(|| {
-            regs += 1;
-            regs - 1
-        });
-        reg_of[*v] = r;
+        let r = match write_of[*v] {
+            Some(_) => None,
+            None => Some(free.pop().unwrap_or_else(|| {
+                regs += 1;
+                regs - 1
+            })),
+        };
+        if let Some(r) = r {
+            reg_of[*v] = r;
+        }
         let mut read = [st.a, st.b].map(|o| match o {
             Opd::Reg(u) => Some(u),
             _ => None,
@@ -198,7 +235,7 @@ fn assign_registers(steps: Vec<(FStep, usize)>, mut outs: Vec<Opd>, values: usiz
                 free.push(reg_of[u]);
             }
         }
-        if last_use[*v].is_none() {
+        if let (Some(r), None) = (r, last_use[*v]) {
             free.push(r); // never read: the next step may overwrite it
         }
     }
@@ -206,15 +243,14 @@ fn assign_registers(steps: Vec<(FStep, usize)>, mut outs: Vec<Opd>, values: usiz
         Opd::Reg(v) => Opd::Reg(reg_of[v]),
         o => o,
     };
-    for o in &mut outs {
-        *o = reg(*o);
-    }
+    let outs = outs.into_iter().map(|o| o.map(reg)).collect();
     let steps = steps
         .into_iter()
         .map(|(st, v)| FStep {
             a: reg(st.a),
             b: reg(st.b),
             out: reg_of[v],
+            write: write_of[v],
             ..st
         })
         .collect();
@@ -238,6 +274,22 @@ fn exec(st: &FStep, a: Src<'_, f32>, b: Src<'_, f32>, out: &mut [f32]) {
         Op::Binary(op) => binary_f32(op, a, b, out, st.post),
     }
 }
+
+/// Whether outputs are written with plain stores by the steps that compute them
+/// ([`plan`]'s `direct`) rather than streamed out of registers: when the program runs on one
+/// thread and writes at least 8 MiB. Streaming stores skip reading the lines they write, which
+/// pays when several cores together saturate memory; one core is bound by its own latency, and
+/// the extra pass through a register costs more. Five-op chain over 32M f32 on the 2-core EPYC
+/// VM with one thread: 23.5–25.7 ms direct against 35–37 streamed (a lone multiply 16–18
+/// against 24–26); with two threads, the multiply streamed 8.2–9.9 ms against 12.6–14.0 direct.
+/// Smaller outputs stay streamed, as the general driver does (a training step's outputs are
+/// cold: see BENCHMARKS.md, "deferred elementwise chains").
+pub(super) fn direct_writes(n: usize, outputs: usize) -> bool {
+    rayon::current_num_threads() == 1 && n.saturating_mul(4 * outputs) >= DIRECT_MIN_BYTES
+}
+
+/// See [`direct_writes`].
+const DIRECT_MIN_BYTES: usize = 8 << 20;
 
 thread_local! {
     /// This thread's registers of the last call, for the next one (no allocation per call).
@@ -302,6 +354,17 @@ fn run_body(plan: &Plan, ins: &[&[f32]], mut start: usize, end: usize, regs: &mu
     while start < end {
         let len = BLOCK.min(end - start);
         for st in &plan.steps {
+            if let Some(j) = st.write {
+                // SAFETY: chunks are disjoint ranges of the flat index and every output has the
+                // iteration's shape, so this task alone writes `start..start + len` of each.
+                let dst = unsafe { o.slice::<f32>(j, start, len) };
+                let (a, b) = (
+                    src(st.a, regs, ins, start, len),
+                    src(st.b, regs, ins, start, len),
+                );
+                exec(st, a, b, dst);
+                continue;
+            }
             // The output register is never an operand (see `assign_registers`): take it out.
             let (lo, hi) = regs.split_at_mut(st.out * BLOCK);
             let (out, hi) = hi.split_at_mut(BLOCK);
@@ -311,7 +374,8 @@ fn run_body(plan: &Plan, ins: &[&[f32]], mut start: usize, end: usize, regs: &mu
             );
             exec(st, a, b, &mut out[..len]);
         }
-        for (j, &v) in plan.outs.iter().enumerate() {
+        for (j, v) in plan.outs.iter().enumerate() {
+            let Some(v) = *v else { continue };
             // SAFETY: chunks are disjoint ranges of the flat index and every output has the
             // iteration's shape, so this task alone writes `start..start + len` of each.
             let dst = unsafe { o.slice::<f32>(j, start, len) };

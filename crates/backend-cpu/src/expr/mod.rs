@@ -438,8 +438,9 @@ fn elementwise(
     outs: &Outs,
 ) {
     let n = shape.elem_count();
+    let direct = flat::direct_writes(n, program.outputs().len());
     if flat_on()
-        && let Some(plan) = flat::plan(program, layouts, inputs, leaves, n)
+        && let Some(plan) = flat::plan(program, layouts, inputs, leaves, n, direct)
     {
         return flat::run(&plan, program, inputs, n, outs);
     }

@@ -9,8 +9,9 @@
 //! becomes a step with resolved operands (a register, an input at a fixed offset, a constant)
 //! and its scalar tail; registers are reused once their value is dead, so a chain needs two or
 //! three; and a block is only [`BLOCK`] elements, a few kilobytes that stay in L1 while the
-//! hardware prefetcher streams the inputs in. The kernels are those of the general driver, so
-//! the results are the same bits.
+//! hardware prefetcher streams the inputs in. Outputs are streamed out of their registers, or,
+//! on one thread, written by the steps that compute them ([`direct_writes`]). The kernels are
+//! those of the general driver, so the results are the same bits.
 
 use std::cell::RefCell;
 

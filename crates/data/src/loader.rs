@@ -215,13 +215,14 @@ impl<B: Backend> DataLoader<B> {
 
     /// The most bytes of features one upload moves (default 16 MiB; `0` or anything below one
     /// batch: one batch per upload; a pinned dataset's rows copied as stored, such as pixels
-    /// kept as bytes, count as stored). With pinned memory, as many
-    /// consecutive batches as fit are gathered together and copied to the device in one DMA,
-    /// and each batch is handed out as a view of it: an upload costs the consuming thread
-    /// 11–21 µs on the H100 machines we measure on, little of it growing with the size, which
-    /// a small model's step (0.15 ms for a 784-100-100-10 MLP at batch 100) cannot hide. The
-    /// first upload of an epoch is one batch and each later one twice the one before (up to
-    /// this size), so no step waits for a whole group to arrive. A batch kept beyond its step keeps its group's device memory alive.
+    /// kept as bytes, count as stored). With pinned memory, as many consecutive batches as fit
+    /// are gathered together and copied to the device in one DMA, and each batch is handed out
+    /// as a view of it: an upload costs the consuming thread 11–21 µs on the H100 machines we
+    /// measure on, little of it growing with the size, which a small model's step (0.15 ms for
+    /// a 784-100-100-10 MLP at batch 100) cannot hide. The first upload of an epoch is one
+    /// batch and each later one twice the one before (up to this size), so no step waits for a
+    /// whole group to arrive. A batch kept beyond its step keeps its group's device memory
+    /// alive.
     pub fn upload_bytes(mut self, bytes: usize) -> Self {
         self.next = None;
         self.upload_bytes = bytes;

@@ -54,10 +54,16 @@ struct FStep {
     a: Opd,
     b: Opd,
     post: Option<Aff<f32>>,
-    /// The register written (unused when `write` is set).
-    out: usize,
-    /// Output `j` written directly, with plain stores, instead of a register.
-    write: Option<usize>,
+    dst: Dst,
+}
+
+/// Where a step writes.
+#[derive(Clone, Copy, Debug)]
+enum Dst {
+    /// Register `r`.
+    Reg(usize),
+    /// Output `j`, directly, with plain stores (see [`direct_writes`]).
+    Out(usize),
 }
 
 /// A program resolved for one call (see the module docs).
@@ -143,8 +149,7 @@ pub(super) fn plan(
             a,
             b,
             post,
-            out: 0,
-            write: None,
+            dst: Dst::Reg(0),
         };
         if let (Opd::Uni(_), Opd::Uni(_)) = (a, b) {
             // Uniform: computed once, here.
@@ -172,8 +177,7 @@ pub(super) fn plan(
 /// Maps values to registers, reusing a register once its value's last reader has run (never
 /// for that reader's own output: a kernel's output does not alias its operands). A value that
 /// is one output and read by no step is written straight into that output, with no register,
-/// when `direct`.
-/// Operands and outputs name values on the way in, registers on the way out.
+/// when `direct`. Operands and outputs name values on the way in, registers on the way out.
 fn assign_registers(
     steps: Vec<(FStep, usize)>,
     outs: Vec<Opd>,
@@ -250,8 +254,7 @@ fn assign_registers(
         .map(|(st, v)| FStep {
             a: reg(st.a),
             b: reg(st.b),
-            out: reg_of[v],
-            write: write_of[v],
+            dst: write_of[v].map_or(Dst::Reg(reg_of[v]), Dst::Out),
             ..st
         })
         .collect();
@@ -355,25 +358,29 @@ fn run_body(plan: &Plan, ins: &[&[f32]], mut start: usize, end: usize, regs: &mu
     while start < end {
         let len = BLOCK.min(end - start);
         for st in &plan.steps {
-            if let Some(j) = st.write {
-                // SAFETY: chunks are disjoint ranges of the flat index and every output has the
-                // iteration's shape, so this task alone writes `start..start + len` of each.
-                let dst = unsafe { o.slice::<f32>(j, start, len) };
-                let (a, b) = (
-                    src(st.a, regs, ins, start, len),
-                    src(st.b, regs, ins, start, len),
-                );
-                exec(st, a, b, dst);
-                continue;
+            match st.dst {
+                Dst::Out(j) => {
+                    // SAFETY: chunks are disjoint ranges of the flat index and every output has
+                    // the iteration's shape, so this task alone writes `start..start + len`.
+                    let dst = unsafe { o.slice::<f32>(j, start, len) };
+                    let (a, b) = (
+                        src(st.a, regs, ins, start, len),
+                        src(st.b, regs, ins, start, len),
+                    );
+                    exec(st, a, b, dst);
+                }
+                Dst::Reg(r) => {
+                    // The register written is never an operand (see `assign_registers`): take
+                    // it out.
+                    let (lo, hi) = regs.split_at_mut(r * BLOCK);
+                    let (out, hi) = hi.split_at_mut(BLOCK);
+                    let (a, b) = (
+                        split_src(st.a, lo, hi, r, ins, start, len),
+                        split_src(st.b, lo, hi, r, ins, start, len),
+                    );
+                    exec(st, a, b, &mut out[..len]);
+                }
             }
-            // The output register is never an operand (see `assign_registers`): take it out.
-            let (lo, hi) = regs.split_at_mut(st.out * BLOCK);
-            let (out, hi) = hi.split_at_mut(BLOCK);
-            let (a, b) = (
-                split_src(st.a, lo, hi, st.out, ins, start, len),
-                split_src(st.b, lo, hi, st.out, ins, start, len),
-            );
-            exec(st, a, b, &mut out[..len]);
         }
         for (j, v) in plan.outs.iter().enumerate() {
             let Some(v) = *v else { continue };

@@ -60,8 +60,12 @@ CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned f) { *d 
 CUresult cuMemcpyHtoD_v2(CUdeviceptr d, const void* s, size_t n) { memcpy((void*)d, s, n); OK; }
 CUresult cuMemcpyDtoH_v2(void* d, CUdeviceptr s, size_t n) { memcpy(d, (void*)s, n); OK; }
 CUresult cuMemcpyDtoD_v2(CUdeviceptr d, CUdeviceptr s, size_t n) { memmove((void*)d, (void*)s, n); OK; }
-CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { memcpy((void*)d, s, n); OK; }
-CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { memcpy(d, (void*)s, n); OK; }
+/* STUB_NO_COPY=1: asynchronous host<->device copies do nothing (their memcpy into fresh
+ * "device" pages would otherwise dominate a profile of a loader, a cost the GPU does not
+ * have). */
+static int no_copy(void) { static int v = -1; if (v < 0) v = getenv("STUB_NO_COPY") != 0; return v; }
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr d, const void* s, size_t n, void* st) { if (!no_copy()) memcpy((void*)d, s, n); OK; }
+CUresult cuMemcpyDtoHAsync_v2(void* d, CUdeviceptr s, size_t n, void* st) { if (!no_copy()) memcpy(d, (void*)s, n); OK; }
 CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) { memmove((void*)d, (void*)s, n); OK; }
 CUresult cuMemcpyPeerAsync(CUdeviceptr d, void* dc, CUdeviceptr s, void* sc, size_t n, void* st) { memmove((void*)d, (void*)s, n); OK; }
 CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t n) { memset((void*)d, v, n); OK; }

@@ -119,3 +119,23 @@ extern "C" __global__ void gather_rows(const unsigned int* rows, unsigned int n,
         default: gather_words<unsigned char>(rows, n, a); break;
     }
 }
+
+// Bytes in device memory decoded to f32 (`byte / div`, as the gather decodes): the second half
+// of a copy of consecutive pinned rows (host_gather.rs), queued on the copy stream after the
+// DMA that brought the bytes. The first `words` groups of 16 bytes go a uint4 at a time (both
+// addresses 16-byte aligned), the rest of the `n` bytes one at a time; a grid-stride loop over
+// few blocks, like the gather, so the training step keeps the multiprocessors.
+extern "C" __global__ void decode_bytes(const unsigned char* __restrict__ src,
+                                        float* __restrict__ dst, unsigned long long n,
+                                        unsigned long long words, float div) {
+    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+    const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint4* __restrict__ s16 = (const uint4*)src;
+    float4* __restrict__ d16 = (float4*)dst;
+    for (unsigned long long k = t; k < words; k += stride) {
+        store_decoded(d16, k, s16[k], div);
+    }
+    for (unsigned long long k = 16 * words + t; k < n; k += stride) {
+        dst[k] = decode_byte(src[k], div);
+    }
+}

@@ -270,6 +270,15 @@ impl Backend for Cuda {
         Ok(Some(bufs.into_iter().map(CudaStorage::ready).collect()))
     }
 
+    fn copy_host_rows(
+        device: &CudaDevice,
+        srcs: &[kiln_core::HostRows],
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<CudaStorage>>> {
+        let bufs = host_gather::copy_host_rows(state(device)?, srcs, rows)?;
+        Ok(Some(bufs.into_iter().map(CudaStorage::ready).collect()))
+    }
+
     fn gathers_host_rows(device: &CudaDevice) -> bool {
         state(device).is_ok()
     }

@@ -626,3 +626,130 @@ fn the_gpu_gathers_rows_of_pinned_host_arrays() {
             .all(|&v| v == 4.0)
     );
 }
+
+/// `copy_host_rows` (the DataLoader's path for an epoch in order over a pinned dataset):
+/// consecutive rows of page-locked arrays arrive as the host holds them, bytes decoded to f32
+/// equal the host's `byte as f32 / d` bit for bit (16 at a time, and the tail of a range that
+/// is not a whole number of 16 bytes one at a time), and labels keep the dataset's id bound
+/// (the cross-entropy over them reads no device flag). The copy runs on the copy stream: with
+/// that stream delayed by 200 ms, unrelated work on the caller's stream is not held back, and
+/// the first kernel that reads a result waits for it. Then bad input: a range past the rows is
+/// a typed error naming the op, and the device keeps working.
+#[test]
+fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
+    use kiln_backend_cuda::thread_syncs;
+    use kiln_core::{Backend, HostRows};
+    use std::sync::Arc;
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let rows_n = 5000;
+    let feats = ramp(rows_n * 784);
+    let labels: Vec<i64> = (0..rows_n as i64).map(|i| i * 7 % 10).collect();
+    let pixels: Vec<u8> = (0..rows_n * 784).map(|i| (i * 37 % 256) as u8).collect();
+    let pinned = |b: &[u8]| Arc::new(PinnedBlock::from_bytes("test", b).unwrap());
+    let rows = |block, dtype, row_bytes, id_bound, bytes_over| HostRows {
+        block,
+        dtype,
+        row_bytes,
+        id_bound,
+        bytes_over,
+    };
+    let srcs = [
+        rows(
+            pinned(bytemuck::cast_slice(&feats)),
+            F32,
+            784 * 4,
+            None,
+            None,
+        ),
+        rows(
+            pinned(bytemuck::cast_slice(&labels)),
+            DType::I64,
+            8,
+            Some(10),
+            None,
+        ),
+        // MNIST-like pixels kept as bytes, decoded to `byte / 255` on the device.
+        rows(pinned(&pixels), F32, 784, None, Some(255.0)),
+        // Rows of 3 bytes divided by 3: ranges that end inside a 16-byte word.
+        rows(pinned(&pixels), F32, 3, None, Some(3.0)),
+    ];
+    let other = Tensor::<Cuda>::full([1 << 20], 3.0, F32, &dev).unwrap();
+    (&other + 1.0).unwrap().realize().unwrap();
+    // Warm-up: the decode's module loaded (loading waits for the whole device).
+    drop(Cuda::copy_host_rows(&dev, &srcs, 0..1).unwrap());
+    kiln_backend_cuda::synchronize(&dev).unwrap();
+    let bits = |t: &Tensor<Cuda>| -> Vec<u32> {
+        let v = t.to_vec::<f32>().unwrap();
+        v.iter().map(|v| v.to_bits()).collect()
+    };
+    let host = |bytes: &[u8], row: usize, d: f32, r: &std::ops::Range<usize>| -> Vec<u32> {
+        let b = &bytes[r.start * row..r.end * row];
+        b.iter().map(|&b| (b as f32 / d).to_bits()).collect()
+    };
+    let logits = Tensor::<Cuda>::rand([7, 10], -1.0, 1.0, 3, F32, &dev).unwrap();
+    for (k, range) in [1234..4321, 0..rows_n, 17..24, 9..9]
+        .into_iter()
+        .enumerate()
+    {
+        let n = range.len();
+        let delayed = k == 0;
+        if delayed {
+            raw::delay_copies(&dev, 200_000).unwrap();
+        }
+        let t0 = Instant::now();
+        let got = Cuda::copy_host_rows(&dev, &srcs, range.clone())
+            .unwrap()
+            .unwrap();
+        if delayed && !launches_block() {
+            let (_, unrelated_ms) = unrelated_work(&dev, &other, t0);
+            println!("unrelated work done {unrelated_ms:.1} ms after a copy delayed by 200 ms");
+            assert!(
+                unrelated_ms < 100.0,
+                "work that does not read the copy waited for it ({unrelated_ms:.1} ms)"
+            );
+        }
+        let mut got = got.into_iter();
+        let x = Tensor::<Cuda>::from_storage(got.next().unwrap(), [n, 784], F32);
+        let y = Tensor::<Cuda>::from_storage(got.next().unwrap(), [n], DType::I64);
+        let px = Tensor::<Cuda>::from_storage(got.next().unwrap(), [n, 784], F32);
+        let px3 = Tensor::<Cuda>::from_storage(got.next().unwrap(), [n, 3], F32);
+        // The first kernel that reads the copy (here delayed) sees its values.
+        let x2 = (&x * 2.0).unwrap().to_vec::<f32>().unwrap();
+        let want: Vec<f32> = feats[range.start * 784..range.end * 784]
+            .iter()
+            .map(|v| v * 2.0)
+            .collect();
+        assert!(x2 == want, "rows {range:?}: the features differ");
+        assert_eq!(y.to_vec::<i64>().unwrap(), labels[range.clone()]);
+        assert!(
+            bits(&px) == host(&pixels, 784, 255.0, &range),
+            "rows {range:?}: pixels decoded on the device differ from the host's byte / 255"
+        );
+        assert!(
+            bits(&px3) == host(&pixels, 3, 3.0, &range),
+            "rows {range:?}: 3-byte rows decoded differ"
+        );
+        // (With `KILN_CUDA_SYNC=1` every launch synchronizes.)
+        if n >= 7 && !launches_block() {
+            let s0 = thread_syncs();
+            logits.cross_entropy(&y.narrow(0, 0, 7).unwrap()).unwrap();
+            assert_eq!(thread_syncs(), s0, "the labels' id bound was carried");
+        }
+    }
+    // Bad input.
+    match Cuda::copy_host_rows(&dev, &srcs, 10..rows_n + 1) {
+        Err(Error::InvalidArgument { op, msg }) => {
+            assert_eq!(op, "copy_host_rows");
+            assert!(msg.contains(&format!("{}", rows_n + 1)), "{msg}");
+        }
+        other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
+    }
+    assert!(
+        (&other + 1.0)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+            .iter()
+            .all(|&v| v == 4.0)
+    );
+}

@@ -218,6 +218,21 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         let _ = (device, srcs, rows);
         Ok(None)
     }
+    /// Rows `rows` (consecutive) of each of `srcs` copied into new storages on `device`, as
+    /// [`Self::gather_host_rows`] would gather them: decoded on the device where the rows hold
+    /// bytes ([`HostRows::bytes_over`]), with the sources' known id bounds. The DataLoader's path
+    /// for an epoch in order over a pinned dataset: a GPU moves each range by one DMA on a copy
+    /// engine and decodes it on its copy stream, off the caller's stream. Asynchronous like a
+    /// pinned upload. `Ok(None)` when the backend cannot (the caller uploads the stored bytes
+    /// and decodes them itself); the default. A range past an array's rows is an error.
+    fn copy_host_rows(
+        device: &Self::Device,
+        srcs: &[HostRows],
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<Self::Storage>>> {
+        let _ = (device, srcs, rows);
+        Ok(None)
+    }
     /// Whether [`Self::gather_host_rows`] can run on `device` (it returns `Ok(None)` when not).
     fn gathers_host_rows(device: &Self::Device) -> bool {
         let _ = device;

@@ -399,6 +399,23 @@ impl Backend for Reference {
             .map(Some)
     }
 
+    /// The rows of the range, gathered as [`Self::gather_host_rows`] gathers them.
+    fn copy_host_rows(
+        device: &RefDevice,
+        srcs: &[crate::HostRows],
+        rows: std::ops::Range<usize>,
+    ) -> Result<Option<Vec<RefStorage>>> {
+        const OP: &str = "copy_host_rows";
+        check_device(OP, device)?;
+        if let Some(s) = srcs.iter().find(|s| rows.end > s.rows()) {
+            return Err(Error::invalid(
+                OP,
+                format!("rows {rows:?} requested of an array of {} rows", s.rows()),
+            ));
+        }
+        Self::gather_host_rows(device, srcs, &rows.collect::<Vec<_>>())
+    }
+
     fn gathers_host_rows(device: &RefDevice) -> bool {
         device.0 < DEVICE_COUNT
     }

@@ -240,13 +240,29 @@ fn a_pinned_dataset_is_copied_as_stored_into_the_same_batches() {
         .unwrap()
         .pin_memory(false);
     let want = all_batches(&mut want);
-    for (device_gather, prefetch) in [(false, 2), (false, 0), (true, 2)] {
+    // Groups of rows copied as stored grow four times: 1, 3, 3, 1 batches with room for 3,
+    // 1, 4, 3 with room for all (a prefetch of 0 uploads each batch in `next()`, uncounted).
+    for (device_gather, prefetch, bytes, uploads) in [
+        (false, 2, 3 * 112, 4),
+        (false, 0, 3 * 112, 0),
+        (true, 2, 3 * 112, 4),
+        (false, 2, 1 << 20, 3),
+        (true, 1, 1 << 20, 3),
+    ] {
         let mut l = DataLoader::<Reference>::new(counting.clone(), 7, &dev)
             .unwrap()
-            .upload_bytes(3 * 112)
+            .upload_bytes(bytes)
             .device_gather(device_gather)
             .prefetch(prefetch);
-        assert_eq!(all_batches(&mut l), want, "in order, {device_gather}");
+        let mut it = l.iter();
+        let got: Vec<_> = (&mut it)
+            .map(|b| {
+                let (x, y) = b.unwrap();
+                (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap())
+            })
+            .collect();
+        assert_eq!(got, want, "in order, {device_gather}, {bytes}");
+        assert_eq!(it.times().uploads, uploads, "{device_gather}, {bytes}");
     }
     assert_eq!(got_host_gathers(&counting), 0, "rows copied as stored");
     drop(counting);
@@ -301,6 +317,46 @@ fn pixel_features_are_pinned_as_bytes_and_decode_to_the_same_batches() {
                 .collect()
         };
         assert_eq!(bits(&got), bits(plain), "the same bits");
+    }
+    drop(pinned);
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}
+
+/// A backend that neither gathers nor copies host rows itself (the CPU backend): the worker
+/// copies the pinned pixel bytes as stored, uploads them and decodes them with tensor ops, and
+/// the batches are the plain path's, bit for bit, shuffled and in order.
+#[test]
+fn a_backend_without_host_row_copies_decodes_stored_rows_itself() {
+    use kiln_backend_cpu::Cpu;
+    use kiln_core::Backend;
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let pool = kiln_core::test_pinned::register();
+    let dev = Cpu::device(0);
+    assert!(!Cpu::gathers_host_rows(&dev));
+    let (n, width) = (40, 12);
+    let f = (0..n * width)
+        .map(|k| (k * 37 % 256) as f32 / 255.0)
+        .collect();
+    let labels = HostBuffer::I64((0..n as i64).map(|i| i % 10).collect());
+    let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
+    let pinned = data.clone().pin().unwrap();
+    let batches = |l: &mut DataLoader<Cpu>| -> Vec<(Vec<u32>, Vec<i64>)> {
+        l.iter()
+            .map(|b| {
+                let (x, y) = b.unwrap();
+                let x = x.to_vec::<f32>().unwrap();
+                (x.iter().map(|v| v.to_bits()).collect(), y.to_vec().unwrap())
+            })
+            .collect()
+    };
+    for shuffle in [false, true] {
+        let loader = |d: &ArrayDataset| {
+            let l = DataLoader::<Cpu>::new(d.clone(), 6, &dev).unwrap();
+            if shuffle { l.shuffle(1) } else { l }
+        };
+        let want = batches(&mut loader(&data).pin_memory(false));
+        let got = batches(&mut loader(&pinned).upload_bytes(1 << 20));
+        assert_eq!(got, want, "shuffle {shuffle}");
     }
     drop(pinned);
     assert_eq!(pool.live(), 0, "every pinned block was given back");

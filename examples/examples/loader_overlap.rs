@@ -53,8 +53,8 @@ struct Args {
     /// Timed rounds (each times the three ways once, back to back).
     #[arg(long, default_value_t = 9)]
     rounds: usize,
-    /// Also print the profiler's table of one compute epoch and one prefetch epoch (where
-    /// the difference between the two goes).
+    /// Also print the profiler's table of one compute epoch, one resident epoch and one
+    /// prefetch epoch (where the difference between them goes).
     #[arg(long)]
     profile: bool,
     /// The loader's `upload_bytes` (batches grouped into uploads of at least this many
@@ -307,6 +307,12 @@ impl Job for Overlap {
             r?;
             println!(
                 "== profile of a compute epoch ({steps} steps)\n{}",
+                prof.table()
+            );
+            let (r, prof) = kiln_core::profile::profile(|| epoch(Way::Resident, false));
+            r?;
+            println!(
+                "== profile of a resident epoch ({steps} steps)\n{}",
                 prof.table()
             );
             let (r, prof) =

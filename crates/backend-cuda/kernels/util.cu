@@ -132,8 +132,20 @@ extern "C" __global__ void decode_bytes(const unsigned char* __restrict__ src,
     const unsigned long long t = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     const uint4* __restrict__ s16 = (const uint4*)src;
     float4* __restrict__ d16 = (float4*)dst;
-    for (unsigned long long k = t; k < words; k += stride) {
-        store_decoded(d16, k, s16[k], div);
+    // GATHER_UNROLL loads in flight a thread (a 12-batch group of MNIST pixels: ~190 us on an
+    // H200 with 16 blocks, ~218 us with one load at a time).
+    for (unsigned long long k0 = t; k0 < words; k0 += stride * GATHER_UNROLL) {
+        uint4 v[GATHER_UNROLL];
+#pragma unroll
+        for (int u = 0; u < GATHER_UNROLL; ++u) {
+            const unsigned long long k = k0 + u * stride;
+            if (k < words) v[u] = s16[k];
+        }
+#pragma unroll
+        for (int u = 0; u < GATHER_UNROLL; ++u) {
+            const unsigned long long k = k0 + u * stride;
+            if (k < words) store_decoded(d16, k, v[u], div);
+        }
     }
     for (unsigned long long k = 16 * words + t; k < n; k += stride) {
         dst[k] = decode_byte(src[k], div);

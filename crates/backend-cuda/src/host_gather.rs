@@ -74,6 +74,18 @@ fn max_blocks() -> usize {
     })
 }
 
+/// Blocks at most of the decode after a copy (`KILN_DECODE_BLOCKS` overrides it).
+fn decode_blocks() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("KILN_DECODE_BLOCKS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(16)
+    })
+}
+
 /// The largest word (16, 8, 4 or 1 bytes) that divides `row_bytes` and both addresses.
 fn word_size(row_bytes: usize, src: u64, dst: u64) -> u32 {
     [16u32, 8, 4]
@@ -315,14 +327,16 @@ pub(crate) fn copy_host_rows(
                 true => len / 16,
                 false => 0,
             };
-            let blocks = words.max(len - 16 * words).div_ceil(BLOCK as usize).max(1);
+            // Four words a thread per pass of the grid (the kernel's loads in flight).
+            let blocks = words.div_ceil(4).max(len - 16 * words);
+            let blocks = blocks.div_ceil(BLOCK as usize).max(1);
             let mut args = Args::new();
             args.push(src)
                 .push(dst)
                 .push(*len as u64)
                 .push(words as u64)
                 .push(*div);
-            let grid = [blocks.min(max_blocks()) as u32, 1, 1];
+            let grid = [blocks.min(decode_blocks()) as u32, 1, 1];
             dev.launch_3d(COPY_OP, f, grid, [BLOCK, 1, 1], 0, args.ptrs())
         });
         set_current_stream(dev.ordinal, prev);

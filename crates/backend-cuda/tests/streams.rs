@@ -410,8 +410,8 @@ fn an_upload_from_pinned_memory_holds_back_only_the_work_that_reads_it() {
 
 /// The DataLoader over a pinned dataset of MNIST-like pixels (`byte / 255`, kept as bytes) on
 /// the GPU, each way it moves them: gathered by the device, copied as bytes by the worker, and
-/// in order (one DMA of the dataset's own memory a group, decoded by a deferred cast and
-/// division): every batch equals the host's, bit for bit, labels included.
+/// in order (one DMA of the dataset's own memory a group, decoded on the copy stream by
+/// `copy_host_rows`): every batch equals the host's, bit for bit, labels included.
 #[test]
 fn the_loader_moves_a_pinned_pixel_dataset_to_the_gpu_bit_for_bit() {
     use kiln_core::HostBuffer;

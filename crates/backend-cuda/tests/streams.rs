@@ -455,6 +455,21 @@ fn the_loader_moves_a_pinned_pixel_dataset_to_the_gpu_bit_for_bit() {
     }
 }
 
+/// After a typed error: `other + 1` (`other` holds 3.0 everywhere) still computes.
+fn assert_device_still_works(other: &Tensor<Cuda>) {
+    let v = (other + 1.0).unwrap().to_vec::<f32>().unwrap();
+    assert!(v.iter().all(|&v| v == 4.0), "the device keeps working");
+}
+
+/// `rows` rows of MNIST-shaped host data: f32 features (784 a row), labels `i * 7 % 10`, and
+/// pixel bytes (784 a row).
+fn host_arrays(rows: usize) -> (Vec<f32>, Vec<i64>, Vec<u8>) {
+    let feats = ramp(rows * 784);
+    let labels = (0..rows as i64).map(|i| i * 7 % 10).collect();
+    let pixels = (0..rows * 784).map(|i| (i * 37 % 256) as u8).collect();
+    (feats, labels, pixels)
+}
+
 /// `gather_host_rows` (the DataLoader's path for a pinned dataset): the GPU reads the rows of
 /// page-locked host arrays itself. Rows of 3136 bytes (16-byte words), 8-byte labels and
 /// 3-byte rows (byte words) come out as a host gather gives them, in the requested order with
@@ -469,10 +484,8 @@ fn the_gpu_gathers_rows_of_pinned_host_arrays() {
     use std::sync::Arc;
     let Some(dev) = gpu_or_skip(0) else { return };
     let rows_n = 5000;
-    let feats = ramp(rows_n * 784);
-    let labels: Vec<i64> = (0..rows_n as i64).map(|i| i * 7 % 10).collect();
+    let (feats, labels, pixels) = host_arrays(rows_n);
     let bytes3: Vec<u8> = (0..rows_n * 3).map(|i| (i % 251) as u8).collect();
-    let pixels: Vec<u8> = (0..rows_n * 784).map(|i| (i * 37 % 256) as u8).collect();
     let pinned = |b: &[u8]| Arc::new(PinnedBlock::from_bytes("test", b).unwrap());
     let srcs = [
         HostRows {
@@ -617,14 +630,7 @@ fn the_gpu_gathers_rows_of_pinned_host_arrays() {
         Cuda::gather_host_rows(&dev, &[odd], &[0]),
         Err(Error::InvalidArgument { .. })
     ));
-    assert!(
-        (&other + 1.0)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .all(|&v| v == 4.0)
-    );
+    assert_device_still_works(&other);
 }
 
 /// `copy_host_rows` (the DataLoader's path for an epoch in order over a pinned dataset):
@@ -642,9 +648,7 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
     use std::sync::Arc;
     let Some(dev) = gpu_or_skip(0) else { return };
     let rows_n = 5000;
-    let feats = ramp(rows_n * 784);
-    let labels: Vec<i64> = (0..rows_n as i64).map(|i| i * 7 % 10).collect();
-    let pixels: Vec<u8> = (0..rows_n * 784).map(|i| (i * 37 % 256) as u8).collect();
+    let (feats, labels, pixels) = host_arrays(rows_n);
     let pinned = |b: &[u8]| Arc::new(PinnedBlock::from_bytes("test", b).unwrap());
     let rows = |block, dtype, row_bytes, id_bound, bytes_over| HostRows {
         block,
@@ -744,12 +748,5 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
         }
         other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
     }
-    assert!(
-        (&other + 1.0)
-            .unwrap()
-            .to_vec::<f32>()
-            .unwrap()
-            .iter()
-            .all(|&v| v == 4.0)
-    );
+    assert_device_still_works(&other);
 }

@@ -23,7 +23,10 @@ fn dataset(n: usize, width: usize) -> ArrayDataset {
 /// this lock so that one test's live blocks are not counted by another running beside it.
 static POOL_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
+/// An epoch's batches as (features, labels) values.
+type Batches = Vec<(Vec<f64>, Vec<f64>)>;
+
+fn all_batches(l: &mut DataLoader<Reference>) -> Batches {
     l.iter()
         .map(|b| -> Result<_> {
             let (x, y) = b?;
@@ -31,6 +34,18 @@ fn all_batches(l: &mut DataLoader<Reference>) -> Vec<(Vec<f64>, Vec<f64>)> {
         })
         .collect::<Result<_>>()
         .unwrap()
+}
+
+/// The next epoch's batches and how many uploads the loader made for them.
+fn epoch_and_uploads(l: &mut DataLoader<Reference>) -> (Batches, usize) {
+    let mut it = l.iter();
+    let got = (&mut it)
+        .map(|b| {
+            let (x, y) = b.unwrap();
+            (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap())
+        })
+        .collect();
+    (got, it.times().uploads)
 }
 
 /// Epoch `epoch` of a loader that does not pin, in batches of `batch` shuffled with `seed`: what
@@ -171,15 +186,8 @@ fn a_pinned_dataset_is_gathered_by_the_device_into_the_same_batches() {
             .prefetch(prefetch);
         // Two epochs: the second must not reuse the first's groups.
         for _ in 0..2 {
-            let mut it = l.iter();
-            let got: Vec<_> = (&mut it)
-                .map(|b| {
-                    let (x, y) = b.unwrap();
-                    (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap())
-                })
-                .collect();
-            assert_eq!(it.times().uploads, uploads, "upload_bytes {bytes}");
-            drop(it);
+            let (got, got_uploads) = epoch_and_uploads(&mut l);
+            assert_eq!(got_uploads, uploads, "upload_bytes {bytes}");
             let want = plain_batches(data.clone(), 7, 5, l.epoch() - 1);
             assert_eq!(got, want, "upload_bytes {bytes}");
         }
@@ -254,15 +262,9 @@ fn a_pinned_dataset_is_copied_as_stored_into_the_same_batches() {
             .upload_bytes(bytes)
             .device_gather(device_gather)
             .prefetch(prefetch);
-        let mut it = l.iter();
-        let got: Vec<_> = (&mut it)
-            .map(|b| {
-                let (x, y) = b.unwrap();
-                (x.to_f64_vec().unwrap(), y.to_f64_vec().unwrap())
-            })
-            .collect();
+        let (got, got_uploads) = epoch_and_uploads(&mut l);
         assert_eq!(got, want, "in order, {device_gather}, {bytes}");
-        assert_eq!(it.times().uploads, uploads, "{device_gather}, {bytes}");
+        assert_eq!(got_uploads, uploads, "{device_gather}, {bytes}");
     }
     assert_eq!(got_host_gathers(&counting), 0, "rows copied as stored");
     drop(counting);
@@ -273,6 +275,15 @@ fn got_host_gathers(c: &Counting) -> usize {
     c.host_gathers.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// `n` rows of `width` MNIST-like features (`byte / 255`) and labels `i % 10`.
+fn pixel_dataset(n: usize, width: usize) -> ArrayDataset {
+    let f = (0..n * width)
+        .map(|k| (k * 37 % 256) as f32 / 255.0)
+        .collect();
+    let labels = HostBuffer::I64((0..n as i64).map(|i| i % 10).collect());
+    ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap()
+}
+
 /// MNIST-like features (`byte / 255`) are pinned as bytes and decoded on the device: the same
 /// batches, bit for bit, as the plain path.
 #[test]
@@ -281,11 +292,7 @@ fn pixel_features_are_pinned_as_bytes_and_decode_to_the_same_batches() {
     let pool = kiln_core::test_pinned::register();
     let dev = RefDevice(0);
     let (n, width) = (40, 12);
-    let f = (0..n * width)
-        .map(|k| (k * 37 % 256) as f32 / 255.0)
-        .collect();
-    let labels = HostBuffer::I64((0..n as i64).map(|i| i % 10).collect());
-    let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
+    let data = pixel_dataset(n, width);
     let pinned = data.clone().pin().unwrap();
     let (features, _) = pinned.pinned_rows().unwrap();
     assert_eq!(features.bytes_over, Some(255.0));
@@ -334,11 +341,7 @@ fn a_backend_without_host_row_copies_decodes_stored_rows_itself() {
     let dev = Cpu::device(0);
     assert!(!Cpu::gathers_host_rows(&dev));
     let (n, width) = (40, 12);
-    let f = (0..n * width)
-        .map(|k| (k * 37 % 256) as f32 / 255.0)
-        .collect();
-    let labels = HostBuffer::I64((0..n as i64).map(|i| i % 10).collect());
-    let data = ArrayDataset::new(HostBuffer::F32(f), [width], labels, [], n).unwrap();
+    let data = pixel_dataset(n, width);
     let pinned = data.clone().pin().unwrap();
     let batches = |l: &mut DataLoader<Cpu>| -> Vec<(Vec<u32>, Vec<i64>)> {
         l.iter()

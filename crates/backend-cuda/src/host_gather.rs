@@ -278,6 +278,12 @@ pub(crate) fn copy_host_rows(
 ) -> Result<Vec<Buffer>> {
     dev.refuse_in_capture(COPY_OP, "copying host memory")?;
     check_arrays(COPY_OP, srcs)?;
+    if rows.start > rows.end {
+        return Err(Error::invalid(
+            COPY_OP,
+            format!("rows {rows:?}: the range is inverted"),
+        ));
+    }
     for (k, s) in srcs.iter().enumerate() {
         if rows.end > s.rows() {
             return Err(Error::invalid(
@@ -289,7 +295,7 @@ pub(crate) fn copy_host_rows(
             ));
         }
     }
-    let n = rows.end.saturating_sub(rows.start);
+    let n = rows.end - rows.start;
     dev.bind()?;
     let user = dev.stream();
     dev.sweep_in_flight();

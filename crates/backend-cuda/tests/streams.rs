@@ -748,5 +748,12 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
         }
         other => panic!("expected a typed error, got {:?}", other.map(|_| ())),
     }
+    // An inverted range whose start lies past the rows.
+    #[allow(clippy::reversed_empty_ranges)]
+    let inverted = rows_n + 9..3;
+    assert!(matches!(
+        Cuda::copy_host_rows(&dev, &srcs, inverted),
+        Err(Error::InvalidArgument { .. })
+    ));
     assert_device_still_works(&other);
 }

@@ -407,6 +407,12 @@ impl Backend for Reference {
     ) -> Result<Option<Vec<RefStorage>>> {
         const OP: &str = "copy_host_rows";
         check_device(OP, device)?;
+        if rows.start > rows.end {
+            return Err(Error::invalid(
+                OP,
+                format!("rows {rows:?}: the range is inverted"),
+            ));
+        }
         if let Some(s) = srcs.iter().find(|s| rows.end > s.rows()) {
             return Err(Error::invalid(
                 OP,

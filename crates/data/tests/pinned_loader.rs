@@ -364,3 +364,45 @@ fn a_backend_without_host_row_copies_decodes_stored_rows_itself() {
     drop(pinned);
     assert_eq!(pool.live(), 0, "every pinned block was given back");
 }
+
+/// The reference backend's `copy_host_rows`: the rows of the range as `gather_host_rows` gives
+/// them, and typed errors for a range past the rows and for an inverted one.
+#[test]
+fn the_reference_copies_a_range_of_host_rows() {
+    use kiln_core::{Backend, Error};
+    let _serial = POOL_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let pool = kiln_core::test_pinned::register();
+    let dev = RefDevice(0);
+    let pinned = pixel_dataset(40, 12).pin().unwrap();
+    let (f, l) = pinned.pinned_rows().unwrap();
+    let srcs = [f, l];
+    let values = |s: Vec<kiln_core::reference::RefStorage>| -> Vec<HostBuffer> {
+        s.iter().map(|s| s.data().clone()).collect()
+    };
+    let got = Reference::copy_host_rows(&dev, &srcs, 5..17)
+        .unwrap()
+        .unwrap();
+    let rows: Vec<usize> = (5..17).collect();
+    let want = Reference::gather_host_rows(&dev, &srcs, &rows)
+        .unwrap()
+        .unwrap();
+    assert_eq!(values(got), values(want));
+    for bad in [38..41, 41..41] {
+        let e = Reference::copy_host_rows(&dev, &srcs, bad.clone()).unwrap_err();
+        assert!(
+            matches!(
+                &e,
+                Error::InvalidArgument {
+                    op: "copy_host_rows",
+                    ..
+                }
+            ),
+            "{bad:?}: {e}"
+        );
+    }
+    #[allow(clippy::reversed_empty_ranges)]
+    let inverted = 9..3;
+    assert!(Reference::copy_host_rows(&dev, &srcs, inverted).is_err());
+    drop((srcs, pinned));
+    assert_eq!(pool.live(), 0, "every pinned block was given back");
+}

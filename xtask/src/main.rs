@@ -6,8 +6,9 @@
 //!   reports errors with file and line. Without libnvrtc it prints `skipped: libnvrtc not
 //!   found` and succeeds locally, but fails under CI (`CI=true`).
 //! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) listed in [`GPU_TESTS`]
-//!   into `target/gpu-bundle/` with a `run.sh` that runs each and prints one summary line; the
-//!   bundle is what travels to a GPU machine. `--run` also runs it here.
+//!   into `target/gpu-bundle/tests.tar.gz` with a `run.sh` that unpacks them, runs each and
+//!   prints one summary line; those two files are what travels to a GPU machine (packed, since
+//!   the binaries alone are over the device tool's carry limit). `--run` also runs it here.
 //! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py` and
 //!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
 //!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
@@ -238,6 +239,8 @@ fn bundle(kind: Kind, run: bool) -> Result<(), String> {
 # Runs every GPU test binary of the bundle and prints one summary line.
 # Usage (on a GPU machine): bash target/gpu-bundle/run.sh [test-filter...]
 cd "$(dirname "$0")"
+# The binaries travel packed (the device tool's carry limit) and are unpacked on each run.
+rm -rf tests && tar xzf tests.tar.gz || exit 1
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 pass=0; fail=0; failed=""
 for t in tests/*; do
@@ -276,6 +279,10 @@ python3 compare.py "$out"
     }
     // What one `run` carries for this kind (the other kinds' parts of the folder stay home).
     let mut carried: Vec<PathBuf> = vec![bin_dir.clone(), dir.join(script_name)];
+    if kind == Kind::Test {
+        // Stripped, the test binaries are ~68 MiB, over the carry limit; gzip makes them ~20.
+        carried[0] = pack(&dir, sub)?;
+    }
     if kind == Kind::Bench {
         for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py", "profile.sh"] {
             carried.push(dir.join(f));
@@ -293,6 +300,25 @@ python3 compare.py "$out"
         run_script(&dir.join(script_name))?;
     }
     Ok(())
+}
+
+/// Packs `dir/sub` into `dir/sub.tar.gz` (with `tar`) and removes the folder; returns the
+/// archive's path.
+fn pack(dir: &Path, sub: &str) -> Result<PathBuf, String> {
+    let archive = dir.join(format!("{sub}.tar.gz"));
+    let st = Command::new("tar")
+        .arg("czf")
+        .arg(&archive)
+        .arg("-C")
+        .arg(dir)
+        .arg(sub)
+        .status()
+        .map_err(|e| format!("tar: {e}"))?;
+    if !st.success() {
+        return Err(format!("tar czf {} failed: {st}", archive.display()));
+    }
+    std::fs::remove_dir_all(dir.join(sub)).map_err(|e| e.to_string())?;
+    Ok(archive)
 }
 
 /// Builds [`GPU_EXAMPLES`] (release, stripped) into `dir` with `profile.sh`, which runs one

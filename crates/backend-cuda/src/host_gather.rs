@@ -33,7 +33,7 @@
 //! the device's in-flight list until the kernel's event completes, and each new buffer's first
 //! use on a stream waits for that event.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use kiln_core::{Error, HostRows, PinnedBlock, Result};
 
@@ -64,21 +64,20 @@ const BLOCK: u32 = 256;
 /// Blocks at most (`KILN_GATHER_BLOCKS` overrides it): enough reads in flight to move a
 /// batch well within a training step, few enough to leave the multiprocessors to the step.
 fn max_blocks() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("KILN_GATHER_BLOCKS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(16)
-    })
+    static N: OnceLock<usize> = OnceLock::new();
+    blocks_from_env(&N, "KILN_GATHER_BLOCKS")
 }
 
 /// Blocks at most of the decode after a copy (`KILN_DECODE_BLOCKS` overrides it).
 fn decode_blocks() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("KILN_DECODE_BLOCKS")
+    static N: OnceLock<usize> = OnceLock::new();
+    blocks_from_env(&N, "KILN_DECODE_BLOCKS")
+}
+
+/// A positive block count from `var`, else 16; read once into `cell`.
+fn blocks_from_env(cell: &'static OnceLock<usize>, var: &str) -> usize {
+    *cell.get_or_init(|| {
+        std::env::var(var)
             .ok()
             .and_then(|v| v.parse().ok())
             .filter(|&n| n > 0)

@@ -68,6 +68,7 @@
 //! on `Var`s do not exist; `set_tensor` is the only mutation and is for leaves.
 
 mod check;
+mod composite;
 mod fuse;
 mod ops;
 #[cfg(feature = "testing")]

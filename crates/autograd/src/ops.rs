@@ -14,9 +14,9 @@
 //! - `pow(a, b)`: where `b == 0` the gradient to `a` is 0; where `a == 0` and `b >= 0` the
 //!   gradient to `b` is 0 (not `0 * log 0 = NaN`).
 
-use std::f64::consts::PI;
-
-use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Result, Shape, Tensor, UnaryOp};
+use kiln_core::{
+    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Result, Shape, Tensor, UnaryOp, Vjp,
+};
 
 use crate::var::Var;
 
@@ -71,19 +71,19 @@ fn saved<'a, B: Backend>(t: &'a Option<Tensor<B>>, op: &'static str) -> Result<&
         .ok_or_else(|| Error::invalid(op, "internal: backward needs a tensor that was not saved"))
 }
 
-/// Which of input and output the gradient of a unary op needs: only those are kept alive by
-/// the graph (a relu keeps its output, not also its input), which matters for activation
-/// memory in deep networks.
+/// Which of input and output the gradient of a unary op needs (the op table's rule says):
+/// only those are kept alive by the graph (a relu keeps its output, not also its input), which
+/// matters for activation memory in deep networks.
 fn unary_saves(op: UnaryOp) -> (bool, bool) {
     match op.grad_reads() {
         Some(GradFrom::Input) => (true, false),
         Some(GradFrom::Output) => (false, true),
-        // GELU's derivative reads both; Neg, Sign, Floor and Ceil read neither.
-        None => (op == UnaryOp::Gelu, op == UnaryOp::Gelu),
+        None => (false, false),
     }
 }
 
-/// `dy/dx * g` for a unary op with (saved) input `x` and output `y`.
+/// `g · op'(x)` for a unary op with (saved) input `x` or output `y`: the op table's rule, one
+/// backend kernel (or one deferred node).
 fn unary_grad<B: Backend>(
     op: UnaryOp,
     x: &Option<Tensor<B>>,
@@ -91,34 +91,12 @@ fn unary_grad<B: Backend>(
     g: &Tensor<B>,
 ) -> Result<Tensor<B>> {
     let name = op.name();
-    let dt = g.dtype();
-    let x = || saved(x, name);
-    let y = || saved(y, name);
-    // One backend kernel for every op whose derivative reads a single saved tensor.
-    match op.grad_reads() {
-        Some(GradFrom::Input) => return x()?.unary_backward(op, g),
-        Some(GradFrom::Output) => return y()?.unary_backward(op, g),
-        None => {}
-    }
-    match op {
-        UnaryOp::Neg => g.neg(),
-        UnaryOp::Gelu => {
-            // d/dx x Φ(x) = Φ(x) + x φ(x). There is no erf kernel, but Φ(x) = gelu(x) / x
-            // (and 1/2 at 0).
-            let (x, y) = (x()?, y()?);
-            let phi = x
-                .square()?
-                .mul_scalar(-0.5)?
-                .exp()?
-                .mul_scalar(1.0 / (2.0 * PI).sqrt())?;
-            let cdf = x.compare_scalar(CmpOp::Eq, 0.0)?.where_cond(
-                &Tensor::full(Shape::scalar(), 0.5, dt, x.device())?,
-                &y.div(x)?,
-            )?;
-            g.mul(&cdf.add(&x.mul(&phi)?)?)
-        }
-        UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => g.zeros_like(),
-        _ => unreachable!("`{name}` has a single-operand backward kernel"),
+    match op.vjp() {
+        Vjp::Input(_) => saved(x, name)?.unary_backward(op, g),
+        Vjp::Output(_) => saved(y, name)?.unary_backward(op, g),
+        // The rule reads only `g`; `g` stands in for the saved operand.
+        Vjp::Neither(_) => g.unary_backward(op, g),
+        Vjp::Zero => g.zeros_like(),
     }
 }
 
@@ -256,56 +234,6 @@ impl<B: Backend> Var<B> {
                 .mul(&mask(x.compare_scalar(CmpOp::Le, hi)?, dt)?)?;
             Ok(vec![Some(g.mul(&inside)?)])
         }))
-    }
-
-    pub fn neg(&self) -> Result<Self> {
-        self.unary(UnaryOp::Neg)
-    }
-    pub fn abs(&self) -> Result<Self> {
-        self.unary(UnaryOp::Abs)
-    }
-    pub fn exp(&self) -> Result<Self> {
-        self.unary(UnaryOp::Exp)
-    }
-    pub fn log(&self) -> Result<Self> {
-        self.unary(UnaryOp::Log)
-    }
-    pub fn sqrt(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sqrt)
-    }
-    pub fn square(&self) -> Result<Self> {
-        self.unary(UnaryOp::Square)
-    }
-    pub fn recip(&self) -> Result<Self> {
-        self.unary(UnaryOp::Recip)
-    }
-    pub fn sin(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sin)
-    }
-    pub fn cos(&self) -> Result<Self> {
-        self.unary(UnaryOp::Cos)
-    }
-    pub fn tanh(&self) -> Result<Self> {
-        self.unary(UnaryOp::Tanh)
-    }
-    pub fn sigmoid(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sigmoid)
-    }
-    pub fn relu(&self) -> Result<Self> {
-        self.unary(UnaryOp::Relu)
-    }
-    /// Exact GELU; its gradient is `Φ(x) + x φ(x)`.
-    pub fn gelu(&self) -> Result<Self> {
-        self.unary(UnaryOp::Gelu)
-    }
-    pub fn sign(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sign)
-    }
-    pub fn floor(&self) -> Result<Self> {
-        self.unary(UnaryOp::Floor)
-    }
-    pub fn ceil(&self) -> Result<Self> {
-        self.unary(UnaryOp::Ceil)
     }
 
     // ---- reductions ----------------------------------------------------------------------
@@ -960,3 +888,19 @@ impl<B: Backend> std::ops::Neg for &Var<B> {
         self.unary(UnaryOp::Neg)
     }
 }
+
+/// One method per entry of kiln-core's op table: `v.exp()`, `v.relu()`, ... Generated, so an op
+/// added to the table is a `Var` method with no code here.
+macro_rules! var_unary_methods {
+    ($($(#[doc = $doc:literal])* $V:ident $method:ident $dt:ident { $($body:tt)* })*) => {
+        impl<B: Backend> Var<B> {
+            $(
+                $(#[doc = $doc])*
+                pub fn $method(&self) -> Result<Self> {
+                    self.unary(UnaryOp::$V)
+                }
+            )*
+        }
+    };
+}
+kiln_core::unary_table!(var_unary_methods);

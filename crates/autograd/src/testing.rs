@@ -22,7 +22,7 @@
 use std::fmt::Debug;
 
 use kiln_core::philox;
-use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+use kiln_core::{Backend, BinaryOp, CompositeOp, DType, Result, Tensor, UnaryOp, Vjp};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
@@ -180,6 +180,8 @@ enum Vals {
     AwayFromZero,
     /// k + [0.1, 0.9): away from the jumps of floor and ceil.
     AwayFromInt,
+    /// Standard normal values moved at least 0.05 away from each of these points (kinks).
+    AwayFrom(&'static [f64]),
     /// Odd (or even) multiples of 0.05: two grids never tie (maximum/minimum, clamp).
     Grid {
         odd: bool,
@@ -223,6 +225,15 @@ fn host_values(v: Vals, n: usize, seed: u64) -> Vec<f64> {
             .map(|i| {
                 let x = u(i, -1.0, 1.0);
                 x.signum() * (0.5 + x.abs())
+            })
+            .collect(),
+        Vals::AwayFrom(kinks) => (0..n)
+            .map(|i| {
+                let x = philox::normal_f64(seed, i as u64, 0.0, 1.0);
+                match kinks.iter().find(|&&k| (x - k).abs() < 0.05) {
+                    Some(&k) => k + if x < k { -0.05 } else { 0.05 } + (x - k),
+                    None => x,
+                }
             })
             .collect(),
         Vals::AwayFromInt => (0..n)
@@ -344,22 +355,55 @@ fn axes_of(r: usize, mask: &[bool]) -> Vec<isize> {
     }
 }
 
+/// Where the gradient check samples `op`, from the op table: away from the jumps of a
+/// piecewise-constant op, from kinks, inside a domain that starts near or above 0 (log, sqrt,
+/// log1p), away from a pole at 0 (recip); else standard normal values.
+fn unary_vals(op: UnaryOp) -> Vals {
+    let d = op.domain();
+    if matches!(op.vjp(), Vjp::Zero) {
+        Vals::AwayFromInt
+    } else if d.lo > -1.0 {
+        Vals::Positive
+    } else if d.avoid > 0.0 {
+        Vals::AwayFromZero
+    } else if !d.kinks.is_empty() {
+        Vals::AwayFrom(d.kinks)
+    } else {
+        Vals::Normal
+    }
+}
+
 fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
     let mut c: Vec<(String, Case<B>)> = Vec::new();
 
     // ---- unary ----
     for op in UnaryOp::ALL {
-        let vals = match op {
-            UnaryOp::Log | UnaryOp::Sqrt | UnaryOp::Recip => Vals::Positive,
-            UnaryOp::Abs | UnaryOp::Relu | UnaryOp::Sign => Vals::AwayFromZero,
-            UnaryOp::Floor | UnaryOp::Ceil => Vals::AwayFromInt,
-            _ => Vals::Normal,
-        };
+        let vals = unary_vals(op);
         c.push((
             format!("unary/{}", op.name()),
             Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
                 prop(cfg, input_of(dims(0, 3)), |x| {
                     check(cfg, &[x.build::<B>(vals, dev)?], |v| v[0].unary(op))
+                })
+            }),
+        ));
+    }
+
+    // ---- composite ops (scalar parameters) ----
+    for &op in CompositeOp::ALL {
+        let d = op.domain();
+        let vals = if d.kinks.is_empty() {
+            Vals::Normal
+        } else {
+            Vals::AwayFrom(d.kinks)
+        };
+        c.push((
+            format!("composite/{}", op.name()),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                prop(cfg, input_of(dims(0, 3)), |x| {
+                    check(cfg, &[x.build::<B>(vals, dev)?], |v| {
+                        v[0].composite(op, op.test_params())
+                    })
                 })
             }),
         ));

@@ -5,7 +5,9 @@
 //! i64 arithmetic wraps, i64 `Div` truncates and gives 0 for a zero divisor, `Maximum`/`Minimum`
 //! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts.
 
-use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, Result, UnaryOp};
+use kiln_core::expr::rules::unary_vjp_program;
+use kiln_core::expr::{Expr, Program};
+use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, Result, UnaryFn, UnaryOp, UnaryVisitor};
 
 use crate::fastmath;
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
@@ -72,132 +74,48 @@ fn run2<A: CpuElem, U: CpuElem>(
 
 // ---- unary -----------------------------------------------------------------------------------
 
-macro_rules! float_unary {
-    ($t:ty, $op:expr, $s:expr, $l:expr, $erf:path, $exp_slice:expr, $sigmoid_slice:expr) => {{
-        let name = $op.name();
-        match $op {
-            UnaryOp::Neg => run1::<$t, $t>($s, $l, name, ew1(|x: $t| -x)),
-            UnaryOp::Abs => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.abs())),
-            UnaryOp::Exp => run1::<$t, $t>($s, $l, name, $exp_slice),
-            UnaryOp::Log => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.ln())),
-            UnaryOp::Sqrt => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.sqrt())),
-            UnaryOp::Square => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x * x)),
-            UnaryOp::Recip => run1::<$t, $t>($s, $l, name, ew1(|x: $t| 1.0 / x)),
-            UnaryOp::Sin => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.sin())),
-            UnaryOp::Cos => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.cos())),
-            UnaryOp::Tanh => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.tanh())),
-            UnaryOp::Sigmoid => run1::<$t, $t>($s, $l, name, $sigmoid_slice),
-            UnaryOp::Relu => run1::<$t, $t>(
-                $s,
-                $l,
-                name,
-                ew1(|x: $t| if x > 0.0 || x.is_nan() { x } else { 0.0 }),
-            ),
-            UnaryOp::Gelu => run1::<$t, $t>(
-                $s,
-                $l,
-                name,
-                ew1(|x: $t| 0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t))),
-            ),
-            // -1, 1, and x itself for ±0 and NaN.
-            UnaryOp::Sign => run1::<$t, $t>(
-                $s,
-                $l,
-                name,
-                ew1(|x: $t| {
-                    if x > 0.0 {
-                        1.0
-                    } else if x < 0.0 {
-                        -1.0
-                    } else {
-                        x
-                    }
-                }),
-            ),
-            UnaryOp::Floor => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.floor())),
-            UnaryOp::Ceil => run1::<$t, $t>($s, $l, name, ew1(|x: $t| x.ceil())),
-        }
-    }};
+/// The loop of one unary op, monomorphized per op of the table (`UnaryOp::visit`).
+struct UnaryKernel<'a> {
+    s: &'a CpuStorage,
+    layout: &'a Layout,
+    dtype: DType,
 }
 
+impl UnaryVisitor for UnaryKernel<'_> {
+    type Output = Result<CpuStorage>;
+
+    fn visit<F: UnaryFn>(self) -> Result<CpuStorage> {
+        let (s, l, name) = (self.s, self.layout, F::OP.name());
+        match self.dtype {
+            // f32 exp and sigmoid: the vectorized polynomials of `fastmath` (hand kernels kept
+            // because they beat the scalar loop, see `fastmath`'s docs and BENCHMARKS.md).
+            DType::F32 if F::OP == UnaryOp::Exp => run1::<f32, f32>(s, l, name, fastmath::exp_f32),
+            DType::F32 if F::OP == UnaryOp::Sigmoid => {
+                run1::<f32, f32>(s, l, name, fastmath::sigmoid_f32)
+            }
+            DType::F32 => run1::<f32, f32>(s, l, name, ew1(F::f::<f32>)),
+            DType::F64 => run1::<f64, f64>(s, l, name, ew1(F::f::<f64>)),
+            DType::I64 if F::OP.supports(DType::I64) => run1::<i64, i64>(s, l, name, ew1(F::int)),
+            DType::I64 => Err(dtype_err(name, "f32 or f64", self.dtype)),
+            _ => Err(dtype_err(name, "f32, f64 or i64", self.dtype)),
+        }
+    }
+}
+
+/// `op(x)` elementwise, by the op table's definition of `op`.
 pub(crate) fn unary(
     op: UnaryOp,
     s: &CpuStorage,
     layout: &Layout,
     dtype: DType,
 ) -> Result<CpuStorage> {
-    let name = op.name();
-    match dtype {
-        DType::F32 => float_unary!(
-            f32,
-            op,
-            s,
-            layout,
-            libm::erff,
-            fastmath::exp_f32,
-            fastmath::sigmoid_f32
-        ),
-        DType::F64 => float_unary!(
-            f64,
-            op,
-            s,
-            layout,
-            libm::erf,
-            ew1(|x: f64| x.exp()),
-            ew1(|x: f64| 1.0 / (1.0 + (-x).exp()))
-        ),
-        DType::I64 => match op {
-            UnaryOp::Neg => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_neg())),
-            UnaryOp::Abs => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_abs())),
-            UnaryOp::Square => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.wrapping_mul(x))),
-            UnaryOp::Sign => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.signum())),
-            UnaryOp::Relu => run1::<i64, i64>(s, layout, name, ew1(|x: i64| x.max(0))),
-            _ => Err(dtype_err(name, "f32 or f64", dtype)),
-        },
-        _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
-    }
+    op.visit(UnaryKernel { s, layout, dtype })
 }
 
 // ---- unary backward --------------------------------------------------------------------------
 
-/// One pass of `Backend::unary_backward`: `f(saved, g)` per element, with the arithmetic of
-/// `kiln_core::backend::composed_unary_backward`, in the same order.
-macro_rules! float_unary_backward {
-    ($t:ty, $op:expr, $s:expr, $ls:expr, $g:expr, $lg:expr, $dtype:expr) => {{
-        let sign = |x: $t| {
-            if x > 0.0 {
-                1.0
-            } else if x < 0.0 {
-                -1.0
-            } else {
-                x
-            }
-        };
-        macro_rules! run {
-            ($kern:expr) => {
-                run2::<$t, $t>($s, $ls, $g, $lg, "unary_backward", $kern)
-            };
-        }
-        match $op {
-            UnaryOp::Exp => run!(ew2(|s: $t, g: $t| g * s)),
-            UnaryOp::Log => run!(ew2(|s: $t, g: $t| g / s)),
-            UnaryOp::Sqrt => run!(ew2(|s: $t, g: $t| g / (s * 2.0))),
-            UnaryOp::Square => run!(ew2(|s: $t, g: $t| g * (s * 2.0))),
-            UnaryOp::Recip => run!(ew2(|s: $t, g: $t| -(g * (s * s)))),
-            UnaryOp::Sin => run!(ew2(|s: $t, g: $t| g * s.cos())),
-            UnaryOp::Cos => run!(ew2(|s: $t, g: $t| -(g * s.sin()))),
-            UnaryOp::Tanh => run!(ew2(|s: $t, g: $t| g * (1.0 - s * s))),
-            UnaryOp::Sigmoid => run!(ew2(|s: $t, g: $t| g * (s * (1.0 - s)))),
-            UnaryOp::Relu | UnaryOp::Abs => run!(ew2(move |s: $t, g: $t| g * sign(s))),
-            _ => kiln_core::backend::composed_unary_backward::<crate::Cpu>(
-                $op, $s, $ls, $g, $lg, $dtype,
-            ),
-        }
-    }};
-}
-
-/// `g · op'(x)` in one pass (see `Backend::unary_backward`); both layouts have the output's
-/// shape.
+/// `g · op'(x)` (see `Backend::unary_backward`): the op table's rule, run by the fused
+/// evaluator in one pass; both layouts have the output's shape.
 pub(crate) fn unary_backward(
     op: UnaryOp,
     s: &CpuStorage,
@@ -206,11 +124,16 @@ pub(crate) fn unary_backward(
     lg: &Layout,
     dtype: DType,
 ) -> Result<CpuStorage> {
-    match dtype {
-        DType::F32 => float_unary_backward!(f32, op, s, ls, g, lg, dtype),
-        DType::F64 => float_unary_backward!(f64, op, s, ls, g, lg, dtype),
-        _ => Err(dtype_err("unary_backward", "f32 or f64", dtype)),
+    if !dtype.is_float() {
+        return Err(dtype_err("unary_backward", "f32 or f64", dtype));
     }
+    let program = match unary_vjp_program(op, dtype)? {
+        Some(p) => p,
+        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
+    };
+    let mut out =
+        crate::expr::eval_expr(&s.device(), &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
+    Ok(out.swap_remove(0))
 }
 
 // ---- binary ----------------------------------------------------------------------------------

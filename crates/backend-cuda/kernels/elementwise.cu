@@ -1,5 +1,6 @@
-// Elementwise kernels: unary, binary (broadcast through stride-0 layouts), binary with a scalar
-// kernel argument, comparisons, where, casts.
+// Elementwise kernels: binary (broadcast through stride-0 layouts), binary with a scalar
+// kernel argument, comparisons, where, casts. (Unary ops have no kernel here: they are generated
+// from kiln-core's op table, src/expr_run.rs `run_single`.)
 //
 // Each op comes in three flavours, named `<kind>_<op>_<dtype>_<flavour>`:
 //   c    contiguous operands (offsets applied by the host), 16-byte vector loads and stores;
@@ -9,36 +10,6 @@
 // The scalar functions (`op_<name><T>`) are in scalar_ops.cuh, prepended by the host.
 
 // ---- kernel bodies ---------------------------------------------------------------------------
-
-#define UNARY(NAME, T)                                                                         \
-    extern "C" __global__ void unary_##NAME##_##T##_c(const T* __restrict__ x, T* __restrict__ y, \
-                                                      u64 n) {                                 \
-        const int N = 16 / sizeof(T);                                                          \
-        u64 nv = n / N;                                                                        \
-        const Vec<T, N>* xv = (const Vec<T, N>*)x;                                             \
-        Vec<T, N>* yv = (Vec<T, N>*)y;                                                         \
-        for (u64 i = KILN_TID; i < nv; i += KILN_NTHREADS) {                                   \
-            Vec<T, N> a = xv[i];                                                               \
-            Vec<T, N> r;                                                                       \
-            _Pragma("unroll") for (int j = 0; j < N; ++j) r.v[j] = op_##NAME<T>(a.v[j]);       \
-            yv[i] = r;                                                                         \
-        }                                                                                      \
-        for (u64 i = nv * N + KILN_TID; i < n; i += KILN_NTHREADS) y[i] = op_##NAME<T>(x[i]); \
-    }                                                                                          \
-    template <typename I>                                                                      \
-    __device__ void unary_##NAME##_##T##_strided(const T* x, T* y, u64 n, Dims d, Strides sx) { \
-        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {                                    \
-            y[i] = op_##NAME<T>(x[offset1<I>((I)i, d, sx)]);                                   \
-        }                                                                                      \
-    }                                                                                          \
-    extern "C" __global__ void unary_##NAME##_##T##_s32(const T* x, T* y, u64 n, Dims d,       \
-                                                        Strides sx) {                          \
-        unary_##NAME##_##T##_strided<u32>(x, y, n, d, sx);                                     \
-    }                                                                                          \
-    extern "C" __global__ void unary_##NAME##_##T##_s64(const T* x, T* y, u64 n, Dims d,       \
-                                                        Strides sx) {                          \
-        unary_##NAME##_##T##_strided<u64>(x, y, n, d, sx);                                     \
-    }
 
 // Binary ops and comparisons: `O` is the output type.
 #define BINARY(KIND, NAME, T, O)                                                               \
@@ -115,14 +86,6 @@
         scalar_##NAME##_##T##_strided<u64>(x, y, n, s, lhs, d, sx);                            \
     }
 
-#define UNARY_FLOAT(T)                                                                         \
-    UNARY(neg, T) UNARY(abs, T) UNARY(exp, T) UNARY(log, T) UNARY(sqrt, T) UNARY(square, T)   \
-    UNARY(recip, T) UNARY(sin, T) UNARY(cos, T) UNARY(tanh, T) UNARY(sigmoid, T)               \
-    UNARY(relu, T) UNARY(gelu, T) UNARY(sign, T) UNARY(floor, T) UNARY(ceil, T)
-UNARY_FLOAT(float)
-UNARY_FLOAT(double)
-UNARY(neg, i64) UNARY(abs, i64) UNARY(square, i64) UNARY(sign, i64) UNARY(relu, i64)
-
 #define ARITH(KINDM, T)                                                                        \
     KINDM(add, T) KINDM(sub, T) KINDM(mul, T) KINDM(div, T) KINDM(maximum, T) KINDM(minimum, T)
 #define BIN_SAME(NAME, T) BINARY(binary, NAME, T, T)
@@ -140,15 +103,6 @@ SCALAR(pow, float)
 SCALAR(pow, double)
 SCALAR(maximum, u8)
 SCALAR(minimum, u8)
-
-// Unary backward kernels, `unary_bwd_<op>_<T>_<flavour>`: `g * op'(s)` (see scalar_ops.cuh).
-#define UNARY_BWD(NAME, T) BINARY(unary, bwd_##NAME, T, T)
-#define UNARY_BWD_ALL(T)                                                                       \
-    UNARY_BWD(exp, T) UNARY_BWD(log, T) UNARY_BWD(sqrt, T) UNARY_BWD(square, T)                \
-    UNARY_BWD(recip, T) UNARY_BWD(sin, T) UNARY_BWD(cos, T) UNARY_BWD(tanh, T)                 \
-    UNARY_BWD(sigmoid, T) UNARY_BWD(relu, T) UNARY_BWD(abs, T)
-UNARY_BWD_ALL(float)
-UNARY_BWD_ALL(double)
 
 #define CMP_ALL(T)                                                                             \
     BINARY(cmp, eq, T, u8) BINARY(cmp, ne, T, u8) BINARY(cmp, lt, T, u8)                       \

@@ -46,7 +46,7 @@ use kiln_core::expr::{Combine, Instr, Phase, Program};
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
 use crate::launch::{MAX_DIMS, collapse_raw};
-use crate::sources::{COMMON, SCALAR_OPS};
+use crate::sources::{COMMON, scalar_ops};
 
 /// The generated kernel's name.
 pub(crate) const KERNEL: &str = "expr";
@@ -378,8 +378,9 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
         ));
     }
     let mut s = format!(
-        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n\
+        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{}\n\
          #line 1 \"expr.cu\"\n{PRELUDE}\ntypedef {} I;\n\n",
+        scalar_ops(),
         if v.wide { "u64" } else { "u32" }
     );
     // Program listing, for whoever reads the source (and the NVRTC log).

@@ -14,7 +14,7 @@ pub use crate::nvrtc::{
     cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
     nvrtc_available, nvrtc_version, options, read_cached, source_cache_path, write_cached,
 };
-pub use crate::sources::{COMMON, Module, SCALAR_OPS};
+pub use crate::sources::{COMMON, Module, scalar_ops};
 
 /// The cache file for `module` on `sm_{arch}` with NVRTC `version`.
 pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) -> PathBuf {

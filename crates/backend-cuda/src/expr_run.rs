@@ -62,6 +62,9 @@ pub(crate) enum Caller {
     /// The deferral layer (`lazy.rs`): a recorded chain of elementwise ops, up to `budget`
     /// programs per device ("fused elementwise").
     Lazy { budget: usize },
+    /// One op of the op table over computed buffers (`run_single`), under the op's name: no
+    /// budget, as there are at most a few per op, dtype and layout class.
+    Op(&'static str),
 }
 
 impl Caller {
@@ -69,6 +72,7 @@ impl Caller {
         match self {
             Caller::User => "expr",
             Caller::Lazy { .. } => "fused elementwise",
+            Caller::Op(name) => name,
         }
     }
 }
@@ -514,6 +518,7 @@ fn launch(
     crate::profile::fused_ops(kernel, || match caller {
         Caller::User => format!("expr: {}", crate::profile::program_op_names(p)),
         Caller::Lazy { .. } => crate::profile::program_op_names(p),
+        Caller::Op(name) => name.to_string(),
     });
     if g.variant.strategy == Strategy::Split {
         return launch_split(dev, f, g, a, caller.op());
@@ -609,6 +614,7 @@ fn kernel(
         Caller::User => dev.generated_func(&key, MAX_KERNELS, build)?,
         // The deferral layer's programs are memoized apart (their own budget).
         Caller::Lazy { budget } => dev.generated_func(&LazyKey(key.clone()), budget, build)?,
+        Caller::Op(_) => dev.generated_func(&OpKey(key.clone()), usize::MAX, build)?,
     };
     if let Some(func) = f {
         RECENT.with(|r| {
@@ -652,6 +658,46 @@ struct ExprKey(Program, Variant);
 /// The same for the deferral layer's programs (a memo of its own, under its own budget).
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LazyKey(ExprKey);
+
+/// The same for single ops (`run_single`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct OpKey(ExprKey);
+
+/// Runs the program of one op (`name`, for errors and the profiler) over computed buffers, in
+/// the iteration `shape`: the one path of every elementwise op of the op table, fused or not
+/// (a chain and a lone op are both generated from the table). Inputs whose layouts a kernel
+/// cannot take (more than 8 dimensions that do not merge) are first copied contiguous.
+pub(crate) fn run_single(
+    name: &'static str,
+    program: &Program,
+    inputs: &[(&Arc<Buffer>, &Layout)],
+    shape: &Shape,
+    contiguous: impl Fn(&Buffer, &Layout, DType) -> Result<Buffer>,
+) -> Result<Buffer> {
+    let dev = inputs[0].0.state();
+    dev.bind()?;
+    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
+    let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|(b, _)| Arc::clone(b)).collect();
+    let plan = planned(program, shape, &layouts, &[])?;
+    if let Some(mut outs) = run_planned(dev, &plan, &bufs, &layouts, &[], Caller::Op(name))? {
+        return Ok(outs.swap_remove(0));
+    }
+    let flat = Layout::contiguous(shape.clone());
+    let bufs = inputs
+        .iter()
+        .zip(program.inputs())
+        .map(|((b, l), &dt)| Ok(Arc::new(contiguous(b, l, dt)?)))
+        .collect::<Result<Vec<Arc<Buffer>>>>()?;
+    let layouts = vec![&flat; bufs.len()];
+    let plan = planned(program, shape, &layouts, &[])?;
+    match run_planned(dev, &plan, &bufs, &layouts, &[], Caller::Op(name))? {
+        Some(mut outs) => Ok(outs.swap_remove(0)),
+        None => Err(Error::backend(
+            name,
+            "internal: a single op over contiguous inputs did not plan as one kernel",
+        )),
+    }
+}
 
 /// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
 /// an [`Error::Backend`] naming `expr` when it does not compile.

@@ -192,10 +192,10 @@ pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> 
             .iter()
             .map(|(s, _, _)| s.buffer())
             .collect::<Result<Vec<_>>>()?;
-        let args: Vec<(&Buffer, &Layout, DType)> = bufs
+        let args: Vec<(&Arc<Buffer>, &Layout, DType)> = bufs
             .iter()
             .zip(inputs)
-            .map(|(b, (_, l, d))| (&**b, *l, *d))
+            .map(|(b, (_, l, d))| (b, *l, *d))
             .collect();
         return eager(s0.state(), op, &args, out, l0.elem_count())
             .map(|b| Repr::Ready(Arc::new(b)));
@@ -282,7 +282,7 @@ fn operand(s: &Repr, l: &Layout, dtype: DType) -> Result<Operand> {
 fn eager(
     dev: &'static DeviceState,
     op: Op,
-    args: &[(&Buffer, &Layout, DType)],
+    args: &[(&Arc<Buffer>, &Layout, DType)],
     out: DType,
     len: usize,
 ) -> Result<Buffer> {
@@ -370,7 +370,8 @@ fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Arc<Buffer>> {
     for (b, _, _) in &held {
         note_capture_use(b);
     }
-    let refs: Vec<(&Buffer, &Layout, DType)> = held.iter().map(|(b, l, d)| (&**b, l, *d)).collect();
+    let refs: Vec<(&Arc<Buffer>, &Layout, DType)> =
+        held.iter().map(|(b, l, d)| (b, l, *d)).collect();
     let dev = node.ctx().dev;
     eager(dev, op, &refs, node.dtype(), node.shape().elem_count()).map(Arc::new)
 }

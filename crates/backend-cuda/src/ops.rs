@@ -1,13 +1,17 @@
 //! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
 
 use cudarc::driver::sys;
+use std::sync::Arc;
+
+use kiln_core::expr::{Expr, Program, rules};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, ReduceOp, Result, UnaryOp};
 
 use crate::device::{DeviceState, check};
+use crate::expr_run::run_single;
 use crate::launch::{Args, Dims, Strides, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
 use crate::sources::Module;
-pub(crate) use crate::sources::{bwd_name, ctype as tname};
+pub(crate) use crate::sources::ctype as tname;
 
 pub(crate) const BLOCK: u32 = 256;
 
@@ -149,7 +153,9 @@ fn elementwise(
     Ok(out)
 }
 
-pub(crate) fn unary(op: UnaryOp, s: &Buffer, l: &Layout, dtype: DType) -> Result<Buffer> {
+/// `Backend::unary` over a computed buffer: the op table's program `op(x)`, generated and
+/// compiled like any fused chain (there is no hand-written kernel per unary op).
+pub(crate) fn unary(op: UnaryOp, s: &Arc<Buffer>, l: &Layout, dtype: DType) -> Result<Buffer> {
     if !op.supports(dtype) {
         return Err(Error::DTypeMismatch {
             op: op.name(),
@@ -157,16 +163,8 @@ pub(crate) fn unary(op: UnaryOp, s: &Buffer, l: &Layout, dtype: DType) -> Result
             got: dtype,
         });
     }
-    let base: &[&str] = &["unary", op.name(), tname(dtype)];
-    elementwise(
-        op.name(),
-        Module::Elementwise,
-        base,
-        &[(s, l, dtype)],
-        dtype,
-        true,
-        &|_| {},
-    )
+    let program = rules::unary_program(op, dtype)?;
+    run_single(op.name(), &program, &[(s, l)], l.shape(), contiguous)
 }
 
 pub(crate) fn binary(
@@ -196,12 +194,13 @@ pub(crate) fn binary(
     )
 }
 
-/// `Backend::unary_backward`: one kernel, `g * op'(saved)`.
+/// `Backend::unary_backward` over computed buffers: the op table's rule `g · op'(saved)`, one
+/// generated kernel (the program the deferral layer splices into its chains).
 pub(crate) fn unary_backward(
     op: UnaryOp,
-    s: &Buffer,
+    s: &Arc<Buffer>,
     ls: &Layout,
-    g: &Buffer,
+    g: &Arc<Buffer>,
     lg: &Layout,
     dtype: DType,
 ) -> Result<Buffer> {
@@ -213,21 +212,11 @@ pub(crate) fn unary_backward(
             got: dtype,
         });
     }
-    let Some(name) = bwd_name(op) else {
-        return Err(Error::invalid(
-            OP,
-            format!("`{}` has no single-operand backward kernel", op.name()),
-        ));
+    let program = match rules::unary_vjp_program(op, dtype)? {
+        Some(p) => p,
+        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
     };
-    elementwise(
-        OP,
-        Module::Elementwise,
-        &["unary", name, tname(dtype)],
-        &[(s, ls, dtype), (g, lg, dtype)],
-        dtype,
-        true,
-        &|_| {},
-    )
+    run_single(OP, &program, &[(s, ls), (g, lg)], lg.shape(), contiguous)
 }
 
 pub(crate) fn binary_scalar(

@@ -13,9 +13,41 @@ use kiln_core::{DType, UnaryOp};
 /// The header prepended to every kernel source (types, `Dims`/`Strides`, block reductions).
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
+/// The hand-written part of [`scalar_ops`]: the math library's float/double overloads, binary
+/// ops, comparisons, casts.
+const SCALAR_OPS_CUH: &str = include_str!("../kernels/scalar_ops.cuh");
+
 /// The elementwise ops' scalar functions, prepended to `elementwise.cu` and to every generated
-/// kernel, so fused and single-op results agree bit for bit.
-pub const SCALAR_OPS: &str = include_str!("../kernels/scalar_ops.cuh");
+/// kernel: `scalar_ops.cuh`, then one device function per entry of kiln-core's op table,
+/// `op_<name><T>(T x)`, written from the entry's CUDA body ([`unary_device_functions`]).
+pub fn scalar_ops() -> &'static str {
+    static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    TEXT.get_or_init(|| {
+        format!(
+            "{SCALAR_OPS_CUH}\n#line 1 \"unary ops (kiln_core::op::unary)\"\n{}",
+            unary_device_functions()
+        )
+    })
+}
+
+/// `template <typename T> T op_<name>(T x)` for every unary op of the table, and its `i64`
+/// specialization where the entry has one.
+pub fn unary_device_functions() -> String {
+    let mut s = String::new();
+    for op in UnaryOp::ALL {
+        let (body, int) = op.cuda();
+        let name = op.name();
+        s += &format!(
+            "template <typename T> __device__ __forceinline__ T op_{name}(T x) {{ return {body}; }}\n"
+        );
+        if let Some(int) = int {
+            s += &format!(
+                "template <> __device__ __forceinline__ i64 op_{name}(i64 x) {{ return {int}; }}\n"
+            );
+        }
+    }
+    s
+}
 
 /// One compilation unit under `kernels/`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -73,7 +105,7 @@ impl Module {
     /// diagnostics name the real file and line.
     pub fn full_source(self) -> String {
         let ops = if self == Module::Elementwise {
-            format!("#line 1 \"scalar_ops.cuh\"\n{SCALAR_OPS}\n")
+            format!("#line 1 \"scalar_ops.cuh\"\n{}\n", scalar_ops())
         } else {
             String::new()
         };
@@ -95,25 +127,4 @@ pub(crate) fn ctype(dtype: DType) -> &'static str {
         DType::U8 => "u8",
         _ => "unsupported",
     }
-}
-
-/// The device function of `op`'s backward (`op_<name>(saved, g)` in `scalar_ops.cuh`), for the
-/// ops that have one.
-pub(crate) fn bwd_name(op: UnaryOp) -> Option<&'static str> {
-    Some(match op {
-        UnaryOp::Exp => "bwd_exp",
-        UnaryOp::Log => "bwd_log",
-        UnaryOp::Sqrt => "bwd_sqrt",
-        UnaryOp::Square => "bwd_square",
-        UnaryOp::Recip => "bwd_recip",
-        UnaryOp::Sin => "bwd_sin",
-        UnaryOp::Cos => "bwd_cos",
-        UnaryOp::Tanh => "bwd_tanh",
-        UnaryOp::Sigmoid => "bwd_sigmoid",
-        UnaryOp::Relu => "bwd_relu",
-        UnaryOp::Abs => "bwd_abs",
-        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
-            return None;
-        }
-    })
 }

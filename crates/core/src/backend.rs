@@ -17,7 +17,7 @@ use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
 use crate::host::{HostRows, HostSource};
-use crate::ir::Program;
+use crate::ir::{Expr, Program, rules};
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
 pub use crate::update::{UpdateRule, UpdateSlot};
 use crate::{DType, Error, Layout, Result, Shape};
@@ -460,10 +460,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     ) -> Result<Self::Storage>;
 
     /// The gradient of `y = op(x)` with respect to `x`, `g · op'(x)`, where `op'` is computed
-    /// from `saved`: `x` or `y`, as [`UnaryOp::grad_reads`] says (an op it returns `None` for
-    /// is an error). Float dtypes; both layouts have the output's shape (`g` may be a broadcast
-    /// view). The default composes two or three elementwise kernels, with exactly the
-    /// arithmetic listed in [`composed_unary_backward`]; backends override it with one kernel.
+    /// from `saved`: `x` or `y`, as [`UnaryOp::grad_reads`] says (for an op whose rule reads
+    /// neither, `saved` is only a buffer of the right shape). Float dtypes; both layouts have
+    /// the output's shape (`g` may be a broadcast view). The default runs the op table's rule
+    /// through [`Backend::eval_expr`] ([`unary_backward_by_rule`]); a backend that defers
+    /// elementwise work records it instead.
     fn unary_backward(
         op: UnaryOp,
         saved: &Self::Storage,
@@ -472,7 +473,7 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         g_layout: &Layout,
         dtype: DType,
     ) -> Result<Self::Storage> {
-        composed_unary_backward::<Self>(op, saved, saved_layout, g, g_layout, dtype)
+        unary_backward_by_rule::<Self>(op, saved, saved_layout, g, g_layout, dtype)
     }
 
     /// Applies `rule` to every slot and returns, per slot, the new parameter and the new state
@@ -524,19 +525,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     ) -> Result<Vec<Self::Storage>>;
 }
 
-/// [`Backend::unary_backward`] out of elementwise kernels, `s` being the saved `x` or `y`:
-///
-/// | op | gradient | | op | gradient |
-/// |---|---|---|---|---|
-/// | exp | `g * y` | | sin | `g * cos(x)` |
-/// | log | `g / x` | | cos | `-(g * sin(x))` |
-/// | sqrt | `g / (y * 2)` | | tanh | `g * (1 - y * y)` |
-/// | square | `g * (x * 2)` | | sigmoid | `g * (y * (1 - y))` |
-/// | recip | `-(g * (y * y))` | | relu | `g * sign(y)` |
-/// | abs | `g * sign(x)` | | | |
-///
-/// A backend's fused kernel computes the same expressions in the same order.
-pub fn composed_unary_backward<B: Backend>(
+/// [`Backend::unary_backward`] by the op table's rule ([`UnaryOp::vjp`]): the program
+/// `g · op'(saved)` (inputs: the saved operand, `g`) run by the backend's own
+/// [`Backend::eval_expr`]. The deferral's lowering splices the same program into its chains, so
+/// a backward computes the same bits deferred or not.
+pub fn unary_backward_by_rule<B: Backend>(
     op: UnaryOp,
     s: &B::Storage,
     ls: &Layout,
@@ -544,53 +537,18 @@ pub fn composed_unary_backward<B: Backend>(
     lg: &Layout,
     dtype: DType,
 ) -> Result<B::Storage> {
-    let name = "unary_backward";
     if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
-            op: name,
+            op: "unary_backward",
             expected: "f32 or f64".into(),
             got: dtype,
         });
     }
-    let lc = Layout::contiguous(ls.shape().clone());
-    let un = |op: UnaryOp, x: &B::Storage, l: &Layout| B::unary(op, x, l, dtype);
-    let scal = |x: &B::Storage, op: BinaryOp, c: f64, lhs: bool| {
-        B::binary_scalar(op, x, &lc, dtype, c, lhs)
+    let program = match rules::unary_vjp_program(op, dtype)? {
+        Some(p) => p,
+        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
     };
-    let neg = |x: B::Storage| un(UnaryOp::Neg, &x, &lc);
-    // `g op d` for a derivative `d` laid out contiguously.
-    let with = |op: BinaryOp, d: B::Storage| B::binary(op, g, lg, &d, &lc, dtype);
-    match op {
-        UnaryOp::Exp => B::binary(BinaryOp::Mul, g, lg, s, ls, dtype),
-        UnaryOp::Log => B::binary(BinaryOp::Div, g, lg, s, ls, dtype),
-        UnaryOp::Sqrt => with(
-            BinaryOp::Div,
-            B::binary_scalar(BinaryOp::Mul, s, ls, dtype, 2.0, false)?,
-        ),
-        UnaryOp::Square => with(
-            BinaryOp::Mul,
-            B::binary_scalar(BinaryOp::Mul, s, ls, dtype, 2.0, false)?,
-        ),
-        UnaryOp::Recip => neg(with(BinaryOp::Mul, un(UnaryOp::Square, s, ls)?)?),
-        UnaryOp::Sin => with(BinaryOp::Mul, un(UnaryOp::Cos, s, ls)?),
-        UnaryOp::Cos => neg(with(BinaryOp::Mul, un(UnaryOp::Sin, s, ls)?)?),
-        UnaryOp::Tanh => with(
-            BinaryOp::Mul,
-            scal(&un(UnaryOp::Square, s, ls)?, BinaryOp::Sub, 1.0, true)?,
-        ),
-        UnaryOp::Sigmoid => {
-            let one_minus = B::binary_scalar(BinaryOp::Sub, s, ls, dtype, 1.0, true)?;
-            with(
-                BinaryOp::Mul,
-                B::binary(BinaryOp::Mul, s, ls, &one_minus, &lc, dtype)?,
-            )
-        }
-        UnaryOp::Relu | UnaryOp::Abs => with(BinaryOp::Mul, un(UnaryOp::Sign, s, ls)?),
-        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
-            Err(Error::invalid(
-                name,
-                format!("`{}` has no single-operand backward kernel", op.name()),
-            ))
-        }
-    }
+    let dev = B::storage_device(s);
+    let mut out = B::eval_expr(&dev, &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
+    Ok(out.swap_remove(0))
 }

@@ -186,50 +186,13 @@ fn nan_min(a: f64, b: f64) -> f64 {
     }
 }
 
+/// The op table's definition at f64.
 fn unary_f(op: UnaryOp, x: f64) -> f64 {
-    match op {
-        UnaryOp::Neg => -x,
-        UnaryOp::Abs => x.abs(),
-        UnaryOp::Exp => x.exp(),
-        UnaryOp::Log => x.ln(),
-        UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Square => x * x,
-        UnaryOp::Recip => 1.0 / x,
-        UnaryOp::Sin => x.sin(),
-        UnaryOp::Cos => x.cos(),
-        UnaryOp::Tanh => x.tanh(),
-        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
-        UnaryOp::Relu => {
-            if x > 0.0 || x.is_nan() {
-                x
-            } else {
-                0.0
-            }
-        }
-        UnaryOp::Gelu => 0.5 * x * (1.0 + libm::erf(x / std::f64::consts::SQRT_2)),
-        UnaryOp::Sign => {
-            if x > 0.0 {
-                1.0
-            } else if x < 0.0 {
-                -1.0
-            } else {
-                x // ±0 and NaN
-            }
-        }
-        UnaryOp::Floor => x.floor(),
-        UnaryOp::Ceil => x.ceil(),
-    }
+    op.eval(x)
 }
 
 fn unary_i(op: UnaryOp, x: i64) -> Option<i64> {
-    Some(match op {
-        UnaryOp::Neg => x.wrapping_neg(),
-        UnaryOp::Abs => x.wrapping_abs(),
-        UnaryOp::Square => x.wrapping_mul(x),
-        UnaryOp::Sign => x.signum(),
-        UnaryOp::Relu => x.max(0),
-        _ => return None,
-    })
+    op.eval_i64(x)
 }
 
 fn binary_f(op: BinaryOp, a: f64, b: f64) -> f64 {

@@ -54,7 +54,8 @@ use proptest::test_runner::{Config as PtConfig, RngSeed, TestCaseError, TestErro
 use crate::backend::UpdateRule;
 use crate::reference::{RefDevice, Reference};
 use crate::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, ReduceOp, Result, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, CompositeOp, DType, Error, HostBuffer, Layout, ReduceOp, Result,
+    Tensor, UnaryOp,
 };
 
 const DEFAULT_SEED: u64 = 0x6b69_6c6e_2d63_6f6e; // "kiln-con"
@@ -182,6 +183,7 @@ fn group_fns<X: Backend, Y: Backend>() -> Vec<(&'static str, GroupFn<X, Y>)> {
         ("rand", g_rand::<X, Y>),
         ("unary", g_unary::<X, Y>),
         ("unary_backward", g_unary_backward::<X, Y>),
+        ("composite", g_composite::<X, Y>),
         ("binary", g_binary::<X, Y>),
         ("binary_scalar", g_binary_scalar::<X, Y>),
         ("compare", g_compare::<X, Y>),
@@ -271,6 +273,8 @@ check_fns! {
     check_unary => g_unary, "unary";
     /// `unary_backward` for every op it covers, with strided and broadcast gradients.
     check_unary_backward => g_unary_backward, "unary_backward";
+    /// Every `CompositeOp` (ops with scalar parameters) on f32 and f64.
+    check_composite => g_composite, "composite";
     /// Every `BinaryOp` on every dtype it supports, with broadcasting.
     check_binary => g_binary, "binary";
     /// Every `BinaryOp` with a scalar on either side.
@@ -1279,17 +1283,13 @@ fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 
 // ---- groups: elementwise -------------------------------------------------------------------
 
+/// Where the op table says `op` is sampled (i64: any moderate integer).
 fn unary_dom(op: UnaryOp, dtype: DType) -> Dom {
     if dtype == DType::I64 {
         return Dom::range(-1000.0, 1000.0);
     }
-    match op {
-        UnaryOp::Log | UnaryOp::Sqrt => Dom::range(1e-3, 50.0),
-        UnaryOp::Recip => Dom::range(-8.0, 8.0).avoid(0.05),
-        UnaryOp::Exp => Dom::range(-20.0, 20.0),
-        UnaryOp::Tanh | UnaryOp::Sigmoid | UnaryOp::Gelu => Dom::range(-10.0, 10.0),
-        _ => Dom::range(-6.0, 6.0),
-    }
+    let d = op.domain();
+    Dom::range(d.lo, d.hi).avoid(d.avoid)
 }
 
 fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
@@ -1311,10 +1311,7 @@ fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
 }
 
 fn g_unary_backward<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in UnaryOp::ALL
-        .into_iter()
-        .filter(|op| op.grad_reads().is_some())
-    {
+    for op in UnaryOp::ALL {
         let strat = (shapes(0, 4, 6), select(dtypes_where(|d| d.is_float()))).prop_flat_map(
             move |(dims, dtype)| {
                 (
@@ -1339,6 +1336,25 @@ fn g_unary_backward<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
                 )
             },
         );
+    }
+}
+
+fn g_composite<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
+    for &op in CompositeOp::ALL {
+        let d = op.domain();
+        let strat = (shapes(0, 4, 6), select(dtypes_where(|d| d.is_float())))
+            .prop_flat_map(move |(dims, dtype)| spec(dims, dtype, Dom::range(d.lo, d.hi), true));
+        p.run(out, &format!("composite {}", op.name()), strat, |s| {
+            let a = p.build(&s)?;
+            let (g, w) = both!(a => a.composite(op, op.test_params()));
+            p.expect(
+                &format!("composite {} {}", op.name(), s.dtype),
+                &[("x", &a.0)],
+                g,
+                w,
+                &p.elem(s.dtype),
+            )
+        });
     }
 }
 

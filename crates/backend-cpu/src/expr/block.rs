@@ -8,7 +8,7 @@
 //! `elementwise.rs`, so a fused result equals the op-by-op one.
 
 use kiln_core::expr::{Instr, Program};
-use kiln_core::{BinaryOp, CmpOp, DType, UnaryOp};
+use kiln_core::{BinaryOp, CmpOp, DType, Real, UnaryFn, UnaryOp, UnaryVisitor};
 
 use crate::fastmath;
 use crate::storage::{CpuData, CpuElem};
@@ -618,41 +618,21 @@ fn binary_i64(op: BinaryOp, a: Src<'_, i64>, b: Src<'_, i64>, o: &mut [i64]) {
     }
 }
 
-/// Unary ops shared by both float types (`$t`), as `elementwise.rs` computes them.
-macro_rules! float_unary_common {
-    ($t:ty, $op:expr, $a:expr, $o:expr, $erf:path, $post:expr) => {{
-        let (a, o): (Src<'_, $t>, &mut [$t]) = ($a, $o);
-        let post = $post;
-        match $op {
-            UnaryOp::Neg => map1(a, o, |x: $t| post(-x)),
-            UnaryOp::Abs => map1(a, o, |x: $t| post(x.abs())),
-            UnaryOp::Log => map1(a, o, |x: $t| post(x.ln())),
-            UnaryOp::Sqrt => map1(a, o, |x: $t| post(x.sqrt())),
-            UnaryOp::Square => map1(a, o, |x: $t| post(x * x)),
-            UnaryOp::Recip => map1(a, o, |x: $t| post(1.0 / x)),
-            UnaryOp::Sin => map1(a, o, |x: $t| post(x.sin())),
-            UnaryOp::Cos => map1(a, o, |x: $t| post(x.cos())),
-            UnaryOp::Tanh => map1(a, o, |x: $t| post(x.tanh())),
-            UnaryOp::Relu => map1(a, o, |x: $t| {
-                post(if x > 0.0 || x.is_nan() { x } else { 0.0 })
-            }),
-            UnaryOp::Gelu => map1(a, o, |x: $t| {
-                post(0.5 * x * (1.0 + $erf(x * std::f64::consts::FRAC_1_SQRT_2 as $t)))
-            }),
-            UnaryOp::Sign => map1(a, o, |x: $t| {
-                post(if x > 0.0 {
-                    1.0
-                } else if x < 0.0 {
-                    -1.0
-                } else {
-                    x
-                })
-            }),
-            UnaryOp::Floor => map1(a, o, |x: $t| post(x.floor())),
-            UnaryOp::Ceil => map1(a, o, |x: $t| post(x.ceil())),
-            UnaryOp::Exp | UnaryOp::Sigmoid => unreachable!("handled by the caller"),
-        }
-    }};
+/// One unary op over a block, each result passed through `post`: the op table's definition,
+/// monomorphized per op (`UnaryOp::visit`).
+struct FloatMap<'a, 'b, T, P> {
+    a: Src<'a, T>,
+    o: &'b mut [T],
+    post: P,
+}
+
+impl<T: Real, P: Fn(T) -> T> UnaryVisitor for FloatMap<'_, '_, T, P> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: UnaryFn>(self) {
+        let post = self.post;
+        map1(self.a, self.o, |x: T| post(F::f(x)));
+    }
 }
 
 /// Unary `op` on f32, then the scalar tail `post` if any.
@@ -676,8 +656,12 @@ pub(super) fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Optio
                 o.iter_mut().for_each(|v| *v = t.apply(*v));
             }
         }
-        (_, None) => float_unary_common!(f32, op, a, o, libm::erff, |x| x),
-        (_, Some(t)) => float_unary_common!(f32, op, a, o, libm::erff, |x| t.apply(x)),
+        (_, None) => op.visit(FloatMap { a, o, post: |x| x }),
+        (_, Some(t)) => op.visit(FloatMap {
+            a,
+            o,
+            post: move |x| t.apply(x),
+        }),
     }
 }
 
@@ -699,23 +683,26 @@ pub(super) fn binary_f32(
 /// Unary `op` on f64, each result passed through `post`.
 #[inline(always)]
 fn unary_f64(op: UnaryOp, a: Src<'_, f64>, o: &mut [f64], post: impl Fn(f64) -> f64) {
-    match op {
-        UnaryOp::Exp => map1(a, o, |x: f64| post(x.exp())),
-        UnaryOp::Sigmoid => map1(a, o, |x: f64| post(1.0 / (1.0 + (-x).exp()))),
-        _ => float_unary_common!(f64, op, a, o, libm::erf, post),
+    op.visit(FloatMap { a, o, post })
+}
+
+/// Unary `op` on i64 (a validated program uses only the ops the table defines for i64).
+struct IntMap<'a, 'b> {
+    a: Src<'a, i64>,
+    o: &'b mut [i64],
+}
+
+impl UnaryVisitor for IntMap<'_, '_> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: UnaryFn>(self) {
+        map1(self.a, self.o, F::int);
     }
 }
 
 #[inline(always)]
 fn unary_i64(op: UnaryOp, a: Src<'_, i64>, o: &mut [i64]) {
-    match op {
-        UnaryOp::Neg => map1(a, o, |x: i64| x.wrapping_neg()),
-        UnaryOp::Abs => map1(a, o, |x: i64| x.wrapping_abs()),
-        UnaryOp::Square => map1(a, o, |x: i64| x.wrapping_mul(x)),
-        UnaryOp::Sign => map1(a, o, |x: i64| x.signum()),
-        UnaryOp::Relu => map1(a, o, |x: i64| x.max(0)),
-        _ => unreachable!("i64 {} (validated program)", op.name()),
-    }
+    op.visit(IntMap { a, o })
 }
 
 /// `dst.copy_from_slice(src)`, with non-temporal stores where `dst` is 16-byte aligned and at

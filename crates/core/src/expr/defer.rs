@@ -22,7 +22,7 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
-use crate::ir::{Combine, Instr, Scalar, Val};
+use crate::ir::{Combine, Instr, Val, rules};
 use crate::{BinaryOp, CmpOp, DType, Layout, ReduceOp, Result, Shape, UnaryOp};
 
 /// Most operations in one node's DAG (counted with repeats).
@@ -65,13 +65,10 @@ pub enum Op {
     Where,
 }
 
-/// Whether `op` has a single-operand backward kernel (`Backend::unary_backward` in one pass),
-/// whose arithmetic [`build`] lowers to.
-fn has_backward(op: UnaryOp) -> bool {
-    !matches!(
-        op,
-        UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil
-    )
+/// Whether `op`'s gradient rule can be recorded: one whose derivative is not zero (a zero
+/// gradient is a fill, not a chain) and whose rule lowers at `dtype`.
+fn has_backward(op: UnaryOp, dtype: DType) -> bool {
+    matches!(rules::unary_vjp_program(op, dtype), Ok(Some(_)))
 }
 
 impl Op {
@@ -96,7 +93,7 @@ impl Op {
         match self {
             Op::Unary(u) => float(out) && u.supports(out),
             Op::Binary(b) | Op::Scalar { op: b, .. } => float(out) && b.supports(out),
-            Op::UnaryBwd(u) => float(out) && has_backward(u),
+            Op::UnaryBwd(u) => float(out) && has_backward(u, out),
             Op::Fill(_) | Op::Where => float(out),
             Op::Compare(_) => float(ins[0]),
             Op::Cast(to) => [ins[0], to]
@@ -449,10 +446,6 @@ impl<D: Deferral> Gen<'_, D> {
         self.push(Instr::Param((self.params.len() - 1) as u32))
     }
 
-    fn constant(&mut self, v: f64, dtype: DType) -> Val {
-        self.push(Instr::Const(Scalar::new(v, dtype)))
-    }
-
     fn operand(&mut self, a: &Operand<D>) -> Val {
         match a {
             Operand::Leaf { buf, layout, dtype } => self.leaf(buf.clone(), layout.clone(), *dtype),
@@ -460,55 +453,14 @@ impl<D: Deferral> Gen<'_, D> {
         }
     }
 
-    /// `g * op'(s)`, with the arithmetic of the single-op backward kernels (the table of
-    /// `backend::composed_unary_backward`, which the CPU's one-pass kernel and the CUDA
-    /// backend's `op_bwd_<op>` compute in the same order), so the same bits.
+    /// `g * op'(s)`: the op table's rule spliced in, the program every backend's
+    /// `unary_backward` runs, so the same bits deferred or not.
     fn unary_backward(&mut self, op: UnaryOp, s: Val, g: Val, dtype: DType) -> Val {
-        use BinaryOp::{Div, Mul, Sub};
-        let bin = |g_: &mut Self, op, a, b| g_.push(Instr::Binary(op, a, b));
-        let un = |g_: &mut Self, op, a| g_.push(Instr::Unary(op, a));
-        match op {
-            UnaryOp::Exp => bin(self, Mul, g, s),
-            UnaryOp::Log => bin(self, Div, g, s),
-            UnaryOp::Sqrt | UnaryOp::Square => {
-                let two = self.constant(2.0, dtype);
-                let d = bin(self, Mul, s, two);
-                bin(self, if op == UnaryOp::Sqrt { Div } else { Mul }, g, d)
-            }
-            UnaryOp::Recip => {
-                let ss = bin(self, Mul, s, s);
-                let d = bin(self, Mul, g, ss);
-                un(self, UnaryOp::Neg, d)
-            }
-            UnaryOp::Sin => {
-                let c = un(self, UnaryOp::Cos, s);
-                bin(self, Mul, g, c)
-            }
-            UnaryOp::Cos => {
-                let sn = un(self, UnaryOp::Sin, s);
-                let d = bin(self, Mul, g, sn);
-                un(self, UnaryOp::Neg, d)
-            }
-            UnaryOp::Tanh => {
-                let one = self.constant(1.0, dtype);
-                let ss = bin(self, Mul, s, s);
-                let d = bin(self, Sub, one, ss);
-                bin(self, Mul, g, d)
-            }
-            UnaryOp::Sigmoid => {
-                let one = self.constant(1.0, dtype);
-                let d = bin(self, Sub, one, s);
-                let d = bin(self, Mul, s, d);
-                bin(self, Mul, g, d)
-            }
-            UnaryOp::Relu | UnaryOp::Abs => {
-                let d = un(self, UnaryOp::Sign, s);
-                bin(self, Mul, g, d)
-            }
-            UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => {
-                unreachable!("only ops with a backward kernel are recorded (Op::fusable)")
-            }
-        }
+        let rule = rules::unary_vjp_program(op, dtype)
+            .ok()
+            .flatten()
+            .expect("only ops with a nonzero rule that lowers are recorded (Op::fusable)");
+        rules::splice(&rule, &[s, g], |ins, _| self.push(ins))[0]
     }
 
     fn node(&mut self, n: &Arc<Node<D>>) -> Val {

@@ -96,8 +96,8 @@ pub mod defer;
 mod eval;
 mod norm;
 
-pub use crate::ir::grad;
 pub use crate::ir::{
     CallPlan, Combine, Expr, Instr, Operands, Phase, Program, Scalar, Val, check_call, fingerprint,
 };
+pub use crate::ir::{grad, rules};
 pub use eval::eval_composed;

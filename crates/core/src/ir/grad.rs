@@ -26,8 +26,9 @@ use std::collections::HashMap;
 
 use super::build::Emitter;
 use super::program::{Combine, Instr, Phase, Program, Scalar, Val, expr_err};
+use super::rules::{splice, unary_vjp_program};
 use crate::error::ExprErrorKind;
-use crate::op::{BinaryOp, CmpOp, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, GradFrom, UnaryOp};
 use crate::{DType, Result};
 
 /// `program` with one more output per reduction (each `Reduce` value, in instruction order,
@@ -371,70 +372,13 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
                 if !dep(x) {
                     continue;
                 }
-                let d = match op {
-                    UnaryOp::Neg => Some(a.un(UnaryOp::Neg, g)),
-                    UnaryOp::Abs => {
-                        let s = a.un(UnaryOp::Sign, x);
-                        Some(a.mul(g, s))
-                    }
-                    UnaryOp::Exp => Some(a.mul(g, v)),
-                    UnaryOp::Log => Some(a.bin(BinaryOp::Div, g, x)),
-                    UnaryOp::Sqrt => {
-                        let y2 = a.mulc(v, 2.0);
-                        Some(a.bin(BinaryOp::Div, g, y2))
-                    }
-                    UnaryOp::Square => {
-                        let x2 = a.mulc(x, 2.0);
-                        Some(a.mul(g, x2))
-                    }
-                    UnaryOp::Recip => {
-                        let yy = a.un(UnaryOp::Square, v);
-                        let p = a.mul(g, yy);
-                        Some(a.un(UnaryOp::Neg, p))
-                    }
-                    UnaryOp::Sin => {
-                        let c = a.un(UnaryOp::Cos, x);
-                        Some(a.mul(g, c))
-                    }
-                    UnaryOp::Cos => {
-                        let s = a.un(UnaryOp::Sin, x);
-                        let p = a.mul(g, s);
-                        Some(a.un(UnaryOp::Neg, p))
-                    }
-                    UnaryOp::Tanh => {
-                        let yy = a.un(UnaryOp::Square, v);
-                        let one = a.c(1.0, dt);
-                        let d = a.bin(BinaryOp::Sub, one, yy);
-                        Some(a.mul(g, d))
-                    }
-                    UnaryOp::Sigmoid => {
-                        let one = a.c(1.0, dt);
-                        let om = a.bin(BinaryOp::Sub, one, v);
-                        let d = a.mul(v, om);
-                        Some(a.mul(g, d))
-                    }
-                    UnaryOp::Relu => {
-                        let s = a.un(UnaryOp::Sign, v);
-                        Some(a.mul(g, s))
-                    }
-                    UnaryOp::Gelu => {
-                        // d/dx x Φ(x) = Φ(x) + x φ(x), with Φ(x) = gelu(x) / x (1/2 at 0).
-                        let zero = a.c(0.0, dt);
-                        let half = a.c(0.5, dt);
-                        let at0 = a.cmp(CmpOp::Eq, x, zero);
-                        let q = a.bin(BinaryOp::Div, v, x);
-                        let cdf = a.select(at0, half, q);
-                        let xx = a.un(UnaryOp::Square, x);
-                        let e = a.mulc(xx, -0.5);
-                        let e = a.un(UnaryOp::Exp, e);
-                        let phi = a.mulc(e, 1.0 / (2.0 * std::f64::consts::PI).sqrt());
-                        let xphi = a.mul(x, phi);
-                        let d = a.bin(BinaryOp::Add, cdf, xphi);
-                        Some(a.mul(g, d))
-                    }
-                    UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => None,
+                // The op table's rule, spliced in with the saved operand and `g`.
+                let saved = match op.grad_reads() {
+                    Some(GradFrom::Output) => v,
+                    _ => x,
                 };
-                if let Some(d) = d {
+                if let Some(rule) = unary_vjp_program(op, dt)? {
+                    let d = splice(&rule, &[saved, g], |ins, dt| a.emit(ins, dt))[0];
                     add_to(&mut a, &mut adj, v, x, d);
                 }
             }

@@ -12,8 +12,9 @@ mod build;
 mod call;
 pub mod grad;
 mod program;
+pub mod rules;
 
-pub use build::Expr;
+pub use crate::op::Expr;
 pub use call::{CallPlan, check_call};
 pub(crate) use program::expr_err;
 pub use program::{Combine, Instr, Operands, Phase, Program, Scalar, Val, fingerprint};

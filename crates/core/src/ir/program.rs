@@ -7,7 +7,8 @@
 use std::fmt;
 
 use crate::error::ExprErrorKind;
-use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
+pub use crate::op::Combine;
+use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{DType, Error, Result, Shape};
 
 /// A value of a program: the index of the instruction that defines it.
@@ -58,57 +59,6 @@ impl Scalar {
     }
 }
 
-/// How a reduction folds the values it maps: the "combine" of map / combine / post-map.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Combine {
-    /// Identity 0; f32/f64/i64 (i64 wraps).
-    Sum,
-    /// Identity 1; f32/f64/i64 (i64 wraps).
-    Prod,
-    /// No identity (an empty reduction is an error); every dtype; NaN propagates.
-    Max,
-    /// As `Max`.
-    Min,
-}
-
-impl Combine {
-    pub const ALL: [Combine; 4] = [Combine::Sum, Combine::Prod, Combine::Max, Combine::Min];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Combine::Sum => "sum",
-            Combine::Prod => "prod",
-            Combine::Max => "max",
-            Combine::Min => "min",
-        }
-    }
-    pub fn supports(self, dtype: DType) -> bool {
-        match self {
-            Combine::Sum | Combine::Prod => {
-                matches!(dtype, DType::F32 | DType::F64 | DType::I64)
-            }
-            Combine::Max | Combine::Min => true,
-        }
-    }
-    /// The `Backend::reduce` op that computes the same fold, where there is one.
-    pub fn reduce_op(self) -> Option<ReduceOp> {
-        match self {
-            Combine::Sum => Some(ReduceOp::Sum),
-            Combine::Max => Some(ReduceOp::Max),
-            Combine::Min => Some(ReduceOp::Min),
-            Combine::Prod => None,
-        }
-    }
-    /// The value an empty reduction gives, if any.
-    pub fn identity(self) -> Option<f64> {
-        match self {
-            Combine::Sum => Some(0.0),
-            Combine::Prod => Some(1.0),
-            Combine::Max | Combine::Min => None,
-        }
-    }
-}
-
 /// One instruction; it defines the value with its own index. Operands are earlier values.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Instr {
@@ -143,6 +93,19 @@ impl Instr {
             Instr::Where(..) => "where",
             Instr::Cast(..) => "cast",
             Instr::Reduce(c, _) => c.name(),
+        }
+    }
+
+    /// The instruction with each operand `o` replaced by `f(o)`.
+    pub fn map_operands(self, mut f: impl FnMut(Val) -> Val) -> Instr {
+        match self {
+            Instr::Input(_) | Instr::Param(_) | Instr::Const(_) => self,
+            Instr::Unary(op, a) => Instr::Unary(op, f(a)),
+            Instr::Cast(d, a) => Instr::Cast(d, f(a)),
+            Instr::Reduce(c, a) => Instr::Reduce(c, f(a)),
+            Instr::Binary(op, a, b) => Instr::Binary(op, f(a), f(b)),
+            Instr::Cmp(op, a, b) => Instr::Cmp(op, f(a), f(b)),
+            Instr::Where(c, a, b) => Instr::Where(f(c), f(a), f(b)),
         }
     }
 

@@ -7,6 +7,7 @@
 
 mod display;
 mod ops;
+mod unary;
 mod update;
 mod view;
 

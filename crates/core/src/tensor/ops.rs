@@ -179,55 +179,6 @@ impl<B: Backend> Tensor<B> {
         self.mul_scalar(a)?.add_scalar(b)
     }
 
-    pub fn neg(&self) -> Result<Self> {
-        self.unary(UnaryOp::Neg)
-    }
-    pub fn abs(&self) -> Result<Self> {
-        self.unary(UnaryOp::Abs)
-    }
-    pub fn exp(&self) -> Result<Self> {
-        self.unary(UnaryOp::Exp)
-    }
-    pub fn log(&self) -> Result<Self> {
-        self.unary(UnaryOp::Log)
-    }
-    pub fn sqrt(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sqrt)
-    }
-    pub fn square(&self) -> Result<Self> {
-        self.unary(UnaryOp::Square)
-    }
-    pub fn recip(&self) -> Result<Self> {
-        self.unary(UnaryOp::Recip)
-    }
-    pub fn sin(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sin)
-    }
-    pub fn cos(&self) -> Result<Self> {
-        self.unary(UnaryOp::Cos)
-    }
-    pub fn tanh(&self) -> Result<Self> {
-        self.unary(UnaryOp::Tanh)
-    }
-    pub fn sigmoid(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sigmoid)
-    }
-    pub fn relu(&self) -> Result<Self> {
-        self.unary(UnaryOp::Relu)
-    }
-    pub fn gelu(&self) -> Result<Self> {
-        self.unary(UnaryOp::Gelu)
-    }
-    pub fn sign(&self) -> Result<Self> {
-        self.unary(UnaryOp::Sign)
-    }
-    pub fn floor(&self) -> Result<Self> {
-        self.unary(UnaryOp::Floor)
-    }
-    pub fn ceil(&self) -> Result<Self> {
-        self.unary(UnaryOp::Ceil)
-    }
-
     // ---- comparisons and selection -------------------------------------------------------
 
     /// A `u8` mask of `op(self, rhs)`, broadcasting.

@@ -1,125 +1,34 @@
-//! The elementwise and reduction op enums: the vocabulary shared by the [`Backend`] trait's
-//! kernels and by the expression IR.
+//! The ops: the vocabulary shared by the [`Backend`] trait's kernels and by the expression IR.
+//!
+//! - `unary`: the op table, one entry per elementwise function of one argument, from which
+//!   every backend, the IR, autograd and the tests derive what they do with it;
+//! - `composite`: the table of elementwise functions with scalar parameters, each an
+//!   expression over the unary ops;
+//! - the binary, comparison and reduction enums (below) and the reductions' [`Combine`];
+//! - `expr_tree`: [`Expr`], the expression tree the table writes derivatives with;
+//! - `real`: [`Real`], the float arithmetic the table writes scalar functions with.
 //!
 //! # Why a module of its own
 //!
 //! Both `backend` (the kernels) and the expression IR (`ir`) name these ops, and `backend`
-//! names the IR (`Backend::eval_expr` takes a program). With the enums here, at the bottom,
+//! names the IR (`Backend::eval_expr` takes a program). With the ops here, at the bottom,
 //! every module imports downward: `op` <- `ir` <- `backend` <- `expr` (the evaluators).
 //! `backend` re-exports them, so `kiln_core::backend::UnaryOp` keeps working.
 //!
 //! [`Backend`]: crate::Backend
 
+mod composite;
+mod expr_tree;
+mod real;
+mod unary;
+
+pub use composite::CompositeOp;
+pub use expr_tree::Expr;
+pub(crate) use expr_tree::Node;
+pub use real::Real;
+pub use unary::{Domain, GradFrom, UnaryFn, UnaryOp, UnaryVisitor, Vjp, unary_fns};
+
 use crate::DType;
-
-/// Elementwise functions of one argument.
-///
-/// Float dtypes support all of them; `i64` supports `Neg`, `Abs`, `Square`, `Sign`, `Relu`;
-/// `u8` supports none (cast it first).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    Neg,
-    Abs,
-    Exp,
-    Log,
-    Sqrt,
-    Square,
-    /// `1 / x`
-    Recip,
-    Sin,
-    Cos,
-    Tanh,
-    /// `1 / (1 + exp(-x))`
-    Sigmoid,
-    Relu,
-    /// The exact GELU, `x * Φ(x) = x/2 * (1 + erf(x/√2))` (PyTorch's default).
-    Gelu,
-    /// -1, 0 or 1.
-    Sign,
-    Floor,
-    Ceil,
-}
-
-impl UnaryOp {
-    pub const ALL: [UnaryOp; 16] = [
-        UnaryOp::Neg,
-        UnaryOp::Abs,
-        UnaryOp::Exp,
-        UnaryOp::Log,
-        UnaryOp::Sqrt,
-        UnaryOp::Square,
-        UnaryOp::Recip,
-        UnaryOp::Sin,
-        UnaryOp::Cos,
-        UnaryOp::Tanh,
-        UnaryOp::Sigmoid,
-        UnaryOp::Relu,
-        UnaryOp::Gelu,
-        UnaryOp::Sign,
-        UnaryOp::Floor,
-        UnaryOp::Ceil,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Square => "square",
-            UnaryOp::Recip => "recip",
-            UnaryOp::Sin => "sin",
-            UnaryOp::Cos => "cos",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Relu => "relu",
-            UnaryOp::Gelu => "gelu",
-            UnaryOp::Sign => "sign",
-            UnaryOp::Floor => "floor",
-            UnaryOp::Ceil => "ceil",
-        }
-    }
-
-    /// Whether the op is defined for `dtype`.
-    pub fn supports(self, dtype: DType) -> bool {
-        match dtype {
-            DType::F32 | DType::F64 => true,
-            DType::I64 => matches!(
-                self,
-                UnaryOp::Neg | UnaryOp::Abs | UnaryOp::Square | UnaryOp::Sign | UnaryOp::Relu
-            ),
-            _ => false,
-        }
-    }
-
-    /// Which tensor [`Backend::unary_backward`](crate::Backend::unary_backward) reads the derivative from: the input `x` or the
-    /// output `y = op(x)`. `None` for the ops it does not cover (`Neg`, `Gelu`, and the
-    /// piecewise-constant `Sign`, `Floor`, `Ceil`).
-    pub fn grad_reads(self) -> Option<GradFrom> {
-        match self {
-            UnaryOp::Abs | UnaryOp::Log | UnaryOp::Square | UnaryOp::Sin | UnaryOp::Cos => {
-                Some(GradFrom::Input)
-            }
-            UnaryOp::Exp
-            | UnaryOp::Sqrt
-            | UnaryOp::Recip
-            | UnaryOp::Tanh
-            | UnaryOp::Sigmoid
-            | UnaryOp::Relu => Some(GradFrom::Output),
-            UnaryOp::Neg | UnaryOp::Gelu | UnaryOp::Sign | UnaryOp::Floor | UnaryOp::Ceil => None,
-        }
-    }
-}
-
-/// The operand a unary op's derivative is computed from (see [`UnaryOp::grad_reads`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum GradFrom {
-    /// `x`, the op's input.
-    Input,
-    /// `y = op(x)`, the op's output.
-    Output,
-}
 
 /// Elementwise functions of two arguments of the same dtype.
 ///
@@ -239,5 +148,56 @@ impl ReduceOp {
 
     pub fn is_arg(self) -> bool {
         matches!(self, ReduceOp::ArgMax | ReduceOp::ArgMin)
+    }
+}
+
+/// How a reduction folds the values it maps: the "combine" of map / combine / post-map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Combine {
+    /// Identity 0; f32/f64/i64 (i64 wraps).
+    Sum,
+    /// Identity 1; f32/f64/i64 (i64 wraps).
+    Prod,
+    /// No identity (an empty reduction is an error); every dtype; NaN propagates.
+    Max,
+    /// As `Max`.
+    Min,
+}
+
+impl Combine {
+    pub const ALL: [Combine; 4] = [Combine::Sum, Combine::Prod, Combine::Max, Combine::Min];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Combine::Sum => "sum",
+            Combine::Prod => "prod",
+            Combine::Max => "max",
+            Combine::Min => "min",
+        }
+    }
+    pub fn supports(self, dtype: DType) -> bool {
+        match self {
+            Combine::Sum | Combine::Prod => {
+                matches!(dtype, DType::F32 | DType::F64 | DType::I64)
+            }
+            Combine::Max | Combine::Min => true,
+        }
+    }
+    /// The `Backend::reduce` op that computes the same fold, where there is one.
+    pub fn reduce_op(self) -> Option<ReduceOp> {
+        match self {
+            Combine::Sum => Some(ReduceOp::Sum),
+            Combine::Max => Some(ReduceOp::Max),
+            Combine::Min => Some(ReduceOp::Min),
+            Combine::Prod => None,
+        }
+    }
+    /// The value an empty reduction gives, if any.
+    pub fn identity(self) -> Option<f64> {
+        match self {
+            Combine::Sum => Some(0.0),
+            Combine::Prod => Some(1.0),
+            Combine::Max | Combine::Min => None,
+        }
     }
 }

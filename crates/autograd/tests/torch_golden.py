@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Writes torch_f64.txt: every op of kiln's op table evaluated by PyTorch in float64, with its
+derivative from torch.autograd, on a fixed set of points. `tests/torch_f64.rs` compares kiln's
+ops with it (forward and gradient, on the reference and CPU backends) and fails for an op of the
+table that this file lacks.
+
+Run it (where PyTorch is installed) after adding an op to the table: one line in OPS below.
+
+    python3 crates/autograd/tests/torch_golden.py > crates/autograd/tests/data/torch_f64.txt
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+# name -> (torch function of (x, param), param values, (lo, hi))
+OPS = {
+    "neg": (lambda x, p: -x, [None], (-6, 6)),
+    "abs": (lambda x, p: x.abs(), [None], (-6, 6)),
+    "exp": (lambda x, p: x.exp(), [None], (-20, 20)),
+    "log": (lambda x, p: x.log(), [None], (0.001, 50)),
+    "sqrt": (lambda x, p: x.sqrt(), [None], (0.001, 50)),
+    "square": (lambda x, p: x * x, [None], (-6, 6)),
+    "recip": (lambda x, p: x.reciprocal(), [None], (0.05, 8)),
+    "sin": (lambda x, p: x.sin(), [None], (-6, 6)),
+    "cos": (lambda x, p: x.cos(), [None], (-6, 6)),
+    "tanh": (lambda x, p: x.tanh(), [None], (-10, 10)),
+    "sigmoid": (lambda x, p: x.sigmoid(), [None], (-10, 10)),
+    "relu": (lambda x, p: x.relu(), [None], (-6, 6)),
+    "gelu": (lambda x, p: F.gelu(x), [None], (-10, 10)),
+    "sign": (lambda x, p: x.sign(), [None], (-6, 6)),
+    "floor": (lambda x, p: x.floor(), [None], (-6, 6)),
+    "ceil": (lambda x, p: x.ceil(), [None], (-6, 6)),
+    "log1p": (lambda x, p: x.log1p(), [None], (-0.9, 10)),
+    "expm1": (lambda x, p: x.expm1(), [None], (-10, 10)),
+    "erf": (lambda x, p: x.erf(), [None], (-4, 4)),
+    "rsqrt": (lambda x, p: x.rsqrt(), [None], (0.01, 50)),
+    "softplus": (lambda x, p: F.softplus(x), [None], (-15, 15)),
+    "silu": (lambda x, p: F.silu(x), [None], (-10, 10)),
+    "mish": (lambda x, p: F.mish(x), [None], (-10, 10)),
+    "hardswish": (lambda x, p: F.hardswish(x), [None], (-6, 6)),
+    "hardsigmoid": (lambda x, p: F.hardsigmoid(x), [None], (-6, 6)),
+    "gelu_tanh": (lambda x, p: F.gelu(x, approximate="tanh"), [None], (-10, 10)),
+    "leaky_relu": (lambda x, p: F.leaky_relu(x, p), [0.01, 0.2], (-6, 6)),
+    "elu": (lambda x, p: F.elu(x, p), [1.0, 0.5], (-6, 6)),
+}
+
+N = 41
+
+
+def points(lo, hi):
+    # A grid that misses the kinks at integers and 0 (offset by an irrational fraction).
+    step = (hi - lo) / N
+    return [lo + (i + 0.5 + 0.1 * math.sqrt(2)) * step for i in range(N) if lo + (i + 0.5 + 0.1 * math.sqrt(2)) * step < hi]
+
+
+def main():
+    print("# op param x y dy/dx  (PyTorch %s, float64)" % torch.__version__)
+    for name, (f, params, (lo, hi)) in OPS.items():
+        for p in params:
+            x = torch.tensor(points(lo, hi), dtype=torch.float64, requires_grad=True)
+            y = f(x, p)
+            (g,) = torch.autograd.grad(y.sum(), x)
+            for xi, yi, gi in zip(x.tolist(), y.tolist(), g.tolist()):
+                print(f"{name} {'-' if p is None else repr(p)} {xi!r} {yi!r} {gi!r}")
+
+
+if __name__ == "__main__":
+    main()

@@ -206,6 +206,13 @@ macro_rules! unary_table {
             grad: zero,
             domain: [-6.0, 6.0],
         }
+        /// `ln(1 + x)`, accurate near 0.
+        Log1p log1p float {
+            f: |x| x.ln_1p(),
+            cuda: "k_log1p(x)",
+            grad: x(|x, g| g / (1.0 + x)),
+            domain: [-0.9, 10.0],
+        }
     } };
 }
 

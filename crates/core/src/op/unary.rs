@@ -213,6 +213,13 @@ macro_rules! unary_table {
             grad: x(|x, g| g / (1.0 + x)),
             domain: [-0.9, 10.0],
         }
+        /// `e^x - 1`, accurate near 0.
+        Expm1 expm1 float {
+            f: |x| x.exp_m1(),
+            cuda: "k_expm1(x)",
+            grad: y(|y, g| g * (y + 1.0)),
+            domain: [-10.0, 10.0],
+        }
     } };
 }
 

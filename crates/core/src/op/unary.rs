@@ -176,9 +176,9 @@ macro_rules! unary_table {
         Gelu gelu float {
             f: |x| T::of(0.5) * x * (T::of(1.0) + (x * T::of(std::f64::consts::FRAC_1_SQRT_2)).erf()),
             cuda: "(T)0.5 * x * ((T)1 + k_erf(x * (T)0.70710678118654752440))",
-            // Φ(x) + x φ(x), with Φ(x) = gelu(x) / x (1/2 at 0).
+            // Φ(x) + x φ(x).
             grad: x(|x, g| {
-                let cdf = x.eq(0.0).where_cond(0.5, x.gelu() / &x);
+                let cdf = ((&x * std::f64::consts::FRAC_1_SQRT_2).erf() + 1.0) * 0.5;
                 let pdf = (x.square() * -0.5).exp() * (1.0 / (2.0 * std::f64::consts::PI).sqrt());
                 g * (cdf + &x * pdf)
             }),
@@ -219,6 +219,13 @@ macro_rules! unary_table {
             cuda: "k_expm1(x)",
             grad: y(|y, g| g * (y + 1.0)),
             domain: [-10.0, 10.0],
+        }
+        /// The error function, `2/√π ∫₀ˣ e^(-t²) dt`.
+        Erf erf float {
+            f: |x| x.erf(),
+            cuda: "k_erf(x)",
+            grad: x(|x, g| g * ((-x.square()).exp() * std::f64::consts::FRAC_2_SQRT_PI)),
+            domain: [-4.0, 4.0],
         }
     } };
 }

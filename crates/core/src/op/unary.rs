@@ -227,6 +227,13 @@ macro_rules! unary_table {
             grad: x(|x, g| g * ((-x.square()).exp() * std::f64::consts::FRAC_2_SQRT_PI)),
             domain: [-4.0, 4.0],
         }
+        /// `1 / √x`.
+        Rsqrt rsqrt float {
+            f: |x| T::of(1.0) / x.sqrt(),
+            cuda: "k_rsqrt(x)",
+            grad: y(|y, g| g * (&y * &y * &y * -0.5)),
+            domain: [1e-2, 50.0],
+        }
     } };
 }
 

@@ -234,6 +234,14 @@ macro_rules! unary_table {
             grad: y(|y, g| g * (&y * &y * &y * -0.5)),
             domain: [1e-2, 50.0],
         }
+        /// `ln(1 + e^x)`, computed as `max(x, 0) + ln(1 + e^-|x|)` so that it never overflows
+        /// (PyTorch's `F.softplus` with `beta = 1`).
+        Softplus softplus float {
+            f: |x| (if x > T::of(0.0) { x } else { T::of(0.0) }) + (-x.abs()).exp().ln_1p(),
+            cuda: "(x > (T)0 ? x : (T)0) + k_log1p(k_exp(-(x < (T)0 ? -x : x)))",
+            grad: x(|x, g| g * x.sigmoid()),
+            domain: [-15.0, 15.0],
+        }
     } };
 }
 

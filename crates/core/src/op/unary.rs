@@ -242,6 +242,16 @@ macro_rules! unary_table {
             grad: x(|x, g| g * x.sigmoid()),
             domain: [-15.0, 15.0],
         }
+        /// SiLU (swish), `x · sigmoid(x)`.
+        Silu silu float {
+            f: |x| x / (T::of(1.0) + (-x).exp()),
+            cuda: "x / ((T)1 + k_exp(-x))",
+            grad: x(|x, g| {
+                let s = x.sigmoid();
+                g * (&s * (1.0 + x * (1.0 - &s)))
+            }),
+            domain: [-10.0, 10.0],
+        }
     } };
 }
 

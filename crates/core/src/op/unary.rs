@@ -252,6 +252,17 @@ macro_rules! unary_table {
             }),
             domain: [-10.0, 10.0],
         }
+        /// Mish, `x · tanh(softplus(x))`.
+        Mish mish float {
+            f: |x| x * ((if x > T::of(0.0) { x } else { T::of(0.0) }) + (-x.abs()).exp().ln_1p()).tanh(),
+            cuda: "x * k_tanh((x > (T)0 ? x : (T)0) + k_log1p(k_exp(-(x < (T)0 ? -x : x))))",
+            // tanh(sp) + x · sigmoid(x) · (1 - tanh²(sp)), sp = softplus(x).
+            grad: x(|x, g| {
+                let t = x.softplus().tanh();
+                g * (&t + &x * x.sigmoid() * (1.0 - &t * &t))
+            }),
+            domain: [-10.0, 10.0],
+        }
     } };
 }
 

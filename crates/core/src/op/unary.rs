@@ -275,6 +275,18 @@ macro_rules! unary_table {
             grad: x(|x, g| x.lt(-3.0).where_cond(0.0, x.gt(3.0).where_cond(1.0, (&x * 2.0 + 3.0) / 6.0)) * g),
             domain: [-6.0, 6.0], kinks: [-3.0, 3.0],
         }
+        /// Hard sigmoid, `relu6(x + 3) / 6` (PyTorch's `F.hardsigmoid`).
+        Hardsigmoid hardsigmoid float {
+            f: |x| {
+                let r = x + T::of(3.0);
+                let r6 = if r > T::of(6.0) { T::of(6.0) } else if r > T::of(0.0) || r.is_nan() { r } else { T::of(0.0) };
+                r6 / T::of(6.0)
+            },
+            cuda: "(x + (T)3 > (T)6 ? (T)6 : (x + (T)3 > (T)0 || is_nan(x) ? x + (T)3 : (T)0)) / (T)6",
+            // 1/6 strictly inside (-3, 3), else 0 (PyTorch's hardsigmoid_backward).
+            grad: x(|x, g| x.gt(-3.0).minimum(x.lt(3.0)).where_cond(g / 6.0, 0.0)),
+            domain: [-6.0, 6.0], kinks: [-3.0, 3.0],
+        }
     } };
 }
 

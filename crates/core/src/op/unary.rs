@@ -287,6 +287,23 @@ macro_rules! unary_table {
             grad: x(|x, g| x.gt(-3.0).minimum(x.lt(3.0)).where_cond(g / 6.0, 0.0)),
             domain: [-6.0, 6.0], kinks: [-3.0, 3.0],
         }
+        /// GELU in its tanh form, `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))` (PyTorch's
+        /// `F.gelu(x, approximate="tanh")`, GPT-2's activation).
+        GeluTanh gelu_tanh float {
+            f: |x| {
+                let u = T::of(0.7978845608028654) * (x + T::of(0.044715) * x * x * x);
+                T::of(0.5) * x * (T::of(1.0) + u.tanh())
+            },
+            cuda: "(T)0.5 * x * ((T)1 + k_tanh((T)0.7978845608028654 * (x + (T)0.044715 * x * x * x)))",
+            // 1/2 (1 + t) + x/2 (1 - t²) √(2/π) (1 + 3 · 0.044715 x²), t = tanh(u).
+            grad: x(|x, g| {
+                let xx = x.square();
+                let t = ((&x + &xx * &x * 0.044715) * 0.7978845608028654).tanh();
+                let du = (1.0 + xx * (3.0 * 0.044715)) * 0.7978845608028654;
+                g * ((1.0 + &t) * 0.5 + &x * 0.5 * (1.0 - &t * &t) * du)
+            }),
+            domain: [-10.0, 10.0],
+        }
     } };
 }
 

@@ -25,7 +25,15 @@ use super::unary::Domain;
 #[doc(hidden)]
 macro_rules! composite_table {
     ($m:ident) => {
-        $m! {}
+        $m! {
+            /// Leaky ReLU: `x` where `x > 0`, else `negative_slope · x` (PyTorch's
+            /// `F.leaky_relu`; its default slope is 0.01).
+            LeakyRelu leaky_relu(negative_slope) {
+                forward: |x, negative_slope| x.gt(0.0).where_cond(&x, &x * negative_slope),
+                domain: [-6.0, 6.0], kinks: [0.0],
+                test_params: [0.2],
+            }
+        }
     };
 }
 

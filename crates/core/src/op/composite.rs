@@ -33,6 +33,13 @@ macro_rules! composite_table {
                 domain: [-6.0, 6.0], kinks: [0.0],
                 test_params: [0.2],
             }
+            /// ELU: `x` where `x > 0`, else `alpha · (e^x - 1)` (PyTorch's `F.elu`; its default
+            /// alpha is 1).
+            Elu elu(alpha) {
+                forward: |x, alpha| x.gt(0.0).where_cond(&x, x.expm1() * alpha),
+                domain: [-6.0, 6.0], kinks: [0.0],
+                test_params: [0.5],
+            }
         }
     };
 }

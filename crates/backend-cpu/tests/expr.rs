@@ -43,7 +43,7 @@ fn build(t: &Tree, dtype: DType, cast: DType, in_cast: bool) -> Expr {
     }
 }
 
-const UNARY: [UnaryOp; 16] = UnaryOp::ALL;
+const UNARY: &[UnaryOp] = &UnaryOp::ALL;
 
 fn tree(n_inputs: usize) -> impl Strategy<Value = Tree> {
     let leaf = prop_oneof![

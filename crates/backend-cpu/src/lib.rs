@@ -48,7 +48,7 @@ mod softmax;
 pub mod storage;
 mod strided;
 
-pub use device::{CpuDevice, MAX_CPU_DEVICES};
+pub use device::{Cpu, CpuDevice, MAX_CPU_DEVICES};
 pub use lazy::{
     DEFAULT_FUSION_MIN_ELEMENTS, fusion_enabled, fusion_min_elements, set_fusion,
     set_fusion_min_elements,
@@ -64,20 +64,6 @@ use kiln_core::{
 use crate::elementwise::{dtype_err, slice};
 use crate::storage::{CpuElem, alloc};
 use crate::strided::{map1, par_out};
-
-/// The CPU backend. See the crate docs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Cpu;
-
-impl Cpu {
-    /// `cpu:n` (`cpu` for 0).
-    ///
-    /// # Panics
-    /// When `n >= MAX_CPU_DEVICES`; use [`CpuDevice::new`] for a fallible version.
-    pub fn device(n: usize) -> CpuDevice {
-        CpuDevice::new(n).expect("CPU device ordinal out of range")
-    }
-}
 
 /// Computes `s` if it holds deferred work (see `lazy.rs`), then [`check`]s `layout`: the
 /// first step of every op that reads elements.

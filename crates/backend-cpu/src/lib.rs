@@ -44,8 +44,9 @@
 //!    `fastmath.rs` (vectorized `exp`), `pool.rs` (the matrix product's helper threads).
 //! 2. **Storage** — [`storage`] ([`CpuStorage`], typed buffers, memory stats, the buffer cache).
 //! 3. **Kernels** — `elementwise.rs` (slice kernels, and the dtype helpers the later kernels
-//!    share), `expr/` (the fused evaluator of expression programs; beside `elementwise.rs`, not
-//!    above it), `transfer.rs` (fills, host copies, pinning, `copy_into`), [`reduce`],
+//!    share), `expr/` (the fused evaluator of expression programs, beside `elementwise.rs`, not
+//!    above it; inside, bottom to top: `block.rs` and `walk.rs`, `exec.rs`, the drivers
+//!    `flat.rs` and `fold.rs`, `mod.rs`), `transfer.rs` (fills, host copies, pinning, `copy_into`), [`reduce`],
 //!    `index.rs`, `random.rs`, `matmul.rs`, then `softmax.rs` (which uses [`reduce`]).
 //! 4. **Deferral** — `lazy.rs` (records elementwise ops and runs the chain as one program
 //!    through `expr/` when read).

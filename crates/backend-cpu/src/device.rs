@@ -1,4 +1,6 @@
-//! Virtual CPU devices.
+//! The backend marker [`Cpu`] and its virtual devices, at the bottom of the crate so that any
+//! module can name them without importing the crate root (which implements `Backend` for
+//! [`Cpu`] by calling down into the modules).
 //!
 //! Every CPU device shares host memory, yet `cpu:0` and `cpu:1` are distinct devices: an op
 //! that mixes them is a device-mismatch error and moving data between them is an explicit copy.
@@ -7,6 +9,20 @@
 use std::fmt;
 
 use kiln_core::{Error, Result};
+
+/// The CPU backend. See the crate docs; its `Backend` implementation is in the crate root.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Cpu;
+
+impl Cpu {
+    /// `cpu:n` (`cpu` for 0).
+    ///
+    /// # Panics
+    /// When `n >= MAX_CPU_DEVICES`; use [`CpuDevice::new`] for a fallible version.
+    pub fn device(n: usize) -> CpuDevice {
+        CpuDevice::new(n).expect("CPU device ordinal out of range")
+    }
+}
 
 /// The highest virtual ordinal plus one (`cpu:0` .. `cpu:63`).
 pub const MAX_CPU_DEVICES: usize = 64;

@@ -33,7 +33,26 @@
 //! assert!(x.add(&x.copy_to(&Cpu::device(1))?).is_err()); // cpu vs cpu:1
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
+//!
+//! # Layers
+//!
+//! Modules import downward only (no circle among the `crate::` imports of the files), so each
+//! kernel file can be read and tested without the `Backend` implementation above it:
+//!
+//! 1. **Foundations, importing no other module** — `device.rs` (the [`Cpu`] marker and
+//!    [`CpuDevice`]), `strided.rs` (the strided and parallel drivers the kernels run on),
+//!    `fastmath.rs` (vectorized `exp`), `pool.rs` (the matrix product's helper threads).
+//! 2. **Storage** — [`storage`] ([`CpuStorage`], typed buffers, memory stats, the buffer cache).
+//! 3. **Kernels** — `elementwise.rs` (slice kernels, and the dtype helpers the later kernels
+//!    share), `expr/` (the fused evaluator of expression programs, beside `elementwise.rs`, not
+//!    above it; inside, bottom to top: `block.rs` and `walk.rs`, `exec.rs`, the drivers
+//!    `flat.rs` and `fold.rs`, `mod.rs`), `transfer.rs` (fills, host copies, pinning, `copy_into`), [`reduce`],
+//!    `index.rs`, `random.rs`, `matmul.rs`, then `softmax.rs` (which uses [`reduce`]).
+//! 4. **Deferral** — `lazy.rs` (records elementwise ops and runs the chain as one program
+//!    through `expr/` when read).
+//! 5. `lib.rs`: the `Backend` implementation for [`Cpu`], checking layouts and calling down.
 
+// Layers, bottom to top: see "Layers" above.
 mod device;
 mod elementwise;
 mod expr;
@@ -47,8 +66,9 @@ pub mod reduce;
 mod softmax;
 pub mod storage;
 mod strided;
+mod transfer;
 
-pub use device::{CpuDevice, MAX_CPU_DEVICES};
+pub use device::{Cpu, CpuDevice, MAX_CPU_DEVICES};
 pub use lazy::{
     DEFAULT_FUSION_MIN_ELEMENTS, fusion_enabled, fusion_min_elements, set_fusion,
     set_fusion_min_elements,
@@ -61,23 +81,7 @@ use kiln_core::{
     ReduceOp, Result, UnaryOp,
 };
 
-use crate::elementwise::{dtype_err, slice};
-use crate::storage::{CpuElem, alloc};
-use crate::strided::{map1, par_out};
-
-/// The CPU backend. See the crate docs.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Cpu;
-
-impl Cpu {
-    /// `cpu:n` (`cpu` for 0).
-    ///
-    /// # Panics
-    /// When `n >= MAX_CPU_DEVICES`; use [`CpuDevice::new`] for a fallible version.
-    pub fn device(n: usize) -> CpuDevice {
-        CpuDevice::new(n).expect("CPU device ordinal out of range")
-    }
-}
+use crate::elementwise::dtype_err;
 
 /// Computes `s` if it holds deferred work (see `lazy.rs`), then [`check`]s `layout`: the
 /// first step of every op that reads elements.
@@ -111,87 +115,6 @@ fn same_shape(op: &'static str, a: &Layout, b: &Layout) -> Result<()> {
             rhs: b.shape().clone(),
         });
     }
-    Ok(())
-}
-
-fn fill_t<T: CpuElem>(device: CpuDevice, len: usize, value: T) -> Result<CpuStorage> {
-    let mut out = alloc::<T>("fill", device, len)?;
-    par_out(&mut out, 1, |_, o| o.fill(value));
-    Ok(storage::storage(device, out))
-}
-
-/// A storage holding a copy of `bytes` (native endianness) as elements of `T`.
-fn from_bytes_t<T: CpuElem>(
-    op: &'static str,
-    device: CpuDevice,
-    bytes: &[u8],
-) -> Result<CpuStorage> {
-    let size = std::mem::size_of::<T>();
-    if !bytes.len().is_multiple_of(size) {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "{} bytes are not a whole number of {} elements",
-                bytes.len(),
-                T::DTYPE
-            ),
-        ));
-    }
-    let mut out = alloc::<T>(op, device, bytes.len() / size)?;
-    bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(bytes);
-    Ok(storage::storage(device, out))
-}
-
-/// The elements of `layout`, in row-major order, in a new `Vec`.
-fn to_host_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<Vec<T>> {
-    let a = slice::<T>("to_host", s)?;
-    let mut out = alloc::<T>("to_host", s.device(), layout.elem_count())?;
-    copy_out(a, layout, &mut out);
-    Ok(out)
-}
-
-/// Copies the elements of `layout` over `a`, in row-major order, into `out`.
-fn copy_out<T: CpuElem>(a: &[T], layout: &Layout, out: &mut [T]) {
-    match layout.contiguous_range() {
-        Some(r) => out.copy_from_slice(&a[r]),
-        None => map1(a, layout, out, |x, o| o.copy_from_slice(x)),
-    }
-}
-
-/// The caller's byte buffer `out` filled with the elements of `layout` (no intermediate `Vec`
-/// unless `out` is not aligned for `T`).
-fn to_bytes_t<T: CpuElem>(s: &CpuStorage, layout: &Layout, out: &mut [u8]) -> Result<()> {
-    let a = slice::<T>("to_host", s)?;
-    match bytemuck::try_cast_slice_mut::<u8, T>(out) {
-        Ok(o) => copy_out(a, layout, o),
-        Err(_) => out.copy_from_slice(bytemuck::cast_slice(&to_host_t::<T>(s, layout)?)),
-    }
-    Ok(())
-}
-
-/// The elements of `layout` in a new pinned buffer, copied once.
-fn pin_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<HostVec<T>> {
-    const OP: &str = "pin_memory";
-    let a = slice::<T>(OP, s)?;
-    if let Some(r) = layout.contiguous_range() {
-        return HostVec::pinned(OP, &a[r]);
-    }
-    let mut v = HostVec::pinned_zeroed(OP, layout.elem_count())?;
-    map1(a, layout, &mut v, |x, o| o.copy_from_slice(x));
-    Ok(v)
-}
-
-fn copy_into_t<T: CpuElem>(
-    src: &CpuStorage,
-    ls: &Layout,
-    dst: &mut CpuStorage,
-    ld: &Layout,
-) -> Result<()> {
-    let got = dst.dtype();
-    let s = slice::<T>("copy_into", src)?;
-    let d = T::slice_mut(dst.data_mut()?)
-        .ok_or_else(|| dtype_err("copy_into", T::DTYPE.as_str(), got))?;
-    strided::copy_strided(s, ls, d, ld);
     Ok(())
 }
 
@@ -249,10 +172,10 @@ impl Backend for Cpu {
     fn fill(device: &CpuDevice, dtype: DType, len: usize, value: f64) -> Result<CpuStorage> {
         let d = *device;
         match dtype {
-            DType::F32 => fill_t(d, len, value as f32),
-            DType::F64 => fill_t(d, len, value),
-            DType::I64 => fill_t(d, len, value as i64),
-            DType::U8 => fill_t(d, len, value as u8),
+            DType::F32 => transfer::fill_t(d, len, value as f32),
+            DType::F64 => transfer::fill_t(d, len, value),
+            DType::I64 => transfer::fill_t(d, len, value as i64),
+            DType::U8 => transfer::fill_t(d, len, value as u8),
             _ => Err(dtype_err("fill", "f32, f64, i64 or u8", dtype)),
         }
     }
@@ -272,10 +195,10 @@ impl Backend for Cpu {
         src: HostSource<'_>,
     ) -> Result<CpuStorage> {
         match dtype {
-            DType::F32 => from_bytes_t::<f32>("from_host", *device, src.bytes),
-            DType::F64 => from_bytes_t::<f64>("from_host", *device, src.bytes),
-            DType::I64 => from_bytes_t::<i64>("from_host", *device, src.bytes),
-            DType::U8 => from_bytes_t::<u8>("from_host", *device, src.bytes),
+            DType::F32 => transfer::from_bytes_t::<f32>("from_host", *device, src.bytes),
+            DType::F64 => transfer::from_bytes_t::<f64>("from_host", *device, src.bytes),
+            DType::I64 => transfer::from_bytes_t::<i64>("from_host", *device, src.bytes),
+            DType::U8 => transfer::from_bytes_t::<u8>("from_host", *device, src.bytes),
             _ => Err(dtype_err("from_host", "f32, f64, i64 or u8", dtype)),
         }
     }
@@ -317,10 +240,10 @@ impl Backend for Cpu {
             ));
         }
         match dtype {
-            DType::F32 => to_bytes_t::<f32>(storage, layout, out),
-            DType::F64 => to_bytes_t::<f64>(storage, layout, out),
-            DType::I64 => to_bytes_t::<i64>(storage, layout, out),
-            DType::U8 => to_bytes_t::<u8>(storage, layout, out),
+            DType::F32 => transfer::to_bytes_t::<f32>(storage, layout, out),
+            DType::F64 => transfer::to_bytes_t::<f64>(storage, layout, out),
+            DType::I64 => transfer::to_bytes_t::<i64>(storage, layout, out),
+            DType::U8 => transfer::to_bytes_t::<u8>(storage, layout, out),
             _ => Err(dtype_err("to_host", "f32, f64, i64 or u8", dtype)),
         }
     }
@@ -343,10 +266,10 @@ impl Backend for Cpu {
         input("pin_memory", storage, layout)?;
         let d = storage.device();
         let data = match dtype {
-            DType::F32 => CpuData::F32(pin_t(storage, layout)?),
-            DType::F64 => CpuData::F64(pin_t(storage, layout)?),
-            DType::I64 => CpuData::I64(pin_t(storage, layout)?),
-            DType::U8 => CpuData::U8(pin_t(storage, layout)?),
+            DType::F32 => CpuData::F32(transfer::pin_t(storage, layout)?),
+            DType::F64 => CpuData::F64(transfer::pin_t(storage, layout)?),
+            DType::I64 => CpuData::I64(transfer::pin_t(storage, layout)?),
+            DType::U8 => CpuData::U8(transfer::pin_t(storage, layout)?),
             _ => return Err(dtype_err("pin_memory", "f32, f64, i64 or u8", dtype)),
         };
         Ok(CpuStorage::new(d, data))
@@ -359,10 +282,10 @@ impl Backend for Cpu {
     fn to_host(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
         input("to_host", storage, layout)?;
         Ok(match dtype {
-            DType::F32 => HostBuffer::F32(to_host_t(storage, layout)?),
-            DType::F64 => HostBuffer::F64(to_host_t(storage, layout)?),
-            DType::I64 => HostBuffer::I64(to_host_t(storage, layout)?),
-            DType::U8 => HostBuffer::U8(to_host_t(storage, layout)?),
+            DType::F32 => HostBuffer::F32(transfer::to_host_t(storage, layout)?),
+            DType::F64 => HostBuffer::F64(transfer::to_host_t(storage, layout)?),
+            DType::I64 => HostBuffer::I64(transfer::to_host_t(storage, layout)?),
+            DType::U8 => HostBuffer::U8(transfer::to_host_t(storage, layout)?),
             _ => return Err(dtype_err("to_host", "f32, f64, i64 or u8", dtype)),
         })
     }
@@ -388,10 +311,10 @@ impl Backend for Cpu {
         input("copy_into", dst, dst_layout)?;
         same_shape("copy_into", src_layout, dst_layout)?;
         match dtype {
-            DType::F32 => copy_into_t::<f32>(src, src_layout, dst, dst_layout),
-            DType::F64 => copy_into_t::<f64>(src, src_layout, dst, dst_layout),
-            DType::I64 => copy_into_t::<i64>(src, src_layout, dst, dst_layout),
-            DType::U8 => copy_into_t::<u8>(src, src_layout, dst, dst_layout),
+            DType::F32 => transfer::copy_into_t::<f32>(src, src_layout, dst, dst_layout),
+            DType::F64 => transfer::copy_into_t::<f64>(src, src_layout, dst, dst_layout),
+            DType::I64 => transfer::copy_into_t::<i64>(src, src_layout, dst, dst_layout),
+            DType::U8 => transfer::copy_into_t::<u8>(src, src_layout, dst, dst_layout),
             _ => Err(dtype_err("copy_into", "f32, f64, i64 or u8", dtype)),
         }
     }

@@ -3,6 +3,9 @@
 //! against the f64 reference backend: random expression trees over broadcast, transposed and
 //! sliced inputs, with and without axis reductions, in f32 and f64.
 
+mod common;
+
+use common::close;
 use kiln_backend_cpu::Cpu;
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
 use kiln_core::{
@@ -141,22 +144,6 @@ fn make(spec: &Input, shape: &[usize], dtype: DType) -> T {
             rand(wide).narrow(last as isize, 1, dims[last]).unwrap()
         }
     }
-}
-
-/// Both NaN, equal infinities, or within `atol + rtol * |want|`.
-fn close(got: &[f64], want: &[f64], atol: f64, rtol: f64) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{} values, want {}", got.len(), want.len()));
-    }
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g.is_nan() && w.is_nan())
-            || g == w
-            || (g.is_finite() && w.is_finite() && (g - w).abs() <= atol + rtol * w.abs());
-        if !ok {
-            return Err(format!("element {i}: got {g}, want {w}"));
-        }
-    }
-    Ok(())
 }
 
 fn values(t: &T) -> Vec<f64> {

@@ -2,6 +2,9 @@
 //! threshold to 0, so that every fusable op is deferred (this binary is its own process: the
 //! setting does not reach the other tests).
 
+mod common;
+
+use common::close;
 use kiln_backend_cpu::{Cpu, set_fusion_min_elements};
 use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
 
@@ -180,11 +183,8 @@ fn a_reduction_of_a_pending_chain_runs_in_its_pass() {
             assert_eq!(sum.dims(), want_sum.dims());
             let f64s = |t: &Tensor<Cpu>| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
             let tol = if dtype == DType::F32 { 1e-6 } else { 1e-12 };
-            for (g, w) in f64s(&sum).iter().zip(&f64s(&want_sum)) {
-                assert!(
-                    (g - w).abs() <= tol * w.abs(),
-                    "{dtype} {axes:?}: {g} vs {w}"
-                );
+            if let Err(e) = close(&f64s(&sum), &f64s(&want_sum), 0.0, tol) {
+                panic!("{dtype} {axes:?}: {e}");
             }
             assert_eq!(bits(&max), bits(&want_max), "{dtype} {axes:?} max");
         }
@@ -360,10 +360,8 @@ proptest::proptest! {
             proptest::prop_assert!(same(&bits(&fused[2]), &bits(&stepped[2]), dtype), "{:?} max", dtype);
             let f64s = |t: &Tensor<Cpu>| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
             let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
-            for (g, w) in f64s(&fused[1]).iter().zip(&f64s(&stepped[1])) {
-                let ok = (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= tol * (1.0 + w.abs());
-                proptest::prop_assert!(ok, "{:?} sum: {} vs {}", dtype, g, w);
-            }
+            let sum = close(&f64s(&fused[1]), &f64s(&stepped[1]), tol, tol);
+            proptest::prop_assert!(sum.is_ok(), "{:?} sum: {:?}", dtype, sum);
         }
     }
 }

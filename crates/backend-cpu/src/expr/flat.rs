@@ -20,8 +20,8 @@ use kiln_core::{BinaryOp, DType, UnaryOp};
 use rayon::prelude::*;
 
 use super::block::{Aff, Elt, Src, binary_f32, store_fence, stream_copy, unary_f32};
+use super::exec::{Leaves, Outs, PAR_WORK, Step};
 use super::walk::{Run, Walk};
-use super::{Leaves, Outs, PAR_WORK, Step};
 use crate::storage::{CpuData, CpuElem};
 use crate::strided::{PAR_MIN, par_chunk};
 

@@ -7,8 +7,8 @@ use kiln_core::{DType, Layout, Shape};
 use rayon::prelude::*;
 
 use super::block::{BLOCK, Buf, Elt, Frame, Loc, Src};
+use super::exec::{Leaves, Outs, exec_block, finish_acc, place_input, store, widen};
 use super::walk::Walk;
-use super::{Leaves, Outs, exec_block, finish_acc, place_input, store, widen};
 use crate::storage::CpuData;
 use crate::strided::{PAR_MIN, par_chunk};
 

@@ -15,7 +15,6 @@ use std::collections::HashMap;
 
 use kiln_core::fasthash::FastMap;
 use std::ffi::{CString, c_void};
-use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -24,21 +23,10 @@ use kiln_core::{Error, Result};
 
 use crate::pool::{BlockCache, DeferredFree, GraphPool};
 use crate::sources::Module;
+use crate::types::CudaDevice;
 
-/// One NVIDIA GPU, by ordinal. Displays as `cuda:N`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CudaDevice {
-    ordinal: usize,
-}
-
+// The methods of the device handle that reach the GPU (the handle itself is in `types.rs`).
 impl CudaDevice {
-    /// The device with this ordinal; does not check that it exists (see [`crate::try_gpu`]).
-    pub fn new(ordinal: usize) -> Self {
-        CudaDevice { ordinal }
-    }
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
     /// The GPU's name, e.g. `NVIDIA H100 80GB HBM3`.
     pub fn name(&self) -> Result<String> {
         Ok(state(self)?.name.clone())
@@ -50,12 +38,6 @@ impl CudaDevice {
     /// The compute capability as `major * 10 + minor` (90 for Hopper).
     pub fn compute_capability(&self) -> Result<u32> {
         Ok(state(self)?.arch)
-    }
-}
-
-impl fmt::Display for CudaDevice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cuda:{}", self.ordinal)
     }
 }
 
@@ -412,7 +394,7 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
     static STATES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceState, String>>>> =
         OnceLock::new();
     let states = STATES.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
-    let slot = states.get(dev.ordinal).ok_or_else(|| {
+    let slot = states.get(dev.ordinal()).ok_or_else(|| {
         Error::invalid(
             "cuda",
             format!(
@@ -426,7 +408,7 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
     })?;
     let s = slot.get_or_init(|| {
         crate::profile::set_binder(|o| state(&CudaDevice::new(o)).is_ok());
-        DeviceState::create(dev.ordinal)
+        DeviceState::create(dev.ordinal())
             .map(|s| &*Box::leak(Box::new(s)))
             .map_err(|e| e.to_string())
     });

@@ -61,12 +61,10 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use kiln_core::{Error, Result, Tensor};
 
-use crate::Cuda;
-use crate::device::{
-    CudaDevice, DeviceState, capture_active, check, set_capture, state, sync_debug,
-};
+use crate::device::{DeviceState, capture_active, check, set_capture, state, sync_debug};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
+use crate::types::{Cuda, CudaDevice};
 
 /// Work captured once on one GPU, replayed with one launch (see the module docs).
 pub struct CudaGraph {

@@ -37,11 +37,11 @@ use std::sync::{Arc, OnceLock};
 
 use kiln_core::{Error, HostRows, PinnedBlock, Result};
 
-use crate::compile::Module;
 use crate::device::{DeviceState, set_current_stream};
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc_on};
 use crate::pinned;
+use crate::sources::Module;
 use crate::transfer::{dma_to_device, hand_over};
 
 const OP: &str = "gather_host_rows";

@@ -48,26 +48,31 @@
 //! code generators can be read, tested and compiled with NVRTC on a machine with no GPU, and
 //! the runtime knows nothing of what runs on it:
 //!
-//! 1. **Source text and pure helpers** — `sources.rs` (the `kernels/` files and headers, C type
-//!    names), `launch.rs` (kernel argument packing, dimension merging).
+//! 1. **Names and pure helpers** — `types.rs` (the [`Cuda`] marker and [`CudaDevice`], which
+//!    every module names), `sources.rs` (the `kernels/` files and headers, C type names),
+//!    `launch.rs` (kernel argument packing, dimension merging), `pool.rs` (the block cache's
+//!    and graph pools' bookkeeping types).
 //! 2. **Code generator, pure** — `codegen.rs` (expression IR → CUDA C; the deferral layer's
 //!    recorded chains are expression programs too).
-//! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `pool.rs` (block-cache bookkeeping),
-//!    `device.rs` (context, streams, per-device memo of modules and of generated kernels,
-//!    type-erased so that it names no generator), `memory.rs`, `stream.rs`, `pinned.rs`,
+//! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `profile.rs` (the device's records for
+//!    kiln-core's profiler, through a trait the device state implements), `device.rs`
+//!    (context, streams, per-device memo of modules and of generated kernels, type-erased so
+//!    that it names no generator; the error flag), `memory.rs`, `pinned.rs`, `stream.rs`,
 //!    `transfer.rs`.
 //! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates),
-//!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch).
+//!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
+//!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
-//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `user_kernel/`
-//!    (CuPy-style [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists
-//!    and source generation in `params.rs`/`source.rs`, pure; launching in the others);
-//!    `compile.rs` (the public compile tooling and `check_all`, which needs every generator's
-//!    samples).
-//! 7. `lib.rs`: the `Backend` implementation.
+//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `graph.rs` (CUDA graph
+//!    capture and replay); `nccl.rs` (collectives over tensors); `user_kernel/` (CuPy-style
+//!    [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists and source
+//!    generation in `params.rs`/`source.rs`, pure; launching in the others); `compile.rs` (the
+//!    public compile tooling and `check_all`, which needs every generator's samples).
+//! 7. `lib.rs`: the `Backend` implementation, which calls down, and the public re-exports.
 
-// Layers, bottom to top: each module imports only modules listed before it (see "Layers").
+// In rustfmt's order; the layers, bottom to top, are in "Layers" above: each module imports
+// only modules listed before it there.
 mod blas;
 mod codegen;
 pub mod compile;
@@ -90,6 +95,7 @@ mod sources;
 mod storage;
 mod stream;
 mod transfer;
+mod types;
 mod user_kernel;
 
 use kiln_core::{
@@ -99,7 +105,7 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
+    clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
 pub use graph::{CudaGraph, write_static};
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
@@ -109,6 +115,7 @@ pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
 pub use transfer::copy_threads;
+pub use types::{Cuda, CudaDevice};
 pub use user_kernel::{Dim3, ElementwiseKernel, KernelArg, RawKernel, ReductionKernel, empty};
 
 use device::state;
@@ -142,10 +149,6 @@ pub fn gpu_or_skip(i: usize) -> Option<CudaDevice> {
     device_count();
     device::gpu_or_skip(i)
 }
-
-/// The CUDA backend (a marker type: state lives per device).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Cuda;
 
 impl Cuda {
     /// The number of usable GPUs (0 without a driver).
@@ -729,7 +732,7 @@ pub mod raw {
     /// free, for testing and measuring stream concurrency and ordering.
     pub fn spin(device: &CudaDevice, micros: u64) -> Result<()> {
         let s = state(device)?;
-        let f = s.func(compile::Module::Util, &["spin", "ns"])?;
+        let f = s.func(sources::Module::Util, &["spin", "ns"])?;
         let mut ns = micros * 1000;
         let mut p = [&mut ns as *mut u64 as *mut std::ffi::c_void];
         s.launch("spin", f, (1, 1), 1, 0, &mut p)

@@ -28,8 +28,9 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, MemoryStats, Result};
 
-use crate::device::{CudaDevice, DeviceState, SharedEvent, check, state};
+use crate::device::{DeviceState, SharedEvent, check, state};
 use crate::pool::{DeferredFree, GraphPool, bucket};
+use crate::types::CudaDevice;
 
 /// A copy into a [`Buffer`] still in flight (see [`Buffer::set_pending`]).
 struct PendingCopy {

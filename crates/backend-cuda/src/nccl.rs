@@ -46,8 +46,9 @@ use std::time::{Duration, Instant};
 use cudarc::nccl::sys as nsys;
 use kiln_core::{DType, DistErrorKind, Error, Result, Tensor};
 
+use crate::storage::CudaStorage;
 use crate::stream::{Event, Stream};
-use crate::{Cuda, CudaDevice, CudaStorage};
+use crate::types::{Cuda, CudaDevice};
 
 /// The most CTAs (thread blocks) a kiln communicator's collectives use, unless the
 /// environment sets `NCCL_MAX_CTAS` (see the module docs).

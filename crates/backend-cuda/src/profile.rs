@@ -76,7 +76,7 @@ pub(crate) fn note_fusion(on: bool) {
 
 /// `cuda:N`, formatted once per device (kiln-core's label cache).
 fn device_name(dev: &dyn Site) -> &'static str {
-    kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal()))
+    kiln_core::profile::device_label(&crate::types::CudaDevice::new(dev.ordinal()))
 }
 
 /// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).

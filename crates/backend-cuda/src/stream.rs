@@ -38,8 +38,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result, Tensor};
 
-use crate::Cuda;
-use crate::device::{CudaDevice, DeviceState, check, set_current_stream, state};
+use crate::device::{DeviceState, check, set_current_stream, state};
+use crate::types::Cuda;
+use crate::types::CudaDevice;
 
 struct Raw {
     dev: &'static DeviceState,

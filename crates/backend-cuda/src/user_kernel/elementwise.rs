@@ -14,7 +14,8 @@ use crate::codegen::Access;
 use crate::device::{Func, KERNEL_EPOCH, state};
 use crate::launch::{Args, Dims, Strides};
 use crate::memory::alloc;
-use crate::{Cuda, CudaDevice, CudaStorage};
+use crate::storage::CudaStorage;
+use crate::types::{Cuda, CudaDevice};
 
 const OP: &str = "ElementwiseKernel";
 /// Threads per block.

@@ -12,7 +12,8 @@ use crate::codegen::Access;
 use crate::device::state;
 use crate::launch::Args;
 use crate::memory::alloc;
-use crate::{Cuda, CudaStorage};
+use crate::storage::CudaStorage;
+use crate::types::Cuda;
 
 const OP: &str = "ReductionKernel";
 /// Most threads per block.

@@ -46,7 +46,7 @@ use kiln_core::expr::{Combine, Instr, Phase, Program};
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
 use crate::launch::{MAX_DIMS, collapse_raw};
-use crate::sources::{COMMON, SCALAR_OPS};
+use crate::sources::{COMMON, SCALAR_OPS, ctype};
 
 /// The generated kernel's name.
 pub(crate) const KERNEL: &str = "expr";
@@ -93,17 +93,6 @@ pub(crate) struct Variant {
     /// and 16-byte aligned rows (each thread then loads its groups of 4 as one vector). 0:
     /// element by element. Chosen at launch (it depends on addresses).
     pub vec: u32,
-}
-
-/// The C type of `dtype`.
-pub(crate) fn ctype(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "float",
-        DType::F64 => "double",
-        DType::I64 => "i64",
-        DType::U8 => "u8",
-        _ => "unsupported",
-    }
 }
 
 /// The accumulator's C type of a `combine` over `dtype` values: f32 sums and products in f64.

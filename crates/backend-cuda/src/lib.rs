@@ -200,18 +200,14 @@ impl Backend for Cuda {
     }
 
     fn parse_device(name: &str) -> Result<CudaDevice> {
-        let ordinal = match name.trim() {
-            "cuda" | "gpu" => 0,
-            s => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| {
-                    Error::invalid(
-                        "parse_device",
-                        format!("`{name}` is not a CUDA device (expected `cuda` or `cuda:N`)"),
-                    )
-                })?,
-        };
+        let ordinal = types::parse_ordinal(name).ok_or_else(|| {
+            Error::invalid(
+                "parse_device",
+                format!(
+                    "`{name}` is not a CUDA device (expected `cuda`, `cuda:N`, `gpu` or `gpu:N`)"
+                ),
+            )
+        })?;
         try_gpu(ordinal).ok_or_else(|| {
             Error::invalid(
                 "parse_device",
@@ -754,21 +750,33 @@ pub mod raw {
     /// and returns the elapsed milliseconds (after synchronizing with the second).
     pub fn time_ms(device: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<f32> {
         use cudarc::driver::sys;
+        /// Timing events, destroyed on drop (also when a step below fails).
+        struct Events([sys::CUevent; 2]);
+        impl Drop for Events {
+            fn drop(&mut self) {
+                for e in self.0 {
+                    if !e.is_null() {
+                        // SAFETY: created by cuEventCreate below and destroyed once, here.
+                        unsafe { sys::cuEventDestroy_v2(e) };
+                    }
+                }
+            }
+        }
         let s = state(device)?;
-        // SAFETY: events are created, recorded on the current stream, synchronized and
-        // destroyed here; valid out-pointers.
+        let mut ev = Events([std::ptr::null_mut(); 2]);
+        // SAFETY: events are created into the guard (valid out-pointers), recorded on the
+        // current stream of this device (bound by `state`), synchronized, and destroyed by the
+        // guard on every path.
         unsafe {
-            let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
-            device::check(sys::cuEventCreate(&mut a, 0), "time")?;
-            device::check(sys::cuEventCreate(&mut b, 0), "time")?;
+            device::check(sys::cuEventCreate(&mut ev.0[0], 0), "time")?;
+            device::check(sys::cuEventCreate(&mut ev.0[1], 0), "time")?;
+            let [a, b] = ev.0;
             device::check(sys::cuEventRecord(a, s.stream()), "time")?;
             let r = f();
             device::check(sys::cuEventRecord(b, s.stream()), "time")?;
             device::check(sys::cuEventSynchronize(b), "time")?;
             let mut ms = 0f32;
             device::check(sys::cuEventElapsedTime_v2(&mut ms, a, b), "time")?;
-            sys::cuEventDestroy_v2(a);
-            sys::cuEventDestroy_v2(b);
             r.map(|_| ms)
         }
     }

@@ -35,3 +35,41 @@ impl fmt::Display for CudaDevice {
         write!(f, "cuda:{}", self.ordinal)
     }
 }
+
+/// The ordinal a device string names: `cuda` and `gpu` (GPU 0), `cuda:N` and `gpu:N`
+/// (surrounding spaces ignored); `None` for anything else. Says nothing of whether it exists.
+pub(crate) fn parse_ordinal(name: &str) -> Option<usize> {
+    let name = name.trim();
+    if name == "cuda" || name == "gpu" {
+        return Some(0);
+    }
+    let n = name
+        .strip_prefix("cuda:")
+        .or_else(|| name.strip_prefix("gpu:"))?;
+    n.parse::<usize>().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_strings() {
+        for (s, want) in [
+            ("cuda", Some(0)),
+            ("gpu", Some(0)),
+            ("cuda:0", Some(0)),
+            ("cuda:1", Some(1)),
+            ("gpu:1", Some(1)),
+            (" gpu:3 ", Some(3)),
+            ("cuda:", None),
+            ("gpu:-1", None),
+            ("gpu:x", None),
+            ("cpu", None),
+            ("cuda1", None),
+            ("", None),
+        ] {
+            assert_eq!(parse_ordinal(s), want, "{s:?}");
+        }
+    }
+}

@@ -52,7 +52,7 @@
 //!    every module names), `sources.rs` (the `kernels/` files and headers, C type names),
 //!    `launch.rs` (kernel argument packing, dimension merging), `pool.rs` (the block cache's
 //!    and graph pools' bookkeeping types).
-//! 2. **Code generator, pure** — `codegen.rs` (expression IR → CUDA C; the deferral layer's
+//! 2. **Code generator, pure** — `codegen/` (expression IR → CUDA C; the deferral layer's
 //!    recorded chains are expression programs too).
 //! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `profile.rs` (the device's records for
 //!    kiln-core's profiler, through a trait the device state implements), `device.rs`

@@ -795,7 +795,7 @@ pub(crate) fn cross_entropy(
         .push(cs)
         .push(ll.offset() as u64)
         .push(ll.strides()[0] as u64)
-        .push(dev.err_flag);
+        .push(dev.err_flag());
     let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
     run(
         dev,
@@ -845,7 +845,7 @@ pub(crate) fn cross_entropy_backward(
         .push(ll.strides()[0] as u64)
         .push(lg.offset() as u64)
         .push(lg.strides()[0] as u64)
-        .push(dev.err_flag);
+        .push(dev.err_flag());
     let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
     run(
         dev,
@@ -923,7 +923,7 @@ pub(crate) fn index_select(
         .push(nids as u64)
         .push(li.offset() as u64)
         .push(li.strides().first().copied().unwrap_or(0) as u64)
-        .push(dev.err_flag);
+        .push(dev.err_flag());
     run(
         dev,
         OP,
@@ -975,7 +975,7 @@ pub(crate) fn gather(
         .push(ss[1])
         .push(l.strides()[axis] as u64)
         .push(l.dims()[axis] as u64)
-        .push(dev.err_flag);
+        .push(dev.err_flag());
     run(
         dev,
         OP,
@@ -1033,7 +1033,7 @@ pub(crate) fn scatter_add(
         .push(ss[2])
         .push(ol.strides()[axis] as u64)
         .push(lb.dims()[axis] as u64)
-        .push(dev.err_flag);
+        .push(dev.err_flag());
     run(
         dev,
         OP,

@@ -21,6 +21,10 @@ use std::sync::{Mutex, OnceLock};
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
+mod error_flag;
+
+use error_flag::ErrorFlag;
+
 use crate::pool::{BlockCache, DeferredFree, GraphPool};
 use crate::sources::Module;
 use crate::types::CudaDevice;
@@ -257,12 +261,8 @@ pub(crate) struct DeviceState {
     pub arch: u32,
     pub sm_count: u32,
     pub total_mem: usize,
-    /// A 16-byte device record `{u32 code, u32 pad, i64 value}`: code 0, or the code and
-    /// offending value of the first kernel error since the last check.
-    pub err_flag: sys::CUdeviceptr,
-    /// Pinned host copy of the record.
-    pub err_host: *mut u32,
-    pub err_lock: Mutex<()>,
+    /// The device error flag (see `error_flag.rs`).
+    errors: ErrorFlag,
     pub modules: Mutex<HashMap<Module, usize>>,
     pub funcs: Mutex<FastMap<FuncKey, Func>>,
     /// Generated kernels (lazy chains, expression programs, user kernels), memoized per
@@ -480,11 +480,7 @@ impl DeviceState {
                 ),
                 "cuMemPoolSetAttribute",
             )?;
-            let mut err_flag = 0;
-            check(sys::cuMemAlloc_v2(&mut err_flag, 16), "cuMemAlloc")?;
-            check(sys::cuMemsetD32_v2(err_flag, 0, 4), "cuMemsetD32")?;
-            let mut err_host = std::ptr::null_mut();
-            check(sys::cuMemHostAlloc(&mut err_host, 16, 0), "cuMemHostAlloc")?;
+            let errors = ErrorFlag::create()?;
             Ok(DeviceState {
                 ordinal,
                 cu_dev,
@@ -496,9 +492,7 @@ impl DeviceState {
                 arch: (major * 10 + minor) as u32,
                 sm_count,
                 total_mem,
-                err_flag,
-                err_host: err_host as *mut u32,
-                err_lock: Mutex::new(()),
+                errors,
                 modules: Mutex::new(HashMap::new()),
                 funcs: Mutex::new(FastMap::default()),
                 generated: Generated::default(),
@@ -825,40 +819,13 @@ impl DeviceState {
     /// error naming `op`, the offending value and the valid range `0..limit`; the record is
     /// cleared, so the device stays usable.
     pub fn check_flag(&self, op: &'static str, limit: usize) -> Result<()> {
-        let _g = self.err_lock.lock().unwrap();
-        // SAFETY: `err_host` is 16 bytes of pinned memory; `err_flag` a 16-byte device record;
-        // the copy is ordered on the compute stream, which we synchronize before reading.
-        let (code, value) = unsafe {
-            check(
-                sys::cuMemcpyDtoHAsync_v2(
-                    self.err_host as *mut c_void,
-                    self.err_flag,
-                    16,
-                    self.stream(),
-                ),
-                op,
-            )?;
-            self.sync(op)?;
-            let code = std::ptr::read_volatile(self.err_host);
-            let value = std::ptr::read_volatile(self.err_host.add(2) as *const i64);
-            (code, value)
-        };
-        if code == 0 {
-            return Ok(());
-        }
-        // SAFETY: the 16-byte device record, ordered on the compute stream.
-        check(
-            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 4, self.stream()) },
-            op,
-        )?;
-        Err(match code {
-            1 => Error::invalid(op, format!("label {value} is outside 0..{limit}")),
-            2 => Error::invalid(
-                op,
-                format!("index {value} is out of range for an axis of size {limit}"),
-            ),
-            c => Error::backend(op, format!("kernel error code {c} (value {value})")),
-        })
+        self.errors
+            .check(op, limit, self.stream(), || self.sync(op))
+    }
+
+    /// The device address of the error record, for kernels that check bounds.
+    pub fn err_flag(&self) -> sys::CUdeviceptr {
+        self.errors.ptr()
     }
 
     /// Records an event on `from` and makes `to` wait for it (nothing when they are the same

@@ -11,9 +11,6 @@
 //! We call the driver through cudarc's `sys`/`result` layers rather than its safe wrappers: we
 //! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
 
-use std::collections::HashMap;
-
-use kiln_core::fasthash::FastMap;
 use std::ffi::{CString, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -22,8 +19,11 @@ use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
 mod error_flag;
+mod kernels;
 
 use error_flag::ErrorFlag;
+pub(crate) use kernels::Func;
+use kernels::KernelCache;
 
 use crate::pool::{BlockCache, DeferredFree, GraphPool};
 use crate::sources::Module;
@@ -151,11 +151,7 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     let s = state(dev)?;
     s.sync_all("clear_kernel_cache")?;
     KERNEL_EPOCH.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
-    s.funcs.lock().unwrap().clear();
-    s.generated.slots.lock().unwrap().clear();
-    modules.append(&mut s.generated.modules.lock().unwrap());
-    for m in modules {
+    for m in s.kernels.forget_all() {
         // SAFETY: each module was loaded into this context and nothing runs on the device
         // (synchronized above); its functions were forgotten above.
         check(
@@ -169,42 +165,6 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
 /// Changes whenever [`clear_kernel_cache`] unloads modules: memos of kernel handles kept
 /// outside the device state (per-thread ones) are valid only for the epoch they were made in.
 pub(crate) static KERNEL_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A kernel's name, as the parts that are joined with `_` to spell it, compared and hashed by
-/// the parts' addresses: every call site passes string literals, so one kernel looked up from
-/// one site is one key, without reading the strings. (Comparing and hashing their bytes was
-/// 12 % of the host time of d2l's matmul-and-norm loop, profiled against a stand-in driver.)
-/// The same name spelled by literals at another address is another key for the same kernel:
-/// one more entry, found by `cuModuleGetFunction` once.
-#[derive(Clone, Copy)]
-pub(crate) struct FuncKey([&'static str; 5]);
-
-impl PartialEq for FuncKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.0
-            .iter()
-            .zip(&other.0)
-            .all(|(a, b)| std::ptr::eq(*a, *b))
-    }
-}
-
-impl Eq for FuncKey {}
-
-impl std::hash::Hash for FuncKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        let h = self.0.iter().fold(0u64, |h, s| {
-            (h ^ s.as_ptr() as u64 ^ (s.len() as u64) << 48).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        });
-        state.write_u64(h);
-    }
-}
-
-#[derive(Clone, Copy)]
-pub(crate) struct Func(pub sys::CUfunction);
-// SAFETY: a CUfunction is a handle valid in its context from any thread.
-unsafe impl Send for Func {}
-// SAFETY: as above; launching is thread-safe in the driver.
-unsafe impl Sync for Func {}
 
 pub(crate) struct Blas {
     pub handle: cudarc::cublas::sys::cublasHandle_t,
@@ -237,17 +197,6 @@ pub(crate) fn staging_bytes() -> usize {
 }
 pub(crate) const STAGING_BLOCKS: usize = 4;
 
-/// The generated kernels of one device: per generator (by the `TypeId` of its key type) a
-/// `FastMap<K, Func>` behind its own lock (a compilation blocks only its own generator), and
-/// the modules they live in.
-#[derive(Default)]
-pub(crate) struct Generated {
-    slots: Mutex<HashMap<std::any::TypeId, Slot>>,
-    modules: Mutex<Vec<usize>>,
-}
-
-type Slot = std::sync::Arc<Mutex<Box<dyn std::any::Any + Send>>>;
-
 /// The lazily created state of one GPU.
 pub(crate) struct DeviceState {
     pub ordinal: usize,
@@ -263,11 +212,8 @@ pub(crate) struct DeviceState {
     pub total_mem: usize,
     /// The device error flag (see `error_flag.rs`).
     errors: ErrorFlag,
-    pub modules: Mutex<HashMap<Module, usize>>,
-    pub funcs: Mutex<FastMap<FuncKey, Func>>,
-    /// Generated kernels (lazy chains, expression programs, user kernels), memoized per
-    /// generator under a key of the generator's choosing (see [`DeviceState::generated_func`]).
-    pub generated: Generated,
+    /// Built-in and generated kernels (see `kernels.rs`).
+    kernels: KernelCache,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
     pub block_cache: Mutex<BlockCache>,
@@ -493,9 +439,7 @@ impl DeviceState {
                 sm_count,
                 total_mem,
                 errors,
-                modules: Mutex::new(HashMap::new()),
-                funcs: Mutex::new(FastMap::default()),
-                generated: Generated::default(),
+                kernels: KernelCache::default(),
                 blas: Mutex::new(None),
                 staging: Mutex::new(Staging {
                     blocks: Vec::new(),
@@ -619,35 +563,14 @@ impl DeviceState {
     }
 
     /// The kernel named by `parts` joined with `_` (e.g. `["unary", "exp", "float", "c"]`) in
-    /// `module`, compiling (or loading from the disk cache) the module on first use. Memoized
-    /// by the parts themselves, so the hot path formats no string.
+    /// `module`, compiling (or loading from the disk cache) the module on first use (see
+    /// [`KernelCache::func`]).
     pub fn func(&self, module: Module, parts: &[&'static str]) -> Result<Func> {
-        let mut names = [""; 5];
-        names[..parts.len()].copy_from_slice(parts);
-        let key = FuncKey(names);
-        if let Some(f) = self.funcs.lock().unwrap().get(&key) {
-            return Ok(*f);
-        }
-        let name = parts.join("_");
-        let m = self.module(module)?;
-        let cname = CString::new(name.as_str()).map_err(|e| Error::backend("kernel lookup", e))?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: `m` is a loaded module of this context; valid out-pointer.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m as sys::CUmodule, cname.as_ptr()) },
-            "cuModuleGetFunction",
-        )
-        .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
-        self.funcs.lock().unwrap().insert(key, Func(f));
-        Ok(Func(f))
+        self.kernels.func(self.arch, module, parts)
     }
 
-    /// The generated kernel memoized under `key` in the memo of key type `K` (one per
-    /// generator; the type is the generator's own, so this module names none of them): on a
-    /// miss, `build` returns the CUBIN and the kernel's name, the module is loaded and kept
-    /// (unloaded by [`clear_kernel_cache`]). `None` when the key is new and this generator
-    /// already holds `budget` kernels on this device. The memo is locked while `build` runs,
-    /// so two threads never compile the same kernel twice (other generators are not held up).
+    /// The generated kernel memoized under `key` (see [`KernelCache::generated_func`]); the
+    /// device's context is made current before the module is loaded.
     pub fn generated_func<K>(
         &self,
         key: &K,
@@ -657,83 +580,8 @@ impl DeviceState {
     where
         K: Clone + Eq + std::hash::Hash + Send + 'static,
     {
-        let slot: Slot = self
-            .generated
-            .slots
-            .lock()
-            .unwrap()
-            .entry(std::any::TypeId::of::<K>())
-            .or_insert_with(|| {
-                std::sync::Arc::new(Mutex::new(Box::new(FastMap::<K, Func>::default())))
-            })
-            .clone();
-        let mut guard = slot.lock().unwrap();
-        let map = guard
-            .downcast_mut::<FastMap<K, Func>>()
-            .expect("a memo slot holds the map of its own key type");
-        if let Some(f) = map.get(key) {
-            return Ok(Some(*f));
-        }
-        if map.len() >= budget {
-            return Ok(None);
-        }
-        let (bin, name) = build()?;
-        self.bind()?;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image (NVRTC output for this device's architecture), alive
-        // for the call; valid out-pointer; this device's context is current (bound above).
-        check(
-            unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-            "cuModuleLoadData",
-        )?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
-        let found = check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) },
-            "cuModuleGetFunction",
-        );
-        if let Err(e) = found {
-            // SAFETY: the module was loaded above and none of its functions is known.
-            unsafe { sys::cuModuleUnload(m) };
-            return Err(Error::backend(
-                "cuModuleGetFunction",
-                format!(
-                    "no kernel `{}` in the compiled module: {e}",
-                    name.to_string_lossy()
-                ),
-            ));
-        }
-        self.generated.modules.lock().unwrap().push(m as usize);
-        map.insert(key.clone(), Func(f));
-        Ok(Some(Func(f)))
-    }
-
-    fn module(&self, module: Module) -> Result<usize> {
-        let mut mods = self.modules.lock().unwrap();
-        if let Some(&m) = mods.get(&module) {
-            return Ok(m);
-        }
-        let bin = crate::nvrtc::load_or_compile(module, self.arch).map_err(|e| {
-            Error::backend(
-                "nvrtc",
-                format!("compiling {} for sm_{}: {e}", module.file_name(), self.arch),
-            )
-        })?;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
-        let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
-        if r != CUresult::CUDA_SUCCESS {
-            // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
-            let bin =
-                crate::nvrtc::compile(module, self.arch).map_err(|e| Error::backend("nvrtc", e))?;
-            // SAFETY: as above.
-            check(
-                unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-                "cuModuleLoadData",
-            )?;
-        }
-        mods.insert(module, m as usize);
-        Ok(m as usize)
+        self.kernels
+            .generated_func(key, budget, build, || self.bind())
     }
 
     /// Launches `f` on the calling thread's current stream. `params` point at the kernel's

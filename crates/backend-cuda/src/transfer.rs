@@ -390,7 +390,7 @@ fn enable_peer(a: &DeviceState, b: &DeviceState) {
             desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
             set_location_id(&mut desc.location, x.ordinal as i32);
             desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            sys::cuMemPoolSetAccess(y.pool, &desc, 1);
+            sys::cuMemPoolSetAccess(y.allocator().pool(), &desc, 1);
         }
     }
 }

@@ -12,20 +12,22 @@
 //! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
 
 use std::ffi::{CString, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
+mod allocator;
 mod error_flag;
 mod kernels;
 
+pub(crate) use allocator::Allocator;
 use error_flag::ErrorFlag;
 pub(crate) use kernels::Func;
 use kernels::KernelCache;
 
-use crate::pool::{BlockCache, DeferredFree, GraphPool};
+use crate::pool::GraphPool;
 use crate::sources::Module;
 use crate::types::CudaDevice;
 
@@ -204,7 +206,6 @@ pub(crate) struct DeviceState {
     pub ctx: sys::CUcontext,
     pub compute: sys::CUstream,
     pub copy: sys::CUstream,
-    pub pool: sys::CUmemoryPool,
     pub name: String,
     /// Compute capability, `major * 10 + minor`.
     pub arch: u32,
@@ -216,14 +217,10 @@ pub(crate) struct DeviceState {
     kernels: KernelCache,
     pub blas: Mutex<Option<Blas>>,
     pub staging: Mutex<Staging>,
-    pub block_cache: Mutex<BlockCache>,
-    pub in_use: AtomicUsize,
-    pub peak: AtomicUsize,
+    /// The allocator's state (see `allocator.rs`; the policy is `memory.rs`'s).
+    alloc: Allocator,
     pub peers_enabled: Mutex<Vec<usize>>,
     pub tf32_override: AtomicBool,
-    /// Blocks waiting for other streams before they can be reused (see `memory.rs`).
-    pub deferred_frees: Mutex<Vec<DeferredFree>>,
-    pub deferred_count: AtomicUsize,
     /// Sources of asynchronous host-to-device copies, kept alive until their copy is done.
     pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
     /// Spare events (timing disabled) for ordering streams and tracking copies.
@@ -278,7 +275,7 @@ impl crate::profile::Site for DeviceState {
         self.stream()
     }
     fn bytes_in_use(&self) -> usize {
-        self.in_use.load(std::sync::atomic::Ordering::Relaxed)
+        self.alloc.in_use()
     }
     fn capturing(&self) -> bool {
         DeviceState::capturing(self)
@@ -433,7 +430,7 @@ impl DeviceState {
                 ctx,
                 compute,
                 copy,
-                pool,
+                alloc: Allocator::new(pool),
                 name,
                 arch: (major * 10 + minor) as u32,
                 sm_count,
@@ -445,18 +442,18 @@ impl DeviceState {
                     blocks: Vec::new(),
                     next: 0,
                 }),
-                block_cache: Mutex::new(Default::default()),
-                in_use: AtomicUsize::new(0),
-                peak: AtomicUsize::new(0),
                 peers_enabled: Mutex::new(Vec::new()),
                 tf32_override: AtomicBool::new(false),
-                deferred_frees: Mutex::new(Vec::new()),
-                deferred_count: AtomicUsize::new(0),
                 in_flight: Mutex::new(Default::default()),
                 events: Mutex::new(Vec::new()),
                 spare_streams: Mutex::new(Vec::new()),
             })
         }
+    }
+
+    /// The allocator's state (the allocator itself is `memory.rs`).
+    pub fn allocator(&self) -> &Allocator {
+        &self.alloc
     }
 
     pub fn device(&self) -> CudaDevice {

@@ -178,7 +178,7 @@ pub(crate) fn gather_host_rows(
     dev.sweep_in_flight();
     let bufs = srcs
         .iter()
-        .map(|s| alloc_on(dev, rows.len() * s.out_row_bytes(), dev.copy))
+        .map(|s| alloc_on(dev, rows.len() * s.out_row_bytes(), dev.copy_stream()))
         .collect::<Result<Vec<_>>>()?;
     if rows.is_empty() || srcs.is_empty() {
         for b in &bufs {
@@ -194,7 +194,7 @@ pub(crate) fn gather_host_rows(
     }
     // The row numbers go to device memory first (one small DMA): every thread reads the number
     // of the row its words belong to, which over the bus would be one more read per word.
-    let idx_dev = alloc_on(dev, idx.len(), dev.copy)?;
+    let idx_dev = alloc_on(dev, idx.len(), dev.copy_stream())?;
     // SAFETY: `idx` is page-locked and kept alive (in-flight list, below) until the copy
     // stream passes the copy; the range is `idx_dev`'s.
     unsafe { dma_to_device(dev, idx_dev.device_ptr(), idx.as_bytes()) }?;
@@ -223,7 +223,7 @@ pub(crate) fn gather_host_rows(
             }
         })
         .collect();
-    let prev = set_current_stream(dev.ordinal, dev.copy);
+    let prev = set_current_stream(dev.ordinal, dev.copy_stream());
     let launched = (|| {
         for pair in arrays.chunks(2) {
             // Four words a thread per pass of the grid (the kernel's reads in flight).
@@ -300,7 +300,7 @@ pub(crate) fn copy_host_rows(
     dev.sweep_in_flight();
     let bufs = srcs
         .iter()
-        .map(|s| alloc_on(dev, n * s.out_row_bytes(), dev.copy))
+        .map(|s| alloc_on(dev, n * s.out_row_bytes(), dev.copy_stream()))
         .collect::<Result<Vec<_>>>()?;
     // Bytes to decode: (staged bytes on the device, output, divisor).
     let mut staged = Vec::new();
@@ -310,7 +310,7 @@ pub(crate) fn copy_host_rows(
             continue;
         }
         let raw = match s.bytes_over {
-            Some(d) => Some((alloc_on(dev, bytes.len(), dev.copy)?, d)),
+            Some(d) => Some((alloc_on(dev, bytes.len(), dev.copy_stream())?, d)),
             None => None,
         };
         let to = raw.as_ref().map_or(b.device_ptr(), |(r, _)| r.device_ptr());
@@ -324,7 +324,7 @@ pub(crate) fn copy_host_rows(
     }
     if !staged.is_empty() {
         let f = dev.func(Module::Util, &["decode", "bytes"])?;
-        let prev = set_current_stream(dev.ordinal, dev.copy);
+        let prev = set_current_stream(dev.ordinal, dev.copy_stream());
         let launched = staged.iter().try_for_each(|(src, dst, len, div)| {
             let (src, dst) = (src.device_ptr(), *dst);
             // 16 bytes a thread where both addresses allow it (device buffers are aligned).

@@ -740,7 +740,7 @@ pub mod raw {
     #[doc(hidden)]
     pub fn delay_copies(device: &CudaDevice, micros: u64) -> Result<()> {
         let s = state(device)?;
-        let prev = device::set_current_stream(s.ordinal, s.copy);
+        let prev = device::set_current_stream(s.ordinal, s.copy_stream());
         let r = spin(device, micros);
         device::set_current_stream(s.ordinal, prev);
         r

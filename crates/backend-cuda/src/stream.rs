@@ -62,8 +62,7 @@ impl Drop for Raw {
         // communicator's output, a user's scope), and its free records an event here.
         // Destroying the stream made that record a use after free (SIGSEGV at exit).
         if let Some(priority) = self.owned {
-            let mut spare = self.dev.spare_streams.lock().unwrap();
-            spare.push((priority, self.stream as usize));
+            self.dev.streams().put_spare(priority, self.stream);
         }
     }
 }
@@ -101,12 +100,7 @@ impl Stream {
     /// typically -5..=0, and values outside it are clamped by the driver).
     pub fn with_priority(dev: &CudaDevice, priority: i32) -> Result<Stream> {
         let st = state(dev)?;
-        let spare = {
-            let mut spare = st.spare_streams.lock().unwrap();
-            let i = spare.iter().rposition(|&(p, _)| p == priority);
-            i.map(|i| spare.swap_remove(i).1 as sys::CUstream)
-        };
-        let s = match spare {
+        let s = match st.streams().take_spare(priority) {
             Some(s) => s,
             None => {
                 let mut s = std::ptr::null_mut();
@@ -137,7 +131,7 @@ impl Stream {
     /// The device's default stream (where kiln works outside any scope).
     pub fn default_stream(dev: &CudaDevice) -> Result<Stream> {
         let st = state(dev)?;
-        Ok(Self::wrap(st, st.compute))
+        Ok(Self::wrap(st, st.default_stream()))
     }
 
     /// The calling thread's current stream on `dev`.

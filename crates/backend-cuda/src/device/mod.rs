@@ -21,11 +21,13 @@ use kiln_core::{Error, Result};
 mod allocator;
 mod error_flag;
 mod kernels;
+mod streams;
 
 pub(crate) use allocator::Allocator;
 use error_flag::ErrorFlag;
 pub(crate) use kernels::Func;
 use kernels::KernelCache;
+pub(crate) use streams::Streams;
 
 use crate::pool::GraphPool;
 use crate::sources::Module;
@@ -204,8 +206,8 @@ pub(crate) struct DeviceState {
     pub ordinal: usize,
     pub cu_dev: sys::CUdevice,
     pub ctx: sys::CUcontext,
-    pub compute: sys::CUstream,
-    pub copy: sys::CUstream,
+    /// Compute and copy streams, spare streams and events (see `streams.rs`).
+    streams: Streams,
     pub name: String,
     /// Compute capability, `major * 10 + minor`.
     pub arch: u32,
@@ -223,12 +225,6 @@ pub(crate) struct DeviceState {
     pub tf32_override: AtomicBool,
     /// Sources of asynchronous host-to-device copies, kept alive until their copy is done.
     pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
-    /// Spare events (timing disabled) for ordering streams and tracking copies.
-    pub events: Mutex<Vec<usize>>,
-    /// Streams of dropped [`crate::Stream`]s, by priority, for the next `Stream::new`. A stream
-    /// is never destroyed: blocks it used still name it, and record an event on it when they
-    /// are freed (see `memory.rs`), possibly long after the `Stream` was dropped.
-    pub spare_streams: Mutex<Vec<(i32, usize)>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -403,11 +399,7 @@ impl DeviceState {
                 sys::cuDeviceTotalMem_v2(&mut total_mem, cu_dev),
                 "cuDeviceTotalMem",
             )?;
-            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-            let mut compute = std::ptr::null_mut();
-            check(sys::cuStreamCreate(&mut compute, flags), "cuStreamCreate")?;
-            let mut copy = std::ptr::null_mut();
-            check(sys::cuStreamCreate(&mut copy, flags), "cuStreamCreate")?;
+            let streams = Streams::create()?;
             // The device's default stream-ordered pool, keeping freed memory cached.
             let mut pool = std::ptr::null_mut();
             check(
@@ -428,8 +420,7 @@ impl DeviceState {
                 ordinal,
                 cu_dev,
                 ctx,
-                compute,
-                copy,
+                streams,
                 alloc: Allocator::new(pool),
                 name,
                 arch: (major * 10 + minor) as u32,
@@ -445,8 +436,6 @@ impl DeviceState {
                 peers_enabled: Mutex::new(Vec::new()),
                 tf32_override: AtomicBool::new(false),
                 in_flight: Mutex::new(Default::default()),
-                events: Mutex::new(Vec::new()),
-                spare_streams: Mutex::new(Vec::new()),
             })
         }
     }
@@ -468,29 +457,37 @@ impl DeviceState {
             c.get(self.ordinal)
                 .map_or(std::ptr::null_mut(), |c| c.get())
         });
-        if s.is_null() { self.compute } else { s }
+        if s.is_null() {
+            self.streams.compute()
+        } else {
+            s
+        }
     }
 
     /// An event with timing disabled, from the device's spare list. Give it back with
     /// [`DeviceState::recycle_event`] once every wait on its recording has been enqueued (a
     /// later re-record does not affect waits already enqueued) and nobody queries it.
     pub fn event(&self) -> Result<sys::CUevent> {
-        if let Some(e) = self.events.lock().unwrap().pop() {
-            return Ok(e as sys::CUevent);
-        }
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is current (callers bind first).
-        check(
-            unsafe {
-                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
-            "cuEventCreate",
-        )?;
-        Ok(ev)
+        self.streams.event()
     }
 
     pub fn recycle_event(&self, ev: sys::CUevent) {
-        self.events.lock().unwrap().push(ev as usize);
+        self.streams.recycle_event(ev);
+    }
+
+    /// The device's default (compute) stream.
+    pub fn default_stream(&self) -> sys::CUstream {
+        self.streams.compute()
+    }
+
+    /// The device's copy stream (host transfers).
+    pub fn copy_stream(&self) -> sys::CUstream {
+        self.streams.copy()
+    }
+
+    /// The device's streams (spare user streams).
+    pub fn streams(&self) -> &Streams {
+        &self.streams
     }
 
     /// Drops the sources of host-to-device copies that have finished.

@@ -203,7 +203,7 @@ pub(crate) fn matmul(
         matvec(dev, (a, la), (b, lb), &out, dtype)?;
         return Ok(out);
     }
-    let tf32 = allow_tf32() || dev.tf32_override.load(Ordering::Relaxed);
+    let tf32 = allow_tf32();
     // With TF32 allowed the product is cuBLAS's (tensor cores), whatever its size.
     let small = batch.saturating_mul(m).saturating_mul(n).saturating_mul(k) <= SMALL_GEMM_MACS
         && batch as u64 * m.div_ceil(16) as u64 <= 65_535

@@ -137,7 +137,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
         )?;
     } else {
         let block_bytes = staging_bytes();
-        let mut st = dev.staging.lock().unwrap();
+        let mut st = dev.transfers().staging();
         for (k, chunk) in data.chunks(block_bytes).enumerate() {
             let i = staging_block(&mut st, true)?;
             let (h, ev) = st.blocks[i];
@@ -202,7 +202,7 @@ pub(crate) fn hand_over(
     op: &'static str,
 ) -> Result<()> {
     let event = Arc::new(SharedEvent::record(dev, dev.copy_stream(), op)?);
-    dev.in_flight.lock().unwrap().push_back(InFlight {
+    dev.transfers().keep_in_flight(InFlight {
         event: event.clone(),
         _owner: Arc::new(owners),
     });
@@ -266,7 +266,7 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
         }
     }
     let block_bytes = staging_bytes();
-    let mut st = dev.staging.lock().unwrap();
+    let mut st = dev.transfers().staging();
     let n = out.len().div_ceil(block_bytes);
     let mut pending: std::collections::VecDeque<(usize, usize)> = Default::default();
     let drain = |st: &Staging, out: &mut [u8], (k, i): (usize, usize)| -> Result<()> {
@@ -380,26 +380,23 @@ fn cross_order(from: &DeviceState, to: &DeviceState, op: &'static str) -> Result
 /// hardware allows; otherwise peer copies are staged by the driver.
 fn enable_peer(a: &DeviceState, b: &DeviceState) {
     for (x, y) in [(a, b), (b, a)] {
-        let mut done = x.peers_enabled.lock().unwrap();
-        if done.contains(&y.ordinal) {
-            continue;
-        }
-        done.push(y.ordinal);
-        let mut can = 0;
-        // SAFETY: valid devices and out-pointer; failures only mean no direct access.
-        unsafe {
-            sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev, y.cu_dev);
-            if can == 0 || x.bind().is_err() {
-                continue;
+        x.transfers().with_peer_once(y.ordinal, || {
+            let mut can = 0;
+            // SAFETY: valid devices and out-pointer; failures only mean no direct access.
+            unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev, y.cu_dev);
+                if can == 0 || x.bind().is_err() {
+                    return;
+                }
+                sys::cuCtxEnablePeerAccess(y.ctx, 0);
+                // Let x read and write memory of y's pool.
+                let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
+                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                set_location_id(&mut desc.location, x.ordinal as i32);
+                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                sys::cuMemPoolSetAccess(y.allocator().pool(), &desc, 1);
             }
-            sys::cuCtxEnablePeerAccess(y.ctx, 0);
-            // Let x read and write memory of y's pool.
-            let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
-            desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            set_location_id(&mut desc.location, x.ordinal as i32);
-            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            sys::cuMemPoolSetAccess(y.allocator().pool(), &desc, 1);
-        }
+        });
     }
 }
 

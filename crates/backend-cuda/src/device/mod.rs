@@ -12,7 +12,7 @@
 //! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
 
 use std::ffi::{CString, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
@@ -22,12 +22,14 @@ mod allocator;
 mod error_flag;
 mod kernels;
 mod streams;
+mod transfers;
 
 pub(crate) use allocator::Allocator;
 use error_flag::ErrorFlag;
 pub(crate) use kernels::Func;
 use kernels::KernelCache;
 pub(crate) use streams::Streams;
+pub(crate) use transfers::{InFlight, STAGING_BLOCKS, Staging, Transfers, staging_bytes};
 
 use crate::pool::GraphPool;
 use crate::sources::Module;
@@ -179,28 +181,6 @@ pub(crate) struct Blas {
 // SAFETY: the handle is only used under the `blas` mutex.
 unsafe impl Send for Blas {}
 
-/// Pinned host buffers for transfers: a ring of `STAGING_BLOCKS` blocks of [`staging_bytes`],
-/// each with the event of its last DMA, so a block is reused only once its copy is done.
-pub(crate) struct Staging {
-    pub blocks: Vec<(*mut u8, sys::CUevent)>,
-    pub next: usize,
-}
-// SAFETY: only used under the `staging` mutex.
-unsafe impl Send for Staging {}
-/// The size of one staging block: `KILN_CUDA_STAGING_MB` MiB (default 32, the best of 8 and 32
-/// for 256 MB copies on an H100 host, BENCHMARKS.md; read once).
-pub(crate) fn staging_bytes() -> usize {
-    static B: OnceLock<usize> = OnceLock::new();
-    *B.get_or_init(|| {
-        let mb = std::env::var("KILN_CUDA_STAGING_MB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(32);
-        mb.clamp(1, 256) << 20
-    })
-}
-pub(crate) const STAGING_BLOCKS: usize = 4;
-
 /// The lazily created state of one GPU.
 pub(crate) struct DeviceState {
     pub ordinal: usize,
@@ -218,13 +198,10 @@ pub(crate) struct DeviceState {
     /// Built-in and generated kernels (see `kernels.rs`).
     kernels: KernelCache,
     pub blas: Mutex<Option<Blas>>,
-    pub staging: Mutex<Staging>,
     /// The allocator's state (see `allocator.rs`; the policy is `memory.rs`'s).
     alloc: Allocator,
-    pub peers_enabled: Mutex<Vec<usize>>,
-    pub tf32_override: AtomicBool,
-    /// Sources of asynchronous host-to-device copies, kept alive until their copy is done.
-    pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
+    /// The staging ring, copies in flight and peers (see `transfers.rs`).
+    transfers: Transfers,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -285,13 +262,6 @@ pub(crate) fn set_current_stream(ordinal: usize, stream: sys::CUstream) -> sys::
         Some(c) => c.replace(stream),
         None => std::ptr::null_mut(),
     })
-}
-
-/// Host memory that an asynchronous copy still reads (a pinned source's storage), held until
-/// the copy's event completes.
-pub(crate) struct InFlight {
-    pub event: std::sync::Arc<SharedEvent>,
-    pub _owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 /// An event of the device's pool with several holders (an upload's in-flight record and the
@@ -429,13 +399,7 @@ impl DeviceState {
                 errors,
                 kernels: KernelCache::default(),
                 blas: Mutex::new(None),
-                staging: Mutex::new(Staging {
-                    blocks: Vec::new(),
-                    next: 0,
-                }),
-                peers_enabled: Mutex::new(Vec::new()),
-                tf32_override: AtomicBool::new(false),
-                in_flight: Mutex::new(Default::default()),
+                transfers: Transfers::default(),
             })
         }
     }
@@ -492,15 +456,12 @@ impl DeviceState {
 
     /// Drops the sources of host-to-device copies that have finished.
     pub fn sweep_in_flight(&self) {
-        let mut q = self.in_flight.lock().unwrap();
-        while let Some(f) = q.front() {
-            // SAFETY: a live event of this context.
-            let r = unsafe { sys::cuEventQuery(f.event.event) };
-            if r == CUresult::CUDA_ERROR_NOT_READY {
-                break;
-            }
-            q.pop_front(); // the event returns to the pool with its last holder
-        }
+        self.transfers.sweep_in_flight();
+    }
+
+    /// The staging ring, copies in flight and peers of this device.
+    pub fn transfers(&self) -> &Transfers {
+        &self.transfers
     }
 
     /// Whether the calling thread is capturing a CUDA graph on this device (`graph.rs`).

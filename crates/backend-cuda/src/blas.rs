@@ -173,7 +173,7 @@ pub(crate) fn matmul(
     dtype: DType,
 ) -> Result<Buffer> {
     const OP: &str = "matmul";
-    if a.state().ordinal != b.state().ordinal {
+    if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {
             op: OP,
             lhs: a.device().to_string(),
@@ -226,7 +226,7 @@ pub(crate) fn matmul(
     let (lda, ldb, batch_) = (int(OP, lda)?, int(OP, ldb)?, int(OP, batch)?);
     let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
     let (pa, pb) = (operand_ptr(a, la, dtype), operand_ptr(b, lb, dtype));
-    let mut guard = dev.blas.lock().unwrap();
+    let mut guard = dev.blas();
     if guard.is_none() {
         // SAFETY: only dlopens libcublas by its candidate names.
         if !unsafe { cb::is_culib_present() } {

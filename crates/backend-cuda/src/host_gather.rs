@@ -223,7 +223,7 @@ pub(crate) fn gather_host_rows(
             }
         })
         .collect();
-    let prev = set_current_stream(dev.ordinal, dev.copy_stream());
+    let prev = set_current_stream(dev.ordinal(), dev.copy_stream());
     let launched = (|| {
         for pair in arrays.chunks(2) {
             // Four words a thread per pass of the grid (the kernel's reads in flight).
@@ -243,7 +243,7 @@ pub(crate) fn gather_host_rows(
         }
         Ok(())
     })();
-    set_current_stream(dev.ordinal, prev);
+    set_current_stream(dev.ordinal(), prev);
     launched?;
     // `idx_dev` is freed on the copy stream, after the kernel that reads it (the pool reuses
     // it in stream order).
@@ -324,7 +324,7 @@ pub(crate) fn copy_host_rows(
     }
     if !staged.is_empty() {
         let f = dev.func(Module::Util, &["decode", "bytes"])?;
-        let prev = set_current_stream(dev.ordinal, dev.copy_stream());
+        let prev = set_current_stream(dev.ordinal(), dev.copy_stream());
         let launched = staged.iter().try_for_each(|(src, dst, len, div)| {
             let (src, dst) = (src.device_ptr(), *dst);
             // 16 bytes a thread where both addresses allow it (device buffers are aligned).
@@ -344,7 +344,7 @@ pub(crate) fn copy_host_rows(
             let grid = [blocks.min(decode_blocks()) as u32, 1, 1];
             dev.launch_3d(COPY_OP, f, grid, [BLOCK, 1, 1], 0, args.ptrs())
         });
-        set_current_stream(dev.ordinal, prev);
+        set_current_stream(dev.ordinal(), prev);
         launched?;
     }
     // The staged bytes are freed on the copy stream, after the kernels that read them.

@@ -8,7 +8,7 @@
 //!   `None` — never a panic. The bound CUDA version is 13.0 by default; build with
 //!   `--no-default-features --features cuda-12080` (or `cuda-12060`, `cuda-12040`) for a 12.x
 //!   driver.
-//! - **Per-GPU state, created lazily** (`device.rs`): context, a default (compute) stream, a
+//! - **Per-GPU state, created lazily** (`device/`): context, a default (compute) stream, a
 //!   copy stream, the cuBLAS handle, the kernel cache.
 //! - **Streams and events for users** (`stream.rs`): [`Stream::scope`] makes a stream current
 //!   for the calling thread; every launch, allocation, cuBLAS call and copy goes to the current
@@ -18,7 +18,7 @@
 //!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs
 //!   `Tensor::<Cpu>::pin_memory`.
 //! - **Our own kernels** (`kernels/*.cu`), compiled by NVRTC for the device's architecture on
-//!   first use, memoized per device (`device.rs`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
+//!   first use, memoized per device (`device/`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used
 //!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
@@ -55,10 +55,10 @@
 //! 2. **Code generator, pure** — `codegen/` (expression IR → CUDA C; the deferral layer's
 //!    recorded chains are expression programs too).
 //! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `profile.rs` (the device's records for
-//!    kiln-core's profiler, through a trait the device state implements), `device.rs`
-//!    (context, streams, per-device memo of modules and of generated kernels, type-erased so
-//!    that it names no generator; the error flag), `memory.rs`, `pinned.rs`, `stream.rs`,
-//!    `transfer.rs`.
+//!    kiln-core's profiler, through a trait the device state implements), `device/` (the
+//!    per-GPU state as owned parts: context and identity, streams and events, the kernel
+//!    cache — type-erased so that it names no generator —, the allocator's state, transfers'
+//!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
 //! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
@@ -740,9 +740,9 @@ pub mod raw {
     #[doc(hidden)]
     pub fn delay_copies(device: &CudaDevice, micros: u64) -> Result<()> {
         let s = state(device)?;
-        let prev = device::set_current_stream(s.ordinal, s.copy_stream());
+        let prev = device::set_current_stream(s.ordinal(), s.copy_stream());
         let r = spin(device, micros);
-        device::set_current_stream(s.ordinal, prev);
+        device::set_current_stream(s.ordinal(), prev);
         r
     }
 

@@ -69,7 +69,8 @@ impl std::fmt::Debug for Buffer {
         write!(
             f,
             "Buffer({} bytes on cuda:{})",
-            self.bytes, self.dev.ordinal
+            self.bytes,
+            self.dev.ordinal()
         )
     }
 }

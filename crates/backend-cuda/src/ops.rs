@@ -25,7 +25,7 @@ fn ptr_at(s: &Buffer, l: &Layout, dtype: DType) -> u64 {
 }
 
 fn same_device(op: &'static str, a: &Buffer, b: &Buffer) -> Result<()> {
-    if a.state().ordinal != b.state().ordinal {
+    if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {
             op,
             lhs: a.device().to_string(),
@@ -559,7 +559,7 @@ pub(crate) fn reduce(
         _ => true,
     };
     let t = tname(dtype);
-    let sms = dev.sm_count as usize;
+    let sms = dev.sm_count() as usize;
     if !row_mode {
         // 32 outputs per block; split the reduced elements too when that leaves the GPU idle.
         let grid_x = nout.div_ceil(32).min(sms * 32);
@@ -750,7 +750,7 @@ pub(crate) fn softmax(s: &Buffer, l: &Layout, dtype: DType, log: bool) -> Result
         .push(cs)
         .push(log as i32)
         .push(smem as i32);
-    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    let grid = (rows.min(dev.sm_count() as usize * 32) as u32, 1);
     let shared = if smem { row_bytes as u32 } else { 0 };
     run(
         dev,
@@ -796,7 +796,7 @@ pub(crate) fn cross_entropy(
         .push(ll.offset() as u64)
         .push(ll.strides()[0] as u64)
         .push(dev.err_flag());
-    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    let grid = (rows.min(dev.sm_count() as usize * 32) as u32, 1);
     run(
         dev,
         OP,
@@ -846,7 +846,7 @@ pub(crate) fn cross_entropy_backward(
         .push(lg.offset() as u64)
         .push(lg.strides()[0] as u64)
         .push(dev.err_flag());
-    let grid = (rows.min(dev.sm_count as usize * 32) as u32, 1);
+    let grid = (rows.min(dev.sm_count() as usize * 32) as u32, 1);
     run(
         dev,
         OP,

@@ -39,7 +39,7 @@ use kiln_core::profile::{
     self, CopyKind, DeviceTime, DeviceTimer, Event, Kind, LaunchKind, enabled, now_ns,
 };
 
-/// Devices this module keeps event pools and anchors for (`device.rs` checks that it equals
+/// Devices this module keeps event pools and anchors for (`device/` checks that it equals
 /// its own per-device table size).
 pub(crate) const MAX_DEVICES: usize = 16;
 

@@ -26,7 +26,7 @@ impl std::fmt::Debug for CudaStorage {
             f,
             "CudaStorage({} bytes on cuda:{}{what})",
             self.len_bytes(),
-            self.state().ordinal
+            self.state().ordinal()
         )
     }
 }

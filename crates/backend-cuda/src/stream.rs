@@ -168,7 +168,7 @@ impl Stream {
 
     /// Makes this stream current on its device until the guard drops.
     pub fn enter(&self) -> StreamGuard {
-        let prev = set_current_stream(self.raw.dev.ordinal, self.raw.stream);
+        let prev = set_current_stream(self.raw.dev.ordinal(), self.raw.stream);
         StreamGuard {
             stream: self.clone(),
             prev,
@@ -276,7 +276,7 @@ pub struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        set_current_stream(self.stream.raw.dev.ordinal, self.prev);
+        set_current_stream(self.stream.raw.dev.ordinal(), self.prev);
     }
 }
 

@@ -342,9 +342,9 @@ pub(crate) fn copy_peer(
         unsafe {
             sys::cuMemcpyPeerAsync(
                 dst.device_ptr(),
-                dst_dev.ctx,
+                dst_dev.ctx(),
                 src.device_ptr() + off as u64,
-                src_dev.ctx,
+                src_dev.ctx(),
                 bytes,
                 src_dev.stream(),
             )
@@ -380,19 +380,19 @@ fn cross_order(from: &DeviceState, to: &DeviceState, op: &'static str) -> Result
 /// hardware allows; otherwise peer copies are staged by the driver.
 fn enable_peer(a: &DeviceState, b: &DeviceState) {
     for (x, y) in [(a, b), (b, a)] {
-        x.transfers().with_peer_once(y.ordinal, || {
+        x.transfers().with_peer_once(y.ordinal(), || {
             let mut can = 0;
             // SAFETY: valid devices and out-pointer; failures only mean no direct access.
             unsafe {
-                sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev, y.cu_dev);
+                sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev(), y.cu_dev());
                 if can == 0 || x.bind().is_err() {
                     return;
                 }
-                sys::cuCtxEnablePeerAccess(y.ctx, 0);
+                sys::cuCtxEnablePeerAccess(y.ctx(), 0);
                 // Let x read and write memory of y's pool.
                 let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
                 desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-                set_location_id(&mut desc.location, x.ordinal as i32);
+                set_location_id(&mut desc.location, x.ordinal() as i32);
                 desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
                 sys::cuMemPoolSetAccess(y.allocator().pool(), &desc, 1);
             }

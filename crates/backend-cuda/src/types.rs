@@ -6,7 +6,7 @@
 //! They are plain values that know nothing of the driver, so they sit at the bottom of the
 //! crate: the runtime, the ops and the user kernels name them without importing `lib.rs`,
 //! which only holds the [`kiln_core::Backend`] implementation that calls down into them. The
-//! methods that reach a GPU (`CudaDevice::name` and friends) are implemented in `device.rs`.
+//! methods that reach a GPU (`CudaDevice::name` and friends) are implemented in `device/`.
 
 use std::fmt;
 

@@ -181,27 +181,28 @@ pub(crate) struct Blas {
 // SAFETY: the handle is only used under the `blas` mutex.
 unsafe impl Send for Blas {}
 
-/// The lazily created state of one GPU.
+/// The lazily created state of one GPU: its identity (read-only after creation, read through
+/// methods), then owned parts, each with private state and methods, in its own file: streams
+/// and events (`streams.rs`), the kernel cache (`kernels.rs`), the allocator's state
+/// (`allocator.rs`), transfers' state (`transfers.rs`), the error flag (`error_flag.rs`), and
+/// the cuBLAS handle (used by `blas.rs` under its lock).
 pub(crate) struct DeviceState {
-    pub ordinal: usize,
-    pub cu_dev: sys::CUdevice,
-    pub ctx: sys::CUcontext,
-    /// Compute and copy streams, spare streams and events (see `streams.rs`).
-    streams: Streams,
-    pub name: String,
+    ordinal: usize,
+    cu_dev: sys::CUdevice,
+    /// The retained primary context.
+    ctx: sys::CUcontext,
+    name: String,
     /// Compute capability, `major * 10 + minor`.
-    pub arch: u32,
-    pub sm_count: u32,
-    pub total_mem: usize,
-    /// The device error flag (see `error_flag.rs`).
-    errors: ErrorFlag,
-    /// Built-in and generated kernels (see `kernels.rs`).
+    arch: u32,
+    sm_count: u32,
+    total_mem: usize,
+    streams: Streams,
     kernels: KernelCache,
-    pub blas: Mutex<Option<Blas>>,
-    /// The allocator's state (see `allocator.rs`; the policy is `memory.rs`'s).
     alloc: Allocator,
-    /// The staging ring, copies in flight and peers (see `transfers.rs`).
     transfers: Transfers,
+    errors: ErrorFlag,
+    /// The cuBLAS handle, created on first matmul (`blas.rs`).
+    blas: Mutex<Option<Blas>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -402,6 +403,36 @@ impl DeviceState {
                 transfers: Transfers::default(),
             })
         }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The driver's handle of the device.
+    pub fn cu_dev(&self) -> sys::CUdevice {
+        self.cu_dev
+    }
+
+    /// The device's (retained primary) context.
+    pub fn ctx(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
+    /// Compute capability, `major * 10 + minor`.
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    /// Multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// The cuBLAS handle slot (`None` until `blas.rs` creates it), locked while a call uses it.
+    pub fn blas(&self) -> std::sync::MutexGuard<'_, Option<Blas>> {
+        self.blas.lock().unwrap()
     }
 
     /// The allocator's state (the allocator itself is `memory.rs`).

@@ -431,7 +431,7 @@ impl ReductionKernel {
             for (phase, blocks) in [(0u32, slots), (1, n_kept)] {
                 let mut a = args.clone();
                 a.push(parts as u64).push(phase).push(partials.device_ptr());
-                let grid = (blocks.min(s.sm_count as usize * 16) as u32, 1);
+                let grid = (blocks.min(s.sm_count() as usize * 16) as u32, 1);
                 s.launch(OP, f, grid, BLOCK, 0, a.ptrs())?;
             }
         } else if n_kept > 0 {
@@ -440,7 +440,7 @@ impl ReductionKernel {
             } else {
                 (n_red.next_power_of_two() as u32).clamp(32, BLOCK)
             };
-            let blocks = n_kept.min(s.sm_count as usize * 16).max(1);
+            let blocks = n_kept.min(s.sm_count() as usize * 16).max(1);
             s.launch(OP, f, (blocks as u32, 1), block, 0, args.ptrs())?;
         }
         drop(held);

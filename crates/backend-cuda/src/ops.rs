@@ -558,12 +558,149 @@ pub(crate) fn reduce(
         (Some(r), Some(k)) => r < k || nout < 64,
         _ => true,
     };
-    let t = tname(dtype);
-    let sms = dev.sm_count() as usize;
-    if !row_mode {
+    let call = ReduceCall {
+        dev,
+        name,
+        t: tname(dtype),
+        sms: dev.sm_count() as usize,
+        src: s,
+        nout,
+        inner,
+        kdims,
+        kstr,
+        rdims,
+        rstr,
+        arg: op.is_arg(),
+        dtype,
+    };
+    if row_mode {
+        call.rows(&out, contig)?;
+    } else {
+        call.columns(&out)?;
+    }
+    Ok(out)
+}
+
+/// One reduction's launch parameters, after the dimensions were split and merged.
+struct ReduceCall<'a> {
+    dev: &'static DeviceState,
+    name: &'static str,
+    /// The element type's name in kernel names.
+    t: &'static str,
+    sms: usize,
+    src: &'a Buffer,
+    nout: usize,
+    inner: usize,
+    kdims: Dims,
+    kstr: Strides,
+    rdims: Dims,
+    rstr: Strides,
+    arg: bool,
+    dtype: DType,
+}
+
+impl ReduceCall<'_> {
+    /// Reduced elements closer together than kept ones: threads cooperate along the reduced
+    /// axes (a block per output, or `splits` partial blocks per output and a second pass).
+    fn rows(&self, out: &Buffer, contig: bool) -> Result<()> {
+        let ReduceCall {
+            dev,
+            name,
+            t,
+            sms,
+            src: s,
+            nout,
+            inner,
+            kdims,
+            kstr,
+            rdims,
+            rstr,
+            arg,
+            dtype,
+        } = *self;
+        let block = block_for(inner as u64, 256);
+        let kernel: &[&str] = &["reduce_row", name, t];
+        let splits = if !arg && nout < sms * 2 && inner >= 1 << 16 {
+            (sms * 8).div_ceil(nout).min(inner / 8192).max(1)
+        } else {
+            1
+        };
+        let grid_x = nout.min(sms * 32) as u32;
+        if splits == 1 {
+            let mut a = Args::new();
+            a.push(s.device_ptr())
+                .push(out.device_ptr())
+                .push(nout as u64)
+                .push(kdims)
+                .push(kstr)
+                .push(rdims)
+                .push(rstr)
+                .push(inner as u64)
+                .push(contig as i32)
+                .push(inner as u64);
+            run(
+                dev,
+                name,
+                Module::Reduce,
+                kernel,
+                (grid_x, 1),
+                block,
+                0,
+                &mut a,
+            )?;
+            return Ok(());
+        }
+        // Two passes: `splits` partial results per output, then one block per output
+        // combines them.
+        let chunk = inner.div_ceil(splits).next_multiple_of(16);
+        let splits = inner.div_ceil(chunk);
+        let partial = alloc(dev, nout * splits * dtype.size_in_bytes())?;
+        let mut a = Args::new();
+        a.push(s.device_ptr())
+            .push(partial.device_ptr())
+            .push(nout as u64)
+            .push(kdims)
+            .push(kstr)
+            .push(rdims)
+            .push(rstr)
+            .push(inner as u64)
+            .push(contig as i32)
+            .push(chunk as u64);
+        run(
+            dev,
+            name,
+            Module::Reduce,
+            kernel,
+            (grid_x, splits as u32),
+            256,
+            0,
+            &mut a,
+        )?;
+        combine_partials(dev, name, t, &partial, out, nout, splits, grid_x as usize)
+    }
+
+    /// Kept elements closer together than reduced ones: 32 outputs per block, each thread
+    /// folding one output's column; the reduced elements split too when that leaves the GPU
+    /// idle (then a second pass).
+    fn columns(&self, out: &Buffer) -> Result<()> {
+        let ReduceCall {
+            dev,
+            name,
+            t,
+            sms,
+            src: s,
+            nout,
+            inner,
+            kdims,
+            kstr,
+            rdims,
+            rstr,
+            arg,
+            dtype,
+        } = *self;
         // 32 outputs per block; split the reduced elements too when that leaves the GPU idle.
         let grid_x = nout.div_ceil(32).min(sms * 32);
-        let splits = if !op.is_arg() && inner >= 2048 {
+        let splits = if !arg && inner >= 2048 {
             (sms * 8).div_ceil(grid_x).min(inner / 512).max(1)
         } else {
             1
@@ -575,7 +712,7 @@ pub(crate) fn reduce(
         } else {
             None
         };
-        let dst = partial.as_ref().unwrap_or(&out);
+        let dst = partial.as_ref().unwrap_or(out);
         let mut a = Args::new();
         a.push(s.device_ptr())
             .push(dst.device_ptr())
@@ -602,7 +739,7 @@ pub(crate) fn reduce(
                 name,
                 t,
                 &partial,
-                &out,
+                out,
                 nout,
                 splits,
                 // One block per output (up to 32 per SM): a block of 32 threads has only a
@@ -610,67 +747,8 @@ pub(crate) fn reduce(
                 nout.min(sms * 32),
             )?;
         }
-        return Ok(out);
+        Ok(())
     }
-    let block = block_for(inner as u64, 256);
-    let kernel: &[&str] = &["reduce_row", name, t];
-    let splits = if !op.is_arg() && nout < sms * 2 && inner >= 1 << 16 {
-        (sms * 8).div_ceil(nout).min(inner / 8192).max(1)
-    } else {
-        1
-    };
-    let grid_x = nout.min(sms * 32) as u32;
-    if splits == 1 {
-        let mut a = Args::new();
-        a.push(s.device_ptr())
-            .push(out.device_ptr())
-            .push(nout as u64)
-            .push(kdims)
-            .push(kstr)
-            .push(rdims)
-            .push(rstr)
-            .push(inner as u64)
-            .push(contig as i32)
-            .push(inner as u64);
-        run(
-            dev,
-            name,
-            Module::Reduce,
-            kernel,
-            (grid_x, 1),
-            block,
-            0,
-            &mut a,
-        )?;
-        return Ok(out);
-    }
-    // Two passes: `splits` partial results per output, then one block per output combines them.
-    let chunk = inner.div_ceil(splits).next_multiple_of(16);
-    let splits = inner.div_ceil(chunk);
-    let partial = alloc(dev, nout * splits * dtype.size_in_bytes())?;
-    let mut a = Args::new();
-    a.push(s.device_ptr())
-        .push(partial.device_ptr())
-        .push(nout as u64)
-        .push(kdims)
-        .push(kstr)
-        .push(rdims)
-        .push(rstr)
-        .push(inner as u64)
-        .push(contig as i32)
-        .push(chunk as u64);
-    run(
-        dev,
-        name,
-        Module::Reduce,
-        kernel,
-        (grid_x, splits as u32),
-        256,
-        0,
-        &mut a,
-    )?;
-    combine_partials(dev, name, t, &partial, &out, nout, splits, grid_x as usize)?;
-    Ok(out)
 }
 
 /// The second pass of a split reduction: `partial` holds `splits` contiguous partial results

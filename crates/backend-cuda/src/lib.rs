@@ -59,7 +59,8 @@
 //!    per-GPU state as owned parts: context and identity, streams and events, the kernel
 //!    cache — type-erased so that it names no generator —, the allocator's state, transfers'
 //!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
-//! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates),
+//! 4. **Kernels and ops** — `ops/` (elementwise and data movement; reductions, rows, indexing
+//!    in submodules), `blas.rs`, `fused.rs` (optimizer updates),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),

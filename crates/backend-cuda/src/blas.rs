@@ -161,6 +161,53 @@ fn gemm_small(
     )
 }
 
+/// The device's cuBLAS handle in `guard` (created on first use), bound to `stream` and set to
+/// the TF32 mode asked for.
+fn ready_handle(guard: &mut Option<Blas>, stream: sys::CUstream, tf32: bool) -> Result<&mut Blas> {
+    const OP: &str = "matmul";
+    if guard.is_none() {
+        // SAFETY: only dlopens libcublas by its candidate names.
+        if !unsafe { cb::is_culib_present() } {
+            return Err(Error::backend(OP, "libcublas not found"));
+        }
+        let mut h = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; the handle is kept for the process' lifetime and bound to
+        // the caller's current stream below, before every call.
+        unsafe {
+            blas_check(cb::cublasCreate_v2(&mut h), OP)?;
+            blas_check(
+                cb::cublasSetMathMode(h, cb::cublasMath_t::CUBLAS_DEFAULT_MATH),
+                OP,
+            )?;
+        }
+        *guard = Some(Blas {
+            handle: h,
+            tf32: false,
+            stream: 0,
+        });
+    }
+    let blas = guard.as_mut().unwrap();
+    if blas.stream != stream as usize {
+        // SAFETY: a live handle, used under the lock; the stream belongs to its context.
+        blas_check(
+            unsafe { cb::cublasSetStream_v2(blas.handle, stream as _) },
+            OP,
+        )?;
+        blas.stream = stream as usize;
+    }
+    if blas.tf32 != tf32 {
+        let mode = if tf32 {
+            cb::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
+        } else {
+            cb::cublasMath_t::CUBLAS_DEFAULT_MATH
+        };
+        // SAFETY: a live handle, used under the lock.
+        blas_check(unsafe { cb::cublasSetMathMode(blas.handle, mode) }, OP)?;
+        blas.tf32 = tf32;
+    }
+    Ok(blas)
+}
+
 fn int(op: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(op, format!("dimension {v} exceeds cuBLAS's i32")))
 }
@@ -173,7 +220,7 @@ pub(crate) fn matmul(
     dtype: DType,
 ) -> Result<Buffer> {
     const OP: &str = "matmul";
-    if a.state().ordinal != b.state().ordinal {
+    if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {
             op: OP,
             lhs: a.device().to_string(),
@@ -203,7 +250,7 @@ pub(crate) fn matmul(
         matvec(dev, (a, la), (b, lb), &out, dtype)?;
         return Ok(out);
     }
-    let tf32 = allow_tf32() || dev.tf32_override.load(Ordering::Relaxed);
+    let tf32 = allow_tf32();
     // With TF32 allowed the product is cuBLAS's (tensor cores), whatever its size.
     let small = batch.saturating_mul(m).saturating_mul(n).saturating_mul(k) <= SMALL_GEMM_MACS
         && batch as u64 * m.div_ceil(16) as u64 <= 65_535
@@ -226,48 +273,8 @@ pub(crate) fn matmul(
     let (lda, ldb, batch_) = (int(OP, lda)?, int(OP, ldb)?, int(OP, batch)?);
     let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
     let (pa, pb) = (operand_ptr(a, la, dtype), operand_ptr(b, lb, dtype));
-    let mut guard = dev.blas.lock().unwrap();
-    if guard.is_none() {
-        // SAFETY: only dlopens libcublas by its candidate names.
-        if !unsafe { cb::is_culib_present() } {
-            return Err(Error::backend(OP, "libcublas not found"));
-        }
-        let mut h = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the handle is kept for the process' lifetime and bound to
-        // the caller's current stream below, before every call.
-        unsafe {
-            blas_check(cb::cublasCreate_v2(&mut h), OP)?;
-            blas_check(
-                cb::cublasSetMathMode(h, cb::cublasMath_t::CUBLAS_DEFAULT_MATH),
-                OP,
-            )?;
-        }
-        *guard = Some(Blas {
-            handle: h,
-            tf32: false,
-            stream: 0,
-        });
-    }
-    let blas = guard.as_mut().unwrap();
-    let stream = dev.stream();
-    if blas.stream != stream as usize {
-        // SAFETY: a live handle, used under the lock; the stream belongs to its context.
-        blas_check(
-            unsafe { cb::cublasSetStream_v2(blas.handle, stream as _) },
-            OP,
-        )?;
-        blas.stream = stream as usize;
-    }
-    if blas.tf32 != tf32 {
-        let mode = if tf32 {
-            cb::cublasMath_t::CUBLAS_TF32_TENSOR_OP_MATH
-        } else {
-            cb::cublasMath_t::CUBLAS_DEFAULT_MATH
-        };
-        // SAFETY: a live handle, used under the lock.
-        blas_check(unsafe { cb::cublasSetMathMode(blas.handle, mode) }, OP)?;
-        blas.tf32 = tf32;
-    }
+    let mut guard = dev.blas();
+    let blas = ready_handle(&mut guard, dev.stream(), tf32)?;
     let sc = (m * n) as i64;
     // One GEMM call, for element type `$t`: the plain entry point for one matrix (what
     // PyTorch's `mm` calls; cuBLAS's heuristics for the batched one can pick other kernels),

@@ -3,9 +3,9 @@
 //! # Why a module of its own
 //!
 //! `cargo xtask check-kernels` compiles every kernel kiln can run without a GPU (NVRTC needs
-//! none): our files under `kernels/` and sample sources of every code generator (`codegen.rs`,
+//! none): our files under `kernels/` and sample sources of every code generator (`codegen/`,
 //! `user_kernel/`). That needs every generator in view, so it sits above them;
-//! the runtime below (`nvrtc.rs`: NVRTC + disk cache; `device.rs`: per-device memo) imports
+//! the runtime below (`nvrtc.rs`: NVRTC + disk cache; `device/`: per-device memo) imports
 //! only source text. Nothing inside the crate imports this module.
 
 use std::path::{Path, PathBuf};

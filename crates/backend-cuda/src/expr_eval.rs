@@ -11,11 +11,12 @@ use std::sync::Arc;
 use kiln_core::expr::{Program, eval_composed};
 use kiln_core::{Error, Layout, Result, Shape};
 
-use crate::Cuda;
-use crate::device::{CudaDevice, state};
+use crate::device::state;
 use crate::expr_run::{Caller, planned, run_planned};
 use crate::memory::Buffer;
 use crate::storage::CudaStorage;
+use crate::types::Cuda;
+use crate::types::CudaDevice;
 
 /// Evaluates `program` fused (see the module docs).
 pub(crate) fn eval_expr(

@@ -185,7 +185,7 @@ impl Planned {
         caller: Caller,
     ) -> Result<Option<Func>> {
         let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
-        let key = (dev.ordinal, epoch, variant.vec);
+        let key = (dev.ordinal(), epoch, variant.vec);
         let hit = self
             .funcs
             .borrow()
@@ -533,13 +533,13 @@ fn launch(
             // Fewer kept elements than SMs (a full reduction, such as a norm): wider blocks,
             // since each block reduces its whole share alone. A 10,000-element norm took ~9 µs
             // of GPU time with 256 threads, more than the whole rest of d2l's loop step.
-            let max = if g.n < dev.sm_count as usize {
+            let max = if g.n < dev.sm_count() as usize {
                 WIDE_BLOCK
             } else {
                 BLOCK
             };
             let block = (g.n_red.next_power_of_two() as u32).clamp(32, max);
-            let blocks = g.n.min(dev.sm_count as usize * 16).max(1);
+            let blocks = g.n.min(dev.sm_count() as usize * 16).max(1);
             ((blocks as u32, 1), block)
         }
         Strategy::Split => unreachable!("launched by launch_split"),
@@ -571,7 +571,7 @@ fn launch_split(
             a.push(b.device_ptr());
         }
         let blocks = if phase == 0 { slots } else { g.n };
-        let grid = (blocks.min(dev.sm_count as usize * 16) as u32, 1);
+        let grid = (blocks.min(dev.sm_count() as usize * 16) as u32, 1);
         dev.launch(op, f, grid, BLOCK, 0, a.ptrs())?;
     }
     Ok(())
@@ -591,7 +591,7 @@ fn kernel(
         r.borrow()
             .iter()
             .find(|e| {
-                e.ordinal == dev.ordinal && e.epoch == epoch && e.variant == *v && e.program == *p
+                e.ordinal == dev.ordinal() && e.epoch == epoch && e.variant == *v && e.program == *p
             })
             .map(|e| e.func)
     });
@@ -603,7 +603,7 @@ fn kernel(
         let t0 = std::time::Instant::now();
         let src = codegen::source(p, v)?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
-        let bin = build(&src, dev.arch)?;
+        let bin = build(&src, dev.arch())?;
         if let Caller::Lazy { .. } = caller {
             LAZY_PROGRAMS.fetch_add(1, Ordering::Relaxed);
             LAZY_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -623,7 +623,7 @@ fn kernel(
                 r.remove(0);
             }
             r.push(Recent {
-                ordinal: dev.ordinal,
+                ordinal: dev.ordinal(),
                 epoch,
                 program: key.0,
                 variant: key.1,

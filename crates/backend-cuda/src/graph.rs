@@ -61,12 +61,10 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use kiln_core::{Error, Result, Tensor};
 
-use crate::Cuda;
-use crate::device::{
-    CudaDevice, DeviceState, capture_active, check, set_capture, state, sync_debug,
-};
+use crate::device::{DeviceState, capture_active, check, set_capture, state, sync_debug};
 use crate::pool::GraphPool;
 use crate::stream::Stream;
+use crate::types::{Cuda, CudaDevice};
 
 /// Work captured once on one GPU, replayed with one launch (see the module docs).
 pub struct CudaGraph {
@@ -116,7 +114,7 @@ impl CudaGraph {
         // The capture's work follows everything queued so far on the caller's stream.
         st.order(st.stream(), s, OP)?;
         let pool = Arc::new(GraphPool {
-            ordinal: st.ordinal,
+            ordinal: st.ordinal(),
             free: Default::default(),
             blocks: Default::default(),
             keep: Default::default(),
@@ -146,7 +144,7 @@ impl CudaGraph {
         let ended = check(unsafe { sys::cuStreamEndCapture(s, &mut graph) }, OP);
         drop(guard);
         // What other graphs left while this one was captured can go now.
-        crate::memory::release_deferred_graph_blocks(st.ordinal);
+        crate::memory::release_deferred_graph_blocks(st.ordinal());
         release_deferred_graphs(st);
         let destroy = |g: sys::CUgraph| {
             if !g.is_null() {
@@ -236,7 +234,7 @@ impl Drop for CudaGraph {
         if self.dev.capturing() {
             // Waiting for the device now would invalidate the capture: after it, then.
             let mut d = DEFERRED_GRAPHS.lock().unwrap();
-            d.push((self.dev.ordinal, self.exec as usize, self.graph as usize));
+            d.push((self.dev.ordinal(), self.exec as usize, self.graph as usize));
             return;
         }
         // SAFETY: this device's context is current; a replay may still be running, so wait
@@ -278,7 +276,7 @@ static DEFERRED_GRAPHS: std::sync::Mutex<Vec<(usize, usize, usize)>> =
 fn release_deferred_graphs(dev: &DeviceState) {
     let mine: Vec<_> = {
         let mut d = DEFERRED_GRAPHS.lock().unwrap();
-        let (mine, rest): (Vec<_>, Vec<_>) = d.drain(..).partition(|g| g.0 == dev.ordinal);
+        let (mine, rest): (Vec<_>, Vec<_>) = d.drain(..).partition(|g| g.0 == dev.ordinal());
         *d = rest;
         mine
     };

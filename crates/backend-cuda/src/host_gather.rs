@@ -37,11 +37,11 @@ use std::sync::{Arc, OnceLock};
 
 use kiln_core::{Error, HostRows, PinnedBlock, Result};
 
-use crate::compile::Module;
 use crate::device::{DeviceState, set_current_stream};
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc_on};
 use crate::pinned;
+use crate::sources::Module;
 use crate::transfer::{dma_to_device, hand_over};
 
 const OP: &str = "gather_host_rows";
@@ -178,7 +178,7 @@ pub(crate) fn gather_host_rows(
     dev.sweep_in_flight();
     let bufs = srcs
         .iter()
-        .map(|s| alloc_on(dev, rows.len() * s.out_row_bytes(), dev.copy))
+        .map(|s| alloc_on(dev, rows.len() * s.out_row_bytes(), dev.copy_stream()))
         .collect::<Result<Vec<_>>>()?;
     if rows.is_empty() || srcs.is_empty() {
         for b in &bufs {
@@ -194,7 +194,7 @@ pub(crate) fn gather_host_rows(
     }
     // The row numbers go to device memory first (one small DMA): every thread reads the number
     // of the row its words belong to, which over the bus would be one more read per word.
-    let idx_dev = alloc_on(dev, idx.len(), dev.copy)?;
+    let idx_dev = alloc_on(dev, idx.len(), dev.copy_stream())?;
     // SAFETY: `idx` is page-locked and kept alive (in-flight list, below) until the copy
     // stream passes the copy; the range is `idx_dev`'s.
     unsafe { dma_to_device(dev, idx_dev.device_ptr(), idx.as_bytes()) }?;
@@ -223,7 +223,7 @@ pub(crate) fn gather_host_rows(
             }
         })
         .collect();
-    let prev = set_current_stream(dev.ordinal, dev.copy);
+    let prev = set_current_stream(dev.ordinal(), dev.copy_stream());
     let launched = (|| {
         for pair in arrays.chunks(2) {
             // Four words a thread per pass of the grid (the kernel's reads in flight).
@@ -243,7 +243,7 @@ pub(crate) fn gather_host_rows(
         }
         Ok(())
     })();
-    set_current_stream(dev.ordinal, prev);
+    set_current_stream(dev.ordinal(), prev);
     launched?;
     // `idx_dev` is freed on the copy stream, after the kernel that reads it (the pool reuses
     // it in stream order).
@@ -300,7 +300,7 @@ pub(crate) fn copy_host_rows(
     dev.sweep_in_flight();
     let bufs = srcs
         .iter()
-        .map(|s| alloc_on(dev, n * s.out_row_bytes(), dev.copy))
+        .map(|s| alloc_on(dev, n * s.out_row_bytes(), dev.copy_stream()))
         .collect::<Result<Vec<_>>>()?;
     // Bytes to decode: (staged bytes on the device, output, divisor).
     let mut staged = Vec::new();
@@ -310,7 +310,7 @@ pub(crate) fn copy_host_rows(
             continue;
         }
         let raw = match s.bytes_over {
-            Some(d) => Some((alloc_on(dev, bytes.len(), dev.copy)?, d)),
+            Some(d) => Some((alloc_on(dev, bytes.len(), dev.copy_stream())?, d)),
             None => None,
         };
         let to = raw.as_ref().map_or(b.device_ptr(), |(r, _)| r.device_ptr());
@@ -324,7 +324,7 @@ pub(crate) fn copy_host_rows(
     }
     if !staged.is_empty() {
         let f = dev.func(Module::Util, &["decode", "bytes"])?;
-        let prev = set_current_stream(dev.ordinal, dev.copy);
+        let prev = set_current_stream(dev.ordinal(), dev.copy_stream());
         let launched = staged.iter().try_for_each(|(src, dst, len, div)| {
             let (src, dst) = (src.device_ptr(), *dst);
             // 16 bytes a thread where both addresses allow it (device buffers are aligned).
@@ -344,7 +344,7 @@ pub(crate) fn copy_host_rows(
             let grid = [blocks.min(decode_blocks()) as u32, 1, 1];
             dev.launch_3d(COPY_OP, f, grid, [BLOCK, 1, 1], 0, args.ptrs())
         });
-        set_current_stream(dev.ordinal, prev);
+        set_current_stream(dev.ordinal(), prev);
         launched?;
     }
     // The staged bytes are freed on the copy stream, after the kernels that read them.

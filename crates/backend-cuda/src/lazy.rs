@@ -175,7 +175,7 @@ pub fn fused_program_stats() -> (u64, u64) {
 pub(crate) fn record(op: Op, inputs: &[(&Repr, &Layout, DType)], out: DType) -> Result<Repr> {
     let (s0, l0, _) = inputs[0];
     for (s, _, _) in &inputs[1..] {
-        if s.state().ordinal != s0.state().ordinal {
+        if s.state().ordinal() != s0.state().ordinal() {
             return Err(Error::DeviceMismatch {
                 op: op.name(),
                 lhs: s0.state().device().to_string(),
@@ -320,9 +320,9 @@ pub(crate) fn force(node: &Arc<Node>) -> Result<Arc<Buffer>> {
     if dev.capturing() {
         return force_outside_capture(node, home);
     }
-    let prev = set_current_stream(dev.ordinal, home);
+    let prev = set_current_stream(dev.ordinal(), home);
     let r = force_here(node);
-    set_current_stream(dev.ordinal, prev);
+    set_current_stream(dev.ordinal(), prev);
     let b = r?;
     dev.order(home, caller, "force")?;
     b.mark_used(caller)?;
@@ -339,9 +339,9 @@ fn force_outside_capture(
 ) -> Result<Arc<Buffer>> {
     let dev = node.ctx().dev;
     let pool = set_capture(None);
-    let prev = set_current_stream(dev.ordinal, home);
+    let prev = set_current_stream(dev.ordinal(), home);
     let r = force_here(node);
-    set_current_stream(dev.ordinal, prev);
+    set_current_stream(dev.ordinal(), prev);
     set_capture(pool);
     let b = r?;
     // SAFETY: a live stream of this device, which is not capturing.

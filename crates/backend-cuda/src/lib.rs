@@ -8,7 +8,7 @@
 //!   `None` — never a panic. The bound CUDA version is 13.0 by default; build with
 //!   `--no-default-features --features cuda-12080` (or `cuda-12060`, `cuda-12040`) for a 12.x
 //!   driver.
-//! - **Per-GPU state, created lazily** (`device.rs`): context, a default (compute) stream, a
+//! - **Per-GPU state, created lazily** (`device/`): context, a default (compute) stream, a
 //!   copy stream, the cuBLAS handle, the kernel cache.
 //! - **Streams and events for users** (`stream.rs`): [`Stream::scope`] makes a stream current
 //!   for the calling thread; every launch, allocation, cuBLAS call and copy goes to the current
@@ -18,7 +18,7 @@
 //!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs
 //!   `Tensor::<Cpu>::pin_memory`.
 //! - **Our own kernels** (`kernels/*.cu`), compiled by NVRTC for the device's architecture on
-//!   first use, memoized per device (`device.rs`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
+//!   first use, memoized per device (`device/`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used
 //!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
@@ -48,26 +48,32 @@
 //! code generators can be read, tested and compiled with NVRTC on a machine with no GPU, and
 //! the runtime knows nothing of what runs on it:
 //!
-//! 1. **Source text and pure helpers** — `sources.rs` (the `kernels/` files and headers, C type
-//!    names), `launch.rs` (kernel argument packing, dimension merging).
-//! 2. **Code generator, pure** — `codegen.rs` (expression IR → CUDA C; the deferral layer's
+//! 1. **Names and pure helpers** — `types.rs` (the [`Cuda`] marker and [`CudaDevice`], which
+//!    every module names), `sources.rs` (the `kernels/` files and headers, C type names),
+//!    `launch.rs` (kernel argument packing, dimension merging), `pool.rs` (the block cache's
+//!    and graph pools' bookkeeping types).
+//! 2. **Code generator, pure** — `codegen/` (expression IR → CUDA C; the deferral layer's
 //!    recorded chains are expression programs too).
-//! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `pool.rs` (block-cache bookkeeping),
-//!    `device.rs` (context, streams, per-device memo of modules and of generated kernels,
-//!    type-erased so that it names no generator), `memory.rs`, `stream.rs`, `pinned.rs`,
-//!    `transfer.rs`.
-//! 4. **Kernels and ops** — `ops.rs`, `blas.rs`, `fused.rs` (optimizer updates),
-//!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch).
+//! 3. **Runtime** — `nvrtc.rs` (NVRTC + disk cache), `profile.rs` (the device's records for
+//!    kiln-core's profiler, through a trait the device state implements), `device/` (the
+//!    per-GPU state as owned parts: context and identity, streams and events, the kernel
+//!    cache — type-erased so that it names no generator —, the allocator's state, transfers'
+//!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
+//! 4. **Kernels and ops** — `ops/` (elementwise and data movement; reductions, rows, indexing
+//!    in submodules), `blas.rs`, `fused.rs` (optimizer updates),
+//!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
+//!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
-//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `user_kernel/`
-//!    (CuPy-style [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists
-//!    and source generation in `params.rs`/`source.rs`, pure; launching in the others);
-//!    `compile.rs` (the public compile tooling and `check_all`, which needs every generator's
-//!    samples).
-//! 7. `lib.rs`: the `Backend` implementation.
+//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `graph.rs` (CUDA graph
+//!    capture and replay); `nccl.rs` (collectives over tensors); `user_kernel/` (CuPy-style
+//!    [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists and source
+//!    generation in `params.rs`/`source.rs`, pure; launching in the others); `compile.rs` (the
+//!    public compile tooling and `check_all`, which needs every generator's samples).
+//! 7. `lib.rs`: the `Backend` implementation, which calls down, and the public re-exports.
 
-// Layers, bottom to top: each module imports only modules listed before it (see "Layers").
+// In rustfmt's order; the layers, bottom to top, are in "Layers" above: each module imports
+// only modules listed before it there.
 mod blas;
 mod codegen;
 pub mod compile;
@@ -90,6 +96,7 @@ mod sources;
 mod storage;
 mod stream;
 mod transfer;
+mod types;
 mod user_kernel;
 
 use kiln_core::{
@@ -99,7 +106,7 @@ use kiln_core::{
 
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use device::{
-    CudaDevice, clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
+    clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
 pub use graph::{CudaGraph, write_static};
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
@@ -109,6 +116,7 @@ pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
 pub use transfer::copy_threads;
+pub use types::{Cuda, CudaDevice};
 pub use user_kernel::{Dim3, ElementwiseKernel, KernelArg, RawKernel, ReductionKernel, empty};
 
 use device::state;
@@ -142,10 +150,6 @@ pub fn gpu_or_skip(i: usize) -> Option<CudaDevice> {
     device_count();
     device::gpu_or_skip(i)
 }
-
-/// The CUDA backend (a marker type: state lives per device).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Cuda;
 
 impl Cuda {
     /// The number of usable GPUs (0 without a driver).
@@ -197,18 +201,14 @@ impl Backend for Cuda {
     }
 
     fn parse_device(name: &str) -> Result<CudaDevice> {
-        let ordinal = match name.trim() {
-            "cuda" | "gpu" => 0,
-            s => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| {
-                    Error::invalid(
-                        "parse_device",
-                        format!("`{name}` is not a CUDA device (expected `cuda` or `cuda:N`)"),
-                    )
-                })?,
-        };
+        let ordinal = types::parse_ordinal(name).ok_or_else(|| {
+            Error::invalid(
+                "parse_device",
+                format!(
+                    "`{name}` is not a CUDA device (expected `cuda`, `cuda:N`, `gpu` or `gpu:N`)"
+                ),
+            )
+        })?;
         try_gpu(ordinal).ok_or_else(|| {
             Error::invalid(
                 "parse_device",
@@ -729,7 +729,7 @@ pub mod raw {
     /// free, for testing and measuring stream concurrency and ordering.
     pub fn spin(device: &CudaDevice, micros: u64) -> Result<()> {
         let s = state(device)?;
-        let f = s.func(compile::Module::Util, &["spin", "ns"])?;
+        let f = s.func(sources::Module::Util, &["spin", "ns"])?;
         let mut ns = micros * 1000;
         let mut p = [&mut ns as *mut u64 as *mut std::ffi::c_void];
         s.launch("spin", f, (1, 1), 1, 0, &mut p)
@@ -741,9 +741,9 @@ pub mod raw {
     #[doc(hidden)]
     pub fn delay_copies(device: &CudaDevice, micros: u64) -> Result<()> {
         let s = state(device)?;
-        let prev = device::set_current_stream(s.ordinal, s.copy);
+        let prev = device::set_current_stream(s.ordinal(), s.copy_stream());
         let r = spin(device, micros);
-        device::set_current_stream(s.ordinal, prev);
+        device::set_current_stream(s.ordinal(), prev);
         r
     }
 
@@ -751,21 +751,33 @@ pub mod raw {
     /// and returns the elapsed milliseconds (after synchronizing with the second).
     pub fn time_ms(device: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<f32> {
         use cudarc::driver::sys;
+        /// Timing events, destroyed on drop (also when a step below fails).
+        struct Events([sys::CUevent; 2]);
+        impl Drop for Events {
+            fn drop(&mut self) {
+                for e in self.0 {
+                    if !e.is_null() {
+                        // SAFETY: created by cuEventCreate below and destroyed once, here.
+                        unsafe { sys::cuEventDestroy_v2(e) };
+                    }
+                }
+            }
+        }
         let s = state(device)?;
-        // SAFETY: events are created, recorded on the current stream, synchronized and
-        // destroyed here; valid out-pointers.
+        let mut ev = Events([std::ptr::null_mut(); 2]);
+        // SAFETY: events are created into the guard (valid out-pointers), recorded on the
+        // current stream of this device (bound by `state`), synchronized, and destroyed by the
+        // guard on every path.
         unsafe {
-            let (mut a, mut b) = (std::ptr::null_mut(), std::ptr::null_mut());
-            device::check(sys::cuEventCreate(&mut a, 0), "time")?;
-            device::check(sys::cuEventCreate(&mut b, 0), "time")?;
+            device::check(sys::cuEventCreate(&mut ev.0[0], 0), "time")?;
+            device::check(sys::cuEventCreate(&mut ev.0[1], 0), "time")?;
+            let [a, b] = ev.0;
             device::check(sys::cuEventRecord(a, s.stream()), "time")?;
             let r = f();
             device::check(sys::cuEventRecord(b, s.stream()), "time")?;
             device::check(sys::cuEventSynchronize(b), "time")?;
             let mut ms = 0f32;
             device::check(sys::cuEventElapsedTime_v2(&mut ms, a, b), "time")?;
-            sys::cuEventDestroy_v2(a);
-            sys::cuEventDestroy_v2(b);
             r.map(|_| ms)
         }
     }

@@ -28,8 +28,9 @@ use std::sync::atomic::Ordering;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, MemoryStats, Result};
 
-use crate::device::{CudaDevice, DeviceState, SharedEvent, check, state};
+use crate::device::{DeviceState, SharedEvent, check, state};
 use crate::pool::{DeferredFree, GraphPool, bucket};
+use crate::types::CudaDevice;
 
 /// A copy into a [`Buffer`] still in flight (see [`Buffer::set_pending`]).
 struct PendingCopy {
@@ -68,7 +69,8 @@ impl std::fmt::Debug for Buffer {
         write!(
             f,
             "Buffer({} bytes on cuda:{})",
-            self.bytes, self.dev.ordinal
+            self.bytes,
+            self.dev.ordinal()
         )
     }
 }
@@ -204,15 +206,12 @@ impl Drop for Buffer {
             return;
         }
         let dev = self.dev;
-        dev.in_use.fetch_sub(self.bytes, Ordering::Relaxed);
+        dev.allocator().shrank(self.bytes);
         let home = self.home as sys::CUstream;
         let foreign = std::mem::take(&mut *self.foreign.lock().unwrap());
         if foreign.is_empty() {
             if self.cached {
-                dev.block_cache
-                    .lock()
-                    .unwrap()
-                    .put(self.home, self.bytes, self.ptr);
+                dev.allocator().cache_put(self.home, self.bytes, self.ptr);
             } else if dev.bind().is_ok() {
                 // SAFETY: `ptr` came from cuMemAllocAsync on this device and is freed once;
                 // the free is ordered on its home stream, the only stream that used it.
@@ -242,13 +241,12 @@ impl Drop for Buffer {
             }
         }
         if self.cached {
-            dev.deferred_frees.lock().unwrap().push(DeferredFree {
+            dev.allocator().defer(DeferredFree {
                 ptr: self.ptr,
                 bytes: self.bytes,
                 stream: home,
                 events,
             });
-            dev.deferred_count.fetch_add(1, Ordering::Relaxed);
         } else {
             for ev in events {
                 // SAFETY: the home stream waits for the other streams' uses, then frees.
@@ -263,28 +261,16 @@ impl Drop for Buffer {
 
 /// Moves blocks whose other streams have passed their last use into the cache.
 fn sweep_deferred(dev: &DeviceState) {
-    let mut list = dev.deferred_frees.lock().unwrap();
-    let mut i = 0;
-    while i < list.len() {
-        // SAFETY: live events of this device's context.
-        let done = list[i]
-            .events
-            .iter()
-            .all(|&e| unsafe { sys::cuEventQuery(e) } != CUresult::CUDA_ERROR_NOT_READY);
-        if done {
-            let d = list.swap_remove(i);
-            for e in d.events {
-                dev.recycle_event(e);
-            }
-            dev.block_cache
-                .lock()
-                .unwrap()
-                .put(d.stream as usize, d.bytes, d.ptr);
-            dev.deferred_count.fetch_sub(1, Ordering::Relaxed);
-        } else {
-            i += 1;
-        }
-    }
+    dev.allocator().sweep_deferred(
+        |d| {
+            d.events.iter().all(|&e| {
+                // SAFETY: live events of this device's context.
+                let r = unsafe { sys::cuEventQuery(e) };
+                r != CUresult::CUDA_ERROR_NOT_READY
+            })
+        },
+        |e| dev.recycle_event(e),
+    );
 }
 
 static BLOCK_CACHE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
@@ -341,15 +327,11 @@ pub(crate) fn alloc_on(
     let bytes = if cached { bucket(bytes) } else { bytes };
     crate::profile::alloc(dev, bytes, stream);
     if cached {
-        if dev.deferred_count.load(Ordering::Relaxed) > 0 {
+        if dev.allocator().has_deferred() {
             sweep_deferred(dev);
         }
-        let mut c = dev.block_cache.lock().unwrap();
-        if let Some(p) = c.free.get_mut(&(home, bytes)).and_then(|v| v.pop()) {
-            c.bytes -= bytes;
-            drop(c);
-            let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-            dev.peak.fetch_max(now, Ordering::Relaxed);
+        if let Some(p) = dev.allocator().cache_take(home, bytes) {
+            dev.allocator().grew(bytes);
             return Ok(buffer(p, bytes, cached));
         }
     }
@@ -367,7 +349,7 @@ pub(crate) fn alloc_on(
     match r {
         CUresult::CUDA_SUCCESS => {}
         CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
-            let held = dev.in_use.load(Ordering::Relaxed);
+            let held = dev.allocator().in_use();
             let (mut free, mut total) = (0usize, 0usize);
             // SAFETY: valid out-pointers; context is current.
             unsafe { sys::cuMemGetInfo_v2(&mut free, &mut total) };
@@ -384,8 +366,7 @@ pub(crate) fn alloc_on(
         }
         e => return Err(Error::backend("alloc", format!("{e:?} ({bytes} bytes)"))),
     }
-    let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-    dev.peak.fetch_max(now, Ordering::Relaxed);
+    dev.allocator().grew(bytes);
     Ok(buffer(p, bytes, cached))
 }
 
@@ -410,14 +391,13 @@ fn alloc_in_graph(
                 return Err(Error::OutOfMemory {
                     device: dev.device().to_string(),
                     requested: bytes,
-                    held: dev.in_use.load(Ordering::Relaxed),
+                    held: dev.allocator().in_use(),
                     msg: "while capturing a CUDA graph (its memory is private to the graph)".into(),
                 });
             }
             check(r, "alloc (graph capture)")?;
             pool.blocks.lock().unwrap().push((p, bytes));
-            let now = dev.in_use.fetch_add(bytes, Ordering::Relaxed) + bytes;
-            dev.peak.fetch_max(now, Ordering::Relaxed);
+            dev.allocator().grew(bytes);
             p
         }
     };
@@ -460,7 +440,7 @@ pub(crate) fn release_graph_blocks(ordinal: usize, blocks: &[(sys::CUdeviceptr, 
         // SAFETY: `p` came from cuMemAlloc on this device, belongs to no buffer any more (the
         // pool drops after its last buffer) and no work uses it (the device is idle).
         unsafe { sys::cuMemFree_v2(p) };
-        dev.in_use.fetch_sub(bytes, Ordering::Relaxed);
+        dev.allocator().shrank(bytes);
     }
 }
 
@@ -516,14 +496,7 @@ pub(crate) fn duplicate(b: &Buffer) -> Result<Buffer> {
 pub(crate) fn empty_cache(dev: &DeviceState) -> Result<()> {
     dev.sync_all("empty_cache")?;
     sweep_deferred(dev); // every stream is idle: all of them return to the cache
-    let blocks: Vec<_> = {
-        let mut c = dev.block_cache.lock().unwrap();
-        c.bytes = 0;
-        c.free
-            .drain()
-            .flat_map(|((s, _), v)| v.into_iter().map(move |p| (s, p)))
-            .collect()
-    };
+    let blocks = dev.allocator().cache_drain();
     for (s, p) in blocks {
         // SAFETY: each cached block came from cuMemAllocAsync and is owned by the cache only;
         // its home stream is idle.
@@ -531,7 +504,10 @@ pub(crate) fn empty_cache(dev: &DeviceState) -> Result<()> {
     }
     dev.sync_all("empty_cache")?;
     // SAFETY: the pool is this device's default pool; the device is idle.
-    check(unsafe { sys::cuMemPoolTrimTo(dev.pool, 0) }, "empty_cache")
+    check(
+        unsafe { sys::cuMemPoolTrimTo(dev.allocator().pool(), 0) },
+        "empty_cache",
+    )
 }
 
 pub(crate) fn memory_stats(dev: &DeviceState) -> Result<MemoryStats> {
@@ -540,7 +516,7 @@ pub(crate) fn memory_stats(dev: &DeviceState) -> Result<MemoryStats> {
     check(
         unsafe {
             sys::cuMemPoolGetAttribute(
-                dev.pool,
+                dev.allocator().pool(),
                 sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT,
                 &mut reserved as *mut u64 as *mut c_void,
             )
@@ -548,8 +524,8 @@ pub(crate) fn memory_stats(dev: &DeviceState) -> Result<MemoryStats> {
         "memory_stats",
     )?;
     Ok(MemoryStats {
-        in_use: dev.in_use.load(Ordering::Relaxed),
-        peak: dev.peak.load(Ordering::Relaxed),
+        in_use: dev.allocator().in_use(),
+        peak: dev.allocator().peak(),
         reserved: reserved as usize,
     })
 }
@@ -557,7 +533,6 @@ pub(crate) fn memory_stats(dev: &DeviceState) -> Result<MemoryStats> {
 /// Resets the peak to the current use.
 pub fn reset_peak(dev: &CudaDevice) -> Result<()> {
     let s = state(dev)?;
-    s.peak
-        .store(s.in_use.load(Ordering::Relaxed), Ordering::Relaxed);
+    s.allocator().reset_peak();
     Ok(())
 }

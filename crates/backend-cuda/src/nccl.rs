@@ -46,35 +46,28 @@ use std::time::{Duration, Instant};
 use cudarc::nccl::sys as nsys;
 use kiln_core::{DType, DistErrorKind, Error, Result, Tensor};
 
+use crate::storage::CudaStorage;
 use crate::stream::{Event, Stream};
-use crate::{Cuda, CudaDevice, CudaStorage};
+use crate::types::{Cuda, CudaDevice};
 
 /// The most CTAs (thread blocks) a kiln communicator's collectives use, unless the
 /// environment sets `NCCL_MAX_CTAS` (see the module docs).
 pub const DEFAULT_MAX_CTAS: i32 = 8;
 
-/// The default timeout of a collective and of communicator setup, in seconds.
-pub const DEFAULT_TIMEOUT_S: f64 = 300.0;
+/// The default timeout of a collective and of communicator setup, in seconds, and the parser
+/// of `KILN_DIST_TIMEOUT_S` (one definition in kiln-core, shared with kiln-dist).
+pub use kiln_core::env::{
+    DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, parse_dist_timeout as parse_timeout,
+};
 
 /// The timeout from `KILN_DIST_TIMEOUT_S` (seconds, fractions allowed; default
 /// [`DEFAULT_TIMEOUT_S`]). An unparsable or non-positive value is an error naming it.
 pub fn timeout_from_env() -> Result<Duration> {
-    parse_timeout(std::env::var("KILN_DIST_TIMEOUT_S").ok().as_deref())
-}
-
-/// Parses a timeout in seconds (`None`: the default).
-pub fn parse_timeout(v: Option<&str>) -> Result<Duration> {
-    let Some(v) = v else {
-        return Ok(Duration::from_secs_f64(DEFAULT_TIMEOUT_S));
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(Error::dist(
-            "KILN_DIST_TIMEOUT_S",
-            DistErrorKind::Environment,
-            format!("`{v}` is not a positive number of seconds"),
-        )),
-    }
+    parse_timeout(
+        std::env::var(kiln_core::env::DIST_TIMEOUT_VAR)
+            .ok()
+            .as_deref(),
+    )
 }
 
 /// NCCL's version as `major * 10000 + minor * 100 + patch` (e.g. 22703), or an error saying

@@ -10,7 +10,7 @@
 //! typed error of their op.
 //!
 //! Runtime layer, below the device state: it knows source text only (`sources.rs`), no device,
-//! no generator. (Memoization per device lives in `device.rs`.)
+//! no generator. (Memoization per device lives in `device/kernels.rs`.)
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;

@@ -17,8 +17,9 @@ use std::sync::Mutex;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, PinnedAllocator, Result};
 
-use crate::device::{CudaDevice, state};
+use crate::device::state;
 use crate::pool::bucket;
+use crate::types::CudaDevice;
 
 /// Memory held by the pinned pool, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

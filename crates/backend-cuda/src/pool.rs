@@ -3,10 +3,10 @@
 //!
 //! # Why a module of its own
 //!
-//! The per-device state (`device.rs`) owns these containers, and the allocator (`memory.rs`)
-//! fills and drains them through the device state. Keeping the types here, below both, lets
-//! `memory.rs` import `device.rs` without `device.rs` importing it back. Plain data and size
-//! arithmetic: no driver call happens here.
+//! The per-device state (`device/allocator.rs`) owns these containers, and the allocator
+//! (`memory.rs`) fills and drains them through the device state's methods. Keeping the types
+//! here, below both, lets `memory.rs` import `device/` without `device/` importing it back.
+//! Plain data and size arithmetic: no driver call happens here.
 
 use cudarc::driver::sys;
 

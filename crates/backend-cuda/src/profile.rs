@@ -39,7 +39,7 @@ use kiln_core::profile::{
     self, CopyKind, DeviceTime, DeviceTimer, Event, Kind, LaunchKind, enabled, now_ns,
 };
 
-/// Devices this module keeps event pools and anchors for (`device.rs` checks that it equals
+/// Devices this module keeps event pools and anchors for (`device/` checks that it equals
 /// its own per-device table size).
 pub(crate) const MAX_DEVICES: usize = 16;
 
@@ -76,7 +76,7 @@ pub(crate) fn note_fusion(on: bool) {
 
 /// `cuda:N`, formatted once per device (kiln-core's label cache).
 fn device_name(dev: &dyn Site) -> &'static str {
-    kiln_core::profile::device_label(&crate::CudaDevice::new(dev.ordinal()))
+    kiln_core::profile::device_label(&crate::types::CudaDevice::new(dev.ordinal()))
 }
 
 /// `KILN_PROFILE_DEBUG=1`: each resolved device timer prints its raw times (stderr).

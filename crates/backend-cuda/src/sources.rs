@@ -4,8 +4,8 @@
 //! # Why a module of its own
 //!
 //! This is the bottom of the crate: plain data, no device, no NVRTC. The code generators
-//! (`codegen.rs`, `user_kernel/`) prepend these headers to what they write, the
-//! runtime (`nvrtc.rs`, `device.rs`) compiles and loads them, and the ops name their kernels
+//! (`codegen/`, `user_kernel/`) prepend these headers to what they write, the
+//! runtime (`nvrtc.rs`, `device/`) compiles and loads them, and the ops name their kernels
 //! with them — all of them import this module, and it imports none of them.
 
 use kiln_core::{DType, UnaryOp};

@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use kiln_core::Result;
 
-use crate::device::{CudaDevice, DeviceState, state};
+use crate::device::{DeviceState, state};
 use crate::lazy::{Node, Repr};
 use crate::memory::{Buffer, alloc};
+use crate::types::CudaDevice;
 
 /// A tensor's storage on one GPU (untyped; the dtype lives in the tensor).
 pub struct CudaStorage {
@@ -25,7 +26,7 @@ impl std::fmt::Debug for CudaStorage {
             f,
             "CudaStorage({} bytes on cuda:{}{what})",
             self.len_bytes(),
-            self.state().ordinal
+            self.state().ordinal()
         )
     }
 }

@@ -38,8 +38,9 @@ use std::sync::Arc;
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result, Tensor};
 
-use crate::Cuda;
-use crate::device::{CudaDevice, DeviceState, check, set_current_stream, state};
+use crate::device::{DeviceState, check, set_current_stream, state};
+use crate::types::Cuda;
+use crate::types::CudaDevice;
 
 struct Raw {
     dev: &'static DeviceState,
@@ -61,8 +62,7 @@ impl Drop for Raw {
         // communicator's output, a user's scope), and its free records an event here.
         // Destroying the stream made that record a use after free (SIGSEGV at exit).
         if let Some(priority) = self.owned {
-            let mut spare = self.dev.spare_streams.lock().unwrap();
-            spare.push((priority, self.stream as usize));
+            self.dev.streams().put_spare(priority, self.stream);
         }
     }
 }
@@ -100,12 +100,7 @@ impl Stream {
     /// typically -5..=0, and values outside it are clamped by the driver).
     pub fn with_priority(dev: &CudaDevice, priority: i32) -> Result<Stream> {
         let st = state(dev)?;
-        let spare = {
-            let mut spare = st.spare_streams.lock().unwrap();
-            let i = spare.iter().rposition(|&(p, _)| p == priority);
-            i.map(|i| spare.swap_remove(i).1 as sys::CUstream)
-        };
-        let s = match spare {
+        let s = match st.streams().take_spare(priority) {
             Some(s) => s,
             None => {
                 let mut s = std::ptr::null_mut();
@@ -136,7 +131,7 @@ impl Stream {
     /// The device's default stream (where kiln works outside any scope).
     pub fn default_stream(dev: &CudaDevice) -> Result<Stream> {
         let st = state(dev)?;
-        Ok(Self::wrap(st, st.compute))
+        Ok(Self::wrap(st, st.default_stream()))
     }
 
     /// The calling thread's current stream on `dev`.
@@ -173,7 +168,7 @@ impl Stream {
 
     /// Makes this stream current on its device until the guard drops.
     pub fn enter(&self) -> StreamGuard {
-        let prev = set_current_stream(self.raw.dev.ordinal, self.raw.stream);
+        let prev = set_current_stream(self.raw.dev.ordinal(), self.raw.stream);
         StreamGuard {
             stream: self.clone(),
             prev,
@@ -281,7 +276,7 @@ pub struct StreamGuard {
 
 impl Drop for StreamGuard {
     fn drop(&mut self) {
-        set_current_stream(self.stream.raw.dev.ordinal, self.prev);
+        set_current_stream(self.stream.raw.dev.ordinal(), self.prev);
     }
 }
 

@@ -120,7 +120,7 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
     }
     dev.bind()?;
     let user = dev.stream();
-    let dst = alloc_on(dev, data.len(), dev.copy)?;
+    let dst = alloc_on(dev, data.len(), dev.copy_stream())?;
     if data.is_empty() {
         return Ok(dst);
     }
@@ -131,10 +131,13 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
         unsafe { dma_to_device(dev, dst.device_ptr(), data) }?;
         let _prof = crate::profile::sync(dev, "from_host");
         // SAFETY: the copy stream belongs to this (current) context.
-        check(unsafe { sys::cuStreamSynchronize(dev.copy) }, "from_host")?;
+        check(
+            unsafe { sys::cuStreamSynchronize(dev.copy_stream()) },
+            "from_host",
+        )?;
     } else {
         let block_bytes = staging_bytes();
-        let mut st = dev.staging.lock().unwrap();
+        let mut st = dev.transfers().staging();
         for (k, chunk) in data.chunks(block_bytes).enumerate() {
             let i = staging_block(&mut st, true)?;
             let (h, ev) = st.blocks[i];
@@ -146,12 +149,12 @@ pub(crate) fn upload(dev: &'static DeviceState, src: HostSource<'_>) -> Result<B
             // again before its event (recorded next) has completed.
             unsafe {
                 dma_to_device(dev, dst.device_ptr() + (k * block_bytes) as u64, block)?;
-                check(sys::cuEventRecord(ev, dev.copy), "from_host")?;
+                check(sys::cuEventRecord(ev, dev.copy_stream()), "from_host")?;
             }
         }
     }
     dst.note_stream(user);
-    dev.order(dev.copy, user, "from_host")?;
+    dev.order(dev.copy_stream(), user, "from_host")?;
     Ok(dst)
 }
 
@@ -174,7 +177,7 @@ pub(crate) fn upload_pinned(
     dev.sweep_in_flight();
     let mut bufs = Vec::with_capacity(srcs.len());
     for (data, _) in srcs {
-        let dst = alloc_on(dev, data.len(), dev.copy)?;
+        let dst = alloc_on(dev, data.len(), dev.copy_stream())?;
         if !data.is_empty() {
             // SAFETY: `data` is page-locked host memory kept alive by its owner (held in
             // `in_flight` below) until the DMA is done; the device range is `dst`.
@@ -198,8 +201,8 @@ pub(crate) fn hand_over(
     owners: Vec<Arc<dyn Any + Send + Sync>>,
     op: &'static str,
 ) -> Result<()> {
-    let event = Arc::new(SharedEvent::record(dev, dev.copy, op)?);
-    dev.in_flight.lock().unwrap().push_back(InFlight {
+    let event = Arc::new(SharedEvent::record(dev, dev.copy_stream(), op)?);
+    dev.transfers().keep_in_flight(InFlight {
         event: event.clone(),
         _owner: Arc::new(owners),
     });
@@ -218,11 +221,16 @@ pub(crate) fn hand_over(
 /// `src` must stay alive and unchanged until the copy stream has passed this copy, and
 /// `dst..dst + src.len()` must lie in a live buffer of `dev`.
 pub(crate) unsafe fn dma_to_device(dev: &DeviceState, dst: u64, src: &[u8]) -> Result<()> {
-    let _prof = crate::profile::h2d(dev, "from_host", dev.copy, src.len());
+    let _prof = crate::profile::h2d(dev, "from_host", dev.copy_stream(), src.len());
     // SAFETY: the caller's contract above.
     check(
         unsafe {
-            sys::cuMemcpyHtoDAsync_v2(dst, src.as_ptr() as *const c_void, src.len(), dev.copy)
+            sys::cuMemcpyHtoDAsync_v2(
+                dst,
+                src.as_ptr() as *const c_void,
+                src.len(),
+                dev.copy_stream(),
+            )
         },
         "from_host",
     )
@@ -237,9 +245,9 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
     }
     dev.refuse_in_capture("to_host", "copying to the host")?;
     dev.bind()?;
-    dev.order(dev.stream(), dev.copy, "to_host")?;
+    dev.order(dev.stream(), dev.copy_stream(), "to_host")?;
     if pinned::is_pinned(out.as_ptr(), out.len()) {
-        let prof = crate::profile::d2h(dev, "to_host", dev.copy, out.len());
+        let prof = crate::profile::d2h(dev, "to_host", dev.copy_stream(), out.len());
         // SAFETY: `out` is page-locked memory the caller lends us until we return, after the
         // copy stream is synchronized; the source range lies inside `src`.
         unsafe {
@@ -248,17 +256,17 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
                     out.as_mut_ptr() as *mut c_void,
                     src.device_ptr() + off as u64,
                     out.len(),
-                    dev.copy,
+                    dev.copy_stream(),
                 ),
                 "to_host",
             )?;
             drop(prof);
             let _prof = crate::profile::sync(dev, "to_host");
-            return check(sys::cuStreamSynchronize(dev.copy), "to_host");
+            return check(sys::cuStreamSynchronize(dev.copy_stream()), "to_host");
         }
     }
     let block_bytes = staging_bytes();
-    let mut st = dev.staging.lock().unwrap();
+    let mut st = dev.transfers().staging();
     let n = out.len().div_ceil(block_bytes);
     let mut pending: std::collections::VecDeque<(usize, usize)> = Default::default();
     let drain = |st: &Staging, out: &mut [u8], (k, i): (usize, usize)| -> Result<()> {
@@ -286,7 +294,7 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
         let (h, ev) = st.blocks[i];
         let start = k * block_bytes;
         let len = (out.len() - start).min(block_bytes);
-        let _prof = crate::profile::d2h(dev, "to_host", dev.copy, len);
+        let _prof = crate::profile::d2h(dev, "to_host", dev.copy_stream(), len);
         // SAFETY: the source range lies inside `src`; `h` holds block_bytes; its previous
         // use was drained above (at most STAGING_BLOCKS chunks are in flight).
         unsafe {
@@ -295,11 +303,11 @@ pub(crate) fn download(src: &Buffer, off: usize, out: &mut [u8]) -> Result<()> {
                     h as *mut c_void,
                     src.device_ptr() + (off + start) as u64,
                     len,
-                    dev.copy,
+                    dev.copy_stream(),
                 ),
                 "to_host",
             )?;
-            check(sys::cuEventRecord(ev, dev.copy), "to_host")?;
+            check(sys::cuEventRecord(ev, dev.copy_stream()), "to_host")?;
         }
         pending.push_back((k, i));
     }
@@ -334,9 +342,9 @@ pub(crate) fn copy_peer(
         unsafe {
             sys::cuMemcpyPeerAsync(
                 dst.device_ptr(),
-                dst_dev.ctx,
+                dst_dev.ctx(),
                 src.device_ptr() + off as u64,
-                src_dev.ctx,
+                src_dev.ctx(),
                 bytes,
                 src_dev.stream(),
             )
@@ -372,26 +380,23 @@ fn cross_order(from: &DeviceState, to: &DeviceState, op: &'static str) -> Result
 /// hardware allows; otherwise peer copies are staged by the driver.
 fn enable_peer(a: &DeviceState, b: &DeviceState) {
     for (x, y) in [(a, b), (b, a)] {
-        let mut done = x.peers_enabled.lock().unwrap();
-        if done.contains(&y.ordinal) {
-            continue;
-        }
-        done.push(y.ordinal);
-        let mut can = 0;
-        // SAFETY: valid devices and out-pointer; failures only mean no direct access.
-        unsafe {
-            sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev, y.cu_dev);
-            if can == 0 || x.bind().is_err() {
-                continue;
+        x.transfers().with_peer_once(y.ordinal(), || {
+            let mut can = 0;
+            // SAFETY: valid devices and out-pointer; failures only mean no direct access.
+            unsafe {
+                sys::cuDeviceCanAccessPeer(&mut can, x.cu_dev(), y.cu_dev());
+                if can == 0 || x.bind().is_err() {
+                    return;
+                }
+                sys::cuCtxEnablePeerAccess(y.ctx(), 0);
+                // Let x read and write memory of y's pool.
+                let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
+                desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+                set_location_id(&mut desc.location, x.ordinal() as i32);
+                desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                sys::cuMemPoolSetAccess(y.allocator().pool(), &desc, 1);
             }
-            sys::cuCtxEnablePeerAccess(y.ctx, 0);
-            // Let x read and write memory of y's pool.
-            let mut desc: sys::CUmemAccessDesc = std::mem::zeroed();
-            desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
-            set_location_id(&mut desc.location, x.ordinal as i32);
-            desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-            sys::cuMemPoolSetAccess(y.pool, &desc, 1);
-        }
+        });
     }
 }
 

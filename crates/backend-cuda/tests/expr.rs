@@ -1,5 +1,5 @@
 //! The fused CUDA evaluator of expression programs (`Backend::eval_expr` on CUDA,
-//! `src/expr_eval.rs` + `src/codegen.rs`) against the op-by-op evaluation of the same program
+//! `src/expr_eval.rs` + `src/codegen/`) against the op-by-op evaluation of the same program
 //! on the same GPU (`kiln_core::expr::eval_composed::<Cuda>`: the single-op kernels, which
 //! call the same scalar device functions) for random expression trees over broadcast,
 //! transposed and sliced inputs, with and without axis reductions; and fixed programs against

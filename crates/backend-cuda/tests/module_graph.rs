@@ -1,6 +1,7 @@
 //! The crate's modules import downward only: no circle among the `crate::x` / `super::x`
-//! imports between the files of `src/` (test modules left out), so the code generators stay
-//! readable, testable and reusable without the device runtime (see the layers in `lib.rs`).
+//! imports between the files of `src/` (test modules, inline or in a `tests.rs`, left out), so
+//! the code generators stay readable, testable and reusable without the device runtime (see
+//! the layers in `lib.rs`).
 //! Runs without a GPU (and skips where the sources are not, as in the GPU bundle).
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,6 +13,8 @@ fn files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
         let p = e.unwrap().path();
         if p.is_dir() {
             files(&p, out);
+        } else if p.file_name().is_some_and(|n| n == "tests.rs") {
+            // a test module in a file of its own (`#[cfg(test)] mod tests;`): left out
         } else if p.extension().is_some_and(|x| x == "rs") {
             out.push(p);
         }

@@ -27,6 +27,7 @@ pub mod backend;
 mod clock;
 mod dims;
 mod dtype;
+pub mod env;
 mod error;
 pub mod expr;
 pub mod fasthash;

@@ -37,9 +37,11 @@ pub struct DistEnv {
     pub timeout: Duration,
 }
 
-/// The default timeout, in seconds (also the NCCL communicator's: see
-/// `kiln_backend_cuda::nccl`).
-pub const DEFAULT_TIMEOUT_S: f64 = 300.0;
+/// The default timeout, in seconds, and the parser of `KILN_DIST_TIMEOUT_S` (one definition in
+/// kiln-core, shared with the NCCL communicator of `kiln_backend_cuda::nccl`).
+pub use kiln_core::env::{
+    DEFAULT_DIST_TIMEOUT_S as DEFAULT_TIMEOUT_S, parse_dist_timeout as parse_timeout,
+};
 
 fn env_err(var: &str, msg: impl std::fmt::Display) -> Error {
     Error::dist(
@@ -132,20 +134,6 @@ impl DistEnv {
                 unsafe { std::env::set_var(k, v) };
             }
         }
-    }
-}
-
-/// Parses `KILN_DIST_TIMEOUT_S` (seconds, fractions allowed; `None`: [`DEFAULT_TIMEOUT_S`]).
-pub fn parse_timeout(v: Option<&str>) -> Result<Duration> {
-    let Some(v) = v else {
-        return Ok(Duration::from_secs_f64(DEFAULT_TIMEOUT_S));
-    };
-    match v.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
-        _ => Err(env_err(
-            "KILN_DIST_TIMEOUT_S",
-            format!("`{v}` is not a positive number of seconds"),
-        )),
     }
 }
 

@@ -14,7 +14,8 @@ use crate::codegen::Access;
 use crate::device::{Func, KERNEL_EPOCH, state};
 use crate::launch::{Args, Dims, Strides};
 use crate::memory::alloc;
-use crate::{Cuda, CudaDevice, CudaStorage};
+use crate::storage::CudaStorage;
+use crate::types::{Cuda, CudaDevice};
 
 const OP: &str = "ElementwiseKernel";
 /// Threads per block.
@@ -270,7 +271,65 @@ impl ElementwiseKernel {
         });
         let dev = common_device(OP, tensors.chain(given.iter().map(|t| &**t)))?
             .ok_or_else(|| no_tensor(&self.name))?;
-        // The iteration shape: every non-raw tensor broadcast together.
+        let shape = self.iteration_shape(inputs, given)?;
+        let out_types = outs
+            .iter()
+            .map(|p| {
+                let c = concrete(&p.ty, &r);
+                c.dtype().ok_or_else(|| int_output(&self.name, &p.name))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let n = shape.elem_count();
+        let (layouts, slots) = self.operands(inputs, given, &shape)?;
+        let wide = n >= (1 << 31)
+            || layouts
+                .iter()
+                .flatten()
+                .any(|l| l.storage_extent() >= (1 << 31));
+        let strided: Vec<&[usize]> = layouts
+            .iter()
+            .zip(&slots)
+            .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
+            .map(|(l, _)| l.as_ref().expect("tensor slot").strides())
+            .collect();
+        let (dims, strides) = merged(OP, shape.dims(), &strided)?;
+        let key = UserKey {
+            id: self.id,
+            types: r.iter().map(|(_, c)| *c).collect(),
+            slots: slots.clone(),
+            wide,
+            split: 0,
+        };
+        let s = state(&dev)?;
+        let spec = Spec {
+            name: &self.name,
+            inputs: ins,
+            outputs: outs,
+            preamble: &self.preamble,
+        };
+        let f = kernel(s, OP, &self.name, &key, || {
+            source::elementwise(&spec, &self.body, &r, &slots, wide)
+        })?;
+        let types = self.params.iter().map(|p| concrete(&p.ty, &r)).collect();
+        Ok(Plan {
+            sig,
+            epoch,
+            dev,
+            shape,
+            out_types,
+            slots,
+            types,
+            dims,
+            strides,
+            f,
+            n,
+        })
+    }
+
+    /// The iteration shape: every non-raw tensor (inputs and given outputs) broadcast
+    /// together; given outputs must have it, raw operands must be contiguous.
+    fn iteration_shape(&self, inputs: &[KernelArg], given: &[&mut Tensor<Cuda>]) -> Result<Shape> {
+        let (ins, outs) = self.params.split_at(self.n_in);
         let mut shape: Option<Shape> = None;
         let shaped = ins
             .iter()
@@ -315,15 +374,18 @@ impl ElementwiseKernel {
                 return Err(not_contiguous(&self.name, &p.name));
             }
         }
-        let out_types = outs
-            .iter()
-            .map(|p| {
-                let c = concrete(&p.ty, &r);
-                c.dtype().ok_or_else(|| int_output(&self.name, &p.name))
-            })
-            .collect::<Result<Vec<_>>>()?;
+        Ok(shape)
+    }
+
+    /// Per parameter, its layout broadcast to `shape` (tensors) and its slot.
+    fn operands(
+        &self,
+        inputs: &[KernelArg],
+        given: &[&mut Tensor<Cuda>],
+        shape: &Shape,
+    ) -> Result<(Vec<Option<Layout>>, Vec<Slot>)> {
+        let (ins, outs) = self.params.split_at(self.n_in);
         let n = shape.elem_count();
-        // Layouts (broadcast to the shape) and slots.
         let contiguous = Layout::contiguous(shape.clone());
         let mut layouts: Vec<Option<Layout>> = Vec::with_capacity(self.params.len());
         let mut slots: Vec<Slot> = Vec::with_capacity(self.params.len());
@@ -334,7 +396,7 @@ impl ElementwiseKernel {
                     slots.push(Slot::Raw);
                 }
                 KernelArg::Tensor(t) => {
-                    let l = t.layout().broadcast_to(&shape)?;
+                    let l = t.layout().broadcast_to(shape)?;
                     slots.push(Slot::Tensor(access(l.dims(), l.strides())));
                     layouts.push(Some(l));
                 }
@@ -360,49 +422,7 @@ impl ElementwiseKernel {
             }));
             layouts.push(Some(l));
         }
-        let wide = n >= (1 << 31)
-            || layouts
-                .iter()
-                .flatten()
-                .any(|l| l.storage_extent() >= (1 << 31));
-        let strided: Vec<&[usize]> = layouts
-            .iter()
-            .zip(&slots)
-            .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
-            .map(|(l, _)| l.as_ref().expect("tensor slot").strides())
-            .collect();
-        let (dims, strides) = merged(OP, shape.dims(), &strided)?;
-        let key = UserKey {
-            id: self.id,
-            types: r.iter().map(|(_, c)| *c).collect(),
-            slots: slots.clone(),
-            wide,
-            split: 0,
-        };
-        let s = state(&dev)?;
-        let spec = Spec {
-            name: &self.name,
-            inputs: ins,
-            outputs: outs,
-            preamble: &self.preamble,
-        };
-        let f = kernel(s, OP, &self.name, &key, || {
-            source::elementwise(&spec, &self.body, &r, &slots, wide)
-        })?;
-        let types = self.params.iter().map(|p| concrete(&p.ty, &r)).collect();
-        Ok(Plan {
-            sig,
-            epoch,
-            dev,
-            shape,
-            out_types,
-            slots,
-            types,
-            dims,
-            strides,
-            f,
-            n,
-        })
+        Ok((layouts, slots))
     }
 
     /// Runs `plan` over this call's buffers: the per-call part (pointers, output buffers,

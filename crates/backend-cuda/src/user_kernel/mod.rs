@@ -41,10 +41,11 @@ use std::ffi::CString;
 
 use kiln_core::{DType, Error, Layout, Result, Shape, Tensor};
 
-use crate::Cuda;
 use crate::codegen::Access;
-use crate::device::{CudaDevice, DeviceState, Func};
+use crate::device::{DeviceState, Func};
 use crate::launch::{Dims, MAX_DIMS, Strides, collapse_raw};
+use crate::types::Cuda;
+use crate::types::CudaDevice;
 
 pub use elementwise::ElementwiseKernel;
 pub use raw::{Dim3, RawKernel};
@@ -57,7 +58,7 @@ pub(crate) use source::sample_sources;
 pub fn empty(shape: impl Into<Shape>, dtype: DType, device: &CudaDevice) -> Result<Tensor<Cuda>> {
     let shape = shape.into();
     let bytes = shape.elem_count_for("empty")? * dtype.size_in_bytes();
-    let s = crate::CudaStorage::alloc(device, bytes)?;
+    let s = crate::storage::CudaStorage::alloc(device, bytes)?;
     Ok(Tensor::from_storage(s, shape, dtype))
 }
 
@@ -156,16 +157,17 @@ fn kernel(
     let f = dev.generated_func(key, usize::MAX, || {
         let cname = CString::new(name)
             .map_err(|_| Error::invalid(op, format!("kernel name `{name}` contains a NUL")))?;
-        let bin = crate::nvrtc::load_or_compile_source(&format!("{name}.cu"), &source(), dev.arch)
-            .map_err(|log| {
-                Error::backend(
-                    op,
-                    format!(
-                        "kernel `{name}` does not compile (NVRTC, sm_{}):\n{log}",
-                        dev.arch
-                    ),
-                )
-            })?;
+        let bin =
+            crate::nvrtc::load_or_compile_source(&format!("{name}.cu"), &source(), dev.arch())
+                .map_err(|log| {
+                    Error::backend(
+                        op,
+                        format!(
+                            "kernel `{name}` does not compile (NVRTC, sm_{}):\n{log}",
+                            dev.arch()
+                        ),
+                    )
+                })?;
         Ok((bin, cname))
     })?;
     Ok(f.expect("user kernels have no budget"))
@@ -248,7 +250,7 @@ fn push_scalar(args: &mut crate::launch::Args, a: &KernelArg, c: params::CType) 
 /// put back when this is dropped, whatever happened meanwhile.
 struct Taken<'a> {
     slot: &'a mut Tensor<Cuda>,
-    storage: Option<std::sync::Arc<crate::CudaStorage>>,
+    storage: Option<std::sync::Arc<crate::storage::CudaStorage>>,
     layout: Layout,
     dtype: DType,
 }
@@ -281,7 +283,7 @@ impl<'a> Taken<'a> {
                 format!("output `{name}` is a broadcast view (several elements share memory)"),
             ));
         }
-        let empty = crate::CudaStorage::alloc(t.device(), 0)?;
+        let empty = crate::storage::CudaStorage::alloc(t.device(), 0)?;
         *t = Tensor::from_storage(empty, Shape::new([0]), dtype);
         Ok(Taken {
             slot: t,

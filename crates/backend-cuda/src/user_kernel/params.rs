@@ -17,12 +17,9 @@ pub enum CType {
 impl CType {
     /// The C spelling in generated source (`common.cuh` typedefs `i64` and `u8`).
     pub fn c_name(self) -> &'static str {
-        match self {
-            CType::F32 => "float",
-            CType::F64 => "double",
-            CType::I64 => "i64",
-            CType::U8 => "u8",
-            CType::I32 => "int",
+        match self.dtype() {
+            Some(d) => crate::sources::ctype(d),
+            None => "int",
         }
     }
     /// The tensor dtype of this type (`None` for `int`).

@@ -4,9 +4,9 @@ use cudarc::driver::sys;
 use kiln_core::{Error, Result};
 
 use super::{KernelArg, UserKey, common_device, held_buffers, kernel};
-use crate::CudaDevice;
 use crate::device::{Func, state};
 use crate::launch::Args;
+use crate::types::CudaDevice;
 
 const OP: &str = "RawKernel";
 

@@ -1,18 +1,21 @@
 //! [`ReductionKernel`]: map, reduce and post-map snippets over chosen axes.
 
+use std::sync::Arc;
+
 use kiln_core::{Error, Layout, Result, Shape, Tensor};
 
 use super::elementwise::{arity, bind, check_name, int_output, no_tensor, not_contiguous};
-use super::params::{Bound, CType, Param, ParamType, concrete, parse_params, resolve};
+use super::params::{Bound, CType, Param, ParamType, Resolved, concrete, parse_params, resolve};
 use super::source::{self, Reduction, Slot, Spec};
 use super::{
     KernelArg, Taken, UserKey, access, common_device, held_buffers, kernel, merged, push_scalar,
 };
 use crate::codegen::Access;
-use crate::device::state;
-use crate::launch::Args;
-use crate::memory::alloc;
-use crate::{Cuda, CudaStorage};
+use crate::device::{DeviceState, Func, state};
+use crate::launch::{Args, Dims, Strides};
+use crate::memory::{Buffer, alloc};
+use crate::storage::CudaStorage;
+use crate::types::Cuda;
 
 const OP: &str = "ReductionKernel";
 /// Most threads per block.
@@ -195,6 +198,8 @@ impl ReductionKernel {
         self.run(inputs, axes, keepdims, outputs).map(drop)
     }
 
+    /// A call: types, shapes, operands, the kernel, its arguments, the launch. Each step is a
+    /// function below; the order of the checks is the order of the errors a caller sees.
     fn run(
         &self,
         inputs: &[KernelArg],
@@ -202,6 +207,107 @@ impl ReductionKernel {
         keepdims: bool,
         given: &mut [&mut Tensor<Cuda>],
     ) -> Result<Vec<Tensor<Cuda>>> {
+        let (ins, outs) = self.params.split_at(self.n_in);
+        let (r, acc) = self.resolve_types(inputs, given)?;
+        let tensors = inputs.iter().filter_map(|a| match a {
+            KernelArg::Tensor(t) => Some(*t),
+            _ => None,
+        });
+        let dev = common_device(OP, tensors.chain(given.iter().map(|t| &**t)))?
+            .ok_or_else(|| no_tensor(&self.name))?;
+        let shape = self.iteration_shape(inputs)?;
+        let axes: Vec<usize> = match axes {
+            None => (0..shape.rank()).collect(),
+            Some(a) => shape.axes(OP, a)?,
+        };
+        let g = Geometry::new(&shape, axes, keepdims);
+        for t in given.iter() {
+            if t.shape() != &g.out_shape {
+                return Err(Error::ShapeMismatch {
+                    op: OP,
+                    lhs: g.out_shape.clone(),
+                    rhs: t.shape().clone(),
+                });
+            }
+        }
+        let out_types = outs
+            .iter()
+            .map(|p| {
+                concrete(&p.ty, &r)
+                    .dtype()
+                    .ok_or_else(|| int_output(&self.name, &p.name))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ops = self.operands(inputs, given, &shape, &g, keepdims)?;
+        let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
+        types.push(acc);
+        let held = held_buffers(inputs)?;
+        // Few kept elements and long reductions: split over many blocks, as expression
+        // programs are (`codegen::split_parts`).
+        let parts = crate::codegen::split_parts(g.n_kept, g.n_red);
+        let split = if parts == 1 {
+            0
+        } else {
+            self.split_lanes(inputs, &ops, &held, &r, g.n_kept)
+        };
+        let key = UserKey {
+            id: self.id,
+            types,
+            slots: ops.slots.clone(),
+            wide: ops.wide,
+            split,
+        };
+        let s = state(&dev)?;
+        let spec = Spec {
+            name: &self.name,
+            inputs: ins,
+            outputs: outs,
+            preamble: &self.preamble,
+        };
+        let red = Reduction {
+            map: &self.map,
+            reduce: &self.reduce,
+            post_map: &self.post_map,
+            identity: &self.identity,
+            acc,
+        };
+        let f = kernel(s, OP, &self.name, &key, || {
+            source::reduction(&spec, &red, &r, &ops.slots, ops.wide, split)
+        })?;
+        let mut taken = Vec::with_capacity(given.len());
+        for (t, p) in given.iter_mut().zip(outs) {
+            taken.push(Taken::new(OP, &p.name, t)?);
+        }
+        let mut fresh = Vec::new();
+        let mut out_ptrs = Vec::with_capacity(outs.len());
+        for (j, t) in out_types.iter().enumerate() {
+            match taken.get_mut(j) {
+                Some(tk) => out_ptrs.push(tk.write_ptr()?),
+                None => {
+                    let b = alloc(s, g.n_kept * t.size_in_bytes())?;
+                    out_ptrs.push(b.device_ptr());
+                    fresh.push(b);
+                }
+            }
+        }
+        let args = self.args(inputs, &held, &ops, &r, &out_ptrs, &g);
+        launch(s, f, args, &g, parts, acc)?;
+        drop(held);
+        drop(taken);
+        Ok(fresh
+            .into_iter()
+            .zip(out_types.iter().skip(given.len()))
+            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), g.out_shape.clone(), dt))
+            .collect())
+    }
+
+    /// Binds the arguments (and the given outputs' dtypes) to the parameters and resolves the
+    /// type placeholders, the accumulator's included.
+    fn resolve_types(
+        &self,
+        inputs: &[KernelArg],
+        given: &[&mut Tensor<Cuda>],
+    ) -> Result<(Resolved, CType)> {
         let (ins, outs) = self.params.split_at(self.n_in);
         if inputs.len() != ins.len() {
             return Err(arity(&self.name, ins, inputs.len()));
@@ -220,14 +326,13 @@ impl ReductionKernel {
             .unwrap_or_else(|| outs[0].ty.clone());
         let r = resolve(OP, &self.name, &self.params, &bound, Some(&acc_ty))?;
         let acc = concrete(&acc_ty, &r);
-        let tensors = inputs.iter().filter_map(|a| match a {
-            KernelArg::Tensor(t) => Some(*t),
-            _ => None,
-        });
-        let dev = common_device(OP, tensors.chain(given.iter().map(|t| &**t)))?
-            .ok_or_else(|| no_tensor(&self.name))?;
+        Ok((r, acc))
+    }
+
+    /// The broadcast shape of the non-raw tensor inputs (raw ones must be contiguous).
+    fn iteration_shape(&self, inputs: &[KernelArg]) -> Result<Shape> {
         let mut shape: Option<Shape> = None;
-        for (p, a) in ins.iter().zip(inputs) {
+        for (p, a) in self.params[..self.n_in].iter().zip(inputs) {
             match a {
                 KernelArg::Tensor(t) if p.raw && !t.is_contiguous() => {
                     return Err(not_contiguous(&self.name, &p.name));
@@ -241,45 +346,20 @@ impl ReductionKernel {
                 _ => {}
             }
         }
-        let shape = shape.ok_or_else(|| no_tensor(&self.name))?;
-        let axes: Vec<usize> = match axes {
-            None => (0..shape.rank()).collect(),
-            Some(a) => shape.axes(OP, a)?,
-        };
-        let dims = shape.dims();
-        let kept_axes: Vec<usize> = (0..dims.len()).filter(|a| !axes.contains(a)).collect();
-        let out_shape = Shape::new(if keepdims {
-            (0..dims.len())
-                .map(|a| if axes.contains(&a) { 1 } else { dims[a] })
-                .collect::<Vec<_>>()
-        } else {
-            kept_axes.iter().map(|&a| dims[a]).collect()
-        });
-        for g in given.iter() {
-            if g.shape() != &out_shape {
-                return Err(Error::ShapeMismatch {
-                    op: OP,
-                    lhs: out_shape.clone(),
-                    rhs: g.shape().clone(),
-                });
-            }
-        }
-        let out_types = outs
-            .iter()
-            .map(|p| {
-                concrete(&p.ty, &r)
-                    .dtype()
-                    .ok_or_else(|| int_output(&self.name, &p.name))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let pick =
-            |v: &[usize], which: &[usize]| -> Vec<usize> { which.iter().map(|&a| v[a]).collect() };
-        let kdims = pick(dims, &kept_axes);
-        let rdims = pick(dims, &axes);
-        let n_kept: usize = kdims.iter().product();
-        let n_red: usize = rdims.iter().product();
-        // Per tensor operand: its layout, its strides along the kept axes and (inputs) along
-        // the reduced ones.
+        shape.ok_or_else(|| no_tensor(&self.name))
+    }
+
+    /// Per operand its slot, and per tensor operand its strides along the kept axes and
+    /// (inputs) along the reduced ones, merged; whether indices need 64 bits.
+    fn operands(
+        &self,
+        inputs: &[KernelArg],
+        given: &[&mut Tensor<Cuda>],
+        shape: &Shape,
+        g: &Geometry,
+        keepdims: bool,
+    ) -> Result<Operands> {
+        let (ins, outs) = self.params.split_at(self.n_in);
         let mut slots: Vec<Slot> = Vec::with_capacity(self.params.len());
         let mut kstr: Vec<Vec<usize>> = Vec::new();
         let mut rstr: Vec<Vec<usize>> = Vec::new();
@@ -288,21 +368,21 @@ impl ReductionKernel {
             match a {
                 KernelArg::Tensor(_) if p.raw => slots.push(Slot::Raw),
                 KernelArg::Tensor(t) => {
-                    let l = t.layout().broadcast_to(&shape)?;
-                    let rs = pick(l.strides(), &axes);
-                    slots.push(Slot::Tensor(access(&rdims, &rs)));
-                    kstr.push(pick(l.strides(), &kept_axes));
+                    let l = t.layout().broadcast_to(shape)?;
+                    let rs = pick(l.strides(), &g.axes);
+                    slots.push(Slot::Tensor(access(&g.rdims, &rs)));
+                    kstr.push(pick(l.strides(), &g.kept_axes));
                     rstr.push(rs);
                     extents.push(l.storage_extent());
                 }
                 _ => slots.push(Slot::Scalar),
             }
         }
-        let contiguous = Layout::contiguous(out_shape.clone());
+        let contiguous = Layout::contiguous(g.out_shape.clone());
         for j in 0..outs.len() {
-            let l = given.get(j).map_or(&contiguous, |g| g.layout());
+            let l = given.get(j).map_or(&contiguous, |t| t.layout());
             let ks = if keepdims {
-                pick(l.strides(), &kept_axes)
+                pick(l.strides(), &g.kept_axes)
             } else {
                 l.strides().to_vec()
             };
@@ -310,100 +390,83 @@ impl ReductionKernel {
             extents.push(l.storage_extent());
             slots.push(Slot::Tensor(Access::Contig));
         }
-        let wide = n_kept.saturating_mul(n_red.max(1)) >= (1 << 31)
+        let wide = g.n_kept.saturating_mul(g.n_red.max(1)) >= (1 << 31)
             || extents.iter().any(|&e| e >= (1 << 31));
         let krefs: Vec<&[usize]> = kstr.iter().map(|v| v.as_slice()).collect();
-        let (kd, ks) = merged(OP, &kdims, &krefs)?;
+        let (kd, ks) = merged(OP, &g.kdims, &krefs)?;
         let strided_red: Vec<&[usize]> = rstr
             .iter()
             .zip(slots.iter().filter(|s| matches!(s, Slot::Tensor(_))))
             .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
             .map(|(v, _)| v.as_slice())
             .collect();
-        let (rd, rs) = merged(OP, &rdims, &strided_red)?;
-        let mut types: Vec<CType> = r.iter().map(|(_, c)| *c).collect();
-        types.push(acc);
-        let held = held_buffers(inputs)?;
-        // Few kept elements and long reductions: split over many blocks, as expression
-        // programs are (`codegen::split_parts`), reading groups of 4 f32 as one 16-byte load
-        // when every contiguous input's rows are 16-byte aligned.
-        let parts = crate::codegen::split_parts(n_kept, n_red);
-        let split = if parts == 1 {
-            0
-        } else {
-            let mut tensor = 0; // index among the tensor operands (`kstr`)
-            let mut vec = true;
-            for (k, p) in ins.iter().enumerate() {
-                let (KernelArg::Tensor(t), Slot::Tensor(a)) = (&inputs[k], slots[k]) else {
-                    continue;
-                };
-                if a == Access::Contig {
-                    let b = held[k].as_ref().expect("a tensor's buffer");
-                    let at = b.device_ptr() + (t.layout().offset() * 4) as u64;
-                    vec &= concrete(&p.ty, &r) == CType::F32
-                        && at.is_multiple_of(16)
-                        && (n_kept == 1 || kstr[tensor].iter().all(|s| s % 4 == 0));
-                }
-                tensor += 1;
-            }
-            if vec { 4 } else { 1 }
-        };
-        let key = UserKey {
-            id: self.id,
-            types,
-            slots: slots.clone(),
+        let (rd, rs) = merged(OP, &g.rdims, &strided_red)?;
+        Ok(Operands {
+            slots,
+            kstr,
             wide,
-            split,
-        };
-        let s = state(&dev)?;
-        let spec = Spec {
-            name: &self.name,
-            inputs: ins,
-            outputs: outs,
-            preamble: &self.preamble,
-        };
-        let red = Reduction {
-            map: &self.map,
-            reduce: &self.reduce,
-            post_map: &self.post_map,
-            identity: &self.identity,
-            acc,
-        };
-        let f = kernel(s, OP, &self.name, &key, || {
-            source::reduction(&spec, &red, &r, &slots, wide, split)
-        })?;
-        let mut taken = Vec::with_capacity(given.len());
-        for (g, p) in given.iter_mut().zip(outs) {
-            taken.push(Taken::new(OP, &p.name, g)?);
-        }
-        let mut fresh = Vec::new();
-        let mut out_ptrs = Vec::with_capacity(outs.len());
-        for (j, t) in out_types.iter().enumerate() {
-            match taken.get_mut(j) {
-                Some(tk) => out_ptrs.push(tk.write_ptr()?),
-                None => {
-                    let b = alloc(s, n_kept * t.size_in_bytes())?;
-                    out_ptrs.push(b.device_ptr());
-                    fresh.push(b);
-                }
+            kd,
+            ks,
+            rd,
+            rs,
+        })
+    }
+
+    /// The lanes of a split reduction's loads: 4 (groups of 4 f32 as one 16-byte load) when
+    /// every contiguous input is f32 with 16-byte aligned rows, else 1.
+    fn split_lanes(
+        &self,
+        inputs: &[KernelArg],
+        ops: &Operands,
+        held: &[Option<Arc<Buffer>>],
+        r: &Resolved,
+        n_kept: usize,
+    ) -> u32 {
+        let mut tensor = 0; // index among the tensor operands (`kstr`)
+        let mut vec = true;
+        for (k, p) in self.params[..self.n_in].iter().enumerate() {
+            let (KernelArg::Tensor(t), Slot::Tensor(a)) = (&inputs[k], ops.slots[k]) else {
+                continue;
+            };
+            if a == Access::Contig {
+                let b = held[k].as_ref().expect("a tensor's buffer");
+                let at = b.device_ptr() + (t.layout().offset() * 4) as u64;
+                vec &= concrete(&p.ty, r) == CType::F32
+                    && at.is_multiple_of(16)
+                    && (n_kept == 1 || ops.kstr[tensor].iter().all(|s| s % 4 == 0));
             }
+            tensor += 1;
         }
+        if vec { 4 } else { 1 }
+    }
+
+    /// The kernel's arguments: sizes and merged dims, then per parameter its pointer (and
+    /// strides) or scalar value.
+    fn args(
+        &self,
+        inputs: &[KernelArg],
+        held: &[Option<Arc<Buffer>>],
+        ops: &Operands,
+        r: &Resolved,
+        out_ptrs: &[u64],
+        g: &Geometry,
+    ) -> Args {
         let mut args = Args::new();
-        args.push(n_kept as u64)
-            .push(n_red as u64)
-            .push(kd)
-            .push(rd);
-        let mut ks_it = ks.iter();
-        let mut rs_it = rs.iter();
+        args.push(g.n_kept as u64)
+            .push(g.n_red as u64)
+            .push(ops.kd)
+            .push(ops.rd);
+        let mut ks_it = ops.ks.iter();
+        let mut rs_it = ops.rs.iter();
         for (k, p) in self.params.iter().enumerate() {
-            let slot = slots[k];
+            let slot = ops.slots[k];
             let ptr = if k < self.n_in {
                 match (&inputs[k], &held[k]) {
                     (KernelArg::Tensor(t), Some(b)) => Some(
                         b.device_ptr() + (t.layout().offset() * t.dtype().size_in_bytes()) as u64,
                     ),
                     (a, _) => {
-                        push_scalar(&mut args, a, concrete(&p.ty, &r));
+                        push_scalar(&mut args, a, concrete(&p.ty, r));
                         None
                     }
                 }
@@ -419,35 +482,96 @@ impl ReductionKernel {
                 }
             }
         }
-        if n_kept > 0 && parts > 1 {
-            // Phase 0 folds each part into `partials`; phase 1 folds those and post-maps.
-            let slots = n_kept * parts;
-            let size = match acc {
-                CType::I32 => 4,
-                c => c.dtype().map_or(8, |d| d.size_in_bytes()),
-            };
-            let partials = alloc(s, slots * size)?;
-            for (phase, blocks) in [(0u32, slots), (1, n_kept)] {
-                let mut a = args.clone();
-                a.push(parts as u64).push(phase).push(partials.device_ptr());
-                let grid = (blocks.min(s.sm_count as usize * 16) as u32, 1);
-                s.launch(OP, f, grid, BLOCK, 0, a.ptrs())?;
-            }
-        } else if n_kept > 0 {
-            let block = if n_red >= BLOCK as usize {
-                BLOCK
-            } else {
-                (n_red.next_power_of_two() as u32).clamp(32, BLOCK)
-            };
-            let blocks = n_kept.min(s.sm_count as usize * 16).max(1);
-            s.launch(OP, f, (blocks as u32, 1), block, 0, args.ptrs())?;
-        }
-        drop(held);
-        drop(taken);
-        Ok(fresh
-            .into_iter()
-            .zip(out_types.iter().skip(given.len()))
-            .map(|(b, &dt)| Tensor::from_storage(CudaStorage::ready(b), out_shape.clone(), dt))
-            .collect())
+        args
     }
+}
+
+/// The axes of a call and the sizes they give.
+struct Geometry {
+    axes: Vec<usize>,
+    kept_axes: Vec<usize>,
+    kdims: Vec<usize>,
+    rdims: Vec<usize>,
+    n_kept: usize,
+    n_red: usize,
+    /// The outputs' shape: the kept dims (with 1s for the reduced axes when `keepdims`).
+    out_shape: Shape,
+}
+
+impl Geometry {
+    fn new(shape: &Shape, axes: Vec<usize>, keepdims: bool) -> Self {
+        let dims = shape.dims();
+        let kept_axes: Vec<usize> = (0..dims.len()).filter(|a| !axes.contains(a)).collect();
+        let out_shape = Shape::new(if keepdims {
+            (0..dims.len())
+                .map(|a| if axes.contains(&a) { 1 } else { dims[a] })
+                .collect::<Vec<_>>()
+        } else {
+            kept_axes.iter().map(|&a| dims[a]).collect()
+        });
+        let kdims = pick(dims, &kept_axes);
+        let rdims = pick(dims, &axes);
+        Geometry {
+            n_kept: kdims.iter().product(),
+            n_red: rdims.iter().product(),
+            axes,
+            kept_axes,
+            kdims,
+            rdims,
+            out_shape,
+        }
+    }
+}
+
+/// The operands of a call (see [`ReductionKernel::operands`]).
+struct Operands {
+    slots: Vec<Slot>,
+    /// Per tensor operand, its strides along the kept axes (before merging).
+    kstr: Vec<Vec<usize>>,
+    wide: bool,
+    kd: Dims,
+    ks: Vec<Strides>,
+    rd: Dims,
+    rs: Vec<Strides>,
+}
+
+/// The entries of `v` at `which`.
+fn pick(v: &[usize], which: &[usize]) -> Vec<usize> {
+    which.iter().map(|&a| v[a]).collect()
+}
+
+/// Launches the kernel: once, a block per kept element; or, split, phase 0 folding each part
+/// into partial accumulators and phase 1 folding those and post-mapping.
+fn launch(
+    s: &'static DeviceState,
+    f: Func,
+    mut args: Args,
+    g: &Geometry,
+    parts: usize,
+    acc: CType,
+) -> Result<()> {
+    let (n_kept, n_red) = (g.n_kept, g.n_red);
+    if n_kept > 0 && parts > 1 {
+        let slots = n_kept * parts;
+        let size = match acc {
+            CType::I32 => 4,
+            c => c.dtype().map_or(8, |d| d.size_in_bytes()),
+        };
+        let partials = alloc(s, slots * size)?;
+        for (phase, blocks) in [(0u32, slots), (1, n_kept)] {
+            let mut a = args.clone();
+            a.push(parts as u64).push(phase).push(partials.device_ptr());
+            let grid = (blocks.min(s.sm_count() as usize * 16) as u32, 1);
+            s.launch(OP, f, grid, BLOCK, 0, a.ptrs())?;
+        }
+    } else if n_kept > 0 {
+        let block = if n_red >= BLOCK as usize {
+            BLOCK
+        } else {
+            (n_red.next_power_of_two() as u32).clamp(32, BLOCK)
+        };
+        let blocks = n_kept.min(s.sm_count() as usize * 16).max(1);
+        s.launch(OP, f, (blocks as u32, 1), block, 0, args.ptrs())?;
+    }
+    Ok(())
 }

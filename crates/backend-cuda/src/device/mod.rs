@@ -11,34 +11,32 @@
 //! We call the driver through cudarc's `sys`/`result` layers rather than its safe wrappers: we
 //! order our two streams ourselves, so cudarc's per-buffer event tracking would only add cost.
 
-use std::collections::HashMap;
-
-use kiln_core::fasthash::FastMap;
 use std::ffi::{CString, c_void};
-use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys::{self, CUresult};
 use kiln_core::{Error, Result};
 
-use crate::pool::{BlockCache, DeferredFree, GraphPool};
+mod allocator;
+mod error_flag;
+mod kernels;
+mod streams;
+mod transfers;
+
+pub(crate) use allocator::Allocator;
+use error_flag::ErrorFlag;
+pub(crate) use kernels::Func;
+use kernels::KernelCache;
+pub(crate) use streams::Streams;
+pub(crate) use transfers::{InFlight, STAGING_BLOCKS, Staging, Transfers, staging_bytes};
+
+use crate::pool::GraphPool;
 use crate::sources::Module;
+use crate::types::CudaDevice;
 
-/// One NVIDIA GPU, by ordinal. Displays as `cuda:N`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CudaDevice {
-    ordinal: usize,
-}
-
+// The methods of the device handle that reach the GPU (the handle itself is in `types.rs`).
 impl CudaDevice {
-    /// The device with this ordinal; does not check that it exists (see [`crate::try_gpu`]).
-    pub fn new(ordinal: usize) -> Self {
-        CudaDevice { ordinal }
-    }
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
     /// The GPU's name, e.g. `NVIDIA H100 80GB HBM3`.
     pub fn name(&self) -> Result<String> {
         Ok(state(self)?.name.clone())
@@ -50,12 +48,6 @@ impl CudaDevice {
     /// The compute capability as `major * 10 + minor` (90 for Hopper).
     pub fn compute_capability(&self) -> Result<u32> {
         Ok(state(self)?.arch)
-    }
-}
-
-impl fmt::Display for CudaDevice {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cuda:{}", self.ordinal)
     }
 }
 
@@ -165,11 +157,7 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
     let s = state(dev)?;
     s.sync_all("clear_kernel_cache")?;
     KERNEL_EPOCH.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    let mut modules: Vec<usize> = s.modules.lock().unwrap().drain().map(|(_, m)| m).collect();
-    s.funcs.lock().unwrap().clear();
-    s.generated.slots.lock().unwrap().clear();
-    modules.append(&mut s.generated.modules.lock().unwrap());
-    for m in modules {
+    for m in s.kernels.forget_all() {
         // SAFETY: each module was loaded into this context and nothing runs on the device
         // (synchronized above); its functions were forgotten above.
         check(
@@ -184,42 +172,6 @@ pub fn clear_kernel_cache(dev: &CudaDevice) -> Result<()> {
 /// outside the device state (per-thread ones) are valid only for the epoch they were made in.
 pub(crate) static KERNEL_EPOCH: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// A kernel's name, as the parts that are joined with `_` to spell it, compared and hashed by
-/// the parts' addresses: every call site passes string literals, so one kernel looked up from
-/// one site is one key, without reading the strings. (Comparing and hashing their bytes was
-/// 12 % of the host time of d2l's matmul-and-norm loop, profiled against a stand-in driver.)
-/// The same name spelled by literals at another address is another key for the same kernel:
-/// one more entry, found by `cuModuleGetFunction` once.
-#[derive(Clone, Copy)]
-pub(crate) struct FuncKey([&'static str; 5]);
-
-impl PartialEq for FuncKey {
-    fn eq(&self, other: &Self) -> bool {
-        self.0
-            .iter()
-            .zip(&other.0)
-            .all(|(a, b)| std::ptr::eq(*a, *b))
-    }
-}
-
-impl Eq for FuncKey {}
-
-impl std::hash::Hash for FuncKey {
-    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
-        let h = self.0.iter().fold(0u64, |h, s| {
-            (h ^ s.as_ptr() as u64 ^ (s.len() as u64) << 48).wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        });
-        state.write_u64(h);
-    }
-}
-
-#[derive(Clone, Copy)]
-pub(crate) struct Func(pub sys::CUfunction);
-// SAFETY: a CUfunction is a handle valid in its context from any thread.
-unsafe impl Send for Func {}
-// SAFETY: as above; launching is thread-safe in the driver.
-unsafe impl Sync for Func {}
-
 pub(crate) struct Blas {
     pub handle: cudarc::cublas::sys::cublasHandle_t,
     pub tf32: bool,
@@ -229,81 +181,28 @@ pub(crate) struct Blas {
 // SAFETY: the handle is only used under the `blas` mutex.
 unsafe impl Send for Blas {}
 
-/// Pinned host buffers for transfers: a ring of `STAGING_BLOCKS` blocks of [`staging_bytes`],
-/// each with the event of its last DMA, so a block is reused only once its copy is done.
-pub(crate) struct Staging {
-    pub blocks: Vec<(*mut u8, sys::CUevent)>,
-    pub next: usize,
-}
-// SAFETY: only used under the `staging` mutex.
-unsafe impl Send for Staging {}
-/// The size of one staging block: `KILN_CUDA_STAGING_MB` MiB (default 32, the best of 8 and 32
-/// for 256 MB copies on an H100 host, BENCHMARKS.md; read once).
-pub(crate) fn staging_bytes() -> usize {
-    static B: OnceLock<usize> = OnceLock::new();
-    *B.get_or_init(|| {
-        let mb = std::env::var("KILN_CUDA_STAGING_MB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(32);
-        mb.clamp(1, 256) << 20
-    })
-}
-pub(crate) const STAGING_BLOCKS: usize = 4;
-
-/// The generated kernels of one device: per generator (by the `TypeId` of its key type) a
-/// `FastMap<K, Func>` behind its own lock (a compilation blocks only its own generator), and
-/// the modules they live in.
-#[derive(Default)]
-pub(crate) struct Generated {
-    slots: Mutex<HashMap<std::any::TypeId, Slot>>,
-    modules: Mutex<Vec<usize>>,
-}
-
-type Slot = std::sync::Arc<Mutex<Box<dyn std::any::Any + Send>>>;
-
-/// The lazily created state of one GPU.
+/// The lazily created state of one GPU: its identity (read-only after creation, read through
+/// methods), then owned parts, each with private state and methods, in its own file: streams
+/// and events (`streams.rs`), the kernel cache (`kernels.rs`), the allocator's state
+/// (`allocator.rs`), transfers' state (`transfers.rs`), the error flag (`error_flag.rs`), and
+/// the cuBLAS handle (used by `blas.rs` under its lock).
 pub(crate) struct DeviceState {
-    pub ordinal: usize,
-    pub cu_dev: sys::CUdevice,
-    pub ctx: sys::CUcontext,
-    pub compute: sys::CUstream,
-    pub copy: sys::CUstream,
-    pub pool: sys::CUmemoryPool,
-    pub name: String,
+    ordinal: usize,
+    cu_dev: sys::CUdevice,
+    /// The retained primary context.
+    ctx: sys::CUcontext,
+    name: String,
     /// Compute capability, `major * 10 + minor`.
-    pub arch: u32,
-    pub sm_count: u32,
-    pub total_mem: usize,
-    /// A 16-byte device record `{u32 code, u32 pad, i64 value}`: code 0, or the code and
-    /// offending value of the first kernel error since the last check.
-    pub err_flag: sys::CUdeviceptr,
-    /// Pinned host copy of the record.
-    pub err_host: *mut u32,
-    pub err_lock: Mutex<()>,
-    pub modules: Mutex<HashMap<Module, usize>>,
-    pub funcs: Mutex<FastMap<FuncKey, Func>>,
-    /// Generated kernels (lazy chains, expression programs, user kernels), memoized per
-    /// generator under a key of the generator's choosing (see [`DeviceState::generated_func`]).
-    pub generated: Generated,
-    pub blas: Mutex<Option<Blas>>,
-    pub staging: Mutex<Staging>,
-    pub block_cache: Mutex<BlockCache>,
-    pub in_use: AtomicUsize,
-    pub peak: AtomicUsize,
-    pub peers_enabled: Mutex<Vec<usize>>,
-    pub tf32_override: AtomicBool,
-    /// Blocks waiting for other streams before they can be reused (see `memory.rs`).
-    pub deferred_frees: Mutex<Vec<DeferredFree>>,
-    pub deferred_count: AtomicUsize,
-    /// Sources of asynchronous host-to-device copies, kept alive until their copy is done.
-    pub in_flight: Mutex<std::collections::VecDeque<InFlight>>,
-    /// Spare events (timing disabled) for ordering streams and tracking copies.
-    pub events: Mutex<Vec<usize>>,
-    /// Streams of dropped [`crate::Stream`]s, by priority, for the next `Stream::new`. A stream
-    /// is never destroyed: blocks it used still name it, and record an event on it when they
-    /// are freed (see `memory.rs`), possibly long after the `Stream` was dropped.
-    pub spare_streams: Mutex<Vec<(i32, usize)>>,
+    arch: u32,
+    sm_count: u32,
+    total_mem: usize,
+    streams: Streams,
+    kernels: KernelCache,
+    alloc: Allocator,
+    transfers: Transfers,
+    errors: ErrorFlag,
+    /// The cuBLAS handle, created on first matmul (`blas.rs`).
+    blas: Mutex<Option<Blas>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -350,7 +249,7 @@ impl crate::profile::Site for DeviceState {
         self.stream()
     }
     fn bytes_in_use(&self) -> usize {
-        self.in_use.load(std::sync::atomic::Ordering::Relaxed)
+        self.alloc.in_use()
     }
     fn capturing(&self) -> bool {
         DeviceState::capturing(self)
@@ -364,13 +263,6 @@ pub(crate) fn set_current_stream(ordinal: usize, stream: sys::CUstream) -> sys::
         Some(c) => c.replace(stream),
         None => std::ptr::null_mut(),
     })
-}
-
-/// Host memory that an asynchronous copy still reads (a pinned source's storage), held until
-/// the copy's event completes.
-pub(crate) struct InFlight {
-    pub event: std::sync::Arc<SharedEvent>,
-    pub _owner: std::sync::Arc<dyn std::any::Any + Send + Sync>,
 }
 
 /// An event of the device's pool with several holders (an upload's in-flight record and the
@@ -412,7 +304,7 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
     static STATES: OnceLock<Vec<OnceLock<std::result::Result<&'static DeviceState, String>>>> =
         OnceLock::new();
     let states = STATES.get_or_init(|| (0..device_count()).map(|_| OnceLock::new()).collect());
-    let slot = states.get(dev.ordinal).ok_or_else(|| {
+    let slot = states.get(dev.ordinal()).ok_or_else(|| {
         Error::invalid(
             "cuda",
             format!(
@@ -426,7 +318,7 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
     })?;
     let s = slot.get_or_init(|| {
         crate::profile::set_binder(|o| state(&CudaDevice::new(o)).is_ok());
-        DeviceState::create(dev.ordinal)
+        DeviceState::create(dev.ordinal())
             .map(|s| &*Box::leak(Box::new(s)))
             .map_err(|e| e.to_string())
     });
@@ -478,11 +370,7 @@ impl DeviceState {
                 sys::cuDeviceTotalMem_v2(&mut total_mem, cu_dev),
                 "cuDeviceTotalMem",
             )?;
-            let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
-            let mut compute = std::ptr::null_mut();
-            check(sys::cuStreamCreate(&mut compute, flags), "cuStreamCreate")?;
-            let mut copy = std::ptr::null_mut();
-            check(sys::cuStreamCreate(&mut copy, flags), "cuStreamCreate")?;
+            let streams = Streams::create()?;
             // The device's default stream-ordered pool, keeping freed memory cached.
             let mut pool = std::ptr::null_mut();
             check(
@@ -498,45 +386,58 @@ impl DeviceState {
                 ),
                 "cuMemPoolSetAttribute",
             )?;
-            let mut err_flag = 0;
-            check(sys::cuMemAlloc_v2(&mut err_flag, 16), "cuMemAlloc")?;
-            check(sys::cuMemsetD32_v2(err_flag, 0, 4), "cuMemsetD32")?;
-            let mut err_host = std::ptr::null_mut();
-            check(sys::cuMemHostAlloc(&mut err_host, 16, 0), "cuMemHostAlloc")?;
+            let errors = ErrorFlag::create()?;
             Ok(DeviceState {
                 ordinal,
                 cu_dev,
                 ctx,
-                compute,
-                copy,
-                pool,
+                streams,
+                alloc: Allocator::new(pool),
                 name,
                 arch: (major * 10 + minor) as u32,
                 sm_count,
                 total_mem,
-                err_flag,
-                err_host: err_host as *mut u32,
-                err_lock: Mutex::new(()),
-                modules: Mutex::new(HashMap::new()),
-                funcs: Mutex::new(FastMap::default()),
-                generated: Generated::default(),
+                errors,
+                kernels: KernelCache::default(),
                 blas: Mutex::new(None),
-                staging: Mutex::new(Staging {
-                    blocks: Vec::new(),
-                    next: 0,
-                }),
-                block_cache: Mutex::new(Default::default()),
-                in_use: AtomicUsize::new(0),
-                peak: AtomicUsize::new(0),
-                peers_enabled: Mutex::new(Vec::new()),
-                tf32_override: AtomicBool::new(false),
-                deferred_frees: Mutex::new(Vec::new()),
-                deferred_count: AtomicUsize::new(0),
-                in_flight: Mutex::new(Default::default()),
-                events: Mutex::new(Vec::new()),
-                spare_streams: Mutex::new(Vec::new()),
+                transfers: Transfers::default(),
             })
         }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The driver's handle of the device.
+    pub fn cu_dev(&self) -> sys::CUdevice {
+        self.cu_dev
+    }
+
+    /// The device's (retained primary) context.
+    pub fn ctx(&self) -> sys::CUcontext {
+        self.ctx
+    }
+
+    /// Compute capability, `major * 10 + minor`.
+    pub fn arch(&self) -> u32 {
+        self.arch
+    }
+
+    /// Multiprocessors.
+    pub fn sm_count(&self) -> u32 {
+        self.sm_count
+    }
+
+    /// The cuBLAS handle slot (`None` until `blas.rs` creates it), locked while a call uses it.
+    pub fn blas(&self) -> std::sync::MutexGuard<'_, Option<Blas>> {
+        self.blas.lock().unwrap()
+    }
+
+    /// The allocator's state (the allocator itself is `memory.rs`).
+    pub fn allocator(&self) -> &Allocator {
+        &self.alloc
     }
 
     pub fn device(&self) -> CudaDevice {
@@ -551,42 +452,47 @@ impl DeviceState {
             c.get(self.ordinal)
                 .map_or(std::ptr::null_mut(), |c| c.get())
         });
-        if s.is_null() { self.compute } else { s }
+        if s.is_null() {
+            self.streams.compute()
+        } else {
+            s
+        }
     }
 
     /// An event with timing disabled, from the device's spare list. Give it back with
     /// [`DeviceState::recycle_event`] once every wait on its recording has been enqueued (a
     /// later re-record does not affect waits already enqueued) and nobody queries it.
     pub fn event(&self) -> Result<sys::CUevent> {
-        if let Some(e) = self.events.lock().unwrap().pop() {
-            return Ok(e as sys::CUevent);
-        }
-        let mut ev = std::ptr::null_mut();
-        // SAFETY: valid out-pointer; the context is current (callers bind first).
-        check(
-            unsafe {
-                sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-            },
-            "cuEventCreate",
-        )?;
-        Ok(ev)
+        self.streams.event()
     }
 
     pub fn recycle_event(&self, ev: sys::CUevent) {
-        self.events.lock().unwrap().push(ev as usize);
+        self.streams.recycle_event(ev);
+    }
+
+    /// The device's default (compute) stream.
+    pub fn default_stream(&self) -> sys::CUstream {
+        self.streams.compute()
+    }
+
+    /// The device's copy stream (host transfers).
+    pub fn copy_stream(&self) -> sys::CUstream {
+        self.streams.copy()
+    }
+
+    /// The device's streams (spare user streams).
+    pub fn streams(&self) -> &Streams {
+        &self.streams
     }
 
     /// Drops the sources of host-to-device copies that have finished.
     pub fn sweep_in_flight(&self) {
-        let mut q = self.in_flight.lock().unwrap();
-        while let Some(f) = q.front() {
-            // SAFETY: a live event of this context.
-            let r = unsafe { sys::cuEventQuery(f.event.event) };
-            if r == CUresult::CUDA_ERROR_NOT_READY {
-                break;
-            }
-            q.pop_front(); // the event returns to the pool with its last holder
-        }
+        self.transfers.sweep_in_flight();
+    }
+
+    /// The staging ring, copies in flight and peers of this device.
+    pub fn transfers(&self) -> &Transfers {
+        &self.transfers
     }
 
     /// Whether the calling thread is capturing a CUDA graph on this device (`graph.rs`).
@@ -643,35 +549,14 @@ impl DeviceState {
     }
 
     /// The kernel named by `parts` joined with `_` (e.g. `["unary", "exp", "float", "c"]`) in
-    /// `module`, compiling (or loading from the disk cache) the module on first use. Memoized
-    /// by the parts themselves, so the hot path formats no string.
+    /// `module`, compiling (or loading from the disk cache) the module on first use (see
+    /// [`KernelCache::func`]).
     pub fn func(&self, module: Module, parts: &[&'static str]) -> Result<Func> {
-        let mut names = [""; 5];
-        names[..parts.len()].copy_from_slice(parts);
-        let key = FuncKey(names);
-        if let Some(f) = self.funcs.lock().unwrap().get(&key) {
-            return Ok(*f);
-        }
-        let name = parts.join("_");
-        let m = self.module(module)?;
-        let cname = CString::new(name.as_str()).map_err(|e| Error::backend("kernel lookup", e))?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: `m` is a loaded module of this context; valid out-pointer.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m as sys::CUmodule, cname.as_ptr()) },
-            "cuModuleGetFunction",
-        )
-        .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
-        self.funcs.lock().unwrap().insert(key, Func(f));
-        Ok(Func(f))
+        self.kernels.func(self.arch, module, parts)
     }
 
-    /// The generated kernel memoized under `key` in the memo of key type `K` (one per
-    /// generator; the type is the generator's own, so this module names none of them): on a
-    /// miss, `build` returns the CUBIN and the kernel's name, the module is loaded and kept
-    /// (unloaded by [`clear_kernel_cache`]). `None` when the key is new and this generator
-    /// already holds `budget` kernels on this device. The memo is locked while `build` runs,
-    /// so two threads never compile the same kernel twice (other generators are not held up).
+    /// The generated kernel memoized under `key` (see [`KernelCache::generated_func`]); the
+    /// device's context is made current before the module is loaded.
     pub fn generated_func<K>(
         &self,
         key: &K,
@@ -681,83 +566,8 @@ impl DeviceState {
     where
         K: Clone + Eq + std::hash::Hash + Send + 'static,
     {
-        let slot: Slot = self
-            .generated
-            .slots
-            .lock()
-            .unwrap()
-            .entry(std::any::TypeId::of::<K>())
-            .or_insert_with(|| {
-                std::sync::Arc::new(Mutex::new(Box::new(FastMap::<K, Func>::default())))
-            })
-            .clone();
-        let mut guard = slot.lock().unwrap();
-        let map = guard
-            .downcast_mut::<FastMap<K, Func>>()
-            .expect("a memo slot holds the map of its own key type");
-        if let Some(f) = map.get(key) {
-            return Ok(Some(*f));
-        }
-        if map.len() >= budget {
-            return Ok(None);
-        }
-        let (bin, name) = build()?;
-        self.bind()?;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image (NVRTC output for this device's architecture), alive
-        // for the call; valid out-pointer; this device's context is current (bound above).
-        check(
-            unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-            "cuModuleLoadData",
-        )?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: `m` is the module just loaded into this context; the name is NUL-terminated.
-        let found = check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m, name.as_ptr()) },
-            "cuModuleGetFunction",
-        );
-        if let Err(e) = found {
-            // SAFETY: the module was loaded above and none of its functions is known.
-            unsafe { sys::cuModuleUnload(m) };
-            return Err(Error::backend(
-                "cuModuleGetFunction",
-                format!(
-                    "no kernel `{}` in the compiled module: {e}",
-                    name.to_string_lossy()
-                ),
-            ));
-        }
-        self.generated.modules.lock().unwrap().push(m as usize);
-        map.insert(key.clone(), Func(f));
-        Ok(Some(Func(f)))
-    }
-
-    fn module(&self, module: Module) -> Result<usize> {
-        let mut mods = self.modules.lock().unwrap();
-        if let Some(&m) = mods.get(&module) {
-            return Ok(m);
-        }
-        let bin = crate::nvrtc::load_or_compile(module, self.arch).map_err(|e| {
-            Error::backend(
-                "nvrtc",
-                format!("compiling {} for sm_{}: {e}", module.file_name(), self.arch),
-            )
-        })?;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
-        let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
-        if r != CUresult::CUDA_SUCCESS {
-            // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
-            let bin =
-                crate::nvrtc::compile(module, self.arch).map_err(|e| Error::backend("nvrtc", e))?;
-            // SAFETY: as above.
-            check(
-                unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-                "cuModuleLoadData",
-            )?;
-        }
-        mods.insert(module, m as usize);
-        Ok(m as usize)
+        self.kernels
+            .generated_func(key, budget, build, || self.bind())
     }
 
     /// Launches `f` on the calling thread's current stream. `params` point at the kernel's
@@ -843,40 +653,13 @@ impl DeviceState {
     /// error naming `op`, the offending value and the valid range `0..limit`; the record is
     /// cleared, so the device stays usable.
     pub fn check_flag(&self, op: &'static str, limit: usize) -> Result<()> {
-        let _g = self.err_lock.lock().unwrap();
-        // SAFETY: `err_host` is 16 bytes of pinned memory; `err_flag` a 16-byte device record;
-        // the copy is ordered on the compute stream, which we synchronize before reading.
-        let (code, value) = unsafe {
-            check(
-                sys::cuMemcpyDtoHAsync_v2(
-                    self.err_host as *mut c_void,
-                    self.err_flag,
-                    16,
-                    self.stream(),
-                ),
-                op,
-            )?;
-            self.sync(op)?;
-            let code = std::ptr::read_volatile(self.err_host);
-            let value = std::ptr::read_volatile(self.err_host.add(2) as *const i64);
-            (code, value)
-        };
-        if code == 0 {
-            return Ok(());
-        }
-        // SAFETY: the 16-byte device record, ordered on the compute stream.
-        check(
-            unsafe { sys::cuMemsetD32Async(self.err_flag, 0, 4, self.stream()) },
-            op,
-        )?;
-        Err(match code {
-            1 => Error::invalid(op, format!("label {value} is outside 0..{limit}")),
-            2 => Error::invalid(
-                op,
-                format!("index {value} is out of range for an axis of size {limit}"),
-            ),
-            c => Error::backend(op, format!("kernel error code {c} (value {value})")),
-        })
+        self.errors
+            .check(op, limit, self.stream(), || self.sync(op))
+    }
+
+    /// The device address of the error record, for kernels that check bounds.
+    pub fn err_flag(&self) -> sys::CUdeviceptr {
+        self.errors.ptr()
     }
 
     /// Records an event on `from` and makes `to` wait for it (nothing when they are the same

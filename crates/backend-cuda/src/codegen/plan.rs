@@ -1,0 +1,216 @@
+//! The host side of a launch: how each operand is addressed, the merged dimensions and
+//! strides, and the reduction strategy, from the inputs' layouts.
+
+use kiln_core::expr::Program;
+use kiln_core::{DType, Error, Layout, Result, Shape};
+
+use super::{Access, Strategy, Variant, elem_outputs, split_partials};
+use crate::launch::{MAX_DIMS, collapse_raw};
+
+/// The host side of one launch: the variant, and the index arguments in plain numbers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub variant: Variant,
+    /// Elements (elementwise), or kept elements (reducing).
+    pub n: usize,
+    /// Reduced elements per kept element (reducing; else 0).
+    pub n_red: usize,
+    /// Elementwise: the dims shared by the strided inputs. Reducing: the kept dims.
+    pub dims: Vec<usize>,
+    /// Per operand, its strides in `dims` (empty for contiguous or broadcast inputs of an
+    /// elementwise program).
+    pub strides: Vec<Vec<usize>>,
+    /// Reducing: the reduced dims shared by the strided operands, and each operand's strides
+    /// in them (empty unless strided).
+    pub red_dims: Vec<usize>,
+    pub red_strides: Vec<Vec<usize>>,
+    /// [`Strategy::Split`]: the parts each kept element's reduction is cut into (else 1),
+    /// and the accumulator dtype of each partial buffer ([`split_partials`]; else empty).
+    pub parts: usize,
+    pub partials: Vec<DType>,
+}
+
+fn too_many_dims(n: usize) -> Error {
+    Error::invalid(
+        "expr",
+        format!("more than {MAX_DIMS} non-mergeable dimensions ({n})"),
+    )
+}
+
+/// Reductions with at most this many elements per kept element run one thread per kept
+/// element.
+const THREAD_MAX_RED: usize = 64;
+
+/// Blocks a [`Strategy::Split`] reduction aims for (about 8 resident blocks on each of an
+/// H100's or H200's 132 multiprocessors), and the fewest reduced elements a part gets.
+pub(super) const SPLIT_BLOCKS: usize = 1024;
+pub(super) const SPLIT_MIN_PART: usize = 1 << 16;
+
+/// The parts of a [`Strategy::Split`] reduction of `n_kept` kept elements of `n_red` reduced
+/// elements each (1: do not split). Below two parts' worth of elements (128K) one block does
+/// it alone: the second launch would cost a host-bound loop more (3–4 µs of driver time) than
+/// the one block takes (a norm of 64K f32 is one launch in d2l-style loops).
+pub(crate) fn split_parts(n_kept: usize, n_red: usize) -> usize {
+    let want = SPLIT_BLOCKS.div_ceil(n_kept.max(1));
+    want.min(n_red / SPLIT_MIN_PART).max(1)
+}
+
+/// Plans one call: `layouts` are the inputs' layouts in the iteration shape `shape`, `axes`
+/// the resolved reduction axes. An error when the layouts need more dimensions than a kernel
+/// takes (the caller then evaluates op by op).
+pub(crate) fn plan(
+    p: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    axes: &[usize],
+) -> Result<Geometry> {
+    let extent_big = layouts
+        .iter()
+        .any(|l| l.elem_count() >= 1 << 31 || l.storage_extent() >= 1 << 31);
+    let wide = shape.elem_count() >= 1 << 31 || extent_big;
+    if p.reduces() {
+        plan_reduction(p, shape, layouts, axes, wide)
+    } else {
+        plan_elementwise(shape, layouts, wide)
+    }
+}
+
+/// Each strided operand's strides from `collapsed` (in order), empty for the others.
+fn per_operand(access: &[Access], collapsed: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+    let mut it = collapsed.into_iter();
+    access
+        .iter()
+        .map(|a| {
+            if *a == Access::Strided {
+                it.next().expect("one per strided operand")
+            } else {
+                Vec::new()
+            }
+        })
+        .collect()
+}
+
+/// An elementwise program: each input broadcast, contiguous or strided; the strided ones'
+/// dimensions merged together.
+fn plan_elementwise(shape: &Shape, layouts: &[&Layout], wide: bool) -> Result<Geometry> {
+    let access: Vec<Access> = layouts
+        .iter()
+        .map(|l| {
+            if l.reads_one() {
+                Access::Bcast
+            } else if l.is_contiguous() {
+                Access::Contig
+            } else {
+                Access::Strided
+            }
+        })
+        .collect();
+    let strided: Vec<&[usize]> = layouts
+        .iter()
+        .zip(&access)
+        .filter(|(_, a)| **a == Access::Strided)
+        .map(|(l, _)| l.strides())
+        .collect();
+    let (cd, cs) = collapse_raw(shape.dims(), &strided);
+    if cd.len() > MAX_DIMS {
+        return Err(too_many_dims(cd.len()));
+    }
+    let strides = per_operand(&access, cs);
+    Ok(Geometry {
+        variant: Variant {
+            wide,
+            strategy: Strategy::Elementwise,
+            vec: 0,
+            access,
+        },
+        n: shape.elem_count(),
+        n_red: 0,
+        dims: cd,
+        strides,
+        red_dims: Vec::new(),
+        red_strides: Vec::new(),
+        parts: 1,
+        partials: Vec::new(),
+    })
+}
+
+/// A reducing program: the operands (inputs, then elementwise outputs) split into kept and
+/// reduced axes, each part merged on its own; the access along the reduced axes; the strategy
+/// from the sizes.
+fn plan_reduction(
+    p: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    axes: &[usize],
+    wide: bool,
+) -> Result<Geometry> {
+    let dims = shape.dims();
+    // Operands: the inputs, then the elementwise outputs (contiguous in the iteration shape).
+    let contiguous = Layout::contiguous(shape.clone());
+    let mut ops: Vec<&[usize]> = layouts.iter().map(|l| l.strides()).collect();
+    for _ in elem_outputs(p) {
+        ops.push(contiguous.strides());
+    }
+    let kept_axes: Vec<usize> = (0..dims.len()).filter(|a| !axes.contains(a)).collect();
+    let pick =
+        |v: &[usize], which: &[usize]| -> Vec<usize> { which.iter().map(|&a| v[a]).collect() };
+    let kdims = pick(dims, &kept_axes);
+    let rdims = pick(dims, axes);
+    let kstr: Vec<Vec<usize>> = ops.iter().map(|s| pick(s, &kept_axes)).collect();
+    let rstr: Vec<Vec<usize>> = ops.iter().map(|s| pick(s, axes)).collect();
+    let krefs: Vec<&[usize]> = kstr.iter().map(|v| v.as_slice()).collect();
+    let (kd, ks) = collapse_raw(&kdims, &krefs);
+    if kd.len() > MAX_DIMS {
+        return Err(too_many_dims(kd.len()));
+    }
+    let access: Vec<Access> = rstr
+        .iter()
+        .map(|s| {
+            if Layout::strides_read_one(&rdims, s) {
+                Access::Bcast
+            } else if Layout::strides_row_major(&rdims, s) {
+                Access::Contig
+            } else {
+                Access::Strided
+            }
+        })
+        .collect();
+    let srefs: Vec<&[usize]> = rstr
+        .iter()
+        .zip(&access)
+        .filter(|(_, a)| **a == Access::Strided)
+        .map(|(s, _)| s.as_slice())
+        .collect();
+    let (rd, rs) = collapse_raw(&rdims, &srefs);
+    if rd.len() > MAX_DIMS {
+        return Err(too_many_dims(rd.len()));
+    }
+    let red_strides = per_operand(&access, rs);
+    let n_kept: usize = kdims.iter().product();
+    let n_red: usize = rdims.iter().product();
+    let parts = split_parts(n_kept, n_red);
+    let strategy = if n_red <= THREAD_MAX_RED {
+        Strategy::Thread
+    } else if parts > 1 {
+        Strategy::Split
+    } else {
+        Strategy::Block
+    };
+    let split = strategy == Strategy::Split;
+    Ok(Geometry {
+        variant: Variant {
+            wide,
+            strategy,
+            vec: 0,
+            access,
+        },
+        n: n_kept,
+        n_red,
+        dims: kd,
+        strides: ks,
+        red_dims: rd,
+        red_strides,
+        parts: if split { parts } else { 1 },
+        partials: if split { split_partials(p) } else { Vec::new() },
+    })
+}

@@ -1,0 +1,135 @@
+//! The sample programs `cargo xtask check-kernels` compiles with NVRTC (no GPU needed).
+
+use kiln_core::DType;
+use kiln_core::expr::{Combine, Program};
+
+use super::{Access, Strategy, Variant, source};
+
+/// Sample programs in every strategy, both index widths and every access mode, with every
+/// instruction kind: what `cargo xtask check-kernels` compiles (no GPU needed), so that a
+/// generator change that breaks NVRTC fails CI.
+pub(crate) fn sample_sources() -> Vec<(String, String)> {
+    use kiln_core::expr::Expr;
+    use kiln_core::{BinaryOp, CmpOp, UnaryOp};
+    let mut out = Vec::new();
+    for dtype in [DType::F32, DType::F64, DType::I64] {
+        let x = Expr::input(0);
+        let y = Expr::input(1);
+        let mut e = x.clone();
+        for u in UnaryOp::ALL {
+            if u.supports(dtype) {
+                e = e.unary(u);
+            }
+        }
+        for b in BinaryOp::ALL {
+            if b.supports(dtype) {
+                e = e.binary(b, &y);
+            }
+        }
+        let mask = Expr::input(2);
+        let sel = x
+            .compare(CmpOp::Lt, &y)
+            .where_cond(&e, Expr::param(0) + Expr::constant(-0.0));
+        let sel = sel.binary(BinaryOp::Maximum, mask.to_dtype(dtype));
+        let ins = [dtype, dtype, DType::U8];
+        let Ok(map) = Program::from_exprs(&ins, &[sel.clone(), x.to_dtype(DType::U8)]) else {
+            continue;
+        };
+        for (wide, access) in [
+            (false, [Access::Contig, Access::Contig, Access::Contig]),
+            (true, [Access::Strided, Access::Bcast, Access::Contig]),
+        ] {
+            let v = Variant {
+                wide,
+                strategy: Strategy::Elementwise,
+                vec: 0,
+                access: access.to_vec(),
+            };
+            if let Ok(src) = source(&map, &v) {
+                out.push((format!("expr map ({dtype}, wide {wide})"), src));
+            }
+        }
+        // the 16-byte vector loop: contiguous and broadcast inputs of one element size
+        let vmap = Program::from_exprs(&[dtype, dtype], &[(&x * &y).exp() + &y, &x - &y]);
+        if let Ok(vmap) = vmap {
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Elementwise,
+                vec: (16 / dtype.size_in_bytes()) as u32,
+                access: vec![Access::Contig, Access::Bcast],
+            };
+            if let Ok(src) = source(&vmap, &v) {
+                out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
+            }
+        }
+        for c in Combine::ALL {
+            let red = sel.reduce(c, &[-1]);
+            let post = red.binary(BinaryOp::Add, Expr::input(3)) * 2.0;
+            let ins4 = [dtype, dtype, DType::U8, dtype];
+            let Ok(rp) = Program::from_exprs(&ins4, &[post, sel.clone(), red]) else {
+                continue;
+            };
+            if dtype == DType::F32 {
+                let v = Variant {
+                    wide: false,
+                    strategy: Strategy::Split,
+                    vec: 4,
+                    access: vec![Access::Contig; 5],
+                };
+                if let Ok(src) = source(&rp, &v) {
+                    out.push((
+                        format!("expr {} (f32, Split, 16-byte loads)", c.name()),
+                        src,
+                    ));
+                }
+            }
+            for (strategy, wide, access) in [
+                (
+                    Strategy::Block,
+                    false,
+                    [
+                        Access::Contig,
+                        Access::Strided,
+                        Access::Contig,
+                        Access::Bcast,
+                        Access::Contig,
+                    ],
+                ),
+                (
+                    Strategy::Split,
+                    false,
+                    [
+                        Access::Contig,
+                        Access::Contig,
+                        Access::Bcast,
+                        Access::Bcast,
+                        Access::Contig,
+                    ],
+                ),
+                (
+                    Strategy::Thread,
+                    true,
+                    [
+                        Access::Strided,
+                        Access::Contig,
+                        Access::Bcast,
+                        Access::Bcast,
+                        Access::Strided,
+                    ],
+                ),
+            ] {
+                let v = Variant {
+                    wide,
+                    strategy,
+                    vec: 0,
+                    access: access.to_vec(),
+                };
+                if let Ok(src) = source(&rp, &v) {
+                    let name = format!("expr {} ({dtype}, {strategy:?}, wide {wide})", c.name());
+                    out.push((name, src));
+                }
+            }
+        }
+    }
+    out
+}

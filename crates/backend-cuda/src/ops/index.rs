@@ -1,0 +1,174 @@
+//! Indexing along an axis: `index_select`, `gather`, `scatter_add`.
+
+use kiln_core::{DType, Layout, Result};
+
+use crate::launch::{Args, collapse};
+use crate::memory::{Buffer, alloc};
+use crate::ops::{BLOCK, Module, check_ids, contiguous, run, same_device, tname};
+
+fn zero_axis(l: &Layout, axis: usize) -> Vec<usize> {
+    let mut s = l.strides().to_vec();
+    s[axis] = 0;
+    s
+}
+
+pub(crate) fn index_select(
+    x: &Buffer,
+    l: &Layout,
+    dtype: DType,
+    ids: &Buffer,
+    li: &Layout,
+    axis: usize,
+) -> Result<Buffer> {
+    const OP: &str = "index_select";
+    same_device(OP, x, ids)?;
+    let dev = x.state();
+    dev.bind()?;
+    let nids = li.elem_count();
+    let mut od = l.dims().to_vec();
+    od[axis] = nids;
+    let n: usize = od.iter().product();
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let post: usize = od[axis + 1..].iter().product();
+    let sx = zero_axis(l, axis);
+    let (d, sxs) = collapse(OP, &od, &[&sx], &[l.offset()])?;
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(ids.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(sxs[0])
+        .push(l.strides()[axis] as u64)
+        .push(l.dims()[axis] as u64)
+        .push(post as u64)
+        .push(nids as u64)
+        .push(li.offset() as u64)
+        .push(li.strides().first().copied().unwrap_or(0) as u64)
+        .push(dev.err_flag());
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &["index_select", tname(dtype)],
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    check_ids(dev, OP, ids, li, l.dims()[axis])?;
+    if let Some(bound) = x.known_id_bound(l) {
+        out.mark_all_ids_below(bound);
+    }
+    Ok(out)
+}
+
+pub(crate) fn gather(
+    x: &Buffer,
+    l: &Layout,
+    dtype: DType,
+    ids: &Buffer,
+    li: &Layout,
+    axis: usize,
+) -> Result<Buffer> {
+    const OP: &str = "gather";
+    same_device(OP, x, ids)?;
+    let dev = x.state();
+    dev.bind()?;
+    let n = li.elem_count();
+    let out = alloc(dev, n * dtype.size_in_bytes())?;
+    if n == 0 {
+        return Ok(out);
+    }
+    let sx = zero_axis(l, axis);
+    let (d, ss) = collapse(
+        OP,
+        li.dims(),
+        &[&sx, li.strides()],
+        &[l.offset(), li.offset()],
+    )?;
+    let mut a = Args::new();
+    a.push(x.device_ptr())
+        .push(ids.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(ss[0])
+        .push(ss[1])
+        .push(l.strides()[axis] as u64)
+        .push(l.dims()[axis] as u64)
+        .push(dev.err_flag());
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &["gather", tname(dtype)],
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    check_ids(dev, OP, ids, li, l.dims()[axis])?;
+    if let Some(bound) = x.known_id_bound(l) {
+        out.mark_all_ids_below(bound);
+    }
+    Ok(out)
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn scatter_add(
+    base: &Buffer,
+    lb: &Layout,
+    dtype: DType,
+    ids: &Buffer,
+    li: &Layout,
+    src: &Buffer,
+    ls: &Layout,
+    axis: usize,
+) -> Result<Buffer> {
+    const OP: &str = "scatter_add";
+    same_device(OP, base, ids)?;
+    same_device(OP, base, src)?;
+    let dev = base.state();
+    dev.bind()?;
+    let out = contiguous(base, lb, dtype)?;
+    let n = li.elem_count();
+    if n == 0 {
+        return Ok(out);
+    }
+    let ol = Layout::contiguous(lb.shape().clone());
+    let sy = zero_axis(&ol, axis);
+    let (d, ss) = collapse(
+        OP,
+        li.dims(),
+        &[&sy, li.strides(), ls.strides()],
+        &[0, li.offset(), ls.offset()],
+    )?;
+    let mut a = Args::new();
+    a.push(ids.device_ptr())
+        .push(src.device_ptr())
+        .push(out.device_ptr())
+        .push(n as u64)
+        .push(d)
+        .push(ss[0])
+        .push(ss[1])
+        .push(ss[2])
+        .push(ol.strides()[axis] as u64)
+        .push(lb.dims()[axis] as u64)
+        .push(dev.err_flag());
+    run(
+        dev,
+        OP,
+        Module::Index,
+        &["scatter_add", tname(dtype)],
+        dev.grid_1d(n as u64, BLOCK),
+        BLOCK,
+        0,
+        &mut a,
+    )?;
+    check_ids(dev, OP, ids, li, lb.dims()[axis])?;
+    Ok(out)
+}

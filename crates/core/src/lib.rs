@@ -49,12 +49,13 @@ pub mod testing;
 mod update;
 
 pub use backend::{
-    Backend, BinaryOp, CmpOp, GradFrom, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
-    UpdateRule, UpdateSlot,
+    Backend, BinaryOp, CmpOp, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
+    UpdateSlot,
 };
-pub use dtype::{DType, Element};
+pub use dims::Shape;
+pub use dtype::DType;
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
-pub use host::{HostRows, HostSource, PinnedAllocator, PinnedBlock};
+pub use host::{Element, HostBuffer, HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
-pub use shape::{Shape, normalize_axis};
+pub use shape::normalize_axis;
 pub use tensor::{Tensor, Updated};

@@ -7,6 +7,7 @@
 use std::fmt;
 
 use crate::error::ExprErrorKind;
+use crate::fasthash::{FNV64_OFFSET, mix_word};
 use crate::op::{BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::{DType, Error, Result, Shape};
 
@@ -198,9 +199,8 @@ pub fn fingerprint(
     outputs: &[Val],
     axes: &[isize],
 ) -> u64 {
-    const P: u64 = 0x0000_0100_0000_01b3; // FNV-1a's 64-bit prime
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut mix = |w: u64| h = (h ^ w).wrapping_mul(P).rotate_left(29);
+    let mut h = FNV64_OFFSET;
+    let mut mix = |w: u64| h = mix_word(h, w);
     mix(inputs.len() as u64 | (params.len() as u64) << 32);
     for &d in inputs.iter().chain(params) {
         mix(d as u64);

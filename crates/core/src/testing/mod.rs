@@ -70,6 +70,7 @@ use proptest::sample::select;
 use proptest::test_runner::{Config as PtConfig, RngSeed, TestCaseError, TestError, TestRunner};
 
 use crate::backend::UpdateRule;
+use crate::fasthash::fnv1a_64;
 use crate::reference::{RefDevice, Reference};
 use crate::{
     Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, ReduceOp, Result, Tensor, UnaryOp,
@@ -400,7 +401,7 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
         S: Strategy,
         S::Value: Debug,
     {
-        let seed = self.cfg.seed ^ fnv1a(check);
+        let seed = self.cfg.seed ^ fnv1a_64(check.as_bytes());
         let cfg = PtConfig {
             cases: self.cfg.cases,
             failure_persistence: None,
@@ -504,12 +505,6 @@ impl<X: Backend, Y: Backend> Pair<X, Y> {
         }
         Ok(())
     }
-}
-
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-    })
 }
 
 /// A tensor's dtype, shape, strides and offset (and values when few), for failure messages.

@@ -197,18 +197,7 @@ impl Backend for Cuda {
     }
 
     fn parse_device(name: &str) -> Result<CudaDevice> {
-        let ordinal = match name.trim() {
-            "cuda" | "gpu" => 0,
-            s => s
-                .strip_prefix("cuda:")
-                .and_then(|n| n.parse::<usize>().ok())
-                .ok_or_else(|| {
-                    Error::invalid(
-                        "parse_device",
-                        format!("`{name}` is not a CUDA device (expected `cuda` or `cuda:N`)"),
-                    )
-                })?,
-        };
+        let ordinal = kiln_core::DeviceSpec::parse_ordinal(name, kiln_core::DeviceKind::Cuda)?;
         try_gpu(ordinal).ok_or_else(|| {
             Error::invalid(
                 "parse_device",

@@ -25,6 +25,7 @@
 
 pub mod backend;
 mod clock;
+mod device;
 mod dims;
 mod dtype;
 mod error;
@@ -52,6 +53,7 @@ pub use backend::{
     Backend, BinaryOp, CmpOp, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
     UpdateSlot,
 };
+pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;
 pub use dtype::DType;
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};

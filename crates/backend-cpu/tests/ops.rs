@@ -4,6 +4,7 @@
 
 use kiln_backend_cpu::{Cpu, CpuDevice};
 use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::check_close;
 use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Result, Tensor, UnaryOp};
 
 fn dev() -> CpuDevice {
@@ -15,10 +16,7 @@ fn t32(v: &[f32], shape: &[usize]) -> Tensor<Cpu> {
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
-    a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| {
-            (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= tol * (1.0 + y.abs())
-        })
+    check_close(a, b, tol, tol).is_ok()
 }
 
 fn check_against_ref(

@@ -30,7 +30,9 @@
 //! themselves are one file per op family: `memory` (fills, copies, views, joins), `random`,
 //! `unary`, `elementwise` (binary, scalar, comparison, `where_cond`, cast), `reduce` (with
 //! softmax and cross-entropy), `matmul`, `index`, `errors` and `update` (fused optimizer
-//! steps); a new op's check goes beside its family's.
+//! steps); a new op's check goes beside its family's. [`check_close`] and [`assert_close`]
+//! are the tolerance comparisons that the other crates' tests share; [`expr`] holds the random
+//! expression programs of the backends' evaluator tests.
 //!
 //! ## What is generated
 //!
@@ -978,8 +980,10 @@ fn msg(e: Error) -> String {
 // ---- the groups, one file per op family ----------------------------------------------------
 // (declared after the harness: the files use its `both!` macro)
 
+mod close;
 mod elementwise;
 mod errors;
+pub mod expr;
 mod index;
 mod matmul;
 mod memory;
@@ -988,6 +992,7 @@ mod reduce;
 mod unary;
 mod update;
 
+pub use close::{assert_close, check_close};
 use elementwise::{g_binary, g_binary_scalar, g_cast, g_compare, g_where};
 use errors::g_index_errors;
 use index::{g_gather, g_index_select, g_scatter_add};

@@ -6,11 +6,18 @@
 //! both the contiguous fast paths and the strided paths of forward and backward are exercised.
 //! The suite is generic over the backend, so a backend's tests run it with one line:
 //!
-//! ```ignore
+//! ```
+//! use kiln_autograd::testing::{self, SuiteConfig};
+//! use kiln_backend_cpu::Cpu;
+//!
 //! #[test]
 //! fn gradients() {
-//!     kiln_autograd::testing::run_gradient_suite::<kiln_backend_cpu::Cpu>(&Default::default());
+//!     testing::run_gradient_suite::<Cpu>(&Cpu::device(0));
 //! }
+//!
+//! // While debugging: a few ops, few cases.
+//! let cfg = SuiteConfig { cases: 4, filter: Some("exp".into()), ..SuiteConfig::default() };
+//! testing::run_gradient_suite_with::<Cpu>(&Cpu::device(0), &cfg);
 //! ```
 //!
 //! Proptest runs with a fixed seed, so every backend (and every CI run) checks the same cases; a

@@ -15,12 +15,20 @@
 //!
 //! Code written against `B: Backend` runs unchanged on the CPU and on NVIDIA GPUs:
 //!
-//! ```ignore
+//! ```
+//! use kiln_core::reference::{RefDevice, Reference};
+//! use kiln_core::{Backend, DType, Tensor};
+//!
 //! fn affine<B: Backend>(dev: &B::Device) -> kiln_core::Result<Tensor<B>> {
 //!     let x = Tensor::<B>::arange(0.0, 6.0, 1.0, DType::F32, dev)?.reshape([2, 3])?;
 //!     let w = Tensor::<B>::ones([3, 4], DType::F32, dev)?;
-//!     (&x.matmul(&w)? + 1.0)
+//!     x.matmul(&w)?.add_scalar(1.0)
 //! }
+//!
+//! // Here on the f64 reference backend; `affine::<Cpu>` or `affine::<Cuda>` elsewhere.
+//! let y = affine::<Reference>(&RefDevice(0))?;
+//! assert_eq!(y.to_f64_vec()?, [4.0, 4.0, 4.0, 4.0, 13.0, 13.0, 13.0, 13.0]);
+//! # Ok::<(), kiln_core::Error>(())
 //! ```
 
 pub mod backend;

@@ -3,8 +3,8 @@
 //! A kiln program is generic over `B: Backend`, but the device comes from the command line as
 //! a string (`cpu`, `cpu:1`, `cuda`, `cuda:1`). Something has to know every backend to turn
 //! that string into a call of the generic code on the right one; the backends do not know each
-//! other (each builds on kiln-core, not on the other: see the README's "Crates"), so it lives here, where
-//! both are in view. The name itself is read by kiln-core's one parser,
+//! other (each builds on kiln-core, not on the other: see the README's "Crates"), so it lives
+//! here, where both are in view. The name itself is read by kiln-core's one parser,
 //! [`DeviceSpec`](kiln_core::DeviceSpec).
 //!
 //! The program writes its body once as a [`Job`] and calls [`dispatch`]:

@@ -4,18 +4,14 @@
 //! shapes (0-d through rank 4, broadcasting pairs, batched matmuls), with each input built
 //! contiguous, transposed (a column-major view) or narrowed (a strided view with an offset), so
 //! both the contiguous fast paths and the strided paths of forward and backward are exercised.
-//! The suite is generic over the backend, so a backend's tests run it with one line:
+//! The suite is generic over the backend, so a backend's tests run it with one line, a
+//! `#[test]` calling `run_gradient_suite::<Cpu>(&Cpu::device(0))`; while debugging, a few ops
+//! with few cases:
 //!
 //! ```
 //! use kiln_autograd::testing::{self, SuiteConfig};
 //! use kiln_backend_cpu::Cpu;
 //!
-//! #[test]
-//! fn gradients() {
-//!     testing::run_gradient_suite::<Cpu>(&Cpu::device(0));
-//! }
-//!
-//! // While debugging: a few ops, few cases.
 //! let cfg = SuiteConfig { cases: 4, filter: Some("exp".into()), ..SuiteConfig::default() };
 //! testing::run_gradient_suite_with::<Cpu>(&Cpu::device(0), &cfg);
 //! ```

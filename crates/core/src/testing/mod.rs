@@ -1,18 +1,13 @@
 //! The conformance suite: every op of the [`Backend`] trait, on random shapes, views and values,
 //! compared with the f64 [`Reference`] backend (feature `testing`).
 //!
-//! A backend's tests run the whole suite with one line (kiln-backend-cpu's
-//! `tests/conformance.rs` is `run_conformance::<Cpu>(&Cpu::device(0))`). Here with the reference
-//! backend as its own subject, one group at a time and few cases:
+//! A backend's tests run the whole suite with one line: kiln-backend-cpu's
+//! `tests/conformance.rs` is a `#[test]` calling `run_conformance::<Cpu>(&Cpu::device(0))`.
+//! Here with the reference backend as its own subject, one group at a time and few cases:
 //!
 //! ```
 //! use kiln_core::reference::{RefDevice, Reference};
 //! use kiln_core::testing::{self, Config};
-//!
-//! #[test]
-//! fn conformance() {
-//!     testing::run_conformance::<Reference>(&RefDevice(0));
-//! }
 //!
 //! testing::check_fill::<Reference>(&RefDevice(0), &Config::with_cases(4));
 //! testing::run_groups_named::<Reference>(&RefDevice(0), &Config::with_cases(4), &["cast"]);

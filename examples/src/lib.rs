@@ -3,7 +3,9 @@
 //! A kiln program is generic over `B: Backend`, but the device comes from the command line as
 //! a string (`cpu`, `cpu:1`, `cuda`, `cuda:1`). Something has to know every backend to turn
 //! that string into a call of the generic code on the right one; the backends do not know each
-//! other (see DESIGN.md), so it lives here, where both are in view.
+//! other (each builds on kiln-core, not on the other: see the README's "Crates"), so it lives
+//! here, where both are in view. The name itself is read by kiln-core's one parser,
+//! [`DeviceSpec`](kiln_core::DeviceSpec).
 //!
 //! The program writes its body once as a [`Job`] and calls [`dispatch`]:
 //!
@@ -32,68 +34,16 @@
 pub mod models;
 
 use std::fmt;
-use std::str::FromStr;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice};
-use kiln_core::{Backend, Error, Result};
+use kiln_core::{Backend, DeviceKind, DeviceSpec, Result};
 
 /// The body of a program, generic over the backend it runs on.
 ///
 /// A trait rather than a closure because a closure cannot be generic over `B`.
 pub trait Job {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()>;
-}
-
-/// A parsed device name, before checking that the device exists.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DeviceRequest {
-    /// `cpu` (0) or `cpu:N`: a virtual CPU device.
-    Cpu(usize),
-    /// `cuda` (0) or `cuda:N`.
-    Cuda(usize),
-}
-
-impl FromStr for DeviceRequest {
-    type Err = Error;
-
-    /// Accepts `cpu`, `cpu:N`, `cuda`, `cuda:N` (also `gpu`, `gpu:N`), ignoring case and
-    /// surrounding spaces.
-    fn from_str(s: &str) -> Result<Self> {
-        let name = s.trim().to_ascii_lowercase();
-        let (kind, ordinal) = match name.split_once(':') {
-            Some((kind, n)) => {
-                let n = (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-                    .then(|| n.parse::<usize>().ok())
-                    .flatten()
-                    .ok_or_else(|| bad_name(s))?;
-                (kind.to_string(), n)
-            }
-            None => (name.clone(), 0),
-        };
-        match kind.as_str() {
-            "cpu" => Ok(DeviceRequest::Cpu(ordinal)),
-            "cuda" | "gpu" => Ok(DeviceRequest::Cuda(ordinal)),
-            _ => Err(bad_name(s)),
-        }
-    }
-}
-
-fn bad_name(s: &str) -> Error {
-    Error::invalid(
-        "device",
-        format!("unknown device `{s}`: expected `cpu`, `cuda` or `cuda:N`"),
-    )
-}
-
-impl fmt::Display for DeviceRequest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            DeviceRequest::Cpu(0) => f.write_str("cpu"),
-            DeviceRequest::Cpu(n) => write!(f, "cpu:{n}"),
-            DeviceRequest::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
 }
 
 /// A device that exists, on its backend: what a request resolves to.
@@ -154,14 +104,13 @@ pub fn fused_program_stats<B: Backend>() -> (u64, u64) {
 /// the reason recorded (d2l's `try_gpu(i)`). Errors for a malformed name or an out-of-range
 /// CPU ordinal.
 pub fn select(device: &str) -> Result<Selection> {
-    match device.parse::<DeviceRequest>()? {
-        DeviceRequest::Cpu(n) => Ok(Selection {
-            device: Resolved::Cpu(<Cpu as Backend>::parse_device(
-                &DeviceRequest::Cpu(n).to_string(),
-            )?),
+    let spec = DeviceSpec::parse(device)?;
+    match spec.kind {
+        DeviceKind::Cpu => Ok(Selection {
+            device: Resolved::Cpu(<Cpu as Backend>::parse_device(&spec.to_string())?),
             fallback: None,
         }),
-        DeviceRequest::Cuda(i) => match try_gpu(i) {
+        DeviceKind::Cuda => match try_gpu(spec.ordinal) {
             Ok(device) => Ok(Selection {
                 device,
                 fallback: None,
@@ -208,29 +157,6 @@ pub const DEVICE_HELP: &str =
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_device_names() {
-        let ok = [
-            ("cpu", DeviceRequest::Cpu(0)),
-            ("cpu:2", DeviceRequest::Cpu(2)),
-            ("cuda", DeviceRequest::Cuda(0)),
-            ("cuda:0", DeviceRequest::Cuda(0)),
-            (" CUDA:3 ", DeviceRequest::Cuda(3)),
-            ("gpu:1", DeviceRequest::Cuda(1)),
-        ];
-        for (s, want) in ok {
-            assert_eq!(s.parse::<DeviceRequest>().unwrap(), want, "{s}");
-        }
-        for bad in [
-            "", "tpu", "cuda:", "cuda:x", "cuda:-1", "cuda1", "cpu:1:2", "cuda :1",
-        ] {
-            let e = bad.parse::<DeviceRequest>().unwrap_err().to_string();
-            assert!(e.contains("unknown device"), "{bad}: {e}");
-        }
-        assert_eq!(DeviceRequest::Cuda(0).to_string(), "cuda:0");
-        assert_eq!(DeviceRequest::Cpu(0).to_string(), "cpu");
-    }
 
     /// Records which backend and device it ran on.
     struct Probe<'a>(&'a mut Option<(String, String)>);

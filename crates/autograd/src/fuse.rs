@@ -1,12 +1,19 @@
 //! `fuse`: a user function written once over [`Expr`]s, run fused on any backend, on tensors
 //! and on differentiable [`Var`]s.
 //!
-//! ```ignore
+//! ```
 //! use kiln_autograd::{Var, fuse};
+//! use kiln_backend_cpu::Cpu;
+//! use kiln_core::{DType, Tensor};
+//!
+//! let t = Tensor::<Cpu>::rand([4, 3], -1.0, 1.0, 0, DType::F64, &Cpu::device(0))?;
 //! let swish = fuse(|x| &x * x.sigmoid());          // defined once
 //! let y = swish.tensor(&t)?;                        // a Tensor<B>: one fused pass
-//! let v = swish.var(&Var::param(t))?;               // a Var<B>: differentiable
+//! let p = Var::param(t);
+//! let v = swish.var(&p)?;                           // a Var<B>: differentiable
 //! v.sum_all()?.backward()?;                         // backward: another fused program
+//! assert_eq!(p.grad().unwrap().dims(), y.dims());
+//! # Ok::<(), kiln_core::Error>(())
 //! ```
 //!
 //! The function is traced once per combination of input dtypes into a [`Program`] (memoized

@@ -5,15 +5,20 @@
 //! graph is whatever the Rust code did — loops, branches and early returns included — and
 //! [`Var::backward`] walks it back from a scalar loss.
 //!
-//! ```ignore
-//! use kiln_autograd::{Var, no_grad};
-//! let w = Var::param(Tensor::<B>::randn([784, 1], 0.0, 0.01, 1, DType::F32, &dev)?);
-//! let x = Var::constant(inputs);
+//! ```
+//! use kiln_autograd::Var;
+//! use kiln_backend_cpu::Cpu;
+//! use kiln_core::{DType, Tensor};
+//!
+//! let dev = Cpu::device(0);
+//! let w = Var::param(Tensor::<Cpu>::randn([784, 1], 0.0, 0.01, 1, DType::F32, &dev)?);
+//! let x = Var::constant(Tensor::<Cpu>::rand([32, 784], 0.0, 1.0, 2, DType::F32, &dev)?);
 //! let loss = x.matmul(&w)?.sigmoid()?.mean_all()?;
 //! loss.backward()?;                                  // fills w.grad()
 //! let g = w.grad().unwrap();
 //! w.update_data(|t| t.sub(&g.mul_scalar(0.01)?))?;   // what an optimizer does
 //! w.zero_grad();
+//! # Ok::<(), kiln_core::Error>(())
 //! ```
 //!
 //! ## Design

@@ -4,13 +4,16 @@
 //! shapes (0-d through rank 4, broadcasting pairs, batched matmuls), with each input built
 //! contiguous, transposed (a column-major view) or narrowed (a strided view with an offset), so
 //! both the contiguous fast paths and the strided paths of forward and backward are exercised.
-//! The suite is generic over the backend, so a backend's tests run it with one line:
+//! The suite is generic over the backend, so a backend's tests run it with one line, a
+//! `#[test]` calling `run_gradient_suite::<Cpu>(&Cpu::device(0))`; while debugging, a few ops
+//! with few cases:
 //!
-//! ```ignore
-//! #[test]
-//! fn gradients() {
-//!     kiln_autograd::testing::run_gradient_suite::<kiln_backend_cpu::Cpu>(&Default::default());
-//! }
+//! ```
+//! use kiln_autograd::testing::{self, SuiteConfig};
+//! use kiln_backend_cpu::Cpu;
+//!
+//! let cfg = SuiteConfig { cases: 4, filter: Some("exp".into()), ..SuiteConfig::default() };
+//! testing::run_gradient_suite_with::<Cpu>(&Cpu::device(0), &cfg);
 //! ```
 //!
 //! Proptest runs with a fixed seed, so every backend (and every CI run) checks the same cases; a

@@ -16,12 +16,7 @@ fn randn(shape: &[usize], seed: u64) -> T {
 fn assert_close(a: &T, b: &T, tol: f64) {
     assert_eq!(a.shape(), b.shape());
     let (x, y) = (a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap());
-    for (i, (p, q)) in x.iter().zip(&y).enumerate() {
-        assert!(
-            (p - q).abs() <= tol * (1.0 + q.abs()),
-            "element {i}: {p} vs {q}"
-        );
-    }
+    kiln_core::testing::assert_close("tensor", &x, &y, tol);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 
 use std::fmt;
 
-use kiln_core::{Error, Result};
+use kiln_core::{DeviceKind, DeviceSpec, Error, Result};
 
 /// The CPU backend. See the crate docs; its `Backend` implementation is in the crate root.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -52,26 +52,11 @@ impl CpuDevice {
         self.ordinal
     }
 
-    /// Parses `cpu`, `cpu:N` (case-sensitive, no spaces).
+    /// Parses `cpu` or `cpu:N` by kiln-core's one device-name parser
+    /// ([`DeviceSpec::parse`](kiln_core::DeviceSpec::parse): ASCII case and surrounding
+    /// whitespace ignored); another family's name is [`Error::BadDevice`](kiln_core::Error).
     pub fn parse(name: &str) -> Result<Self> {
-        let bad = || {
-            Error::invalid(
-                "parse_device",
-                format!("`{name}` is not a CPU device (expected `cpu` or `cpu:N`)"),
-            )
-        };
-        match name.strip_prefix("cpu") {
-            Some("") => Ok(CpuDevice::default()),
-            Some(rest) => {
-                let n = rest.strip_prefix(':').ok_or_else(bad)?;
-                if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
-                    return Err(bad());
-                }
-                let ordinal: usize = n.parse().map_err(|_| bad())?;
-                CpuDevice::new(ordinal)
-            }
-            None => Err(bad()),
-        }
+        CpuDevice::new(DeviceSpec::parse_ordinal(name, DeviceKind::Cpu)?)
     }
 }
 

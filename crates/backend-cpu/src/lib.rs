@@ -1,7 +1,7 @@
 //! # kiln-backend-cpu
 //!
 //! [`Cpu`], kiln's CPU backend: the one every test runs on in CI, and a fast one, since the
-//! seeds' workloads (and every user without a GPU) train on it.
+//! examples' workloads (and every user without a GPU) train on it.
 //!
 //! - **Devices**: [`CpuDevice`] is a *virtual* ordinal over the one host memory (`cpu`,
 //!   `cpu:1`, ...). Distinct ordinals are distinct devices, so the device rules (mismatch errors,

@@ -3,147 +3,21 @@
 //! against the f64 reference backend: random expression trees over broadcast, transposed and
 //! sliced inputs, with and without axis reductions, in f32 and f64.
 
-mod common;
-
-use common::close;
 use kiln_backend_cpu::Cpu;
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
-use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
-};
+use kiln_core::testing::check_close as close;
+use kiln_core::testing::expr::{Input, input, shape, tree};
+use kiln_core::{Backend, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp};
 use proptest::prelude::*;
 
 type T = Tensor<Cpu>;
 
-/// A random expression over `n` inputs (built into an `Expr` by `build`).
-#[derive(Clone, Debug)]
-enum Tree {
-    In(usize),
-    Const(f64),
-    Param,
-    Un(UnaryOp, Box<Tree>),
-    Bin(BinaryOp, Box<Tree>, Box<Tree>),
-    /// `where(cmp(a, b), c, d)`
-    Sel(CmpOp, Box<Tree>, Box<Tree>, Box<Tree>, Box<Tree>),
-    /// A round trip through the other float dtype.
-    Cast(Box<Tree>),
-}
-
-/// The expression of `t`; `cast` is the other float dtype and `dtype` the program's.
-fn build(t: &Tree, dtype: DType, cast: DType, in_cast: bool) -> Expr {
-    let b = |t: &Tree| build(t, dtype, cast, in_cast);
-    match t {
-        Tree::In(k) => Expr::input(*k),
-        Tree::Const(c) => Expr::constant(*c),
-        // A parameter has one dtype: inside a cast, where an untyped subtree would take the
-        // other one, a constant stands in for it.
-        Tree::Param if !in_cast => Expr::param(0),
-        Tree::Param => Expr::constant(0.3),
-        Tree::Un(op, a) => b(a).unary(*op),
-        Tree::Bin(op, x, y) => b(x).binary(*op, b(y)),
-        Tree::Sel(op, w, x, y, z) => b(w).compare(*op, b(x)).where_cond(b(y), b(z)),
-        Tree::Cast(a) => build(a, dtype, cast, true).to_dtype(cast).to_dtype(dtype),
-    }
-}
-
-const UNARY: &[UnaryOp] = &UnaryOp::ALL;
-
-fn tree(n_inputs: usize) -> impl Strategy<Value = Tree> {
-    let leaf = prop_oneof![
-        4 => (0..n_inputs).prop_map(Tree::In),
-        1 => (-2.0f64..2.0).prop_map(Tree::Const),
-        1 => Just(Tree::Param),
-    ];
-    leaf.prop_recursive(4, 24, 3, |inner| {
-        prop_oneof![
-            3 => (prop::sample::select(UNARY.to_vec()), inner.clone())
-                .prop_map(|(op, a)| Tree::Un(op, Box::new(a))),
-            4 => (prop::sample::select(BinaryOp::ALL.to_vec()), inner.clone(), inner.clone())
-                .prop_map(|(op, a, b)| Tree::Bin(op, Box::new(a), Box::new(b))),
-            1 => (prop::sample::select(CmpOp::ALL.to_vec()), inner.clone(), inner.clone(),
-                  inner.clone(), inner.clone())
-                .prop_map(|(op, a, b, c, d)| Tree::Sel(op, Box::new(a), Box::new(b),
-                    Box::new(c), Box::new(d))),
-            1 => inner.prop_map(|a| Tree::Cast(Box::new(a))),
-        ]
-    })
-}
-
-/// How an input is laid out.
-#[derive(Clone, Copy, Debug)]
-enum View {
-    Contiguous,
-    /// Axes reversed (a transposed view of a contiguous tensor).
-    Transposed,
-    /// A narrowed window of a wider tensor.
-    Sliced,
-}
-
-#[derive(Clone, Debug)]
-struct Input {
-    /// Which axes of the iteration shape this input broadcasts along (size 1 there).
-    ones: Vec<bool>,
-    /// Leading axes dropped (broadcast by rank).
-    drop: usize,
-    view: View,
-    seed: u64,
-}
-
-fn input(rank: usize) -> impl Strategy<Value = Input> {
-    (
-        prop::collection::vec(prop::bool::weighted(0.25), rank),
-        0..=rank.min(1),
-        prop_oneof![
-            Just(View::Contiguous),
-            Just(View::Transposed),
-            Just(View::Sliced)
-        ],
-        any::<u64>(),
-    )
-        .prop_map(|(ones, drop, view, seed)| Input {
-            ones,
-            drop,
-            view,
-            seed,
-        })
-}
-
-/// The iteration shape: mostly small, sometimes past a block (2048) or a parallel chunk.
-fn shape() -> impl Strategy<Value = Vec<usize>> {
-    prop_oneof![
-        6 => prop::collection::vec(0usize..6, 0..=3),
-        1 => prop::collection::vec(1usize..6, 1..=2).prop_map(|mut v| { v.push(3000); v }),
-        1 => (40_000usize..70_000).prop_map(|n| vec![n]),
-        1 => (2usize..5, 9000usize..20_000).prop_map(|(a, b)| vec![b, a]),
-    ]
-}
-
+/// Input `spec`'s tensor: random values made on the CPU, then viewed.
 fn make(spec: &Input, shape: &[usize], dtype: DType) -> T {
-    let dims: Vec<usize> = shape
-        .iter()
-        .zip(&spec.ones)
-        .skip(spec.drop)
-        .map(|(&d, &one)| if one { 1 } else { d })
-        .collect();
     let dev = Cpu::device(0);
-    let rand = |d: Vec<usize>| T::rand(d, -2.0, 2.0, spec.seed, dtype, &dev).unwrap();
-    match spec.view {
-        View::Contiguous => rand(dims),
-        View::Transposed => {
-            let rev: Vec<usize> = dims.iter().rev().copied().collect();
-            let perm: Vec<usize> = (0..dims.len()).rev().collect();
-            rand(rev).permute(&perm).unwrap()
-        }
-        View::Sliced => {
-            if dims.is_empty() {
-                return rand(dims);
-            }
-            let mut wide = dims.clone();
-            let last = wide.len() - 1;
-            wide[last] += 3;
-            rand(wide).narrow(last as isize, 1, dims[last]).unwrap()
-        }
-    }
+    spec.make(shape, |d| {
+        T::rand(d, -2.0, 2.0, spec.seed, dtype, &dev).unwrap()
+    })
 }
 
 fn values(t: &T) -> Vec<f64> {
@@ -186,7 +60,7 @@ proptest! {
     /// Elementwise programs: two outputs (the tree and a second use of its inputs).
     #[test]
     fn elementwise_trees_match_op_by_op(
-        t in tree(3),
+        t in tree(3, &UnaryOp::ALL),
         shp in shape(),
         ins in prop::collection::vec(input(3), 3),
         f64_ in any::<bool>(),
@@ -201,7 +75,7 @@ proptest! {
             i.drop = i.drop.min(rank);
             make(&i, &shp, dtype)
         }).collect();
-        let e = build(&t, dtype, other, false);
+        let e = t.build(dtype, other);
         let second = Expr::input(0) * 2.0 - Expr::input(1);
         let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
         let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
@@ -213,7 +87,7 @@ proptest! {
     /// pass.
     #[test]
     fn reductions_match_op_by_op(
-        t in tree(2),
+        t in tree(2, &UnaryOp::ALL),
         shp in shape().prop_filter("rank >= 1", |s| !s.is_empty()),
         ins in prop::collection::vec(input(3), 2),
         axes_mask in prop::collection::vec(any::<bool>(), 3),
@@ -245,7 +119,7 @@ proptest! {
             make(&i, &shp, dtype)
         }).collect();
         // Bounded map values, so that sums in another order stay close.
-        let body = build(&t, dtype, other, false).tanh() * 1.5 + Expr::input(1);
+        let body = t.build(dtype, other).tanh() * 1.5 + Expr::input(1);
         let red = body.reduce(combine, &axes);
         let post = (&red * 0.5).abs() + Expr::param(0);
         let mut outs = vec![post, red];

@@ -2,11 +2,9 @@
 //! side-by-side check against the f64 reference backend. (The full property-based suite is
 //! `tests/conformance.rs`.)
 
-mod common;
-
-use common::close;
 use kiln_backend_cpu::{Cpu, CpuDevice};
 use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::check_close;
 use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Result, Tensor, UnaryOp};
 
 fn dev() -> CpuDevice {
@@ -15,6 +13,10 @@ fn dev() -> CpuDevice {
 
 fn t32(v: &[f32], shape: &[usize]) -> Tensor<Cpu> {
     Tensor::from_slice(v, shape, &dev()).unwrap()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64) -> bool {
+    check_close(a, b, tol, tol).is_ok()
 }
 
 fn check_against_ref(
@@ -33,9 +35,7 @@ fn check_against_ref(
     assert_eq!(oc.dims(), or.dims(), "{name}: shapes");
     assert_eq!(oc.dtype(), or.dtype(), "{name}: dtypes");
     let (vc, vr) = (oc.to_f64_vec().unwrap(), or.to_f64_vec().unwrap());
-    if let Err(e) = close(&vc, &vr, tol, tol) {
-        panic!("{name}: {e}\n cpu {vc:?}\n ref {vr:?}");
-    }
+    assert!(close(&vc, &vr, tol), "{name}:\n cpu {vc:?}\n ref {vr:?}");
 }
 
 fn data(n: usize) -> Vec<f64> {

@@ -201,14 +201,7 @@ impl Backend for Cuda {
     }
 
     fn parse_device(name: &str) -> Result<CudaDevice> {
-        let ordinal = types::parse_ordinal(name).ok_or_else(|| {
-            Error::invalid(
-                "parse_device",
-                format!(
-                    "`{name}` is not a CUDA device (expected `cuda`, `cuda:N`, `gpu` or `gpu:N`)"
-                ),
-            )
-        })?;
+        let ordinal = kiln_core::DeviceSpec::parse_ordinal(name, kiln_core::DeviceKind::Cuda)?;
         try_gpu(ordinal).ok_or_else(|| {
             Error::invalid(
                 "parse_device",

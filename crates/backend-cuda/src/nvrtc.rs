@@ -112,16 +112,7 @@ fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
 const MAGIC: &[u8; 8] = b"KILNBIN1";
 
 /// 128-bit FNV-1a: a stable (across Rust versions and platforms) content hash for cache keys.
-pub fn fnv128(parts: &[&[u8]]) -> u128 {
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    for p in parts {
-        for &b in p.iter().chain(&[0xffu8]) {
-            h ^= b as u128;
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-    }
-    h
-}
+pub use kiln_core::fasthash::fnv1a_128 as fnv128;
 
 /// The cache directory: `$KILN_KERNEL_CACHE`, else `$XDG_CACHE_HOME/kiln/kernels`, else
 /// `$HOME/.cache/kiln/kernels`; `None` when none can be named (then nothing is cached).

@@ -10,6 +10,8 @@
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice, clear_kernel_cache, gpu_or_skip};
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
+use kiln_core::testing::check_close as close;
+use kiln_core::testing::expr::{Input, Tree, input, shape, tree};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
 };
@@ -18,63 +20,12 @@ use proptest::test_runner::{Config, TestRunner};
 
 type G = Tensor<Cuda>;
 
-/// A random expression over `n` inputs (built into an `Expr` by `build`).
-#[derive(Clone, Debug)]
-enum Tree {
-    In(usize),
-    Const(f64),
-    Param,
-    Un(UnaryOp, Box<Tree>),
-    Bin(BinaryOp, Box<Tree>, Box<Tree>),
-    /// `where(cmp(a, b), c, d)`
-    Sel(CmpOp, Box<Tree>, Box<Tree>, Box<Tree>, Box<Tree>),
-    /// A round trip through the other float dtype.
-    Cast(Box<Tree>),
-}
-
-impl Tree {
-    /// Whether some subtree is computed in the other dtype: in an f64 program that is f32,
-    /// where the fused kernel's FMA contraction (see [`UNARY`]) shows at f32's precision.
-    fn has_cast(&self) -> bool {
-        match self {
-            Tree::In(_) | Tree::Const(_) | Tree::Param => false,
-            Tree::Cast(_) => true,
-            Tree::Un(_, a) => a.has_cast(),
-            Tree::Bin(_, a, b) => a.has_cast() || b.has_cast(),
-            Tree::Sel(_, a, b, c, d) => [a, b, c, d].iter().any(|t| t.has_cast()),
-        }
-    }
-}
-
 /// Tolerances for a program of `dtype` built from `t`: f64's unless some part runs in f32.
 fn tolerance(t: &Tree, f64_: bool, f32_tol: (f64, f64)) -> (f64, f64) {
     match (f64_, t.has_cast()) {
         (true, false) => (1e-9, 1e-9),
         (true, true) => (1e-6, 1e-6),
         (false, _) => f32_tol,
-    }
-}
-
-fn build(t: &Tree, dtype: DType, other: DType) -> Expr {
-    build_in(t, dtype, other, dtype)
-}
-
-/// `build` with the dtype of the subtree (`at`: `dtype`, or `other` inside a cast) apart from
-/// the inputs' dtype: an input inside a cast is cast to `other` first, so no operation mixes
-/// dtypes (the IR rejects that, as it should).
-fn build_in(t: &Tree, at: DType, other: DType, input: DType) -> Expr {
-    let b = |t: &Tree| build_in(t, at, other, input);
-    match t {
-        Tree::In(k) if at != input => Expr::input(*k).to_dtype(at),
-        Tree::In(k) => Expr::input(*k),
-        Tree::Const(c) => Expr::constant(*c),
-        // (a parameter has one dtype: none inside a cast to the other one)
-        Tree::Param if at == input => Expr::param(0),
-        Tree::Param => Expr::constant(0.3),
-        Tree::Un(op, a) => b(a).unary(*op),
-        Tree::Bin(op, x, y) => b(x).binary(*op, b(y)),
-        Tree::Sel(op, x, y, c, d) => b(x).compare(*op, b(y)).where_cond(b(c), b(d)),
-        Tree::Cast(a) => build_in(a, other, other, input).to_dtype(at),
     }
 }
 
@@ -98,122 +49,13 @@ const UNARY: [UnaryOp; 13] = [
     UnaryOp::Gelu,
 ];
 
-fn tree(n_inputs: usize) -> impl Strategy<Value = Tree> {
-    let leaf = prop_oneof![
-        4 => (0..n_inputs).prop_map(Tree::In),
-        1 => (-2.0f64..2.0).prop_map(Tree::Const),
-        1 => Just(Tree::Param),
-    ];
-    leaf.prop_recursive(4, 24, 3, |inner| {
-        prop_oneof![
-            3 => (prop::sample::select(UNARY.to_vec()), inner.clone())
-                .prop_map(|(op, a)| Tree::Un(op, Box::new(a))),
-            4 => (prop::sample::select(BinaryOp::ALL.to_vec()), inner.clone(), inner.clone())
-                .prop_map(|(op, a, b)| Tree::Bin(op, Box::new(a), Box::new(b))),
-            1 => (prop::sample::select(CmpOp::ALL.to_vec()), inner.clone(), inner.clone(),
-                  inner.clone(), inner.clone())
-                .prop_map(|(op, a, b, c, d)| Tree::Sel(op, Box::new(a), Box::new(b),
-                    Box::new(c), Box::new(d))),
-            1 => inner.prop_map(|a| Tree::Cast(Box::new(a))),
-        ]
-    })
-}
-
-/// How an input is laid out.
-#[derive(Clone, Copy, Debug)]
-enum View {
-    Contiguous,
-    /// Axes reversed (a transposed view of a contiguous tensor).
-    Transposed,
-    /// A narrowed window of a wider tensor.
-    Sliced,
-}
-
-#[derive(Clone, Debug)]
-struct Input {
-    /// Which axes of the iteration shape this input broadcasts along (size 1 there).
-    ones: Vec<bool>,
-    /// Leading axes dropped (broadcast by rank).
-    drop: usize,
-    view: View,
-    seed: u64,
-}
-
-fn input(rank: usize) -> impl Strategy<Value = Input> {
-    (
-        prop::collection::vec(prop::bool::weighted(0.25), rank),
-        0..=rank.min(1),
-        prop_oneof![
-            Just(View::Contiguous),
-            Just(View::Transposed),
-            Just(View::Sliced)
-        ],
-        any::<u64>(),
-    )
-        .prop_map(|(ones, drop, view, seed)| Input {
-            ones,
-            drop,
-            view,
-            seed,
-        })
-}
-
-/// The iteration shape: mostly small, sometimes long rows or many rows.
-fn shape() -> impl Strategy<Value = Vec<usize>> {
-    prop_oneof![
-        6 => prop::collection::vec(0usize..6, 0..=3),
-        1 => prop::collection::vec(1usize..6, 1..=2).prop_map(|mut v| { v.push(3000); v }),
-        1 => (40_000usize..70_000).prop_map(|n| vec![n]),
-        1 => (2usize..5, 9000usize..20_000).prop_map(|(a, b)| vec![b, a]),
-    ]
-}
-
 /// Input `spec` on the GPU: random values made on the CPU, uploaded, then viewed.
 fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
-    let dims: Vec<usize> = shape
-        .iter()
-        .zip(&spec.ones)
-        .skip(spec.drop)
-        .map(|(&d, &one)| if one { 1 } else { d })
-        .collect();
-    let rand = |d: Vec<usize>| {
+    spec.make(shape, |d| {
         let c =
             Tensor::<Cpu>::rand(d.clone(), -2.0, 2.0, spec.seed, dtype, &Cpu::device(0)).unwrap();
         G::from_host(&c.to_host().unwrap(), d, dev).unwrap()
-    };
-    match spec.view {
-        View::Contiguous => rand(dims),
-        View::Transposed => {
-            let rev: Vec<usize> = dims.iter().rev().copied().collect();
-            let perm: Vec<usize> = (0..dims.len()).rev().collect();
-            rand(rev).permute(&perm).unwrap()
-        }
-        View::Sliced => {
-            if dims.is_empty() {
-                return rand(dims);
-            }
-            let mut wide = dims.clone();
-            let last = wide.len() - 1;
-            wide[last] += 3;
-            rand(wide).narrow(last as isize, 1, dims[last]).unwrap()
-        }
-    }
-}
-
-/// Both NaN, equal, or within `atol + rtol * |want|`.
-fn close(got: &[f64], want: &[f64], atol: f64, rtol: f64) -> Result<(), String> {
-    if got.len() != want.len() {
-        return Err(format!("{} values, want {}", got.len(), want.len()));
-    }
-    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = (g.is_nan() && w.is_nan())
-            || g == w
-            || (g.is_finite() && w.is_finite() && (g - w).abs() <= atol + rtol * w.abs());
-        if !ok {
-            return Err(format!("element {i}: got {g}, want {w}"));
-        }
-    }
-    Ok(())
+    })
 }
 
 fn values<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
@@ -269,7 +111,7 @@ fn runner(cases: u32) -> TestRunner {
 fn elementwise_trees_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let strategy = (
-        tree(3),
+        tree(3, &UNARY),
         shape(),
         prop::collection::vec(input(3), 3),
         any::<bool>(),
@@ -289,7 +131,7 @@ fn elementwise_trees_match_op_by_op() {
                     make(&dev, &i, &shp, dtype)
                 })
                 .collect();
-            let e = build(&t, dtype, other);
+            let e = t.build(dtype, other);
             let second = Expr::input(0) * 2.0 - Expr::input(1);
             let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
             let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
@@ -304,7 +146,7 @@ fn elementwise_trees_match_op_by_op() {
 fn reductions_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let strategy = (
-        tree(2),
+        tree(2, &UNARY),
         shape().prop_filter("rank >= 1", |s| !s.is_empty()),
         prop::collection::vec(input(3), 2),
         prop::collection::vec(any::<bool>(), 3),
@@ -349,7 +191,7 @@ fn reductions_match_op_by_op() {
                     })
                     .collect();
                 // Bounded map values, so that sums in another order stay close.
-                let body = build(&t, dtype, other).tanh() * 1.5 + Expr::input(1);
+                let body = t.build(dtype, other).tanh() * 1.5 + Expr::input(1);
                 let red = body.reduce(combine, &axes);
                 let post = (&red * 0.5).abs() + Expr::param(0);
                 let mut outs = vec![post, red];

@@ -5,6 +5,7 @@
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, gpu_or_skip, thread_launches};
+use kiln_core::testing::assert_close;
 use kiln_core::{Backend, BinaryOp, DType, HostBuffer, Layout, Result, Tensor, UnaryOp};
 
 /// The same values on both backends: a deterministic pattern in [-1.5, 1.5].
@@ -38,13 +39,7 @@ fn chain<B: Backend>(dev: &B::Device, dtype: DType) -> Result<Tensor<B>> {
 }
 
 fn close(a: &[f64], b: &[f64], rtol: f64, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= rtol * (1.0 + y.abs()),
-            "{what}: element {i}: cuda {x} vs cpu {y}"
-        );
-    }
+    assert_close(&format!("{what} (cuda vs cpu)"), a, b, rtol);
 }
 
 #[test]

@@ -12,6 +12,7 @@ use kiln_backend_cuda::{
     Cuda, CudaDevice, ElementwiseKernel, KernelArg, RawKernel, ReductionKernel, clear_kernel_cache,
     empty, gpu_or_skip, thread_launches,
 };
+use kiln_core::testing::assert_close;
 use kiln_core::{DType, Error, Tensor};
 
 type G = Tensor<Cuda>;
@@ -26,13 +27,7 @@ fn cpu(t: &G) -> C {
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len(), "lengths");
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!(
-            (x - y).abs() <= tol * (1.0 + y.abs()),
-            "element {i}: {x} vs {y}"
-        );
-    }
+    assert_close("values", a, b, tol);
 }
 
 fn rand(shape: &[usize], seed: u64, dtype: DType, dev: &CudaDevice) -> G {

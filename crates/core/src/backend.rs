@@ -16,6 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
 use crate::ir::{Expr, Program, rules};
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
@@ -29,94 +30,6 @@ pub enum RandDist {
     Uniform { low: f64, high: f64 },
     /// Gaussian with the given mean and standard deviation (Box–Muller).
     Normal { mean: f64, std: f64 },
-}
-
-/// A typed buffer in host memory: what goes into and comes out of a device.
-#[derive(Clone, Debug, PartialEq)]
-pub enum HostBuffer {
-    F32(Vec<f32>),
-    F64(Vec<f64>),
-    I64(Vec<i64>),
-    U8(Vec<u8>),
-}
-
-impl HostBuffer {
-    pub fn dtype(&self) -> DType {
-        match self {
-            HostBuffer::F32(_) => DType::F32,
-            HostBuffer::F64(_) => DType::F64,
-            HostBuffer::I64(_) => DType::I64,
-            HostBuffer::U8(_) => DType::U8,
-        }
-    }
-
-    pub fn len(&self) -> usize {
-        match self {
-            HostBuffer::F32(v) => v.len(),
-            HostBuffer::F64(v) => v.len(),
-            HostBuffer::I64(v) => v.len(),
-            HostBuffer::U8(v) => v.len(),
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The values widened to f64 (exact for every dtype but i64 beyond 2^53).
-    pub fn to_f64_vec(&self) -> Vec<f64> {
-        match self {
-            HostBuffer::F32(v) => v.iter().map(|&x| x as f64).collect(),
-            HostBuffer::F64(v) => v.clone(),
-            HostBuffer::I64(v) => v.iter().map(|&x| x as f64).collect(),
-            HostBuffer::U8(v) => v.iter().map(|&x| x as f64).collect(),
-        }
-    }
-
-    /// Converts f64 values into a buffer of `dtype` (`as` casts: saturating for ints).
-    pub fn from_f64(dtype: DType, v: &[f64]) -> HostBuffer {
-        match dtype {
-            DType::F32 => HostBuffer::F32(v.iter().map(|&x| x as f32).collect()),
-            DType::F64 => HostBuffer::F64(v.to_vec()),
-            DType::I64 => HostBuffer::I64(v.iter().map(|&x| x as i64).collect()),
-            DType::U8 => HostBuffer::U8(v.iter().map(|&x| x as u8).collect()),
-        }
-    }
-
-    /// A buffer of `dtype` holding a copy of `bytes` (native endianness; a length that is not
-    /// a whole number of elements is an error).
-    pub fn from_bytes(op: &'static str, dtype: DType, bytes: &[u8]) -> Result<HostBuffer> {
-        fn v<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
-            let mut out = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
-            bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
-            out
-        }
-        if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
-            return Err(Error::invalid(
-                op,
-                format!(
-                    "{} bytes are not a whole number of {dtype} elements",
-                    bytes.len()
-                ),
-            ));
-        }
-        Ok(match dtype {
-            DType::F32 => HostBuffer::F32(v(bytes)),
-            DType::F64 => HostBuffer::F64(v(bytes)),
-            DType::I64 => HostBuffer::I64(v(bytes)),
-            DType::U8 => HostBuffer::U8(bytes.to_vec()),
-        })
-    }
-
-    /// The raw bytes (native endianness).
-    pub fn as_bytes(&self) -> &[u8] {
-        match self {
-            HostBuffer::F32(v) => bytemuck::cast_slice(v),
-            HostBuffer::F64(v) => bytemuck::cast_slice(v),
-            HostBuffer::I64(v) => bytemuck::cast_slice(v),
-            HostBuffer::U8(v) => v,
-        }
-    }
 }
 
 /// Memory held by a backend on one device, in bytes.

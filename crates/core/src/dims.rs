@@ -1,12 +1,17 @@
-//! [`Dims`]: a list of dimensions or strides that lives inline up to [`INLINE`] entries.
+//! [`Dims`]: a list of dimensions or strides that lives inline up to [`INLINE`] entries, and
+//! [`Shape`], the tensor shape built on it.
 //!
-//! Why: every tensor op makes a [`Shape`](crate::Shape) and a [`Layout`](crate::Layout), and
+//! `Shape` is plain data here, below the error module (whose variants hold shapes); the checks
+//! on shapes that return errors (axes, broadcasting) live in `shape`.
+//!
+//! Why inline: every tensor op makes a [`Shape`] and a [`Layout`](crate::Layout), and
 //! every `Tensor` clone copies its layout. With `Vec`s that was four heap allocations and frees
 //! per op (more with autograd, which clones tensors to save them), a sizeable part of the host
 //! time of a small-op loop. Tensors of rank up to five, nearly all of them, now need none.
 //! (Five, not more, keeps `Error`, which holds two shapes, within clippy's bound for error
 //! types.)
 
+use std::fmt;
 use std::hash::{Hash, Hasher};
 use std::ops::{Deref, DerefMut};
 
@@ -140,6 +145,114 @@ impl Hash for Dims {
 impl std::fmt::Debug for Dims {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         (**self).fmt(f)
+    }
+}
+
+/// The extent of each dimension of a tensor, outermost first. A 0-d shape (`[]`) is a scalar.
+#[derive(Clone, PartialEq, Eq, Hash, Default)]
+pub struct Shape(Dims);
+
+impl Shape {
+    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
+        Shape(Dims::from(dims.into()))
+    }
+
+    pub(crate) fn from_dims(dims: Dims) -> Self {
+        Shape(dims)
+    }
+
+    /// The 0-d shape of a scalar.
+    pub fn scalar() -> Self {
+        Shape(Dims::new())
+    }
+
+    pub fn dims(&self) -> &[usize] {
+        &self.0
+    }
+
+    pub fn rank(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Number of elements (1 for a scalar, 0 when any dimension is 0), saturating at
+    /// `usize::MAX` when the product overflows.
+    ///
+    /// Why saturate: shapes are built from any user input (`zeros([usize::MAX / 2, 4])`), and a
+    /// product that wrapped around would ask a backend for a small buffer behind a huge shape,
+    /// while one that panicked would abort a program that asked a fair question. `usize::MAX`
+    /// elements can never be allocated, so the backend's allocation reports such a shape as a
+    /// typed error naming the op ([`Shape::checked_elem_count`] tells the case apart).
+    pub fn elem_count(&self) -> usize {
+        self.checked_elem_count().unwrap_or(usize::MAX)
+    }
+
+    /// Number of elements, or `None` when it does not fit in `usize` (no dimension is 0 and the
+    /// product overflows).
+    pub fn checked_elem_count(&self) -> Option<usize> {
+        if self.0.contains(&0) {
+            return Some(0);
+        }
+        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
+    }
+
+    /// Row-major (C order) strides, in elements.
+    pub fn contiguous_strides(&self) -> Vec<usize> {
+        self.contiguous_dims().to_vec()
+    }
+
+    /// [`Shape::contiguous_strides`] without a heap allocation (rank up to five).
+    pub(crate) fn contiguous_dims(&self) -> Dims {
+        let mut strides = Dims::zeros(self.rank());
+        let mut acc = 1;
+        for (s, &d) in strides.iter_mut().zip(self.0.iter()).rev() {
+            *s = acc;
+            // Saturating: a shape past usize (see `elem_count`) never gets storage.
+            acc = acc.saturating_mul(d);
+        }
+        strides
+    }
+}
+
+impl fmt::Display for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl fmt::Debug for Shape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.0)
+    }
+}
+
+impl From<Vec<usize>> for Shape {
+    fn from(v: Vec<usize>) -> Self {
+        Shape(Dims::from(v))
+    }
+}
+impl From<&[usize]> for Shape {
+    fn from(v: &[usize]) -> Self {
+        Shape(Dims::from(v))
+    }
+}
+impl<const N: usize> From<[usize; N]> for Shape {
+    fn from(v: [usize; N]) -> Self {
+        Shape(Dims::from(&v[..]))
+    }
+}
+impl From<&Shape> for Shape {
+    fn from(s: &Shape) -> Self {
+        s.clone()
+    }
+}
+impl From<()> for Shape {
+    fn from(_: ()) -> Self {
+        Shape::scalar()
+    }
+}
+impl From<usize> for Shape {
+    fn from(d: usize) -> Self {
+        Shape(Dims::from(&[d][..]))
     }
 }
 

@@ -26,6 +26,14 @@ pub enum Error {
         lhs: String,
         rhs: String,
     },
+    /// A device name that does not parse ([`DeviceSpec::parse`](crate::DeviceSpec::parse)), or
+    /// that names another backend's device. `expected` says what would have been accepted.
+    #[error("{op}: `{name}` is not {expected}")]
+    BadDevice {
+        op: &'static str,
+        name: String,
+        expected: &'static str,
+    },
     /// Inputs have different dtypes, or a dtype the op does not support.
     #[error("{op}: dtype mismatch: expected {expected}, got {got}")]
     DTypeMismatch {

@@ -2,9 +2,50 @@
 //! ids): FNV-1a style, a multiply-xor round per 8 bytes of the key. std's SipHash resists hash
 //! flooding, which these maps, keyed by values kiln itself makes, do not need, and costs several
 //! times more per lookup — paid on every kernel launch and every backward node.
+//!
+//! The other FNV hashes of kiln live here too, so that each is written once: [`fnv1a_64`] and
+//! [`fnv1a_128`] (the classic byte-at-a-time FNV-1a, stable across Rust versions and
+//! platforms: conformance seeds, on-disk kernel cache keys) and [`mix_word`] (the word round of
+//! [`FnvHasher`], also what a program's fingerprint is made of).
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
+
+/// FNV-1a's 64-bit offset basis: the state before any input.
+pub const FNV64_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+/// FNV-1a's 64-bit prime.
+pub const FNV64_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+/// One round of [`FnvHasher`]: folds the word `w` into the state `h` (xor, multiply by FNV's
+/// prime, rotate so that high bits feed the next multiply). Start from [`FNV64_OFFSET`].
+#[inline]
+pub fn mix_word(h: u64, w: u64) -> u64 {
+    (h ^ w).wrapping_mul(FNV64_PRIME).rotate_left(29)
+}
+
+/// 64-bit FNV-1a of `bytes`, byte by byte: a stable hash of a string (the conformance suite
+/// derives each check's seed from its name with it).
+pub fn fnv1a_64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(FNV64_OFFSET, |h, &b| {
+        (h ^ b as u64).wrapping_mul(FNV64_PRIME)
+    })
+}
+
+/// 128-bit FNV-1a of `parts`, each followed by a `0xff` byte so that where one part ends
+/// counts (`["ab", "c"]` and `["a", "bc"]` differ): a content hash stable across Rust versions
+/// and platforms, for keys of caches kept on disk.
+pub fn fnv1a_128(parts: &[&[u8]]) -> u128 {
+    const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+    const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
+    let mut h = OFFSET;
+    for p in parts {
+        for &b in p.iter().chain(&[0xffu8]) {
+            h ^= b as u128;
+            h = h.wrapping_mul(PRIME);
+        }
+    }
+    h
+}
 
 /// FNV-1a's constants, applied to 64-bit words rather than bytes.
 #[derive(Clone, Copy, Debug)]
@@ -12,7 +53,7 @@ pub struct FnvHasher(u64);
 
 impl Default for FnvHasher {
     fn default() -> Self {
-        FnvHasher(0xcbf2_9ce4_8422_2325)
+        FnvHasher(FNV64_OFFSET)
     }
 }
 
@@ -40,7 +81,7 @@ impl Hasher for FnvHasher {
     }
     fn write_u64(&mut self, v: u64) {
         // One multiply-xor round per word instead of eight byte rounds.
-        self.0 = (self.0 ^ v).wrapping_mul(0x0100_0000_01b3).rotate_left(29);
+        self.0 = mix_word(self.0, v);
     }
     fn write_usize(&mut self, v: usize) {
         self.write_u64(v as u64);
@@ -55,6 +96,19 @@ pub type FastSet<K> = HashSet<K, BuildHasherDefault<FnvHasher>>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn byte_hashes_keep_their_values() {
+        // Seeds and on-disk cache keys depend on these values: they must never change.
+        assert_eq!(fnv1a_64(b""), FNV64_OFFSET);
+        assert_eq!(fnv1a_64(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a_64(b"kiln"), 0xef95_80d7_2160_ee33);
+        assert_eq!(
+            fnv1a_128(&[b"ab", b"c"]),
+            0x3276_3e66_4083_d94f_7081_4487_f805_ad59
+        );
+        assert_ne!(fnv1a_128(&[b"ab", b"c"]), fnv1a_128(&[b"a", b"bc"]));
+    }
 
     #[test]
     fn maps_work_and_spread_keys() {

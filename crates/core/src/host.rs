@@ -7,12 +7,144 @@
 //! finds a GPU), the CPU backend allocates its pinned storages through it, and a transfer from a
 //! pinned storage tells the GPU backend, through [`HostSource::pinned`], that it may copy by
 //! direct, asynchronous DMA.
+//!
+//! The plain typed vectors that go into and come out of a device ([`HostBuffer`]) and the Rust
+//! element types that map onto them ([`Element`]) live here too: both [`Backend`](crate::Backend)
+//! and the element types name them, and neither may depend on the other.
 
 use std::any::Any;
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock};
 
-use crate::{Error, Result};
+use crate::{DType, Error, Result};
+
+/// A typed buffer in host memory: what goes into and comes out of a device.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostBuffer {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+impl HostBuffer {
+    pub fn dtype(&self) -> DType {
+        match self {
+            HostBuffer::F32(_) => DType::F32,
+            HostBuffer::F64(_) => DType::F64,
+            HostBuffer::I64(_) => DType::I64,
+            HostBuffer::U8(_) => DType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            HostBuffer::F32(v) => v.len(),
+            HostBuffer::F64(v) => v.len(),
+            HostBuffer::I64(v) => v.len(),
+            HostBuffer::U8(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values widened to f64 (exact for every dtype but i64 beyond 2^53).
+    pub fn to_f64_vec(&self) -> Vec<f64> {
+        match self {
+            HostBuffer::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            HostBuffer::F64(v) => v.clone(),
+            HostBuffer::I64(v) => v.iter().map(|&x| x as f64).collect(),
+            HostBuffer::U8(v) => v.iter().map(|&x| x as f64).collect(),
+        }
+    }
+
+    /// Converts f64 values into a buffer of `dtype` (`as` casts: saturating for ints).
+    pub fn from_f64(dtype: DType, v: &[f64]) -> HostBuffer {
+        match dtype {
+            DType::F32 => HostBuffer::F32(v.iter().map(|&x| x as f32).collect()),
+            DType::F64 => HostBuffer::F64(v.to_vec()),
+            DType::I64 => HostBuffer::I64(v.iter().map(|&x| x as i64).collect()),
+            DType::U8 => HostBuffer::U8(v.iter().map(|&x| x as u8).collect()),
+        }
+    }
+
+    /// A buffer of `dtype` holding a copy of `bytes` (native endianness; a length that is not
+    /// a whole number of elements is an error).
+    pub fn from_bytes(op: &'static str, dtype: DType, bytes: &[u8]) -> Result<HostBuffer> {
+        fn v<T: bytemuck::Pod>(b: &[u8]) -> Vec<T> {
+            let mut out = vec![T::zeroed(); b.len() / std::mem::size_of::<T>()];
+            bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(b);
+            out
+        }
+        if !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "{} bytes are not a whole number of {dtype} elements",
+                    bytes.len()
+                ),
+            ));
+        }
+        Ok(match dtype {
+            DType::F32 => HostBuffer::F32(v(bytes)),
+            DType::F64 => HostBuffer::F64(v(bytes)),
+            DType::I64 => HostBuffer::I64(v(bytes)),
+            DType::U8 => HostBuffer::U8(bytes.to_vec()),
+        })
+    }
+
+    /// The raw bytes (native endianness).
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            HostBuffer::F32(v) => bytemuck::cast_slice(v),
+            HostBuffer::F64(v) => bytemuck::cast_slice(v),
+            HostBuffer::I64(v) => bytemuck::cast_slice(v),
+            HostBuffer::U8(v) => v,
+        }
+    }
+}
+
+/// A Rust element type that maps to a [`DType`].
+pub trait Element:
+    Copy + Send + Sync + std::fmt::Debug + std::fmt::Display + PartialOrd + bytemuck::Pod + 'static
+{
+    const DTYPE: DType;
+    fn to_f64(self) -> f64;
+    fn from_f64(v: f64) -> Self;
+    /// Wraps a vector of this type into a [`HostBuffer`].
+    fn into_host(v: Vec<Self>) -> HostBuffer;
+    /// Borrows the vector out of a [`HostBuffer`] of this type.
+    fn from_host(b: HostBuffer) -> Option<Vec<Self>>;
+}
+
+macro_rules! element {
+    ($t:ty, $d:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn from_f64(v: f64) -> Self {
+                v as $t
+            }
+            fn into_host(v: Vec<Self>) -> HostBuffer {
+                HostBuffer::$d(v)
+            }
+            fn from_host(b: HostBuffer) -> Option<Vec<Self>> {
+                match b {
+                    HostBuffer::$d(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+element!(f32, F32);
+element!(f64, F64);
+element!(i64, I64);
+element!(u8, U8);
 
 /// Allocates and frees page-locked host memory (a GPU backend's pinned pool).
 pub trait PinnedAllocator: Send + Sync + 'static {
@@ -173,7 +305,7 @@ pub struct HostRows {
     /// The rows, back to back.
     pub block: Arc<PinnedBlock>,
     /// The dtype of the gathered storage.
-    pub dtype: crate::DType,
+    pub dtype: DType,
     /// Bytes of one row in `block` (a whole number of elements as stored).
     pub row_bytes: usize,
     /// `Some(d)`: `block` holds one byte per element and `dtype` is `F32`; the device writes
@@ -213,9 +345,9 @@ impl HostRows {
     }
 
     /// The dtype of the elements as `block` stores them: `U8` for bytes decoded on the device.
-    pub fn stored_dtype(&self) -> crate::DType {
+    pub fn stored_dtype(&self) -> DType {
         if self.bytes_over.is_some() {
-            crate::DType::U8
+            DType::U8
         } else {
             self.dtype
         }
@@ -230,16 +362,16 @@ impl HostRows {
 /// When `bytes` of `dtype` (native layout) are all non-negative ids, one past the largest:
 /// what lets an index kernel over a freshly uploaded or gathered batch of labels skip the
 /// synchronizing read of its bounds check. `None` for floats and for negative values.
-pub fn id_bound(dtype: crate::DType, bytes: &[u8]) -> Option<usize> {
+pub fn id_bound(dtype: DType, bytes: &[u8]) -> Option<usize> {
     match dtype {
-        crate::DType::I64 => {
+        DType::I64 => {
             let (lo, hi) = bytes
                 .chunks_exact(8)
                 .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
                 .fold((0i64, -1i64), |(lo, hi), v| (lo.min(v), hi.max(v)));
             (lo >= 0).then(|| (hi + 1) as usize)
         }
-        crate::DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
+        DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
         _ => None,
     }
 }

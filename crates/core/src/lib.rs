@@ -15,16 +15,25 @@
 //!
 //! Code written against `B: Backend` runs unchanged on the CPU and on NVIDIA GPUs:
 //!
-//! ```ignore
+//! ```
+//! use kiln_core::reference::{RefDevice, Reference};
+//! use kiln_core::{Backend, DType, Tensor};
+//!
 //! fn affine<B: Backend>(dev: &B::Device) -> kiln_core::Result<Tensor<B>> {
 //!     let x = Tensor::<B>::arange(0.0, 6.0, 1.0, DType::F32, dev)?.reshape([2, 3])?;
 //!     let w = Tensor::<B>::ones([3, 4], DType::F32, dev)?;
-//!     (&x.matmul(&w)? + 1.0)
+//!     x.matmul(&w)?.add_scalar(1.0)
 //! }
+//!
+//! // Here on the f64 reference backend; `affine::<Cpu>` or `affine::<Cuda>` elsewhere.
+//! let y = affine::<Reference>(&RefDevice(0))?;
+//! assert_eq!(y.to_f64_vec()?, [4.0, 4.0, 4.0, 4.0, 13.0, 13.0, 13.0, 13.0]);
+//! # Ok::<(), kiln_core::Error>(())
 //! ```
 
 pub mod backend;
 mod clock;
+mod device;
 mod dims;
 mod dtype;
 pub mod env;
@@ -50,13 +59,15 @@ pub mod testing;
 mod update;
 
 pub use backend::{
-    Backend, BinaryOp, CmpOp, GradFrom, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
-    UpdateRule, UpdateSlot,
+    Backend, BinaryOp, CmpOp, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule,
+    UpdateSlot,
 };
-pub use dtype::{DType, Element};
+pub use device::{DeviceKind, DeviceSpec};
+pub use dims::Shape;
+pub use dtype::DType;
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
-pub use host::{HostRows, HostSource, PinnedAllocator, PinnedBlock};
+pub use host::{Element, HostBuffer, HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use op::{CompositeOp, Real, UnaryFn, UnaryVisitor, Vjp};
-pub use shape::{Shape, normalize_axis};
+pub use shape::normalize_axis;
 pub use tensor::{Tensor, Updated};

@@ -1,57 +1,13 @@
-//! Shapes, and the broadcasting rule between two of them.
-
-use std::fmt;
+//! What a shape must satisfy, each failure a typed [`Error`]: axes in range and not repeated,
+//! two shapes that broadcast, an element count that fits in `usize`.
+//!
+//! Why apart from [`Shape`] itself (in `dims`): [`Error`] holds shapes, so the plain type sits
+//! below the error module and these checks, which return errors, above it.
 
 use crate::dims::Dims;
-use crate::{Error, Result};
-
-/// The extent of each dimension of a tensor, outermost first. A 0-d shape (`[]`) is a scalar.
-#[derive(Clone, PartialEq, Eq, Hash, Default)]
-pub struct Shape(Dims);
+use crate::{Error, Result, Shape};
 
 impl Shape {
-    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
-        Shape(Dims::from(dims.into()))
-    }
-
-    pub(crate) fn from_dims(dims: Dims) -> Self {
-        Shape(dims)
-    }
-
-    /// The 0-d shape of a scalar.
-    pub fn scalar() -> Self {
-        Shape(Dims::new())
-    }
-
-    pub fn dims(&self) -> &[usize] {
-        &self.0
-    }
-
-    pub fn rank(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Number of elements (1 for a scalar, 0 when any dimension is 0), saturating at
-    /// `usize::MAX` when the product overflows.
-    ///
-    /// Why saturate: shapes are built from any user input (`zeros([usize::MAX / 2, 4])`), and a
-    /// product that wrapped around would ask a backend for a small buffer behind a huge shape,
-    /// while one that panicked would abort a program that asked a fair question. `usize::MAX`
-    /// elements can never be allocated, so the backend's allocation reports such a shape as a
-    /// typed error naming the op ([`Shape::checked_elem_count`] tells the case apart).
-    pub fn elem_count(&self) -> usize {
-        self.checked_elem_count().unwrap_or(usize::MAX)
-    }
-
-    /// Number of elements, or `None` when it does not fit in `usize` (no dimension is 0 and the
-    /// product overflows).
-    pub fn checked_elem_count(&self) -> Option<usize> {
-        if self.0.contains(&0) {
-            return Some(0);
-        }
-        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
-    }
-
     /// [`Shape::checked_elem_count`] as a typed error naming `op`.
     pub fn elem_count_for(&self, op: &'static str) -> Result<usize> {
         self.checked_elem_count().ok_or_else(|| {
@@ -60,23 +16,6 @@ impl Shape {
                 format!("shape {self} has more elements than usize can count"),
             )
         })
-    }
-
-    /// Row-major (C order) strides, in elements.
-    pub fn contiguous_strides(&self) -> Vec<usize> {
-        self.contiguous_dims().to_vec()
-    }
-
-    /// [`Shape::contiguous_strides`] without a heap allocation (rank up to five).
-    pub(crate) fn contiguous_dims(&self) -> Dims {
-        let mut strides = Dims::zeros(self.rank());
-        let mut acc = 1;
-        for (s, &d) in strides.iter_mut().zip(self.0.iter()).rev() {
-            *s = acc;
-            // Saturating: a shape past usize (see `elem_count`) never gets storage.
-            acc = acc.saturating_mul(d);
-        }
-        strides
     }
 
     /// Resolves a possibly negative axis (`-1` is the last) into `0..rank`.
@@ -103,8 +42,8 @@ impl Shape {
         let rank = self.rank().max(other.rank());
         let mut dims = Dims::zeros(rank);
         for (i, d) in dims.iter_mut().enumerate() {
-            let a = dim_from_right(&self.0, rank - 1 - i);
-            let b = dim_from_right(&other.0, rank - 1 - i);
+            let a = dim_from_right(self.dims(), rank - 1 - i);
+            let b = dim_from_right(other.dims(), rank - 1 - i);
             *d = match (a, b) {
                 (a, b) if a == b => a,
                 (1, b) => b,
@@ -118,7 +57,7 @@ impl Shape {
                 }
             };
         }
-        Ok(Shape(dims))
+        Ok(Shape::from_dims(dims))
     }
 }
 
@@ -138,49 +77,6 @@ pub fn normalize_axis(op: &'static str, axis: isize, rank: usize) -> Result<usiz
         return Err(Error::AxisOutOfRange { op, axis, rank });
     }
     Ok(a as usize)
-}
-
-impl fmt::Display for Shape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.0)
-    }
-}
-
-impl fmt::Debug for Shape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}", self.0)
-    }
-}
-
-impl From<Vec<usize>> for Shape {
-    fn from(v: Vec<usize>) -> Self {
-        Shape(Dims::from(v))
-    }
-}
-impl From<&[usize]> for Shape {
-    fn from(v: &[usize]) -> Self {
-        Shape(Dims::from(v))
-    }
-}
-impl<const N: usize> From<[usize; N]> for Shape {
-    fn from(v: [usize; N]) -> Self {
-        Shape(Dims::from(&v[..]))
-    }
-}
-impl From<&Shape> for Shape {
-    fn from(s: &Shape) -> Self {
-        s.clone()
-    }
-}
-impl From<()> for Shape {
-    fn from(_: ()) -> Self {
-        Shape::scalar()
-    }
-}
-impl From<usize> for Shape {
-    fn from(d: usize) -> Self {
-        Shape(Dims::from(&[d][..]))
-    }
 }
 
 #[cfg(test)]

@@ -1,6 +1,12 @@
 //! `Tensor::fused_update` against the formulas written out by hand, on the reference backend.
+//!
+//! Needs the feature `testing` (for `kiln_core::testing::assert_close`), as the suite's own
+//! tests here do.
+
+#![cfg(feature = "testing")]
 
 use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::assert_close;
 use kiln_core::{Tensor, UpdateRule};
 
 type T = Tensor<Reference>;
@@ -10,13 +16,7 @@ fn t(v: &[f64]) -> T {
 }
 
 fn close(a: &T, want: &[f64]) {
-    let got = a.to_f64_vec().unwrap();
-    for (g, w) in got.iter().zip(want) {
-        assert!(
-            (g - w).abs() <= 1e-12 * w.abs().max(1.0),
-            "{got:?} vs {want:?}"
-        );
-    }
+    assert_close("update", &a.to_f64_vec().unwrap(), want, 1e-12);
 }
 
 #[test]

@@ -69,14 +69,21 @@ pub fn permutation(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
 
 /// Iterates a [`Dataset`] in batches of tensors on one device.
 ///
-/// ```ignore
+/// ```
+/// use kiln_backend_cpu::Cpu;
+/// use kiln_data::{DataLoader, Mnist};
+///
+/// let dev = Cpu::device(0);
 /// let mnist = Mnist::load(Mnist::bundled_dir())?;
-/// let mut train = DataLoader::<B>::new(mnist.train, 100, &dev)?.shuffle(0).drop_last(true);
-/// for epoch in 0..10 {
+/// let train = mnist.train.take(1000);
+/// let mut train = DataLoader::<Cpu>::new(train, 100, &dev)?.shuffle(0).drop_last(true);
+/// for _epoch in 0..2 {
 ///     for batch in train.iter() {
 ///         let (x, y) = batch?; // x: [100, 784] f32, y: [100] i64, both on `dev`
+///         assert_eq!((x.dims(), y.dims()), (&[100, 784][..], &[100][..]));
 ///     }
 /// }
+/// # Ok::<(), kiln_core::Error>(())
 /// ```
 ///
 /// Each call to [`iter`](Self::iter) runs the next epoch (a new shuffle order when shuffling).

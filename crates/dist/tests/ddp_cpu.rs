@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use kiln_autograd::Var;
 use kiln_backend_cpu::{Cpu, CpuDevice};
+use kiln_core::testing::check_close;
 use kiln_core::{DType, DistErrorKind, Result, Tensor};
 use kiln_dist::{
     Ddp, LocalGroup, ProcessGroup, ReduceOp, accumulate_grads_from, copy_parameters_from,
@@ -49,11 +50,10 @@ fn params(m: &Sequential<B>) -> Vec<Vec<f32>> {
 
 fn assert_close(a: &[Vec<f32>], b: &[Vec<f32>], rtol: f32) {
     for (x, y) in a.iter().zip(b) {
-        for (u, v) in x.iter().zip(y) {
-            assert!(
-                (u - v).abs() <= rtol * v.abs().max(1e-3),
-                "{u} vs {v} (rtol {rtol})"
-            );
+        let wide = |v: &[f32]| v.iter().map(|&u| u as f64).collect::<Vec<_>>();
+        let rtol = rtol as f64;
+        if let Err(e) = check_close(&wide(x), &wide(y), rtol * 1e-3, rtol) {
+            panic!("{e} (rtol {rtol})");
         }
     }
 }

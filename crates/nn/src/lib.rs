@@ -18,14 +18,28 @@
 //! CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
 //! `[out, in]`), so a `.safetensors` file moves between kiln and PyTorch unchanged.
 //!
-//! ```ignore
-//! let model = Sequential::new()
-//!     .add(LinearConfig::new(784, 100).init::<B>(&dev, derive_seed(seed, 0))?)
-//!     .add(Relu)
-//!     .add(LinearConfig::new(100, 10).init::<B>(&dev, derive_seed(seed, 2))?);
-//! let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels)?;
-//! loss.backward()?;
-//! model.save("mlp.safetensors")?;
+//! ```
+//! use kiln_autograd::Var;
+//! use kiln_backend_cpu::Cpu;
+//! use kiln_core::{Backend, DType, Tensor};
+//! use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential, derive_seed, loss};
+//!
+//! fn step<B: Backend>(dev: &B::Device, seed: u64) -> kiln_core::Result<f64> {
+//!     let model = Sequential::new()
+//!         .add(LinearConfig::new(784, 100).init::<B>(dev, derive_seed(seed, 0))?)
+//!         .add(Relu)
+//!         .add(LinearConfig::new(100, 10).init::<B>(dev, derive_seed(seed, 2))?);
+//!     let x = Tensor::<B>::rand([8, 784], 0.0, 1.0, seed, DType::F32, dev)?;
+//!     let labels = Tensor::<B>::from_slice(&[3i64, 1, 4, 1, 5, 9, 2, 6], [8], dev)?;
+//!     let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels)?;
+//!     loss.backward()?;
+//!     model.save(std::env::temp_dir().join("kiln-doc-mlp.safetensors"))?;
+//!     loss.tensor().to_scalar()
+//! }
+//!
+//! let l = step::<Cpu>(&Cpu::device(0), 7)?;
+//! assert!(l > 0.0);
+//! # Ok::<(), kiln_core::Error>(())
 //! ```
 
 mod activation;

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::assert_close;
 use kiln_core::{DType, Tensor};
 use kiln_nn::loss::{accuracy, bce_with_logits, correct_count, cross_entropy, mse};
 use kiln_nn::{
@@ -24,10 +25,7 @@ fn randn(dims: &[usize], seed: u64) -> Tensor<B> {
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len());
-    for (i, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * (1.0 + y.abs()), "at {i}: {x} vs {y}");
-    }
+    assert_close("values", a, b, tol);
 }
 
 fn mlp(seed: u64) -> Sequential<B> {

@@ -3,6 +3,7 @@
 
 use kiln_autograd::Var;
 use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::assert_close;
 use kiln_core::{DType, Tensor};
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed, loss};
 use kiln_optim::{
@@ -20,10 +21,7 @@ fn vals(p: &Var<B>) -> Vec<f64> {
     p.tensor().to_vec().unwrap()
 }
 fn close(a: &[f64], b: &[f64]) {
-    assert_eq!(a.len(), b.len());
-    for (x, y) in a.iter().zip(b) {
-        assert!((x - y).abs() < 1e-12 * (1.0 + y.abs()), "{a:?} vs {b:?}");
-    }
+    assert_close("parameters", a, b, 1e-12);
 }
 
 #[test]

@@ -8,6 +8,7 @@ use std::fmt;
 
 use crate::error::ExprErrorKind;
 pub use crate::op::Combine;
+use crate::fasthash::{FNV64_OFFSET, mix_word};
 use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{DType, Error, Result, Shape};
 
@@ -161,9 +162,8 @@ pub fn fingerprint(
     outputs: &[Val],
     axes: &[isize],
 ) -> u64 {
-    const P: u64 = 0x0000_0100_0000_01b3; // FNV-1a's 64-bit prime
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut mix = |w: u64| h = (h ^ w).wrapping_mul(P).rotate_left(29);
+    let mut h = FNV64_OFFSET;
+    let mut mix = |w: u64| h = mix_word(h, w);
     mix(inputs.len() as u64 | (params.len() as u64) << 32);
     for &d in inputs.iter().chain(params) {
         mix(d as u64);

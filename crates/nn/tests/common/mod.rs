@@ -16,18 +16,7 @@ pub fn host(t: &Tensor<impl Backend>) -> Vec<f64> {
     t.to_f64_vec().unwrap()
 }
 
-pub fn assert_close(what: &str, a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let worst = a
-        .iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs() / (1.0 + y.abs()))
-        .fold(0.0, f64::max);
-    assert!(
-        worst <= tol,
-        "{what}: max relative difference {worst:e} > {tol:e}"
-    );
-}
+pub use kiln_core::testing::assert_close;
 
 /// A small LeNet-like net (conv with padding, pool, conv, pool, linear) in `dtype`.
 pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {

@@ -344,9 +344,23 @@ fn axes_of(r: usize, mask: &[bool]) -> Vec<isize> {
     }
 }
 
+/// Every case: one function per op family, in this order.
 fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
-    let mut c: Vec<(String, Case<B>)> = Vec::new();
+    let mut c = unary_cases::<B>();
+    c.extend(binary_cases::<B>());
+    c.extend(reduction_cases::<B>());
+    c.extend(matmul_cases::<B>());
+    c.extend(view_cases::<B>());
+    c.extend(join_cases::<B>());
+    c.extend(index_cases::<B>());
+    c.extend(loss_cases::<B>());
+    c.extend(device_cases::<B>());
+    c
+}
 
+/// The unary ops of [`UnaryOp::ALL`], each on its own input domain.
+fn unary_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- unary ----
     for op in UnaryOp::ALL {
         let vals = match op {
@@ -364,7 +378,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    c
+}
 
+/// Elementwise binary ops: two variables broadcasting, a variable against a scalar on either side, and `clamp`.
+fn binary_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- binary with broadcasting ----
     for op in BinaryOp::ALL {
         let (va, vb) = match op {
@@ -441,7 +460,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Reductions over chosen axes and over all axes.
+fn reduction_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- reductions ----
     for name in ["sum", "mean", "max", "min"] {
         let vals = if matches!(name, "max" | "min") {
@@ -478,7 +502,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    c
+}
 
+/// Matrix products and `linear`.
+fn matmul_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- matmul ----
     c.push((
         "matmul".into(),
@@ -566,7 +595,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Views (reshape, transpose, narrow, broadcast, ...).
+fn view_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- views ----
     c.push((
         "view/reshape".into(),
@@ -690,7 +724,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Joins (cat, stack) and `slice_assign`.
+fn join_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- joins ----
     c.push((
         "cat".into(),
@@ -775,7 +814,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Index ops (`index_select`, `gather`, `scatter_add`) and `where`.
+fn index_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- indexing ----
     c.push((
         "index_select".into(),
@@ -864,7 +908,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Softmax, log-softmax and the cross-entropy losses.
+fn loss_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- softmax and losses ----
     for log in [false, true] {
         c.push((
@@ -905,7 +954,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    c
+}
 
+/// Copies between devices, and compositions of several ops.
+fn device_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- devices ----
     c.push((
         "copy_to".into(),

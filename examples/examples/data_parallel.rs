@@ -289,7 +289,7 @@ fn data<B: Backend>(args: &Args, dev: &B::Device) -> Result<Data<B>> {
                 .map(|i| i as i64)
                 .collect();
             let ids = Tensor::<B>::from_slice(&order, [n], dev)?;
-            let (tx, ty) = (tx.index_select(&ids, 0)?, ty.index_select(&ids, 0)?);
+            let (tx, ty) = (tx.index_select(0, &ids)?, ty.index_select(0, &ids)?);
             let test = up(&m.test)?;
             let steps = tx.dims()[0] / gb;
             let mut x = Vec::new();

@@ -249,7 +249,7 @@ impl Job for Overlap {
                         let (x, y) = match &order {
                             Some(order) => {
                                 let ids = order.narrow(0, k * a.batch, a.batch)?;
-                                (x_dev.index_select(&ids, 0)?, y_dev.index_select(&ids, 0)?)
+                                (x_dev.index_select(0, &ids)?, y_dev.index_select(0, &ids)?)
                             }
                             None => (
                                 x_dev.narrow(0, k * a.batch, a.batch)?,

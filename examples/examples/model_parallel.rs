@@ -127,7 +127,7 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
             .map(|i| i as i64)
             .collect();
         let ids = Tensor::<B>::from_slice(&order, [n], &d0)?;
-        let (sx, sy) = (tx.index_select(&ids, 0)?, ty.index_select(&ids, 0)?);
+        let (sx, sy) = (tx.index_select(0, &ids)?, ty.index_select(0, &ids)?);
         for s in 0..steps {
             let x = Var::constant(sx.narrow(0, s * args.batch, args.batch)?);
             let y = sy.narrow(0, s * args.batch, args.batch)?;

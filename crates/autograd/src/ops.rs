@@ -639,10 +639,10 @@ impl<B: Backend> Var<B> {
 
     // ---- indexing ------------------------------------------------------------------------
 
-    /// Entries `ids` (1-d `i64`) along `axis`; repeated ids accumulate their gradients.
-    pub fn index_select(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.index_select(ids, axis)?;
+    /// Entries `index` (1-d `i64`) along `dim`; repeated ids accumulate their gradients.
+    pub fn index_select(&self, dim: isize, index: &Tensor<B>) -> Result<Self> {
+        let (x, ids, axis) = (self.tensor(), index, dim);
+        let y = x.index_select(axis, ids)?;
         let ax = kiln_core::normalize_axis("index_select", axis, x.rank())?;
         let ids = ids.clone();
         let shape = x.shape().clone();
@@ -651,34 +651,36 @@ impl<B: Backend> Var<B> {
             d[ax] = ids.elem_count();
             let ids_b = ids.reshape(d)?.broadcast_to(g.shape().clone())?;
             let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
-            Ok(vec![Some(z.scatter_add(&ids_b, g, axis)?)])
+            Ok(vec![Some(z.scatter_add(axis, &ids_b, g)?)])
         }))
     }
 
-    /// `torch.gather` along `axis`; the gradient is scattered (added) back.
-    pub fn gather(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.gather(ids, axis)?;
+    /// `torch.gather(self, dim, index)`; the gradient is scattered (added) back.
+    pub fn gather(&self, dim: isize, index: &Tensor<B>) -> Result<Self> {
+        let (x, ids, axis) = (self.tensor(), index, dim);
+        let y = x.gather(axis, ids)?;
         let ids = ids.clone();
         let shape = x.shape().clone();
         Ok(Var::from_op("gather", &[self], y, move |g, _| {
             let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
-            Ok(vec![Some(z.scatter_add(&ids, g, axis)?)])
+            Ok(vec![Some(z.scatter_add(axis, &ids, g)?)])
         }))
     }
 
-    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
-    /// Both `self` and `src` get gradients (`src`'s is the output gradient gathered at `ids`).
-    pub fn scatter_add(&self, ids: &Tensor<B>, src: &Self, axis: isize) -> Result<Self> {
-        let y = self.tensor().scatter_add(ids, &src.tensor(), axis)?;
-        let ids = ids.clone();
+    /// Out-of-place `torch.scatter_add(self, dim, index, src)`: `self` with `src` added at
+    /// `index` along `dim`. Both `self` and `src` get gradients (`src`'s is the output gradient
+    /// gathered at `index`).
+    pub fn scatter_add(&self, dim: isize, index: &Tensor<B>, src: &Self) -> Result<Self> {
+        let axis = dim;
+        let y = self.tensor().scatter_add(axis, index, &src.tensor())?;
+        let ids = index.clone();
         Ok(Var::from_op(
             "scatter_add",
             &[self, src],
             y,
             move |g, needs| {
                 let gsrc = if needs[1] {
-                    Some(g.gather(&ids, axis)?)
+                    Some(g.gather(axis, &ids)?)
                 } else {
                     None
                 };

@@ -829,7 +829,7 @@ fn index_cases<B: Backend>() -> Vec<(String, Case<B>)> {
                 let axis = axis % x.dims.len();
                 let idx = ids::<B>(&[n], x.dims[axis], x.seed, dev)?;
                 check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                    v[0].index_select(&idx, axis as isize)
+                    v[0].index_select(axis as isize, &idx)
                 })
             })
         }),
@@ -851,7 +851,7 @@ fn index_cases<B: Backend>() -> Vec<(String, Case<B>)> {
                     .collect();
                 let idx = ids::<B>(&idims, x.dims[axis], x.seed, dev)?;
                 check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                    v[0].gather(&idx, axis as isize)
+                    v[0].gather(axis as isize, &idx)
                 })
             })
         }),
@@ -881,7 +881,7 @@ fn index_cases<B: Backend>() -> Vec<(String, Case<B>)> {
                     x.build::<B>(Vals::Normal, dev)?,
                     src.build::<B>(Vals::Normal, dev)?,
                 ];
-                check(cfg, &ins, |v| v[0].scatter_add(&idx, &v[1], axis as isize))
+                check(cfg, &ins, |v| v[0].scatter_add(axis as isize, &idx, &v[1]))
             })
         }),
     ));

@@ -295,29 +295,29 @@ fn cross_entropy_and_backward() -> Result<()> {
 fn index_ops_and_errors() -> Result<()> {
     let x = t32(&(0..12).map(|i| i as f32).collect::<Vec<_>>(), &[3, 4]);
     let ids = Tensor::<Cpu>::from_slice(&[2i64, 0, 2], [3], &dev())?;
-    let s = x.index_select(&ids, 0)?;
+    let s = x.index_select(0, &ids)?;
     assert_eq!(s.dims(), [3, 4]);
     assert_eq!(s.to_vec::<f32>()?[..5], [8.0, 9.0, 10.0, 11.0, 0.0]);
-    let s1 = x.t()?.index_select(&ids, 1)?; // [4, 3] picking columns of x^T = rows of x
+    let s1 = x.t()?.index_select(1, &ids)?; // [4, 3] picking columns of x^T = rows of x
     assert_eq!(s1.to_vec::<f32>()?[..3], [8.0, 0.0, 8.0]);
     let gi = Tensor::<Cpu>::from_slice(&[3i64, 0, 1], [3, 1], &dev())?;
-    assert_eq!(x.gather(&gi, 1)?.to_vec::<f32>()?, vec![3.0, 4.0, 9.0]);
+    assert_eq!(x.gather(1, &gi)?.to_vec::<f32>()?, vec![3.0, 4.0, 9.0]);
     let src = t32(&[1.0, 1.0, 1.0], &[3, 1]);
-    let sa = x.zeros_like()?.scatter_add(&gi, &src, 1)?;
+    let sa = x.zeros_like()?.scatter_add(1, &gi, &src)?;
     assert_eq!(
         sa.sum(&[0], false)?.to_vec::<f32>()?,
         vec![1.0, 1.0, 0.0, 1.0]
     );
     let sa2 = x.zeros_like()?.scatter_add(
+        0,
         &ids.unsqueeze(1)?.broadcast_to([3, 4])?.contiguous()?,
         &x,
-        0,
     )?;
     assert_eq!(sa2.to_vec::<f32>()?[..4], [4.0, 5.0, 6.0, 7.0]);
     assert_eq!(sa2.to_vec::<f32>()?[8..], [8.0, 10.0, 12.0, 14.0]);
     for bad in [-1i64, 3] {
         let b = Tensor::<Cpu>::from_slice(&[0i64, bad], [2], &dev())?;
-        let e = x.index_select(&b, 0).unwrap_err();
+        let e = x.index_select(0, &b).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -331,11 +331,11 @@ fn index_ops_and_errors() -> Result<()> {
         assert!(e.to_string().contains(&format!("index {bad}")), "{e}");
     }
     let bg = Tensor::<Cpu>::from_slice(&[0i64, 4, 0], [3, 1], &dev())?;
-    let e = x.gather(&bg, 1).unwrap_err().to_string();
+    let e = x.gather(1, &bg).unwrap_err().to_string();
     assert!(e.contains("gather") && e.contains("index 4"), "{e}");
     let e = x
         .zeros_like()?
-        .scatter_add(&bg, &src, 1)
+        .scatter_add(1, &bg, &src)
         .unwrap_err()
         .to_string();
     assert!(e.contains("scatter_add") && e.contains("index 4"), "{e}");

@@ -60,7 +60,7 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
         .reshape([3, 4])
         .unwrap();
     let bad = Tensor::<Cuda>::from_vec(vec![0i64, 7], [2], &dev).unwrap();
-    let e = x.index_select(&bad, 0).unwrap_err();
+    let e = x.index_select(0, &bad).unwrap_err();
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     assert!(
         e.to_string().contains("index_select") && e.to_string().contains('7'),
@@ -71,7 +71,7 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
     assert!(e.to_string().contains("-1"), "{e}");
     // The flag was cleared: valid ops work and report no stale error.
     let good = Tensor::<Cuda>::from_vec(vec![2i64, 0], [2], &dev).unwrap();
-    let y = x.index_select(&good, 0).unwrap().to_vec::<f32>().unwrap();
+    let y = x.index_select(0, &good).unwrap().to_vec::<f32>().unwrap();
     assert_eq!(y, vec![8., 9., 10., 11., 0., 1., 2., 3.]);
     Cuda::synchronize(&dev).unwrap();
 }
@@ -134,8 +134,8 @@ fn labels_picked_on_the_device_keep_their_bound() {
     let order = Tensor::<Cuda>::from_vec(vec![5i64, 1, 3, 2, 0, 4], [6], &dev).unwrap();
     let ids = order.narrow(0, 3, 3).unwrap();
     let s0 = thread_syncs();
-    let picked = all.index_select(&ids, 0).unwrap();
-    let gathered = all.gather(&ids, 0).unwrap();
+    let picked = all.index_select(0, &ids).unwrap();
+    let gathered = all.gather(0, &ids).unwrap();
     logits.cross_entropy(&picked).unwrap();
     logits.cross_entropy(&gathered).unwrap();
     assert_eq!(
@@ -147,12 +147,12 @@ fn labels_picked_on_the_device_keep_their_bound() {
     // Labels of another bound: the cross-entropy over 5 classes catches a 7.
     let wide = Tensor::<Cuda>::from_vec(vec![7i64, 1, 2], [3], &dev).unwrap();
     let first = Tensor::<Cuda>::from_vec(vec![0i64, 1, 2], [3], &dev).unwrap();
-    let picked = wide.index_select(&first, 0).unwrap();
+    let picked = wide.index_select(0, &first).unwrap();
     let e = logits.cross_entropy(&picked).unwrap_err();
     assert!(e.to_string().contains('7'), "{e}");
     // Indices out of range are still caught by the pick (no bound is passed on then).
     let bad = Tensor::<Cuda>::from_vec(vec![0i64, 9], [2], &dev).unwrap();
-    assert!(all.index_select(&bad, 0).is_err());
+    assert!(all.index_select(0, &bad).is_err());
     assert!(logits.cross_entropy(&all.narrow(0, 0, 3).unwrap()).is_ok());
 }
 

@@ -1125,7 +1125,7 @@ mod tests {
     fn index_out_of_range_names_op_and_index() {
         let a = T::zeros([3, 2], DType::F32, &D).unwrap();
         let ids = T::from_vec(vec![0i64, 3], [2], &D).unwrap();
-        let e = a.index_select(&ids, 0).unwrap_err().to_string();
+        let e = a.index_select(0, &ids).unwrap_err().to_string();
         assert!(e.contains("index_select") && e.contains("index 3"), "{e}");
     }
 }

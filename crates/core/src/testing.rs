@@ -1884,7 +1884,7 @@ fn g_index_select<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         });
     p.run(out, "index_select", strat, |(axis, s, si)| {
         let (a, i) = (p.build(&s)?, p.build(&si)?);
-        let (g, w) = both!(a, i => a.index_select(i, axis));
+        let (g, w) = both!(a, i => a.index_select(axis, i));
         p.expect(
             &format!("index_select axis {axis} {}", s.dtype),
             &[("x", &a.0), ("ids", &i.0)],
@@ -1940,7 +1940,7 @@ fn g_gather<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         });
     p.run(out, "gather", strat, |(axis, s, si)| {
         let (a, i) = (p.build(&s)?, p.build(&si)?);
-        let (g, w) = both!(a, i => a.gather(i, axis as isize));
+        let (g, w) = both!(a, i => a.gather(axis as isize, i));
         p.expect(
             &format!("gather axis {axis} {}", s.dtype),
             &[("x", &a.0), ("ids", &i.0)],
@@ -1975,11 +1975,11 @@ fn g_scatter_add<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     });
     p.run(out, "scatter_add", strat, |(axis, sb, si, ss)| {
         let (b, i, s) = (p.build(&sb)?, p.build(&si)?, p.build(&ss)?);
-        let (g, w) = both!(b, i, s => b.scatter_add(i, s, axis as isize));
+        let (g, w) = both!(b, i, s => b.scatter_add(axis as isize, i, s));
         // Summation order is unspecified: bound by the count and sizes of the terms.
         let mag =
             b.1.abs()
-                .and_then(|bb| bb.scatter_add(&i.1, &s.1.abs()?, axis as isize))
+                .and_then(|bb| bb.scatter_add(axis as isize, &i.1, &s.1.abs()?))
                 .and_then(|t| t.to_f64_vec())
                 .ok();
         let k = si.dims[axis] as f64 + 1.0;
@@ -2050,9 +2050,9 @@ fn g_index_errors<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
             let src = Tensor::<X>::ones(id_dims.clone(), dtype, &p.dx).map_err(msg)?;
             let ax = axis as isize;
             let sel = Tensor::<X>::from_vec(ids.clone(), n, &p.dx).map_err(msg)?;
-            expect_index_error("index_select", bad, x.index_select(&sel, ax))?;
-            expect_index_error("gather", bad, x.gather(&idt, ax))?;
-            expect_index_error("scatter_add", bad, x.scatter_add(&idt, &src, ax))?;
+            expect_index_error("index_select", bad, x.index_select(ax, &sel))?;
+            expect_index_error("gather", bad, x.gather(ax, &idt))?;
+            expect_index_error("scatter_add", bad, x.scatter_add(ax, &idt, &src))?;
             // Labels of cross_entropy (and its backward) outside 0..c.
             let c = dims[axis].clamp(1, 64);
             let n = n.min(64);

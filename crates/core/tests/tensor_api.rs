@@ -39,7 +39,7 @@ fn mixing_devices_names_the_op_and_both_devices() {
         ("cat", T::cat(&[a.clone(), b.clone()], 0)),
         (
             "index_select",
-            a.index_select(&T::from_vec(vec![0i64], [1], &R1).unwrap(), 0),
+            a.index_select(0, &T::from_vec(vec![0i64], [1], &R1).unwrap()),
         ),
         ("where", a.gt(&a).unwrap().where_cond(&b, &b)),
     ];
@@ -115,7 +115,7 @@ fn out_of_range_axes_name_the_op_axis_and_rank() {
     );
     let (_, m) = err(a.narrow(2, 0, 1));
     assert_eq!(m, "narrow: axis 2 is out of range for a tensor of rank 2");
-    let (_, m) = err(a.index_select(&T::from_vec(vec![0i64], [1], &R0).unwrap(), -3));
+    let (_, m) = err(a.index_select(-3, &T::from_vec(vec![0i64], [1], &R0).unwrap()));
     assert_eq!(
         m,
         "index_select: axis -3 is out of range for a tensor of rank 2"
@@ -154,7 +154,7 @@ fn wrong_dtypes_name_the_op_and_both_dtypes() {
     assert_eq!(m, "sum: dtype mismatch: expected f32, f64 or i64, got u8");
     let (_, m) = err(f.where_cond(&f, &f));
     assert_eq!(m, "where: dtype mismatch: expected u8 condition, got f32");
-    let (_, m) = err(f.index_select(&f, 0));
+    let (_, m) = err(f.index_select(0, &f));
     assert_eq!(
         m,
         "index_select: dtype mismatch: expected i64 indices, got f32"
@@ -177,17 +177,17 @@ fn out_of_range_indices_name_the_op_and_index() {
         .reshape([3, 2])
         .unwrap();
     let ids = T::from_vec(vec![0i64, 3], [2], &R0).unwrap();
-    let (e, m) = err(a.index_select(&ids, 0));
+    let (e, m) = err(a.index_select(0, &ids));
     assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     assert_eq!(
         m,
         "index_select: index 3 is out of range for axis 0 of size 3"
     );
     let neg = T::from_vec(vec![-1i64], [1, 1], &R0).unwrap();
-    let (_, m) = err(a.gather(&neg, 1));
+    let (_, m) = err(a.gather(1, &neg));
     assert_eq!(m, "gather: index -1 is out of range for axis 1 of size 2");
     let src = T::ones([1, 1], DType::F32, &R0).unwrap();
-    let (_, m) = err(a.scatter_add(&neg, &src, 0));
+    let (_, m) = err(a.scatter_add(0, &neg, &src));
     assert_eq!(
         m,
         "scatter_add: index -1 is out of range for axis 0 of size 3"

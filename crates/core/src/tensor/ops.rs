@@ -512,10 +512,10 @@ impl<B: Backend> Tensor<B> {
 
     // ---- indexing ------------------------------------------------------------------------
 
-    /// Entries `ids` (1-d `i64`) along `axis`.
-    pub fn index_select(&self, ids: &Self, axis: isize) -> Result<Self> {
+    /// Entries `index` (1-d `i64`) along `dim` (`torch.index_select(self, dim, index)`).
+    pub fn index_select(&self, dim: isize, index: &Self) -> Result<Self> {
         const OP: &str = "index_select";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         if ids.rank() != 1 {
             return Err(Error::invalid(
@@ -537,10 +537,11 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, dims, self.dtype()))
     }
 
-    /// `torch.gather` along `axis`: the output has the shape of `ids`.
-    pub fn gather(&self, ids: &Self, axis: isize) -> Result<Self> {
+    /// `torch.gather(self, dim, index)`: `out[i][j] = self[index[i][j]][j]` for `dim == 0`,
+    /// and so on; the output has the shape of `index`.
+    pub fn gather(&self, dim: isize, index: &Self) -> Result<Self> {
         const OP: &str = "gather";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         check_index_shape(OP, self.shape(), ids.shape(), axis)?;
         let _p = self.prof(OP, &[ids], false);
@@ -555,10 +556,11 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, ids.shape().clone(), self.dtype()))
     }
 
-    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
-    pub fn scatter_add(&self, ids: &Self, src: &Self, axis: isize) -> Result<Self> {
+    /// Out-of-place `torch.scatter_add(self, dim, index, src)`: `self` with `src` added at
+    /// `index` along `dim`.
+    pub fn scatter_add(&self, dim: isize, index: &Self, src: &Self) -> Result<Self> {
         const OP: &str = "scatter_add";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         self.check_same_device(OP, src)?;
         if src.dtype() != self.dtype() {

@@ -719,22 +719,23 @@ impl<B: Backend> Var<B> {
 
     // ---- softmax and losses --------------------------------------------------------------
 
-    /// Softmax over the last axis: `dx = y * (g - sum(g * y))`.
-    pub fn softmax(&self) -> Result<Self> {
-        let y = self.tensor().softmax()?;
+    /// Softmax along `dim` (any axis, negative from the end): `dx = y * (g - sum_dim(g * y))`.
+    pub fn softmax(&self, dim: isize) -> Result<Self> {
+        let y = self.tensor().softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("softmax", &[self], y, move |g, _| {
-            let s = g.mul(&yc)?.sum(&[-1], true)?;
+            let s = g.mul(&yc)?.sum(&[dim], true)?;
             Ok(vec![Some(yc.mul(&g.sub(&s)?)?)])
         }))
     }
 
-    /// Log-softmax over the last axis: `dx = g - exp(y) * sum(g)`.
-    pub fn log_softmax(&self) -> Result<Self> {
-        let y = self.tensor().log_softmax()?;
+    /// Log-softmax along `dim` (any axis, negative from the end):
+    /// `dx = g - exp(y) * sum_dim(g)`.
+    pub fn log_softmax(&self, dim: isize) -> Result<Self> {
+        let y = self.tensor().log_softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("log_softmax", &[self], y, move |g, _| {
-            let s = g.sum(&[-1], true)?;
+            let s = g.sum(&[dim], true)?;
             Ok(vec![Some(g.sub(&yc.exp()?.mul(&s)?)?)])
         }))
     }

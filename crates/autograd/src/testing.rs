@@ -919,12 +919,16 @@ fn loss_cases<B: Backend>() -> Vec<(String, Case<B>)> {
         c.push((
             if log { "log_softmax" } else { "softmax" }.into(),
             Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
-                prop(cfg, input_of(dims(1, 3)), |x| {
+                // Any axis, counted from either end (`dim` in `-rank..rank`).
+                let s = (input_of(dims(1, 3)), 0usize..3, any::<bool>());
+                prop(cfg, s, |(x, axis, negative)| {
+                    let r = x.dims.len() as isize;
+                    let dim = (axis as isize % r) - if negative { r } else { 0 };
                     check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
                         if log {
-                            v[0].log_softmax()
+                            v[0].log_softmax(dim)
                         } else {
-                            v[0].softmax()
+                            v[0].softmax(dim)
                         }
                     })
                 })

@@ -371,7 +371,7 @@ fn softmax_cross_entropy_matches_its_definition() {
     assert_eq!(loss.rank(), 0);
     loss.backward().unwrap();
     // (softmax - onehot) / n
-    let sm = vals(&logits.softmax().unwrap());
+    let sm = vals(&logits.softmax(-1).unwrap());
     let mut want = sm.clone();
     want[1] -= 1.0;
     want[5] -= 1.0;

@@ -55,7 +55,7 @@ fn benches(c: &mut Criterion) {
     let s = Tensor::<Cpu>::rand([512, 1000], -5.0, 5.0, 6, DType::F32, &dev).unwrap();
     let mut g = c.benchmark_group("misc");
     g.bench_function("softmax_512x1000", |bch| {
-        bch.iter(|| black_box(s.softmax().unwrap()))
+        bch.iter(|| black_box(s.softmax(-1).unwrap()))
     });
     g.bench_function("sum_rows_512x1000", |bch| {
         bch.iter(|| black_box(s.sum(&[1], false).unwrap()))

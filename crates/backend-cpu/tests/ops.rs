@@ -96,6 +96,34 @@ fn unary_binary_on_views_match_reference() {
 }
 
 #[test]
+fn softmax_on_every_axis_matches_reference() {
+    let d = data(6 * 33 * 17);
+    for dtype in [DType::F32, DType::F64] {
+        let tol = if dtype == DType::F32 { 1e-5 } else { 1e-12 };
+        for dim in [0isize, 1, 2, -1, -2, -3] {
+            check_against_ref(
+                &format!("softmax({dim})"),
+                &d,
+                &[6, 33, 17],
+                dtype,
+                tol,
+                |x| x.softmax(dim),
+                |x| x.softmax(dim),
+            );
+            check_against_ref(
+                &format!("log_softmax({dim}) of a transposed view"),
+                &d,
+                &[6, 33, 17],
+                dtype,
+                tol,
+                |x| x.transpose(0, 2)?.log_softmax(dim),
+                |x| x.transpose(0, 2)?.log_softmax(dim),
+            );
+        }
+    }
+}
+
+#[test]
 fn large_parallel_paths_match_reference() {
     let d = data(300 * 257);
     for dtype in [DType::F32, DType::F64] {
@@ -145,8 +173,8 @@ fn large_parallel_paths_match_reference() {
             &[300, 257],
             dtype,
             tol,
-            |x| x.t()?.softmax(),
-            |x| x.t()?.softmax(),
+            |x| x.t()?.softmax(-1),
+            |x| x.t()?.softmax(-1),
         );
         check_against_ref(
             "log_softmax",
@@ -154,8 +182,8 @@ fn large_parallel_paths_match_reference() {
             &[300, 257],
             dtype,
             tol,
-            |x| x.log_softmax(),
-            |x| x.log_softmax(),
+            |x| x.log_softmax(-1),
+            |x| x.log_softmax(-1),
         );
         check_against_ref(
             "matmul",
@@ -211,11 +239,11 @@ fn hand_computed_values() -> Result<()> {
     let j = Tensor::<Cpu>::from_slice(&[2i64, 2, -2, -2, 0], [5], &dev())?;
     assert_eq!(i.div(&j)?.to_vec::<i64>()?, vec![3, -3, -3, 3, 0]);
     assert_eq!(i.div_scalar(0.0)?.to_vec::<i64>()?, vec![0; 5]);
-    let s = t32(&[0.0, 0.0, 0.0, 0.0], &[1, 4]).softmax()?;
+    let s = t32(&[0.0, 0.0, 0.0, 0.0], &[1, 4]).softmax(-1)?;
     assert_eq!(s.to_vec::<f32>()?, vec![0.25; 4]);
     let big = t32(&[1000.0, 1000.0], &[1, 2]);
     assert_eq!(
-        big.log_softmax()?.to_vec::<f32>()?,
+        big.log_softmax(-1)?.to_vec::<f32>()?,
         vec![-std::f32::consts::LN_2; 2]
     );
     let g = t32(&[0.0, 1.0, -1.0], &[3]).gelu()?.to_vec::<f32>()?;

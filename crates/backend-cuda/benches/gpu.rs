@@ -101,7 +101,7 @@ fn main() {
 
     // Row softmax 8192 x 8192.
     let s = f32t(&[8192, 8192], 4);
-    let ms = time(&dev, 5, 10, || s.softmax().map(drop));
+    let ms = time(&dev, 5, 10, || s.softmax(-1).map(drop));
     report(
         "softmax_8192x8192",
         2.0 * 4.0 * (8192.0 * 8192.0) / (ms * 1e-3) / 1e9,

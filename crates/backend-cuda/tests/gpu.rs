@@ -21,6 +21,32 @@ fn cuda_matches_cpu() {
 }
 
 #[test]
+fn softmax_on_every_axis_matches_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let v: Vec<f32> = (0..6 * 33 * 17)
+        .map(|i| ((i * 37 + 11) % 23) as f32 * 0.37 - 4.1)
+        .collect();
+    let g = Tensor::<Cuda>::from_slice(&v, [6, 33, 17], &dev).unwrap();
+    let c = Tensor::<Cpu>::from_slice(&v, [6, 33, 17], &Cpu::device(0)).unwrap();
+    for dim in [0isize, 1, 2, -1, -2, -3] {
+        for log in [false, true] {
+            let (yg, yc) = if log {
+                (g.log_softmax(dim).unwrap(), c.log_softmax(dim).unwrap())
+            } else {
+                (g.softmax(dim).unwrap(), c.softmax(dim).unwrap())
+            };
+            let (a, b) = (yg.to_vec::<f32>().unwrap(), yc.to_vec::<f32>().unwrap());
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(worst < 1e-5, "softmax(dim {dim}, log {log}): {worst}");
+        }
+    }
+}
+
+#[test]
 fn out_of_memory_is_a_typed_error_and_the_device_recovers() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let total = dev.total_memory().unwrap();

@@ -1719,7 +1719,7 @@ fn g_softmax<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         );
         p.run(out, name, strat, |s| {
             let a = p.build(&s)?;
-            let (g, w) = both!(a => if log { a.log_softmax() } else { a.softmax() });
+            let (g, w) = both!(a => if log { a.log_softmax(-1) } else { a.softmax(-1) });
             let tol = match (&w, row_scale(&a.1)) {
                 (Ok(w), Some((scale, c))) => {
                     let wv = w.to_f64_vec().map_err(msg)?;

@@ -326,3 +326,45 @@ fn norm_is_the_euclidean_norm_of_every_element() {
     let (_, m) = err(ids.norm());
     assert!(m.contains("norm") && m.contains("i64"), "{m}");
 }
+
+// ---- softmax on any axis -------------------------------------------------------------------
+
+#[test]
+fn softmax_along_any_axis_is_the_definition_along_that_axis() {
+    let v: Vec<f64> = (0..60)
+        .map(|i| ((i * 7 + 3) % 11) as f64 * 0.9 - 4.0)
+        .collect();
+    let x = T::from_slice(&v, [3, 4, 5], &R0).unwrap();
+    for dim in [0isize, 1, 2, -1, -2, -3] {
+        // exp(x - max) / sum(exp(x - max)) along `dim`, from plain ops.
+        let m = x.max(&[dim], true).unwrap();
+        let e = x.sub(&m).unwrap().exp().unwrap();
+        let want = e.div(&e.sum(&[dim], true).unwrap()).unwrap();
+        let got = x.softmax(dim).unwrap();
+        assert_eq!(got.dims(), x.dims());
+        let (g, w) = (got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
+        assert!(
+            g.iter().zip(&w).all(|(a, b)| (a - b).abs() < 1e-12),
+            "softmax({dim})"
+        );
+        let lg = x.log_softmax(dim).unwrap().to_f64_vec().unwrap();
+        assert!(
+            lg.iter().zip(&w).all(|(a, b)| (a - b.ln()).abs() < 1e-12),
+            "log_softmax({dim})"
+        );
+    }
+    let (e, _) = err(x.softmax(3));
+    assert!(
+        matches!(
+            e,
+            Error::AxisOutOfRange {
+                axis: 3,
+                rank: 3,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let (e, _) = err(x.log_softmax(-4));
+    assert!(matches!(e, Error::AxisOutOfRange { axis: -4, .. }), "{e:?}");
+}

@@ -452,15 +452,21 @@ impl<B: Backend> Tensor<B> {
 
     // ---- softmax and losses --------------------------------------------------------------
 
-    /// Softmax over the last axis.
-    pub fn softmax(&self) -> Result<Self> {
-        self.softmax_impl("softmax", false)
+    /// Softmax along `dim` (negative counts from the end: `-1` is the last axis), as
+    /// `torch.softmax(x, dim)`.
+    ///
+    /// The backend's kernel works on the last axis; another axis is swapped last by a
+    /// transposed view (no copy: the kernel reads strided input), and the result is that
+    /// kernel's output transposed back, a view, not contiguous.
+    pub fn softmax(&self, dim: isize) -> Result<Self> {
+        self.softmax_impl("softmax", dim, false)
     }
-    /// Log-softmax over the last axis (computed in one pass, not as `log(softmax)`).
-    pub fn log_softmax(&self) -> Result<Self> {
-        self.softmax_impl("log_softmax", true)
+    /// Log-softmax along `dim` (computed in one pass, not as `log(softmax)`); any axis, as
+    /// [`Self::softmax`].
+    pub fn log_softmax(&self, dim: isize) -> Result<Self> {
+        self.softmax_impl("log_softmax", dim, true)
     }
-    fn softmax_impl(&self, op: &'static str, log: bool) -> Result<Self> {
+    fn softmax_impl(&self, op: &'static str, dim: isize, log: bool) -> Result<Self> {
         self.require_float(op)?;
         if self.rank() == 0 {
             return Err(Error::invalid(op, "needs rank >= 1, got a scalar"));
@@ -508,6 +514,15 @@ impl<B: Backend> Tensor<B> {
             self.dtype(),
         )?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
+        let axis = normalize_axis(op, dim, self.rank())?;
+        let last = self.rank() - 1;
+        if axis != last {
+            let (a, l) = (axis as isize, last as isize);
+            return self
+                .transpose(a, l)?
+                .softmax_impl(op, -1, log)?
+                .transpose(a, l);
+        }
     }
 
     // ---- indexing ------------------------------------------------------------------------

@@ -314,8 +314,18 @@ fn cross_entropy_and_backward() -> Result<()> {
         .to_vec::<f32>()?;
     assert!((d[3] - 2.0 * (1.0 / 3.0 - 1.0)).abs() < 1e-6 && (d[4] - 2.0 / 3.0).abs() < 1e-6);
     let bad = Tensor::<Cpu>::from_slice(&[2i64, 3], [2], &dev())?;
-    let e = logits.cross_entropy(&bad).unwrap_err().to_string();
-    assert!(e.contains("cross_entropy") && e.contains("label 3"), "{e}");
+    let e = logits.cross_entropy(&bad).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "cross_entropy",
+                index: 3,
+                size: 3
+            }
+        ),
+        "{e:?}"
+    );
     Ok(())
 }
 
@@ -349,24 +359,40 @@ fn index_ops_and_errors() -> Result<()> {
         assert!(
             matches!(
                 e,
-                Error::InvalidArgument {
+                Error::IndexOutOfRange {
                     op: "index_select",
-                    ..
-                }
+                    index,
+                    size: 3,
+                } if index == bad
             ),
             "{e}"
         );
-        assert!(e.to_string().contains(&format!("index {bad}")), "{e}");
     }
     let bg = Tensor::<Cpu>::from_slice(&[0i64, 4, 0], [3, 1], &dev())?;
-    let e = x.gather(1, &bg).unwrap_err().to_string();
-    assert!(e.contains("gather") && e.contains("index 4"), "{e}");
-    let e = x
-        .zeros_like()?
-        .scatter_add(1, &bg, &src)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("scatter_add") && e.contains("index 4"), "{e}");
+    let e = x.gather(1, &bg).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "gather",
+                index: 4,
+                size: 4
+            }
+        ),
+        "{e}"
+    );
+    let e = x.zeros_like()?.scatter_add(1, &bg, &src).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "scatter_add",
+                index: 4,
+                size: 4
+            }
+        ),
+        "{e}"
+    );
     Ok(())
 }
 

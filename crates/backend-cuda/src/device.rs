@@ -840,8 +840,9 @@ impl DeviceState {
     }
 
     /// Reads the device error record (synchronizing) and turns a raised flag into a typed
-    /// error naming `op`, the offending value and the valid range `0..limit`; the record is
-    /// cleared, so the device stays usable.
+    /// error naming `op`, the offending value and the valid range `0..limit`
+    /// ([`Error::IndexOutOfRange`] for an index or a label); the record is cleared, so the
+    /// device stays usable.
     pub fn check_flag(&self, op: &'static str, limit: usize) -> Result<()> {
         let _g = self.err_lock.lock().unwrap();
         // SAFETY: `err_host` is 16 bytes of pinned memory; `err_flag` a 16-byte device record;
@@ -870,11 +871,12 @@ impl DeviceState {
             op,
         )?;
         Err(match code {
-            1 => Error::invalid(op, format!("label {value} is outside 0..{limit}")),
-            2 => Error::invalid(
+            // 1: a cross-entropy label outside `0..classes`; 2: an index outside its axis.
+            1 | 2 => Error::IndexOutOfRange {
                 op,
-                format!("index {value} is out of range for an axis of size {limit}"),
-            ),
+                index: value,
+                size: limit,
+            },
             c => Error::backend(op, format!("kernel error code {c} (value {value})")),
         })
     }

@@ -87,14 +87,30 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
         .unwrap();
     let bad = Tensor::<Cuda>::from_vec(vec![0i64, 7], [2], &dev).unwrap();
     let e = x.index_select(0, &bad).unwrap_err();
-    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
     assert!(
-        e.to_string().contains("index_select") && e.to_string().contains('7'),
-        "{e}"
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "index_select",
+                index: 7,
+                size: 3
+            }
+        ),
+        "{e:?}"
     );
     let labels = Tensor::<Cuda>::from_vec(vec![0i64, -1, 2], [3], &dev).unwrap();
     let e = x.cross_entropy(&labels).unwrap_err();
-    assert!(e.to_string().contains("-1"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "cross_entropy",
+                index: -1,
+                size: 4
+            }
+        ),
+        "{e:?}"
+    );
     // The flag was cleared: valid ops work and report no stale error.
     let good = Tensor::<Cuda>::from_vec(vec![2i64, 0], [2], &dev).unwrap();
     let y = x.index_select(0, &good).unwrap().to_vec::<f32>().unwrap();
@@ -175,7 +191,17 @@ fn labels_picked_on_the_device_keep_their_bound() {
     let first = Tensor::<Cuda>::from_vec(vec![0i64, 1, 2], [3], &dev).unwrap();
     let picked = wide.index_select(0, &first).unwrap();
     let e = logits.cross_entropy(&picked).unwrap_err();
-    assert!(e.to_string().contains('7'), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                index: 7,
+                size: 5,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
     // Indices out of range are still caught by the pick (no bound is passed on then).
     let bad = Tensor::<Cuda>::from_vec(vec![0i64, 9], [2], &dev).unwrap();
     assert!(all.index_select(0, &bad).is_err());

@@ -423,7 +423,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// Converts every element (`as` semantics: float to int truncates and saturates).
     fn cast(s: &Self::Storage, layout: &Layout, from: DType, to: DType) -> Result<Self::Storage>;
     /// Picks entries `ids` (1-d, `i64`) along `axis`; the output has `dims[axis] = ids.len()`.
-    /// An index outside `0..dims[axis]` is an error.
+    /// An index outside `0..dims[axis]` is [`Error::IndexOutOfRange`] (also for `gather` and
+    /// `scatter_add`).
     #[allow(clippy::too_many_arguments)]
     fn index_select(
         s: &Self::Storage,

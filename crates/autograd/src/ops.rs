@@ -9,6 +9,8 @@
 //! - `maximum_scalar` / `minimum_scalar` / `clamp` (a variable against a constant): as
 //!   `torch.clamp`, the gradient passes where the value is inside the closed range, ties
 //!   included.
+//! - `max_dim` / `min_dim` (values and indices, `torch.max(x, dim)`): the gradient goes to the
+//!   element the index names.
 //! - `max` / `min` reductions: as `torch.amax`/`amin`, the gradient is distributed evenly among
 //!   all the elements equal to the extreme.
 //! - `pow(a, b)`: where `b == 0` the gradient to `a` is 0; where `a == 0` and `b >= 0` the
@@ -350,6 +352,47 @@ impl<B: Backend> Var<B> {
     }
     pub fn max_all(&self) -> Result<Self> {
         self.max(&self.all_axes(), false)
+    /// The maxima along `dim` and their `i64` indices, as `torch.max(x, dim, keepdim)`. The
+    /// gradient flows to the element each index names only (not shared among ties, unlike
+    /// [`Var::max`]), as in PyTorch.
+    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Tensor<B>)> {
+        self.extreme_dim("max_dim", dim, keepdim)
+    }
+    /// The minima along `dim` and their `i64` indices (`torch.min(x, dim, keepdim)`); as
+    /// [`Var::max_dim`].
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Tensor<B>)> {
+        self.extreme_dim("min_dim", dim, keepdim)
+    }
+    fn extreme_dim(
+        &self,
+        name: &'static str,
+        dim: isize,
+        keepdim: bool,
+    ) -> Result<(Self, Tensor<B>)> {
+        let x = self.tensor();
+        let (y, idx) = if name == "max_dim" {
+            x.max_dim(dim, keepdim)?
+        } else {
+            x.min_dim(dim, keepdim)?
+        };
+        let ax = kiln_core::normalize_axis(name, dim, x.rank())?;
+        let kept = if keepdim {
+            idx.clone()
+        } else {
+            idx.unsqueeze(ax as isize)?
+        };
+        let shape = x.shape().clone();
+        let v = Var::from_op(name, &[self], y, move |g, _| {
+            let g = if keepdim {
+                g.clone()
+            } else {
+                g.unsqueeze(ax as isize)?
+            };
+            let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
+            Ok(vec![Some(z.scatter_add(ax as isize, &kept, &g)?)])
+        });
+        Ok((v, idx))
+    }
     }
     pub fn min_all(&self) -> Result<Self> {
         self.min(&self.all_axes(), false)

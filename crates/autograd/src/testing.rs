@@ -502,6 +502,25 @@ fn reduction_cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    for name in ["max_dim", "min_dim"] {
+        c.push((
+            format!("reduce/{name}"),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s = (input_of(dims(1, 3)), 0usize..3, any::<bool>());
+                prop(cfg, s, |(x, axis, keepdim)| {
+                    let dim = (axis % x.dims.len()) as isize;
+                    check(cfg, &[x.build::<B>(Vals::Distinct, dev)?], |v| {
+                        let (y, _) = if name == "max_dim" {
+                            v[0].max_dim(dim, keepdim)?
+                        } else {
+                            v[0].min_dim(dim, keepdim)?
+                        };
+                        Ok(y)
+                    })
+                })
+            }),
+        ));
+    }
     c
 }
 

@@ -601,3 +601,20 @@ fn linear_is_matmul_with_the_transposed_weight_plus_the_bias() {
     let e = x.linear(&w, Some(&w)).unwrap_err().to_string();
     assert!(e.contains("linear") && e.contains("bias"), "{e}");
 }
+
+#[test]
+fn max_dim_sends_the_gradient_to_the_indexed_element_only() {
+    // Row 0 has a tie (the first maximum is picked); `max` would share, `max_dim` does not.
+    let x = Var::param(t(&[5.0, 1.0, 5.0, 2.0, 7.0, 3.0], &[2, 3]));
+    let (y, idx) = x.max_dim(1, false).unwrap();
+    assert_eq!(vals(&y.tensor()), vec![5.0, 7.0]);
+    assert_eq!(idx.to_vec::<i64>().unwrap(), vec![0, 1]);
+    y.sum_all().unwrap().backward().unwrap();
+    let g = vals(&x.grad().unwrap());
+    assert_eq!(g, vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0]);
+    let x = Var::param(t(&[5.0, 1.0, 5.0, 2.0, 7.0, 3.0], &[2, 3]));
+    let (y, idx) = x.min_dim(0, true).unwrap();
+    assert_eq!(idx.to_vec::<i64>().unwrap(), vec![1, 0, 1]);
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
+}

@@ -411,3 +411,21 @@ fn softmax_along_any_axis_is_the_definition_along_that_axis() {
     let (e, _) = err(x.log_softmax(-4));
     assert!(matches!(e, Error::AxisOutOfRange { axis: -4, .. }), "{e:?}");
 }
+
+// ---- max_dim / min_dim ---------------------------------------------------------------------
+
+#[test]
+fn max_dim_and_min_dim_return_values_and_indices() {
+    let x = T::from_slice(&[3.0f32, 9.0, 1.0, 4.0, 2.0, 8.0], [2, 3], &R0).unwrap();
+    let (v, i) = x.max_dim(1, false).unwrap();
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![9.0, 8.0]);
+    assert_eq!(i.dtype(), DType::I64);
+    assert_eq!(i.to_vec::<i64>().unwrap(), vec![1, 2]);
+    let (v, i) = x.min_dim(-2, true).unwrap();
+    assert_eq!(v.dims(), [1, 3]);
+    assert_eq!(i.dims(), [1, 3]);
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![3.0, 2.0, 1.0]);
+    assert_eq!(i.to_vec::<i64>().unwrap(), vec![0, 1, 0]);
+    let (e, _) = err(x.max_dim(2, false));
+    assert!(matches!(e, Error::AxisOutOfRange { .. }), "{e:?}");
+}

@@ -416,6 +416,17 @@ impl<B: Backend> Tensor<B> {
         let (k2, n) = (b.dims()[b.rank() - 2], b.dims()[b.rank() - 1]);
         if k != k2 {
             return Err(Error::ShapeMismatch {
+    /// The maxima along `dim` and where they are, as `torch.max(x, dim, keepdim)`:
+    /// `(values, indices)`, the indices `i64` ([`Self::argmax`]'s, the first of tied maxima on
+    /// the CPU and the reference). [`Self::max`] reduces several axes and returns values only.
+    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.max(&[dim], keepdim)?, self.argmax(dim, keepdim)?))
+    }
+    /// The minima along `dim` and where they are (`torch.min(x, dim, keepdim)`); as
+    /// [`Self::max_dim`].
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.min(&[dim], keepdim)?, self.argmin(dim, keepdim)?))
+    }
                 op: OP,
                 lhs: self.shape().clone(),
                 rhs: rhs.shape().clone(),

@@ -35,7 +35,7 @@ use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, DType, Error, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist};
 use kiln_dist::{
     Ddp, DistEnv, LocalGroup, NcclGroup, ProcessGroup, accumulate_grads_from, copy_parameters_from,
@@ -381,7 +381,7 @@ fn train_rank<B: Backend>(
         let x = data.x[b].narrow(0, rank * local, local)?;
         let y = data.y[b].narrow(0, rank * local, local)?;
         opt.zero_grad();
-        let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y)?;
+        let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
         match &ddp {
             Some(d) => d.backward(&loss)?,
             None => loss.backward()?,
@@ -573,7 +573,8 @@ fn chainer<B: Backend>(args: &Args, devs: Vec<B::Device>) -> Result<()> {
                     sc.spawn(move || -> Result<()> {
                         let x = d.x[b].narrow(0, i * local, local)?;
                         let y = d.y[b].narrow(0, i * local, local)?;
-                        cross_entropy(&m.forward(&Var::constant(x))?, &y)?.backward()
+                        cross_entropy(&m.forward(&Var::constant(x))?, &y, Reduction::Mean)?
+                            .backward()
                     })
                 })
                 .collect();

@@ -19,7 +19,7 @@ use clap::Parser;
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, Result, Tensor};
+use kiln_core::{Backend, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist, permutation};
 use kiln_nn::loss::{correct_count, cross_entropy};
 use kiln_nn::{Linear, LinearConfig, Module, derive_seed};
@@ -132,7 +132,7 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
             let x = Var::constant(sx.narrow(0, s * args.batch, args.batch)?);
             let y = sy.narrow(0, s * args.batch, args.batch)?;
             opt.zero_grad();
-            let loss = cross_entropy(&forward(&towers, &x)?, &y)?;
+            let loss = cross_entropy(&forward(&towers, &x)?, &y, Reduction::Mean)?;
             loss.backward()?;
             opt.step()?;
             if s + 1 == steps {

@@ -18,7 +18,9 @@
 
 use std::f64::consts::PI;
 
-use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Result, Shape, Tensor, UnaryOp};
+use kiln_core::{
+    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Tensor, UnaryOp,
+};
 
 use crate::var::Var;
 
@@ -350,8 +352,6 @@ impl<B: Backend> Var<B> {
     pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
         self.extreme("min", axes, keepdim)
     }
-    pub fn max_all(&self) -> Result<Self> {
-        self.max(&self.all_axes(), false)
     /// The maxima along `dim` and their `i64` indices, as `torch.max(x, dim, keepdim)`. The
     /// gradient flows to the element each index names only (not shared among ties, unlike
     /// [`Var::max`]), as in PyTorch.
@@ -393,6 +393,8 @@ impl<B: Backend> Var<B> {
         });
         Ok((v, idx))
     }
+    pub fn max_all(&self) -> Result<Self> {
+        self.max(&self.all_axes(), false)
     }
     pub fn min_all(&self) -> Result<Self> {
         self.min(&self.all_axes(), false)
@@ -783,34 +785,24 @@ impl<B: Backend> Var<B> {
         }))
     }
 
-    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: `[n]`
-    /// losses. The backward is the backend's fused `cross_entropy_backward` kernel.
-    pub fn cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.cross_entropy(labels)?;
-        let labels = labels.clone();
-        Ok(Var::from_op("cross_entropy", &[self], y, move |g, _| {
-            Ok(vec![Some(x.cross_entropy_backward(&labels, g)?)])
-        }))
-    }
-
-    /// The mean softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`, as a 0-d
-    /// variable: the classification loss, fused. Forward is the backend's `cross_entropy` plus a
-    /// mean; backward is one `cross_entropy_backward` kernel (`(softmax - onehot) * g / n`).
-    pub fn softmax_cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
+    /// Softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`, reduced as
+    /// `reduction` says (`torch.nn.functional.cross_entropy`; [`Reduction::Mean`] is PyTorch's
+    /// default): a 0-d variable for the mean and the sum, the `[n]` row losses for
+    /// [`Reduction::None`]. Fused: the forward is the backend's `cross_entropy` kernel (plus the
+    /// reduction), the backward one `cross_entropy_backward` kernel
+    /// (`(softmax - onehot) * g`, `g` scaled by `1 / n` for the mean).
+    pub fn cross_entropy(&self, labels: &Tensor<B>, reduction: Reduction) -> Result<Self> {
         let x = self.tensor();
         let n = x.dims().first().copied().unwrap_or(0);
-        let y = x.cross_entropy(labels)?.mean_all()?;
+        let y = x.cross_entropy(labels, reduction)?;
         let labels = labels.clone();
-        Ok(Var::from_op(
-            "softmax_cross_entropy",
-            &[self],
-            y,
-            move |g, _| {
-                let rows = g.mul_scalar(1.0 / n as f64)?.broadcast_to(n)?;
-                Ok(vec![Some(x.cross_entropy_backward(&labels, &rows)?)])
-            },
-        ))
+        Ok(Var::from_op("cross_entropy", &[self], y, move |g, _| {
+            let rows = match reduction {
+                Reduction::None => g.clone(),
+                r => g.mul_scalar(r.grad_scale(n))?.broadcast_to(n)?,
+            };
+            Ok(vec![Some(x.cross_entropy_backward(&labels, &rows)?)])
+        }))
     }
 
     // ---- devices and dtypes --------------------------------------------------------------

@@ -22,7 +22,7 @@
 use std::fmt::Debug;
 
 use kiln_core::philox;
-use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
+use kiln_core::{Backend, BinaryOp, DType, Reduction, Result, Tensor, UnaryOp};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
@@ -954,24 +954,19 @@ fn loss_cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
-    for mean in [false, true] {
+    for (name, reduction) in [
+        ("none", Reduction::None),
+        ("mean", Reduction::Mean),
+        ("sum", Reduction::Sum),
+    ] {
         c.push((
-            if mean {
-                "softmax_cross_entropy"
-            } else {
-                "cross_entropy"
-            }
-            .into(),
+            format!("cross_entropy/{name}"),
             Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
                 let s = input_of(vec(1usize..=5, 2..=2));
                 prop(cfg, s, |x| {
                     let labels = ids::<B>(&x.dims[..1], x.dims[1], x.seed, dev)?;
                     check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                        if mean {
-                            v[0].softmax_cross_entropy(&labels)
-                        } else {
-                            v[0].cross_entropy(&labels)
-                        }
+                        v[0].cross_entropy(&labels, reduction)
                     })
                 })
             }),

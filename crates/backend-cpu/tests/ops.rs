@@ -4,7 +4,9 @@
 
 use kiln_backend_cpu::{Cpu, CpuDevice};
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Result, Tensor, UnaryOp};
+use kiln_core::{
+    Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Reduction, Result, Tensor, UnaryOp,
+};
 
 fn dev() -> CpuDevice {
     Cpu::device(0)
@@ -305,7 +307,9 @@ fn f32_sum_is_accurate() -> Result<()> {
 fn cross_entropy_and_backward() -> Result<()> {
     let logits = t32(&[1.0, 2.0, 3.0, 1.0, 1.0, 1.0], &[2, 3]);
     let labels = Tensor::<Cpu>::from_slice(&[2i64, 0], [2], &dev())?;
-    let l = logits.cross_entropy(&labels)?.to_vec::<f32>()?;
+    let l = logits
+        .cross_entropy(&labels, Reduction::None)?
+        .to_vec::<f32>()?;
     let want0 = (1f32.exp() + 2f32.exp() + 3f32.exp()).ln() - 3.0;
     assert!((l[0] - want0).abs() < 1e-6 && (l[1] - 3f32.ln()).abs() < 1e-6);
     let g = t32(&[1.0, 2.0], &[2]);
@@ -314,7 +318,7 @@ fn cross_entropy_and_backward() -> Result<()> {
         .to_vec::<f32>()?;
     assert!((d[3] - 2.0 * (1.0 / 3.0 - 1.0)).abs() < 1e-6 && (d[4] - 2.0 / 3.0).abs() < 1e-6);
     let bad = Tensor::<Cpu>::from_slice(&[2i64, 3], [2], &dev())?;
-    let e = logits.cross_entropy(&bad).unwrap_err();
+    let e = logits.cross_entropy(&bad, Reduction::None).unwrap_err();
     assert!(
         matches!(
             e,

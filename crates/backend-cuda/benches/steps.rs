@@ -28,7 +28,7 @@ use kiln_autograd::Var;
 use kiln_backend_cuda::{
     Cuda, CudaDevice, CudaGraph, raw, set_allow_tf32, try_gpu, unavailable_reason,
 };
-use kiln_core::{Backend, DType, Result, Tensor, profile};
+use kiln_core::{Backend, DType, Reduction, Result, Tensor, profile};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
@@ -131,7 +131,7 @@ fn mlp_step(
         Box::new(SgdConfig::new(0.1).init(model.parameters())?)
     };
     Ok(Box::new(move || {
-        let loss = cross_entropy(&model.forward(&x)?, &labels)?;
+        let loss = cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?;
         opt.zero_grad();
         loss.backward()?;
         opt.step()

@@ -6,7 +6,7 @@
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, gpu_or_skip, set_allow_tf32, thread_syncs, try_all_gpus};
-use kiln_core::{Backend, DType, Error, Tensor, philox};
+use kiln_core::{Backend, DType, Error, Reduction, Tensor, philox};
 
 #[test]
 fn conformance_against_reference() {
@@ -99,7 +99,7 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
         "{e:?}"
     );
     let labels = Tensor::<Cuda>::from_vec(vec![0i64, -1, 2], [3], &dev).unwrap();
-    let e = x.cross_entropy(&labels).unwrap_err();
+    let e = x.cross_entropy(&labels, Reduction::None).unwrap_err();
     assert!(
         matches!(
             e,
@@ -127,14 +127,14 @@ fn checked_labels_are_not_checked_again_until_written() {
     // a training step over a fresh batch does not wait for the GPU.
     let labels = Tensor::<Cuda>::from_vec(vec![0i64, 4, 2, 1], [4], &dev).unwrap();
     let s0 = thread_syncs();
-    logits.cross_entropy(&labels).unwrap();
+    logits.cross_entropy(&labels, Reduction::None).unwrap();
     logits.cross_entropy_backward(&labels, &ones).unwrap();
     assert_eq!(thread_syncs(), s0, "host-scanned labels need no flag read");
     // Labels written on the device are checked there, once.
     let four = Tensor::<Cuda>::from_vec(vec![4i64], [1], &dev).unwrap();
     let labels = labels.slice_assign(0, 0, &four).unwrap();
     let s0 = thread_syncs();
-    logits.cross_entropy(&labels).unwrap();
+    logits.cross_entropy(&labels, Reduction::None).unwrap();
     assert_eq!(
         thread_syncs(),
         s0 + 1,
@@ -178,8 +178,8 @@ fn labels_picked_on_the_device_keep_their_bound() {
     let s0 = thread_syncs();
     let picked = all.index_select(0, &ids).unwrap();
     let gathered = all.gather(0, &ids).unwrap();
-    logits.cross_entropy(&picked).unwrap();
-    logits.cross_entropy(&gathered).unwrap();
+    logits.cross_entropy(&picked, Reduction::None).unwrap();
+    logits.cross_entropy(&gathered, Reduction::None).unwrap();
     assert_eq!(
         thread_syncs(),
         s0,
@@ -190,7 +190,7 @@ fn labels_picked_on_the_device_keep_their_bound() {
     let wide = Tensor::<Cuda>::from_vec(vec![7i64, 1, 2], [3], &dev).unwrap();
     let first = Tensor::<Cuda>::from_vec(vec![0i64, 1, 2], [3], &dev).unwrap();
     let picked = wide.index_select(0, &first).unwrap();
-    let e = logits.cross_entropy(&picked).unwrap_err();
+    let e = logits.cross_entropy(&picked, Reduction::None).unwrap_err();
     assert!(
         matches!(
             e,
@@ -205,7 +205,11 @@ fn labels_picked_on_the_device_keep_their_bound() {
     // Indices out of range are still caught by the pick (no bound is passed on then).
     let bad = Tensor::<Cuda>::from_vec(vec![0i64, 9], [2], &dev).unwrap();
     assert!(all.index_select(0, &bad).is_err());
-    assert!(logits.cross_entropy(&all.narrow(0, 0, 3).unwrap()).is_ok());
+    assert!(
+        logits
+            .cross_entropy(&all.narrow(0, 0, 3).unwrap(), Reduction::None)
+            .is_ok()
+    );
 }
 
 #[test]

@@ -400,7 +400,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         log: bool,
     ) -> Result<Self::Storage>;
     /// Softmax cross-entropy per row: `logits` is `[n, c]`, `labels` is `i64` `[n]`; returns
-    /// `[n]` losses `logsumexp(row) - row[label]`. A label outside `0..c` is an error.
+    /// `[n]` losses `logsumexp(row) - row[label]`. A label outside `0..c` is
+    /// [`Error::IndexOutOfRange`].
     fn cross_entropy(
         logits: &Self::Storage,
         logits_layout: &Layout,

@@ -57,4 +57,4 @@ pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
 pub use host::{HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use shape::{Shape, normalize_axis};
-pub use tensor::{Tensor, Updated};
+pub use tensor::{Reduction, Tensor, Updated};

@@ -54,7 +54,8 @@ use proptest::test_runner::{Config as PtConfig, RngSeed, TestCaseError, TestErro
 use crate::backend::UpdateRule;
 use crate::reference::{RefDevice, Reference};
 use crate::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, ReduceOp, Result, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, ReduceOp, Reduction, Result,
+    Tensor, UnaryOp,
 };
 
 const DEFAULT_SEED: u64 = 0x6b69_6c6e_2d63_6f6e; // "kiln-con"
@@ -1772,7 +1773,7 @@ fn g_xent<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         let c = sl.dims[1];
         let (scale, _) = row_scale(&x.1).unwrap_or_default();
         let per_row: Vec<f64> = scale.iter().step_by(c).map(|m| 2.0 * m + 2.0).collect();
-        let (g, w) = both!(x, y => x.cross_entropy(y));
+        let (g, w) = both!(x, y => x.cross_entropy(y, Reduction::None));
         let wv = w
             .as_ref()
             .ok()
@@ -2058,7 +2059,11 @@ fn g_index_errors<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
             labels[at.index(n)] = bad_label;
             let labels = Tensor::<X>::from_vec(labels, n, &p.dx).map_err(msg)?;
             let grad = Tensor::<X>::ones(n, dtype, &p.dx).map_err(msg)?;
-            expect_index_error("cross_entropy", bad_label, logits.cross_entropy(&labels))?;
+            expect_index_error(
+                "cross_entropy",
+                bad_label,
+                logits.cross_entropy(&labels, Reduction::None),
+            )?;
             expect_index_error(
                 "cross_entropy_backward",
                 bad_label,

@@ -3,7 +3,7 @@
 //! `copy_to` copies).
 
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Tensor};
+use kiln_core::{Backend, DType, Error, Reduction, Tensor};
 
 type T = Tensor<Reference>;
 const R0: RefDevice = RefDevice(0);
@@ -74,7 +74,7 @@ fn mismatched_shapes_name_both_shapes() {
     let (_, m) = err(a.broadcast_to([3, 3]));
     assert_eq!(m, "broadcast_to: shape mismatch between [2, 3] and [3, 3]");
     let labels = T::from_vec(vec![0i64; 3], [3], &R0).unwrap();
-    let (_, m) = err(a.cross_entropy(&labels));
+    let (_, m) = err(a.cross_entropy(&labels, Reduction::None));
     assert_eq!(m, "cross_entropy: shape mismatch between [2, 3] and [3]");
 }
 
@@ -218,7 +218,7 @@ fn out_of_range_indices_name_the_op_and_index() {
         "{e:?}"
     );
     let labels = T::from_vec(vec![0i64, 0, 2], [3], &R0).unwrap();
-    let (e, m) = err(a.cross_entropy(&labels));
+    let (e, m) = err(a.cross_entropy(&labels, Reduction::None));
     assert!(
         matches!(
             e,

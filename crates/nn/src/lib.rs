@@ -23,7 +23,7 @@
 //!     .add(LinearConfig::new(784, 100).init::<B>(&dev, derive_seed(seed, 0))?)
 //!     .add(Relu)
 //!     .add(LinearConfig::new(100, 10).init::<B>(&dev, derive_seed(seed, 2))?);
-//! let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels)?;
+//! let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels, Reduction::Mean)?;
 //! loss.backward()?;
 //! model.save("mlp.safetensors")?;
 //! ```

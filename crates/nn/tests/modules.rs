@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Reduction, Tensor};
 use kiln_nn::loss::{accuracy, bce_with_logits, correct_count, cross_entropy, mse};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, Gelu, LinearConfig, MaxPool2d, Module, ModuleExt, Relu,
@@ -494,7 +494,7 @@ fn losses_match_their_formulas() {
     // Cross-entropy: mean over rows of logsumexp - logit[label].
     let logits = t(&[1.0, 2.0, 3.0, 0.0, 0.0, 0.0], &[2, 3]);
     let labels = Tensor::<B>::from_vec(vec![2i64, 0], [2], &DEV).unwrap();
-    let l = cross_entropy(&Var::constant(logits.clone()), &labels)
+    let l = cross_entropy(&Var::constant(logits.clone()), &labels, Reduction::Mean)
         .unwrap()
         .tensor()
         .to_scalar()
@@ -503,7 +503,7 @@ fn losses_match_their_formulas() {
     let r1 = 3f64.ln();
     assert!((l - (r0 + r1) / 2.0).abs() < 1e-12);
     check_backward(
-        |v: &[Var<B>]| cross_entropy(&v[0], &labels),
+        |v: &[Var<B>]| cross_entropy(&v[0], &labels, Reduction::Mean),
         &[randn(&[4, 3], 1).narrow(0, 0, 2).unwrap()],
         &CheckOptions::default(),
     )
@@ -511,13 +511,13 @@ fn losses_match_their_formulas() {
 
     // MSE.
     let pred = Var::constant(t(&[1.0, 2.0, 3.0], &[3]));
-    let m = mse(&pred, &t(&[1.0, 0.0, 6.0], &[3]))
+    let m = mse(&pred, &t(&[1.0, 0.0, 6.0], &[3]), Reduction::Mean)
         .unwrap()
         .tensor()
         .to_scalar()
         .unwrap();
     assert!((m - (0.0 + 4.0 + 9.0) / 3.0).abs() < 1e-12);
-    assert!(mse(&pred, &t(&[1.0, 0.0], &[2])).is_err());
+    assert!(mse(&pred, &t(&[1.0, 0.0], &[2]), Reduction::Mean).is_err());
 
     // BCE with logits, stable for large |x|, exact gradient sigmoid(x) - t at x = 0.
     let x = t(&[0.0, 100.0, -100.0, 1.5], &[4]);
@@ -532,14 +532,14 @@ fn losses_match_their_formulas() {
     .sum::<f64>()
         / 4.0;
     let p = Var::param(x);
-    let l = bce_with_logits(&p, &tg).unwrap();
+    let l = bce_with_logits(&p, &tg, Reduction::Mean).unwrap();
     assert!((l.tensor().to_scalar().unwrap() - want).abs() < 1e-9);
     l.backward().unwrap();
     let g = p.grad().unwrap().to_vec::<f64>().unwrap();
     assert!((g[0] - (0.5 - 1.0) / 4.0).abs() < 1e-12, "{g:?}");
     let tg2 = Tensor::<B>::rand([3, 2], 0.0, 1.0, 5, DType::F64, &DEV).unwrap();
     check_backward(
-        |v: &[Var<B>]| bce_with_logits(&v[0], &tg2),
+        |v: &[Var<B>]| bce_with_logits(&v[0], &tg2, Reduction::Mean),
         &[randn(&[3, 2], 6)],
         &CheckOptions::default(),
     )

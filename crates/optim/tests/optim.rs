@@ -3,7 +3,7 @@
 
 use kiln_autograd::Var;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Reduction, Tensor};
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed, loss};
 use kiln_optim::{
     AdamConfig, AdamWConfig, Constant, CosineAnnealing, LinearWarmup, LrSchedule, Optimizer,
@@ -437,7 +437,7 @@ fn a_tiny_mlp_learns_xor_like_data() {
     let mut losses = Vec::new();
     for _ in 0..150 {
         opt.zero_grad();
-        let l = loss::cross_entropy(&model.forward(&xin).unwrap(), &y).unwrap();
+        let l = loss::cross_entropy(&model.forward(&xin).unwrap(), &y, Reduction::Mean).unwrap();
         losses.push(l.tensor().to_scalar().unwrap());
         l.backward().unwrap();
         opt.step().unwrap();

@@ -16,6 +16,7 @@ use crate::backend::{Backend, HostBuffer, RandDist};
 use crate::profile::{self, OpSpan};
 use crate::{DType, Element, Error, Layout, Result, Shape};
 
+pub use ops::Reduction;
 pub use update::Updated;
 
 pub struct Tensor<B: Backend> {

@@ -5,6 +5,38 @@ use crate::backend::{Backend, BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::shape::normalize_axis;
 use crate::{DType, Error, Layout, Result, Shape};
 
+/// How a loss reduces its per-row (or per-element) values: PyTorch's `reduction=` argument.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    /// No reduction: one loss per row (or element).
+    None,
+    /// The mean over rows (elements): PyTorch's default.
+    #[default]
+    Mean,
+    /// The sum over rows (elements).
+    Sum,
+}
+
+impl Reduction {
+    /// `losses` reduced: itself, its mean or its sum (0-d).
+    pub fn apply<B: Backend>(self, losses: &Tensor<B>) -> Result<Tensor<B>> {
+        match self {
+            Reduction::None => Ok(losses.clone()),
+            Reduction::Mean => losses.mean_all(),
+            Reduction::Sum => losses.sum_all(),
+        }
+    }
+
+    /// The factor a reduced loss's gradient is scaled by to give each row's (element's):
+    /// `1 / count` for the mean, 1 for the sum and for none.
+    pub fn grad_scale(self, count: usize) -> f64 {
+        match self {
+            Reduction::Mean => 1.0 / count as f64,
+            Reduction::None | Reduction::Sum => 1.0,
+        }
+    }
+}
+
 fn dtype_err(op: &'static str, expected: impl Into<String>, got: DType) -> Error {
     Error::DTypeMismatch {
         op,
@@ -384,6 +416,17 @@ impl<B: Backend> Tensor<B> {
     pub fn argmin(&self, axis: isize, keepdim: bool) -> Result<Self> {
         self.reduce(ReduceOp::ArgMin, &[axis], keepdim)
     }
+    /// The maxima along `dim` and where they are, as `torch.max(x, dim, keepdim)`:
+    /// `(values, indices)`, the indices `i64` ([`Self::argmax`]'s, the first of tied maxima on
+    /// the CPU and the reference). [`Self::max`] reduces several axes and returns values only.
+    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.max(&[dim], keepdim)?, self.argmax(dim, keepdim)?))
+    }
+    /// The minima along `dim` and where they are (`torch.min(x, dim, keepdim)`); as
+    /// [`Self::max_dim`].
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.min(&[dim], keepdim)?, self.argmin(dim, keepdim)?))
+    }
 
     // ---- matmul --------------------------------------------------------------------------
 
@@ -416,17 +459,6 @@ impl<B: Backend> Tensor<B> {
         let (k2, n) = (b.dims()[b.rank() - 2], b.dims()[b.rank() - 1]);
         if k != k2 {
             return Err(Error::ShapeMismatch {
-    /// The maxima along `dim` and where they are, as `torch.max(x, dim, keepdim)`:
-    /// `(values, indices)`, the indices `i64` ([`Self::argmax`]'s, the first of tied maxima on
-    /// the CPU and the reference). [`Self::max`] reduces several axes and returns values only.
-    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
-        Ok((self.max(&[dim], keepdim)?, self.argmax(dim, keepdim)?))
-    }
-    /// The minima along `dim` and where they are (`torch.min(x, dim, keepdim)`); as
-    /// [`Self::max_dim`].
-    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
-        Ok((self.min(&[dim], keepdim)?, self.argmin(dim, keepdim)?))
-    }
                 op: OP,
                 lhs: self.shape().clone(),
                 rhs: rhs.shape().clone(),
@@ -482,14 +514,30 @@ impl<B: Backend> Tensor<B> {
         if self.rank() == 0 {
             return Err(Error::invalid(op, "needs rank >= 1, got a scalar"));
         }
+        let axis = normalize_axis(op, dim, self.rank())?;
+        let last = self.rank() - 1;
+        if axis != last {
+            let (a, l) = (axis as isize, last as isize);
+            return self
+                .transpose(a, l)?
+                .softmax_impl(op, -1, log)?
+                .transpose(a, l);
+        }
         let _p = self.prof(op, &[], false);
         let s = B::softmax(self.storage(), self.layout(), self.dtype(), log)?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
 
-    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: a `[n]`
-    /// tensor of `logsumexp(row) - row[label]`.
-    pub fn cross_entropy(&self, labels: &Self) -> Result<Self> {
+    /// Softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`
+    /// (`torch.nn.functional.cross_entropy`): the row losses `logsumexp(row) - row[label]`
+    /// reduced as `reduction` says, a 0-d tensor for [`Reduction::Mean`] (PyTorch's default)
+    /// and [`Reduction::Sum`], the `[n]` row losses for [`Reduction::None`]. A label outside
+    /// `0..c` is [`Error::IndexOutOfRange`].
+    pub fn cross_entropy(&self, labels: &Self, reduction: Reduction) -> Result<Self> {
+        reduction.apply(&self.cross_entropy_rows(labels)?)
+    }
+
+    fn cross_entropy_rows(&self, labels: &Self) -> Result<Self> {
         check_xent::<B>("cross_entropy", self, labels)?;
         let _p = self.prof("cross_entropy", &[labels], false);
         let s = B::cross_entropy(
@@ -502,7 +550,8 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, self.dims()[0], self.dtype()))
     }
 
-    /// `(softmax(self) - onehot(labels)) * grad[:, None]`, the gradient of [`Self::cross_entropy`].
+    /// `(softmax(self) - onehot(labels)) * grad[:, None]`, the gradient of the row losses of
+    /// [`Self::cross_entropy`] (its [`Reduction::None`] form) given their gradient `grad` `[n]`.
     pub fn cross_entropy_backward(&self, labels: &Self, grad: &Self) -> Result<Self> {
         const OP: &str = "cross_entropy_backward";
         check_xent::<B>(OP, self, labels)?;
@@ -525,15 +574,6 @@ impl<B: Backend> Tensor<B> {
             self.dtype(),
         )?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
-        let axis = normalize_axis(op, dim, self.rank())?;
-        let last = self.rank() - 1;
-        if axis != last {
-            let (a, l) = (axis as isize, last as isize);
-            return self
-                .transpose(a, l)?
-                .softmax_impl(op, -1, log)?
-                .transpose(a, l);
-        }
     }
 
     // ---- indexing ------------------------------------------------------------------------

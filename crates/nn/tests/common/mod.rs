@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Reduction, Tensor};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, derive_seed,
     loss,
@@ -69,7 +69,12 @@ pub fn trajectory<B: Backend>(dev: &B::Device) -> (Vec<f64>, Vec<Vec<f64>>) {
     let mut losses = Vec::new();
     for _ in 0..5 {
         opt.zero_grad();
-        let l = loss::cross_entropy(&net.forward(&Var::constant(x.clone())).unwrap(), &y).unwrap();
+        let l = loss::cross_entropy(
+            &net.forward(&Var::constant(x.clone())).unwrap(),
+            &y,
+            Reduction::Mean,
+        )
+        .unwrap();
         losses.push(l.tensor().to_scalar().unwrap());
         l.backward().unwrap();
         opt.step().unwrap();

@@ -35,7 +35,7 @@ use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, DType, Error, Reduction, Result, Tensor};
+use kiln_core::{Backend, Error, Generator, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist};
 use kiln_dist::{
     Ddp, DistEnv, LocalGroup, NcclGroup, ProcessGroup, accumulate_grads_from, copy_parameters_from,
@@ -256,14 +256,9 @@ fn data<B: Backend>(args: &Args, dev: &B::Device) -> Result<Data<B>> {
             let mut x = Vec::new();
             let mut y = Vec::new();
             for b in 0..4u64 {
-                x.push(Tensor::<B>::randn(
-                    [gb, 784],
-                    0.0,
-                    1.0,
-                    derive_seed(args.seed, 1000 + b),
-                    DType::F32,
-                    dev,
-                )?);
+                x.push(
+                    Generator::new(derive_seed(args.seed, 1000 + b)).randn::<B>([gb, 784], dev)?,
+                );
                 let labels: Vec<i64> = (0..gb)
                     .map(|i| ((i as u64 * 7 + b * 3) % 10) as i64)
                     .collect();

@@ -7,7 +7,7 @@
 //!
 //! ```ignore
 //! use kiln_autograd::{Var, no_grad};
-//! let w = Var::param(Tensor::<B>::randn([784, 1], 0.0, 0.01, 1, DType::F32, &dev)?);
+//! let w = Var::param(Generator::new(1).normal::<B>([784, 1], 0.0, 0.01, &dev)?);
 //! let x = Var::constant(inputs);
 //! let loss = x.matmul(&w)?.sigmoid()?.mean_all()?;
 //! loss.backward()?;                                  // fills w.grad()

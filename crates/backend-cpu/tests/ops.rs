@@ -3,9 +3,11 @@
 //! `tests/conformance.rs`.)
 
 use kiln_backend_cpu::{Cpu, CpuDevice};
+use kiln_core::philox;
 use kiln_core::reference::{RefDevice, Reference};
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, ReduceOp, Reduction, Result, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, Generator, RandDist, ReduceOp, Reduction, Result,
+    Tensor, UnaryOp,
 };
 
 fn dev() -> CpuDevice {
@@ -439,16 +441,28 @@ fn memory_stats_track_live_buffers() -> Result<()> {
 #[test]
 fn random_is_philox_bit_for_bit() -> Result<()> {
     let n = 100_000;
-    let u = Tensor::<Cpu>::rand([n], -1.0, 2.0, 42, DType::F32, &dev())?.to_vec::<f32>()?;
-    let z = Tensor::<Cpu>::randn([n], 0.5, 2.0, 9, DType::F64, &dev())?.to_vec::<f64>()?;
+    let u = Generator::new(42)
+        .uniform::<Cpu>([n], -1.0, 2.0, &dev())?
+        .to_vec::<f32>()?;
+    let z = Generator::new(9)
+        .sample::<Cpu>(
+            [n],
+            RandDist::Normal {
+                mean: 0.5,
+                std: 2.0,
+            },
+            DType::F64,
+            &dev(),
+        )?
+        .to_vec::<f64>()?;
     for i in [0, 1, 4095, 77_777, n - 1] {
         assert_eq!(
             u[i].to_bits(),
-            kiln_core::philox::uniform_f32(42, i as u64, -1.0, 2.0).to_bits()
+            kiln_core::philox::uniform_f32(philox::draw_key(42, 0), i as u64, -1.0, 2.0).to_bits()
         );
         assert_eq!(
             z[i].to_bits(),
-            kiln_core::philox::normal_f64(9, i as u64, 0.5, 2.0).to_bits()
+            kiln_core::philox::normal_f64(philox::draw_key(9, 0), i as u64, 0.5, 2.0).to_bits()
         );
     }
     Ok(())

@@ -11,7 +11,8 @@ use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice, clear_kernel_cache, gpu_or_skip};
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape,
+    Tensor, UnaryOp,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -177,8 +178,17 @@ fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
         .map(|(&d, &one)| if one { 1 } else { d })
         .collect();
     let rand = |d: Vec<usize>| {
-        let c =
-            Tensor::<Cpu>::rand(d.clone(), -2.0, 2.0, spec.seed, dtype, &Cpu::device(0)).unwrap();
+        let c = Generator::new(spec.seed)
+            .sample::<Cpu>(
+                d.clone(),
+                RandDist::Uniform {
+                    low: -2.0,
+                    high: 2.0,
+                },
+                dtype,
+                &Cpu::device(0),
+            )
+            .unwrap();
         G::from_host(&c.to_host().unwrap(), d, dev).unwrap()
     };
     match spec.view {
@@ -404,7 +414,17 @@ fn against_cpu(
 }
 
 fn rand_cpu(dims: &[usize], seed: u64, dtype: DType) -> Tensor<Cpu> {
-    Tensor::<Cpu>::rand(dims.to_vec(), -3.0, 3.0, seed, dtype, &Cpu::device(0)).unwrap()
+    Generator::new(seed)
+        .sample::<Cpu>(
+            dims.to_vec(),
+            RandDist::Uniform {
+                low: -3.0,
+                high: 3.0,
+            },
+            dtype,
+            &Cpu::device(0),
+        )
+        .unwrap()
 }
 
 /// A row-wise log-sum-exp (one block per row) with the softmax as an elementwise output of the

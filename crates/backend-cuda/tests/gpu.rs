@@ -6,7 +6,7 @@
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, gpu_or_skip, set_allow_tf32, thread_syncs, try_all_gpus};
-use kiln_core::{Backend, DType, Error, Reduction, Tensor, philox};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Reduction, Tensor, philox};
 
 #[test]
 fn conformance_against_reference() {
@@ -121,7 +121,9 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
 #[test]
 fn checked_labels_are_not_checked_again_until_written() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let logits = Tensor::<Cuda>::rand([4, 5], -1.0, 1.0, 7, DType::F32, &dev).unwrap();
+    let logits = Generator::new(7)
+        .uniform::<Cuda>([4, 5], -1.0, 1.0, &dev)
+        .unwrap();
     let ones = Tensor::<Cuda>::ones([4], DType::F32, &dev).unwrap();
     // Labels uploaded from the host were scanned there: no check needs the device's flag, so
     // a training step over a fresh batch does not wait for the GPU.
@@ -171,7 +173,9 @@ fn checked_labels_are_not_checked_again_until_written() {
 #[test]
 fn labels_picked_on_the_device_keep_their_bound() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let logits = Tensor::<Cuda>::rand([3, 5], -1.0, 1.0, 7, DType::F32, &dev).unwrap();
+    let logits = Generator::new(7)
+        .uniform::<Cuda>([3, 5], -1.0, 1.0, &dev)
+        .unwrap();
     let all = Tensor::<Cuda>::from_vec(vec![0i64, 4, 2, 1, 3, 0], [6], &dev).unwrap();
     let order = Tensor::<Cuda>::from_vec(vec![5i64, 1, 3, 2, 0, 4], [6], &dev).unwrap();
     let ids = order.narrow(0, 3, 3).unwrap();
@@ -235,29 +239,40 @@ fn philox_uniforms_are_bit_identical_to_core() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let n = 100_003;
     let (seed, lo, hi) = (0x1234_5678_9abc_def0u64, -3.0, 5.5);
-    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F32, &dev)
+    // A generator's first draw is Philox under the key `draw_key(seed, 0)`.
+    let key = philox::draw_key(seed, 0);
+    let g = Generator::new(seed)
+        .uniform::<Cuda>([n], lo, hi, &dev)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
     for (i, v) in g.iter().enumerate() {
-        let want = philox::uniform_f32(seed, i as u64, lo as f32, hi as f32);
+        let want = philox::uniform_f32(key, i as u64, lo as f32, hi as f32);
         assert_eq!(v.to_bits(), want.to_bits(), "element {i}");
     }
-    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F64, &dev)
+    let g = Generator::new(seed)
+        .sample::<Cuda>(
+            [n],
+            RandDist::Uniform { low: lo, high: hi },
+            DType::F64,
+            &dev,
+        )
         .unwrap()
         .to_vec::<f64>()
         .unwrap();
     for (i, v) in g.iter().enumerate() {
         assert_eq!(
             v.to_bits(),
-            philox::uniform_f64(seed, i as u64, lo, hi).to_bits()
+            philox::uniform_f64(key, i as u64, lo, hi).to_bits()
         );
     }
-    let c = Tensor::<Cpu>::rand([n], lo, hi, seed, DType::F32, &Cpu::device(0))
+    let c = Generator::new(seed)
+        .uniform::<Cpu>([n], lo, hi, &Cpu::device(0))
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
-    let g = Tensor::<Cuda>::rand([n], lo, hi, seed, DType::F32, &dev)
+    let g = Generator::new(seed)
+        .uniform::<Cuda>([n], lo, hi, &dev)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();

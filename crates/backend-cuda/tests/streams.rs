@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, Event, Stream, gpu_or_skip, raw};
-use kiln_core::{DType, Error, PinnedBlock, Reduction, Tensor};
+use kiln_core::{DType, Error, Generator, PinnedBlock, RandDist, Reduction, Tensor};
 
 const F32: DType = DType::F32;
 
@@ -690,7 +690,17 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
         let b = &bytes[r.start * row..r.end * row];
         b.iter().map(|&b| (b as f32 / d).to_bits()).collect()
     };
-    let logits = Tensor::<Cuda>::rand([7, 10], -1.0, 1.0, 3, F32, &dev).unwrap();
+    let logits = Generator::new(3)
+        .sample::<Cuda>(
+            [7, 10],
+            RandDist::Uniform {
+                low: -1.0,
+                high: 1.0,
+            },
+            F32,
+            &dev,
+        )
+        .unwrap();
     for (k, range) in [1234..4321, 0..rows_n, 17..24, 9..9]
         .into_iter()
         .enumerate()

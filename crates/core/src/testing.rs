@@ -54,8 +54,8 @@ use proptest::test_runner::{Config as PtConfig, RngSeed, TestCaseError, TestErro
 use crate::backend::UpdateRule;
 use crate::reference::{RefDevice, Reference};
 use crate::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, Layout, ReduceOp, Reduction, Result,
-    Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, Generator, HostBuffer, Layout, RandDist, ReduceOp,
+    Reduction, Result, Tensor, UnaryOp,
 };
 
 const DEFAULT_SEED: u64 = 0x6b69_6c6e_2d63_6f6e; // "kiln-con"
@@ -1222,8 +1222,18 @@ fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         |(dims, dtype, seed, low, width)| {
             let high = low + width;
             let (g, w) = (
-                Tensor::<X>::rand(dims.clone(), low, high, seed, dtype, &p.dx),
-                Tensor::<Y>::rand(dims.clone(), low, high, seed, dtype, &p.dy),
+                Generator::new(seed).sample::<X>(
+                    dims.clone(),
+                    RandDist::Uniform { low, high },
+                    dtype,
+                    &p.dx,
+                ),
+                Generator::new(seed).sample::<Y>(
+                    dims.clone(),
+                    RandDist::Uniform { low, high },
+                    dtype,
+                    &p.dy,
+                ),
             );
             let tol = match dtype {
                 DType::F32 => Tol::Bits,
@@ -1256,8 +1266,18 @@ fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
         strat,
         |(dims, dtype, seed, mean, std)| {
             let (g, w) = (
-                Tensor::<X>::randn(dims.clone(), mean, std, seed, dtype, &p.dx),
-                Tensor::<Y>::randn(dims.clone(), mean, std, seed, dtype, &p.dy),
+                Generator::new(seed).sample::<X>(
+                    dims.clone(),
+                    RandDist::Normal { mean, std },
+                    dtype,
+                    &p.dx,
+                ),
+                Generator::new(seed).sample::<Y>(
+                    dims.clone(),
+                    RandDist::Normal { mean, std },
+                    dtype,
+                    &p.dy,
+                ),
             );
             // A few ulps of the value's scale: |mean| + std·|z| with |z| <= ~8.
             let e = eps(dtype) * p.slack;

@@ -3,7 +3,7 @@
 //! `copy_to` copies).
 
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Reduction, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Reduction, Tensor};
 
 type T = Tensor<Reference>;
 const R0: RefDevice = RefDevice(0);
@@ -161,7 +161,15 @@ fn wrong_dtypes_name_the_op_and_both_dtypes() {
     );
     let (_, m) = err(f.to_vec::<i64>());
     assert_eq!(m, "to_vec: dtype mismatch: expected i64, got f32");
-    let (_, m) = err(T::rand([2], 0.0, 1.0, 1, DType::I64, &R0));
+    let (_, m) = err(Generator::new(1).sample::<Reference>(
+        [2],
+        RandDist::Uniform {
+            low: 0.0,
+            high: 1.0,
+        },
+        DType::I64,
+        &R0,
+    ));
     assert!(m.starts_with("rand: dtype mismatch"), "{m}");
     let (_, m) = err(i.pow(&i));
     assert!(

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use kiln_autograd::Var;
 use kiln_backend_cpu::{Cpu, CpuDevice};
-use kiln_core::{DType, DistErrorKind, Reduction, Result, Tensor};
+use kiln_core::{DType, DistErrorKind, Generator, Reduction, Result, Tensor};
 use kiln_dist::{
     Ddp, LocalGroup, ProcessGroup, ReduceOp, accumulate_grads_from, copy_parameters_from,
     scale_grads,
@@ -35,7 +35,9 @@ fn model(seed: u64) -> Sequential<B> {
 
 /// A fixed global batch of `n` samples.
 fn batch(step: u64, n: usize) -> (Tensor<B>, Tensor<B>) {
-    let x = Tensor::<B>::randn([n, 12], 0.0, 1.0, 100 + step, DType::F32, &dev()).unwrap();
+    let x = Generator::new(100 + step)
+        .randn::<B>([n, 12], &dev())
+        .unwrap();
     let y: Vec<i64> = (0..n).map(|i| ((i as u64 * 7 + step) % 5) as i64).collect();
     (x, Tensor::from_slice(&y, [n], &dev()).unwrap())
 }

@@ -13,7 +13,8 @@
 //! - safetensors I/O ([`serialize`]).
 //!
 //! Layers are built Burn-style from a config: `LinearConfig::new(784, 100).with_bias(true)
-//! .init::<B>(&device, seed)`. The explicit seed replaces a global RNG: the same seed gives the
+//! .init::<B>(&device, seed)`. The explicit seed draws from its own `kiln_core::Generator`, not
+//! the default one, so a model's weights do not depend on what else drew: the same seed gives the
 //! same weights on every backend (Philox), which is what lets a GPU run be checked against a
 //! CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
 //! `[out, in]`), so a `.safetensors` file moves between kiln and PyTorch unchanged.

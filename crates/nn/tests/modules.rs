@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{DType, Reduction, Tensor};
+use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::loss::{accuracy, bce_with_logits, correct_count, cross_entropy, mse};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, Gelu, LinearConfig, MaxPool2d, Module, ModuleExt, Relu,
@@ -20,7 +20,17 @@ fn t(v: &[f64], dims: &[usize]) -> Tensor<B> {
 }
 
 fn randn(dims: &[usize], seed: u64) -> Tensor<B> {
-    Tensor::randn(dims.to_vec(), 0.0, 1.0, seed, DType::F64, &DEV).unwrap()
+    Generator::new(seed)
+        .sample(
+            dims.to_vec(),
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &DEV,
+        )
+        .unwrap()
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) {
@@ -477,7 +487,7 @@ fn lenet_shapes_and_names() {
         .add(MaxPool2d::new(2))
         .add(Flatten)
         .add(LinearConfig::new(400, 10).init::<B>(&DEV, s(7)).unwrap());
-    let x = Tensor::<B>::rand([2, 1, 28, 28], 0.0, 1.0, 1, DType::F32, &DEV).unwrap();
+    let x = Generator::new(1).rand::<B>([2, 1, 28, 28], &DEV).unwrap();
     let y = net.forward(&Var::constant(x)).unwrap();
     assert_eq!(y.dims(), vec![2, 10]);
     let names: Vec<String> = net.named_parameters().into_iter().map(|(n, _)| n).collect();
@@ -537,7 +547,17 @@ fn losses_match_their_formulas() {
     l.backward().unwrap();
     let g = p.grad().unwrap().to_vec::<f64>().unwrap();
     assert!((g[0] - (0.5 - 1.0) / 4.0).abs() < 1e-12, "{g:?}");
-    let tg2 = Tensor::<B>::rand([3, 2], 0.0, 1.0, 5, DType::F64, &DEV).unwrap();
+    let tg2 = Generator::new(5)
+        .sample::<B>(
+            [3, 2],
+            RandDist::Uniform {
+                low: 0.0,
+                high: 1.0,
+            },
+            DType::F64,
+            &DEV,
+        )
+        .unwrap();
     check_backward(
         |v: &[Var<B>]| bce_with_logits(&v[0], &tg2, Reduction::Mean),
         &[randn(&[3, 2], 6)],

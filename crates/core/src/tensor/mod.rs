@@ -297,46 +297,46 @@ impl<B: Backend> Tensor<B> {
         Self::from_host(&HostBuffer::from_f64(dtype, &v), [n, n], device)
     }
 
-    /// Uniform on `[low, high)`, drawn by Philox with `seed` (same numbers on every backend).
-    pub fn rand(
+    /// f32 uniform on `[0, 1)` from the default generator (`torch.rand`); see [`Generator`]
+    /// for explicit generators and [`crate::manual_seed`] to reseed.
+    pub fn rand(shape: impl Into<Shape>, device: &B::Device) -> Result<Self> {
+        crate::default_generator().rand(shape, device)
+    }
+
+    /// f32 standard normal from the default generator (`torch.randn`).
+    pub fn randn(shape: impl Into<Shape>, device: &B::Device) -> Result<Self> {
+        crate::default_generator().randn(shape, device)
+    }
+
+    /// A tensor of `dtype` (f32 or f64) drawn from `dist` by the default generator: the
+    /// dtype-taking form of [`Self::rand`] and [`Self::randn`].
+    pub fn random(
         shape: impl Into<Shape>,
-        low: f64,
-        high: f64,
-        seed: u64,
+        dist: RandDist,
         dtype: DType,
         device: &B::Device,
     ) -> Result<Self> {
-        Self::random(
-            shape.into(),
-            RandDist::Uniform { low, high },
-            seed,
-            dtype,
-            device,
-        )
+        crate::default_generator().sample(shape, dist, dtype, device)
     }
 
-    /// Gaussian with `mean` and `std`, drawn by Philox with `seed`.
-    pub fn randn(
-        shape: impl Into<Shape>,
-        mean: f64,
-        std: f64,
-        seed: u64,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        Self::random(
-            shape.into(),
-            RandDist::Normal { mean, std },
-            seed,
-            dtype,
-            device,
-        )
+    /// Uniform on `[0, 1)` of this tensor's shape, dtype and device (`torch.rand_like`), from
+    /// the default generator.
+    pub fn rand_like(&self) -> Result<Self> {
+        crate::default_generator().rand_like(self)
     }
 
-    fn random(
+    /// Standard normal of this tensor's shape, dtype and device (`torch.randn_like`), from the
+    /// default generator.
+    pub fn randn_like(&self) -> Result<Self> {
+        crate::default_generator().randn_like(self)
+    }
+
+    /// The draw itself: element `i` is Philox's under counter `i` and `key` (the generator
+    /// chose the key).
+    pub(crate) fn random_keyed(
         shape: Shape,
         dist: RandDist,
-        seed: u64,
+        key: u64,
         dtype: DType,
         device: &B::Device,
     ) -> Result<Self> {
@@ -348,29 +348,8 @@ impl<B: Backend> Tensor<B> {
             });
         }
         let _p = prof_new::<B>("rand", device, dtype, &shape, 0);
-        let s = B::rand(device, dtype, shape.elem_count_for("rand")?, seed, dist)?;
+        let s = B::rand(device, dtype, shape.elem_count_for("rand")?, key, dist)?;
         Ok(Self::from_storage(s, shape, dtype))
-    }
-
-    pub fn rand_like(&self, low: f64, high: f64, seed: u64) -> Result<Self> {
-        Self::rand(
-            self.shape().clone(),
-            low,
-            high,
-            seed,
-            self.dtype,
-            &self.device,
-        )
-    }
-    pub fn randn_like(&self, mean: f64, std: f64, seed: u64) -> Result<Self> {
-        Self::randn(
-            self.shape().clone(),
-            mean,
-            std,
-            seed,
-            self.dtype,
-            &self.device,
-        )
     }
 
     // ---- reading back --------------------------------------------------------------------

@@ -315,6 +315,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     fn contiguous(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<Self::Storage>;
     /// `len` random values: element `i` comes from Philox4x32-10 with counter `i` and key
     /// `seed`, exactly as [`crate::philox`] defines, so every backend draws the same numbers.
+    /// A [`Generator`](crate::Generator) passes a fresh key per draw
+    /// ([`philox::draw_key`](crate::philox::draw_key)).
     fn rand(
         device: &Self::Device,
         dtype: DType,

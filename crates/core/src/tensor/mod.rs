@@ -297,40 +297,6 @@ impl<B: Backend> Tensor<B> {
         Self::from_host(&HostBuffer::from_f64(dtype, &v), [n, n], device)
     }
 
-    /// f32 uniform on `[0, 1)` from the default generator (`torch.rand`); see [`Generator`]
-    /// for explicit generators and [`crate::manual_seed`] to reseed.
-    pub fn rand(shape: impl Into<Shape>, device: &B::Device) -> Result<Self> {
-        crate::default_generator().rand(shape, device)
-    }
-
-    /// f32 standard normal from the default generator (`torch.randn`).
-    pub fn randn(shape: impl Into<Shape>, device: &B::Device) -> Result<Self> {
-        crate::default_generator().randn(shape, device)
-    }
-
-    /// A tensor of `dtype` (f32 or f64) drawn from `dist` by the default generator: the
-    /// dtype-taking form of [`Self::rand`] and [`Self::randn`].
-    pub fn random(
-        shape: impl Into<Shape>,
-        dist: RandDist,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        crate::default_generator().sample(shape, dist, dtype, device)
-    }
-
-    /// Uniform on `[0, 1)` of this tensor's shape, dtype and device (`torch.rand_like`), from
-    /// the default generator.
-    pub fn rand_like(&self) -> Result<Self> {
-        crate::default_generator().rand_like(self)
-    }
-
-    /// Standard normal of this tensor's shape, dtype and device (`torch.randn_like`), from the
-    /// default generator.
-    pub fn randn_like(&self) -> Result<Self> {
-        crate::default_generator().randn_like(self)
-    }
-
     /// The draw itself: element `i` is Philox's under counter `i` and `key` (the generator
     /// chose the key).
     pub(crate) fn random_keyed(

@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use kiln_autograd::Var;
-use kiln_core::{Backend, BinaryOp, DType, Result, Shape, Tensor};
+use kiln_core::{Backend, BinaryOp, DType, Reduction, Result, Shape, Tensor};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, fused_program_stats, launch_stats};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
@@ -334,7 +334,7 @@ fn mlp<B: Backend>(
     let mut opt = SgdConfig::new(0.1).init(model.parameters())?;
 
     let mut step = || -> Result<Var<B>> {
-        let loss = cross_entropy(&model.forward(&x)?, &labels)?;
+        let loss = cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?;
         opt.zero_grad();
         loss.backward()?;
         opt.step()?;

@@ -16,7 +16,7 @@ use std::time::Instant;
 use clap::Parser;
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cuda::{Cuda, CudaDevice, CudaGraph, try_gpu, unavailable_reason, write_static};
-use kiln_core::{DType, Result, Tensor};
+use kiln_core::{DType, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::mlp;
 use kiln_nn::loss::{correct_count, cross_entropy};
@@ -87,7 +87,11 @@ fn run(args: &Args, dev: &CudaDevice, captured: bool) -> Result<(f64, f64)> {
     let acc = Tensor::<Cuda>::zeros([], DType::F32, dev)?;
     let step =
         |model: &Sequential<Cuda>, opt: &mut Sgd<Cuda>, x: &Tensor<Cuda>, y: &Tensor<Cuda>| {
-            let loss = cross_entropy(&model.forward(&Var::constant(x.clone()))?, y)?;
+            let loss = cross_entropy(
+                &model.forward(&Var::constant(x.clone()))?,
+                y,
+                Reduction::Mean,
+            )?;
             opt.zero_grad();
             loss.backward()?;
             opt.step()?;

@@ -18,7 +18,7 @@ use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{
     Cuda, ElementwiseKernel, RawKernel, ReductionKernel, empty, try_gpu, unavailable_reason,
 };
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, DType, Generator, Result, Tensor};
 
 /// `swish` on `B`: values, gradient of `sum(swish(x))`, and a numerical gradient check.
 fn swish_with_gradient<B: Backend>(dev: &B::Device) -> Result<(Vec<f64>, Vec<f64>)> {
@@ -77,8 +77,8 @@ fn main() -> Result<()> {
 
     println!("2. PyCUDA's multiply_them, a RawKernel: 1 block of 400 threads");
     let multiply_them = RawKernel::new(MULTIPLY_THEM, "multiply_them");
-    let a = Tensor::<Cuda>::randn([400], 0.0, 1.0, 1, DType::F32, &dev)?;
-    let b = Tensor::<Cuda>::randn([400], 0.0, 1.0, 2, DType::F32, &dev)?;
+    let a = Generator::new(1).randn::<Cuda>([400], &dev)?;
+    let b = Generator::new(2).randn::<Cuda>([400], &dev)?;
     let dest = empty([400], DType::F32, &dev)?;
     multiply_them.launch(1u32, 400u32, 0, &[(&dest).into(), (&a).into(), (&b).into()])?;
     let want = to_cpu(&a)?.mul(&to_cpu(&b)?)?;
@@ -89,7 +89,7 @@ fn main() -> Result<()> {
 
     println!("3. Theano's PyCUDADoubleOp (x * 2), an ElementwiseKernel");
     let double_op = ElementwiseKernel::new("T x", "T y", "y = x * 2", "double_op")?;
-    let x = Tensor::<Cuda>::rand([2, 3], 0.0, 1.0, 3, DType::F32, &dev)?;
+    let x = Generator::new(3).rand::<Cuda>([2, 3], &dev)?;
     let y = double_op.call1(&[(&x).into()])?;
     show("x", &x.to_f64_vec()?);
     show("2x", &y.to_f64_vec()?);

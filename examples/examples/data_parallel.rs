@@ -35,7 +35,7 @@ use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, Error, Generator, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist};
 use kiln_dist::{
     Ddp, DistEnv, LocalGroup, NcclGroup, ProcessGroup, accumulate_grads_from, copy_parameters_from,
@@ -256,14 +256,9 @@ fn data<B: Backend>(args: &Args, dev: &B::Device) -> Result<Data<B>> {
             let mut x = Vec::new();
             let mut y = Vec::new();
             for b in 0..4u64 {
-                x.push(Tensor::<B>::randn(
-                    [gb, 784],
-                    0.0,
-                    1.0,
-                    derive_seed(args.seed, 1000 + b),
-                    DType::F32,
-                    dev,
-                )?);
+                x.push(
+                    Generator::new(derive_seed(args.seed, 1000 + b)).randn::<B>([gb, 784], dev)?,
+                );
                 let labels: Vec<i64> = (0..gb)
                     .map(|i| ((i as u64 * 7 + b * 3) % 10) as i64)
                     .collect();
@@ -289,7 +284,7 @@ fn data<B: Backend>(args: &Args, dev: &B::Device) -> Result<Data<B>> {
                 .map(|i| i as i64)
                 .collect();
             let ids = Tensor::<B>::from_slice(&order, [n], dev)?;
-            let (tx, ty) = (tx.index_select(&ids, 0)?, ty.index_select(&ids, 0)?);
+            let (tx, ty) = (tx.index_select(0, &ids)?, ty.index_select(0, &ids)?);
             let test = up(&m.test)?;
             let steps = tx.dims()[0] / gb;
             let mut x = Vec::new();
@@ -381,7 +376,7 @@ fn train_rank<B: Backend>(
         let x = data.x[b].narrow(0, rank * local, local)?;
         let y = data.y[b].narrow(0, rank * local, local)?;
         opt.zero_grad();
-        let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y)?;
+        let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
         match &ddp {
             Some(d) => d.backward(&loss)?,
             None => loss.backward()?,
@@ -573,7 +568,8 @@ fn chainer<B: Backend>(args: &Args, devs: Vec<B::Device>) -> Result<()> {
                     sc.spawn(move || -> Result<()> {
                         let x = d.x[b].narrow(0, i * local, local)?;
                         let y = d.y[b].narrow(0, i * local, local)?;
-                        cross_entropy(&m.forward(&Var::constant(x))?, &y)?.backward()
+                        cross_entropy(&m.forward(&Var::constant(x))?, &y, Reduction::Mean)?
+                            .backward()
                     })
                 })
                 .collect();

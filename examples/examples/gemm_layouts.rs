@@ -9,7 +9,7 @@
 use std::time::Instant;
 
 use clap::Parser;
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, Generator, Result, Tensor};
 use kiln_examples::{Job, dispatch};
 
 #[derive(Parser)]
@@ -45,8 +45,8 @@ fn time<B: Backend>(
 impl Job for Layouts {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         let n = self.n;
-        let a = Tensor::<B>::randn([n, n], 0.0, 1.0, 1, DType::F32, &dev)?;
-        let b = Tensor::<B>::randn([n, n], 0.0, 1.0, 2, DType::F32, &dev)?;
+        let a = Generator::new(1).randn::<B>([n, n], &dev)?;
+        let b = Generator::new(2).randn::<B>([n, n], &dev)?;
         let flop = 2.0 * (n as f64).powi(3);
         let cases: [(&str, Tensor<B>, Tensor<B>); 4] = [
             ("NN", a.clone(), b.clone()),

@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kiln_core::{Backend, DType, HostBuffer, HostSource, PinnedBlock, Result, Tensor};
+use kiln_core::{Backend, DType, HostBuffer, HostSource, PinnedBlock, Reduction, Result, Tensor};
 use kiln_data::{ArrayDataset, DataLoader};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, models};
 use kiln_nn::Module;
@@ -194,7 +194,11 @@ impl Job for Overlap {
         };
         let mut opt = SgdConfig::new(0.01).init(model.parameters())?;
         let mut step = |x: &kiln_core::Tensor<B>, y: &kiln_core::Tensor<B>| -> Result<()> {
-            let loss = cross_entropy(&model.forward(&kiln_autograd::Var::constant(x.clone()))?, y)?;
+            let loss = cross_entropy(
+                &model.forward(&kiln_autograd::Var::constant(x.clone()))?,
+                y,
+                Reduction::Mean,
+            )?;
             opt.zero_grad();
             loss.backward()?;
             opt.step()
@@ -249,7 +253,7 @@ impl Job for Overlap {
                         let (x, y) = match &order {
                             Some(order) => {
                                 let ids = order.narrow(0, k * a.batch, a.batch)?;
-                                (x_dev.index_select(&ids, 0)?, y_dev.index_select(&ids, 0)?)
+                                (x_dev.index_select(0, &ids)?, y_dev.index_select(0, &ids)?)
                             }
                             None => (
                                 x_dev.narrow(0, k * a.batch, a.batch)?,

@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, no_grad};
-use kiln_core::{Backend, CmpOp, DType, Result, Tensor};
+use kiln_core::{Backend, CmpOp, DType, Generator, RandDist, Result, Tensor};
 use kiln_examples::{DEVICE_HELP, Job, dispatch};
 
 const N: usize = 400;
@@ -98,15 +98,33 @@ impl Job for Logreg {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         let dt = self.dtype;
         // D = (randn(N, feats), randint(0, 2, N)); w = randn(feats); b = 0.
-        let x = Tensor::<B>::randn([N, FEATS], 0.0, 1.0, self.seed, dt, &dev)?;
-        let y = Tensor::<B>::rand([N], 0.0, 1.0, self.seed.wrapping_add(1), dt, &dev)?
+        let x = Generator::new(self.seed).sample::<B>(
+            [N, FEATS],
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            dt,
+            &dev,
+        )?;
+        let y = Generator::new(self.seed.wrapping_add(1))
+            .sample::<B>(
+                [N],
+                RandDist::Uniform {
+                    low: 0.0,
+                    high: 1.0,
+                },
+                dt,
+                &dev,
+            )?
             .compare_scalar(CmpOp::Ge, 0.5)?
             .to_dtype(dt)?;
-        let w = Var::param(Tensor::<B>::randn(
+        let w = Var::param(Generator::new(self.seed.wrapping_add(2)).sample::<B>(
             [FEATS],
-            0.0,
-            1.0,
-            self.seed.wrapping_add(2),
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
             dt,
             &dev,
         )?);

@@ -33,7 +33,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln_autograd::{Var, no_grad};
 use kiln_core::profile::range;
-use kiln_core::{Backend, Result, Tensor};
+use kiln_core::{Backend, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::{lenet, mlp};
 use kiln_examples::{DEVICE_HELP, Job, dispatch};
@@ -229,7 +229,7 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
             let _step = range("train_step");
             opt.zero_grad();
             let fwd = range("forward");
-            let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y)?;
+            let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
             drop(fwd);
             let bwd = range("backward");
             loss.backward()?;
@@ -300,7 +300,10 @@ fn evaluate<B: Backend>(model: &mut Sequential<B>, test: &mut DataLoader<B>) -> 
             let (x, y) = batch?;
             let logits = model.forward(&Var::constant(x))?;
             let b = y.elem_count();
-            loss += cross_entropy(&logits, &y)?.tensor().to_scalar()? * b as f64;
+            loss += cross_entropy(&logits, &y, Reduction::Mean)?
+                .tensor()
+                .to_scalar()?
+                * b as f64;
             correct += correct_count(&logits.tensor(), &y)?;
             n += b;
         }

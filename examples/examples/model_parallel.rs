@@ -19,7 +19,7 @@ use clap::Parser;
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, Result, Tensor};
+use kiln_core::{Backend, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist, permutation};
 use kiln_nn::loss::{correct_count, cross_entropy};
 use kiln_nn::{Linear, LinearConfig, Module, derive_seed};
@@ -127,12 +127,12 @@ fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
             .map(|i| i as i64)
             .collect();
         let ids = Tensor::<B>::from_slice(&order, [n], &d0)?;
-        let (sx, sy) = (tx.index_select(&ids, 0)?, ty.index_select(&ids, 0)?);
+        let (sx, sy) = (tx.index_select(0, &ids)?, ty.index_select(0, &ids)?);
         for s in 0..steps {
             let x = Var::constant(sx.narrow(0, s * args.batch, args.batch)?);
             let y = sy.narrow(0, s * args.batch, args.batch)?;
             opt.zero_grad();
-            let loss = cross_entropy(&forward(&towers, &x)?, &y)?;
+            let loss = cross_entropy(&forward(&towers, &x)?, &y, Reduction::Mean)?;
             loss.backward()?;
             opt.step()?;
             if s + 1 == steps {

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Result, Shape, Tensor};
+use kiln_core::{Backend, DType, Generator, Result, Shape, Tensor};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, launch_stats};
 
 #[derive(Parser)]
@@ -70,8 +70,8 @@ fn measure<B: Backend>(
 impl Job for Overhead {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         let n = self.0;
-        let x = Tensor::<B>::rand([400], -1.0, 1.0, 1, DType::F32, &dev)?;
-        let y = Tensor::<B>::rand([400], -1.0, 1.0, 2, DType::F32, &dev)?;
+        let x = Generator::new(1).uniform::<B>([400], -1.0, 1.0, &dev)?;
+        let y = Generator::new(2).uniform::<B>([400], -1.0, 1.0, &dev)?;
         let s = Tensor::<B>::full(Shape::scalar(), 0.5, DType::F32, &dev)?;
         println!("device {dev}, 400-element f32 tensors, {n} calls per line");
         // Each result is realized: a backend that defers elementwise work (CUDA) runs it.

@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, Event, Stream, try_gpu, unavailable_reason};
-use kiln_core::{DType, Result, Tensor};
+use kiln_core::{DType, Generator, Result, Tensor};
 
 fn main() -> Result<()> {
     let Some(dev) = try_gpu(0) else {
@@ -78,7 +78,7 @@ fn main() -> Result<()> {
 
     // 3. Copies overlap compute. Uploads from pinned memory run on the device's copy stream, so
     //    matrix products queued on the default stream and the uploads proceed side by side.
-    let a = Tensor::<Cuda>::rand([4096, 4096], -1.0, 1.0, 1, DType::F32, &dev)?;
+    let a = Generator::new(1).uniform::<Cuda>([4096, 4096], -1.0, 1.0, &dev)?;
     let batch = Tensor::<Cpu>::from_slice(&data[..16 << 20], [16 << 20], &cpu)?.pin_memory()?;
     let compute = || -> Result<()> {
         for _ in 0..10 {

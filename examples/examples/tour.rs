@@ -7,7 +7,7 @@
 //! ```
 
 use clap::Parser;
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, Generator, Result, Tensor};
 use kiln_examples::{Job, dispatch};
 
 #[derive(Parser)]
@@ -63,7 +63,7 @@ impl Job for Tour {
         }
 
         // Work stays on the device; only printing or to_vec reads back.
-        let w = Tensor::<B>::randn([3, 2], 0.0, 1.0, 42, DType::F32, &dev)?;
+        let w = Generator::new(42).randn::<B>([3, 2], &dev)?;
         let h = x.matmul(&w)?.relu()?;
         println!("relu(x @ w) = {h}");
         Ok(())

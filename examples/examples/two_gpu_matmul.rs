@@ -19,7 +19,7 @@ use std::time::Instant;
 use clap::Parser;
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, DType, Generator, Result, Tensor};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -45,8 +45,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn run<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
-    let x0 = Tensor::<B>::randn([args.n, args.n], 0.0, 1.0, 1, DType::F32, &d0)?;
-    let x1 = Tensor::<B>::randn([args.n, args.n], 0.0, 1.0, 2, DType::F32, &d1)?;
+    let x0 = Generator::new(1).randn::<B>([args.n, args.n], &d0)?;
+    let x1 = Generator::new(2).randn::<B>([args.n, args.n], &d1)?;
     let sync = || -> Result<()> {
         B::synchronize(&d0)?;
         B::synchronize(&d1)

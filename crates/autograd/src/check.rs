@@ -12,7 +12,7 @@
 //! check measures the gradient formulas, not f32 rounding. A non-contiguous f64 input stays a
 //! view: the check then also exercises the strided paths of forward and backward.
 
-use kiln_core::{Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, Result, Tensor};
 
 use crate::var::{Var, no_grad};
 
@@ -129,13 +129,13 @@ where
             ),
         ));
     }
-    let gy = yt.randn_like(0.0, 1.0, opts.seed)?;
+    let gy = Generator::new(opts.seed).randn_like(&yt)?;
     if y.requires_grad() {
         y.backward_with(&gy)?;
     }
 
     for (i, x) in xs.iter().enumerate() {
-        let d = x.randn_like(0.0, 1.0, opts.seed.wrapping_add(1 + i as u64))?;
+        let d = Generator::new(opts.seed.wrapping_add(1 + i as u64)).randn_like(x)?;
         let norm = dot(&d, &d)?.sqrt();
         let d = if norm > 0.0 { d.div_scalar(norm)? } else { d };
         let analytic = match vars[i].grad() {

@@ -8,11 +8,11 @@
 //! ```
 //! use kiln_autograd::Var;
 //! use kiln_backend_cpu::Cpu;
-//! use kiln_core::{DType, Tensor};
+//! use kiln_core::{Generator, Tensor};
 //!
 //! let dev = Cpu::device(0);
-//! let w = Var::param(Tensor::<Cpu>::randn([784, 1], 0.0, 0.01, 1, DType::F32, &dev)?);
-//! let x = Var::constant(Tensor::<Cpu>::rand([32, 784], 0.0, 1.0, 2, DType::F32, &dev)?);
+//! let w = Var::param(Generator::new(1).normal::<Cpu>([784, 1], 0.0, 0.01, &dev)?);
+//! let x = Var::constant(Generator::new(2).rand::<Cpu>([32, 784], &dev)?);
 //! let loss = x.matmul(&w)?.sigmoid()?.mean_all()?;
 //! loss.backward()?;                                  // fills w.grad()
 //! let g = w.grad().unwrap();

@@ -9,13 +9,16 @@
 //! - `maximum_scalar` / `minimum_scalar` / `clamp` (a variable against a constant): as
 //!   `torch.clamp`, the gradient passes where the value is inside the closed range, ties
 //!   included.
+//! - `max_dim` / `min_dim` (values and indices, `torch.max(x, dim)`): the gradient goes to the
+//!   element the index names.
 //! - `max` / `min` reductions: as `torch.amax`/`amin`, the gradient is distributed evenly among
 //!   all the elements equal to the extreme.
 //! - `pow(a, b)`: where `b == 0` the gradient to `a` is 0; where `a == 0` and `b >= 0` the
 //!   gradient to `b` is 0 (not `0 * log 0 = NaN`).
 
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Result, Shape, Tensor, UnaryOp, Vjp,
+    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Tensor, UnaryOp,
+    Vjp,
 };
 
 use crate::var::Var;
@@ -275,6 +278,47 @@ impl<B: Backend> Var<B> {
     /// Minimum over `axes`; the gradient is shared evenly among tied minima (`torch.amin`).
     pub fn min(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
         self.extreme("min", axes, keepdim)
+    }
+    /// The maxima along `dim` and their `i64` indices, as `torch.max(x, dim, keepdim)`. The
+    /// gradient flows to the element each index names only (not shared among ties, unlike
+    /// [`Var::max`]), as in PyTorch.
+    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Tensor<B>)> {
+        self.extreme_dim("max_dim", dim, keepdim)
+    }
+    /// The minima along `dim` and their `i64` indices (`torch.min(x, dim, keepdim)`); as
+    /// [`Var::max_dim`].
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Tensor<B>)> {
+        self.extreme_dim("min_dim", dim, keepdim)
+    }
+    fn extreme_dim(
+        &self,
+        name: &'static str,
+        dim: isize,
+        keepdim: bool,
+    ) -> Result<(Self, Tensor<B>)> {
+        let x = self.tensor();
+        let (y, idx) = if name == "max_dim" {
+            x.max_dim(dim, keepdim)?
+        } else {
+            x.min_dim(dim, keepdim)?
+        };
+        let ax = kiln_core::normalize_axis(name, dim, x.rank())?;
+        let kept = if keepdim {
+            idx.clone()
+        } else {
+            idx.unsqueeze(ax as isize)?
+        };
+        let shape = x.shape().clone();
+        let v = Var::from_op(name, &[self], y, move |g, _| {
+            let g = if keepdim {
+                g.clone()
+            } else {
+                g.unsqueeze(ax as isize)?
+            };
+            let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
+            Ok(vec![Some(z.scatter_add(ax as isize, &kept, &g)?)])
+        });
+        Ok((v, idx))
     }
     pub fn max_all(&self) -> Result<Self> {
         self.max(&self.all_axes(), false)
@@ -567,10 +611,10 @@ impl<B: Backend> Var<B> {
 
     // ---- indexing ------------------------------------------------------------------------
 
-    /// Entries `ids` (1-d `i64`) along `axis`; repeated ids accumulate their gradients.
-    pub fn index_select(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.index_select(ids, axis)?;
+    /// Entries `index` (1-d `i64`) along `dim`; repeated ids accumulate their gradients.
+    pub fn index_select(&self, dim: isize, index: &Tensor<B>) -> Result<Self> {
+        let (x, ids, axis) = (self.tensor(), index, dim);
+        let y = x.index_select(axis, ids)?;
         let ax = kiln_core::normalize_axis("index_select", axis, x.rank())?;
         let ids = ids.clone();
         let shape = x.shape().clone();
@@ -579,34 +623,36 @@ impl<B: Backend> Var<B> {
             d[ax] = ids.elem_count();
             let ids_b = ids.reshape(d)?.broadcast_to(g.shape().clone())?;
             let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
-            Ok(vec![Some(z.scatter_add(&ids_b, g, axis)?)])
+            Ok(vec![Some(z.scatter_add(axis, &ids_b, g)?)])
         }))
     }
 
-    /// `torch.gather` along `axis`; the gradient is scattered (added) back.
-    pub fn gather(&self, ids: &Tensor<B>, axis: isize) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.gather(ids, axis)?;
+    /// `torch.gather(self, dim, index)`; the gradient is scattered (added) back.
+    pub fn gather(&self, dim: isize, index: &Tensor<B>) -> Result<Self> {
+        let (x, ids, axis) = (self.tensor(), index, dim);
+        let y = x.gather(axis, ids)?;
         let ids = ids.clone();
         let shape = x.shape().clone();
         Ok(Var::from_op("gather", &[self], y, move |g, _| {
             let z = Tensor::zeros(shape.clone(), g.dtype(), g.device())?;
-            Ok(vec![Some(z.scatter_add(&ids, g, axis)?)])
+            Ok(vec![Some(z.scatter_add(axis, &ids, g)?)])
         }))
     }
 
-    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
-    /// Both `self` and `src` get gradients (`src`'s is the output gradient gathered at `ids`).
-    pub fn scatter_add(&self, ids: &Tensor<B>, src: &Self, axis: isize) -> Result<Self> {
-        let y = self.tensor().scatter_add(ids, &src.tensor(), axis)?;
-        let ids = ids.clone();
+    /// Out-of-place `torch.scatter_add(self, dim, index, src)`: `self` with `src` added at
+    /// `index` along `dim`. Both `self` and `src` get gradients (`src`'s is the output gradient
+    /// gathered at `index`).
+    pub fn scatter_add(&self, dim: isize, index: &Tensor<B>, src: &Self) -> Result<Self> {
+        let axis = dim;
+        let y = self.tensor().scatter_add(axis, index, &src.tensor())?;
+        let ids = index.clone();
         Ok(Var::from_op(
             "scatter_add",
             &[self, src],
             y,
             move |g, needs| {
                 let gsrc = if needs[1] {
-                    Some(g.gather(&ids, axis)?)
+                    Some(g.gather(axis, &ids)?)
                 } else {
                     None
                 };
@@ -645,54 +691,45 @@ impl<B: Backend> Var<B> {
 
     // ---- softmax and losses --------------------------------------------------------------
 
-    /// Softmax over the last axis: `dx = y * (g - sum(g * y))`.
-    pub fn softmax(&self) -> Result<Self> {
-        let y = self.tensor().softmax()?;
+    /// Softmax along `dim` (any axis, negative from the end): `dx = y * (g - sum_dim(g * y))`.
+    pub fn softmax(&self, dim: isize) -> Result<Self> {
+        let y = self.tensor().softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("softmax", &[self], y, move |g, _| {
-            let s = g.mul(&yc)?.sum(&[-1], true)?;
+            let s = g.mul(&yc)?.sum(&[dim], true)?;
             Ok(vec![Some(yc.mul(&g.sub(&s)?)?)])
         }))
     }
 
-    /// Log-softmax over the last axis: `dx = g - exp(y) * sum(g)`.
-    pub fn log_softmax(&self) -> Result<Self> {
-        let y = self.tensor().log_softmax()?;
+    /// Log-softmax along `dim` (any axis, negative from the end):
+    /// `dx = g - exp(y) * sum_dim(g)`.
+    pub fn log_softmax(&self, dim: isize) -> Result<Self> {
+        let y = self.tensor().log_softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("log_softmax", &[self], y, move |g, _| {
-            let s = g.sum(&[-1], true)?;
+            let s = g.sum(&[dim], true)?;
             Ok(vec![Some(g.sub(&yc.exp()?.mul(&s)?)?)])
         }))
     }
 
-    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: `[n]`
-    /// losses. The backward is the backend's fused `cross_entropy_backward` kernel.
-    pub fn cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
-        let x = self.tensor();
-        let y = x.cross_entropy(labels)?;
-        let labels = labels.clone();
-        Ok(Var::from_op("cross_entropy", &[self], y, move |g, _| {
-            Ok(vec![Some(x.cross_entropy_backward(&labels, g)?)])
-        }))
-    }
-
-    /// The mean softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`, as a 0-d
-    /// variable: the classification loss, fused. Forward is the backend's `cross_entropy` plus a
-    /// mean; backward is one `cross_entropy_backward` kernel (`(softmax - onehot) * g / n`).
-    pub fn softmax_cross_entropy(&self, labels: &Tensor<B>) -> Result<Self> {
+    /// Softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`, reduced as
+    /// `reduction` says (`torch.nn.functional.cross_entropy`; [`Reduction::Mean`] is PyTorch's
+    /// default): a 0-d variable for the mean and the sum, the `[n]` row losses for
+    /// [`Reduction::None`]. Fused: the forward is the backend's `cross_entropy` kernel (plus the
+    /// reduction), the backward one `cross_entropy_backward` kernel
+    /// (`(softmax - onehot) * g`, `g` scaled by `1 / n` for the mean).
+    pub fn cross_entropy(&self, labels: &Tensor<B>, reduction: Reduction) -> Result<Self> {
         let x = self.tensor();
         let n = x.dims().first().copied().unwrap_or(0);
-        let y = x.cross_entropy(labels)?.mean_all()?;
+        let y = x.cross_entropy(labels, reduction)?;
         let labels = labels.clone();
-        Ok(Var::from_op(
-            "softmax_cross_entropy",
-            &[self],
-            y,
-            move |g, _| {
-                let rows = g.mul_scalar(1.0 / n as f64)?.broadcast_to(n)?;
-                Ok(vec![Some(x.cross_entropy_backward(&labels, &rows)?)])
-            },
-        ))
+        Ok(Var::from_op("cross_entropy", &[self], y, move |g, _| {
+            let rows = match reduction {
+                Reduction::None => g.clone(),
+                r => g.mul_scalar(r.grad_scale(n))?.broadcast_to(n)?,
+            };
+            Ok(vec![Some(x.cross_entropy_backward(&labels, &rows)?)])
+        }))
     }
 
     // ---- devices and dtypes --------------------------------------------------------------

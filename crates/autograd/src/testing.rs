@@ -25,7 +25,9 @@
 use std::fmt::Debug;
 
 use kiln_core::philox;
-use kiln_core::{Backend, BinaryOp, CompositeOp, DType, Result, Tensor, UnaryOp, Vjp};
+use kiln_core::{
+    Backend, BinaryOp, CompositeOp, DType, Reduction, Result, Tensor, UnaryOp, Vjp,
+};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};
@@ -376,9 +378,24 @@ fn unary_vals(op: UnaryOp) -> Vals {
     }
 }
 
+/// Every case: one function per op family, in this order.
 fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
-    let mut c: Vec<(String, Case<B>)> = Vec::new();
+    let mut c = unary_cases::<B>();
+    c.extend(composite_cases::<B>());
+    c.extend(binary_cases::<B>());
+    c.extend(reduction_cases::<B>());
+    c.extend(matmul_cases::<B>());
+    c.extend(view_cases::<B>());
+    c.extend(join_cases::<B>());
+    c.extend(index_cases::<B>());
+    c.extend(loss_cases::<B>());
+    c.extend(device_cases::<B>());
+    c
+}
 
+/// The unary ops of [`UnaryOp::ALL`], each on its own input domain.
+fn unary_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- unary ----
     for op in UnaryOp::ALL {
         let vals = unary_vals(op);
@@ -391,7 +408,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    c
+}
 
+/// The composite ops of [`CompositeOp::ALL`], with the table's test parameters.
+fn composite_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- composite ops (scalar parameters) ----
     for &op in CompositeOp::ALL {
         let d = op.domain();
@@ -411,7 +433,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    c
+}
 
+/// Elementwise binary ops: two variables broadcasting, a variable against a scalar on either side, and `clamp`.
+fn binary_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- binary with broadcasting ----
     for op in BinaryOp::ALL {
         let (va, vb) = match op {
@@ -488,7 +515,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Reductions over chosen axes and over all axes.
+fn reduction_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- reductions ----
     for name in ["sum", "mean", "max", "min"] {
         let vals = if matches!(name, "max" | "min") {
@@ -525,7 +557,31 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             }),
         ));
     }
+    for name in ["max_dim", "min_dim"] {
+        c.push((
+            format!("reduce/{name}"),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s = (input_of(dims(1, 3)), 0usize..3, any::<bool>());
+                prop(cfg, s, |(x, axis, keepdim)| {
+                    let dim = (axis % x.dims.len()) as isize;
+                    check(cfg, &[x.build::<B>(Vals::Distinct, dev)?], |v| {
+                        let (y, _) = if name == "max_dim" {
+                            v[0].max_dim(dim, keepdim)?
+                        } else {
+                            v[0].min_dim(dim, keepdim)?
+                        };
+                        Ok(y)
+                    })
+                })
+            }),
+        ));
+    }
+    c
+}
 
+/// Matrix products and `linear`.
+fn matmul_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- matmul ----
     c.push((
         "matmul".into(),
@@ -613,7 +669,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Views (reshape, transpose, narrow, broadcast, ...).
+fn view_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- views ----
     c.push((
         "view/reshape".into(),
@@ -737,7 +798,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Joins (cat, stack) and `slice_assign`.
+fn join_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- joins ----
     c.push((
         "cat".into(),
@@ -822,7 +888,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Index ops (`index_select`, `gather`, `scatter_add`) and `where`.
+fn index_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- indexing ----
     c.push((
         "index_select".into(),
@@ -832,7 +903,7 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
                 let axis = axis % x.dims.len();
                 let idx = ids::<B>(&[n], x.dims[axis], x.seed, dev)?;
                 check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                    v[0].index_select(&idx, axis as isize)
+                    v[0].index_select(axis as isize, &idx)
                 })
             })
         }),
@@ -854,7 +925,7 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
                     .collect();
                 let idx = ids::<B>(&idims, x.dims[axis], x.seed, dev)?;
                 check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                    v[0].gather(&idx, axis as isize)
+                    v[0].gather(axis as isize, &idx)
                 })
             })
         }),
@@ -884,7 +955,7 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
                     x.build::<B>(Vals::Normal, dev)?,
                     src.build::<B>(Vals::Normal, dev)?,
                 ];
-                check(cfg, &ins, |v| v[0].scatter_add(&idx, &v[1], axis as isize))
+                check(cfg, &ins, |v| v[0].scatter_add(axis as isize, &idx, &v[1]))
             })
         }),
     ));
@@ -911,48 +982,57 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
             })
         }),
     ));
+    c
+}
 
+/// Softmax, log-softmax and the cross-entropy losses.
+fn loss_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- softmax and losses ----
     for log in [false, true] {
         c.push((
             if log { "log_softmax" } else { "softmax" }.into(),
             Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
-                prop(cfg, input_of(dims(1, 3)), |x| {
+                // Any axis, counted from either end (`dim` in `-rank..rank`).
+                let s = (input_of(dims(1, 3)), 0usize..3, any::<bool>());
+                prop(cfg, s, |(x, axis, negative)| {
+                    let r = x.dims.len() as isize;
+                    let dim = (axis as isize % r) - if negative { r } else { 0 };
                     check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
                         if log {
-                            v[0].log_softmax()
+                            v[0].log_softmax(dim)
                         } else {
-                            v[0].softmax()
+                            v[0].softmax(dim)
                         }
                     })
                 })
             }),
         ));
     }
-    for mean in [false, true] {
+    for (name, reduction) in [
+        ("none", Reduction::None),
+        ("mean", Reduction::Mean),
+        ("sum", Reduction::Sum),
+    ] {
         c.push((
-            if mean {
-                "softmax_cross_entropy"
-            } else {
-                "cross_entropy"
-            }
-            .into(),
+            format!("cross_entropy/{name}"),
             Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
                 let s = input_of(vec(1usize..=5, 2..=2));
                 prop(cfg, s, |x| {
                     let labels = ids::<B>(&x.dims[..1], x.dims[1], x.seed, dev)?;
                     check(cfg, &[x.build::<B>(Vals::Normal, dev)?], |v| {
-                        if mean {
-                            v[0].softmax_cross_entropy(&labels)
-                        } else {
-                            v[0].cross_entropy(&labels)
-                        }
+                        v[0].cross_entropy(&labels, reduction)
                     })
                 })
             }),
         ));
     }
+    c
+}
 
+/// Copies between devices, and compositions of several ops.
+fn device_cases<B: Backend>() -> Vec<(String, Case<B>)> {
+    let mut c: Vec<(String, Case<B>)> = Vec::new();
     // ---- devices ----
     c.push((
         "copy_to".into(),

@@ -5,12 +5,22 @@
 use kiln_autograd::{CheckOptions, Var, assert_backward, fuse, fuse_n, fuse2};
 use kiln_backend_cpu::Cpu;
 use kiln_core::expr::Expr;
-use kiln_core::{DType, Error, ExprErrorKind, Tensor};
+use kiln_core::{DType, Error, ExprErrorKind, Generator, RandDist, Tensor};
 
 type T = Tensor<Cpu>;
 
 fn randn(shape: &[usize], seed: u64) -> T {
-    T::randn(shape.to_vec(), 0.0, 1.0, seed, DType::F64, &Cpu::device(0)).unwrap()
+    Generator::new(seed)
+        .sample(
+            shape.to_vec(),
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &Cpu::device(0),
+        )
+        .unwrap()
 }
 
 fn assert_close(a: &T, b: &T, tol: f64) {

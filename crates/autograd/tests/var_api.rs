@@ -4,7 +4,7 @@
 
 use kiln_autograd::{CheckOptions, Var, check_backward, is_grad_enabled, no_grad};
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Reduction, Tensor};
 
 type B = Reference;
 const DEV: RefDevice = RefDevice(0);
@@ -363,15 +363,15 @@ fn to_dtype_gradient_comes_back_in_the_source_dtype() {
 }
 
 #[test]
-fn softmax_cross_entropy_matches_its_definition() {
+fn mean_cross_entropy_matches_its_definition() {
     let logits = t(&[1.0, 2.0, 0.5, -1.0, 0.0, 3.0], &[2, 3]);
     let labels = Tensor::<B>::from_slice(&[1i64, 2], [2], &DEV).unwrap();
     let x = Var::param(logits.clone());
-    let loss = x.softmax_cross_entropy(&labels).unwrap();
+    let loss = x.cross_entropy(&labels, Reduction::Mean).unwrap();
     assert_eq!(loss.rank(), 0);
     loss.backward().unwrap();
     // (softmax - onehot) / n
-    let sm = vals(&logits.softmax().unwrap());
+    let sm = vals(&logits.softmax(-1).unwrap());
     let mut want = sm.clone();
     want[1] -= 1.0;
     want[5] -= 1.0;
@@ -600,4 +600,21 @@ fn linear_is_matmul_with_the_transposed_weight_plus_the_bias() {
     assert!(e.contains("linear"), "{e}");
     let e = x.linear(&w, Some(&w)).unwrap_err().to_string();
     assert!(e.contains("linear") && e.contains("bias"), "{e}");
+}
+
+#[test]
+fn max_dim_sends_the_gradient_to_the_indexed_element_only() {
+    // Row 0 has a tie (the first maximum is picked); `max` would share, `max_dim` does not.
+    let x = Var::param(t(&[5.0, 1.0, 5.0, 2.0, 7.0, 3.0], &[2, 3]));
+    let (y, idx) = x.max_dim(1, false).unwrap();
+    assert_eq!(vals(&y.tensor()), vec![5.0, 7.0]);
+    assert_eq!(idx.to_vec::<i64>().unwrap(), vec![0, 1]);
+    y.sum_all().unwrap().backward().unwrap();
+    let g = vals(&x.grad().unwrap());
+    assert_eq!(g, vec![1.0, 0.0, 0.0, 0.0, 1.0, 0.0]);
+    let x = Var::param(t(&[5.0, 1.0, 5.0, 2.0, 7.0, 3.0], &[2, 3]));
+    let (y, idx) = x.min_dim(0, true).unwrap();
+    assert_eq!(idx.to_vec::<i64>().unwrap(), vec![1, 0, 1]);
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
 }

@@ -11,7 +11,7 @@
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kiln_backend_cpu::Cpu;
-use kiln_core::{DType, Tensor};
+use kiln_core::{Generator, Tensor};
 use std::hint::black_box;
 
 /// `t`, computed (deferred elementwise work runs here).
@@ -25,8 +25,12 @@ fn benches(c: &mut Criterion) {
     let dev = Cpu::device(0);
 
     let n = 1024;
-    let a = Tensor::<Cpu>::rand([n, n], -1.0, 1.0, 1, DType::F32, &dev).unwrap();
-    let b = Tensor::<Cpu>::rand([n, n], -1.0, 1.0, 2, DType::F32, &dev).unwrap();
+    let a = Generator::new(1)
+        .uniform::<Cpu>([n, n], -1.0, 1.0, &dev)
+        .unwrap();
+    let b = Generator::new(2)
+        .uniform::<Cpu>([n, n], -1.0, 1.0, &dev)
+        .unwrap();
     let at = a.t().unwrap();
     let mut g = c.benchmark_group("sgemm_1024");
     g.throughput(Throughput::Elements((2 * n * n * n) as u64)); // flops
@@ -37,25 +41,29 @@ fn benches(c: &mut Criterion) {
     });
     g.finish();
 
-    let x = Tensor::<Cpu>::rand([230_400], -5.0, 5.0, 3, DType::F32, &dev).unwrap();
+    let x = Generator::new(3)
+        .uniform::<Cpu>([230_400], -5.0, 5.0, &dev)
+        .unwrap();
     let mut g = c.benchmark_group("exp_230400");
     g.throughput(Throughput::Elements(230_400));
     g.bench_function("exp", |bch| bch.iter(|| black_box(done(x.exp()))));
     g.finish();
 
     let m = 32 << 20;
-    let p = Tensor::<Cpu>::rand([m], 0.0, 1.0, 4, DType::F32, &dev).unwrap();
-    let q = Tensor::<Cpu>::rand([m], 0.0, 1.0, 5, DType::F32, &dev).unwrap();
+    let p = Generator::new(4).rand::<Cpu>([m], &dev).unwrap();
+    let q = Generator::new(5).rand::<Cpu>([m], &dev).unwrap();
     let mut g = c.benchmark_group("add_32m");
     g.throughput(Throughput::Elements(m as u64));
     g.sample_size(20);
     g.bench_function("add", |bch| bch.iter(|| black_box(done(p.add(&q)))));
     g.finish();
 
-    let s = Tensor::<Cpu>::rand([512, 1000], -5.0, 5.0, 6, DType::F32, &dev).unwrap();
+    let s = Generator::new(6)
+        .uniform::<Cpu>([512, 1000], -5.0, 5.0, &dev)
+        .unwrap();
     let mut g = c.benchmark_group("misc");
     g.bench_function("softmax_512x1000", |bch| {
-        bch.iter(|| black_box(s.softmax().unwrap()))
+        bch.iter(|| black_box(s.softmax(-1).unwrap()))
     });
     g.bench_function("sum_rows_512x1000", |bch| {
         bch.iter(|| black_box(s.sum(&[1], false).unwrap()))

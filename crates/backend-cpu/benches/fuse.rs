@@ -28,14 +28,14 @@
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use kiln_backend_cpu::{Cpu, set_fusion};
 use kiln_core::expr::{Expr, Program};
-use kiln_core::{DType, Tensor, UpdateRule};
+use kiln_core::{DType, Generator, Tensor, UpdateRule};
 use std::hint::black_box;
 
 fn benches(c: &mut Criterion) {
     let dev = Cpu::device(0);
     let n = 32 << 20;
-    let a = Tensor::<Cpu>::rand([n], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
-    let b = Tensor::<Cpu>::rand([n], 0.0, 1.0, 2, DType::F32, &dev).unwrap();
+    let a = Generator::new(1).rand::<Cpu>([n], &dev).unwrap();
+    let b = Generator::new(2).rand::<Cpu>([n], &dev).unwrap();
     let (x, y) = (Expr::input(0), Expr::input(1));
     let chain = ((&x * &y + 1.0).exp() * 0.5) - &y;
     let p = Program::from_exprs(&[DType::F32, DType::F32], &[chain]).unwrap();
@@ -86,7 +86,9 @@ fn benches(c: &mut Criterion) {
     g.finish();
 
     let r = 4096;
-    let s = Tensor::<Cpu>::rand([r, r], -5.0, 5.0, 3, DType::F32, &dev).unwrap();
+    let s = Generator::new(3)
+        .uniform::<Cpu>([r, r], -5.0, 5.0, &dev)
+        .unwrap();
     let m = s.max(&[1], true).unwrap();
     let (x, mx) = (Expr::input(0), Expr::input(1));
     let lse = (&x - &mx).exp().sum(&[1]).log() + &mx;
@@ -207,7 +209,9 @@ fn sgd_loop(p: &[f32], g: &[f32], m0: &[f32], lr: f32, mom: f32, damp1: f32) -> 
 fn updates(c: &mut Criterion) {
     let dev = Cpu::device(0);
     let t = |n: usize, seed: u64, lo: f64| {
-        Tensor::<Cpu>::rand([n], lo, 1.0, seed, DType::F32, &dev).unwrap()
+        Generator::new(seed)
+            .uniform::<Cpu>([n], lo, 1.0, &dev)
+            .unwrap()
     };
     // Below the old hand-written path's parallel threshold (2^20): one core on that side.
     let n = 1 << 19;

@@ -1,7 +1,7 @@
 //! Indexing kernels: `index_select`, `gather`, `scatter_add`.
 //!
-//! An index outside its axis is an `InvalidArgument` that names the op, the bad index, where it
-//! was found and the axis's size; no partial result escapes. `index_select` copies whole
+//! An index outside its axis is an [`Error::IndexOutOfRange`] that names the op, the bad index
+//! and the axis's size; no partial result escapes. `index_select` copies whole
 //! sub-blocks (rows of an embedding table, say) and runs in parallel; `gather` and `scatter_add`
 //! walk the indices with one strided plan over the indices, the source and the output.
 //! `scatter_add` runs sequentially, so its sums are deterministic on the CPU.
@@ -12,11 +12,12 @@ use crate::elementwise::{dtype_err, slice};
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
 use crate::strided::{Plan, copy_strided, par_out};
 
-fn out_of_range(op: &'static str, id: i64, at: String, axis: usize, size: usize) -> Error {
-    Error::invalid(
+fn out_of_range(op: &'static str, id: i64, size: usize) -> Error {
+    Error::IndexOutOfRange {
         op,
-        format!("index {id} at {at} is out of range for axis {axis} of size {size}"),
-    )
+        index: id,
+        size,
+    }
 }
 
 fn check_rank(op: &'static str, layout: &Layout, axis: usize) -> Result<()> {
@@ -117,10 +118,10 @@ pub(crate) fn index_select(
     let iv = slice::<i64>(OP, ids)?;
     let size = layout.dims()[axis];
     let mut checked = Vec::with_capacity(ids_layout.elem_count());
-    for (j, o) in ids_layout.offsets().enumerate() {
+    for o in ids_layout.offsets() {
         let id = iv[o];
         if id < 0 || id as usize >= size {
-            return Err(out_of_range(OP, id, format!("position {j}"), axis, size));
+            return Err(out_of_range(OP, id, size));
         }
         checked.push(id as usize);
     }
@@ -134,8 +135,8 @@ pub(crate) fn index_select(
 }
 
 /// Calls `f(index position, id, ids-dims multi-index offset in other, ...)` for every index,
-/// after checking it: walks `ids` jointly with `other` (a layout of `ids`'s shape whose
-/// `axis` stride is 0) and `extra`.
+/// after checking it against `0..size`: walks `ids` jointly with `other` (a layout of `ids`'s
+/// shape whose `axis` stride is 0) and `extra`.
 #[allow(clippy::too_many_arguments)]
 fn walk_ids(
     op: &'static str,
@@ -143,7 +144,6 @@ fn walk_ids(
     ids_layout: &Layout,
     other: &Layout,
     extra: &Layout,
-    axis: usize,
     size: usize,
     mut f: impl FnMut(usize, usize, usize),
 ) -> Result<()> {
@@ -158,33 +158,13 @@ fn walk_ids(
         for i in 0..len {
             let id = iv[oi + i * st[0]];
             if id < 0 || id as usize >= size {
-                let at = ids_layout
-                    .offsets()
-                    .position(|p| p == oi + i * st[0])
-                    .map(|p| unravel(p, ids_layout.dims()))
-                    .unwrap_or_default();
-                err = Some(out_of_range(
-                    op,
-                    id,
-                    format!("index position {at}"),
-                    axis,
-                    size,
-                ));
+                err = Some(out_of_range(op, id, size));
                 return;
             }
             f(id as usize, oo + i * st[1], oe + i * st[2]);
         }
     });
     err.map_or(Ok(()), Err)
-}
-
-fn unravel(mut p: usize, dims: &[usize]) -> String {
-    let mut idx = vec![0; dims.len()];
-    for d in (0..dims.len()).rev() {
-        idx[d] = p % dims[d].max(1);
-        p /= dims[d].max(1);
-    }
-    format!("{idx:?}")
 }
 
 /// `layout`'s strides and offset over `shape`, with the `axis` stride zeroed.
@@ -217,7 +197,6 @@ fn gather_t<T: CpuElem>(
         ids_layout,
         &src,
         &dst,
-        axis,
         layout.dims()[axis],
         |id, so, o| {
             out[o] = x[so + id * sa];
@@ -280,7 +259,6 @@ fn scatter_add_t<T: CpuElem>(
         ids_layout,
         &dst,
         src_layout,
-        axis,
         base_layout.dims()[axis],
         |id, o, so| {
             let t = o + id * sa;

@@ -5,7 +5,7 @@
 //! normalized. Cross-entropy never materializes the softmax: a row gives
 //! `logsumexp(row) - row[label]`, and its backward `(softmax(row) - onehot(label)) * grad[row]`
 //! in the same pass. Labels are checked before any work: one outside `0..c` is an
-//! `InvalidArgument` naming the op, the row and the label.
+//! `Error::IndexOutOfRange` naming the op, the label and `c`.
 
 use kiln_core::{DType, Error, Layout, Result, Shape};
 
@@ -181,13 +181,11 @@ fn xent_t<T: SoftFloat>(
     for i in 0..n {
         let l = labels_v[lab.offset() + i * lab.strides()[0]];
         if l < 0 || l as usize >= c {
-            return Err(Error::invalid(
+            return Err(Error::IndexOutOfRange {
                 op,
-                format!(
-                    "label {l} at row {i} is outside 0..{c} (logits of shape {})",
-                    ll.shape()
-                ),
-            ));
+                index: l,
+                size: c,
+            });
         }
         ids.push(l as usize);
     }

@@ -12,7 +12,7 @@
 use std::sync::Mutex;
 
 use kiln_backend_cpu::Cpu;
-use kiln_core::{Backend, DType, Error, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Tensor};
 
 /// The tests share the process-wide buffer cache (an out-of-memory retry empties it): one at a
 /// time, so that each one's memory statistics are its own.
@@ -101,7 +101,7 @@ fn any_large_op_output_is_out_of_memory() {
     assert_oom(big.copy_to(&Cpu::device(3)), "copy_to", "cpu:3");
     assert_oom(big.to_dtype(DType::F64), "cast", "cpu:2");
     assert_oom(
-        Tensor::<Cpu>::rand([TIB4_F32], 0.0, 1.0, 7, DType::F32, &cpu),
+        Generator::new(7).rand::<Cpu>([TIB4_F32], &cpu),
         "rand",
         "cpu:2",
     );
@@ -118,7 +118,7 @@ fn any_large_op_output_is_out_of_memory() {
         .unwrap()
         .broadcast_to([1 << 20, 1 << 20])
         .unwrap();
-    assert_oom(square.softmax(), "softmax", "cpu:2");
+    assert_oom(square.softmax(-1), "softmax", "cpu:2");
     let tall = Tensor::<Cpu>::ones([1, 1], DType::F32, &cpu)
         .unwrap()
         .broadcast_to([TIB4_F32, 2])
@@ -187,7 +187,15 @@ fn sizes_past_the_address_space_are_invalid_arguments() {
         "more than one allocation can hold",
     );
     invalid(
-        Tensor::<Cpu>::randn([usize::MAX / 2, 4], 0.0, 1.0, 1, DType::F64, &cpu),
+        Generator::new(1).sample::<Cpu>(
+            [usize::MAX / 2, 4],
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &cpu,
+        ),
         "rand",
         "more elements than usize can count",
     );

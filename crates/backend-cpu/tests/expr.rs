@@ -7,7 +7,7 @@ use kiln_backend_cpu::Cpu;
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
 use kiln_core::testing::check_close as close;
 use kiln_core::testing::expr::{Input, input, shape, tree};
-use kiln_core::{Backend, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp};
+use kiln_core::{Backend, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape, Tensor, UnaryOp};
 use proptest::prelude::*;
 
 type T = Tensor<Cpu>;
@@ -16,7 +16,9 @@ type T = Tensor<Cpu>;
 fn make(spec: &Input, shape: &[usize], dtype: DType) -> T {
     let dev = Cpu::device(0);
     spec.make(shape, |d| {
-        T::rand(d, -2.0, 2.0, spec.seed, dtype, &dev).unwrap()
+        Generator::new(spec.seed)
+            .sample(d, RandDist::Uniform { low: -2.0, high: 2.0 }, dtype, &dev)
+            .unwrap()
     })
 }
 
@@ -141,7 +143,17 @@ fn agrees_with_the_reference_backend() {
     let lse = (&x - &m).exp().sum(&[-1]).log() + &m;
     let p = Program::from_exprs(&[DType::F64, DType::F64], &[lse, x.gelu() * x.sigmoid()]).unwrap();
     let dev = Cpu::device(0);
-    let xc = T::rand([37, 3001], -3.0, 3.0, 5, DType::F64, &dev).unwrap();
+    let xc = Generator::new(5)
+        .sample(
+            [37, 3001],
+            RandDist::Uniform {
+                low: -3.0,
+                high: 3.0,
+            },
+            DType::F64,
+            &dev,
+        )
+        .unwrap();
     let mc = xc.max(&[-1], true).unwrap();
     let xr =
         Tensor::<Reference>::from_host(&xc.to_host().unwrap(), [37, 3001], &RefDevice(0)).unwrap();
@@ -163,14 +175,24 @@ fn bad_calls_are_typed_errors_and_the_device_stays_usable() {
         other => panic!("{other}"),
     };
     let p = Program::from_exprs(&[DType::F32], &[x.exp().sum(&[1])]).unwrap();
-    let a = T::rand([2, 3], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
-    let b = T::rand([2, 3], 0.0, 1.0, 1, DType::F64, &dev).unwrap();
+    let a = Generator::new(1).rand([2, 3], &dev).unwrap();
+    let b = Generator::new(1)
+        .sample::<Cpu>(
+            [2, 3],
+            RandDist::Uniform {
+                low: 0.0,
+                high: 1.0,
+            },
+            DType::F64,
+            &dev,
+        )
+        .unwrap();
     assert_eq!(kind(p.run(&[&b], &[]).unwrap_err()), ExprErrorKind::DType);
     assert_eq!(
         kind(p.run(&[&a, &a], &[]).unwrap_err()),
         ExprErrorKind::Arity
     );
-    let v = T::rand([3], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let v = Generator::new(1).rand::<Cpu>([3], &dev).unwrap();
     assert_eq!(kind(p.run(&[&v], &[]).unwrap_err()), ExprErrorKind::Axis);
     // below the tensor layer: a layout that is not the iteration shape, a wrong storage dtype
     let shape = Shape::new([2, 3]);
@@ -246,7 +268,17 @@ fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
     for dtype in [DType::F32, DType::F64] {
         for n in [3 * 4096 + 1007, 300_000] {
             let vals = |seed: u64| {
-                let r = T::rand([n], -3.0, 3.0, seed, DType::F64, &dev).unwrap();
+                let r = Generator::new(seed)
+                    .sample::<Cpu>(
+                        [n],
+                        RandDist::Uniform {
+                            low: -3.0,
+                            high: 3.0,
+                        },
+                        DType::F64,
+                        &dev,
+                    )
+                    .unwrap();
                 let mut v = r.to_vec::<f64>().unwrap();
                 for (i, s) in specials.iter().enumerate() {
                     for k in (i * (seed as usize + 1)..n).step_by(97) {
@@ -292,7 +324,7 @@ fn scalar_tails_and_pieces_give_the_op_by_op_bits() {
 fn one_thread_direct_writes_give_the_op_by_op_bits() {
     let dev = Cpu::device(0);
     let n = (8 << 20) / 4 + 1000;
-    let xs = [1, 2].map(|seed| T::rand([n], -3.0, 3.0, seed, DType::F32, &dev).unwrap());
+    let xs = [1, 2].map(|seed| Generator::new(seed).uniform([n], -3.0, 3.0, &dev).unwrap());
     let (x, y) = (Expr::input(0), Expr::input(1));
     let s = x.sin();
     let e = (&x * &y + 1.0).exp();

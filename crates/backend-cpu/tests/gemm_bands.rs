@@ -6,7 +6,7 @@
 //! then busy and callers compute those parts themselves).
 
 use kiln_backend_cpu::Cpu;
-use kiln_core::{DType, Tensor};
+use kiln_core::{Generator, Tensor};
 
 /// Checks `lhs · b` at a few positions against f64 sums.
 fn check(lhs: &Tensor<Cpu>, b: &Tensor<Cpu>, what: &str) {
@@ -35,13 +35,15 @@ fn check(lhs: &Tensor<Cpu>, b: &Tensor<Cpu>, what: &str) {
 
 fn operands(m: usize, k: usize) -> [(Tensor<Cpu>, &'static str); 2] {
     let dev = Cpu::device(0);
-    let a = Tensor::<Cpu>::randn([m, k], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
-    let at = Tensor::<Cpu>::randn([k, m], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let a = Generator::new(1).randn::<Cpu>([m, k], &dev).unwrap();
+    let at = Generator::new(1).randn::<Cpu>([k, m], &dev).unwrap();
     [(a, "a"), (at.t().unwrap(), "a.T")]
 }
 
 fn rhs(k: usize, n: usize) -> Tensor<Cpu> {
-    Tensor::<Cpu>::randn([k, n], 0.0, 1.0, 2, DType::F32, &Cpu::device(0)).unwrap()
+    Generator::new(2)
+        .randn::<Cpu>([k, n], &Cpu::device(0))
+        .unwrap()
 }
 
 #[test]
@@ -79,7 +81,7 @@ fn a_large_matrix_vector_product_split_by_rows_is_exact_in_every_row() {
     // `xᵀ · g`): every row against f64, so a part copied to the wrong rows shows.
     let dev = Cpu::device(0);
     let (m, k) = (1001, 300);
-    let v = Tensor::<Cpu>::randn([k, 1], 0.0, 1.0, 4, DType::F32, &dev).unwrap();
+    let v = Generator::new(4).randn::<Cpu>([k, 1], &dev).unwrap();
     for (a, what) in operands(m, k) {
         let c = a.matmul(&v).unwrap().to_vec::<f32>().unwrap();
         let av = a.contiguous().unwrap().to_vec::<f32>().unwrap();

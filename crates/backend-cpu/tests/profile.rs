@@ -3,9 +3,9 @@
 //! trace that parses.
 
 use kiln_backend_cpu::Cpu;
+use kiln_core::Generator;
 use kiln_core::profile::{self, Kind};
 use kiln_core::test_profile::{check_chrome_trace, check_profile_counts};
-use kiln_core::{DType, Tensor};
 
 #[test]
 fn known_sequence_calls_bytes_and_allocations() {
@@ -34,7 +34,7 @@ fn trace_has_host_events_and_ranges() {
     let dev = Cpu::device(0);
     let (_, p) = profile::profile(|| {
         let _r = profile::range("cpu-trace");
-        let x = Tensor::<Cpu>::rand([1000], 0.0, 1.0, 1, DType::F32, &dev).unwrap();
+        let x = Generator::new(1).rand::<Cpu>([1000], &dev).unwrap();
         let _f = profile::range("forward");
         x.exp().unwrap().sum_all().unwrap().to_scalar().unwrap()
     });

@@ -22,7 +22,7 @@ use kiln_backend_cuda::{
     Cuda, CudaDevice, ElementwiseKernel, ReductionKernel, raw, try_gpu, unavailable_reason,
 };
 use kiln_core::expr::{Expr, Program};
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, DType, Generator, Result};
 
 fn report(name: &str, value: f64, unit: &str) {
     println!("BENCH kiln {name} {value:.4} {unit}");
@@ -63,7 +63,9 @@ fn main() {
     };
     println!("kiln device: {}", dev.name().unwrap());
     let f32t = |shape: &[usize], seed| {
-        Tensor::<Cuda>::rand(shape, -1.0, 1.0, seed, DType::F32, &dev).unwrap()
+        Generator::new(seed)
+            .uniform::<Cuda>(shape, -1.0, 1.0, &dev)
+            .unwrap()
     };
 
     // Copy bandwidth, then the fused five-op chain, in the same run.

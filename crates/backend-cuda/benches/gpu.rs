@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, Generator, Result};
 
 fn report(name: &str, value: f64, unit: &str) {
     println!("BENCH kiln {name} {value:.4} {unit}");
@@ -50,7 +50,9 @@ fn main() {
     set_allow_tf32(false);
     println!("kiln device: {}", dev.name().unwrap());
     let f32t = |shape: &[usize], seed| {
-        Tensor::<Cuda>::rand(shape, -1.0, 1.0, seed, DType::F32, &dev).unwrap()
+        Generator::new(seed)
+            .uniform::<Cuda>(shape, -1.0, 1.0, &dev)
+            .unwrap()
     };
 
     // exp over 230,400 f32, 1000 launches, result kept on the GPU (Theano's loop).
@@ -101,7 +103,7 @@ fn main() {
 
     // Row softmax 8192 x 8192.
     let s = f32t(&[8192, 8192], 4);
-    let ms = time(&dev, 5, 10, || s.softmax().map(drop));
+    let ms = time(&dev, 5, 10, || s.softmax(-1).map(drop));
     report(
         "softmax_8192x8192",
         2.0 * 4.0 * (8192.0 * 8192.0) / (ms * 1e-3) / 1e9,

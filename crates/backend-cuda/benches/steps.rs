@@ -28,7 +28,7 @@ use kiln_autograd::Var;
 use kiln_backend_cuda::{
     Cuda, CudaDevice, CudaGraph, raw, set_allow_tf32, try_gpu, unavailable_reason,
 };
-use kiln_core::{Backend, DType, Result, Tensor, profile};
+use kiln_core::{Backend, DType, Generator, Reduction, Result, Tensor, profile};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
@@ -113,14 +113,7 @@ fn mlp_step(
     adam: bool,
 ) -> Result<Box<dyn FnMut() -> Result<()>>> {
     let batch = 100;
-    let x = Var::constant(Tensor::<Cuda>::rand(
-        [batch, widths[0]],
-        0.0,
-        1.0,
-        7,
-        DType::F32,
-        dev,
-    )?);
+    let x = Var::constant(Generator::new(7).rand::<Cuda>([batch, widths[0]], dev)?);
     let classes = *widths.last().unwrap();
     let labels: Vec<i64> = (0..batch).map(|i| (i % classes) as i64).collect();
     let labels = Tensor::<Cuda>::from_vec(labels, [batch], dev)?;
@@ -131,7 +124,7 @@ fn mlp_step(
         Box::new(SgdConfig::new(0.1).init(model.parameters())?)
     };
     Ok(Box::new(move || {
-        let loss = cross_entropy(&model.forward(&x)?, &labels)?;
+        let loss = cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?;
         opt.zero_grad();
         loss.backward()?;
         opt.step()
@@ -313,7 +306,9 @@ fn main() {
     drop((graph, step));
 
     // d2l: 1000 x (100x100 matmul, Frobenius norm), logged to the host or kept on the GPU.
-    let a = Tensor::<Cuda>::rand([100, 100], -1.0, 1.0, 11, DType::F32, &dev).unwrap();
+    let a = Generator::new(11)
+        .uniform::<Cuda>([100, 100], -1.0, 1.0, &dev)
+        .unwrap();
     let norm = |a: &Tensor<Cuda>| -> Result<Tensor<Cuda>> { a.matmul(a)?.norm() };
     let mut host = || -> Result<()> {
         let mut log = Vec::with_capacity(1000);

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, copy_threads, try_gpu, unavailable_reason};
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Generator, Tensor};
 
 fn report(name: &str, value: f64, unit: &str) {
     println!("BENCH kiln {name} {value:.4} {unit}");
@@ -112,7 +112,9 @@ fn main() {
     register_probe(&dev, &data, n);
 
     // Theano's loop: exp over 230,400 f32, copied back to the host each time.
-    let x = Tensor::<Cuda>::rand([230_400], -1.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let x = Generator::new(1)
+        .uniform::<Cuda>([230_400], -1.0, 1.0, &dev)
+        .unwrap();
     let s = wall(|| {
         for _ in 0..1000 {
             let v = x.exp().unwrap().to_vec::<f32>().unwrap();

@@ -37,7 +37,7 @@
 //!
 //! Errors found inside kernels (an index or label out of range) set a device-side error flag
 //! instead of touching memory out of bounds; the op that launched the kernel reads the flag
-//! back (a synchronization) and returns a typed error, and the device stays usable. Set
+//! back (a synchronization) and returns a typed error (`Error::IndexOutOfRange`), and the device stays usable. Set
 //! `KILN_CUDA_SYNC=1` to synchronize and check after every launch, so that an asynchronous
 //! failure is reported by the op that caused it (this also runs every elementwise op on its own
 //! instead of fusing chains).

@@ -13,7 +13,8 @@ use kiln_core::expr::{Combine, Expr, Program, eval_composed};
 use kiln_core::testing::check_close as close;
 use kiln_core::testing::expr::{Input, Tree, input, shape, tree};
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Layout, Shape, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape,
+    Tensor, UnaryOp,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -52,8 +53,14 @@ const UNARY: [UnaryOp; 13] = [
 /// Input `spec` on the GPU: random values made on the CPU, uploaded, then viewed.
 fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
     spec.make(shape, |d| {
-        let c =
-            Tensor::<Cpu>::rand(d.clone(), -2.0, 2.0, spec.seed, dtype, &Cpu::device(0)).unwrap();
+        let c = Generator::new(spec.seed)
+            .sample::<Cpu>(
+                d.clone(),
+                RandDist::Uniform { low: -2.0, high: 2.0 },
+                dtype,
+                &Cpu::device(0),
+            )
+            .unwrap();
         G::from_host(&c.to_host().unwrap(), d, dev).unwrap()
     })
 }
@@ -246,7 +253,17 @@ fn against_cpu(
 }
 
 fn rand_cpu(dims: &[usize], seed: u64, dtype: DType) -> Tensor<Cpu> {
-    Tensor::<Cpu>::rand(dims.to_vec(), -3.0, 3.0, seed, dtype, &Cpu::device(0)).unwrap()
+    Generator::new(seed)
+        .sample::<Cpu>(
+            dims.to_vec(),
+            RandDist::Uniform {
+                low: -3.0,
+                high: 3.0,
+            },
+            dtype,
+            &Cpu::device(0),
+        )
+        .unwrap()
 }
 
 /// A row-wise log-sum-exp (one block per row) with the softmax as an elementwise output of the

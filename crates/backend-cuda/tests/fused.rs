@@ -6,7 +6,7 @@
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, gpu_or_skip};
-use kiln_core::{Backend, DType, Tensor, UpdateRule};
+use kiln_core::{Backend, DType, Generator, RandDist, Tensor, UpdateRule};
 
 /// 30 parameters of assorted sizes (one launch takes 24).
 const SIZES: [usize; 30] = [
@@ -20,7 +20,9 @@ fn tensors<B: Backend>(dev: &B::Device, dtype: DType, seed: u64, positive: bool)
         .enumerate()
         .map(|(i, &n)| {
             let (lo, hi) = if positive { (0.0, 1.0) } else { (-1.0, 1.0) };
-            Tensor::<B>::rand([n], lo, hi, seed * 1000 + i as u64, dtype, dev).unwrap()
+            Generator::new(seed * 1000 + i as u64)
+                .sample::<B>([n], RandDist::Uniform { low: lo, high: hi }, dtype, dev)
+                .unwrap()
         })
         .collect()
 }

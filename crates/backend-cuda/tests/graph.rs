@@ -6,7 +6,7 @@
 
 use kiln_autograd::Var;
 use kiln_backend_cuda::{Cuda, CudaDevice, CudaGraph, gpu_or_skip, write_static};
-use kiln_core::{DType, Error, Tensor};
+use kiln_core::{DType, Error, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
@@ -119,7 +119,7 @@ fn a_captured_sgd_step_trains_like_the_eager_one() {
     let mut opt_e = sgd.init(eager.parameters()).unwrap();
     let mut opt_c = sgd.init(captured.parameters()).unwrap();
     let step = |m: &Sequential<Cuda>, o: &mut dyn Optimizer<Cuda>| {
-        let loss = cross_entropy(&m.forward(&x)?, &y)?;
+        let loss = cross_entropy(&m.forward(&x)?, &y, Reduction::Mean)?;
         o.zero_grad();
         loss.backward()?;
         o.step()?;
@@ -194,7 +194,17 @@ fn what_a_capture_cannot_record_is_refused_and_the_device_stays_usable() {
     );
     refused(
         CudaGraph::capture(&dev, || {
-            Tensor::<Cuda>::rand([4], 0.0, 1.0, 1, F32, &dev).map(|_| ())
+            Generator::new(1)
+                .sample::<Cuda>(
+                    [4],
+                    RandDist::Uniform {
+                        low: 0.0,
+                        high: 1.0,
+                    },
+                    F32,
+                    &dev,
+                )
+                .map(|_| ())
         })
         .map(|_| ()),
         "random numbers",

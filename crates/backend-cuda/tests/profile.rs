@@ -7,7 +7,7 @@
 use kiln_backend_cuda::{Cuda, Stream, gpu_or_skip, raw, thread_syncs};
 use kiln_core::profile::{self, Kind, LaunchKind};
 use kiln_core::test_profile::{check_chrome_trace, check_profile_counts};
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Generator, Tensor};
 
 /// `KILN_CUDA_SYNC=1` (like `CUDA_LAUNCH_BLOCKING=1`) turns fusion off and synchronizes after
 /// every launch: three of these tests check fused programs, no added synchronization, or
@@ -55,7 +55,9 @@ fn profiling_adds_no_synchronization_per_op() {
         return;
     }
     profile::set_device_sample_every(1); // every launch timed: these tests check each one
-    let x = Tensor::<Cuda>::rand([230_400], -1.0, 1.0, 1, DType::F32, &dev).unwrap();
+    let x = Generator::new(1)
+        .uniform::<Cuda>([230_400], -1.0, 1.0, &dev)
+        .unwrap();
     x.exp().unwrap().realize().unwrap();
     Cuda::synchronize(&dev).unwrap();
     let (syncs, p) = profile::profile(|| {
@@ -94,7 +96,9 @@ fn device_spans_are_on_the_stream_they_ran_on() {
     let Some(dev) = gpu_or_skip(0) else { return };
     profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let s = Stream::new(&dev).unwrap();
-    let x = Tensor::<Cuda>::rand([1 << 16], -1.0, 1.0, 2, DType::F32, &dev).unwrap();
+    let x = Generator::new(2)
+        .uniform::<Cuda>([1 << 16], -1.0, 1.0, &dev)
+        .unwrap();
     let (_, p) = profile::profile(|| {
         let _r = profile::range("on-a-stream");
         s.scope(|| {
@@ -123,7 +127,9 @@ fn trace_file_has_host_and_device_events() {
     profile::set_device_sample_every(1); // every launch timed: these tests check each one
     let (_, p) = profile::profile(|| {
         let _r = profile::range("gpu-trace");
-        let a = Tensor::<Cuda>::rand([128, 128], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
+        let a = Generator::new(3)
+            .uniform::<Cuda>([128, 128], -1.0, 1.0, &dev)
+            .unwrap();
         let _f = profile::range("forward");
         a.matmul(&a)
             .unwrap()
@@ -179,7 +185,9 @@ fn every_kind_of_launch_after_a_cublas_call_gets_device_time() {
     let Some(dev) = gpu_or_skip(0) else { return };
     profile::set_device_sample_every(1); // every launch timed: these tests check each one
     // 256³ multiply-adds: cuBLAS's (smaller products run kiln's own kernel).
-    let a = Tensor::<Cuda>::rand([256, 256], -1.0, 1.0, 3, DType::F32, &dev).unwrap();
+    let a = Generator::new(3)
+        .uniform::<Cuda>([256, 256], -1.0, 1.0, &dev)
+        .unwrap();
     a.matmul(&a).unwrap().norm().unwrap().to_scalar().unwrap();
     let (_, p) = profile::profile(|| {
         let _r = profile::range("blas-expr-copy");
@@ -218,7 +226,9 @@ fn every_kind_of_launch_after_a_cublas_call_gets_device_time() {
 fn sampling_times_a_random_share_of_launches_and_estimates_the_rest() {
     let Some(dev) = gpu_or_skip(0) else { return };
     profile::set_device_sample_every(4);
-    let x = Tensor::<Cuda>::rand([1 << 20], -1.0, 1.0, 4, DType::F32, &dev).unwrap();
+    let x = Generator::new(4)
+        .uniform::<Cuda>([1 << 20], -1.0, 1.0, &dev)
+        .unwrap();
     x.exp().unwrap().realize().unwrap();
     let (_, p) = profile::profile(|| {
         let _r = profile::range("sampled-loop");

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, Event, Stream, gpu_or_skip, raw};
-use kiln_core::{DType, Error, PinnedBlock, Tensor};
+use kiln_core::{DType, Error, Generator, PinnedBlock, RandDist, Reduction, Tensor};
 
 const F32: DType = DType::F32;
 
@@ -332,7 +332,7 @@ fn several_pinned_sources_upload_behind_one_event_and_stay_alive() {
     // The labels were scanned on the host: a loss over them needs no flag read.
     let logits = Tensor::<Cuda>::zeros([1000, 10], F32, &dev).unwrap();
     let s0 = kiln_backend_cuda::thread_syncs();
-    logits.cross_entropy(&ls).unwrap();
+    logits.cross_entropy(&ls, Reduction::None).unwrap();
     if !launches_block() {
         // (`KILN_CUDA_SYNC=1` synchronizes after the loss's launch itself.)
         assert_eq!(kiln_backend_cuda::thread_syncs(), s0);
@@ -690,7 +690,17 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
         let b = &bytes[r.start * row..r.end * row];
         b.iter().map(|&b| (b as f32 / d).to_bits()).collect()
     };
-    let logits = Tensor::<Cuda>::rand([7, 10], -1.0, 1.0, 3, F32, &dev).unwrap();
+    let logits = Generator::new(3)
+        .sample::<Cuda>(
+            [7, 10],
+            RandDist::Uniform {
+                low: -1.0,
+                high: 1.0,
+            },
+            F32,
+            &dev,
+        )
+        .unwrap();
     for (k, range) in [1234..4321, 0..rows_n, 17..24, 9..9]
         .into_iter()
         .enumerate()
@@ -736,7 +746,9 @@ fn the_gpu_copies_consecutive_rows_of_pinned_host_arrays() {
         // (With `KILN_CUDA_SYNC=1` every launch synchronizes.)
         if n >= 7 && !launches_block() {
             let s0 = thread_syncs();
-            logits.cross_entropy(&y.narrow(0, 0, 7).unwrap()).unwrap();
+            logits
+                .cross_entropy(&y.narrow(0, 0, 7).unwrap(), Reduction::None)
+                .unwrap();
             assert_eq!(thread_syncs(), s0, "the labels' id bound was carried");
         }
     }

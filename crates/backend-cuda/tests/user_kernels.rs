@@ -13,7 +13,7 @@ use kiln_backend_cuda::{
     empty, gpu_or_skip, thread_launches,
 };
 use kiln_core::testing::assert_close;
-use kiln_core::{DType, Error, Tensor};
+use kiln_core::{DType, Error, Generator, RandDist, Tensor};
 
 type G = Tensor<Cuda>;
 type C = Tensor<Cpu>;
@@ -31,7 +31,13 @@ fn close(a: &[f64], b: &[f64], tol: f64) {
 }
 
 fn rand(shape: &[usize], seed: u64, dtype: DType, dev: &CudaDevice) -> G {
-    G::rand(shape, -1.0, 1.0, seed, dtype, dev).unwrap()
+    let dist = RandDist::Uniform {
+        low: -1.0,
+        high: 1.0,
+    };
+    Generator::new(seed)
+        .sample(shape, dist, dtype, dev)
+        .unwrap()
 }
 
 /// A plain op after an error: the device must still work.

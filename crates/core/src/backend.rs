@@ -228,6 +228,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     fn contiguous(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<Self::Storage>;
     /// `len` random values: element `i` comes from Philox4x32-10 with counter `i` and key
     /// `seed`, exactly as [`crate::philox`] defines, so every backend draws the same numbers.
+    /// A [`Generator`](crate::Generator) passes a fresh key per draw
+    /// ([`philox::draw_key`](crate::philox::draw_key)).
     fn rand(
         device: &Self::Device,
         dtype: DType,
@@ -313,7 +315,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         log: bool,
     ) -> Result<Self::Storage>;
     /// Softmax cross-entropy per row: `logits` is `[n, c]`, `labels` is `i64` `[n]`; returns
-    /// `[n]` losses `logsumexp(row) - row[label]`. A label outside `0..c` is an error.
+    /// `[n]` losses `logsumexp(row) - row[label]`. A label outside `0..c` is
+    /// [`Error::IndexOutOfRange`].
     fn cross_entropy(
         logits: &Self::Storage,
         logits_layout: &Layout,
@@ -336,7 +339,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// Converts every element (`as` semantics: float to int truncates and saturates).
     fn cast(s: &Self::Storage, layout: &Layout, from: DType, to: DType) -> Result<Self::Storage>;
     /// Picks entries `ids` (1-d, `i64`) along `axis`; the output has `dims[axis] = ids.len()`.
-    /// An index outside `0..dims[axis]` is an error.
+    /// An index outside `0..dims[axis]` is [`Error::IndexOutOfRange`] (also for `gather` and
+    /// `scatter_add`).
     #[allow(clippy::too_many_arguments)]
     fn index_select(
         s: &Self::Storage,

@@ -55,6 +55,16 @@ pub enum Error {
         from: Shape,
         to: Shape,
     },
+    /// An index (`index_select`, `gather`, `scatter_add`) outside its axis `0..size`, or a
+    /// class label of a cross-entropy outside `0..size` (`size` is then the number of
+    /// classes). Every backend reports it with this variant, the GPU's included (from its
+    /// kernels' error flag), so a caller can match it.
+    #[error("{op}: index {index} is out of range 0..{size}")]
+    IndexOutOfRange {
+        op: &'static str,
+        index: i64,
+        size: usize,
+    },
     /// Any other invalid argument, described in `msg`.
     #[error("{op}: {msg}")]
     InvalidArgument { op: &'static str, msg: String },

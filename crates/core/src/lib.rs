@@ -7,7 +7,8 @@
 //! - [`Error`] and [`Result`]: one typed error for the whole framework;
 //! - the [`Backend`] trait: a small, enum-driven set of kernels that a device implements;
 //! - [`Tensor<B>`](Tensor): the user-facing array, generic over its backend;
-//! - [`philox`]: the counter-based generator every backend implements bit for bit;
+//! - [`philox`]: the counter-based generator every backend implements bit for bit, and
+//!   [`Generator`]: seedable random tensors from it (`manual_seed` for the default one);
 //! - [`profile`]: the profiler (`KILN_PROFILE=1`), per-op tables and Chrome traces;
 //! - [`reference`](mod@reference): a plain-loop f64 backend, obviously correct and slow,
 //!   against which the conformance suite (`testing`, behind the feature `testing`) checks every
@@ -47,6 +48,7 @@ mod layout;
 pub mod op;
 pub mod philox;
 pub mod profile;
+mod random;
 pub mod reference;
 mod shape;
 mod tensor;
@@ -69,5 +71,6 @@ pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
 pub use host::{Element, HostBuffer, HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use op::{CompositeOp, Real, UnaryFn, UnaryVisitor, Vjp};
+pub use random::{Generator, default_generator, manual_seed};
 pub use shape::normalize_axis;
-pub use tensor::{Tensor, Updated};
+pub use tensor::{Reduction, Tensor, Updated};

@@ -39,6 +39,18 @@ pub fn words(seed: u64, i: u64) -> [u32; 4] {
     )
 }
 
+/// The key of draw number `draw` of a generator seeded with `seed`
+/// ([`Generator`](crate::Generator)): the first two words of Philox on counter
+/// `[draw_lo, draw_hi, 0x6b65_7973, 0]` (`"keys"`) under key `seed`, so that keys of
+/// successive draws are unrelated and never equal an element's counter stream.
+pub fn draw_key(seed: u64, draw: u64) -> u64 {
+    let w = philox4x32_10(
+        [draw as u32, (draw >> 32) as u32, 0x6b65_7973, 0],
+        [seed as u32, (seed >> 32) as u32],
+    );
+    (w[0] as u64) | ((w[1] as u64) << 32)
+}
+
 const F32_UNIT: f32 = 1.0 / 16_777_216.0; // 2^-24
 const F64_UNIT: f64 = 1.0 / 9_007_199_254_740_992.0; // 2^-53
 

@@ -261,12 +261,13 @@ fn cmp<T: PartialOrd>(op: CmpOp, a: T, b: T) -> bool {
 }
 
 /// Checks an index read from an `i64` tensor against an axis of size `dim`.
-fn check_index(op: &'static str, id: i64, axis: usize, dim: usize) -> Result<usize> {
+fn check_index(op: &'static str, id: i64, dim: usize) -> Result<usize> {
     if id < 0 || id as u64 >= dim as u64 {
-        return Err(Error::invalid(
+        return Err(Error::IndexOutOfRange {
             op,
-            format!("index {id} is out of range for axis {axis} of size {dim}"),
-        ));
+            index: id,
+            size: dim,
+        });
     }
     Ok(id as usize)
 }
@@ -886,7 +887,7 @@ impl Backend for Reference {
         let dims = layout.dims();
         let ids = ids
             .iter()
-            .map(|&i| check_index(OP, i, axis, dims[axis]))
+            .map(|&i| check_index(OP, i, dims[axis]))
             .collect::<Result<Vec<_>>>()?;
         let mut out_dims = dims.to_vec();
         out_dims[axis] = ids.len();
@@ -916,7 +917,7 @@ impl Backend for Reference {
             .enumerate()
             .map(|(flat, &id)| {
                 let mut idx = unravel(flat, id_dims);
-                idx[axis] = check_index(OP, id, axis, dims[axis])?;
+                idx[axis] = check_index(OP, id, dims[axis])?;
                 if idx.iter().zip(dims).any(|(&i, &d)| i >= d) {
                     return Err(Error::ShapeMismatch {
                         op: OP,
@@ -957,7 +958,7 @@ impl Backend for Reference {
             .enumerate()
             .map(|(flat, &id)| {
                 let mut idx = unravel(flat, id_dims);
-                idx[axis] = check_index(OP, id, axis, dims[axis])?;
+                idx[axis] = check_index(OP, id, dims[axis])?;
                 if idx.iter().zip(dims).any(|(&i, &d)| i >= d) {
                     return Err(Error::ShapeMismatch {
                         op: OP,
@@ -1021,17 +1022,7 @@ fn xent_inputs(
     let x = floats(op, &gather(op, logits, logits_layout, dtype)?)?;
     let y = ints(&gather(op, labels, labels_layout, DType::I64)?)
         .into_iter()
-        .enumerate()
-        .map(|(row, l)| {
-            if l < 0 || l as u64 >= c as u64 {
-                Err(Error::invalid(
-                    op,
-                    format!("label {l} at row {row} is out of range for {c} classes"),
-                ))
-            } else {
-                Ok(l as usize)
-            }
-        })
+        .map(|l| check_index(op, l, c))
         .collect::<Result<Vec<_>>>()?;
     Ok((x, y, c))
 }
@@ -1088,7 +1079,7 @@ mod tests {
     fn index_out_of_range_names_op_and_index() {
         let a = T::zeros([3, 2], DType::F32, &D).unwrap();
         let ids = T::from_vec(vec![0i64, 3], [2], &D).unwrap();
-        let e = a.index_select(&ids, 0).unwrap_err().to_string();
+        let e = a.index_select(0, &ids).unwrap_err().to_string();
         assert!(e.contains("index_select") && e.contains("index 3"), "{e}");
     }
 }

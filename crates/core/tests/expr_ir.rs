@@ -5,7 +5,7 @@
 
 use kiln_core::expr::*;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{DType, Error, ExprErrorKind, Tensor};
+use kiln_core::{DType, Error, ExprErrorKind, Generator, RandDist, Tensor};
 
 type T = Tensor<Reference>;
 
@@ -214,7 +214,7 @@ fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
         .run(&refs, &[])
         .unwrap();
     let y = &fwd[0];
-    let gy = y.randn_like(0.0, 1.0, 7).unwrap();
+    let gy = Generator::new(7).randn_like(y).unwrap();
     let mut args: Vec<T> = xs.to_vec();
     args.extend(fwd[1..].iter().cloned());
     if let Some(ties) = &g.ties {
@@ -249,7 +249,7 @@ fn check_grad(exprs: &dyn Fn(&[Expr]) -> Expr, xs: &[T]) {
         y.mul(&gy).unwrap().sum_all().unwrap().to_scalar().unwrap()
     };
     for k in 0..xs.len() {
-        let d = xs[k].randn_like(0.0, 1.0, 11 + k as u64).unwrap();
+        let d = Generator::new(11 + k as u64).randn_like(&xs[k]).unwrap();
         let shape = xs[k].shape().clone();
         let gk = sum_to_shape(&grads[k], &shape);
         let analytic = gk.mul(&d).unwrap().sum_all().unwrap().to_scalar().unwrap();
@@ -285,8 +285,28 @@ fn sum_to_shape(g: &T, shape: &kiln_core::Shape) -> T {
 
 #[test]
 fn gradients_match_central_differences() {
-    let x = T::randn([3, 4], 0.0, 1.0, 1, DType::F64, &dev()).unwrap();
-    let y = T::randn([4], 0.0, 1.0, 2, DType::F64, &dev()).unwrap();
+    let x = Generator::new(1)
+        .sample(
+            [3, 4],
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &dev(),
+        )
+        .unwrap();
+    let y = Generator::new(2)
+        .sample(
+            [4],
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &dev(),
+        )
+        .unwrap();
     let pos = x.abs().unwrap().add_scalar(0.5).unwrap();
     check_grad(&|e| &e[0] * e[0].sigmoid(), std::slice::from_ref(&x));
     check_grad(

@@ -3,7 +3,7 @@
 //! `copy_to` copies).
 
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Reduction, Tensor};
 
 type T = Tensor<Reference>;
 const R0: RefDevice = RefDevice(0);
@@ -39,7 +39,7 @@ fn mixing_devices_names_the_op_and_both_devices() {
         ("cat", T::cat(&[a.clone(), b.clone()], 0)),
         (
             "index_select",
-            a.index_select(&T::from_vec(vec![0i64], [1], &R1).unwrap(), 0),
+            a.index_select(0, &T::from_vec(vec![0i64], [1], &R1).unwrap()),
         ),
         ("where", a.gt(&a).unwrap().where_cond(&b, &b)),
     ];
@@ -74,7 +74,7 @@ fn mismatched_shapes_name_both_shapes() {
     let (_, m) = err(a.broadcast_to([3, 3]));
     assert_eq!(m, "broadcast_to: shape mismatch between [2, 3] and [3, 3]");
     let labels = T::from_vec(vec![0i64; 3], [3], &R0).unwrap();
-    let (_, m) = err(a.cross_entropy(&labels));
+    let (_, m) = err(a.cross_entropy(&labels, Reduction::None));
     assert_eq!(m, "cross_entropy: shape mismatch between [2, 3] and [3]");
 }
 
@@ -115,7 +115,7 @@ fn out_of_range_axes_name_the_op_axis_and_rank() {
     );
     let (_, m) = err(a.narrow(2, 0, 1));
     assert_eq!(m, "narrow: axis 2 is out of range for a tensor of rank 2");
-    let (_, m) = err(a.index_select(&T::from_vec(vec![0i64], [1], &R0).unwrap(), -3));
+    let (_, m) = err(a.index_select(-3, &T::from_vec(vec![0i64], [1], &R0).unwrap()));
     assert_eq!(
         m,
         "index_select: axis -3 is out of range for a tensor of rank 2"
@@ -154,14 +154,22 @@ fn wrong_dtypes_name_the_op_and_both_dtypes() {
     assert_eq!(m, "sum: dtype mismatch: expected f32, f64 or i64, got u8");
     let (_, m) = err(f.where_cond(&f, &f));
     assert_eq!(m, "where: dtype mismatch: expected u8 condition, got f32");
-    let (_, m) = err(f.index_select(&f, 0));
+    let (_, m) = err(f.index_select(0, &f));
     assert_eq!(
         m,
         "index_select: dtype mismatch: expected i64 indices, got f32"
     );
     let (_, m) = err(f.to_vec::<i64>());
     assert_eq!(m, "to_vec: dtype mismatch: expected i64, got f32");
-    let (_, m) = err(T::rand([2], 0.0, 1.0, 1, DType::I64, &R0));
+    let (_, m) = err(Generator::new(1).sample::<Reference>(
+        [2],
+        RandDist::Uniform {
+            low: 0.0,
+            high: 1.0,
+        },
+        DType::I64,
+        &R0,
+    ));
     assert!(m.starts_with("rand: dtype mismatch"), "{m}");
     let (_, m) = err(i.pow(&i));
     assert!(
@@ -177,30 +185,73 @@ fn out_of_range_indices_name_the_op_and_index() {
         .reshape([3, 2])
         .unwrap();
     let ids = T::from_vec(vec![0i64, 3], [2], &R0).unwrap();
-    let (e, m) = err(a.index_select(&ids, 0));
-    assert!(matches!(e, Error::InvalidArgument { .. }), "{e:?}");
-    assert_eq!(
-        m,
-        "index_select: index 3 is out of range for axis 0 of size 3"
+    let (e, m) = err(a.index_select(0, &ids));
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "index_select",
+                index: 3,
+                size: 3
+            }
+        ),
+        "{e:?}"
     );
+    assert_eq!(m, "index_select: index 3 is out of range 0..3");
     let neg = T::from_vec(vec![-1i64], [1, 1], &R0).unwrap();
-    let (_, m) = err(a.gather(&neg, 1));
-    assert_eq!(m, "gather: index -1 is out of range for axis 1 of size 2");
+    let (e, m) = err(a.gather(1, &neg));
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "gather",
+                index: -1,
+                size: 2
+            }
+        ),
+        "{e:?}"
+    );
+    assert_eq!(m, "gather: index -1 is out of range 0..2");
     let src = T::ones([1, 1], DType::F32, &R0).unwrap();
-    let (_, m) = err(a.scatter_add(&neg, &src, 0));
-    assert_eq!(
-        m,
-        "scatter_add: index -1 is out of range for axis 0 of size 3"
+    let (e, _) = err(a.scatter_add(0, &neg, &src));
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "scatter_add",
+                index: -1,
+                size: 3
+            }
+        ),
+        "{e:?}"
     );
     let labels = T::from_vec(vec![0i64, 0, 2], [3], &R0).unwrap();
-    let (_, m) = err(a.cross_entropy(&labels));
-    assert_eq!(
-        m,
-        "cross_entropy: label 2 at row 2 is out of range for 2 classes"
+    let (e, m) = err(a.cross_entropy(&labels, Reduction::None));
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "cross_entropy",
+                index: 2,
+                size: 2
+            }
+        ),
+        "{e:?}"
     );
+    assert_eq!(m, "cross_entropy: index 2 is out of range 0..2");
     let g = T::ones([3], DType::F32, &R0).unwrap();
-    let (_, m) = err(a.cross_entropy_backward(&labels, &g));
-    assert!(m.starts_with("cross_entropy_backward: label 2"), "{m}");
+    let (e, _) = err(a.cross_entropy_backward(&labels, &g));
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "cross_entropy_backward",
+                index: 2,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -325,4 +376,64 @@ fn norm_is_the_euclidean_norm_of_every_element() {
     let ids = T::from_vec(vec![1i64, 2], [2], &R0).unwrap();
     let (_, m) = err(ids.norm());
     assert!(m.contains("norm") && m.contains("i64"), "{m}");
+}
+
+// ---- softmax on any axis -------------------------------------------------------------------
+
+#[test]
+fn softmax_along_any_axis_is_the_definition_along_that_axis() {
+    let v: Vec<f64> = (0..60)
+        .map(|i| ((i * 7 + 3) % 11) as f64 * 0.9 - 4.0)
+        .collect();
+    let x = T::from_slice(&v, [3, 4, 5], &R0).unwrap();
+    for dim in [0isize, 1, 2, -1, -2, -3] {
+        // exp(x - max) / sum(exp(x - max)) along `dim`, from plain ops.
+        let m = x.max(&[dim], true).unwrap();
+        let e = x.sub(&m).unwrap().exp().unwrap();
+        let want = e.div(&e.sum(&[dim], true).unwrap()).unwrap();
+        let got = x.softmax(dim).unwrap();
+        assert_eq!(got.dims(), x.dims());
+        let (g, w) = (got.to_f64_vec().unwrap(), want.to_f64_vec().unwrap());
+        assert!(
+            g.iter().zip(&w).all(|(a, b)| (a - b).abs() < 1e-12),
+            "softmax({dim})"
+        );
+        let lg = x.log_softmax(dim).unwrap().to_f64_vec().unwrap();
+        assert!(
+            lg.iter().zip(&w).all(|(a, b)| (a - b.ln()).abs() < 1e-12),
+            "log_softmax({dim})"
+        );
+    }
+    let (e, _) = err(x.softmax(3));
+    assert!(
+        matches!(
+            e,
+            Error::AxisOutOfRange {
+                axis: 3,
+                rank: 3,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let (e, _) = err(x.log_softmax(-4));
+    assert!(matches!(e, Error::AxisOutOfRange { axis: -4, .. }), "{e:?}");
+}
+
+// ---- max_dim / min_dim ---------------------------------------------------------------------
+
+#[test]
+fn max_dim_and_min_dim_return_values_and_indices() {
+    let x = T::from_slice(&[3.0f32, 9.0, 1.0, 4.0, 2.0, 8.0], [2, 3], &R0).unwrap();
+    let (v, i) = x.max_dim(1, false).unwrap();
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![9.0, 8.0]);
+    assert_eq!(i.dtype(), DType::I64);
+    assert_eq!(i.to_vec::<i64>().unwrap(), vec![1, 2]);
+    let (v, i) = x.min_dim(-2, true).unwrap();
+    assert_eq!(v.dims(), [1, 3]);
+    assert_eq!(i.dims(), [1, 3]);
+    assert_eq!(v.to_vec::<f32>().unwrap(), vec![3.0, 2.0, 1.0]);
+    assert_eq!(i.to_vec::<i64>().unwrap(), vec![0, 1, 0]);
+    let (e, _) = err(x.max_dim(2, false));
+    assert!(matches!(e, Error::AxisOutOfRange { .. }), "{e:?}");
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kiln_autograd::Var;
 use kiln_backend_cpu::{Cpu, CpuDevice};
 use kiln_core::testing::check_close;
-use kiln_core::{DType, DistErrorKind, Result, Tensor};
+use kiln_core::{DType, DistErrorKind, Generator, Reduction, Result, Tensor};
 use kiln_dist::{
     Ddp, LocalGroup, ProcessGroup, ReduceOp, accumulate_grads_from, copy_parameters_from,
     scale_grads,
@@ -36,7 +36,9 @@ fn model(seed: u64) -> Sequential<B> {
 
 /// A fixed global batch of `n` samples.
 fn batch(step: u64, n: usize) -> (Tensor<B>, Tensor<B>) {
-    let x = Tensor::<B>::randn([n, 12], 0.0, 1.0, 100 + step, DType::F32, &dev()).unwrap();
+    let x = Generator::new(100 + step)
+        .randn::<B>([n, 12], &dev())
+        .unwrap();
     let y: Vec<i64> = (0..n).map(|i| ((i as u64 * 7 + step) % 5) as i64).collect();
     (x, Tensor::from_slice(&y, [n], &dev()).unwrap())
 }
@@ -67,7 +69,8 @@ fn single_rank() -> Vec<Vec<f32>> {
     for s in 0..STEPS {
         let (x, y) = batch(s, GLOBAL);
         opt.zero_grad();
-        let loss = cross_entropy(&m.forward(&Var::constant(x)).unwrap(), &y).unwrap();
+        let loss =
+            cross_entropy(&m.forward(&Var::constant(x)).unwrap(), &y, Reduction::Mean).unwrap();
         loss.backward().unwrap();
         opt.step().unwrap();
     }
@@ -101,7 +104,8 @@ fn two_rank_ddp_matches_one_rank() {
                         let x = x.narrow(0, rank * local, local)?;
                         let y = y.narrow(0, rank * local, local)?;
                         opt.zero_grad();
-                        let loss = cross_entropy(&m.forward(&Var::constant(x))?, &y)?;
+                        let loss =
+                            cross_entropy(&m.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
                         ddp.backward(&loss)?;
                         opt.step()?;
                     }
@@ -126,8 +130,12 @@ fn no_sync_accumulates_and_the_next_backward_reduces_the_sum() {
                 let ddp = Ddp::new(&m, Arc::new(g)).unwrap();
                 let (x, y) = batch(0, 8);
                 let run = || {
-                    let loss =
-                        cross_entropy(&m.forward(&Var::constant(x.clone())).unwrap(), &y).unwrap();
+                    let loss = cross_entropy(
+                        &m.forward(&Var::constant(x.clone())).unwrap(),
+                        &y,
+                        Reduction::Mean,
+                    )
+                    .unwrap();
                     loss.mul_scalar((rank + 1) as f64).unwrap()
                 };
                 ddp.no_sync(|| run().backward().unwrap());
@@ -238,7 +246,9 @@ fn chainer_style_master_and_replica_match_one_device() {
                     y.narrow(0, i * half, half).unwrap(),
                 );
                 sc.spawn(move || {
-                    let loss = cross_entropy(&m.forward(&Var::constant(x)).unwrap(), &y).unwrap();
+                    let loss =
+                        cross_entropy(&m.forward(&Var::constant(x)).unwrap(), &y, Reduction::Mean)
+                            .unwrap();
                     loss.backward().unwrap();
                 });
             }

@@ -350,7 +350,7 @@ fn conv2d_cached<B: Backend>(
     };
     let l = oh * ow;
     let ckk = c * window.kernel[0] * window.kernel[1];
-    let cols = rows.index_select(&ids_t, 0)?.reshape([ckk, l * n])?;
+    let cols = rows.index_select(0, &ids_t)?.reshape([ckk, l * n])?;
     let mut y = weight.reshape([oc, ckk])?.matmul(&cols)?; // [oc, (oh, ow, n)]
     if let Some(b) = bias {
         y = y.add(&b.reshape([oc, 1])?)?;
@@ -481,15 +481,15 @@ fn max_pool2d_cached<B: Backend>(
     let kk = kh * kw;
     let windows = rows
         .tensor()
-        .index_select(&ids_t.reshape([l * kk])?, 0)?
+        .index_select(0, &ids_t.reshape([l * kk])?)?
         .reshape([l, kk, nc])?;
     let arg = windows.argmax(1, true)?; // [l, 1, nc]
     let flat = ids_t
         .unsqueeze(-1)?
         .broadcast_to([l, kk, nc])?
-        .gather(&arg, 1)?
+        .gather(1, &arg)?
         .reshape([l, nc])?;
-    rows.gather(&flat, 0)?
+    rows.gather(0, &flat)?
         .reshape([oh, ow, n, c])?
         .permute(&[2, 3, 0, 1])
 }

@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, CmpOp, Error, Result, Tensor};
+use kiln_core::{Backend, CmpOp, Error, Generator, Result, Tensor};
 
 use crate::init::derive_seed;
 use crate::module::Module;
@@ -65,14 +65,7 @@ impl Dropout {
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.
     pub fn mask<B: Backend>(&self, x: &Tensor<B>, step: u64) -> Result<Tensor<B>> {
-        let u = Tensor::<B>::rand(
-            x.shape().clone(),
-            0.0,
-            1.0,
-            derive_seed(self.seed, step),
-            x.dtype(),
-            x.device(),
-        )?;
+        let u = Generator::new(derive_seed(self.seed, step)).rand_like(x)?;
         u.compare_scalar(CmpOp::Ge, self.p)?
             .to_dtype(x.dtype())?
             .mul_scalar(1.0 / (1.0 - self.p))

@@ -8,7 +8,7 @@
 //! Fans follow `torch.nn.init._calculate_fan_in_and_fan_out`: for a weight of shape
 //! `[out, in, k...]`, `fan_in = in * prod(k)` and `fan_out = out * prod(k)`.
 
-use kiln_core::{Backend, DType, Error, Result, Shape, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Result, Shape, Tensor};
 
 /// How to fill a new parameter.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -74,14 +74,15 @@ impl Init {
                 got: dtype,
             });
         }
-        let uniform = |b: f64| Tensor::rand(shape.clone(), -b, b, seed, dtype, device);
-        let normal = |s: f64| Tensor::randn(shape.clone(), 0.0, s, seed, dtype, device);
+        let draw = |dist: RandDist| Generator::new(seed).sample(shape.clone(), dist, dtype, device);
+        let uniform = |b: f64| draw(RandDist::Uniform { low: -b, high: b });
+        let normal = |std: f64| draw(RandDist::Normal { mean: 0.0, std });
         match self {
             Init::Zeros => Tensor::zeros(shape, dtype, device),
             Init::Ones => Tensor::ones(shape, dtype, device),
             Init::Constant(c) => Tensor::full(shape, c, dtype, device),
-            Init::Uniform { low, high } => Tensor::rand(shape, low, high, seed, dtype, device),
-            Init::Normal { mean, std } => Tensor::randn(shape, mean, std, seed, dtype, device),
+            Init::Uniform { low, high } => draw(RandDist::Uniform { low, high }),
+            Init::Normal { mean, std } => draw(RandDist::Normal { mean, std }),
             Init::KaimingUniform { a } => {
                 let (fan_in, _) = fans(&shape)?;
                 uniform(leaky_gain(a) * (3.0 / fan_in as f64).sqrt())

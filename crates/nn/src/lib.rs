@@ -13,7 +13,8 @@
 //! - safetensors I/O ([`serialize`]).
 //!
 //! Layers are built Burn-style from a config: `LinearConfig::new(784, 100).with_bias(true)
-//! .init::<B>(&device, seed)`. The explicit seed replaces a global RNG: the same seed gives the
+//! .init::<B>(&device, seed)`. The explicit seed draws from its own `kiln_core::Generator`, not
+//! the default one, so a model's weights do not depend on what else drew: the same seed gives the
 //! same weights on every backend (Philox), which is what lets a GPU run be checked against a
 //! CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
 //! `[out, in]`), so a `.safetensors` file moves between kiln and PyTorch unchanged.
@@ -21,7 +22,7 @@
 //! ```
 //! use kiln_autograd::Var;
 //! use kiln_backend_cpu::Cpu;
-//! use kiln_core::{Backend, DType, Tensor};
+//! use kiln_core::{Backend, Generator, Reduction, Tensor};
 //! use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential, derive_seed, loss};
 //!
 //! fn step<B: Backend>(dev: &B::Device, seed: u64) -> kiln_core::Result<f64> {
@@ -29,9 +30,9 @@
 //!         .add(LinearConfig::new(784, 100).init::<B>(dev, derive_seed(seed, 0))?)
 //!         .add(Relu)
 //!         .add(LinearConfig::new(100, 10).init::<B>(dev, derive_seed(seed, 2))?);
-//!     let x = Tensor::<B>::rand([8, 784], 0.0, 1.0, seed, DType::F32, dev)?;
+//!     let x = Generator::new(seed).rand::<B>([8, 784], dev)?;
 //!     let labels = Tensor::<B>::from_slice(&[3i64, 1, 4, 1, 5, 9, 2, 6], [8], dev)?;
-//!     let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels)?;
+//!     let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels, Reduction::Mean)?;
 //!     loss.backward()?;
 //!     model.save(std::env::temp_dir().join("kiln-doc-mlp.safetensors"))?;
 //!     loss.tensor().to_scalar()

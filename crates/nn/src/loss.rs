@@ -1,38 +1,51 @@
-//! Losses. Each returns a 0-d [`Var`] (the mean over the batch, PyTorch's default reduction)
-//! ready for `backward`. Targets are plain tensors: they never need a gradient.
+//! Losses, as `torch.nn.functional`'s: each takes a [`Reduction`] (PyTorch's `reduction=`;
+//! [`Reduction::Mean`], the default there, gives the 0-d [`Var`] ready for `backward`).
+//! Targets are plain tensors: they never need a gradient.
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, DType, Error, Reduction, Result, Tensor};
 
-/// Softmax cross-entropy of logits `[n, c]` against `i64` class labels `[n]`, averaged over the
-/// batch (`torch.nn.functional.cross_entropy`). Fused: log-softmax and the loss are one kernel
-/// forward, and the backward is one kernel (`softmax - onehot`), never a materialized
-/// probability matrix followed by a log. A label outside `0..c` is an error.
-pub fn cross_entropy<B: Backend>(logits: &Var<B>, labels: &Tensor<B>) -> Result<Var<B>> {
-    logits.softmax_cross_entropy(labels)
+/// Softmax cross-entropy of logits `[n, c]` against `i64` class labels `[n]`
+/// (`torch.nn.functional.cross_entropy`): [`Var::cross_entropy`]. Fused: log-softmax and the
+/// loss are one kernel forward, and the backward is one kernel (`softmax - onehot`), never a
+/// materialized probability matrix followed by a log. A label outside `0..c` is
+/// [`Error::IndexOutOfRange`].
+pub fn cross_entropy<B: Backend>(
+    logits: &Var<B>,
+    labels: &Tensor<B>,
+    reduction: Reduction,
+) -> Result<Var<B>> {
+    logits.cross_entropy(labels, reduction)
 }
 
-/// Mean squared error `mean((pred - target)²)` (`torch.nn.functional.mse_loss`).
-pub fn mse<B: Backend>(pred: &Var<B>, target: &Tensor<B>) -> Result<Var<B>> {
+/// Squared error `(pred - target)²`, reduced (`torch.nn.functional.mse_loss`).
+pub fn mse<B: Backend>(pred: &Var<B>, target: &Tensor<B>, reduction: Reduction) -> Result<Var<B>> {
     check_same_shape("mse", pred, target)?;
-    pred.sub(&Var::constant(target.clone()))?
-        .square()?
-        .mean_all()
+    let sq = pred.sub(&Var::constant(target.clone()))?.square()?;
+    match reduction {
+        Reduction::None => Ok(sq),
+        Reduction::Mean => sq.mean_all(),
+        Reduction::Sum => sq.sum_all(),
+    }
 }
 
-/// Binary cross-entropy on logits, `mean(max(x, 0) - x t + log(1 + exp(-|x|)))`
+/// Binary cross-entropy on logits, `max(x, 0) - x t + log(1 + exp(-|x|))` per element, reduced
 /// (`torch.nn.functional.binary_cross_entropy_with_logits`): numerically stable for any `x`,
-/// with the exact gradient `(sigmoid(x) - t) / n`, including at `x = 0`. Targets are
-/// probabilities in `[0, 1]` of the logits' shape and dtype.
-pub fn bce_with_logits<B: Backend>(logits: &Var<B>, target: &Tensor<B>) -> Result<Var<B>> {
+/// with the exact gradient `sigmoid(x) - t` (over `n` for the mean), including at `x = 0`.
+/// Targets are probabilities in `[0, 1]` of the logits' shape and dtype.
+pub fn bce_with_logits<B: Backend>(
+    logits: &Var<B>,
+    target: &Tensor<B>,
+    reduction: Reduction,
+) -> Result<Var<B>> {
     check_same_shape("bce_with_logits", logits, target)?;
     let x = logits.tensor();
-    let n = x.elem_count().max(1) as f64;
+    let scale = reduction.grad_scale(x.elem_count().max(1));
     let per = x
         .relu()?
         .sub(&x.mul(target)?)?
         .add(&x.abs()?.neg()?.exp()?.add_scalar(1.0)?.log()?)?;
-    let y = per.mean_all()?;
+    let y = reduction.apply(&per)?;
     let t = target.clone();
     Ok(Var::from_op(
         "bce_with_logits",
@@ -43,7 +56,7 @@ pub fn bce_with_logits<B: Backend>(logits: &Var<B>, target: &Tensor<B>) -> Resul
                 .sigmoid()?
                 .sub(&t)?
                 .mul(&g.broadcast_to(x.shape().clone())?)?;
-            Ok(vec![Some(gx.div_scalar(n)?)])
+            Ok(vec![Some(gx.mul_scalar(scale)?)])
         },
     ))
 }

@@ -8,7 +8,7 @@ use common::*;
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Generator, RandDist};
 use kiln_nn::{Window, conv2d, max_pool2d};
 
 fn cpu() -> <Cpu as Backend>::Device {
@@ -55,7 +55,17 @@ fn training_trajectory_matches_the_reference() {
 fn conv2d_and_max_pool2d_gradients_on_cpu() {
     let d = cpu();
     let r = |dims: &[usize], seed| {
-        Tensor::<Cpu>::randn(dims.to_vec(), 0.0, 1.0, seed, DType::F64, &d).unwrap()
+        Generator::new(seed)
+            .sample::<Cpu>(
+                dims.to_vec(),
+                RandDist::Normal {
+                    mean: 0.0,
+                    std: 1.0,
+                },
+                DType::F64,
+                &d,
+            )
+            .unwrap()
     };
     let w = Window::new(3).with_padding(1).with_stride(2);
     check_backward(

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_core::reference::{RefDevice, Reference};
 use kiln_core::testing::assert_close;
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::loss::{accuracy, bce_with_logits, correct_count, cross_entropy, mse};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, Gelu, LinearConfig, MaxPool2d, Module, ModuleExt, Relu,
@@ -21,7 +21,17 @@ fn t(v: &[f64], dims: &[usize]) -> Tensor<B> {
 }
 
 fn randn(dims: &[usize], seed: u64) -> Tensor<B> {
-    Tensor::randn(dims.to_vec(), 0.0, 1.0, seed, DType::F64, &DEV).unwrap()
+    Generator::new(seed)
+        .sample(
+            dims.to_vec(),
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            DType::F64,
+            &DEV,
+        )
+        .unwrap()
 }
 
 fn close(a: &[f64], b: &[f64], tol: f64) {
@@ -475,7 +485,7 @@ fn lenet_shapes_and_names() {
         .add(MaxPool2d::new(2))
         .add(Flatten)
         .add(LinearConfig::new(400, 10).init::<B>(&DEV, s(7)).unwrap());
-    let x = Tensor::<B>::rand([2, 1, 28, 28], 0.0, 1.0, 1, DType::F32, &DEV).unwrap();
+    let x = Generator::new(1).rand::<B>([2, 1, 28, 28], &DEV).unwrap();
     let y = net.forward(&Var::constant(x)).unwrap();
     assert_eq!(y.dims(), vec![2, 10]);
     let names: Vec<String> = net.named_parameters().into_iter().map(|(n, _)| n).collect();
@@ -492,7 +502,7 @@ fn losses_match_their_formulas() {
     // Cross-entropy: mean over rows of logsumexp - logit[label].
     let logits = t(&[1.0, 2.0, 3.0, 0.0, 0.0, 0.0], &[2, 3]);
     let labels = Tensor::<B>::from_vec(vec![2i64, 0], [2], &DEV).unwrap();
-    let l = cross_entropy(&Var::constant(logits.clone()), &labels)
+    let l = cross_entropy(&Var::constant(logits.clone()), &labels, Reduction::Mean)
         .unwrap()
         .tensor()
         .to_scalar()
@@ -501,7 +511,7 @@ fn losses_match_their_formulas() {
     let r1 = 3f64.ln();
     assert!((l - (r0 + r1) / 2.0).abs() < 1e-12);
     check_backward(
-        |v: &[Var<B>]| cross_entropy(&v[0], &labels),
+        |v: &[Var<B>]| cross_entropy(&v[0], &labels, Reduction::Mean),
         &[randn(&[4, 3], 1).narrow(0, 0, 2).unwrap()],
         &CheckOptions::default(),
     )
@@ -509,13 +519,13 @@ fn losses_match_their_formulas() {
 
     // MSE.
     let pred = Var::constant(t(&[1.0, 2.0, 3.0], &[3]));
-    let m = mse(&pred, &t(&[1.0, 0.0, 6.0], &[3]))
+    let m = mse(&pred, &t(&[1.0, 0.0, 6.0], &[3]), Reduction::Mean)
         .unwrap()
         .tensor()
         .to_scalar()
         .unwrap();
     assert!((m - (0.0 + 4.0 + 9.0) / 3.0).abs() < 1e-12);
-    assert!(mse(&pred, &t(&[1.0, 0.0], &[2])).is_err());
+    assert!(mse(&pred, &t(&[1.0, 0.0], &[2]), Reduction::Mean).is_err());
 
     // BCE with logits, stable for large |x|, exact gradient sigmoid(x) - t at x = 0.
     let x = t(&[0.0, 100.0, -100.0, 1.5], &[4]);
@@ -530,14 +540,24 @@ fn losses_match_their_formulas() {
     .sum::<f64>()
         / 4.0;
     let p = Var::param(x);
-    let l = bce_with_logits(&p, &tg).unwrap();
+    let l = bce_with_logits(&p, &tg, Reduction::Mean).unwrap();
     assert!((l.tensor().to_scalar().unwrap() - want).abs() < 1e-9);
     l.backward().unwrap();
     let g = p.grad().unwrap().to_vec::<f64>().unwrap();
     assert!((g[0] - (0.5 - 1.0) / 4.0).abs() < 1e-12, "{g:?}");
-    let tg2 = Tensor::<B>::rand([3, 2], 0.0, 1.0, 5, DType::F64, &DEV).unwrap();
+    let tg2 = Generator::new(5)
+        .sample::<B>(
+            [3, 2],
+            RandDist::Uniform {
+                low: 0.0,
+                high: 1.0,
+            },
+            DType::F64,
+            &DEV,
+        )
+        .unwrap();
     check_backward(
-        |v: &[Var<B>]| bce_with_logits(&v[0], &tg2),
+        |v: &[Var<B>]| bce_with_logits(&v[0], &tg2, Reduction::Mean),
         &[randn(&[3, 2], 6)],
         &CheckOptions::default(),
     )

@@ -4,7 +4,7 @@
 use kiln_autograd::Var;
 use kiln_core::reference::{RefDevice, Reference};
 use kiln_core::testing::assert_close;
-use kiln_core::{DType, Tensor};
+use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed, loss};
 use kiln_optim::{
     AdamConfig, AdamWConfig, Constant, CosineAnnealing, LinearWarmup, LrSchedule, Optimizer,
@@ -410,7 +410,17 @@ fn state_save_replaces_the_previous_file_atomically() {
 fn a_tiny_mlp_learns_xor_like_data() {
     // 64 points in 2-d, label = quadrant parity; an MLP must fit it, a linear model cannot.
     let n = 64;
-    let x = Tensor::<B>::rand([n, 2], -1.0, 1.0, 3, DType::F64, &DEV).unwrap();
+    let x = Generator::new(3)
+        .sample::<B>(
+            [n, 2],
+            RandDist::Uniform {
+                low: -1.0,
+                high: 1.0,
+            },
+            DType::F64,
+            &DEV,
+        )
+        .unwrap();
     let xv = x.to_vec::<f64>().unwrap();
     let y: Vec<i64> = (0..n)
         .map(|i| ((xv[2 * i] > 0.0) ^ (xv[2 * i + 1] > 0.0)) as i64)
@@ -435,7 +445,7 @@ fn a_tiny_mlp_learns_xor_like_data() {
     let mut losses = Vec::new();
     for _ in 0..150 {
         opt.zero_grad();
-        let l = loss::cross_entropy(&model.forward(&xin).unwrap(), &y).unwrap();
+        let l = loss::cross_entropy(&model.forward(&xin).unwrap(), &y, Reduction::Mean).unwrap();
         losses.push(l.tensor().to_scalar().unwrap());
         l.backward().unwrap();
         opt.step().unwrap();
@@ -449,9 +459,45 @@ fn a_tiny_mlp_learns_xor_like_data() {
 /// Three parameters of different shapes, with fixed gradients per step.
 fn three_params() -> Vec<Var<B>> {
     vec![
-        Var::param(Tensor::<B>::randn([3, 4], 0.0, 1.0, 1, DType::F64, &DEV).unwrap()),
-        Var::param(Tensor::<B>::randn([4], 0.0, 1.0, 2, DType::F64, &DEV).unwrap()),
-        Var::param(Tensor::<B>::randn([2, 1, 3], 0.0, 1.0, 3, DType::F64, &DEV).unwrap()),
+        Var::param(
+            Generator::new(1)
+                .sample::<B>(
+                    [3, 4],
+                    RandDist::Normal {
+                        mean: 0.0,
+                        std: 1.0,
+                    },
+                    DType::F64,
+                    &DEV,
+                )
+                .unwrap(),
+        ),
+        Var::param(
+            Generator::new(2)
+                .sample::<B>(
+                    [4],
+                    RandDist::Normal {
+                        mean: 0.0,
+                        std: 1.0,
+                    },
+                    DType::F64,
+                    &DEV,
+                )
+                .unwrap(),
+        ),
+        Var::param(
+            Generator::new(3)
+                .sample::<B>(
+                    [2, 1, 3],
+                    RandDist::Normal {
+                        mean: 0.0,
+                        std: 1.0,
+                    },
+                    DType::F64,
+                    &DEV,
+                )
+                .unwrap(),
+        ),
     ]
 }
 
@@ -461,9 +507,8 @@ fn set_grads(ps: &[Var<B>], step: u64, skip: Option<usize>) {
             p.zero_grad();
             continue;
         }
-        let g = p
-            .tensor()
-            .randn_like(0.0, 1.0, 100 * step + i as u64)
+        let g = Generator::new(100 * step + i as u64)
+            .randn_like(&p.tensor())
             .unwrap();
         p.set_grad(Some(g)).unwrap();
     }
@@ -561,7 +606,9 @@ fn optimizer_state_follows_a_model_moved_to_another_device() {
             p.zero_grad();
         }
         for (i, p) in ps.iter().enumerate() {
-            let g = p.tensor().randn_like(0.0, 1.0, 7 + i as u64).unwrap();
+            let g = Generator::new(7 + i as u64)
+                .randn_like(&p.tensor())
+                .unwrap();
             p.set_grad(Some(g)).unwrap();
         }
         opt.step().unwrap();

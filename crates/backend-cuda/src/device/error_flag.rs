@@ -76,11 +76,12 @@ impl ErrorFlag {
             op,
         )?;
         Err(match code {
-            1 => Error::invalid(op, format!("label {value} is outside 0..{limit}")),
-            2 => Error::invalid(
+            // 1: a cross-entropy label outside `0..classes`; 2: an index outside its axis.
+            1 | 2 => Error::IndexOutOfRange {
                 op,
-                format!("index {value} is out of range for an axis of size {limit}"),
-            ),
+                index: value,
+                size: limit,
+            },
             c => Error::backend(op, format!("kernel error code {c} (value {value})")),
         })
     }

@@ -650,8 +650,9 @@ impl DeviceState {
     }
 
     /// Reads the device error record (synchronizing) and turns a raised flag into a typed
-    /// error naming `op`, the offending value and the valid range `0..limit`; the record is
-    /// cleared, so the device stays usable.
+    /// error naming `op`, the offending value and the valid range `0..limit`
+    /// ([`Error::IndexOutOfRange`] for an index or a label); the record is cleared, so the
+    /// device stays usable.
     pub fn check_flag(&self, op: &'static str, limit: usize) -> Result<()> {
         self.errors
             .check(op, limit, self.stream(), || self.sync(op))

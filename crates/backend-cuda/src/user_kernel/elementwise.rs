@@ -25,12 +25,12 @@ const BLOCK: u32 = 256;
 ///
 /// ```no_run
 /// # use kiln_backend_cuda::{Cuda, ElementwiseKernel};
-/// # use kiln_core::{DType, Tensor};
+/// # use kiln_core::{DType, Generator, Tensor};
 /// # fn main() -> kiln_core::Result<()> {
 /// # let dev = kiln_backend_cuda::try_gpu(0).unwrap();
 /// let sqdiff = ElementwiseKernel::new("T x, T y", "T z", "z = (x - y) * (x - y)", "sqdiff")?;
-/// let x = Tensor::<Cuda>::rand([4, 5], -1.0, 1.0, 1, DType::F32, &dev)?;
-/// let y = Tensor::<Cuda>::rand([5], -1.0, 1.0, 2, DType::F32, &dev)?; // broadcast
+/// let x = Generator::new(1).uniform::<Cuda>([4, 5], -1.0, 1.0, &dev)?;
+/// let y = Generator::new(2).uniform::<Cuda>([5], -1.0, 1.0, &dev)?; // broadcast
 /// let z = sqdiff.call1(&[(&x).into(), (&y).into()])?; // T = float, z: [4, 5] f32
 /// # Ok(()) }
 /// ```

@@ -34,7 +34,7 @@ impl From<(u32, u32, u32)> for Dim3 {
 ///
 /// ```no_run
 /// # use kiln_backend_cuda::{Cuda, RawKernel};
-/// # use kiln_core::{DType, Tensor};
+/// # use kiln_core::{DType, Generator, Tensor};
 /// # fn main() -> kiln_core::Result<()> {
 /// # let dev = kiln_backend_cuda::try_gpu(0).unwrap();
 /// let k = RawKernel::new(
@@ -44,8 +44,8 @@ impl From<(u32, u32, u32)> for Dim3 {
 ///     }"#,
 ///     "multiply_them",
 /// );
-/// let a = Tensor::<Cuda>::rand([400], -1.0, 1.0, 1, DType::F32, &dev)?;
-/// let b = Tensor::<Cuda>::rand([400], -1.0, 1.0, 2, DType::F32, &dev)?;
+/// let a = Generator::new(1).uniform::<Cuda>([400], -1.0, 1.0, &dev)?;
+/// let b = Generator::new(2).uniform::<Cuda>([400], -1.0, 1.0, &dev)?;
 /// let dest = kiln_backend_cuda::empty([400], DType::F32, &dev)?;
 /// k.launch(1u32, 400u32, 0, &[(&dest).into(), (&a).into(), (&b).into()])?;
 /// # Ok(()) }

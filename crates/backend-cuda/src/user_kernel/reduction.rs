@@ -25,11 +25,11 @@ const BLOCK: u32 = 256;
 ///
 /// ```no_run
 /// # use kiln_backend_cuda::{Cuda, ReductionKernel};
-/// # use kiln_core::{DType, Tensor};
+/// # use kiln_core::{DType, Generator, Tensor};
 /// # fn main() -> kiln_core::Result<()> {
 /// # let dev = kiln_backend_cuda::try_gpu(0).unwrap();
 /// let l2 = ReductionKernel::new("T x", "T y", "x * x", "a + b", "y = sqrt(a)", "0", "l2norm")?;
-/// let x = Tensor::<Cuda>::rand([8, 100], -1.0, 1.0, 1, DType::F32, &dev)?;
+/// let x = Generator::new(1).uniform::<Cuda>([8, 100], -1.0, 1.0, &dev)?;
 /// let rows = l2.call(&[(&x).into()], Some(&[1]), false)?; // [8]
 /// let all = l2.call(&[(&x).into()], None, false)?; // [] (every axis)
 /// # Ok(()) }

@@ -17,6 +17,7 @@ use crate::backend::{Backend, HostBuffer, RandDist};
 use crate::profile::{self, OpSpan};
 use crate::{DType, Element, Error, Layout, Result, Shape};
 
+pub use ops::Reduction;
 pub use update::Updated;
 
 pub struct Tensor<B: Backend> {
@@ -297,46 +298,12 @@ impl<B: Backend> Tensor<B> {
         Self::from_host(&HostBuffer::from_f64(dtype, &v), [n, n], device)
     }
 
-    /// Uniform on `[low, high)`, drawn by Philox with `seed` (same numbers on every backend).
-    pub fn rand(
-        shape: impl Into<Shape>,
-        low: f64,
-        high: f64,
-        seed: u64,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        Self::random(
-            shape.into(),
-            RandDist::Uniform { low, high },
-            seed,
-            dtype,
-            device,
-        )
-    }
-
-    /// Gaussian with `mean` and `std`, drawn by Philox with `seed`.
-    pub fn randn(
-        shape: impl Into<Shape>,
-        mean: f64,
-        std: f64,
-        seed: u64,
-        dtype: DType,
-        device: &B::Device,
-    ) -> Result<Self> {
-        Self::random(
-            shape.into(),
-            RandDist::Normal { mean, std },
-            seed,
-            dtype,
-            device,
-        )
-    }
-
-    fn random(
+    /// The draw itself: element `i` is Philox's under counter `i` and `key` (the generator
+    /// chose the key).
+    pub(crate) fn random_keyed(
         shape: Shape,
         dist: RandDist,
-        seed: u64,
+        key: u64,
         dtype: DType,
         device: &B::Device,
     ) -> Result<Self> {
@@ -348,29 +315,8 @@ impl<B: Backend> Tensor<B> {
             });
         }
         let _p = prof_new::<B>("rand", device, dtype, &shape, 0);
-        let s = B::rand(device, dtype, shape.elem_count_for("rand")?, seed, dist)?;
+        let s = B::rand(device, dtype, shape.elem_count_for("rand")?, key, dist)?;
         Ok(Self::from_storage(s, shape, dtype))
-    }
-
-    pub fn rand_like(&self, low: f64, high: f64, seed: u64) -> Result<Self> {
-        Self::rand(
-            self.shape().clone(),
-            low,
-            high,
-            seed,
-            self.dtype,
-            &self.device,
-        )
-    }
-    pub fn randn_like(&self, mean: f64, std: f64, seed: u64) -> Result<Self> {
-        Self::randn(
-            self.shape().clone(),
-            mean,
-            std,
-            seed,
-            self.dtype,
-            &self.device,
-        )
     }
 
     // ---- reading back --------------------------------------------------------------------

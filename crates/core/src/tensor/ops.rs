@@ -5,6 +5,38 @@ use crate::backend::{Backend, BinaryOp, CmpOp, ReduceOp, UnaryOp};
 use crate::shape::normalize_axis;
 use crate::{DType, Error, Layout, Result, Shape};
 
+/// How a loss reduces its per-row (or per-element) values: PyTorch's `reduction=` argument.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Reduction {
+    /// No reduction: one loss per row (or element).
+    None,
+    /// The mean over rows (elements): PyTorch's default.
+    #[default]
+    Mean,
+    /// The sum over rows (elements).
+    Sum,
+}
+
+impl Reduction {
+    /// `losses` reduced: itself, its mean or its sum (0-d).
+    pub fn apply<B: Backend>(self, losses: &Tensor<B>) -> Result<Tensor<B>> {
+        match self {
+            Reduction::None => Ok(losses.clone()),
+            Reduction::Mean => losses.mean_all(),
+            Reduction::Sum => losses.sum_all(),
+        }
+    }
+
+    /// The factor a reduced loss's gradient is scaled by to give each row's (element's):
+    /// `1 / count` for the mean, 1 for the sum and for none.
+    pub fn grad_scale(self, count: usize) -> f64 {
+        match self {
+            Reduction::Mean => 1.0 / count as f64,
+            Reduction::None | Reduction::Sum => 1.0,
+        }
+    }
+}
+
 fn dtype_err(op: &'static str, expected: impl Into<String>, got: DType) -> Error {
     Error::DTypeMismatch {
         op,
@@ -335,6 +367,17 @@ impl<B: Backend> Tensor<B> {
     pub fn argmin(&self, axis: isize, keepdim: bool) -> Result<Self> {
         self.reduce(ReduceOp::ArgMin, &[axis], keepdim)
     }
+    /// The maxima along `dim` and where they are, as `torch.max(x, dim, keepdim)`:
+    /// `(values, indices)`, the indices `i64` ([`Self::argmax`]'s, the first of tied maxima on
+    /// the CPU and the reference). [`Self::max`] reduces several axes and returns values only.
+    pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.max(&[dim], keepdim)?, self.argmax(dim, keepdim)?))
+    }
+    /// The minima along `dim` and where they are (`torch.min(x, dim, keepdim)`); as
+    /// [`Self::max_dim`].
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Self, Self)> {
+        Ok((self.min(&[dim], keepdim)?, self.argmin(dim, keepdim)?))
+    }
 
     // ---- matmul --------------------------------------------------------------------------
 
@@ -403,27 +446,49 @@ impl<B: Backend> Tensor<B> {
 
     // ---- softmax and losses --------------------------------------------------------------
 
-    /// Softmax over the last axis.
-    pub fn softmax(&self) -> Result<Self> {
-        self.softmax_impl("softmax", false)
+    /// Softmax along `dim` (negative counts from the end: `-1` is the last axis), as
+    /// `torch.softmax(x, dim)`.
+    ///
+    /// The backend's kernel works on the last axis; another axis is swapped last by a
+    /// transposed view (no copy: the kernel reads strided input), and the result is that
+    /// kernel's output transposed back, a view, not contiguous.
+    pub fn softmax(&self, dim: isize) -> Result<Self> {
+        self.softmax_impl("softmax", dim, false)
     }
-    /// Log-softmax over the last axis (computed in one pass, not as `log(softmax)`).
-    pub fn log_softmax(&self) -> Result<Self> {
-        self.softmax_impl("log_softmax", true)
+    /// Log-softmax along `dim` (computed in one pass, not as `log(softmax)`); any axis, as
+    /// [`Self::softmax`].
+    pub fn log_softmax(&self, dim: isize) -> Result<Self> {
+        self.softmax_impl("log_softmax", dim, true)
     }
-    fn softmax_impl(&self, op: &'static str, log: bool) -> Result<Self> {
+    fn softmax_impl(&self, op: &'static str, dim: isize, log: bool) -> Result<Self> {
         self.require_float(op)?;
         if self.rank() == 0 {
             return Err(Error::invalid(op, "needs rank >= 1, got a scalar"));
+        }
+        let axis = normalize_axis(op, dim, self.rank())?;
+        let last = self.rank() - 1;
+        if axis != last {
+            let (a, l) = (axis as isize, last as isize);
+            return self
+                .transpose(a, l)?
+                .softmax_impl(op, -1, log)?
+                .transpose(a, l);
         }
         let _p = self.prof(op, &[], false);
         let s = B::softmax(self.storage(), self.layout(), self.dtype(), log)?;
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
 
-    /// Per-row softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`: a `[n]`
-    /// tensor of `logsumexp(row) - row[label]`.
-    pub fn cross_entropy(&self, labels: &Self) -> Result<Self> {
+    /// Softmax cross-entropy of logits `[n, c]` against `i64` labels `[n]`
+    /// (`torch.nn.functional.cross_entropy`): the row losses `logsumexp(row) - row[label]`
+    /// reduced as `reduction` says, a 0-d tensor for [`Reduction::Mean`] (PyTorch's default)
+    /// and [`Reduction::Sum`], the `[n]` row losses for [`Reduction::None`]. A label outside
+    /// `0..c` is [`Error::IndexOutOfRange`].
+    pub fn cross_entropy(&self, labels: &Self, reduction: Reduction) -> Result<Self> {
+        reduction.apply(&self.cross_entropy_rows(labels)?)
+    }
+
+    fn cross_entropy_rows(&self, labels: &Self) -> Result<Self> {
         check_xent::<B>("cross_entropy", self, labels)?;
         let _p = self.prof("cross_entropy", &[labels], false);
         let s = B::cross_entropy(
@@ -436,7 +501,8 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, self.dims()[0], self.dtype()))
     }
 
-    /// `(softmax(self) - onehot(labels)) * grad[:, None]`, the gradient of [`Self::cross_entropy`].
+    /// `(softmax(self) - onehot(labels)) * grad[:, None]`, the gradient of the row losses of
+    /// [`Self::cross_entropy`] (its [`Reduction::None`] form) given their gradient `grad` `[n]`.
     pub fn cross_entropy_backward(&self, labels: &Self, grad: &Self) -> Result<Self> {
         const OP: &str = "cross_entropy_backward";
         check_xent::<B>(OP, self, labels)?;
@@ -463,10 +529,10 @@ impl<B: Backend> Tensor<B> {
 
     // ---- indexing ------------------------------------------------------------------------
 
-    /// Entries `ids` (1-d `i64`) along `axis`.
-    pub fn index_select(&self, ids: &Self, axis: isize) -> Result<Self> {
+    /// Entries `index` (1-d `i64`) along `dim` (`torch.index_select(self, dim, index)`).
+    pub fn index_select(&self, dim: isize, index: &Self) -> Result<Self> {
         const OP: &str = "index_select";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         if ids.rank() != 1 {
             return Err(Error::invalid(
@@ -488,10 +554,11 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, dims, self.dtype()))
     }
 
-    /// `torch.gather` along `axis`: the output has the shape of `ids`.
-    pub fn gather(&self, ids: &Self, axis: isize) -> Result<Self> {
+    /// `torch.gather(self, dim, index)`: `out[i][j] = self[index[i][j]][j]` for `dim == 0`,
+    /// and so on; the output has the shape of `index`.
+    pub fn gather(&self, dim: isize, index: &Self) -> Result<Self> {
         const OP: &str = "gather";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         check_index_shape(OP, self.shape(), ids.shape(), axis)?;
         let _p = self.prof(OP, &[ids], false);
@@ -506,10 +573,11 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, ids.shape().clone(), self.dtype()))
     }
 
-    /// Out-of-place `torch.scatter_add`: `self` with `src` added at `ids` along `axis`.
-    pub fn scatter_add(&self, ids: &Self, src: &Self, axis: isize) -> Result<Self> {
+    /// Out-of-place `torch.scatter_add(self, dim, index, src)`: `self` with `src` added at
+    /// `index` along `dim`.
+    pub fn scatter_add(&self, dim: isize, index: &Self, src: &Self) -> Result<Self> {
         const OP: &str = "scatter_add";
-        let axis = normalize_axis(OP, axis, self.rank())?;
+        let (axis, ids) = (normalize_axis(OP, dim, self.rank())?, index);
         check_ids::<B>(OP, self, ids)?;
         self.check_same_device(OP, src)?;
         if src.dtype() != self.dtype() {

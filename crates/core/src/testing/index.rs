@@ -35,7 +35,7 @@ pub(super) fn g_index_select<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut O
         });
     p.run(out, "index_select", strat, |(axis, s, si)| {
         let (a, i) = (p.build(&s)?, p.build(&si)?);
-        let (g, w) = both!(a, i => a.index_select(i, axis));
+        let (g, w) = both!(a, i => a.index_select(axis, i));
         p.expect(
             &format!("index_select axis {axis} {}", s.dtype),
             &[("x", &a.0), ("ids", &i.0)],
@@ -91,7 +91,7 @@ pub(super) fn g_gather<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome
         });
     p.run(out, "gather", strat, |(axis, s, si)| {
         let (a, i) = (p.build(&s)?, p.build(&si)?);
-        let (g, w) = both!(a, i => a.gather(i, axis as isize));
+        let (g, w) = both!(a, i => a.gather(axis as isize, i));
         p.expect(
             &format!("gather axis {axis} {}", s.dtype),
             &[("x", &a.0), ("ids", &i.0)],
@@ -126,11 +126,11 @@ pub(super) fn g_scatter_add<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Ou
     });
     p.run(out, "scatter_add", strat, |(axis, sb, si, ss)| {
         let (b, i, s) = (p.build(&sb)?, p.build(&si)?, p.build(&ss)?);
-        let (g, w) = both!(b, i, s => b.scatter_add(i, s, axis as isize));
+        let (g, w) = both!(b, i, s => b.scatter_add(axis as isize, i, s));
         // Summation order is unspecified: bound by the count and sizes of the terms.
         let mag =
             b.1.abs()
-                .and_then(|bb| bb.scatter_add(&i.1, &s.1.abs()?, axis as isize))
+                .and_then(|bb| bb.scatter_add(axis as isize, &i.1, &s.1.abs()?))
                 .and_then(|t| t.to_f64_vec())
                 .ok();
         let k = si.dims[axis] as f64 + 1.0;

@@ -70,7 +70,8 @@ use crate::backend::UpdateRule;
 use crate::fasthash::fnv1a_64;
 use crate::reference::{RefDevice, Reference};
 use crate::{
-    Backend, BinaryOp, CmpOp, CompositeOp, DType, Error, HostBuffer, Layout, ReduceOp, Result, Tensor, UnaryOp,
+    Backend, BinaryOp, CmpOp, CompositeOp, DType, Error, Generator, HostBuffer, Layout, RandDist,
+    ReduceOp, Reduction, Result, Tensor, UnaryOp,
 };
 
 const DEFAULT_SEED: u64 = 0x6b69_6c6e_2d63_6f6e; // "kiln-con"
@@ -315,7 +316,7 @@ check_fns! {
     check_gather => g_gather, "gather";
     /// `scatter_add`.
     check_scatter_add => g_scatter_add, "scatter_add";
-    /// Out-of-range indices and labels give `Error::InvalidArgument` naming the op and index.
+    /// Out-of-range indices and labels give `Error::IndexOutOfRange` naming the op and index.
     check_index_errors => g_index_errors, "index_errors";
     /// `cat` and `stack` (built on `fill` + `copy_into`).
     check_cat_stack => g_cat_stack, "cat_stack";

@@ -18,8 +18,18 @@ pub(super) fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) 
         |(dims, dtype, seed, low, width)| {
             let high = low + width;
             let (g, w) = (
-                Tensor::<X>::rand(dims.clone(), low, high, seed, dtype, &p.dx),
-                Tensor::<Y>::rand(dims.clone(), low, high, seed, dtype, &p.dy),
+                Generator::new(seed).sample::<X>(
+                    dims.clone(),
+                    RandDist::Uniform { low, high },
+                    dtype,
+                    &p.dx,
+                ),
+                Generator::new(seed).sample::<Y>(
+                    dims.clone(),
+                    RandDist::Uniform { low, high },
+                    dtype,
+                    &p.dy,
+                ),
             );
             let tol = match dtype {
                 DType::F32 => Tol::Bits,
@@ -52,8 +62,18 @@ pub(super) fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) 
         strat,
         |(dims, dtype, seed, mean, std)| {
             let (g, w) = (
-                Tensor::<X>::randn(dims.clone(), mean, std, seed, dtype, &p.dx),
-                Tensor::<Y>::randn(dims.clone(), mean, std, seed, dtype, &p.dy),
+                Generator::new(seed).sample::<X>(
+                    dims.clone(),
+                    RandDist::Normal { mean, std },
+                    dtype,
+                    &p.dx,
+                ),
+                Generator::new(seed).sample::<Y>(
+                    dims.clone(),
+                    RandDist::Normal { mean, std },
+                    dtype,
+                    &p.dy,
+                ),
             );
             // A few ulps of the value's scale: |mean| + std·|z| with |z| <= ~8.
             let e = eps(dtype) * p.slack;

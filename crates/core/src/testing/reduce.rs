@@ -125,7 +125,7 @@ pub(super) fn g_softmax<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcom
         );
         p.run(out, name, strat, |s| {
             let a = p.build(&s)?;
-            let (g, w) = both!(a => if log { a.log_softmax() } else { a.softmax() });
+            let (g, w) = both!(a => if log { a.log_softmax(-1) } else { a.softmax(-1) });
             let tol = match (&w, row_scale(&a.1)) {
                 (Ok(w), Some((scale, c))) => {
                     let wv = w.to_f64_vec().map_err(msg)?;
@@ -178,7 +178,7 @@ pub(super) fn g_xent<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) 
         let c = sl.dims[1];
         let (scale, _) = row_scale(&x.1).unwrap_or_default();
         let per_row: Vec<f64> = scale.iter().step_by(c).map(|m| 2.0 * m + 2.0).collect();
-        let (g, w) = both!(x, y => x.cross_entropy(y));
+        let (g, w) = both!(x, y => x.cross_entropy(y, Reduction::None));
         let wv = w
             .as_ref()
             .ok()

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, derive_seed,
     loss,
@@ -52,13 +52,18 @@ pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
 /// final weights.
 pub fn trajectory<B: Backend>(dev: &B::Device) -> (Vec<f64>, Vec<Vec<f64>>) {
     let net = small_net::<B>(dev, DType::F32);
-    let x = Tensor::<B>::rand([8, 1, 12, 12], 0.0, 1.0, 1, DType::F32, dev).unwrap();
+    let x = Generator::new(1).rand::<B>([8, 1, 12, 12], dev).unwrap();
     let y = Tensor::<B>::from_vec((0..8).map(|i| i % 5).collect::<Vec<i64>>(), [8], dev).unwrap();
     let mut opt = AdamConfig::new(1e-2).init(net.parameters()).unwrap();
     let mut losses = Vec::new();
     for _ in 0..5 {
         opt.zero_grad();
-        let l = loss::cross_entropy(&net.forward(&Var::constant(x.clone())).unwrap(), &y).unwrap();
+        let l = loss::cross_entropy(
+            &net.forward(&Var::constant(x.clone())).unwrap(),
+            &y,
+            Reduction::Mean,
+        )
+        .unwrap();
         losses.push(l.tensor().to_scalar().unwrap());
         l.backward().unwrap();
         opt.step().unwrap();
@@ -79,6 +84,16 @@ pub fn dropout_masks<B: Backend>(dev: &B::Device, k: usize) -> Vec<Vec<f64>> {
 /// Forward of `small_net` (fresh from its seed) on fixed inputs.
 pub fn forward<B: Backend>(dev: &B::Device, dtype: DType) -> Vec<f64> {
     let net = small_net::<B>(dev, dtype);
-    let x = Tensor::<B>::rand([4, 1, 12, 12], -1.0, 1.0, 3, dtype, dev).unwrap();
+    let x = Generator::new(3)
+        .sample::<B>(
+            [4, 1, 12, 12],
+            RandDist::Uniform {
+                low: -1.0,
+                high: 1.0,
+            },
+            dtype,
+            dev,
+        )
+        .unwrap();
     host(&net.forward(&Var::constant(x)).unwrap().tensor())
 }

@@ -288,19 +288,20 @@ macro_rules! unary_table {
             domain: [-6.0, 6.0], kinks: [-3.0, 3.0],
         }
         /// GELU in its tanh form, `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))` (PyTorch's
-        /// `F.gelu(x, approximate="tanh")`, GPT-2's activation).
+        /// `F.gelu(x, approximate="tanh")`, GPT-2's activation), computed as `x · sigmoid(2u)`:
+        /// the same function without the cancellation of `1 + tanh(u)`.
         GeluTanh gelu_tanh float {
             f: |x| {
-                let u = T::of(0.7978845608028654) * (x + T::of(0.044715) * x * x * x);
-                T::of(0.5) * x * (T::of(1.0) + u.tanh())
+                let u2 = T::of(1.5957691216057308) * (x + T::of(0.044715) * x * x * x);
+                x / (T::of(1.0) + (-u2).exp())
             },
-            cuda: "(T)0.5 * x * ((T)1 + k_tanh((T)0.7978845608028654 * (x + (T)0.044715 * x * x * x)))",
-            // 1/2 (1 + t) + x/2 (1 - t²) √(2/π) (1 + 3 · 0.044715 x²), t = tanh(u).
+            cuda: "x / ((T)1 + k_exp((T)-1.5957691216057308 * (x + (T)0.044715 * x * x * x)))",
+            // s + x s (1 - s) 2u', s = sigmoid(2u): no `1 - tanh²` to cancel.
             grad: x(|x, g| {
                 let xx = x.square();
-                let t = ((&x + &xx * &x * 0.044715) * 0.7978845608028654).tanh();
-                let du = (1.0 + xx * (3.0 * 0.044715)) * 0.7978845608028654;
-                g * ((1.0 + &t) * 0.5 + &x * 0.5 * (1.0 - &t * &t) * du)
+                let s = ((&x + &xx * &x * 0.044715) * 1.5957691216057308).sigmoid();
+                let du2 = (1.0 + xx * (3.0 * 0.044715)) * 1.5957691216057308;
+                g * (&s + &x * &s * (1.0 - &s) * du2)
             }),
             domain: [-10.0, 10.0],
         }

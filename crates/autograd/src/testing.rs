@@ -25,9 +25,7 @@
 use std::fmt::Debug;
 
 use kiln_core::philox;
-use kiln_core::{
-    Backend, BinaryOp, CompositeOp, DType, Reduction, Result, Tensor, UnaryOp, Vjp,
-};
+use kiln_core::{Backend, BinaryOp, CompositeOp, DType, Reduction, Result, Tensor, UnaryOp, Vjp};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngAlgorithm, TestCaseError, TestRng, TestRunner};

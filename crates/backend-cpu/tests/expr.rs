@@ -7,7 +7,9 @@ use kiln_backend_cpu::Cpu;
 use kiln_core::expr::{Combine, Expr, Program, eval_composed};
 use kiln_core::testing::check_close as close;
 use kiln_core::testing::expr::{Input, input, shape, tree};
-use kiln_core::{Backend, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape, Tensor, UnaryOp};
+use kiln_core::{
+    Backend, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape, Tensor, UnaryOp,
+};
 use proptest::prelude::*;
 
 type T = Tensor<Cpu>;
@@ -17,7 +19,15 @@ fn make(spec: &Input, shape: &[usize], dtype: DType) -> T {
     let dev = Cpu::device(0);
     spec.make(shape, |d| {
         Generator::new(spec.seed)
-            .sample(d, RandDist::Uniform { low: -2.0, high: 2.0 }, dtype, &dev)
+            .sample(
+                d,
+                RandDist::Uniform {
+                    low: -2.0,
+                    high: 2.0,
+                },
+                dtype,
+                &dev,
+            )
             .unwrap()
     })
 }

@@ -56,7 +56,10 @@ fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
         let c = Generator::new(spec.seed)
             .sample::<Cpu>(
                 d.clone(),
-                RandDist::Uniform { low: -2.0, high: 2.0 },
+                RandDist::Uniform {
+                    low: -2.0,
+                    high: 2.0,
+                },
                 dtype,
                 &Cpu::device(0),
             )

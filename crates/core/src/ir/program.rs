@@ -7,8 +7,8 @@
 use std::fmt;
 
 use crate::error::ExprErrorKind;
-pub use crate::op::Combine;
 use crate::fasthash::{FNV64_OFFSET, mix_word};
+pub use crate::op::Combine;
 use crate::op::{BinaryOp, CmpOp, UnaryOp};
 use crate::{DType, Error, Result, Shape};
 

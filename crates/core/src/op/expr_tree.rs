@@ -15,7 +15,7 @@
 use std::ops;
 use std::sync::Arc;
 
-use super::{BinaryOp, CmpOp, Combine, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, Combine, UnaryOp};
 use crate::DType;
 
 /// An expression over tensor inputs and scalar parameters (see the module docs). Cheap to

@@ -15,8 +15,8 @@
 use std::ops;
 use std::sync::Arc;
 
-use crate::op::{BinaryOp, CmpOp, Combine, UnaryOp};
 use crate::DType;
+use crate::op::{BinaryOp, CmpOp, Combine, UnaryOp};
 
 /// An expression over tensor inputs and scalar parameters (see the module docs). Cheap to
 /// clone (an `Arc`).

@@ -195,6 +195,23 @@ impl Adj<'_> {
 /// the module docs and [`Gradient`] for the programs' conventions). Inputs in `wrt` and the
 /// output must be floats.
 pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradient> {
+    let (out, gdt) = check_request(program, output, wrt)?;
+    let plan = Plan::new(program, wrt);
+    let ties = ties_program(program, &plan)?;
+    let mut em = Emitter::default();
+    let (mut sweep, forward_len) = Sweep::prepare(program, &plan, &mut em, out, gdt);
+    sweep.run(forward_len)?;
+    let backward = sweep.finish(program, &plan, wrt, gdt)?;
+    Ok(Gradient {
+        reductions: plan.red_vals.len(),
+        ties,
+        backward,
+    })
+}
+
+/// Checks that output `output` and the inputs `wrt` exist and are floats, and that the program
+/// has no `prod` reduction. Returns the output's value and dtype.
+fn check_request(program: &Program, output: usize, wrt: &[usize]) -> Result<(Val, DType)> {
     use ExprErrorKind as K;
     let n = program.inputs().len();
     let Some(&out) = program.outputs().get(output) else {
@@ -244,255 +261,347 @@ pub fn derive(program: &Program, output: usize, wrt: &[usize]) -> Result<Gradien
             ));
         }
     }
+    Ok((out, gdt))
+}
 
-    // Which values depend on a differentiated input (through reductions too).
-    let r_count = reductions(program).len();
-    let mut depends = vec![false; program.code().len()];
-    for (i, ins) in program.code().iter().enumerate() {
-        depends[i] = match *ins {
-            Instr::Input(k) => wrt.contains(&(k as usize)),
-            _ => ins.operands().iter().any(|&a| depends[a as usize]),
+/// What the backward needs to know of the forward before it emits anything.
+struct Plan {
+    /// Which forward values depend on a differentiated input (through reductions too).
+    depends: Vec<bool>,
+    /// The forward's reductions (see [`reductions`]).
+    red_vals: Vec<Val>,
+    /// Per reduction, the index of its tie count: float max/min ones that carry a gradient.
+    tie_of: Vec<Option<usize>>,
+    /// The number of tie counts.
+    t_count: usize,
+}
+
+impl Plan {
+    fn new(program: &Program, wrt: &[usize]) -> Plan {
+        let mut depends = vec![false; program.code().len()];
+        for (i, ins) in program.code().iter().enumerate() {
+            depends[i] = match *ins {
+                Instr::Input(k) => wrt.contains(&(k as usize)),
+                _ => ins.operands().iter().any(|&a| depends[a as usize]),
+            };
+        }
+        let red_vals = reductions(program);
+        let tie_of: Vec<Option<usize>> = {
+            let mut t = 0;
+            red_vals
+                .iter()
+                .map(|&v| match program.code()[v as usize] {
+                    Instr::Reduce(Combine::Max | Combine::Min, a)
+                        if program.dtype(a).is_float() && depends[v as usize] =>
+                    {
+                        t += 1;
+                        Some(t - 1)
+                    }
+                    _ => None,
+                })
+                .collect()
         };
-    }
-
-    // Which reductions need tie counts: float max/min ones that carry a gradient.
-    let red_vals = reductions(program);
-    let tie_of: Vec<Option<usize>> = {
-        let mut t = 0;
-        red_vals
-            .iter()
-            .map(|&v| match program.code()[v as usize] {
-                Instr::Reduce(Combine::Max | Combine::Min, a)
-                    if program.dtype(a).is_float() && depends[v as usize] =>
-                {
-                    t += 1;
-                    Some(t - 1)
-                }
-                _ => None,
-            })
-            .collect()
-    };
-    let t_count = tie_of.iter().flatten().count();
-
-    // The tie-count program.
-    let ties = if t_count > 0 {
-        let mut em = Emitter::default();
-        let (_, reds) = rewrite(program, &mut em, n as u32);
-        let mut outs = Vec::new();
-        for (r, &(_, mapped, rv)) in reds.iter().enumerate() {
-            if tie_of[r].is_some() {
-                let dt = program.dtype(red_vals[r]);
-                let eq = em.emit(Instr::Cmp(CmpOp::Eq, mapped, rv));
-                let m = em.emit(Instr::Cast(dt, eq));
-                outs.push(em.emit(Instr::Reduce(Combine::Sum, m)));
-            }
+        let t_count = tie_of.iter().flatten().count();
+        Plan {
+            depends,
+            red_vals,
+            tie_of,
+            t_count,
         }
-        let (code, outs) = compact(&em.code, &outs);
-        let mut inputs = program.inputs().to_vec();
-        inputs.extend(red_vals.iter().map(|&v| program.dtype(v)));
-        Some(Program::new(
-            inputs,
-            program.params().to_vec(),
-            code,
-            outs,
-            program.axes().to_vec(),
-        )?)
-    } else {
-        None
-    };
+    }
+}
 
-    // The backward program.
+/// The tie-count program ([`Gradient::ties`]), if any reduction needs one.
+fn ties_program(program: &Program, plan: &Plan) -> Result<Option<Program>> {
+    if plan.t_count == 0 {
+        return Ok(None);
+    }
+    let n = program.inputs().len();
     let mut em = Emitter::default();
-    let (map, reds) = rewrite(program, &mut em, n as u32);
-    let mut dtypes = vec![DType::F32; em.code.len()];
-    for (i, &m) in map.iter().enumerate() {
-        dtypes[m as usize] = program.dtypes()[i];
-    }
-    let mut ndep = vec![false; em.code.len()];
-    for (i, &m) in map.iter().enumerate() {
-        ndep[m as usize] |= depends[i];
-    }
-    let first_tie = (n + r_count) as u32;
-    let g_input = first_tie + t_count as u32;
-    let mut fphase = vec![Phase::Uniform; em.code.len()];
-    for (i, &m) in map.iter().enumerate() {
-        fphase[m as usize] = program.phases()[i];
-    }
-    let count_param = program.params().len() as u32;
-    let mut a = Adj {
-        em: &mut em,
-        dtypes,
-        fphase,
-        count_param,
-    };
-    let g = a.emit(Instr::Input(g_input), gdt);
-    let forward_len = map.iter().map(|&m| m as usize + 1).max().unwrap_or(0);
-    let mut adj: HashMap<Val, Val> = HashMap::new();
-    adj.insert(map[out as usize], g);
-    // The reduction that an input value stands for.
-    let red_at: HashMap<Val, usize> = reds
-        .iter()
-        .enumerate()
-        .map(|(r, &(_, _, rv))| (rv, r))
-        .collect();
-    let fwd_dt = a.dtypes.clone();
-    let dep = |x: Val| ndep[x as usize] && fwd_dt[x as usize].is_float();
-    for v in (0..forward_len as Val).rev() {
-        let Some(&g) = adj.get(&v) else { continue };
-        if !ndep[v as usize] {
-            continue;
+    let (_, reds) = rewrite(program, &mut em, n as u32);
+    let mut outs = Vec::new();
+    for (r, &(_, mapped, rv)) in reds.iter().enumerate() {
+        if plan.tie_of[r].is_some() {
+            let dt = program.dtype(plan.red_vals[r]);
+            let eq = em.emit(Instr::Cmp(CmpOp::Eq, mapped, rv));
+            let m = em.emit(Instr::Cast(dt, eq));
+            outs.push(em.emit(Instr::Reduce(Combine::Sum, m)));
         }
-        let ins = a.em.code[v as usize];
-        let dt = a.dt(v);
-        match ins {
-            Instr::Input(_) => {
-                if let Some(&r) = red_at.get(&v) {
-                    let (c, mapped, rv) = reds[r];
-                    if !dep(mapped) {
+    }
+    let (code, outs) = compact(&em.code, &outs);
+    let mut inputs = program.inputs().to_vec();
+    inputs.extend(plan.red_vals.iter().map(|&v| program.dtype(v)));
+    Ok(Some(Program::new(
+        inputs,
+        program.params().to_vec(),
+        code,
+        outs,
+        program.axes().to_vec(),
+    )?))
+}
+
+/// The backward program while it is emitted: the adjoint arithmetic, the adjoints found so far,
+/// and what the forward says of each of its (rewritten) values.
+struct Sweep<'a> {
+    a: Adj<'a>,
+    /// The adjoint of each forward value reached so far.
+    adj: HashMap<Val, Val>,
+    /// Whether each rewritten forward value depends on a differentiated input.
+    ndep: Vec<bool>,
+    /// The dtype of each value emitted before the sweep.
+    fwd_dt: Vec<DType>,
+    /// Per reduction, `(combine, mapped value, the input standing for its result)`.
+    reds: Vec<(Combine, Val, Val)>,
+    /// The reduction that an input value stands for.
+    red_at: HashMap<Val, usize>,
+    tie_of: &'a [Option<usize>],
+    /// The backward's input holding the first tie count.
+    first_tie: u32,
+}
+
+impl<'a> Sweep<'a> {
+    /// Emits the forward (reductions rewritten as inputs) and the cotangent input into `em`,
+    /// seeds the output's adjoint with it. Returns the sweep and the forward's length in `em`.
+    fn prepare(
+        program: &Program,
+        plan: &'a Plan,
+        em: &'a mut Emitter,
+        out: Val,
+        gdt: DType,
+    ) -> (Sweep<'a>, usize) {
+        let n = program.inputs().len();
+        let (map, reds) = rewrite(program, em, n as u32);
+        let mut dtypes = vec![DType::F32; em.code.len()];
+        for (i, &m) in map.iter().enumerate() {
+            dtypes[m as usize] = program.dtypes()[i];
+        }
+        let mut ndep = vec![false; em.code.len()];
+        for (i, &m) in map.iter().enumerate() {
+            ndep[m as usize] |= plan.depends[i];
+        }
+        let first_tie = (n + plan.red_vals.len()) as u32;
+        let g_input = first_tie + plan.t_count as u32;
+        let mut fphase = vec![Phase::Uniform; em.code.len()];
+        for (i, &m) in map.iter().enumerate() {
+            fphase[m as usize] = program.phases()[i];
+        }
+        let count_param = program.params().len() as u32;
+        let mut a = Adj {
+            em,
+            dtypes,
+            fphase,
+            count_param,
+        };
+        let g = a.emit(Instr::Input(g_input), gdt);
+        let forward_len = map.iter().map(|&m| m as usize + 1).max().unwrap_or(0);
+        let mut adj: HashMap<Val, Val> = HashMap::new();
+        adj.insert(map[out as usize], g);
+        let red_at: HashMap<Val, usize> = reds
+            .iter()
+            .enumerate()
+            .map(|(r, &(_, _, rv))| (rv, r))
+            .collect();
+        let fwd_dt = a.dtypes.clone();
+        let sweep = Sweep {
+            a,
+            adj,
+            ndep,
+            fwd_dt,
+            reds,
+            red_at,
+            tie_of: &plan.tie_of,
+            first_tie,
+        };
+        (sweep, forward_len)
+    }
+
+    /// Whether a gradient flows to `x`: it depends on a differentiated input and is a float.
+    fn dep(&self, x: Val) -> bool {
+        self.ndep[x as usize] && self.fwd_dt[x as usize].is_float()
+    }
+
+    /// The reverse sweep: every forward value with an adjoint, last first, passes it on to its
+    /// operands.
+    fn run(&mut self, forward_len: usize) -> Result<()> {
+        for v in (0..forward_len as Val).rev() {
+            let Some(&g) = self.adj.get(&v) else { continue };
+            if !self.ndep[v as usize] {
+                continue;
+            }
+            let ins = self.a.em.code[v as usize];
+            let dt = self.a.dt(v);
+            match ins {
+                Instr::Input(_) => self.reduction_adjoint(v, g, dt),
+                Instr::Param(_) | Instr::Const(_) | Instr::Cmp(..) => {}
+                Instr::Unary(op, x) => {
+                    if !self.dep(x) {
                         continue;
                     }
-                    let d = match c {
-                        Combine::Sum => g,
-                        Combine::Max | Combine::Min => {
-                            let t = a.emit(
-                                Instr::Input(first_tie + tie_of[r].expect("counted") as u32),
-                                dt,
-                            );
-                            let m = a.mask(CmpOp::Eq, mapped, rv, dt);
-                            let share = a.bin(BinaryOp::Div, g, t);
-                            a.mul(share, m)
-                        }
-                        Combine::Prod => unreachable!("rejected above"),
+                    let a = &mut self.a;
+                    // The op table's rule, spliced in with the saved operand and `g`.
+                    let saved = match op.grad_reads() {
+                        Some(GradFrom::Output) => v,
+                        _ => x,
                     };
-                    add_raw(&mut a, &mut adj, mapped, d);
+                    if let Some(rule) = unary_vjp_program(op, dt)? {
+                        let d = splice(&rule, &[saved, g], |ins, dt| a.emit(ins, dt))[0];
+                        add_to(a, &mut self.adj, v, x, d);
+                    }
                 }
+                Instr::Binary(op, x, z) => self.binary_adjoints(op, v, x, z, g, dt),
+                Instr::Where(c, x, z) => self.where_adjoints(c, v, x, z, g, dt),
+                Instr::Cast(_, x) => self.cast_adjoint(v, x, g, dt),
+                Instr::Reduce(..) => unreachable!("rewritten as inputs"),
             }
-            Instr::Param(_) | Instr::Const(_) | Instr::Cmp(..) => {}
-            Instr::Unary(op, x) => {
-                if !dep(x) {
-                    continue;
-                }
-                // The op table's rule, spliced in with the saved operand and `g`.
-                let saved = match op.grad_reads() {
-                    Some(GradFrom::Output) => v,
-                    _ => x,
+        }
+        Ok(())
+    }
+
+    /// Input `v` with adjoint `g`: if it stands for a reduction, the adjoint flows to the
+    /// reduction's mapped value (for max/min only to the elements equal to the result, shared
+    /// among ties).
+    fn reduction_adjoint(&mut self, v: Val, g: Val, dt: DType) {
+        let Some(&r) = self.red_at.get(&v) else {
+            return;
+        };
+        let (c, mapped, rv) = self.reds[r];
+        if !self.dep(mapped) {
+            return;
+        }
+        let first_tie = self.first_tie;
+        let tie = self.tie_of[r];
+        let a = &mut self.a;
+        let d = match c {
+            Combine::Sum => g,
+            Combine::Max | Combine::Min => {
+                let t = a.emit(Instr::Input(first_tie + tie.expect("counted") as u32), dt);
+                let m = a.mask(CmpOp::Eq, mapped, rv, dt);
+                let share = a.bin(BinaryOp::Div, g, t);
+                a.mul(share, m)
+            }
+            Combine::Prod => unreachable!("rejected above"),
+        };
+        add_raw(a, &mut self.adj, mapped, d);
+    }
+
+    /// `v = op(x, z)` with adjoint `g`.
+    fn binary_adjoints(&mut self, op: BinaryOp, v: Val, x: Val, z: Val, g: Val, dt: DType) {
+        let (dx, dz) = (self.dep(x), self.dep(z));
+        let a = &mut self.a;
+        let zero = a.c(0.0, dt);
+        let (gx, gz) = match op {
+            BinaryOp::Add => (g, g),
+            BinaryOp::Sub => (g, a.un(UnaryOp::Neg, g)),
+            BinaryOp::Mul => (a.mul(g, z), a.mul(g, x)),
+            BinaryOp::Div => {
+                let gx = a.bin(BinaryOp::Div, g, z);
+                // d/dz x/z = -y/z
+                let q = a.bin(BinaryOp::Div, v, z);
+                let p = a.mul(g, q);
+                (gx, a.un(UnaryOp::Neg, p))
+            }
+            BinaryOp::Pow => {
+                // to x: g * z * x^(z-1), 0 where z == 0
+                let one = a.c(1.0, dt);
+                let zm1 = a.bin(BinaryOp::Sub, z, one);
+                let pw = a.bin(BinaryOp::Pow, x, zm1);
+                let t = a.mul(z, pw);
+                let t = a.mul(g, t);
+                let z0 = a.cmp(CmpOp::Eq, z, zero);
+                let gx = a.select(z0, zero, t);
+                // to z: g * y * log(x), 0 where x == 0 and z >= 0
+                let l = a.un(UnaryOp::Log, x);
+                let t = a.mul(v, l);
+                let t = a.mul(g, t);
+                let x0 = a.cmp(CmpOp::Eq, x, zero);
+                let zp = a.cmp(CmpOp::Ge, z, zero);
+                let both = a.emit(Instr::Binary(BinaryOp::Minimum, x0, zp), DType::U8);
+                (gx, a.select(both, zero, t))
+            }
+            BinaryOp::Maximum | BinaryOp::Minimum => {
+                let (win, tie_ok) = if op == BinaryOp::Maximum {
+                    (CmpOp::Gt, CmpOp::Ge)
+                } else {
+                    (CmpOp::Lt, CmpOp::Le)
                 };
-                if let Some(rule) = unary_vjp_program(op, dt)? {
-                    let d = splice(&rule, &[saved, g], |ins, dt| a.emit(ins, dt))[0];
-                    add_to(&mut a, &mut adj, v, x, d);
+                if dx && dz {
+                    let eq = a.mask(CmpOp::Eq, x, z, dt);
+                    let half = a.mulc(eq, 0.5);
+                    let wx = a.mask(win, x, z, dt);
+                    let wz = a.mask(win, z, x, dt);
+                    let fx = a.bin(BinaryOp::Add, wx, half);
+                    let fz = a.bin(BinaryOp::Add, wz, half);
+                    (a.mul(g, fx), a.mul(g, fz))
+                } else {
+                    // clamp: the differentiated side passes where it is the result,
+                    // ties included
+                    let fx = a.mask(tie_ok, x, z, dt);
+                    let fz = a.mask(tie_ok, z, x, dt);
+                    (a.mul(g, fx), a.mul(g, fz))
                 }
             }
-            Instr::Binary(op, x, z) => {
-                let (dx, dz) = (dep(x), dep(z));
-                let zero = a.c(0.0, dt);
-                let (gx, gz) = match op {
-                    BinaryOp::Add => (g, g),
-                    BinaryOp::Sub => (g, a.un(UnaryOp::Neg, g)),
-                    BinaryOp::Mul => (a.mul(g, z), a.mul(g, x)),
-                    BinaryOp::Div => {
-                        let gx = a.bin(BinaryOp::Div, g, z);
-                        // d/dz x/z = -y/z
-                        let q = a.bin(BinaryOp::Div, v, z);
-                        let p = a.mul(g, q);
-                        (gx, a.un(UnaryOp::Neg, p))
-                    }
-                    BinaryOp::Pow => {
-                        // to x: g * z * x^(z-1), 0 where z == 0
-                        let one = a.c(1.0, dt);
-                        let zm1 = a.bin(BinaryOp::Sub, z, one);
-                        let pw = a.bin(BinaryOp::Pow, x, zm1);
-                        let t = a.mul(z, pw);
-                        let t = a.mul(g, t);
-                        let z0 = a.cmp(CmpOp::Eq, z, zero);
-                        let gx = a.select(z0, zero, t);
-                        // to z: g * y * log(x), 0 where x == 0 and z >= 0
-                        let l = a.un(UnaryOp::Log, x);
-                        let t = a.mul(v, l);
-                        let t = a.mul(g, t);
-                        let x0 = a.cmp(CmpOp::Eq, x, zero);
-                        let zp = a.cmp(CmpOp::Ge, z, zero);
-                        let both = a.emit(Instr::Binary(BinaryOp::Minimum, x0, zp), DType::U8);
-                        (gx, a.select(both, zero, t))
-                    }
-                    BinaryOp::Maximum | BinaryOp::Minimum => {
-                        let (win, tie_ok) = if op == BinaryOp::Maximum {
-                            (CmpOp::Gt, CmpOp::Ge)
-                        } else {
-                            (CmpOp::Lt, CmpOp::Le)
-                        };
-                        if dx && dz {
-                            let eq = a.mask(CmpOp::Eq, x, z, dt);
-                            let half = a.mulc(eq, 0.5);
-                            let wx = a.mask(win, x, z, dt);
-                            let wz = a.mask(win, z, x, dt);
-                            let fx = a.bin(BinaryOp::Add, wx, half);
-                            let fz = a.bin(BinaryOp::Add, wz, half);
-                            (a.mul(g, fx), a.mul(g, fz))
-                        } else {
-                            // clamp: the differentiated side passes where it is the result,
-                            // ties included
-                            let fx = a.mask(tie_ok, x, z, dt);
-                            let fz = a.mask(tie_ok, z, x, dt);
-                            (a.mul(g, fx), a.mul(g, fz))
-                        }
-                    }
-                };
-                if dx {
-                    add_to(&mut a, &mut adj, v, x, gx);
-                }
-                if dz {
-                    add_to(&mut a, &mut adj, v, z, gz);
-                }
-            }
-            Instr::Where(c, x, z) => {
-                let zero = a.c(0.0, dt);
-                if dep(x) {
-                    let d = a.select(c, g, zero);
-                    add_to(&mut a, &mut adj, v, x, d);
-                }
-                if dep(z) {
-                    let d = a.select(c, zero, g);
-                    add_to(&mut a, &mut adj, v, z, d);
-                }
-            }
-            Instr::Cast(_, x) => {
-                if dep(x) && dt.is_float() {
-                    let from = a.dt(x);
-                    let d = a.emit(Instr::Cast(from, g), from);
-                    add_to(&mut a, &mut adj, v, x, d);
-                }
-            }
-            Instr::Reduce(..) => unreachable!("rewritten as inputs"),
+        };
+        if dx {
+            add_to(a, &mut self.adj, v, x, gx);
+        }
+        if dz {
+            add_to(a, &mut self.adj, v, z, gz);
         }
     }
-    let mut outs = Vec::with_capacity(wrt.len());
-    for &k in wrt {
-        let iv = a.em.code.iter().position(|i| *i == Instr::Input(k as u32));
-        let d = iv.and_then(|iv| adj.get(&(iv as Val)).copied());
-        outs.push(match d {
-            Some(d) => d,
-            None => a.c(0.0, program.inputs()[k]),
-        });
-    }
-    let (code, outs) = compact(&a.em.code, &outs);
-    let mut inputs = program.inputs().to_vec();
-    inputs.extend(red_vals.iter().map(|&v| program.dtype(v)));
-    for (r, t) in tie_of.iter().enumerate() {
-        if t.is_some() {
-            inputs.push(program.dtype(red_vals[r]));
+
+    /// `v = where(c, x, z)` with adjoint `g`.
+    fn where_adjoints(&mut self, c: Val, v: Val, x: Val, z: Val, g: Val, dt: DType) {
+        let (dx, dz) = (self.dep(x), self.dep(z));
+        let a = &mut self.a;
+        let zero = a.c(0.0, dt);
+        if dx {
+            let d = a.select(c, g, zero);
+            add_to(a, &mut self.adj, v, x, d);
+        }
+        if dz {
+            let d = a.select(c, zero, g);
+            add_to(a, &mut self.adj, v, z, d);
         }
     }
-    inputs.push(gdt);
-    let mut params = program.params().to_vec();
-    if program.reduces() {
-        params.push(DType::F64);
+
+    /// `v = cast(x)` with adjoint `g`: cast back to `x`'s dtype (none from a non-float `v`).
+    fn cast_adjoint(&mut self, v: Val, x: Val, g: Val, dt: DType) {
+        if self.dep(x) && dt.is_float() {
+            let a = &mut self.a;
+            let from = a.dt(x);
+            let d = a.emit(Instr::Cast(from, g), from);
+            add_to(a, &mut self.adj, v, x, d);
+        }
     }
-    let backward = Program::new(inputs, params, code, outs, vec![])?;
-    Ok(Gradient {
-        reductions: r_count,
-        ties,
-        backward,
-    })
+
+    /// The backward program: one output per requested input (a zero for an input the output
+    /// does not depend on), dead code dropped, inputs and parameters as [`Gradient`] says.
+    fn finish(self, program: &Program, plan: &Plan, wrt: &[usize], gdt: DType) -> Result<Program> {
+        let Sweep { mut a, adj, .. } = self;
+        let mut outs = Vec::with_capacity(wrt.len());
+        for &k in wrt {
+            let iv = a.em.code.iter().position(|i| *i == Instr::Input(k as u32));
+            let d = iv.and_then(|iv| adj.get(&(iv as Val)).copied());
+            outs.push(match d {
+                Some(d) => d,
+                None => a.c(0.0, program.inputs()[k]),
+            });
+        }
+        let (code, outs) = compact(&a.em.code, &outs);
+        let mut inputs = program.inputs().to_vec();
+        inputs.extend(plan.red_vals.iter().map(|&v| program.dtype(v)));
+        for (r, t) in plan.tie_of.iter().enumerate() {
+            if t.is_some() {
+                inputs.push(program.dtype(plan.red_vals[r]));
+            }
+        }
+        inputs.push(gdt);
+        let mut params = program.params().to_vec();
+        if program.reduces() {
+            params.push(DType::F64);
+        }
+        Program::new(inputs, params, code, outs, vec![])
+    }
 }
 
 /// `adj[v] += d`, for a contribution from value `from`. A post-map value (kept shape) that

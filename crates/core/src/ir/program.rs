@@ -248,182 +248,23 @@ impl Program {
         outputs: Vec<Val>,
         axes: Vec<isize>,
     ) -> Result<Program> {
-        use ExprErrorKind as K;
         if code.is_empty() || outputs.is_empty() {
             return Err(expr_err(
                 "expr",
-                K::Structure,
+                ExprErrorKind::Structure,
                 "a program needs at least one instruction and one output",
             ));
         }
         let mut dtypes: Vec<DType> = Vec::with_capacity(code.len());
         let mut phases: Vec<Phase> = Vec::with_capacity(code.len());
-        let mut reduces = false;
         for (i, ins) in code.iter().enumerate() {
-            let op = ins.name();
-            for a in ins.operands() {
-                if a as usize >= i {
-                    return Err(expr_err(
-                        op,
-                        K::Structure,
-                        format!("%{i} reads %{a}, which is not defined before it"),
-                    ));
-                }
-            }
-            let dt = |v: Val| dtypes[v as usize];
-            let ph = |v: Val| phases[v as usize];
-            let bad_dtype = |what: String| expr_err(op, K::DType, format!("%{i}: {what}"));
-            let join = |vals: &[Val]| -> Result<Phase> {
-                let mut p = Phase::Uniform;
-                for &v in vals {
-                    p = match (p, ph(v)) {
-                        (Phase::Uniform, q) | (q, Phase::Uniform) => q,
-                        // A per-element value read after the reduction is read at the kept
-                        // position (see `Program::post_inputs`).
-                        (Phase::Elem, Phase::Reduced) | (Phase::Reduced, Phase::Elem) => {
-                            Phase::Reduced
-                        }
-                        (a, _) => a,
-                    }
-                }
-                Ok(p)
-            };
-            let (d, p) = match *ins {
-                Instr::Input(k) => match inputs.get(k as usize) {
-                    Some(&d) => (d, Phase::Elem),
-                    None => {
-                        return Err(expr_err(
-                            op,
-                            K::Arity,
-                            format!("%{i} reads input {k} of {}", inputs.len()),
-                        ));
-                    }
-                },
-                Instr::Param(k) => match params.get(k as usize) {
-                    Some(&d) => (d, Phase::Uniform),
-                    None => {
-                        return Err(expr_err(
-                            op,
-                            K::Arity,
-                            format!("%{i} reads parameter {k} of {}", params.len()),
-                        ));
-                    }
-                },
-                Instr::Const(s) => (s.dtype(), Phase::Uniform),
-                Instr::Unary(u, a) => {
-                    if !u.supports(dt(a)) {
-                        return Err(bad_dtype(format!(
-                            "{} of {} (see UnaryOp for the dtypes each op takes)",
-                            u.name(),
-                            dt(a)
-                        )));
-                    }
-                    (dt(a), join(&[a])?)
-                }
-                Instr::Binary(b, x, y) => {
-                    if dt(x) != dt(y) {
-                        return Err(bad_dtype(format!(
-                            "operands of {} and {} (cast one first)",
-                            dt(x),
-                            dt(y)
-                        )));
-                    }
-                    if !b.supports(dt(x)) {
-                        return Err(bad_dtype(format!(
-                            "{} of {} (see BinaryOp for the dtypes each op takes)",
-                            b.name(),
-                            dt(x)
-                        )));
-                    }
-                    (dt(x), join(&[x, y])?)
-                }
-                Instr::Cmp(_, x, y) => {
-                    if dt(x) != dt(y) {
-                        return Err(bad_dtype(format!(
-                            "operands of {} and {} (cast one first)",
-                            dt(x),
-                            dt(y)
-                        )));
-                    }
-                    (DType::U8, join(&[x, y])?)
-                }
-                Instr::Where(c, x, y) => {
-                    if dt(c) != DType::U8 {
-                        return Err(bad_dtype(format!("a condition of {}, not u8", dt(c))));
-                    }
-                    if dt(x) != dt(y) {
-                        return Err(bad_dtype(format!(
-                            "branches of {} and {} (cast one first)",
-                            dt(x),
-                            dt(y)
-                        )));
-                    }
-                    (dt(x), join(&[c, x, y])?)
-                }
-                Instr::Cast(to, a) => (to, join(&[a])?),
-                Instr::Reduce(c, a) => {
-                    if !c.supports(dt(a)) {
-                        return Err(bad_dtype(format!("{} of {}", c.name(), dt(a))));
-                    }
-                    if ph(a) == Phase::Reduced {
-                        return Err(expr_err(
-                            op,
-                            K::Phase,
-                            format!("%{i} reduces %{a}, which is already reduced"),
-                        ));
-                    }
-                    reduces = true;
-                    (dt(a), Phase::Reduced)
-                }
-            };
-            dtypes.push(d);
-            phases.push(p);
+            check_defined(i, ins)?;
+            dtypes.push(value_dtype(i, ins, &inputs, &params, &dtypes)?);
+            phases.push(value_phase(i, ins, &phases)?);
         }
-        for &o in &outputs {
-            if o as usize >= code.len() {
-                return Err(expr_err(
-                    "expr",
-                    K::Structure,
-                    format!("output %{o} of a program of {} instructions", code.len()),
-                ));
-            }
-        }
-        if reduces && axes.is_empty() {
-            return Err(expr_err(
-                "expr",
-                K::Axis,
-                "the program reduces but names no reduction axes",
-            ));
-        }
-        if !reduces && !axes.is_empty() {
-            return Err(expr_err(
-                "expr",
-                K::Structure,
-                format!("reduction axes {axes:?} given to a program that does not reduce"),
-            ));
-        }
-        // The inputs the post-map reads other than through a reduction.
-        let mut post = vec![false; code.len()];
-        for (i, ins) in code.iter().enumerate().rev() {
-            if phases[i] == Phase::Reduced && !matches!(ins, Instr::Reduce(..)) {
-                post[i] = true;
-            }
-            if post[i] && !matches!(ins, Instr::Reduce(..)) {
-                for a in ins.operands() {
-                    post[a as usize] = true;
-                }
-            }
-        }
-        let mut post_inputs: Vec<u32> = code
-            .iter()
-            .zip(&post)
-            .filter_map(|(ins, &p)| match ins {
-                Instr::Input(k) if p => Some(*k),
-                _ => None,
-            })
-            .collect();
-        post_inputs.sort_unstable();
-        post_inputs.dedup();
+        let reduces = code.iter().any(|ins| matches!(ins, Instr::Reduce(..)));
+        check_outputs_and_axes(code.len(), &outputs, &axes, reduces)?;
+        let post_inputs = post_inputs(&code, &phases);
         Ok(Program {
             fingerprint: fingerprint(&inputs, &params, &code, &outputs, &axes),
             inputs,
@@ -541,6 +382,208 @@ impl Program {
         }
         Ok(Shape::new(dims))
     }
+}
+
+/// Checks that instruction `i` reads only values defined before it.
+fn check_defined(i: usize, ins: &Instr) -> Result<()> {
+    for a in ins.operands() {
+        if a as usize >= i {
+            return Err(expr_err(
+                ins.name(),
+                ExprErrorKind::Structure,
+                format!("%{i} reads %{a}, which is not defined before it"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The dtype of instruction `i`, given those before it (`dtypes`); an error where it reads an
+/// input or parameter that does not exist or operands of dtypes its op does not take.
+fn value_dtype(
+    i: usize,
+    ins: &Instr,
+    inputs: &[DType],
+    params: &[DType],
+    dtypes: &[DType],
+) -> Result<DType> {
+    use ExprErrorKind as K;
+    let op = ins.name();
+    let dt = |v: Val| dtypes[v as usize];
+    let bad_dtype = |what: String| expr_err(op, K::DType, format!("%{i}: {what}"));
+    let d = match *ins {
+        Instr::Input(k) => match inputs.get(k as usize) {
+            Some(&d) => d,
+            None => {
+                return Err(expr_err(
+                    op,
+                    K::Arity,
+                    format!("%{i} reads input {k} of {}", inputs.len()),
+                ));
+            }
+        },
+        Instr::Param(k) => match params.get(k as usize) {
+            Some(&d) => d,
+            None => {
+                return Err(expr_err(
+                    op,
+                    K::Arity,
+                    format!("%{i} reads parameter {k} of {}", params.len()),
+                ));
+            }
+        },
+        Instr::Const(s) => s.dtype(),
+        Instr::Unary(u, a) => {
+            if !u.supports(dt(a)) {
+                return Err(bad_dtype(format!(
+                    "{} of {} (see UnaryOp for the dtypes each op takes)",
+                    u.name(),
+                    dt(a)
+                )));
+            }
+            dt(a)
+        }
+        Instr::Binary(b, x, y) => {
+            if dt(x) != dt(y) {
+                return Err(bad_dtype(format!(
+                    "operands of {} and {} (cast one first)",
+                    dt(x),
+                    dt(y)
+                )));
+            }
+            if !b.supports(dt(x)) {
+                return Err(bad_dtype(format!(
+                    "{} of {} (see BinaryOp for the dtypes each op takes)",
+                    b.name(),
+                    dt(x)
+                )));
+            }
+            dt(x)
+        }
+        Instr::Cmp(_, x, y) => {
+            if dt(x) != dt(y) {
+                return Err(bad_dtype(format!(
+                    "operands of {} and {} (cast one first)",
+                    dt(x),
+                    dt(y)
+                )));
+            }
+            DType::U8
+        }
+        Instr::Where(c, x, y) => {
+            if dt(c) != DType::U8 {
+                return Err(bad_dtype(format!("a condition of {}, not u8", dt(c))));
+            }
+            if dt(x) != dt(y) {
+                return Err(bad_dtype(format!(
+                    "branches of {} and {} (cast one first)",
+                    dt(x),
+                    dt(y)
+                )));
+            }
+            dt(x)
+        }
+        Instr::Cast(to, _) => to,
+        Instr::Reduce(c, a) => {
+            if !c.supports(dt(a)) {
+                return Err(bad_dtype(format!("{} of {}", c.name(), dt(a))));
+            }
+            dt(a)
+        }
+    };
+    Ok(d)
+}
+
+/// The phase of instruction `i`, given those before it (`phases`); an error where it reduces a
+/// value that is already reduced.
+fn value_phase(i: usize, ins: &Instr, phases: &[Phase]) -> Result<Phase> {
+    let ph = |v: Val| phases[v as usize];
+    if let Instr::Reduce(_, a) = *ins {
+        if ph(a) == Phase::Reduced {
+            return Err(expr_err(
+                ins.name(),
+                ExprErrorKind::Phase,
+                format!("%{i} reduces %{a}, which is already reduced"),
+            ));
+        }
+        return Ok(Phase::Reduced);
+    }
+    let mut p = match ins {
+        Instr::Input(_) => Phase::Elem,
+        _ => Phase::Uniform,
+    };
+    for v in ins.operands() {
+        p = match (p, ph(v)) {
+            (Phase::Uniform, q) | (q, Phase::Uniform) => q,
+            // A per-element value read after the reduction is read at the kept position (see
+            // `Program::post_inputs`).
+            (Phase::Elem, Phase::Reduced) | (Phase::Reduced, Phase::Elem) => Phase::Reduced,
+            (a, _) => a,
+        }
+    }
+    Ok(p)
+}
+
+/// Checks that every output is a value of the program, and that it names reduction axes if and
+/// only if it reduces.
+fn check_outputs_and_axes(
+    code_len: usize,
+    outputs: &[Val],
+    axes: &[isize],
+    reduces: bool,
+) -> Result<()> {
+    use ExprErrorKind as K;
+    for &o in outputs {
+        if o as usize >= code_len {
+            return Err(expr_err(
+                "expr",
+                K::Structure,
+                format!("output %{o} of a program of {code_len} instructions"),
+            ));
+        }
+    }
+    if reduces && axes.is_empty() {
+        return Err(expr_err(
+            "expr",
+            K::Axis,
+            "the program reduces but names no reduction axes",
+        ));
+    }
+    if !reduces && !axes.is_empty() {
+        return Err(expr_err(
+            "expr",
+            K::Structure,
+            format!("reduction axes {axes:?} given to a program that does not reduce"),
+        ));
+    }
+    Ok(())
+}
+
+/// The inputs the post-map reads other than through a reduction ([`Program::post_inputs`]),
+/// sorted, without repeats.
+fn post_inputs(code: &[Instr], phases: &[Phase]) -> Vec<u32> {
+    let mut post = vec![false; code.len()];
+    for (i, ins) in code.iter().enumerate().rev() {
+        if phases[i] == Phase::Reduced && !matches!(ins, Instr::Reduce(..)) {
+            post[i] = true;
+        }
+        if post[i] && !matches!(ins, Instr::Reduce(..)) {
+            for a in ins.operands() {
+                post[a as usize] = true;
+            }
+        }
+    }
+    let mut post_inputs: Vec<u32> = code
+        .iter()
+        .zip(&post)
+        .filter_map(|(ins, &p)| match ins {
+            Instr::Input(k) if p => Some(*k),
+            _ => None,
+        })
+        .collect();
+    post_inputs.sort_unstable();
+    post_inputs.dedup();
+    post_inputs
 }
 
 impl fmt::Display for Program {

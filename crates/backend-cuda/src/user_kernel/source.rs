@@ -189,8 +189,24 @@ pub fn reduction(
 ) -> String {
     let mut s = String::new();
     head(&mut s, spec, r, wide);
+    reduce_struct(&mut s, spec.name, red);
+    reduction_signature(&mut s, spec, r, slots, split);
+    s += "    __shared__ _KRed::Acc _kscratch[32];\n";
+    open_kept_loop(&mut s, spec, red, r, slots, split);
+    fold(&mut s, spec, red, r, slots, split);
+    if split > 0 {
+        s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
+        s += "        if (threadIdx.x == 0) _kpart[_kb0] = _kacc;\n    }\n";
+    } else {
+        post_map(&mut s, spec, red, r);
+    }
+    s += "}\n";
+    s
+}
+
+/// The `_KRed` struct: the accumulator type, the identity and the reduce expression.
+fn reduce_struct(s: &mut String, name: &str, red: &Reduction) {
     let acc = red.acc.c_name();
-    let name = spec.name;
     let _ = writeln!(
         s,
         "struct _KRed {{\n    typedef {acc} Acc;\n    \
@@ -201,6 +217,10 @@ pub fn reduction(
          static __device__ __forceinline__ Acc shfl(Acc a, int o) {{ return shfl_xor(a, o); }}\n}};",
         red.identity, red.reduce
     );
+}
+
+/// The reduction kernel's signature (parameters as [`reduction`] lists them) and opening brace.
+fn reduction_signature(s: &mut String, spec: &Spec, r: &Resolved, slots: &[Slot], split: u32) {
     let mut decl: Vec<String> = [
         "const u64 _knk",
         "const u64 _knr",
@@ -224,12 +244,25 @@ pub fn reduction(
         decl.push("const u32 _kphase".into());
         decl.push("_KRed::Acc* __restrict__ _kpart".into());
     }
+    let name = spec.name;
     let _ = writeln!(
         s,
         "extern \"C\" __global__ void {name}({}) {{",
         decl.join(", ")
     );
-    s += "    __shared__ _KRed::Acc _kscratch[32];\n";
+}
+
+/// Opens the loop over kept elements (for a split: the whole of phase 1, then phase 0's loop
+/// over (kept element, part) pairs and the part's range), then the kept bases and the
+/// accumulator.
+fn open_kept_loop(
+    s: &mut String,
+    spec: &Spec,
+    red: &Reduction,
+    r: &Resolved,
+    slots: &[Slot],
+    split: u32,
+) {
     let tensors: Vec<&str> = spec
         .params()
         .zip(slots)
@@ -238,25 +271,30 @@ pub fn reduction(
         .collect();
     if split > 0 {
         // Phase 1: the parts' accumulators of each kept element, folded, then the post-map.
-        s += "    if (_kphase == 1) {\n";
-        s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
-        offsets(&mut s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
-        s += "        _KRed::Acc _kacc = _KRed::init();\n";
-        s += "        for (u64 _kq = threadIdx.x; _kq < _kparts; _kq += blockDim.x)\n";
-        s += "            _kacc = _KRed::combine(_kacc, _kpart[_kko * _kparts + _kq]);\n";
-        post_map(&mut s, spec, red, r);
-        s += "    return;\n    }\n";
+        *s += "    if (_kphase == 1) {\n";
+        *s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
+        offsets(s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
+        *s += "        _KRed::Acc _kacc = _KRed::init();\n";
+        *s += "        for (u64 _kq = threadIdx.x; _kq < _kparts; _kq += blockDim.x)\n";
+        *s += "            _kacc = _KRed::combine(_kacc, _kpart[_kko * _kparts + _kq]);\n";
+        post_map(s, spec, red, r);
+        *s += "    return;\n    }\n";
         // Phase 0: block `_kb0` folds part `_kb0 % parts` of kept element `_kb0 / parts`.
-        s += "    for (u64 _kb0 = blockIdx.x; _kb0 < _knk * _kparts; _kb0 += gridDim.x) {\n";
-        s += "        const u64 _kko = _kb0 / _kparts, _kpi = _kb0 - _kko * _kparts;\n";
-        s += "        const u64 _kchunk = ((_knr + _kparts - 1) / _kparts + 3) / 4 * 4;\n";
-        s += "        const u64 _kr0 = _kpi * _kchunk;\n";
-        s += "        const u64 _kr1 = _kr0 + _kchunk < _knr ? _kr0 + _kchunk : _knr;\n";
+        *s += "    for (u64 _kb0 = blockIdx.x; _kb0 < _knk * _kparts; _kb0 += gridDim.x) {\n";
+        *s += "        const u64 _kko = _kb0 / _kparts, _kpi = _kb0 - _kko * _kparts;\n";
+        *s += "        const u64 _kchunk = ((_knr + _kparts - 1) / _kparts + 3) / 4 * 4;\n";
+        *s += "        const u64 _kr0 = _kpi * _kchunk;\n";
+        *s += "        const u64 _kr1 = _kr0 + _kchunk < _knr ? _kr0 + _kchunk : _knr;\n";
     } else {
-        s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
+        *s += "    for (u64 _kko = blockIdx.x; _kko < _knk; _kko += gridDim.x) {\n";
     }
-    offsets(&mut s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
-    s += "        _KRed::Acc _kacc = _KRed::init();\n";
+    offsets(s, "        ", "_kko", "_kkd", "_kks", "_kb", &tensors);
+    *s += "        _KRed::Acc _kacc = _KRed::init();\n";
+}
+
+/// The fold of one kept element's reduced elements (of one part, for a split) into `_kacc`.
+fn fold(s: &mut String, spec: &Spec, red: &Reduction, r: &Resolved, slots: &[Slot], split: u32) {
+    let name = spec.name;
     let ins = || spec.inputs.iter().zip(slots);
     let strided: Vec<&str> = ins()
         .filter(|(_, s)| **s == Slot::Tensor(Access::Strided))
@@ -285,10 +323,10 @@ pub fn reduction(
     if split > 0 {
         // Groups of 4 consecutive elements per thread, lane by lane (as the expression
         // generator's split fold), read as one 16-byte vector each when `split == 4`.
-        s +=
+        *s +=
             "        for (u64 _kg = _kr0 / 4 + threadIdx.x; _kg * 4 < _kr1; _kg += blockDim.x) {\n";
         if split == 4 {
-            s += "            if (_kg * 4 + 4 <= _kr1) {\n";
+            *s += "            if (_kg * 4 + 4 <= _kr1) {\n";
             for (p, &slot) in ins() {
                 if slot == Slot::Tensor(Access::Contig) {
                     let t = concrete(&p.ty, r).c_name();
@@ -299,33 +337,25 @@ pub fn reduction(
                     );
                 }
             }
-            s += "#pragma unroll\n                for (int _kl = 0; _kl < 4; ++_kl) {\n";
-            s += "                    const u64 _kri = _kg * 4 + _kl;\n";
+            *s += "#pragma unroll\n                for (int _kl = 0; _kl < 4; ++_kl) {\n";
+            *s += "                    const u64 _kri = _kg * 4 + _kl;\n";
             let lanes = |n: &str, a: Access| match a {
                 Access::Contig => format!("_kw_{n}.v[_kl]"),
                 a => scalar(n, a),
             };
-            body(&mut s, "                    ", &lanes);
-            s += "                }\n                continue;\n            }\n";
+            body(s, "                    ", &lanes);
+            *s += "                }\n                continue;\n            }\n";
         }
-        s += "            for (int _kl = 0; _kl < 4; ++_kl) {\n";
-        s += "                const u64 _kri = _kg * 4 + _kl;\n";
-        s += "                if (_kri >= _kr1) break;\n";
-        body(&mut s, "                ", &scalar);
-        s += "            }\n        }\n";
+        *s += "            for (int _kl = 0; _kl < 4; ++_kl) {\n";
+        *s += "                const u64 _kri = _kg * 4 + _kl;\n";
+        *s += "                if (_kri >= _kr1) break;\n";
+        body(s, "                ", &scalar);
+        *s += "            }\n        }\n";
     } else {
-        s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
-        body(&mut s, "            ", &scalar);
-        s += "        }\n";
+        *s += "        for (u64 _kri = threadIdx.x; _kri < _knr; _kri += blockDim.x) {\n";
+        body(s, "            ", &scalar);
+        *s += "        }\n";
     }
-    if split > 0 {
-        s += "        _kacc = block_reduce<_KRed>(_kacc, _kscratch);\n";
-        s += "        if (threadIdx.x == 0) _kpart[_kb0] = _kacc;\n    }\n";
-    } else {
-        post_map(&mut s, spec, red, r);
-    }
-    s += "}\n";
-    s
 }
 
 /// The end of a kept element's block: the tree of the threads' accumulators, then thread 0

@@ -4,9 +4,10 @@
 //! ```
 //! use kiln_autograd::{Var, fuse};
 //! use kiln_backend_cpu::Cpu;
-//! use kiln_core::{DType, Tensor};
+//! use kiln_core::{DType, Generator, RandDist};
 //!
-//! let t = Tensor::<Cpu>::rand([4, 3], -1.0, 1.0, 0, DType::F64, &Cpu::device(0))?;
+//! let uniform = RandDist::Uniform { low: -1.0, high: 1.0 };
+//! let t = Generator::new(0).sample::<Cpu>([4, 3], uniform, DType::F64, &Cpu::device(0))?;
 //! let swish = fuse(|x| &x * x.sigmoid());          // defined once
 //! let y = swish.tensor(&t)?;                        // a Tensor<B>: one fused pass
 //! let p = Var::param(t);

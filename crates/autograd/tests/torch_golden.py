@@ -39,7 +39,9 @@ OPS = {
     "silu": (lambda x, p: F.silu(x), [None], (-10, 10)),
     "mish": (lambda x, p: F.mish(x), [None], (-10, 10)),
     "hardswish": (lambda x, p: F.hardswish(x), [None], (-6, 6)),
-    "hardsigmoid": (lambda x, p: F.hardsigmoid(x), [None], (-6, 6)),
+    # F.hardsigmoid's float64 backward multiplies by 1/6 rounded to float32
+    # (0.1666666716337204); the same function written out differentiates exactly.
+    "hardsigmoid": (lambda x, p: (x + 3).clamp(0, 6) / 6, [None], (-6, 6)),
     "gelu_tanh": (lambda x, p: F.gelu(x, approximate="tanh"), [None], (-10, 10)),
     "leaky_relu": (lambda x, p: F.leaky_relu(x, p), [0.01, 0.2], (-6, 6)),
     "elu": (lambda x, p: F.elu(x, p), [1.0, 0.5], (-6, 6)),

@@ -152,7 +152,17 @@ fn checked_labels_are_not_checked_again_until_written() {
     let bad = Tensor::<Cuda>::from_vec(vec![9i64], [1], &dev).unwrap();
     let labels = labels.slice_assign(0, 3, &bad).unwrap();
     let e = logits.cross_entropy_backward(&labels, &ones).unwrap_err();
-    assert!(e.to_string().contains("label 9"), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                index: 9,
+                size: 5,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let mut raw = Cuda::from_host(&dev, &kiln_core::HostBuffer::I64(vec![0, 4, 2, 1])).unwrap();
     let l = kiln_core::Layout::contiguous([4]);
     let xl = kiln_core::Layout::contiguous([4, 5]);

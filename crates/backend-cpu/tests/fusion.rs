@@ -2,10 +2,8 @@
 //! threshold to 0, so that every fusable op is deferred (this binary is its own process: the
 //! setting does not reach the other tests).
 
-mod common;
-
-use common::close;
 use kiln_backend_cpu::{Cpu, set_fusion_min_elements};
+use kiln_core::testing::check_close as close;
 use kiln_core::{Backend, BinaryOp, DType, Result, Tensor, UnaryOp};
 
 fn all_deferred() {

@@ -5,8 +5,7 @@
 //! i64 arithmetic wraps, i64 `Div` truncates and gives 0 for a zero divisor, `Maximum`/`Minimum`
 //! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts.
 
-use kiln_core::expr::rules::unary_vjp_program;
-use kiln_core::expr::{Expr, Program};
+use kiln_core::expr::rules::unary_backward_program;
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, Result, UnaryFn, UnaryOp, UnaryVisitor};
 
 use crate::fastmath;
@@ -127,10 +126,7 @@ pub(crate) fn unary_backward(
     if !dtype.is_float() {
         return Err(dtype_err("unary_backward", "f32 or f64", dtype));
     }
-    let program = match unary_vjp_program(op, dtype)? {
-        Some(p) => p,
-        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
-    };
+    let program = unary_backward_program(op, dtype)?;
     let mut out =
         crate::expr::eval_expr(&s.device(), &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
     Ok(out.swap_remove(0))

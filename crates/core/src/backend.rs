@@ -18,7 +18,7 @@ use std::hash::Hash;
 
 pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
-use crate::ir::{Expr, Program, rules};
+use crate::ir::{Program, rules};
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
 pub use crate::update::{UpdateRule, UpdateSlot};
 use crate::{DType, Error, Layout, Result, Shape};
@@ -461,10 +461,7 @@ pub fn unary_backward_by_rule<B: Backend>(
             got: dtype,
         });
     }
-    let program = match rules::unary_vjp_program(op, dtype)? {
-        Some(p) => p,
-        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
-    };
+    let program = rules::unary_backward_program(op, dtype)?;
     let dev = B::storage_device(s);
     let mut out = B::eval_expr(&dev, &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
     Ok(out.swap_remove(0))

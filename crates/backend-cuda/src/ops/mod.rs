@@ -6,7 +6,7 @@
 use cudarc::driver::sys;
 use std::sync::Arc;
 
-use kiln_core::expr::{Expr, Program, rules};
+use kiln_core::expr::rules;
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, Result, UnaryOp};
 
 use crate::device::{DeviceState, check};
@@ -215,10 +215,7 @@ pub(crate) fn unary_backward(
             got: dtype,
         });
     }
-    let program = match rules::unary_vjp_program(op, dtype)? {
-        Some(p) => p,
-        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)])?,
-    };
+    let program = rules::unary_backward_program(op, dtype)?;
     run_single(OP, &program, &[(s, ls), (g, lg)], lg.shape(), contiguous)
 }
 

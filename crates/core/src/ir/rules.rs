@@ -59,6 +59,16 @@ pub fn unary_vjp_program(op: UnaryOp, dtype: DType) -> Result<Option<Program>> {
     })
 }
 
+/// The program every `Backend::unary_backward` runs for `op` at `dtype`: the rule of
+/// [`unary_vjp_program`], or `0` (in `g`'s shape) for an op whose derivative is zero.
+pub fn unary_backward_program(op: UnaryOp, dtype: DType) -> Result<Program> {
+    static MEMO: Memo<UnaryOp, Program> = OnceLock::new();
+    memoized(&MEMO, (op, dtype), || match unary_vjp_program(op, dtype)? {
+        Some(p) => Ok(p),
+        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)]),
+    })
+}
+
 /// Emits the instructions of `program` (elementwise, without parameters) through `emit`,
 /// reading value `args[k]` wherever it reads input `k`; returns the values of its outputs.
 /// How a rule of the op table joins a larger program (the IR's derivatives, the deferral's

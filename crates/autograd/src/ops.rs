@@ -16,9 +16,11 @@
 //! - `pow(a, b)`: where `b == 0` the gradient to `a` is 0; where `a == 0` and `b >= 0` the
 //!   gradient to `b` is 0 (not `0 * log 0 = NaN`).
 
+use kiln_core::expr::rules::binary_vjp_program;
+use kiln_core::expr::{Arg, Program};
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Tensor, UnaryOp,
-    Vjp,
+    Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Side, Tensor,
+    UnaryOp, Vjp,
 };
 
 use crate::var::Var;
@@ -118,31 +120,39 @@ impl<B: Backend> Var<B> {
     }
 
     /// `op(self, rhs)` with broadcasting; each gradient is summed back to its input's shape.
+    /// The gradients are the binary op table's rules ([`BinaryOp::vjp`]).
     pub fn binary(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
         let a = self.tensor();
         let b = rhs.tensor();
         let y = a.binary(op, &b)?;
         let (sa, sb) = (a.shape().clone(), b.shape().clone());
-        // Save only what the gradients of the inputs that need one will read.
-        let (na, nb) = (self.requires_grad(), rhs.requires_grad());
-        let (keep_a, keep_b, keep_y) = match op {
-            BinaryOp::Add | BinaryOp::Sub => (false, false, false),
-            BinaryOp::Mul => (nb, na, false),
-            BinaryOp::Div => (false, true, nb),
-            BinaryOp::Pow => (true, true, nb),
-            BinaryOp::Maximum | BinaryOp::Minimum => (true, true, false),
+        let rule = |v: &Self, side| -> Result<Option<Program>> {
+            v.requires_grad()
+                .then(|| binary_vjp_program(op, side, false, y.dtype()))
+                .transpose()
+        };
+        let (ra, rb) = (rule(self, Side::A)?, rule(rhs, Side::B)?);
+        // Save only what the rules of the inputs that need a gradient read.
+        let reads = |k: usize| {
+            [&ra, &rb]
+                .iter()
+                .any(|r| r.as_ref().is_some_and(|p| p.reads(k)))
         };
         let saved = Saved {
-            a: keep_a.then_some(a),
-            b: keep_b.then_some(b),
-            y: keep_y.then(|| y.clone()),
+            a: reads(0).then_some(a),
+            b: reads(1).then_some(b),
+            y: reads(2).then(|| y.clone()),
         };
         Ok(Var::from_op(op.name(), &[self, rhs], y, move |g, needs| {
-            let (ga, gb) = binary_grad(op, &saved, g, needs)?;
-            Ok(vec![
-                ga.map(|t| reduce_to_shape(&t, &sa)).transpose()?,
-                gb.map(|t| reduce_to_shape(&t, &sb)).transpose()?,
-            ])
+            let apply = |rule: &Option<Program>, need: bool, shape: &Shape| match rule {
+                Some(rule) if need => {
+                    let args = saved.args(None, g);
+                    let d = rule.run_ops(&args, &[])?.swap_remove(0);
+                    reduce_to_shape(&d, shape).map(Some)
+                }
+                _ => Ok(None),
+            };
+            Ok(vec![apply(&ra, needs[0], &sa)?, apply(&rb, needs[1], &sb)?])
         }))
     }
 
@@ -186,16 +196,21 @@ impl<B: Backend> Var<B> {
         } else {
             x.binary_scalar(op, c)?
         };
-        let (keep_x, keep_y) = match (op, scalar_lhs) {
-            (BinaryOp::Div, true) => (true, true),
-            (BinaryOp::Pow, false) | (BinaryOp::Maximum | BinaryOp::Minimum, _) => (true, false),
-            (BinaryOp::Pow, true) => (false, true),
-            _ => (false, false),
+        // The rule to the tensor's side, the other operand being the constant `c`.
+        let (side, x_at) = if scalar_lhs {
+            (Side::B, 1)
+        } else {
+            (Side::A, 0)
         };
-        let xs = keep_x.then_some(x);
-        let ys = keep_y.then(|| y.clone());
+        let rule = binary_vjp_program(op, side, true, y.dtype())?;
+        let saved = Saved {
+            a: (!scalar_lhs && rule.reads(x_at)).then(|| x.clone()),
+            b: (scalar_lhs && rule.reads(x_at)).then(|| x.clone()),
+            y: rule.reads(2).then(|| y.clone()),
+        };
         Ok(Var::from_op(op.name(), &[self], y, move |g, _| {
-            Ok(vec![Some(scalar_grad(op, c, scalar_lhs, &xs, &ys, g)?)])
+            let args = saved.args(Some((c, scalar_lhs)), g);
+            Ok(vec![Some(rule.run_ops(&args, &[])?.swap_remove(0))])
         }))
     }
 
@@ -778,115 +793,25 @@ fn y_axis<B: Backend>(y: &Tensor<B>, axis: isize) -> usize {
     }
 }
 
-type GradPair<B> = (Option<Tensor<B>>, Option<Tensor<B>>);
-
-/// What a binary op's backward kept: operands and output, each only when a gradient reads it.
+/// What a binary op's backward kept: operands and output, each only when a rule reads it.
 struct Saved<B: Backend> {
     a: Option<Tensor<B>>,
     b: Option<Tensor<B>>,
     y: Option<Tensor<B>>,
 }
 
-/// Gradients of `y = op(a, b)` in the broadcast output shape (not yet reduced).
-fn binary_grad<B: Backend>(
-    op: BinaryOp,
-    s: &Saved<B>,
-    g: &Tensor<B>,
-    needs: &[bool],
-) -> Result<GradPair<B>> {
-    let name = op.name();
-    let dt = g.dtype();
-    let a = || saved(&s.a, name);
-    let b = || saved(&s.b, name);
-    let y = || saved(&s.y, name);
-    let pick = |need: bool, f: &dyn Fn() -> Result<Tensor<B>>| -> Result<Option<Tensor<B>>> {
-        if need { f().map(Some) } else { Ok(None) }
-    };
-    let (na, nb) = (needs[0], needs[1]);
-    match op {
-        BinaryOp::Add => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| Ok(g.clone()))?)),
-        BinaryOp::Sub => Ok((pick(na, &|| Ok(g.clone()))?, pick(nb, &|| g.neg())?)),
-        BinaryOp::Mul => Ok((pick(na, &|| g.mul(b()?))?, pick(nb, &|| g.mul(a()?))?)),
-        BinaryOp::Div => Ok((
-            pick(na, &|| g.div(b()?))?,
-            pick(nb, &|| g.mul(y()?)?.div(b()?)?.neg())?,
-        )),
-        BinaryOp::Pow => {
-            let z = zeros_scalar(g)?;
-            let ga = pick(na, &|| {
-                let (a, b) = (a()?, b()?);
-                let d = b.mul(&a.pow(&b.sub_scalar(1.0)?)?)?;
-                let d = b.compare_scalar(CmpOp::Eq, 0.0)?.where_cond(&z, &d)?;
-                g.mul(&d)
-            })?;
-            let gb = pick(nb, &|| {
-                let (a, b) = (a()?, b()?);
-                let d = y()?.mul(&a.log()?)?;
-                let zero_base = mask(a.compare_scalar(CmpOp::Eq, 0.0)?, dt)?
-                    .mul(&mask(b.compare_scalar(CmpOp::Ge, 0.0)?, dt)?)?
-                    .compare_scalar(CmpOp::Gt, 0.5)?;
-                g.mul(&zero_base.where_cond(&z, &d)?)
-            })?;
-            Ok((ga, gb))
+impl<B: Backend> Saved<B> {
+    /// The arguments `(a, b, y, g)` of a rule program; `constant` is `(c, c_is_a)` for an op
+    /// with a constant operand. What was not saved is not read: `g` stands in for it.
+    fn args<'a>(&'a self, constant: Option<(f64, bool)>, g: &'a Tensor<B>) -> [Arg<'a, B>; 4] {
+        let t = |s: &'a Option<Tensor<B>>| Arg::Tensor(s.as_ref().unwrap_or(g));
+        let (mut a, mut b) = (t(&self.a), t(&self.b));
+        match constant {
+            Some((c, true)) => a = Arg::Scalar(c),
+            Some((c, false)) => b = Arg::Scalar(c),
+            None => {}
         }
-        BinaryOp::Maximum | BinaryOp::Minimum => {
-            let (a, b) = (a()?, b()?);
-            // Weight 1 where this side wins, 1/2 on ties, 0 where it loses.
-            let half_tie = || mask(a.eq(b)?, dt)?.mul_scalar(0.5);
-            let (win_a, win_b) = if op == BinaryOp::Maximum {
-                (CmpOp::Gt, CmpOp::Lt)
-            } else {
-                (CmpOp::Lt, CmpOp::Gt)
-            };
-            let ga = pick(na, &|| {
-                g.mul(&mask(a.compare(win_a, b)?, dt)?.add(&half_tie()?)?)
-            })?;
-            let gb = pick(nb, &|| {
-                g.mul(&mask(a.compare(win_b, b)?, dt)?.add(&half_tie()?)?)
-            })?;
-            Ok((ga, gb))
-        }
-    }
-}
-
-/// Gradient of `y = op(x, c)` (or `op(c, x)` when `scalar_lhs`) with respect to `x`.
-fn scalar_grad<B: Backend>(
-    op: BinaryOp,
-    c: f64,
-    scalar_lhs: bool,
-    x: &Option<Tensor<B>>,
-    y: &Option<Tensor<B>>,
-    g: &Tensor<B>,
-) -> Result<Tensor<B>> {
-    let dt = g.dtype();
-    let name = op.name();
-    let x = || saved(x, name);
-    let y = || saved(y, name);
-    match (op, scalar_lhs) {
-        (BinaryOp::Add, _) => Ok(g.clone()),
-        (BinaryOp::Sub, false) => Ok(g.clone()),
-        (BinaryOp::Sub, true) => g.neg(),
-        (BinaryOp::Mul, _) => g.mul_scalar(c),
-        (BinaryOp::Div, false) => g.div_scalar(c),
-        // d(c/x)/dx = -c/x² = -y/x
-        (BinaryOp::Div, true) => g.mul(y()?)?.div(x()?)?.neg(),
-        (BinaryOp::Pow, false) => {
-            if c == 0.0 {
-                g.zeros_like()
-            } else {
-                g.mul(&x()?.pow_scalar(c - 1.0)?.mul_scalar(c)?)
-            }
-        }
-        // d(c^x)/dx = c^x ln c; zero for c == 0 (as PyTorch masks 0^x for x >= 0).
-        (BinaryOp::Pow, true) => {
-            if c == 0.0 {
-                g.zeros_like()
-            } else {
-                g.mul(&y()?.mul_scalar(c.ln())?)
-            }
-        }
-        (BinaryOp::Maximum, _) => g.mul(&mask(x()?.compare_scalar(CmpOp::Ge, c)?, dt)?),
-        (BinaryOp::Minimum, _) => g.mul(&mask(x()?.compare_scalar(CmpOp::Le, c)?, dt)?),
+        [a, b, t(&self.y), Arg::Tensor(g)]
     }
 }
 

@@ -6,7 +6,10 @@
 //! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts.
 
 use kiln_core::expr::rules::unary_backward_program;
-use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, Result, UnaryFn, UnaryOp, UnaryVisitor};
+use kiln_core::{
+    BinaryFn, BinaryOp, BinaryVisitor, CmpFn, CmpOp, CmpVisitor, DType, Error, Layout, Result,
+    UnaryFn, UnaryOp, UnaryVisitor,
+};
 
 use crate::fastmath;
 use crate::storage::{CpuElem, CpuStorage, alloc, storage};
@@ -134,74 +137,55 @@ pub(crate) fn unary_backward(
 
 // ---- binary ----------------------------------------------------------------------------------
 
-/// Calls `$body` with `$f` bound to a monomorphic (inlinable) closure for `$op` on `$t`.
-macro_rules! with_float_binop {
-    ($t:ty, $op:expr, |$f:ident| $body:expr) => {
-        match $op {
-            BinaryOp::Add => {
-                let $f = |a: $t, b: $t| a + b;
-                $body
-            }
-            BinaryOp::Sub => {
-                let $f = |a: $t, b: $t| a - b;
-                $body
-            }
-            BinaryOp::Mul => {
-                let $f = |a: $t, b: $t| a * b;
-                $body
-            }
-            BinaryOp::Div => {
-                let $f = |a: $t, b: $t| a / b;
-                $body
-            }
-            BinaryOp::Pow => {
-                let $f = |a: $t, b: $t| a.powf(b);
-                $body
-            }
-            BinaryOp::Maximum => {
-                let $f = |a: $t, b: $t| if b > a || b.is_nan() { b } else { a };
-                $body
-            }
-            BinaryOp::Minimum => {
-                let $f = |a: $t, b: $t| if b < a || b.is_nan() { b } else { a };
-                $body
-            }
-        }
-    };
+/// The loop of one binary op, monomorphized per op of the table (`BinaryOp::visit`): `op(a, b)`
+/// over two tensors, or over one and a scalar `c` (`op(x, c)`, or `op(c, x)` when `lhs`).
+struct BinaryKernel<'a> {
+    a: (&'a CpuStorage, &'a Layout),
+    b: Option<(&'a CpuStorage, &'a Layout)>,
+    c: f64,
+    lhs: bool,
+    dtype: DType,
 }
 
-macro_rules! with_i64_binop {
-    ($op:expr, $name:expr, |$f:ident| $body:expr) => {
-        match $op {
-            BinaryOp::Add => {
-                let $f = |a: i64, b: i64| a.wrapping_add(b);
-                $body
-            }
-            BinaryOp::Sub => {
-                let $f = |a: i64, b: i64| a.wrapping_sub(b);
-                $body
-            }
-            BinaryOp::Mul => {
-                let $f = |a: i64, b: i64| a.wrapping_mul(b);
-                $body
-            }
-            BinaryOp::Div => {
-                let $f = |a: i64, b: i64| if b == 0 { 0 } else { a.wrapping_div(b) };
-                $body
-            }
-            BinaryOp::Maximum => {
-                let $f = |a: i64, b: i64| a.max(b);
-                $body
-            }
-            BinaryOp::Minimum => {
-                let $f = |a: i64, b: i64| a.min(b);
-                $body
-            }
-            BinaryOp::Pow => Err(dtype_err($name, "f32 or f64", DType::I64)),
+impl BinaryKernel<'_> {
+    fn run<T: CpuElem>(
+        &self,
+        name: &'static str,
+        f: impl Fn(T, T) -> T + Sync + Copy,
+    ) -> Result<CpuStorage> {
+        let (a, la) = self.a;
+        let c = T::from_f64(self.c);
+        match self.b {
+            Some((b, lb)) => run2::<T, T>(a, la, b, lb, name, ew2(f)),
+            None if self.lhs => run1::<T, T>(a, la, name, ew1(move |x: T| f(c, x))),
+            None => run1::<T, T>(a, la, name, ew1(move |x: T| f(x, c))),
         }
-    };
+    }
 }
 
+impl BinaryVisitor for BinaryKernel<'_> {
+    type Output = Result<CpuStorage>;
+
+    fn visit<F: BinaryFn>(self) -> Result<CpuStorage> {
+        let name = F::OP.name();
+        if !F::OP.supports(self.dtype) {
+            return Err(dtype_err(
+                name,
+                "a dtype the op supports (see BinaryOp)",
+                self.dtype,
+            ));
+        }
+        match self.dtype {
+            DType::F32 => self.run::<f32>(name, F::f::<f32>),
+            DType::F64 => self.run::<f64>(name, F::f::<f64>),
+            DType::I64 => self.run::<i64>(name, F::int),
+            DType::U8 => self.run::<u8>(name, F::byte),
+            _ => Err(dtype_err(name, "f32, f64, i64 or u8", self.dtype)),
+        }
+    }
+}
+
+/// `op(a, b)` elementwise, by the op table's definition of `op`.
 pub(crate) fn binary(
     op: BinaryOp,
     a: &CpuStorage,
@@ -210,18 +194,13 @@ pub(crate) fn binary(
     lb: &Layout,
     dtype: DType,
 ) -> Result<CpuStorage> {
-    let name = op.name();
-    match dtype {
-        DType::F32 => with_float_binop!(f32, op, |f| run2::<f32, f32>(a, la, b, lb, name, ew2(f))),
-        DType::F64 => with_float_binop!(f64, op, |f| run2::<f64, f64>(a, la, b, lb, name, ew2(f))),
-        DType::I64 => with_i64_binop!(op, name, |f| run2::<i64, i64>(a, la, b, lb, name, ew2(f))),
-        DType::U8 => match op {
-            BinaryOp::Maximum => run2::<u8, u8>(a, la, b, lb, name, ew2(|x: u8, y: u8| x.max(y))),
-            BinaryOp::Minimum => run2::<u8, u8>(a, la, b, lb, name, ew2(|x: u8, y: u8| x.min(y))),
-            _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
-        },
-        _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
-    }
+    op.visit(BinaryKernel {
+        a: (a, la),
+        b: Some((b, lb)),
+        c: 0.0,
+        lhs: false,
+        dtype,
+    })
 }
 
 /// `op(x, c)` (or `op(c, x)` when `scalar_lhs`) with `c` converted to the dtype by `as`.
@@ -233,32 +212,33 @@ pub(crate) fn binary_scalar(
     scalar: f64,
     scalar_lhs: bool,
 ) -> Result<CpuStorage> {
-    let name = op.name();
-    macro_rules! go {
-        ($t:ty, $f:expr) => {{
-            let f = $f;
-            let c = scalar as $t;
-            if scalar_lhs {
-                run1::<$t, $t>(s, layout, name, ew1(move |x: $t| f(c, x)))
-            } else {
-                run1::<$t, $t>(s, layout, name, ew1(move |x: $t| f(x, c)))
-            }
-        }};
-    }
-    match dtype {
-        DType::F32 => with_float_binop!(f32, op, |f| go!(f32, f)),
-        DType::F64 => with_float_binop!(f64, op, |f| go!(f64, f)),
-        DType::I64 => with_i64_binop!(op, name, |f| go!(i64, f)),
-        DType::U8 => match op {
-            BinaryOp::Maximum => go!(u8, |x: u8, y: u8| x.max(y)),
-            BinaryOp::Minimum => go!(u8, |x: u8, y: u8| x.min(y)),
-            _ => Err(dtype_err(name, "f32, f64 or i64", dtype)),
-        },
-        _ => Err(dtype_err(name, "f32, f64, i64 or u8", dtype)),
-    }
+    op.visit(BinaryKernel {
+        a: (s, layout),
+        b: None,
+        c: scalar,
+        lhs: scalar_lhs,
+        dtype,
+    })
 }
 
 // ---- compare, where, cast --------------------------------------------------------------------
+
+/// One comparison's loop, monomorphized per comparison (`CmpOp::visit`).
+struct CmpKernel<'a> {
+    a: (&'a CpuStorage, &'a Layout),
+    b: (&'a CpuStorage, &'a Layout),
+}
+
+impl CmpKernel<'_> {
+    fn run<T: CpuElem>(
+        &self,
+        name: &'static str,
+        f: impl Fn(T, T) -> bool + Sync,
+    ) -> Result<CpuStorage> {
+        let ((a, la), (b, lb)) = (self.a, self.b);
+        run2::<T, u8>(a, la, b, lb, name, ew2(move |x: T, y: T| f(x, y) as u8))
+    }
+}
 
 fn compare_t<T: CpuElem>(
     op: CmpOp,
@@ -267,15 +247,20 @@ fn compare_t<T: CpuElem>(
     b: &CpuStorage,
     lb: &Layout,
 ) -> Result<CpuStorage> {
-    let name = op.name();
-    match op {
-        CmpOp::Eq => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x == y) as u8)),
-        CmpOp::Ne => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x != y) as u8)),
-        CmpOp::Lt => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x < y) as u8)),
-        CmpOp::Le => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x <= y) as u8)),
-        CmpOp::Gt => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x > y) as u8)),
-        CmpOp::Ge => run2::<T, u8>(a, la, b, lb, name, ew2(|x: T, y: T| (x >= y) as u8)),
+    struct V<'a, T>(CmpKernel<'a>, std::marker::PhantomData<T>);
+    impl<T: CpuElem> CmpVisitor for V<'_, T> {
+        type Output = Result<CpuStorage>;
+        fn visit<F: CmpFn>(self) -> Result<CpuStorage> {
+            self.0.run::<T>(F::OP.name(), F::f::<T>)
+        }
     }
+    op.visit(V::<T>(
+        CmpKernel {
+            a: (a, la),
+            b: (b, lb),
+        },
+        std::marker::PhantomData,
+    ))
 }
 
 pub(crate) fn compare(

@@ -1,7 +1,7 @@
 // Scalar functions of the elementwise ops, shared by elementwise.cu and the kernels the host
 // generates (src/codegen.rs), so that a fused chain computes exactly what a lone op does. The
-// unary ops' `op_<name><T>` are appended at run time from kiln-core's op table
-// (src/sources.rs, `scalar_ops`); they call the `k_<fn>` math functions below.
+// ops' `op_<name><T>` (unary, binary, comparisons) are appended at run time from kiln-core's op
+// tables (src/sources.rs, `scalar_ops`); they call the `k_<fn>` math functions below.
 
 // ---- scalar functions ------------------------------------------------------------------------
 
@@ -31,33 +31,6 @@ __device__ __forceinline__ float k_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ double k_rsqrt(double x) { return rsqrt(x); }
 __device__ __forceinline__ float k_pow(float x, float y) { return powf(x, y); }
 __device__ __forceinline__ double k_pow(double x, double y) { return pow(x, y); }
-
-template <typename T> __device__ __forceinline__ T op_add(T a, T b) { return a + b; }
-template <> __device__ __forceinline__ i64 op_add(i64 a, i64 b) { return (i64)((u64)a + (u64)b); }
-template <typename T> __device__ __forceinline__ T op_sub(T a, T b) { return a - b; }
-template <> __device__ __forceinline__ i64 op_sub(i64 a, i64 b) { return (i64)((u64)a - (u64)b); }
-template <typename T> __device__ __forceinline__ T op_mul(T a, T b) { return a * b; }
-template <> __device__ __forceinline__ i64 op_mul(i64 a, i64 b) { return (i64)((u64)a * (u64)b); }
-template <typename T> __device__ __forceinline__ T op_div(T a, T b) { return a / b; }
-template <> __device__ __forceinline__ i64 op_div(i64 a, i64 b) {
-    if (b == 0) return 0;
-    if (b == -1) return (i64)(0ull - (u64)a);  // i64::MIN / -1 wraps
-    return a / b;
-}
-template <typename T> __device__ __forceinline__ T op_pow(T a, T b) { return k_pow(a, b); }
-template <typename T> __device__ __forceinline__ T op_maximum(T a, T b) {
-    return is_nan(a) ? a : (is_nan(b) ? b : (a > b ? a : b));
-}
-template <typename T> __device__ __forceinline__ T op_minimum(T a, T b) {
-    return is_nan(a) ? a : (is_nan(b) ? b : (a < b ? a : b));
-}
-
-template <typename T> __device__ __forceinline__ u8 op_eq(T a, T b) { return a == b; }
-template <typename T> __device__ __forceinline__ u8 op_ne(T a, T b) { return a != b; }
-template <typename T> __device__ __forceinline__ u8 op_lt(T a, T b) { return a < b; }
-template <typename T> __device__ __forceinline__ u8 op_le(T a, T b) { return a <= b; }
-template <typename T> __device__ __forceinline__ u8 op_gt(T a, T b) { return a > b; }
-template <typename T> __device__ __forceinline__ u8 op_ge(T a, T b) { return a >= b; }
 
 // Casts, Rust `as` semantics: float to int truncates, saturates, NaN gives 0.
 template <typename F, typename T> __device__ __forceinline__ T cast_to(F x) { return (T)x; }

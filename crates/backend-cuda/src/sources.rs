@@ -8,7 +8,7 @@
 //! runtime (`nvrtc.rs`, `device/`) compiles and loads them, and the ops name their kernels
 //! with them — all of them import this module, and it imports none of them.
 
-use kiln_core::{DType, UnaryOp};
+use kiln_core::{BinaryOp, CmpOp, DType, UnaryOp};
 
 /// The header prepended to every kernel source (types, `Dims`/`Strides`, block reductions).
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
@@ -24,8 +24,10 @@ pub fn scalar_ops() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {
         format!(
-            "{SCALAR_OPS_CUH}\n#line 1 \"unary ops (kiln_core::op::unary)\"\n{}",
-            unary_device_functions()
+            "{SCALAR_OPS_CUH}\n#line 1 \"unary ops (kiln_core::op::unary)\"\n{}\
+             #line 1 \"binary ops (kiln_core::op::binary)\"\n{}",
+            unary_device_functions(),
+            binary_device_functions()
         )
     })
 }
@@ -45,6 +47,32 @@ pub fn unary_device_functions() -> String {
                 "template <> __device__ __forceinline__ i64 op_{name}(i64 x) {{ return {int}; }}\n"
             );
         }
+    }
+    s
+}
+
+/// `template <typename T> T op_<name>(T a, T b)` for every binary op of the table (with its
+/// `i64` specialization where the entry has one), and `u8 op_<name>(T a, T b)` for every
+/// comparison.
+pub fn binary_device_functions() -> String {
+    let mut s = String::new();
+    for op in BinaryOp::ALL {
+        let (body, int) = op.cuda();
+        let name = op.name();
+        s += &format!(
+            "template <typename T> __device__ __forceinline__ T op_{name}(T a, T b) {{ return {body}; }}\n"
+        );
+        if let Some(int) = int {
+            s += &format!(
+                "template <> __device__ __forceinline__ i64 op_{name}(i64 a, i64 b) {{ return {int}; }}\n"
+            );
+        }
+    }
+    for op in CmpOp::ALL {
+        let (name, o) = (op.name(), op.operator());
+        s += &format!(
+            "template <typename T> __device__ __forceinline__ u8 op_{name}(T a, T b) {{ return a {o} b; }}\n"
+        );
     }
     s
 }

@@ -70,7 +70,9 @@ pub use dtype::DType;
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
 pub use host::{Element, HostBuffer, HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
-pub use op::{CompositeOp, Real, UnaryFn, UnaryVisitor, Vjp};
+pub use op::{
+    BinaryFn, BinaryVisitor, CmpFn, CmpVisitor, CompositeOp, Real, Side, UnaryFn, UnaryVisitor, Vjp,
+};
 pub use random::{Generator, default_generator, manual_seed};
 pub use shape::normalize_axis;
 pub use tensor::{Reduction, Tensor, Updated};

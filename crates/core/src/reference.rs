@@ -196,33 +196,11 @@ fn unary_i(op: UnaryOp, x: i64) -> Option<i64> {
 }
 
 fn binary_f(op: BinaryOp, a: f64, b: f64) -> f64 {
-    match op {
-        BinaryOp::Add => a + b,
-        BinaryOp::Sub => a - b,
-        BinaryOp::Mul => a * b,
-        BinaryOp::Div => a / b,
-        BinaryOp::Pow => a.powf(b),
-        BinaryOp::Maximum => nan_max(a, b),
-        BinaryOp::Minimum => nan_min(a, b),
-    }
+    op.eval(a, b)
 }
 
 fn binary_i(op: BinaryOp, a: i64, b: i64) -> Option<i64> {
-    Some(match op {
-        BinaryOp::Add => a.wrapping_add(b),
-        BinaryOp::Sub => a.wrapping_sub(b),
-        BinaryOp::Mul => a.wrapping_mul(b),
-        BinaryOp::Div => {
-            if b == 0 {
-                0
-            } else {
-                a.wrapping_div(b)
-            }
-        }
-        BinaryOp::Pow => return None,
-        BinaryOp::Maximum => a.max(b),
-        BinaryOp::Minimum => a.min(b),
-    })
+    op.eval_i64(a, b)
 }
 
 /// `op` over two gathered buffers of one dtype (elementwise, same length).
@@ -247,17 +225,6 @@ fn binary_bufs(op: BinaryOp, a: &HostBuffer, b: &HostBuffer, dtype: DType) -> Re
         .map(|(&x, &y)| binary_i(op, x, y).ok_or_else(|| unsupported(name, dtype)))
         .collect::<Result<Vec<_>>>()?;
     Ok(int_out(dtype, v))
-}
-
-fn cmp<T: PartialOrd>(op: CmpOp, a: T, b: T) -> bool {
-    match op {
-        CmpOp::Eq => a == b,
-        CmpOp::Ne => a != b,
-        CmpOp::Lt => a < b,
-        CmpOp::Le => a <= b,
-        CmpOp::Gt => a > b,
-        CmpOp::Ge => a >= b,
-    }
 }
 
 /// Checks an index read from an `i64` tensor against an axis of size `dim`.
@@ -567,13 +534,13 @@ impl Backend for Reference {
             let (a, b) = (a.to_f64_vec(), b.to_f64_vec());
             a.iter()
                 .zip(&b)
-                .map(|(&x, &y)| cmp(op, x, y) as u8)
+                .map(|(&x, &y)| op.eval(x, y) as u8)
                 .collect()
         } else {
             let (a, b) = (ints(&a), ints(&b));
             a.iter()
                 .zip(&b)
-                .map(|(&x, &y)| cmp(op, x, y) as u8)
+                .map(|(&x, &y)| op.eval(x, y) as u8)
                 .collect()
         };
         Ok(new(lhs.device, HostBuffer::U8(v)))

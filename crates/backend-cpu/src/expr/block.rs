@@ -8,30 +8,25 @@
 //! `elementwise.rs`, so a fused result equals the op-by-op one.
 
 use kiln_core::expr::{Instr, Program};
-use kiln_core::{BinaryOp, CmpOp, DType, Real, UnaryFn, UnaryOp, UnaryVisitor};
+use kiln_core::{
+    BinaryFn, BinaryOp, BinaryVisitor, CmpFn, CmpOp, CmpVisitor, DType, Real, UnaryFn, UnaryOp,
+    UnaryVisitor,
+};
 
 use crate::fastmath;
 use crate::storage::{CpuData, CpuElem};
 
-/// `op` on floats of type `$t`, as `elementwise.rs` computes it, each result then passed
-/// through `$post` (a scalar tail, or the identity) in the same loop.
+/// `op` on floats of type `$t`, by the op table's definition (`BinaryOp::visit`), each
+/// result then passed through `$post` (a scalar tail, or the identity) in the same loop.
 macro_rules! float_binary {
     ($t:ty, $op:expr, $a:expr, $b:expr, $o:expr, $post:expr) => {{
         let (a, b, o): (Src<'_, $t>, Src<'_, $t>, &mut [$t]) = ($a, $b, $o);
-        let post = $post;
-        match $op {
-            BinaryOp::Add => map2(a, b, o, |x, y| post(x + y)),
-            BinaryOp::Sub => map2(a, b, o, |x, y| post(x - y)),
-            BinaryOp::Mul => map2(a, b, o, |x, y| post(x * y)),
-            BinaryOp::Div => map2(a, b, o, |x, y| post(x / y)),
-            BinaryOp::Pow => map2(a, b, o, |x: $t, y| post(x.powf(y))),
-            BinaryOp::Maximum => map2(a, b, o, |x: $t, y: $t| {
-                post(if y > x || y.is_nan() { y } else { x })
-            }),
-            BinaryOp::Minimum => map2(a, b, o, |x: $t, y: $t| {
-                post(if y < x || y.is_nan() { y } else { x })
-            }),
-        }
+        $op.visit(Map2 {
+            a,
+            b,
+            o,
+            post: $post,
+        })
     }};
 }
 
@@ -471,14 +466,16 @@ impl<'a> Frame<'a> {
                 Buf::F64(o) => {
                     float_binary!(f64, op, self.src(a), self.src(b), &mut o[lo..lo + n], |x| x)
                 }
-                Buf::I64(o) => binary_i64(op, self.src(a), self.src(b), &mut o[lo..lo + n]),
-                Buf::U8(o) => {
-                    let (x, y) = (self.src::<u8>(a), self.src::<u8>(b));
-                    match op {
-                        BinaryOp::Maximum => map2(x, y, &mut o[lo..lo + n], |p, q| p.max(q)),
-                        _ => map2(x, y, &mut o[lo..lo + n], |p, q| p.min(q)),
-                    }
-                }
+                Buf::I64(o) => op.visit(IntMap2 {
+                    a: self.src(a),
+                    b: self.src(b),
+                    o: &mut o[lo..lo + n],
+                }),
+                Buf::U8(o) => op.visit(IntMap2 {
+                    a: self.src(a),
+                    b: self.src(b),
+                    o: &mut o[lo..lo + n],
+                }),
             },
             Instr::Cmp(op, a, b) => {
                 let o = &mut u8::reg_mut(out)[lo..lo + n];
@@ -593,28 +590,65 @@ fn select<T: Copy>(c: Src<'_, u8>, a: Src<'_, T>, b: Src<'_, T>, out: &mut [T]) 
     }
 }
 
-#[inline(always)]
-fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: Src<'_, T>, b: Src<'_, T>, o: &mut [u8]) {
-    match op {
-        CmpOp::Eq => map2(a, b, o, |x, y| (x == y) as u8),
-        CmpOp::Ne => map2(a, b, o, |x, y| (x != y) as u8),
-        CmpOp::Lt => map2(a, b, o, |x, y| (x < y) as u8),
-        CmpOp::Le => map2(a, b, o, |x, y| (x <= y) as u8),
-        CmpOp::Gt => map2(a, b, o, |x, y| (x > y) as u8),
-        CmpOp::Ge => map2(a, b, o, |x, y| (x >= y) as u8),
+/// A comparison over a block, monomorphized per comparison (`CmpOp::visit`).
+struct CmpMap<'a, 'b, T> {
+    a: Src<'a, T>,
+    b: Src<'a, T>,
+    o: &'b mut [u8],
+}
+
+impl<T: Copy + PartialOrd> CmpVisitor for CmpMap<'_, '_, T> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: CmpFn>(self) {
+        map2(self.a, self.b, self.o, |x, y| F::f(x, y) as u8);
     }
 }
 
 #[inline(always)]
-fn binary_i64(op: BinaryOp, a: Src<'_, i64>, b: Src<'_, i64>, o: &mut [i64]) {
-    match op {
-        BinaryOp::Add => map2(a, b, o, |x, y| x.wrapping_add(y)),
-        BinaryOp::Sub => map2(a, b, o, |x, y| x.wrapping_sub(y)),
-        BinaryOp::Mul => map2(a, b, o, |x, y| x.wrapping_mul(y)),
-        BinaryOp::Div => map2(a, b, o, |x, y| if y == 0 { 0 } else { x.wrapping_div(y) }),
-        BinaryOp::Maximum => map2(a, b, o, |x, y| x.max(y)),
-        BinaryOp::Minimum => map2(a, b, o, |x, y| x.min(y)),
-        BinaryOp::Pow => unreachable!("no i64 pow (validated program)"),
+fn cmp<T: Copy + PartialOrd>(op: CmpOp, a: Src<'_, T>, b: Src<'_, T>, o: &mut [u8]) {
+    op.visit(CmpMap { a, b, o })
+}
+
+/// A binary op over a block of floats, each result passed through `post`: the op table's
+/// definition, monomorphized per op (`BinaryOp::visit`).
+struct Map2<'a, 'b, T, P> {
+    a: Src<'a, T>,
+    b: Src<'a, T>,
+    o: &'b mut [T],
+    post: P,
+}
+
+impl<T: Real, P: Fn(T) -> T> BinaryVisitor for Map2<'_, '_, T, P> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: BinaryFn>(self) {
+        let post = self.post;
+        map2(self.a, self.b, self.o, |x: T, y: T| post(F::f(x, y)));
+    }
+}
+
+/// A binary op over a block of integers (a validated program uses only the ops the table
+/// defines for the dtype).
+struct IntMap2<'a, 'b, T> {
+    a: Src<'a, T>,
+    b: Src<'a, T>,
+    o: &'b mut [T],
+}
+
+impl BinaryVisitor for IntMap2<'_, '_, i64> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: BinaryFn>(self) {
+        map2(self.a, self.b, self.o, F::int);
+    }
+}
+
+impl BinaryVisitor for IntMap2<'_, '_, u8> {
+    type Output = ();
+    #[inline(always)]
+    fn visit<F: BinaryFn>(self) {
+        map2(self.a, self.b, self.o, F::byte);
     }
 }
 

@@ -54,6 +54,8 @@
 //!   to it for what they do not fuse.
 //! - **CPU** (kiln-backend-cpu `expr`): one pass over the data, block by block, as numexpr.
 //! - **CUDA** (kiln-backend-cuda `expr_eval`): one generated kernel per program and variant.
+//! - **As tensor ops** ([`Program::run_ops`]): one `Tensor` op per instruction, recorded like
+//!   any other op by a backend that defers; autograd applies the binary ops' gradient rules so.
 //!
 //! # Module layers
 //!
@@ -95,9 +97,11 @@
 pub mod defer;
 mod eval;
 mod norm;
+mod tensor_ops;
 
 pub use crate::ir::{
     CallPlan, Combine, Expr, Instr, Operands, Phase, Program, Scalar, Val, check_call, fingerprint,
 };
 pub use crate::ir::{grad, rules};
 pub use eval::eval_composed;
+pub use tensor_ops::Arg;

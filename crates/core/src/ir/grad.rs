@@ -26,9 +26,9 @@ use std::collections::HashMap;
 
 use super::build::Emitter;
 use super::program::{Combine, Instr, Phase, Program, Scalar, Val, expr_err};
-use super::rules::{splice, unary_vjp_program};
+use super::rules::{binary_vjp_program, splice, unary_vjp_program};
 use crate::error::ExprErrorKind;
-use crate::op::{BinaryOp, CmpOp, GradFrom, UnaryOp};
+use crate::op::{BinaryOp, CmpOp, GradFrom, Side};
 use crate::{DType, Result};
 
 /// `program` with one more output per reduction (each `Reduce` value, in instruction order,
@@ -162,10 +162,6 @@ impl Adj<'_> {
     fn c(&mut self, x: f64, dt: DType) -> Val {
         self.emit(Instr::Const(Scalar::new(x, dt)), dt)
     }
-    fn un(&mut self, op: UnaryOp, a: Val) -> Val {
-        let dt = self.dt(a);
-        self.emit(Instr::Unary(op, a), dt)
-    }
     fn bin(&mut self, op: BinaryOp, a: Val, b: Val) -> Val {
         let dt = self.dt(a);
         self.emit(Instr::Binary(op, a, b), dt)
@@ -173,17 +169,10 @@ impl Adj<'_> {
     fn mul(&mut self, a: Val, b: Val) -> Val {
         self.bin(BinaryOp::Mul, a, b)
     }
-    fn mulc(&mut self, a: Val, x: f64) -> Val {
-        let c = self.c(x, self.dt(a));
-        self.mul(a, c)
-    }
     /// `cmp(a, b)` as a 0/1 value of `dt`.
     fn mask(&mut self, op: CmpOp, a: Val, b: Val, dt: DType) -> Val {
         let m = self.emit(Instr::Cmp(op, a, b), DType::U8);
         self.emit(Instr::Cast(dt, m), dt)
-    }
-    fn cmp(&mut self, op: CmpOp, a: Val, b: Val) -> Val {
-        self.emit(Instr::Cmp(op, a, b), DType::U8)
     }
     fn select(&mut self, c: Val, a: Val, b: Val) -> Val {
         let dt = self.dt(a);
@@ -448,7 +437,7 @@ impl<'a> Sweep<'a> {
                         add_to(a, &mut self.adj, v, x, d);
                     }
                 }
-                Instr::Binary(op, x, z) => self.binary_adjoints(op, v, x, z, g, dt),
+                Instr::Binary(op, x, z) => self.binary_adjoints(op, v, x, z, g, dt)?,
                 Instr::Where(c, x, z) => self.where_adjoints(c, v, x, z, g, dt),
                 Instr::Cast(_, x) => self.cast_adjoint(v, x, g, dt),
                 Instr::Reduce(..) => unreachable!("rewritten as inputs"),
@@ -484,69 +473,30 @@ impl<'a> Sweep<'a> {
         add_raw(a, &mut self.adj, mapped, d);
     }
 
-    /// `v = op(x, z)` with adjoint `g`.
-    fn binary_adjoints(&mut self, op: BinaryOp, v: Val, x: Val, z: Val, g: Val, dt: DType) {
-        let (dx, dz) = (self.dep(x), self.dep(z));
-        let a = &mut self.a;
-        let zero = a.c(0.0, dt);
-        let (gx, gz) = match op {
-            BinaryOp::Add => (g, g),
-            BinaryOp::Sub => (g, a.un(UnaryOp::Neg, g)),
-            BinaryOp::Mul => (a.mul(g, z), a.mul(g, x)),
-            BinaryOp::Div => {
-                let gx = a.bin(BinaryOp::Div, g, z);
-                // d/dz x/z = -y/z
-                let q = a.bin(BinaryOp::Div, v, z);
-                let p = a.mul(g, q);
-                (gx, a.un(UnaryOp::Neg, p))
+    /// `v = op(x, z)` with adjoint `g`: the binary op table's rules, spliced in. An operand
+    /// that is uniform (a constant or a parameter) counts as a constant, as autograd's
+    /// `binary_scalar` does (`maximum(x, 0)` passes the gradient at ties).
+    fn binary_adjoints(
+        &mut self,
+        op: BinaryOp,
+        v: Val,
+        x: Val,
+        z: Val,
+        g: Val,
+        dt: DType,
+    ) -> Result<()> {
+        let uniform = |w: Val| self.a.fphase[w as usize] == Phase::Uniform;
+        let sides = [(Side::A, x, uniform(z)), (Side::B, z, uniform(x))];
+        for (side, w, other_const) in sides {
+            if !self.dep(w) {
+                continue;
             }
-            BinaryOp::Pow => {
-                // to x: g * z * x^(z-1), 0 where z == 0
-                let one = a.c(1.0, dt);
-                let zm1 = a.bin(BinaryOp::Sub, z, one);
-                let pw = a.bin(BinaryOp::Pow, x, zm1);
-                let t = a.mul(z, pw);
-                let t = a.mul(g, t);
-                let z0 = a.cmp(CmpOp::Eq, z, zero);
-                let gx = a.select(z0, zero, t);
-                // to z: g * y * log(x), 0 where x == 0 and z >= 0
-                let l = a.un(UnaryOp::Log, x);
-                let t = a.mul(v, l);
-                let t = a.mul(g, t);
-                let x0 = a.cmp(CmpOp::Eq, x, zero);
-                let zp = a.cmp(CmpOp::Ge, z, zero);
-                let both = a.emit(Instr::Binary(BinaryOp::Minimum, x0, zp), DType::U8);
-                (gx, a.select(both, zero, t))
-            }
-            BinaryOp::Maximum | BinaryOp::Minimum => {
-                let (win, tie_ok) = if op == BinaryOp::Maximum {
-                    (CmpOp::Gt, CmpOp::Ge)
-                } else {
-                    (CmpOp::Lt, CmpOp::Le)
-                };
-                if dx && dz {
-                    let eq = a.mask(CmpOp::Eq, x, z, dt);
-                    let half = a.mulc(eq, 0.5);
-                    let wx = a.mask(win, x, z, dt);
-                    let wz = a.mask(win, z, x, dt);
-                    let fx = a.bin(BinaryOp::Add, wx, half);
-                    let fz = a.bin(BinaryOp::Add, wz, half);
-                    (a.mul(g, fx), a.mul(g, fz))
-                } else {
-                    // clamp: the differentiated side passes where it is the result,
-                    // ties included
-                    let fx = a.mask(tie_ok, x, z, dt);
-                    let fz = a.mask(tie_ok, z, x, dt);
-                    (a.mul(g, fx), a.mul(g, fz))
-                }
-            }
-        };
-        if dx {
-            add_to(a, &mut self.adj, v, x, gx);
+            let rule = binary_vjp_program(op, side, other_const, dt)?;
+            let a = &mut self.a;
+            let d = splice(&rule, &[x, z, v, g], |ins, dt| a.emit(ins, dt))[0];
+            add_to(a, &mut self.adj, v, w, d);
         }
-        if dz {
-            add_to(a, &mut self.adj, v, z, gz);
-        }
+        Ok(())
     }
 
     /// `v = where(c, x, z)` with adjoint `g`.

@@ -287,6 +287,10 @@ impl Program {
         &self.inputs
     }
     /// The dtypes of the scalar parameters.
+    /// Whether the program reads input `k` at all.
+    pub fn reads(&self, k: usize) -> bool {
+        self.code.contains(&Instr::Input(k as u32))
+    }
     pub fn params(&self) -> &[DType] {
         &self.params
     }

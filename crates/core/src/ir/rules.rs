@@ -1,5 +1,5 @@
-//! The op tables' programs: a lone unary op, a unary op's gradient rule, a composite op, each
-//! built once per dtype from its table entry, and how a rule joins a larger program
+//! The op tables' programs: a lone unary op, a unary op's gradient rule, a binary op's gradient
+//! rules, a composite op, each built once per dtype from its table entry, and how a rule joins a larger program
 //! ([`splice`]). Every backend runs or splices these, so an op computes the same bits alone,
 //! in a fused chain, forward and backward.
 
@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use super::program::{Instr, Program, Val};
-use crate::op::{CompositeOp, Expr, UnaryOp, Vjp};
+use crate::op::{BinaryOp, CompositeOp, Expr, Side, UnaryOp, Vjp};
 use crate::{DType, Result};
 
 /// Programs per op and dtype, made once per process.
@@ -66,6 +66,21 @@ pub fn unary_backward_program(op: UnaryOp, dtype: DType) -> Result<Program> {
     memoized(&MEMO, (op, dtype), || match unary_vjp_program(op, dtype)? {
         Some(p) => Ok(p),
         None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)]),
+    })
+}
+
+/// The gradient rule of binary `op` to `side` at `dtype` (see [`BinaryOp::vjp`]): inputs
+/// `(a, b, y, g)`, one output. With `other_const`, the other operand is a constant.
+/// [`Program::reads`] tells which of `a`, `b`, `y` the rule needs saved.
+pub fn binary_vjp_program(
+    op: BinaryOp,
+    side: Side,
+    other_const: bool,
+    dtype: DType,
+) -> Result<Program> {
+    static MEMO: Memo<(BinaryOp, Side, bool), Program> = OnceLock::new();
+    memoized(&MEMO, ((op, side, other_const), dtype), || {
+        Program::from_exprs(&[dtype; 4], &[op.vjp(side, other_const)])
     })
 }
 

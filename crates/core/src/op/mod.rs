@@ -2,9 +2,11 @@
 //!
 //! - `unary`: the op table, one entry per elementwise function of one argument, from which
 //!   every backend, the IR, autograd and the tests derive what they do with it;
+//! - `binary`: the table of elementwise functions of two arguments (with their gradients), and
+//!   the comparisons;
 //! - `composite`: the table of elementwise functions with scalar parameters, each an
 //!   expression over the unary ops;
-//! - the binary, comparison and reduction enums (below) and the reductions' [`Combine`];
+//! - the reduction enums (below) and the reductions' [`Combine`];
 //! - `expr_tree`: [`Expr`], the expression tree the table writes derivatives with;
 //! - `real`: [`Real`], the float arithmetic the table writes scalar functions with.
 //!
@@ -17,11 +19,15 @@
 //!
 //! [`Backend`]: crate::Backend
 
+mod binary;
 mod composite;
 mod expr_tree;
 mod real;
 mod unary;
 
+pub use binary::{
+    BinaryFn, BinaryOp, BinaryVisitor, CmpFn, CmpOp, CmpVisitor, Side, binary_fns, cmp_fns,
+};
 pub use composite::CompositeOp;
 pub use expr_tree::Expr;
 pub(crate) use expr_tree::Node;
@@ -29,88 +35,6 @@ pub use real::Real;
 pub use unary::{Domain, GradFrom, UnaryFn, UnaryOp, UnaryVisitor, Vjp, unary_fns};
 
 use crate::DType;
-
-/// Elementwise functions of two arguments of the same dtype.
-///
-/// Float dtypes support all; `i64` supports all but `Pow` (`Div` truncates toward zero, as in
-/// Rust and C, and an integer division by zero gives 0 on every backend, since a GPU kernel
-/// cannot stop to report it); `u8` supports `Maximum` and `Minimum` only. On floats,
-/// `Maximum`/`Minimum` propagate NaN (as `torch.maximum`), unlike `f32::max`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Pow,
-    Maximum,
-    Minimum,
-}
-
-impl BinaryOp {
-    pub const ALL: [BinaryOp; 7] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Pow,
-        BinaryOp::Maximum,
-        BinaryOp::Minimum,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Pow => "pow",
-            BinaryOp::Maximum => "maximum",
-            BinaryOp::Minimum => "minimum",
-        }
-    }
-
-    pub fn supports(self, dtype: DType) -> bool {
-        match dtype {
-            DType::F32 | DType::F64 => true,
-            DType::I64 => self != BinaryOp::Pow,
-            DType::U8 => matches!(self, BinaryOp::Maximum | BinaryOp::Minimum),
-        }
-    }
-}
-
-/// Comparisons; the result is a `u8` mask (1 where true). Defined for every dtype.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CmpOp {
-    Eq,
-    Ne,
-    Lt,
-    Le,
-    Gt,
-    Ge,
-}
-
-impl CmpOp {
-    pub const ALL: [CmpOp; 6] = [
-        CmpOp::Eq,
-        CmpOp::Ne,
-        CmpOp::Lt,
-        CmpOp::Le,
-        CmpOp::Gt,
-        CmpOp::Ge,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            CmpOp::Eq => "eq",
-            CmpOp::Ne => "ne",
-            CmpOp::Lt => "lt",
-            CmpOp::Le => "le",
-            CmpOp::Gt => "gt",
-            CmpOp::Ge => "ge",
-        }
-    }
-}
 
 /// Reductions over a set of axes. The result keeps the reduced axes with size 1.
 ///

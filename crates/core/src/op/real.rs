@@ -37,6 +37,8 @@ pub trait Real:
     /// The error function.
     fn erf(self) -> Self;
     fn floor(self) -> Self;
+    /// `self^e`.
+    fn powf(self, e: Self) -> Self;
     fn ceil(self) -> Self;
 }
 
@@ -98,6 +100,10 @@ macro_rules! real_impl {
             #[inline(always)]
             fn ceil(self) -> Self {
                 <$t>::ceil(self)
+            }
+            #[inline(always)]
+            fn powf(self, e: Self) -> Self {
+                <$t>::powf(self, e)
             }
         }
     };

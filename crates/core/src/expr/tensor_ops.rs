@@ -1,0 +1,161 @@
+//! Running an elementwise program with `Tensor` methods ([`Program::run_ops`]): how autograd
+//! applies the op table's gradient rules.
+//!
+//! # Why not `eval_expr`
+//!
+//! [`Program::run`] hands the program to the backend's evaluator, which computes it at once.
+//! A gradient rule is a handful of ops in the middle of a backward pass whose neighbours (the
+//! sum back to a broadcast operand's shape, the accumulation into a gradient) a deferring
+//! backend wants to fuse with it. Run as `Tensor` ops, each instruction is recorded like any
+//! other op and the chain stays whole. Scalars (constants, parameters, operands given by value)
+//! stay scalars: `op(tensor, scalar)` is `binary_scalar`, and ops of scalars only are folded on
+//! the host, so `pow(x, c)`'s rule with `c = 0` costs one fill, not a pass over `x`.
+
+use crate::error::ExprErrorKind;
+use crate::ir::{Instr, Program, Scalar, expr_err};
+use crate::{Backend, DType, Result, Shape, Tensor};
+
+/// An argument of [`Program::run_ops`]: a tensor or a scalar given by value.
+pub enum Arg<'a, B: Backend> {
+    Tensor(&'a Tensor<B>),
+    Scalar(f64),
+}
+
+/// A value during the evaluation.
+enum Tv<B: Backend> {
+    T(Tensor<B>),
+    /// A uniform value, already converted to its dtype (`Scalar::new`).
+    S(f64),
+}
+
+fn fold(v: f64, dtype: DType) -> f64 {
+    Scalar::new(v, dtype).to_f64()
+}
+
+impl Program {
+    /// Evaluates this elementwise program with `Tensor` methods, one op per instruction (see
+    /// the module docs). Tensor arguments broadcast together (numpy rules); an output that is
+    /// a scalar is filled into that shape. Programs with reductions are rejected.
+    pub fn run_ops<B: Backend>(
+        &self,
+        args: &[Arg<'_, B>],
+        params: &[f64],
+    ) -> Result<Vec<Tensor<B>>> {
+        use ExprErrorKind as K;
+        if self.reduces() {
+            return Err(expr_err(
+                "expr",
+                K::Phase,
+                "run_ops evaluates elementwise programs only",
+            ));
+        }
+        if args.len() != self.inputs().len() || params.len() != self.params().len() {
+            return Err(expr_err(
+                "expr",
+                K::Arity,
+                format!(
+                    "the program takes {} inputs and {} parameters, {} and {} were given",
+                    self.inputs().len(),
+                    self.params().len(),
+                    args.len(),
+                    params.len()
+                ),
+            ));
+        }
+        let tensors: Vec<&Tensor<B>> = args
+            .iter()
+            .filter_map(|a| match a {
+                Arg::Tensor(t) => Some(*t),
+                Arg::Scalar(_) => None,
+            })
+            .collect();
+        let Some(first) = tensors.first() else {
+            return Err(expr_err(
+                "expr",
+                K::Arity,
+                "run_ops needs at least one tensor argument",
+            ));
+        };
+        let mut vals: Vec<Tv<B>> = Vec::with_capacity(self.code().len());
+        for (i, ins) in self.code().iter().enumerate() {
+            let dt = self.dtypes()[i];
+            let v = self.step(*ins, dt, &vals, args, params, first)?;
+            vals.push(v);
+        }
+        let mut shape = first.shape().clone();
+        for t in &tensors[1..] {
+            shape = shape.broadcast_with("expr", t.shape())?;
+        }
+        self.outputs()
+            .iter()
+            .map(|&o| match &vals[o as usize] {
+                Tv::T(t) => Ok(t.clone()),
+                Tv::S(v) => Tensor::full(shape.clone(), *v, self.dtype(o), first.device()),
+            })
+            .collect()
+    }
+
+    /// One instruction of [`Program::run_ops`].
+    fn step<B: Backend>(
+        &self,
+        ins: Instr,
+        dt: DType,
+        vals: &[Tv<B>],
+        args: &[Arg<'_, B>],
+        params: &[f64],
+        first: &Tensor<B>,
+    ) -> Result<Tv<B>> {
+        use Tv::{S, T};
+        // A scalar as a one-element tensor, for the ops that take tensors only (`where`).
+        let tensor = |v: &Tv<B>, dt: DType| -> Result<Tensor<B>> {
+            match v {
+                T(t) => Ok(t.clone()),
+                S(s) => Tensor::full(Shape::scalar(), *s, dt, first.device()),
+            }
+        };
+        let val = |v: u32| &vals[v as usize];
+        Ok(match ins {
+            Instr::Input(k) => match &args[k as usize] {
+                Arg::Tensor(t) => T((*t).clone()),
+                Arg::Scalar(s) => S(fold(*s, dt)),
+            },
+            Instr::Param(k) => S(fold(params[k as usize], dt)),
+            Instr::Const(c) => S(c.to_f64()),
+            Instr::Unary(op, a) => match val(a) {
+                T(t) => T(t.unary(op)?),
+                S(s) => S(match dt {
+                    DType::I64 => op.eval_i64(*s as i64).unwrap_or(0) as f64,
+                    _ => fold(op.eval(*s), dt),
+                }),
+            },
+            Instr::Binary(op, a, b) => match (val(a), val(b)) {
+                (T(x), T(y)) => T(x.binary(op, y)?),
+                (T(x), S(c)) => T(x.binary_scalar(op, *c)?),
+                (S(c), T(y)) => T(y.scalar_binary(op, *c)?),
+                (S(x), S(y)) => S(match dt {
+                    DType::I64 => op.eval_i64(*x as i64, *y as i64).unwrap_or(0) as f64,
+                    DType::U8 => op.eval_u8(*x as u8, *y as u8).unwrap_or(0) as f64,
+                    _ => fold(op.eval(*x, *y), dt),
+                }),
+            },
+            Instr::Cmp(op, a, b) => match (val(a), val(b)) {
+                (T(x), T(y)) => T(x.compare(op, y)?),
+                (T(x), S(c)) => T(x.compare_scalar(op, *c)?),
+                (S(c), T(y)) => T(y.compare_scalar(op.swapped(), *c)?),
+                (S(x), S(y)) => S(f64::from(u8::from(op.eval(*x, *y)))),
+            },
+            Instr::Where(c, a, b) => match val(c) {
+                S(m) => match val(if *m != 0.0 { a } else { b }) {
+                    T(t) => T(t.clone()),
+                    S(s) => S(*s),
+                },
+                T(m) => T(m.where_cond(&tensor(val(a), dt)?, &tensor(val(b), dt)?)?),
+            },
+            Instr::Cast(to, a) => match val(a) {
+                T(t) => T(t.to_dtype(to)?),
+                S(s) => S(fold(*s, to)),
+            },
+            Instr::Reduce(..) => unreachable!("rejected by run_ops"),
+        })
+    }
+}

@@ -1,14 +1,16 @@
-//! Every op of kiln-core's op tables against PyTorch in float64: the forward and the gradient
+//! Every op of kiln-core's op tables against PyTorch in float64: the forward and the gradients
 //! (from `torch.autograd`) at fixed points, read from `data/torch_f64.txt`, which
-//! `torch_golden.py` writes. Checked on the f64 reference backend and on the CPU backend. An op of
-//! the table without lines in the file fails the test: add it to `torch_golden.py` and run it.
+//! `torch_golden.py` writes: unary and composite ops on a grid, binary ops on pairs of values
+//! (ties and zeros included) between two tensors and against a constant on either side. Checked
+//! on the f64 reference backend and on the CPU backend. An op of the tables without lines in
+//! the file fails the test: add it to `torch_golden.py` and run it.
 
 use std::collections::HashMap;
 
 use kiln_autograd::Var;
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, CompositeOp, Tensor, UnaryOp};
+use kiln_core::{Backend, BinaryOp, CompositeOp, Tensor, UnaryOp};
 
 const DATA: &str = include_str!("data/torch_f64.txt");
 
@@ -22,6 +24,7 @@ fn golden() -> Golden {
     for line in DATA
         .lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter(|l| !l.starts_with("binary ") && !l.starts_with("scalar "))
     {
         let f: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(f.len(), 5, "malformed line: {line}");
@@ -38,7 +41,9 @@ fn golden() -> Golden {
 }
 
 fn close(got: f64, want: f64) -> bool {
-    (got.is_nan() && want.is_nan()) || (got - want).abs() <= 1e-12 + 1e-9 * want.abs()
+    got == want
+        || (got.is_nan() && want.is_nan())
+        || (got - want).abs() <= 1e-12 + 1e-9 * want.abs()
 }
 
 /// Checks `f` (an op as a function of a variable) against PyTorch's points for `name`.
@@ -104,12 +109,123 @@ fn check_all<B: Backend>(dev: &B::Device) {
             x.composite(op, &[p.expect("a parameter")])
         }));
     }
+    bad.extend(check_binary::<B>(dev));
     assert!(
         bad.is_empty(),
         "{} mismatches:\n{}",
         bad.len(),
         bad.join("\n")
     );
+}
+
+/// The numbers of the lines starting with `tag` and then `name`, after those two words.
+fn rows(tag: &str, name: &str) -> Vec<Vec<f64>> {
+    DATA.lines()
+        .filter_map(|l| {
+            l.strip_prefix(tag)?
+                .strip_prefix(' ')?
+                .strip_prefix(name)?
+                .strip_prefix(' ')
+        })
+        .map(|rest| {
+            rest.split_whitespace()
+                .map(|w| match w {
+                    "a" => 0.0,
+                    "b" => 1.0,
+                    w => w.parse().unwrap_or_else(|e| panic!("{w}: {e}")),
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Checks `got` against `want` column by column; `what` names each value.
+fn compare(bad: &mut Vec<String>, what: &dyn Fn(usize) -> String, got: &[f64], want: &[f64]) {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if !close(g, w) {
+            bad.push(format!("{} = {g} (PyTorch {w})", what(i)));
+        }
+    }
+}
+
+/// Every float binary op of the table: `op(a, b)` of two variables (both gradients) and
+/// `op(x, c)` / `op(c, x)` of a variable and a constant.
+fn check_binary<B: Backend>(dev: &B::Device) -> Vec<String> {
+    let mut bad = Vec::new();
+    let col = |r: &[Vec<f64>], k: usize| r.iter().map(|v| v[k]).collect::<Vec<f64>>();
+    let var = |v: Vec<f64>| Var::param(Tensor::<B>::from_vec(v.clone(), [v.len()], dev).unwrap());
+    let vals = |v: &Var<B>| v.tensor().to_vec::<f64>().unwrap();
+    let grad = |v: &Var<B>| v.grad().expect("a gradient").to_vec::<f64>().unwrap();
+    for op in BinaryOp::ALL {
+        let name = op.name();
+        let r = rows("binary", name);
+        if r.is_empty() {
+            bad.push(format!("{name}: no PyTorch values (run torch_golden.py)"));
+            continue;
+        }
+        let (a, b) = (var(col(&r, 0)), var(col(&r, 1)));
+        let y = a.binary(op, &b).unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        let at = |i: usize| format!("({}, {})", r[i][0], r[i][1]);
+        compare(
+            &mut bad,
+            &|i| format!("{name}{}", at(i)),
+            &vals(&y),
+            &col(&r, 2),
+        );
+        compare(
+            &mut bad,
+            &|i| format!("d{name}/da{}", at(i)),
+            &grad(&a),
+            &col(&r, 3),
+        );
+        compare(
+            &mut bad,
+            &|i| format!("d{name}/db{}", at(i)),
+            &grad(&b),
+            &col(&r, 4),
+        );
+        // Against a constant: rows (side, c, x, y, dy/dx), side 0 for `op(x, c)`.
+        let r = rows("scalar", name);
+        if r.is_empty() {
+            bad.push(format!("{name}: no PyTorch values with a constant"));
+            continue;
+        }
+        let mut groups: Vec<(f64, f64, Vec<&Vec<f64>>)> = Vec::new();
+        for row in &r {
+            match groups.iter_mut().find(|g| g.0 == row[0] && g.1 == row[1]) {
+                Some(g) => g.2.push(row),
+                None => groups.push((row[0], row[1], vec![row])),
+            }
+        }
+        for (side, c, rows) in groups {
+            let x = var(rows.iter().map(|v| v[2]).collect());
+            let y = if side == 0.0 {
+                x.binary_scalar(op, c)
+            } else {
+                x.scalar_binary(op, c)
+            }
+            .unwrap();
+            y.sum_all().unwrap().backward().unwrap();
+            let form = |i: usize| {
+                let xi = rows[i][2];
+                if side == 0.0 {
+                    format!("{name}({xi}, const {c})")
+                } else {
+                    format!("{name}(const {c}, {xi})")
+                }
+            };
+            let want = |k: usize| rows.iter().map(|v| v[k]).collect::<Vec<f64>>();
+            compare(&mut bad, &|i| form(i), &vals(&y), &want(3));
+            compare(
+                &mut bad,
+                &|i| format!("d/dx {}", form(i)),
+                &grad(&x),
+                &want(4),
+            );
+        }
+    }
+    bad
 }
 
 #[test]

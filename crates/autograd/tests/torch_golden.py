@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Writes torch_f64.txt: every op of kiln's op table evaluated by PyTorch in float64, with its
-derivative from torch.autograd, on a fixed set of points. `tests/torch_f64.rs` compares kiln's
+"""Writes torch_f64.txt: every op of kiln's op tables evaluated by PyTorch in float64, with its
+derivatives from torch.autograd, on a fixed set of points (unary and composite ops on a grid;
+binary ops on pairs of a small set of values, ties and zeros included, between two tensors
+and between a tensor and a constant). `tests/torch_f64.rs` compares kiln's
 ops with it (forward and gradient, on the reference and CPU backends) and fails for an op of the
 table that this file lacks.
 
@@ -49,6 +51,29 @@ OPS = {
 
 N = 41
 
+# Binary ops between two tensors: name -> torch function.
+BINARY = {
+    "add": lambda a, b: a + b,
+    "sub": lambda a, b: a - b,
+    "mul": lambda a, b: a * b,
+    "div": lambda a, b: a / b,
+    "pow": lambda a, b: a.pow(b),
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+}
+# The same against a constant `c`: name -> (x op c, c op x). Against a constant, maximum and
+# minimum are torch.clamp (the gradient passes at ties).
+SCALAR = {
+    "add": (lambda x, c: x + c, lambda x, c: c + x),
+    "sub": (lambda x, c: x - c, lambda x, c: c - x),
+    "mul": (lambda x, c: x * c, lambda x, c: c * x),
+    "div": (lambda x, c: x / c, lambda x, c: c / x),
+    "pow": (lambda x, c: x ** c, lambda x, c: c ** x),
+    "maximum": (lambda x, c: x.clamp(min=c), lambda x, c: x.clamp(min=c)),
+    "minimum": (lambda x, c: x.clamp(max=c), lambda x, c: x.clamp(max=c)),
+}
+VALUES = [-2.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.25]
+
 
 def points(lo, hi):
     # A grid that misses the kinks at integers and 0 (offset by an irrational fraction).
@@ -65,6 +90,22 @@ def main():
             (g,) = torch.autograd.grad(y.sum(), x)
             for xi, yi, gi in zip(x.tolist(), y.tolist(), g.tolist()):
                 print(f"{name} {'-' if p is None else repr(p)} {xi!r} {yi!r} {gi!r}")
+    for name, f in BINARY.items():
+        pairs = [(a, b) for a in VALUES for b in VALUES]
+        a = torch.tensor([p[0] for p in pairs], dtype=torch.float64, requires_grad=True)
+        b = torch.tensor([p[1] for p in pairs], dtype=torch.float64, requires_grad=True)
+        y = f(a, b)
+        da, db = torch.autograd.grad(y.sum(), (a, b))
+        for row in zip(a.tolist(), b.tolist(), y.tolist(), da.tolist(), db.tolist()):
+            print("binary " + name + " " + " ".join(repr(v) for v in row))
+    for name, (rhs, lhs) in SCALAR.items():
+        for side, f in (("a", rhs), ("b", lhs)):
+            for c in VALUES:
+                x = torch.tensor(VALUES, dtype=torch.float64, requires_grad=True)
+                y = f(x, c)
+                (dx,) = torch.autograd.grad(y.sum(), x)
+                for row in zip(x.tolist(), y.tolist(), dx.tolist()):
+                    print(f"scalar {name} {side} {c!r} " + " ".join(repr(v) for v in row))
 
 
 if __name__ == "__main__":

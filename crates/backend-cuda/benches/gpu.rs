@@ -70,6 +70,48 @@ fn main() {
         "ms",
     );
 
+    // The same loop as a user writes it when only the last result matters: each result is
+    // dropped unread, the last one read (realized). With deferral, 999 of them never run. Then
+    // the recording alone (no read at all), and the loop with fusion off (every op eager).
+    let dropped = || -> Result<f64> {
+        Cuda::synchronize(&dev)?;
+        let t0 = Instant::now();
+        let mut last = None;
+        for _ in 0..1000 {
+            last = Some(x.exp()?);
+        }
+        last.expect("ran").realize()?;
+        Cuda::synchronize(&dev)?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+    let best = |f: &dyn Fn() -> Result<f64>| {
+        let mut v: Vec<f64> = (0..7).map(|_| f().unwrap()).collect();
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    report("exp_230400_dropped_x1000_wall", best(&dropped), "ms");
+    let record_only = || -> Result<f64> {
+        Cuda::synchronize(&dev)?;
+        let t0 = Instant::now();
+        for _ in 0..1000 {
+            drop(x.exp()?);
+        }
+        Cuda::synchronize(&dev)?;
+        Ok(t0.elapsed().as_secs_f64() * 1e3)
+    };
+    report(
+        "exp_230400_record_drop_x1000_wall",
+        best(&record_only),
+        "ms",
+    );
+    kiln_backend_cuda::set_fusion(false);
+    report(
+        "exp_230400_dropped_x1000_unfused_wall",
+        best(&dropped),
+        "ms",
+    );
+    kiln_backend_cuda::set_fusion(true);
+
     // add and sum over 256M f32.
     let n = 256 << 20;
     let a = f32t(&[n], 2);

@@ -126,9 +126,14 @@ fn check_kernels() -> Result<(), String> {
     let (major, minor) = compile::nvrtc_version()?;
     println!("NVRTC {major}.{minor}, target sm_90");
     let mut failed = 0;
-    for (file, r) in compile::check_all(90)? {
+    let mut total = std::time::Duration::ZERO;
+    for (file, r, took) in compile::check_all(90)? {
+        total += took;
         match r {
-            Ok(bytes) => println!("ok   {file} ({bytes} bytes of CUBIN)"),
+            Ok(bytes) => println!(
+                "ok   {file} ({bytes} bytes of CUBIN, {} ms)",
+                took.as_millis()
+            ),
             Err(log) => {
                 failed += 1;
                 println!("FAIL {file}");
@@ -138,6 +143,7 @@ fn check_kernels() -> Result<(), String> {
             }
         }
     }
+    println!("NVRTC time, all sources: {} ms", total.as_millis());
     if failed > 0 {
         return Err(format!("{failed} kernel source(s) failed to compile"));
     }

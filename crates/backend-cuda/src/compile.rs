@@ -9,6 +9,7 @@
 //! only source text. Nothing inside the crate imports this module.
 
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 pub use crate::nvrtc::{
     cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
@@ -27,8 +28,16 @@ pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) ->
     )
 }
 
-/// One source's outcome: its file name, and the CUBIN size or NVRTC's log.
-pub type CheckResult = (String, Result<usize, String>);
+/// One source's outcome: its file name, the CUBIN size or NVRTC's log, and how long NVRTC took
+/// (what a fresh machine waits for that kernel).
+pub type CheckResult = (String, Result<usize, String>, Duration);
+
+/// `f`'s result and how long it took.
+fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
+    let t0 = Instant::now();
+    let r = f();
+    (r, t0.elapsed())
+}
 
 /// Compiles every kernel source for `sm_{arch}`, and sample programs of the code generators
 /// (lazy chains, expression programs, user kernels): `(name, Ok or NVRTC's log)`. An outer
@@ -36,10 +45,8 @@ pub type CheckResult = (String, Result<usize, String>);
 pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
     let files = Module::ALL.iter().map(|&m| {
-        (
-            format!("kernels/{}", m.file_name()),
-            compile(m, arch).map(|c| c.len()),
-        )
+        let (r, t) = timed(|| compile(m, arch).map(|c| c.len()));
+        (format!("kernels/{}", m.file_name()), r, t)
     });
     let generated = [
         ("expr.cu", crate::codegen::sample_sources()),
@@ -47,8 +54,8 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     ];
     let generated = generated.into_iter().flat_map(|(file, samples)| {
         samples.into_iter().map(move |(name, src)| {
-            let r = compile_source(file, &src, arch).map(|c| c.len());
-            (name, r)
+            let (r, t) = timed(|| compile_source(file, &src, arch).map(|c| c.len()));
+            (name, r, t)
         })
     });
     Ok(files.chain(generated).collect())

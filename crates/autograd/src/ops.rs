@@ -156,30 +156,6 @@ impl<B: Backend> Var<B> {
         }))
     }
 
-    pub fn add(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Add, rhs)
-    }
-    pub fn sub(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Sub, rhs)
-    }
-    pub fn mul(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Mul, rhs)
-    }
-    pub fn div(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Div, rhs)
-    }
-    pub fn pow(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Pow, rhs)
-    }
-    /// Elementwise maximum; ties split the gradient evenly.
-    pub fn maximum(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Maximum, rhs)
-    }
-    /// Elementwise minimum; ties split the gradient evenly.
-    pub fn minimum(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Minimum, rhs)
-    }
-
     /// `op(self, c)`; the constant gets no gradient.
     pub fn binary_scalar(&self, op: BinaryOp, c: f64) -> Result<Self> {
         self.scalar_op(op, c, false)
@@ -214,29 +190,6 @@ impl<B: Backend> Var<B> {
         }))
     }
 
-    pub fn add_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Add, c)
-    }
-    pub fn sub_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Sub, c)
-    }
-    pub fn mul_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Mul, c)
-    }
-    pub fn div_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Div, c)
-    }
-    pub fn pow_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Pow, c)
-    }
-    /// `max(self, c)` (`clamp_min`): the gradient passes where `self >= c`.
-    pub fn maximum_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Maximum, c)
-    }
-    /// `min(self, c)` (`clamp_max`): the gradient passes where `self <= c`.
-    pub fn minimum_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Minimum, c)
-    }
     /// `a * self + b`.
     pub fn affine(&self, a: f64, b: f64) -> Result<Self> {
         self.mul_scalar(a)?.add_scalar(b)
@@ -866,3 +819,24 @@ macro_rules! var_unary_methods {
     };
 }
 kiln_core::unary_table!(var_unary_methods);
+
+/// One method per entry of the binary op table, with a variable and with a constant.
+macro_rules! var_binary_methods {
+    ($($(#[doc = $doc:literal])* $V:ident $method:ident $scalar:ident $dt:ident { $($body:tt)* })*) => {
+        impl<B: Backend> Var<B> {
+            $(
+                $(#[doc = $doc])*
+                ///
+                /// With broadcasting; each gradient is summed back to its input's shape.
+                pub fn $method(&self, rhs: &Self) -> Result<Self> {
+                    self.binary(BinaryOp::$V, rhs)
+                }
+                #[doc = concat!("`", stringify!($method), "(self, c)` with a constant `c`, which gets no gradient.")]
+                pub fn $scalar(&self, c: f64) -> Result<Self> {
+                    self.binary_scalar(BinaryOp::$V, c)
+                }
+            )*
+        }
+    };
+}
+kiln_core::binary_table!(var_binary_methods);

@@ -6,7 +6,7 @@
 //!
 //! | entry field | what is derived from it |
 //! |---|---|
-//! | variant, method name, doc | [`BinaryOp`], [`BinaryOp::ALL`], [`BinaryOp::name`] |
+//! | variant, method names, doc | [`BinaryOp`], [`BinaryOp::ALL`], [`BinaryOp::name`]; the methods of `Expr`, `Tensor` and autograd's `Var`, with a tensor and with a constant (`add`, `add_scalar`), through the callback [`binary_table!`] |
 //! | dtypes | [`BinaryOp::supports`]: `float` (f32, f64), `arith` (also i64), `any` (also u8) |
 //! | `f`, `int`, `byte` | the scalar function on floats (generic over [`Real`]), on i64 and on u8: the reference backend ([`BinaryOp::eval`]), the CPU backend's loops and fused evaluator ([`BinaryOp::visit`]) |
 //! | `cuda`, `cuda_int` | the CUDA device function `op_<name><T>(a, b)` every generated kernel calls ([`BinaryOp::cuda`]) |
@@ -56,21 +56,21 @@ macro_rules! binary_table {
     ($m:ident) => {
         $m! {
             /// `a + b` (i64 wraps).
-            Add add arith {
+            Add add add_scalar arith {
                 f: |a, b| a + b, int: |a, b| a.wrapping_add(b),
                 cuda: "a + b", cuda_int: "(i64)((u64)a + (u64)b)",
                 da: |a, b, y, g| g,
                 db: |a, b, y, g| g,
             }
             /// `a - b` (i64 wraps).
-            Sub sub arith {
+            Sub sub sub_scalar arith {
                 f: |a, b| a - b, int: |a, b| a.wrapping_sub(b),
                 cuda: "a - b", cuda_int: "(i64)((u64)a - (u64)b)",
                 da: |a, b, y, g| g,
                 db: |a, b, y, g| -g,
             }
             /// `a · b` (i64 wraps).
-            Mul mul arith {
+            Mul mul mul_scalar arith {
                 f: |a, b| a * b, int: |a, b| a.wrapping_mul(b),
                 cuda: "a * b", cuda_int: "(i64)((u64)a * (u64)b)",
                 da: |a, b, y, g| g * b,
@@ -78,7 +78,7 @@ macro_rules! binary_table {
             }
             /// `a / b`; on i64 it truncates toward zero, and a division by zero gives 0 (a GPU
             /// kernel cannot stop to report it).
-            Div div arith {
+            Div div div_scalar arith {
                 f: |a, b| a / b, int: |a, b| if b == 0 { 0 } else { a.wrapping_div(b) },
                 cuda: "a / b",
                 cuda_int: "b == 0 ? (i64)0 : (b == -1 ? (i64)(0ull - (u64)a) : a / b)",
@@ -88,7 +88,7 @@ macro_rules! binary_table {
             }
             /// `a^b`. The gradients are PyTorch's: 0 to `a` where `b = 0`, and 0 to `b` where
             /// `a = 0` and `b ≥ 0`.
-            Pow pow float {
+            Pow pow pow_scalar float {
                 f: |a, b| a.powf(b),
                 cuda: "k_pow(a, b)",
                 da: |a, b, y, g| b.eq(0.0).where_cond(0.0, g * (&b * a.pow(&b - 1.0))),
@@ -97,7 +97,7 @@ macro_rules! binary_table {
             /// The larger of `a` and `b`; NaN propagates (as `torch.maximum`, unlike `f32::max`).
             /// At ties the gradient is split evenly; against a constant (`clamp_min`) it passes
             /// at ties.
-            Maximum maximum any {
+            Maximum maximum maximum_scalar any {
                 f: |a, b| if b > a || b.is_nan() { b } else { a },
                 int: |a, b| a.max(b), byte: |a, b| a.max(b),
                 cuda: "is_nan(a) ? a : (is_nan(b) ? b : (a > b ? a : b))",
@@ -107,7 +107,7 @@ macro_rules! binary_table {
                 db_const: |a, b, y, g| b.ge(a).where_cond(g, 0.0),
             }
             /// The smaller of `a` and `b`; NaN propagates. Gradients as `maximum`'s.
-            Minimum minimum any {
+            Minimum minimum minimum_scalar any {
                 f: |a, b| if b < a || b.is_nan() { b } else { a },
                 int: |a, b| a.min(b), byte: |a, b| a.min(b),
                 cuda: "is_nan(a) ? a : (is_nan(b) ? b : (a < b ? a : b))",
@@ -123,7 +123,7 @@ macro_rules! binary_table {
 macro_rules! define_binary_ops {
     ($(
         $(#[doc = $doc:literal])*
-        $V:ident $method:ident $dtypes:ident {
+        $V:ident $method:ident $scalar:ident $dtypes:ident {
             f: |$fa:ident, $fb:ident| $f:expr,
             $(int: |$ia:ident, $ib:ident| $fi:expr,)?
             $(byte: |$ba:ident, $bb:ident| $fbyte:expr,)?

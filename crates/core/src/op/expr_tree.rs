@@ -49,17 +49,6 @@ impl From<&Expr> for Expr {
     }
 }
 
-macro_rules! binary_methods {
-    ($($name:ident => $op:ident),* $(,)?) => {
-        $(
-            #[doc = concat!("`BinaryOp::", stringify!($op), "` with broadcasting.")]
-            pub fn $name(&self, rhs: impl Into<Expr>) -> Expr {
-                self.binary(BinaryOp::$op, rhs)
-            }
-        )*
-    };
-}
-
 macro_rules! cmp_methods {
     ($($name:ident => $op:ident),* $(,)?) => {
         $(
@@ -128,10 +117,6 @@ impl Expr {
         self.reduce(Combine::Min, axes)
     }
 
-    binary_methods!(
-        add => Add, sub => Sub, mul => Mul, div => Div, pow => Pow, maximum => Maximum,
-        minimum => Minimum,
-    );
     cmp_methods!(eq => Eq, ne => Ne, lt => Lt, le => Le, gt => Gt, ge => Ge);
 
     /// `min(max(self, lo), hi)`.
@@ -139,6 +124,21 @@ impl Expr {
         self.maximum(lo).minimum(hi)
     }
 }
+
+/// One method per entry of the binary op table (`BinaryOp`), with broadcasting.
+macro_rules! expr_binary_methods {
+    ($($(#[doc = $doc:literal])* $V:ident $method:ident $scalar:ident $dt:ident { $($body:tt)* })*) => {
+        impl Expr {
+            $(
+                $(#[doc = $doc])*
+                pub fn $method(&self, rhs: impl Into<Expr>) -> Expr {
+                    self.binary(BinaryOp::$V, rhs)
+                }
+            )*
+        }
+    };
+}
+crate::binary_table!(expr_binary_methods);
 
 /// One method per entry of the op table (`UnaryOp`).
 macro_rules! expr_unary_methods {

@@ -159,49 +159,6 @@ impl<B: Backend> Tensor<B> {
         Ok(self.fresh(s, self.shape().clone(), self.dtype()))
     }
 
-    pub fn add(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Add, rhs)
-    }
-    pub fn sub(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Sub, rhs)
-    }
-    pub fn mul(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Mul, rhs)
-    }
-    pub fn div(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Div, rhs)
-    }
-    pub fn pow(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Pow, rhs)
-    }
-    pub fn maximum(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Maximum, rhs)
-    }
-    pub fn minimum(&self, rhs: &Self) -> Result<Self> {
-        self.binary(BinaryOp::Minimum, rhs)
-    }
-    pub fn add_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Add, c)
-    }
-    pub fn sub_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Sub, c)
-    }
-    pub fn mul_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Mul, c)
-    }
-    pub fn div_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Div, c)
-    }
-    pub fn pow_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Pow, c)
-    }
-    /// `max(self, c)` elementwise (`clamp_min`).
-    pub fn maximum_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Maximum, c)
-    }
-    pub fn minimum_scalar(&self, c: f64) -> Result<Self> {
-        self.binary_scalar(BinaryOp::Minimum, c)
-    }
     /// Clamps into `[lo, hi]`.
     pub fn clamp(&self, lo: f64, hi: f64) -> Result<Self> {
         self.maximum_scalar(lo)?.minimum_scalar(hi)

@@ -1,10 +1,10 @@
-//! One method per entry of the op tables (`op::unary`, `op::composite`): `x.exp()`,
-//! `x.relu()`, `x.leaky_relu(0.2)`, ... Generated, so an op added to a table is a `Tensor`
-//! method with no code here.
+//! One method per entry of the op tables (`op::unary`, `op::binary`, `op::composite`):
+//! `x.exp()`, `x.add(&y)`, `x.add_scalar(1.0)`, `x.leaky_relu(0.2)`, ... Generated, so an op
+//! added to a table is a `Tensor` method with no code here.
 
 use super::Tensor;
 use crate::ir::rules::composite_program;
-use crate::{Backend, CompositeOp, Error, Result, UnaryOp};
+use crate::{Backend, BinaryOp, CompositeOp, Error, Result, UnaryOp};
 
 macro_rules! tensor_unary_methods {
     ($($(#[doc = $doc:literal])* $V:ident $method:ident $dt:ident { $($body:tt)* })*) => {
@@ -19,6 +19,26 @@ macro_rules! tensor_unary_methods {
     };
 }
 crate::unary_table!(tensor_unary_methods);
+
+macro_rules! tensor_binary_methods {
+    ($($(#[doc = $doc:literal])* $V:ident $method:ident $scalar:ident $dt:ident { $($body:tt)* })*) => {
+        impl<B: Backend> Tensor<B> {
+            $(
+                $(#[doc = $doc])*
+                ///
+                /// With numpy broadcasting.
+                pub fn $method(&self, rhs: &Self) -> Result<Self> {
+                    self.binary(BinaryOp::$V, rhs)
+                }
+                #[doc = concat!("`", stringify!($method), "(self, c)` with a constant `c` (converted to the dtype by `as`, passed as a kernel argument).")]
+                pub fn $scalar(&self, c: f64) -> Result<Self> {
+                    self.binary_scalar(BinaryOp::$V, c)
+                }
+            )*
+        }
+    };
+}
+crate::binary_table!(tensor_binary_methods);
 
 impl<B: Backend> Tensor<B> {
     /// Composite `op` of the op table with its scalar parameters (what its generated method,

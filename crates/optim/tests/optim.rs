@@ -5,7 +5,7 @@ use kiln_autograd::Var;
 use kiln_core::reference::{RefDevice, Reference};
 use kiln_core::testing::assert_close;
 use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
-use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed, loss};
+use kiln_nn::{LinearConfig, Module, Relu, Sequential, loss};
 use kiln_optim::{
     AdamConfig, AdamWConfig, Constant, CosineAnnealing, LinearWarmup, LrSchedule, Optimizer,
     SgdConfig, StepLr, clip_grad_norm, clip_grad_value, grad_norm,
@@ -426,18 +426,19 @@ fn a_tiny_mlp_learns_xor_like_data() {
         .map(|i| ((xv[2 * i] > 0.0) ^ (xv[2 * i + 1] > 0.0)) as i64)
         .collect();
     let y = Tensor::<B>::from_vec(y, [n], &DEV).unwrap();
+    let mut g = Generator::new(1);
     let model = Sequential::<B>::new()
         .add(
             LinearConfig::new(2, 16)
                 .with_dtype(DType::F64)
-                .init::<B>(&DEV, derive_seed(1, 0))
+                .init::<B>(&DEV, &mut g)
                 .unwrap(),
         )
         .add(Relu)
         .add(
             LinearConfig::new(16, 2)
                 .with_dtype(DType::F64)
-                .init::<B>(&DEV, derive_seed(1, 2))
+                .init::<B>(&DEV, &mut g)
                 .unwrap(),
         );
     let mut opt = AdamConfig::new(0.05).init(model.parameters()).unwrap();

@@ -38,10 +38,10 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use kiln_autograd::Var;
-use kiln_core::{Backend, BinaryOp, DType, Reduction, Result, Shape, Tensor};
+use kiln_core::{Backend, BinaryOp, DType, Generator, Reduction, Result, Shape, Tensor};
 use kiln_examples::{DEVICE_HELP, Job, dispatch, fused_program_stats, launch_stats};
 use kiln_nn::loss::cross_entropy;
-use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -301,12 +301,11 @@ fn logreg<B: Backend>(dev: &B::Device, s: Sizes) -> Result<()> {
 
 /// A `Linear`/`Relu` stack with the given widths (ReLU between, none after the last layer).
 fn build_mlp<B: Backend>(widths: &[usize], dev: &B::Device) -> Result<Sequential<B>> {
+    let mut g = Generator::new(0);
     let mut m = Sequential::new();
     let n = widths.len() - 1;
     for i in 0..n {
-        m = m.add(
-            LinearConfig::new(widths[i], widths[i + 1]).init::<B>(dev, derive_seed(0, i as u64))?,
-        );
+        m = m.add(LinearConfig::new(widths[i], widths[i + 1]).init::<B>(dev, &mut g)?);
         if i + 1 < n {
             m = m.add(Relu);
         }

@@ -16,7 +16,7 @@ use std::time::Instant;
 use clap::Parser;
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cuda::{Cuda, CudaDevice, CudaGraph, try_gpu, unavailable_reason, write_static};
-use kiln_core::{DType, Reduction, Result, Tensor};
+use kiln_core::{DType, Generator, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::mlp;
 use kiln_nn::loss::{correct_count, cross_entropy};
@@ -75,7 +75,7 @@ fn run(args: &Args, dev: &CudaDevice, captured: bool) -> Result<(f64, f64)> {
         .drop_last(true)
         .sample_shape(vec![784])?;
     let mut test = DataLoader::<Cuda>::new(data.test, 1000, dev)?.sample_shape(vec![784])?;
-    let model = mlp::<Cuda>(args.hidden, dev, args.seed)?;
+    let model = mlp::<Cuda>(args.hidden, dev, &mut Generator::new(args.seed))?;
     let mut opt = SgdConfig::new(0.1)
         .with_momentum(0.9)
         .init(model.parameters())?;

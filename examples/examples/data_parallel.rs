@@ -42,7 +42,7 @@ use kiln_dist::{
     scale_grads,
 };
 use kiln_nn::loss::{correct_count, cross_entropy};
-use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -222,7 +222,7 @@ fn run(args: Args) -> Result<()> {
 // ---- model and data ---------------------------------------------------------------------
 
 fn build<B: Backend>(args: &Args, dev: &B::Device) -> Result<Sequential<B>> {
-    let s = |i| derive_seed(args.seed, i);
+    let mut g = Generator::new(args.seed);
     let dims: &[usize] = match args.model {
         Model::Big => &[784, 4096, 4096, 4096, 10],
         Model::Mnist => &[784, 100, 100, 10],
@@ -232,7 +232,7 @@ fn build<B: Backend>(args: &Args, dev: &B::Device) -> Result<Sequential<B>> {
         if i > 0 {
             m = m.add(Relu);
         }
-        m = m.add(LinearConfig::new(w[0], w[1]).init::<B>(dev, s(i as u64))?);
+        m = m.add(LinearConfig::new(w[0], w[1]).init::<B>(dev, &mut g)?);
     }
     Ok(m)
 }
@@ -255,10 +255,10 @@ fn data<B: Backend>(args: &Args, dev: &B::Device) -> Result<Data<B>> {
         Model::Big => {
             let mut x = Vec::new();
             let mut y = Vec::new();
+            // A generator of its own (the model's is `Generator::new(args.seed)`).
+            let mut g = Generator::new(args.seed.wrapping_add(1));
             for b in 0..4u64 {
-                x.push(
-                    Generator::new(derive_seed(args.seed, 1000 + b)).randn::<B>([gb, 784], dev)?,
-                );
+                x.push(g.randn::<B>([gb, 784], dev)?);
                 let labels: Vec<i64> = (0..gb)
                     .map(|i| ((i as u64 * 7 + b * 3) % 10) as i64)
                     .collect();

@@ -188,9 +188,9 @@ impl Job for Overlap {
         )?;
         let data = if a.pin_dataset { data.pin()? } else { data };
         let model = if lenet {
-            models::lenet::<B>(&dev, 0)?
+            models::lenet::<B>(&dev, &mut kiln_core::Generator::new(0))?
         } else {
-            models::mlp::<B>(a.hidden, &dev, 0)?
+            models::mlp::<B>(a.hidden, &dev, &mut kiln_core::Generator::new(0))?
         };
         let mut opt = SgdConfig::new(0.01).init(model.parameters())?;
         let mut step = |x: &kiln_core::Tensor<B>, y: &kiln_core::Tensor<B>| -> Result<()> {

@@ -33,7 +33,7 @@ use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use kiln_autograd::{Var, no_grad};
 use kiln_core::profile::range;
-use kiln_core::{Backend, Reduction, Result, Tensor};
+use kiln_core::{Backend, Generator, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::{lenet, mlp};
 use kiln_examples::{DEVICE_HELP, Job, dispatch};
@@ -187,8 +187,8 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
     let mut test = DataLoader::<B>::new(data.test, 1000, &dev)?.sample_shape(sample.clone())?;
 
     let mut model = match args.arch {
-        Arch::Mlp => mlp::<B>(args.hidden, &dev, args.seed)?,
-        Arch::Lenet => lenet::<B>(&dev, args.seed)?,
+        Arch::Mlp => mlp::<B>(args.hidden, &dev, &mut Generator::new(args.seed))?,
+        Arch::Lenet => lenet::<B>(&dev, &mut Generator::new(args.seed))?,
     };
     if let Some(p) = &args.load {
         model.load(p)?;

@@ -19,10 +19,10 @@ use clap::Parser;
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::Cuda;
-use kiln_core::{Backend, Reduction, Result, Tensor};
+use kiln_core::{Backend, Generator, Reduction, Result, Tensor};
 use kiln_data::{Dataset, Mnist, permutation};
 use kiln_nn::loss::{correct_count, cross_entropy};
-use kiln_nn::{Linear, LinearConfig, Module, derive_seed};
+use kiln_nn::{Linear, LinearConfig, Module};
 use kiln_optim::{AdamConfig, Optimizer};
 
 #[derive(Parser, Debug)]
@@ -57,11 +57,10 @@ struct Tower<B: Backend> {
 }
 
 impl<B: Backend> Tower<B> {
-    fn new(dev: &B::Device, seed: u64) -> Result<Self> {
+    fn new(dev: &B::Device, g: &mut Generator) -> Result<Self> {
         let layers = DIMS
             .windows(2)
-            .enumerate()
-            .map(|(i, w)| LinearConfig::new(w[0], w[1]).init::<B>(dev, derive_seed(seed, i as u64)))
+            .map(|w| LinearConfig::new(w[0], w[1]).init::<B>(dev, g))
             .collect::<Result<_>>()?;
         Ok(Tower {
             layers,
@@ -99,10 +98,8 @@ fn forward<B: Backend>(t: &[Tower<B>; 2], x: &Var<B>) -> Result<Var<B>> {
 }
 
 fn train<B: Backend>(args: &Args, d0: B::Device, d1: B::Device) -> Result<()> {
-    let towers = [
-        Tower::<B>::new(&d0, args.seed)?,
-        Tower::<B>::new(&d1, args.seed + 1)?,
-    ];
+    let mut g = Generator::new(args.seed);
+    let towers = [Tower::<B>::new(&d0, &mut g)?, Tower::<B>::new(&d1, &mut g)?];
     let mut params = towers[0].params();
     params.extend(towers[1].params());
     let mut opt = AdamConfig::new(args.lr).init(params)?;

@@ -30,7 +30,7 @@ use kiln_backend_cuda::{
 };
 use kiln_core::{Backend, DType, Generator, Reduction, Result, Tensor, profile};
 use kiln_nn::loss::cross_entropy;
-use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
 
 fn report(name: &str, value: f64, unit: &str) {
@@ -92,13 +92,11 @@ fn wall(dev: &CudaDevice, f: &mut dyn FnMut() -> Result<()>) -> f64 {
 }
 
 fn build_mlp(widths: &[usize], dev: &CudaDevice) -> Result<Sequential<Cuda>> {
+    let mut g = Generator::new(0);
     let mut m = Sequential::new();
     let n = widths.len() - 1;
     for i in 0..n {
-        m = m.add(
-            LinearConfig::new(widths[i], widths[i + 1])
-                .init::<Cuda>(dev, derive_seed(0, i as u64))?,
-        );
+        m = m.add(LinearConfig::new(widths[i], widths[i + 1]).init::<Cuda>(dev, &mut g)?);
         if i + 1 < n {
             m = m.add(Relu);
         }

@@ -14,7 +14,7 @@ use kiln_core::testing::check_close as close;
 use kiln_core::testing::expr::{Input, Tree, input, shape, tree};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, ExprErrorKind, Generator, Layout, RandDist, Shape,
-    Tensor, UnaryOp,
+    Tensor, UnaryOp, Vjp,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -30,25 +30,18 @@ fn tolerance(t: &Tree, f64_: bool, f32_tol: (f64, f64)) -> (f64, f64) {
     }
 }
 
-/// Continuous unary ops only: the fused kernel may contract a multiply and an add into one
-/// FMA where the single-op kernels round twice, and a discontinuous op (floor, ceil, sign)
-/// would turn that last-bit difference into a different value. The generator's output for
-/// every op is compiled by the codegen unit tests and exercised by the fixed programs below.
-const UNARY: [UnaryOp; 13] = [
-    UnaryOp::Neg,
-    UnaryOp::Abs,
-    UnaryOp::Exp,
-    UnaryOp::Log,
-    UnaryOp::Sqrt,
-    UnaryOp::Square,
-    UnaryOp::Recip,
-    UnaryOp::Sin,
-    UnaryOp::Cos,
-    UnaryOp::Tanh,
-    UnaryOp::Sigmoid,
-    UnaryOp::Relu,
-    UnaryOp::Gelu,
-];
+/// The unary ops the random trees draw from, read from the op table: every op on both float
+/// dtypes whose derivative is not zero everywhere (not floor, ceil or sign). The fused kernel
+/// may contract a multiply and an add into one FMA where the single-op kernels round twice,
+/// and a piecewise-constant op would turn that last-bit difference into a different value.
+/// Every op, those included, is in the fixed programs of `every_op_and_dtype_matches_the_cpu`.
+fn tree_ops() -> Vec<UnaryOp> {
+    UnaryOp::ALL
+        .into_iter()
+        .filter(|op| !matches!(op.vjp(), Vjp::Zero))
+        .filter(|op| op.supports(DType::F32) && op.supports(DType::F64))
+        .collect()
+}
 
 /// Input `spec` on the GPU: random values made on the CPU, uploaded, then viewed.
 fn make(dev: &CudaDevice, spec: &Input, shape: &[usize], dtype: DType) -> G {
@@ -121,7 +114,7 @@ fn runner(cases: u32) -> TestRunner {
 fn elementwise_trees_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let strategy = (
-        tree(3, &UNARY),
+        tree(3, &tree_ops()),
         shape(),
         prop::collection::vec(input(3), 3),
         any::<bool>(),
@@ -156,7 +149,7 @@ fn elementwise_trees_match_op_by_op() {
 fn reductions_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let strategy = (
-        tree(2, &UNARY),
+        tree(2, &tree_ops()),
         shape().prop_filter("rank >= 1", |s| !s.is_empty()),
         prop::collection::vec(input(3), 2),
         prop::collection::vec(any::<bool>(), 3),
@@ -371,19 +364,64 @@ fn long_reductions_split_over_blocks_match_the_cpu() {
     }
 }
 
-/// Every unary op (floor, ceil and sign included), integer and u8 arithmetic, casts,
-/// comparisons and `where`, with a broadcast row and a scalar input, against the CPU.
+/// `n` values of `dtype` where the op table samples `op` ([`UnaryOp::domain`]): uniform on
+/// `[lo, hi]`, pushed out to `avoid` near 0.
+fn in_domain(op: UnaryOp, dims: &[usize], seed: u64, dtype: DType) -> Tensor<Cpu> {
+    let d = op.domain();
+    let n: usize = dims.iter().product();
+    let v: Vec<f64> = (0..n as u64)
+        .map(|i| kiln_core::philox::uniform_f64(seed, i, d.lo, d.hi))
+        .map(|x| {
+            if x.abs() < d.avoid {
+                d.avoid.copysign(x)
+            } else {
+                x
+            }
+        })
+        .collect();
+    Tensor::<Cpu>::from_vec(v, dims.to_vec(), &Cpu::device(0))
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+/// Every unary op of the table (floor, ceil and sign included) on every dtype it supports and
+/// over its test domain, integer and u8 arithmetic, casts, comparisons and `where`, with a
+/// broadcast row and a scalar input, against the CPU.
 #[test]
 fn every_op_and_dtype_matches_the_cpu() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let (x, y) = (Expr::input(0), Expr::input(1));
-    for dtype in [DType::F32, DType::F64] {
-        let rtol = if dtype == DType::F32 { 2e-6 } else { 1e-13 };
-        let xs = [rand_cpu(&[33, 65], 5, dtype), rand_cpu(&[65], 6, dtype)];
-        for u in UnaryOp::ALL {
+    for dtype in [DType::F32, DType::F64, DType::I64] {
+        let rtol = match dtype {
+            DType::F32 => 2e-6,
+            DType::F64 => 1e-13,
+            _ => 0.0,
+        };
+        // x * y with y in [0.9, 1] (1 for integers) stays in the op's domain.
+        let y_row = match dtype {
+            DType::I64 => Tensor::<Cpu>::ones([65], dtype, &Cpu::device(0)).unwrap(),
+            _ => Generator::new(6)
+                .sample::<Cpu>(
+                    [65],
+                    RandDist::Uniform {
+                        low: 0.9,
+                        high: 1.0,
+                    },
+                    dtype,
+                    &Cpu::device(0),
+                )
+                .unwrap(),
+        };
+        for u in UnaryOp::ALL.into_iter().filter(|u| u.supports(dtype)) {
+            let xs = [in_domain(u, &[33, 65], 5, dtype), y_row.clone()];
             let p = Program::from_exprs(&[dtype, dtype], &[(&x * &y).unary(u)]).unwrap();
             against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[], rtol);
         }
+        if dtype == DType::I64 {
+            continue;
+        }
+        let xs = [rand_cpu(&[33, 65], 5, dtype), rand_cpu(&[65], 6, dtype)];
         for b in BinaryOp::ALL {
             let p = Program::from_exprs(&[dtype, dtype], &[x.binary(b, y.abs() + 0.5)]).unwrap();
             against_cpu(&dev, &p, &xs, |_, t| t, |_, t| t, &[], rtol);

@@ -8,7 +8,7 @@ use kiln_autograd::Var;
 use kiln_backend_cuda::{Cuda, CudaDevice, CudaGraph, gpu_or_skip, write_static};
 use kiln_core::{DType, Error, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::loss::cross_entropy;
-use kiln_nn::{LinearConfig, Module, Relu, Sequential, derive_seed};
+use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
 
 const F32: DType = DType::F32;
@@ -92,11 +92,12 @@ fn memory_of_a_graph_is_not_handed_out_after_the_capture() {
 
 fn mlp(dev: &CudaDevice) -> Sequential<Cuda> {
     let widths = [64, 48, 32, 10];
+    let mut g = Generator::new(3);
     let mut m = Sequential::new();
     for i in 0..3 {
         m = m.add(
             LinearConfig::new(widths[i], widths[i + 1])
-                .init::<Cuda>(dev, derive_seed(3, i as u64))
+                .init::<Cuda>(dev, &mut g)
                 .unwrap(),
         );
         if i < 2 {

@@ -9,8 +9,9 @@
 //!
 //! `Tensor::rand`, `Tensor::randn`, `Tensor::random` and the `*_like` forms draw from one
 //! process-wide default generator, seeded with [`Generator::DEFAULT_SEED`] until
-//! [`manual_seed`] reseeds it. Code that must not depend on what else draws (tests,
-//! initializers given a seed) makes its own `Generator::new(seed)`.
+//! [`manual_seed`] reseeds it. Code that must not depend on what else draws (tests, a model
+//! built from a seed) makes its own `Generator::new(seed)` and passes it to what draws
+//! (`kiln_nn`'s initializers and layers take `&mut Generator`, as PyTorch's take `generator=`).
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -76,6 +77,16 @@ impl Generator {
     /// How many tensors were drawn since the seed was set.
     pub fn draws(&self) -> u64 {
         self.draws
+    }
+
+    /// Moves to draw `draws` of the current seed (`Generator.set_offset`): the next tensor is
+    /// the one a fresh generator of this seed would draw after `draws` draws. With [`draws`]
+    /// (`Generator.get_offset`) it resumes a stream exactly.
+    ///
+    /// [`draws`]: Generator::draws
+    pub fn set_draws(&mut self, draws: u64) -> &mut Self {
+        self.draws = draws;
+        self
     }
 
     /// The Philox key of the next draw, and the count advanced past it: what a backend kernel

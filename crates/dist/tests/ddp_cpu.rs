@@ -24,14 +24,11 @@ fn dev() -> CpuDevice {
 }
 
 fn model(seed: u64) -> Sequential<B> {
+    let mut g = Generator::new(seed);
     Sequential::new()
-        .add(LinearConfig::new(12, 16).init::<B>(&dev(), seed).unwrap())
+        .add(LinearConfig::new(12, 16).init::<B>(&dev(), &mut g).unwrap())
         .add(Relu)
-        .add(
-            LinearConfig::new(16, 5)
-                .init::<B>(&dev(), seed + 1)
-                .unwrap(),
-        )
+        .add(LinearConfig::new(16, 5).init::<B>(&dev(), &mut g).unwrap())
 }
 
 /// A fixed global batch of `n` samples.

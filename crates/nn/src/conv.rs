@@ -22,9 +22,9 @@
 use std::sync::Mutex;
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Result, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, Result, Tensor};
 
-use crate::init::{Init, derive_seed};
+use crate::init::Init;
 use crate::module::Module;
 
 /// Output length of a sliding window over `len` (PyTorch's formula), or `None` when the window
@@ -143,7 +143,13 @@ impl Conv2dConfig {
         self
     }
 
-    pub fn init<B: Backend>(self, device: &B::Device, seed: u64) -> Result<Conv2d<B>> {
+    /// Creates the parameters on `device`, the weight and then the bias drawn from
+    /// `generator`.
+    pub fn init<B: Backend>(
+        self,
+        device: &B::Device,
+        generator: &mut Generator,
+    ) -> Result<Conv2d<B>> {
         let bad = self.in_channels == 0
             || self.out_channels == 0
             || self.kernel.contains(&0)
@@ -159,12 +165,12 @@ impl Conv2dConfig {
         let shape = [self.out_channels, self.in_channels, kh, kw];
         let w = self
             .weight_init
-            .init::<B>(shape, derive_seed(seed, 0), self.dtype, device)?;
+            .init::<B>(shape, generator, self.dtype, device)?;
         let bias = if self.bias {
             let fan_in = self.in_channels * kh * kw;
             Some(Var::param(Init::BiasUniform { fan_in }.init::<B>(
                 [self.out_channels],
-                derive_seed(seed, 1),
+                generator,
                 self.dtype,
                 device,
             )?))

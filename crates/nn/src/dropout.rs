@@ -1,31 +1,33 @@
 //! Inverted dropout with masks from Philox.
 //!
-//! The mask of the `k`-th training forward is `rand(shape, seed') >= p` with
-//! `seed' = derive_seed(seed, k)`, drawn by the backend's Philox generator, which every backend
-//! implements bit for bit: the same model seed gives the same masks on the CPU and on the GPU,
-//! so a GPU run can be checked against a CPU run step by step. The counter is per layer and
-//! advances once per training forward (it can be read and set to resume exactly).
+//! A layer takes one key from the [`Generator`] it is built with and keeps a generator of its
+//! own under that key; the mask of its `k`-th training forward is `rand(shape) >= p` from that
+//! generator's draw `k`, by the backend's Philox generator, which every backend implements bit
+//! for bit: a model built from the same generator gives the same masks on the CPU and on the
+//! GPU, so a GPU run can be checked against a CPU run step by step. The counter is per layer
+//! and advances once per training forward (it can be read and set to resume exactly).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, CmpOp, Error, Generator, Result, Tensor};
 
-use crate::init::derive_seed;
 use crate::module::Module;
 
 /// Zeroes each element with probability `p` in training mode and scales the rest by
 /// `1 / (1 - p)`; the identity in evaluation mode. Modules start in training mode.
 pub struct Dropout {
     p: f64,
-    seed: u64,
+    /// The layer's own generator; the mask of forward `k` is its draw `k`.
+    generator: Generator,
     step: AtomicU64,
     training: bool,
 }
 
 impl Dropout {
-    /// Dropout with drop probability `p` in `[0, 1)`, masks derived from `seed`.
-    pub fn new(p: f64, seed: u64) -> Result<Self> {
+    /// Dropout with drop probability `p` in `[0, 1)`, its masks from a generator keyed by one
+    /// draw of `generator` (the model's, or `&mut kiln_core::default_generator()`).
+    pub fn new(p: f64, generator: &mut Generator) -> Result<Self> {
         if !(0.0..1.0).contains(&p) {
             return Err(Error::invalid(
                 "Dropout",
@@ -34,7 +36,7 @@ impl Dropout {
         }
         Ok(Dropout {
             p,
-            seed,
+            generator: Generator::new(generator.next_key()),
             step: AtomicU64::new(0),
             training: true,
         })
@@ -65,7 +67,7 @@ impl Dropout {
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.
     pub fn mask<B: Backend>(&self, x: &Tensor<B>, step: u64) -> Result<Tensor<B>> {
-        let u = Generator::new(derive_seed(self.seed, step)).rand_like(x)?;
+        let u = self.generator.clone().set_draws(step).rand_like(x)?;
         u.compare_scalar(CmpOp::Ge, self.p)?
             .to_dtype(x.dtype())?
             .mul_scalar(1.0 / (1.0 - self.p))

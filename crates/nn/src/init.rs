@@ -1,9 +1,11 @@
-//! Seeded parameter initializers with PyTorch's formulas.
+//! Parameter initializers with PyTorch's formulas, drawing from a [`Generator`].
 //!
-//! Every initializer draws from [`Tensor::rand`] / [`Tensor::randn`], i.e. Philox with an
-//! explicit seed, so one seed gives the same weights on every backend and every run: a model
-//! built on the GPU starts from exactly the numbers the CPU run starts from. There is no global
-//! RNG; layers derive one seed per tensor with [`derive_seed`].
+//! Every initializer that draws takes the generator to draw from (`torch.nn.init`'s
+//! `generator=`), one draw per tensor, so one `Generator::new(seed)` gives the same weights on
+//! every backend and every run: a model built on the GPU starts from exactly the numbers the
+//! CPU run starts from. A layer draws its weight, then its bias, from the generator it is given,
+//! so the layers of a model built from one generator never share numbers; pass
+//! `&mut kiln_core::default_generator()` to draw from the process-wide one (`torch.manual_seed`).
 //!
 //! Fans follow `torch.nn.init._calculate_fan_in_and_fan_out`: for a weight of shape
 //! `[out, in, k...]`, `fan_in = in * prod(k)` and `fan_out = out * prod(k)`.
@@ -58,11 +60,12 @@ impl Init {
         Init::KaimingUniform { a: 5f64.sqrt() }
     }
 
-    /// A new tensor of `shape` filled as `self` says, drawn with `seed`.
+    /// A new tensor of `shape` filled as `self` says, drawn from `generator` (one draw; none
+    /// for the constant fills).
     pub fn init<B: Backend>(
         self,
         shape: impl Into<Shape>,
-        seed: u64,
+        generator: &mut Generator,
         dtype: DType,
         device: &B::Device,
     ) -> Result<Tensor<B>> {
@@ -74,9 +77,7 @@ impl Init {
                 got: dtype,
             });
         }
-        let draw = |dist: RandDist| Generator::new(seed).sample(shape.clone(), dist, dtype, device);
-        let uniform = |b: f64| draw(RandDist::Uniform { low: -b, high: b });
-        let normal = |std: f64| draw(RandDist::Normal { mean: 0.0, std });
+        let mut draw = |dist: RandDist| generator.sample(shape.clone(), dist, dtype, device);
         match self {
             Init::Zeros => Tensor::zeros(shape, dtype, device),
             Init::Ones => Tensor::ones(shape, dtype, device),
@@ -85,19 +86,19 @@ impl Init {
             Init::Normal { mean, std } => draw(RandDist::Normal { mean, std }),
             Init::KaimingUniform { a } => {
                 let (fan_in, _) = fans(&shape)?;
-                uniform(leaky_gain(a) * (3.0 / fan_in as f64).sqrt())
+                draw(uniform(leaky_gain(a) * (3.0 / fan_in as f64).sqrt()))
             }
             Init::KaimingNormal { a } => {
                 let (fan_in, _) = fans(&shape)?;
-                normal(leaky_gain(a) / (fan_in as f64).sqrt())
+                draw(normal(leaky_gain(a) / (fan_in as f64).sqrt()))
             }
             Init::XavierUniform { gain } => {
                 let (fi, fo) = fans(&shape)?;
-                uniform(gain * (6.0 / (fi + fo) as f64).sqrt())
+                draw(uniform(gain * (6.0 / (fi + fo) as f64).sqrt()))
             }
             Init::XavierNormal { gain } => {
                 let (fi, fo) = fans(&shape)?;
-                normal(gain * (2.0 / (fi + fo) as f64).sqrt())
+                draw(normal(gain * (2.0 / (fi + fo) as f64).sqrt()))
             }
             Init::BiasUniform { fan_in } => {
                 let b = if fan_in == 0 {
@@ -105,7 +106,7 @@ impl Init {
                 } else {
                     1.0 / (fan_in as f64).sqrt()
                 };
-                uniform(b)
+                draw(uniform(b))
             }
         }
     }
@@ -136,13 +137,12 @@ pub fn fans(shape: &Shape) -> Result<(usize, usize)> {
     Ok((fi, fo))
 }
 
-/// A well-mixed seed for stream `stream` of `seed` (SplitMix64 finalizer), so that a layer's
-/// weight and bias, or layer 0 and layer 1 of a model built from one seed, never share numbers.
-pub fn derive_seed(seed: u64, stream: u64) -> u64 {
-    let mut z = seed
-        .wrapping_add(stream.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-        .wrapping_add(0x632B_E59B_D9B4_E019);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// `U(-b, b)`.
+fn uniform(b: f64) -> RandDist {
+    RandDist::Uniform { low: -b, high: b }
+}
+
+/// `N(0, std²)`.
+fn normal(std: f64) -> RandDist {
+    RandDist::Normal { mean: 0.0, std }
 }

@@ -9,28 +9,30 @@
 //!   ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`]) and the [`Sequential`] container;
 //! - losses ([`loss::cross_entropy`] fused with log-softmax, [`loss::mse`],
 //!   [`loss::bce_with_logits`]) and [`loss::accuracy`];
-//! - seeded initializers ([`Init`]) with PyTorch's formulas and defaults;
+//! - initializers ([`Init`]) with PyTorch's formulas and defaults, drawing from a
+//!   [`kiln_core::Generator`];
 //! - safetensors I/O ([`serialize`]).
 //!
 //! Layers are built Burn-style from a config: `LinearConfig::new(784, 100).with_bias(true)
-//! .init::<B>(&device, seed)`. The explicit seed draws from its own `kiln_core::Generator`, not
-//! the default one, so a model's weights do not depend on what else drew: the same seed gives the
-//! same weights on every backend (Philox), which is what lets a GPU run be checked against a
-//! CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
+//! .init::<B>(&device, &mut generator)`, drawing from the [`kiln_core::Generator`] given (as
+//! PyTorch's initializers take `generator=`), so a model built from `Generator::new(seed)` does
+//! not depend on what else drew: the same seed gives the same weights on every backend
+//! (Philox), which is what lets a GPU run be checked against a CPU run. Parameter names and layouts match PyTorch's `state_dict` (`0.weight` is
 //! `[out, in]`), so a `.safetensors` file moves between kiln and PyTorch unchanged.
 //!
 //! ```
 //! use kiln_autograd::Var;
 //! use kiln_backend_cpu::Cpu;
 //! use kiln_core::{Backend, Generator, Reduction, Tensor};
-//! use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential, derive_seed, loss};
+//! use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential, loss};
 //!
 //! fn step<B: Backend>(dev: &B::Device, seed: u64) -> kiln_core::Result<f64> {
+//!     let mut g = Generator::new(seed); // torch.Generator().manual_seed(seed)
 //!     let model = Sequential::new()
-//!         .add(LinearConfig::new(784, 100).init::<B>(dev, derive_seed(seed, 0))?)
+//!         .add(LinearConfig::new(784, 100).init::<B>(dev, &mut g)?)
 //!         .add(Relu)
-//!         .add(LinearConfig::new(100, 10).init::<B>(dev, derive_seed(seed, 2))?);
-//!     let x = Generator::new(seed).rand::<B>([8, 784], dev)?;
+//!         .add(LinearConfig::new(100, 10).init::<B>(dev, &mut g)?);
+//!     let x = g.rand::<B>([8, 784], dev)?;
 //!     let labels = Tensor::<B>::from_slice(&[3i64, 1, 4, 1, 5, 9, 2, 6], [8], dev)?;
 //!     let loss = loss::cross_entropy(&model.forward(&Var::constant(x))?, &labels, Reduction::Mean)?;
 //!     loss.backward()?;
@@ -56,7 +58,7 @@ pub mod serialize;
 pub use activation::{Flatten, Gelu, Relu, Sigmoid, Tanh};
 pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, max_pool2d};
 pub use dropout::Dropout;
-pub use init::{Init, derive_seed};
+pub use init::Init;
 pub use linear::{Linear, LinearConfig};
 pub use module::{Module, ModuleExt};
 pub use sequential::Sequential;

@@ -2,12 +2,12 @@
 //! default initialization, so weights transfer to and from `torch.nn.Linear` unchanged.
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Result};
+use kiln_core::{Backend, DType, Error, Generator, Result};
 
-use crate::init::{Init, derive_seed};
+use crate::init::Init;
 use crate::module::Module;
 
-/// Configuration of a [`Linear`] layer (`LinearConfig::new(784, 100).init::<B>(&dev, seed)`).
+/// Configuration of a [`Linear`] layer (`LinearConfig::new(784, 100).init::<B>(&dev, &mut generator)`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LinearConfig {
     pub in_features: usize,
@@ -50,9 +50,13 @@ impl LinearConfig {
         self
     }
 
-    /// Creates the parameters on `device`; `seed` determines them (same numbers on every
-    /// backend).
-    pub fn init<B: Backend>(self, device: &B::Device, seed: u64) -> Result<Linear<B>> {
+    /// Creates the parameters on `device`, the weight and then the bias drawn from
+    /// `generator` (the same numbers on every backend).
+    pub fn init<B: Backend>(
+        self,
+        device: &B::Device,
+        generator: &mut Generator,
+    ) -> Result<Linear<B>> {
         if self.in_features == 0 || self.out_features == 0 {
             return Err(Error::invalid(
                 "LinearConfig::init",
@@ -64,14 +68,14 @@ impl LinearConfig {
         }
         let w = self.weight_init.init::<B>(
             [self.out_features, self.in_features],
-            derive_seed(seed, 0),
+            generator,
             self.dtype,
             device,
         )?;
         let b = if self.bias {
             Some(Var::param(self.bias_init.init::<B>(
                 [self.out_features],
-                derive_seed(seed, 1),
+                generator,
                 self.dtype,
                 device,
             )?))

@@ -10,7 +10,7 @@ use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::loss::{accuracy, bce_with_logits, correct_count, cross_entropy, mse};
 use kiln_nn::{
     Conv2dConfig, Dropout, Flatten, Gelu, LinearConfig, MaxPool2d, Module, ModuleExt, Relu,
-    Sequential, Sigmoid, Tanh, Window, conv2d, derive_seed, max_pool2d,
+    Sequential, Sigmoid, Tanh, Window, conv2d, max_pool2d,
 };
 
 type B = Reference;
@@ -39,18 +39,19 @@ fn close(a: &[f64], b: &[f64], tol: f64) {
 }
 
 fn mlp(seed: u64) -> Sequential<B> {
+    let mut g = Generator::new(seed);
     Sequential::new()
         .add(
             LinearConfig::new(4, 3)
                 .with_dtype(DType::F64)
-                .init::<B>(&DEV, derive_seed(seed, 0))
+                .init::<B>(&DEV, &mut g)
                 .unwrap(),
         )
         .add(Relu)
         .add(
             LinearConfig::new(3, 2)
                 .with_dtype(DType::F64)
-                .init::<B>(&DEV, derive_seed(seed, 2))
+                .init::<B>(&DEV, &mut g)
                 .unwrap(),
         )
 }
@@ -59,7 +60,7 @@ fn mlp(seed: u64) -> Sequential<B> {
 fn linear_is_x_wt_plus_b() {
     let l = LinearConfig::new(3, 2)
         .with_dtype(DType::F64)
-        .init::<B>(&DEV, 1)
+        .init::<B>(&DEV, &mut Generator::new(1))
         .unwrap();
     assert_eq!(l.weight.dims(), vec![2, 3]);
     assert_eq!(l.bias.as_ref().unwrap().dims(), vec![2]);
@@ -80,10 +81,14 @@ fn linear_is_x_wt_plus_b() {
     assert!(l.forward(&Var::constant(randn(&[2, 4], 0))).is_err());
     let nb = LinearConfig::new(3, 2)
         .with_bias(false)
-        .init::<B>(&DEV, 1)
+        .init::<B>(&DEV, &mut Generator::new(1))
         .unwrap();
     assert_eq!(nb.parameters().len(), 1);
-    assert!(LinearConfig::new(0, 2).init::<B>(&DEV, 1).is_err());
+    assert!(
+        LinearConfig::new(0, 2)
+            .init::<B>(&DEV, &mut Generator::new(1))
+            .is_err()
+    );
 }
 
 #[test]
@@ -253,7 +258,7 @@ fn activations_and_flatten() {
 #[test]
 fn dropout_masks_are_deterministic_scaled_and_off_in_eval() {
     let x = Var::constant(Tensor::<B>::ones([1000], DType::F64, &DEV).unwrap());
-    let mut d = Dropout::new(0.25, 42).unwrap();
+    let mut d = Dropout::new(0.25, &mut Generator::new(42)).unwrap();
     let a = d.forward(&x).unwrap().tensor().to_vec::<f64>().unwrap();
     let b = d.forward(&x).unwrap().tensor().to_vec::<f64>().unwrap();
     assert_eq!(d.step(), 2);
@@ -265,12 +270,12 @@ fn dropout_masks_are_deterministic_scaled_and_off_in_eval() {
     let dropped = a.iter().filter(|&&v| v == 0.0).count();
     assert!((200..300).contains(&dropped), "{dropped}");
     assert_ne!(a, b, "each forward draws a new mask");
-    // A second layer with the same seed replays the same masks, step by step.
-    let d2 = Dropout::new(0.25, 42).unwrap();
+    // A second layer built from the same generator replays the same masks, step by step.
+    let d2 = Dropout::new(0.25, &mut Generator::new(42)).unwrap();
     assert_eq!(d2.forward(&x).unwrap().tensor().to_vec::<f64>().unwrap(), a);
     d2.set_step(1);
     assert_eq!(d2.forward(&x).unwrap().tensor().to_vec::<f64>().unwrap(), b);
-    // The mask is a function of (seed, step) only, so a backend with the same Philox (the CPU
+    // The mask is a function of (key, step) only, so a backend with the same Philox (the CPU
     // and the GPU) draws the same: check it against the generator itself.
     let m = d.mask(&x.tensor(), 0).unwrap().to_vec::<f64>().unwrap();
     assert_eq!(m, a);
@@ -279,7 +284,7 @@ fn dropout_masks_are_deterministic_scaled_and_off_in_eval() {
     let e = d.forward(&x).unwrap();
     assert!(e.ptr_eq(&x));
     assert_eq!(d.step(), 2);
-    assert!(Dropout::new(1.0, 0).is_err());
+    assert!(Dropout::new(1.0, &mut Generator::new(0)).is_err());
     // The gradient goes through the same mask.
     d.train();
     let p = Var::param(Tensor::<B>::ones([1000], DType::F64, &DEV).unwrap());
@@ -342,7 +347,7 @@ fn conv2d_matches_the_definition() {
             .with_padding(p)
             .with_dilation(dl)
             .with_dtype(DType::F64)
-            .init::<B>(&DEV, 5)
+            .init::<B>(&DEV, &mut Generator::new(5))
             .unwrap();
         let x = randn(&[2, 2, 7, 6], 11);
         let y = conv.forward(&Var::constant(x.clone())).unwrap().tensor();
@@ -362,7 +367,9 @@ fn conv2d_matches_the_definition() {
         let y2 = conv.forward(&Var::constant(x)).unwrap().tensor();
         assert_eq!(y.to_vec::<f64>().unwrap(), y2.to_vec::<f64>().unwrap());
     }
-    let conv = Conv2dConfig::new(2, 3, 3).init::<B>(&DEV, 5).unwrap();
+    let conv = Conv2dConfig::new(2, 3, 3)
+        .init::<B>(&DEV, &mut Generator::new(5))
+        .unwrap();
     assert!(
         conv.forward(&Var::constant(randn(&[1, 3, 5, 5], 0)))
             .is_err()
@@ -470,21 +477,21 @@ fn max_pool2d_forward_and_gradients() {
 
 #[test]
 fn lenet_shapes_and_names() {
-    let s = |i| derive_seed(0, i);
+    let mut g = Generator::new(0);
     let net = Sequential::<B>::new()
         .add(
             Conv2dConfig::new(1, 6, 5)
                 .with_padding(2)
-                .init::<B>(&DEV, s(0))
+                .init::<B>(&DEV, &mut g)
                 .unwrap(),
         )
         .add(Relu)
         .add(MaxPool2d::new(2))
-        .add(Conv2dConfig::new(6, 16, 5).init::<B>(&DEV, s(3)).unwrap())
+        .add(Conv2dConfig::new(6, 16, 5).init::<B>(&DEV, &mut g).unwrap())
         .add(Relu)
         .add(MaxPool2d::new(2))
         .add(Flatten)
-        .add(LinearConfig::new(400, 10).init::<B>(&DEV, s(7)).unwrap());
+        .add(LinearConfig::new(400, 10).init::<B>(&DEV, &mut g).unwrap());
     let x = Generator::new(1).rand::<B>([2, 1, 28, 28], &DEV).unwrap();
     let y = net.forward(&Var::constant(x)).unwrap();
     assert_eq!(y.dims(), vec![2, 10]);

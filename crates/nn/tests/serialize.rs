@@ -3,10 +3,10 @@
 use std::collections::BTreeMap;
 
 use kiln_core::reference::{RefDevice, Reference as Cpu};
-use kiln_core::{DType, Error, Tensor};
+use kiln_core::{DType, Error, Generator, Tensor};
 use kiln_nn::init::fans;
 use kiln_nn::serialize::{check_state_dict, from_safetensors_bytes, to_safetensors_bytes};
-use kiln_nn::{Init, derive_seed, load_safetensors, save_safetensors};
+use kiln_nn::{Init, load_safetensors, save_safetensors};
 
 fn dev() -> RefDevice {
     RefDevice(0)
@@ -206,7 +206,7 @@ fn initializers_follow_pytorch_formulas() {
 
     // Kaiming uniform with a = sqrt(5): U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
     let w = Init::torch_default()
-        .init::<Cpu>(shape, 7, DType::F32, &d)
+        .init::<Cpu>(shape, &mut Generator::new(7), DType::F32, &d)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
@@ -221,7 +221,7 @@ fn initializers_follow_pytorch_formulas() {
 
     // Kaiming normal (He): std sqrt(2 / fan_in).
     let w = Init::KaimingNormal { a: 0.0 }
-        .init::<Cpu>(shape, 7, DType::F32, &d)
+        .init::<Cpu>(shape, &mut Generator::new(7), DType::F32, &d)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
@@ -234,7 +234,7 @@ fn initializers_follow_pytorch_formulas() {
 
     // Xavier uniform: bound gain * sqrt(6 / (fan_in + fan_out)).
     let w = Init::XavierUniform { gain: 2.0 }
-        .init::<Cpu>(shape, 7, DType::F32, &d)
+        .init::<Cpu>(shape, &mut Generator::new(7), DType::F32, &d)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
@@ -244,7 +244,7 @@ fn initializers_follow_pytorch_formulas() {
 
     // Xavier normal: std gain * sqrt(2 / (fan_in + fan_out)).
     let w = Init::XavierNormal { gain: 1.0 }
-        .init::<Cpu>(shape, 7, DType::F32, &d)
+        .init::<Cpu>(shape, &mut Generator::new(7), DType::F32, &d)
         .unwrap()
         .to_vec::<f32>()
         .unwrap();
@@ -254,34 +254,36 @@ fn initializers_follow_pytorch_formulas() {
 
     // Bias: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) from the weight's fan_in.
     let bias = Init::BiasUniform { fan_in: 4 }
-        .init::<Cpu>([1000], 1, DType::F64, &d)
+        .init::<Cpu>([1000], &mut Generator::new(1), DType::F64, &d)
         .unwrap()
         .to_vec::<f64>()
         .unwrap();
     assert!(bias.iter().all(|&x| (-0.5..0.5).contains(&x)));
     assert!(bias.iter().any(|&x| x > 0.45) && bias.iter().any(|&x| x < -0.45));
 
-    // Same seed, same numbers; another seed, others.
-    let a = Init::torch_default()
-        .init::<Cpu>([3, 4], 1, DType::F32, &d)
+    // One draw per tensor: a second draw of the same generator differs, the same seed
+    // replays, another seed gives others, and the constant fills draw nothing.
+    let init = |g: &mut Generator| {
+        Init::torch_default()
+            .init::<Cpu>([3, 4], g, DType::F32, &d)
+            .unwrap()
+            .to_vec::<f32>()
+            .unwrap()
+    };
+    let mut g = Generator::new(1);
+    let (a, b) = (init(&mut g), init(&mut g));
+    assert_ne!(a, b);
+    assert_eq!(g.draws(), 2);
+    Init::Zeros
+        .init::<Cpu>([3], &mut g, DType::F32, &d)
         .unwrap();
-    let a2 = Init::torch_default()
-        .init::<Cpu>([3, 4], 1, DType::F32, &d)
-        .unwrap();
-    let a3 = Init::torch_default()
-        .init::<Cpu>([3, 4], 2, DType::F32, &d)
-        .unwrap();
-    assert_eq!(a.to_vec::<f32>().unwrap(), a2.to_vec::<f32>().unwrap());
-    assert_ne!(a.to_vec::<f32>().unwrap(), a3.to_vec::<f32>().unwrap());
-    assert!(Init::Zeros.init::<Cpu>([2], 0, DType::I64, &d).is_err());
-}
-
-#[test]
-fn derived_seeds_differ() {
-    let mut seen = std::collections::HashSet::new();
-    for s in 0..50u64 {
-        for k in 0..50u64 {
-            assert!(seen.insert(derive_seed(s, k)), "collision at {s} {k}");
-        }
-    }
+    assert_eq!(g.draws(), 2);
+    g.manual_seed(1);
+    assert_eq!(init(&mut g), a);
+    assert_ne!(init(&mut Generator::new(2)), a);
+    assert!(
+        Init::Zeros
+            .init::<Cpu>([2], &mut g, DType::I64, &d)
+            .is_err()
+    );
 }

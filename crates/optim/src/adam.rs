@@ -10,7 +10,9 @@
 //! p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //! ```
 //!
-//! By default all parameters are updated together by one multi-tensor call (`fused.rs`).
+//! The formulas are written once, as [`UpdateRule::Adam`]'s expression program in kiln-core;
+//! every step hands all parameters to one multi-tensor [`Tensor::fused_update`] call per group
+//! (`fused.rs`), on every backend.
 
 use std::collections::BTreeMap;
 
@@ -32,9 +34,6 @@ pub struct AdamConfig {
     pub eps: f64,
     /// L2 penalty added to the gradient (coupled, as `torch.optim.Adam`).
     pub weight_decay: f64,
-    /// Update all parameters with one multi-tensor call ([`Tensor::fused_update`]; PyTorch's
-    /// `foreach`) instead of op by op per parameter. Same formulas; default on.
-    pub foreach: bool,
 }
 
 impl Default for AdamConfig {
@@ -51,7 +50,6 @@ impl AdamConfig {
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
-            foreach: true,
         }
     }
     pub fn with_betas(mut self, beta1: f64, beta2: f64) -> Self {
@@ -65,10 +63,6 @@ impl AdamConfig {
     }
     pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
         self.weight_decay = weight_decay;
-        self
-    }
-    pub fn with_foreach(mut self, foreach: bool) -> Self {
-        self.foreach = foreach;
         self
     }
     pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<Adam<B>> {
@@ -99,9 +93,6 @@ impl AdamWConfig {
     }
     pub fn with_weight_decay(self, weight_decay: f64) -> Self {
         AdamWConfig(self.0.with_weight_decay(weight_decay))
-    }
-    pub fn with_foreach(self, foreach: bool) -> Self {
-        AdamWConfig(self.0.with_foreach(foreach))
     }
     pub fn init<B: Backend>(self, params: Vec<Var<B>>) -> Result<AdamW<B>> {
         Adam::build(self.0, true, params)
@@ -154,49 +145,22 @@ impl<B: Backend> Adam<B> {
         })
     }
 
-    /// One Adam update of `w` (see the module docs): returns the new value and moments.
-    fn update(
-        &self,
-        w: &Tensor<B>,
-        g: &Tensor<B>,
-        prev: Option<(Tensor<B>, Tensor<B>)>,
-        t: u64,
-    ) -> Result<(Tensor<B>, Tensor<B>, Tensor<B>)> {
-        let c = self.cfg;
-        let mut w = w.clone();
-        let mut g = g.clone();
-        if c.weight_decay != 0.0 {
-            if self.decoupled {
-                w = w.mul_scalar(1.0 - c.lr * c.weight_decay)?;
-            } else {
-                g = g.add(&w.mul_scalar(c.weight_decay)?)?;
-            }
-        }
-        let (m, v) = match prev {
-            None => (
-                g.mul_scalar(1.0 - c.beta1)?,
-                g.square()?.mul_scalar(1.0 - c.beta2)?,
-            ),
-            Some((m, v)) => (
-                follow(&m, &w)?
-                    .mul_scalar(c.beta1)?
-                    .add(&g.mul_scalar(1.0 - c.beta1)?)?,
-                follow(&v, &w)?
-                    .mul_scalar(c.beta2)?
-                    .add(&g.square()?.mul_scalar(1.0 - c.beta2)?)?,
-            ),
-        };
-        let t = t.min(i32::MAX as u64) as i32;
-        let bc1 = 1.0 - c.beta1.powi(t);
-        let bc2 = 1.0 - c.beta2.powi(t);
-        let denom = v.sqrt()?.affine(1.0 / bc2.sqrt(), c.eps)?;
-        let upd = m.div(&denom)?.mul_scalar(c.lr / bc1)?;
-        Ok((w.sub(&upd)?, m, v))
+    pub fn config(&self) -> &AdamConfig {
+        &self.cfg
+    }
+}
+
+impl<B: Backend> Optimizer<B> for Adam<B> {
+    fn name(&self) -> &'static str {
+        if self.decoupled { "adamw" } else { "adam" }
+    }
+    fn params(&self) -> &[Var<B>] {
+        &self.params
     }
 
     /// All parameters with gradients through [`Tensor::fused_update`], one call per group of
     /// parameters at the same step (see `fused.rs`).
-    fn step_fused(&mut self) -> Result<()> {
+    fn step(&mut self) -> Result<()> {
         let c = self.cfg;
         for (step, members) in groups(&self.params, |i| self.steps[i]) {
             let t = (step + 1).min(i32::MAX as u64) as i32;
@@ -226,35 +190,6 @@ impl<B: Backend> Adam<B> {
                 self.moments[m.index] = st.next().zip(st.next());
                 self.steps[m.index] = step + 1;
             }
-        }
-        Ok(())
-    }
-
-    pub fn config(&self) -> &AdamConfig {
-        &self.cfg
-    }
-}
-
-impl<B: Backend> Optimizer<B> for Adam<B> {
-    fn name(&self) -> &'static str {
-        if self.decoupled { "adamw" } else { "adam" }
-    }
-    fn params(&self) -> &[Var<B>] {
-        &self.params
-    }
-
-    fn step(&mut self) -> Result<()> {
-        if self.cfg.foreach {
-            return self.step_fused();
-        }
-        for i in 0..self.params.len() {
-            let p = &self.params[i];
-            let Some(g) = p.grad() else { continue };
-            let t = self.steps[i] + 1;
-            let (w, m, v) = self.update(&p.tensor(), &g, self.moments[i].clone(), t)?;
-            p.set_tensor(w)?;
-            self.moments[i] = Some((m, v));
-            self.steps[i] = t;
         }
         Ok(())
     }

@@ -5,8 +5,11 @@
 //! model's step on a GPU. [`Tensor::fused_update`] takes every parameter, gradient and state
 //! buffer of one device and dtype and applies the whole update in one backend call: the CUDA
 //! backend runs it as one multi-tensor kernel per batch of parameters (a handful of launches
-//! for the whole model), other backends fall back to composed elementwise kernels with the same
-//! formulas (PyTorch's `foreach` / `fused` optimizers play the same role).
+//! for the whole model); on other backends its default evaluates the rule's expression program
+//! ([`kiln_core::UpdateRule::program`]) once per parameter, fused where the backend fuses
+//! programs (the CPU). The formulas exist only there: the optimizers build an
+//! [`kiln_core::UpdateRule`] and never compose the update from tensor ops themselves
+//! (PyTorch's `foreach` / `fused` optimizers play the same role).
 //!
 //! One call covers parameters that share a device, a dtype and the scalars of the update rule,
 //! so parameters are grouped: by step count for Adam (the bias correction depends on it), by

@@ -15,12 +15,13 @@
 //! state, as in PyTorch. Optimizer state (momentum buffers, Adam moments, step counts) can be
 //! saved to and restored from safetensors, so training resumes exactly.
 //!
-//! Updates are multi-tensor by default (PyTorch's `foreach`): all parameters go to
-//! [`Tensor::fused_update`](kiln_core::Tensor::fused_update) in one call, which the CUDA
-//! backend runs as one multi-tensor kernel per batch of parameters (a handful of launches for a
-//! whole model instead of one per term per tensor) and other backends compose from elementwise
-//! kernels. `with_foreach(false)` runs the same formulas op by op per parameter; both give the
-//! same results (a test checks it).
+//! Updates are multi-tensor (PyTorch's `foreach`), on every backend: an optimizer states its
+//! update as a [`UpdateRule`](kiln_core::UpdateRule), whose expression program in kiln-core is
+//! the only place the formulas are written, and hands all parameters to
+//! [`Tensor::fused_update`](kiln_core::Tensor::fused_update) in one call per group. The CUDA
+//! backend runs it as one multi-tensor kernel per batch of parameters (a handful of launches
+//! for a whole model instead of one per term per tensor); the CPU evaluates the program in one
+//! fused pass per parameter, and the reference backend op by op.
 //!
 //! Schedules are pure functions of the step (`lr(step)`), not stateful objects: resuming is
 //! calling `set_lr(schedule.lr(step))` with the saved step, and a test is a table of values.

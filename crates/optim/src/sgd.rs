@@ -9,7 +9,9 @@
 //! p = p - lr * g
 //! ```
 //!
-//! By default all parameters are updated together by one multi-tensor call (`fused.rs`).
+//! The formulas are written once, as [`UpdateRule::Sgd`]'s expression program in kiln-core;
+//! every step hands all parameters to one multi-tensor [`Tensor::fused_update`] call per group
+//! (`fused.rs`), on every backend.
 
 use std::collections::BTreeMap;
 
@@ -28,9 +30,6 @@ pub struct SgdConfig {
     pub dampening: f64,
     pub nesterov: bool,
     pub weight_decay: f64,
-    /// Update all parameters with one multi-tensor call ([`Tensor::fused_update`]; PyTorch's
-    /// `foreach`) instead of op by op per parameter. Same formulas; default on.
-    pub foreach: bool,
 }
 
 impl SgdConfig {
@@ -42,7 +41,6 @@ impl SgdConfig {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
-            foreach: true,
         }
     }
     pub fn with_momentum(mut self, momentum: f64) -> Self {
@@ -59,10 +57,6 @@ impl SgdConfig {
     }
     pub fn with_weight_decay(mut self, weight_decay: f64) -> Self {
         self.weight_decay = weight_decay;
-        self
-    }
-    pub fn with_foreach(mut self, foreach: bool) -> Self {
-        self.foreach = foreach;
         self
     }
 
@@ -101,45 +95,19 @@ impl<B: Backend> Sgd<B> {
     pub fn config(&self) -> &SgdConfig {
         &self.cfg
     }
+}
 
-    /// One SGD update of `w` (see the module docs): the new value and momentum buffer.
-    fn update(
-        &self,
-        w: &Tensor<B>,
-        g: &Tensor<B>,
-        buf: Option<Tensor<B>>,
-    ) -> Result<(Tensor<B>, Option<Tensor<B>>)> {
-        let c = self.cfg;
-        let mut g = g.clone();
-        if c.weight_decay != 0.0 {
-            g = g.add(&w.mul_scalar(c.weight_decay)?)?;
-        }
-        let mut new_buf = None;
-        if c.momentum != 0.0 {
-            let b = match buf {
-                None => g.clone(),
-                Some(b) => {
-                    let b = follow(&b, w)?.mul_scalar(c.momentum)?;
-                    if c.dampening == 0.0 {
-                        b.add(&g)?
-                    } else {
-                        b.add(&g.mul_scalar(1.0 - c.dampening)?)?
-                    }
-                }
-            };
-            g = if c.nesterov {
-                g.add(&b.mul_scalar(c.momentum)?)?
-            } else {
-                b.clone()
-            };
-            new_buf = Some(b);
-        }
-        Ok((w.sub(&g.mul_scalar(c.lr)?)?, new_buf))
+impl<B: Backend> Optimizer<B> for Sgd<B> {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+    fn params(&self) -> &[Var<B>] {
+        &self.params
     }
 
     /// All parameters with gradients through [`Tensor::fused_update`], one call per group
     /// (with or without a momentum buffer yet; see `fused.rs`).
-    fn step_fused(&mut self) -> Result<()> {
+    fn step(&mut self) -> Result<()> {
         let c = self.cfg;
         let momentum = c.momentum != 0.0;
         for (first_step, members) in groups(&self.params, |i| self.bufs[i].is_none()) {
@@ -170,32 +138,6 @@ impl<B: Backend> Sgd<B> {
                 }
                 self.steps[m.index] += 1;
             }
-        }
-        Ok(())
-    }
-}
-
-impl<B: Backend> Optimizer<B> for Sgd<B> {
-    fn name(&self) -> &'static str {
-        "sgd"
-    }
-    fn params(&self) -> &[Var<B>] {
-        &self.params
-    }
-
-    fn step(&mut self) -> Result<()> {
-        if self.cfg.foreach {
-            return self.step_fused();
-        }
-        for i in 0..self.params.len() {
-            let p = &self.params[i];
-            let Some(g) = p.grad() else { continue };
-            let (w, buf) = self.update(&p.tensor(), &g, self.bufs[i].clone())?;
-            p.set_tensor(w)?;
-            if buf.is_some() {
-                self.bufs[i] = buf;
-            }
-            self.steps[i] += 1;
         }
         Ok(())
     }

@@ -7,8 +7,7 @@
 use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::{
-    Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, derive_seed,
-    loss,
+    Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, loss,
 };
 use kiln_optim::{AdamConfig, Optimizer};
 
@@ -20,13 +19,13 @@ pub use kiln_core::testing::assert_close;
 
 /// A small LeNet-like net (conv with padding, pool, conv, pool, linear) in `dtype`.
 pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
-    let s = |i| derive_seed(7, i);
+    let mut g = Generator::new(7);
     Sequential::new()
         .add(
             Conv2dConfig::new(1, 4, 3)
                 .with_padding(1)
                 .with_dtype(dtype)
-                .init::<B>(dev, s(0))
+                .init::<B>(dev, &mut g)
                 .unwrap(),
         )
         .add(Relu)
@@ -34,7 +33,7 @@ pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
         .add(
             Conv2dConfig::new(4, 6, 3)
                 .with_dtype(dtype)
-                .init::<B>(dev, s(3))
+                .init::<B>(dev, &mut g)
                 .unwrap(),
         )
         .add(Relu)
@@ -43,7 +42,7 @@ pub fn small_net<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
         .add(
             LinearConfig::new(6 * 2 * 2, 5)
                 .with_dtype(dtype)
-                .init::<B>(dev, s(7))
+                .init::<B>(dev, &mut g)
                 .unwrap(),
         )
 }
@@ -72,9 +71,9 @@ pub fn trajectory<B: Backend>(dev: &B::Device) -> (Vec<f64>, Vec<Vec<f64>>) {
     (losses, weights)
 }
 
-/// The masks of the first `k` training forwards of a `Dropout(0.3)` with seed 5.
+/// The masks of the first `k` training forwards of a `Dropout(0.3)` built from generator 5.
 pub fn dropout_masks<B: Backend>(dev: &B::Device, k: usize) -> Vec<Vec<f64>> {
-    let d = Dropout::new(0.3, 5).unwrap();
+    let d = Dropout::new(0.3, &mut Generator::new(5)).unwrap();
     let x = Var::constant(Tensor::<B>::ones([3, 257], DType::F32, dev).unwrap());
     (0..k)
         .map(|_| host(&d.forward(&x).unwrap().tensor()))

@@ -15,7 +15,7 @@ pub use crate::nvrtc::{
     cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
     nvrtc_available, nvrtc_version, options, read_cached, source_cache_path, write_cached,
 };
-pub use crate::sources::{COMMON, Module, scalar_ops};
+pub use crate::sources::{COMMON, Group, Module, scalar_ops};
 
 /// The cache file for `module` on `sm_{arch}` with NVRTC `version`.
 pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) -> PathBuf {
@@ -44,9 +44,15 @@ fn timed<T>(f: impl FnOnce() -> T) -> (T, Duration) {
 /// error means NVRTC itself is unavailable.
 pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
     nvrtc_version()?;
-    let files = Module::ALL.iter().map(|&m| {
-        let (r, t) = timed(|| compile(m, arch).map(|c| c.len()));
-        (format!("kernels/{}", m.file_name()), r, t)
+    let files = Module::ALL.iter().flat_map(|&m| {
+        m.groups().into_iter().map(move |g| {
+            let (r, t) = timed(|| compile(m, g, arch).map(|c| c.len()));
+            let part = match g {
+                Group::Dtype(d) => format!(" [{d}]"),
+                Group::All => String::new(),
+            };
+            (format!("kernels/{}{part}", m.file_name()), r, t)
+        })
     });
     let generated = [
         ("expr.cu", crate::codegen::sample_sources()),

@@ -17,16 +17,16 @@ use std::path::PathBuf;
 
 use cudarc::nvrtc::sys as nvrtc;
 
-use crate::sources::Module;
+use crate::sources::{Group, Module};
 
-/// The CUBIN of our kernel file `module` for `sm_{arch}` (disk cache, else NVRTC).
-pub fn load_or_compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
-    load_or_compile_source(module.file_name(), &module.full_source(), arch)
+/// The CUBIN of `group` of our kernel file `module` for `sm_{arch}` (disk cache, else NVRTC).
+pub fn load_or_compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
+    load_or_compile_source(module.file_name(), &module.group_source(group), arch)
 }
 
-/// Compiles our kernel file `module` for `sm_{arch}`, bypassing the disk cache.
-pub fn compile(module: Module, arch: u32) -> Result<Vec<u8>, String> {
-    compile_source(module.file_name(), &module.full_source(), arch)
+/// Compiles `group` of our kernel file `module` for `sm_{arch}`, bypassing the disk cache.
+pub fn compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
+    compile_source(module.file_name(), &module.group_source(group), arch)
 }
 
 /// NVRTC options for compute capability `arch` (e.g. 90). No fast-math: results match the

@@ -129,20 +129,110 @@ impl Module {
         }
     }
 
+    /// The text NVRTC compiles for the kernels of dtype `group` only (see [`Group`]): the
+    /// common header and the file, keeping of its instance lines (top-level macro calls such as
+    /// `REDUCE_ALL(float)`) those that name the group's dtype or none.
+    pub fn group_source(self, group: Group) -> String {
+        let Group::Dtype(token) = group else {
+            return self.full_source();
+        };
+        let mut out = String::with_capacity(self.source().len());
+        let mut continued = false;
+        for line in self.source().lines() {
+            let instance = !continued && is_instance(line);
+            continued = line.trim_end().ends_with('\\');
+            if instance {
+                let names = words(line)
+                    .filter(|w| DTYPE_TOKENS.contains(w))
+                    .collect::<Vec<_>>();
+                if !names.is_empty() && !names.contains(&token) {
+                    out.push('\n'); // keeps the line numbers of `#line`
+                    continue;
+                }
+            }
+            out.push_str(line);
+            out.push('\n');
+        }
+        self.with_headers(&out)
+    }
+
     /// The text NVRTC compiles: the common header, then the file, with `#line` markers so that
     /// diagnostics name the real file and line.
     pub fn full_source(self) -> String {
+        self.with_headers(self.source())
+    }
+
+    fn with_headers(self, body: &str) -> String {
         let ops = if self == Module::Elementwise {
             format!("#line 1 \"scalar_ops.cuh\"\n{}\n", scalar_ops())
         } else {
             String::new()
         };
         format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{}",
+            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{body}",
             self.file_name(),
-            self.source()
         )
     }
+}
+
+/// The part of a module compiled at once. A fresh machine compiles only what a program uses:
+/// a kernel of dtype `float` needs only the `float` instances of its file (a quarter of
+/// `reduce.cu`'s compile time), so each module compiles per dtype on first use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Group {
+    /// The instances naming this dtype (one of [`DTYPE_TOKENS`]), and those naming none.
+    Dtype(&'static str),
+    /// The whole file.
+    All,
+}
+
+/// The dtype names our kernel files and kernel names use.
+pub const DTYPE_TOKENS: [&str; 8] = ["float", "double", "i64", "u8", "u32", "u64", "f32", "f64"];
+
+impl Group {
+    /// The group of the kernel spelled by `parts` (`["reduce", "max", "float", "row"]`): that of
+    /// its first dtype part, or the whole file.
+    pub fn of(parts: &[&'static str]) -> Group {
+        parts
+            .iter()
+            .find_map(|p| DTYPE_TOKENS.iter().find(|t| *t == p))
+            .map_or(Group::All, |t| Group::Dtype(t))
+    }
+}
+
+impl Module {
+    /// The groups a program may compile of this file: each dtype its instance lines name, or
+    /// the whole file when they name none. Together they instantiate every kernel of the file
+    /// (check-kernels compiles each to prove it compiles alone).
+    pub fn groups(self) -> Vec<Group> {
+        let named: Vec<Group> = DTYPE_TOKENS
+            .iter()
+            .filter(|t| {
+                self.source()
+                    .lines()
+                    .filter(|l| is_instance(l))
+                    .any(|l| words(l).any(|w| w == **t))
+            })
+            .map(|t| Group::Dtype(t))
+            .collect();
+        if named.is_empty() {
+            vec![Group::All]
+        } else {
+            named
+        }
+    }
+}
+
+/// Whether `line` instantiates kernels: a top-level macro call such as `REDUCE_ALL(float)`
+/// (not a definition, not inside one).
+fn is_instance(line: &str) -> bool {
+    let t = line.trim_end();
+    t.starts_with(|c: char| c.is_ascii_uppercase()) && t.ends_with(')') && t.contains('(')
+}
+
+fn words(line: &str) -> impl Iterator<Item = &str> {
+    line.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| !w.is_empty())
 }
 
 /// The C type of `dtype` in our kernels (`common.cuh`'s typedefs), also the dtype part of the

@@ -1,7 +1,7 @@
 //! Tests that need no GPU: device discovery without a driver, the kernel disk cache, the
 //! kernel sources, and (when libnvrtc is present) that every kernel compiles.
 
-use kiln_backend_cuda::compile::{self, Module};
+use kiln_backend_cuda::compile::{self, Group, Module};
 use kiln_backend_cuda::{Cuda, device_count, try_all_gpus, try_gpu, unavailable_reason};
 use kiln_core::Backend;
 
@@ -110,6 +110,33 @@ fn cache_dir_follows_the_environment() {
     }
 }
 
+/// A fresh machine compiles a kernel file per dtype: the group of a kernel keeps the file's
+/// instance lines of its dtype (and those naming none), drops the others, and keeps the line
+/// numbers NVRTC's messages cite.
+#[test]
+fn kernel_files_compile_per_dtype() {
+    assert_eq!(
+        Group::of(&["reduce", "max", "float", "row"]),
+        Group::Dtype("float")
+    );
+    assert_eq!(Group::of(&["spin", "ns"]), Group::All);
+    let full = Module::Reduce.full_source();
+    let f = Module::Reduce.group_source(Group::Dtype("float"));
+    assert!(f.contains("REDUCE_ALL(float)") && f.contains("MATVEC(float)"));
+    assert!(!f.contains("REDUCE_ALL(double)") && !f.contains("MATVEC(double)"));
+    assert!(f.contains("#define REDUCE_ALL"), "definitions are kept");
+    assert_eq!(f.lines().count(), full.lines().count());
+    assert_eq!(
+        Module::Reduce.groups(),
+        ["float", "double", "i64", "u8"].map(Group::Dtype)
+    );
+    assert_eq!(Module::Rand.groups(), [Group::All]);
+    assert_eq!(
+        Module::Rand.group_source(Group::Dtype("float")),
+        Module::Rand.full_source()
+    );
+}
+
 /// NVRTC compiles a kernel source and reports errors with file and line (`cargo xtask
 /// check-kernels` compiles every source; this keeps `cargo test` fast).
 #[test]
@@ -118,7 +145,7 @@ fn nvrtc_compiles_kernels_when_present() {
         println!("skipped: libnvrtc not found");
         return;
     }
-    let bin = compile::compile(Module::Rand, 90).expect("rand.cu must compile");
+    let bin = compile::compile(Module::Rand, Group::All, 90).expect("rand.cu must compile");
     assert!(
         bin.starts_with(b"\x7fELF"),
         "NVRTC must return a CUBIN (ELF)"

@@ -11,7 +11,7 @@ use kiln_core::fasthash::FastMap;
 use kiln_core::{Error, Result};
 
 use super::check;
-use crate::sources::Module;
+use crate::sources::{Group, Module};
 
 /// A kernel's name, as the parts that are joined with `_` to spell it, compared and hashed by
 /// the parts' addresses: every call site passes string literals, so one kernel looked up from
@@ -63,16 +63,19 @@ type Slot = std::sync::Arc<Mutex<Box<dyn std::any::Any + Send>>>;
 /// Built-in modules and functions, and generated kernels, of one device.
 #[derive(Default)]
 pub(crate) struct KernelCache {
-    modules: Mutex<HashMap<Module, usize>>,
+    /// Loaded modules, per file and group (a file compiles per dtype on first use).
+    modules: Mutex<HashMap<(Module, Group), usize>>,
     funcs: Mutex<FastMap<FuncKey, Func>>,
     /// Generated kernels, memoized per generator (see [`KernelCache::generated_func`]).
     generated: Generated,
 }
 
 impl KernelCache {
-    /// The kernel named by `parts` joined with `_` (e.g. `["unary", "exp", "float", "c"]`) in
-    /// `module`, compiling (or loading from the disk cache) the module on first use. Memoized
-    /// by the parts themselves, so the hot path formats no string.
+    /// The kernel named by `parts` joined with `_` (e.g. `["reduce", "max", "float", "row"]`) in
+    /// `module`, compiling (or loading from the disk cache) the part of the module holding it
+    /// on first use: the instances of its dtype ([`Group::of`]), or, should the kernel not be
+    /// among them, the whole file. Memoized by the parts themselves, so the hot path formats
+    /// no string.
     pub fn func(&self, arch: u32, module: Module, parts: &[&'static str]) -> Result<Func> {
         let mut names = [""; 5];
         names[..parts.len()].copy_from_slice(parts);
@@ -81,15 +84,23 @@ impl KernelCache {
             return Ok(*f);
         }
         let name = parts.join("_");
-        let m = self.module(arch, module)?;
         let cname = CString::new(name.as_str()).map_err(|e| Error::backend("kernel lookup", e))?;
-        let mut f = std::ptr::null_mut();
-        // SAFETY: `m` is a loaded module of this context; valid out-pointer.
-        check(
-            unsafe { sys::cuModuleGetFunction(&mut f, m as sys::CUmodule, cname.as_ptr()) },
-            "cuModuleGetFunction",
-        )
-        .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))?;
+        let lookup = |m: usize| {
+            let mut f = std::ptr::null_mut();
+            // SAFETY: `m` is a loaded module of this context; valid out-pointer.
+            check(
+                unsafe { sys::cuModuleGetFunction(&mut f, m as sys::CUmodule, cname.as_ptr()) },
+                "cuModuleGetFunction",
+            )
+            .map(|()| f)
+            .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))
+        };
+        let group = Group::of(parts);
+        let f = match lookup(self.module(arch, module, group)?) {
+            Ok(f) => f,
+            Err(_) if group != Group::All => lookup(self.module(arch, module, Group::All)?)?,
+            Err(e) => return Err(e),
+        };
         self.funcs.lock().unwrap().insert(key, Func(f));
         Ok(Func(f))
     }
@@ -161,12 +172,12 @@ impl KernelCache {
         Ok(Some(Func(f)))
     }
 
-    fn module(&self, arch: u32, module: Module) -> Result<usize> {
+    fn module(&self, arch: u32, module: Module, group: Group) -> Result<usize> {
         let mut mods = self.modules.lock().unwrap();
-        if let Some(&m) = mods.get(&module) {
+        if let Some(&m) = mods.get(&(module, group)) {
             return Ok(m);
         }
-        let bin = crate::nvrtc::load_or_compile(module, arch).map_err(|e| {
+        let bin = crate::nvrtc::load_or_compile(module, group, arch).map_err(|e| {
             Error::backend(
                 "nvrtc",
                 format!("compiling {} for sm_{}: {e}", module.file_name(), arch),
@@ -177,15 +188,15 @@ impl KernelCache {
         let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
         if r != CUresult::CUDA_SUCCESS {
             // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
-            let bin =
-                crate::nvrtc::compile(module, arch).map_err(|e| Error::backend("nvrtc", e))?;
+            let bin = crate::nvrtc::compile(module, group, arch)
+                .map_err(|e| Error::backend("nvrtc", e))?;
             // SAFETY: as above.
             check(
                 unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
                 "cuModuleLoadData",
             )?;
         }
-        mods.insert(module, m as usize);
+        mods.insert((module, group), m as usize);
         Ok(m as usize)
     }
 

@@ -260,13 +260,16 @@ echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$f
         Kind::Bench => {
             r#"#!/usr/bin/env bash
 # Runs the GPU benches and bench/gpu_torch.py (PyTorch, same workloads, same device) and prints
-# one comparison table. Usage (on a GPU machine): bash target/gpu-bundle/bench.sh
+# one comparison table, then the first minute (bench/cold_start.py: the main job's first run with
+# empty caches). Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/bench.sh
+export MNIST_DIR="${MNIST_DIR:-$PWD/data/mnist}"
 cd "$(dirname "$0")"
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
 for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
 PYTHONUNBUFFERED=1 python3 gpu_torch.py | tee -a "$out"
 PYTHONUNBUFFERED=1 python3 gpu_cupy.py | tee -a "$out"
+PYTHONUNBUFFERED=1 python3 cold_start.py ./mnist "${KILN_COLD_ROUNDS:-3}" | tee -a "$out"
 python3 compare.py "$out"
 "#
         }
@@ -278,7 +281,7 @@ python3 compare.py "$out"
     std::fs::write(dir.join(script_name), script).map_err(|e| e.to_string())?;
     if kind == Kind::Bench {
         bundle_examples(&dir)?;
-        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py"] {
+        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py", "cold_start.py"] {
             let src = root().join("bench").join(f);
             std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
         }
@@ -290,7 +293,13 @@ python3 compare.py "$out"
         carried[0] = pack(&dir, sub)?;
     }
     if kind == Kind::Bench {
-        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py", "profile.sh"] {
+        for f in [
+            "gpu_torch.py",
+            "gpu_cupy.py",
+            "compare.py",
+            "cold_start.py",
+            "profile.sh",
+        ] {
             carried.push(dir.join(f));
         }
         carried.extend(GPU_EXAMPLES.iter().map(|e| dir.join(e)));

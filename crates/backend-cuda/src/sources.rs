@@ -49,10 +49,10 @@ pub fn unary_device_functions() -> String {
     s
 }
 
-/// One compilation unit under `kernels/`.
+/// One compilation unit under `kernels/`. (Elementwise ops have none: their kernels are
+/// generated per program, `codegen/`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
-    Elementwise,
     Copy,
     Rand,
     Reduce,
@@ -63,8 +63,7 @@ pub enum Module {
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
-        Module::Elementwise,
+    pub const ALL: [Module; 7] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -77,7 +76,6 @@ impl Module {
     /// The file name under `kernels/`.
     pub fn file_name(self) -> &'static str {
         match self {
-            Module::Elementwise => "elementwise.cu",
             Module::Copy => "copy.cu",
             Module::Rand => "rand.cu",
             Module::Reduce => "reduce.cu",
@@ -90,7 +88,6 @@ impl Module {
 
     pub fn source(self) -> &'static str {
         match self {
-            Module::Elementwise => include_str!("../kernels/elementwise.cu"),
             Module::Copy => include_str!("../kernels/copy.cu"),
             Module::Rand => include_str!("../kernels/rand.cu"),
             Module::Reduce => include_str!("../kernels/reduce.cu"),
@@ -104,13 +101,8 @@ impl Module {
     /// The text NVRTC compiles: the common header, then the file, with `#line` markers so that
     /// diagnostics name the real file and line.
     pub fn full_source(self) -> String {
-        let ops = if self == Module::Elementwise {
-            format!("#line 1 \"scalar_ops.cuh\"\n{}\n", scalar_ops())
-        } else {
-            String::new()
-        };
         format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{}",
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{}",
             self.file_name(),
             self.source()
         )

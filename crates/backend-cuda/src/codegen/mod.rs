@@ -10,9 +10,9 @@
 //!
 //! # The kernels
 //!
-//! The conventions are those of the single-op kernels and of `lazy.rs`: every op calls the
-//! scalar device function the single-op kernel calls (`op_<name><T>`, `cast_to<F, T>` in
-//! `kernels/scalar_ops.cuh`), so fused and unfused values agree bit for bit; one C variable per
+//! A lone elementwise op (`ops/`), a chain `lazy.rs` recorded and a user's program are all
+//! generated here: every op calls its scalar device function (`op_<name><T>`,
+//! `cast_to<F, T>` in `kernels/scalar_ops.cuh`), so fused and unfused values agree bit for bit; one C variable per
 //! value (`v<i>`, SSA, in instruction order); shapes and strides travel by value (`Dims`,
 //! `Strides` of `kernels/common.cuh`) after the host has merged dimensions ([`plan`]); index
 //! arithmetic in `I`, 32-bit when every index fits, else 64-bit ([`Variant::wide`]).
@@ -91,13 +91,13 @@ pub(crate) struct Variant {
     /// Per operand: the inputs in order, then (reducing programs only) the elementwise
     /// outputs in output order. Elementwise programs store their outputs at the loop index.
     pub access: Vec<Access>,
-    /// Elementwise programs whose operands are all contiguous or broadcast, whose contiguous
-    /// inputs and outputs share one element size and start 16-byte aligned: elements per
-    /// 16-byte vector (the loop moves `vec` elements per load and store, then finishes the
-    /// tail one by one). [`Strategy::Split`] reductions: 4 when every operand is contiguous
-    /// or broadcast along the reduced axes and the contiguous inputs have 4-byte elements
-    /// and 16-byte aligned rows (each thread then loads its groups of 4 as one vector). 0:
-    /// element by element. Chosen at launch (it depends on addresses).
+    /// Elementwise programs whose operands are all contiguous or broadcast: elements per
+    /// vector, 16 bytes of the widest contiguous input or output (each contiguous input and
+    /// output moves as one `Vec` of `vec` elements per iteration, aligned to its size; then
+    /// the tail one by one; see [`vec_elems`]). [`Strategy::Split`] reductions: 4 when every
+    /// operand is contiguous or broadcast along the reduced axes and the contiguous inputs
+    /// have 4-byte elements and 16-byte aligned rows (each thread then loads its groups of 4
+    /// as one vector). 0: element by element. Chosen at launch (it depends on addresses).
     pub vec: u32,
 }
 
@@ -445,6 +445,6 @@ mod samples;
 mod tests;
 
 use elementwise::elementwise_body;
-pub(crate) use plan::{Geometry, plan, split_parts};
+pub(crate) use plan::{Geometry, plan, split_parts, vec_elems};
 use reduction::{live_reduces, reduction_body};
 pub(crate) use samples::sample_sources;

@@ -62,6 +62,27 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
                 out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
             }
         }
+        // mixed element sizes vectorize by the widest: a comparison (u8 out), `where` over a
+        // u8 mask, a cast to u8 (the lone ops of `ops::single`)
+        let mixed = Program::from_exprs(
+            &[dtype, dtype, DType::U8],
+            &[
+                x.compare(CmpOp::Le, &y),
+                mask.where_cond(&x, &y),
+                x.to_dtype(DType::U8),
+            ],
+        );
+        if let Ok(mixed) = mixed {
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Elementwise,
+                vec: (16 / dtype.size_in_bytes()) as u32,
+                access: vec![Access::Contig, Access::Bcast, Access::Contig],
+            };
+            if let Ok(src) = source(&mixed, &v) {
+                out.push((format!("expr map, mixed sizes in vectors ({dtype})"), src));
+            }
+        }
         for c in Combine::ALL {
             let red = sel.reduce(c, &[-1]);
             let post = red.binary(BinaryOp::Add, Expr::input(3)) * 2.0;

@@ -49,8 +49,8 @@ pub fn unary_device_functions() -> String {
     s
 }
 
-/// One compilation unit under `kernels/`. (Elementwise ops have none: their kernels are
-/// generated per program, `codegen/`.)
+/// One compilation unit under `kernels/`. (Elementwise ops and optimizer updates have none:
+/// their kernels are generated per program, `codegen/`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
     Copy,
@@ -58,18 +58,16 @@ pub enum Module {
     Reduce,
     Softmax,
     Index,
-    Optim,
     Util,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 6] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
         Module::Softmax,
         Module::Index,
-        Module::Optim,
         Module::Util,
     ];
 
@@ -81,7 +79,6 @@ impl Module {
             Module::Reduce => "reduce.cu",
             Module::Softmax => "softmax.cu",
             Module::Index => "index.cu",
-            Module::Optim => "optim.cu",
             Module::Util => "util.cu",
         }
     }
@@ -93,7 +90,6 @@ impl Module {
             Module::Reduce => include_str!("../kernels/reduce.cu"),
             Module::Softmax => include_str!("../kernels/softmax.cu"),
             Module::Index => include_str!("../kernels/index.cu"),
-            Module::Optim => include_str!("../kernels/optim.cu"),
             Module::Util => include_str!("../kernels/util.cu"),
         }
     }

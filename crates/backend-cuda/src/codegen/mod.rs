@@ -327,6 +327,22 @@ fn elem_outputs(p: &Program) -> Vec<usize> {
         .collect()
 }
 
+/// The text before a generated kernel: the headers, the reduction functors, the index type
+/// `I` (64-bit when `wide`), and the program's listing (for whoever reads the source and the
+/// NVRTC log).
+fn preamble(p: &Program, wide: bool) -> String {
+    let mut s = format!(
+        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{}\n\
+         #line 1 \"expr.cu\"\n{PRELUDE}\ntypedef {} I;\n\n",
+        scalar_ops(),
+        if wide { "u64" } else { "u32" }
+    );
+    for line in p.to_string().lines() {
+        let _ = writeln!(s, "// {line}");
+    }
+    s
+}
+
 /// The CUDA C source of `p` in `variant` (see the module docs). The kernel is [`KERNEL`]; its
 /// parameters, in order:
 /// - elementwise: `u64 n, Dims d`, the outputs `T* y<j>`, per input `const T* x<k>` and, when
@@ -372,16 +388,7 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
             format!("no CUDA type for {d}"),
         ));
     }
-    let mut s = format!(
-        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{}\n\
-         #line 1 \"expr.cu\"\n{PRELUDE}\ntypedef {} I;\n\n",
-        scalar_ops(),
-        if v.wide { "u64" } else { "u32" }
-    );
-    // Program listing, for whoever reads the source (and the NVRTC log).
-    for line in p.to_string().lines() {
-        let _ = writeln!(s, "// {line}");
-    }
+    let mut s = preamble(p, v.wide);
     let _ = write!(s, "extern \"C\" __global__ void {KERNEL}(");
     let mut params: Vec<String> = if p.reduces() {
         vec![
@@ -438,6 +445,7 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
 }
 
 mod elementwise;
+mod multi_tensor;
 mod plan;
 mod reduction;
 mod samples;
@@ -445,6 +453,7 @@ mod samples;
 mod tests;
 
 use elementwise::elementwise_body;
+pub(crate) use multi_tensor::{MT_MAX, multi_tensor_args, multi_tensor_source};
 pub(crate) use plan::{Geometry, plan, split_parts, vec_elems};
 use reduction::{live_reduces, reduction_body};
 pub(crate) use samples::sample_sources;

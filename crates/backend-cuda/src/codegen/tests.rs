@@ -365,6 +365,58 @@ fn plan_classifies_operands() {
     assert_eq!(g.red_strides[0], vec![5]);
 }
 
+/// The multi-tensor kernel of an update rule finds its tensor, loads every input before it
+/// stores (so an update in place is exact), takes the hyperparameters as kernel arguments,
+/// and its argument words put each operand's pointers where the struct declares them.
+#[test]
+fn multi_tensor_kernels_run_the_rules_program() {
+    let rule = kiln_core::UpdateRule::Adam {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+        bias_correction1: 0.1,
+        bias_correction2: 0.01,
+    };
+    let (p, params) = rule.program(DType::F32).unwrap();
+    let src = multi_tensor_source(&p).unwrap();
+    let b = body(&src);
+    assert!(
+        src.contains(&format!("u64 start[{}];", MT_MAX + 1)),
+        "{src}"
+    );
+    for k in 0..4 {
+        assert!(src.contains(&format!("u64 x{k}[{MT_MAX}];")), "{src}");
+    }
+    assert!(src.contains(&format!("u64 y2[{MT_MAX}];")), "{src}");
+    assert!(!src.contains("u64 y3["), "three outputs: {src}");
+    for k in 0..params.len() {
+        assert!(b.contains(&format!("float p{k}")), "{b}");
+    }
+    assert!(
+        !b.contains("__int_as_float"),
+        "hyperparameters are arguments: {b}"
+    );
+    let first_store = at(b, "((float*)a.y");
+    for k in 0..4 {
+        assert!(
+            at(b, &format!("((const float*)a.x{k}[lo])[e]")) < first_store,
+            "{b}"
+        );
+    }
+    assert!(at(b, "op_sqrt<float>") < first_store, "{b}");
+    // Two tensors of 3 and 5 elements: start, count, then x0..x3, y0..y2 per tensor.
+    let w = multi_tensor_args(&p, &[3, 5], |m, t| (100 * m + t) as u64);
+    assert_eq!(w.len(), MT_MAX + 2 + 7 * MT_MAX);
+    assert_eq!(&w[..3], &[0, 3, 8]);
+    assert_eq!(w[MT_MAX + 1], 2);
+    let at_op = |m: usize, t: usize| w[MT_MAX + 2 + m * MT_MAX + t];
+    assert_eq!((at_op(0, 0), at_op(0, 1), at_op(6, 1)), (0, 1, 601));
+    assert!(multi_tensor_source(&prog(&[DType::F32], &[Expr::input(0).sum(&[0])])).is_err());
+}
+
 /// The sample sources (what `cargo xtask check-kernels` compiles) compile with NVRTC for
 /// sm_90, when libnvrtc is present.
 #[test]

@@ -8,11 +8,14 @@
 //! rule's flags and the dtype choose it; its hyperparameters are kernel arguments) and
 //! memoized per device. Every pointer and offset travels by value in `MtArgs`.
 
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+
 use kiln_core::expr::Program;
 use kiln_core::{DType, Error, Result, UpdateRule, UpdateSlot};
 
 use crate::codegen::{self, KERNEL, MT_MAX};
-use crate::device::{DeviceState, Func};
+use crate::device::{DeviceState, Func, KERNEL_EPOCH};
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
 
@@ -106,6 +109,16 @@ struct MtKey(Program);
 /// The multi-tensor kernel of `program` on `dev`: memoized, else generated and compiled (or
 /// loaded from the disk cache).
 fn kernel(dev: &DeviceState, program: &Program) -> Result<Func> {
+    let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+    let recent = RECENT.with(|r| {
+        r.borrow()
+            .iter()
+            .find(|e| e.0 == dev.ordinal() && e.1 == epoch && e.2 == *program)
+            .map(|e| e.3)
+    });
+    if let Some(f) = recent {
+        return Ok(f);
+    }
     // A handful of programs at most (the rules' flags times the dtypes): no budget.
     let key = MtKey(program.clone());
     let f = dev.generated_func(&key, usize::MAX, || {
@@ -114,7 +127,22 @@ fn kernel(dev: &DeviceState, program: &Program) -> Result<Func> {
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("fused_update", e))?;
         Ok((bin, name))
     })?;
-    f.ok_or_else(|| Error::backend("fused_update", "internal: no kernel under no budget"))
+    let f =
+        f.ok_or_else(|| Error::backend("fused_update", "internal: no kernel under no budget"))?;
+    RECENT.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.len() == 4 {
+            r.remove(0);
+        }
+        r.push((dev.ordinal(), epoch, key.0, f));
+    });
+    Ok(f)
+}
+
+thread_local! {
+    /// The kernels this thread used last, by (device, kernel-cache epoch, program): a step
+    /// finds its kernel by comparing programs, without cloning one for the device's memo key.
+    static RECENT: RefCell<Vec<(usize, u64, Program, Func)>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Launches the update of `slots` into `outs` (new parameter, new states per slot).

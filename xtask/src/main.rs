@@ -32,8 +32,10 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-nn", &["cuda"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
-const GPU_BENCHES: &[(&str, &[&str])] =
-    &[("kiln-backend-cuda", &["gpu", "transfer", "fuse", "steps"])];
+const GPU_BENCHES: &[(&str, &[&str])] = &[(
+    "kiln-backend-cuda",
+    &["gpu", "transfer", "fuse", "steps", "ops"],
+)];
 /// Examples carried by the bench bundle (run by `profile.sh`, not by `bench.sh`).
 const GPU_EXAMPLES: &[&str] = &["mnist", "loader_overlap"];
 /// The bundle must fit the device tool's carry limit.

@@ -227,7 +227,7 @@ pub(crate) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    fn of(p: &Program) -> Parts<'_> {
+    pub(crate) fn of(p: &Program) -> Parts<'_> {
         Parts {
             inputs: p.inputs(),
             params: p.params(),
@@ -366,10 +366,8 @@ fn plan_new(
     Ok(p)
 }
 
-/// The elements per 16-byte vector of an elementwise program's loop (see
-/// `codegen::Variant::vec`), or 0: every operand contiguous or broadcast, the contiguous
-/// inputs and the outputs of one element size, the contiguous inputs 16-byte aligned (fresh
-/// outputs always are). For a split reduction, 4 or 0 (see `Variant::vec`).
+/// The elements per vector of an elementwise program's loop (see `codegen::Variant::vec`,
+/// [`codegen::vec_elems`]), or 0. For a split reduction, 4 or 0 (see `Variant::vec`).
 fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout]) -> u32 {
     if g.variant.access.contains(&Access::Strided) {
         return 0;
@@ -392,26 +390,7 @@ fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout
     if p.reduces() {
         return 0;
     }
-    let mut size = None;
-    let contig = (0..p.inputs().len()).filter(|&k| g.variant.access[k] == Access::Contig);
-    let sizes = contig
-        .clone()
-        .map(|k| p.inputs()[k].size_in_bytes())
-        .chain(p.outputs().iter().map(|&o| p.dtype(o).size_in_bytes()));
-    for sz in sizes {
-        match size {
-            None => size = Some(sz),
-            Some(s) if s != sz => return 0,
-            Some(_) => {}
-        }
-    }
-    let Some(size) = size else { return 0 };
-    let aligned = contig.into_iter().all(|k| at(k).is_multiple_of(16));
-    if aligned && size < 16 {
-        (16 / size) as u32
-    } else {
-        0
-    }
+    codegen::vec_elems(p, &g.variant.access, at)
 }
 
 /// Whether the launch's arguments fit (see [`MAX_ARG_COUNT`]).
@@ -674,23 +653,60 @@ pub(crate) fn run_single(
     shape: &Shape,
     contiguous: impl Fn(&Buffer, &Layout, DType) -> Result<Buffer>,
 ) -> Result<Buffer> {
+    run_single_parts(name, Parts::of(program), inputs, shape, &[], contiguous)
+}
+
+/// [`run_single`] of the program `parts` define, with scalar parameters `params` (kernel
+/// arguments: a new value reuses the kernel). The program is built only the first time this
+/// thread plans the call ([`planned_parts`]), so a binary op or a scalar op costs no
+/// allocation on the host once warm. Errors of the call name the op.
+pub(crate) fn run_single_parts(
+    name: &'static str,
+    parts: Parts<'_>,
+    inputs: &[(&Arc<Buffer>, &Layout)],
+    shape: &Shape,
+    params: &[f64],
+    contiguous: impl Fn(&Buffer, &Layout, DType) -> Result<Buffer>,
+) -> Result<Buffer> {
     let dev = inputs[0].0.state();
+    for (b, _) in &inputs[1..] {
+        if b.state().ordinal() != dev.ordinal() {
+            return Err(Error::DeviceMismatch {
+                op: name,
+                lhs: inputs[0].0.device().to_string(),
+                rhs: b.device().to_string(),
+            });
+        }
+    }
     dev.bind()?;
+    let plan = |layouts: &[&Layout]| {
+        match planned_parts(parts, shape, layouts, params) {
+            Ok(Some(p)) => Ok(p),
+            Ok(None) => Err(Error::backend(name, "internal: not a valid program")),
+            // `check_call` names the IR ("expr"); the caller knows the op.
+            Err(Error::Expr { kind, msg, .. }) => Err(Error::Expr {
+                op: name,
+                kind,
+                msg,
+            }),
+            Err(e) => Err(e),
+        }
+    };
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
     let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|(b, _)| Arc::clone(b)).collect();
-    let plan = planned(program, shape, &layouts, &[])?;
-    if let Some(mut outs) = run_planned(dev, &plan, &bufs, &layouts, &[], Caller::Op(name))? {
+    let p = plan(&layouts)?;
+    if let Some(mut outs) = run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
         return Ok(outs.swap_remove(0));
     }
     let flat = Layout::contiguous(shape.clone());
     let bufs = inputs
         .iter()
-        .zip(program.inputs())
+        .zip(parts.inputs)
         .map(|((b, l), &dt)| Ok(Arc::new(contiguous(b, l, dt)?)))
         .collect::<Result<Vec<Arc<Buffer>>>>()?;
     let layouts = vec![&flat; bufs.len()];
-    let plan = planned(program, shape, &layouts, &[])?;
-    match run_planned(dev, &plan, &bufs, &layouts, &[], Caller::Op(name))? {
+    let p = plan(&layouts)?;
+    match run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
         Some(mut outs) => Ok(outs.swap_remove(0)),
         None => Err(Error::backend(
             name,

@@ -1,33 +1,25 @@
 //! Multi-tensor optimizer updates ([`kiln_core::Backend::fused_update`]).
 //!
-//! The composed default runs several kernels per parameter per step; here one launch of
-//! `kernels/optim.cu` updates up to [`MT_MAX`] parameters, so a model's whole update is a
-//! handful of launches. Every pointer and offset travels by value in [`MtArgs`].
+//! The composed default runs one evaluation per parameter per step; here one launch updates up
+//! to [`MT_MAX`] parameters, so a model's whole update is a handful of launches. The
+//! per-element arithmetic is not written here: it is the rule's own program
+//! ([`UpdateRule::program`], the one the CPU and the reference evaluate), generated into a
+//! multi-tensor kernel by [`codegen::multi_tensor_source`], compiled once per program (the
+//! rule's flags and the dtype choose it; its hyperparameters are kernel arguments) and
+//! memoized per device. Every pointer and offset travels by value in `MtArgs`.
 
+use std::cell::RefCell;
+use std::sync::atomic::Ordering;
+
+use kiln_core::expr::Program;
 use kiln_core::{DType, Error, Result, UpdateRule, UpdateSlot};
 
+use crate::codegen::{self, KERNEL, MT_MAX};
+use crate::device::{DeviceState, Func, KERNEL_EPOCH};
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
-use crate::sources::Module;
 
-/// Parameters per launch; matches `KILN_MT_MAX` in `kernels/optim.cu`.
-pub(crate) const MT_MAX: usize = 24;
 const BLOCK: u32 = 256;
-
-/// Mirrors `struct MtArgs` in `kernels/optim.cu`.
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct MtArgs {
-    param: [u64; MT_MAX],
-    grad: [u64; MT_MAX],
-    s0: [u64; MT_MAX],
-    s1: [u64; MT_MAX],
-    out_param: [u64; MT_MAX],
-    out_s0: [u64; MT_MAX],
-    out_s1: [u64; MT_MAX],
-    start: [u64; MT_MAX + 1],
-    count: i32,
-}
 
 type Updated = (Buffer, Vec<Buffer>);
 
@@ -37,7 +29,7 @@ pub(crate) fn fused_update(
     slots: &[UpdateSlot<'_, Buffer>],
 ) -> Result<Vec<Updated>> {
     const OP: &str = "fused_update";
-    let suffix = suffix(OP, dtype)?;
+    check_dtype(OP, dtype)?;
     let Some(first) = slots.first() else {
         return Ok(Vec::new());
     };
@@ -56,7 +48,7 @@ pub(crate) fn fused_update(
         .iter()
         .map(|(p, st)| (p, st.iter().collect()))
         .collect();
-    launch(rule, suffix, slots, &targets)?;
+    launch(rule, dtype, slots, &targets)?;
     Ok(outs)
 }
 
@@ -92,16 +84,16 @@ pub(crate) fn fused_update_in_place(
             format!("under CUDA graph capture: {why}"),
         ));
     }
-    let suffix = suffix(OP, dtype)?;
+    check_dtype(OP, dtype)?;
     let targets: Vec<(&Buffer, Vec<&Buffer>)> =
         slots.iter().map(|s| (s.param, s.state.clone())).collect();
-    launch(rule, suffix, slots, &targets)
+    launch(rule, dtype, slots, &targets)
 }
 
-fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
+/// The dtypes an update runs in (its parameters'; 16-bit parameters keep f32 masters).
+fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
     match dtype {
-        DType::F32 => Ok("f32"),
-        DType::F64 => Ok("f64"),
+        DType::F32 | DType::F64 => Ok(()),
         _ => Err(Error::DTypeMismatch {
             op,
             expected: "f32 or f64".into(),
@@ -110,10 +102,53 @@ fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
     }
 }
 
+/// The memo key of a multi-tensor kernel on a device (`DeviceState::generated_func`).
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct MtKey(Program);
+
+/// The multi-tensor kernel of `program` on `dev`: memoized, else generated and compiled (or
+/// loaded from the disk cache).
+fn kernel(dev: &DeviceState, program: &Program) -> Result<Func> {
+    let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
+    let recent = RECENT.with(|r| {
+        r.borrow()
+            .iter()
+            .find(|e| e.0 == dev.ordinal() && e.1 == epoch && e.2 == *program)
+            .map(|e| e.3)
+    });
+    if let Some(f) = recent {
+        return Ok(f);
+    }
+    // A handful of programs at most (the rules' flags times the dtypes): no budget.
+    let key = MtKey(program.clone());
+    let f = dev.generated_func(&key, usize::MAX, || {
+        let src = codegen::multi_tensor_source(program)?;
+        let bin = crate::expr_run::build(&src, dev.arch())?;
+        let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("fused_update", e))?;
+        Ok((bin, name))
+    })?;
+    let f =
+        f.ok_or_else(|| Error::backend("fused_update", "internal: no kernel under no budget"))?;
+    RECENT.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.len() == 4 {
+            r.remove(0);
+        }
+        r.push((dev.ordinal(), epoch, key.0, f));
+    });
+    Ok(f)
+}
+
+thread_local! {
+    /// The kernels this thread used last, by (device, kernel-cache epoch, program): a step
+    /// finds its kernel by comparing programs, without cloning one for the device's memo key.
+    static RECENT: RefCell<Vec<(usize, u64, Program, Func)>> = const { RefCell::new(Vec::new()) };
+}
+
 /// Launches the update of `slots` into `outs` (new parameter, new states per slot).
 fn launch(
     rule: &UpdateRule,
-    suffix: &'static str,
+    dtype: DType,
     slots: &[UpdateSlot<'_, Buffer>],
     outs: &[(&Buffer, Vec<&Buffer>)],
 ) -> Result<()> {
@@ -124,24 +159,10 @@ fn launch(
     let dev = first.param.state();
     dev.bind()?;
     let nstate = rule.state_count();
-    let kernel: &[&'static str] = match rule {
-        UpdateRule::Sgd { .. } => &["sgd", suffix],
-        UpdateRule::Adam { .. } => &["adam", suffix],
-    };
-    let f = dev.func(Module::Optim, kernel)?;
+    let (program, params) = rule.program(dtype)?;
+    let f = kernel(dev, &program)?;
     for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
-        let mut a = MtArgs {
-            param: [0; MT_MAX],
-            grad: [0; MT_MAX],
-            s0: [0; MT_MAX],
-            s1: [0; MT_MAX],
-            out_param: [0; MT_MAX],
-            out_s0: [0; MT_MAX],
-            out_s1: [0; MT_MAX],
-            start: [0; MT_MAX + 1],
-            count: chunk.len() as i32,
-        };
-        for (k, (s, (p, st))) in chunk.iter().zip(out_chunk).enumerate() {
+        for s in chunk {
             if s.param.device() != first.param.device() {
                 return Err(Error::DeviceMismatch {
                     op: OP,
@@ -149,59 +170,45 @@ fn launch(
                     rhs: s.param.device().to_string(),
                 });
             }
-            a.param[k] = s.param.device_ptr();
-            a.grad[k] = s.grad.device_ptr();
-            a.out_param[k] = p.device_ptr();
-            if nstate > 0 {
-                a.s0[k] = s.state[0].device_ptr();
-                a.out_s0[k] = st[0].device_ptr();
+            if s.state.len() != nstate {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "{} state buffers for a rule that keeps {nstate}",
+                        s.state.len()
+                    ),
+                ));
             }
-            if nstate > 1 {
-                a.s1[k] = s.state[1].device_ptr();
-                a.out_s1[k] = st[1].device_ptr();
-            }
-            a.start[k + 1] = a.start[k] + s.len as u64;
         }
-        let total = a.start[chunk.len()];
+        let lens: Vec<usize> = chunk.iter().map(|s| s.len).collect();
+        // Operands: the inputs [param, grad, state...], then the outputs [param, state...].
+        let words = codegen::multi_tensor_args(&program, &lens, |m, t| {
+            let (s, (p, st)) = (&chunk[t], &out_chunk[t]);
+            match m {
+                0 => s.param.device_ptr(),
+                1 => s.grad.device_ptr(),
+                m if m < 2 + nstate => s.state[m - 2].device_ptr(),
+                m if m == 2 + nstate => p.device_ptr(),
+                m => st[m - 3 - nstate].device_ptr(),
+            }
+        });
+        let total: usize = lens.iter().sum();
         let mut args = Args::new();
-        args.push(a);
-        match *rule {
-            UpdateRule::Sgd {
-                lr,
-                momentum,
-                dampening,
-                nesterov,
-                weight_decay,
-                first_step,
-            } => {
-                args.push(lr)
-                    .push(momentum)
-                    .push(dampening)
-                    .push(nesterov as i32)
-                    .push(weight_decay)
-                    .push(first_step as i32);
-            }
-            UpdateRule::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                decoupled,
-                bias_correction1,
-                bias_correction2,
-            } => {
-                args.push(lr)
-                    .push(beta1)
-                    .push(beta2)
-                    .push(eps)
-                    .push(weight_decay)
-                    .push(decoupled as i32)
-                    .push(bias_correction1)
-                    .push(bias_correction2);
-            }
+        args.push_words(&words);
+        for (&v, &d) in params.iter().zip(program.params()) {
+            match d {
+                DType::F32 => args.push(v as f32),
+                _ => args.push(v),
+            };
         }
-        dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, args.ptrs())?;
+        dev.launch(
+            OP,
+            f,
+            dev.grid_1d(total as u64, BLOCK),
+            BLOCK,
+            0,
+            args.ptrs(),
+        )?;
     }
     Ok(())
 }

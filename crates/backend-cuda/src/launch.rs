@@ -149,6 +149,23 @@ impl Args {
         self.used += words;
         self
     }
+    /// Appends one argument that is a C struct of `u64` fields, given as its words (a
+    /// by-value struct whose size is known at run time, as a generated kernel's `MtArgs`).
+    pub fn push_words(&mut self, words: &[u64]) -> &mut Self {
+        let n = words.len();
+        assert!(n > 0, "a struct argument has at least one word");
+        assert!(
+            self.used + n <= ARG_WORDS && self.n < MAX_ARGS,
+            "too many kernel arguments"
+        );
+        for (slot, &w) in self.buf[self.used..self.used + n].iter_mut().zip(words) {
+            *slot = MaybeUninit::new(w);
+        }
+        self.offs[self.n] = self.used as u16; // below ARG_WORDS
+        self.n += 1;
+        self.used += n;
+        self
+    }
     /// Pointers to each argument, valid while `self` is neither moved nor changed.
     pub fn ptrs(&mut self) -> &mut [*mut c_void] {
         let base = self.buf.as_mut_ptr();

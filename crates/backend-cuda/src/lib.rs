@@ -17,8 +17,12 @@
 //!   asynchronous DMA from pinned memory; a threaded pinned staging ring from ordinary memory),
 //!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs
 //!   `Tensor::<Cpu>::pin_memory`.
-//! - **Our own kernels** (`kernels/*.cu`), compiled by NVRTC for the device's architecture on
-//!   first use, memoized per device (`device/`) and cached on disk (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
+//! - **Our own kernels**: generated ones (`codegen/`) for every elementwise op (each a
+//!   one-instruction program of kiln's IR), fused chains and the optimizers' multi-tensor
+//!   updates (the rules' own programs), and hand-written ones (`kernels/*.cu`: reductions,
+//!   softmax, indexing, copies, random numbers); compiled by NVRTC for the device's
+//!   architecture on first use, memoized per device (`device/`) and cached on disk
+//!   (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used
 //!   it has passed, statistics, `empty_cache`, out-of-memory → trim, synchronize, retry once,
@@ -60,7 +64,7 @@
 //!    cache — type-erased so that it names no generator —, the allocator's state, transfers'
 //!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
 //! 4. **Kernels and ops** — `ops/` (elementwise and data movement; reductions, rows, indexing
-//!    in submodules), `blas.rs`, `fused.rs` (optimizer updates),
+//!    in submodules), `blas.rs`, `fused.rs` (multi-tensor optimizer updates),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),

@@ -77,54 +77,47 @@ pub fn binary_device_functions() -> String {
     s
 }
 
-/// One compilation unit under `kernels/`.
+/// One compilation unit under `kernels/`. (Elementwise ops and optimizer updates have none:
+/// their kernels are generated per program, `codegen/`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Module {
-    Elementwise,
     Copy,
     Rand,
     Reduce,
     Softmax,
     Index,
-    Optim,
     Util,
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
-        Module::Elementwise,
+    pub const ALL: [Module; 6] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
         Module::Softmax,
         Module::Index,
-        Module::Optim,
         Module::Util,
     ];
 
     /// The file name under `kernels/`.
     pub fn file_name(self) -> &'static str {
         match self {
-            Module::Elementwise => "elementwise.cu",
             Module::Copy => "copy.cu",
             Module::Rand => "rand.cu",
             Module::Reduce => "reduce.cu",
             Module::Softmax => "softmax.cu",
             Module::Index => "index.cu",
-            Module::Optim => "optim.cu",
             Module::Util => "util.cu",
         }
     }
 
     pub fn source(self) -> &'static str {
         match self {
-            Module::Elementwise => include_str!("../kernels/elementwise.cu"),
             Module::Copy => include_str!("../kernels/copy.cu"),
             Module::Rand => include_str!("../kernels/rand.cu"),
             Module::Reduce => include_str!("../kernels/reduce.cu"),
             Module::Softmax => include_str!("../kernels/softmax.cu"),
             Module::Index => include_str!("../kernels/index.cu"),
-            Module::Optim => include_str!("../kernels/optim.cu"),
             Module::Util => include_str!("../kernels/util.cu"),
         }
     }
@@ -163,13 +156,8 @@ impl Module {
     }
 
     fn with_headers(self, body: &str) -> String {
-        let ops = if self == Module::Elementwise {
-            format!("#line 1 \"scalar_ops.cuh\"\n{}\n", scalar_ops())
-        } else {
-            String::new()
-        };
         format!(
-            "#line 1 \"common.cuh\"\n{COMMON}\n{ops}#line 1 \"{}\"\n{body}",
+            "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"{}\"\n{body}",
             self.file_name(),
         )
     }

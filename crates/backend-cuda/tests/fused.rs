@@ -1,4 +1,4 @@
-//! The multi-tensor optimizer kernel (`kernels/optim.cu`) against the composed default that the
+//! The multi-tensor optimizer kernel (generated from `UpdateRule::program`) against the composed default that the
 //! CPU backend runs: SGD (momentum, Nesterov, first step), Adam and AdamW, f32 and f64, with
 //! more parameters than one launch takes (so the chunking runs) and sizes 0, 1 and odd.
 //!

@@ -40,7 +40,8 @@ pub(super) fn elementwise_body(s: &mut String, p: &Program, v: &Variant, nd: &Ne
 }
 
 /// The vector part of an elementwise kernel (see [`Variant::vec`]): `VN` consecutive elements
-/// per iteration, each contiguous input loaded and each output stored as one 16-byte `Vec`.
+/// per iteration, each contiguous input loaded and each output stored as one `Vec` (16 bytes for the widest
+/// of them).
 fn vector_loop(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
     let _ = writeln!(s, "    const int VN = {};", v.vec);
     s.push_str("    const u64 nv = n / VN;\n");

@@ -10,9 +10,9 @@
 //!
 //! # The kernels
 //!
-//! The conventions are those of the single-op kernels and of `lazy.rs`: every op calls the
-//! scalar device function the single-op kernel calls (`op_<name><T>`, `cast_to<F, T>` in
-//! `kernels/scalar_ops.cuh`), so fused and unfused values agree bit for bit; one C variable per
+//! A lone elementwise op (`ops/`), a chain `lazy.rs` recorded and a user's program are all
+//! generated here: every op calls its scalar device function (`op_<name><T>`,
+//! `cast_to<F, T>` in `kernels/scalar_ops.cuh`), so fused and unfused values agree bit for bit; one C variable per
 //! value (`v<i>`, SSA, in instruction order); shapes and strides travel by value (`Dims`,
 //! `Strides` of `kernels/common.cuh`) after the host has merged dimensions ([`plan`]); index
 //! arithmetic in `I`, 32-bit when every index fits, else 64-bit ([`Variant::wide`]).
@@ -91,13 +91,13 @@ pub(crate) struct Variant {
     /// Per operand: the inputs in order, then (reducing programs only) the elementwise
     /// outputs in output order. Elementwise programs store their outputs at the loop index.
     pub access: Vec<Access>,
-    /// Elementwise programs whose operands are all contiguous or broadcast, whose contiguous
-    /// inputs and outputs share one element size and start 16-byte aligned: elements per
-    /// 16-byte vector (the loop moves `vec` elements per load and store, then finishes the
-    /// tail one by one). [`Strategy::Split`] reductions: 4 when every operand is contiguous
-    /// or broadcast along the reduced axes and the contiguous inputs have 4-byte elements
-    /// and 16-byte aligned rows (each thread then loads its groups of 4 as one vector). 0:
-    /// element by element. Chosen at launch (it depends on addresses).
+    /// Elementwise programs whose operands are all contiguous or broadcast: elements per
+    /// vector, 16 bytes of the widest contiguous input or output (each contiguous input and
+    /// output moves as one `Vec` of `vec` elements per iteration, aligned to its size; then
+    /// the tail one by one; see [`vec_elems`]). [`Strategy::Split`] reductions: 4 when every
+    /// operand is contiguous or broadcast along the reduced axes and the contiguous inputs
+    /// have 4-byte elements and 16-byte aligned rows (each thread then loads its groups of 4
+    /// as one vector). 0: element by element. Chosen at launch (it depends on addresses).
     pub vec: u32,
 }
 
@@ -327,6 +327,22 @@ fn elem_outputs(p: &Program) -> Vec<usize> {
         .collect()
 }
 
+/// The text before a generated kernel: the headers, the reduction functors, the index type
+/// `I` (64-bit when `wide`), and the program's listing (for whoever reads the source and the
+/// NVRTC log).
+fn preamble(p: &Program, wide: bool) -> String {
+    let mut s = format!(
+        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{}\n\
+         #line 1 \"expr.cu\"\n{PRELUDE}\ntypedef {} I;\n\n",
+        scalar_ops(),
+        if wide { "u64" } else { "u32" }
+    );
+    for line in p.to_string().lines() {
+        let _ = writeln!(s, "// {line}");
+    }
+    s
+}
+
 /// The CUDA C source of `p` in `variant` (see the module docs). The kernel is [`KERNEL`]; its
 /// parameters, in order:
 /// - elementwise: `u64 n, Dims d`, the outputs `T* y<j>`, per input `const T* x<k>` and, when
@@ -372,16 +388,7 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
             format!("no CUDA type for {d}"),
         ));
     }
-    let mut s = format!(
-        "#line 1 \"common.cuh\"\n{COMMON}\n#line 1 \"scalar_ops.cuh\"\n{}\n\
-         #line 1 \"expr.cu\"\n{PRELUDE}\ntypedef {} I;\n\n",
-        scalar_ops(),
-        if v.wide { "u64" } else { "u32" }
-    );
-    // Program listing, for whoever reads the source (and the NVRTC log).
-    for line in p.to_string().lines() {
-        let _ = writeln!(s, "// {line}");
-    }
+    let mut s = preamble(p, v.wide);
     let _ = write!(s, "extern \"C\" __global__ void {KERNEL}(");
     let mut params: Vec<String> = if p.reduces() {
         vec![
@@ -438,6 +445,7 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
 }
 
 mod elementwise;
+mod multi_tensor;
 mod plan;
 mod reduction;
 mod samples;
@@ -445,6 +453,7 @@ mod samples;
 mod tests;
 
 use elementwise::elementwise_body;
-pub(crate) use plan::{Geometry, plan, split_parts};
+pub(crate) use multi_tensor::{MT_MAX, multi_tensor_args, multi_tensor_source};
+pub(crate) use plan::{Geometry, plan, split_parts, vec_elems};
 use reduction::{live_reduces, reduction_body};
 pub(crate) use samples::sample_sources;

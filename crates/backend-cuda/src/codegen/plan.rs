@@ -75,6 +75,31 @@ pub(crate) fn plan(
     }
 }
 
+/// The elements per vector of an elementwise program whose operands are addressed as
+/// `access`, its contiguous input `k` starting at device address `addr(k)` (see
+/// [`Variant::vec`]): 16 bytes of the widest contiguous input or output, so that each of them
+/// moves as one aligned vector of that many elements (a comparison of f32 loads 4 floats and
+/// stores 4 bytes, as the hand-written comparison kernels did); 0 when some operand is
+/// strided, nothing is contiguous, or a contiguous input is not aligned to its vector.
+/// Outputs are fresh buffers, aligned for any vector.
+pub(crate) fn vec_elems(p: &Program, access: &[Access], addr: impl Fn(usize) -> u64) -> u32 {
+    if p.reduces() || access.contains(&Access::Strided) {
+        return 0;
+    }
+    let contig = || (0..p.inputs().len()).filter(|&k| access[k] == Access::Contig);
+    let widest = contig()
+        .map(|k| p.inputs()[k].size_in_bytes())
+        .chain(p.outputs().iter().map(|&o| p.dtype(o).size_in_bytes()))
+        .max();
+    let Some(widest) = widest.filter(|&w| w < 16) else {
+        return 0;
+    };
+    let n = 16 / widest;
+    let aligned =
+        contig().all(|k| addr(k).is_multiple_of((n * p.inputs()[k].size_in_bytes()) as u64));
+    if aligned { n as u32 } else { 0 }
+}
+
 /// Each strided operand's strides from `collapsed` (in order), empty for the others.
 fn per_operand(access: &[Access], collapsed: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
     let mut it = collapsed.into_iter();

@@ -62,6 +62,27 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
                 out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
             }
         }
+        // mixed element sizes vectorize by the widest: a comparison (u8 out), `where` over a
+        // u8 mask, a cast to u8 (the lone ops of `ops::single`)
+        let mixed = Program::from_exprs(
+            &[dtype, dtype, DType::U8],
+            &[
+                x.compare(CmpOp::Le, &y),
+                mask.where_cond(&x, &y),
+                x.to_dtype(DType::U8),
+            ],
+        );
+        if let Ok(mixed) = mixed {
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Elementwise,
+                vec: (16 / dtype.size_in_bytes()) as u32,
+                access: vec![Access::Contig, Access::Bcast, Access::Contig],
+            };
+            if let Ok(src) = source(&mixed, &v) {
+                out.push((format!("expr map, mixed sizes in vectors ({dtype})"), src));
+            }
+        }
         for c in Combine::ALL {
             let red = sel.reduce(c, &[-1]);
             let post = red.binary(BinaryOp::Add, Expr::input(3)) * 2.0;
@@ -131,5 +152,47 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             }
         }
     }
+    // The optimizers' multi-tensor updates (fused.rs): every rule's program, f32 and f64.
+    for dtype in [DType::F32, DType::F64] {
+        for rule in sample_update_rules() {
+            let Ok((p, _)) = rule.program(dtype) else {
+                continue;
+            };
+            if let Ok(src) = super::multi_tensor_source(&p) {
+                out.push((format!("multi-tensor {rule:?} ({dtype})"), src));
+            }
+        }
+    }
     out
+}
+
+/// One update rule of each program shape: SGD plain, with momentum (first and later steps,
+/// Nesterov, weight decay), Adam and AdamW.
+pub(crate) fn sample_update_rules() -> Vec<kiln_core::UpdateRule> {
+    use kiln_core::UpdateRule;
+    let sgd = |momentum, nesterov, first_step, weight_decay| UpdateRule::Sgd {
+        lr: 0.1,
+        momentum,
+        dampening: 0.1,
+        nesterov,
+        weight_decay,
+        first_step,
+    };
+    let adam = |decoupled| UpdateRule::Adam {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.01,
+        decoupled,
+        bias_correction1: 0.1,
+        bias_correction2: 0.001,
+    };
+    vec![
+        sgd(0.0, false, false, 0.0),
+        sgd(0.9, false, true, 1e-4),
+        sgd(0.9, true, false, 1e-4),
+        adam(false),
+        adam(true),
+    ]
 }

@@ -68,6 +68,72 @@ fn vector_loops_move_16_bytes_then_finish_the_tail() {
     assert!(at(b, "for (u64 i = nv * VN + KILN_TID") < at(b, "y0[i] = v"));
 }
 
+/// A lone op with a scalar (`Backend::binary_scalar`) reads the scalar as a kernel argument,
+/// never as a literal: one kernel serves every value.
+#[test]
+fn a_scalar_operand_is_a_kernel_parameter() {
+    for (lhs, call) in [
+        (false, "op_sub<double>(v0, v1)"),
+        (true, "op_sub<double>(v1, v0)"),
+    ] {
+        let (x, s) = if lhs { (1, 0) } else { (0, 1) };
+        let code = vec![
+            Instr::Input(0),
+            Instr::Param(0),
+            Instr::Binary(kiln_core::BinaryOp::Sub, x, s),
+        ];
+        let p = Program::new(vec![DType::F64], vec![DType::F64], code, vec![2], vec![]).unwrap();
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Elementwise,
+            vec: 2,
+            access: vec![Access::Contig],
+        };
+        let b = source(&p, &v).unwrap();
+        let b = body(&b);
+        assert!(b.contains("double p0"), "{b}");
+        assert!(at(b, "const double v1 = p0;") < at(b, "for (u64 w"), "{b}");
+        assert!(b.contains(call), "{b}");
+        assert!(!b.contains("__longlong_as_double"), "no literal: {b}");
+    }
+}
+
+/// Mixed element sizes vectorize by the widest (a comparison of f32 loads 4 floats and
+/// stores 4 bytes, as the old hand-written kernel did); an input not aligned to its vector, or
+/// a strided one, turns vectors off.
+#[test]
+fn vector_width_follows_the_widest_contiguous_operand() {
+    use kiln_core::CmpOp;
+    let (x, y, m) = (Expr::input(0), Expr::input(1), Expr::input(2));
+    let cmp = |d: DType| prog(&[d, d], &[x.compare(CmpOp::Lt, &y)]);
+    let contig = [Access::Contig, Access::Contig];
+    assert_eq!(vec_elems(&cmp(DType::F32), &contig, |_| 256), 4);
+    assert_eq!(vec_elems(&cmp(DType::F64), &contig, |_| 256), 2);
+    assert_eq!(vec_elems(&cmp(DType::U8), &contig, |_| 256), 16);
+    assert_eq!(
+        vec_elems(&cmp(DType::F32), &contig, |k| 256 + 8 * k as u64),
+        0
+    );
+    let strided = [Access::Contig, Access::Strided];
+    assert_eq!(vec_elems(&cmp(DType::F32), &strided, |_| 256), 0);
+    // `where` over a u8 mask and f32 branches: the mask moves 4 bytes at a time, so it must
+    // be 4-byte aligned, not 16.
+    let w = prog(
+        &[DType::F32, DType::F32, DType::U8],
+        &[m.where_cond(&x, &y)],
+    );
+    let three = [Access::Contig, Access::Bcast, Access::Contig];
+    assert_eq!(vec_elems(&w, &three, |k| if k == 2 { 260 } else { 256 }), 4);
+    assert_eq!(vec_elems(&w, &three, |k| if k == 2 { 258 } else { 256 }), 0);
+    // A cast f32 -> f64: 2 elements (8 bytes in, 16 out).
+    let c = prog(&[DType::F32], &[x.to_dtype(DType::F64)]);
+    assert_eq!(vec_elems(&c, &[Access::Contig], |_| 8), 2);
+    assert_eq!(vec_elems(&c, &[Access::Contig], |_| 4), 0);
+    // Only broadcast inputs: the output alone sets the width.
+    let b = prog(&[DType::F32], &[&x + 1.0]);
+    assert_eq!(vec_elems(&b, &[Access::Bcast], |_| 4), 4);
+}
+
 #[test]
 fn strided_inputs_share_one_set_of_divisions() {
     let (x, y, z) = (Expr::input(0), Expr::input(1), Expr::input(2));
@@ -297,6 +363,58 @@ fn plan_classifies_operands() {
     assert_eq!(g.variant.access[0], Access::Strided);
     assert_eq!(g.red_dims, vec![4]);
     assert_eq!(g.red_strides[0], vec![5]);
+}
+
+/// The multi-tensor kernel of an update rule finds its tensor, loads every input before it
+/// stores (so an update in place is exact), takes the hyperparameters as kernel arguments,
+/// and its argument words put each operand's pointers where the struct declares them.
+#[test]
+fn multi_tensor_kernels_run_the_rules_program() {
+    let rule = kiln_core::UpdateRule::Adam {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        decoupled: false,
+        bias_correction1: 0.1,
+        bias_correction2: 0.01,
+    };
+    let (p, params) = rule.program(DType::F32).unwrap();
+    let src = multi_tensor_source(&p).unwrap();
+    let b = body(&src);
+    assert!(
+        src.contains(&format!("u64 start[{}];", MT_MAX + 1)),
+        "{src}"
+    );
+    for k in 0..4 {
+        assert!(src.contains(&format!("u64 x{k}[{MT_MAX}];")), "{src}");
+    }
+    assert!(src.contains(&format!("u64 y2[{MT_MAX}];")), "{src}");
+    assert!(!src.contains("u64 y3["), "three outputs: {src}");
+    for k in 0..params.len() {
+        assert!(b.contains(&format!("float p{k}")), "{b}");
+    }
+    assert!(
+        !b.contains("__int_as_float"),
+        "hyperparameters are arguments: {b}"
+    );
+    let first_store = at(b, "((float*)a.y");
+    for k in 0..4 {
+        assert!(
+            at(b, &format!("((const float*)a.x{k}[lo])[e]")) < first_store,
+            "{b}"
+        );
+    }
+    assert!(at(b, "op_sqrt<float>") < first_store, "{b}");
+    // Two tensors of 3 and 5 elements: start, count, then x0..x3, y0..y2 per tensor.
+    let w = multi_tensor_args(&p, &[3, 5], |m, t| (100 * m + t) as u64);
+    assert_eq!(w.len(), MT_MAX + 2 + 7 * MT_MAX);
+    assert_eq!(&w[..3], &[0, 3, 8]);
+    assert_eq!(w[MT_MAX + 1], 2);
+    let at_op = |m: usize, t: usize| w[MT_MAX + 2 + m * MT_MAX + t];
+    assert_eq!((at_op(0, 0), at_op(0, 1), at_op(6, 1)), (0, 1, 601));
+    assert!(multi_tensor_source(&prog(&[DType::F32], &[Expr::input(0).sum(&[0])])).is_err());
 }
 
 /// The sample sources (what `cargo xtask check-kernels` compiles) compile with NVRTC for

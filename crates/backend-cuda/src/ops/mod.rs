@@ -1,16 +1,17 @@
 //! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
-//! This file holds the shared helpers, the elementwise ops and data movement; reductions
+//! This file holds the shared helpers, the elementwise ops (each a generated one-instruction
+//! program: `expr_run::run_single`) and data movement; reductions
 //! (`reduce.rs`), softmax and cross-entropy (`rows.rs`) and indexing (`index.rs`) have files
 //! of their own.
 
 use cudarc::driver::sys;
 use std::sync::Arc;
 
-use kiln_core::expr::rules;
+use kiln_core::expr::{Instr, Val, rules};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, Result, UnaryOp};
 
 use crate::device::{DeviceState, check};
-use crate::expr_run::run_single;
+use crate::expr_run::{Parts, run_single, run_single_parts};
 use crate::launch::{Args, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
 use crate::sources::Module;
@@ -42,29 +43,6 @@ fn same_device(op: &'static str, a: &Buffer, b: &Buffer) -> Result<()> {
     Ok(())
 }
 
-/// `base` followed by `suffix`: the parts of a kernel name, without allocating.
-struct Name {
-    parts: [&'static str; 5],
-    len: usize,
-}
-
-impl std::ops::Deref for Name {
-    type Target = [&'static str];
-    fn deref(&self) -> &[&'static str] {
-        &self.parts[..self.len]
-    }
-}
-
-fn with_suffix(base: &[&'static str], suffix: &'static str) -> Name {
-    let mut parts = [""; 5];
-    parts[..base.len()].copy_from_slice(base);
-    parts[base.len()] = suffix;
-    Name {
-        parts,
-        len: base.len() + 1,
-    }
-}
-
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn run(
     dev: &DeviceState,
@@ -80,80 +58,47 @@ pub(crate) fn run(
     dev.launch(op, f, grid, block, smem, args.ptrs())
 }
 
-/// An elementwise kernel over `inputs` (all with the output's shape) into a new contiguous
-/// buffer of `out_dtype`. `extra` pushes the arguments between `n` and the layouts.
-/// Contiguous, 16-byte-aligned operands take the `_c` (vectorized) kernel when `has_c`.
-fn elementwise(
+/// The one-instruction program `code` (its last instruction is the output) over `inputs`
+/// (each read through a layout of the output's shape, with its dtype) and the scalar
+/// parameters `params` (dtype, value): how every elementwise op without a table entry of its
+/// own (binary, scalar, comparison, `where`, cast) runs on computed buffers. The kernel is
+/// generated and compiled on first use for the layouts' class, as a fused chain's is
+/// (`expr_run::run_single_parts`): there is no hand-written kernel per op and dtype, and a
+/// fresh process compiles only the ones it uses.
+fn single(
     op: &'static str,
-    module: Module,
-    base: &[&'static str],
-    inputs: &[(&Buffer, &Layout, DType)],
-    out_dtype: DType,
-    has_c: bool,
-    extra: &dyn Fn(&mut Args),
+    code: &[Instr],
+    inputs: &[(&Arc<Buffer>, &Layout, DType)],
+    params: &[(DType, f64)],
 ) -> Result<Buffer> {
-    let (s0, l0, _) = inputs[0];
-    for (s, _, _) in &inputs[1..] {
-        same_device(op, s0, s)?;
+    let mut dtypes = [DType::U8; 3];
+    let mut ins: [(&Arc<Buffer>, &Layout); 3] = [(inputs[0].0, inputs[0].1); 3];
+    for (k, &(b, l, d)) in inputs.iter().enumerate() {
+        dtypes[k] = d;
+        ins[k] = (b, l);
     }
-    let dev = s0.state();
-    dev.bind()?;
-    let n = l0.elem_count();
-    let out = alloc(dev, n * out_dtype.size_in_bytes())?;
-    if n == 0 {
-        return Ok(out);
+    let mut param_dtypes = [DType::U8; 1];
+    let mut values = [0.0; 1];
+    for (k, &(d, v)) in params.iter().enumerate() {
+        param_dtypes[k] = d;
+        values[k] = v;
     }
-    let contiguous = has_c
-        && inputs
-            .iter()
-            .all(|(s, l, dt)| l.is_contiguous() && ptr_at(s, l, *dt).is_multiple_of(16));
-    let mut a = Args::new();
-    if contiguous {
-        for (s, l, dt) in inputs {
-            a.push(ptr_at(s, l, *dt));
-        }
-        a.push(out.device_ptr()).push(n as u64);
-        extra(&mut a);
-        let vec = 16 / inputs[0].2.size_in_bytes() as u64;
-        let grid = dev.grid_1d((n as u64).div_ceil(vec), BLOCK);
-        run(
-            dev,
-            op,
-            module,
-            &with_suffix(base, "c"),
-            grid,
-            BLOCK,
-            0,
-            &mut a,
-        )?;
-    } else {
-        let strides: Vec<&[usize]> = inputs.iter().map(|(_, l, _)| l.strides()).collect();
-        let offsets: Vec<usize> = inputs.iter().map(|(_, l, _)| l.offset()).collect();
-        let (d, ss) = collapse(op, l0.dims(), &strides, &offsets)?;
-        for (s, _, _) in inputs {
-            a.push(s.device_ptr());
-        }
-        a.push(out.device_ptr()).push(n as u64);
-        extra(&mut a);
-        a.push(d);
-        for s in ss {
-            a.push(s);
-        }
-        let layouts: Vec<&Layout> = inputs.iter().map(|(_, l, _)| *l).collect();
-        let suffix = if fits_u32(&layouts) { "s32" } else { "s64" };
-        let grid = dev.grid_1d(n as u64, BLOCK);
-        run(
-            dev,
-            op,
-            module,
-            &with_suffix(base, suffix),
-            grid,
-            BLOCK,
-            0,
-            &mut a,
-        )?;
-    }
-    Ok(out)
+    let parts = Parts {
+        inputs: &dtypes[..inputs.len()],
+        params: &param_dtypes[..params.len()],
+        code,
+        outputs: &[code.len() as Val - 1],
+        axes: &[],
+    };
+    let shape = inputs[0].1.shape();
+    run_single_parts(
+        op,
+        parts,
+        &ins[..inputs.len()],
+        shape,
+        &values[..params.len()],
+        contiguous,
+    )
 }
 
 /// `Backend::unary` over a computed buffer: the op table's program `op(x)`, generated and
@@ -170,11 +115,12 @@ pub(crate) fn unary(op: UnaryOp, s: &Arc<Buffer>, l: &Layout, dtype: DType) -> R
     run_single(op.name(), &program, &[(s, l)], l.shape(), contiguous)
 }
 
+/// `Backend::binary` over computed buffers (broadcast operands arrive as stride-0 views).
 pub(crate) fn binary(
     op: BinaryOp,
-    a: &Buffer,
+    a: &Arc<Buffer>,
     la: &Layout,
-    b: &Buffer,
+    b: &Arc<Buffer>,
     lb: &Layout,
     dtype: DType,
 ) -> Result<Buffer> {
@@ -185,16 +131,8 @@ pub(crate) fn binary(
             got: dtype,
         });
     }
-    let base: &[&str] = &["binary", op.name(), tname(dtype)];
-    elementwise(
-        op.name(),
-        Module::Elementwise,
-        base,
-        &[(a, la, dtype), (b, lb, dtype)],
-        dtype,
-        true,
-        &|_| {},
-    )
+    let code = [Instr::Input(0), Instr::Input(1), Instr::Binary(op, 0, 1)];
+    single(op.name(), &code, &[(a, la, dtype), (b, lb, dtype)], &[])
 }
 
 /// `Backend::unary_backward` over computed buffers: the op table's rule `g · op'(saved)`, one
@@ -219,9 +157,12 @@ pub(crate) fn unary_backward(
     run_single(OP, &program, &[(s, ls), (g, lg)], lg.shape(), contiguous)
 }
 
+/// `Backend::binary_scalar`: `op(x, scalar)`, or `op(scalar, x)` with `scalar_lhs`. The
+/// scalar is a parameter of the program (a kernel argument converted to `dtype` with `as`),
+/// so every value runs the same kernel.
 pub(crate) fn binary_scalar(
     op: BinaryOp,
-    s: &Buffer,
+    s: &Arc<Buffer>,
     l: &Layout,
     dtype: DType,
     scalar: f64,
@@ -234,84 +175,53 @@ pub(crate) fn binary_scalar(
             got: dtype,
         });
     }
-    let base: &[&str] = &["scalar", op.name(), tname(dtype)];
-    let lhs = scalar_lhs as i32;
-    let extra = |a: &mut Args| {
-        match dtype {
-            DType::F32 => a.push(scalar as f32),
-            DType::F64 => a.push(scalar),
-            DType::I64 => a.push(scalar as i64),
-            _ => a.push(scalar as u8),
-        };
-        a.push(lhs);
-    };
-    elementwise(
-        op.name(),
-        Module::Elementwise,
-        base,
-        &[(s, l, dtype)],
-        dtype,
-        true,
-        &extra,
-    )
+    let (x, p) = if scalar_lhs { (1, 0) } else { (0, 1) };
+    let code = [Instr::Input(0), Instr::Param(0), Instr::Binary(op, x, p)];
+    single(op.name(), &code, &[(s, l, dtype)], &[(dtype, scalar)])
 }
 
+/// `Backend::compare`: a `u8` mask.
 pub(crate) fn compare(
     op: CmpOp,
-    a: &Buffer,
+    a: &Arc<Buffer>,
     la: &Layout,
-    b: &Buffer,
+    b: &Arc<Buffer>,
     lb: &Layout,
     dtype: DType,
 ) -> Result<Buffer> {
-    let base: &[&str] = &["cmp", op.name(), tname(dtype)];
-    elementwise(
-        op.name(),
-        Module::Elementwise,
-        base,
-        &[(a, la, dtype), (b, lb, dtype)],
-        DType::U8,
-        true,
-        &|_| {},
-    )
+    let code = [Instr::Input(0), Instr::Input(1), Instr::Cmp(op, 0, 1)];
+    single(op.name(), &code, &[(a, la, dtype), (b, lb, dtype)], &[])
 }
 
+/// `Backend::where_cond`: `c != 0 ? t : f` with a `u8` condition.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn where_cond(
-    c: &Buffer,
+    c: &Arc<Buffer>,
     lc: &Layout,
-    t: &Buffer,
+    t: &Arc<Buffer>,
     lt: &Layout,
-    f: &Buffer,
+    f: &Arc<Buffer>,
     lf: &Layout,
     dtype: DType,
 ) -> Result<Buffer> {
-    let base: &[&str] = &["where", sized(dtype)];
-    elementwise(
-        "where",
-        Module::Elementwise,
-        base,
-        &[(c, lc, DType::U8), (t, lt, dtype), (f, lf, dtype)],
-        dtype,
-        false,
-        &|_| {},
-    )
+    let code = [
+        Instr::Input(0),
+        Instr::Input(1),
+        Instr::Input(2),
+        Instr::Where(0, 1, 2),
+    ];
+    let inputs = [(c, lc, DType::U8), (t, lt, dtype), (f, lf, dtype)];
+    single("where", &code, &inputs, &[])
 }
 
-pub(crate) fn cast(s: &Buffer, l: &Layout, from: DType, to: DType) -> Result<Buffer> {
+/// `Backend::cast`, with Rust's `as` semantics (`cast_to` of `kernels/scalar_ops.cuh`: float
+/// to int truncates and saturates, NaN gives 0); a cast to the same dtype is a copy.
+pub(crate) fn cast(s: &Arc<Buffer>, l: &Layout, from: DType, to: DType) -> Result<Buffer> {
     if from == to {
         return contiguous(s, l, from);
     }
-    let base: &[&str] = &["cast", tname(from), tname(to)];
-    elementwise(
-        "cast",
-        Module::Elementwise,
-        base,
-        &[(s, l, from)],
-        to,
-        false,
-        &|_| {},
-    )
+    let code = [Instr::Input(0), Instr::Cast(to, 0)];
+    single("cast", &code, &[(s, l, from)], &[])
 }
 
 // ---- data movement ---------------------------------------------------------------------------

@@ -60,11 +60,29 @@ struct Generated {
 
 type Slot = std::sync::Arc<Mutex<Box<dyn std::any::Any + Send>>>;
 
+/// One built-in module: empty until loaded; its lock is held while it compiles.
+type ModuleCell = std::sync::Arc<Mutex<Option<usize>>>;
+
+/// One generated kernel: empty until built; its lock is held while it builds.
+type KernelCell = std::sync::Arc<Mutex<Option<Func>>>;
+
+/// One generator's kernels by key.
+type Memo<K> = FastMap<K, KernelCell>;
+
+/// The memo in a generator's slot.
+fn memo_of<K: Eq + std::hash::Hash + 'static>(
+    slot: &mut Box<dyn std::any::Any + Send>,
+) -> &mut Memo<K> {
+    slot.downcast_mut::<Memo<K>>()
+        .expect("a memo slot holds the map of its own key type")
+}
+
 /// Built-in modules and functions, and generated kernels, of one device.
 #[derive(Default)]
 pub(crate) struct KernelCache {
     /// Loaded modules, per file and group (a file compiles per dtype on first use).
-    modules: Mutex<HashMap<(Module, Group), usize>>,
+    /// Each behind its own lock, held while it compiles (other modules compile meanwhile).
+    modules: Mutex<HashMap<(Module, Group), ModuleCell>>,
     funcs: Mutex<FastMap<FuncKey, Func>>,
     /// Generated kernels, memoized per generator (see [`KernelCache::generated_func`]).
     generated: Generated,
@@ -109,8 +127,11 @@ impl KernelCache {
     /// generator; the type is the generator's own, so this module names none of them): on a
     /// miss, `build` returns the CUBIN and the kernel's name, the module is loaded and kept
     /// (unloaded by [`super::clear_kernel_cache`]). `None` when the key is new and this generator
-    /// already holds `budget` kernels on this device. The memo is locked while `build` runs,
-    /// so two threads never compile the same kernel twice (other generators are not held up).
+    /// already holds `budget` kernels on this device.
+    ///
+    /// Each key has its own lock, held while `build` runs: two threads never compile the same
+    /// kernel twice, and threads that need different kernels compile them in parallel (NVRTC
+    /// is thread-safe), which is what a multi-threaded program on a fresh machine waits for.
     pub fn generated_func<K>(
         &self,
         key: &K,
@@ -127,20 +148,46 @@ impl KernelCache {
             .lock()
             .unwrap()
             .entry(std::any::TypeId::of::<K>())
-            .or_insert_with(|| {
-                std::sync::Arc::new(Mutex::new(Box::new(FastMap::<K, Func>::default())))
-            })
+            .or_insert_with(|| std::sync::Arc::new(Mutex::new(Box::new(Memo::<K>::default()))))
             .clone();
-        let mut guard = slot.lock().unwrap();
-        let map = guard
-            .downcast_mut::<FastMap<K, Func>>()
-            .expect("a memo slot holds the map of its own key type");
-        if let Some(f) = map.get(key) {
-            return Ok(Some(*f));
+        let cell = {
+            let mut guard = slot.lock().unwrap();
+            let map = memo_of::<K>(&mut guard);
+            match map.get(key) {
+                Some(c) => c.clone(),
+                None if map.len() >= budget => return Ok(None),
+                None => {
+                    let c = KernelCell::default();
+                    map.insert(key.clone(), c.clone());
+                    c
+                }
+            }
+        };
+        let mut done = cell.lock().unwrap();
+        if let Some(f) = *done {
+            return Ok(Some(f));
         }
-        if map.len() >= budget {
-            return Ok(None);
+        let f = self.load_generated(build, bind);
+        match f {
+            Ok(f) => {
+                *done = Some(f);
+                Ok(Some(f))
+            }
+            Err(e) => {
+                // Forget the key, so that the failure does not count against the budget.
+                drop(done);
+                memo_of::<K>(&mut slot.lock().unwrap()).remove(key);
+                Err(e)
+            }
         }
+    }
+
+    /// Builds a generated kernel and loads its module (kept until `forget_all`).
+    fn load_generated(
+        &self,
+        build: impl FnOnce() -> Result<(Vec<u8>, CString)>,
+        bind: impl FnOnce() -> Result<()>,
+    ) -> Result<Func> {
         let (bin, name) = build()?;
         bind()?;
         let mut m = std::ptr::null_mut();
@@ -168,13 +215,19 @@ impl KernelCache {
             ));
         }
         self.generated.modules.lock().unwrap().push(m as usize);
-        map.insert(key.clone(), Func(f));
-        Ok(Some(Func(f)))
+        Ok(Func(f))
     }
 
     fn module(&self, arch: u32, module: Module, group: Group) -> Result<usize> {
-        let mut mods = self.modules.lock().unwrap();
-        if let Some(&m) = mods.get(&(module, group)) {
+        let cell = self
+            .modules
+            .lock()
+            .unwrap()
+            .entry((module, group))
+            .or_default()
+            .clone();
+        let mut loaded = cell.lock().unwrap();
+        if let Some(m) = *loaded {
             return Ok(m);
         }
         let bin = crate::nvrtc::load_or_compile(module, group, arch).map_err(|e| {
@@ -196,7 +249,7 @@ impl KernelCache {
                 "cuModuleLoadData",
             )?;
         }
-        mods.insert((module, group), m as usize);
+        *loaded = Some(m as usize);
         Ok(m as usize)
     }
 
@@ -208,7 +261,7 @@ impl KernelCache {
             .lock()
             .unwrap()
             .drain()
-            .map(|(_, m)| m)
+            .filter_map(|(_, m)| *m.lock().unwrap())
             .collect();
         self.funcs.lock().unwrap().clear();
         self.generated.slots.lock().unwrap().clear();

@@ -168,10 +168,31 @@ fn main() {
         "us",
     );
     report("lt_1000_host", wall_us(&dev, || x.lt(&y).map(drop)), "us");
+    // Where the time of a small op goes: event-timed (the stream's pace) and, with
+    // KILN_CUDA_LAUNCH_STATS=1, the host time inside cuLaunchKernel.
+    report(
+        "add_1000_stream",
+        time(&dev, 5, 1000, || x.add(&y).map(drop)) * 1e3,
+        "us",
+    );
+    let (l0, ns0) = kiln_backend_cuda::launch_stats();
+    wall_us(&dev, || x.add(&y).map(drop));
+    let (l1, ns1) = kiln_backend_cuda::launch_stats();
+    if l1 > l0 {
+        report(
+            "add_1000_in_cuLaunchKernel",
+            (ns1 - ns0) as f64 / (l1 - l0) as f64 / 1e3,
+            "us",
+        );
+    }
 
-    // Multi-tensor updates: 40 parameters of 250K f32 (10M elements), and 40 of 1,000 (host
-    // bound: one step's host time).
-    for (len, tag) in [(250_000usize, "40x250K"), (1000, "40x1000")] {
+    // Multi-tensor updates: 40 parameters of 2.5M f32 (100M elements: device bound), of 250K
+    // (near the host's pace), and 40 of 1,000 (host bound: one step's host time).
+    for (len, tag) in [
+        (2_500_000usize, "40x2.5M"),
+        (250_000, "40x250K"),
+        (1000, "40x1000"),
+    ] {
         let params: Vec<Tensor<Cuda>> = (0..40).map(|i| t(&[len], 100 + i, DType::F32)).collect();
         let grads: Vec<Tensor<Cuda>> = (0..40).map(|i| t(&[len], 200 + i, DType::F32)).collect();
         let s0: Vec<Tensor<Cuda>> = (0..40).map(|i| t(&[len], 300 + i, DType::F32)).collect();

@@ -42,10 +42,11 @@ pub(crate) fn eval_expr(
         return eval_composed::<Cuda>(device, program, shape, inputs, params);
     }
     // Computed input buffers, held until the launch is enqueued.
-    let bufs = inputs
+    let held = inputs
         .iter()
         .map(|(s, _)| s.buffer())
         .collect::<Result<Vec<Arc<Buffer>>>>()?;
+    let bufs: Vec<&Buffer> = held.iter().map(|b| &**b).collect();
     match run_planned(dev, &planned, &bufs, &layouts, params, Caller::User)? {
         Some(outs) => Ok(outs.into_iter().map(CudaStorage::ready).collect()),
         None => eval_composed::<Cuda>(device, program, shape, inputs, params),

@@ -97,7 +97,7 @@ pub(crate) fn lazy_program_stats() -> (u64, u64) {
 pub(crate) fn run_planned(
     dev: &'static DeviceState,
     planned: &Planned,
-    bufs: &[Arc<Buffer>],
+    bufs: &[&Buffer],
     layouts: &[&Layout],
     params: &[f64],
     caller: Caller,
@@ -368,7 +368,7 @@ fn plan_new(
 
 /// The elements per vector of an elementwise program's loop (see `codegen::Variant::vec`,
 /// [`codegen::vec_elems`]), or 0. For a split reduction, 4 or 0 (see `Variant::vec`).
-fn vec_width(p: &Program, g: &Geometry, bufs: &[Arc<Buffer>], layouts: &[&Layout]) -> u32 {
+fn vec_width(p: &Program, g: &Geometry, bufs: &[&Buffer], layouts: &[&Layout]) -> u32 {
     if g.variant.access.contains(&Access::Strided) {
         return 0;
     }
@@ -451,7 +451,7 @@ fn launch(
     f: Func,
     p: &Program,
     g: &Geometry,
-    bufs: &[Arc<Buffer>],
+    bufs: &[&Buffer],
     layouts: &[&Layout],
     outs: &[Buffer],
     params: &[f64],
@@ -692,18 +692,36 @@ pub(crate) fn run_single_parts(
             Err(e) => Err(e),
         }
     };
+    // Up to 3 operands (`where`) without allocating: a lone op's host time is its cost.
+    let n = inputs.len();
+    let mut bufs: [&Buffer; 3] = [inputs[0].0; 3];
+    let mut layouts: [&Layout; 3] = [inputs[0].1; 3];
+    if n <= 3 {
+        for (k, (b, l)) in inputs.iter().enumerate() {
+            bufs[k] = b;
+            layouts[k] = l;
+        }
+        let p = plan(&layouts[..n])?;
+        let op = Caller::Op(name);
+        if let Some(mut outs) = run_planned(dev, &p, &bufs[..n], &layouts[..n], params, op)? {
+            return Ok(outs.swap_remove(0));
+        }
+    }
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
-    let bufs: Vec<Arc<Buffer>> = inputs.iter().map(|(b, _)| Arc::clone(b)).collect();
-    let p = plan(&layouts)?;
-    if let Some(mut outs) = run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
-        return Ok(outs.swap_remove(0));
+    let bufs: Vec<&Buffer> = inputs.iter().map(|(b, _)| &***b).collect();
+    if n > 3 {
+        let p = plan(&layouts)?;
+        if let Some(mut outs) = run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
+            return Ok(outs.swap_remove(0));
+        }
     }
     let flat = Layout::contiguous(shape.clone());
-    let bufs = inputs
+    let copies = inputs
         .iter()
         .zip(parts.inputs)
-        .map(|((b, l), &dt)| Ok(Arc::new(contiguous(b, l, dt)?)))
-        .collect::<Result<Vec<Arc<Buffer>>>>()?;
+        .map(|((b, l), &dt)| contiguous(b, l, dt))
+        .collect::<Result<Vec<Buffer>>>()?;
+    let bufs: Vec<&Buffer> = copies.iter().collect();
     let layouts = vec![&flat; bufs.len()];
     let p = plan(&layouts)?;
     match run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {

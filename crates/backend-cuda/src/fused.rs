@@ -6,7 +6,9 @@
 //! ([`UpdateRule::program`], the one the CPU and the reference evaluate), generated into a
 //! multi-tensor kernel by [`codegen::multi_tensor_source`], compiled once per program (the
 //! rule's flags and the dtype choose it; its hyperparameters are kernel arguments) and
-//! memoized per device. Every pointer and offset travels by value in `MtArgs`.
+//! memoized per device. Every pointer and offset travels by value in `MtArgs`. Against the
+//! hand-written `optim.cu` it replaced (H200, 40 × 2.5M f32, BENCHMARKS.md 2026-11-27): SGD
+//! with Nesterov 1.21× the GB/s, AdamW equal.
 
 use std::cell::RefCell;
 use std::sync::atomic::Ordering;

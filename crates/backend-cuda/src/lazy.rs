@@ -449,7 +449,7 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let Some(planned) = planned else {
         return Ok(None);
     };
-    let bufs: Vec<Arc<Buffer>> = g.inputs.iter().map(|(b, _, _)| b.clone()).collect();
+    let bufs: Vec<&Buffer> = g.inputs.iter().map(|(b, _, _)| &**b).collect();
     let caller = Caller::Lazy {
         budget: program_budget(),
     };

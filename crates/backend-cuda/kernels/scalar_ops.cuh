@@ -1,5 +1,5 @@
-// Scalar functions of the elementwise ops, shared by elementwise.cu and the kernels the host
-// generates (src/codegen.rs), so that a fused chain computes exactly what a lone op does. The
+// Scalar functions of the elementwise ops, prepended to every kernel the host generates
+// (src/codegen/), so that a fused chain computes exactly what a lone op does. The
 // ops' `op_<name><T>` (unary, binary, comparisons) are appended at run time from kiln-core's op
 // tables (src/sources.rs, `scalar_ops`); they call the `k_<fn>` math functions below.
 

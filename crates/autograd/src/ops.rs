@@ -17,6 +17,8 @@
 //!   gradient to `b` is 0 (not `0 * log 0 = NaN`).
 
 use kiln_core::expr::rules::binary_vjp_program;
+use std::sync::Arc;
+
 use kiln_core::expr::{Arg, Program};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Side, Tensor,
@@ -126,7 +128,7 @@ impl<B: Backend> Var<B> {
         let b = rhs.tensor();
         let y = a.binary(op, &b)?;
         let (sa, sb) = (a.shape().clone(), b.shape().clone());
-        let rule = |v: &Self, side| -> Result<Option<Program>> {
+        let rule = |v: &Self, side| -> Result<Option<Arc<Program>>> {
             v.requires_grad()
                 .then(|| binary_vjp_program(op, side, false, y.dtype()))
                 .transpose()
@@ -144,7 +146,7 @@ impl<B: Backend> Var<B> {
             y: reads(2).then(|| y.clone()),
         };
         Ok(Var::from_op(op.name(), &[self, rhs], y, move |g, needs| {
-            let apply = |rule: &Option<Program>, need: bool, shape: &Shape| match rule {
+            let apply = |rule: &Option<Arc<Program>>, need: bool, shape: &Shape| match rule {
                 Some(rule) if need => {
                     let args = saved.args(None, g);
                     let d = rule.run_ops(&args, &[])?.swap_remove(0);

@@ -4,13 +4,14 @@
 //! in a fused chain, forward and backward.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::program::{Instr, Program, Val};
 use crate::op::{BinaryOp, CompositeOp, Expr, Side, UnaryOp, Vjp};
 use crate::{DType, Result};
 
-/// Programs per op and dtype, made once per process.
+/// Programs per op and dtype, made once per process and shared (`Arc`): a backward or a lone
+/// op asks for its rule on every call, and a copy of a program is several allocations.
 type Memo<K, V> = OnceLock<Mutex<HashMap<(K, DType), V>>>;
 
 fn memoized<K: Copy + Eq + std::hash::Hash, V: Clone>(
@@ -31,29 +32,29 @@ fn memoized<K: Copy + Eq + std::hash::Hash, V: Clone>(
 
 /// The program `op(x)` at `dtype` (one input): how a backend that generates its kernels runs a
 /// lone unary op.
-pub fn unary_program(op: UnaryOp, dtype: DType) -> Result<Program> {
-    static MEMO: Memo<UnaryOp, Program> = OnceLock::new();
+pub fn unary_program(op: UnaryOp, dtype: DType) -> Result<Arc<Program>> {
+    static MEMO: Memo<UnaryOp, Arc<Program>> = OnceLock::new();
     memoized(&MEMO, (op, dtype), || {
-        Program::from_exprs(&[dtype], &[Expr::input(0).unary(op)])
+        Program::from_exprs(&[dtype], &[Expr::input(0).unary(op)]).map(Arc::new)
     })
 }
 
 /// The program of composite `op` at `dtype` (one input, the op's parameters).
-pub fn composite_program(op: CompositeOp, dtype: DType) -> Result<Program> {
-    static MEMO: Memo<CompositeOp, Program> = OnceLock::new();
+pub fn composite_program(op: CompositeOp, dtype: DType) -> Result<Arc<Program>> {
+    static MEMO: Memo<CompositeOp, Arc<Program>> = OnceLock::new();
     memoized(&MEMO, (op, dtype), || {
-        Program::from_exprs(&[dtype], &[op.expr()])
+        Program::from_exprs(&[dtype], &[op.expr()]).map(Arc::new)
     })
 }
 
 /// The gradient rule of `op` at `dtype` as a program: inputs (the saved operand, `g`), one
 /// output, `g · op'(x)` (see [`UnaryOp::vjp`]); `None` for an op whose derivative is zero.
 /// Every backward of a unary op on every backend runs this program or splices it.
-pub fn unary_vjp_program(op: UnaryOp, dtype: DType) -> Result<Option<Program>> {
-    static MEMO: Memo<UnaryOp, Option<Program>> = OnceLock::new();
+pub fn unary_vjp_program(op: UnaryOp, dtype: DType) -> Result<Option<Arc<Program>>> {
+    static MEMO: Memo<UnaryOp, Option<Arc<Program>>> = OnceLock::new();
     memoized(&MEMO, (op, dtype), || match op.vjp() {
         Vjp::Input(e) | Vjp::Output(e) | Vjp::Neither(e) => {
-            Program::from_exprs(&[dtype, dtype], &[e]).map(Some)
+            Program::from_exprs(&[dtype, dtype], &[e]).map(|p| Some(Arc::new(p)))
         }
         Vjp::Zero => Ok(None),
     })
@@ -61,11 +62,11 @@ pub fn unary_vjp_program(op: UnaryOp, dtype: DType) -> Result<Option<Program>> {
 
 /// The program every `Backend::unary_backward` runs for `op` at `dtype`: the rule of
 /// [`unary_vjp_program`], or `0` (in `g`'s shape) for an op whose derivative is zero.
-pub fn unary_backward_program(op: UnaryOp, dtype: DType) -> Result<Program> {
-    static MEMO: Memo<UnaryOp, Program> = OnceLock::new();
+pub fn unary_backward_program(op: UnaryOp, dtype: DType) -> Result<Arc<Program>> {
+    static MEMO: Memo<UnaryOp, Arc<Program>> = OnceLock::new();
     memoized(&MEMO, (op, dtype), || match unary_vjp_program(op, dtype)? {
         Some(p) => Ok(p),
-        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)]),
+        None => Program::from_exprs(&[dtype, dtype], &[Expr::constant(0.0)]).map(Arc::new),
     })
 }
 
@@ -77,10 +78,10 @@ pub fn binary_vjp_program(
     side: Side,
     other_const: bool,
     dtype: DType,
-) -> Result<Program> {
-    static MEMO: Memo<(BinaryOp, Side, bool), Program> = OnceLock::new();
+) -> Result<Arc<Program>> {
+    static MEMO: Memo<(BinaryOp, Side, bool), Arc<Program>> = OnceLock::new();
     memoized(&MEMO, ((op, side, other_const), dtype), || {
-        Program::from_exprs(&[dtype; 4], &[op.vjp(side, other_const)])
+        Program::from_exprs(&[dtype; 4], &[op.vjp(side, other_const)]).map(Arc::new)
     })
 }
 

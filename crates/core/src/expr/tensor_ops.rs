@@ -89,6 +89,8 @@ impl Program {
         self.outputs()
             .iter()
             .map(|&o| match &vals[o as usize] {
+                // An output that read only some arguments is broadcast (a view) to the shape.
+                Tv::T(t) if t.shape() != &shape => t.broadcast_to(shape.clone()),
                 Tv::T(t) => Ok(t.clone()),
                 Tv::S(v) => Tensor::full(shape.clone(), *v, self.dtype(o), first.device()),
             })
@@ -157,5 +159,44 @@ impl Program {
             },
             Instr::Reduce(..) => unreachable!("rejected by run_ops"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Arg;
+    use crate::expr::{Expr, Program};
+    use crate::reference::{RefDevice, Reference};
+    use crate::{DType, Tensor};
+
+    type T = Tensor<Reference>;
+    const D: RefDevice = RefDevice(0);
+
+    #[test]
+    fn run_ops_matches_run_with_scalars_folded_and_outputs_broadcast() {
+        let (x, c) = (Expr::input(0), Expr::input(1));
+        let outs = [
+            // a scalar branch picked by a scalar condition: a fill of the broadcast shape
+            c.gt(0.0).where_cond(1.5, &x),
+            // tensor op scalar, scalar op tensor
+            (&x * &c) + (2.0 - x.clone()).exp(),
+            // reads only `x` ([3]) while another argument is [2, 3]
+            x.neg(),
+        ];
+        let p = Program::from_exprs(&[DType::F64; 3], &outs).unwrap();
+        let xs = T::from_vec(vec![0.5, -1.0, 2.0], [3], &D).unwrap();
+        let wide = T::zeros([2, 3], DType::F64, &D).unwrap();
+        let got = p
+            .run_ops(
+                &[Arg::Tensor(&xs), Arg::Scalar(3.0), Arg::Tensor(&wide)],
+                &[],
+            )
+            .unwrap();
+        let cs = T::full([1], 3.0, DType::F64, &D).unwrap();
+        let want = p.run(&[&xs, &cs, &wide], &[]).unwrap();
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(g.shape().dims(), &[2, 3]);
+            assert_eq!(g.to_vec::<f64>().unwrap(), w.to_vec::<f64>().unwrap());
+        }
     }
 }

@@ -5,36 +5,13 @@
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
+mod common;
+use common::{report, time};
+
 use std::time::Instant;
 
-use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{Cuda, raw, set_allow_tf32, try_gpu, unavailable_reason};
 use kiln_core::{Backend, Generator, Result};
-
-fn report(name: &str, value: f64, unit: &str) {
-    println!("BENCH kiln {name} {value:.4} {unit}");
-}
-
-/// Median over `reps` of the event-timed milliseconds of `iters` calls of `f`, per call.
-fn time(dev: &CudaDevice, reps: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> f64 {
-    for _ in 0..3 {
-        f().unwrap();
-    }
-    Cuda::synchronize(dev).unwrap();
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| {
-            raw::time_ms(dev, || {
-                for _ in 0..iters {
-                    f()?;
-                }
-                Ok(())
-            })
-            .unwrap() as f64
-                / iters as f64
-        })
-        .collect();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {

@@ -7,36 +7,13 @@
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
+mod common;
+use common::{report, time};
+
 use std::time::Instant;
 
-use kiln_backend_cuda::{Cuda, CudaDevice, raw, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{Cuda, CudaDevice, try_gpu, unavailable_reason};
 use kiln_core::{Backend, DType, Generator, Result, Tensor, UpdateRule};
-
-fn report(name: &str, value: f64, unit: &str) {
-    println!("BENCH kiln {name} {value:.4} {unit}");
-}
-
-/// Median over `reps` of the event-timed milliseconds per call of `f`, `iters` calls a rep.
-fn time(dev: &CudaDevice, reps: usize, iters: usize, mut f: impl FnMut() -> Result<()>) -> f64 {
-    for _ in 0..3 {
-        f().unwrap();
-    }
-    Cuda::synchronize(dev).unwrap();
-    let mut v: Vec<f64> = (0..reps)
-        .map(|_| {
-            raw::time_ms(dev, || {
-                for _ in 0..iters {
-                    f()?;
-                }
-                Ok(())
-            })
-            .unwrap() as f64
-                / iters as f64
-        })
-        .collect();
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
 
 /// Best of 5 rounds of host wall time per call of `f` (1000 calls a round), in µs.
 fn wall_us(dev: &CudaDevice, mut f: impl FnMut() -> Result<()>) -> f64 {

@@ -22,6 +22,9 @@
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
+mod common;
+use common::report;
+
 use std::time::Instant;
 
 use kiln_autograd::Var;
@@ -32,10 +35,6 @@ use kiln_core::{Backend, DType, Generator, Reduction, Result, Tensor, profile};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{AdamConfig, Optimizer, SgdConfig};
-
-fn report(name: &str, value: f64, unit: &str) {
-    println!("BENCH kiln {name} {value:.4} {unit}");
-}
 
 /// Median over `reps` of the event-timed milliseconds per call of `f` (`iters` calls), each
 /// repeat wrapped by `around` (which may open and close a profiling session).

@@ -7,15 +7,14 @@
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
 
+mod common;
+use common::report;
+
 use std::time::Instant;
 
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, copy_threads, try_gpu, unavailable_reason};
 use kiln_core::{Backend, DType, Generator, Tensor};
-
-fn report(name: &str, value: f64, unit: &str) {
-    println!("BENCH kiln {name} {value:.4} {unit}");
-}
 
 /// Median wall-clock seconds of `f` over 7 runs (after 2 warm-ups).
 fn wall(mut f: impl FnMut()) -> f64 {

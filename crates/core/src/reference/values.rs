@@ -98,24 +98,14 @@ pub(super) fn ravel(idx: &[usize], dims: &[usize]) -> usize {
     idx.iter().zip(dims).fold(0, |acc, (&i, &d)| acc * d + i)
 }
 
+/// The larger of two values, NaN propagating: the binary op table's `maximum`.
 pub(super) fn nan_max(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else if b > a {
-        b
-    } else {
-        a
-    }
+    BinaryOp::Maximum.eval(a, b)
 }
 
+/// The smaller of two values, NaN propagating: the binary op table's `minimum`.
 pub(super) fn nan_min(a: f64, b: f64) -> f64 {
-    if a.is_nan() || b.is_nan() {
-        f64::NAN
-    } else if b < a {
-        b
-    } else {
-        a
-    }
+    BinaryOp::Minimum.eval(a, b)
 }
 
 /// The op table's definition at f64.

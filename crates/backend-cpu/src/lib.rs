@@ -12,9 +12,9 @@
 //!   and a general strided path (transposed, sliced and broadcast views need no copy); work on
 //!   at least 32K elements is split across cores with rayon. Matrix products go to
 //!   matrixmultiply's sgemm/dgemm through ndarray views with the operands' own strides, so a
-//!   transposed operand is never copied; a product from 2M multiply-adds up is split across
-//!   cores on helper threads that poll for 1 ms between jobs (`KILN_CPU_SPIN_US` changes it;
-//!   `pool.rs` says why not rayon); `exp` for f32 is a vectorized polynomial.
+//!   transposed operand is never copied; a product from 2M multiply-adds up is cut into parts
+//!   that the calling thread and helper threads claim, the helpers sleeping between products
+//!   (`pool.rs` says why not rayon); `exp` for f32 is a vectorized polynomial.
 //! - **Fusion**: expression programs (`kiln_core::expr`) run in one blocked pass (`expr`), and
 //!   elementwise ops with large results are deferred and run as such a program when read
 //!   (`lazy`; [`set_fusion`], [`set_fusion_min_elements`]).

@@ -4,9 +4,9 @@
 //! strides, and ndarray hands those strides straight to matrixmultiply's packing kernels: a
 //! transposed (column-major) operand is read in place, never copied. Batches loop over the
 //! batch stride (0 broadcasts one matrix to every batch). A single product from a few million
-//! multiply-adds up is split into one part per core (rayon), each a single-threaded
-//! matrixmultiply GEMM: on two cores that scales better than matrixmultiply's own threading
-//! (1.5-1.75x), which is therefore off. The split is along whichever of rows, columns or depth
+//! multiply-adds up is cut into several parts per core, shared between the calling thread and
+//! the [`pool`](crate::pool) helpers, each a single-threaded matrixmultiply GEMM: on two cores
+//! that scales better than matrixmultiply's own threading (1.5-1.75x), which is therefore off. The split is along whichever of rows, columns or depth
 //! duplicates the least work (see [`Split`]), so the 100x784x100 products of a small MLP step
 //! gain from the second core too. Many small products are spread across cores with rayon, one
 //! product per task.
@@ -30,8 +30,10 @@ use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
 /// Products smaller than this many multiply-adds run one per rayon task.
 const SMALL_GEMM: usize = 1 << 18;
 /// Single products with at least this many multiply-adds are split across cores (about 50 µs
-/// of one core's work: below it the fork and the duplicated packing cost more than they save).
+/// of one core's work: below it the wake-up and the duplicated packing cost more than they save).
 const SPLIT_GEMM: usize = 1 << 21;
+/// The smallest part of a split product, in multiply-adds (about 10 µs of one core's work).
+const GEMM_PART: usize = 1 << 19;
 
 /// How one product is shared among cores. Each part is a single-threaded GEMM that packs its
 /// own panels of `a` and `b`, so every split duplicates some work: splitting the rows of the
@@ -136,7 +138,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
         && n == 1
         && (ma.cs == 1 || ma.rs == 1)
         && m * k >= SPLIT_GEMV
-        && pool::parts() > 1
+        && pool::cores() > 1
     {
         split_gemv((a, &ma), (b, &mb), &mut out)?;
         return Ok(storage(a.device(), out));
@@ -159,7 +161,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.par_chunks_mut(m * n)
             .enumerate()
             .try_for_each(|(bi, o)| one(bi, o))?;
-    } else if batch == 1 && m * n * k >= SPLIT_GEMM && m.min(n) >= 16 && pool::parts() > 1 {
+    } else if batch == 1 && m * n * k >= SPLIT_GEMM && m.min(n) >= 16 && pool::cores() > 1 {
         split_gemm((a, &ma), (b, &mb), &mut out)?;
     } else {
         for (bi, o) in out.chunks_mut(m * n).enumerate() {
@@ -225,10 +227,10 @@ fn part<T: CpuElem + LinalgScalar>(
     Ok(out)
 }
 
-/// `out = a · b` for one product (row-major `out`), split as [`Split::pick`] decides into one
-/// part per core: this thread computes the first part straight into `out`, the
-/// [`pool`](crate::pool) helpers the others into buffers of their own, which are then copied
-/// (or, for a depth split, added) into place.
+/// `out = a · b` for one product (row-major `out`), cut as [`Split::pick`] decides into
+/// several parts per core, which this thread and the [`pool`](crate::pool) helpers claim one
+/// at a time; each part is computed into a buffer of its own and then copied (or, for a depth
+/// split, added in part order) into place.
 fn split_gemm<T: CpuElem + LinalgScalar>(
     (a, ma): (&CpuStorage, &Mat),
     (b, mb): (&CpuStorage, &Mat),
@@ -241,84 +243,46 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         Split::Cols => n,
         Split::Depth => k,
     };
-    let per = len.div_ceil(pool::parts());
-    let ranges: Vec<Range<usize>> = (0..len)
-        .step_by(per)
-        .map(|s| s..(s + per).min(len))
-        .collect();
-    let (ma, mb) = (*ma, *mb);
-    // Hand every part but the first to a helper; a part no helper takes comes back to run here.
-    let (a_block, b_block) = (a.shared()?, b.shared()?);
-    let others: Vec<_> = ranges[1..]
-        .iter()
-        .map(|r| {
-            let (ad, bd, r2, dev) = (a_block.clone(), b_block.clone(), r.clone(), a.device());
-            let job = move || part::<T>(dev, (&ad, ma), (&bd, mb), split, r2);
-            (r.clone(), pool::submit(job))
-        })
-        .collect();
-    let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
-    let (av, bv) = (ma.view(x, 0)?, mb.view(y, 0)?);
+    let ranges = cut(len, pool::parts(m * k * n, GEMM_PART), 1);
+    let (ma, mb, dev) = (*ma, *mb, a.device());
+    let (ad, bd) = (a.shared()?, b.shared()?);
+    let jobs = ranges.clone();
+    let parts = pool::run(ranges.len(), move |i| {
+        part::<T>(dev, (&ad, ma), (&bd, mb), split, jobs[i].clone())
+    })
+    .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
     let mut c = ArrayViewMut2::from_shape((m, n), out).map_err(shape_err)?;
-    let (a0, b0) = split.operands(av, bv, ranges[0].clone());
-    general_mat_mul(
-        T::one(),
-        &a0,
-        &b0,
-        T::zero(),
-        &mut split.target(&mut c, ranges[0].clone()),
-    );
-    for (r, buf) in collect_parts(others) {
+    for (i, (r, buf)) in ranges.into_iter().zip(parts).enumerate() {
         let buf = buf?;
         let mut t = split.target(&mut c, r);
         let src = ArrayView2::from_shape(t.raw_dim(), &buf[..]).map_err(shape_err)?;
         match split {
-            Split::Depth => t.zip_mut_with(&src, |o, &v| *o = *o + v),
+            Split::Depth if i > 0 => t.zip_mut_with(&src, |o, &v| *o = *o + v),
             _ => t.assign(&src),
         }
     }
     Ok(())
 }
 
-/// One part of a split product handed to the pool: its range, and the pending result (or the
-/// job back, when no helper was free).
-type Submitted<T, F> = (
-    Range<usize>,
-    std::result::Result<pool::Pending<Result<Vec<T>>>, F>,
-);
-
-/// The helpers' parts of a split product (a part no helper took runs here), each with its
-/// range. Every part is waited for before any error is looked at, so that no helper still
-/// holds the operands once the kernel returns.
-fn collect_parts<T, F>(others: Vec<Submitted<T, F>>) -> Vec<(Range<usize>, Result<Vec<T>>)>
-where
-    F: FnOnce() -> Result<Vec<T>>,
-{
-    others
-        .into_iter()
-        .map(|(r, pending)| {
-            let buf = match pending {
-                Ok(p) => p
-                    .wait()
-                    .ok_or_else(|| Error::backend("matmul", "a helper thread panicked"))
-                    .and_then(|r| r),
-                Err(job) => job(),
-            };
-            (r, buf)
-        })
+/// `0..len` in `parts` ranges of whole multiples of `align` (the last one shorter).
+fn cut(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
+    let per = len.div_ceil(parts.max(1)).next_multiple_of(align).max(1);
+    (0..len)
+        .step_by(per)
+        .map(|s| s..(s + per).min(len))
         .collect()
 }
 
 /// Matrix-vector products (a row- or column-major matrix times a column) with at least this
-/// many multiply-adds are split across the [`pool`](crate::pool) helpers, whose threads stay
-/// awake between the products of a training loop. (Theano's logistic regression, 400x784, is
-/// 0.3 M: its forward product `x · w` is row-major, its gradient `xᵀ · g` column-major; on
-/// rayon, a sleeping worker's wake-up cost more than it saved below ~4 MB of matrix, see
-/// [`GEMV_PAR_MIN`].)
+/// many multiply-adds are shared with the [`pool`](crate::pool) helpers. (Theano's logistic
+/// regression, 400x784, is 0.3 M: its forward product `x · w` is row-major, its gradient
+/// `xᵀ · g` column-major.)
 const SPLIT_GEMV: usize = 1 << 17;
+/// The smallest part of a split matrix-vector product, in multiply-adds.
+const GEMV_PART: usize = 1 << 16;
 
-/// `out = a · b` for a row- or column-major `a` (`m x k`) and a column `b`, in parts: this
-/// thread computes the first, the helpers the others into buffers of their own.
+/// `out = a · b` for a row- or column-major `a` (`m x k`) and a column `b`, in parts claimed
+/// by this thread and the helpers, each computed into a buffer of its own.
 ///
 /// - Row-major `a`: parts are blocks of rows, each row one dot product, copied into place:
 ///   the same bits as on one core.
@@ -337,12 +301,8 @@ fn split_gemv<T: CpuElem + LinalgScalar>(
     let (m, k) = (ma.rows, ma.cols);
     let by_rows = ma.cs == 1;
     let len = if by_rows { m } else { k };
-    // Row parts of whole 16-element vectors, so that every part's loops vectorize the same way.
-    let per = len.div_ceil(pool::parts()).next_multiple_of(16);
-    let ranges: Vec<Range<usize>> = (0..len)
-        .step_by(per)
-        .map(|s| s..(s + per).min(len))
-        .collect();
+    // Parts of whole 16-element vectors, so that every part's loops vectorize the same way.
+    let ranges = cut(len, pool::parts(m * k, GEMV_PART), 16);
     let (ma, mb) = (*ma, *mb);
     // Part `r` into `o`: rows `r` of `out`, or the whole of `out` summed over `k` in `r`.
     let part = move |x: &[T], y: &[T], r: Range<usize>, o: &mut [T]| {
@@ -371,37 +331,23 @@ fn split_gemv<T: CpuElem + LinalgScalar>(
             gemv(x, &cols, y, &vec, 0, o)
         }
     };
-    // Hand every part but the first to a helper; a part no helper takes comes back to run here.
-    let (a_block, b_block) = (a.shared()?, b.shared()?);
-    let others: Vec<_> = ranges[1..]
-        .iter()
-        .map(|r| {
-            let (ad, bd, r2) = (a_block.clone(), b_block.clone(), r.clone());
-            let job = move || -> Result<Vec<T>> {
-                let (x, y) = (
-                    T::slice(&ad)
-                        .ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), ad.dtype()))?,
-                    T::slice(&bd)
-                        .ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), bd.dtype()))?,
-                );
-                let mut o = vec![T::zero(); if by_rows { r2.len() } else { m }];
-                part(x, y, r2, &mut o);
-                Ok(o)
-            };
-            (r.clone(), pool::submit(job))
-        })
-        .collect();
-    let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
-    let first = ranges[0].clone();
-    if by_rows {
-        part(x, y, first.clone(), &mut out[first]);
-    } else {
-        part(x, y, first, out);
-    }
-    for (r, buf) in collect_parts(others) {
+    let (ad, bd) = (a.shared()?, b.shared()?);
+    let jobs = ranges.clone();
+    let parts = pool::run(ranges.len(), move |i| -> Result<Vec<T>> {
+        let r = jobs[i].clone();
+        let x = T::slice(&ad).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), ad.dtype()))?;
+        let y = T::slice(&bd).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), bd.dtype()))?;
+        let mut o = vec![T::zero(); if by_rows { r.len() } else { m }];
+        part(x, y, r, &mut o);
+        Ok(o)
+    })
+    .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
+    for (i, (r, buf)) in ranges.into_iter().zip(parts).enumerate() {
         let buf = buf?;
         if by_rows {
             out[r].copy_from_slice(&buf);
+        } else if i == 0 {
+            out.copy_from_slice(&buf);
         } else {
             for (o, v) in out.iter_mut().zip(buf) {
                 *o = *o + v;
@@ -483,8 +429,8 @@ fn axpy_rows<T: CpuElem + LinalgScalar>(
 /// Matrix-vector products that reach [`Dots::run`] split across rayon's workers only from this
 /// many multiply-adds: a GEMV streams its matrix once, so it is bound by memory, and on two
 /// cores the rayon fork and the wake-up of a sleeping worker (several µs on a busy VM) cost
-/// more than the second core saves below ~4 MB of matrix. (A row-major matrix times a column
-/// from [`SPLIT_GEMV`] up is split earlier, on the spinning pool helpers instead.)
+/// more than the second core saves below ~4 MB of matrix. (A row- or column-major matrix times
+/// a column from [`SPLIT_GEMV`] up is split earlier, on the pool helpers instead.)
 const GEMV_PAR_MIN: usize = 1 << 20;
 
 /// One matrix-vector product of batch `bi` into `o` (`m x 1` or `1 x n`), compiled for the

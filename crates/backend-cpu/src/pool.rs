@@ -1,172 +1,170 @@
-//! Helper threads that spin between jobs, for splitting one matrix product across cores.
+//! Helper threads that share one matrix product with the calling thread, and sleep between
+//! products.
 //!
-//! Why not rayon: a rayon worker that finds no work goes to sleep within tens of microseconds,
-//! and waking it (on a virtual machine, waking its halted vCPU) costs about as much again:
-//! measured on the 2-core CI-class VM, a 100x784x100 product split across two rayon tasks took
-//! 163 µs back to back but 234 µs after 100 µs of idleness, against 250 µs on one core. The
-//! products of a training step are separated by exactly such gaps. Like OpenBLAS's threads,
-//! these helpers keep polling for [`SPIN`] after each job before they park, so a product that
-//! follows within that window starts on every core at once. The caller always computes one part
-//! itself and waits (spinning) for the helpers' parts.
+//! A product is cut into more parts than there are cores, which the calling thread and the
+//! helpers claim one at a time from a shared counter ([`run`]). The caller starts on the parts
+//! at once and wakes the helpers (one futex wake); a helper that wakes late (an idle vCPU takes
+//! tens of µs to resume on a virtual machine) finds fewer parts left, and one that wakes after
+//! the last part was claimed finds none and goes back to sleep. So a product never waits for a
+//! wake-up, and no core is burned between products: the previous pool kept its helpers polling
+//! for a millisecond after each product (OpenBLAS's habit), which made a small MLP step cost
+//! 2.4× numpy's process CPU time and slowed everything else on a shared machine.
 //!
-//! Jobs are `'static` closures: they capture `Arc`s of the operands
-//! ([`CpuStorage::shared`](crate::storage::CpuStorage::shared)) and return their part by value.
-//! A helper that is busy (another thread's product) is skipped and the caller computes that
-//! part itself, so concurrent callers never wait on each other.
+//! Why not rayon: `rayon::join` from a thread outside rayon's pool (the user's thread, where
+//! the training loop runs) moves the whole job into the pool and puts the caller to sleep, so
+//! the product waits for one wake-up to start and another to return.
+//!
+//! Parts are `'static` closures: they capture `Arc`s of the operands
+//! ([`CpuStorage::shared`](crate::storage::CpuStorage::shared)) and return their result by
+//! value. Concurrent callers never wait on each other: the helpers serve the latest product
+//! posted, and every caller computes whatever parts of its own product nobody claimed.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
-/// How long a helper polls for the next job before parking (`KILN_CPU_SPIN_US` overrides).
-pub const SPIN: Duration = Duration::from_millis(1);
-
-type Job = Box<dyn FnOnce() + Send>;
-
-struct Helper {
-    /// Claimed by a caller from submitting a job until it has collected the result.
-    busy: AtomicBool,
-    /// Set when `job` holds a job the helper has not taken yet.
-    ready: AtomicBool,
-    job: Mutex<Option<Job>>,
-    thread: OnceLock<Thread>,
+/// The parts of one product, claimed by index.
+trait Parts: Send + Sync {
+    /// Claims and runs parts until none is left.
+    fn work(&self);
 }
 
-struct Pool {
-    helpers: Vec<Arc<Helper>>,
-    spin: Duration,
+struct Job<R, F> {
+    f: F,
+    n: usize,
+    /// The next part to claim.
+    next: AtomicUsize,
+    /// Parts finished (their results stored).
+    done: AtomicUsize,
+    results: Mutex<Vec<Option<std::thread::Result<R>>>>,
+    /// The caller, unparked by whoever finishes the last part.
+    caller: Thread,
 }
 
-fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| {
-        let spin = std::env::var("KILN_CPU_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .map_or(SPIN, Duration::from_micros);
-        let n = rayon::current_num_threads().saturating_sub(1);
-        let helpers = (0..n)
-            .filter_map(|i| {
-                let h = Arc::new(Helper {
-                    busy: AtomicBool::new(false),
-                    ready: AtomicBool::new(false),
-                    job: Mutex::new(None),
-                    thread: OnceLock::new(),
-                });
-                let worker = Arc::clone(&h);
-                let spawned = std::thread::Builder::new()
-                    .name(format!("kiln-gemm-{i}"))
-                    .spawn(move || run(&worker, spin));
-                // A helper that cannot start is simply not there: callers compute its share.
-                let t = spawned.ok()?;
-                h.thread.set(t.thread().clone()).ok()?;
-                Some(h)
-            })
-            .collect();
-        Pool { helpers, spin }
-    })
-}
-
-fn run(h: &Helper, spin: Duration) {
-    loop {
-        let idle_since = Instant::now();
-        let mut polls = 0u32;
-        while !h.ready.load(Ordering::Acquire) {
-            polls = polls.wrapping_add(1);
-            if polls.is_multiple_of(64) {
-                if idle_since.elapsed() > spin {
-                    std::thread::park();
-                } else {
-                    // Poll politely: a runnable thread (a rayon worker) gets the core.
-                    std::thread::yield_now();
-                }
-            } else {
-                std::hint::spin_loop();
+impl<R: Send, F: Fn(usize) -> R + Send + Sync> Parts for Job<R, F> {
+    fn work(&self) {
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.n {
+                return;
             }
-        }
-        h.ready.store(false, Ordering::Relaxed);
-        let job = h.job.lock().map(|mut j| j.take()).unwrap_or(None);
-        if let Some(job) = job {
-            job();
+            let r = catch_unwind(AssertUnwindSafe(|| (self.f)(i)));
+            if let Ok(mut slots) = self.results.lock() {
+                slots[i] = Some(r);
+            }
+            if self.done.fetch_add(1, Ordering::AcqRel) + 1 == self.n {
+                self.caller.unpark();
+            }
         }
     }
 }
 
-/// How many parts a product should be split into here: this thread plus the helpers.
-pub fn parts() -> usize {
-    pool().helpers.len() + 1
+/// The product the helpers serve, with a number that changes whenever a new one is posted.
+struct Posted {
+    job: Option<Arc<dyn Parts>>,
+    serial: u64,
 }
 
-/// A part running on a helper; [`Pending::wait`] returns its result.
-pub struct Pending<R> {
-    result: Arc<Mutex<Option<std::thread::Result<R>>>>,
-    done: Arc<AtomicBool>,
-    helper: Arc<Helper>,
+static POSTED: Mutex<Posted> = Mutex::new(Posted {
+    job: None,
+    serial: 0,
+});
+static WAKE: Condvar = Condvar::new();
+
+/// The helper threads started (one per core beyond the first), started on first use.
+fn helpers() -> usize {
+    static HELPERS: OnceLock<usize> = OnceLock::new();
+    *HELPERS.get_or_init(|| {
+        let wanted = std::thread::available_parallelism().map_or(1, |n| n.get()) - 1;
+        (0..wanted)
+            .filter(|i| {
+                // A helper that cannot start is simply not there: callers compute its share.
+                std::thread::Builder::new()
+                    .name(format!("kiln-gemm-{i}"))
+                    .spawn(serve)
+                    .is_ok()
+            })
+            .count()
+    })
 }
 
-/// Runs `f` on an idle helper, or returns it when none is idle (the caller then runs it).
-pub fn submit<R, F>(f: F) -> Result<Pending<R>, F>
+/// A helper's life: sleep until a product is posted, work on it, sleep again.
+fn serve() {
+    let mut seen = 0;
+    loop {
+        let job = {
+            let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
+            while posted.serial == seen {
+                posted = WAKE.wait(posted).unwrap_or_else(|e| e.into_inner());
+            }
+            seen = posted.serial;
+            posted.job.clone()
+        };
+        if let Some(job) = job {
+            job.work();
+        }
+    }
+}
+
+/// Cores a product can be shared among: this thread and the helpers.
+pub fn cores() -> usize {
+    helpers() + 1
+}
+
+/// How many parts to cut `work` multiply-adds into: several per core (so that a helper waking
+/// late still takes a share), none smaller than `min_part`; 1 without helpers.
+pub fn parts(work: usize, min_part: usize) -> usize {
+    if helpers() == 0 {
+        return 1;
+    }
+    (work / min_part.max(1)).clamp(1, 4 * cores())
+}
+
+/// Runs `f(0..n)` on this thread and whichever helpers wake in time; returns the results in
+/// order, or `None` if a part panicked (after every part has finished, so no helper still
+/// holds the operands).
+pub fn run<R, F>(n: usize, f: F) -> Option<Vec<R>>
 where
     R: Send + 'static,
-    F: FnOnce() -> R + Send + 'static,
+    F: Fn(usize) -> R + Send + Sync + 'static,
 {
-    let Some(helper) = pool().helpers.iter().find(|h| {
-        h.busy
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-    }) else {
-        return Err(f);
-    };
-    let result = Arc::new(Mutex::new(None));
-    let done = Arc::new(AtomicBool::new(false));
-    let (r, d) = (Arc::clone(&result), Arc::clone(&done));
-    let job: Job = Box::new(move || {
-        let out = catch_unwind(AssertUnwindSafe(f));
-        if let Ok(mut slot) = r.lock() {
-            *slot = Some(out);
-        }
-        d.store(true, Ordering::Release);
+    let job = Arc::new(Job {
+        f,
+        n,
+        next: AtomicUsize::new(0),
+        done: AtomicUsize::new(0),
+        results: Mutex::new((0..n).map(|_| None).collect()),
+        caller: std::thread::current(),
     });
-    if let Ok(mut slot) = helper.job.lock() {
-        *slot = Some(job);
-    }
-    helper.ready.store(true, Ordering::Release);
-    if let Some(t) = helper.thread.get() {
-        t.unpark();
-    }
-    Ok(Pending {
-        result,
-        done,
-        helper: Arc::clone(helper),
-    })
-}
-
-impl<R> Pending<R> {
-    /// Waits for the part; `None` if it panicked.
-    pub fn wait(self) -> Option<R> {
-        self.finish();
-        self.result.lock().ok().and_then(|mut r| r.take())?.ok()
-    }
-
-    /// Spins (then yields) until the helper is done with the part.
-    fn finish(&self) {
-        let start = Instant::now();
-        while !self.done.load(Ordering::Acquire) {
-            if start.elapsed() > pool().spin {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
+    let serial = (n > 1 && helpers() > 0).then(|| {
+        let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
+        posted.job = Some(job.clone());
+        posted.serial += 1;
+        let serial = posted.serial;
+        drop(posted);
+        WAKE.notify_all();
+        serial
+    });
+    job.work();
+    if let Some(serial) = serial {
+        // Unpost it, so that the operands' memory does not outlive the product.
+        let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
+        if posted.serial == serial {
+            posted.job = None;
         }
     }
-}
-
-impl<R> Drop for Pending<R> {
-    /// The helper is free again once its part is done, waited for or not.
-    fn drop(&mut self) {
-        self.finish();
-        self.helper.busy.store(false, Ordering::Release);
+    // What is left is at most one part per helper, already running: wait briefly, then sleep
+    // until the last one unparks this thread.
+    let spin = Instant::now();
+    while job.done.load(Ordering::Acquire) < n {
+        if spin.elapsed() < Duration::from_micros(20) {
+            std::hint::spin_loop();
+        } else {
+            std::thread::park_timeout(Duration::from_millis(1));
+        }
     }
+    let results = std::mem::take(&mut *job.results.lock().ok()?);
+    results.into_iter().map(|r| r?.ok()).collect()
 }

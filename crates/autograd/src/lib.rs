@@ -74,7 +74,9 @@
 
 mod check;
 mod composite;
+mod embedding;
 mod fuse;
+mod norm;
 mod ops;
 #[cfg(feature = "testing")]
 pub mod testing;

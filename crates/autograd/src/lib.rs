@@ -40,6 +40,9 @@
 //! - Moving a variable to another device ([`Var::to_device`], [`Var::copy_to`]) is an op whose
 //!   backward copies the gradient back (Chainer's `F.copy`), so a model split over two GPUs
 //!   backpropagates across them. Mixing devices in any other op is an error naming both.
+//! - Layers' ops with a closed-form backward are one node each, as softmax and cross-entropy:
+//!   [`Var::layer_norm`] and [`Var::rms_norm`] (forward and backward as expression programs,
+//!   saving the row statistics as PyTorch does), [`Var::embedding`] (gradient by `scatter_add`).
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
 //! - Fused user functions ([`fuse`]): written once over `Expr`s, run as one pass on any
 //!   backend, differentiated through the expression IR (no hand-written backward).
@@ -74,7 +77,9 @@
 
 mod check;
 mod composite;
+mod embedding;
 mod fuse;
+mod norm;
 mod ops;
 #[cfg(feature = "testing")]
 pub mod testing;

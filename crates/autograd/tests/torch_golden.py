@@ -2,9 +2,10 @@
 """Writes torch_f64.txt: every op of kiln's op tables evaluated by PyTorch in float64, with its
 derivatives from torch.autograd, on a fixed set of points (unary and composite ops on a grid;
 binary ops on pairs of a small set of values, ties and zeros included, between two tensors
-and between a tensor and a constant). `tests/torch_f64.rs` compares kiln's
+and between a tensor and a constant; the layers' ops, layer_norm, rms_norm and embedding, on
+fixed inputs that the file holds too). `tests/torch_f64.rs` compares kiln's
 ops with it (forward and gradient, on the reference and CPU backends) and fails for an op of the
-table that this file lacks.
+table that this file lacks (a layer case it lacks is skipped with a message).
 
 Run it (where PyTorch is installed) after adding an op to the table: one line in OPS below.
 
@@ -74,6 +75,26 @@ SCALAR = {
 }
 VALUES = [-2.5, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.25]
 
+# The layers' ops: name -> (op, input dims, normalized shape, weight?, bias?, eps). Each case
+# prints `layer <name> <field> <values...>` lines: `spec` (op, dims, normalized shape, weight,
+# bias, eps), the inputs x, w, b and the cotangent g, then y = op(x) and the gradients of
+# sum(y * g): dx, dw, db.
+NORMS = {
+    "layer_norm_wb": ("layer_norm", [3, 5], [5], True, True, 1e-5),
+    "layer_norm_w": ("layer_norm", [3, 5], [5], True, False, 1e-5),
+    "layer_norm_b": ("layer_norm", [3, 5], [5], False, True, 1e-5),
+    "layer_norm_2d": ("layer_norm", [2, 3, 4], [3, 4], True, True, 1e-5),
+    "layer_norm_plain": ("layer_norm", [2, 3, 4], [3, 4], False, False, 1e-5),
+    "rms_norm_w": ("rms_norm", [3, 5], [5], True, False, 1e-6),
+    "rms_norm_plain": ("rms_norm", [2, 3, 4], [4], False, False, 1e-6),
+}
+# name -> (num_embeddings, dim, ids, ids dims, padding_idx): `spec` (op, table dims, ids dims,
+# padding_idx or -1), `ids`, the table w, the cotangent g, y and dw.
+EMBEDDINGS = {
+    "embedding": (6, 3, [2, 0, 5, 2, 1, 2, 3, 0], [2, 4], None),
+    "embedding_padding": (6, 3, [2, 0, 5, 2, 1, 2, 3, 0], [2, 4], 2),
+}
+
 
 def points(lo, hi):
     # A grid that misses the kinks at integers and 0 (offset by an irrational fraction).
@@ -106,6 +127,56 @@ def main():
                 (dx,) = torch.autograd.grad(y.sum(), x)
                 for row in zip(x.tolist(), y.tolist(), dx.tolist()):
                     print(f"scalar {name} {side} {c!r} " + " ".join(repr(v) for v in row))
+    layers()
+
+
+def seq(n, phase, f=math.sin):
+    """n fixed values in about [-1.4, 2]: the layers' inputs (printed, so nothing depends on
+    reproducing them)."""
+    return [1.7 * f(0.9 * i + phase) + 0.3 for i in range(n)]
+
+
+def numbers(t):
+    return " ".join(repr(float(v)) for v in t.detach().reshape(-1).tolist())
+
+
+def commas(dims):
+    return ",".join(str(d) for d in dims) or "-"
+
+
+def layers():
+    for name, (op, dims, nshape, has_w, has_b, eps) in NORMS.items():
+        def tensor(shape, phase, f=math.sin):
+            n = math.prod(shape)
+            return torch.tensor(seq(n, phase, f), dtype=torch.float64).reshape(shape)
+
+        x = tensor(dims, 0.1).requires_grad_()
+        w = tensor(nshape, 1.3).requires_grad_() if has_w else None
+        b = tensor(nshape, 2.1).requires_grad_() if has_b else None
+        g = tensor(dims, 3.7, math.cos)
+        if op == "layer_norm":
+            y = F.layer_norm(x, nshape, w, b, eps)
+        else:
+            y = F.rms_norm(x, nshape, w, eps)
+        given = [(f, t) for f, t in (("x", x), ("w", w), ("b", b)) if t is not None]
+        grads = torch.autograd.grad(y, [t for _, t in given], g)
+        print(f"layer {name} spec {op} {commas(dims)} {commas(nshape)} {int(has_w)} {int(has_b)} {eps!r}")
+        for field, t in (("x", x), ("w", w), ("b", b), ("g", g), ("y", y)):
+            if t is not None:
+                print(f"layer {name} {field} {numbers(t)}")
+        for (field, _), t in zip(given, grads):
+            print(f"layer {name} d{field} {numbers(t)}")
+    for name, (num, dim, ids, id_dims, padding) in EMBEDDINGS.items():
+        w = torch.tensor(seq(num * dim, 0.5), dtype=torch.float64).reshape(num, dim).requires_grad_()
+        idx = torch.tensor(ids, dtype=torch.int64).reshape(id_dims)
+        y = F.embedding(idx, w, padding_idx=padding)
+        g = torch.tensor(seq(y.numel(), 1.9, math.cos), dtype=torch.float64).reshape(y.shape)
+        (dw,) = torch.autograd.grad(y, [w], g)
+        pad = -1 if padding is None else padding
+        print(f"layer {name} spec embedding {num},{dim} {commas(id_dims)} {pad}")
+        print(f"layer {name} ids " + " ".join(str(i) for i in ids))
+        for field, t in (("w", w), ("g", g), ("y", y), ("dw", dw)):
+            print(f"layer {name} {field} {numbers(t)}")
 
 
 if __name__ == "__main__":

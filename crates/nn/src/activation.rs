@@ -42,6 +42,11 @@ activation!(
     /// The exact GELU, `x Φ(x)` (PyTorch's default, not the tanh approximation).
     Gelu, gelu
 );
+activation!(
+    /// GELU in its tanh form, `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))` (PyTorch's
+    /// `nn.GELU(approximate="tanh")`, GPT-2's activation).
+    GeluTanh, gelu_tanh
+);
 
 /// Collapses every axis after the first into one: `[n, c, h, w] -> [n, c*h*w]`
 /// (`torch.nn.Flatten()`).

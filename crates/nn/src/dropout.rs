@@ -63,6 +63,11 @@ impl Dropout {
     pub fn eval(&mut self) {
         self.training = false;
     }
+    /// Training mode on or off: what a model's [`Module::set_training`] calls on its dropout
+    /// fields (inherent for the same reason as [`Dropout::train`]).
+    pub fn set_training(&mut self, training: bool) {
+        self.training = training;
+    }
 
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.

@@ -5,8 +5,9 @@
 //!
 //! - [`Module`] (forward, named parameters, train/eval) and [`ModuleExt`] (`to_device`,
 //!   `save`/`load`, `state_dict`), implemented by every layer;
-//! - layers: [`Linear`], [`Conv2d`], [`MaxPool2d`], [`Flatten`], [`Dropout`], activations
-//!   ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`]) and the [`Sequential`] container;
+//! - layers: [`Linear`], [`Conv2d`], [`MaxPool2d`], [`Flatten`], [`Dropout`], [`LayerNorm`],
+//!   [`RMSNorm`], [`Embedding`], activations ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`],
+//!   [`GeluTanh`]) and the [`Sequential`] container;
 //! - losses ([`loss::cross_entropy`] fused with log-softmax, [`loss::mse`],
 //!   [`loss::bce_with_logits`]) and [`loss::accuracy`];
 //! - initializers ([`Init`]) with PyTorch's formulas and defaults, drawing from a
@@ -48,18 +49,22 @@
 mod activation;
 mod conv;
 mod dropout;
+mod embedding;
 pub mod init;
 mod linear;
 pub mod loss;
 mod module;
+mod norm;
 mod sequential;
 pub mod serialize;
 
-pub use activation::{Flatten, Gelu, Relu, Sigmoid, Tanh};
+pub use activation::{Flatten, Gelu, GeluTanh, Relu, Sigmoid, Tanh};
 pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, max_pool2d};
 pub use dropout::Dropout;
+pub use embedding::{Embedding, EmbeddingConfig};
 pub use init::Init;
 pub use linear::{Linear, LinearConfig};
 pub use module::{Module, ModuleExt};
+pub use norm::{LayerNorm, LayerNormConfig, RMSNorm, RMSNormConfig};
 pub use sequential::Sequential;
 pub use serialize::{load_safetensors, save_safetensors};

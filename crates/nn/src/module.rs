@@ -35,8 +35,51 @@ pub trait Module<B: Backend>: Send + Sync {
             .collect()
     }
 
-    /// Switches training behaviour (Dropout) on or off; containers forward it to children.
-    /// Modules that behave the same in both modes ignore it.
+    /// Switches training behaviour (Dropout) on or off; [`ModuleExt::train`] and
+    /// [`ModuleExt::eval`] call it. Modules start in training mode; those that behave the same
+    /// in both modes ignore it. A module that holds other modules forwards it to each of them,
+    /// as [`Sequential`](crate::Sequential) does; a user's model struct does the same for its
+    /// fields (kiln has no registry of children, so a field it is not forwarded to keeps its
+    /// mode):
+    ///
+    /// ```
+    /// use kiln_autograd::Var;
+    /// use kiln_backend_cpu::Cpu;
+    /// use kiln_core::{Backend, Generator, Result, Tensor};
+    /// use kiln_nn::{Dropout, LinearConfig, Module, ModuleExt, Sequential};
+    ///
+    /// struct Model<B: Backend> {
+    ///     body: Sequential<B>,
+    ///     dropout: Dropout,
+    /// }
+    ///
+    /// impl<B: Backend> Module<B> for Model<B> {
+    ///     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
+    ///         self.dropout.forward(&self.body.forward(x)?)
+    ///     }
+    ///     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
+    ///         self.body.named_parameters()
+    ///     }
+    ///     fn set_training(&mut self, training: bool) {
+    ///         self.body.set_training(training);
+    ///         self.dropout.set_training(training);
+    ///     }
+    ///     fn describe(&self) -> String {
+    ///         "Model".into()
+    ///     }
+    /// }
+    ///
+    /// let (dev, mut g) = (Cpu::device(0), Generator::new(0));
+    /// let mut m = Model::<Cpu> {
+    ///     body: Sequential::new().add(LinearConfig::new(4, 4).init::<Cpu>(&dev, &mut g)?),
+    ///     dropout: Dropout::new(0.5, &mut g)?,
+    /// };
+    /// let x = Var::constant(Tensor::<Cpu>::ones([2, 4], kiln_core::DType::F32, &dev)?);
+    /// m.eval(); // the dropout is the identity now
+    /// let a = m.forward(&x)?.tensor().to_vec::<f32>()?;
+    /// assert_eq!(a, m.forward(&x)?.tensor().to_vec::<f32>()?);
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
     fn set_training(&mut self, _training: bool) {}
 
     /// A one-line description, e.g. `Linear(in=784, out=100, bias=true)`.

@@ -41,6 +41,19 @@ fn conv_net_forward_matches_the_reference() {
 }
 
 #[test]
+fn transformer_layers_match_the_reference() {
+    for training in [true, false] {
+        for (dt, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4)] {
+            let a = transformer_forward_backward::<Cpu>(&cpu(), dt, training);
+            let b = transformer_forward_backward::<Reference>(&RefDevice(0), dt, training);
+            for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                assert_close(&format!("{dt} training={training} #{i}"), a, b, tol);
+            }
+        }
+    }
+}
+
+#[test]
 fn training_trajectory_matches_the_reference() {
     let (la, wa) = trajectory::<Cpu>(&cpu());
     let (lb, wb) = trajectory::<Reference>(&RefDevice(0));

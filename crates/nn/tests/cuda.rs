@@ -37,6 +37,22 @@ fn conv_net_forward_matches_the_cpu() {
 }
 
 #[test]
+fn transformer_layers_match_the_cpu() {
+    // Embedding, LayerNorm (with and without bias), RMSNorm, the tanh GELU and Dropout in
+    // training and eval mode: outputs and every parameter's gradient.
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for training in [true, false] {
+        for (dt, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-4)] {
+            let a = transformer_forward_backward::<Cuda>(&dev, dt, training);
+            let b = transformer_forward_backward::<Cpu>(&cpu(), dt, training);
+            for (i, (a, b)) in a.iter().zip(&b).enumerate() {
+                assert_close(&format!("{dt} training={training} #{i}"), a, b, tol);
+            }
+        }
+    }
+}
+
+#[test]
 fn training_trajectory_matches_the_cpu() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let (la, wa) = trajectory::<Cuda>(&dev);

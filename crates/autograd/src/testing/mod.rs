@@ -25,7 +25,7 @@
 //! This file holds the entry points, the case list and the runner (`prop`, `check`); `inputs`
 //! builds the inputs (layouts, value domains, shapes) and the cases are one file per op family:
 //! `elementwise`, `reduce` (with softmax and the losses), `matmul`, `views` (with joins),
-//! `index` and `devices` (copies between devices, compositions of several ops).
+//! `index`, `norm` (normalizations and the embedding) and `devices` (copies between devices, compositions of several ops).
 
 use std::fmt::Debug;
 
@@ -153,6 +153,7 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
     c.extend(join_cases::<B>());
     c.extend(index_cases::<B>());
     c.extend(loss_cases::<B>());
+    c.extend(norm_cases::<B>());
     c.extend(device_cases::<B>());
     c
 }
@@ -162,6 +163,7 @@ mod elementwise;
 mod index;
 mod inputs;
 mod matmul;
+mod norm;
 mod reduce;
 mod views;
 
@@ -171,5 +173,6 @@ use index::index_cases;
 pub use inputs::{In, Lay};
 use inputs::{Vals, axes_of, bcast_pair, dims, ids, input_of, lay};
 use matmul::matmul_cases;
+use norm::norm_cases;
 use reduce::{loss_cases, reduction_cases};
 use views::{join_cases, view_cases};

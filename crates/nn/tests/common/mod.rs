@@ -7,7 +7,8 @@
 use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Generator, RandDist, Reduction, Tensor};
 use kiln_nn::{
-    Conv2dConfig, Dropout, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential, loss,
+    Conv2dConfig, Dropout, EmbeddingConfig, Flatten, GeluTanh, LayerNormConfig, LinearConfig,
+    MaxPool2d, Module, ModuleExt, RMSNormConfig, Relu, Sequential, loss,
 };
 use kiln_optim::{AdamConfig, Optimizer};
 
@@ -95,4 +96,94 @@ pub fn forward<B: Backend>(dev: &B::Device, dtype: DType) -> Vec<f64> {
         )
         .unwrap();
     host(&net.forward(&Var::constant(x)).unwrap().tensor())
+}
+
+/// The layers of a transformer in a row: embedding (with a padding id), layer norm, MLP with
+/// the tanh GELU and dropout, RMS norm, layer norm without bias.
+pub fn transformer_layers<B: Backend>(dev: &B::Device, dtype: DType) -> Sequential<B> {
+    let mut g = Generator::new(11);
+    let ln = |bias| {
+        LayerNormConfig::new([8])
+            .with_bias(bias)
+            .with_dtype(dtype)
+            .init::<B>(dev)
+            .unwrap()
+    };
+    Sequential::new()
+        .add(
+            EmbeddingConfig::new(13, 8)
+                .with_padding_idx(Some(0))
+                .with_dtype(dtype)
+                .init::<B>(dev, &mut g)
+                .unwrap(),
+        )
+        .add(ln(true))
+        .add(
+            LinearConfig::new(8, 16)
+                .with_dtype(dtype)
+                .init::<B>(dev, &mut g)
+                .unwrap(),
+        )
+        .add(GeluTanh)
+        .add(Dropout::new(0.2, &mut g).unwrap())
+        .add(
+            LinearConfig::new(16, 8)
+                .with_dtype(dtype)
+                .init::<B>(dev, &mut g)
+                .unwrap(),
+        )
+        .add(
+            RMSNormConfig::new([8])
+                .with_dtype(dtype)
+                .init::<B>(dev)
+                .unwrap(),
+        )
+        .add(ln(false))
+}
+
+/// [`transformer_layers`] on fixed ids (padding ids included), perturbed norm weights, in
+/// training or eval mode: the output, then every parameter's gradient of `sum(y · c)` for a
+/// fixed `c`.
+pub fn transformer_forward_backward<B: Backend>(
+    dev: &B::Device,
+    dtype: DType,
+    training: bool,
+) -> Vec<Vec<f64>> {
+    let mut net = transformer_layers::<B>(dev, dtype);
+    if !training {
+        net.eval();
+    }
+    for (name, p) in net.named_parameters() {
+        if !name.starts_with('0') {
+            // Ones and zeros would hide a swapped weight and bias.
+            let bump = Generator::new(3)
+                .normal::<B>(p.dims().to_vec(), 0.0, 0.5, dev)
+                .unwrap();
+            p.set_tensor(p.tensor().add(&bump.to_dtype(dtype).unwrap()).unwrap())
+                .unwrap();
+        }
+    }
+    let ids: Vec<i64> = (0..2 * 5).map(|i| (i * 7) % 13).collect();
+    let ids = Tensor::<B>::from_vec(ids, [2, 5], dev).unwrap();
+    let y = net.forward(&Var::constant(ids)).unwrap();
+    let c = Generator::new(4)
+        .sample::<B>(
+            [2, 5, 8],
+            RandDist::Normal {
+                mean: 0.0,
+                std: 1.0,
+            },
+            dtype,
+            dev,
+        )
+        .unwrap();
+    y.mul(&Var::constant(c))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut out = vec![host(&y.tensor())];
+    out.extend(net.parameters().iter().map(|p| host(&p.grad().unwrap())));
+    out
 }

@@ -274,10 +274,11 @@ fn cut(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
 }
 
 /// Matrix-vector products (a row- or column-major matrix times a column) with at least this
-/// many multiply-adds are shared with the [`pool`](crate::pool) helpers. (Theano's logistic
-/// regression, 400x784, is 0.3 M: its forward product `x · w` is row-major, its gradient
-/// `xᵀ · g` column-major.)
-const SPLIT_GEMV: usize = 1 << 17;
+/// many multiply-adds are shared with the [`pool`](crate::pool) helpers. A sleeping helper
+/// takes about 30 µs to join (2-core VM, 2026-11-27), longer than the whole of a smaller
+/// product: Theano's logistic regression (400x784, 0.3 M, about 10 µs per product) stays on one
+/// core.
+const SPLIT_GEMV: usize = 1 << 21;
 /// The smallest part of a split matrix-vector product, in multiply-adds.
 const GEMV_PART: usize = 1 << 16;
 
@@ -430,7 +431,7 @@ fn axpy_rows<T: CpuElem + LinalgScalar>(
 /// many multiply-adds: a GEMV streams its matrix once, so it is bound by memory, and on two
 /// cores the rayon fork and the wake-up of a sleeping worker (several µs on a busy VM) cost
 /// more than the second core saves below ~4 MB of matrix. (A row- or column-major matrix times
-/// a column from [`SPLIT_GEMV`] up is split earlier, on the pool helpers instead.)
+/// a column from [`SPLIT_GEMV`] up goes to the pool helpers instead.)
 const GEMV_PAR_MIN: usize = 1 << 20;
 
 /// One matrix-vector product of batch `bi` into `o` (`m x 1` or `1 x n`), compiled for the

@@ -113,13 +113,14 @@ pub fn cores() -> usize {
     helpers() + 1
 }
 
-/// How many parts to cut `work` multiply-adds into: several per core (so that a helper waking
-/// late still takes a share), none smaller than `min_part`; 1 without helpers.
+/// How many parts to cut `work` multiply-adds into: two per core (so that a helper waking late
+/// still takes a share; more parts measured slower, each packing its own panels), none smaller
+/// than `min_part`; 1 without helpers.
 pub fn parts(work: usize, min_part: usize) -> usize {
     if helpers() == 0 {
         return 1;
     }
-    (work / min_part.max(1)).clamp(1, 4 * cores())
+    (work / min_part.max(1)).clamp(1, 2 * cores())
 }
 
 /// Runs `f(0..n)` on this thread and whichever helpers wake in time; returns the results in

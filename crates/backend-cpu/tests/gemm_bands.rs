@@ -76,11 +76,11 @@ fn split_gemm_from_several_threads_at_once() {
 
 #[test]
 fn a_large_matrix_vector_product_split_by_rows_is_exact_in_every_row() {
-    // 1001 x 300 (0.3 M multiply-adds, above the split threshold; an odd row count, so the
+    // 1001 x 2100 (2.1 M multiply-adds, above the split threshold; an odd row count, so the
     // parts are uneven), the matrix row-major and transposed (column-major, as a gradient
     // `xᵀ · g`): every row against f64, so a part copied to the wrong rows shows.
     let dev = Cpu::device(0);
-    let (m, k) = (1001, 300);
+    let (m, k) = (1001, 2100);
     let v = Generator::new(4).randn::<Cpu>([k, 1], &dev).unwrap();
     for (a, what) in operands(m, k) {
         let c = a.matmul(&v).unwrap().to_vec::<f32>().unwrap();

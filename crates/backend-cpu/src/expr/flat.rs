@@ -72,6 +72,9 @@ pub(super) struct Plan {
     regs: usize,
     /// Output `j` is this operand, or `None` when its step writes it (see [`plan`]'s `direct`).
     outs: Vec<Option<Opd>>,
+    /// Whether the outputs copied out of registers are streamed past the caches (not with
+    /// `direct`: see [`direct_writes`]).
+    stream: bool,
 }
 
 /// The plan of `program` over `n` elements, or `None` when the general driver must run it:
@@ -258,7 +261,12 @@ fn assign_registers(
             ..st
         })
         .collect();
-    Plan { steps, regs, outs }
+    Plan {
+        steps,
+        regs,
+        outs,
+        stream: !direct,
+    }
 }
 
 /// Operand `o` for elements `start..start + len`.
@@ -286,14 +294,22 @@ fn exec(st: &FStep, a: Src<'_, f32>, b: Src<'_, f32>, out: &mut [f32]) {
 /// the extra pass through a register costs more. Five-op chain over 32M f32 on the 2-core EPYC
 /// VM with one thread: 23.5–25.7 ms direct against 35–37 streamed (a lone multiply 16–18
 /// against 24–26); with two threads, the multiply streamed 8.2–9.9 ms against 12.6–14.0 direct.
-/// Smaller outputs stay streamed, as the general driver does (a training step's outputs are
-/// cold: see BENCHMARKS.md, "deferred elementwise chains").
+///
+/// Outputs of less than [`CACHED_MAX_BYTES`] in all are written with plain stores too: they
+/// fit in the last-level cache, where the next op finds them. Streamed, they went to memory
+/// and were read back from there: the SGD update of a small MLP's 784x100 weight, read by the
+/// next step's product, took 53–65 µs streamed against 29–34 µs with plain stores, and the
+/// whole step 0.91 ms against 0.84–0.86 (2-core EPYC VM under load, 2026-11-27). Between the
+/// two sizes outputs stay streamed, as the general driver does.
 pub(super) fn direct_writes(n: usize, outputs: usize) -> bool {
-    rayon::current_num_threads() == 1 && n.saturating_mul(4 * outputs) >= DIRECT_MIN_BYTES
+    let bytes = n.saturating_mul(4 * outputs);
+    bytes < CACHED_MAX_BYTES || (rayon::current_num_threads() == 1 && bytes >= DIRECT_MIN_BYTES)
 }
 
 /// See [`direct_writes`].
 const DIRECT_MIN_BYTES: usize = 8 << 20;
+/// See [`direct_writes`].
+const CACHED_MAX_BYTES: usize = 4 << 20;
 
 thread_local! {
     /// This thread's registers of the last call, for the next one (no allocation per call).
@@ -388,7 +404,10 @@ fn run_body(plan: &Plan, ins: &[&[f32]], mut start: usize, end: usize, regs: &mu
             // iteration's shape, so this task alone writes `start..start + len` of each.
             let dst = unsafe { o.slice::<f32>(j, start, len) };
             match src(v, regs, ins, start, len) {
-                Src::S(s) => stream_copy(bytemuck::cast_slice(s), bytemuck::cast_slice_mut(dst)),
+                Src::S(s) if plan.stream => {
+                    stream_copy(bytemuck::cast_slice(s), bytemuck::cast_slice_mut(dst))
+                }
+                Src::S(s) => dst.copy_from_slice(s),
                 Src::C(c) => dst.fill(c),
             }
         }

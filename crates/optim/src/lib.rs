@@ -48,7 +48,9 @@ use kiln_core::{Backend, Result};
 pub trait Optimizer<B: Backend> {
     /// A short name (`sgd`, `adam`, `adamw`), also written into saved state.
     fn name(&self) -> &'static str;
-    /// The parameters, in the order given at construction (state is keyed by this index).
+    /// The parameters, in the order given at construction (state is keyed by this index),
+    /// each once: a variable given twice (a weight tied between two modules) is kept at its
+    /// first place only ([`Var::unique`]), so it gets one state and one update per step.
     fn params(&self) -> &[Var<B>];
     /// One update of every parameter that has a gradient.
     fn step(&mut self) -> Result<()>;

@@ -51,6 +51,8 @@ pub enum AttnMask<B: Backend> {
     Additive(Tensor<B>),
 }
 
+// Not derived: `#[derive(Default)]` would require `B: Default`, which backends are not.
+#[allow(clippy::derivable_impls)]
 impl<B: Backend> Default for AttnMask<B> {
     fn default() -> Self {
         AttnMask::None
@@ -177,6 +179,9 @@ fn check_inputs<B: Backend>(q: &Var<B>, k: &Var<B>, v: &Var<B>) -> Result<(usize
     Ok((tq, tk, d))
 }
 
+/// A mask as a `u8` keep-mask and an additive tensor, each optional.
+type MaskParts<B> = (Option<Tensor<B>>, Option<Tensor<B>>);
+
 /// The mask as `(keep, bias)`: a `u8` keep-mask and/or an additive tensor, checked to
 /// broadcast to the scores' shape.
 fn mask_tensors<B: Backend>(
@@ -184,7 +189,7 @@ fn mask_tensors<B: Backend>(
     scores: &Var<B>,
     tq: usize,
     tk: usize,
-) -> Result<(Option<Tensor<B>>, Option<Tensor<B>>)> {
+) -> Result<MaskParts<B>> {
     let fits = |m: &Tensor<B>| -> Result<()> {
         let s = scores.shape();
         if m.rank() > s.rank() || s.broadcast_with(OP, m.shape())? != s {

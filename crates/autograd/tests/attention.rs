@@ -78,6 +78,9 @@ fn by_hand(
     out
 }
 
+/// A named mask with its scale and the expected output.
+type Case<B> = (&'static str, AttnMask<B>, Option<f64>, Vec<f64>);
+
 /// No mask, causal (square and `Tq < Tk`), a boolean mask broadcast over the batch and an
 /// additive one, with the default and an explicit scale.
 fn matches_by_hand<B: Backend>(dev: &B::Device, dtype: DType, tol: f64) {
@@ -97,7 +100,7 @@ fn matches_by_hand<B: Backend>(dev: &B::Device, dtype: DType, tol: f64) {
             .unwrap();
         let all = |_: usize, _: usize| true;
         let nobias = |_: usize, _: usize| 0.0;
-        let cases: Vec<(&str, AttnMask<B>, Option<f64>, Vec<f64>)> = vec![
+        let cases: Vec<Case<B>> = vec![
             (
                 "none",
                 AttnMask::None,
@@ -194,6 +197,9 @@ fn mask_with_empty_row<B: Backend>(dev: &B::Device) -> Tensor<B> {
     Tensor::<B>::from_slice(&keep, [3, 4], dev).unwrap()
 }
 
+/// Queries, keys and values.
+type Qkv<B> = [Tensor<B>; 3];
+
 fn gradcheck<B: Backend>(dev: &B::Device) {
     let opts = CheckOptions::default();
     let ins = [
@@ -207,7 +213,7 @@ fn gradcheck<B: Backend>(dev: &B::Device) {
         normal::<B>(&[2, 2, 4, 5], 15, DType::F64, dev),
     ];
     let add = normal::<B>(&[3, 4], 16, DType::F64, dev);
-    let masks: Vec<(&str, AttnMask<B>, &[Tensor<B>])> = vec![
+    let masks: Vec<(&str, AttnMask<B>, &Qkv<B>)> = vec![
         ("none", AttnMask::None, &ins),
         ("causal", AttnMask::Causal, &square),
         ("causal-rect", AttnMask::Causal, &ins),

@@ -70,12 +70,12 @@ fn clips_on_the_device_as_computed_by_hand() {
 #[test]
 fn a_non_finite_norm_leaves_the_gradients_alone() {
     let a = param(&[0.0; 2], &[f64::INFINITY, 1.0], DType::F64);
-    let n = clip_grad_norm(&[a.clone()], 1.0).unwrap();
+    let n = clip_grad_norm(std::slice::from_ref(&a), 1.0).unwrap();
     assert_eq!(n.to_scalar().unwrap(), f64::INFINITY);
     assert_eq!(grad(&a), [f64::INFINITY, 1.0]);
     let b = param(&[0.0; 2], &[f64::NAN, 1.0], DType::F64);
     assert!(
-        clip_grad_norm(&[b.clone()], 1.0)
+        clip_grad_norm(std::slice::from_ref(&b), 1.0)
             .unwrap()
             .to_scalar()
             .unwrap()

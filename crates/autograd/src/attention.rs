@@ -77,8 +77,13 @@ impl<B: Backend> Var<B> {
     /// `F.scaled_dot_product_attention`. `scale` defaults to `1/√d`. With `dropout_p > 0` the
     /// attention weights are dropped with probability `dropout_p` and the rest scaled by
     /// `1/(1 - dropout_p)`, the mask drawn from `generator` (required then); pass 0 outside
-    /// training (a module does this in evaluation mode). See the [module docs](self) for masks,
-    /// fully masked rows and the fused kernel to come.
+    /// training (a module does this in evaluation mode).
+    ///
+    /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
+    /// never NaN, and a zero gradient. This runs as two batched products around one
+    /// masked-softmax node and stores the `[.., Tq, Tk]` weights; the flash-style fused kernel
+    /// (tiles, online softmax, backward from the log-sum-exp) is a later step that needs GPU
+    /// time, with the same signature (see `attention.rs`).
     ///
     /// Errors (each naming `scaled_dot_product_attention`): inputs of rank < 2, non-float or
     /// mixed dtypes, mismatched `d`, `Tk` or batch axes, a mask of the wrong dtype or shape, a

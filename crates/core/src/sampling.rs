@@ -25,9 +25,10 @@ const OP: &str = "multinomial";
 impl Generator {
     /// `num_samples` category indices (`i64`) per row of `probs` (`[C]` or `[rows, C]`, any float
     /// dtype, nonnegative weights that need not sum to 1), of shape `[num_samples]` or
-    /// `[rows, num_samples]`, drawn with or without replacement as `torch.multinomial`; see the
-    /// [module docs](self). Deterministic for a given seed and draw count; one draw of the
-    /// generator per call with replacement, one in all without.
+    /// `[rows, num_samples]`, drawn with or without replacement as `torch.multinomial`, by the
+    /// Gumbel-max trick on device ops (one small read back checks the probabilities).
+    /// Deterministic for a given seed and draw count (one draw of the generator per call): the
+    /// same samples on every backend.
     ///
     /// Errors (naming `multinomial`): `probs` not 1-d or 2-d or not float; `num_samples` 0, or
     /// above the number of categories (or of nonzero ones in some row) without replacement; a

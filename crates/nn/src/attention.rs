@@ -222,7 +222,11 @@ pub fn multi_head_attention<B: Backend>(
 }
 
 /// Multi-head attention with PyTorch's parameters (`in_proj_weight`, `in_proj_bias`,
-/// `out_proj.weight`, `out_proj.bias`); see the [module docs](self).
+/// `out_proj.weight`, `out_proj.bias`), initialized as PyTorch (`in_proj_weight` Xavier uniform,
+/// `out_proj.weight` the Linear default, biases zeros). Masks are [`AttnMask`]s, whose `Keep`
+/// is nonzero where attention is *allowed* (as in `F.scaled_dot_product_attention`; the
+/// opposite of this PyTorch module's boolean `attn_mask`). No `key_padding_mask` (use a `Keep`
+/// mask `[N, 1, 1, S]`), no `kdim`/`vdim`, no returned weights.
 pub struct MultiheadAttention<B: Backend> {
     /// `[3E, E]`.
     pub in_proj_weight: Var<B>,

@@ -43,6 +43,8 @@
 //! - Layers' ops with a closed-form backward are one node each, as softmax and cross-entropy:
 //!   [`Var::layer_norm`] and [`Var::rms_norm`] (forward and backward as expression programs,
 //!   saving the row statistics as PyTorch does), [`Var::embedding`] (gradient by `scatter_add`).
+//! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
+//!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
 //! - Fused user functions ([`fuse`]): written once over `Expr`s, run as one pass on any
 //!   backend, differentiated through the expression IR (no hand-written backward).
@@ -75,6 +77,7 @@
 //! itself a recorded `Var` and cannot be differentiated again (no `create_graph`). In-place ops
 //! on `Var`s do not exist; `set_tensor` is the only mutation and is for leaves.
 
+mod attention;
 mod check;
 mod composite;
 mod embedding;
@@ -85,6 +88,7 @@ mod ops;
 pub mod testing;
 mod var;
 
+pub use attention::AttnMask;
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;

@@ -244,6 +244,14 @@ impl<B: Backend> Var<B> {
         Arc::ptr_eq(&self.0, &other.0)
     }
 
+    /// `vars` with repeats of one variable (clones, e.g. a weight tied between two modules)
+    /// dropped, keeping the first occurrence and the order: what optimizers, gradient norms and
+    /// parameter counts must see, so a tied parameter is counted and stepped once.
+    pub fn unique(vars: impl IntoIterator<Item = Self>) -> Vec<Self> {
+        let mut seen = std::collections::HashSet::new();
+        vars.into_iter().filter(|v| seen.insert(v.id())).collect()
+    }
+
     /// The current value (a cheap handle; later [`Var::set_tensor`] calls do not change it).
     pub fn tensor(&self) -> Tensor<B> {
         self.0

@@ -50,6 +50,7 @@ pub mod philox;
 pub mod profile;
 mod random;
 pub mod reference;
+mod sampling;
 mod shape;
 mod tensor;
 #[cfg(feature = "testing")]
@@ -74,5 +75,6 @@ pub use op::{
     BinaryFn, BinaryVisitor, CmpFn, CmpVisitor, CompositeOp, Real, Side, UnaryFn, UnaryVisitor, Vjp,
 };
 pub use random::{Generator, default_generator, manual_seed};
+pub use sampling::sample_logits;
 pub use shape::normalize_axis;
 pub use tensor::{Reduction, Tensor, Updated};

@@ -6,7 +6,8 @@
 //! - [`Module`] (forward, named parameters, train/eval) and [`ModuleExt`] (`to_device`,
 //!   `save`/`load`, `state_dict`), implemented by every layer;
 //! - layers: [`Linear`], [`Conv2d`], [`MaxPool2d`], [`Flatten`], [`Dropout`], [`LayerNorm`],
-//!   [`RMSNorm`], [`Embedding`], activations ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`],
+//!   [`RMSNorm`], [`Embedding`], [`MultiheadAttention`] (with the functional
+//!   [`multi_head_attention`]), activations ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`],
 //!   [`GeluTanh`]) and the [`Sequential`] container;
 //! - losses ([`loss::cross_entropy`] fused with log-softmax, [`loss::mse`],
 //!   [`loss::bce_with_logits`]) and [`loss::accuracy`];
@@ -47,6 +48,7 @@
 //! ```
 
 mod activation;
+mod attention;
 mod conv;
 mod dropout;
 mod embedding;
@@ -59,6 +61,9 @@ mod sequential;
 pub mod serialize;
 
 pub use activation::{Flatten, Gelu, GeluTanh, Relu, Sigmoid, Tanh};
+pub use attention::{
+    MhaWeights, MultiheadAttention, MultiheadAttentionConfig, multi_head_attention,
+};
 pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, max_pool2d};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};

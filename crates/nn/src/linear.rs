@@ -104,6 +104,46 @@ impl<B: Backend> Linear<B> {
     pub fn out_features(&self) -> usize {
         self.weight.dims()[0]
     }
+
+    /// Ties this layer's weight to `weight`: the layer uses that very variable from now on (its
+    /// own is dropped), so both users' gradients accumulate into one `.grad()` and one update
+    /// moves both. This is nanoGPT's `lm_head.weight = wte.weight`:
+    ///
+    /// ```
+    /// use kiln_backend_cpu::Cpu;
+    /// use kiln_core::Generator;
+    /// use kiln_nn::{EmbeddingConfig, LinearConfig};
+    ///
+    /// let (dev, mut g) = (Cpu::device(0), Generator::new(0));
+    /// let wte = EmbeddingConfig::new(65, 32).init::<Cpu>(&dev, &mut g)?;
+    /// let mut lm_head = LinearConfig::new(32, 65).with_bias(false).init::<Cpu>(&dev, &mut g)?;
+    /// lm_head.tie_weight(&wte.weight)?;
+    /// assert!(lm_head.weight.ptr_eq(&wte.weight));
+    /// # Ok::<(), kiln_core::Error>(())
+    /// ```
+    ///
+    /// A model holding both lists the parameter under both names in `named_parameters` and
+    /// `state_dict` (as PyTorch does), while [`Module::parameters`], optimizers and gradient
+    /// norms see it once; loading accepts a state dict with both names or either one. The
+    /// weight must have this layer's shape `[out, in]` and dtype, or the layer is unchanged and
+    /// the error says why.
+    pub fn tie_weight(&mut self, weight: &Var<B>) -> Result<()> {
+        let own = &self.weight;
+        if weight.shape() != own.shape() || weight.dtype() != own.dtype() {
+            return Err(Error::invalid(
+                "Linear::tie_weight",
+                format!(
+                    "the weight must be {} {} like the layer's, got {} {}",
+                    own.dtype(),
+                    own.shape(),
+                    weight.dtype(),
+                    weight.shape()
+                ),
+            ));
+        }
+        self.weight = weight.clone();
+        Ok(())
+    }
 }
 
 impl<B: Backend> Module<B> for Linear<B> {

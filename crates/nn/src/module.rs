@@ -27,12 +27,11 @@ pub trait Module<B: Backend>: Send + Sync {
     /// [`Module::parameters`] and optimizers use).
     fn named_parameters(&self) -> Vec<(String, Var<B>)>;
 
-    /// Every parameter, in [`Module::named_parameters`] order.
+    /// Every parameter once, in [`Module::named_parameters`] order: a parameter listed under
+    /// several names (a tied weight, see [`Linear::tie_weight`](crate::Linear::tie_weight))
+    /// appears at its first name's place only ([`Var::unique`]), as PyTorch's `parameters()`.
     fn parameters(&self) -> Vec<Var<B>> {
-        self.named_parameters()
-            .into_iter()
-            .map(|(_, v)| v)
-            .collect()
+        Var::unique(self.named_parameters().into_iter().map(|(_, v)| v))
     }
 
     /// Switches training behaviour (Dropout) on or off; [`ModuleExt::train`] and
@@ -142,7 +141,8 @@ pub trait ModuleExt<B: Backend>: Module<B> {
         self.parameters().iter().map(|p| p.elem_count()).sum()
     }
 
-    /// The current parameter tensors by name (PyTorch's `state_dict`).
+    /// The current parameter tensors by name (PyTorch's `state_dict`): a tied parameter is
+    /// listed under each of its names, as PyTorch lists it.
     fn state_dict(&self) -> Vec<(String, Tensor<B>)> {
         self.named_parameters()
             .into_iter()
@@ -176,13 +176,26 @@ pub trait ModuleExt<B: Backend>: Module<B> {
     }
 
     /// Loads parameters from named tensors (see [`ModuleExt::load`]); `origin` names the source
-    /// in errors.
+    /// in errors. A tied parameter (one variable under several names) may be given under all
+    /// its names (PyTorch's `state_dict`; each is assigned, the same tensor in PyTorch's files)
+    /// or under only some of them (files written without duplicates, as
+    /// `safetensors.torch.save_model` writes them).
     fn load_tensors(
         &self,
         origin: &str,
         tensors: std::collections::BTreeMap<String, Tensor<B>>,
     ) -> Result<()> {
-        let named = self.named_parameters();
+        let all = self.named_parameters();
+        let given: std::collections::HashSet<_> = all
+            .iter()
+            .filter(|(n, _)| tensors.contains_key(n))
+            .map(|(_, v)| v.id())
+            .collect();
+        // A name may be absent when its variable comes in under another name.
+        let named: Vec<(String, Var<B>)> = all
+            .into_iter()
+            .filter(|(n, v)| tensors.contains_key(n) || !given.contains(&v.id()))
+            .collect();
         let expected: Vec<(String, Tensor<B>)> =
             named.iter().map(|(n, v)| (n.clone(), v.tensor())).collect();
         check_state_dict("load", origin, &expected, &tensors)?;

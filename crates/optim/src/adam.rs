@@ -135,6 +135,7 @@ impl<B: Backend> Adam<B> {
         )?;
         check_hyper(OP, "eps", cfg.eps, |v| v >= 0.0, ">= 0")?;
         check_hyper(OP, "weight_decay", cfg.weight_decay, |v| v >= 0.0, ">= 0")?;
+        let params = Var::unique(params);
         let n = params.len();
         Ok(Adam {
             cfg,

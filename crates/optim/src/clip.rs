@@ -1,43 +1,82 @@
 //! Gradient clipping, as `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_`.
 //!
-//! The global norm is summed on the device(s) and read back once (one synchronization per
-//! call, not one per parameter).
+//! # No host round trip
+//!
+//! [`clip_grad_norm`] never reads a value back: the global norm is summed on the device into a
+//! 0-d tensor, the coefficient `min(1, max_norm / (norm + 1e-6))` is computed from it on the
+//! device, and every gradient is multiplied by it (by 1 when no clipping is needed), so a GPU
+//! training step that clips does not wait for the GPU. Reading the returned norm (to log it)
+//! is the caller's choice, and the only synchronization. [`grad_norm`] is that read: the same
+//! norm as an `f64`, one synchronization per call (not one per parameter).
+//!
+//! The norm is accumulated in f64 whatever the gradients' dtype. Parameters on several devices
+//! (model parallelism) are summed onto the first one's device, and the coefficient is copied to
+//! each other device (a device-to-device copy of one number).
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Result, Tensor};
+use kiln_core::{Backend, CmpOp, DType, Error, Result, Tensor};
 
-/// The L2 norm of all gradients together, as if concatenated into one vector (0 when no
-/// parameter has a gradient). Computed in f64.
-pub fn grad_norm<B: Backend>(params: &[Var<B>]) -> Result<f64> {
+/// The L2 norm of all gradients together, as if concatenated into one vector, as a 0-d f64
+/// tensor on the first parameter's device (0 when no parameter has a gradient), with no
+/// synchronization. `None` when `params` is empty and no device is known.
+pub fn grad_norm_tensor<B: Backend>(params: &[Var<B>]) -> Result<Option<Tensor<B>>> {
     let mut total: Option<Tensor<B>> = None;
-    for p in params {
+    for p in Var::unique(params.iter().cloned()) {
         let Some(g) = p.grad() else { continue };
         let sq = g.to_dtype(DType::F64)?.square()?.sum_all()?;
         total = Some(match total {
             None => sq,
-            // Parameters may live on several devices (model parallelism): gather onto the
-            // first one; these are single numbers.
             Some(t) => t.add(&sq.to_device(t.device())?)?,
         });
     }
-    match total {
+    let total = match (total, params.first()) {
+        (Some(t), _) => t,
+        (None, Some(p)) => Tensor::zeros([], DType::F64, &p.device())?,
+        (None, None) => return Ok(None),
+    };
+    Ok(Some(total.sqrt()?))
+}
+
+/// The L2 norm of all gradients together, read back as an `f64` (0 when no parameter has a
+/// gradient): [`grad_norm_tensor`] plus one synchronization. A parameter given twice (tied) is
+/// counted once.
+pub fn grad_norm<B: Backend>(params: &[Var<B>]) -> Result<f64> {
+    match grad_norm_tensor(params)? {
+        Some(t) => t.to_scalar(),
         None => Ok(0.0),
-        Some(t) => Ok(t.to_scalar()?.sqrt()),
     }
 }
 
-/// Scales all gradients by `max_norm / (norm + 1e-6)` when the global norm exceeds `max_norm`,
-/// and returns the norm before clipping (log it: a jump says training diverges). A non-finite
-/// norm is returned as is and the gradients are left alone, so the caller can skip the step.
-pub fn clip_grad_norm<B: Backend>(params: &[Var<B>], max_norm: f64) -> Result<f64> {
-    crate::check_hyper("clip_grad_norm", "max_norm", max_norm, |v| v >= 0.0, ">= 0")?;
-    let norm = grad_norm(params)?;
-    let coef = max_norm / (norm + 1e-6);
-    if norm.is_finite() && coef < 1.0 {
-        for p in params {
-            if let Some(g) = p.grad() {
-                p.set_grad(Some(g.mul_scalar(coef)?))?;
-            }
+/// Scales all gradients by `min(1, max_norm / (norm + 1e-6))` and returns the global norm
+/// before clipping as a 0-d f64 tensor on the first parameter's device (log it: a jump says
+/// training diverges), all on the device with no synchronization (see the module docs). A
+/// non-finite norm leaves the gradients as they are (scaled by 1), so the caller can check the
+/// returned norm and skip the step. A parameter given twice (tied) is counted and scaled once.
+/// With no parameters, the norm is a 0-d zero on the backend's first device.
+pub fn clip_grad_norm<B: Backend>(params: &[Var<B>], max_norm: f64) -> Result<Tensor<B>> {
+    const OP: &str = "clip_grad_norm";
+    crate::check_hyper(OP, "max_norm", max_norm, |v| v >= 0.0, ">= 0")?;
+    let Some(norm) = grad_norm_tensor(params)? else {
+        let dev = B::devices()
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::invalid(OP, "no parameters and no device"))?;
+        return Tensor::zeros([], DType::F64, &dev);
+    };
+    let one = Tensor::<B>::ones([], DType::F64, norm.device())?;
+    // max_norm / (norm + 1e-6), at most 1; 1 where the norm is NaN or infinite.
+    let coef = norm
+        .add_scalar(1e-6)?
+        .recip()?
+        .mul_scalar(max_norm)?
+        .minimum_scalar(1.0)?;
+    let coef = norm
+        .compare_scalar(CmpOp::Lt, f64::INFINITY)?
+        .where_cond(&coef, &one)?;
+    for p in Var::unique(params.iter().cloned()) {
+        if let Some(g) = p.grad() {
+            let c = coef.to_device(g.device())?.to_dtype(g.dtype())?;
+            p.set_grad(Some(g.mul(&c)?))?;
         }
     }
     Ok(norm)

@@ -1,8 +1,8 @@
 //! # kiln-optim
 //!
 //! Optimizers ([`Sgd`] with momentum, Nesterov and weight decay; [`Adam`]; [`AdamW`]),
-//! gradient clipping by global norm ([`clip_grad_norm`]) and learning-rate schedules
-//! ([`StepLr`], [`CosineAnnealing`], [`LinearWarmup`]).
+//! gradient clipping by global norm on the device ([`clip_grad_norm`], no host round trip) and
+//! learning-rate schedules ([`StepLr`], [`CosineAnnealing`], [`LinearWarmup`]).
 //!
 //! An optimizer holds clones of the parameters' [`Var`]s (clones are the same variables), reads
 //! each one's accumulated gradient and writes the new value with [`Var::set_tensor`], the
@@ -34,7 +34,7 @@ mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
-pub use clip::{clip_grad_norm, clip_grad_value, grad_norm};
+pub use clip::{clip_grad_norm, clip_grad_value, grad_norm, grad_norm_tensor};
 pub use schedule::{Constant, CosineAnnealing, LinearWarmup, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;
@@ -48,7 +48,9 @@ use kiln_core::{Backend, Result};
 pub trait Optimizer<B: Backend> {
     /// A short name (`sgd`, `adam`, `adamw`), also written into saved state.
     fn name(&self) -> &'static str;
-    /// The parameters, in the order given at construction (state is keyed by this index).
+    /// The parameters, in the order given at construction (state is keyed by this index),
+    /// each once: a variable given twice (a weight tied between two modules) is kept at its
+    /// first place only ([`Var::unique`]), so it gets one state and one update per step.
     fn params(&self) -> &[Var<B>];
     /// One update of every parameter that has a gradient.
     fn step(&mut self) -> Result<()>;

@@ -73,6 +73,7 @@ impl SgdConfig {
                 "Nesterov momentum requires momentum > 0 and dampening = 0",
             ));
         }
+        let params = Var::unique(params);
         let n = params.len();
         Ok(Sgd {
             cfg: self,

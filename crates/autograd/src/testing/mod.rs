@@ -25,7 +25,7 @@
 //! This file holds the entry points, the case list and the runner (`prop`, `check`); `inputs`
 //! builds the inputs (layouts, value domains, shapes) and the cases are one file per op family:
 //! `elementwise`, `reduce` (with softmax and the losses), `matmul`, `views` (with joins),
-//! `index`, `norm` (normalizations and the embedding) and `devices` (copies between devices, compositions of several ops).
+//! `index`, `norm` (normalizations and the embedding), `attention` and `devices` (copies between devices, compositions of several ops).
 
 use std::fmt::Debug;
 
@@ -154,10 +154,12 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
     c.extend(index_cases::<B>());
     c.extend(loss_cases::<B>());
     c.extend(norm_cases::<B>());
+    c.extend(attention_cases::<B>());
     c.extend(device_cases::<B>());
     c
 }
 
+mod attention;
 mod devices;
 mod elementwise;
 mod index;
@@ -167,11 +169,12 @@ mod norm;
 mod reduce;
 mod views;
 
+use attention::attention_cases;
 use devices::{copy_suite, device_cases};
 use elementwise::{binary_cases, composite_cases, unary_cases};
 use index::index_cases;
 pub use inputs::{In, Lay};
-use inputs::{Vals, axes_of, bcast_pair, dims, ids, input_of, lay};
+use inputs::{Vals, axes_of, bcast_pair, dims, host_values, ids, input_of, lay};
 use matmul::matmul_cases;
 use norm::norm_cases;
 use reduce::{loss_cases, reduction_cases};

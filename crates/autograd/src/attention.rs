@@ -1,0 +1,286 @@
+//! Scaled dot-product attention on variables (PyTorch's `F.scaled_dot_product_attention`).
+//!
+//! # How it runs today
+//!
+//! `softmax(q kᵀ · scale + mask) · v`, built from ops every backend already has: two batched
+//! `matmul`s (cuBLAS on a GPU), and between them one recorded node, the *masked softmax*, whose
+//! forward and backward are a handful of tensor ops (a row max, `exp`, a row sum, `where`), so
+//! it runs on the CPU and on CUDA with no kernel of its own and fuses on the GPU where the
+//! recorder fuses elementwise chains. Its backward is softmax's closed form,
+//! `ds = p · (g - Σ_row g·p)`.
+//!
+//! # Masks and fully masked rows
+//!
+//! A mask is [`AttnMask::Causal`] (PyTorch's `is_causal`: query `i` sees keys `j <= i`, aligned
+//! top-left as PyTorch's), a boolean mask ([`AttnMask::Keep`], a `u8` tensor, nonzero where
+//! attention is allowed, PyTorch's `attn_mask` of dtype `bool`) or an additive one
+//! ([`AttnMask::Additive`], added to the scores, `-inf` to forbid). Either tensor broadcasts to
+//! `[.., Tq, Tk]`. A row in which every key is masked has attention weights of 0 and an output
+//! of 0 (PyTorch's math path since 2.5, `_safe_softmax`), not NaN: its row max is taken as 0,
+//! so `exp(-inf - 0) = 0` everywhere and the division uses a row sum of 1. Its gradient is 0,
+//! so it cannot poison the gradients of the unmasked rows (a NaN row would reach every key and
+//! value through the products' backward).
+//!
+//! # What is left for the GPU
+//!
+//! This materializes the `[.., Tq, Tk]` scores and weights (and keeps the weights for the
+//! backward). The flash-attention kernel the transformer issue asks for — `q`, `k`, `v` tiles in
+//! shared memory, an online softmax so the `T × T` matrix is never stored, the backward by
+//! recomputation from the saved log-sum-exp of each row — is a later step that needs GPU time
+//! to write and measure against PyTorch's SDPA; it will keep this function's signature and
+//! semantics, and this composition stays as the reference it is tested against.
+
+use kiln_core::{Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor};
+
+use crate::var::Var;
+
+const OP: &str = "scaled_dot_product_attention";
+
+/// The mask of [`Var::scaled_dot_product_attention`].
+pub enum AttnMask<B: Backend> {
+    /// Every query sees every key.
+    None,
+    /// Query `i` sees keys `0..=i` (PyTorch's `is_causal=True`, top-left aligned when
+    /// `Tq != Tk`).
+    Causal,
+    /// A `u8` tensor broadcastable to `[.., Tq, Tk]`: nonzero where the query may attend to the
+    /// key (PyTorch's boolean `attn_mask`, `True` = take part).
+    Keep(Tensor<B>),
+    /// A float tensor of the inputs' dtype broadcastable to `[.., Tq, Tk]`, added to the scaled
+    /// scores (`-inf` forbids a pair). It gets no gradient.
+    Additive(Tensor<B>),
+}
+
+// Not derived: `#[derive(Default)]` would require `B: Default`, which backends are not.
+#[allow(clippy::derivable_impls)]
+impl<B: Backend> Default for AttnMask<B> {
+    fn default() -> Self {
+        AttnMask::None
+    }
+}
+
+impl<B: Backend> Clone for AttnMask<B> {
+    fn clone(&self) -> Self {
+        match self {
+            AttnMask::None => AttnMask::None,
+            AttnMask::Causal => AttnMask::Causal,
+            AttnMask::Keep(m) => AttnMask::Keep(m.clone()),
+            AttnMask::Additive(m) => AttnMask::Additive(m.clone()),
+        }
+    }
+}
+
+impl<B: Backend> Var<B> {
+    /// Attention of queries `self` `[.., Tq, d]` over keys `k` `[.., Tk, d]` and values `v`
+    /// `[.., Tk, dv]` (batch and head axes leading, broadcast as `matmul` broadcasts):
+    /// `softmax(q kᵀ · scale + mask) · v`, of shape `[.., Tq, dv]`, as PyTorch's
+    /// `F.scaled_dot_product_attention`. `scale` defaults to `1/√d`. With `dropout_p > 0` the
+    /// attention weights are dropped with probability `dropout_p` and the rest scaled by
+    /// `1/(1 - dropout_p)`, the mask drawn from `generator` (required then); pass 0 outside
+    /// training (a module does this in evaluation mode).
+    ///
+    /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
+    /// never NaN, and a zero gradient. This runs as two batched products around one
+    /// masked-softmax node and stores the `[.., Tq, Tk]` weights; the flash-style fused kernel
+    /// (tiles, online softmax, backward from the log-sum-exp) is a later step that needs GPU
+    /// time, with the same signature (see `attention.rs`).
+    ///
+    /// Errors (each naming `scaled_dot_product_attention`): inputs of rank < 2, non-float or
+    /// mixed dtypes, mismatched `d`, `Tk` or batch axes, a mask of the wrong dtype or shape, a
+    /// `dropout_p` outside `[0, 1)`, a non-finite or non-positive `scale`, dropout without a
+    /// generator; different devices are the products' `DeviceMismatch`.
+    pub fn scaled_dot_product_attention(
+        &self,
+        k: &Self,
+        v: &Self,
+        mask: &AttnMask<B>,
+        dropout_p: f64,
+        scale: Option<f64>,
+        generator: Option<&mut Generator>,
+    ) -> Result<Self> {
+        let (tq, tk, d) = check_inputs(self, k, v)?;
+        let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+        if !scale.is_finite() || scale <= 0.0 {
+            return Err(Error::invalid(
+                OP,
+                format!("scale must be finite and positive, got {scale}"),
+            ));
+        }
+        if !(0.0..1.0).contains(&dropout_p) {
+            return Err(Error::invalid(
+                OP,
+                format!("dropout_p must be in [0, 1), got {dropout_p}"),
+            ));
+        }
+        let scores = self.matmul(&k.transpose(-2, -1)?)?.mul_scalar(scale)?;
+        let (keep, bias) = mask_tensors(mask, &scores, tq, tk)?;
+        let mut p = if keep.is_none() && bias.is_none() {
+            scores.softmax(-1)?
+        } else {
+            masked_softmax(&scores, keep, bias)?
+        };
+        if dropout_p > 0.0 {
+            let Some(generator) = generator else {
+                return Err(Error::invalid(
+                    OP,
+                    format!("dropout_p = {dropout_p} needs a generator to draw its mask"),
+                ));
+            };
+            let u = generator.rand_like(&p.tensor())?;
+            let m = u
+                .compare_scalar(CmpOp::Ge, dropout_p)?
+                .to_dtype(p.dtype())?
+                .mul_scalar(1.0 / (1.0 - dropout_p))?;
+            p = p.mul(&Var::constant(m))?;
+        }
+        p.matmul(v)
+    }
+}
+
+/// Checks ranks, dtypes and the sizes that must agree; returns `(Tq, Tk, d)`.
+fn check_inputs<B: Backend>(q: &Var<B>, k: &Var<B>, v: &Var<B>) -> Result<(usize, usize, usize)> {
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        if x.rank() < 2 {
+            return Err(Error::invalid(
+                OP,
+                format!("{name} must be [.., T, d], got shape {}", x.shape()),
+            ));
+        }
+        if !x.dtype().is_float() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: format!("a float dtype for {name}"),
+                got: x.dtype(),
+            });
+        }
+    }
+    for x in [k, v] {
+        if x.dtype() != q.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: format!("q's dtype {} for k and v", q.dtype()),
+                got: x.dtype(),
+            });
+        }
+    }
+    let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
+    let last2 = |d: &[usize]| (d[d.len() - 2], d[d.len() - 1]);
+    let ((tq, d), (tk, dk), (tv, _)) = (last2(&qd), last2(&kd), last2(&vd));
+    if d != dk || tk != tv {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "expects q [.., Tq, d], k [.., Tk, d], v [.., Tk, dv], got {}, {} and {}",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            ),
+        ));
+    }
+    let batch = |s: &[usize]| Shape::from(s[..s.len() - 2].to_vec());
+    batch(&qd)
+        .broadcast_with(OP, &batch(&kd))?
+        .broadcast_with(OP, &batch(&vd))?;
+    Ok((tq, tk, d))
+}
+
+/// A mask as a `u8` keep-mask and an additive tensor, each optional.
+type MaskParts<B> = (Option<Tensor<B>>, Option<Tensor<B>>);
+
+/// The mask as `(keep, bias)`: a `u8` keep-mask and/or an additive tensor, checked to
+/// broadcast to the scores' shape.
+fn mask_tensors<B: Backend>(
+    mask: &AttnMask<B>,
+    scores: &Var<B>,
+    tq: usize,
+    tk: usize,
+) -> Result<MaskParts<B>> {
+    let fits = |m: &Tensor<B>| -> Result<()> {
+        let s = scores.shape();
+        if m.rank() > s.rank() || s.broadcast_with(OP, m.shape())? != s {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the mask's shape {} does not broadcast to the scores' shape {s}",
+                    m.shape()
+                ),
+            ));
+        }
+        if *m.device() != scores.device() {
+            return Err(Error::DeviceMismatch {
+                op: OP,
+                lhs: scores.device().to_string(),
+                rhs: m.device().to_string(),
+            });
+        }
+        Ok(())
+    };
+    match mask {
+        AttnMask::None => Ok((None, None)),
+        AttnMask::Causal => {
+            let dev = scores.device();
+            let rows =
+                Tensor::<B>::arange(0.0, tq as f64, 1.0, DType::I64, &dev)?.reshape([tq, 1])?;
+            let cols =
+                Tensor::<B>::arange(0.0, tk as f64, 1.0, DType::I64, &dev)?.reshape([1, tk])?;
+            Ok((Some(cols.compare(CmpOp::Le, &rows)?), None))
+        }
+        AttnMask::Keep(m) => {
+            if m.dtype() != DType::U8 {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: "a u8 (boolean) keep-mask".into(),
+                    got: m.dtype(),
+                });
+            }
+            fits(m)?;
+            Ok((Some(m.clone()), None))
+        }
+        AttnMask::Additive(m) => {
+            if m.dtype() != scores.dtype() {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: format!("an additive mask of the inputs' dtype {}", scores.dtype()),
+                    got: m.dtype(),
+                });
+            }
+            fits(m)?;
+            Ok((None, Some(m.clone())))
+        }
+    }
+}
+
+/// Softmax over the last axis of `scores + bias`, restricted to the entries where `keep` is
+/// nonzero; rows with no entry left are all zeros (and get a zero gradient). One recorded node:
+/// it saves the weights only, and its backward is `p · (g - Σ_row g·p)`.
+fn masked_softmax<B: Backend>(
+    scores: &Var<B>,
+    keep: Option<Tensor<B>>,
+    bias: Option<Tensor<B>>,
+) -> Result<Var<B>> {
+    let mut s = scores.tensor();
+    if let Some(b) = &bias {
+        s = s.add(b)?;
+    }
+    let (dtype, dev) = (s.dtype(), s.device().clone());
+    let neg_inf = Tensor::<B>::full(Shape::scalar(), f64::NEG_INFINITY, dtype, &dev)?;
+    let zero = Tensor::<B>::zeros(Shape::scalar(), dtype, &dev)?;
+    let one = Tensor::<B>::ones(Shape::scalar(), dtype, &dev)?;
+    if let Some(k) = &keep {
+        s = k.where_cond(&s, &neg_inf)?;
+    }
+    // A row whose max is -inf has nothing left: shift it by 0 instead, so exp gives zeros.
+    let m = s.max(&[-1], true)?;
+    let m = m
+        .compare_scalar(CmpOp::Gt, f64::NEG_INFINITY)?
+        .where_cond(&m, &zero)?;
+    let e = s.sub(&m)?.exp()?;
+    let sum = e.sum(&[-1], true)?;
+    let sum = sum.compare_scalar(CmpOp::Gt, 0.0)?.where_cond(&sum, &one)?;
+    let p = e.div(&sum)?;
+    let pc = p.clone();
+    Ok(Var::from_op("masked_softmax", &[scores], p, move |g, _| {
+        let s = g.mul(&pc)?.sum(&[-1], true)?;
+        Ok(vec![Some(pc.mul(&g.sub(&s)?)?)])
+    }))
+}

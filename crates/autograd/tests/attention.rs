@@ -1,0 +1,429 @@
+//! `scaled_dot_product_attention` against attention written out as plain f64 loops, on the f64
+//! reference backend and the CPU backend; `check_backward` with every kind of mask, with
+//! dropout and with a fully masked row; the zero (not NaN) result of fully masked rows; and the
+//! typed errors. (The generic gradient suite checks it on random shapes on every backend.)
+
+use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward};
+use kiln_backend_cpu::Cpu;
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Tensor};
+
+fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
+    let d = RandDist::Normal {
+        mean: 0.0,
+        std: 1.0,
+    };
+    Generator::new(seed)
+        .sample::<B>(dims.to_vec(), d, dtype, dev)
+        .unwrap()
+}
+
+fn f64s<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
+    t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w} (tol {tol})"
+        );
+    }
+}
+
+/// Attention by hand over `nb` independent `[t, d]` blocks: `allowed(i, j)` says whether query
+/// `i` may see key `j`, `bias(i, j)` is added to the score; fully masked rows give zeros.
+#[allow(clippy::too_many_arguments)]
+fn by_hand(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    nb: usize,
+    (tq, tk, d, dv): (usize, usize, usize, usize),
+    scale: f64,
+    allowed: impl Fn(usize, usize) -> bool,
+    bias: impl Fn(usize, usize) -> f64,
+) -> Vec<f64> {
+    let mut out = vec![0.0; nb * tq * dv];
+    for b in 0..nb {
+        for i in 0..tq {
+            let s: Vec<Option<f64>> = (0..tk)
+                .map(|j| {
+                    allowed(i, j).then(|| {
+                        (0..d)
+                            .map(|c| q[(b * tq + i) * d + c] * k[(b * tk + j) * d + c])
+                            .sum::<f64>()
+                            * scale
+                            + bias(i, j)
+                    })
+                })
+                .collect();
+            let m = s
+                .iter()
+                .flatten()
+                .cloned()
+                .fold(f64::NEG_INFINITY, f64::max);
+            if m == f64::NEG_INFINITY {
+                continue;
+            }
+            let e: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
+            let z: f64 = e.iter().sum();
+            for c in 0..dv {
+                out[(b * tq + i) * dv + c] =
+                    (0..tk).map(|j| e[j] / z * v[(b * tk + j) * dv + c]).sum();
+            }
+        }
+    }
+    out
+}
+
+/// A named mask with its scale and the expected output.
+type Case<B> = (&'static str, AttnMask<B>, Option<f64>, Vec<f64>);
+
+/// No mask, causal (square and `Tq < Tk`), a boolean mask broadcast over the batch and an
+/// additive one, with the default and an explicit scale.
+fn matches_by_hand<B: Backend>(dev: &B::Device, dtype: DType, tol: f64) {
+    let (batch, tq, tk, d, dv) = ([2usize, 3], 4usize, 5usize, 3usize, 2usize);
+    let nb = 6;
+    for (tq, tk) in [(tq, tk), (tk, tk)] {
+        let q = normal::<B>(&[batch[0], batch[1], tq, d], 1, dtype, dev);
+        let k = normal::<B>(&[batch[0], batch[1], tk, d], 2, dtype, dev);
+        let v = normal::<B>(&[batch[0], batch[1], tk, dv], 3, dtype, dev);
+        let (qh, kh, vh) = (f64s(&q), f64s(&k), f64s(&v));
+        let keep: Vec<u8> = (0..tq * tk).map(|x| u8::from(x % 3 != 1)).collect();
+        let add: Vec<f64> = (0..tq * tk).map(|x| (x as f64 * 0.37).sin()).collect();
+        let keep_t = Tensor::<B>::from_slice(&keep, [tq, tk], dev).unwrap();
+        let add_t = Tensor::<B>::from_slice(&add, [tq, tk], dev)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let all = |_: usize, _: usize| true;
+        let nobias = |_: usize, _: usize| 0.0;
+        let cases: Vec<Case<B>> = vec![
+            (
+                "none",
+                AttnMask::None,
+                None,
+                by_hand(
+                    &qh,
+                    &kh,
+                    &vh,
+                    nb,
+                    (tq, tk, d, dv),
+                    1.0 / (d as f64).sqrt(),
+                    all,
+                    nobias,
+                ),
+            ),
+            (
+                "causal",
+                AttnMask::Causal,
+                Some(0.7),
+                by_hand(
+                    &qh,
+                    &kh,
+                    &vh,
+                    nb,
+                    (tq, tk, d, dv),
+                    0.7,
+                    |i, j| j <= i,
+                    nobias,
+                ),
+            ),
+            (
+                "keep",
+                AttnMask::Keep(keep_t),
+                None,
+                by_hand(
+                    &qh,
+                    &kh,
+                    &vh,
+                    nb,
+                    (tq, tk, d, dv),
+                    1.0 / (d as f64).sqrt(),
+                    |i, j| keep[i * tk + j] != 0,
+                    nobias,
+                ),
+            ),
+            (
+                "additive",
+                AttnMask::Additive(add_t),
+                None,
+                by_hand(
+                    &qh,
+                    &kh,
+                    &vh,
+                    nb,
+                    (tq, tk, d, dv),
+                    1.0 / (d as f64).sqrt(),
+                    all,
+                    |i, j| add[i * tk + j],
+                ),
+            ),
+        ];
+        for (name, mask, scale, want) in cases {
+            let y = Var::constant(q.clone())
+                .scaled_dot_product_attention(
+                    &Var::constant(k.clone()),
+                    &Var::constant(v.clone()),
+                    &mask,
+                    0.0,
+                    scale,
+                    None,
+                )
+                .unwrap();
+            assert_eq!(y.dims(), [2, 3, tq, dv]);
+            assert_close(
+                &format!("{} {dtype} {name} tq={tq}", B::NAME),
+                &f64s(&y.tensor()),
+                &want,
+                tol,
+            );
+        }
+    }
+}
+
+#[test]
+fn attention_matches_values_derived_by_hand() {
+    matches_by_hand::<Reference>(&RefDevice(0), DType::F64, 1e-12);
+    matches_by_hand::<Cpu>(&Cpu::device(0), DType::F64, 1e-12);
+    matches_by_hand::<Cpu>(&Cpu::device(0), DType::F32, 1e-5);
+}
+
+/// A keep-mask with query row 1 fully masked (broadcast over 2 heads).
+fn mask_with_empty_row<B: Backend>(dev: &B::Device) -> Tensor<B> {
+    let keep: [u8; 12] = [1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0];
+    Tensor::<B>::from_slice(&keep, [3, 4], dev).unwrap()
+}
+
+/// Queries, keys and values.
+type Qkv<B> = [Tensor<B>; 3];
+
+fn gradcheck<B: Backend>(dev: &B::Device) {
+    let opts = CheckOptions::default();
+    let ins = [
+        normal::<B>(&[2, 3, 3], 10, DType::F64, dev),
+        normal::<B>(&[2, 4, 3], 11, DType::F64, dev),
+        normal::<B>(&[2, 4, 2], 12, DType::F64, dev),
+    ];
+    let square = [
+        normal::<B>(&[2, 2, 4, 3], 13, DType::F64, dev),
+        normal::<B>(&[2, 2, 4, 3], 14, DType::F64, dev),
+        normal::<B>(&[2, 2, 4, 5], 15, DType::F64, dev),
+    ];
+    let add = normal::<B>(&[3, 4], 16, DType::F64, dev);
+    let masks: Vec<(&str, AttnMask<B>, &Qkv<B>)> = vec![
+        ("none", AttnMask::None, &ins),
+        ("causal", AttnMask::Causal, &square),
+        ("causal-rect", AttnMask::Causal, &ins),
+        (
+            "keep-empty-row",
+            AttnMask::Keep(mask_with_empty_row(dev)),
+            &ins,
+        ),
+        ("additive", AttnMask::Additive(add), &ins),
+    ];
+    for (name, mask, inputs) in masks {
+        check_backward(
+            |v| v[0].scaled_dot_product_attention(&v[1], &v[2], &mask, 0.0, None, None),
+            inputs,
+            &opts,
+        )
+        .unwrap_or_else(|e| panic!("{} {name}: {e}", B::NAME));
+    }
+    // Dropout: the same seed in every evaluation, so the function is deterministic.
+    check_backward(
+        |v| {
+            let mut g = Generator::new(5);
+            v[0].scaled_dot_product_attention(
+                &v[1],
+                &v[2],
+                &AttnMask::Causal,
+                0.3,
+                Some(0.5),
+                Some(&mut g),
+            )
+        },
+        &square,
+        &opts,
+    )
+    .unwrap_or_else(|e| panic!("{} dropout: {e}", B::NAME));
+}
+
+#[test]
+fn attention_gradients_check() {
+    gradcheck::<Reference>(&RefDevice(0));
+    gradcheck::<Cpu>(&Cpu::device(0));
+}
+
+/// A fully masked query row gives a zero output row, zero gradients to that query, and leaves
+/// the gradients of `k` and `v` exactly those of attention without that row (no NaN anywhere).
+fn empty_rows<B: Backend>(dev: &B::Device) {
+    let (q, k, v) = (
+        normal::<B>(&[2, 3, 3], 20, DType::F64, dev),
+        normal::<B>(&[2, 4, 3], 21, DType::F64, dev),
+        normal::<B>(&[2, 4, 2], 22, DType::F64, dev),
+    );
+    let run = |q: Tensor<B>, mask: Tensor<B>| {
+        let (qv, kv, vv) = (Var::param(q), Var::param(k.clone()), Var::param(v.clone()));
+        let y = qv
+            .scaled_dot_product_attention(&kv, &vv, &AttnMask::Keep(mask), 0.0, None, None)
+            .unwrap();
+        y.sum_all().unwrap().backward().unwrap();
+        let grads = [&qv, &kv, &vv].map(|x| f64s(&x.grad().unwrap()));
+        (f64s(&y.tensor()), grads)
+    };
+    let mask = mask_with_empty_row::<B>(dev);
+    let (y, [dq, dk, dv]) = run(q.clone(), mask.clone());
+    for x in y.iter().chain(&dq).chain(&dk).chain(&dv) {
+        assert!(x.is_finite(), "{}: non-finite value {x}", B::NAME);
+    }
+    for b in 0..2 {
+        assert_eq!(
+            &y[b * 6 + 2..b * 6 + 4],
+            &[0.0, 0.0],
+            "output of the empty row"
+        );
+        assert_eq!(&dq[b * 9 + 3..b * 9 + 6], &[0.0; 3], "dq of the empty row");
+    }
+    // The same without the empty row: rows 0 and 2 of q and of the mask.
+    let ids = Tensor::<B>::from_slice(&[0i64, 2], [2], dev).unwrap();
+    let (y2, [_, dk2, dv2]) = run(
+        q.index_select(1, &ids).unwrap(),
+        mask.index_select(0, &ids).unwrap(),
+    );
+    assert_close("y without the empty row", &y2[..2], &y[..2], 1e-12);
+    assert_close("dk", &dk, &dk2, 1e-12);
+    assert_close("dv", &dv, &dv2, 1e-12);
+}
+
+#[test]
+fn fully_masked_rows_give_zeros_not_nan() {
+    empty_rows::<Reference>(&RefDevice(0));
+    empty_rows::<Cpu>(&Cpu::device(0));
+}
+
+#[test]
+fn dropout_is_seeded_and_scales_the_kept_weights() {
+    let dev = Cpu::device(0);
+    let (q, k, v) = (
+        Var::constant(normal::<Cpu>(&[2, 5, 4], 30, DType::F64, &dev)),
+        Var::constant(normal::<Cpu>(&[2, 5, 4], 31, DType::F64, &dev)),
+        Var::constant(normal::<Cpu>(&[2, 5, 3], 32, DType::F64, &dev)),
+    );
+    let run = |seed: u64| {
+        let mut g = Generator::new(seed);
+        let y = q
+            .scaled_dot_product_attention(&k, &v, &AttnMask::Causal, 0.4, None, Some(&mut g))
+            .unwrap();
+        f64s(&y.tensor())
+    };
+    assert_eq!(run(7), run(7), "same seed, same mask");
+    assert_ne!(run(7), run(8), "another seed, another mask");
+    // By hand: the weights without dropout, times the generator's keep-mask / (1 - p).
+    let eye = Var::constant(Tensor::<Cpu>::eye(5, DType::F64, &dev).unwrap());
+    // Attention over the identity as values gives the weights themselves.
+    let weights = |p_drop: f64, g: Option<&mut Generator>| {
+        f64s(
+            &q.scaled_dot_product_attention(&k, &eye, &AttnMask::Causal, p_drop, None, g)
+                .unwrap()
+                .tensor(),
+        )
+    };
+    let plain = weights(0.0, None);
+    let dropped = weights(0.4, Some(&mut Generator::new(7)));
+    let u = f64s(
+        &Generator::new(7)
+            .rand_like(&Tensor::<Cpu>::zeros([2, 5, 5], DType::F64, &dev).unwrap())
+            .unwrap(),
+    );
+    let want: Vec<f64> = plain
+        .iter()
+        .zip(&u)
+        .map(|(p, u)| if *u >= 0.4 { p / 0.6 } else { 0.0 })
+        .collect();
+    assert_close("dropped weights", &dropped, &want, 1e-12);
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let dev = Cpu::device(0);
+    let t = |dims: &[usize]| Var::constant(normal::<Cpu>(dims, 1, DType::F32, &dev));
+    let (q, k, v) = (t(&[2, 3, 4]), t(&[2, 5, 4]), t(&[2, 5, 6]));
+    let sdpa = |q: &Var<Cpu>, k: &Var<Cpu>, v: &Var<Cpu>, m: &AttnMask<Cpu>, p: f64| {
+        q.scaled_dot_product_attention(k, v, m, p, None, None)
+    };
+    let invalid = |r: kiln_core::Result<Var<Cpu>>, what: &str| match r {
+        Err(Error::InvalidArgument { op, msg }) => {
+            assert_eq!(op, "scaled_dot_product_attention");
+            assert!(msg.contains(what), "{msg} should mention {what}");
+        }
+        Err(e) => panic!("{what}: wrong error {e}"),
+        Ok(_) => panic!("{what}: accepted"),
+    };
+    invalid(
+        sdpa(&q, &t(&[2, 5, 3]), &v, &AttnMask::None, 0.0),
+        "k [.., Tk, d]",
+    );
+    invalid(
+        sdpa(&q, &k, &t(&[2, 4, 6]), &AttnMask::None, 0.0),
+        "v [.., Tk, dv]",
+    );
+    invalid(sdpa(&t(&[4]), &k, &v, &AttnMask::None, 0.0), "q must be");
+    invalid(sdpa(&q, &k, &v, &AttnMask::None, 1.0), "dropout_p");
+    invalid(sdpa(&q, &k, &v, &AttnMask::None, 0.1), "generator");
+    invalid(
+        q.scaled_dot_product_attention(&k, &v, &AttnMask::None, 0.0, Some(-1.0), None),
+        "scale",
+    );
+    let wide = Tensor::<Cpu>::ones([3, 6], DType::U8, &dev).unwrap();
+    assert!(matches!(
+        sdpa(&q, &k, &v, &AttnMask::Keep(wide), 0.0),
+        Err(Error::ShapeMismatch {
+            op: "scaled_dot_product_attention",
+            ..
+        })
+    ));
+    let extra = Tensor::<Cpu>::ones([2, 2, 3, 5], DType::U8, &dev).unwrap();
+    invalid(
+        sdpa(&q, &k, &v, &AttnMask::Keep(extra), 0.0),
+        "does not broadcast",
+    );
+    let float_keep = Tensor::<Cpu>::ones([3, 5], DType::F32, &dev).unwrap();
+    assert!(matches!(
+        sdpa(&q, &k, &v, &AttnMask::Keep(float_keep), 0.0),
+        Err(Error::DTypeMismatch {
+            op: "scaled_dot_product_attention",
+            ..
+        })
+    ));
+    let f64_add = Tensor::<Cpu>::zeros([3, 5], DType::F64, &dev).unwrap();
+    assert!(matches!(
+        sdpa(&q, &k, &v, &AttnMask::Additive(f64_add), 0.0),
+        Err(Error::DTypeMismatch {
+            op: "scaled_dot_product_attention",
+            ..
+        })
+    ));
+    assert!(matches!(
+        sdpa(
+            &q,
+            &t(&[2, 5, 4]).to_dtype(DType::F64).unwrap(),
+            &v,
+            &AttnMask::None,
+            0.0
+        ),
+        Err(Error::DTypeMismatch {
+            op: "scaled_dot_product_attention",
+            ..
+        })
+    ));
+    assert!(matches!(
+        sdpa(&q, &t(&[3, 5, 4]), &t(&[3, 5, 6]), &AttnMask::None, 0.0),
+        Err(Error::ShapeMismatch {
+            op: "scaled_dot_product_attention",
+            ..
+        })
+    ));
+}

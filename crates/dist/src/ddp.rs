@@ -147,10 +147,12 @@ impl<B: Backend> Ddp<B> {
         cfg: DdpConfig,
     ) -> Result<Ddp<B>> {
         const OP: &str = "Ddp::new";
+        // A weight tied between two modules appears under both names: reduce it once.
+        let mut seen = std::collections::HashSet::new();
         let params: Vec<(String, Var<B>)> = model
             .named_parameters()
             .into_iter()
-            .filter(|(_, p)| p.requires_grad())
+            .filter(|(_, p)| p.requires_grad() && seen.insert(p.id()))
             .collect();
         let dev = group.device();
         for (name, p) in &params {
@@ -425,7 +427,11 @@ pub fn all_reduce_grads<B: Backend>(
     model: &dyn Module<B>,
     group: &dyn ProcessGroup<B>,
 ) -> Result<()> {
+    let mut seen = std::collections::HashSet::new();
     for (name, p) in model.named_parameters() {
+        if !seen.insert(p.id()) {
+            continue; // a tied weight, already averaged under its first name
+        }
         let g = p.grad().ok_or_else(|| {
             Error::dist(
                 "all_reduce_grads",

@@ -258,3 +258,26 @@ fn chainer_style_master_and_replica_match_one_device() {
     assert_close(&params(&master), &reference, 1e-4);
     assert_close(&params(&replica), &reference, 1e-4);
 }
+
+#[test]
+fn a_tied_weight_is_reduced_once() {
+    // Two 8x8 layers sharing one weight: three parameters (the weight, two biases) under four
+    // names. DDP must place the weight in one bucket once, not under both names.
+    let groups = LocalGroup::<B>::new(&[dev(), dev()], Duration::from_secs(20));
+    std::thread::scope(|s| {
+        for g in groups {
+            s.spawn(move || {
+                let mut rng = Generator::new(3);
+                let a = LinearConfig::new(8, 8).init::<B>(&dev(), &mut rng).unwrap();
+                let mut b = LinearConfig::new(8, 8).init::<B>(&dev(), &mut rng).unwrap();
+                b.tie_weight(&a.weight).unwrap();
+                let m = Sequential::new().add(a).add(b);
+                assert_eq!(m.named_parameters().len(), 4);
+                let g: Arc<dyn ProcessGroup<B>> = Arc::new(g);
+                let ddp = Ddp::new(&m, g).unwrap();
+                let placed: usize = ddp.buckets().iter().map(Vec::len).sum();
+                assert_eq!(placed, 3, "{:?}", ddp.buckets());
+            });
+        }
+    });
+}

@@ -87,9 +87,9 @@ impl Op {
 
     /// Whether this op, with inputs of dtypes `ins` and a result of dtype `out`, can be
     /// deferred: float arithmetic, comparisons of floats, `where` with float branches, casts
-    /// among f32, f64 and u8.
+    /// among the floats and u8.
     pub fn fusable(self, ins: &[DType], out: DType) -> bool {
-        let float = |d: DType| matches!(d, DType::F32 | DType::F64);
+        let float = |d: DType| d.is_float();
         match self {
             Op::Unary(u) => float(out) && u.supports(out),
             Op::Binary(b) | Op::Scalar { op: b, .. } => float(out) && b.supports(out),
@@ -98,7 +98,7 @@ impl Op {
             Op::Compare(_) => float(ins[0]),
             Op::Cast(to) => [ins[0], to]
                 .iter()
-                .all(|d| matches!(d, DType::F32 | DType::F64 | DType::U8)),
+                .all(|d| d.is_float() || *d == DType::U8),
         }
     }
 }
@@ -396,7 +396,7 @@ pub fn fusable_reduction<D: Deferral>(n: &Node<D>, l: &Layout, op: ReduceOp) -> 
     plain
         && n.shape.rank() > 0
         && n.shape.elem_count() > 0
-        && matches!(n.dtype, DType::F32 | DType::F64)
+        && n.dtype.is_float()
         && matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
         && !n.is_done()
 }

@@ -246,8 +246,8 @@ impl<B: Backend> Tensor<B> {
         let name = op.name();
         let axes = self.shape().axes(name, axes)?;
         match op {
-            ReduceOp::Sum if !matches!(self.dtype(), DType::F32 | DType::F64 | DType::I64) => {
-                return Err(dtype_err(name, "f32, f64 or i64", self.dtype()));
+            ReduceOp::Sum if !(self.dtype().is_float() || self.dtype() == DType::I64) => {
+                return Err(dtype_err(name, "a float dtype or i64", self.dtype()));
             }
             ReduceOp::ArgMax | ReduceOp::ArgMin if axes.len() != 1 => {
                 return Err(Error::invalid(

@@ -88,8 +88,8 @@ impl DType {
         match self {
             DType::F64 => v,
             DType::F32 => v as f32 as f64,
-            DType::F16 => half::f16::from_f64(v).to_f64(),
-            DType::BF16 => half::bf16::from_f64(v).to_f64(),
+            DType::F16 => crate::halfround::f16_from_f64(v).to_f64(),
+            DType::BF16 => crate::halfround::bf16_from_f64(v).to_f64(),
             DType::I64 => v as i64 as f64,
             DType::U8 => v as u8 as f64,
         }

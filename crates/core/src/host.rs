@@ -76,8 +76,16 @@ impl HostBuffer {
             DType::F64 => HostBuffer::F64(v.to_vec()),
             DType::I64 => HostBuffer::I64(v.iter().map(|&x| x as i64).collect()),
             DType::U8 => HostBuffer::U8(v.iter().map(|&x| x as u8).collect()),
-            DType::F16 => HostBuffer::F16(v.iter().map(|&x| half::f16::from_f64(x)).collect()),
-            DType::BF16 => HostBuffer::BF16(v.iter().map(|&x| half::bf16::from_f64(x)).collect()),
+            DType::F16 => HostBuffer::F16(
+                v.iter()
+                    .map(|&x| crate::halfround::f16_from_f64(x))
+                    .collect(),
+            ),
+            DType::BF16 => HostBuffer::BF16(
+                v.iter()
+                    .map(|&x| crate::halfround::bf16_from_f64(x))
+                    .collect(),
+            ),
         }
     }
 
@@ -165,8 +173,18 @@ element!(f32, F32);
 element!(f64, F64);
 element!(i64, I64);
 element!(u8, U8);
-element!(half::f16, F16, half::f16::to_f64, half::f16::from_f64);
-element!(half::bf16, BF16, half::bf16::to_f64, half::bf16::from_f64);
+element!(
+    half::f16,
+    F16,
+    half::f16::to_f64,
+    crate::halfround::f16_from_f64
+);
+element!(
+    half::bf16,
+    BF16,
+    half::bf16::to_f64,
+    crate::halfround::bf16_from_f64
+);
 
 /// Allocates and frees page-locked host memory (a GPU backend's pinned pool).
 pub trait PinnedAllocator: Send + Sync + 'static {

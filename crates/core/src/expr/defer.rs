@@ -96,9 +96,7 @@ impl Op {
             Op::UnaryBwd(u) => float(out) && has_backward(u, out),
             Op::Fill(_) | Op::Where => float(out),
             Op::Compare(_) => float(ins[0]),
-            Op::Cast(to) => [ins[0], to]
-                .iter()
-                .all(|d| d.is_float() || *d == DType::U8),
+            Op::Cast(to) => [ins[0], to].iter().all(|d| d.is_float() || *d == DType::U8),
         }
     }
 }

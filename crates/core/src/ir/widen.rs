@@ -46,7 +46,11 @@ impl Program {
             w.wide.push(wide);
             w.narrow.push(narrow);
         }
-        let outputs = self.outputs().iter().map(|&o| w.narrow(o, self.dtype(o))).collect();
+        let outputs = self
+            .outputs()
+            .iter()
+            .map(|&o| w.narrow(o, self.dtype(o)))
+            .collect();
         let params = self.params().iter().map(|d| d.compute_dtype()).collect();
         Program::new(
             self.inputs().to_vec(),
@@ -128,8 +132,7 @@ mod tests {
             Instr::Unary(UnaryOp::Exp, 2),
             Instr::Cast(DType::F64, 3),
         ];
-        let p = Program::new(vec![DType::F16], vec![DType::F16], code, vec![3, 4], vec![])
-            .unwrap();
+        let p = Program::new(vec![DType::F16], vec![DType::F16], code, vec![3, 4], vec![]).unwrap();
         let w = p.widened().unwrap();
         assert_eq!(w.inputs(), &[DType::F16]);
         assert_eq!(w.params(), &[DType::F32]);

@@ -101,9 +101,7 @@ impl Combine {
     }
     pub fn supports(self, dtype: DType) -> bool {
         match self {
-            Combine::Sum | Combine::Prod => {
-                dtype.is_float() || dtype == DType::I64
-            }
+            Combine::Sum | Combine::Prod => dtype.is_float() || dtype == DType::I64,
             Combine::Max | Combine::Min => true,
         }
     }

@@ -232,6 +232,8 @@ impl Backend for Reference {
             (HostBuffer::F64(d), HostBuffer::F64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             (HostBuffer::I64(d), HostBuffer::I64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             (HostBuffer::U8(d), HostBuffer::U8(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::F16(d), HostBuffer::F16(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::BF16(d), HostBuffer::BF16(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             _ => unreachable!("dtypes checked by gather"),
         }
         Ok(())
@@ -659,10 +661,14 @@ impl Backend for Reference {
                     DType::I64 => HostBuffer::I64($v.iter().map(|&x| x as i64).collect()),
                     DType::U8 => HostBuffer::U8($v.iter().map(|&x| x as u8).collect()),
                     DType::F16 => HostBuffer::F16(
-                        $v.iter().map(|&x| crate::f16::from_f64(x as f64)).collect(),
+                        $v.iter()
+                            .map(|&x| crate::halfround::f16_from_f64(x as f64))
+                            .collect(),
                     ),
                     DType::BF16 => HostBuffer::BF16(
-                        $v.iter().map(|&x| crate::bf16::from_f64(x as f64)).collect(),
+                        $v.iter()
+                            .map(|&x| crate::halfround::bf16_from_f64(x as f64))
+                            .collect(),
                     ),
                 }
             };

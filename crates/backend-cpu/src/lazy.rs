@@ -185,23 +185,12 @@ fn force(node: &Arc<Node>) -> Result<Arc<Block>> {
     }
     // 16-bit arithmetic runs in the fused evaluator only (see `elementwise.rs`), even for a
     // node of one op over computed inputs, which `force_with` would run op by op.
-    if involves_half(node)
+    if node.involves_half()
         && let Some(b) = run_program(node, None)?
     {
         return Ok(node.finish(b));
     }
     defer::force_with(node, run_op, fused, force)
-}
-
-/// Whether `node` or one of its operands is f16 or bf16.
-fn involves_half(node: &Node) -> bool {
-    node.dtype().is_half()
-        || node.pending().is_some_and(|(_, args)| {
-            args.iter().any(|a| match a {
-                Operand::Leaf { dtype, .. } => dtype.is_half(),
-                Operand::Node(n) => n.dtype().is_half(),
-            })
-        })
 }
 
 /// `op` over `args`, every one of them computed, with the single-op kernels.

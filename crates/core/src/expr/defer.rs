@@ -183,6 +183,18 @@ impl<D: Deferral> Node<D> {
         self.done.get().is_some()
     }
     /// The op and operands, while pending.
+    /// Whether the node's result or one of its pending operands is f16 or bf16 (a backend
+    /// whose 16-bit arithmetic runs only in its fused evaluator runs such a node there).
+    pub fn involves_half(&self) -> bool {
+        self.dtype.is_half()
+            || self.pending().is_some_and(|(_, args)| {
+                args.iter().any(|a| match a {
+                    Operand::Leaf { dtype, .. } => dtype.is_half(),
+                    Operand::Node(n) => n.dtype.is_half(),
+                })
+            })
+    }
+
     fn pending(&self) -> Option<(Op, Vec<Operand<D>>)> {
         self.pending.lock().unwrap().clone()
     }

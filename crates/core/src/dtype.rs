@@ -12,8 +12,6 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::{Error, Result};
-
 /// The element type of a tensor. Storage is untyped; the tensor carries its dtype.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -114,13 +112,29 @@ impl fmt::Display for DType {
     }
 }
 
+/// A dtype name [`DType::from_str`] does not know.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownDType(pub String);
+
+impl fmt::Display for UnknownDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "unknown dtype {:?} (expected f32, f64, f16, bf16, i64 or u8)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for UnknownDType {}
+
 impl FromStr for DType {
-    type Err = Error;
+    type Err = UnknownDType;
 
     /// Parses kiln's names (`f32`, `f16`, `bf16`, ...) and PyTorch's (`float32`, `float`,
     /// `float16`, `half`, `bfloat16`, `float64`, `double`, `int64`, `long`, `uint8`), with or
     /// without a `torch.` prefix.
-    fn from_str(s: &str) -> Result<DType> {
+    fn from_str(s: &str) -> Result<DType, UnknownDType> {
         let name = s.trim();
         let name = name.strip_prefix("torch.").unwrap_or(name);
         Ok(match name {
@@ -130,12 +144,7 @@ impl FromStr for DType {
             "bf16" | "bfloat16" => DType::BF16,
             "i64" | "int64" | "long" => DType::I64,
             "u8" | "uint8" => DType::U8,
-            _ => {
-                return Err(Error::invalid(
-                    "dtype",
-                    format!("unknown dtype {s:?} (expected f32, f64, f16, bf16, i64 or u8)"),
-                ));
-            }
+            _ => return Err(UnknownDType(s.to_string())),
         })
     }
 }

@@ -67,7 +67,7 @@ pub use backend::{
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;
-pub use dtype::DType;
+pub use dtype::{DType, UnknownDType};
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
 /// The 16-bit float element types of [`DType::F16`] and [`DType::BF16`] (the `half` crate's).
 pub use half::{bf16, f16};

@@ -101,7 +101,8 @@ pub(crate) fn record(
     // 16-bit arithmetic runs only in the fused evaluator (see `elementwise.rs`): such an op is
     // recorded and computed at once, as a program of one op, when it is not deferred.
     let half = out.is_half() || ins[..inputs.len()].iter().any(|d| d.is_half());
-    if !deferred && !(half && fusable) {
+    let record_now = deferred || (half && fusable);
+    if !record_now {
         for (s, _, _) in inputs {
             compute(s)?;
         }

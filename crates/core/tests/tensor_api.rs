@@ -473,5 +473,5 @@ fn sixteen_bit_tensors_hold_print_and_convert() {
     assert_eq!(b.to_vec::<bf16>().unwrap()[0], bf16::ONE);
     assert_eq!(b.to_string(), "[1, 0.1, -65536] bf16 @ref");
     let back = b.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
-    assert_eq!(back, vec![1.0, 0.10009765625, -65536.0]);
+    assert_eq!(back, vec![1.0, f32::from_bits(0x3dcd_0000), -65536.0]); // bf16 0.1001
 }

@@ -326,9 +326,6 @@ pub(super) fn broadcast_shapes(max_rank: usize) -> BoxedStrategy<(Vec<usize>, Ve
 }
 
 pub(super) const FLOATS: [DType; 4] = DType::FLOATS;
-/// f32 and f64: what the fused optimizer update takes (16-bit parameters keep f32 master
-/// weights, issue 30's optimizer work, not a 16-bit update).
-pub(super) const WIDE_FLOATS: [DType; 2] = [DType::F32, DType::F64];
 pub(super) const ALL: [DType; 6] = DType::ALL;
 
 pub(super) fn dtypes_where(f: impl Fn(DType) -> bool) -> Vec<DType> {

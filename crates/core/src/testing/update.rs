@@ -86,7 +86,7 @@ fn update_mags(rule: &UpdateRule, p: &[f64], g: &[f64], st: &[Vec<f64>]) -> Vec<
 pub(super) fn g_fused_update<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
     let strat = (
         update_rule(),
-        select(WIDE_FLOATS.to_vec()),
+        select(FLOATS.to_vec()),
         prop::collection::vec(prop_oneof![39 => shape(0, 3, 6), 1 => big_shape(1)], 1..=4),
     )
         .prop_flat_map(|(rule, dtype, dims)| {

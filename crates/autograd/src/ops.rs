@@ -232,7 +232,7 @@ impl<B: Backend> Var<B> {
         if !x.dtype().is_float() {
             return Err(Error::DTypeMismatch {
                 op: "mean",
-                expected: "f32 or f64".into(),
+                expected: "a float dtype (f32, f64, f16, bf16)".into(),
                 got: x.dtype(),
             });
         }

@@ -3,7 +3,12 @@
 //! Each op is a slice kernel (a plain loop over equal-length slices, which LLVM vectorizes)
 //! run by the strided drivers in [`crate::strided`]. Semantics follow the `Backend` docs:
 //! i64 arithmetic wraps, i64 `Div` truncates and gives 0 for a zero divisor, `Maximum`/`Minimum`
-//! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts.
+//! propagate NaN (as numpy and PyTorch do), casts are Rust `as` casts (`convert.rs`).
+//!
+//! The arithmetic of f16 and bf16 is not here: `lazy::record` runs every 16-bit op through the
+//! fused evaluator (`expr`), whose widened program computes in f32 and rounds each result once
+//! (`Program::widened`), so 16-bit arithmetic has one definition on the CPU. Comparisons,
+//! `where`, casts and copies of 16-bit values are exact and run here like any other dtype's.
 
 use kiln_core::expr::rules::unary_backward_program;
 use kiln_core::{
@@ -11,9 +16,13 @@ use kiln_core::{
     UnaryFn, UnaryOp, UnaryVisitor,
 };
 
+use crate::convert::Conv;
 use crate::fastmath;
-use crate::storage::{CpuElem, CpuStorage, alloc, storage};
+use crate::storage::{CpuElem, CpuStorage, alloc, storage, with_elem};
 use crate::strided::{map1, map2, map3};
+
+/// What ops over every dtype accept, for their errors.
+pub(crate) const ALL_DTYPES: &str = "f32, f64, f16, bf16, i64 or u8";
 
 pub(crate) fn dtype_err(op: &'static str, expected: &str, got: DType) -> Error {
     Error::DTypeMismatch {
@@ -271,13 +280,9 @@ pub(crate) fn compare(
     lb: &Layout,
     dtype: DType,
 ) -> Result<CpuStorage> {
-    match dtype {
-        DType::F32 => compare_t::<f32>(op, a, la, b, lb),
-        DType::F64 => compare_t::<f64>(op, a, la, b, lb),
-        DType::I64 => compare_t::<i64>(op, a, la, b, lb),
-        DType::U8 => compare_t::<u8>(op, a, la, b, lb),
-        _ => Err(dtype_err(op.name(), "f32, f64, i64 or u8", dtype)),
-    }
+    // (16-bit floats compare exactly as stored: their order is their f32 values'.)
+    with_elem!(dtype, T => compare_t::<T>(op, a, la, b, lb),
+        _ => Err(dtype_err(op.name(), ALL_DTYPES, dtype)))
 }
 
 fn where_t<T: CpuElem>(
@@ -308,34 +313,16 @@ pub(crate) fn where_cond(
     lf: &Layout,
     dtype: DType,
 ) -> Result<CpuStorage> {
-    match dtype {
-        DType::F32 => where_t::<f32>(c, lc, t, lt, f, lf),
-        DType::F64 => where_t::<f64>(c, lc, t, lt, f, lf),
-        DType::I64 => where_t::<i64>(c, lc, t, lt, f, lf),
-        DType::U8 => where_t::<u8>(c, lc, t, lt, f, lf),
-        _ => Err(dtype_err("where", "f32, f64, i64 or u8", dtype)),
-    }
+    with_elem!(dtype, T => where_t::<T>(c, lc, t, lt, f, lf),
+        _ => Err(dtype_err("where", ALL_DTYPES, dtype)))
 }
 
+/// `cast` between any two dtypes, by [`Conv`] (Rust's `as` among f32, f64, i64 and u8; see
+/// `convert.rs` for the 16-bit floats).
 pub(crate) fn cast(s: &CpuStorage, layout: &Layout, from: DType, to: DType) -> Result<CpuStorage> {
-    macro_rules! to {
-        ($a:ty) => {
-            match to {
-                DType::F32 => run1::<$a, f32>(s, layout, "cast", ew1(|x: $a| x as f32)),
-                DType::F64 => run1::<$a, f64>(s, layout, "cast", ew1(|x: $a| x as f64)),
-                DType::I64 => run1::<$a, i64>(s, layout, "cast", ew1(|x: $a| x as i64)),
-                DType::U8 => run1::<$a, u8>(s, layout, "cast", ew1(|x: $a| x as u8)),
-                _ => Err(dtype_err("cast", "f32, f64, i64 or u8", to)),
-            }
-        };
-    }
-    match from {
-        DType::F32 => to!(f32),
-        DType::F64 => to!(f64),
-        DType::I64 => to!(i64),
-        DType::U8 => to!(u8),
-        _ => Err(dtype_err("cast", "f32, f64, i64 or u8", from)),
-    }
+    with_elem!(from, A => with_elem!(to, U => run1::<A, U>(s, layout, "cast", ew1(Conv::<U>::conv)),
+        _ => Err(dtype_err("cast", ALL_DTYPES, to))),
+        _ => Err(dtype_err("cast", ALL_DTYPES, from)))
 }
 
 /// The elements of `layout` as a new contiguous storage on `dst` (any dtype).
@@ -357,11 +344,5 @@ pub(crate) fn copy_contiguous(
         map1(a, layout, &mut out, |x, o| o.copy_from_slice(x));
         Ok(storage(dst, out))
     }
-    match dtype {
-        DType::F32 => go::<f32>(op, s, layout, dst),
-        DType::F64 => go::<f64>(op, s, layout, dst),
-        DType::I64 => go::<i64>(op, s, layout, dst),
-        DType::U8 => go::<u8>(op, s, layout, dst),
-        _ => Err(dtype_err(op, "f32, f64, i64 or u8", dtype)),
-    }
+    with_elem!(dtype, T => go::<T>(op, s, layout, dst), _ => Err(dtype_err(op, ALL_DTYPES, dtype)))
 }

@@ -130,6 +130,8 @@ pub(crate) fn index_select(
         DType::F64 => index_select_t::<f64>(s, layout, &checked, axis),
         DType::I64 => index_select_t::<i64>(s, layout, &checked, axis),
         DType::U8 => index_select_t::<u8>(s, layout, &checked, axis),
+        DType::F16 => index_select_t::<kiln_core::f16>(s, layout, &checked, axis),
+        DType::BF16 => index_select_t::<kiln_core::bf16>(s, layout, &checked, axis),
         _ => Err(dtype_err(OP, "f32, f64, i64 or u8", dtype)),
     }
 }
@@ -222,7 +224,9 @@ pub(crate) fn gather(
         DType::F64 => gather_t::<f64>(s, layout, iv, ids_layout, axis),
         DType::I64 => gather_t::<i64>(s, layout, iv, ids_layout, axis),
         DType::U8 => gather_t::<u8>(s, layout, iv, ids_layout, axis),
-        _ => Err(dtype_err(OP, "f32, f64, i64 or u8", dtype)),
+        DType::F16 => gather_t::<kiln_core::f16>(s, layout, iv, ids_layout, axis),
+        DType::BF16 => gather_t::<kiln_core::bf16>(s, layout, iv, ids_layout, axis),
+        _ => Err(dtype_err(OP, crate::elementwise::ALL_DTYPES, dtype)),
     }
 }
 

@@ -94,12 +94,15 @@ pub(crate) fn record(
     for (i, (_, _, d)) in inputs.iter().enumerate() {
         ins[i] = *d;
     }
-    let deferred = fusion_enabled()
-        && l0.elem_count() >= fusion_min_elements()
-        && fits_in_memory(l0.elem_count(), out)
-        && op.fusable(&ins[..inputs.len()], out)
-        && inputs.iter().all(|(s, _, d)| s.dtype() == *d);
-    if !deferred {
+    let fusable = op.fusable(&ins[..inputs.len()], out)
+        && inputs.iter().all(|(s, _, d)| s.dtype() == *d)
+        && fits_in_memory(l0.elem_count(), out);
+    let deferred = fusable && fusion_enabled() && l0.elem_count() >= fusion_min_elements();
+    // 16-bit arithmetic runs only in the fused evaluator (see `elementwise.rs`): such an op is
+    // recorded and computed at once, as a program of one op, when it is not deferred.
+    let half = out.is_half() || ins[..inputs.len()].iter().any(|d| d.is_half());
+    let record_now = deferred || (half && fusable);
+    if !record_now {
         for (s, _, _) in inputs {
             compute(s)?;
         }
@@ -110,7 +113,11 @@ pub(crate) fn record(
         .map(|(s, l, d)| operand(s, l, *d))
         .collect::<Result<Vec<_>>>()?;
     let node = defer::node(s0.device(), op, args, l0.shape(), out, force)?;
-    Ok(CpuStorage::pending(node))
+    let s = CpuStorage::pending(node);
+    if !deferred {
+        compute(&s)?;
+    }
+    Ok(s)
 }
 
 /// Whether `n` elements of `dtype` fit in the machine's memory. A larger result (a computation
@@ -176,6 +183,13 @@ fn eager(op: Op, args: &[(&CpuStorage, &Layout, DType)], out: DType) -> Result<C
 fn force(node: &Arc<Node>) -> Result<Arc<Block>> {
     if let Some(b) = node.done() {
         return Ok(b.clone());
+    }
+    // 16-bit arithmetic runs in the fused evaluator only (see `elementwise.rs`), even for a
+    // node of one op over computed inputs, which `force_with` would run op by op.
+    if node.involves_half()
+        && let Some(b) = run_program(node, None)?
+    {
+        return Ok(node.finish(b));
     }
     defer::force_with(node, run_op, fused, force)
 }

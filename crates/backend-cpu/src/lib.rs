@@ -53,10 +53,12 @@
 //! 5. `lib.rs`: the `Backend` implementation for [`Cpu`], checking layouts and calling down.
 
 // Layers, bottom to top: see "Layers" above.
+mod convert;
 mod device;
 mod elementwise;
 mod expr;
 mod fastmath;
+mod half;
 mod index;
 mod lazy;
 mod matmul;
@@ -81,7 +83,8 @@ use kiln_core::{
     ReduceOp, Result, UnaryOp,
 };
 
-use crate::elementwise::dtype_err;
+use crate::elementwise::{ALL_DTYPES, dtype_err};
+use crate::storage::{CpuElem, with_elem};
 
 /// Computes `s` if it holds deferred work (see `lazy.rs`), then [`check`]s `layout`: the
 /// first step of every op that reads elements.
@@ -171,13 +174,9 @@ impl Backend for Cpu {
 
     fn fill(device: &CpuDevice, dtype: DType, len: usize, value: f64) -> Result<CpuStorage> {
         let d = *device;
-        match dtype {
-            DType::F32 => transfer::fill_t(d, len, value as f32),
-            DType::F64 => transfer::fill_t(d, len, value),
-            DType::I64 => transfer::fill_t(d, len, value as i64),
-            DType::U8 => transfer::fill_t(d, len, value as u8),
-            _ => Err(dtype_err("fill", "f32, f64, i64 or u8", dtype)),
-        }
+        // `value as T` (rounded to nearest even for the 16-bit floats).
+        with_elem!(dtype, T => transfer::fill_t(d, len, <T as CpuElem>::from_f64(value)),
+            _ => Err(dtype_err("fill", ALL_DTYPES, dtype)))
     }
 
     fn from_host(device: &CpuDevice, data: &HostBuffer) -> Result<CpuStorage> {
@@ -194,13 +193,8 @@ impl Backend for Cpu {
         dtype: DType,
         src: HostSource<'_>,
     ) -> Result<CpuStorage> {
-        match dtype {
-            DType::F32 => transfer::from_bytes_t::<f32>("from_host", *device, src.bytes),
-            DType::F64 => transfer::from_bytes_t::<f64>("from_host", *device, src.bytes),
-            DType::I64 => transfer::from_bytes_t::<i64>("from_host", *device, src.bytes),
-            DType::U8 => transfer::from_bytes_t::<u8>("from_host", *device, src.bytes),
-            _ => Err(dtype_err("from_host", "f32, f64, i64 or u8", dtype)),
-        }
+        with_elem!(dtype, T => transfer::from_bytes_t::<T>("from_host", *device, src.bytes),
+            _ => Err(dtype_err("from_host", ALL_DTYPES, dtype)))
     }
 
     fn host_source<'a>(
@@ -239,13 +233,8 @@ impl Backend for Cpu {
                 ),
             ));
         }
-        match dtype {
-            DType::F32 => transfer::to_bytes_t::<f32>(storage, layout, out),
-            DType::F64 => transfer::to_bytes_t::<f64>(storage, layout, out),
-            DType::I64 => transfer::to_bytes_t::<i64>(storage, layout, out),
-            DType::U8 => transfer::to_bytes_t::<u8>(storage, layout, out),
-            _ => Err(dtype_err("to_host", "f32, f64, i64 or u8", dtype)),
-        }
+        with_elem!(dtype, T => transfer::to_bytes_t::<T>(storage, layout, out),
+            _ => Err(dtype_err("to_host", ALL_DTYPES, dtype)))
     }
 
     fn host_bytes_mut<'a>(
@@ -270,7 +259,9 @@ impl Backend for Cpu {
             DType::F64 => CpuData::F64(transfer::pin_t(storage, layout)?),
             DType::I64 => CpuData::I64(transfer::pin_t(storage, layout)?),
             DType::U8 => CpuData::U8(transfer::pin_t(storage, layout)?),
-            _ => return Err(dtype_err("pin_memory", "f32, f64, i64 or u8", dtype)),
+            DType::F16 => CpuData::F16(transfer::pin_t(storage, layout)?),
+            DType::BF16 => CpuData::BF16(transfer::pin_t(storage, layout)?),
+            _ => return Err(dtype_err("pin_memory", ALL_DTYPES, dtype)),
         };
         Ok(CpuStorage::new(d, data))
     }
@@ -281,13 +272,9 @@ impl Backend for Cpu {
 
     fn to_host(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<HostBuffer> {
         input("to_host", storage, layout)?;
-        Ok(match dtype {
-            DType::F32 => HostBuffer::F32(transfer::to_host_t(storage, layout)?),
-            DType::F64 => HostBuffer::F64(transfer::to_host_t(storage, layout)?),
-            DType::I64 => HostBuffer::I64(transfer::to_host_t(storage, layout)?),
-            DType::U8 => HostBuffer::U8(transfer::to_host_t(storage, layout)?),
-            _ => return Err(dtype_err("to_host", "f32, f64, i64 or u8", dtype)),
-        })
+        with_elem!(dtype, T => Ok(<T as kiln_core::Element>::into_host(
+            transfer::to_host_t::<T>(storage, layout)?)),
+            _ => Err(dtype_err("to_host", ALL_DTYPES, dtype)))
     }
 
     fn copy_to_device(
@@ -310,13 +297,8 @@ impl Backend for Cpu {
         input("copy_into", src, src_layout)?;
         input("copy_into", dst, dst_layout)?;
         same_shape("copy_into", src_layout, dst_layout)?;
-        match dtype {
-            DType::F32 => transfer::copy_into_t::<f32>(src, src_layout, dst, dst_layout),
-            DType::F64 => transfer::copy_into_t::<f64>(src, src_layout, dst, dst_layout),
-            DType::I64 => transfer::copy_into_t::<i64>(src, src_layout, dst, dst_layout),
-            DType::U8 => transfer::copy_into_t::<u8>(src, src_layout, dst, dst_layout),
-            _ => Err(dtype_err("copy_into", "f32, f64, i64 or u8", dtype)),
-        }
+        with_elem!(dtype, T => transfer::copy_into_t::<T>(src, src_layout, dst, dst_layout),
+            _ => Err(dtype_err("copy_into", ALL_DTYPES, dtype)))
     }
 
     fn contiguous(storage: &CpuStorage, layout: &Layout, dtype: DType) -> Result<CpuStorage> {
@@ -436,6 +418,9 @@ impl Backend for Cpu {
             return Ok(out);
         }
         lazy::compute(s)?;
+        if dtype.is_half() {
+            return half::reduce(op, s, layout, dtype, axes);
+        }
         reduce::reduce(op, s, layout, dtype, axes)
     }
 
@@ -448,12 +433,18 @@ impl Backend for Cpu {
     ) -> Result<CpuStorage> {
         input("matmul", lhs, lhs_layout)?;
         input("matmul", rhs, rhs_layout)?;
+        if dtype.is_half() {
+            return half::matmul(lhs, lhs_layout, rhs, rhs_layout, dtype);
+        }
         matmul::matmul(lhs, lhs_layout, rhs, rhs_layout, dtype)
     }
 
     fn softmax(s: &CpuStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CpuStorage> {
         let op = if log { "log_softmax" } else { "softmax" };
         input(op, s, layout)?;
+        if dtype.is_half() {
+            return half::softmax(s, layout, dtype, log);
+        }
         softmax::softmax(s, layout, dtype, log)
     }
 
@@ -466,6 +457,9 @@ impl Backend for Cpu {
     ) -> Result<CpuStorage> {
         input("cross_entropy", logits, logits_layout)?;
         input("cross_entropy", labels, labels_layout)?;
+        if dtype.is_half() {
+            return half::cross_entropy(logits, logits_layout, labels, labels_layout, None, dtype);
+        }
         softmax::cross_entropy(logits, logits_layout, labels, labels_layout, None, dtype)
     }
 
@@ -482,14 +476,11 @@ impl Backend for Cpu {
         input(OP, logits, logits_layout)?;
         input(OP, labels, labels_layout)?;
         input(OP, grad, grad_layout)?;
-        softmax::cross_entropy(
-            logits,
-            logits_layout,
-            labels,
-            labels_layout,
-            Some((grad, grad_layout)),
-            dtype,
-        )
+        let grad = Some((grad, grad_layout));
+        if dtype.is_half() {
+            return half::cross_entropy(logits, logits_layout, labels, labels_layout, grad, dtype);
+        }
+        softmax::cross_entropy(logits, logits_layout, labels, labels_layout, grad, dtype)
     }
 
     fn cast(s: &CpuStorage, layout: &Layout, from: DType, to: DType) -> Result<CpuStorage> {
@@ -536,7 +527,12 @@ impl Backend for Cpu {
         input("scatter_add", base, base_layout)?;
         input("scatter_add", ids, ids_layout)?;
         input("scatter_add", src, src_layout)?;
-        index::scatter_add(
+        let scatter = if dtype.is_half() {
+            half::scatter_add
+        } else {
+            index::scatter_add
+        };
+        scatter(
             base,
             base_layout,
             dtype,

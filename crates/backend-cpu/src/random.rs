@@ -2,7 +2,7 @@
 //! [`kiln_core::philox`] itself, so the CPU draws bit for bit what every other backend draws,
 //! however the work is split across threads.
 
-use kiln_core::{DType, RandDist, Result, philox};
+use kiln_core::{DType, RandDist, Result, bf16, f16, philox};
 
 use crate::CpuDevice;
 use crate::elementwise::dtype_err;
@@ -45,6 +45,31 @@ pub(crate) fn rand(
         (DType::F64, RandDist::Normal { mean, std }) => {
             fill_with(device, len, |i| philox::normal_f64(seed, i, mean, std))
         }
-        _ => Err(dtype_err("rand", "f32 or f64", dtype)),
+        // The 16-bit floats: drawn in f32, then rounded (as the reference does).
+        (DType::F16, RandDist::Uniform { low, high }) => {
+            let (low, high) = (low as f32, high as f32);
+            fill_with(device, len, |i| {
+                f16::from_f32(philox::uniform_f32(seed, i, low, high))
+            })
+        }
+        (DType::F16, RandDist::Normal { mean, std }) => {
+            let (mean, std) = (mean as f32, std as f32);
+            fill_with(device, len, |i| {
+                f16::from_f32(philox::normal_f32(seed, i, mean, std))
+            })
+        }
+        (DType::BF16, RandDist::Uniform { low, high }) => {
+            let (low, high) = (low as f32, high as f32);
+            fill_with(device, len, |i| {
+                bf16::from_f32(philox::uniform_f32(seed, i, low, high))
+            })
+        }
+        (DType::BF16, RandDist::Normal { mean, std }) => {
+            let (mean, std) = (mean as f32, std as f32);
+            fill_with(device, len, |i| {
+                bf16::from_f32(philox::normal_f32(seed, i, mean, std))
+            })
+        }
+        _ => Err(dtype_err("rand", "f32, f64, f16 or bf16", dtype)),
     }
 }

@@ -39,7 +39,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::expr::defer::{self, Deferral};
-use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result};
+use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result, bf16, f16};
 
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
 
@@ -140,6 +140,59 @@ pub enum CpuData {
     F64(HostVec<f64>),
     I64(HostVec<i64>),
     U8(HostVec<u8>),
+    F16(HostVec<f16>),
+    BF16(HostVec<bf16>),
+}
+
+/// Runs `$body` with `$t` the element type of `$dtype` (`$data`'s variant, when given, bound
+/// to `$v`), for the six dtypes; `$other` for a dtype this crate does not know.
+macro_rules! with_elem {
+    ($dtype:expr, $t:ident => $body:expr, _ => $other:expr) => {
+        match $dtype {
+            kiln_core::DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            kiln_core::DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            kiln_core::DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            kiln_core::DType::U8 => {
+                type $t = u8;
+                $body
+            }
+            kiln_core::DType::F16 => {
+                type $t = kiln_core::f16;
+                $body
+            }
+            kiln_core::DType::BF16 => {
+                type $t = kiln_core::bf16;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            _ => $other,
+        }
+    };
+}
+pub(crate) use with_elem;
+
+/// Runs `$body` with `$v` bound to the typed vector inside `$data` (a `CpuData` or a
+/// reference to one), whatever its variant.
+macro_rules! each_data {
+    ($data:expr, $v:ident => $body:expr) => {
+        match $data {
+            CpuData::F32($v) => $body,
+            CpuData::F64($v) => $body,
+            CpuData::I64($v) => $body,
+            CpuData::U8($v) => $body,
+            CpuData::F16($v) => $body,
+            CpuData::BF16($v) => $body,
+        }
+    };
 }
 
 impl CpuData {
@@ -149,16 +202,13 @@ impl CpuData {
             CpuData::F64(_) => DType::F64,
             CpuData::I64(_) => DType::I64,
             CpuData::U8(_) => DType::U8,
+            CpuData::F16(_) => DType::F16,
+            CpuData::BF16(_) => DType::BF16,
         }
     }
 
     pub fn len(&self) -> usize {
-        match self {
-            CpuData::F32(v) => v.len(),
-            CpuData::F64(v) => v.len(),
-            CpuData::I64(v) => v.len(),
-            CpuData::U8(v) => v.len(),
-        }
+        each_data!(self, v => v.len())
     }
 
     pub fn is_empty(&self) -> bool {
@@ -175,27 +225,19 @@ impl CpuData {
             HostBuffer::F64(v) => CpuData::F64(v.into()),
             HostBuffer::I64(v) => CpuData::I64(v.into()),
             HostBuffer::U8(v) => CpuData::U8(v.into()),
+            HostBuffer::F16(v) => CpuData::F16(v.into()),
+            HostBuffer::BF16(v) => CpuData::BF16(v.into()),
         }
     }
 
     /// Whether the elements lie in page-locked memory.
     pub fn is_pinned(&self) -> bool {
-        match self {
-            CpuData::F32(v) => v.is_pinned(),
-            CpuData::F64(v) => v.is_pinned(),
-            CpuData::I64(v) => v.is_pinned(),
-            CpuData::U8(v) => v.is_pinned(),
-        }
+        each_data!(self, v => v.is_pinned())
     }
 
     /// The elements as bytes (native endianness).
     pub fn as_bytes(&self) -> &[u8] {
-        match self {
-            CpuData::F32(v) => bytemuck::cast_slice(v),
-            CpuData::F64(v) => bytemuck::cast_slice(v),
-            CpuData::I64(v) => bytemuck::cast_slice(v),
-            CpuData::U8(v) => v,
-        }
+        each_data!(self, v => bytemuck::cast_slice(v))
     }
 
     /// A copy for an in-place write, in the same kind of memory (pinned stays pinned); a typed
@@ -215,16 +257,13 @@ impl CpuData {
             CpuData::F64(v) => CpuData::F64(copy_vec(v, device)?),
             CpuData::I64(v) => CpuData::I64(copy_vec(v, device)?),
             CpuData::U8(v) => CpuData::U8(copy_vec(v, device)?),
+            CpuData::F16(v) => CpuData::F16(copy_vec(v, device)?),
+            CpuData::BF16(v) => CpuData::BF16(copy_vec(v, device)?),
         })
     }
 
     pub(crate) fn as_bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            CpuData::F32(v) => bytemuck::cast_slice_mut(v),
-            CpuData::F64(v) => bytemuck::cast_slice_mut(v),
-            CpuData::I64(v) => bytemuck::cast_slice_mut(v),
-            CpuData::U8(v) => v,
-        }
+        each_data!(self, v => bytemuck::cast_slice_mut(v))
     }
 }
 
@@ -526,7 +565,7 @@ pub trait CpuElem:
     fn unwrap(d: CpuData) -> Option<Vec<Self>>;
     fn slice(d: &CpuData) -> Option<&[Self]>;
     fn slice_mut(d: &mut CpuData) -> Option<&mut [Self]>;
-    /// `v as Self`.
+    /// `v as Self` (rounded to nearest even for the 16-bit floats).
     fn from_f64(v: f64) -> Self;
     fn to_f64(self) -> f64;
     /// NaN test (always false for integers).
@@ -559,10 +598,10 @@ macro_rules! cpu_elem {
                 }
             }
             fn from_f64(v: f64) -> Self {
-                v as $t
+                kiln_core::Element::from_f64(v)
             }
             fn to_f64(self) -> f64 {
-                self as f64
+                kiln_core::Element::to_f64(self)
             }
             #[allow(clippy::redundant_closure_call)]
             fn is_nan(self) -> bool {
@@ -575,6 +614,8 @@ cpu_elem!(f32, F32, |x: f32| x.is_nan());
 cpu_elem!(f64, F64, |x: f64| x.is_nan());
 cpu_elem!(i64, I64, |_| false);
 cpu_elem!(u8, U8, |_| false);
+cpu_elem!(f16, F16, |x: f16| x.is_nan());
+cpu_elem!(bf16, BF16, |x: bf16| x.is_nan());
 
 /// A buffer of `len` elements for `op`'s output. Its contents are unspecified (a reused
 /// buffer keeps old values): the caller writes every element. Fails with a typed error, never

@@ -7,6 +7,7 @@
 // beyond 2^31 elements.
 
 typedef unsigned char u8;
+typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;

@@ -22,5 +22,6 @@
         for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) y[i] = v;                            \
     }
 COPY(u8)
+COPY(u16)
 COPY(u32)
 COPY(u64)

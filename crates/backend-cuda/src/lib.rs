@@ -169,7 +169,26 @@ fn host_zeros(dtype: DType, n: usize) -> HostBuffer {
         DType::F32 => HostBuffer::F32(vec![0.0; n]),
         DType::F64 => HostBuffer::F64(vec![0.0; n]),
         DType::I64 => HostBuffer::I64(vec![0; n]),
+        DType::F16 => HostBuffer::F16(vec![kiln_core::f16::ZERO; n]),
+        DType::BF16 => HostBuffer::BF16(vec![kiln_core::bf16::ZERO; n]),
         _ => HostBuffer::U8(vec![0; n]),
+    }
+}
+
+/// The error of an op that would need 16-bit float arithmetic on the GPU, which this backend
+/// does not have yet (issue 30: its kernels, generated programs and cuBLAS calls compute in f32
+/// and f64 only). Moving 16-bit tensors (allocation, host and device copies, `contiguous`,
+/// `fill`, pinned row gathers) works: those are byte copies.
+fn no_half(op: &'static str, dtypes: &[DType]) -> Result<()> {
+    match dtypes.iter().find(|d| d.is_half()) {
+        Some(&got) => Err(Error::DTypeMismatch {
+            op,
+            expected: "f32, f64, i64 or u8 on the GPU (f16/bf16 arithmetic on CUDA is not \
+                       implemented yet; compute on the CPU backend or cast to f32)"
+                .into(),
+            got,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -179,6 +198,8 @@ fn host_bytes_of(h: &mut HostBuffer) -> &mut [u8] {
         HostBuffer::F64(v) => bytemuck::cast_slice_mut(v),
         HostBuffer::I64(v) => bytemuck::cast_slice_mut(v),
         HostBuffer::U8(v) => v,
+        HostBuffer::F16(v) => bytemuck::cast_slice_mut(v),
+        HostBuffer::BF16(v) => bytemuck::cast_slice_mut(v),
     }
 }
 
@@ -238,6 +259,10 @@ impl Backend for Cuda {
     }
 
     fn fill(device: &CudaDevice, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
+        if dtype.is_half() {
+            // Never deferred: a deferred fill would join a generated (f32/f64) program.
+            return ops::fill(state(device)?, dtype, len, value).map(CudaStorage::ready);
+        }
         lazy::fill(state(device)?, dtype, len, value).map(CudaStorage::from)
     }
 
@@ -412,10 +437,12 @@ impl Backend for Cuda {
         seed: u64,
         dist: RandDist,
     ) -> Result<CudaStorage> {
+        no_half("rand", &[dtype])?;
         ops::rand(state(device)?, dtype, len, seed, dist).map(CudaStorage::ready)
     }
 
     fn unary(op: UnaryOp, s: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
+        no_half(op.name(), &[dtype])?;
         record(lazy::Op::Unary(op), &[(s, layout, dtype)], dtype)
     }
 
@@ -427,6 +454,7 @@ impl Backend for Cuda {
         g_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half("unary_backward", &[dtype])?;
         record(
             lazy::Op::UnaryBwd(op),
             &[(saved, saved_layout, dtype), (g, g_layout, dtype)],
@@ -442,6 +470,7 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half(op.name(), &[dtype])?;
         record(
             lazy::Op::Binary(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
@@ -457,6 +486,7 @@ impl Backend for Cuda {
         scalar: f64,
         scalar_lhs: bool,
     ) -> Result<CudaStorage> {
+        no_half(op.name(), &[dtype])?;
         let op = lazy::Op::Scalar {
             op,
             value: scalar,
@@ -473,6 +503,7 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half(op.name(), &[dtype])?;
         record(
             lazy::Op::Compare(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
@@ -489,6 +520,7 @@ impl Backend for Cuda {
         false_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half("where", &[dtype])?;
         record(
             lazy::Op::Where,
             &[
@@ -507,6 +539,7 @@ impl Backend for Cuda {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CudaStorage> {
+        no_half(op.name(), &[dtype])?;
         // A reduction of everything in a pending elementwise chain (a loss) runs in the
         // chain's own kernel.
         let kept: usize = (0..layout.rank())
@@ -528,6 +561,7 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half("matmul", &[dtype])?;
         blas::matmul(
             &*lhs.buffer()?,
             lhs_layout,
@@ -539,6 +573,7 @@ impl Backend for Cuda {
     }
 
     fn softmax(s: &CudaStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
+        no_half(if log { "log_softmax" } else { "softmax" }, &[dtype])?;
         ops::softmax(&*s.buffer()?, layout, dtype, log).map(CudaStorage::ready)
     }
 
@@ -549,6 +584,7 @@ impl Backend for Cuda {
         labels_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half("cross_entropy", &[dtype])?;
         ops::cross_entropy(
             &*logits.buffer()?,
             logits_layout,
@@ -568,6 +604,7 @@ impl Backend for Cuda {
         grad_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
+        no_half("cross_entropy_backward", &[dtype])?;
         ops::cross_entropy_backward(
             &*logits.buffer()?,
             logits_layout,
@@ -581,6 +618,7 @@ impl Backend for Cuda {
     }
 
     fn cast(s: &CudaStorage, layout: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
+        no_half("cast", &[from, to])?;
         record(lazy::Op::Cast(to), &[(s, layout, from)], to)
     }
 
@@ -592,6 +630,7 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
+        no_half("index_select", &[dtype])?;
         ops::index_select(
             &*s.buffer()?,
             layout,
@@ -611,6 +650,7 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
+        no_half("gather", &[dtype])?;
         ops::gather(
             &*s.buffer()?,
             layout,
@@ -632,6 +672,7 @@ impl Backend for Cuda {
         src_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
+        no_half("scatter_add", &[dtype])?;
         ops::scatter_add(
             &*base.buffer()?,
             base_layout,
@@ -652,6 +693,15 @@ impl Backend for Cuda {
         inputs: &[(&CudaStorage, &Layout)],
         params: &[f64],
     ) -> Result<Vec<CudaStorage>> {
+        if program.has_half() {
+            let all: Vec<DType> = program
+                .inputs()
+                .iter()
+                .chain(program.dtypes())
+                .copied()
+                .collect();
+            no_half("expr", &all)?;
+        }
         expr_eval::eval_expr(device, program, shape, inputs, params)
     }
 
@@ -660,6 +710,7 @@ impl Backend for Cuda {
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
+        no_half("fused_update", &[dtype])?;
         // Computed buffers for every operand, held while the kernel's slots borrow them.
         type Held = (
             std::sync::Arc<memory::Buffer>,

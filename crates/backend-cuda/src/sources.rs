@@ -176,7 +176,9 @@ pub enum Group {
 }
 
 /// The dtype names our kernel files and kernel names use.
-pub const DTYPE_TOKENS: [&str; 8] = ["float", "double", "i64", "u8", "u32", "u64", "f32", "f64"];
+pub const DTYPE_TOKENS: [&str; 9] = [
+    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64",
+];
 
 impl Group {
     /// The group of the kernel spelled by `parts` (`["reduce", "max", "float", "row"]`): that of

@@ -457,7 +457,7 @@ pub fn unary_backward_by_rule<B: Backend>(
     if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
             op: "unary_backward",
-            expected: "f32 or f64".into(),
+            expected: "a float dtype (f32, f64, f16, bf16)".into(),
             got: dtype,
         });
     }

@@ -25,6 +25,8 @@ pub enum HostBuffer {
     F64(Vec<f64>),
     I64(Vec<i64>),
     U8(Vec<u8>),
+    F16(Vec<half::f16>),
+    BF16(Vec<half::bf16>),
 }
 
 impl HostBuffer {
@@ -34,6 +36,8 @@ impl HostBuffer {
             HostBuffer::F64(_) => DType::F64,
             HostBuffer::I64(_) => DType::I64,
             HostBuffer::U8(_) => DType::U8,
+            HostBuffer::F16(_) => DType::F16,
+            HostBuffer::BF16(_) => DType::BF16,
         }
     }
 
@@ -43,6 +47,8 @@ impl HostBuffer {
             HostBuffer::F64(v) => v.len(),
             HostBuffer::I64(v) => v.len(),
             HostBuffer::U8(v) => v.len(),
+            HostBuffer::F16(v) => v.len(),
+            HostBuffer::BF16(v) => v.len(),
         }
     }
 
@@ -57,16 +63,29 @@ impl HostBuffer {
             HostBuffer::F64(v) => v.clone(),
             HostBuffer::I64(v) => v.iter().map(|&x| x as f64).collect(),
             HostBuffer::U8(v) => v.iter().map(|&x| x as f64).collect(),
+            HostBuffer::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            HostBuffer::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
         }
     }
 
-    /// Converts f64 values into a buffer of `dtype` (`as` casts: saturating for ints).
+    /// Converts f64 values into a buffer of `dtype` (`as` casts: saturating for ints; one
+    /// rounding to nearest even for the 16-bit floats).
     pub fn from_f64(dtype: DType, v: &[f64]) -> HostBuffer {
         match dtype {
             DType::F32 => HostBuffer::F32(v.iter().map(|&x| x as f32).collect()),
             DType::F64 => HostBuffer::F64(v.to_vec()),
             DType::I64 => HostBuffer::I64(v.iter().map(|&x| x as i64).collect()),
             DType::U8 => HostBuffer::U8(v.iter().map(|&x| x as u8).collect()),
+            DType::F16 => HostBuffer::F16(
+                v.iter()
+                    .map(|&x| crate::halfround::f16_from_f64(x))
+                    .collect(),
+            ),
+            DType::BF16 => HostBuffer::BF16(
+                v.iter()
+                    .map(|&x| crate::halfround::bf16_from_f64(x))
+                    .collect(),
+            ),
         }
     }
 
@@ -92,6 +111,8 @@ impl HostBuffer {
             DType::F64 => HostBuffer::F64(v(bytes)),
             DType::I64 => HostBuffer::I64(v(bytes)),
             DType::U8 => HostBuffer::U8(bytes.to_vec()),
+            DType::F16 => HostBuffer::F16(v(bytes)),
+            DType::BF16 => HostBuffer::BF16(v(bytes)),
         })
     }
 
@@ -102,6 +123,8 @@ impl HostBuffer {
             HostBuffer::F64(v) => bytemuck::cast_slice(v),
             HostBuffer::I64(v) => bytemuck::cast_slice(v),
             HostBuffer::U8(v) => v,
+            HostBuffer::F16(v) => bytemuck::cast_slice(v),
+            HostBuffer::BF16(v) => bytemuck::cast_slice(v),
         }
     }
 }
@@ -121,13 +144,18 @@ pub trait Element:
 
 macro_rules! element {
     ($t:ty, $d:ident) => {
+        element!($t, $d, |x: $t| x as f64, |v: f64| v as $t);
+    };
+    ($t:ty, $d:ident, $to:expr, $from:expr) => {
         impl Element for $t {
             const DTYPE: DType = DType::$d;
+            #[allow(clippy::redundant_closure_call)]
             fn to_f64(self) -> f64 {
-                self as f64
+                ($to)(self)
             }
+            #[allow(clippy::redundant_closure_call)]
             fn from_f64(v: f64) -> Self {
-                v as $t
+                ($from)(v)
             }
             fn into_host(v: Vec<Self>) -> HostBuffer {
                 HostBuffer::$d(v)
@@ -145,6 +173,18 @@ element!(f32, F32);
 element!(f64, F64);
 element!(i64, I64);
 element!(u8, U8);
+element!(
+    half::f16,
+    F16,
+    half::f16::to_f64,
+    crate::halfround::f16_from_f64
+);
+element!(
+    half::bf16,
+    BF16,
+    half::bf16::to_f64,
+    crate::halfround::bf16_from_f64
+);
 
 /// Allocates and frees page-locked host memory (a GPU backend's pinned pool).
 pub trait PinnedAllocator: Send + Sync + 'static {

@@ -42,6 +42,7 @@ mod error;
 pub mod expr;
 pub mod fasthash;
 pub mod fsutil;
+pub mod halfround;
 pub mod host;
 mod ir;
 mod layout;
@@ -67,8 +68,10 @@ pub use backend::{
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;
-pub use dtype::DType;
+pub use dtype::{DType, UnknownDType};
 pub use error::{DistErrorKind, Error, ExprErrorKind, Result};
+/// The 16-bit float element types of [`DType::F16`] and [`DType::BF16`] (the `half` crate's).
+pub use half::{bf16, f16};
 pub use host::{Element, HostBuffer, HostRows, HostSource, PinnedAllocator, PinnedBlock};
 pub use layout::{Layout, StridedOffsets};
 pub use op::{

@@ -97,7 +97,8 @@ impl Generator {
         k
     }
 
-    /// A tensor of `dtype` (f32 or f64) drawn from `dist`: the form every other method calls.
+    /// A tensor of the float `dtype` drawn from `dist` (f16/bf16: drawn in f32, then rounded):
+    /// the form every other method calls.
     pub fn sample<B: Backend>(
         &mut self,
         shape: impl Into<Shape>,
@@ -182,7 +183,7 @@ impl<B: Backend> Tensor<B> {
         default_generator().randn(shape, device)
     }
 
-    /// A tensor of `dtype` (f32 or f64) drawn from `dist` by the default generator: the
+    /// A tensor of the float `dtype` drawn from `dist` by the default generator: the
     /// dtype-taking form of [`Self::rand`] and [`Self::randn`].
     pub fn random(
         shape: impl Into<Shape>,

@@ -149,9 +149,15 @@ fn wrong_dtypes_name_the_op_and_both_dtypes() {
         "{m}"
     );
     let (_, m) = err(i.matmul(&i));
-    assert_eq!(m, "matmul: dtype mismatch: expected f32 or f64, got i64");
+    assert_eq!(
+        m,
+        "matmul: dtype mismatch: expected a float dtype (f32, f64, f16, bf16), got i64"
+    );
     let (_, m) = err(u.sum_all());
-    assert_eq!(m, "sum: dtype mismatch: expected f32, f64 or i64, got u8");
+    assert_eq!(
+        m,
+        "sum: dtype mismatch: expected a float dtype or i64, got u8"
+    );
     let (_, m) = err(f.where_cond(&f, &f));
     assert_eq!(m, "where: dtype mismatch: expected u8 condition, got f32");
     let (_, m) = err(f.index_select(0, &f));
@@ -436,4 +442,36 @@ fn max_dim_and_min_dim_return_values_and_indices() {
     assert_eq!(i.to_vec::<i64>().unwrap(), vec![0, 1, 0]);
     let (e, _) = err(x.max_dim(2, false));
     assert!(matches!(e, Error::AxisOutOfRange { .. }), "{e:?}");
+}
+
+#[test]
+fn sixteen_bit_tensors_hold_print_and_convert() {
+    use kiln_core::{bf16, f16};
+    let d = kiln_core::reference::RefDevice(0);
+    type R = kiln_core::reference::Reference;
+    let h = Tensor::<R>::from_vec(
+        vec![
+            f16::from_f32(1.0),
+            f16::from_f32(0.1),
+            f16::from_f32(-65504.0),
+        ],
+        [3],
+        &d,
+    )
+    .unwrap();
+    assert_eq!(h.dtype(), DType::F16);
+    assert_eq!(h.to_string(), "[1, 0.1, -65504] f16 @ref");
+    assert_eq!(h.to_vec::<f16>().unwrap()[1], f16::from_f32(0.1));
+    assert!(h.to_vec::<f32>().is_err());
+    // Arithmetic rounds to the type: 1 + 2^-11 is not an f16, 1 + 2^-10 is.
+    let one = Tensor::<R>::ones([1], DType::F16, &d).unwrap();
+    let x = (&one + 2f64.powi(-11)).unwrap();
+    assert_eq!(x.to_f64_vec().unwrap(), vec![1.0]);
+    let x = (&one + 2f64.powi(-10)).unwrap();
+    assert_eq!(x.to_f64_vec().unwrap(), vec![1.0 + 2f64.powi(-10)]);
+    let b = h.to_dtype(DType::BF16).unwrap();
+    assert_eq!(b.to_vec::<bf16>().unwrap()[0], bf16::ONE);
+    assert_eq!(b.to_string(), "[1, 0.1, -65536] bf16 @ref");
+    let back = b.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(back, vec![1.0, f32::from_bits(0x3dcd_0000), -65536.0]); // bf16 0.1001
 }

@@ -176,6 +176,39 @@ fn sample_shape_reshapes_features() {
 }
 
 #[test]
+fn features_decode_into_sixteen_bit_batches() {
+    for dtype in [DType::F16, DType::BF16] {
+        let ds = counting(6).features_as(dtype).unwrap();
+        assert_eq!(ds.feature_dtype(), dtype);
+        let mut l = Loader::new(ds, 4, &DEV).unwrap();
+        let (x, y) = l.iter().next().unwrap().unwrap();
+        assert_eq!((x.dtype(), y.dtype()), (dtype, DType::I64));
+        // Whole numbers and eighths are exact in both types.
+        let want: Vec<f32> = (0..4)
+            .flat_map(|i| [0.0, 0.5, 0.25, 0.125].map(|d| i as f32 + d))
+            .collect();
+        let got = x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(got, want);
+    }
+    assert!(matches!(
+        counting(2).features_as(DType::I64),
+        Err(Error::DTypeMismatch { .. })
+    ));
+    // Values round once, to nearest even: 1 + 2^-9 is not a bf16.
+    let ds = ArrayDataset::new(
+        HostBuffer::F32(vec![1.0 + 2f32.powi(-9)]),
+        [1],
+        HostBuffer::I64(vec![0]),
+        [],
+        1,
+    )
+    .unwrap()
+    .features_as(DType::BF16)
+    .unwrap();
+    assert_eq!(ds.features(), &HostBuffer::BF16(vec![kiln_core::bf16::ONE]));
+}
+
+#[test]
 fn bad_arguments() {
     assert!(matches!(
         Loader::new(counting(5), 0, &DEV),

@@ -73,7 +73,7 @@ impl Init {
         if !dtype.is_float() {
             return Err(Error::DTypeMismatch {
                 op: "init",
-                expected: "f32 or f64".into(),
+                expected: "a float dtype (f32, f64, f16, bf16)".into(),
                 got: dtype,
             });
         }

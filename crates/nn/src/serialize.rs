@@ -45,6 +45,8 @@ fn to_st_dtype(d: DType) -> Result<Dtype> {
         DType::F64 => Dtype::F64,
         DType::I64 => Dtype::I64,
         DType::U8 => Dtype::U8,
+        DType::F16 => Dtype::F16,
+        DType::BF16 => Dtype::BF16,
         #[allow(unreachable_patterns)]
         other => {
             return Err(Error::invalid(
@@ -61,6 +63,8 @@ fn le_bytes(h: &HostBuffer) -> Vec<u8> {
         HostBuffer::F64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         HostBuffer::I64(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         HostBuffer::U8(v) => v.clone(),
+        HostBuffer::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        HostBuffer::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
 
@@ -154,10 +158,20 @@ pub fn from_safetensors_bytes<B: Backend>(
                     .collect(),
             ),
             Dtype::U8 | Dtype::BOOL => HostBuffer::U8(data.to_vec()),
+            Dtype::F16 => HostBuffer::F16(
+                data.chunks_exact(2)
+                    .map(|c| kiln_core::f16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
+            Dtype::BF16 => HostBuffer::BF16(
+                data.chunks_exact(2)
+                    .map(|c| kiln_core::bf16::from_le_bytes([c[0], c[1]]))
+                    .collect(),
+            ),
             other => {
                 return Err(corrupt(format!(
                     "tensor `{name}` has dtype {other:?}, which kiln does not support \
-                     (f32, f64, i64, u8)"
+                     (f32, f64, f16, bf16, i64, u8)"
                 )));
             }
         };

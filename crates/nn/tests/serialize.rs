@@ -53,6 +53,46 @@ fn round_trip_every_dtype_and_views() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn sixteen_bit_tensors_round_trip_as_f16_and_bf16() {
+    use kiln_core::{bf16, f16};
+    let d = dev();
+    let h: Vec<f16> = [1.0f32, -2.5, 65504.0, 1e-7, f32::INFINITY]
+        .iter()
+        .map(|&x| f16::from_f32(x))
+        .collect();
+    let b: Vec<bf16> = [1.0f32, -2.5, 3e38, 1e-30, 0.1]
+        .iter()
+        .map(|&x| bf16::from_f32(x))
+        .collect();
+    let th = Tensor::<Cpu>::from_vec(h.clone(), [5], &d).unwrap();
+    let tb = Tensor::<Cpu>::from_vec(b.clone(), [5, 1], &d).unwrap();
+    let named = vec![("h".to_string(), th), ("b".to_string(), tb)];
+    let bytes = to_safetensors_bytes(&named, None).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&bytes[8..8 + n]).unwrap();
+    // PyTorch's names for torch.float16 and torch.bfloat16 in safetensors.
+    assert!(header.contains(r#""dtype":"F16""#), "{header}");
+    assert!(header.contains(r#""dtype":"BF16""#), "{header}");
+    // Little-endian 16-bit words, as PyTorch writes them (bf16 1.0 is 0x3f80).
+    let tail = &bytes[bytes.len() - 20..];
+    assert!(tail.windows(2).any(|w| w == [0x80, 0x3f]), "{tail:?}");
+    let f = from_safetensors_bytes::<Cpu>(&bytes, "mem", &d).unwrap();
+    assert_eq!(f.tensors["h"].dtype(), DType::F16);
+    assert_eq!(f.tensors["b"].dtype(), DType::BF16);
+    assert_eq!(f.tensors["b"].dims(), &[5, 1]);
+    let got_h = f.tensors["h"].to_vec::<f16>().unwrap();
+    assert_eq!(
+        got_h.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        h.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+    let got_b = f.tensors["b"].to_vec::<bf16>().unwrap();
+    assert_eq!(
+        got_b.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}
+
 /// Nothing lost on the way to disk: a save replaces the file in one step (temporary file,
 /// sync, rename), so a failed save keeps the previous checkpoint and a reader that opened it
 /// keeps reading it whole.

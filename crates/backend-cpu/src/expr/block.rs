@@ -13,8 +13,10 @@ use kiln_core::{
     UnaryVisitor,
 };
 
+use crate::convert::Conv;
 use crate::fastmath;
 use crate::storage::{CpuData, CpuElem};
+use kiln_core::{bf16, f16};
 
 /// `op` on floats of type `$t`, by the op table's definition (`BinaryOp::visit`), each
 /// result then passed through `$post` (a scalar tail, or the identity) in the same loop.
@@ -40,15 +42,19 @@ pub(super) enum Sv {
     F64(f64),
     I64(i64),
     U8(u8),
+    F16(f16),
+    BF16(bf16),
 }
 
 impl Sv {
-    /// `v` converted to `dtype` with `as`.
+    /// `v` converted to `dtype` with `as` (rounded to nearest even for the 16-bit floats).
     pub(super) fn new(v: f64, dtype: DType) -> Sv {
         match dtype {
             DType::F32 => Sv::F32(v as f32),
             DType::I64 => Sv::I64(v as i64),
             DType::U8 => Sv::U8(v as u8),
+            DType::F16 => Sv::F16(kiln_core::halfround::f16_from_f64(v)),
+            DType::BF16 => Sv::BF16(kiln_core::halfround::bf16_from_f64(v)),
             _ => Sv::F64(v),
         }
     }
@@ -108,12 +114,30 @@ pub(super) enum Post {
     F64(Aff<f64>),
 }
 
-/// A typed register.
+/// A typed register. A 16-bit register holds an input's gathered elements or a cast's
+/// rounded results: programs run widened (`Program::widened`), so no other instruction has a
+/// 16-bit dtype.
 pub(super) enum Buf {
     F32(Vec<f32>),
     F64(Vec<f64>),
     I64(Vec<i64>),
     U8(Vec<u8>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+/// Runs `$body` with `$v` bound to the vector inside a [`Buf`], whatever its dtype.
+macro_rules! each_buf {
+    ($b:expr, $v:ident => $body:expr) => {
+        match $b {
+            Buf::F32($v) => $body,
+            Buf::F64($v) => $body,
+            Buf::I64($v) => $body,
+            Buf::U8($v) => $body,
+            Buf::F16($v) => $body,
+            Buf::BF16($v) => $body,
+        }
+    };
 }
 
 impl Buf {
@@ -122,6 +146,8 @@ impl Buf {
             DType::F32 => Buf::F32(vec![0.0; len]),
             DType::I64 => Buf::I64(vec![0; len]),
             DType::U8 => Buf::U8(vec![0; len]),
+            DType::F16 => Buf::F16(vec![f16::ZERO; len]),
+            DType::BF16 => Buf::BF16(vec![bf16::ZERO; len]),
             _ => Buf::F64(vec![0.0; len]),
         }
     }
@@ -132,16 +158,18 @@ impl Buf {
             Buf::F64(_) => DType::F64,
             Buf::I64(_) => DType::I64,
             Buf::U8(_) => DType::U8,
+            Buf::F16(_) => DType::F16,
+            Buf::BF16(_) => DType::BF16,
         }
     }
 
     fn len(&self) -> usize {
-        match self {
-            Buf::F32(v) => v.len(),
-            Buf::F64(v) => v.len(),
-            Buf::I64(v) => v.len(),
-            Buf::U8(v) => v.len(),
-        }
+        each_buf!(self, v => v.len())
+    }
+
+    /// Element 0 as a scalar.
+    fn first(&self) -> Sv {
+        each_buf!(self, v => v[0].to_sv())
     }
 }
 
@@ -206,6 +234,8 @@ elt!(f32, F32);
 elt!(f64, F64);
 elt!(i64, I64);
 elt!(u8, U8);
+elt!(f16, F16);
+elt!(bf16, BF16);
 
 /// Where a value of the current block is.
 #[derive(Clone, Copy, Debug)]
@@ -391,12 +421,7 @@ impl<'a> Frame<'a> {
         self.prefetch_some();
         (self.len, self.base) = (len, base);
         self.locs[i] = if uniform {
-            Loc::Uni(match &self.regs[i] {
-                Buf::F32(v) => Sv::F32(v[0]),
-                Buf::F64(v) => Sv::F64(v[0]),
-                Buf::I64(v) => Sv::I64(v[0]),
-                Buf::U8(v) => Sv::U8(v[0]),
-            })
+            Loc::Uni(self.regs[i].first())
         } else {
             Loc::Reg
         };
@@ -446,6 +471,7 @@ impl<'a> Frame<'a> {
                 }
                 (Buf::I64(o), Post::None) => unary_i64(op, self.src(a), &mut o[lo..lo + n]),
                 (Buf::U8(_), _) => unreachable!("no unary op on u8 (validated program)"),
+                (Buf::F16(_) | Buf::BF16(_), _) => unreachable!("16-bit arithmetic (widened)"),
                 _ => unreachable!("a tail on a float op of the same dtype only (planned)"),
             },
             Instr::Binary(op, a, b) if !matches!(post, Post::None) => match (out, post) {
@@ -476,6 +502,7 @@ impl<'a> Frame<'a> {
                     b: self.src(b),
                     o: &mut o[lo..lo + n],
                 }),
+                Buf::F16(_) | Buf::BF16(_) => unreachable!("16-bit arithmetic (widened)"),
             },
             Instr::Cmp(op, a, b) => {
                 let o = &mut u8::reg_mut(out)[lo..lo + n];
@@ -483,6 +510,8 @@ impl<'a> Frame<'a> {
                     DType::F32 => cmp(op, self.src::<f32>(a), self.src(b), o),
                     DType::F64 => cmp(op, self.src::<f64>(a), self.src(b), o),
                     DType::I64 => cmp(op, self.src::<i64>(a), self.src(b), o),
+                    DType::F16 => cmp(op, self.src::<f16>(a), self.src(b), o),
+                    DType::BF16 => cmp(op, self.src::<bf16>(a), self.src(b), o),
                     _ => cmp(op, self.src::<u8>(a), self.src(b), o),
                 }
             }
@@ -493,23 +522,23 @@ impl<'a> Frame<'a> {
                     Buf::F64(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
                     Buf::I64(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
                     Buf::U8(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
+                    Buf::F16(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
+                    Buf::BF16(o) => select(c, self.src(a), self.src(b), &mut o[lo..lo + n]),
                 }
             }
             Instr::Cast(_, a) => {
+                // The `cast` op's conversions (`convert.rs`), as the single-op kernel's.
                 macro_rules! to {
                     ($x:expr) => {
-                        match out {
-                            Buf::F32(o) => map1($x, &mut o[lo..lo + n], |v| v as f32),
-                            Buf::F64(o) => map1($x, &mut o[lo..lo + n], |v| v as f64),
-                            Buf::I64(o) => map1($x, &mut o[lo..lo + n], |v| v as i64),
-                            Buf::U8(o) => map1($x, &mut o[lo..lo + n], |v| v as u8),
-                        }
+                        each_buf!(out, o => map1($x, &mut o[lo..lo + n], Conv::conv))
                     };
                 }
                 match self.operand_dtype(a) {
                     DType::F32 => to!(self.src::<f32>(a)),
                     DType::F64 => to!(self.src::<f64>(a)),
                     DType::I64 => to!(self.src::<i64>(a)),
+                    DType::F16 => to!(self.src::<f16>(a)),
+                    DType::BF16 => to!(self.src::<bf16>(a)),
                     _ => to!(self.src::<u8>(a)),
                 }
             }
@@ -522,12 +551,7 @@ impl<'a> Frame<'a> {
     /// The dtype of value `v`, from its register.
     #[inline(always)]
     fn operand_dtype(&self, v: u32) -> DType {
-        match self.regs[v as usize] {
-            Buf::F32(_) => DType::F32,
-            Buf::F64(_) => DType::F64,
-            Buf::I64(_) => DType::I64,
-            Buf::U8(_) => DType::U8,
-        }
+        self.regs[v as usize].dtype()
     }
 }
 

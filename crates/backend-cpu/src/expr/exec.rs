@@ -5,7 +5,7 @@
 //! `mod.rs` so that the drivers import it and `mod.rs` imports the drivers, without a circle.
 
 use kiln_core::expr::{Instr, Phase, Program};
-use kiln_core::{BinaryOp, DType, Result};
+use kiln_core::{BinaryOp, DType, Result, bf16, f16};
 
 use super::block::{self, Buf, Elt, Frame, Loc, Sv};
 use super::walk::{Run, Walk};
@@ -179,6 +179,8 @@ fn read_one(s: &CpuData, off: usize, dtype: DType) -> Sv {
         DType::F32 => one::<f32>(s, off),
         DType::F64 => one::<f64>(s, off),
         DType::I64 => one::<i64>(s, off),
+        DType::F16 => one::<f16>(s, off),
+        DType::BF16 => one::<bf16>(s, off),
         _ => one::<u8>(s, off),
     }
 }
@@ -193,6 +195,8 @@ fn gather_into(f: &mut Frame<'_>, i: usize, k: usize, walk: &Walk, start: usize,
         DType::F32 => go::<f32>(f, i, k, walk, start),
         DType::F64 => go::<f64>(f, i, k, walk, start),
         DType::I64 => go::<i64>(f, i, k, walk, start),
+        DType::F16 => go::<f16>(f, i, k, walk, start),
+        DType::BF16 => go::<bf16>(f, i, k, walk, start),
         _ => go::<u8>(f, i, k, walk, start),
     }
 }
@@ -232,6 +236,8 @@ pub(super) unsafe fn store_unfenced(
             DType::F32 => f.store_unfenced::<f32>(v, outs.slice(j, start, f.len)),
             DType::F64 => f.store_unfenced::<f64>(v, outs.slice(j, start, f.len)),
             DType::I64 => f.store_unfenced::<i64>(v, outs.slice(j, start, f.len)),
+            DType::F16 => f.store_unfenced::<f16>(v, outs.slice(j, start, f.len)),
+            DType::BF16 => f.store_unfenced::<bf16>(v, outs.slice(j, start, f.len)),
             _ => f.store_unfenced::<u8>(v, outs.slice(j, start, f.len)),
         }
     }

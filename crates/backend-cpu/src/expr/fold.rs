@@ -252,6 +252,8 @@ unsafe fn scatter(cx: &Ctx<'_>, f: &Frame<'_>, o: u32, j: usize, start: usize) {
         DType::F32 => go::<f32>(cx, f, o, j, start),
         DType::F64 => go::<f64>(cx, f, o, j, start),
         DType::I64 => go::<i64>(cx, f, o, j, start),
+        DType::F16 => go::<kiln_core::f16>(cx, f, o, j, start),
+        DType::BF16 => go::<kiln_core::bf16>(cx, f, o, j, start),
         _ => go::<u8>(cx, f, o, j, start),
     }
 }

@@ -60,6 +60,14 @@ pub(crate) fn eval_expr(
     inputs: &[(&CpuStorage, &Layout)],
     params: &[f64],
 ) -> Result<Vec<CpuStorage>> {
+    // 16-bit arithmetic in f32, one rounding per instruction (see `Program::widened`).
+    let widened;
+    let program = if program.has_half() {
+        widened = program.widened()?;
+        &widened
+    } else {
+        program
+    };
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
     let plan = check_call(program, shape, &layouts, params)?;
     for (k, ((s, l), &dt)) in inputs.iter().zip(program.inputs()).enumerate() {
@@ -113,6 +121,8 @@ fn alloc_out(device: CpuDevice, dtype: DType, n: usize) -> Result<CpuStorage> {
         DType::F32 => storage(device, alloc::<f32>("expr", device, n)?),
         DType::F64 => storage(device, alloc::<f64>("expr", device, n)?),
         DType::I64 => storage(device, alloc::<i64>("expr", device, n)?),
+        DType::F16 => storage(device, alloc::<kiln_core::f16>("expr", device, n)?),
+        DType::BF16 => storage(device, alloc::<kiln_core::bf16>("expr", device, n)?),
         _ => storage(device, alloc::<u8>("expr", device, n)?),
     })
 }

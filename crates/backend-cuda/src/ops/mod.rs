@@ -23,6 +23,7 @@ pub(crate) const BLOCK: u32 = 256;
 fn sized(dtype: DType) -> &'static str {
     match dtype.size_in_bytes() {
         1 => "u8",
+        2 => "u16",
         4 => "u32",
         _ => "u64",
     }
@@ -310,6 +311,10 @@ pub(crate) fn fill(
         DType::F32 => (value as f32).to_bits() as u64,
         DType::F64 => value.to_bits(),
         DType::I64 => (value as i64) as u64,
+        // The 16-bit floats: the value's bits, rounded on the host (a byte pattern, no 16-bit
+        // arithmetic on the device).
+        DType::F16 => kiln_core::halfround::f16_from_f64(value).to_bits() as u64,
+        DType::BF16 => kiln_core::halfround::bf16_from_f64(value).to_bits() as u64,
         _ => (value as u8) as u64,
     };
     if bits == 0 {
@@ -331,6 +336,7 @@ pub(crate) fn fill(
     a.push(out.device_ptr()).push(len as u64);
     match dtype.size_in_bytes() {
         1 => a.push(bits as u8),
+        2 => a.push(bits as u16),
         4 => a.push(bits as u32),
         _ => a.push(bits),
     };

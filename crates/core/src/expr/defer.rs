@@ -87,18 +87,16 @@ impl Op {
 
     /// Whether this op, with inputs of dtypes `ins` and a result of dtype `out`, can be
     /// deferred: float arithmetic, comparisons of floats, `where` with float branches, casts
-    /// among f32, f64 and u8.
+    /// among the floats and u8.
     pub fn fusable(self, ins: &[DType], out: DType) -> bool {
-        let float = |d: DType| matches!(d, DType::F32 | DType::F64);
+        let float = |d: DType| d.is_float();
         match self {
             Op::Unary(u) => float(out) && u.supports(out),
             Op::Binary(b) | Op::Scalar { op: b, .. } => float(out) && b.supports(out),
             Op::UnaryBwd(u) => float(out) && has_backward(u, out),
             Op::Fill(_) | Op::Where => float(out),
             Op::Compare(_) => float(ins[0]),
-            Op::Cast(to) => [ins[0], to]
-                .iter()
-                .all(|d| matches!(d, DType::F32 | DType::F64 | DType::U8)),
+            Op::Cast(to) => [ins[0], to].iter().all(|d| d.is_float() || *d == DType::U8),
         }
     }
 }
@@ -185,6 +183,18 @@ impl<D: Deferral> Node<D> {
         self.done.get().is_some()
     }
     /// The op and operands, while pending.
+    /// Whether the node's result or one of its pending operands is f16 or bf16 (a backend
+    /// whose 16-bit arithmetic runs only in its fused evaluator runs such a node there).
+    pub fn involves_half(&self) -> bool {
+        self.dtype.is_half()
+            || self.pending().is_some_and(|(_, args)| {
+                args.iter().any(|a| match a {
+                    Operand::Leaf { dtype, .. } => dtype.is_half(),
+                    Operand::Node(n) => n.dtype.is_half(),
+                })
+            })
+    }
+
     fn pending(&self) -> Option<(Op, Vec<Operand<D>>)> {
         self.pending.lock().unwrap().clone()
     }
@@ -396,7 +406,7 @@ pub fn fusable_reduction<D: Deferral>(n: &Node<D>, l: &Layout, op: ReduceOp) -> 
     plain
         && n.shape.rank() > 0
         && n.shape.elem_count() > 0
-        && matches!(n.dtype, DType::F32 | DType::F64)
+        && n.dtype.is_float()
         && matches!(op, ReduceOp::Sum | ReduceOp::Max | ReduceOp::Min)
         && !n.is_done()
 }

@@ -13,6 +13,7 @@ mod call;
 pub mod grad;
 mod program;
 pub mod rules;
+mod widen;
 
 pub use crate::op::Expr;
 pub use call::{CallPlan, check_call};

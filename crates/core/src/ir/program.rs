@@ -27,8 +27,9 @@ pub(crate) fn expr_err(op: &'static str, kind: ExprErrorKind, msg: impl Into<Str
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Scalar {
     dtype: DType,
-    /// f32/f64: the `f64` bits of the (rounded) value; i64: the value's two's complement; u8:
-    /// the value.
+    /// f32/f64: the `f64` bits of the (rounded) value; f16/bf16: the `f64` bits of the value
+    /// rounded to f32, the type their arithmetic runs in (see `Program::widened`); i64: the
+    /// value's two's complement; u8: the value.
     bits: u64,
 }
 
@@ -36,7 +37,7 @@ impl Scalar {
     /// `value` converted to `dtype` with an `as` cast (what `binary_scalar` does).
     pub fn new(value: f64, dtype: DType) -> Scalar {
         let bits = match dtype {
-            DType::F32 => ((value as f32) as f64).to_bits(),
+            DType::F32 | DType::F16 | DType::BF16 => ((value as f32) as f64).to_bits(),
             DType::I64 => (value as i64) as u64,
             DType::U8 => (value as u8) as u64,
             _ => value.to_bits(),

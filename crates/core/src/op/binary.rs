@@ -246,13 +246,13 @@ macro_rules! or_zero {
 
 macro_rules! binary_dtypes {
     (float, $d:expr) => {
-        matches!($d, DType::F32 | DType::F64)
+        $d.is_float()
     };
     (arith, $d:expr) => {
-        matches!($d, DType::F32 | DType::F64 | DType::I64)
+        ($d.is_float() || $d == DType::I64)
     };
     (any, $d:expr) => {
-        matches!($d, DType::F32 | DType::F64 | DType::I64 | DType::U8)
+        ($d.is_float() || matches!($d, DType::I64 | DType::U8))
     };
 }
 

@@ -38,7 +38,7 @@ use crate::DType;
 
 /// Reductions over a set of axes. The result keeps the reduced axes with size 1.
 ///
-/// `Sum` is defined for f32/f64/i64 (an empty reduction gives 0); `Max`/`Min` for every dtype
+/// `Sum` is defined for the floats and i64 (an empty reduction gives 0); `Max`/`Min` for every dtype
 /// (never called on an empty reduction: `Tensor` rejects it; NaN propagates);
 /// `ArgMax`/`ArgMin` reduce exactly one axis, return `i64` indices and pick the first occurrence
 /// on ties (NaN counts as the largest for `ArgMax` and the smallest for `ArgMin`, as in numpy).
@@ -78,9 +78,9 @@ impl ReduceOp {
 /// How a reduction folds the values it maps: the "combine" of map / combine / post-map.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Combine {
-    /// Identity 0; f32/f64/i64 (i64 wraps).
+    /// Identity 0; the floats and i64 (i64 wraps).
     Sum,
-    /// Identity 1; f32/f64/i64 (i64 wraps).
+    /// Identity 1; the floats and i64 (i64 wraps).
     Prod,
     /// No identity (an empty reduction is an error); every dtype; NaN propagates.
     Max,
@@ -101,9 +101,7 @@ impl Combine {
     }
     pub fn supports(self, dtype: DType) -> bool {
         match self {
-            Combine::Sum | Combine::Prod => {
-                matches!(dtype, DType::F32 | DType::F64 | DType::I64)
-            }
+            Combine::Sum | Combine::Prod => dtype.is_float() || dtype == DType::I64,
             Combine::Max | Combine::Min => true,
         }
     }

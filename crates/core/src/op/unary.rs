@@ -430,10 +430,10 @@ macro_rules! int_body {
 
 macro_rules! dtypes_allow {
     (float, $d:expr) => {
-        matches!($d, DType::F32 | DType::F64)
+        $d.is_float()
     };
     (int, $d:expr) => {
-        matches!($d, DType::F32 | DType::F64 | DType::I64)
+        ($d.is_float() || $d == DType::I64)
     };
 }
 

@@ -3,8 +3,9 @@
 //! [`Reference`] implements every op of the [`Backend`] trait as directly as the contract in
 //! [`crate::backend`] reads, so that the conformance suite (`kiln_core::testing`, feature
 //! `testing`) can compare a real backend against it. Storage keeps each dtype's values exactly (a
-//! [`HostBuffer`]); float math runs in f64 and a result of dtype f32 is rounded to f32 once, at the
-//! end. That makes the reference (nearly) the exact answer for the given inputs, and a real
+//! [`HostBuffer`]); float math runs in f64 and a result of dtype f32, f16 or bf16 is rounded to its
+//! type once, at the end (so a 16-bit tensor of the reference holds only what the type can hold,
+//! and every op's result is the exact one rounded to the type). That makes the reference (nearly) the exact answer for the given inputs, and a real
 //! backend's error against it is its own error. Integer ops are exact (`i64` arithmetic wraps;
 //! `Div` truncates toward zero and a division by zero gives 0). Random numbers come from
 //! [`crate::philox`] itself.
@@ -231,6 +232,8 @@ impl Backend for Reference {
             (HostBuffer::F64(d), HostBuffer::F64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             (HostBuffer::I64(d), HostBuffer::I64(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             (HostBuffer::U8(d), HostBuffer::U8(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::F16(d), HostBuffer::F16(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
+            (HostBuffer::BF16(d), HostBuffer::BF16(v)) => pos.zip(v).for_each(|(i, &x)| d[i] = x),
             _ => unreachable!("dtypes checked by gather"),
         }
         Ok(())
@@ -272,6 +275,19 @@ impl Backend for Reference {
                 (0..n)
                     .map(|i| philox::normal_f64(seed, i, mean, std))
                     .collect(),
+            ),
+            // The 16-bit floats: drawn in f32, then rounded (as every backend does).
+            (DType::F16 | DType::BF16, RandDist::Uniform { low, high }) => HostBuffer::from_f64(
+                dtype,
+                &(0..n)
+                    .map(|i| philox::uniform_f32(seed, i, low as f32, high as f32) as f64)
+                    .collect::<Vec<_>>(),
+            ),
+            (DType::F16 | DType::BF16, RandDist::Normal { mean, std }) => HostBuffer::from_f64(
+                dtype,
+                &(0..n)
+                    .map(|i| philox::normal_f32(seed, i, mean as f32, std as f32) as f64)
+                    .collect::<Vec<_>>(),
             ),
             (d, _) => return Err(unsupported("rand", d)),
         };
@@ -403,33 +419,7 @@ impl Backend for Reference {
         let t = gather(OP, on_true, true_layout, dtype)?;
         let f = gather(OP, on_false, false_layout, dtype)?;
         // Any nonzero condition byte selects `on_true`, as `cond ? a : b` in C.
-        let out = match (t, f) {
-            (HostBuffer::F32(t), HostBuffer::F32(f)) => HostBuffer::F32(
-                c.iter()
-                    .enumerate()
-                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
-                    .collect(),
-            ),
-            (HostBuffer::F64(t), HostBuffer::F64(f)) => HostBuffer::F64(
-                c.iter()
-                    .enumerate()
-                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
-                    .collect(),
-            ),
-            (HostBuffer::I64(t), HostBuffer::I64(f)) => HostBuffer::I64(
-                c.iter()
-                    .enumerate()
-                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
-                    .collect(),
-            ),
-            (HostBuffer::U8(t), HostBuffer::U8(f)) => HostBuffer::U8(
-                c.iter()
-                    .enumerate()
-                    .map(|(i, &c)| if c != 0 { t[i] } else { f[i] })
-                    .collect(),
-            ),
-            _ => unreachable!("checked by gather"),
-        };
+        let out = select(&c, &t, &f);
         Ok(new(on_true.device, out))
     }
 
@@ -660,7 +650,9 @@ impl Backend for Reference {
     fn cast(s: &RefStorage, layout: &Layout, from: DType, to: DType) -> Result<RefStorage> {
         let x = gather("cast", s, layout, from)?;
         // Direct `as` casts from the source type (never through f64: i64 -> f32 must round
-        // once).
+        // once). A 16-bit source widens to f32 first (exact); a 16-bit target rounds once from
+        // the source's value (from f64 for i64, itself rounded only beyond 2^53, where f16 is
+        // infinite and bf16 keeps 8 bits).
         macro_rules! conv {
             ($v:expr) => {
                 match to {
@@ -668,6 +660,16 @@ impl Backend for Reference {
                     DType::F64 => HostBuffer::F64($v.iter().map(|&x| x as f64).collect()),
                     DType::I64 => HostBuffer::I64($v.iter().map(|&x| x as i64).collect()),
                     DType::U8 => HostBuffer::U8($v.iter().map(|&x| x as u8).collect()),
+                    DType::F16 => HostBuffer::F16(
+                        $v.iter()
+                            .map(|&x| crate::halfround::f16_from_f64(x as f64))
+                            .collect(),
+                    ),
+                    DType::BF16 => HostBuffer::BF16(
+                        $v.iter()
+                            .map(|&x| crate::halfround::bf16_from_f64(x as f64))
+                            .collect(),
+                    ),
                 }
             };
         }
@@ -676,6 +678,8 @@ impl Backend for Reference {
             HostBuffer::F64(v) => conv!(v),
             HostBuffer::I64(v) => conv!(v),
             HostBuffer::U8(v) => conv!(v),
+            HostBuffer::F16(v) => conv!(v.iter().map(|x| x.to_f32()).collect::<Vec<_>>()),
+            HostBuffer::BF16(v) => conv!(v.iter().map(|x| x.to_f32()).collect::<Vec<_>>()),
         };
         Ok(new(s.device, out))
     }

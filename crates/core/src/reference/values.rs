@@ -12,6 +12,32 @@ pub(super) fn take(buf: &HostBuffer, pos: impl Iterator<Item = usize>) -> HostBu
         HostBuffer::F64(v) => HostBuffer::F64(pos.map(|i| v[i]).collect()),
         HostBuffer::I64(v) => HostBuffer::I64(pos.map(|i| v[i]).collect()),
         HostBuffer::U8(v) => HostBuffer::U8(pos.map(|i| v[i]).collect()),
+        HostBuffer::F16(v) => HostBuffer::F16(pos.map(|i| v[i]).collect()),
+        HostBuffer::BF16(v) => HostBuffer::BF16(pos.map(|i| v[i]).collect()),
+    }
+}
+
+/// `on_true[i]` where `cond[i] != 0`, else `on_false[i]` (buffers of one dtype and length).
+pub(super) fn select(cond: &[u8], on_true: &HostBuffer, on_false: &HostBuffer) -> HostBuffer {
+    // Positions into `on_true` followed by `on_false`.
+    let n = cond.len();
+    let both = concat(on_true, on_false);
+    take(&both, (0..n).map(|i| if cond[i] != 0 { i } else { n + i }))
+}
+
+/// `a` followed by `b` (one dtype).
+fn concat(a: &HostBuffer, b: &HostBuffer) -> HostBuffer {
+    fn cat<T: Clone>(a: &[T], b: &[T]) -> Vec<T> {
+        a.iter().chain(b).cloned().collect()
+    }
+    match (a, b) {
+        (HostBuffer::F32(a), HostBuffer::F32(b)) => HostBuffer::F32(cat(a, b)),
+        (HostBuffer::F64(a), HostBuffer::F64(b)) => HostBuffer::F64(cat(a, b)),
+        (HostBuffer::I64(a), HostBuffer::I64(b)) => HostBuffer::I64(cat(a, b)),
+        (HostBuffer::U8(a), HostBuffer::U8(b)) => HostBuffer::U8(cat(a, b)),
+        (HostBuffer::F16(a), HostBuffer::F16(b)) => HostBuffer::F16(cat(a, b)),
+        (HostBuffer::BF16(a), HostBuffer::BF16(b)) => HostBuffer::BF16(cat(a, b)),
+        _ => unreachable!("one dtype (checked by gather)"),
     }
 }
 
@@ -47,7 +73,9 @@ pub(super) fn gather(
 /// Float values widened to f64 (exact).
 pub(super) fn floats(op: &'static str, b: &HostBuffer) -> Result<Vec<f64>> {
     match b {
-        HostBuffer::F32(_) | HostBuffer::F64(_) => Ok(b.to_f64_vec()),
+        HostBuffer::F32(_) | HostBuffer::F64(_) | HostBuffer::F16(_) | HostBuffer::BF16(_) => {
+            Ok(b.to_f64_vec())
+        }
         _ => Err(unsupported(op, b.dtype())),
     }
 }
@@ -59,10 +87,13 @@ pub(super) fn ints(b: &HostBuffer) -> Vec<i64> {
         HostBuffer::U8(v) => v.iter().map(|&x| x as i64).collect(),
         HostBuffer::F32(v) => v.iter().map(|&x| x as i64).collect(),
         HostBuffer::F64(v) => v.iter().map(|&x| x as i64).collect(),
+        HostBuffer::F16(v) => v.iter().map(|x| x.to_f64() as i64).collect(),
+        HostBuffer::BF16(v) => v.iter().map(|x| x.to_f64() as i64).collect(),
     }
 }
 
-/// f64 results stored as `dtype`: rounded once for f32.
+/// f64 results stored as `dtype`: rounded once for f32, f16 and bf16 (the reference states what
+/// the type can hold).
 pub(super) fn float_out(dtype: DType, v: &[f64]) -> HostBuffer {
     HostBuffer::from_f64(dtype, v)
 }

@@ -35,6 +35,9 @@ fn format_values(host: &HostBuffer) -> Vec<String> {
         HostBuffer::F64(v) => v.iter().map(|x| format_float(*x, 8)).collect(),
         HostBuffer::I64(v) => v.iter().map(|x| x.to_string()).collect(),
         HostBuffer::U8(v) => v.iter().map(|x| x.to_string()).collect(),
+        // About 3.3 and 2.4 significant decimal digits.
+        HostBuffer::F16(v) => v.iter().map(|x| format_float(x.to_f64(), 4)).collect(),
+        HostBuffer::BF16(v) => v.iter().map(|x| format_float(x.to_f64(), 3)).collect(),
     }
 }
 

@@ -60,7 +60,11 @@ impl<B: Backend> Tensor<B> {
 
     pub(crate) fn require_float(&self, op: &'static str) -> Result<()> {
         if !self.dtype().is_float() {
-            return Err(dtype_err(op, "f32 or f64", self.dtype()));
+            return Err(dtype_err(
+                op,
+                "a float dtype (f32, f64, f16, bf16)",
+                self.dtype(),
+            ));
         }
         Ok(())
     }
@@ -93,7 +97,7 @@ impl<B: Backend> Tensor<B> {
             });
         }
         if g.dtype() != self.dtype() || !self.dtype().is_float() {
-            return Err(dtype_err(OP, "f32 or f64, the same for both", g.dtype()));
+            return Err(dtype_err(OP, "a float dtype, the same for both", g.dtype()));
         }
         if g.device() != self.device() {
             return Err(Error::DeviceMismatch {
@@ -246,8 +250,8 @@ impl<B: Backend> Tensor<B> {
         let name = op.name();
         let axes = self.shape().axes(name, axes)?;
         match op {
-            ReduceOp::Sum if !matches!(self.dtype(), DType::F32 | DType::F64 | DType::I64) => {
-                return Err(dtype_err(name, "f32, f64 or i64", self.dtype()));
+            ReduceOp::Sum if !(self.dtype().is_float() || self.dtype() == DType::I64) => {
+                return Err(dtype_err(name, "a float dtype or i64", self.dtype()));
             }
             ReduceOp::ArgMax | ReduceOp::ArgMin if axes.len() != 1 => {
                 return Err(Error::invalid(

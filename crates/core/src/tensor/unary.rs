@@ -58,7 +58,7 @@ impl<B: Backend> Tensor<B> {
         if !self.dtype().is_float() {
             return Err(Error::DTypeMismatch {
                 op: op.name(),
-                expected: "f32 or f64".into(),
+                expected: "a float dtype (f32, f64, f16, bf16)".into(),
                 got: self.dtype(),
             });
         }

@@ -87,7 +87,7 @@ pub(super) fn gen_values(dom: &Dom, dtype: DType, n: usize, seed: u64) -> HostBu
         }
     };
     match dtype {
-        DType::F32 | DType::F64 => {
+        d if d.is_float() => {
             const SPECIAL: [f64; 8] = [
                 f64::NAN,
                 f64::INFINITY,
@@ -325,8 +325,8 @@ pub(super) fn broadcast_shapes(max_rank: usize) -> BoxedStrategy<(Vec<usize>, Ve
         .boxed()
 }
 
-pub(super) const FLOATS: [DType; 2] = [DType::F32, DType::F64];
-pub(super) const ALL: [DType; 4] = [DType::F32, DType::F64, DType::I64, DType::U8];
+pub(super) const FLOATS: [DType; 4] = DType::FLOATS;
+pub(super) const ALL: [DType; 6] = DType::ALL;
 
 pub(super) fn dtypes_where(f: impl Fn(DType) -> bool) -> Vec<DType> {
     ALL.into_iter().filter(|&d| f(d)).collect()

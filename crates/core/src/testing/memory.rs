@@ -57,7 +57,7 @@ pub(super) fn g_fill<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) 
     let strat = (shape(0, 4, 6), select(ALL.to_vec()), -1e4..1e4f64, 0..8u8);
     p.run(out, "fill", strat, |(dims, dtype, raw, special)| {
         let value = match dtype {
-            DType::F32 | DType::F64 => match special {
+            d if d.is_float() => match special {
                 0 => f64::NAN,
                 1 => f64::NEG_INFINITY,
                 2 => -0.0,

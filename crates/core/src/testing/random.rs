@@ -32,7 +32,8 @@ pub(super) fn g_rand<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) 
                 ),
             );
             let tol = match dtype {
-                DType::F32 => Tol::Bits,
+                // f32, and the 16-bit floats drawn in f32 and rounded, are Philox's bits.
+                DType::F32 | DType::F16 | DType::BF16 => Tol::Bits,
                 _ => Tol::Close {
                     rtol: 4.0 * f64::EPSILON,
                     atol: 4.0 * f64::EPSILON * (low.abs() + high.abs()),

@@ -17,10 +17,11 @@ pub(super) enum Tol {
     },
 }
 
+/// The machine epsilon of `dtype` (f32's for the integers, which compare exactly anyway).
 pub(super) fn eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => f64::EPSILON,
-        _ => f32::EPSILON as f64,
+    match dtype.epsilon() {
+        0.0 => f32::EPSILON as f64,
+        e => e,
     }
 }
 
@@ -73,6 +74,30 @@ pub(super) fn compare_values(
             first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
                 format!(
                     "{}: got {:?} ({:#018x}), want {:?} ({:#018x}) bit for bit",
+                    at(i),
+                    g[i],
+                    g[i].to_bits(),
+                    w[i],
+                    w[i].to_bits()
+                )
+            })
+        }
+        (HostBuffer::F16(g), HostBuffer::F16(w)) if matches!(tol, Tol::Bits) => {
+            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
+                format!(
+                    "{}: got {} ({:#06x}), want {} ({:#06x}) bit for bit",
+                    at(i),
+                    g[i],
+                    g[i].to_bits(),
+                    w[i],
+                    w[i].to_bits()
+                )
+            })
+        }
+        (HostBuffer::BF16(g), HostBuffer::BF16(w)) if matches!(tol, Tol::Bits) => {
+            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
+                format!(
+                    "{}: got {} ({:#06x}), want {} ({:#06x}) bit for bit",
                     at(i),
                     g[i],
                     g[i].to_bits(),

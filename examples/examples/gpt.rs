@@ -38,10 +38,10 @@ enum Precision {
 struct Args {
     #[arg(long, default_value = "cpu", help = DEVICE_HELP)]
     device: String,
-    /// Training iterations (default 5000; 600 with --tiny).
+    /// Training iterations (default 5000; 1000 with --tiny).
     #[arg(long)]
     iters: Option<usize>,
-    /// Evaluate every this many iterations (default 250; 100 with --tiny).
+    /// Evaluate every this many iterations (default 250; 200 with --tiny).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     eval_interval: Option<u64>,
     /// Batches per split in an evaluation (default 200; 20 with --tiny).
@@ -83,7 +83,7 @@ struct Args {
     #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u64).range(1..))]
     top_k: u64,
     /// A small configuration that trains in under a minute on two CPU cores (2 layers, 2
-    /// heads, width 64, context 32, batch 16, no dropout, 600 iterations). Implied on the CPU
+    /// heads, width 64, context 32, batch 16, no dropout, 1000 iterations). Implied on the CPU
     /// when no size is given.
     #[arg(long)]
     tiny: bool,
@@ -106,7 +106,7 @@ impl Args {
     fn config(&self, vocab_size: usize, on_cpu: bool) -> TrainConfig {
         let tiny = self.tiny || (on_cpu && !self.sizes_given());
         let (b, t, l, h, w, d, it, ei, en) = if tiny {
-            (16, 32, 2, 2, 64, 0.0, 600, 100, 20)
+            (16, 32, 2, 2, 64, 0.0, 1000, 200, 20)
         } else {
             (64, 256, 6, 6, 384, 0.2, 5000, 250, 200)
         };
@@ -162,7 +162,11 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
     if c.model.block > data.max_block() {
         return Err(Error::invalid(
             "gpt",
-            format!("--block {} exceeds the corpus ({})", c.model.block, data.max_block()),
+            format!(
+                "--block {} exceeds the corpus ({})",
+                c.model.block,
+                data.max_block()
+            ),
         ));
     }
     let tf32 = args.precision == Precision::Tf32;
@@ -215,8 +219,19 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
     if args.sample > 0 {
         let mut sg = Generator::new(c.seed.wrapping_add(1));
         let settings = (args.temperature, Some(args.top_k as usize));
-        let text = generate(&mut model, &data, "\n", args.sample, settings, &mut sg, &dev)?;
-        println!("--- sample (temperature {}, top-k {}) ---{text}", args.temperature, args.top_k);
+        let text = generate(
+            &mut model,
+            &data,
+            "\n",
+            args.sample,
+            settings,
+            &mut sg,
+            &dev,
+        )?;
+        println!(
+            "--- sample (temperature {}, top-k {}) ---{text}",
+            args.temperature, args.top_k
+        );
     }
     Ok(())
 }

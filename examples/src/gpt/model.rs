@@ -44,7 +44,10 @@ impl GptConfig {
         ];
         for (name, v) in sizes {
             if v == 0 {
-                return Err(Error::invalid("GptConfig", format!("{name} must be positive")));
+                return Err(Error::invalid(
+                    "GptConfig",
+                    format!("{name} must be positive"),
+                ));
             }
         }
         if self.n_embd % self.n_head != 0 {
@@ -246,7 +249,10 @@ impl<B: Backend> Module<B> for Gpt<B> {
         let mut v = prefixed("transformer.wte", self.wte.named_parameters());
         v.extend(prefixed("transformer.wpe", self.wpe.named_parameters()));
         for (i, b) in self.blocks.iter().enumerate() {
-            v.extend(prefixed(&format!("transformer.h.{i}"), b.named_parameters()));
+            v.extend(prefixed(
+                &format!("transformer.h.{i}"),
+                b.named_parameters(),
+            ));
         }
         v.extend(prefixed("transformer.ln_f", self.ln_f.named_parameters()));
         v.extend(prefixed("lm_head", self.lm_head.named_parameters()));

@@ -50,7 +50,7 @@ impl GptConfig {
                 ));
             }
         }
-        if self.n_embd % self.n_head != 0 {
+        if !self.n_embd.is_multiple_of(self.n_head) {
             return Err(Error::invalid(
                 "GptConfig",
                 format!(

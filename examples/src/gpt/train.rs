@@ -158,7 +158,7 @@ pub fn train<B: Backend>(
     model.train();
     let (mut t0, mut since) = (Instant::now(), 0usize);
     for iter in 0..=c.iters {
-        if iter % c.eval_interval.max(1) == 0 || iter == c.iters {
+        if iter.is_multiple_of(c.eval_interval.max(1)) || iter == c.iters {
             B::synchronize(dev)?;
             let ms = (since > 0).then(|| t0.elapsed().as_secs_f64() * 1e3 / since as f64);
             let (train_loss, val_loss) = estimate_loss(model, data, c, &mut g, dev)?;

@@ -169,6 +169,18 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
             ),
         ));
     }
+    if !(args.temperature.is_finite() && args.temperature > 0.0) {
+        return Err(Error::invalid(
+            "gpt",
+            format!("--temperature must be positive, got {}", args.temperature),
+        ));
+    }
+    if !(c.lr.is_finite() && c.lr > 0.0) {
+        return Err(Error::invalid(
+            "gpt",
+            format!("--lr must be positive, got {}", c.lr),
+        ));
+    }
     let tf32 = args.precision == Precision::Tf32;
     if B::NAME == "cuda" {
         kiln_backend_cuda::set_allow_tf32(tf32);

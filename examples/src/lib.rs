@@ -31,6 +31,7 @@
 //! stderr (`no CUDA device found (<reason>); falling back to cpu`) and runs on the CPU, so one
 //! command line works on every machine. A malformed name is an error, never a fallback.
 
+pub mod gpt;
 pub mod models;
 
 use std::fmt;

@@ -204,11 +204,12 @@ impl<B: Backend> Module<B> for RMSNorm<B> {
     }
 }
 
-/// `torch.finfo(dtype).eps` (f32's for any dtype but f64).
+/// `torch.finfo(dtype).eps` (f32's for a dtype that is not a float: the op rejects it).
 fn machine_eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F64 => f64::EPSILON,
-        _ => f32::EPSILON as f64,
+    if dtype.is_float() {
+        dtype.epsilon()
+    } else {
+        f32::EPSILON as f64
     }
 }
 

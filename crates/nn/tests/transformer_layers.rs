@@ -143,6 +143,8 @@ fn rms_norm_eps_defaults_to_the_dtypes_machine_epsilon() {
     let r = RMSNormConfig::new([3]).init::<B>(&DEV).unwrap();
     assert_eq!(r.eps_for(DType::F32), f32::EPSILON as f64);
     assert_eq!(r.eps_for(DType::F64), f64::EPSILON);
+    assert_eq!(r.eps_for(DType::BF16), 2f64.powi(-7));
+    assert_eq!(r.eps_for(DType::F16), 2f64.powi(-10));
     let r = RMSNormConfig::new([3])
         .with_eps(1e-6)
         .init::<B>(&DEV)

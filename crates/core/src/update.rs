@@ -89,9 +89,10 @@ impl UpdateRule {
     ///
     /// Lowering the expressions into a program is most of the cost (15 µs for Adam, a fifth of
     /// a 40-parameter multi-tensor step's host time on the GPU), so the program is lowered once
-    /// per structure ([`UpdateRule::structure`]) and dtype and memoized; the expressions, which
-    /// carry no values (every hyperparameter is a parameter), are still built each call for the
-    /// values' order. Debug builds check the memo against a fresh lowering.
+    /// per structure (the variant, its flags, and which hyperparameters are zero) and dtype
+    /// and memoized; the expressions, which carry no values (every hyperparameter is a
+    /// parameter), are still built each call for the values' order. Debug builds check the
+    /// memo against a fresh lowering.
     pub fn program(&self, dtype: DType) -> Result<(Program, Vec<f64>)> {
         type Memo = HashMap<([u64; 9], DType), Program>;
         static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();

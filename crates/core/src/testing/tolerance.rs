@@ -36,6 +36,28 @@ pub(super) fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
     idx
 }
 
+/// The first element of `g` whose bits differ from `w`'s (equal lengths), described with
+/// both values and their bits as `hex_digits` hex digits.
+fn bits_diff<T: Copy + std::fmt::Debug>(
+    g: &[T],
+    w: &[T],
+    bits: fn(T) -> u64,
+    hex_digits: usize,
+    at: &dyn Fn(usize) -> String,
+) -> Option<String> {
+    (0..g.len()).find(|&i| bits(g[i]) != bits(w[i])).map(|i| {
+        format!(
+            "{}: got {:?} ({:#0width$x}), want {:?} ({:#0width$x}) bit for bit",
+            at(i),
+            g[i],
+            bits(g[i]),
+            w[i],
+            bits(w[i]),
+            width = hex_digits + 2
+        )
+    })
+}
+
 pub(super) fn compare_values(
     got: &HostBuffer,
     want: &HostBuffer,
@@ -59,52 +81,16 @@ pub(super) fn compare_values(
         (HostBuffer::U8(g), HostBuffer::U8(w)) => first_diff(g.len(), &|i| g[i] == w[i])
             .map(|i| format!("{}: got {}, want {}", at(i), g[i], w[i])),
         (HostBuffer::F32(g), HostBuffer::F32(w)) if matches!(tol, Tol::Bits) => {
-            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
-                format!(
-                    "{}: got {:?} ({:#010x}), want {:?} ({:#010x}) bit for bit",
-                    at(i),
-                    g[i],
-                    g[i].to_bits(),
-                    w[i],
-                    w[i].to_bits()
-                )
-            })
+            bits_diff(g, w, |x| x.to_bits().into(), 8, &at)
         }
         (HostBuffer::F64(g), HostBuffer::F64(w)) if matches!(tol, Tol::Bits) => {
-            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
-                format!(
-                    "{}: got {:?} ({:#018x}), want {:?} ({:#018x}) bit for bit",
-                    at(i),
-                    g[i],
-                    g[i].to_bits(),
-                    w[i],
-                    w[i].to_bits()
-                )
-            })
+            bits_diff(g, w, f64::to_bits, 16, &at)
         }
         (HostBuffer::F16(g), HostBuffer::F16(w)) if matches!(tol, Tol::Bits) => {
-            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
-                format!(
-                    "{}: got {} ({:#06x}), want {} ({:#06x}) bit for bit",
-                    at(i),
-                    g[i],
-                    g[i].to_bits(),
-                    w[i],
-                    w[i].to_bits()
-                )
-            })
+            bits_diff(g, w, |x| x.to_bits().into(), 4, &at)
         }
         (HostBuffer::BF16(g), HostBuffer::BF16(w)) if matches!(tol, Tol::Bits) => {
-            first_diff(g.len(), &|i| g[i].to_bits() == w[i].to_bits()).map(|i| {
-                format!(
-                    "{}: got {} ({:#06x}), want {} ({:#06x}) bit for bit",
-                    at(i),
-                    g[i],
-                    g[i].to_bits(),
-                    w[i],
-                    w[i].to_bits()
-                )
-            })
+            bits_diff(g, w, |x| x.to_bits().into(), 4, &at)
         }
         _ => {
             let Tol::Close { rtol, atol, k, mag } = tol else {

@@ -46,30 +46,16 @@ pub(crate) fn rand(
             fill_with(device, len, |i| philox::normal_f64(seed, i, mean, std))
         }
         // The 16-bit floats: drawn in f32, then rounded (as the reference does).
-        (DType::F16, RandDist::Uniform { low, high }) => {
-            let (low, high) = (low as f32, high as f32);
-            fill_with(device, len, |i| {
-                f16::from_f32(philox::uniform_f32(seed, i, low, high))
-            })
-        }
-        (DType::F16, RandDist::Normal { mean, std }) => {
-            let (mean, std) = (mean as f32, std as f32);
-            fill_with(device, len, |i| {
-                f16::from_f32(philox::normal_f32(seed, i, mean, std))
-            })
-        }
-        (DType::BF16, RandDist::Uniform { low, high }) => {
-            let (low, high) = (low as f32, high as f32);
-            fill_with(device, len, |i| {
-                bf16::from_f32(philox::uniform_f32(seed, i, low, high))
-            })
-        }
-        (DType::BF16, RandDist::Normal { mean, std }) => {
-            let (mean, std) = (mean as f32, std as f32);
-            fill_with(device, len, |i| {
-                bf16::from_f32(philox::normal_f32(seed, i, mean, std))
-            })
-        }
+        (DType::F16, _) => fill_with(device, len, |i| f16::from_f32(draw_f32(seed, i, dist))),
+        (DType::BF16, _) => fill_with(device, len, |i| bf16::from_f32(draw_f32(seed, i, dist))),
         _ => Err(dtype_err("rand", "f32, f64, f16 or bf16", dtype)),
+    }
+}
+
+/// Element `i` of the f32 stream of `seed` under `dist` (what the f32 arms above draw).
+fn draw_f32(seed: u64, i: u64, dist: RandDist) -> f32 {
+    match dist {
+        RandDist::Uniform { low, high } => philox::uniform_f32(seed, i, low as f32, high as f32),
+        RandDist::Normal { mean, std } => philox::normal_f32(seed, i, mean as f32, std as f32),
     }
 }

@@ -32,6 +32,7 @@
 
 use kiln_core::{Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor};
 
+use crate::ops::softmax_backward;
 use crate::var::Var;
 
 const OP: &str = "scaled_dot_product_attention";
@@ -114,10 +115,12 @@ impl<B: Backend> Var<B> {
         }
         let scores = self.matmul(&k.transpose(-2, -1)?)?.mul_scalar(scale)?;
         let (keep, bias) = mask_tensors(mask, &scores, tq, tk)?;
+        // A causal row keeps at least its first key: no row can be empty.
+        let rows_nonempty = matches!(mask, AttnMask::Causal);
         let mut p = if keep.is_none() && bias.is_none() {
             scores.softmax(-1)?
         } else {
-            masked_softmax(&scores, keep, bias)?
+            masked_softmax(&scores, keep, bias, rows_nonempty)?
         };
         if dropout_p > 0.0 {
             let Some(generator) = generator else {
@@ -251,36 +254,42 @@ fn mask_tensors<B: Backend>(
 }
 
 /// Softmax over the last axis of `scores + bias`, restricted to the entries where `keep` is
-/// nonzero; rows with no entry left are all zeros (and get a zero gradient). One recorded node:
-/// it saves the weights only, and its backward is `p · (g - Σ_row g·p)`.
+/// nonzero; rows with no entry left are all zeros (and get a zero gradient). With
+/// `rows_nonempty` (the caller knows every row keeps an entry) it is the backend's fused
+/// softmax of the masked scores. One recorded node: it saves the weights only, and its backward
+/// is softmax's.
 fn masked_softmax<B: Backend>(
     scores: &Var<B>,
     keep: Option<Tensor<B>>,
     bias: Option<Tensor<B>>,
+    rows_nonempty: bool,
 ) -> Result<Var<B>> {
     let mut s = scores.tensor();
     if let Some(b) = &bias {
         s = s.add(b)?;
     }
     let (dtype, dev) = (s.dtype(), s.device().clone());
-    let neg_inf = Tensor::<B>::full(Shape::scalar(), f64::NEG_INFINITY, dtype, &dev)?;
-    let zero = Tensor::<B>::zeros(Shape::scalar(), dtype, &dev)?;
-    let one = Tensor::<B>::ones(Shape::scalar(), dtype, &dev)?;
     if let Some(k) = &keep {
+        let neg_inf = Tensor::<B>::full(Shape::scalar(), f64::NEG_INFINITY, dtype, &dev)?;
         s = k.where_cond(&s, &neg_inf)?;
     }
-    // A row whose max is -inf has nothing left: shift it by 0 instead, so exp gives zeros.
-    let m = s.max(&[-1], true)?;
-    let m = m
-        .compare_scalar(CmpOp::Gt, f64::NEG_INFINITY)?
-        .where_cond(&m, &zero)?;
-    let e = s.sub(&m)?.exp()?;
-    let sum = e.sum(&[-1], true)?;
-    let sum = sum.compare_scalar(CmpOp::Gt, 0.0)?.where_cond(&sum, &one)?;
-    let p = e.div(&sum)?;
+    let p = if rows_nonempty {
+        s.softmax(-1)?
+    } else {
+        // A row whose max is -inf has nothing left: shift it by 0 instead, so exp gives zeros.
+        let zero = Tensor::<B>::zeros(Shape::scalar(), dtype, &dev)?;
+        let one = Tensor::<B>::ones(Shape::scalar(), dtype, &dev)?;
+        let m = s.max(&[-1], true)?;
+        let m = m
+            .compare_scalar(CmpOp::Gt, f64::NEG_INFINITY)?
+            .where_cond(&m, &zero)?;
+        let e = s.sub(&m)?.exp()?;
+        let sum = e.sum(&[-1], true)?;
+        let sum = sum.compare_scalar(CmpOp::Gt, 0.0)?.where_cond(&sum, &one)?;
+        e.div(&sum)?
+    };
     let pc = p.clone();
     Ok(Var::from_op("masked_softmax", &[scores], p, move |g, _| {
-        let s = g.mul(&pc)?.sum(&[-1], true)?;
-        Ok(vec![Some(pc.mul(&g.sub(&s)?)?)])
+        Ok(vec![Some(softmax_backward(&pc, g, -1)?)])
     }))
 }

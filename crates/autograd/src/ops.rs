@@ -55,6 +55,16 @@ pub fn reduce_to_shape<B: Backend>(g: &Tensor<B>, shape: &Shape) -> Result<Tenso
 }
 
 /// A `u8` mask as a 0/1 float tensor of `dtype`.
+/// The gradient through a softmax along `dim` whose output is `y`: `y · (g - Σ_dim g·y)`.
+pub(crate) fn softmax_backward<B: Backend>(
+    y: &Tensor<B>,
+    g: &Tensor<B>,
+    dim: isize,
+) -> Result<Tensor<B>> {
+    let s = g.mul(y)?.sum(&[dim], true)?;
+    y.mul(&g.sub(&s)?)
+}
+
 fn mask<B: Backend>(m: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
     m.to_dtype(dtype)
 }
@@ -666,8 +676,7 @@ impl<B: Backend> Var<B> {
         let y = self.tensor().softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("softmax", &[self], y, move |g, _| {
-            let s = g.mul(&yc)?.sum(&[dim], true)?;
-            Ok(vec![Some(yc.mul(&g.sub(&s)?)?)])
+            Ok(vec![Some(softmax_backward(&yc, g, dim)?)])
         }))
     }
 

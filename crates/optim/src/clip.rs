@@ -73,9 +73,14 @@ pub fn clip_grad_norm<B: Backend>(params: &[Var<B>], max_norm: f64) -> Result<Te
     let coef = norm
         .compare_scalar(CmpOp::Lt, f64::INFINITY)?
         .where_cond(&coef, &one)?;
+    // The coefficient in the gradients' device and dtype, converted once for all of them
+    // (again only where a parameter lives elsewhere).
+    let mut c = coef.clone();
     for p in Var::unique(params.iter().cloned()) {
         if let Some(g) = p.grad() {
-            let c = coef.to_device(g.device())?.to_dtype(g.dtype())?;
+            if c.device() != g.device() || c.dtype() != g.dtype() {
+                c = coef.to_device(g.device())?.to_dtype(g.dtype())?;
+            }
             p.set_grad(Some(g.mul(&c)?))?;
         }
     }

@@ -155,12 +155,17 @@ pub fn transformer_forward_backward<B: Backend>(
     }
     for (name, p) in net.named_parameters() {
         if !name.starts_with('0') {
-            // Ones and zeros would hide a swapped weight and bias.
+            // Ones and zeros would hide a swapped weight and bias. Drawn in `dtype`: f32
+            // normals differ between devices by an ulp (their `log`/`cos`), which an f64
+            // comparison at 1e-12 would see.
+            let normal = RandDist::Normal {
+                mean: 0.0,
+                std: 0.5,
+            };
             let bump = Generator::new(3)
-                .normal::<B>(p.dims().to_vec(), 0.0, 0.5, dev)
+                .sample::<B>(p.dims().to_vec(), normal, dtype, dev)
                 .unwrap();
-            p.set_tensor(p.tensor().add(&bump.to_dtype(dtype).unwrap()).unwrap())
-                .unwrap();
+            p.set_tensor(p.tensor().add(&bump).unwrap()).unwrap();
         }
     }
     let ids: Vec<i64> = (0..2 * 5).map(|i| (i * 7) % 13).collect();

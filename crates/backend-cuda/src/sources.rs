@@ -176,8 +176,8 @@ pub enum Group {
 }
 
 /// The dtype names our kernel files and kernel names use.
-pub const DTYPE_TOKENS: [&str; 9] = [
-    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64",
+pub const DTYPE_TOKENS: [&str; 11] = [
+    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64", "f16", "bf16",
 ];
 
 impl Group {
@@ -234,6 +234,9 @@ pub(crate) fn ctype(dtype: DType) -> &'static str {
         DType::F64 => "double",
         DType::I64 => "i64",
         DType::U8 => "u8",
+        // Storage structs of `common.cuh`: loaded, converted to f32, rounded on store.
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
         _ => "unsupported",
     }
 }

@@ -150,10 +150,10 @@ pub(crate) fn unary_backward(
     dtype: DType,
 ) -> Result<Buffer> {
     const OP: &str = "unary_backward";
-    if !matches!(dtype, DType::F32 | DType::F64) {
+    if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
             op: OP,
-            expected: "f32 or f64".into(),
+            expected: "a float dtype".into(),
             got: dtype,
         });
     }

@@ -140,6 +140,15 @@ template <> __device__ __forceinline__ float from_f32<float>(float f) { return f
 template <> __device__ __forceinline__ f16 from_f32<f16>(float f) { return f16_from_f32(f); }
 template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) { return bf16_from_f32(f); }
 
+// Hand-written kernels templated on a storage type `S` and a compute type `T` (the same for
+// f32/f64; f32 for the 16-bit floats): `wide` loads, `narrow<S>` stores.
+template <typename T> __device__ __forceinline__ T wide(T v) { return v; }
+__device__ __forceinline__ float wide(f16 v) { return to_f32(v); }
+__device__ __forceinline__ float wide(bf16 v) { return to_f32(v); }
+template <typename S, typename T> __device__ __forceinline__ S narrow(T v) { return v; }
+template <> __device__ __forceinline__ f16 narrow<f16, float>(float v) { return f16_from_f32(v); }
+template <> __device__ __forceinline__ bf16 narrow<bf16, float>(float v) { return bf16_from_f32(v); }
+
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 __device__ __forceinline__ bool is_nan(double x) { return x != x; }
 __device__ __forceinline__ bool is_nan(i64) { return false; }

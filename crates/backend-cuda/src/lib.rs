@@ -34,7 +34,7 @@
 //!   training step) once; [`CudaGraph::replay`] runs it with one launch, on memory private to
 //!   the graph.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
-//! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
+//! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on the floats are
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
 //!   one generated kernel. A [`CudaStorage`] is a computed buffer or such pending work.
 //!   `KILN_CUDA_FUSE=0` / [`set_fusion`] turns it off.
@@ -172,23 +172,6 @@ fn host_zeros(dtype: DType, n: usize) -> HostBuffer {
         DType::F16 => HostBuffer::F16(vec![kiln_core::f16::ZERO; n]),
         DType::BF16 => HostBuffer::BF16(vec![kiln_core::bf16::ZERO; n]),
         _ => HostBuffer::U8(vec![0; n]),
-    }
-}
-
-/// The error of an op that would need 16-bit float arithmetic on the GPU, which this backend
-/// does not have yet (issue 30: its kernels, generated programs and cuBLAS calls compute in f32
-/// and f64 only). Moving 16-bit tensors (allocation, host and device copies, `contiguous`,
-/// `fill`, pinned row gathers) works: those are byte copies.
-fn no_half(op: &'static str, dtypes: &[DType]) -> Result<()> {
-    match dtypes.iter().find(|d| d.is_half()) {
-        Some(&got) => Err(Error::DTypeMismatch {
-            op,
-            expected: "f32, f64, i64 or u8 on the GPU (f16/bf16 arithmetic on CUDA is not \
-                       implemented yet; compute on the CPU backend or cast to f32)"
-                .into(),
-            got,
-        }),
-        None => Ok(()),
     }
 }
 
@@ -438,7 +421,6 @@ impl Backend for Cuda {
         seed: u64,
         dist: RandDist,
     ) -> Result<CudaStorage> {
-        no_half("rand", &[dtype])?;
         ops::rand(state(device)?, dtype, len, seed, dist).map(CudaStorage::ready)
     }
 
@@ -534,7 +516,6 @@ impl Backend for Cuda {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         // A reduction of everything in a pending elementwise chain (a loss) runs in the
         // chain's own kernel.
         let kept: usize = (0..layout.rank())
@@ -556,7 +537,6 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("matmul", &[dtype])?;
         blas::matmul(
             &*lhs.buffer()?,
             lhs_layout,
@@ -568,7 +548,6 @@ impl Backend for Cuda {
     }
 
     fn softmax(s: &CudaStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
-        no_half(if log { "log_softmax" } else { "softmax" }, &[dtype])?;
         ops::softmax(&*s.buffer()?, layout, dtype, log).map(CudaStorage::ready)
     }
 
@@ -579,7 +558,6 @@ impl Backend for Cuda {
         labels_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("cross_entropy", &[dtype])?;
         ops::cross_entropy(
             &*logits.buffer()?,
             logits_layout,
@@ -599,7 +577,6 @@ impl Backend for Cuda {
         grad_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("cross_entropy_backward", &[dtype])?;
         ops::cross_entropy_backward(
             &*logits.buffer()?,
             logits_layout,
@@ -624,7 +601,6 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("index_select", &[dtype])?;
         ops::index_select(
             &*s.buffer()?,
             layout,
@@ -644,7 +620,6 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("gather", &[dtype])?;
         ops::gather(
             &*s.buffer()?,
             layout,
@@ -666,7 +641,18 @@ impl Backend for Cuda {
         src_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("scatter_add", &[dtype])?;
+        if dtype.is_half() {
+            // In f32, each output rounded once (as the CPU backend): the 16-bit base and
+            // sources widened by generated casts, the f32 kernel's atomics, one rounding.
+            let wb = Self::cast(base, base_layout, dtype, DType::F32)?;
+            let ws = Self::cast(src, src_layout, dtype, DType::F32)?;
+            let (wbl, wsl) = (
+                Layout::contiguous(base_layout.shape().clone()),
+                Layout::contiguous(src_layout.shape().clone()),
+            );
+            let out = Self::scatter_add(&wb, &wbl, DType::F32, ids, ids_layout, &ws, &wsl, axis)?;
+            return Self::cast(&out, &wbl, DType::F32, dtype);
+        }
         ops::scatter_add(
             &*base.buffer()?,
             base_layout,
@@ -695,7 +681,6 @@ impl Backend for Cuda {
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
-        no_half("fused_update", &[dtype])?;
         // Computed buffers for every operand, held while the kernel's slots borrow them.
         type Held = (
             std::sync::Arc<memory::Buffer>,

@@ -186,12 +186,14 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             }
         }
     }
-    // The optimizers' multi-tensor updates (fused.rs): every rule's program, f32 and f64.
-    for dtype in [DType::F32, DType::F64] {
+    // The optimizers' multi-tensor updates (fused.rs): every rule's program, in every float
+    // dtype (16-bit ones widened, as fused.rs runs them).
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for rule in sample_update_rules() {
             let Ok((p, _)) = rule.program(dtype) else {
                 continue;
             };
+            let Ok(p) = p.widened() else { continue };
             if let Ok(src) = super::multi_tensor_source(&p) {
                 out.push((format!("multi-tensor {rule:?} ({dtype})"), src));
             }

@@ -380,7 +380,8 @@ pub(crate) fn rand(
     };
     let mut a = Args::new();
     a.push(out.device_ptr()).push(len as u64).push(seed);
-    if dtype == DType::F32 {
+    // f32 parameters for f32 and the 16-bit floats (drawn in f32, then rounded).
+    if dtype.compute_dtype() == DType::F32 {
         a.push(p as f32).push(q as f32);
     } else {
         a.push(p).push(q);

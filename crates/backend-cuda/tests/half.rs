@@ -130,11 +130,11 @@ fn elementwise_ops_match_the_cpu() {
         let chain_c = |x: &Tensor<Cpu>, y: &Tensor<Cpu>| {
             x.mul(y)?.exp()?.add_scalar(1.0)?.log()?.sub(x)?.tanh()
         };
-        check(
-            "fused chain",
-            chain(&xg, &yg).unwrap(),
-            chain_c(&xc, &yc).unwrap(),
-        );
+        // An ulp of difference in an early op (f32 expf against Rust's exp can differ in the
+        // last f32 bit, which can tip a 16-bit rounding) reaches the end through log and a
+        // subtraction: a few ulps of the result's scale (its values are about 1).
+        let (g, c) = (chain(&xg, &yg).unwrap(), chain_c(&xc, &yc).unwrap());
+        assert_close_ulps(&t("fused chain"), &g, &c, 4.0, 1.0);
         // comparisons and where
         let mg = xg.lt(&yg).unwrap();
         let mc = xc.lt(&yc).unwrap();
@@ -303,12 +303,10 @@ fn cross_entropy_and_backward_match_the_cpu() {
         assert_close_ulps(
             &format!("cross_entropy_backward {dtype}"),
             &xg.cross_entropy_backward(&lg, &gg).unwrap(),
-            &xc.cross_entropy_backward(&lc, &gg.to_backend::<Cpu>(&Cpu::device(0)).unwrap())
-                .unwrap(),
+            &xc.cross_entropy_backward(&lc, &gc).unwrap(),
             1.0,
             1e-3,
         );
-        let _ = gc;
     }
 }
 

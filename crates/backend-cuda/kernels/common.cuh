@@ -86,6 +86,69 @@ struct alignas(sizeof(T) * N) Vec {
     T v[N];
 };
 
+// ---- 16-bit floats ---------------------------------------------------------------------------
+// f16 and bf16 are storage types only: kernels load them, compute in f32 and round once on
+// store (kiln_core's `Program::widened`; the hand-written kernels instantiate with an f32
+// accumulator). Two distinct structs (not `u16`), so that overloads and `cast_to` tell them
+// apart. Conversions match the `half` crate and kiln_core::halfround bit for bit, NaN payloads
+// included: f32 -> 16 bits rounds to nearest even; f64 -> 16 bits rounds once (through f32
+// rounded to odd, as `halfround` does).
+struct f16 { u16 x; };
+struct bf16 { u16 x; };
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(f16 h) {
+    if ((h.x & 0x7fffu) > 0x7c00u)
+        return __uint_as_float(((u32)(h.x & 0x8000u) << 16) | 0x7fc00000u | ((u32)(h.x & 0x3ffu) << 13));
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x));
+    return f;
+}
+__device__ __forceinline__ float to_f32(bf16 h) { return __uint_as_float(((u32)h.x) << 16); }
+
+__device__ __forceinline__ f16 f16_from_f32(float f) {
+    f16 h;
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h.x = (u16)(((u >> 16) & 0x8000u) | 0x7e00u | ((u & 0x7fffffu) >> 13));
+        return h;
+    }
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ bf16 bf16_from_f32(float f) {
+    bf16 h;
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h.x = (u16)((u >> 16) | 0x40u);
+        return h;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    h.x = (u16)(u >> 16);
+    return h;
+}
+// `d` rounded to f32 toward zero with the last bit set when inexact (round to odd): a later
+// rounding to 11 or 8 significant bits is then the correct rounding of `d`.
+__device__ __forceinline__ float f32_round_to_odd(double d) {
+    float r = __double2float_rz(d);
+    if (r != r || (double)r == d) return r;
+    return __uint_as_float(__float_as_uint(r) | 1u);
+}
+// f32 to the storage type `T` (f32 itself, or rounded to 16 bits).
+template <typename T> __device__ __forceinline__ T from_f32(float f);
+template <> __device__ __forceinline__ float from_f32<float>(float f) { return f; }
+template <> __device__ __forceinline__ f16 from_f32<f16>(float f) { return f16_from_f32(f); }
+template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) { return bf16_from_f32(f); }
+
+// Hand-written kernels templated on a storage type `S` and a compute type `T` (the same for
+// f32/f64; f32 for the 16-bit floats): `wide` loads, `narrow<S>` stores.
+template <typename T> __device__ __forceinline__ T wide(T v) { return v; }
+__device__ __forceinline__ float wide(f16 v) { return to_f32(v); }
+__device__ __forceinline__ float wide(bf16 v) { return to_f32(v); }
+template <typename S, typename T> __device__ __forceinline__ S narrow(T v) { return v; }
+template <> __device__ __forceinline__ f16 narrow<f16, float>(float v) { return f16_from_f32(v); }
+template <> __device__ __forceinline__ bf16 narrow<bf16, float>(float v) { return bf16_from_f32(v); }
+
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 __device__ __forceinline__ bool is_nan(double x) { return x != x; }
 __device__ __forceinline__ bool is_nan(i64) { return false; }

@@ -77,3 +77,6 @@ INDEXING(float)
 INDEXING(double)
 INDEXING(i64)
 INDEXING(u8)
+// The 16-bit floats move as bits (`u16`); their scatter_add runs in f32 (lib.rs).
+INDEX_SELECT(u16)
+GATHER(u16)

@@ -25,15 +25,6 @@ __device__ __forceinline__ void philox(u64 i, u64 seed, u32 out[4]) {
     out[3] = c3;
 }
 
-extern "C" __global__ void rand_uniform_float(float* y, u64 n, u64 seed, float low, float high) {
-    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
-        u32 w[4];
-        philox(i, seed, w);
-        float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);  // 2^-24
-        y[i] = __fadd_rn(low, __fmul_rn(__fsub_rn(high, low), u));
-    }
-}
-
 extern "C" __global__ void rand_uniform_double(double* y, u64 n, u64 seed, double low,
                                                double high) {
     for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
@@ -42,18 +33,6 @@ extern "C" __global__ void rand_uniform_double(double* y, u64 n, u64 seed, doubl
         u64 bits = (((u64)w[0] << 32) | (u64)w[1]) >> 11;
         double u = __dmul_rn((double)bits, 1.1102230246251565404236316680908203125e-16);  // 2^-53
         y[i] = __dadd_rn(low, __dmul_rn(__dsub_rn(high, low), u));
-    }
-}
-
-extern "C" __global__ void rand_normal_float(float* y, u64 n, u64 seed, float mean, float std) {
-    for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS) {
-        u32 w[4];
-        philox(i, seed, w);
-        float u1 = __fmul_rn((float)((w[0] >> 8) + 1), 5.9604644775390625e-8f);
-        float u2 = __fmul_rn((float)(w[1] >> 8), 5.9604644775390625e-8f);
-        float z = __fmul_rn(sqrtf(__fmul_rn(-2.0f, logf(u1))),
-                            cosf(__fmul_rn(6.28318530717958647692f, u2)));
-        y[i] = __fadd_rn(mean, __fmul_rn(std, z));
     }
 }
 
@@ -71,3 +50,35 @@ extern "C" __global__ void rand_normal_double(double* y, u64 n, u64 seed, double
         y[i] = __dadd_rn(mean, __dmul_rn(std, z));
     }
 }
+
+// f32 draws, stored as `S`: f32 itself, or rounded once to a 16-bit float (as the CPU backend
+// and the reference do), so the 16-bit streams are the f32 streams rounded.
+__device__ __forceinline__ float uniform_f32(u64 i, u64 seed, float low, float high) {
+    u32 w[4];
+    philox(i, seed, w);
+    float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);  // 2^-24
+    return __fadd_rn(low, __fmul_rn(__fsub_rn(high, low), u));
+}
+
+__device__ __forceinline__ float normal_f32(u64 i, u64 seed, float mean, float std) {
+    u32 w[4];
+    philox(i, seed, w);
+    float u1 = __fmul_rn((float)((w[0] >> 8) + 1), 5.9604644775390625e-8f);
+    float u2 = __fmul_rn((float)(w[1] >> 8), 5.9604644775390625e-8f);
+    float z = __fmul_rn(sqrtf(__fmul_rn(-2.0f, logf(u1))),
+                        cosf(__fmul_rn(6.28318530717958647692f, u2)));
+    return __fadd_rn(mean, __fmul_rn(std, z));
+}
+
+#define RAND_F32(S)                                                                            \
+    extern "C" __global__ void rand_uniform_##S(S* y, u64 n, u64 seed, float low, float high) { \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \
+            y[i] = from_f32<S>(uniform_f32(i, seed, low, high));                               \
+    }                                                                                          \
+    extern "C" __global__ void rand_normal_##S(S* y, u64 n, u64 seed, float mean, float std) { \
+        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \
+            y[i] = from_f32<S>(normal_f32(i, seed, mean, std));                                \
+    }
+RAND_F32(float)
+RAND_F32(f16)
+RAND_F32(bf16)

@@ -14,6 +14,9 @@
 // deterministic. Arg reductions write i64 indices into the single reduced axis.
 
 template <typename T> __device__ __forceinline__ void store(T* y, u64 i, T v) { y[i] = v; }
+// The 16-bit floats: an f32 accumulator, rounded once on store.
+__device__ __forceinline__ void store(f16* y, u64 i, float v) { y[i] = f16_from_f32(v); }
+__device__ __forceinline__ void store(bf16* y, u64 i, float v) { y[i] = bf16_from_f32(v); }
 template <typename T> __device__ __forceinline__ void store(i64* y, u64 i, ArgAcc<T> a) { y[i] = a.i; }
 
 template <typename T, typename Op, typename O>
@@ -145,6 +148,50 @@ REDUCE_ALL(float)
 REDUCE_ALL(double)
 REDUCE_ALL(i64)
 REDUCE_ALL(u8)
+
+// The 16-bit floats: elements widened to f32 as they are loaded (`lift`), f32 accumulators
+// (sums, max/min, arg values), one rounding on store. A split reduction keeps its partial
+// results in f32: `_part` kernels write them, the `_fin` row kernel folds them and rounds.
+template <typename T, typename B> struct WideOp : B {
+    static __device__ __forceinline__ typename B::Acc lift(T v, i64 i) { return B::lift(to_f32(v), i); }
+};
+#define REDUCE_PART(NAME, OPT, T)                                                              \
+    extern "C" __global__ void reduce_row_##NAME##_##T##_part(const T* x, float* y, u64 nout,  \
+                                                              Dims kd, Strides ks, Dims rd,    \
+                                                              Strides rs, u64 inner,           \
+                                                              int contig, u64 chunk) {         \
+        reduce_row<T, OPT, float>(x, y, nout, kd, ks, rd, rs, inner, contig, chunk);           \
+    }                                                                                          \
+    extern "C" __global__ void reduce_col_##NAME##_##T##_part(const T* x, float* y, u64 nout,  \
+                                                              Dims kd, Strides ks, Dims rd,    \
+                                                              Strides rs, u64 inner,           \
+                                                              u64 chunk) {                     \
+        reduce_col<T, OPT, float>(x, y, nout, kd, ks, rd, rs, inner, chunk);                   \
+    }                                                                                          \
+    extern "C" __global__ void reduce_row_##NAME##_##T##_fin(const float* x, T* y, u64 nout,   \
+                                                             Dims kd, Strides ks, Dims rd,     \
+                                                             Strides rs, u64 inner,            \
+                                                             int contig, u64 chunk) {          \
+        reduce_row<float, NAME##_float, T>(x, y, nout, kd, ks, rd, rs, inner, contig, chunk);  \
+    }
+typedef MaxOp<float> max_float;
+typedef MinOp<float> min_float;
+#define REDUCE_HALF(T)                                                                         \
+    typedef WideOp<T, SumOp<float> > sum_w_##T;                                                \
+    typedef WideOp<T, MaxOp<float> > max_w_##T;                                                \
+    typedef WideOp<T, MinOp<float> > min_w_##T;                                                \
+    typedef WideOp<T, ArgOp<float, true> > argmax_w_##T;                                       \
+    typedef WideOp<T, ArgOp<float, false> > argmin_w_##T;                                      \
+    REDUCE(sum, sum_w_##T, T, T)                                                               \
+    REDUCE(max, max_w_##T, T, T)                                                               \
+    REDUCE(min, min_w_##T, T, T)                                                               \
+    REDUCE(argmax, argmax_w_##T, T, i64)                                                       \
+    REDUCE(argmin, argmin_w_##T, T, i64)                                                       \
+    REDUCE_PART(sum, sum_w_##T, T)                                                             \
+    REDUCE_PART(max, max_w_##T, T)                                                             \
+    REDUCE_PART(min, min_w_##T, T)
+REDUCE_HALF(f16)
+REDUCE_HALF(bf16)
 
 // ---- matrix-vector products ------------------------------------------------------------------
 //

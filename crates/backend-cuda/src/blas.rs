@@ -246,7 +246,9 @@ pub(crate) fn matmul(
         )?;
         return Ok(out);
     }
-    if batch == 1 && (m == 1 || n == 1) && matvec_on() && (k <= 1 << 14 || m.max(n) >= 1 << 10) {
+    let vector = batch == 1 && (m == 1 || n == 1) && matvec_on();
+    // (The 16-bit floats have no matvec kernel: cuBLAS's GemmEx does them.)
+    if vector && !dtype.is_half() && (k <= 1 << 14 || m.max(n) >= 1 << 10) {
         matvec(dev, (a, la), (b, lb), &out, dtype)?;
         return Ok(out);
     }
@@ -337,10 +339,82 @@ pub(crate) fn matmul(
     let status = match dtype {
         DType::F32 => gemm!(f32, cublasSgemm_v2, cublasSgemmStridedBatched),
         DType::F64 => gemm!(f64, cublasDgemm_v2, cublasDgemmStridedBatched),
+        DType::F16 | DType::BF16 => {
+            // 16-bit operands and result, f32 accumulation and f32 alpha/beta
+            // (CUBLAS_COMPUTE_32F): tensor cores, one rounding of each f32 dot product.
+            let t = if dtype == DType::F16 {
+                cb::cudaDataType::CUDA_R_16F
+            } else {
+                cb::cudaDataType::CUDA_R_16BF
+            };
+            let (alpha, beta) = (1.0f32, 0.0f32);
+            let alpha = &alpha as *const f32 as *const std::ffi::c_void;
+            let beta = &beta as *const f32 as *const std::ffi::c_void;
+            let (pa, pb) = (pa as *const std::ffi::c_void, pb as *const std::ffi::c_void);
+            let pc = out.device_ptr() as *mut std::ffi::c_void;
+            let compute = cb::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+            let algo = cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT;
+            // SAFETY: as for the f32 path: the handle is bound to the current stream; the
+            // operand ranges (offsets, leading dimensions, batch strides from the layouts) lie
+            // inside their buffers, the output is a fresh buffer of batch·m·n elements of the
+            // 16-bit type `t`, and alpha/beta are f32 host scalars alive for the call, as
+            // CUBLAS_COMPUTE_32F requires.
+            unsafe {
+                if batch == 1 {
+                    cb::cublasGemmEx(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        alpha,
+                        pb,
+                        t,
+                        ldb,
+                        pa,
+                        t,
+                        lda,
+                        beta,
+                        pc,
+                        t,
+                        n_,
+                        compute,
+                        algo,
+                    )
+                } else {
+                    cb::cublasGemmStridedBatchedEx(
+                        blas.handle,
+                        op_b,
+                        op_a,
+                        n_,
+                        m_,
+                        k_,
+                        alpha,
+                        pb,
+                        t,
+                        ldb,
+                        sb,
+                        pa,
+                        t,
+                        lda,
+                        sa,
+                        beta,
+                        pc,
+                        t,
+                        n_,
+                        sc,
+                        batch_,
+                        compute,
+                        algo,
+                    )
+                }
+            }
+        }
         d => {
             return Err(Error::DTypeMismatch {
                 op: OP,
-                expected: "f32 or f64".into(),
+                expected: "f32, f64, f16 or bf16".into(),
                 got: d,
             });
         }

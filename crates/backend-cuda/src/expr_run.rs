@@ -102,7 +102,7 @@ pub(crate) fn run_planned(
     params: &[f64],
     caller: Caller,
 ) -> Result<Option<Vec<Buffer>>> {
-    let (program, call) = (&planned.program, &planned.call);
+    let (program, call) = (&planned.exec, &planned.call);
     let Some(geo) = &planned.geo else {
         return Ok(None);
     };
@@ -130,7 +130,7 @@ pub(crate) fn run_planned(
         .iter()
         .enumerate()
         .map(|(j, &o)| {
-            let n = call.output_len(program, j, &planned.shape);
+            let n = call.output_len(&planned.program, j, &planned.shape);
             alloc(dev, n * program.dtype(o).size_in_bytes())
         })
         .collect::<Result<Vec<Buffer>>>()?;
@@ -140,7 +140,7 @@ pub(crate) fn run_planned(
         planned.shape.elem_count()
     };
     if work > 0 {
-        launch(dev, f, program, geo, bufs, layouts, &outs, params, caller)?;
+        launch(dev, f, planned, geo, bufs, layouts, &outs, params, caller)?;
     }
     Ok(Some(outs))
 }
@@ -149,6 +149,10 @@ pub(crate) fn run_planned(
 /// shape, input layouts and parameter count.
 pub(crate) struct Planned {
     program: Program,
+    /// What the kernel computes: `program` itself, or its widened form when it has 16-bit
+    /// floats (`Program::widened`: loads and stores in 16 bits, arithmetic in f32, one
+    /// rounding per instruction, as on the CPU). Plan, source and arguments follow it.
+    exec: Program,
     shape: Shape,
     layouts: Vec<Layout>,
     params: usize,
@@ -341,11 +345,13 @@ fn plan_new(
     params: &[f64],
 ) -> Result<std::rc::Rc<Planned>> {
     let call = check_call(&program, shape, layouts, params)?;
-    let geo = codegen::plan(&program, shape, layouts, &call.axes)
+    let exec = program.widened()?;
+    let geo = codegen::plan(&exec, shape, layouts, &call.axes)
         .ok()
-        .filter(|g| fits_args(&program, g));
+        .filter(|g| fits_args(&exec, g));
     let p = std::rc::Rc::new(Planned {
         program,
+        exec,
         shape: shape.clone(),
         layouts: layouts.iter().map(|l| (*l).clone()).collect(),
         params: params.len(),
@@ -449,7 +455,7 @@ fn strides_arg(s: &[usize]) -> Strides {
 fn launch(
     dev: &'static DeviceState,
     f: Func,
-    p: &Program,
+    planned: &Planned,
     g: &Geometry,
     bufs: &[&Buffer],
     layouts: &[&Layout],
@@ -457,6 +463,7 @@ fn launch(
     params: &[f64],
     caller: Caller,
 ) -> Result<()> {
+    let p = &planned.exec;
     let at = |k: usize| -> u64 {
         bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
     };
@@ -495,8 +502,12 @@ fn launch(
     }
     let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
     crate::profile::fused_ops(kernel, || match caller {
-        Caller::User => format!("expr: {}", crate::profile::program_op_names(p)),
-        Caller::Lazy { .. } => crate::profile::program_op_names(p),
+        // Named by the program as written (not its widened form's casts).
+        Caller::User => format!(
+            "expr: {}",
+            crate::profile::program_op_names(&planned.program)
+        ),
+        Caller::Lazy { .. } => crate::profile::program_op_names(&planned.program),
         Caller::Op(name) => name.to_string(),
     });
     if g.variant.strategy == Strategy::Split {

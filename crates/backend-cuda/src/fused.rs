@@ -92,13 +92,16 @@ pub(crate) fn fused_update_in_place(
     launch(rule, dtype, slots, &targets)
 }
 
-/// The dtypes an update runs in (its parameters'; 16-bit parameters keep f32 masters).
+/// The dtypes an update runs in (its parameters'). 16-bit parameters update in f32 inside the
+/// kernel (the rule's widened program: 16-bit loads, f32 arithmetic, each stored value rounded
+/// once), with their state in the parameters' dtype; f32 master weights and state are the
+/// optimizer's choice above this (issue 30).
 fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
     match dtype {
-        DType::F32 | DType::F64 => Ok(()),
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Ok(()),
         _ => Err(Error::DTypeMismatch {
             op,
-            expected: "f32 or f64".into(),
+            expected: "f32, f64, f16 or bf16".into(),
             got: dtype,
         }),
     }
@@ -162,6 +165,8 @@ fn launch(
     dev.bind()?;
     let nstate = rule.state_count();
     let (program, params) = rule.program(dtype)?;
+    // 16-bit parameters: f32 arithmetic, one rounding per stored value (a no-op otherwise).
+    let program = program.widened()?;
     let f = kernel(dev, &program)?;
     for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
         for s in chunk {

@@ -34,7 +34,12 @@
 //!   training step) once; [`CudaGraph::replay`] runs it with one launch, on memory private to
 //!   the graph.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
-//! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on f32/f64 are
+//! - **f16 and bf16** are storage types: every kernel loads and stores them in 16 bits and
+//!   computes in f32 (generated programs run their `Program::widened` form, the hand-written
+//!   kernels have f32-accumulating 16-bit instances compiled only when a 16-bit tensor uses
+//!   them, matmul is cuBLAS's GemmEx with `CUBLAS_COMPUTE_32F`), so results are the CPU
+//!   backend's within an ulp or two of the 16-bit type.
+//! - **Fused elementwise chains** (`lazy.rs`, `storage.rs`): elementwise ops on the floats are
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
 //!   one generated kernel. A [`CudaStorage`] is a computed buffer or such pending work.
 //!   `KILN_CUDA_FUSE=0` / [`set_fusion`] turns it off.
@@ -175,23 +180,6 @@ fn host_zeros(dtype: DType, n: usize) -> HostBuffer {
     }
 }
 
-/// The error of an op that would need 16-bit float arithmetic on the GPU, which this backend
-/// does not have yet (issue 30: its kernels, generated programs and cuBLAS calls compute in f32
-/// and f64 only). Moving 16-bit tensors (allocation, host and device copies, `contiguous`,
-/// `fill`, pinned row gathers) works: those are byte copies.
-fn no_half(op: &'static str, dtypes: &[DType]) -> Result<()> {
-    match dtypes.iter().find(|d| d.is_half()) {
-        Some(&got) => Err(Error::DTypeMismatch {
-            op,
-            expected: "f32, f64, i64 or u8 on the GPU (f16/bf16 arithmetic on CUDA is not \
-                       implemented yet; compute on the CPU backend or cast to f32)"
-                .into(),
-            got,
-        }),
-        None => Ok(()),
-    }
-}
-
 fn host_bytes_of(h: &mut HostBuffer) -> &mut [u8] {
     match h {
         HostBuffer::F32(v) => bytemuck::cast_slice_mut(v),
@@ -260,7 +248,8 @@ impl Backend for Cuda {
 
     fn fill(device: &CudaDevice, dtype: DType, len: usize, value: f64) -> Result<CudaStorage> {
         if dtype.is_half() {
-            // Never deferred: a deferred fill would join a generated (f32/f64) program.
+            // Never deferred: a generated program would round the value through f32 (its
+            // widened form's parameter) before 16 bits; the host rounds it once.
             return ops::fill(state(device)?, dtype, len, value).map(CudaStorage::ready);
         }
         lazy::fill(state(device)?, dtype, len, value).map(CudaStorage::from)
@@ -437,12 +426,10 @@ impl Backend for Cuda {
         seed: u64,
         dist: RandDist,
     ) -> Result<CudaStorage> {
-        no_half("rand", &[dtype])?;
         ops::rand(state(device)?, dtype, len, seed, dist).map(CudaStorage::ready)
     }
 
     fn unary(op: UnaryOp, s: &CudaStorage, layout: &Layout, dtype: DType) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         record(lazy::Op::Unary(op), &[(s, layout, dtype)], dtype)
     }
 
@@ -454,7 +441,6 @@ impl Backend for Cuda {
         g_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("unary_backward", &[dtype])?;
         record(
             lazy::Op::UnaryBwd(op),
             &[(saved, saved_layout, dtype), (g, g_layout, dtype)],
@@ -470,7 +456,6 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         record(
             lazy::Op::Binary(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
@@ -486,7 +471,6 @@ impl Backend for Cuda {
         scalar: f64,
         scalar_lhs: bool,
     ) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         let op = lazy::Op::Scalar {
             op,
             value: scalar,
@@ -503,7 +487,6 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         record(
             lazy::Op::Compare(op),
             &[(lhs, lhs_layout, dtype), (rhs, rhs_layout, dtype)],
@@ -520,7 +503,6 @@ impl Backend for Cuda {
         false_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("where", &[dtype])?;
         record(
             lazy::Op::Where,
             &[
@@ -539,7 +521,6 @@ impl Backend for Cuda {
         dtype: DType,
         axes: &[usize],
     ) -> Result<CudaStorage> {
-        no_half(op.name(), &[dtype])?;
         // A reduction of everything in a pending elementwise chain (a loss) runs in the
         // chain's own kernel.
         let kept: usize = (0..layout.rank())
@@ -561,7 +542,6 @@ impl Backend for Cuda {
         rhs_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("matmul", &[dtype])?;
         blas::matmul(
             &*lhs.buffer()?,
             lhs_layout,
@@ -573,7 +553,6 @@ impl Backend for Cuda {
     }
 
     fn softmax(s: &CudaStorage, layout: &Layout, dtype: DType, log: bool) -> Result<CudaStorage> {
-        no_half(if log { "log_softmax" } else { "softmax" }, &[dtype])?;
         ops::softmax(&*s.buffer()?, layout, dtype, log).map(CudaStorage::ready)
     }
 
@@ -584,7 +563,6 @@ impl Backend for Cuda {
         labels_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("cross_entropy", &[dtype])?;
         ops::cross_entropy(
             &*logits.buffer()?,
             logits_layout,
@@ -604,7 +582,6 @@ impl Backend for Cuda {
         grad_layout: &Layout,
         dtype: DType,
     ) -> Result<CudaStorage> {
-        no_half("cross_entropy_backward", &[dtype])?;
         ops::cross_entropy_backward(
             &*logits.buffer()?,
             logits_layout,
@@ -618,7 +595,6 @@ impl Backend for Cuda {
     }
 
     fn cast(s: &CudaStorage, layout: &Layout, from: DType, to: DType) -> Result<CudaStorage> {
-        no_half("cast", &[from, to])?;
         record(lazy::Op::Cast(to), &[(s, layout, from)], to)
     }
 
@@ -630,7 +606,6 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("index_select", &[dtype])?;
         ops::index_select(
             &*s.buffer()?,
             layout,
@@ -650,7 +625,6 @@ impl Backend for Cuda {
         ids_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("gather", &[dtype])?;
         ops::gather(
             &*s.buffer()?,
             layout,
@@ -672,7 +646,18 @@ impl Backend for Cuda {
         src_layout: &Layout,
         axis: usize,
     ) -> Result<CudaStorage> {
-        no_half("scatter_add", &[dtype])?;
+        if dtype.is_half() {
+            // In f32, each output rounded once (as the CPU backend): the 16-bit base and
+            // sources widened by generated casts, the f32 kernel's atomics, one rounding.
+            let wb = Self::cast(base, base_layout, dtype, DType::F32)?;
+            let ws = Self::cast(src, src_layout, dtype, DType::F32)?;
+            let (wbl, wsl) = (
+                Layout::contiguous(base_layout.shape().clone()),
+                Layout::contiguous(src_layout.shape().clone()),
+            );
+            let out = Self::scatter_add(&wb, &wbl, DType::F32, ids, ids_layout, &ws, &wsl, axis)?;
+            return Self::cast(&out, &wbl, DType::F32, dtype);
+        }
         ops::scatter_add(
             &*base.buffer()?,
             base_layout,
@@ -693,15 +678,6 @@ impl Backend for Cuda {
         inputs: &[(&CudaStorage, &Layout)],
         params: &[f64],
     ) -> Result<Vec<CudaStorage>> {
-        if program.has_half() {
-            let all: Vec<DType> = program
-                .inputs()
-                .iter()
-                .chain(program.dtypes())
-                .copied()
-                .collect();
-            no_half("expr", &all)?;
-        }
         expr_eval::eval_expr(device, program, shape, inputs, params)
     }
 
@@ -710,7 +686,6 @@ impl Backend for Cuda {
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
-        no_half("fused_update", &[dtype])?;
         // Computed buffers for every operand, held while the kernel's slots borrow them.
         type Held = (
             std::sync::Arc<memory::Buffer>,

@@ -176,8 +176,8 @@ pub enum Group {
 }
 
 /// The dtype names our kernel files and kernel names use.
-pub const DTYPE_TOKENS: [&str; 9] = [
-    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64",
+pub const DTYPE_TOKENS: [&str; 11] = [
+    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64", "f16", "bf16",
 ];
 
 impl Group {
@@ -234,6 +234,46 @@ pub(crate) fn ctype(dtype: DType) -> &'static str {
         DType::F64 => "double",
         DType::I64 => "i64",
         DType::U8 => "u8",
+        // Storage structs of `common.cuh`: loaded, converted to f32, rounded on store.
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
         _ => "unsupported",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each instance line of a kernel file names one dtype at most, so that a dtype's group
+    /// compiles its own instances only (`ROWS(f16, float)` would put the 16-bit kernels in the
+    /// `float` group; issue 32).
+    #[test]
+    fn instance_lines_name_one_dtype() {
+        for m in Module::ALL {
+            for line in m.source().lines().filter(|l| is_instance(l)) {
+                let mut named: Vec<&str> =
+                    words(line).filter(|w| DTYPE_TOKENS.contains(w)).collect();
+                named.dedup();
+                assert!(
+                    named.len() <= 1,
+                    "{}: `{line}` names {named:?}",
+                    m.file_name()
+                );
+            }
+        }
+    }
+
+    /// The 16-bit groups hold the 16-bit instances, and the f32 group none of them.
+    #[test]
+    fn sixteen_bit_kernels_compile_only_for_their_dtype() {
+        let float = Module::Softmax.group_source(Group::Dtype("float"));
+        assert!(!float.contains("\nROWS_HALF(f16)"), "{float}");
+        let half = Module::Softmax.group_source(Group::Dtype("f16"));
+        assert!(half.contains("\nROWS_HALF(f16)"));
+        assert!(!half.contains("\nROWS_SAME(float)"));
+        assert!(Module::Reduce.groups().contains(&Group::Dtype("bf16")));
+        assert!(Module::Rand.groups().contains(&Group::Dtype("f16")));
+        assert!(Module::Index.groups().contains(&Group::Dtype("u16")));
     }
 }

@@ -136,13 +136,17 @@ fn kernel_files_compile_per_dtype() {
     assert_eq!(f.lines().count(), full.lines().count());
     assert_eq!(
         Module::Reduce.groups(),
-        ["float", "double", "i64", "u8"].map(Group::Dtype)
+        ["float", "double", "i64", "u8", "f16", "bf16"].map(Group::Dtype)
     );
-    assert_eq!(Module::Rand.groups(), [Group::All]);
+    // The 16-bit floats' kernels compile only when a 16-bit tensor needs them.
+    assert!(!f.contains("REDUCE_HALF(f16)") && f.contains("#define REDUCE_HALF"));
     assert_eq!(
-        Module::Rand.group_source(Group::Dtype("float")),
-        Module::Rand.full_source()
+        Module::Rand.groups(),
+        ["float", "f16", "bf16"].map(Group::Dtype)
     );
+    let r = Module::Rand.group_source(Group::Dtype("float"));
+    assert!(r.contains("RAND_F32(float)") && !r.contains("RAND_F32(bf16)"));
+    assert_eq!(Module::Util.groups(), [Group::All]);
 }
 
 /// NVRTC compiles a kernel source and reports errors with file and line (`cargo xtask

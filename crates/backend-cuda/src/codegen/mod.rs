@@ -327,6 +327,28 @@ fn elem_outputs(p: &Program) -> Vec<usize> {
         .collect()
 }
 
+/// The first instruction of `p` that is not in the widened form the generator takes for the
+/// 16-bit floats (storage types of `common.cuh`, see `Program::widened`): a 16-bit value may
+/// only be an input or a cast's result, a cast may read one only to make an f32, and no
+/// parameter is 16-bit (`None`: `p` is in that form).
+fn half_arithmetic(p: &Program) -> Option<usize> {
+    if p.params().iter().any(|d| d.is_half()) {
+        return Some(0);
+    }
+    p.code().iter().enumerate().find_map(|(i, ins)| {
+        let ok = match *ins {
+            Instr::Input(_) => true,
+            Instr::Cast(to, a) if p.dtype(a).is_half() => to == DType::F32,
+            Instr::Cast(..) => true,
+            _ => {
+                !p.dtype(i as u32).is_half()
+                    && ins.operands().into_iter().all(|a| !p.dtype(a).is_half())
+            }
+        };
+        (!ok).then_some(i)
+    })
+}
+
 /// The text before a generated kernel: the headers, the reduction functors, the index type
 /// `I` (64-bit when `wide`), and the program's listing (for whoever reads the source and the
 /// NVRTC log).
@@ -381,11 +403,25 @@ pub(crate) fn source(p: &Program, v: &Variant) -> Result<String> {
             ),
         ));
     }
-    let known = |d: &DType| matches!(d, DType::F32 | DType::F64 | DType::I64 | DType::U8);
+    let known = |d: &DType| {
+        matches!(
+            d,
+            DType::F32 | DType::F64 | DType::I64 | DType::U8 | DType::F16 | DType::BF16
+        )
+    };
     if let Some(d) = p.dtypes().iter().chain(p.inputs()).find(|d| !known(d)) {
         return Err(Error::invalid(
             "expr codegen",
             format!("no CUDA type for {d}"),
+        ));
+    }
+    if let Some(i) = half_arithmetic(p) {
+        return Err(Error::invalid(
+            "expr codegen",
+            format!(
+                "instruction %{i} computes in 16 bits: generate the program's widened form \
+                 (`Program::widened`), which loads, converts and stores 16-bit values only"
+            ),
         ));
     }
     let mut s = preamble(p, v.wide);

@@ -11,8 +11,10 @@ use super::{Access, Strategy, Variant, source};
 pub(crate) fn sample_sources() -> Vec<(String, String)> {
     use kiln_core::expr::Expr;
     use kiln_core::{BinaryOp, CmpOp, UnaryOp};
+    // 16-bit programs compile in their widened form (as `expr_run` runs them).
+    let source = |p: &Program, v: &Variant| source(&p.widened()?, v);
     let mut out = Vec::new();
-    for dtype in [DType::F32, DType::F64, DType::I64] {
+    for dtype in [DType::F32, DType::F64, DType::I64, DType::F16, DType::BF16] {
         let x = Expr::input(0);
         let y = Expr::input(1);
         let mut e = x.clone();
@@ -152,12 +154,46 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             }
         }
     }
-    // The optimizers' multi-tensor updates (fused.rs): every rule's program, f32 and f64.
-    for dtype in [DType::F32, DType::F64] {
+    // Casts between the 16-bit floats and every dtype, 16-bit vectors (8 per 16 bytes).
+    for half in [DType::F16, DType::BF16] {
+        let x = Expr::input(0);
+        for other in [
+            DType::F32,
+            DType::F64,
+            DType::I64,
+            DType::U8,
+            DType::F16,
+            DType::BF16,
+        ] {
+            let Ok(p) = Program::from_exprs(
+                &[half, other],
+                &[
+                    x.to_dtype(other),
+                    Expr::input(1).to_dtype(half),
+                    x.clone() + Expr::input(1).to_dtype(half),
+                ],
+            ) else {
+                continue;
+            };
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Elementwise,
+                vec: (16 / half.size_in_bytes().max(other.size_in_bytes())) as u32,
+                access: vec![Access::Contig, Access::Contig],
+            };
+            if let Ok(src) = source(&p, &v) {
+                out.push((format!("expr casts {half} <-> {other} (vectors)"), src));
+            }
+        }
+    }
+    // The optimizers' multi-tensor updates (fused.rs): every rule's program, in every float
+    // dtype (16-bit ones widened, as fused.rs runs them).
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for rule in sample_update_rules() {
             let Ok((p, _)) = rule.program(dtype) else {
                 continue;
             };
+            let Ok(p) = p.widened() else { continue };
             if let Ok(src) = super::multi_tensor_source(&p) {
                 out.push((format!("multi-tensor {rule:?} ({dtype})"), src));
             }

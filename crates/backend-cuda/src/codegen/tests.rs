@@ -433,3 +433,60 @@ fn sample_sources_compile_with_nvrtc() {
         }
     }
 }
+
+/// A 16-bit program compiles in its widened form: 16-bit loads and stores (8 elements per
+/// 16-byte vector), f32 arithmetic, one rounding per instruction; the unwidened program is a
+/// typed error, not wrong code.
+#[test]
+fn half_programs_load_and_store_16_bits_and_compute_in_f32() {
+    let (x, y) = (Expr::input(0), Expr::input(1));
+    for (dtype, t) in [(DType::F16, "f16"), (DType::BF16, "bf16")] {
+        let p = prog(&[dtype, dtype], &[(&x * &y).exp() + Expr::param(0)]);
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Elementwise,
+            vec: 8,
+            access: vec![Access::Contig, Access::Contig],
+        };
+        assert!(
+            source(&p, &v).is_err(),
+            "16-bit arithmetic must be widened first"
+        );
+        let src = source(&p.widened().unwrap(), &v).unwrap();
+        let b = body(&src);
+        assert!(b.contains(&format!("const {t}* __restrict__ x0")), "{b}");
+        assert!(b.contains(&format!("{t}* __restrict__ y0")), "{b}");
+        assert!(b.contains("float p0"), "{b}");
+        assert!(b.contains("const int VN = 8;"), "{b}");
+        assert!(b.contains(&format!("const Vec<{t}, VN> w0")), "{b}");
+        assert!(b.contains(&format!("cast_to<{t}, float>")), "{b}");
+        assert!(b.contains(&format!("cast_to<float, {t}>")), "{b}");
+        assert!(b.contains("op_mul<float>"), "{b}");
+        assert!(b.contains("op_exp<float>"), "{b}");
+        assert!(!b.contains(&format!("op_mul<{t}>")), "{b}");
+    }
+    let casts = sample_sources()
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("expr casts"))
+        .count();
+    assert_eq!(casts, 12, "a cast sample per 16-bit type and dtype");
+}
+
+/// A reduction of 16-bit values accumulates in f32 (sums in f64, as for f32) and rounds the
+/// result once.
+#[test]
+fn half_reductions_accumulate_wide() {
+    let x = Expr::input(0);
+    let p = prog(&[DType::BF16], &[x.sum(&[-1])]).widened().unwrap();
+    let v = Variant {
+        wide: false,
+        strategy: Strategy::Block,
+        vec: 0,
+        access: vec![Access::Contig],
+    };
+    let src = source(&p, &v).unwrap();
+    let b = body(&src);
+    assert!(b.contains("double acc"), "{b}");
+    assert!(b.contains("cast_to<float, bf16>"), "{b}");
+    assert_eq!(split_partials(&p), vec![DType::F64]);
+}

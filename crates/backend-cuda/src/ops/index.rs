@@ -6,6 +6,12 @@ use crate::launch::{Args, collapse};
 use crate::memory::{Buffer, alloc};
 use crate::ops::{BLOCK, Module, check_ids, contiguous, run, same_device, tname};
 
+/// The kernel type of a selection or gather of `dtype`: its own, or `u16` for the 16-bit
+/// floats (their elements are moved, not computed on; a skipped element is 0 bits, +0.0).
+fn moved(dtype: DType) -> &'static str {
+    if dtype.is_half() { "u16" } else { tname(dtype) }
+}
+
 fn zero_axis(l: &Layout, axis: usize) -> Vec<usize> {
     let mut s = l.strides().to_vec();
     s[axis] = 0;
@@ -53,7 +59,7 @@ pub(crate) fn index_select(
         dev,
         OP,
         Module::Index,
-        &["index_select", tname(dtype)],
+        &["index_select", moved(dtype)],
         dev.grid_1d(n as u64, BLOCK),
         BLOCK,
         0,
@@ -105,7 +111,7 @@ pub(crate) fn gather(
         dev,
         OP,
         Module::Index,
-        &["gather", tname(dtype)],
+        &["gather", moved(dtype)],
         dev.grid_1d(n as u64, BLOCK),
         BLOCK,
         0,

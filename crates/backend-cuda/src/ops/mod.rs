@@ -150,10 +150,10 @@ pub(crate) fn unary_backward(
     dtype: DType,
 ) -> Result<Buffer> {
     const OP: &str = "unary_backward";
-    if !matches!(dtype, DType::F32 | DType::F64) {
+    if !dtype.is_float() {
         return Err(Error::DTypeMismatch {
             op: OP,
-            expected: "f32 or f64".into(),
+            expected: "a float dtype".into(),
             got: dtype,
         });
     }
@@ -380,7 +380,8 @@ pub(crate) fn rand(
     };
     let mut a = Args::new();
     a.push(out.device_ptr()).push(len as u64).push(seed);
-    if dtype == DType::F32 {
+    // f32 parameters for f32 and the 16-bit floats (drawn in f32, then rounded).
+    if dtype.compute_dtype() == DType::F32 {
         a.push(p as f32).push(q as f32);
     } else {
         a.push(p).push(q);

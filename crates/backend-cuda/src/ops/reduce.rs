@@ -170,7 +170,7 @@ impl ReduceCall<'_> {
         // combines them.
         let chunk = inner.div_ceil(splits).next_multiple_of(16);
         let splits = inner.div_ceil(chunk);
-        let partial = alloc(dev, nout * splits * dtype.size_in_bytes())?;
+        let partial = alloc(dev, nout * splits * partial_size(dtype))?;
         let mut a = Args::new();
         a.push(s.device_ptr())
             .push(partial.device_ptr())
@@ -182,17 +182,32 @@ impl ReduceCall<'_> {
             .push(inner as u64)
             .push(contig as i32)
             .push(chunk as u64);
+        let first: &[&str] = if dtype.is_half() {
+            &["reduce_row", name, t, "part"]
+        } else {
+            kernel
+        };
         run(
             dev,
             name,
             Module::Reduce,
-            kernel,
+            first,
             (grid_x, splits as u32),
             256,
             0,
             &mut a,
         )?;
-        combine_partials(dev, name, t, &partial, out, nout, splits, grid_x as usize)
+        combine_partials(
+            dev,
+            name,
+            t,
+            dtype,
+            &partial,
+            out,
+            nout,
+            splits,
+            grid_x as usize,
+        )
     }
 
     /// Kept elements closer together than reduced ones: 32 outputs per block, each thread
@@ -224,7 +239,7 @@ impl ReduceCall<'_> {
         let chunk = inner.div_ceil(splits);
         let splits = inner.div_ceil(chunk);
         let partial = if splits > 1 {
-            Some(alloc(dev, nout * splits * dtype.size_in_bytes())?)
+            Some(alloc(dev, nout * splits * partial_size(dtype))?)
         } else {
             None
         };
@@ -239,11 +254,16 @@ impl ReduceCall<'_> {
             .push(rstr)
             .push(inner as u64)
             .push(chunk as u64);
+        let kernel: &[&str] = if partial.is_some() && dtype.is_half() {
+            &["reduce_col", name, t, "part"]
+        } else {
+            &["reduce_col", name, t]
+        };
         run(
             dev,
             name,
             Module::Reduce,
-            &["reduce_col", name, t],
+            kernel,
             (grid_x as u32, splits as u32),
             256,
             0,
@@ -254,6 +274,7 @@ impl ReduceCall<'_> {
                 dev,
                 name,
                 t,
+                dtype,
                 &partial,
                 out,
                 nout,
@@ -267,19 +288,36 @@ impl ReduceCall<'_> {
     }
 }
 
+/// The bytes of one partial result of a split reduction of `dtype`: the dtype's own, or f32
+/// for the 16-bit floats (their partial results stay in the f32 accumulator's precision).
+fn partial_size(dtype: DType) -> usize {
+    if dtype.is_half() {
+        4
+    } else {
+        dtype.size_in_bytes()
+    }
+}
+
 /// The second pass of a split reduction: `partial` holds `splits` contiguous partial results
-/// per output; one block per output combines them, in a fixed order, into `out`.
+/// per output; one block per output combines them, in a fixed order, into `out` (for the
+/// 16-bit floats, f32 partials folded in f32 and rounded once: the `_fin` kernels).
 #[allow(clippy::too_many_arguments)]
 fn combine_partials(
     dev: &DeviceState,
     name: &'static str,
     t: &'static str,
+    dtype: DType,
     partial: &Buffer,
     out: &Buffer,
     nout: usize,
     splits: usize,
     grid_x: usize,
 ) -> Result<()> {
+    let kernel: &[&str] = if dtype.is_half() {
+        &["reduce_row", name, t, "fin"]
+    } else {
+        &["reduce_row", name, t]
+    };
     let (pk, pks) = collapse(name, &[nout], &[&[splits]], &[0])?;
     let (pr, prs) = collapse(name, &[splits], &[&[1]], &[0])?;
     let mut a = Args::new();
@@ -297,7 +335,7 @@ fn combine_partials(
         dev,
         name,
         Module::Reduce,
-        &["reduce_row", name, t],
+        kernel,
         (grid_x as u32, 1),
         block_for(splits as u64, 256),
         0,

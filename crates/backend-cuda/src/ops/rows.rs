@@ -33,7 +33,8 @@ pub(crate) fn softmax(s: &Buffer, l: &Layout, dtype: DType, log: bool) -> Result
         return Ok(out);
     }
     let (rows, cols, d, st, cs) = rows_of(op, l)?;
-    let row_bytes = cols * dtype.size_in_bytes();
+    // The row cache holds the compute type (f32 for the 16-bit floats).
+    let row_bytes = cols * dtype.compute_dtype().size_in_bytes();
     let smem = row_bytes <= 48 * 1024;
     let block = block_for((cols / 32) as u64, 256);
     let mut a = Args::new();

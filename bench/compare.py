@@ -23,6 +23,11 @@ TARGET = {
     "softmax_8192x8192": 1.0,
     "sgemm_4096": 0.97,
     "sgemm_8192": 0.97,
+    # mixed precision (issue 30): tensor-core GEMMs, a bf16 chain against bf16 copy bandwidth
+    "gemm_bf16_8192": 0.95,
+    "gemm_f16_8192": 0.95,
+    "chain6_64M_bf16": 0.9,
+    "copy_64M_bf16": None,
     "alloc_free_1000x230400": 1.0,
     "alloc1000_then_free1000_x230400": 1.0,
     "exp_230400_x1000_driverpool": None,

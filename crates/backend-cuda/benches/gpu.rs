@@ -11,7 +11,7 @@ use common::{report, time};
 use std::time::Instant;
 
 use kiln_backend_cuda::{Cuda, raw, set_allow_tf32, try_gpu, unavailable_reason};
-use kiln_core::{Backend, Generator, Result};
+use kiln_core::{Backend, DType, Generator, Result};
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
@@ -143,6 +143,35 @@ fn main() {
             "TFLOP/s",
         );
     }
+
+    // 16-bit GEMM 8192 (tensor cores, f32 accumulation) and a bf16 six-op chain over 64M
+    // elements (6 bytes an element: two 16-bit reads, one write), issue 30's targets.
+    for (dt, tag) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+        let m = 8192usize;
+        let p = f32t(&[m, m], 5).to_dtype(dt).unwrap();
+        let q = f32t(&[m, m], 6).to_dtype(dt).unwrap();
+        let ms = time(&dev, 5, 5, || p.matmul(&q).map(drop));
+        report(
+            &format!("gemm_{tag}_{m}"),
+            2.0 * (m as f64).powi(3) / (ms * 1e-3) / 1e12,
+            "TFLOP/s",
+        );
+    }
+    let n = 64 << 20;
+    let x6 = f32t(&[n], 7).to_dtype(DType::BF16).unwrap();
+    let y6 = f32t(&[n], 8).to_dtype(DType::BF16).unwrap();
+    let ms = time(&dev, 5, 5, || {
+        let p = x6.mul(&y6)?.add_scalar(0.5)?.sigmoid()?;
+        p.mul(&x6)?.sub(&y6)?.square()?.realize()
+    });
+    report(
+        "chain6_64M_bf16",
+        6.0 * n as f64 / (ms * 1e-3) / 1e9,
+        "GB/s",
+    );
+    let ms = time(&dev, 5, 5, || x6.copy_to(&dev).map(drop));
+    report("copy_64M_bf16", 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
+    drop((x6, y6));
 
     // Allocation churn: 1000 buffers of 230,400 f32 (host time; allocation is host work), with
     // the host-side block cache (default) and with the driver's pool alone.

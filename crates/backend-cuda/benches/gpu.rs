@@ -169,7 +169,7 @@ fn main() {
         6.0 * n as f64 / (ms * 1e-3) / 1e9,
         "GB/s",
     );
-    let ms = time(&dev, 5, 5, || x6.copy_to(&dev).map(drop));
+    let ms = time(&dev, 5, 5, || x6.copy_to(&dev)?.realize());
     report("copy_64M_bf16", 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
     drop((x6, y6));
 

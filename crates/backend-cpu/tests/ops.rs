@@ -480,6 +480,26 @@ fn cat_and_slice_assign_use_copy_into() -> Result<()> {
 }
 
 #[test]
+fn slice_assign_into_a_fresh_tensor_writes_in_place() -> Result<()> {
+    // The gradient of `narrow` is zeros with the slice written in: the only handle on the
+    // zeros must be written in place, not copied whole first (and a shared one must be).
+    use kiln_core::profile::{self, Kind};
+    let g = t32(&[1.0, 2.0], &[1, 2]);
+    let (out, p) = profile::profile(|| {
+        let _r = profile::range("slice-assign-fresh");
+        Tensor::<Cpu>::zeros([2, 2], DType::F32, &dev())?.slice_assign(0, 1, &g)
+    });
+    assert_eq!(out?.to_vec::<f32>()?, vec![0.0, 0.0, 1.0, 2.0]);
+    let p = p.in_range("slice-assign-fresh");
+    assert!(p.row(Kind::Op, "copy_to").is_none(), "{}", p.table());
+    let shared = Tensor::<Cpu>::zeros([2, 2], DType::F32, &dev())?;
+    let written = shared.clone().slice_assign(1, 1, &g.t()?)?;
+    assert_eq!(written.to_vec::<f32>()?, vec![0.0, 1.0, 0.0, 2.0]);
+    assert_eq!(shared.to_vec::<f32>()?, vec![0.0; 4]);
+    Ok(())
+}
+
+#[test]
 fn matvec_paths_match_reference() {
     let d = data(300 * 257);
     for dtype in [DType::F32, DType::F64] {

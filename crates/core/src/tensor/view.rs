@@ -169,6 +169,10 @@ impl<B: Backend> Tensor<B> {
             });
         }
         let mut me = self.contiguous()?;
+        // `contiguous` hands back another handle on the same storage when nothing moves:
+        // dropping ours leaves `me` the only one when the caller's was, so the write below
+        // happens in place instead of copying the whole tensor first.
+        drop(self);
         let region = me.layout().narrow(axis, start, len)?;
         let dtype = me.dtype();
         let storage = match std::sync::Arc::get_mut(&mut me.storage) {

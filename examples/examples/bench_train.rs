@@ -6,6 +6,7 @@
 //! cargo build --release --example bench_train
 //! target/release/examples/bench_train --device cpu --which mlp-small
 //! target/release/examples/bench_train --device cuda --which all      # logreg + both MLPs
+//! target/release/examples/bench_train --device cuda --which mlp-large --precision bf16
 //! ```
 //!
 //! Workloads (each one parsable line on stdout, `kiln <workload> <device> key=value ...`):
@@ -23,6 +24,12 @@
 //!   off, kiln's default). Skipped by `--which all` on a CPU device (about ten seconds a step
 //!   on two cores); ask for it by name to run it anyway.
 //!
+//! `--precision` (`f32` default, `tf32`, `bf16`, `f16`; [`kiln_examples::Precision`]) applies to
+//! the MLP steps: `bf16` and `f16` run the forward and the loss under `autocast` (f32 weights
+//! and SGD), `f16` with a `GradScaler` (whose overflow check reads one flag back per step, as
+//! PyTorch's `scaler.step` does); `tf32` turns TF32 on. The line gets `precision=...`. The
+//! logreg loop is always f32.
+//!
 //! Timing: warm-up steps first (kernel compilation, allocator pools), then `--repeats` timed
 //! runs of `--steps` steps each, the device synchronized before each clock read; the line gives
 //! the median. Nothing is read back to the host inside the timed loop. The data are not random
@@ -37,12 +44,12 @@
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use kiln_autograd::Var;
+use kiln_autograd::{Var, autocast};
 use kiln_core::{Backend, BinaryOp, DType, Generator, Reduction, Result, Shape, Tensor};
-use kiln_examples::{DEVICE_HELP, Job, dispatch, fused_program_stats, launch_stats};
+use kiln_examples::{DEVICE_HELP, Job, Precision, dispatch, fused_program_stats, launch_stats};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential};
-use kiln_optim::{Optimizer, SgdConfig};
+use kiln_optim::{GradScaler, GradScalerConfig, Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Which {
@@ -73,6 +80,9 @@ struct Args {
     /// Untimed warm-up steps (default: logreg 200, mlp-small 20, mlp-large 3).
     #[arg(long)]
     warmup: Option<usize>,
+    /// Arithmetic of the MLP steps: f32, tf32, bf16 autocast, f16 autocast + loss scaling.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
 }
 
 fn main() {
@@ -90,6 +100,7 @@ impl Job for Bench {
     fn run<B: Backend>(self, dev: B::Device) -> Result<()> {
         let a = self.0;
         let on_cpu = B::NAME == "cpu";
+        a.precision.apply::<B>();
         if B::NAME == "cuda" {
             eprintln!(
                 "kiln on {dev}: TF32 {}",
@@ -107,11 +118,18 @@ impl Job for Bench {
         }
         if run(Which::MlpSmall) {
             let s = Sizes::pick(&a, 200, 5, 20);
-            mlp::<B>(&dev, "mlp-small", &[784, 100, 100, 10], 100, s)?;
+            mlp::<B>(&dev, "mlp-small", &[784, 100, 100, 10], 100, s, a.precision)?;
         }
         if a.which == Which::MlpLarge || (a.which == Which::All && !on_cpu) {
             let s = Sizes::pick(&a, 20, 5, 3);
-            mlp::<B>(&dev, "mlp-large", &[784, 4096, 4096, 4096, 10], 4096, s)?;
+            mlp::<B>(
+                &dev,
+                "mlp-large",
+                &[784, 4096, 4096, 4096, 10],
+                4096,
+                s,
+                a.precision,
+            )?;
         } else if a.which == Which::All {
             eprintln!("skipping mlp-large on {dev} (ask for it with --which mlp-large)");
         }
@@ -320,6 +338,7 @@ fn mlp<B: Backend>(
     widths: &[usize],
     batch: usize,
     s: Sizes,
+    precision: Precision,
 ) -> Result<()> {
     let classes = *widths.last().expect("widths");
     let x = Var::constant(Tensor::<B>::from_vec(
@@ -331,12 +350,20 @@ fn mlp<B: Backend>(
     let labels = Tensor::<B>::from_vec(labels, [batch], dev)?;
     let model = build_mlp::<B>(widths, dev)?;
     let mut opt = SgdConfig::new(0.1).init(model.parameters())?;
+    let mut scaler: GradScaler<B> = GradScalerConfig::new()
+        .with_enabled(precision.needs_scaler())
+        .init()?;
 
     let mut step = || -> Result<Var<B>> {
-        let loss = cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?;
+        let loss = {
+            let _amp = precision.autocast().map(autocast).transpose()?;
+            cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?
+        };
         opt.zero_grad();
-        loss.backward()?;
-        opt.step()?;
+        scaler.scale(&loss)?.backward()?;
+        // `opt.step()` unless f16 (then skipped on overflow; one flag read per step).
+        scaler.step(&mut opt)?;
+        scaler.update()?;
         Ok(loss)
     };
     for _ in 0..s.warmup {
@@ -354,13 +381,14 @@ fn mlp<B: Backend>(
     }
     let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
     let extra = format!(
-        " batch={batch} arch={} loss={:.6}",
+        " batch={batch} arch={} loss={:.6} precision={}",
         widths
             .iter()
             .map(|w| w.to_string())
             .collect::<Vec<_>>()
             .join("-"),
-        loss.unwrap_or(f64::NAN)
+        loss.unwrap_or(f64::NAN),
+        format!("{precision:?}").to_lowercase()
     );
     report(name, dev, s, &totals, &extra);
     Ok(())

@@ -5,6 +5,8 @@
 //! cargo run --release --example mnist                       # MLP, Adam, 20 epochs, CPU
 //! cargo run --release --example mnist -- --arch lenet       # the conv net, 15 epochs
 //! cargo run --release --example mnist -- --device cuda      # on the GPU (CPU if none)
+//! cargo run --release --example mnist -- --device cuda --precision bf16   # bf16 autocast
+//! cargo run --release --example mnist -- --device cuda --precision f16    # f16 + GradScaler
 //! cargo run --release --example mnist -- --save mlp.safetensors
 //! cargo run --release --example mnist -- --load mlp.safetensors --epochs 0   # evaluate only
 //! ```
@@ -21,6 +23,11 @@
 //! are named like the equivalent PyTorch `nn.Sequential`'s `state_dict`
 //! (`bench/mnist_torch_check.py` loads them into PyTorch and compares logits).
 //!
+//! `--precision` (`f32`, `tf32`, `bf16`, `f16`; [`kiln_examples::Precision`]) picks mixed
+//! precision: the forward and the loss run under `autocast`, weights and the optimizer stay
+//! f32, and f16 scales the loss with a `GradScaler` (its skipped steps are counted per epoch).
+//! Evaluation runs under the same autocast.
+//!
 //! `KILN_PROFILE=1` prints kiln's profile at the end (per-op table, where each op ran, memory
 //! per op and per range `train_step/forward`, `train_step/backward`, `train_step/step`, `evaluate`);
 //! `KILN_PROFILE_TRACE=trace.json` also writes a Chrome trace (open it in Perfetto).
@@ -31,15 +38,15 @@ use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
-use kiln_autograd::{Var, no_grad};
+use kiln_autograd::{Var, autocast, no_grad};
 use kiln_core::profile::range;
 use kiln_core::{Backend, Generator, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::{lenet, mlp};
-use kiln_examples::{DEVICE_HELP, Job, dispatch};
+use kiln_examples::{DEVICE_HELP, Job, Precision, dispatch};
 use kiln_nn::loss::{correct_count, cross_entropy};
 use kiln_nn::{Module, ModuleExt, Sequential, save_safetensors};
-use kiln_optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use kiln_optim::{AdamConfig, AdamWConfig, GradScaler, GradScalerConfig, Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Arch {
@@ -81,6 +88,9 @@ struct Args {
     lr: Option<f64>,
     #[arg(long, value_enum, default_value_t = Opt::Adam)]
     optimizer: Opt,
+    /// Arithmetic: f32, tf32 (GPU products), bf16 autocast, f16 autocast with loss scaling.
+    #[arg(long, value_enum, default_value_t = Precision::F32)]
+    precision: Precision,
     /// Seed of the initial weights and of the shuffling.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -195,6 +205,11 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         println!("loaded weights from {}", p.display());
     }
     let mut opt = optimizer(args.optimizer, args.arch, args.lr, model.parameters())?;
+    let precision = args.precision;
+    precision.apply::<B>();
+    let mut scaler: GradScaler<B> = GradScalerConfig::new()
+        .with_enabled(precision.needs_scaler())
+        .init()?;
     let epochs = args.epochs.unwrap_or(match args.arch {
         Arch::Mlp => 20,
         Arch::Lenet => 15,
@@ -207,11 +222,12 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         dir.display()
     );
     println!(
-        "{} lr {}, batch {}, {epochs} epochs, seed {}",
+        "{} lr {}, batch {}, {epochs} epochs, seed {}, precision {:?}",
         opt.name(),
         opt.lr(),
         args.batch_size,
-        args.seed
+        args.seed,
+        precision
     );
 
     let start = Instant::now();
@@ -223,19 +239,27 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         // would synchronize the GPU every step); the bar shows it every 10 batches.
         let mut loss_sum: Option<Tensor<B>> = None;
         let mut seen = 0usize;
+        let mut skipped = 0usize;
         for (i, batch) in train.iter().enumerate() {
             let (x, y) = batch?;
             let n = y.elem_count();
             let _step = range("train_step");
             opt.zero_grad();
             let fwd = range("forward");
-            let loss = cross_entropy(&model.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
+            let loss = {
+                let _amp = precision.autocast().map(autocast).transpose()?;
+                cross_entropy(&model.forward(&Var::constant(x))?, &y, Reduction::Mean)?
+            };
             drop(fwd);
             let bwd = range("backward");
-            loss.backward()?;
+            scaler.scale(&loss)?.backward()?;
             drop(bwd);
             let step = range("step");
-            opt.step()?;
+            // Without a scaler (f32, tf32, bf16) this is `opt.step()`.
+            if !scaler.step(&mut opt)? {
+                skipped += 1;
+            }
+            scaler.update()?;
             drop(step);
             let l = loss.tensor().mul_scalar(n as f64)?;
             loss_sum = Some(match loss_sum {
@@ -255,16 +279,24 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         B::synchronize(&dev)?;
         let secs = t0.elapsed().as_secs_f64();
         pb.finish_and_clear();
-        let (test_loss, acc) = evaluate(&mut model, &mut test)?;
+        let (test_loss, acc) = evaluate(&mut model, &mut test, precision)?;
+        let scaling = if scaler.is_enabled() {
+            format!(
+                "  loss scale {} ({skipped} steps skipped)",
+                scaler.get_scale()
+            )
+        } else {
+            String::new()
+        };
         println!(
             "epoch {epoch:>3}  train loss {train_loss:.4}  test loss {test_loss:.4}  \
-             test acc {:>6.2}%  {:>8.0} samples/s",
+             test acc {:>6.2}%  {:>8.0} samples/s{scaling}",
             acc * 100.0,
             seen as f64 / secs
         );
     }
     if epochs == 0 {
-        let (test_loss, acc) = evaluate(&mut model, &mut test)?;
+        let (test_loss, acc) = evaluate(&mut model, &mut test, precision)?;
         println!("test loss {test_loss:.4}  test acc {:.2}%", acc * 100.0);
     }
     if epochs > 0 {
@@ -291,9 +323,14 @@ fn train<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
 }
 
 /// Mean test loss and accuracy, in evaluation mode and without recording a graph.
-fn evaluate<B: Backend>(model: &mut Sequential<B>, test: &mut DataLoader<B>) -> Result<(f64, f64)> {
+fn evaluate<B: Backend>(
+    model: &mut Sequential<B>,
+    test: &mut DataLoader<B>,
+    precision: Precision,
+) -> Result<(f64, f64)> {
     model.eval();
     let _r = range("evaluate");
+    let _amp = precision.autocast().map(autocast).transpose()?;
     no_grad(|| {
         let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
         for batch in test.iter() {

@@ -209,3 +209,53 @@ mod tests {
         }
     }
 }
+
+/// The `--precision` flag of the training examples (`mnist`, `bench_train`).
+///
+/// - `f32`: f32 everywhere, TF32 off (kiln's default, as PyTorch's).
+/// - `tf32`: f32 storage, GPU products on TF32 tensor cores (`set_allow_tf32`); the CPU
+///   computes in f32 (a note says so).
+/// - `bf16`: the forward and the loss under `autocast(BF16)` (products in bf16, softmax,
+///   losses and norms in f32; see `kiln_autograd::autocast`); f32 weights and optimizer; no
+///   loss scaling (bf16 has f32's range).
+/// - `f16`: the same under `autocast(F16)`, with a `kiln_optim::GradScaler` (f16's range
+///   underflows small gradients): one host read of the overflow flag per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    F32,
+    Tf32,
+    Bf16,
+    F16,
+}
+
+impl Precision {
+    /// The autocast dtype of this precision, if any.
+    pub fn autocast(self) -> Option<kiln_core::DType> {
+        match self {
+            Precision::Bf16 => Some(kiln_core::DType::BF16),
+            Precision::F16 => Some(kiln_core::DType::F16),
+            Precision::F32 | Precision::Tf32 => None,
+        }
+    }
+
+    /// Whether the loss needs scaling (f16 only).
+    pub fn needs_scaler(self) -> bool {
+        self == Precision::F16
+    }
+
+    /// Sets the process-wide switches for backend `B`: `tf32` turns TF32 on for CUDA's f32
+    /// products (other precisions leave the switch as it is); on another backend a `tf32`
+    /// request is noted on stderr.
+    pub fn apply<B: Backend>(self) {
+        if self != Precision::Tf32 {
+            return;
+        }
+        if B::NAME == "cuda" {
+            kiln_backend_cuda::set_allow_tf32(true);
+        } else {
+            eprintln!(
+                "note: --precision tf32 applies to GPU products only; the CPU computes in f32"
+            );
+        }
+    }
+}

@@ -114,6 +114,9 @@ impl<B: Backend> Var<B> {
             ));
         }
         let scores = self.matmul(&k.transpose(-2, -1)?)?.mul_scalar(scale)?;
+        // Under autocast the products are low-precision and the softmax between them f32
+        // (see `crate::autocast`); `p.matmul(v)` below casts the weights back down.
+        let scores = scores.autocast_f32()?;
         let (keep, bias) = mask_tensors(mask, &scores, tq, tk)?;
         // A causal row keeps at least its first key: no row can be empty.
         let rows_nonempty = matches!(mask, AttnMask::Causal);
@@ -240,6 +243,19 @@ fn mask_tensors<B: Backend>(
             Ok((Some(m.clone()), None))
         }
         AttnMask::Additive(m) => {
+            // Under autocast the scores' dtype is autocast's choice, not the user's: a float
+            // mask follows it.
+            let cast;
+            let m = if crate::autocast::autocast_dtype().is_some()
+                && m.dtype().is_float()
+                && m.dtype() != DType::F64
+                && m.dtype() != scores.dtype()
+            {
+                cast = m.to_dtype(scores.dtype())?;
+                &cast
+            } else {
+                m
+            };
             if m.dtype() != scores.dtype() {
                 return Err(Error::DTypeMismatch {
                     op: OP,

@@ -45,6 +45,9 @@
 //!   saving the row statistics as PyTorch does), [`Var::embedding`] (gradient by `scatter_add`).
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
 //!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
+//! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
+//!   losses, norms and reductions in f32, op by op as `torch.autocast` does (the op lists are
+//!   in the [`autocast`] docs); the backward follows through differentiable casts.
 //! - Custom ops (e.g. around a hand-written kernel) are one call: [`Var::from_op`].
 //! - Fused user functions ([`fuse`]): written once over `Expr`s, run as one pass on any
 //!   backend, differentiated through the expression IR (no hand-written backward).
@@ -78,6 +81,7 @@
 //! on `Var`s do not exist; `set_tensor` is the only mutation and is for leaves.
 
 mod attention;
+mod autocast;
 mod check;
 mod composite;
 mod embedding;
@@ -89,6 +93,9 @@ pub mod testing;
 mod var;
 
 pub use attention::AttnMask;
+pub use autocast::{
+    AutocastGuard, autocast, autocast_cache_len, autocast_disabled, autocast_dtype,
+};
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;

@@ -353,6 +353,17 @@ impl<B: Backend> Var<B> {
         bias: Option<&Self>,
         eps: f64,
     ) -> Result<Self> {
+        if crate::autocast::autocast_dtype().is_some() {
+            // Autocast's f32 list: a 16-bit input (and 16-bit affine parameters) cast up, so
+            // the statistics are f32 and the output is f32.
+            let (x, w, b) = (
+                self.autocast_f32()?,
+                weight.map(Var::autocast_f32).transpose()?,
+                bias.map(Var::autocast_f32).transpose()?,
+            );
+            let _off = crate::autocast::autocast_disabled();
+            return x.normalize(op, centered, normalized_shape, w.as_ref(), b.as_ref(), eps);
+        }
         let x = self.tensor();
         let (wt, bt) = (weight.map(Var::tensor), bias.map(Var::tensor));
         let params = [("weight", wt.as_ref()), ("bias", bt.as_ref())];

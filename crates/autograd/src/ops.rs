@@ -25,6 +25,7 @@ use kiln_core::{
     UnaryOp, Vjp,
 };
 
+use crate::autocast::{autocast_dtype, binary_in_f32, unary_in_f32, widest_all};
 use crate::var::Var;
 
 /// Sums `g` over the axes that broadcasting stretched, so it gets back `shape` (the shape of the
@@ -120,7 +121,12 @@ fn unary_grad<B: Backend>(
 impl<B: Backend> Var<B> {
     // ---- elementwise ---------------------------------------------------------------------
 
+    /// `op(self)`. Under [`autocast`](crate::autocast), the ops of its f32 list (`exp`, `log`,
+    /// ...) compute from a 16-bit input cast up to f32.
     pub fn unary(&self, op: UnaryOp) -> Result<Self> {
+        if autocast_dtype().is_some() && unary_in_f32(op) && self.dtype().is_half() {
+            return self.autocast_f32()?.unary(op);
+        }
         let x = self.tensor();
         let y = x.unary(op)?;
         let (sx, sy) = unary_saves(op);
@@ -133,7 +139,24 @@ impl<B: Backend> Var<B> {
 
     /// `op(self, rhs)` with broadcasting; each gradient is summed back to its input's shape.
     /// The gradients are the binary op table's rules ([`BinaryOp::vjp`]).
+    ///
+    /// Under [`autocast`](crate::autocast), operands of different float dtypes meet at the
+    /// wider one (`pow` computes in f32); outside it they are an error.
     pub fn binary(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
+        if autocast_dtype().is_some() {
+            let (a, b) = if binary_in_f32(op) {
+                (self.autocast_f32()?, rhs.autocast_f32()?)
+            } else {
+                Var::autocast_widest(self, rhs)?
+            };
+            if !a.ptr_eq(self) || !b.ptr_eq(rhs) {
+                return Self::binary_impl(&a, op, &b);
+            }
+        }
+        Self::binary_impl(self, op, rhs)
+    }
+
+    fn binary_impl(&self, op: BinaryOp, rhs: &Self) -> Result<Self> {
         let a = self.tensor();
         let b = rhs.tensor();
         let y = a.binary(op, &b)?;
@@ -178,6 +201,9 @@ impl<B: Backend> Var<B> {
     }
 
     fn scalar_op(&self, op: BinaryOp, c: f64, scalar_lhs: bool) -> Result<Self> {
+        if autocast_dtype().is_some() && binary_in_f32(op) && self.dtype().is_half() {
+            return self.autocast_f32()?.scalar_op(op, c, scalar_lhs);
+        }
         let x = self.tensor();
         let y = if scalar_lhs {
             x.scalar_binary(op, c)?
@@ -221,7 +247,12 @@ impl<B: Backend> Var<B> {
 
     // ---- reductions ----------------------------------------------------------------------
 
+    /// Sum over `axes`. Under [`autocast`](crate::autocast) a 16-bit input is summed in f32
+    /// and gives f32 (PyTorch's `sum(dtype=float32)`); [`Var::mean`] follows.
     pub fn sum(&self, axes: &[isize], keepdim: bool) -> Result<Self> {
+        if autocast_dtype().is_some() && self.dtype().is_half() {
+            return self.autocast_f32()?.sum(axes, keepdim);
+        }
         let x = self.tensor();
         let axes_n = x.shape().axes("sum", axes)?;
         let y = x.sum(axes, keepdim)?;
@@ -333,7 +364,19 @@ impl<B: Backend> Var<B> {
 
     /// Matrix product with numpy semantics (1-d operands promoted, batch axes broadcast);
     /// gradients are matmuls against transposed views (no copies) summed over broadcast batches.
+    ///
+    /// Under [`autocast`](crate::autocast) both operands are cast to the autocast dtype first.
     pub fn matmul(&self, rhs: &Self) -> Result<Self> {
+        if autocast_dtype().is_some() {
+            let (a, b) = (self.autocast_low()?, rhs.autocast_low()?);
+            if !a.ptr_eq(self) || !b.ptr_eq(rhs) {
+                return a.matmul_impl(&b);
+            }
+        }
+        self.matmul_impl(rhs)
+    }
+
+    fn matmul_impl(&self, rhs: &Self) -> Result<Self> {
         let a = self.tensor();
         let b = rhs.tensor();
         let y = a.matmul(&b)?;
@@ -393,7 +436,19 @@ impl<B: Backend> Var<B> {
     /// gradients are a leaf's, so a backward pass computes them before the input's and runs their
     /// hooks at once (see [`Var::register_grad_hook`]), and data parallelism starts reducing
     /// them while the input's gradient is still being computed.
+    ///
+    /// Under [`autocast`](crate::autocast) the input, weight and bias are cast to the autocast
+    /// dtype first (the weight's cast cached for the scope), and the output is in that dtype.
     pub fn linear(&self, w: &Self, b: Option<&Self>) -> Result<Self> {
+        if autocast_dtype().is_some() {
+            let (x, w) = (self.autocast_low()?, w.autocast_low()?);
+            let b = b.map(Var::autocast_low).transpose()?;
+            return x.linear_impl(&w, b.as_ref());
+        }
+        self.linear_impl(w, b)
+    }
+
+    fn linear_impl(&self, w: &Self, b: Option<&Self>) -> Result<Self> {
         const OP: &str = "linear";
         let x = self.tensor();
         let wt = w.tensor();
@@ -514,7 +569,10 @@ impl<B: Backend> Var<B> {
     }
 
     /// Joins variables along an existing axis; each gets its slice of the gradient.
+    /// Under [`autocast`](crate::autocast), float inputs of different dtypes meet at the
+    /// widest.
     pub fn cat(vars: &[Self], axis: isize) -> Result<Self> {
+        let vars = &widest_all(vars)?[..];
         let ts: Vec<Tensor<B>> = vars.iter().map(|v| v.tensor()).collect();
         let y = Tensor::cat(&ts, axis)?;
         let lens: Vec<usize> = ts.iter().map(|t| t.dims()[y_axis(&y, axis)]).collect();
@@ -642,7 +700,10 @@ impl<B: Backend> Var<B> {
     }
 
     /// `cond ? on_true : on_false` with broadcasting; `cond` (a `u8` mask) gets no gradient.
+    /// Under [`autocast`](crate::autocast), float branches of different dtypes meet at the
+    /// widest.
     pub fn where_cond(cond: &Tensor<B>, on_true: &Self, on_false: &Self) -> Result<Self> {
+        let (on_true, on_false) = &Var::autocast_widest(on_true, on_false)?;
         let t = on_true.tensor();
         let f = on_false.tensor();
         let y = cond.where_cond(&t, &f)?;
@@ -672,7 +733,11 @@ impl<B: Backend> Var<B> {
     // ---- softmax and losses --------------------------------------------------------------
 
     /// Softmax along `dim` (any axis, negative from the end): `dx = y * (g - sum_dim(g * y))`.
+    /// Under [`autocast`](crate::autocast), a 16-bit input is cast to f32 first.
     pub fn softmax(&self, dim: isize) -> Result<Self> {
+        if autocast_dtype().is_some() && self.dtype().is_half() {
+            return self.autocast_f32()?.softmax(dim);
+        }
         let y = self.tensor().softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("softmax", &[self], y, move |g, _| {
@@ -682,7 +747,11 @@ impl<B: Backend> Var<B> {
 
     /// Log-softmax along `dim` (any axis, negative from the end):
     /// `dx = g - exp(y) * sum_dim(g)`.
+    /// Under [`autocast`](crate::autocast), a 16-bit input is cast to f32 first.
     pub fn log_softmax(&self, dim: isize) -> Result<Self> {
+        if autocast_dtype().is_some() && self.dtype().is_half() {
+            return self.autocast_f32()?.log_softmax(dim);
+        }
         let y = self.tensor().log_softmax(dim)?;
         let yc = y.clone();
         Ok(Var::from_op("log_softmax", &[self], y, move |g, _| {
@@ -697,7 +766,13 @@ impl<B: Backend> Var<B> {
     /// [`Reduction::None`]. Fused: the forward is the backend's `cross_entropy` kernel (plus the
     /// reduction), the backward one `cross_entropy_backward` kernel
     /// (`(softmax - onehot) * g`, `g` scaled by `1 / n` for the mean).
+    ///
+    /// Under [`autocast`](crate::autocast), 16-bit logits are cast to f32 first (the loss is
+    /// f32).
     pub fn cross_entropy(&self, labels: &Tensor<B>, reduction: Reduction) -> Result<Self> {
+        if autocast_dtype().is_some() && self.dtype().is_half() {
+            return self.autocast_f32()?.cross_entropy(labels, reduction);
+        }
         let x = self.tensor();
         let n = x.dims().first().copied().unwrap_or(0);
         let y = x.cross_entropy(labels, reduction)?;

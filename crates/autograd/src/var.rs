@@ -425,6 +425,11 @@ impl<B: Backend> Var<B> {
         }
     }
 
+    /// False once a `backward` freed the graph this op output belonged to (true for leaves).
+    pub(crate) fn graph_alive(&self) -> bool {
+        !matches!(&*lock(&self.0.creator), Creator::Freed(_))
+    }
+
     fn freed_name(&self) -> Option<&'static str> {
         match &*lock(&self.0.creator) {
             Creator::Freed(n) => Some(n),

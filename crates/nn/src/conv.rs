@@ -359,7 +359,9 @@ fn conv2d_cached<B: Backend>(
     let cols = rows.index_select(0, &ids_t)?.reshape([ckk, l * n])?;
     let mut y = weight.reshape([oc, ckk])?.matmul(&cols)?; // [oc, (oh, ow, n)]
     if let Some(b) = bias {
-        y = y.add(&b.reshape([oc, 1])?)?;
+        // Under autocast the GEMM ran in the low dtype; the bias joins it there (PyTorch's
+        // conv2d casts its bias too). Outside autocast this is `b` itself.
+        y = y.add(&b.autocast_low()?.reshape([oc, 1])?)?;
     }
     y.reshape([oc, oh, ow, n])?.permute(&[3, 0, 1, 2])
 }

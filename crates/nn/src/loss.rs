@@ -19,7 +19,10 @@ pub fn cross_entropy<B: Backend>(
 }
 
 /// Squared error `(pred - target)²`, reduced (`torch.nn.functional.mse_loss`).
+/// Under autocast a 16-bit `pred` is cast to f32 first (PyTorch's `mse_loss` is on autocast's
+/// f32 list), so an f32 target fits it.
 pub fn mse<B: Backend>(pred: &Var<B>, target: &Tensor<B>, reduction: Reduction) -> Result<Var<B>> {
+    let pred = &pred.autocast_f32()?;
     check_same_shape("mse", pred, target)?;
     let sq = pred.sub(&Var::constant(target.clone()))?.square()?;
     match reduction {
@@ -32,12 +35,15 @@ pub fn mse<B: Backend>(pred: &Var<B>, target: &Tensor<B>, reduction: Reduction) 
 /// Binary cross-entropy on logits, `max(x, 0) - x t + log(1 + exp(-|x|))` per element, reduced
 /// (`torch.nn.functional.binary_cross_entropy_with_logits`): numerically stable for any `x`,
 /// with the exact gradient `sigmoid(x) - t` (over `n` for the mean), including at `x = 0`.
-/// Targets are probabilities in `[0, 1]` of the logits' shape and dtype.
+/// Targets are probabilities in `[0, 1]` of the logits' shape and dtype (f32 under autocast,
+/// where 16-bit logits are cast to f32).
 pub fn bce_with_logits<B: Backend>(
     logits: &Var<B>,
     target: &Tensor<B>,
     reduction: Reduction,
 ) -> Result<Var<B>> {
+    // Autocast's f32 list: 16-bit logits are cast up first (a no-op outside autocast).
+    let logits = &logits.autocast_f32()?;
     check_same_shape("bce_with_logits", logits, target)?;
     let x = logits.tensor();
     let scale = reduction.grad_scale(x.elem_count().max(1));

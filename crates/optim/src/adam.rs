@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use kiln_autograd::Var;
 use kiln_core::{Backend, Result, Tensor, UpdateRule};
 
-use crate::fused::groups;
+use crate::fused::{Masters, groups};
 use crate::sgd::parse_lr;
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
@@ -108,6 +108,8 @@ pub struct Adam<B: Backend> {
     /// Per parameter: (first moment, second moment), created at its first step.
     moments: Vec<Option<(Tensor<B>, Tensor<B>)>>,
     steps: Vec<u64>,
+    /// f32 master copies of 16-bit parameters (`fused.rs`).
+    masters: Masters<B>,
 }
 
 /// AdamW is [`Adam`] with decoupled weight decay; build it with [`AdamWConfig`].
@@ -143,6 +145,7 @@ impl<B: Backend> Adam<B> {
             params,
             moments: vec![None; n],
             steps: vec![0; n],
+            masters: Masters::new(n),
         })
     }
 
@@ -163,7 +166,7 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
     /// parameters at the same step (see `fused.rs`).
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
-        for (step, members) in groups(&self.params, |i| self.steps[i]) {
+        for (step, members) in groups(&self.params, &self.masters, |i| self.steps[i])? {
             let t = (step + 1).min(i32::MAX as u64) as i32;
             let rule = UpdateRule::Adam {
                 lr: c.lr,
@@ -186,7 +189,7 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
             let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
             let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
             for (m, (w, st)) in members.iter().zip(out) {
-                self.params[m.index].set_tensor(w)?;
+                self.masters.write(m.index, &self.params[m.index], w)?;
                 let mut st = st.into_iter();
                 self.moments[m.index] = st.next().zip(st.next());
                 self.steps[m.index] = step + 1;

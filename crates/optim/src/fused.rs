@@ -15,9 +15,23 @@
 //! so parameters are grouped: by step count for Adam (the bias correction depends on it), by
 //! whether the momentum buffer exists yet for SGD. In ordinary training every parameter has a
 //! gradient at every step and there is one group.
+//!
+//! # Master weights for 16-bit parameters
+//!
+//! A parameter stored in f16 or bf16 is updated through an f32 *master copy* ([`Masters`],
+//! PyTorch's `master_weights`, llm.c's fp32 copy): the update rule reads the master and the
+//! gradient cast to f32, its state (momentum, Adam's moments) is f32, and the parameter
+//! receives the new master rounded to its dtype. Without it, an update smaller than half an
+//! ulp of the weight (bf16 has 8 significant bits: any `lr · g` below 0.4 % of the weight)
+//! rounds away and training stalls. The master is created from the parameter at its first
+//! step and used while the parameter still holds the very tensor the optimizer last wrote;
+//! if anything else replaced it (loading a checkpoint, `set_tensor`, a move to another
+//! device), the master is taken again from the new value. Masters are not part of the saved
+//! optimizer state: a resumed run starts from the rounded parameters (state buffers, saved in
+//! f32, resume exactly). f32 and f64 parameters have no master and cost nothing.
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Result, Tensor};
 
 /// One parameter of a group: its index, current value and gradient.
 pub(crate) struct Member<B: Backend> {
@@ -29,16 +43,59 @@ pub(crate) struct Member<B: Backend> {
 /// A group under construction: (device, dtype, key) and its members.
 type Keyed<B, K> = ((<B as Backend>::Device, DType, K), Vec<Member<B>>);
 
+/// The f32 master copies of an optimizer's 16-bit parameters (module docs), by parameter
+/// index: the master and the 16-bit tensor last written from it.
+pub(crate) struct Masters<B: Backend>(Vec<Option<(Tensor<B>, Tensor<B>)>>);
+
+impl<B: Backend> Masters<B> {
+    pub fn new(n: usize) -> Self {
+        Masters(vec![None; n])
+    }
+
+    /// The value the update reads for parameter `index`: its master (f32) when the parameter
+    /// is 16-bit, the parameter itself otherwise.
+    fn value(&self, index: usize, p: &Var<B>) -> Result<Tensor<B>> {
+        let t = p.tensor();
+        if !t.dtype().is_half() {
+            return Ok(t);
+        }
+        match &self.0[index] {
+            Some((master, written))
+                if written.same_storage(&t) && written.layout() == t.layout() =>
+            {
+                Ok(master.clone())
+            }
+            _ => t.to_dtype(DType::F32),
+        }
+    }
+
+    /// Writes the updated value `w` (in the master's dtype) to parameter `index`.
+    pub fn write(&mut self, index: usize, p: &Var<B>, w: Tensor<B>) -> Result<()> {
+        let dtype = p.dtype();
+        if dtype == w.dtype() {
+            return p.set_tensor(w);
+        }
+        let rounded = w.to_dtype(dtype)?;
+        p.set_tensor(rounded.clone())?;
+        w.realize()?;
+        self.0[index] = Some((w, rounded));
+        Ok(())
+    }
+}
+
 /// The parameters that have a gradient, grouped by device, dtype and `key(index)`, in order of
-/// first appearance.
+/// first appearance. A 16-bit parameter's member holds its f32 master and its gradient cast to
+/// f32 (module docs).
 pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
     params: &[Var<B>],
+    masters: &Masters<B>,
     key: impl Fn(usize) -> K,
-) -> Vec<(K, Vec<Member<B>>)> {
+) -> Result<Vec<(K, Vec<Member<B>>)>> {
     let mut out: Vec<Keyed<B, K>> = Vec::new();
     for (index, p) in params.iter().enumerate() {
         let Some(grad) = p.grad() else { continue };
-        let value = p.tensor();
+        let value = masters.value(index, p)?;
+        let grad = grad.to_dtype(value.dtype())?;
         let k = (value.device().clone(), value.dtype(), key(index));
         let member = Member { index, value, grad };
         match out.iter_mut().find(|(gk, _)| *gk == k) {
@@ -46,5 +103,5 @@ pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
             None => out.push((k, vec![member])),
         }
     }
-    out.into_iter().map(|((_, _, k), v)| (k, v)).collect()
+    Ok(out.into_iter().map(|((_, _, k), v)| (k, v)).collect())
 }

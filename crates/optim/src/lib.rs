@@ -23,18 +23,24 @@
 //! for a whole model instead of one per term per tensor); the CPU evaluates the program in one
 //! fused pass per parameter, and the reference backend op by op.
 //!
+//! Mixed precision: [`GradScaler`] scales an f16 loss and skips steps whose gradients
+//! overflowed (bf16 needs none); parameters stored in f16/bf16 are updated through f32 master
+//! copies with f32 state (see `fused.rs`), so 16-bit weights still take small updates.
+//!
 //! Schedules are pure functions of the step (`lr(step)`), not stateful objects: resuming is
 //! calling `set_lr(schedule.lr(step))` with the saved step, and a test is a table of values.
 
 mod adam;
 mod clip;
 mod fused;
+mod scaler;
 mod schedule;
 mod sgd;
 mod state;
 
 pub use adam::{Adam, AdamConfig, AdamW, AdamWConfig};
 pub use clip::{clip_grad_norm, clip_grad_value, grad_norm, grad_norm_tensor};
+pub use scaler::{GradScaler, GradScalerConfig};
 pub use schedule::{Constant, CosineAnnealing, LinearWarmup, LrSchedule, StepLr};
 pub use sgd::{Sgd, SgdConfig};
 pub use state::OptimizerState;

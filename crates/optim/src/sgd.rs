@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use kiln_autograd::Var;
 use kiln_core::{Backend, Error, Result, Tensor, UpdateRule};
 
-use crate::fused::groups;
+use crate::fused::{Masters, groups};
 use crate::state::{OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
 
@@ -80,6 +80,7 @@ impl SgdConfig {
             params,
             bufs: vec![None; n],
             steps: vec![0; n],
+            masters: Masters::new(n),
         })
     }
 }
@@ -90,6 +91,8 @@ pub struct Sgd<B: Backend> {
     params: Vec<Var<B>>,
     bufs: Vec<Option<Tensor<B>>>,
     steps: Vec<u64>,
+    /// f32 master copies of 16-bit parameters (`fused.rs`).
+    masters: Masters<B>,
 }
 
 impl<B: Backend> Sgd<B> {
@@ -111,7 +114,9 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
         let momentum = c.momentum != 0.0;
-        for (first_step, members) in groups(&self.params, |i| self.bufs[i].is_none()) {
+        for (first_step, members) in
+            groups(&self.params, &self.masters, |i| self.bufs[i].is_none())?
+        {
             let rule = UpdateRule::Sgd {
                 lr: c.lr,
                 momentum: c.momentum,
@@ -133,7 +138,7 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
             let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
             let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
             for (m, (w, st)) in members.iter().zip(out) {
-                self.params[m.index].set_tensor(w)?;
+                self.masters.write(m.index, &self.params[m.index], w)?;
                 if momentum {
                     self.bufs[m.index] = st.into_iter().next();
                 }

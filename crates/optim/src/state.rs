@@ -110,10 +110,14 @@ impl<B: Backend> OptimizerState<B> {
             for (b, t) in buffers.iter().zip(&bufs) {
                 match t {
                     None => problems.push(format!("missing tensor `{i}.{b}`")),
-                    Some(t) if t.shape() != pt.shape() || t.dtype() != pt.dtype() => {
+                    // State is kept in the compute dtype: f32 for 16-bit parameters (their
+                    // master weights' dtype, see `fused.rs`).
+                    Some(t)
+                        if t.shape() != pt.shape() || t.dtype() != pt.dtype().compute_dtype() =>
+                    {
                         problems.push(format!(
                             "`{i}.{b}`: expected {} {} like the parameter, got {} {}",
-                            pt.dtype(),
+                            pt.dtype().compute_dtype(),
                             pt.shape(),
                             t.dtype(),
                             t.shape()

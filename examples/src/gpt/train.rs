@@ -14,8 +14,8 @@
 
 use std::time::Instant;
 
-use kiln_autograd::no_grad;
-use kiln_core::{Backend, Generator, Result, sample_logits};
+use kiln_autograd::{autocast, no_grad};
+use kiln_core::{Backend, DType, Generator, Result, sample_logits};
 use kiln_nn::{Module, ModuleExt};
 use kiln_optim::{AdamW, AdamWConfig, CosineAnnealing, LinearWarmup, LrSchedule, Optimizer};
 
@@ -37,6 +37,9 @@ pub struct TrainConfig {
     pub betas: (f64, f64),
     pub grad_clip: f64,
     pub seed: u64,
+    /// Mixed precision: the forward and the loss run under `autocast(dtype)` (bf16, as
+    /// nanoGPT's `dtype = 'bfloat16'`); `None` is f32. The parameters and AdamW stay f32.
+    pub autocast: Option<DType>,
 }
 
 impl TrainConfig {
@@ -54,6 +57,7 @@ impl TrainConfig {
             weight_decay: 0.1,
             betas: (0.9, 0.99),
             grad_clip: 1.0,
+            autocast: None,
             seed: 1337,
         }
     }
@@ -125,6 +129,7 @@ pub fn estimate_loss<B: Backend>(
             let mut sum = None;
             for _ in 0..c.eval_iters.max(1) {
                 let (x, y) = data.batch::<B>(split, c.batch, c.model.block, g, dev)?;
+                let _amp = c.autocast.map(autocast).transpose()?;
                 let l = model.loss(&x, &y)?.tensor();
                 sum = Some(match sum {
                     None => l,
@@ -178,7 +183,10 @@ pub fn train<B: Backend>(
         }
         opt.set_lr(schedule.lr(iter));
         let (x, y) = data.batch::<B>(Split::Train, c.batch, c.model.block, &mut g, dev)?;
-        let loss = model.loss(&x, &y)?;
+        let loss = {
+            let _amp = c.autocast.map(autocast).transpose()?;
+            model.loss(&x, &y)?
+        };
         loss.backward()?;
         kiln_optim::clip_grad_norm(&params, c.grad_clip)?;
         opt.step()?;

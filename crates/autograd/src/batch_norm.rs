@@ -458,7 +458,7 @@ impl<B: Backend> Var<B> {
         let c = check_input(OP, &x, eps)?;
         let (wt, bt) = (weight.map(Var::tensor), bias.map(Var::tensor));
         check_channel_params(OP, &x, c, &[("weight", wt.as_ref()), ("bias", bt.as_ref())])?;
-        let count = if c == 0 { 0 } else { x.elem_count() / c };
+        let count = x.elem_count().checked_div(c).unwrap_or(0);
         if count < 2 {
             return Err(Error::invalid(
                 OP,
@@ -534,7 +534,7 @@ impl<B: Backend> Var<B> {
         );
         let mean = channel_view(Some(running_mean), &x)?.expect("given");
         let rstd = channel_view(Some(&running_var.add_scalar(eps)?.rsqrt()?), &x)?.expect("given");
-        let count = if c == 0 { 0 } else { x.elem_count() / c };
+        let count = x.elem_count().checked_div(c).unwrap_or(0);
         let (y, mean, rstd, _) = forward(
             key,
             count,

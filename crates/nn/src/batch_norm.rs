@@ -282,7 +282,7 @@ impl GroupNormConfig {
         const OP: &str = "GroupNormConfig::init";
         let c = self.num_channels;
         check_config(OP, &[c], self.eps, self.dtype)?;
-        if self.num_groups == 0 || c % self.num_groups != 0 {
+        if self.num_groups == 0 || !c.is_multiple_of(self.num_groups) {
             return Err(Error::invalid(
                 OP,
                 format!(

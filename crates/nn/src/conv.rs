@@ -167,8 +167,8 @@ impl Conv2dConfig {
             || self.stride.contains(&0)
             || self.dilation.contains(&0)
             || self.groups == 0
-            || self.in_channels % self.groups != 0
-            || self.out_channels % self.groups != 0;
+            || !self.in_channels.is_multiple_of(self.groups)
+            || !self.out_channels.is_multiple_of(self.groups);
         if bad {
             return Err(Error::invalid(
                 "Conv2dConfig::init",
@@ -353,7 +353,7 @@ fn conv2d_cached<B: Backend>(
     const OP: &str = "conv2d";
     let wd = weight.dims();
     let g = groups;
-    if g == 0 || wd.len() != 4 || wd[2..] != window.kernel || wd[0] % g != 0 {
+    if g == 0 || wd.len() != 4 || wd[2..] != window.kernel || !wd[0].is_multiple_of(g) {
         return Err(Error::invalid(
             OP,
             format!(

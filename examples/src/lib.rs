@@ -33,6 +33,7 @@
 
 pub mod gpt;
 pub mod models;
+pub mod resnet;
 
 use std::fmt;
 

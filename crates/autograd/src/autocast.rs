@@ -35,7 +35,7 @@
 //! | policy | ops |
 //! |---|---|
 //! | **low** (inputs cast to the autocast dtype) | [`Var::matmul`], [`Var::linear`], convolutions (kiln-nn's `conv2d` is im2col + `matmul`; its bias is cast too), [`Var::scaled_dot_product_attention`] (its products; see below) |
-//! | **f32** (16-bit inputs cast up; output f32) | [`Var::softmax`], [`Var::log_softmax`], [`Var::cross_entropy`], kiln-nn's `mse` and `bce_with_logits`, [`Var::layer_norm`], [`Var::rms_norm`], [`Var::sum`] / [`Var::mean`] (PyTorch's `sum` with `dtype=float32`), `exp`, `expm1`, `log`, `log1p`, `recip`, `rsqrt`, `softplus`, `pow` |
+//! | **f32** (16-bit inputs cast up; output f32) | [`Var::softmax`], [`Var::log_softmax`], [`Var::cross_entropy`], kiln-nn's `mse` and `bce_with_logits`, [`Var::layer_norm`], [`Var::rms_norm`], [`Var::batch_norm_train`], [`Var::batch_norm_eval`], [`Var::group_norm`], [`Var::sum`] / [`Var::mean`] (PyTorch's `sum` with `dtype=float32`), `exp`, `expm1`, `log`, `log1p`, `recip`, `rsqrt`, `softplus`, `pow` |
 //! | **widest** (the narrower float operand cast to the wider) | binary elementwise ops ([`Var::binary`]: add, sub, mul, div, maximum, minimum), [`Var::cat`], [`Var::where_cond`] |
 //! | **input dtype** (no cast) | everything else: activations (`relu`, `gelu`, `tanh`, ...), views, indexing, embeddings, dropout, max/min reductions |
 //!

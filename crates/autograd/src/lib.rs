@@ -43,6 +43,11 @@
 //! - Layers' ops with a closed-form backward are one node each, as softmax and cross-entropy:
 //!   [`Var::layer_norm`] and [`Var::rms_norm`] (forward and backward as expression programs,
 //!   saving the row statistics as PyTorch does), [`Var::embedding`] (gradient by `scatter_add`).
+//! - Convolutional networks' ops: [`Var::batch_norm_train`] / [`Var::batch_norm_eval`] (the
+//!   batch statistics returned for [`update_running_stats`], the op itself stateless) and
+//!   [`Var::group_norm`], one node each with programs forward and backward;
+//!   [`Var::avg_pool2d`] and [`Var::adaptive_avg_pool2d`], separable averages written with
+//!   `matmul` (or one mean for non-overlapping windows) and differentiated through them.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
 //!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
@@ -82,12 +87,14 @@
 
 mod attention;
 mod autocast;
+mod batch_norm;
 mod check;
 mod composite;
 mod embedding;
 mod fuse;
 mod norm;
 mod ops;
+mod pool;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod var;
@@ -96,6 +103,7 @@ pub use attention::AttnMask;
 pub use autocast::{
     AutocastGuard, autocast, autocast_cache_len, autocast_disabled, autocast_dtype,
 };
+pub use batch_norm::{BatchStats, update_running_stats};
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;

@@ -250,3 +250,23 @@ fn parameter_casts_are_cached_and_stay_valid() {
     }
     assert_eq!(autocast_cache_len(), 0, "cleared when the scope ends");
 }
+
+#[test]
+fn batch_and_group_norm_run_in_f32_under_autocast() {
+    let dev = kiln_backend_cpu::Cpu::device(0);
+    let x = Var::constant(
+        kiln_core::Generator::new(5)
+            .uniform::<kiln_backend_cpu::Cpu>([4, 6, 3, 3], -1.0, 1.0, &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap(),
+    );
+    let _amp = kiln_autograd::autocast(DType::BF16).unwrap();
+    let (y, stats) = x.batch_norm_train(None, None, 1e-5).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    assert_eq!(stats.mean.dtype(), DType::F32);
+    assert_eq!(
+        x.group_norm(3, None, None, 1e-5).unwrap().dtype(),
+        DType::F32
+    );
+}

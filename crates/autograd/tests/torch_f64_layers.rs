@@ -1,4 +1,6 @@
-//! The layers' ops (`layer_norm`, `rms_norm`, `embedding`) against PyTorch in float64: the
+//! The layers' ops (`layer_norm`, `rms_norm`, `embedding`, `batch_norm` in both modes with the
+//! running statistics after two steps, `group_norm`, `avg_pool2d`, `adaptive_avg_pool2d`)
+//! against PyTorch in float64: the
 //! `layer` lines of `data/torch_f64.txt`, which `torch_golden.py` writes (fixed inputs, the
 //! cotangent, PyTorch's output and gradients). Checked on the f64 reference backend and the CPU
 //! backend. A case of [`CASES`] that the file lacks is skipped with a message naming it (the
@@ -6,15 +8,29 @@
 
 use std::collections::HashMap;
 
-use kiln_autograd::Var;
+use kiln_autograd::{Var, update_running_stats};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, Tensor};
+use kiln_core::{Backend, DType, Tensor};
 
 const DATA: &str = include_str!("data/torch_f64.txt");
 
-/// The cases `torch_golden.py` writes (its `NORMS` and `EMBEDDINGS`).
+/// The cases `torch_golden.py` writes (its `NORMS`, `EMBEDDINGS`, `CHANNEL_NORMS` and `POOLS`;
+/// its `CONVS` are kiln-nn's).
 const CASES: &[&str] = &[
+    "batch_norm_train_4d",
+    "batch_norm_train_2d",
+    "batch_norm_train_3d_plain",
+    "batch_norm_eval",
+    "group_norm_2",
+    "group_norm_1_plain",
+    "group_norm_depth",
+    "avg_pool2d_k3s2p1",
+    "avg_pool2d_exclude_pad",
+    "avg_pool2d_k2",
+    "adaptive_avg_pool2d_3x4",
+    "adaptive_avg_pool2d_1x1",
+    "adaptive_avg_pool2d_5x5",
     "layer_norm_wb",
     "layer_norm_w",
     "layer_norm_b",
@@ -119,6 +135,12 @@ fn check_case<B: Backend>(dev: &B::Device, case: &str, f: &Fields, bad: &mut Vec
         );
         return;
     }
+    if op.starts_with("batch_norm") || op == "group_norm" {
+        return check_channel_norm::<B>(dev, case, f, bad);
+    }
+    if op.ends_with("avg_pool2d") {
+        return check_pool::<B>(dev, case, f, bad);
+    }
     let (xd, nd) = (dims(&spec[1]), dims(&spec[2]));
     let (has_w, has_b) = (spec[3] == "1", spec[4] == "1");
     let eps: f64 = spec[5].parse().unwrap();
@@ -155,6 +177,114 @@ fn check_case<B: Backend>(dev: &B::Device, case: &str, f: &Fields, bad: &mut Vec
             );
         }
     }
+}
+
+/// `y · g` summed and differentiated: the output's values and the gradients of `vars`.
+fn backward_of<B: Backend>(y: &Var<B>, f: &Fields, case: &str, dev: &B::Device) {
+    let g = Tensor::<B>::from_vec(nums(f, case, "g"), y.dims().to_vec(), dev).unwrap();
+    y.mul(&Var::constant(g))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+}
+
+/// batch_norm (training: output, gradients, and the running statistics after a second batch;
+/// evaluation) and group_norm.
+fn check_channel_norm<B: Backend>(dev: &B::Device, case: &str, f: &Fields, bad: &mut Vec<String>) {
+    let spec = &f["spec"];
+    let op = spec[0].as_str();
+    let at = |field: &str| format!("{case} {field} on {}", B::NAME);
+    let xd = dims(&spec[1]);
+    let c = xd[1];
+    let (has_w, has_b) = (spec[2] == "1", spec[3] == "1");
+    let eps: f64 = spec[4].parse().unwrap();
+    let groups: i64 = spec[5].parse().unwrap();
+    let x = var::<B>(nums(f, case, "x"), &xd, dev);
+    let w = has_w.then(|| var::<B>(nums(f, case, "w"), &[c], dev));
+    let b = has_b.then(|| var::<B>(nums(f, case, "b"), &[c], dev));
+    let t = |field: &str| Tensor::<B>::from_vec(nums(f, case, field), [c], dev).unwrap();
+    let y = match op {
+        "batch_norm_train" => {
+            let (y, st) = x.batch_norm_train(w.as_ref(), b.as_ref(), eps).unwrap();
+            // The running statistics from zeros and ones after this batch and `x2`.
+            let zeros = Tensor::<B>::zeros([c], DType::F64, dev).unwrap();
+            let ones = Tensor::<B>::ones([c], DType::F64, dev).unwrap();
+            let (rm, rv) = update_running_stats(&zeros, &ones, &st, 0.1).unwrap();
+            let x2 = var::<B>(nums(f, case, "x2"), &xd, dev);
+            let (_, st2) = x2.batch_norm_train(w.as_ref(), b.as_ref(), eps).unwrap();
+            let (rm, rv) = update_running_stats(&rm, &rv, &st2, 0.1).unwrap();
+            compare(
+                bad,
+                at("running_mean"),
+                &host(&rm),
+                &nums(f, case, "running_mean"),
+            );
+            compare(
+                bad,
+                at("running_var"),
+                &host(&rv),
+                &nums(f, case, "running_var"),
+            );
+            y
+        }
+        "batch_norm_eval" => x
+            .batch_norm_eval(&t("rm"), &t("rv"), w.as_ref(), b.as_ref(), eps)
+            .unwrap(),
+        "group_norm" => x
+            .group_norm(groups as usize, w.as_ref(), b.as_ref(), eps)
+            .unwrap(),
+        _ => panic!("{case}: unknown op {op}"),
+    };
+    backward_of(&y, f, case, dev);
+    compare(bad, at("y"), &host(&y.tensor()), &nums(f, case, "y"));
+    compare(
+        bad,
+        at("dx"),
+        &host(&x.grad().unwrap()),
+        &nums(f, case, "dx"),
+    );
+    for (p, field) in [(&w, "dw"), (&b, "db")] {
+        if let Some(p) = p {
+            compare(
+                bad,
+                at(field),
+                &host(&p.grad().unwrap()),
+                &nums(f, case, field),
+            );
+        }
+    }
+}
+
+/// avg_pool2d and adaptive_avg_pool2d: output and input gradient.
+fn check_pool<B: Backend>(dev: &B::Device, case: &str, f: &Fields, bad: &mut Vec<String>) {
+    let spec = &f["spec"];
+    let at = |field: &str| format!("{case} {field} on {}", B::NAME);
+    let pair = |w: &str| -> [usize; 2] {
+        let d = dims(w);
+        [d[0], d[1]]
+    };
+    let x = var::<B>(nums(f, case, "x"), &dims(&spec[1]), dev);
+    let y = if spec[0] == "avg_pool2d" {
+        x.avg_pool2d(
+            pair(&spec[2]),
+            pair(&spec[3]),
+            pair(&spec[4]),
+            spec[5] == "1",
+        )
+    } else {
+        x.adaptive_avg_pool2d(pair(&spec[2]))
+    }
+    .unwrap();
+    backward_of(&y, f, case, dev);
+    compare(bad, at("y"), &host(&y.tensor()), &nums(f, case, "y"));
+    compare(
+        bad,
+        at("dx"),
+        &host(&x.grad().unwrap()),
+        &nums(f, case, "dx"),
+    );
 }
 
 fn check_all<B: Backend>(dev: &B::Device) {

@@ -2,8 +2,11 @@
 """Writes torch_f64.txt: every op of kiln's op tables evaluated by PyTorch in float64, with its
 derivatives from torch.autograd, on a fixed set of points (unary and composite ops on a grid;
 binary ops on pairs of a small set of values, ties and zeros included, between two tensors
-and between a tensor and a constant; the layers' ops, layer_norm, rms_norm and embedding, on
-fixed inputs that the file holds too). `tests/torch_f64.rs` compares kiln's
+and between a tensor and a constant; the layers' ops, layer_norm, rms_norm, embedding,
+batch_norm (training, with the running statistics after two steps, and evaluation),
+group_norm, avg_pool2d, adaptive_avg_pool2d and grouped conv2d, on fixed inputs that the file
+holds too). The conv2d cases are compared by kiln-nn's `tests/torch_conv_layers.rs`, which
+also checks BatchNorm2d's running statistics against the batch_norm_train cases. `tests/torch_f64.rs` compares kiln's
 ops with it (forward and gradient, on the reference and CPU backends) and fails for an op of the
 table that this file lacks (a layer case it lacks is skipped with a message).
 
@@ -95,6 +98,38 @@ EMBEDDINGS = {
     "embedding_padding": (6, 3, [2, 0, 5, 2, 1, 2, 3, 0], [2, 4], 2),
 }
 
+# name -> (op, input dims, weight?, bias?, eps, groups). Each case prints `spec` (op, dims,
+# weight, bias, eps, groups or -1), the inputs x, w, b, g, y and the gradients dx, dw, db as
+# above. batch_norm_train also prints a second batch `x2` and the running statistics
+# `running_mean`, `running_var` after F.batch_norm(training=True, momentum=0.1) on x then x2
+# from zeros and ones; batch_norm_eval prints the running statistics `rm`, `rv` it uses.
+CHANNEL_NORMS = {
+    "batch_norm_train_4d": ("batch_norm_train", [2, 3, 2, 2], True, True, 1e-5, None),
+    "batch_norm_train_2d": ("batch_norm_train", [4, 3], True, False, 1e-5, None),
+    "batch_norm_train_3d_plain": ("batch_norm_train", [2, 3, 4], False, False, 1e-5, None),
+    "batch_norm_eval": ("batch_norm_eval", [2, 3, 2, 2], True, True, 1e-5, None),
+    "group_norm_2": ("group_norm", [2, 4, 3], True, True, 1e-5, 2),
+    "group_norm_1_plain": ("group_norm", [2, 4, 2, 2], False, False, 1e-5, 1),
+    "group_norm_depth": ("group_norm", [3, 6, 2, 3], True, True, 1e-5, 6),
+}
+# name -> (op, input dims, args): avg_pool2d (kernel, stride, padding, count_include_pad),
+# adaptive_avg_pool2d (output size). `spec` (op, dims, args as h,w pairs / 0 or 1), x, g, y, dx.
+POOLS = {
+    "avg_pool2d_k3s2p1": ("avg_pool2d", [2, 2, 7, 6], ([3, 2], [2, 1], [1, 1], True)),
+    "avg_pool2d_exclude_pad": ("avg_pool2d", [2, 2, 7, 6], ([3, 2], [2, 1], [1, 1], False)),
+    "avg_pool2d_k2": ("avg_pool2d", [2, 2, 7, 6], ([2, 2], [2, 2], [0, 0], True)),
+    "adaptive_avg_pool2d_3x4": ("adaptive_avg_pool2d", [2, 2, 7, 6], ([3, 4],)),
+    "adaptive_avg_pool2d_1x1": ("adaptive_avg_pool2d", [2, 2, 7, 6], ([1, 1],)),
+    "adaptive_avg_pool2d_5x5": ("adaptive_avg_pool2d", [2, 2, 7, 6], ([5, 5],)),
+}
+# name -> (input dims, weight dims, bias?, stride, padding, dilation, groups): `spec` (conv2d,
+# dims, weight dims, bias, stride, padding, dilation, groups), x, w, b, g, y, dx, dw, db.
+CONVS = {
+    "conv2d_groups2": ([2, 4, 5, 5], [6, 2, 3, 3], True, 1, 1, 1, 2),
+    "conv2d_depthwise": ([2, 3, 6, 6], [6, 1, 3, 3], False, 2, 1, 1, 3),
+    "conv2d_depthwise_dilated": ([1, 4, 7, 7], [4, 1, 3, 3], True, 1, 2, 2, 4),
+}
+
 
 def points(lo, hi):
     # A grid that misses the kinks at integers and 0 (offset by an irrational fraction).
@@ -177,6 +212,79 @@ def layers():
         print(f"layer {name} ids " + " ".join(str(i) for i in ids))
         for field, t in (("w", w), ("g", g), ("y", y), ("dw", dw)):
             print(f"layer {name} {field} {numbers(t)}")
+    conv_layers()
+
+
+def tensor(shape, phase, f=math.sin):
+    n = math.prod(shape)
+    return torch.tensor(seq(n, phase, f), dtype=torch.float64).reshape(shape)
+
+
+def emit(name, named, grads):
+    """Prints the given tensors and then the gradients `d<name>` of the inputs."""
+    for field, t in named:
+        if t is not None:
+            print(f"layer {name} {field} {numbers(t)}")
+    for field, t in grads:
+        print(f"layer {name} d{field} {numbers(t)}")
+
+
+def conv_layers():
+    for name, (op, dims, has_w, has_b, eps, groups) in CHANNEL_NORMS.items():
+        c = dims[1]
+        x = tensor(dims, 0.1).requires_grad_()
+        w = tensor([c], 1.3).requires_grad_() if has_w else None
+        b = tensor([c], 2.1).requires_grad_() if has_b else None
+        g = tensor(dims, 3.7, math.cos)
+        extra = []
+        if op == "batch_norm_train":
+            y = F.batch_norm(x, None, None, w, b, training=True, eps=eps)
+            x2 = tensor(dims, 4.3, math.cos) * 1.5 + 0.25
+            rm = torch.zeros(c, dtype=torch.float64)
+            rv = torch.ones(c, dtype=torch.float64)
+            with torch.no_grad():
+                F.batch_norm(x, rm, rv, w, b, training=True, momentum=0.1, eps=eps)
+                F.batch_norm(x2, rm, rv, w, b, training=True, momentum=0.1, eps=eps)
+            extra = [("x2", x2), ("running_mean", rm), ("running_var", rv)]
+        elif op == "batch_norm_eval":
+            rm = tensor([c], 0.7) * 0.5
+            rv = tensor([c], 1.9).abs() + 0.5
+            y = F.batch_norm(x, rm, rv, w, b, training=False, eps=eps)
+            extra = [("rm", rm), ("rv", rv)]
+        else:
+            y = F.group_norm(x, groups, w, b, eps)
+        given = [(f, t) for f, t in (("x", x), ("w", w), ("b", b)) if t is not None]
+        grads = torch.autograd.grad(y, [t for _, t in given], g)
+        gr = -1 if groups is None else groups
+        print(f"layer {name} spec {op} {commas(dims)} {int(has_w)} {int(has_b)} {eps!r} {gr}")
+        emit(name, [("x", x), ("w", w), ("b", b), ("g", g), ("y", y)] + extra,
+             [(f, t) for (f, _), t in zip(given, grads)])
+    for name, (op, dims, args) in POOLS.items():
+        x = tensor(dims, 0.1).requires_grad_()
+        if op == "avg_pool2d":
+            k, s, p, incl = args
+            y = F.avg_pool2d(x, k, s, p, count_include_pad=incl)
+            words = f"{commas(k)} {commas(s)} {commas(p)} {int(incl)}"
+        else:
+            (out,) = args
+            y = F.adaptive_avg_pool2d(x, out)
+            words = commas(out)
+        g = tensor(list(y.shape), 3.7, math.cos)
+        (dx,) = torch.autograd.grad(y, [x], g)
+        print(f"layer {name} spec {op} {commas(dims)} {words}")
+        emit(name, [("x", x), ("g", g), ("y", y)], [("x", dx)])
+    for name, (dims, wdims, has_b, stride, pad, dil, groups) in CONVS.items():
+        x = tensor(dims, 0.1).requires_grad_()
+        w = (tensor(wdims, 1.3) * 0.5).requires_grad_()
+        b = tensor([wdims[0]], 2.1).requires_grad_() if has_b else None
+        y = F.conv2d(x, w, b, stride, pad, dil, groups)
+        g = tensor(list(y.shape), 3.7, math.cos)
+        given = [(f, t) for f, t in (("x", x), ("w", w), ("b", b)) if t is not None]
+        grads = torch.autograd.grad(y, [t for _, t in given], g)
+        print(f"layer {name} spec conv2d {commas(dims)} {commas(wdims)} {int(has_b)} "
+              f"{stride} {pad} {dil} {groups}")
+        emit(name, [("x", x), ("w", w), ("b", b), ("g", g), ("y", y)],
+             [(f, t) for (f, _), t in zip(given, grads)])
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@
 //!   masking. One GEMM with the weight `[oc, c*kh*kw]` gives `[oc, oh, ow, n]`, returned as a
 //!   `[n, oc, oh, ow]` view. The backward of `index_select` is a `scatter_add` (col2im), of the
 //!   matmul two GEMMs. (Gathering batch-first, one element per index, was twice as slow on the
-//!   CPU.)
+//!   CPU.) With `groups > 1` the column rows of each group are consecutive (`c` is the outer
+//!   loop of the row order), so the columns are viewed `[groups, c/groups*kh*kw, oh*ow*n]` and
+//!   one batched GEMM with the weight `[groups, oc/groups, c/groups*kh*kw]` does every group;
+//!   depthwise convolution is the case `groups = c`.
 //! - **MaxPool2d** gathers each window the same way, takes the arg-max per window (a constant),
 //!   and then `gather`s the winners from the input directly, so the gradient goes to the first
 //!   maximum of each window, as in PyTorch.
@@ -93,6 +96,9 @@ pub struct Conv2dConfig {
     pub stride: [usize; 2],
     pub padding: [usize; 2],
     pub dilation: [usize; 2],
+    /// Channel groups (PyTorch's `groups`): each group of `in_channels / groups` inputs feeds
+    /// `out_channels / groups` outputs; `groups = in_channels` is depthwise.
+    pub groups: usize,
     pub bias: bool,
     /// Default PyTorch's Kaiming uniform with `a = √5`.
     pub weight_init: Init,
@@ -109,6 +115,7 @@ impl Conv2dConfig {
             stride: [1, 1],
             padding: [0, 0],
             dilation: [1, 1],
+            groups: 1,
             bias: true,
             weight_init: Init::torch_default(),
             dtype: DType::F32,
@@ -134,6 +141,10 @@ impl Conv2dConfig {
         self.bias = bias;
         self
     }
+    pub fn with_groups(mut self, groups: usize) -> Self {
+        self.groups = groups;
+        self
+    }
     pub fn with_weight_init(mut self, init: Init) -> Self {
         self.weight_init = init;
         self
@@ -154,20 +165,27 @@ impl Conv2dConfig {
             || self.out_channels == 0
             || self.kernel.contains(&0)
             || self.stride.contains(&0)
-            || self.dilation.contains(&0);
+            || self.dilation.contains(&0)
+            || self.groups == 0
+            || !self.in_channels.is_multiple_of(self.groups)
+            || !self.out_channels.is_multiple_of(self.groups);
         if bad {
             return Err(Error::invalid(
                 "Conv2dConfig::init",
-                format!("channels, kernel, stride and dilation must be positive: {self:?}"),
+                format!(
+                    "channels, kernel, stride, dilation and groups must be positive, and both \
+                     channel counts divisible by groups: {self:?}"
+                ),
             ));
         }
         let [kh, kw] = self.kernel;
-        let shape = [self.out_channels, self.in_channels, kh, kw];
+        let cg = self.in_channels / self.groups;
+        let shape = [self.out_channels, cg, kh, kw];
         let w = self
             .weight_init
             .init::<B>(shape, generator, self.dtype, device)?;
         let bias = if self.bias {
-            let fan_in = self.in_channels * kh * kw;
+            let fan_in = cg * kh * kw;
             Some(Var::param(Init::BiasUniform { fan_in }.init::<B>(
                 [self.out_channels],
                 generator,
@@ -189,7 +207,7 @@ impl Conv2dConfig {
 /// 2-D convolution (cross-correlation, as every framework computes it) over `[n, c, h, w]`.
 pub struct Conv2d<B: Backend> {
     cfg: Conv2dConfig,
-    /// `[out_channels, in_channels, kh, kw]`, as PyTorch.
+    /// `[out_channels, in_channels / groups, kh, kw]`, as PyTorch.
     pub weight: Var<B>,
     /// `[out_channels]`.
     pub bias: Option<Var<B>>,
@@ -307,7 +325,21 @@ pub fn conv2d<B: Backend>(
     bias: Option<&Var<B>>,
     window: Window,
 ) -> Result<Var<B>> {
-    conv2d_cached(x, weight, bias, window, None)
+    conv2d_cached(x, weight, bias, window, 1, None)
+}
+
+/// `torch.nn.functional.conv2d(..., groups=groups)`: `x` `[n, c, h, w]`, `weight`
+/// `[oc, c/groups, kh, kw]`, `bias` `[oc]`; `oc` and `c` divisible by `groups`. Each group of
+/// `c/groups` input channels feeds `oc/groups` outputs; `groups = c` is a depthwise
+/// convolution.
+pub fn conv2d_grouped<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+    groups: usize,
+) -> Result<Var<B>> {
+    conv2d_cached(x, weight, bias, window, groups, None)
 }
 
 fn conv2d_cached<B: Backend>(
@@ -315,23 +347,34 @@ fn conv2d_cached<B: Backend>(
     weight: &Var<B>,
     bias: Option<&Var<B>>,
     window: Window,
+    groups: usize,
     cache: Option<&IdxCache<B>>,
 ) -> Result<Var<B>> {
     const OP: &str = "conv2d";
     let wd = weight.dims();
-    if wd.len() != 4 || wd[2..] != window.kernel {
+    let g = groups;
+    if g == 0 || wd.len() != 4 || wd[2..] != window.kernel || !wd[0].is_multiple_of(g) {
         return Err(Error::invalid(
             OP,
             format!(
-                "weight must be [oc, c, {}, {}], got {}",
+                "weight must be [oc, c/groups, {}, {}] with oc divisible by groups {g} (> 0), \
+                 got {}",
                 window.kernel[0],
                 window.kernel[1],
                 weight.shape()
             ),
         ));
     }
-    let (oc, c) = (wd[0], wd[1]);
+    let (oc, c) = (wd[0], wd[1] * g);
     check_nchw(OP, x, Some(c))?;
+    if let Some(b) = bias
+        && b.dims() != [oc]
+    {
+        return Err(Error::invalid(
+            OP,
+            format!("bias must be [{oc}], got {}", b.shape()),
+        ));
+    }
     let d = x.dims();
     let (n, h, w) = (d[0], d[2], d[3]);
     let (oh, ow) = window.out_hw(OP, h, w)?;
@@ -356,8 +399,19 @@ fn conv2d_cached<B: Backend>(
     };
     let l = oh * ow;
     let ckk = c * window.kernel[0] * window.kernel[1];
-    let cols = rows.index_select(0, &ids_t)?.reshape([ckk, l * n])?;
-    let mut y = weight.reshape([oc, ckk])?.matmul(&cols)?; // [oc, (oh, ow, n)]
+    let cols = rows.index_select(0, &ids_t)?;
+    let mut y = if g == 1 {
+        weight
+            .reshape([oc, ckk])?
+            .matmul(&cols.reshape([ckk, l * n])?)? // [oc, (oh, ow, n)]
+    } else {
+        // One batched GEMM over the groups: [g, oc/g, ckk/g] x [g, ckk/g, l*n].
+        let cols = cols.reshape([g, ckk / g, l * n])?;
+        weight
+            .reshape([g, oc / g, ckk / g])?
+            .matmul(&cols)?
+            .reshape([oc, l * n])?
+    };
     if let Some(b) = bias {
         // Under autocast the GEMM ran in the low dtype; the bias joins it there (PyTorch's
         // conv2d casts its bias too). Outside autocast this is `b` itself.
@@ -375,7 +429,14 @@ impl<B: Backend> Module<B> for Conv2d<B> {
             padding: c.padding,
             dilation: c.dilation,
         };
-        conv2d_cached(x, &self.weight, self.bias.as_ref(), window, Some(&self.idx))
+        conv2d_cached(
+            x,
+            &self.weight,
+            self.bias.as_ref(),
+            window,
+            c.groups,
+            Some(&self.idx),
+        )
     }
 
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
@@ -389,8 +450,16 @@ impl<B: Backend> Module<B> for Conv2d<B> {
     fn describe(&self) -> String {
         let c = &self.cfg;
         format!(
-            "Conv2d({}, {}, kernel={:?}, stride={:?}, padding={:?}, dilation={:?}, bias={})",
-            c.in_channels, c.out_channels, c.kernel, c.stride, c.padding, c.dilation, c.bias
+            "Conv2d({}, {}, kernel={:?}, stride={:?}, padding={:?}, dilation={:?}, groups={}, \
+             bias={})",
+            c.in_channels,
+            c.out_channels,
+            c.kernel,
+            c.stride,
+            c.padding,
+            c.dilation,
+            c.groups,
+            c.bias
         )
     }
 }

@@ -3,10 +3,12 @@
 //! The building blocks of a model, generic over the backend `B`, so one model definition
 //! trains on the CPU or on a GPU:
 //!
-//! - [`Module`] (forward, named parameters, train/eval) and [`ModuleExt`] (`to_device`,
+//! - [`Module`] (forward, named parameters and buffers, train/eval) and [`ModuleExt`] (`to_device`,
 //!   `save`/`load`, `state_dict`), implemented by every layer;
-//! - layers: [`Linear`], [`Conv2d`], [`MaxPool2d`], [`Flatten`], [`Dropout`], [`LayerNorm`],
-//!   [`RMSNorm`], [`Embedding`], [`MultiheadAttention`] (with the functional
+//! - layers: [`Linear`], [`Conv2d`] (grouped and depthwise too), [`MaxPool2d`], [`AvgPool2d`],
+//!   [`AdaptiveAvgPool2d`], [`Flatten`], [`Dropout`], [`LayerNorm`], [`RMSNorm`],
+//!   [`BatchNorm`] (`BatchNorm1d`/`BatchNorm2d`, with running statistics as buffers),
+//!   [`GroupNorm`], [`Embedding`], [`MultiheadAttention`] (with the functional
 //!   [`multi_head_attention`]), activations ([`Relu`], [`Sigmoid`], [`Tanh`], [`Gelu`],
 //!   [`GeluTanh`]) and the [`Sequential`] container;
 //! - losses ([`loss::cross_entropy`] fused with log-softmax, [`loss::mse`],
@@ -49,6 +51,7 @@
 
 mod activation;
 mod attention;
+mod batch_norm;
 mod conv;
 mod dropout;
 mod embedding;
@@ -57,6 +60,7 @@ mod linear;
 pub mod loss;
 mod module;
 mod norm;
+mod pool;
 mod sequential;
 pub mod serialize;
 
@@ -64,12 +68,16 @@ pub use activation::{Flatten, Gelu, GeluTanh, Relu, Sigmoid, Tanh};
 pub use attention::{
     MhaWeights, MultiheadAttention, MultiheadAttentionConfig, multi_head_attention,
 };
-pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, max_pool2d};
+pub use batch_norm::{
+    BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, GroupNorm, GroupNormConfig,
+};
+pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, max_pool2d};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use init::Init;
 pub use linear::{Linear, LinearConfig};
 pub use module::{Module, ModuleExt};
 pub use norm::{LayerNorm, LayerNormConfig, RMSNorm, RMSNormConfig};
+pub use pool::{AdaptiveAvgPool2d, AvgPool2d};
 pub use sequential::Sequential;
 pub use serialize::{load_safetensors, save_safetensors};

@@ -7,6 +7,13 @@
 //! as `torch.nn.Module.state_dict` does. So a kiln model and the same PyTorch architecture
 //! exchange weights through one safetensors file with no renaming.
 //!
+//! Besides parameters a module may hold **buffers** ([`Module::named_buffers`]): state that is
+//! saved and loaded with the parameters but never trained, as BatchNorm's running statistics
+//! (PyTorch's `register_buffer`). Buffers are constant [`Var`]s that the module itself updates
+//! with [`Var::set_tensor`]; they appear in [`ModuleExt::state_dict`] under PyTorch's names,
+//! move with [`ModuleExt::to_device`], and are absent from [`Module::parameters`], so
+//! optimizers, gradient clipping and parameter counts never see them.
+//!
 //! The trait is object safe (a [`Sequential`](crate::Sequential) holds `Box<dyn Module<B>>`);
 //! whole-module helpers that need `Self: Sized` or generic arguments live in [`ModuleExt`],
 //! implemented for every module.
@@ -26,6 +33,13 @@ pub trait Module<B: Backend>: Send + Sync {
     /// Every parameter with its name relative to this module, in a fixed order (the order
     /// [`Module::parameters`] and optimizers use).
     fn named_parameters(&self) -> Vec<(String, Var<B>)>;
+
+    /// Every buffer (state that is saved but not trained, e.g. BatchNorm's `running_mean`) with
+    /// its name relative to this module, as PyTorch's `named_buffers`. None by default; a
+    /// container lists its children's, prefixed as their parameters are.
+    fn named_buffers(&self) -> Vec<(String, Var<B>)> {
+        Vec::new()
+    }
 
     /// Every parameter once, in [`Module::named_parameters`] order: a parameter listed under
     /// several names (a tied weight, see [`Linear::tie_weight`](crate::Linear::tie_weight))
@@ -95,6 +109,9 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     fn parameters(&self) -> Vec<Var<B>> {
         (**self).parameters()
     }
+    fn named_buffers(&self) -> Vec<(String, Var<B>)> {
+        (**self).named_buffers()
+    }
     fn set_training(&mut self, training: bool) {
         (**self).set_training(training)
     }
@@ -105,9 +122,9 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
 
 /// Whole-module operations, available on every [`Module`] (including `dyn Module`).
 pub trait ModuleExt<B: Backend>: Module<B> {
-    /// Moves every parameter to `device` (in place: every clone of a parameter, e.g. the one an
-    /// optimizer holds, sees the move) and returns the module, as `model.to(device)` in
-    /// PyTorch. Parameters already there are not copied.
+    /// Moves every parameter and buffer to `device` (in place: every clone of a parameter, e.g.
+    /// the one an optimizer holds, sees the move) and returns the module, as `model.to(device)`
+    /// in PyTorch. Tensors already there are not copied.
     fn to_device(self, device: &B::Device) -> Result<Self>
     where
         Self: Sized,
@@ -118,7 +135,8 @@ pub trait ModuleExt<B: Backend>: Module<B> {
 
     /// [`ModuleExt::to_device`] for a module behind a reference or a `dyn`.
     fn move_to_device(&self, device: &B::Device) -> Result<()> {
-        for p in self.parameters() {
+        let buffers = self.named_buffers().into_iter().map(|(_, v)| v);
+        for p in Var::unique(self.parameters().into_iter().chain(buffers)) {
             let t = p.tensor();
             if t.device() != device {
                 p.set_tensor(t.to_device(device)?)?;
@@ -141,13 +159,22 @@ pub trait ModuleExt<B: Backend>: Module<B> {
         self.parameters().iter().map(|p| p.elem_count()).sum()
     }
 
-    /// The current parameter tensors by name (PyTorch's `state_dict`): a tied parameter is
-    /// listed under each of its names, as PyTorch lists it.
+    /// The current parameter and buffer tensors by name (PyTorch's `state_dict`): the
+    /// parameters first, then the buffers; a tied parameter is listed under each of its names,
+    /// as PyTorch lists it.
     fn state_dict(&self) -> Vec<(String, Tensor<B>)> {
-        self.named_parameters()
+        self.named_state()
             .into_iter()
             .map(|(n, v)| (n, v.tensor()))
             .collect()
+    }
+
+    /// [`Module::named_parameters`] followed by [`Module::named_buffers`]: everything a state
+    /// dict holds.
+    fn named_state(&self) -> Vec<(String, Var<B>)> {
+        let mut all = self.named_parameters();
+        all.extend(self.named_buffers());
+        all
     }
 
     /// Writes the parameters to a safetensors file that `safetensors.torch.load_file` +
@@ -175,7 +202,8 @@ pub trait ModuleExt<B: Backend>: Module<B> {
         self.load_tensors(&path.display().to_string(), file.tensors)
     }
 
-    /// Loads parameters from named tensors (see [`ModuleExt::load`]); `origin` names the source
+    /// Loads parameters and buffers from named tensors (see [`ModuleExt::load`]); `origin` names
+    /// the source
     /// in errors. A tied parameter (one variable under several names) may be given under all
     /// its names (PyTorch's `state_dict`; each is assigned, the same tensor in PyTorch's files)
     /// or under only some of them (files written without duplicates, as
@@ -185,7 +213,7 @@ pub trait ModuleExt<B: Backend>: Module<B> {
         origin: &str,
         tensors: std::collections::BTreeMap<String, Tensor<B>>,
     ) -> Result<()> {
-        let all = self.named_parameters();
+        let all = self.named_state();
         let given: std::collections::HashSet<_> = all
             .iter()
             .filter(|(n, _)| tensors.contains_key(n))

@@ -213,7 +213,7 @@ fn machine_eps(dtype: DType) -> f64 {
     }
 }
 
-fn check_config(op: &'static str, dims: &[usize], eps: f64, dtype: DType) -> Result<()> {
+pub(crate) fn check_config(op: &'static str, dims: &[usize], eps: f64, dtype: DType) -> Result<()> {
     if dims.is_empty() || dims.contains(&0) {
         return Err(Error::invalid(
             op,
@@ -237,7 +237,7 @@ fn check_config(op: &'static str, dims: &[usize], eps: f64, dtype: DType) -> Res
 }
 
 /// A parameter of `dims` filled with ones (`weight`) or zeros, if `present`.
-fn affine_param<B: Backend>(
+pub(crate) fn affine_param<B: Backend>(
     present: bool,
     ones: bool,
     dims: &[usize],
@@ -255,7 +255,7 @@ fn affine_param<B: Backend>(
     Ok(Some(Var::param(t)))
 }
 
-fn named<B: Backend>(w: &Option<Var<B>>, b: &Option<Var<B>>) -> Vec<(String, Var<B>)> {
+pub(crate) fn named<B: Backend>(w: &Option<Var<B>>, b: &Option<Var<B>>) -> Vec<(String, Var<B>)> {
     let mut v = Vec::new();
     if let Some(w) = w {
         v.push(("weight".to_string(), w.clone()));

@@ -59,6 +59,13 @@ impl<B: Backend> Module<B> for Sequential<B> {
             .flat_map(|(i, l)| prefixed(&i.to_string(), l.named_parameters()))
             .collect()
     }
+    fn named_buffers(&self) -> Vec<(String, Var<B>)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| prefixed(&i.to_string(), l.named_buffers()))
+            .collect()
+    }
     fn set_training(&mut self, training: bool) {
         for l in &mut self.layers {
             l.set_training(training);

@@ -25,7 +25,7 @@
 //! This file holds the entry points, the case list and the runner (`prop`, `check`); `inputs`
 //! builds the inputs (layouts, value domains, shapes) and the cases are one file per op family:
 //! `elementwise`, `reduce` (with softmax and the losses), `matmul`, `views` (with joins),
-//! `index`, `norm` (normalizations and the embedding), `attention` and `devices` (copies between devices, compositions of several ops).
+//! `index`, `norm` (normalizations and the embedding), `pool` (average pooling), `attention` and `devices` (copies between devices, compositions of several ops).
 
 use std::fmt::Debug;
 
@@ -154,6 +154,7 @@ fn cases<B: Backend>() -> Vec<(String, Case<B>)> {
     c.extend(index_cases::<B>());
     c.extend(loss_cases::<B>());
     c.extend(norm_cases::<B>());
+    c.extend(pool_cases::<B>());
     c.extend(attention_cases::<B>());
     c.extend(device_cases::<B>());
     c
@@ -166,6 +167,7 @@ mod index;
 mod inputs;
 mod matmul;
 mod norm;
+mod pool;
 mod reduce;
 mod views;
 
@@ -177,5 +179,6 @@ pub use inputs::{In, Lay};
 use inputs::{Vals, axes_of, bcast_pair, dims, host_values, ids, input_of, lay};
 use matmul::matmul_cases;
 use norm::norm_cases;
+use pool::pool_cases;
 use reduce::{loss_cases, reduction_cases};
 use views::{join_cases, view_cases};

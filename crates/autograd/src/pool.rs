@@ -1,0 +1,203 @@
+//! Average pooling on variables: `F.avg_pool2d` and `F.adaptive_avg_pool2d` over `[n, c, h, w]`.
+//!
+//! # How
+//!
+//! An average over a rectangular window is *separable*: the window is a range of rows times a
+//! range of columns (clipped to the input, padding being zeros), and its divisor is the
+//! product of the two range lengths (`count_include_pad = false`, adaptive pooling) or
+//! `kh · kw` (`count_include_pad = true`, where a window never leaves the padded input). So
+//! `y = P_h · x · P_wᵀ` for two small constant matrices `P_h [oh, h]` and `P_w [ow, w]` holding
+//! `1 / length` inside each window: two GEMMs forward, their two transposes backward (which
+//! kiln's `matmul` already differentiates), on every backend with no kernel of its own. No
+//! index tensor, no scatter, and the backward of overlapping windows comes for free.
+//!
+//! The common cases take a cheaper road: non-overlapping windows without padding (`stride ==
+//! kernel`, every adaptive pooling whose output divides its input, the global average pool of a
+//! ResNet head) are a view `[n, c, oh, kh, ow, kw]` and one mean over axes 3 and 5: one
+//! reduction program forward, one broadcast backward.
+//!
+//! The matrices are built on the host and uploaded per call (`oh·h + ow·w` values); a layer
+//! that pools the same shape every step could cache them, which has not yet measured worth it.
+
+use kiln_core::{Backend, Error, HostBuffer, Result, Tensor};
+
+use crate::var::Var;
+
+/// Checks a `[n, c, h, w]` float input of `op`; returns `(n, c, h, w)`.
+fn check_nchw<B: Backend>(op: &'static str, x: &Var<B>) -> Result<[usize; 4]> {
+    if !x.dtype().is_float() {
+        return Err(Error::DTypeMismatch {
+            op,
+            expected: "a float input".into(),
+            got: x.dtype(),
+        });
+    }
+    match *x.dims() {
+        [n, c, h, w] => Ok([n, c, h, w]),
+        _ => Err(Error::invalid(
+            op,
+            format!("expects an input [n, c, h, w], got shape {}", x.shape()),
+        )),
+    }
+}
+
+/// One axis of a pooling: for each output index, the input range `[start, end)` it averages
+/// and the divisor.
+struct Axis {
+    len: usize,
+    windows: Vec<(usize, usize, f64)>,
+}
+
+impl Axis {
+    /// `[out, len]`: `1 / divisor` inside each window, else 0.
+    fn matrix(&self) -> Vec<f64> {
+        let mut m = vec![0.0; self.windows.len() * self.len];
+        for (o, &(s, e, d)) in self.windows.iter().enumerate() {
+            m[o * self.len + s..o * self.len + e].fill(1.0 / d);
+        }
+        m
+    }
+
+    /// Windows of `k` that tile the axis from 0 with no gap, overlap or padding.
+    fn tiles(&self) -> Option<usize> {
+        let &(s0, e0, d) = self.windows.first()?;
+        let k = e0 - s0;
+        let ok = s0 == 0
+            && d == k as f64
+            && self
+                .windows
+                .iter()
+                .enumerate()
+                .all(|(o, &(s, e, d))| s == o * k && e == s + k && d == k as f64);
+        ok.then_some(k)
+    }
+}
+
+/// Averages `x` `[n, c, h, w]` over the windows of `rows` and `cols`.
+fn pool<B: Backend>(x: &Var<B>, rows: &Axis, cols: &Axis) -> Result<Var<B>> {
+    let &[n, c, h, w] = x.dims().as_slice() else {
+        unreachable!("checked by the callers")
+    };
+    let (oh, ow) = (rows.windows.len(), cols.windows.len());
+    if let (Some(kh), Some(kw)) = (rows.tiles(), cols.tiles()) {
+        // Non-overlapping windows: drop the rows and columns no window reads, view the windows
+        // as axes and take one mean.
+        let mut v = x.clone();
+        if oh * kh != h {
+            v = v.narrow(2, 0, oh * kh)?;
+        }
+        if ow * kw != w {
+            v = v.narrow(3, 0, ow * kw)?;
+        }
+        return v.reshape([n, c, oh, kh, ow, kw])?.mean(&[3, 5], false);
+    }
+    let dev = x.device();
+    let mat = |a: &Axis, out: usize| -> Result<Tensor<B>> {
+        Tensor::from_host(
+            &HostBuffer::from_f64(x.dtype(), &a.matrix()),
+            [out, a.len],
+            &dev,
+        )
+    };
+    // x · P_wᵀ: [n·c, h, ow]; then (·)ᵀ · P_hᵀ: [n·c, ow, oh]; back to [n, c, oh, ow].
+    let pw_t = Var::constant(mat(cols, ow)?.t()?);
+    let ph_t = Var::constant(mat(rows, oh)?.t()?);
+    let t = x.reshape([n * c, h, w])?.matmul(&pw_t)?;
+    let y = t.transpose(1, 2)?.matmul(&ph_t)?; // [n·c, ow, oh]
+    y.transpose(1, 2)?.reshape([n, c, oh, ow])
+}
+
+/// The windows of `avg_pool2d` along one axis of length `len`.
+fn avg_axis(len: usize, k: usize, stride: usize, pad: usize, include_pad: bool) -> Axis {
+    let out = (len + 2 * pad - k) / stride + 1;
+    let windows = (0..out)
+        .map(|o| {
+            let start = (o * stride) as isize - pad as isize;
+            let end = start + k as isize; // never past len + pad (floor mode)
+            let (s, e) = (start.max(0) as usize, (end as usize).min(len));
+            let d = if include_pad { k } else { e - s };
+            (s, e, d as f64)
+        })
+        .collect();
+    Axis { len, windows }
+}
+
+/// The windows of `adaptive_avg_pool2d` along one axis: PyTorch's `start = ⌊o·len/out⌋`,
+/// `end = ⌈(o+1)·len/out⌉`.
+fn adaptive_axis(len: usize, out: usize) -> Axis {
+    let windows = (0..out)
+        .map(|o| {
+            let s = o * len / out;
+            let e = ((o + 1) * len).div_ceil(out);
+            (s, e, (e - s) as f64)
+        })
+        .collect();
+    Axis { len, windows }
+}
+
+impl<B: Backend> Var<B> {
+    /// 2-D average pooling over `[n, c, h, w]` (PyTorch's `F.avg_pool2d(x, kernel, stride,
+    /// padding, ceil_mode=False, count_include_pad)`; PyTorch's default is
+    /// `count_include_pad = true`: the zero padding counts in the divisor). `padding` is at most
+    /// half the kernel, as in PyTorch. Separable: two GEMMs with constant matrices, or one mean
+    /// for non-overlapping windows (module docs).
+    pub fn avg_pool2d(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        count_include_pad: bool,
+    ) -> Result<Self> {
+        const OP: &str = "avg_pool2d";
+        let [_, _, h, w] = check_nchw(OP, self)?;
+        let bad = kernel.contains(&0)
+            || stride.contains(&0)
+            || 2 * padding[0] > kernel[0]
+            || 2 * padding[1] > kernel[1];
+        if bad {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "kernel {kernel:?} and stride {stride:?} must be positive and padding \
+                     {padding:?} at most half the kernel"
+                ),
+            ));
+        }
+        if h + 2 * padding[0] < kernel[0] || w + 2 * padding[1] < kernel[1] {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "a {h}x{w} input padded by {padding:?} is smaller than the kernel \
+                     {kernel:?}"
+                ),
+            ));
+        }
+        let rows = avg_axis(h, kernel[0], stride[0], padding[0], count_include_pad);
+        let cols = avg_axis(w, kernel[1], stride[1], padding[1], count_include_pad);
+        pool(self, &rows, &cols)
+    }
+
+    /// 2-D adaptive average pooling of `[n, c, h, w]` to `[n, c, out_h, out_w]` (PyTorch's
+    /// `F.adaptive_avg_pool2d(x, (out_h, out_w))`, with its window formula: output `o` of an
+    /// axis of length `len` averages `⌊o·len/out⌋ .. ⌈(o+1)·len/out⌉`). `[1, 1]` is the global
+    /// average pool.
+    pub fn adaptive_avg_pool2d(&self, output: [usize; 2]) -> Result<Self> {
+        const OP: &str = "adaptive_avg_pool2d";
+        let [_, _, h, w] = check_nchw(OP, self)?;
+        if output.contains(&0) || h == 0 || w == 0 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the output size {output:?} and the input's h and w must be positive, got \
+                     an input of shape {}",
+                    self.shape()
+                ),
+            ));
+        }
+        pool(
+            self,
+            &adaptive_axis(h, output[0]),
+            &adaptive_axis(w, output[1]),
+        )
+    }
+}

@@ -120,7 +120,7 @@ def logreg(dev, steps, repeats, warmup):
     report("logreg", dev, steps, repeats, totals, f" final_cost={cost.item():.6f}")
 
 
-def mlp(name, widths, batch, dev, steps, repeats, warmup):
+def mlp(name, widths, batch, dev, steps, repeats, warmup, precision="f32"):
     torch.manual_seed(0)
     layers = []
     for i, (a, b) in enumerate(zip(widths[:-1], widths[1:])):
@@ -132,16 +132,23 @@ def mlp(name, widths, batch, dev, steps, repeats, warmup):
     x = data(batch, widths[0], dev)
     labels = (torch.arange(batch) % widths[-1]).to(dev)
 
+    low = {"bf16": torch.bfloat16, "f16": torch.float16}.get(precision)
+    # f16 as kiln's: autocast with a GradScaler (one overflow check per step); bf16 needs none.
+    scaler = torch.amp.GradScaler(dev.type, enabled=precision == "f16")
+
     def step():
-        loss = F.cross_entropy(model(x), labels)
+        with torch.autocast(dev.type, dtype=low or torch.float32, enabled=low is not None):
+            loss = F.cross_entropy(model(x), labels)
         opt.zero_grad()  # set_to_none=True, as kiln's zero_grad
-        loss.backward()
-        opt.step()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
         return loss
 
     totals, loss = timed(dev, steps, repeats, warmup, step)
     arch = "-".join(map(str, widths))
-    report(name, dev, steps, repeats, totals, f" batch={batch} arch={arch} loss={loss.item():.6f}")
+    report(name, dev, steps, repeats, totals,
+           f" batch={batch} arch={arch} loss={loss.item():.6f} precision={precision}")
 
 
 def main():
@@ -151,7 +158,16 @@ def main():
     ap.add_argument("--steps", type=int, help="steps per repeat (logreg 10000, mlp-small 200, mlp-large 20)")
     ap.add_argument("--repeats", type=int, help="timed repeats, median reported (logreg 3, MLPs 5)")
     ap.add_argument("--warmup", type=int, help="untimed warm-up steps (200, 20, 3)")
+    ap.add_argument("--precision", default="f32", choices=["f32", "tf32", "bf16", "f16"],
+                    help="the MLPs' precision, as kiln's bench_train: autocast bf16, or f16 with a "
+                         "GradScaler; tf32 turns TF32 on")
     a = ap.parse_args()
+    if a.precision == "tf32":
+        m = torch.backends.cuda.matmul
+        if hasattr(m, "fp32_precision"):
+            m.fp32_precision = "tf32"
+        else:
+            m.allow_tf32 = True
     dev = pick_device(a.device)
 
     def pick(steps, repeats, warmup):
@@ -164,9 +180,9 @@ def main():
     if a.which in ("logreg", "all"):
         logreg(dev, *pick(10000, 3, 200))
     if a.which in ("mlp-small", "all"):
-        mlp("mlp-small", [784, 100, 100, 10], 100, dev, *pick(200, 5, 20))
+        mlp("mlp-small", [784, 100, 100, 10], 100, dev, *pick(200, 5, 20), a.precision)
     if a.which == "mlp-large" or (a.which == "all" and dev.type == "cuda"):
-        mlp("mlp-large", [784, 4096, 4096, 4096, 10], 4096, dev, *pick(20, 5, 3))
+        mlp("mlp-large", [784, 4096, 4096, 4096, 10], 4096, dev, *pick(20, 5, 3), a.precision)
     elif a.which == "all":
         print("skipping mlp-large on cpu (ask for it with --which mlp-large)", file=sys.stderr)
 

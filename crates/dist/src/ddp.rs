@@ -1,7 +1,11 @@
 //! Data parallelism in PyTorch DDP's manner, over any [`ProcessGroup`].
 //!
 //! Each rank holds a full replica of the model and trains on its slice of every batch:
-//! - at construction, rank 0's parameters are broadcast to every rank;
+//! - at construction, rank 0's parameters and buffers are broadcast to every rank;
+//! - buffers (BatchNorm's running statistics, [`Module::named_buffers`]) are rank 0's again
+//!   after every synchronized step: [`Ddp::finish`] broadcasts them, so the next forward on
+//!   every rank starts from rank 0's, as DDP's `broadcast_buffers=True` does before each
+//!   forward (`broadcast_buffers: false` leaves each rank's own);
 //! - parameters are grouped into buckets of about 25 MB (`bucket_cap_mb`; the first bucket is
 //!   capped at 1 MB so communication starts early, as in DDP), in reverse order of
 //!   [`Module::parameters`] — roughly the order backward produces their gradients;
@@ -77,8 +81,11 @@ pub fn assign_buckets(
 pub struct DdpConfig {
     /// Bucket size in MB (10^6 bytes).
     pub bucket_cap_mb: f64,
-    /// Broadcast rank 0's parameters at construction.
+    /// Broadcast rank 0's parameters (and buffers) at construction.
     pub broadcast_parameters: bool,
+    /// Broadcast rank 0's buffers after every synchronized backward (PyTorch's
+    /// `broadcast_buffers`).
+    pub broadcast_buffers: bool,
 }
 
 impl Default for DdpConfig {
@@ -86,6 +93,7 @@ impl Default for DdpConfig {
         DdpConfig {
             bucket_cap_mb: DEFAULT_BUCKET_CAP_MB,
             broadcast_parameters: true,
+            broadcast_buffers: true,
         }
     }
 }
@@ -106,6 +114,9 @@ struct Step<B: Backend> {
 struct Inner<B: Backend> {
     group: Arc<dyn ProcessGroup<B>>,
     params: Vec<(String, Var<B>)>,
+    /// The model's buffers (once each), broadcast from rank 0 after each synchronized step
+    /// when `broadcast_buffers` is on; empty otherwise.
+    buffers: Vec<(String, Var<B>)>,
     buckets: Vec<Vec<usize>>,
     bucket_of: Vec<usize>,
     sync: AtomicBool,
@@ -154,8 +165,14 @@ impl<B: Backend> Ddp<B> {
             .into_iter()
             .filter(|(_, p)| p.requires_grad() && seen.insert(p.id()))
             .collect();
+        let mut seen_buf = std::collections::HashSet::new();
+        let buffers: Vec<(String, Var<B>)> = model
+            .named_buffers()
+            .into_iter()
+            .filter(|(_, b)| seen_buf.insert(b.id()))
+            .collect();
         let dev = group.device();
-        for (name, p) in &params {
+        for (name, p) in params.iter().chain(&buffers) {
             if p.device() != dev {
                 return Err(Error::DeviceMismatch {
                     op: OP,
@@ -167,8 +184,10 @@ impl<B: Backend> Ddp<B> {
         // Every rank must agree on the model: compare the parameter count and sizes through
         // the group first (an all-gather of a small signature), so a mismatch is an error here
         // rather than a hang or garbage in the middle of training.
-        let sig: Vec<f64> = std::iter::once(params.len() as f64)
+        let sig: Vec<f64> = [params.len() as f64, buffers.len() as f64]
+            .into_iter()
             .chain(params.iter().map(|(_, p)| p.elem_count() as f64))
+            .chain(buffers.iter().map(|(_, b)| b.elem_count() as f64))
             .collect();
         let sig_t = Tensor::<B>::from_slice(&sig, [sig.len()], &dev)?;
         let all = group.all_gather(&sig_t)?.wait()?.to_f64_vec()?;
@@ -178,22 +197,22 @@ impl<B: Backend> Ddp<B> {
                     OP,
                     DistErrorKind::Mismatch,
                     format!(
-                        "rank {r}'s model differs from rank {}'s (parameter count or sizes)",
+                        "rank {r}'s model differs from rank {}'s (parameter or buffer count \
+                         or sizes)",
                         group.rank()
                     ),
                 ));
             }
         }
-        if cfg.broadcast_parameters && group.world_size() > 1 {
-            let works: Vec<Work<B>> = params
-                .iter()
-                .map(|(_, p)| group.broadcast(&p.tensor(), 0))
-                .collect::<Result<_>>()?;
-            for ((_, p), w) in params.iter().zip(works) {
-                let t = w.wait()?.reshape(p.dims())?;
-                p.set_tensor(t)?;
-            }
+        if cfg.broadcast_parameters {
+            broadcast_from_root(&*group, &params)?;
+            broadcast_from_root(&*group, &buffers)?;
         }
+        let buffers = if cfg.broadcast_buffers {
+            buffers
+        } else {
+            Vec::new()
+        };
         let sizes: Vec<(usize, DType)> = params
             .iter()
             .map(|(_, p)| (p.elem_count() * p.dtype().size_in_bytes(), p.dtype()))
@@ -216,6 +235,7 @@ impl<B: Backend> Ddp<B> {
         let inner = Arc::new(Inner {
             group,
             params,
+            buffers,
             buckets,
             bucket_of,
             sync: AtomicBool::new(true),
@@ -414,11 +434,34 @@ impl<B: Backend> Inner<B> {
                 off += n;
             }
         }
+        // Every rank issues the buffers' broadcasts, even after an error, so peers are not
+        // left waiting on them.
+        if let Err(e) = broadcast_from_root(&*self.group, &self.buffers) {
+            first_err.get_or_insert(e);
+        }
         if let Some(e) = first_err {
             return Err(e);
         }
         self.group.check()
     }
+}
+
+/// Sets every variable of `vars` to rank 0's value (all broadcasts launched, then waited for).
+fn broadcast_from_root<B: Backend>(
+    group: &dyn ProcessGroup<B>,
+    vars: &[(String, Var<B>)],
+) -> Result<()> {
+    if group.world_size() < 2 || vars.is_empty() {
+        return Ok(());
+    }
+    let works: Vec<Work<B>> = vars
+        .iter()
+        .map(|(_, v)| group.broadcast(&v.tensor(), 0))
+        .collect::<Result<_>>()?;
+    for ((_, v), w) in vars.iter().zip(works) {
+        v.set_tensor(w.wait()?.reshape(v.dims())?)?;
+    }
+    Ok(())
 }
 
 /// Averages every parameter's gradient over the group in one call (no hooks, no overlap): the

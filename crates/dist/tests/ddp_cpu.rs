@@ -281,3 +281,64 @@ fn a_tied_weight_is_reduced_once() {
         }
     });
 }
+
+/// Rank `rank`'s running mean of the BatchNorm1d in `bn_model` after `STEPS` DDP steps on its
+/// half of each batch (the halves differ, so the ranks' own statistics would too).
+fn bn_running_means(broadcast_buffers: bool) -> Vec<Vec<f32>> {
+    let groups = LocalGroup::<B>::new(&[dev(), dev()], Duration::from_secs(20));
+    std::thread::scope(|s| {
+        let hs: Vec<_> = groups
+            .into_iter()
+            .map(|g| {
+                s.spawn(move || -> Result<Vec<f32>> {
+                    let rank = g.rank();
+                    let mut rng = Generator::new(5);
+                    let m = Sequential::new()
+                        .add(LinearConfig::new(12, 16).init::<B>(&dev(), &mut rng)?)
+                        .add(kiln_nn::BatchNormConfig::new(16).init_1d::<B>(&dev())?)
+                        .add(Relu)
+                        .add(LinearConfig::new(16, 5).init::<B>(&dev(), &mut rng)?);
+                    let cfg = kiln_dist::DdpConfig {
+                        broadcast_buffers,
+                        ..Default::default()
+                    };
+                    let ddp = Ddp::with_config(&m, Arc::new(g), cfg)?;
+                    let mut opt = SgdConfig::new(0.1).init(m.parameters())?;
+                    let local = GLOBAL / 2;
+                    for s in 0..STEPS {
+                        let (x, y) = batch(s, GLOBAL);
+                        // Rank 1's half is shifted: its batch statistics differ from rank 0's.
+                        let x = x.narrow(0, rank * local, local)?.add_scalar(rank as f64)?;
+                        let y = y.narrow(0, rank * local, local)?;
+                        opt.zero_grad();
+                        let loss =
+                            cross_entropy(&m.forward(&Var::constant(x))?, &y, Reduction::Mean)?;
+                        ddp.backward(&loss)?;
+                        opt.step()?;
+                    }
+                    let (_, mean) = m
+                        .named_buffers()
+                        .into_iter()
+                        .find(|(n, _)| n.ends_with("running_mean"))
+                        .expect("a running mean");
+                    mean.tensor().to_vec::<f32>()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+    })
+}
+
+#[test]
+fn buffers_follow_rank_0_after_each_step() {
+    // PyTorch's broadcast_buffers=True: every rank ends with rank 0's running statistics.
+    let synced = bn_running_means(true);
+    assert_eq!(synced[0], synced[1]);
+    // Off: each rank keeps its own (the test can tell the two apart).
+    let own = bn_running_means(false);
+    assert_ne!(own[0], own[1]);
+    assert_eq!(
+        own[0], synced[0],
+        "rank 0's statistics are its own either way"
+    );
+}

@@ -47,7 +47,8 @@
 //!   batch statistics returned for [`update_running_stats`], the op itself stateless) and
 //!   [`Var::group_norm`], one node each with programs forward and backward;
 //!   [`Var::avg_pool2d`] and [`Var::adaptive_avg_pool2d`], separable averages written with
-//!   `matmul` (or one mean for non-overlapping windows) and differentiated through them.
+//!   `matmul` (or one mean for non-overlapping windows) and differentiated through them; their
+//!   constant matrices are uploaded once per geometry, dtype and device and cached.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
 //!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,

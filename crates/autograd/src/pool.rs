@@ -16,10 +16,26 @@
 //! ResNet head) are a view `[n, c, oh, kh, ow, kw]` and one mean over axes 3 and 5: one
 //! reduction program forward, one broadcast backward.
 //!
-//! The matrices are built on the host and uploaded per call (`oh·h + ow·w` values); a layer
-//! that pools the same shape every step could cache them, which has not yet measured worth it.
+//! # The matrices are uploaded once
+//!
+//! A matrix depends only on its axis's geometry (`avg_pool2d`'s input length, kernel, stride,
+//! padding and `count_include_pad`, or adaptive pooling's input and output lengths), the dtype
+//! and the device, so it is built on the host and uploaded on first use and then kept in a
+//! small process-wide cache keyed by exactly that (per backend; the rows and the columns of a
+//! square pooling share one entry): a network that pools the same shapes every step uploads
+//! nothing after its first step, and a second device gets its own copy rather than a
+//! cross-device read. The cache holds at most [`MATRIX_CACHE_CAPACITY`] matrices and drops
+//! the least recently used beyond that; each is `out × len` values (a few KiB for the pools of
+//! a ResNet), so what it keeps alive on a device (also across `empty_cache`) is negligible.
+//! The cache lives here rather than in the nn layers so that the functional
+//! [`Var::avg_pool2d`] profits too, and because the geometry, not a module, is what
+//! determines a matrix.
 
-use kiln_core::{Backend, Error, HostBuffer, Result, Tensor};
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use kiln_core::{Backend, DType, Error, HostBuffer, Result, Tensor};
 
 use crate::var::Var;
 
@@ -41,9 +57,26 @@ fn check_nchw<B: Backend>(op: &'static str, x: &Var<B>) -> Result<[usize; 4]> {
     }
 }
 
+/// What determines the windows of one axis, and so its matrix (the cache's key).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum AxisKey {
+    Avg {
+        len: usize,
+        kernel: usize,
+        stride: usize,
+        pad: usize,
+        include_pad: bool,
+    },
+    Adaptive {
+        len: usize,
+        out: usize,
+    },
+}
+
 /// One axis of a pooling: for each output index, the input range `[start, end)` it averages
 /// and the divisor.
 struct Axis {
+    key: AxisKey,
     len: usize,
     windows: Vec<(usize, usize, f64)>,
 }
@@ -92,19 +125,65 @@ fn pool<B: Backend>(x: &Var<B>, rows: &Axis, cols: &Axis) -> Result<Var<B>> {
         return v.reshape([n, c, oh, kh, ow, kw])?.mean(&[3, 5], false);
     }
     let dev = x.device();
-    let mat = |a: &Axis, out: usize| -> Result<Tensor<B>> {
-        Tensor::from_host(
-            &HostBuffer::from_f64(x.dtype(), &a.matrix()),
-            [out, a.len],
-            &dev,
-        )
-    };
     // x · P_wᵀ: [n·c, h, ow]; then (·)ᵀ · P_hᵀ: [n·c, ow, oh]; back to [n, c, oh, ow].
-    let pw_t = Var::constant(mat(cols, ow)?.t()?);
-    let ph_t = Var::constant(mat(rows, oh)?.t()?);
+    let pw_t = Var::constant(matrix_t::<B>(cols, x.dtype(), &dev)?);
+    let ph_t = Var::constant(matrix_t::<B>(rows, x.dtype(), &dev)?);
     let t = x.reshape([n * c, h, w])?.matmul(&pw_t)?;
     let y = t.transpose(1, 2)?.matmul(&ph_t)?; // [n·c, ow, oh]
     y.transpose(1, 2)?.reshape([n, c, oh, ow])
+}
+
+/// How many matrices [`matrix_t`] keeps per backend (module docs).
+const MATRIX_CACHE_CAPACITY: usize = 64;
+
+/// The cached matrices of one backend, least recently used first.
+type Entries<B> = Vec<((AxisKey, DType, <B as Backend>::Device), Tensor<B>)>;
+
+/// Runs `f` on backend `B`'s cache, under the process-wide lock.
+fn with_cache<B: Backend, R>(f: impl FnOnce(&mut Entries<B>) -> R) -> R {
+    static CACHES: OnceLock<Mutex<HashMap<TypeId, Box<dyn Any + Send>>>> = OnceLock::new();
+    let mut g = CACHES
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    let entries = g
+        .entry(TypeId::of::<B>())
+        .or_insert_with(|| Box::new(Entries::<B>::new()))
+        .downcast_mut::<Entries<B>>()
+        .expect("each backend's cache is keyed by its type");
+    f(entries)
+}
+
+/// `P_axisᵀ` (`[len, out]`, a transposed view) in `dtype` on `device`: from the process-wide
+/// cache, or built, uploaded and cached (module docs).
+fn matrix_t<B: Backend>(axis: &Axis, dtype: DType, device: &B::Device) -> Result<Tensor<B>> {
+    let key = (axis.key, dtype, device.clone());
+    let hit = with_cache::<B, _>(|e| {
+        let i = e.iter().position(|(k, _)| *k == key)?;
+        let entry = e.remove(i);
+        let t = entry.1.clone();
+        e.push(entry);
+        Some(t)
+    });
+    if let Some(t) = hit {
+        return Ok(t);
+    }
+    // Built and uploaded outside the lock; two threads missing together both upload, and the
+    // later insert wins.
+    let t = Tensor::from_host(
+        &HostBuffer::from_f64(dtype, &axis.matrix()),
+        [axis.windows.len(), axis.len],
+        device,
+    )?
+    .t()?;
+    with_cache::<B, _>(|e| {
+        e.retain(|(k, _)| *k != key);
+        if e.len() >= MATRIX_CACHE_CAPACITY {
+            e.remove(0);
+        }
+        e.push((key, t.clone()));
+    });
+    Ok(t)
 }
 
 /// The windows of `avg_pool2d` along one axis of length `len`.
@@ -119,7 +198,14 @@ fn avg_axis(len: usize, k: usize, stride: usize, pad: usize, include_pad: bool) 
             (s, e, d as f64)
         })
         .collect();
-    Axis { len, windows }
+    let key = AxisKey::Avg {
+        len,
+        kernel: k,
+        stride,
+        pad,
+        include_pad,
+    };
+    Axis { key, len, windows }
 }
 
 /// The windows of `adaptive_avg_pool2d` along one axis: PyTorch's `start = ⌊o·len/out⌋`,
@@ -132,7 +218,8 @@ fn adaptive_axis(len: usize, out: usize) -> Axis {
             (s, e, (e - s) as f64)
         })
         .collect();
-    Axis { len, windows }
+    let key = AxisKey::Adaptive { len, out };
+    Axis { key, len, windows }
 }
 
 impl<B: Backend> Var<B> {

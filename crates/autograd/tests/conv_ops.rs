@@ -390,6 +390,90 @@ fn average_pools_match_the_windows() {
     pools_on::<Cpu>(&Cpu::device(0), DType::F32, 1e-5);
 }
 
+/// How many host-to-device uploads (`from_host` ops) one pooling forward and backward of `f`
+/// makes, and its output and gradient.
+fn pool_uploads<B: Backend>(
+    x: &Tensor<B>,
+    range: &str,
+    f: impl Fn(&Var<B>) -> Var<B>,
+) -> (u64, Vec<f64>, Vec<f64>) {
+    use kiln_core::profile::{self, Kind};
+    let x = Var::param(x.clone());
+    let g = normal::<B>(&[2, 3, 4, 5], 21, x.dtype(), &x.device());
+    let ((y, dx), p) = profile::profile(|| {
+        let _r = profile::range(range);
+        let (y, dx) = grads(&f(&x), &g, &[&x]);
+        (y, dx[0].clone().unwrap())
+    });
+    let p = p.in_range(range);
+    (p.row(Kind::Op, "from_host").map_or(0, |r| r.calls), y, dx)
+}
+
+/// The pooling matrices are uploaded once per geometry, dtype and device and cached: a second
+/// call with the same geometry uploads nothing and gives the same values. (The geometries are
+/// used by no other test of this binary, whose tests share the process-wide cache.)
+#[test]
+fn pooling_matrices_are_uploaded_once_per_geometry_dtype_and_device() {
+    type Pool<B> = fn(&Var<B>) -> Var<B>;
+    // Overlapping, padded windows and adaptive windows that do not divide 11 x 13: both take
+    // the GEMM road, with different row and column matrices. Output [2, 3, 4, 5] each.
+    type Windows = Vec<(usize, usize, f64)>;
+    fn pools<B: Backend>() -> [(&'static str, Pool<B>, [Windows; 2]); 2] {
+        // By hand: avg_pool2d's windows (divisor: the part inside the input) and PyTorch's
+        // adaptive ones.
+        let avg = |len: usize, k: usize, s: usize, p: usize| -> Windows {
+            (0..(len + 2 * p - k) / s + 1)
+                .map(|o| {
+                    let a = (o * s).saturating_sub(p);
+                    let e = (o * s + k - p).min(len);
+                    (a, e, (e - a) as f64)
+                })
+                .collect()
+        };
+        let adaptive = |len: usize, out: usize| -> Windows {
+            (0..out)
+                .map(|o| (o * len / out, ((o + 1) * len).div_ceil(out)))
+                .map(|(a, e)| (a, e, (e - a) as f64))
+                .collect()
+        };
+        [
+            (
+                "avg",
+                |x| x.avg_pool2d([3, 5], [3, 3], [1, 2], false).unwrap(),
+                [avg(11, 3, 3, 1), avg(13, 5, 3, 2)],
+            ),
+            (
+                "adaptive",
+                |x| x.adaptive_avg_pool2d([4, 5]).unwrap(),
+                [adaptive(11, 4), adaptive(13, 5)],
+            ),
+        ]
+    }
+    fn check<B: Backend>(devs: &[B::Device], dtypes: &[DType]) {
+        for (name, f, [rows, cols]) in pools::<B>() {
+            for dev in devs {
+                for &dtype in dtypes {
+                    let what = format!("{name} {dtype} on {dev}");
+                    let x = normal::<B>(&[2, 3, 11, 13], 20, dtype, dev);
+                    let (first, y1, dx1) = pool_uploads(&x, &format!("{what} first"), f);
+                    assert_eq!(first, 2, "{what}: one upload per axis at the first call");
+                    let (again, y2, dx2) = pool_uploads(&x, &format!("{what} again"), f);
+                    assert_eq!(again, 0, "{what}: the second call uploaded matrices");
+                    assert_eq!(y1, y2, "{what}: y");
+                    assert_eq!(dx1, dx2, "{what}: dx");
+                    let g = normal::<B>(&[2, 3, 4, 5], 21, dtype, dev);
+                    let (wy, wdx) = pool_by_hand(&f64s(&x), &f64s(&g), [6, 11, 13], &rows, &cols);
+                    let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
+                    assert_close(&format!("{what} y"), &y2, &wy, tol);
+                    assert_close(&format!("{what} dx"), &dx2, &wdx, tol);
+                }
+            }
+        }
+    }
+    check::<Cpu>(&[Cpu::device(0)], &[DType::F32, DType::F64]);
+    check::<Reference>(&[RefDevice(0), RefDevice(1)], &[DType::F64]);
+}
+
 /// The error's op name, for an `InvalidArgument` or `DTypeMismatch`.
 fn op_of<T>(r: kiln_core::Result<T>) -> &'static str {
     match r {

@@ -1,7 +1,9 @@
 //! Average pooling layers: [`AvgPool2d`] (`torch.nn.AvgPool2d`) and [`AdaptiveAvgPool2d`]
 //! (`torch.nn.AdaptiveAvgPool2d`), over `[n, c, h, w]`. No parameters; the math is
 //! [`Var::avg_pool2d`] / [`Var::adaptive_avg_pool2d`] (separable averages: two GEMMs with
-//! constant matrices, or one mean when the windows tile the input).
+//! constant matrices, or one mean when the windows tile the input). The layers keep no cache
+//! of their own: the matrices are cached process-wide by geometry, dtype and device in
+//! kiln-autograd, so a layer uploads them only at its first call.
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, Result};

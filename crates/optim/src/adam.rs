@@ -21,7 +21,7 @@ use kiln_core::{Backend, Result, Tensor, UpdateRule};
 
 use crate::fused::{Masters, groups};
 use crate::sgd::parse_lr;
-use crate::state::{OptimizerState, follow, step_tensor};
+use crate::state::{MASTER, OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
 
 /// Hyperparameters of [`Adam`]; PyTorch's defaults (`lr 1e-3, betas (0.9, 0.999), eps 1e-8`,
@@ -166,7 +166,7 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
     /// parameters at the same step (see `fused.rs`).
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
-        for (step, members) in groups(&self.params, &self.masters, |i| self.steps[i])? {
+        for (step, members) in groups(&self.params, &mut self.masters, |i| self.steps[i])? {
             let t = (step + 1).min(i32::MAX as u64) as i32;
             let rule = UpdateRule::Adam {
                 lr: c.lr,
@@ -215,6 +215,9 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
                 );
                 tensors.insert(format!("{i}.exp_avg"), m.clone());
                 tensors.insert(format!("{i}.exp_avg_sq"), v.clone());
+                if let Some(w) = self.masters.saved(i, p) {
+                    tensors.insert(format!("{i}.{MASTER}"), w);
+                }
             }
         }
         let c = self.cfg;
@@ -241,12 +244,14 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
                 None => {
                     self.moments[i] = None;
                     self.steps[i] = 0;
+                    self.masters.load(i, None);
                 }
-                Some((bufs, step)) => {
-                    let mut it = bufs.into_iter();
+                Some(s) => {
+                    let mut it = s.buffers.into_iter();
                     let (m, v) = (it.next(), it.next());
                     self.moments[i] = m.zip(v);
-                    self.steps[i] = step;
+                    self.steps[i] = s.step;
+                    self.masters.load(i, s.master);
                 }
             }
         }

@@ -25,10 +25,19 @@
 //! ulp of the weight (bf16 has 8 significant bits: any `lr · g` below 0.4 % of the weight)
 //! rounds away and training stalls. The master is created from the parameter at its first
 //! step and used while the parameter still holds the very tensor the optimizer last wrote;
-//! if anything else replaced it (loading a checkpoint, `set_tensor`, a move to another
-//! device), the master is taken again from the new value. Masters are not part of the saved
-//! optimizer state: a resumed run starts from the rounded parameters (state buffers, saved in
-//! f32, resume exactly). f32 and f64 parameters have no master and cost nothing.
+//! if anything else replaced it (`set_tensor`, a move to another device), the master is
+//! taken again from the new value. f32 and f64 parameters have no master and cost nothing.
+//!
+//! Masters are part of the saved optimizer state, as `"{index}.master_weight"` (f32, the
+//! parameter's shape; `state.rs`), so a resumed run continues from the f32 weights, not
+//! from their 16-bit rounding. A loaded master is *pending* until the parameter's next step:
+//! then it is used only if it rounds, bit for bit, to the parameter's current value (one
+//! comparison on the device and one host read per step that settles pending masters, once
+//! after a load). That check makes the order of loading the model and the optimizer state
+//! irrelevant (loading a model replaces its tensors, which would otherwise look like a
+//! foreign write) and drops, safely, a master that belongs to other weights. A state written
+//! before masters were saved, or a dropped master, falls back to widening the parameter, as
+//! at a first step.
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Result, Tensor};
@@ -43,9 +52,21 @@ pub(crate) struct Member<B: Backend> {
 /// A group under construction: (device, dtype, key) and its members.
 type Keyed<B, K> = ((<B as Backend>::Device, DType, K), Vec<Member<B>>);
 
+/// The f32 master of one 16-bit parameter.
+#[derive(Clone)]
+enum Master<B: Backend> {
+    /// Written by this optimizer: the master and the 16-bit tensor last written from it.
+    Live {
+        master: Tensor<B>,
+        written: Tensor<B>,
+    },
+    /// Loaded from saved state and not yet matched against the parameter (module docs).
+    Pending(Tensor<B>),
+}
+
 /// The f32 master copies of an optimizer's 16-bit parameters (module docs), by parameter
-/// index: the master and the 16-bit tensor last written from it.
-pub(crate) struct Masters<B: Backend>(Vec<Option<(Tensor<B>, Tensor<B>)>>);
+/// index.
+pub(crate) struct Masters<B: Backend>(Vec<Option<Master<B>>>);
 
 impl<B: Backend> Masters<B> {
     pub fn new(n: usize) -> Self {
@@ -53,20 +74,60 @@ impl<B: Backend> Masters<B> {
     }
 
     /// The value the update reads for parameter `index`: its master (f32) when the parameter
-    /// is 16-bit, the parameter itself otherwise.
+    /// is 16-bit, the parameter itself otherwise. Pending masters must have been settled.
     fn value(&self, index: usize, p: &Var<B>) -> Result<Tensor<B>> {
         let t = p.tensor();
         if !t.dtype().is_half() {
             return Ok(t);
         }
         match &self.0[index] {
-            Some((master, written))
+            Some(Master::Live { master, written })
                 if written.same_storage(&t) && written.layout() == t.layout() =>
             {
                 Ok(master.clone())
             }
             _ => t.to_dtype(DType::F32),
         }
+    }
+
+    /// Turns the pending masters of `indices` into live ones where they round to their
+    /// parameter's current value bit for bit, and drops the others (module docs). One host
+    /// read for all of them; nothing when none is pending.
+    fn settle(&mut self, params: &[Var<B>], indices: &[usize]) -> Result<()> {
+        let mut checked = Vec::new();
+        let mut flags = Vec::new();
+        for &i in indices {
+            let Some(Master::Pending(m)) = &self.0[i] else {
+                continue;
+            };
+            let t = params[i].tensor();
+            if !t.dtype().is_half() || m.shape() != t.shape() {
+                self.0[i] = None;
+                continue;
+            }
+            let m = m.to_device(t.device())?;
+            // 1 when some element differs (NaN included), else 0; on the first device, so the
+            // flags of parameters on several devices are read back together.
+            let differs = m
+                .to_dtype(t.dtype())?
+                .ne(&t)?
+                .max_all()?
+                .to_dtype(DType::F32)?;
+            let first = flags.first().map(|f: &Tensor<B>| f.device().clone());
+            flags.push(match first {
+                Some(d) => differs.to_device(&d)?,
+                None => differs,
+            });
+            checked.push((i, m, t));
+        }
+        if checked.is_empty() {
+            return Ok(());
+        }
+        let differs = Tensor::stack(&flags, 0)?.to_f64_vec()?;
+        for ((i, master, written), d) in checked.into_iter().zip(differs) {
+            self.0[i] = (d == 0.0).then_some(Master::Live { master, written });
+        }
+        Ok(())
     }
 
     /// Writes the updated value `w` (in the master's dtype) to parameter `index`.
@@ -78,8 +139,33 @@ impl<B: Backend> Masters<B> {
         let rounded = w.to_dtype(dtype)?;
         p.set_tensor(rounded.clone())?;
         w.realize()?;
-        self.0[index] = Some((w, rounded));
+        self.0[index] = Some(Master::Live {
+            master: w,
+            written: rounded,
+        });
         Ok(())
+    }
+
+    /// The master to save for parameter `index`: a live one that still matches the
+    /// parameter, or a pending one as it was loaded; `None` when the next step would widen
+    /// the parameter anyway.
+    pub fn saved(&self, index: usize, p: &Var<B>) -> Option<Tensor<B>> {
+        let t = p.tensor();
+        match &self.0[index] {
+            Some(Master::Live { master, written })
+                if written.same_storage(&t) && written.layout() == t.layout() =>
+            {
+                Some(master.clone())
+            }
+            Some(Master::Pending(m)) => Some(m.clone()),
+            _ => None,
+        }
+    }
+
+    /// Sets parameter `index`'s master from a loaded state: pending until its next step, or
+    /// none (the parameter will be widened).
+    pub fn load(&mut self, index: usize, master: Option<Tensor<B>>) {
+        self.0[index] = master.map(Master::Pending);
     }
 }
 
@@ -88,9 +174,13 @@ impl<B: Backend> Masters<B> {
 /// f32 (module docs).
 pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
     params: &[Var<B>],
-    masters: &Masters<B>,
+    masters: &mut Masters<B>,
     key: impl Fn(usize) -> K,
 ) -> Result<Vec<(K, Vec<Member<B>>)>> {
+    let stepped: Vec<usize> = (0..params.len())
+        .filter(|&i| params[i].grad().is_some())
+        .collect();
+    masters.settle(params, &stepped)?;
     let mut out: Vec<Keyed<B, K>> = Vec::new();
     for (index, p) in params.iter().enumerate() {
         let Some(grad) = p.grad() else { continue };

@@ -12,8 +12,9 @@
 //! over and tests can check one step against the formula.
 //!
 //! Parameters with no gradient (frozen, or unused in this step) are skipped and keep their
-//! state, as in PyTorch. Optimizer state (momentum buffers, Adam moments, step counts) can be
-//! saved to and restored from safetensors, so training resumes exactly.
+//! state, as in PyTorch. Optimizer state (momentum buffers, Adam moments, step counts, and the
+//! f32 master copies of 16-bit parameters) can be saved to and restored from safetensors, so
+//! training resumes exactly (`state.rs` names the tensors).
 //!
 //! Updates are multi-tensor (PyTorch's `foreach`), on every backend: an optimizer states its
 //! update as a [`UpdateRule`](kiln_core::UpdateRule), whose expression program in kiln-core is
@@ -68,7 +69,8 @@ pub trait Optimizer<B: Backend> {
     }
     fn lr(&self) -> f64;
     fn set_lr(&mut self, lr: f64);
-    /// The state: tensors named `"{index}.{buffer}"` plus metadata (name, lr, step counts).
+    /// The state: tensors named `"{index}.{buffer}"` (step counts, the optimizer's buffers,
+    /// `master_weight` for a 16-bit parameter) plus metadata (name, hyperparameters).
     fn state(&self) -> Result<OptimizerState<B>>;
     /// Restores a state from [`Optimizer::state`]. Everything is validated first: on error the
     /// optimizer is unchanged.

@@ -19,7 +19,7 @@ use kiln_autograd::Var;
 use kiln_core::{Backend, Error, Result, Tensor, UpdateRule};
 
 use crate::fused::{Masters, groups};
-use crate::state::{OptimizerState, follow, step_tensor};
+use crate::state::{MASTER, OptimizerState, follow, step_tensor};
 use crate::{Optimizer, check_hyper};
 
 /// Hyperparameters of [`Sgd`] (Burn-style: `SgdConfig::new(0.1).with_momentum(0.9)`).
@@ -115,7 +115,7 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
         let c = self.cfg;
         let momentum = c.momentum != 0.0;
         for (first_step, members) in
-            groups(&self.params, &self.masters, |i| self.bufs[i].is_none())?
+            groups(&self.params, &mut self.masters, |i| self.bufs[i].is_none())?
         {
             let rule = UpdateRule::Sgd {
                 lr: c.lr,
@@ -168,6 +168,9 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
             if let Some(b) = &self.bufs[i] {
                 tensors.insert(format!("{i}.momentum_buffer"), b.clone());
             }
+            if let Some(w) = self.masters.saved(i, p) {
+                tensors.insert(format!("{i}.{MASTER}"), w);
+            }
         }
         let c = self.cfg;
         let metadata: BTreeMap<String, String> = [
@@ -198,10 +201,12 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
                 None => {
                     self.bufs[i] = None;
                     self.steps[i] = 0;
+                    self.masters.load(i, None);
                 }
-                Some((mut bufs, step)) => {
-                    self.bufs[i] = bufs.pop();
-                    self.steps[i] = step;
+                Some(mut s) => {
+                    self.bufs[i] = s.buffers.pop();
+                    self.steps[i] = s.step;
+                    self.masters.load(i, s.master);
                 }
             }
         }

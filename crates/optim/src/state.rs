@@ -4,6 +4,13 @@
 //! `state_dict` does): `"3.exp_avg"`, `"3.exp_avg_sq"`, `"3.step"`, `"0.momentum_buffer"`.
 //! The metadata holds the optimizer's name and hyperparameters, as strings. A parameter that
 //! has never been stepped has no entries.
+//!
+//! A 16-bit (f16/bf16) parameter also has `"3.master_weight"`: its f32 master copy (the
+//! weights the optimizer updates, of which the parameter is the rounding; see `fused.rs`),
+//! f32 with the parameter's shape, like its other state. It is optional when loading: a state
+//! saved without it (by an older kiln, or for a parameter whose master was not current) loads,
+//! and the next step widens the 16-bit parameter to f32 instead, so such a run resumes from
+//! the rounded weights. A master for an f32/f64 parameter is an error.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -12,9 +19,20 @@ use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Error, Result, Tensor};
 use kiln_nn::serialize::{from_safetensors_bytes, save_safetensors};
 
-/// Per parameter: its saved buffers (in the order asked for) and step count, or `None` when it
-/// has no saved state.
-pub(crate) type ParamState<B> = Option<(Vec<Tensor<B>>, u64)>;
+/// The name of a 16-bit parameter's f32 master copy in the state (module docs).
+pub(crate) const MASTER: &str = "master_weight";
+
+/// One parameter's validated saved state, moved to the parameter's device.
+pub(crate) struct Saved<B: Backend> {
+    /// The optimizer's buffers, in the order asked for.
+    pub buffers: Vec<Tensor<B>>,
+    pub step: u64,
+    /// The f32 master copy of a 16-bit parameter, when the state has one.
+    pub master: Option<Tensor<B>>,
+}
+
+/// Per parameter: its saved state, or `None` when it has none.
+pub(crate) type ParamState<B> = Option<Saved<B>>;
 
 /// Named state tensors plus string metadata (see the module docs for the naming).
 pub struct OptimizerState<B: Backend> {
@@ -66,10 +84,10 @@ impl<B: Backend> OptimizerState<B> {
     }
 
     /// Checks the saved optimizer name, every tensor name against `buffers` (the per-parameter
-    /// buffer names this optimizer keeps, besides `step`) and every shape against the
-    /// parameters. Returns, per parameter, its buffers (moved to the parameter's device) and
-    /// step count, or `None` when the parameter has no saved state. One error lists everything
-    /// wrong.
+    /// buffer names this optimizer keeps, besides `step` and the optional `master_weight`)
+    /// and every shape and dtype against the parameters. Returns, per parameter, its buffers
+    /// and master (moved to the parameter's device) and step count, or `None` when the
+    /// parameter has no saved state. One error, naming `op`, lists everything wrong.
     pub(crate) fn validate(
         &self,
         op: &'static str,
@@ -88,7 +106,7 @@ impl<B: Backend> OptimizerState<B> {
         for k in self.tensors.keys() {
             let ok = k.split_once('.').is_some_and(|(i, b)| {
                 i.parse::<usize>().is_ok_and(|i| i < params.len())
-                    && (b == "step" || buffers.contains(&b))
+                    && (b == "step" || b == MASTER || buffers.contains(&b))
             });
             if !ok {
                 problems.push(format!("unexpected tensor `{k}`"));
@@ -101,11 +119,32 @@ impl<B: Backend> OptimizerState<B> {
                 .iter()
                 .map(|b| self.tensors.get(&format!("{i}.{b}")))
                 .collect();
-            if step.is_none() && bufs.iter().all(Option::is_none) {
+            let master = self.tensors.get(&format!("{i}.{MASTER}"));
+            if step.is_none() && master.is_none() && bufs.iter().all(Option::is_none) {
                 out.push(None);
                 continue;
             }
             let pt = p.tensor();
+            let master = match master {
+                None => None,
+                Some(_) if !pt.dtype().is_half() => {
+                    problems.push(format!(
+                        "`{i}.{MASTER}`: parameter {i} is {} and has no master copy",
+                        pt.dtype()
+                    ));
+                    None
+                }
+                Some(t) if t.shape() != pt.shape() || t.dtype() != DType::F32 => {
+                    problems.push(format!(
+                        "`{i}.{MASTER}`: expected f32 {} like the parameter, got {} {}",
+                        pt.shape(),
+                        t.dtype(),
+                        t.shape()
+                    ));
+                    None
+                }
+                Some(t) => Some(t.to_device(pt.device())?),
+            };
             let mut got = Vec::new();
             for (b, t) in buffers.iter().zip(&bufs) {
                 match t {
@@ -137,7 +176,11 @@ impl<B: Backend> OptimizerState<B> {
                 }
                 Some(s) => s.to_scalar()? as u64,
             };
-            out.push(Some((got, step)));
+            out.push(Some(Saved {
+                buffers: got,
+                step,
+                master,
+            }));
         }
         if !problems.is_empty() {
             return Err(Error::invalid(

@@ -6,9 +6,10 @@ use kiln_autograd::{Var, autocast};
 use kiln_backend_cpu::Cpu;
 use kiln_core::testing::assert_close;
 use kiln_core::{DType, Generator, RandDist, Reduction, Tensor};
-use kiln_nn::{LinearConfig, Module, Relu, Sequential};
+use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential};
 use kiln_optim::{
-    AdamConfig, GradScaler, GradScalerConfig, Optimizer, SgdConfig, clip_grad_norm, grad_norm,
+    AdamConfig, AdamWConfig, GradScaler, GradScalerConfig, Optimizer, SgdConfig, clip_grad_norm,
+    grad_norm,
 };
 
 type B = Cpu;
@@ -173,6 +174,19 @@ fn sixteen_bit_params_update_through_f32_masters() {
         // is 0.002). Without masters every step rounds back to 1.
         assert!((v[0] - 0.99).abs() < 0.003, "{dtype}: {v:?}");
         assert!((v[1] + 0.99).abs() < 0.003, "{dtype}: {v:?}");
+        // The f32 master is saved with the state; a fresh SGD resumes from it.
+        let st = opt.state().unwrap();
+        let master = st.tensors["0.master_weight"].to_f64_vec().unwrap();
+        assert!((master[0] - 0.99).abs() < 1e-4, "{dtype}: {master:?}");
+        let q = Var::param(p.tensor());
+        let mut resumed = SgdConfig::new(1.0).init(vec![q.clone()]).unwrap();
+        resumed.load_state(st).unwrap();
+        for (x, o) in [(&p, &mut opt), (&q, &mut resumed)] {
+            x.set_grad(Some(t(&[0.004, -0.004]).to_dtype(dtype).unwrap()))
+                .unwrap();
+            o.step().unwrap();
+        }
+        assert_eq!(vals(&p), vals(&q), "{dtype}");
 
         let mut adam = AdamConfig::new(1e-3).init(vec![p.clone()]).unwrap();
         p.set_grad(Some(t(&[1.0, 1.0]).to_dtype(dtype).unwrap()))
@@ -258,4 +272,165 @@ fn mlp_trains_under_autocast_to_its_f32_accuracy() {
         "bf16 {bf16_acc} vs f32 {f32_acc}"
     );
     assert!(f16_acc >= f32_acc - 0.02, "f16 {f16_acc} vs f32 {f32_acc}");
+}
+
+/// A bf16 16-32-4 MLP (the same weights for the same `seed`).
+fn bf16_mlp(seed: u64) -> Sequential<B> {
+    let mut g = Generator::new(seed);
+    Sequential::new()
+        .add(
+            LinearConfig::new(16, 32)
+                .with_dtype(DType::BF16)
+                .init::<B>(&dev(), &mut g)
+                .unwrap(),
+        )
+        .add(Relu)
+        .add(
+            LinearConfig::new(32, 4)
+                .with_dtype(DType::BF16)
+                .init::<B>(&dev(), &mut g)
+                .unwrap(),
+        )
+}
+
+/// One AdamW step of `model` on batch `k` of the blobs.
+fn bf16_step(model: &Sequential<B>, opt: &mut dyn Optimizer<B>, k: u64) {
+    let (x, y) = blobs(100 + k, 64);
+    let x = Var::constant(x.to_dtype(DType::BF16).unwrap());
+    let logits = model.forward(&x).unwrap().to_dtype(DType::F32).unwrap();
+    let loss = logits.cross_entropy(&y, Reduction::Mean).unwrap();
+    loss.backward().unwrap();
+    opt.step().unwrap();
+    opt.zero_grad();
+}
+
+/// Every parameter's bits (f64 bits, so -0 and +0 differ; bf16 → f64 is exact).
+fn bits(model: &Sequential<B>) -> Vec<Vec<u64>> {
+    model
+        .parameters()
+        .iter()
+        .map(|p| {
+            assert_eq!(p.dtype(), DType::BF16);
+            vals(p).iter().map(|v| v.to_bits()).collect()
+        })
+        .collect()
+}
+
+fn amp_tmp(name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("kiln_optim_amp_{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d.join(name)
+}
+
+/// The f32 masters of bf16 parameters are saved with the optimizer state, so a run resumed
+/// from files (model, then optimizer, or the other way round) continues bit for bit as the
+/// uninterrupted one; a state without masters (an older file) still loads and resumes from
+/// the rounded weights, which differs.
+#[test]
+fn bf16_masters_are_saved_and_a_resumed_run_matches_bit_for_bit() {
+    let adamw = || AdamWConfig::new(1e-3);
+    let model = bf16_mlp(5);
+    let mut opt = adamw().init(model.parameters()).unwrap();
+    for k in 0..4 {
+        bf16_step(&model, &mut opt, k);
+    }
+    let st = opt.state().unwrap();
+    for i in 0..4 {
+        let m = &st.tensors[&format!("{i}.master_weight")];
+        assert_eq!(m.dtype(), DType::F32);
+        assert_eq!(m.shape(), model.parameters()[i].tensor().shape());
+    }
+    let (model_path, opt_path) = (amp_tmp("model.safetensors"), amp_tmp("opt.safetensors"));
+    model.save(&model_path).unwrap();
+    opt.save_state(&opt_path).unwrap();
+    // An "old" state file: the same state without the masters.
+    let mut old = st.clone();
+    old.tensors.retain(|k, _| !k.ends_with(".master_weight"));
+    let old_path = amp_tmp("old.safetensors");
+    old.save(&old_path).unwrap();
+
+    // Fresh models (other initial weights) and optimizers resumed from the files.
+    let resume = |state: &std::path::Path, model_first: bool| {
+        let m = bf16_mlp(6);
+        let mut o = adamw().init(m.parameters()).unwrap();
+        if model_first {
+            m.load(&model_path).unwrap();
+        }
+        o.load_state_file(state).unwrap();
+        if !model_first {
+            m.load(&model_path).unwrap();
+        }
+        (m, o)
+    };
+    let (m1, mut o1) = resume(&opt_path, true);
+    let (m2, mut o2) = resume(&opt_path, false);
+    let (m3, mut o3) = resume(&old_path, true);
+    assert!(bits(&m1) == bits(&model));
+    for k in 4..8 {
+        bf16_step(&model, &mut opt, k);
+        bf16_step(&m1, &mut o1, k);
+        bf16_step(&m2, &mut o2, k);
+        bf16_step(&m3, &mut o3, k);
+    }
+    let want = bits(&model);
+    assert!(bits(&m1) == want, "resumed (model loaded first) diverged");
+    assert!(
+        bits(&m2) == want,
+        "resumed (optimizer loaded first) diverged"
+    );
+    assert!(
+        bits(&m3) != want,
+        "without masters the run resumes from the rounded weights, so it differs"
+    );
+    // ... and takes its masters from the widened weights: a state saved now has them.
+    assert!(o3.state().unwrap().tensors.contains_key("0.master_weight"));
+
+    // A master that does not round to the parameter (weights of another run) is dropped:
+    // the step widens the parameter, exactly as with a state without masters.
+    let (m4, mut o4) = resume(&opt_path, true);
+    let (m5, mut o5) = resume(&old_path, true);
+    for m in [&m4, &m5] {
+        let other = bf16_mlp(9);
+        for (p, q) in m.parameters().iter().zip(other.parameters()) {
+            p.set_tensor(q.tensor()).unwrap();
+        }
+    }
+    bf16_step(&m4, &mut o4, 8);
+    bf16_step(&m5, &mut o5, 8);
+    assert!(bits(&m4) == bits(&m5), "a foreign master was used");
+
+    // Errors name the op and the tensor; a rejected state changes nothing.
+    let before = opt.state().unwrap();
+    let mut bad = before.clone();
+    bad.tensors.insert("0.master_weight".into(), t(&[1.0, 2.0]));
+    let one = bad.tensors["1.master_weight"]
+        .to_dtype(DType::BF16)
+        .unwrap();
+    bad.tensors.insert("1.master_weight".into(), one);
+    let e = opt.load_state(bad).unwrap_err().to_string();
+    assert!(
+        e.starts_with("Adam::load_state")
+            && e.contains("`0.master_weight`")
+            && e.contains("`1.master_weight`: expected f32"),
+        "{e}"
+    );
+    let after = opt.state().unwrap();
+    assert_eq!(
+        after.tensors["0.master_weight"].to_f64_vec().unwrap(),
+        before.tensors["0.master_weight"].to_f64_vec().unwrap()
+    );
+    // An f32 parameter has no master.
+    let p = Var::param(t(&[1.0, 2.0]));
+    let mut f32_opt = adamw().init(vec![p.clone()]).unwrap();
+    p.set_grad(Some(t(&[1.0, 1.0]))).unwrap();
+    f32_opt.step().unwrap();
+    let mut st = f32_opt.state().unwrap();
+    assert!(!st.tensors.contains_key("0.master_weight"));
+    st.tensors.insert("0.master_weight".into(), t(&[1.0, 2.0]));
+    let e = f32_opt.load_state(st).unwrap_err().to_string();
+    assert!(
+        e.contains("parameter 0 is f32 and has no master copy"),
+        "{e}"
+    );
+    let _ = std::fs::remove_dir_all(model_path.parent().unwrap());
 }

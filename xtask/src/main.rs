@@ -30,6 +30,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
     ("kiln-autograd", &["cuda_gradients"]),
     ("kiln-nn", &["cuda"]),
+    ("kiln-optim", &["amp_devices"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
 const GPU_BENCHES: &[(&str, &[&str])] = &[(

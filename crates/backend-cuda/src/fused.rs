@@ -95,7 +95,7 @@ pub(crate) fn fused_update_in_place(
 /// The dtypes an update runs in (its parameters'). 16-bit parameters update in f32 inside the
 /// kernel (the rule's widened program: 16-bit loads, f32 arithmetic, each stored value rounded
 /// once), with their state in the parameters' dtype; f32 master weights and state are the
-/// optimizer's choice above this (issue 30).
+/// optimizer's choice above this (kiln-optim's master weights).
 fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
     match dtype {
         DType::F32 | DType::F64 | DType::F16 | DType::BF16 => Ok(()),

@@ -247,7 +247,7 @@ mod tests {
 
     /// Each instance line of a kernel file names one dtype at most, so that a dtype's group
     /// compiles its own instances only (`ROWS(f16, float)` would put the 16-bit kernels in the
-    /// `float` group; issue 32).
+    /// `float` group, and a fresh machine would compile them for every f32 program).
     #[test]
     fn instance_lines_name_one_dtype() {
         for m in Module::ALL {

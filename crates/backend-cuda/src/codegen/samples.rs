@@ -1,7 +1,7 @@
 //! The sample programs `cargo xtask check-kernels` compiles with NVRTC (no GPU needed).
 
-use kiln_core::DType;
-use kiln_core::expr::{Combine, Program};
+use kiln_core::expr::{Combine, Expr, Program};
+use kiln_core::{BinaryOp, CmpOp, DType, Result, UnaryOp};
 
 use super::{Access, Strategy, Variant, source};
 
@@ -9,152 +9,157 @@ use super::{Access, Strategy, Variant, source};
 /// instruction kind: what `cargo xtask check-kernels` compiles (no GPU needed), so that a
 /// generator change that breaks NVRTC fails CI.
 pub(crate) fn sample_sources() -> Vec<(String, String)> {
-    use kiln_core::expr::Expr;
-    use kiln_core::{BinaryOp, CmpOp, UnaryOp};
-    // 16-bit programs compile in their widened form (as `expr_run` runs them).
-    let source = |p: &Program, v: &Variant| source(&p.widened()?, v);
     let mut out = Vec::new();
     for dtype in [DType::F32, DType::F64, DType::I64, DType::F16, DType::BF16] {
-        let x = Expr::input(0);
-        let y = Expr::input(1);
-        let mut e = x.clone();
-        for u in UnaryOp::ALL {
-            if u.supports(dtype) {
-                e = e.unary(u);
-            }
-        }
-        for b in BinaryOp::ALL {
-            if b.supports(dtype) {
-                e = e.binary(b, &y);
-            }
-        }
-        let mask = Expr::input(2);
-        let sel = x
-            .compare(CmpOp::Lt, &y)
-            .where_cond(&e, Expr::param(0) + Expr::constant(-0.0));
-        let sel = sel.binary(BinaryOp::Maximum, mask.to_dtype(dtype));
-        let ins = [dtype, dtype, DType::U8];
-        let Ok(map) = Program::from_exprs(&ins, &[sel.clone(), x.to_dtype(DType::U8)]) else {
+        let Some(sel) = map_samples(dtype, &mut out) else {
             continue;
         };
-        for (wide, access) in [
-            (false, [Access::Contig, Access::Contig, Access::Contig]),
-            (true, [Access::Strided, Access::Bcast, Access::Contig]),
+        reduction_samples(dtype, &sel, &mut out);
+    }
+    half_cast_samples(&mut out);
+    update_samples(&mut out);
+    out
+}
+
+/// The generated source of `p` (16-bit programs in their widened form, as `expr_run` runs
+/// them).
+fn source_of(p: &Program, v: &Variant) -> Result<String> {
+    source(&p.widened()?, v)
+}
+
+/// Elementwise programs in `dtype`: every unary and binary op in one chain under a comparison
+/// and a `where` (plain and wide indices), the 16-byte vector loop, and mixed element sizes in
+/// vectors. Returns the selected chain the reductions build on (`None` when `dtype` has none).
+fn map_samples(dtype: DType, out: &mut Vec<(String, String)>) -> Option<Expr> {
+    let x = Expr::input(0);
+    let y = Expr::input(1);
+    let mut e = x.clone();
+    for u in UnaryOp::ALL {
+        if u.supports(dtype) {
+            e = e.unary(u);
+        }
+    }
+    for b in BinaryOp::ALL {
+        if b.supports(dtype) {
+            e = e.binary(b, &y);
+        }
+    }
+    let mask = Expr::input(2);
+    let sel = x
+        .compare(CmpOp::Lt, &y)
+        .where_cond(&e, Expr::param(0) + Expr::constant(-0.0));
+    let sel = sel.binary(BinaryOp::Maximum, mask.to_dtype(dtype));
+    let ins = [dtype, dtype, DType::U8];
+    let map = Program::from_exprs(&ins, &[sel.clone(), x.to_dtype(DType::U8)]).ok()?;
+    for (wide, access) in [
+        (false, [Access::Contig, Access::Contig, Access::Contig]),
+        (true, [Access::Strided, Access::Bcast, Access::Contig]),
+    ] {
+        let v = Variant {
+            wide,
+            strategy: Strategy::Elementwise,
+            vec: 0,
+            access: access.to_vec(),
+        };
+        if let Ok(src) = source_of(&map, &v) {
+            out.push((format!("expr map ({dtype}, wide {wide})"), src));
+        }
+    }
+    // the 16-byte vector loop: contiguous and broadcast inputs of one element size
+    let vmap = Program::from_exprs(&[dtype, dtype], &[(&x * &y).exp() + &y, &x - &y]);
+    if let Ok(vmap) = vmap {
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Elementwise,
+            vec: (16 / dtype.size_in_bytes()) as u32,
+            access: vec![Access::Contig, Access::Bcast],
+        };
+        if let Ok(src) = source_of(&vmap, &v) {
+            out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
+        }
+    }
+    // mixed element sizes vectorize by the widest: a comparison (u8 out), `where` over a
+    // u8 mask, a cast to u8 (the lone ops of `ops::single`)
+    let mixed = Program::from_exprs(
+        &[dtype, dtype, DType::U8],
+        &[
+            x.compare(CmpOp::Le, &y),
+            mask.where_cond(&x, &y),
+            x.to_dtype(DType::U8),
+        ],
+    );
+    if let Ok(mixed) = mixed {
+        let v = Variant {
+            wide: false,
+            strategy: Strategy::Elementwise,
+            vec: (16 / dtype.size_in_bytes()) as u32,
+            access: vec![Access::Contig, Access::Bcast, Access::Contig],
+        };
+        if let Ok(src) = source_of(&mixed, &v) {
+            out.push((format!("expr map, mixed sizes in vectors ({dtype})"), src));
+        }
+    }
+    Some(sel)
+}
+
+/// Reductions of `sel` along the last axis with work after them, for every combine, in each
+/// reduction strategy (and f32's split reduction with 16-byte loads).
+fn reduction_samples(dtype: DType, sel: &Expr, out: &mut Vec<(String, String)>) {
+    for c in Combine::ALL {
+        let red = sel.reduce(c, &[-1]);
+        let post = red.binary(BinaryOp::Add, Expr::input(3)) * 2.0;
+        let ins4 = [dtype, dtype, DType::U8, dtype];
+        let Ok(rp) = Program::from_exprs(&ins4, &[post, sel.clone(), red]) else {
+            continue;
+        };
+        if dtype == DType::F32 {
+            let v = Variant {
+                wide: false,
+                strategy: Strategy::Split,
+                vec: 4,
+                access: vec![Access::Contig; 5],
+            };
+            if let Ok(src) = source_of(&rp, &v) {
+                out.push((
+                    format!("expr {} (f32, Split, 16-byte loads)", c.name()),
+                    src,
+                ));
+            }
+        }
+        use Access::{Bcast, Contig, Strided};
+        for (strategy, wide, access) in [
+            (
+                Strategy::Block,
+                false,
+                [Contig, Strided, Contig, Bcast, Contig],
+            ),
+            (
+                Strategy::Split,
+                false,
+                [Contig, Contig, Bcast, Bcast, Contig],
+            ),
+            (
+                Strategy::Thread,
+                true,
+                [Strided, Contig, Bcast, Bcast, Strided],
+            ),
         ] {
             let v = Variant {
                 wide,
-                strategy: Strategy::Elementwise,
+                strategy,
                 vec: 0,
                 access: access.to_vec(),
             };
-            if let Ok(src) = source(&map, &v) {
-                out.push((format!("expr map ({dtype}, wide {wide})"), src));
-            }
-        }
-        // the 16-byte vector loop: contiguous and broadcast inputs of one element size
-        let vmap = Program::from_exprs(&[dtype, dtype], &[(&x * &y).exp() + &y, &x - &y]);
-        if let Ok(vmap) = vmap {
-            let v = Variant {
-                wide: false,
-                strategy: Strategy::Elementwise,
-                vec: (16 / dtype.size_in_bytes()) as u32,
-                access: vec![Access::Contig, Access::Bcast],
-            };
-            if let Ok(src) = source(&vmap, &v) {
-                out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
-            }
-        }
-        // mixed element sizes vectorize by the widest: a comparison (u8 out), `where` over a
-        // u8 mask, a cast to u8 (the lone ops of `ops::single`)
-        let mixed = Program::from_exprs(
-            &[dtype, dtype, DType::U8],
-            &[
-                x.compare(CmpOp::Le, &y),
-                mask.where_cond(&x, &y),
-                x.to_dtype(DType::U8),
-            ],
-        );
-        if let Ok(mixed) = mixed {
-            let v = Variant {
-                wide: false,
-                strategy: Strategy::Elementwise,
-                vec: (16 / dtype.size_in_bytes()) as u32,
-                access: vec![Access::Contig, Access::Bcast, Access::Contig],
-            };
-            if let Ok(src) = source(&mixed, &v) {
-                out.push((format!("expr map, mixed sizes in vectors ({dtype})"), src));
-            }
-        }
-        for c in Combine::ALL {
-            let red = sel.reduce(c, &[-1]);
-            let post = red.binary(BinaryOp::Add, Expr::input(3)) * 2.0;
-            let ins4 = [dtype, dtype, DType::U8, dtype];
-            let Ok(rp) = Program::from_exprs(&ins4, &[post, sel.clone(), red]) else {
-                continue;
-            };
-            if dtype == DType::F32 {
-                let v = Variant {
-                    wide: false,
-                    strategy: Strategy::Split,
-                    vec: 4,
-                    access: vec![Access::Contig; 5],
-                };
-                if let Ok(src) = source(&rp, &v) {
-                    out.push((
-                        format!("expr {} (f32, Split, 16-byte loads)", c.name()),
-                        src,
-                    ));
-                }
-            }
-            for (strategy, wide, access) in [
-                (
-                    Strategy::Block,
-                    false,
-                    [
-                        Access::Contig,
-                        Access::Strided,
-                        Access::Contig,
-                        Access::Bcast,
-                        Access::Contig,
-                    ],
-                ),
-                (
-                    Strategy::Split,
-                    false,
-                    [
-                        Access::Contig,
-                        Access::Contig,
-                        Access::Bcast,
-                        Access::Bcast,
-                        Access::Contig,
-                    ],
-                ),
-                (
-                    Strategy::Thread,
-                    true,
-                    [
-                        Access::Strided,
-                        Access::Contig,
-                        Access::Bcast,
-                        Access::Bcast,
-                        Access::Strided,
-                    ],
-                ),
-            ] {
-                let v = Variant {
-                    wide,
-                    strategy,
-                    vec: 0,
-                    access: access.to_vec(),
-                };
-                if let Ok(src) = source(&rp, &v) {
-                    let name = format!("expr {} ({dtype}, {strategy:?}, wide {wide})", c.name());
-                    out.push((name, src));
-                }
+            if let Ok(src) = source_of(&rp, &v) {
+                let name = format!("expr {} ({dtype}, {strategy:?}, wide {wide})", c.name());
+                out.push((name, src));
             }
         }
     }
-    // Casts between the 16-bit floats and every dtype, 16-bit vectors (8 per 16 bytes).
+}
+
+/// Casts between the 16-bit floats and every dtype, 16-bit vectors (8 per 16 bytes).
+fn half_cast_samples(out: &mut Vec<(String, String)>) {
     for half in [DType::F16, DType::BF16] {
         let x = Expr::input(0);
         for other in [
@@ -181,13 +186,16 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
                 vec: (16 / half.size_in_bytes().max(other.size_in_bytes())) as u32,
                 access: vec![Access::Contig, Access::Contig],
             };
-            if let Ok(src) = source(&p, &v) {
+            if let Ok(src) = source_of(&p, &v) {
                 out.push((format!("expr casts {half} <-> {other} (vectors)"), src));
             }
         }
     }
-    // The optimizers' multi-tensor updates (fused.rs): every rule's program, in every float
-    // dtype (16-bit ones widened, as fused.rs runs them).
+}
+
+/// The optimizers' multi-tensor updates (fused.rs): every rule's program, in every float
+/// dtype (16-bit ones widened, as fused.rs runs them).
+fn update_samples(out: &mut Vec<(String, String)>) {
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for rule in sample_update_rules() {
             let Ok((p, _)) = rule.program(dtype) else {
@@ -199,7 +207,6 @@ pub(crate) fn sample_sources() -> Vec<(String, String)> {
             }
         }
     }
-    out
 }
 
 /// One update rule of each program shape: SGD plain, with momentum (first and later steps,

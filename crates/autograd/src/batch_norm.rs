@@ -30,12 +30,12 @@
 //! Programs are built once per (step, dtype, rank, axes, which of weight and bias) and memoized
 //! here; the backends memoize what they compile from them.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 
 use kiln_core::expr::{Expr, Program};
 use kiln_core::{Backend, DType, Error, Result, Tensor};
 
+use crate::programs::{Inputs, Memo, memoized};
 use crate::var::Var;
 
 /// One program of the batch norm / group norm family.
@@ -84,30 +84,8 @@ fn axes_of(mask: u32, rank: usize) -> Vec<isize> {
 
 /// The program of `key`, built on first use.
 fn program(key: Key) -> Result<Arc<Program>> {
-    static MEMO: OnceLock<Mutex<HashMap<Key, Arc<Program>>>> = OnceLock::new();
-    let memo = MEMO.get_or_init(Default::default);
-    if let Some(p) = memo.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(p.clone());
-    }
-    let (inputs, outputs) = build(key);
-    let p = Arc::new(Program::from_exprs(&vec![key.dtype; inputs], &outputs)?);
-    memo.lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, p.clone());
-    Ok(p)
-}
-
-/// Inputs in order, as `Expr::input`s numbered as they are taken.
-struct Inputs(usize);
-
-impl Inputs {
-    fn next(&mut self) -> Expr {
-        self.0 += 1;
-        Expr::input(self.0 - 1)
-    }
-    fn next_if(&mut self, present: bool) -> Option<Expr> {
-        present.then(|| self.next())
-    }
+    static MEMO: Memo<Key> = OnceLock::new();
+    memoized(&MEMO, key, key.dtype, build)
 }
 
 /// The number of inputs and the outputs of `key`'s program (see [`Step`] for the signatures).

@@ -96,6 +96,7 @@ mod fuse;
 mod norm;
 mod ops;
 mod pool;
+mod programs;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod var;

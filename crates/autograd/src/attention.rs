@@ -60,6 +60,28 @@ impl<B: Backend> Default for AttnMask<B> {
     }
 }
 
+impl<B: Backend> AttnMask<B> {
+    /// PyTorch's `key_padding_mask`: `padding` is `[n, s]` (any dtype), nonzero where key `s`
+    /// of sequence `n` is padding and must be ignored (PyTorch's `True`). Returns the `Keep`
+    /// mask `[n, 1, 1, s]`, which broadcasts over heads and queries of `[n, h, t, s]` scores.
+    /// A query of a sequence that is all padding gets zeros (see
+    /// [`Var::scaled_dot_product_attention`]). An error naming `key_padding` unless `padding`
+    /// has rank 2.
+    pub fn key_padding(padding: &Tensor<B>) -> Result<Self> {
+        let &[n, s] = padding.dims() else {
+            return Err(Error::invalid(
+                "key_padding",
+                format!(
+                    "expects a padding mask [batch, keys], got shape {}",
+                    padding.shape()
+                ),
+            ));
+        };
+        let keep = padding.compare_scalar(CmpOp::Eq, 0.0)?;
+        Ok(AttnMask::Keep(keep.reshape([n, 1, 1, s])?))
+    }
+}
+
 impl<B: Backend> Clone for AttnMask<B> {
     fn clone(&self) -> Self {
         match self {

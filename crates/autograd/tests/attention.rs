@@ -427,3 +427,48 @@ fn bad_inputs_are_typed_errors() {
         })
     ));
 }
+
+#[test]
+fn key_padding_ignores_the_padded_keys() {
+    // Two sequences of 4 keys; the second's last two are padding. Attention with the
+    // key-padding mask equals attention over the unpadded keys alone.
+    let dev = Cpu::device(0);
+    let (q, k, v) = (
+        normal::<Cpu>(&[2, 3, 5, 8], 1, DType::F64, &dev),
+        normal::<Cpu>(&[2, 3, 4, 8], 2, DType::F64, &dev),
+        normal::<Cpu>(&[2, 3, 4, 6], 3, DType::F64, &dev),
+    );
+    let pad = Tensor::<Cpu>::from_vec(vec![0u8, 0, 0, 0, 0, 0, 1, 1], [2, 4], &dev).unwrap();
+    let mask = AttnMask::key_padding(&pad).unwrap();
+    let (qv, kv, vv) = (
+        Var::constant(q.clone()),
+        Var::constant(k.clone()),
+        Var::constant(v.clone()),
+    );
+    let y = qv
+        .scaled_dot_product_attention(&kv, &vv, &mask, 0.0, None, None)
+        .unwrap()
+        .tensor();
+    let seq = |t: &Tensor<Cpu>, i: usize, keys: usize| {
+        Var::constant(t.narrow(0, i, 1).unwrap().narrow(2, 0, keys).unwrap())
+    };
+    for (i, keys) in [(0, 4), (1, 2)] {
+        let want = seq(&q, i, 5)
+            .scaled_dot_product_attention(
+                &seq(&k, i, keys),
+                &seq(&v, i, keys),
+                &AttnMask::None,
+                0.0,
+                None,
+                None,
+            )
+            .unwrap()
+            .tensor();
+        let got = y.narrow(0, i, 1).unwrap();
+        assert_close(&format!("sequence {i}"), &f64s(&got), &f64s(&want), 1e-12);
+    }
+    assert!(matches!(
+        AttnMask::key_padding(&pad.reshape([8]).unwrap()),
+        Err(Error::InvalidArgument { .. })
+    ));
+}

@@ -225,8 +225,8 @@ pub fn multi_head_attention<B: Backend>(
 /// `out_proj.weight`, `out_proj.bias`), initialized as PyTorch (`in_proj_weight` Xavier uniform,
 /// `out_proj.weight` the Linear default, biases zeros). Masks are [`AttnMask`]s, whose `Keep`
 /// is nonzero where attention is *allowed* (as in `F.scaled_dot_product_attention`; the
-/// opposite of this PyTorch module's boolean `attn_mask`). No `key_padding_mask` (use a `Keep`
-/// mask `[N, 1, 1, S]`), no `kdim`/`vdim`, no returned weights.
+/// opposite of this PyTorch module's boolean `attn_mask`). PyTorch's `key_padding_mask` `[N, S]`
+/// (`True` = padding) is [`AttnMask::key_padding`]; no `kdim`/`vdim`, no returned weights.
 pub struct MultiheadAttention<B: Backend> {
     /// `[3E, E]`.
     pub in_proj_weight: Var<B>,

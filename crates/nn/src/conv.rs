@@ -467,11 +467,12 @@ impl<B: Backend> Module<B> for Conv2d<B> {
 // ---- MaxPool2d --------------------------------------------------------------------------------
 
 /// Max over `kernel x kernel` windows of `[n, c, h, w]` (`torch.nn.MaxPool2d`; stride defaults
-/// to the kernel size; padding counts as `-inf`).
+/// to the kernel size; padding counts as `-inf`; `ceil_mode` as PyTorch's).
 pub struct MaxPool2d<B: Backend> {
     kernel: [usize; 2],
     stride: [usize; 2],
     padding: [usize; 2],
+    ceil_mode: bool,
     idx: IdxCache<B>,
 }
 
@@ -482,6 +483,7 @@ impl<B: Backend> MaxPool2d<B> {
             kernel: [kernel, kernel],
             stride: [kernel, kernel],
             padding: [0, 0],
+            ceil_mode: false,
             idx: IdxCache::new(),
         }
     }
@@ -491,6 +493,12 @@ impl<B: Backend> MaxPool2d<B> {
     }
     pub fn with_padding(mut self, padding: usize) -> Self {
         self.padding = [padding, padding];
+        self
+    }
+    /// PyTorch's `ceil_mode`: a last, partial window where the input's end (with the right
+    /// padding) leaves one, as long as it starts inside the input or the left padding.
+    pub fn with_ceil_mode(mut self, ceil_mode: bool) -> Self {
+        self.ceil_mode = ceil_mode;
         self
     }
 
@@ -507,12 +515,30 @@ impl<B: Backend> MaxPool2d<B> {
 /// `torch.nn.functional.max_pool2d` over `[n, c, h, w]` (dilation must be 1; padding counts as
 /// `-inf` and is at most half the kernel). The gradient goes to the first maximum of each window.
 pub fn max_pool2d<B: Backend>(x: &Var<B>, window: Window) -> Result<Var<B>> {
-    max_pool2d_cached(x, window, None)
+    max_pool2d_cached(x, window, false, None)
+}
+
+/// [`max_pool2d`] with PyTorch's `ceil_mode` (`F.max_pool2d(..., ceil_mode=True)` when true).
+pub fn max_pool2d_ceil<B: Backend>(x: &Var<B>, window: Window, ceil_mode: bool) -> Result<Var<B>> {
+    max_pool2d_cached(x, window, ceil_mode, None)
+}
+
+/// The pooled length of `len` with PyTorch's `ceil_mode` (stride `s`, padding `p`, dilation 1):
+/// one more window than the floor when a partial one is left, unless it would start in the
+/// right padding.
+fn ceil_out_len(len: usize, k: usize, s: usize, p: usize) -> Option<usize> {
+    let span = (len + 2 * p).checked_sub(k)?;
+    let mut out = span.div_ceil(s) + 1;
+    if (out - 1) * s >= len + p {
+        out -= 1;
+    }
+    Some(out)
 }
 
 fn max_pool2d_cached<B: Backend>(
     x: &Var<B>,
     window: Window,
+    ceil_mode: bool,
     cache: Option<&IdxCache<B>>,
 ) -> Result<Var<B>> {
     const OP: &str = "max_pool2d";
@@ -528,7 +554,13 @@ fn max_pool2d_cached<B: Backend>(
     }
     let d = x.dims();
     let (n, c, h, w) = (d[0], d[1], d[2], d[3]);
-    let (oh, ow) = window.out_hw(OP, h, w)?;
+    let (mut oh, mut ow) = window.out_hw(OP, h, w)?;
+    if ceil_mode {
+        let [sh, sw] = window.stride;
+        let [ph, pw] = window.padding;
+        oh = ceil_out_len(h, kh, sh, ph).unwrap_or(oh);
+        ow = ceil_out_len(w, kw, sw, pw).unwrap_or(ow);
+    }
     let dev = x.device();
     let l = oh * ow;
     let make = || {
@@ -541,7 +573,7 @@ fn max_pool2d_cached<B: Backend>(
         Ok((Tensor::from_vec(ids, [l, taps], &dev)?, pads))
     };
     let (ids_t, pads) = match cache {
-        Some(cache) => cache.get_or(vec![h, w], &dev, make)?,
+        Some(cache) => cache.get_or(vec![h, w, usize::from(ceil_mode)], &dev, make)?,
         None => make()?,
     };
     // Batch-last rows `[h*w (+1 row of -inf), n*c]`, as in conv2d: each index copies a run.
@@ -573,7 +605,7 @@ fn max_pool2d_cached<B: Backend>(
 
 impl<B: Backend> Module<B> for MaxPool2d<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        max_pool2d_cached(x, self.window(), Some(&self.idx))
+        max_pool2d_cached(x, self.window(), self.ceil_mode, Some(&self.idx))
     }
 
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
@@ -582,8 +614,8 @@ impl<B: Backend> Module<B> for MaxPool2d<B> {
 
     fn describe(&self) -> String {
         format!(
-            "MaxPool2d(kernel={:?}, stride={:?}, padding={:?})",
-            self.kernel, self.stride, self.padding
+            "MaxPool2d(kernel={:?}, stride={:?}, padding={:?}, ceil_mode={})",
+            self.kernel, self.stride, self.padding, self.ceil_mode
         )
     }
 }

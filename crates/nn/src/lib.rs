@@ -71,7 +71,9 @@ pub use attention::{
 pub use batch_norm::{
     BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, GroupNorm, GroupNormConfig,
 };
-pub use conv::{Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, max_pool2d};
+pub use conv::{
+    Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, max_pool2d, max_pool2d_ceil,
+};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use init::Init;

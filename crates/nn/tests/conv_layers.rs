@@ -399,3 +399,39 @@ fn layers_reject_bad_shapes_with_typed_errors() {
         "adaptive_avg_pool2d"
     );
 }
+
+#[test]
+fn max_pool_ceil_mode_keeps_the_partial_windows() {
+    // 0..25 on a 5x5 plane, 2x2 windows, stride 2: floor mode gives 2x2; ceil mode adds the
+    // partial last row and column of windows (PyTorch: 3x3), each the max of what it covers.
+    let x = Var::param(
+        Tensor::<B>::from_vec((0..25).map(|v| v as f32).collect(), [1, 1, 5, 5], &dev()).unwrap(),
+    );
+    let floor = kiln_nn::MaxPool2d::<B>::new(2).forward(&x).unwrap();
+    assert_eq!(floor.dims(), [1, 1, 2, 2]);
+    let pool = kiln_nn::MaxPool2d::<B>::new(2).with_ceil_mode(true);
+    let y = pool.forward(&x).unwrap();
+    assert_eq!(y.dims(), [1, 1, 3, 3]);
+    let want = [6.0, 8.0, 9.0, 16.0, 18.0, 19.0, 21.0, 23.0, 24.0];
+    assert_close("ceil_mode values", &host(&y.tensor()), &want, 0.0);
+    y.sum_all().unwrap().backward().unwrap();
+    let mut g = vec![0.0; 25];
+    for v in want {
+        g[v as usize] = 1.0;
+    }
+    assert_close("ceil_mode gradient", &host(&x.grad().unwrap()), &g, 0.0);
+    // Kernel 3, stride 2, padding 1 on 6: floor 3 windows, ceil 4 (the last starts at 5, inside
+    // the input); on 5, ceil gives 3 too (a 4th would start in the right padding).
+    let w = kiln_nn::Window::new(3).with_stride(2).with_padding(1);
+    let six = Var::constant(normal(&[1, 2, 6, 6], 3, DType::F32));
+    let five = Var::constant(normal(&[1, 2, 5, 5], 4, DType::F32));
+    assert_eq!(kiln_nn::max_pool2d(&six, w).unwrap().dims(), [1, 2, 3, 3]);
+    assert_eq!(
+        kiln_nn::max_pool2d_ceil(&six, w, true).unwrap().dims(),
+        [1, 2, 4, 4]
+    );
+    assert_eq!(
+        kiln_nn::max_pool2d_ceil(&five, w, true).unwrap().dims(),
+        [1, 2, 3, 3]
+    );
+}

@@ -109,4 +109,5 @@ pub use batch_norm::{BatchStats, update_running_stats};
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
 pub use ops::reduce_to_shape;
+pub use pool::AvgPoolOptions;
 pub use var::{BackwardFn, GradHook, HookHandle, InputGrads, Var, VarId, is_grad_enabled, no_grad};

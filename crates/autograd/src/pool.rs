@@ -66,6 +66,9 @@ enum AxisKey {
         stride: usize,
         pad: usize,
         include_pad: bool,
+        ceil_mode: bool,
+        /// This axis's share of a `divisor_override` (the rows take it all, the columns 1).
+        divisor: Option<usize>,
     },
     Adaptive {
         len: usize,
@@ -186,15 +189,34 @@ fn matrix_t<B: Backend>(axis: &Axis, dtype: DType, device: &B::Device) -> Result
     Ok(t)
 }
 
-/// The windows of `avg_pool2d` along one axis of length `len`.
-fn avg_axis(len: usize, k: usize, stride: usize, pad: usize, include_pad: bool) -> Axis {
-    let out = (len + 2 * pad - k) / stride + 1;
+/// The windows of `avg_pool2d` along one axis of length `len`, as PyTorch's: window `o` starts
+/// at `o·stride - pad` and ends at `min(start + k, len + pad)` (only `ceil_mode`'s last window
+/// is cut there); it averages the input inside it, divided by its length with padding
+/// (`include_pad`), by the input it covers, or by `divisor` when given.
+fn avg_axis(
+    len: usize,
+    k: usize,
+    stride: usize,
+    pad: usize,
+    opts: AvgPoolOptions,
+    divisor: Option<usize>,
+) -> Axis {
+    let floor = (len + 2 * pad - k) / stride + 1;
+    let out = if opts.ceil_mode {
+        ceil_out_len(len, k, stride, pad)
+    } else {
+        floor
+    };
     let windows = (0..out)
         .map(|o| {
             let start = (o * stride) as isize - pad as isize;
-            let end = start + k as isize; // never past len + pad (floor mode)
-            let (s, e) = (start.max(0) as usize, (end as usize).min(len));
-            let d = if include_pad { k } else { e - s };
+            let end = (start + k as isize).min((len + pad) as isize);
+            let (s, e) = (start.max(0) as usize, (end.max(0) as usize).min(len));
+            let d = match divisor {
+                Some(d) => d,
+                None if opts.count_include_pad => (end - start) as usize,
+                None => e - s,
+            };
             (s, e, d as f64)
         })
         .collect();
@@ -203,9 +225,44 @@ fn avg_axis(len: usize, k: usize, stride: usize, pad: usize, include_pad: bool) 
         kernel: k,
         stride,
         pad,
-        include_pad,
+        include_pad: opts.count_include_pad,
+        ceil_mode: opts.ceil_mode,
+        divisor,
     };
     Axis { key, len, windows }
+}
+
+/// The pooled length of `len` under PyTorch's `ceil_mode`: one more window than the floor when
+/// a partial one is left, unless it would start in the right padding.
+fn ceil_out_len(len: usize, k: usize, stride: usize, pad: usize) -> usize {
+    let mut out = (len + 2 * pad - k).div_ceil(stride) + 1;
+    if (out - 1) * stride >= len + pad {
+        out -= 1;
+    }
+    out
+}
+
+/// `avg_pool2d`'s options beyond the window (PyTorch's `F.avg_pool2d` arguments, with its
+/// defaults from [`AvgPoolOptions::default`]: `ceil_mode = false`, `count_include_pad = true`,
+/// no `divisor_override`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AvgPoolOptions {
+    /// Keep a last, partial window where the input's end leaves one (PyTorch's `ceil_mode`).
+    pub ceil_mode: bool,
+    /// Whether the zero padding counts in the divisor.
+    pub count_include_pad: bool,
+    /// Divide every window's sum by this instead (PyTorch's `divisor_override`).
+    pub divisor_override: Option<usize>,
+}
+
+impl Default for AvgPoolOptions {
+    fn default() -> Self {
+        AvgPoolOptions {
+            ceil_mode: false,
+            count_include_pad: true,
+            divisor_override: None,
+        }
+    }
 }
 
 /// The windows of `adaptive_avg_pool2d` along one axis: PyTorch's `start = ⌊o·len/out⌋`,
@@ -235,6 +292,23 @@ impl<B: Backend> Var<B> {
         padding: [usize; 2],
         count_include_pad: bool,
     ) -> Result<Self> {
+        let opts = AvgPoolOptions {
+            count_include_pad,
+            ..Default::default()
+        };
+        self.avg_pool2d_with(kernel, stride, padding, opts)
+    }
+
+    /// [`Var::avg_pool2d`] with all of PyTorch's options (`F.avg_pool2d(x, kernel, stride,
+    /// padding, ceil_mode, count_include_pad, divisor_override)`). A zero `divisor_override`
+    /// is an error.
+    pub fn avg_pool2d_with(
+        &self,
+        kernel: [usize; 2],
+        stride: [usize; 2],
+        padding: [usize; 2],
+        opts: AvgPoolOptions,
+    ) -> Result<Self> {
         const OP: &str = "avg_pool2d";
         let [_, _, h, w] = check_nchw(OP, self)?;
         let bad = kernel.contains(&0)
@@ -259,8 +333,20 @@ impl<B: Backend> Var<B> {
                 ),
             ));
         }
-        let rows = avg_axis(h, kernel[0], stride[0], padding[0], count_include_pad);
-        let cols = avg_axis(w, kernel[1], stride[1], padding[1], count_include_pad);
+        if opts.divisor_override == Some(0) {
+            return Err(Error::invalid(
+                OP,
+                "divisor_override must be positive, got 0",
+            ));
+        }
+        // An overriding divisor is one number for the 2-D window: the rows divide by it, the
+        // columns by 1.
+        let (dr, dc) = match opts.divisor_override {
+            Some(d) => (Some(d), Some(1)),
+            None => (None, None),
+        };
+        let rows = avg_axis(h, kernel[0], stride[0], padding[0], opts, dr);
+        let cols = avg_axis(w, kernel[1], stride[1], padding[1], opts, dc);
         pool(self, &rows, &cols)
     }
 

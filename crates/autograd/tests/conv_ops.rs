@@ -560,3 +560,69 @@ fn bad_arguments_are_typed_errors_naming_the_op() {
     );
     assert_eq!(op_of(ints.batch_norm_train(None, None, 1e-5)), "batch_norm");
 }
+
+#[test]
+fn avg_pool_ceil_mode_and_divisor_override_follow_pytorch() {
+    use kiln_autograd::AvgPoolOptions;
+    let dev = Cpu::device(0);
+    let plane = |n: usize| {
+        Var::param(
+            Tensor::<Cpu>::from_vec((0..n * n).map(|v| v as f64).collect(), [1, 1, n, n], &dev)
+                .unwrap(),
+        )
+    };
+    let vals = |v: &Var<Cpu>| v.tensor().to_vec::<f64>().unwrap();
+    let opts = |ceil_mode, count_include_pad, divisor_override| AvgPoolOptions {
+        ceil_mode,
+        count_include_pad,
+        divisor_override,
+    };
+    // 5x5 (0..25), 2x2 windows, stride 2, ceil: 3x3; the partial windows divide by what they
+    // cover (PyTorch: min(start + k, len + pad) - start, with no padding to count).
+    let x = plane(5);
+    let y = x
+        .avg_pool2d_with([2, 2], [2, 2], [0, 0], opts(true, true, None))
+        .unwrap();
+    assert_eq!(y.dims(), [1, 1, 3, 3]);
+    let want = [
+        (0.0 + 1.0 + 5.0 + 6.0) / 4.0,
+        (2.0 + 3.0 + 7.0 + 8.0) / 4.0,
+        (4.0 + 9.0) / 2.0,
+        (10.0 + 11.0 + 15.0 + 16.0) / 4.0,
+        (12.0 + 13.0 + 17.0 + 18.0) / 4.0,
+        (14.0 + 19.0) / 2.0,
+        (20.0 + 21.0) / 2.0,
+        (22.0 + 23.0) / 2.0,
+        24.0,
+    ];
+    assert_eq!(vals(&y), want);
+    y.sum_all().unwrap().backward().unwrap();
+    let g = x.grad().unwrap().to_vec::<f64>().unwrap();
+    assert_eq!((g[0], g[4], g[24]), (0.25, 0.5, 1.0));
+    // Kernel 3, stride 2, padding 1 on 6, ceil: 4 windows per axis; the last starts at 5 and is
+    // cut at len + pad = 7, so with the padding counted its divisor is 2 (one cell, one pad).
+    let x6 = plane(6);
+    let y6 = x6
+        .avg_pool2d_with([3, 3], [2, 2], [1, 1], opts(true, true, None))
+        .unwrap();
+    assert_eq!(y6.dims(), [1, 1, 4, 4]);
+    assert_eq!(vals(&y6)[15], 35.0 / 4.0); // the corner: one cell of 0..36, divisor 2 x 2
+    let y6n = x6
+        .avg_pool2d_with([3, 3], [2, 2], [1, 1], opts(true, false, None))
+        .unwrap();
+    assert_eq!(vals(&y6n)[15], 35.0); // padding not counted: one cell, divisor 1
+    // divisor_override: every window's sum over the given number.
+    let x4 = plane(4);
+    let y4 = x4
+        .avg_pool2d_with([2, 2], [2, 2], [0, 0], opts(false, true, Some(3)))
+        .unwrap();
+    let want4 = [10.0 / 3.0, 18.0 / 3.0, 42.0 / 3.0, 50.0 / 3.0];
+    assert_close("divisor_override", &vals(&y4), &want4, 1e-14);
+    // Floor mode without options is unchanged (the plain method agrees).
+    let plain = x4.avg_pool2d([2, 2], [2, 2], [0, 0], true).unwrap();
+    assert_eq!(vals(&plain), [2.5, 4.5, 10.5, 12.5]);
+    assert!(matches!(
+        x4.avg_pool2d_with([2, 2], [2, 2], [0, 0], opts(false, true, Some(0))),
+        Err(Error::InvalidArgument { .. })
+    ));
+}

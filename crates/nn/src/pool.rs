@@ -5,7 +5,7 @@
 //! of their own: the matrices are cached process-wide by geometry, dtype and device in
 //! kiln-autograd, so a layer uploads them only at its first call.
 
-use kiln_autograd::Var;
+use kiln_autograd::{AvgPoolOptions, Var};
 use kiln_core::{Backend, Result};
 
 use crate::module::Module;
@@ -19,6 +19,10 @@ pub struct AvgPool2d {
     pub padding: [usize; 2],
     /// Whether the zero padding counts in the divisor.
     pub count_include_pad: bool,
+    /// Keep a last, partial window (PyTorch's `ceil_mode`).
+    pub ceil_mode: bool,
+    /// Divide every window's sum by this instead (PyTorch's `divisor_override`).
+    pub divisor_override: Option<usize>,
 }
 
 impl AvgPool2d {
@@ -29,6 +33,8 @@ impl AvgPool2d {
             stride: [kernel, kernel],
             padding: [0, 0],
             count_include_pad: true,
+            ceil_mode: false,
+            divisor_override: None,
         }
     }
     pub fn with_stride(mut self, stride: usize) -> Self {
@@ -43,24 +49,38 @@ impl AvgPool2d {
         self.count_include_pad = include;
         self
     }
+    pub fn with_ceil_mode(mut self, ceil_mode: bool) -> Self {
+        self.ceil_mode = ceil_mode;
+        self
+    }
+    pub fn with_divisor_override(mut self, divisor: Option<usize>) -> Self {
+        self.divisor_override = divisor;
+        self
+    }
 }
 
 impl<B: Backend> Module<B> for AvgPool2d {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        x.avg_pool2d(
-            self.kernel,
-            self.stride,
-            self.padding,
-            self.count_include_pad,
-        )
+        let opts = AvgPoolOptions {
+            ceil_mode: self.ceil_mode,
+            count_include_pad: self.count_include_pad,
+            divisor_override: self.divisor_override,
+        };
+        x.avg_pool2d_with(self.kernel, self.stride, self.padding, opts)
     }
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
         Vec::new()
     }
     fn describe(&self) -> String {
         format!(
-            "AvgPool2d(kernel={:?}, stride={:?}, padding={:?}, count_include_pad={})",
-            self.kernel, self.stride, self.padding, self.count_include_pad
+            "AvgPool2d(kernel={:?}, stride={:?}, padding={:?}, ceil_mode={}, \
+             count_include_pad={}, divisor_override={:?})",
+            self.kernel,
+            self.stride,
+            self.padding,
+            self.ceil_mode,
+            self.count_include_pad,
+            self.divisor_override
         )
     }
 }

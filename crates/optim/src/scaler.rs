@@ -126,8 +126,8 @@ impl GradScalerConfig {
 enum Stage {
     /// No unscale yet this step.
     Ready,
-    /// Gradients unscaled; whether one was inf/NaN is not read yet (`None`), or is known.
-    Unscaled(Option<bool>),
+    /// Gradients unscaled; the inf/NaN flag (if any gradient) is in `GradScaler::flag`.
+    Unscaled,
     /// `step` ran (or skipped) with this outcome; `update` comes next.
     Stepped(bool),
 }
@@ -204,7 +204,7 @@ impl<B: Backend> GradScaler<B> {
         }
         match self.stage {
             Stage::Ready => {}
-            Stage::Unscaled(_) => {
+            Stage::Unscaled => {
                 return Err(Error::invalid(
                     OP,
                     "unscale_ was already called since the last update(): the gradients are \
@@ -231,7 +231,7 @@ impl<B: Backend> GradScaler<B> {
             });
             p.set_grad(Some(g))?;
         }
-        self.stage = Stage::Unscaled(flag.is_none().then_some(false));
+        self.stage = Stage::Unscaled;
         Ok(flag)
     }
 
@@ -245,7 +245,7 @@ impl<B: Backend> GradScaler<B> {
         }
         let flag: Option<Tensor<B>> = match self.stage {
             Stage::Ready => self.unscale_params(opt.params())?,
-            Stage::Unscaled(_) => self.flag.take(),
+            Stage::Unscaled => self.flag.take(),
             Stage::Stepped(_) => {
                 return Err(Error::invalid(
                     "GradScaler::step",
@@ -253,10 +253,10 @@ impl<B: Backend> GradScaler<B> {
                 ));
             }
         };
-        let found_inf = match (self.stage, flag) {
-            (Stage::Unscaled(Some(known)), _) => known,
-            (_, Some(f)) => !f.to_scalar()?.is_finite(),
-            (_, None) => false,
+        // No flag: no parameter had a gradient, so nothing overflowed.
+        let found_inf = match flag {
+            Some(f) => !f.to_scalar()?.is_finite(),
+            None => false,
         };
         if !found_inf {
             opt.step()?;

@@ -73,6 +73,19 @@ impl<B: Backend> Masters<B> {
         Masters(vec![None; n])
     }
 
+    /// Parameter `index`'s live master, if the parameter still holds `t`, the very tensor this
+    /// optimizer last wrote from it.
+    fn live(&self, index: usize, t: &Tensor<B>) -> Option<&Tensor<B>> {
+        match &self.0[index] {
+            Some(Master::Live { master, written })
+                if written.same_storage(t) && written.layout() == t.layout() =>
+            {
+                Some(master)
+            }
+            _ => None,
+        }
+    }
+
     /// The value the update reads for parameter `index`: its master (f32) when the parameter
     /// is 16-bit, the parameter itself otherwise. Pending masters must have been settled.
     fn value(&self, index: usize, p: &Var<B>) -> Result<Tensor<B>> {
@@ -80,13 +93,9 @@ impl<B: Backend> Masters<B> {
         if !t.dtype().is_half() {
             return Ok(t);
         }
-        match &self.0[index] {
-            Some(Master::Live { master, written })
-                if written.same_storage(&t) && written.layout() == t.layout() =>
-            {
-                Ok(master.clone())
-            }
-            _ => t.to_dtype(DType::F32),
+        match self.live(index, &t) {
+            Some(master) => Ok(master.clone()),
+            None => t.to_dtype(DType::F32),
         }
     }
 
@@ -150,15 +159,9 @@ impl<B: Backend> Masters<B> {
     /// parameter, or a pending one as it was loaded; `None` when the next step would widen
     /// the parameter anyway.
     pub fn saved(&self, index: usize, p: &Var<B>) -> Option<Tensor<B>> {
-        let t = p.tensor();
         match &self.0[index] {
-            Some(Master::Live { master, written })
-                if written.same_storage(&t) && written.layout() == t.layout() =>
-            {
-                Some(master.clone())
-            }
             Some(Master::Pending(m)) => Some(m.clone()),
-            _ => None,
+            _ => self.live(index, &p.tensor()).cloned(),
         }
     }
 

@@ -233,12 +233,10 @@ impl<B: Backend> Var<B> {
     /// (the "widest" list); unchanged otherwise (and outside autocast, where mixed dtypes stay
     /// the op's error).
     pub fn autocast_widest(a: &Self, b: &Self) -> Result<(Self, Self)> {
-        let (da, db) = (a.dtype(), b.dtype());
-        if da == db || autocast_dtype().is_none() || !eligible(da) || !eligible(db) {
-            return Ok((a.clone(), b.clone()));
-        }
-        let wide = widest(da, db);
-        Ok((a.to_dtype(wide)?, b.to_dtype(wide)?))
+        let [a, b]: [Self; 2] = widest_all(&[a.clone(), b.clone()])?
+            .try_into()
+            .expect("two in, two out");
+        Ok((a, b))
     }
 
     /// The cast to `dtype`, through the cache for parameters (leaves requiring a gradient)

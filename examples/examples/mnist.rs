@@ -44,7 +44,7 @@ use kiln_core::{Backend, Generator, Reduction, Result, Tensor};
 use kiln_data::{DataLoader, Mnist};
 use kiln_examples::models::{lenet, mlp};
 use kiln_examples::{DEVICE_HELP, Job, Precision, dispatch};
-use kiln_nn::loss::{correct_count, cross_entropy};
+use kiln_nn::loss::cross_entropy;
 use kiln_nn::{Module, ModuleExt, Sequential, save_safetensors};
 use kiln_optim::{AdamConfig, AdamWConfig, GradScaler, GradScalerConfig, Optimizer, SgdConfig};
 
@@ -328,23 +328,7 @@ fn evaluate<B: Backend>(
     test: &mut DataLoader<B>,
     precision: Precision,
 ) -> Result<(f64, f64)> {
-    model.eval();
     let _r = range("evaluate");
     let _amp = precision.autocast().map(autocast).transpose()?;
-    no_grad(|| {
-        let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
-        for batch in test.iter() {
-            let (x, y) = batch?;
-            let logits = model.forward(&Var::constant(x))?;
-            let b = y.elem_count();
-            loss += cross_entropy(&logits, &y, Reduction::Mean)?
-                .tensor()
-                .to_scalar()?
-                * b as f64;
-            correct += correct_count(&logits.tensor(), &y)?;
-            n += b;
-        }
-        let n = n.max(1) as f64;
-        Ok((loss / n, correct as f64 / n))
-    })
+    kiln_examples::models::evaluate(model, test)
 }

@@ -1,7 +1,36 @@
-//! The MNIST models the examples share: Chainer's MLP and a LeNet-style conv net.
+//! The MNIST models the examples share (Chainer's MLP and a LeNet-style conv net) and their
+//! evaluation loop.
 
-use kiln_core::{Backend, Generator, Result};
-use kiln_nn::{Conv2dConfig, Flatten, LinearConfig, MaxPool2d, Relu, Sequential};
+use kiln_autograd::{Var, no_grad};
+use kiln_core::{Backend, Generator, Reduction, Result};
+use kiln_data::DataLoader;
+use kiln_nn::loss::{correct_count, cross_entropy};
+use kiln_nn::{Conv2dConfig, Flatten, LinearConfig, MaxPool2d, Module, Relu, Sequential};
+
+/// Mean loss and accuracy of a classifier over `loader`, in evaluation mode (dropout off,
+/// running statistics) without recording a graph; the model is left in evaluation mode.
+pub fn evaluate<B: Backend>(
+    model: &mut dyn Module<B>,
+    loader: &mut DataLoader<B>,
+) -> Result<(f64, f64)> {
+    model.set_training(false);
+    no_grad(|| {
+        let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
+        for batch in loader.iter() {
+            let (x, y) = batch?;
+            let logits = model.forward(&Var::constant(x))?;
+            let b = y.elem_count();
+            loss += cross_entropy(&logits, &y, Reduction::Mean)?
+                .tensor()
+                .to_scalar()?
+                * b as f64;
+            correct += correct_count(&logits.tensor(), &y)?;
+            n += b;
+        }
+        let n = n.max(1) as f64;
+        Ok((loss / n, correct as f64 / n))
+    })
+}
 
 /// 784-`hidden`-`hidden`-10 with ReLUs (Chainer's MNIST MLP with `hidden` = 100), its
 /// parameters drawn from `g` layer by layer.

@@ -15,10 +15,10 @@
 //! [`ModuleExt::train`]: kiln_nn::ModuleExt::train
 //! [`ModuleExt::eval`]: kiln_nn::ModuleExt::eval
 
-use kiln_autograd::{Var, no_grad};
+use kiln_autograd::Var;
 use kiln_core::{Backend, DType, Error, Generator, HostBuffer, Reduction, Result, Tensor};
 use kiln_data::{ArrayDataset, DataLoader, Dataset};
-use kiln_nn::loss::{correct_count, cross_entropy};
+use kiln_nn::loss::cross_entropy;
 use kiln_nn::{
     AdaptiveAvgPool2d, BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, Linear, LinearConfig,
     Module,
@@ -320,29 +320,4 @@ pub fn train_epoch<B: Backend, O: Optimizer<B>>(
         None => f64::NAN,
     };
     Ok((mean, seen))
-}
-
-/// Mean loss and accuracy over `loader`, in evaluation mode (running statistics) without a
-/// graph; the model is left in evaluation mode.
-pub fn evaluate<B: Backend>(
-    model: &mut ResNet<B>,
-    loader: &mut DataLoader<B>,
-) -> Result<(f64, f64)> {
-    model.set_training(false);
-    no_grad(|| {
-        let (mut loss, mut correct, mut n) = (0.0, 0usize, 0usize);
-        for batch in loader.iter() {
-            let (x, y) = batch?;
-            let logits = model.forward(&Var::constant(x))?;
-            let b = y.elem_count();
-            loss += cross_entropy(&logits, &y, Reduction::Mean)?
-                .tensor()
-                .to_scalar()?
-                * b as f64;
-            correct += correct_count(&logits.tensor(), &y)?;
-            n += b;
-        }
-        let n = n.max(1) as f64;
-        Ok((loss / n, correct as f64 / n))
-    })
 }

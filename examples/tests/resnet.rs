@@ -7,7 +7,8 @@ use kiln_autograd::Var;
 use kiln_backend_cpu::Cpu;
 use kiln_core::{Backend, Generator};
 use kiln_data::{DataLoader, Mnist};
-use kiln_examples::resnet::{ResNet, ResNetConfig, evaluate, pad_to_32, train_epoch};
+use kiln_examples::models::evaluate;
+use kiln_examples::resnet::{ResNet, ResNetConfig, pad_to_32, train_epoch};
 use kiln_nn::{Module, ModuleExt};
 use kiln_optim::SgdConfig;
 

@@ -3,33 +3,17 @@
 //! dropout and with a fully masked row; the zero (not NaN) result of fully masked rows; and the
 //! typed errors. (The generic gradient suite checks it on random shapes on every backend.)
 
+mod common;
+
+use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Generator, RandDist, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, Tensor};
 
+/// Standard normal values drawn from `seed`.
 fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
-    let d = RandDist::Normal {
-        mean: 0.0,
-        std: 1.0,
-    };
-    Generator::new(seed)
-        .sample::<B>(dims.to_vec(), d, dtype, dev)
-        .unwrap()
-}
-
-fn f64s<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
-}
-
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * (1.0 + w.abs()),
-            "{what}[{i}]: got {g}, want {w} (tol {tol})"
-        );
-    }
+    common::normal_with(dims, seed, (0.0, 1.0), dtype, dev)
 }
 
 /// Attention by hand over `nb` independent `[t, d]` blocks: `allowed(i, j)` says whether query

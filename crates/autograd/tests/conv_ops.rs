@@ -6,35 +6,13 @@
 //! `torch_f64_layers.rs`; the generic gradient suite checks the same ops on random shapes on
 //! every backend.)
 
+mod common;
+
+use common::{assert_close, f64s, normal};
 use kiln_autograd::{Var, update_running_stats};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Generator, RandDist, Tensor};
-
-fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
-    let d = RandDist::Normal {
-        mean: 0.5,
-        std: 1.5,
-    };
-    Generator::new(seed)
-        .sample::<B>(dims.to_vec(), d, dtype, dev)
-        .unwrap()
-}
-
-fn f64s<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
-}
-
-#[track_caller]
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * (1.0 + w.abs()),
-            "{what}[{i}]: got {g}, want {w} (tol {tol})"
-        );
-    }
-}
+use kiln_core::{Backend, DType, Error, Tensor};
 
 /// What a normalization gives by hand: output, dx, dw, db, and per statistic group the mean,
 /// the biased and the unbiased variance.

@@ -5,10 +5,13 @@
 //! errors. (The comparison with PyTorch's values is in `torch_f64.rs`; the generic gradient
 //! suite checks the same ops on random shapes on every backend.)
 
+mod common;
+
+use common::{assert_close, f64s, normal};
 use kiln_autograd::{CheckOptions, Var, check_backward};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
-use kiln_core::{Backend, DType, Error, Generator, RandDist, Tensor};
+use kiln_core::{Backend, DType, Error, Tensor};
 
 /// Rows of `n` normalized elements: `(y, dx, dw, db)` for the cotangent `g`, by the textbook
 /// formulas (mean, biased variance; `dx = rstd (ĝ - mean ĝ - x̂ mean(ĝ x̂))`), layer norm when
@@ -51,30 +54,6 @@ fn by_hand(
         }
     }
     (y, dx, dw, db)
-}
-
-fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
-    let d = RandDist::Normal {
-        mean: 0.5,
-        std: 1.5,
-    };
-    Generator::new(seed)
-        .sample::<B>(dims.to_vec(), d, dtype, dev)
-        .unwrap()
-}
-
-fn f64s<B: Backend>(t: &Tensor<B>) -> Vec<f64> {
-    t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap()
-}
-
-fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
-    assert_eq!(got.len(), want.len(), "{what}: lengths");
-    for (i, (g, w)) in got.iter().zip(want).enumerate() {
-        assert!(
-            (g - w).abs() <= tol * (1.0 + w.abs()),
-            "{what}[{i}]: got {g}, want {w} (tol {tol})"
-        );
-    }
 }
 
 /// Every variant (layer norm with weight and bias, weight only, bias only, neither; RMS norm

@@ -28,6 +28,8 @@ TARGET = {
     "gemm_f16_8192": 0.95,
     "chain6_64M_bf16": 0.9,
     "copy_64M_bf16": None,
+    "chain6_64M_f16": 0.9,
+    "copy_64M_f16": None,
     "alloc_free_1000x230400": 1.0,
     "alloc1000_then_free1000_x230400": 1.0,
     "exp_230400_x1000_driverpool": None,

@@ -102,12 +102,13 @@ for dt, tag in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
     del p, q
 
 n = 64 << 20
-x6, y6 = rand(n).to(torch.bfloat16), rand(n).to(torch.bfloat16)
-ms = timed(5, 5, lambda: ((x6 * y6 + 0.5).sigmoid() * x6 - y6).square())
-report("chain6_64M_bf16", 6 * n / (ms * 1e-3) / 1e9, "GB/s")
-ms = timed(5, 5, lambda: x6.clone())
-report("copy_64M_bf16", 4 * n / (ms * 1e-3) / 1e9, "GB/s")
-del x6, y6
+for dt, tag in ((torch.bfloat16, "bf16"), (torch.float16, "f16")):
+    x6, y6 = rand(n).to(dt), rand(n).to(dt)
+    ms = timed(5, 5, lambda: ((x6 * y6 + 0.5).sigmoid() * x6 - y6).square())
+    report(f"chain6_64M_{tag}", 6 * n / (ms * 1e-3) / 1e9, "GB/s")
+    ms = timed(5, 5, lambda: x6.clone())
+    report(f"copy_64M_{tag}", 4 * n / (ms * 1e-3) / 1e9, "GB/s")
+    del x6, y6
 
 for _ in range(2):
     torch.empty(230_400, device=dev)

@@ -158,20 +158,25 @@ fn main() {
         );
     }
     let n = 64 << 20;
-    let x6 = f32t(&[n], 7).to_dtype(DType::BF16).unwrap();
-    let y6 = f32t(&[n], 8).to_dtype(DType::BF16).unwrap();
-    let ms = time(&dev, 5, 5, || {
-        let p = x6.mul(&y6)?.add_scalar(0.5)?.sigmoid()?;
-        p.mul(&x6)?.sub(&y6)?.square()?.realize()
-    });
-    report(
-        "chain6_64M_bf16",
-        6.0 * n as f64 / (ms * 1e-3) / 1e9,
-        "GB/s",
-    );
-    let ms = time(&dev, 5, 5, || x6.copy_to(&dev)?.realize());
-    report("copy_64M_bf16", 4.0 * n as f64 / (ms * 1e-3) / 1e9, "GB/s");
-    drop((x6, y6));
+    for (dt, tag) in [(DType::BF16, "bf16"), (DType::F16, "f16")] {
+        let x6 = f32t(&[n], 7).to_dtype(dt).unwrap();
+        let y6 = f32t(&[n], 8).to_dtype(dt).unwrap();
+        let ms = time(&dev, 5, 5, || {
+            let p = x6.mul(&y6)?.add_scalar(0.5)?.sigmoid()?;
+            p.mul(&x6)?.sub(&y6)?.square()?.realize()
+        });
+        report(
+            &format!("chain6_64M_{tag}"),
+            6.0 * n as f64 / (ms * 1e-3) / 1e9,
+            "GB/s",
+        );
+        let ms = time(&dev, 5, 5, || x6.copy_to(&dev)?.realize());
+        report(
+            &format!("copy_64M_{tag}"),
+            4.0 * n as f64 / (ms * 1e-3) / 1e9,
+            "GB/s",
+        );
+    }
 
     // Allocation churn: 1000 buffers of 230,400 f32 (host time; allocation is host work), with
     // the host-side block cache (default) and with the driver's pool alone.

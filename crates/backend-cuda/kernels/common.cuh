@@ -123,8 +123,14 @@ __device__ __forceinline__ bf16 bf16_from_f32(float f) {
         h.x = (u16)((u >> 16) | 0x40u);
         return h;
     }
+#if __CUDA_ARCH__ >= 800
+    // One conversion instruction instead of five integer ones: a widened 16-bit program rounds
+    // after every operation, and the integer form made bf16 chains compute-bound.
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
+#else
     u += 0x7fffu + ((u >> 16) & 1u);
     h.x = (u16)(u >> 16);
+#endif
     return h;
 }
 // `d` rounded to f32 toward zero with the last bit set when inexact (round to odd): a later

@@ -39,7 +39,8 @@ fn both<R: Send>(comms: &[NcclComm], f: impl Fn(&NcclComm) -> R + Sync) -> Vec<R
 #[test]
 fn collectives_give_the_right_values() {
     let Some(comms) = two_comms() else { return };
-    for dtype in [DType::F32, DType::F64] {
+    // Values small integers: exact in every float type, 16-bit ones included.
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         let out = both(&comms, |c| {
             let dev = c.device();
             let r = c.rank() as f64;

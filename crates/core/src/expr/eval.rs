@@ -25,6 +25,8 @@ fn broadcast1(shape: &Shape) -> Layout {
 /// (`unary`, `binary`, `compare`, `where_cond`, `cast`, `reduce`), so any backend evaluates any
 /// program with exactly its op-by-op semantics. `prod`, which has no backend kernel, folds on
 /// the host. Uniform values (constants, parameters) are one-element buffers read with stride 0.
+/// A program with 16-bit values runs in its widened form ([`Program::widened`]: f32 inside,
+/// rounded where stored), as the fused evaluators run it.
 pub fn eval_composed<B: Backend>(
     device: &B::Device,
     program: &Program,
@@ -32,6 +34,13 @@ pub fn eval_composed<B: Backend>(
     inputs: &[(&B::Storage, &Layout)],
     params: &[f64],
 ) -> Result<Vec<B::Storage>> {
+    let widened;
+    let program = if program.has_half() {
+        widened = program.widened()?;
+        &widened
+    } else {
+        program
+    };
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
     let plan = check_call(program, shape, &layouts, params)?;
     let shape_of = |p: Phase| match p {

@@ -1,13 +1,20 @@
-//! [`Program::widened`]: a program's 16-bit arithmetic rewritten as f32 arithmetic with one
-//! rounding per instruction.
+//! [`Program::widened`]: a program's 16-bit arithmetic rewritten as f32 arithmetic, rounded to
+//! 16 bits where a value leaves the program.
 //!
 //! f16 and bf16 are storage types: a kernel loads them, computes in f32 and rounds the result
 //! to 16 bits on store. For a program that means: every instruction of a 16-bit dtype becomes
-//! the same instruction on f32 operands, followed by a cast to the 16-bit type (the rounding)
-//! and, where later instructions read it, a cast back to f32 (exact). So a fused chain rounds
-//! after every op as the op-by-op kernels do (values never depend on fusion), and an evaluator
-//! of the widened program needs, for the 16-bit types, only their loads (inputs), their stores
-//! (outputs) and two casts: any dtype to a 16-bit one, and a 16-bit one to f32.
+//! the same instruction on f32 operands, and its f32 value is what later instructions read;
+//! a value is rounded to its 16-bit type only where it is stored (an output) or where the
+//! program itself casts to a 16-bit type (a user's `to_dtype(bf16)` rounds, as it must). An
+//! op run alone rounds once, as PyTorch's eager kernels do; a fused chain keeps its
+//! intermediates in f32, as `torch.compile`'s generated kernels do: at least as accurate as
+//! rounding after every op, and a widened bf16 chain stays bound by memory, not by ~6
+//! integer instructions of rounding per op and element (what one rounding per instruction
+//! cost on an H100: a six-op bf16 chain at 0.5x copy bandwidth). So a fused 16-bit result
+//! may differ from the op-by-op one in its last bits, as fused f32 results already may
+//! (contracted multiply-adds). An evaluator of the widened program needs, for the 16-bit
+//! types, only their loads (inputs), their stores (outputs) and two casts: any dtype to a
+//! 16-bit one, and a 16-bit one to f32.
 //!
 //! Scalars (parameters and constants) of a 16-bit dtype become f32 (a parameter's value, or a
 //! constant, rounded to f32, not to 16 bits): as PyTorch's `half_tensor * 0.1` multiplies by
@@ -27,8 +34,9 @@ impl Program {
             .any(|d| d.is_half())
     }
 
-    /// The program with its 16-bit arithmetic done in f32 (see the module docs): the same
-    /// inputs and outputs (dtypes included), parameters of a 16-bit dtype typed f32, and no
+    /// The program with its 16-bit arithmetic done in f32 and rounded where values leave it
+    /// (see the module docs): the same inputs and outputs (dtypes included), parameters of a
+    /// 16-bit dtype typed f32, and no
     /// instruction of a 16-bit dtype but inputs and casts (to a 16-bit type from any dtype, and
     /// from a 16-bit type to f32). A program without 16-bit values comes back unchanged.
     pub fn widened(&self) -> Result<Program> {
@@ -110,9 +118,9 @@ impl Widen {
                 if !d.is_half() {
                     return (v, Some(v));
                 }
-                // The op ran in f32 (its operands are the wide values): round its result.
-                let n = self.em.emit(Instr::Cast(d, v));
-                (self.em.emit(Instr::Cast(DType::F32, n)), Some(n))
+                // The op ran in f32 (its operands are the wide values): later instructions read
+                // that f32 value; it is rounded only if stored (`narrow`, on demand).
+                (v, None)
             }
         }
     }
@@ -124,7 +132,7 @@ mod tests {
     use crate::op::{BinaryOp, UnaryOp};
 
     #[test]
-    fn half_arithmetic_runs_in_f32_and_rounds_per_instruction() {
+    fn half_arithmetic_runs_in_f32_and_rounds_where_stored() {
         let code = vec![
             Instr::Input(0),
             Instr::Param(0),
@@ -147,6 +155,29 @@ mod tests {
                 _ => assert!(!d.is_half(), "%{i} of {d} in\n{w}"),
             }
         }
+        // One rounding: the stored exp; the product is read by exp in f32, unrounded.
+        let roundings = |w: &Program, d: DType| {
+            w.code()
+                .iter()
+                .filter(|i| matches!(i, Instr::Cast(to, _) if *to == d))
+                .count()
+        };
+        assert_eq!(roundings(&w, DType::F16), 1, "{w}");
+        // A cast the program itself makes still rounds, where it stands.
+        let code = vec![
+            Instr::Input(0),
+            Instr::Unary(UnaryOp::Exp, 0),
+            Instr::Cast(DType::BF16, 1),
+            Instr::Unary(UnaryOp::Exp, 2),
+        ];
+        let p = Program::new(vec![DType::F16], vec![], code, vec![3], vec![]).unwrap();
+        let w = p.widened().unwrap();
+        assert_eq!(
+            roundings(&w, DType::BF16),
+            2,
+            "the cast and the stored result:\n{w}"
+        );
+        assert_eq!(roundings(&w, DType::F16), 0, "{w}");
         let f32_prog = Program::new(
             vec![DType::F32],
             vec![],

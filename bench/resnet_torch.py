@@ -14,6 +14,11 @@ Linear; torchvision's parameter names; PyTorch's default initializers (which kil
 SGD momentum 0.9, weight decay 5e-4, constant lr; BatchNorm momentum 0.1, eps 1e-5; the test
 set in eval mode. Different: the random numbers (torch's generators, not kiln's Philox), so the
 initial weights and the batch order differ; the distributions do not. TF32 is off, as in kiln.
+
+State dicts move both ways (safetensors, the same names and buffers as kiln's, BatchNorm's
+``num_batches_tracked`` included): ``--save``/``--load`` as kiln's flags, and
+``--check-logits FILE`` (after ``--load``) runs the model in eval mode on the inputs ``x`` of a
+file kiln's ``--dump-logits`` wrote and prints ``LOGITS max|diff| ...`` against its ``logits``.
 """
 
 import argparse
@@ -102,6 +107,10 @@ def main():
     p.add_argument("--train-samples", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=os.path.join(HERE, "..", "data", "mnist"))
+    p.add_argument("--save", help="save the trained weights (safetensors)")
+    p.add_argument("--load", help="load weights (a file from kiln's or this --save) first")
+    p.add_argument("--dump-logits", help="write x and eval-mode logits of 100 test digits")
+    p.add_argument("--check-logits", help="compare with the logits of a kiln --dump-logits file")
     a = p.parse_args()
 
     dev = torch.device(a.device)
@@ -121,6 +130,9 @@ def main():
     xtr, ytr, xte, yte = (t.to(dev) for t in (xtr, ytr, xte, yte))
 
     model = ResNet(1, 10, width).to(dev)
+    if a.load:
+        from safetensors.torch import load_file
+        model.load_state_dict(load_file(a.load, device=str(dev)))
     opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum,
                           weight_decay=a.weight_decay)
     n_params = sum(q.numel() for q in model.parameters())
@@ -163,7 +175,33 @@ def main():
         print(f"epoch {epoch:>3}  train loss {train_loss:.4f}  test loss "
               f"{test_loss / len(yte):.4f}  test acc {100 * correct / len(yte):>6.2f}%  "
               f"{seen / secs:>8.0f} samples/s")
-    print(f"trained in {time.perf_counter() - start:.1f} s")
+    if epochs > 0:
+        print(f"trained in {time.perf_counter() - start:.1f} s")
+    exchange(model, a, xte, dev)
+
+
+def exchange(model, a, xte, dev):
+    """--save, --dump-logits and --check-logits (the state-dict exchange with kiln)."""
+    from safetensors.torch import load_file, save_file
+    model.eval()
+    if a.save:
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, a.save)
+        print(f"saved weights to {a.save}")
+    if a.dump_logits:
+        x = xte[:100].contiguous()
+        with torch.no_grad():
+            save_file({"x": x, "logits": model(x).contiguous()}, a.dump_logits)
+        print(f"wrote 100 inputs and their logits to {a.dump_logits}")
+    if a.check_logits:
+        f = load_file(a.check_logits, device=str(dev))
+        with torch.no_grad():
+            mine = model(f["x"])
+        diff = (mine - f["logits"]).abs().max().item()
+        scale = f["logits"].abs().max().item()
+        same_x = torch.equal(f["x"], xte[:f["x"].shape[0]])
+        agree = (mine.argmax(1) == f["logits"].argmax(1)).float().mean().item()
+        print(f"LOGITS max|diff| {diff:.3g} (max|logit| {scale:.3g}), argmax agree "
+              f"{100 * agree:.1f}%, inputs equal to this script's: {same_x}")
 
 
 if __name__ == "__main__":

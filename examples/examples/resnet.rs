@@ -15,6 +15,11 @@
 //! given, a width of 8 and one epoch are implied: the real width would take an hour there.
 //! `bench/resnet_torch.py` is the PyTorch twin, with the same flags and output lines.
 //!
+//! The state dict moves both ways with PyTorch (safetensors, torchvision's names, BatchNorm's
+//! running statistics and `num_batches_tracked`): `--save` after training, `--load` before it
+//! (`--epochs 0` only evaluates), and `--dump-logits` writes 100 test inputs and their
+//! eval-mode logits, which `bench/resnet_torch.py --load W --check-logits F` recomputes.
+//!
 //! Convolutions run as im2col + GEMM on every backend (kiln has no cuDNN path yet), so on a GPU
 //! this measures that path.
 
@@ -22,12 +27,13 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use clap::Parser;
+use kiln_autograd::{Var, no_grad};
 use kiln_core::{Backend, Error, Generator, Result};
 use kiln_data::{DataLoader, Dataset, Mnist};
 use kiln_examples::models::evaluate;
 use kiln_examples::resnet::{ResNet, ResNetConfig, pad_to_32, train_epoch};
 use kiln_examples::{DEVICE_HELP, Job, dispatch};
-use kiln_nn::{Module, ModuleExt};
+use kiln_nn::{Module, ModuleExt, save_safetensors};
 use kiln_optim::SgdConfig;
 
 /// Train ResNet-18 (CIFAR form) on MNIST padded to 32x32 with kiln.
@@ -60,6 +66,16 @@ struct Args {
     /// A directory with the four MNIST IDX files (default: the bundled subset).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Load weights before training (a file from --save, or PyTorch's state dict).
+    #[arg(long)]
+    load: Option<PathBuf>,
+    /// Save the weights and BatchNorm buffers after training (safetensors).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// After training, write 100 test inputs and their eval-mode logits (safetensors `x`,
+    /// `logits`), for bench/resnet_torch.py --check-logits.
+    #[arg(long)]
+    dump_logits: Option<PathBuf>,
 }
 
 fn main() {
@@ -108,6 +124,10 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
 
     let cfg = ResNetConfig::resnet18(1, 10, width);
     let mut model = ResNet::<B>::new(cfg, &dev, &mut Generator::new(args.seed))?;
+    if let Some(p) = &args.load {
+        model.load(p)?;
+        println!("loaded weights from {}", p.display());
+    }
     let mut opt = SgdConfig::new(args.lr)
         .with_momentum(args.momentum)
         .with_weight_decay(args.weight_decay)
@@ -136,6 +156,24 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
             seen as f64 / secs
         );
     }
-    println!("trained in {:.1} s", start.elapsed().as_secs_f64());
+    if epochs == 0 {
+        let (test_loss, acc) = evaluate(&mut model, &mut test)?;
+        println!("test loss {test_loss:.4}  test acc {:.2}%", acc * 100.0);
+    } else {
+        println!("trained in {:.1} s", start.elapsed().as_secs_f64());
+    }
+    if let Some(p) = &args.save {
+        model.save(p)?;
+        println!("saved weights to {}", p.display());
+    }
+    if let Some(p) = &args.dump_logits {
+        model.set_training(false);
+        let (x, _) = test.iter().next().expect("the test set is not empty")?;
+        let x = x.narrow(0, 0, x.dims()[0].min(100))?.contiguous()?;
+        let logits = no_grad(|| model.forward(&Var::constant(x.clone())))?.tensor();
+        let n = x.dims()[0];
+        save_safetensors(p, &[("x".into(), x), ("logits".into(), logits)], None)?;
+        println!("wrote {n} inputs and their logits to {}", p.display());
+    }
     Ok(())
 }

@@ -151,10 +151,66 @@ def mlp(name, widths, batch, dev, steps, repeats, warmup, precision="f32"):
            f" batch={batch} arch={arch} loss={loss.item():.6f} precision={precision}")
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        nn = torch.nn
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, 0, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return F.relu(h + (x if self.downsample is None else self.downsample(x)))
+
+
+def resnet18(dev, steps, repeats, warmup, precision="f32"):
+    """kiln's `resnet18` workload: ResNet-18 (CIFAR form, width 64) at batch 256, SGD momentum
+    0.9, weight decay 5e-4, cudnn.benchmark on; peak_mib is torch.cuda.max_memory_allocated."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    nn = torch.nn
+    layers, cin = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()], 64
+    for stage in range(4):
+        cout = 64 << stage
+        for i in range(2):
+            layers.append(_Block(cin, cout, 2 if stage > 0 and i == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    model = nn.Sequential(*layers).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    batch = 256
+    x = data(batch, 3 * 32 * 32, dev).reshape(batch, 3, 32, 32)
+    labels = (torch.arange(batch) % 10).to(dev)
+    low = {"bf16": torch.bfloat16, "f16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(dev.type, enabled=precision == "f16")
+
+    def step():
+        with torch.autocast(dev.type, dtype=low or torch.float32, enabled=low is not None):
+            loss = F.cross_entropy(model(x), labels)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    totals, loss = timed(dev, steps, repeats, warmup, step)
+    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+    report("resnet18", dev, steps, repeats, totals,
+           f" batch={batch} arch=resnet18-cifar-w64 loss={loss.item():.6f} precision={precision}"
+           f" peak_mib={peak:.0f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu if no GPU)")
-    ap.add_argument("--which", default="all", choices=["logreg", "mlp-small", "mlp-large", "all"])
+    ap.add_argument("--which", default="all", choices=["logreg", "mlp-small", "mlp-large", "all", "resnet18"])
     ap.add_argument("--steps", type=int, help="steps per repeat (logreg 10000, mlp-small 200, mlp-large 20)")
     ap.add_argument("--repeats", type=int, help="timed repeats, median reported (logreg 3, MLPs 5)")
     ap.add_argument("--warmup", type=int, help="untimed warm-up steps (200, 20, 3)")
@@ -185,6 +241,8 @@ def main():
         mlp("mlp-large", [784, 4096, 4096, 4096, 10], 4096, dev, *pick(20, 5, 3), a.precision)
     elif a.which == "all":
         print("skipping mlp-large on cpu (ask for it with --which mlp-large)", file=sys.stderr)
+    if a.which == "resnet18":
+        resnet18(dev, *pick(10, 5, 3), a.precision)
 
 
 if __name__ == "__main__":

@@ -23,9 +23,15 @@
 //! - `mlp-large`: the same step for 784-4096-4096-4096-10 at batch 4096 (GEMM-bound; TF32 is
 //!   off, kiln's default). Skipped by `--which all` on a CPU device (about ten seconds a step
 //!   on two cores); ask for it by name to run it anyway.
+//! - `resnet18`: one training step (forward, cross-entropy, backward, SGD lr 0.05 momentum 0.9
+//!   weight decay 5e-4) of ResNet-18 in its CIFAR form (`kiln_examples::resnet`, width 64, 3
+//!   input channels, 10 classes) on CIFAR-shaped data at batch 256 (`[256, 3, 32, 32]`, the
+//!   same hashed values as the MLPs), BatchNorm in training mode. Only by name; its line also
+//!   gives the device's peak bytes in tensors since the process started (`peak_mib`), which
+//!   `bench/train_torch.py` reports as `torch.cuda.max_memory_allocated`.
 //!
 //! `--precision` (`f32` default, `tf32`, `bf16`, `f16`; [`kiln_examples::Precision`]) applies to
-//! the MLP steps: `bf16` and `f16` run the forward and the loss under `autocast` (f32 weights
+//! the MLP and ResNet steps: `bf16` and `f16` run the forward and the loss under `autocast` (f32 weights
 //! and SGD), `f16` with a `GradScaler` (whose overflow check reads one flag back per step, as
 //! PyTorch's `scaler.step` does); `tf32` turns TF32 on. The line gets `precision=...`. The
 //! logreg loop is always f32.
@@ -46,6 +52,7 @@ use std::time::Instant;
 use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, autocast};
 use kiln_core::{Backend, BinaryOp, DType, Generator, Reduction, Result, Shape, Tensor};
+use kiln_examples::resnet::{ResNet, ResNetConfig};
 use kiln_examples::{DEVICE_HELP, Job, Precision, dispatch, fused_program_stats, launch_stats};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential};
@@ -61,6 +68,8 @@ enum Which {
     MlpLarge,
     /// All three (mlp-large only on a GPU).
     All,
+    /// ResNet-18 (CIFAR form) step at batch 256 (issue 33); only by name.
+    Resnet18,
 }
 
 /// kiln's side of the training benchmarks (see the file docs).
@@ -132,6 +141,9 @@ impl Job for Bench {
             )?;
         } else if a.which == Which::All {
             eprintln!("skipping mlp-large on {dev} (ask for it with --which mlp-large)");
+        }
+        if a.which == Which::Resnet18 {
+            resnet18::<B>(&dev, Sizes::pick(&a, 10, 5, 3), a.precision)?;
         }
         Ok(())
     }
@@ -391,5 +403,59 @@ fn mlp<B: Backend>(
         format!("{precision:?}").to_lowercase()
     );
     report(name, dev, s, &totals, &extra);
+    Ok(())
+}
+
+/// The `resnet18` workload (see the file docs).
+fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Result<()> {
+    let (batch, classes) = (256, 10);
+    let x = Tensor::<B>::from_vec(data(batch, 3 * 32 * 32), [batch, 3 * 32 * 32], dev)?;
+    let x = Var::constant(x.reshape([batch, 3, 32, 32])?);
+    let labels: Vec<i64> = (0..batch).map(|i| (i % classes) as i64).collect();
+    let labels = Tensor::<B>::from_vec(labels, [batch], dev)?;
+    let model = ResNet::<B>::new(
+        ResNetConfig::resnet18(3, classes, 64),
+        dev,
+        &mut Generator::new(0),
+    )?;
+    let mut opt = SgdConfig::new(0.05)
+        .with_momentum(0.9)
+        .with_weight_decay(5e-4)
+        .init(model.parameters())?;
+    let mut scaler: GradScaler<B> = GradScalerConfig::new()
+        .with_enabled(precision.needs_scaler())
+        .init()?;
+    let mut step = || -> Result<Var<B>> {
+        let loss = {
+            let _amp = precision.autocast().map(autocast).transpose()?;
+            cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?
+        };
+        opt.zero_grad();
+        scaler.scale(&loss)?.backward()?;
+        scaler.step(&mut opt)?;
+        scaler.update()?;
+        Ok(loss)
+    };
+    for _ in 0..s.warmup {
+        step()?;
+    }
+    let mut totals = Vec::with_capacity(s.repeats);
+    let mut last = None;
+    for _ in 0..s.repeats {
+        totals.push(time_ms::<B>(dev, || {
+            for _ in 0..s.steps {
+                last = Some(step()?);
+            }
+            Ok(())
+        })?);
+    }
+    let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
+    let peak = B::memory_stats(dev)?.peak as f64 / (1 << 20) as f64;
+    let extra = format!(
+        " batch={batch} arch=resnet18-cifar-w64 loss={:.6} precision={} peak_mib={peak:.0}",
+        loss.unwrap_or(f64::NAN),
+        format!("{precision:?}").to_lowercase()
+    );
+    report("resnet18", dev, s, &totals, &extra);
     Ok(())
 }

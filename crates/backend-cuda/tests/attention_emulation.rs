@@ -172,7 +172,11 @@ fn direct(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
                     .then(|| dot(&q[i * p.d..(i + 1) * p.d], &k[j * p.d..(j + 1) * p.d]) * p.scale)
             })
             .collect();
-        let m = s.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let m = s
+            .iter()
+            .flatten()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
         if m == f64::NEG_INFINITY {
             continue;
         }
@@ -251,7 +255,12 @@ fn check(tq: usize, tk: usize, d: usize, dv: usize, causal: bool, grads: bool) {
     );
     let g = values(tq * dv, seed + 3);
     let (o, lse) = kernel_forward(&p, &q, &k, &v);
-    assert_close(&format!("{what}: output"), &o, &direct(&p, &q, &k, &v), 1e-12);
+    assert_close(
+        &format!("{what}: output"),
+        &o,
+        &direct(&p, &q, &k, &v),
+        1e-12,
+    );
     let (dq, dk, dvv) = kernel_backward(&p, &q, &k, &v, &o, &lse, &g);
     if grads {
         let [nq, nk, nv] = numeric_grads(&p, &q, &k, &v, &g);

@@ -29,11 +29,14 @@
 //! returns the output and each row's log-sum-exp. The result is ONE recorded node that saves
 //! `q`, `k`, `v`, the output and the log-sum-exps; its backward is the backend's
 //! [`Backend::attention_backward`], which recomputes the weights tile by tile from them. The
-//! fused path is taken only for no mask or the causal mask, without dropout (`dropout_p = 0`,
-//! e.g. in evaluation mode), for q, k, v with the same batch axes, and where the backend offers
-//! the call (on CUDA: f32, f16, bf16 and head sizes up to 128; see
-//! `kiln-backend-cuda/src/ops/attention.rs`). Everything else — boolean and additive masks,
-//! dropout, f64, the CPU and the reference backend — runs composed, as below, and that
+//! fused path is taken for no mask or the causal mask, with or without dropout, for q, k, v
+//! with the same batch axes, where the backend offers the call (on CUDA: f32, f16, bf16 and
+//! head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
+//! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
+//! generator's next draw, regenerated in the backward (never stored) — the very mask the
+//! composed path draws with `rand_like` in f32, so the two paths agree with the same generator
+//! state. Everything else — boolean and additive masks, f64, the CPU and the reference
+//! backend — runs composed, as below, and that
 //! composition is the reference the fused kernel is tested against. Under [`autocast`] the
 //! fused path runs in the low dtype (PyTorch's autocast does the same for SDPA), with f32 math
 //! inside the kernel. [`composed_attention`] turns the fused path off for the calling thread
@@ -49,7 +52,9 @@
 use std::cell::Cell;
 
 use kiln_core::backend::Operand;
-use kiln_core::{AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor};
+use kiln_core::{
+    AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor, philox,
+};
 
 use crate::ops::softmax_backward;
 use crate::var::Var;
@@ -122,8 +127,8 @@ impl<B: Backend> Var<B> {
     /// training (a module does this in evaluation mode).
     ///
     /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
-    /// never NaN, and a zero gradient. Without a mask or with the causal one, and without
-    /// dropout, a backend with a fused kernel (CUDA) runs it in the flash-attention manner as
+    /// never NaN, and a zero gradient. Without a mask or with the causal one (dropout or not), a
+    /// backend with a fused kernel (CUDA) runs it in the flash-attention manner as
     /// one node (the `[.., Tq, Tk]` weights never stored); otherwise this runs as two batched
     /// products around one masked-softmax node (see `attention.rs`).
     ///
@@ -154,7 +159,9 @@ impl<B: Backend> Var<B> {
                 format!("dropout_p must be in [0, 1), got {dropout_p}"),
             ));
         }
-        if let Some(y) = fused(self, k, v, mask, dropout_p, scale)? {
+        let mut generator = generator;
+        let dropout = (dropout_p > 0.0).then_some(dropout_p);
+        if let Some(y) = fused(self, k, v, mask, dropout, scale, generator.as_deref_mut())? {
             return Ok(y);
         }
         let scores = self.matmul(&k.transpose(-2, -1)?)?.mul_scalar(scale)?;
@@ -219,22 +226,33 @@ fn operand<B: Backend>(t: &Tensor<B>) -> Operand<'_, B::Storage> {
 
 /// The fused path (module docs), or `None` when it does not apply or the backend does not
 /// offer it for these operands.
+///
+/// With dropout the mask's key is the generator's next draw, as the composed path's
+/// `rand_like` would take it; the generator advances only when the backend accepts the call,
+/// so a declined call leaves the composed path the same draw.
 fn fused<B: Backend>(
     q: &Var<B>,
     k: &Var<B>,
     v: &Var<B>,
     mask: &AttnMask<B>,
-    dropout_p: f64,
+    dropout: Option<f64>,
     scale: f64,
+    generator: Option<&mut Generator>,
 ) -> Result<Option<Var<B>>> {
     let causal = match mask {
         AttnMask::None => false,
         AttnMask::Causal => true,
         AttnMask::Keep(_) | AttnMask::Additive(_) => return Ok(None),
     };
-    if dropout_p > 0.0 || COMPOSED.with(|c| c.get()) {
+    if COMPOSED.with(|c| c.get()) {
         return Ok(None);
     }
+    // Dropout without a generator is the composed path's error.
+    let (dropout_p, dropout_key, generator) = match (dropout, generator) {
+        (None, g) => (0.0, 0, g),
+        (Some(_), None) => return Ok(None),
+        (Some(p), Some(g)) => (p, philox::draw_key(g.initial_seed(), g.draws()), Some(g)),
+    };
     let (q, k, v) = if crate::autocast::autocast_dtype().is_some() {
         (q.autocast_low()?, k.autocast_low()?, v.autocast_low()?)
     } else {
@@ -245,12 +263,22 @@ fn fused<B: Backend>(
     if kt.dtype() != dtype || vt.dtype() != dtype {
         return Ok(None);
     }
-    let spec = AttentionSpec { scale, causal };
+    let spec = AttentionSpec {
+        scale,
+        causal,
+        dropout_p,
+        dropout_key,
+    };
     let Some((o, lse)) =
         B::attention_forward(operand(&qt), operand(&kt), operand(&vt), dtype, spec)?
     else {
         return Ok(None);
     };
+    if dropout_p > 0.0
+        && let Some(g) = generator
+    {
+        g.next_key(); // the draw the kernels used
+    }
     let mut dims = qt.dims().to_vec();
     dims.pop();
     let lse = Tensor::<B>::from_storage(lse, dims.clone(), DType::F32);

@@ -51,7 +51,7 @@
 //!   constant matrices are uploaded once per geometry, dtype and device and cached.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is one
 //!   node of the backend's fused flash-style kernel where it offers one (CUDA; no mask or
-//!   causal, no dropout), else two batched products around one masked-softmax node; fully
+//!   causal, dropout inside the kernel), else two batched products around one masked-softmax node; fully
 //!   masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
 //!   losses, norms and reductions in f32, op by op as `torch.autocast` does (the op lists are

@@ -4,7 +4,7 @@
 //! `dv != d`), causal or not, several batch entries and heads, in f32 (tight: the reference is
 //! the composed path on the CPU in f64) and f16/bf16 (loose: the reference is the f64 composed
 //! path on the same rounded inputs). Also: the fused path is taken (one kernel launch), it
-//! equals the GPU's own composed path, head views of a packed projection are read in place,
+//! equals the GPU's own composed path, with dropout too (the same mask from the same generator), head views of a packed projection are read in place,
 //! `check_backward` passes in f32, and what is not offered (f64, masks other than causal, heads
 //! over 128) still runs composed. `cargo xtask test-gpu` carries this binary to the GPU.
 //!
@@ -16,7 +16,7 @@ use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice, gpu_or_skip, thread_launches};
-use kiln_core::{Backend, DType, Tensor};
+use kiln_core::{Backend, DType, Generator, Tensor};
 
 /// Standard normal values drawn from `seed`.
 fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
@@ -35,6 +35,22 @@ fn run<B: Backend>(
     g: &Tensor<B>,
     causal: bool,
 ) -> [Vec<f64>; 4] {
+    run_dropout(q, k, v, g, causal, None)
+}
+
+/// [`run`] with dropout `(p, generator)`.
+fn run_dropout<B: Backend>(
+    q: &Tensor<B>,
+    k: &Tensor<B>,
+    v: &Tensor<B>,
+    g: &Tensor<B>,
+    causal: bool,
+    dropout: Option<(f64, &mut Generator)>,
+) -> [Vec<f64>; 4] {
+    let (p, generator) = match dropout {
+        Some((p, rng)) => (p, Some(rng)),
+        None => (0.0, None),
+    };
     let (qv, kv, vv) = (
         Var::param(q.clone()),
         Var::param(k.clone()),
@@ -46,7 +62,7 @@ fn run<B: Backend>(
         AttnMask::None
     };
     let y = qv
-        .scaled_dot_product_attention(&kv, &vv, &mask, 0.0, None, None)
+        .scaled_dot_product_attention(&kv, &vv, &mask, p, None, generator)
         .unwrap();
     y.backward_with(g).unwrap();
     let grad = |x: &Var<B>| f64s(&x.grad().expect("a gradient"));
@@ -149,6 +165,44 @@ fn fused_is_one_launch_and_equals_the_gpu_composed_path() {
         .zip(fused.iter().zip(&composed))
     {
         assert_close(&format!("fused vs composed on the GPU: {name}"), a, b, 1e-4);
+    }
+}
+
+/// Dropout inside the kernels draws the composed path's mask (Philox, the generator's next
+/// key, f32 uniforms): with the same generator state the fused and the composed path agree in
+/// f32, forward and backward, and each advances the generator by one draw.
+#[test]
+fn fused_dropout_draws_the_composed_mask() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, h, tq, tk, d) = (2, 3, 45, 70, 64);
+    let q = normal::<Cuda>(&[b, h, tq, d], 41, DType::F32, &dev);
+    let k = normal::<Cuda>(&[b, h, tk, d], 42, DType::F32, &dev);
+    let v = normal::<Cuda>(&[b, h, tk, d], 43, DType::F32, &dev);
+    let g = normal::<Cuda>(&[b, h, tq, d], 44, DType::F32, &dev);
+    for causal in [false, true] {
+        let mut rng = Generator::new(77);
+        let fused = run_dropout(&q, &k, &v, &g, causal, Some((0.25, &mut rng)));
+        assert_eq!(rng.draws(), 1, "the fused path takes one draw");
+        let mut rng = Generator::new(77);
+        let composed = {
+            let _off = composed_attention();
+            run_dropout(&q, &k, &v, &g, causal, Some((0.25, &mut rng)))
+        };
+        assert_eq!(rng.draws(), 1);
+        let plain = run(&q, &k, &v, &g, causal);
+        assert!(
+            fused[0]
+                .iter()
+                .zip(&plain[0])
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "dropout changed nothing"
+        );
+        for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(fused.iter().zip(&composed))
+        {
+            assert_close(&format!("dropout, causal {causal}: {name}"), a, b, 1e-4);
+        }
     }
 }
 

@@ -10,6 +10,11 @@
 // sees. It writes O = acc / l in the storage type and the row's natural log-sum-exp
 // lse = (m + log2 l) ln 2 in f32 (+inf for a row with no key, so exp(s - lse) = 0 there).
 //
+// Dropout on the weights (p > 0): the forward multiplies each weight by its mask value z
+// (0 or 1/(1-p), att_drop: Philox regenerated from the weight's index, so nothing is stored)
+// in the product with V but not in the normalizer; the backward uses P z for dV, dP z in dS,
+// and Dr = rowsum(dO O) is still sum_j P dP z.
+//
 // Backward by recomputation, deterministic (no atomics), three kernels:
 //   attn_bwd_pre:  Dr[i] = sum_n dO[i][n] O[i][n]                       (one warp per row)
 //   attn_bwd_dkdv: one block per (batch, tile of keys), over the query tiles that see it:
@@ -47,10 +52,13 @@ struct AttnShape {
     u64 tq, tk, d, dv;
     u64 q_rs, k_rs, v_rs, g_rs;  // row strides of q, k, v, dO (elements)
     u64 batch;                   // number of batch entries
+    u64 key;                     // Philox key of the dropout mask
     float scale;                 // scale of the scores
     float scale2;                // scale * log2(e)
+    float drop_p;                // dropout probability (0: no dropout)
+    float drop_scale;            // 1 / (1 - drop_p)
     int causal;
-    int pad_;
+    int dropout;                 // drop_p > 0
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -127,6 +135,17 @@ __device__ __forceinline__ bool att_keep(const AttnShape& a, u64 qi, u64 kj) {
     return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi);
 }
 
+// Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
+// bit for bit: a uniform f32 `(w0 >> 8) 2^-24` from Philox with counter (b Tq + i) Tk + j
+// (the weights' row-major index) and the draw's key, kept when >= p (rand.cu's uniform_f32 and
+// a `compare_scalar(Ge, p)` in f32). Forward and both backward kernels regenerate it.
+__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
+    u32 w[4];
+    philox((b * a.tq + i) * a.tk + j, a.key, w);
+    const float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);
+    return u >= a.drop_p ? a.drop_scale : 0.f;
+}
+
 // The key tiles a tile of queries starting at q0 needs: keys 0 .. att_kend.
 __device__ __forceinline__ u64 att_kend(const AttnShape& a, u64 q0) {
     u64 e = a.tk;
@@ -187,8 +206,10 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const float p = exp2f(s[i][j] - base);
-                rs += p;
-                sP[(ty * ATT_RM + i) * ATT_LP + tx + 16 * j] = p;
+                rs += p;  // the normalizer counts every weight; dropout scales the product only
+                const u64 kj = k0 + tx + 16 * j;
+                const float pd = a.dropout && p > 0.f ? p * att_drop(a, b, qi, kj) : p;
+                sP[(ty * ATT_RM + i) * ATT_LP + tx + 16 * j] = pd;
             }
             l[i] = l[i] * alpha + att_sum16(rs);
             m[i] = mnew;
@@ -282,10 +303,11 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
-                const float p =
-                    att_keep(a, q0 + c, kj) ? exp2f(st[i][j] * a.scale2 - sL[c]) : 0.f;
-                sP[(ty * ATT_RM + i) * ATT_LP + c] = p;
-                sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dpt[i][j] - sD[c]);
+                const bool ok = att_keep(a, q0 + c, kj);
+                const float p = ok ? exp2f(st[i][j] * a.scale2 - sL[c]) : 0.f;
+                const float z = a.dropout && ok ? att_drop(a, b, q0 + c, kj) : 1.f;
+                sP[(ty * ATT_RM + i) * ATT_LP + c] = p * z;
+                sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dpt[i][j] * z - sD[c]);
             }
         }
         __syncthreads();
@@ -349,9 +371,10 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
-                const float p =
-                    att_keep(a, qi, k0 + c) ? exp2f(s[i][j] * a.scale2 - l2[i]) : 0.f;
-                sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dp[i][j] - dri[i]);
+                const bool ok = att_keep(a, qi, k0 + c);
+                const float p = ok ? exp2f(s[i][j] * a.scale2 - l2[i]) : 0.f;
+                const float z = a.dropout && ok ? att_drop(a, b, qi, k0 + c) : 1.f;
+                sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dp[i][j] * z - dri[i]);
             }
         }
         __syncthreads();

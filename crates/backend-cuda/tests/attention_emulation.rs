@@ -3,7 +3,8 @@
 //! directly and its gradients checked by central differences. No GPU needed: this checks the
 //! math the CUDA C implements (the online softmax with its rescaling, the causal tile bounds of
 //! each of the three kernels, the `+inf` log-sum-exp of an empty row, the backward from the
-//! log-sum-exp and `D = rowsum(dO ∘ O)`), so a wrong formula fails here and not only on a GPU.
+//! log-sum-exp and `D = rowsum(dO ∘ O)`, dropout's mask in the product and the backward but
+//! not in the normalizer), so a wrong formula fails here and not only on a GPU.
 //! The GPU tests (`kiln-autograd`'s `cuda_attention`) compare the kernels themselves with the
 //! composed path.
 
@@ -17,9 +18,24 @@ struct Problem {
     dv: usize,
     scale: f64,
     causal: bool,
+    /// Dropout probability (0: none); the mask is [`Problem::drop`].
+    drop_p: f64,
 }
 
 impl Problem {
+    /// `att_drop`: weight (i, j)'s multiplier, 0 or 1/(1-p), from a hash of its index (the
+    /// kernels use Philox; any fixed function of the index checks the same formulas).
+    fn drop(&self, i: usize, j: usize) -> f64 {
+        if self.drop_p == 0.0 {
+            return 1.0;
+        }
+        let u = values(1, (i * self.tk + j) as u64 + 12345)[0] / 3.0 + 0.5;
+        if u >= self.drop_p {
+            1.0 / (1.0 - self.drop_p)
+        } else {
+            0.0
+        }
+    }
     /// `att_keep` of the kernel file.
     fn keep(&self, i: usize, j: usize) -> bool {
         i < self.tq && j < self.tk && (!self.causal || j <= i)
@@ -73,7 +89,7 @@ fn kernel_forward(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Ve
                     for (c, pc) in pr.iter().enumerate() {
                         let j = k0 + c;
                         if j < p.tk {
-                            a[r] += pc * v[j * dv + n];
+                            a[r] += pc * p.drop(i, j) * v[j * dv + n];
                         }
                     }
                 }
@@ -126,7 +142,7 @@ fn kernel_backward(
         .collect();
     let ds = |i: usize, j: usize| {
         let pij = weight(p, q, k, lse, i, j);
-        let dp = dot(&g[i * dv..(i + 1) * dv], &v[j * dv..(j + 1) * dv]);
+        let dp = dot(&g[i * dv..(i + 1) * dv], &v[j * dv..(j + 1) * dv]) * p.drop(i, j);
         (pij, pij * (dp - dr[i]))
     };
     let (mut dk, mut dvv) = (vec![0.0; p.tk * d], vec![0.0; p.tk * dv]);
@@ -136,6 +152,7 @@ fn kernel_backward(
             for j in k0..(k0 + TILE).min(p.tk) {
                 for i in q0..(q0 + TILE).min(p.tq) {
                     let (pij, dsij) = ds(i, j);
+                    let pij = pij * p.drop(i, j);
                     for n in 0..dv {
                         dvv[j * dv + n] += pij * g[i * dv + n];
                     }
@@ -183,7 +200,9 @@ fn direct(p: &Problem, q: &[f64], k: &[f64], v: &[f64]) -> Vec<f64> {
         let e: Vec<f64> = s.iter().map(|x| x.map_or(0.0, |x| (x - m).exp())).collect();
         let z: f64 = e.iter().sum();
         for n in 0..p.dv {
-            o[i * p.dv + n] = (0..p.tk).map(|j| e[j] / z * v[j * p.dv + n]).sum();
+            o[i * p.dv + n] = (0..p.tk)
+                .map(|j| e[j] / z * p.drop(i, j) * v[j * p.dv + n])
+                .sum();
         }
     }
     o
@@ -238,6 +257,19 @@ fn numeric_grads(p: &Problem, q: &[f64], k: &[f64], v: &[f64], g: &[f64]) -> [Ve
 }
 
 fn check(tq: usize, tk: usize, d: usize, dv: usize, causal: bool, grads: bool) {
+    for drop_p in [0.0, 0.3] {
+        check_with(tq, tk, (d, dv), causal, drop_p, grads);
+    }
+}
+
+fn check_with(
+    tq: usize,
+    tk: usize,
+    (d, dv): (usize, usize),
+    causal: bool,
+    drop_p: f64,
+    grads: bool,
+) {
     let p = Problem {
         tq,
         tk,
@@ -245,8 +277,9 @@ fn check(tq: usize, tk: usize, d: usize, dv: usize, causal: bool, grads: bool) {
         dv,
         scale: 1.0 / (d as f64).sqrt(),
         causal,
+        drop_p,
     };
-    let what = format!("tq {tq} tk {tk} d {d} dv {dv} causal {causal}");
+    let what = format!("tq {tq} tk {tk} d {d} dv {dv} causal {causal} dropout {drop_p}");
     let seed = (tq * 1000 + tk * 10 + d) as u64;
     let (q, k, v) = (
         values(tq * d, seed),
@@ -301,6 +334,7 @@ fn empty_rows_give_zeros_and_infinite_lse() {
         dv: 2,
         scale: 1.0,
         causal: false,
+        drop_p: 0.0,
     };
     let (o, lse) = kernel_forward(&p, &values(6, 1), &[], &[]);
     assert!(o.iter().all(|&x| x == 0.0));

@@ -44,7 +44,7 @@ pub struct MemoryStats {
 }
 
 /// What a fused attention kernel computes ([`Backend::attention_forward`]):
-/// `softmax(q kᵀ · scale + causal mask) · v` per batch entry.
+/// `dropout(softmax(q kᵀ · scale + causal mask)) · v` per batch entry.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AttentionSpec {
     /// Multiplies the scores `q kᵀ` (PyTorch's default is `1/√d`).
@@ -52,6 +52,15 @@ pub struct AttentionSpec {
     /// Query `i` sees keys `0..=i` only (top-left aligned when `Tq != Tk`, PyTorch's
     /// `is_causal`).
     pub causal: bool,
+    /// Dropout probability on the attention weights (0: none). Weight `n` (the row-major
+    /// index over `[batch.., Tq, Tk]`) is kept, scaled by `1/(1 - p)`, when the f32 uniform of
+    /// [`crate::philox`] for counter `n` and key `dropout_key` is at least `p` (the composed
+    /// path's `rand_like` + `compare_scalar(Ge, p)` in f32), so forward and backward regenerate
+    /// the same mask and an f32 composed attention drawn with the same key drops the same
+    /// weights.
+    pub dropout_p: f64,
+    /// The Philox key of the dropout mask ([`Generator::next_key`](crate::Generator::next_key)).
+    pub dropout_key: u64,
 }
 
 /// One operand of a fused attention call: a storage and its layout.

@@ -12,10 +12,13 @@
 //!
 //! # What it offers, and what it leaves to the composed path
 //!
+//! Dropout on the weights runs inside the kernels (the mask regenerated from Philox in each
+//! of them, never stored; `AttentionSpec::dropout_p`).
+//!
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
 //! more than 65535 tiles of queries or keys. kiln-autograd then composes attention from
-//! products and a softmax, which also handles every mask other than causal and dropout.
+//! products and a softmax, which also handles every mask other than causal.
 //! Operands whose head axis is strided (not unit stride) are copied first; any other layout
 //! (a head view of a packed projection, transposed batch axes) is read in place.
 
@@ -49,10 +52,13 @@ struct AttnShape {
     v_rs: u64,
     g_rs: u64,
     batch: u64,
+    key: u64,
     scale: f32,
     scale2: f32,
+    drop_p: f32,
+    drop_scale: f32,
     causal: i32,
-    pad: i32,
+    dropout: i32,
 }
 
 /// One operand as the kernels read it: a buffer (the caller's, or a copy with a unit head
@@ -152,10 +158,13 @@ fn plan(
         v_rs: v.row_stride(),
         g_rs,
         batch: nbatch as u64,
+        key: spec.dropout_key,
         scale: spec.scale as f32,
         scale2: (spec.scale * std::f64::consts::LOG2_E) as f32,
+        drop_p: spec.dropout_p as f32,
+        drop_scale: (1.0 / (1.0 - spec.dropout_p)) as f32,
         causal: spec.causal as i32,
-        pad: 0,
+        dropout: (spec.dropout_p > 0.0) as i32,
     };
     Ok(Some((shape, bd, ss, tile_name, dt)))
 }
@@ -364,8 +373,8 @@ mod tests {
 
     #[test]
     fn shape_struct_matches_the_kernel() {
-        // 9 u64 + 2 f32 + 2 i32.
-        assert_eq!(std::mem::size_of::<AttnShape>(), 88);
+        // 10 u64 + 4 f32 + 2 i32.
+        assert_eq!(std::mem::size_of::<AttnShape>(), 104);
     }
 
     #[test]

@@ -110,8 +110,9 @@ mod user_kernel;
 
 use kiln_core::backend::Operand;
 use kiln_core::{
-    AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, DType, Error, HostBuffer,
-    HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp, UpdateRule, UpdateSlot,
+    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, DType, Error,
+    HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp, UpdateRule,
+    UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -595,7 +596,7 @@ impl Backend for Cuda {
         g: Operand<'_, CudaStorage>,
         dtype: DType,
         spec: AttentionSpec,
-    ) -> Result<Option<(CudaStorage, CudaStorage, CudaStorage)>> {
+    ) -> Result<Option<AttentionGrads<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
         let r = ops::attention::backward(

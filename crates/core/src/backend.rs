@@ -71,6 +71,9 @@ pub type Operand<'a, S> = (&'a S, &'a Layout);
 /// (`+inf` for a row with no key left, so that `exp(s - lse)` is 0 there).
 pub type AttentionOutputs<S> = (S, S);
 
+/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
+pub type AttentionGrads<S> = (S, S, S);
+
 /// A compute device family (CPU, CUDA, the f64 reference).
 ///
 /// All methods are associated functions: state lives in the storages and in per-device state the
@@ -490,7 +493,7 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         g: Operand<'_, Self::Storage>,
         dtype: DType,
         spec: AttentionSpec,
-    ) -> Result<Option<(Self::Storage, Self::Storage, Self::Storage)>> {
+    ) -> Result<Option<AttentionGrads<Self::Storage>>> {
         let _ = (q, k, v, out, lse, g, dtype, spec);
         Ok(None)
     }

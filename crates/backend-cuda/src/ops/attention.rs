@@ -25,7 +25,7 @@
 use cudarc::driver::sys;
 
 use kiln_core::backend::Operand;
-use kiln_core::{AttentionSpec, DType, Layout, Result};
+use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
 
 use crate::device::{DeviceState, check};
 use crate::launch::{Args, Dims, Strides, collapse};
@@ -114,13 +114,19 @@ fn head_tile(d: usize, dv: usize) -> Option<(&'static str, usize)> {
     }
 }
 
-/// The problem of one call, when the kernels take it: (shape, batch dims and per-operand
-/// strides, compiled head size).
-fn plan(
-    views: &[&View<'_>],
-    dtype: DType,
-    spec: AttentionSpec,
-) -> Result<Option<(AttnShape, Dims, Vec<Strides>, &'static str, usize)>> {
+/// The problem of one call as the kernels take it.
+struct Plan {
+    shape: AttnShape,
+    /// The batch dims, collapsed.
+    bd: Dims,
+    /// Per operand (q, k, v, and dO in the backward), its batch strides and offset.
+    ss: Vec<Strides>,
+    /// The compiled head size: its name in the kernels' names, and its value.
+    tile: (&'static str, usize),
+}
+
+/// The [`Plan`] of one call, or `None` when the kernels do not take it.
+fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec) -> Result<Option<Plan>> {
     const OP: &str = "scaled_dot_product_attention";
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Ok(None);
@@ -166,7 +172,12 @@ fn plan(
         causal: spec.causal as i32,
         dropout: (spec.dropout_p > 0.0) as i32,
     };
-    Ok(Some((shape, bd, ss, tile_name, dt)))
+    Ok(Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile: (tile_name, dt),
+    }))
 }
 
 /// Shared memory of each kernel for head size `dt` (in bytes): f32 tiles of `[TILE][dt + 1]`
@@ -220,7 +231,7 @@ pub(crate) fn forward(
     v: Operand<'_, Buffer>,
     dtype: DType,
     spec: AttentionSpec,
-) -> Result<Option<(Buffer, Buffer)>> {
+) -> Result<Option<AttentionOutputs<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention";
     same_device(OP, q.0, k.0)?;
     same_device(OP, q.0, v.0)?;
@@ -231,7 +242,13 @@ pub(crate) fn forward(
         View::new(k, dtype)?,
         View::new(v, dtype)?,
     );
-    let Some((shape, bd, ss, tile, dt)) = plan(&[&qv, &kv, &vv], dtype, spec)? else {
+    let Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile,
+    }) = plan(&[&qv, &kv, &vv], dtype, spec)?
+    else {
         return Ok(None);
     };
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
@@ -249,7 +266,7 @@ pub(crate) fn forward(
         .push(ss[1])
         .push(ss[2]);
     let grid = (nb as u32, tq.div_ceil(TILE) as u32);
-    launch(dev, "attn_fwd", dtype, (tile, dt), grid, &mut a)?;
+    launch(dev, "attn_fwd", dtype, tile, grid, &mut a)?;
     Ok(Some((out, lse)))
 }
 
@@ -265,7 +282,7 @@ pub(crate) fn backward(
     g: Operand<'_, Buffer>,
     dtype: DType,
     spec: AttentionSpec,
-) -> Result<Option<(Buffer, Buffer, Buffer)>> {
+) -> Result<Option<AttentionGrads<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention_backward";
     for x in [k.0, v.0, out.0, lse.0, g.0] {
         same_device(OP, q.0, x)?;
@@ -278,7 +295,13 @@ pub(crate) fn backward(
         View::new(v, dtype)?,
     );
     let gv = View::new(g, dtype)?;
-    let Some((shape, bd, ss, tile, dt)) = plan(&[&qv, &kv, &vv, &gv], dtype, spec)? else {
+    let Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile,
+    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec)?
+    else {
         return Ok(None);
     };
     let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
@@ -351,7 +374,7 @@ pub(crate) fn backward(
         .push(ss[2])
         .push(ss[3]);
     let grid = (nb as u32, tk.div_ceil(TILE) as u32);
-    launch(dev, "attn_bwd_dkdv", dtype, (tile, dt), grid, &mut a)?;
+    launch(dev, "attn_bwd_dkdv", dtype, tile, grid, &mut a)?;
 
     let mut a = Args::new();
     operands(&mut a);
@@ -363,7 +386,7 @@ pub(crate) fn backward(
         .push(ss[2])
         .push(ss[3]);
     let grid = (nb as u32, tq.div_ceil(TILE) as u32);
-    launch(dev, "attn_bwd_dq", dtype, (tile, dt), grid, &mut a)?;
+    launch(dev, "attn_bwd_dq", dtype, tile, grid, &mut a)?;
     Ok(Some((dq, dk, dv)))
 }
 

@@ -28,7 +28,7 @@ use std::process::{Command, ExitCode};
 /// Add a crate's GPU tests here with one line.
 const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
-    ("kiln-autograd", &["cuda_gradients"]),
+    ("kiln-autograd", &["cuda_gradients", "cuda_attention"]),
     ("kiln-nn", &["cuda"]),
     ("kiln-optim", &["amp_devices"]),
 ];

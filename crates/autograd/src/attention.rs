@@ -21,16 +21,40 @@
 //! so it cannot poison the gradients of the unmasked rows (a NaN row would reach every key and
 //! value through the products' backward).
 //!
-//! # What is left for the GPU
+//! # The fused path (a backend's flash-attention kernel)
 //!
-//! This materializes the `[.., Tq, Tk]` scores and weights (and keeps the weights for the
-//! backward). The flash-attention kernel the transformer issue asks for — `q`, `k`, `v` tiles in
-//! shared memory, an online softmax so the `T × T` matrix is never stored, the backward by
-//! recomputation from the saved log-sum-exp of each row — is a later step that needs GPU time
-//! to write and measure against PyTorch's SDPA; it will keep this function's signature and
-//! semantics, and this composition stays as the reference it is tested against.
+//! Before composing, attention asks the backend for a fused kernel
+//! ([`Backend::attention_forward`]): the CUDA backend runs FlashAttention-2's algorithm (tiles
+//! of `q`, `k`, `v` in shared memory, an online softmax, the `T × T` matrix never stored) and
+//! returns the output and each row's log-sum-exp. The result is ONE recorded node that saves
+//! `q`, `k`, `v`, the output and the log-sum-exps; its backward is the backend's
+//! [`Backend::attention_backward`], which recomputes the weights tile by tile from them. The
+//! fused path is taken for no mask or the causal mask, with or without dropout, for q, k, v
+//! with the same batch axes, where the backend offers the call (on CUDA: f32, f16, bf16 and
+//! head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
+//! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
+//! generator's next draw, regenerated in the backward (never stored) — the very mask the
+//! composed path draws with `rand_like` in f32, so the two paths agree with the same generator
+//! state. Everything else — boolean and additive masks, f64, the CPU and the reference
+//! backend — runs composed, as below, and that
+//! composition is the reference the fused kernel is tested against. Under [`autocast`] the
+//! fused path runs in the low dtype (PyTorch's autocast does the same for SDPA), with f32 math
+//! inside the kernel. [`composed_attention`] turns the fused path off for the calling thread
+//! (tests and benchmarks compare both on one device).
+//!
+//! [`autocast`]: crate::autocast()
+//!
+//! # The composed path
+//!
+//! It materializes the `[.., Tq, Tk]` scores and weights (and keeps the weights for the
+//! backward).
 
-use kiln_core::{Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor};
+use std::cell::Cell;
+
+use kiln_core::backend::Operand;
+use kiln_core::{
+    AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor, philox,
+};
 
 use crate::ops::softmax_backward;
 use crate::var::Var;
@@ -103,10 +127,10 @@ impl<B: Backend> Var<B> {
     /// training (a module does this in evaluation mode).
     ///
     /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
-    /// never NaN, and a zero gradient. This runs as two batched products around one
-    /// masked-softmax node and stores the `[.., Tq, Tk]` weights; the flash-style fused kernel
-    /// (tiles, online softmax, backward from the log-sum-exp) is a later step that needs GPU
-    /// time, with the same signature (see `attention.rs`).
+    /// never NaN, and a zero gradient. Without a mask or with the causal one (dropout or not), a
+    /// backend with a fused kernel (CUDA) runs it in the flash-attention manner as
+    /// one node (the `[.., Tq, Tk]` weights never stored); otherwise this runs as two batched
+    /// products around one masked-softmax node (see `attention.rs`).
     ///
     /// Errors (each naming `scaled_dot_product_attention`): inputs of rank < 2, non-float or
     /// mixed dtypes, mismatched `d`, `Tk` or batch axes, a mask of the wrong dtype or shape, a
@@ -134,6 +158,11 @@ impl<B: Backend> Var<B> {
                 OP,
                 format!("dropout_p must be in [0, 1), got {dropout_p}"),
             ));
+        }
+        let mut generator = generator;
+        let dropout = (dropout_p > 0.0).then_some(dropout_p);
+        if let Some(y) = fused(self, k, v, mask, dropout, scale, generator.as_deref_mut())? {
+            return Ok(y);
         }
         let scores = self.matmul(&k.transpose(-2, -1)?)?.mul_scalar(scale)?;
         // Under autocast the products are low-precision and the softmax between them f32
@@ -163,6 +192,128 @@ impl<B: Backend> Var<B> {
         }
         p.matmul(v)
     }
+}
+
+thread_local! {
+    /// Whether [`composed_attention`] is in force on this thread.
+    static COMPOSED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Restores the previous setting when dropped (see [`composed_attention`]).
+pub struct ComposedAttentionGuard {
+    prev: bool,
+}
+
+impl Drop for ComposedAttentionGuard {
+    fn drop(&mut self) {
+        COMPOSED.with(|c| c.set(self.prev));
+    }
+}
+
+/// While the guard lives, [`Var::scaled_dot_product_attention`] on the calling thread never
+/// asks the backend for its fused kernel and runs the composed path (two products and a
+/// softmax): how tests and benchmarks compare the two on one device.
+pub fn composed_attention() -> ComposedAttentionGuard {
+    ComposedAttentionGuard {
+        prev: COMPOSED.with(|c| c.replace(true)),
+    }
+}
+
+/// A tensor as an operand of a backend's fused call.
+fn operand<B: Backend>(t: &Tensor<B>) -> Operand<'_, B::Storage> {
+    (t.storage(), t.layout())
+}
+
+/// The fused path (module docs), or `None` when it does not apply or the backend does not
+/// offer it for these operands.
+///
+/// With dropout the mask's key is the generator's next draw, as the composed path's
+/// `rand_like` would take it; the generator advances only when the backend accepts the call,
+/// so a declined call leaves the composed path the same draw.
+fn fused<B: Backend>(
+    q: &Var<B>,
+    k: &Var<B>,
+    v: &Var<B>,
+    mask: &AttnMask<B>,
+    dropout: Option<f64>,
+    scale: f64,
+    generator: Option<&mut Generator>,
+) -> Result<Option<Var<B>>> {
+    let causal = match mask {
+        AttnMask::None => false,
+        AttnMask::Causal => true,
+        AttnMask::Keep(_) | AttnMask::Additive(_) => return Ok(None),
+    };
+    if COMPOSED.with(|c| c.get()) {
+        return Ok(None);
+    }
+    // Dropout without a generator is the composed path's error.
+    let (dropout_p, dropout_key, generator) = match (dropout, generator) {
+        (None, g) => (0.0, 0, g),
+        (Some(_), None) => return Ok(None),
+        (Some(p), Some(g)) => (p, philox::draw_key(g.initial_seed(), g.draws()), Some(g)),
+    };
+    let (q, k, v) = if crate::autocast::autocast_dtype().is_some() {
+        (q.autocast_low()?, k.autocast_low()?, v.autocast_low()?)
+    } else {
+        (q.clone(), k.clone(), v.clone())
+    };
+    let (qt, kt, vt) = (q.tensor(), k.tensor(), v.tensor());
+    let dtype = qt.dtype();
+    if kt.dtype() != dtype || vt.dtype() != dtype {
+        return Ok(None);
+    }
+    let spec = AttentionSpec {
+        scale,
+        causal,
+        dropout_p,
+        dropout_key,
+    };
+    let Some((o, lse)) =
+        B::attention_forward(operand(&qt), operand(&kt), operand(&vt), dtype, spec)?
+    else {
+        return Ok(None);
+    };
+    if dropout_p > 0.0
+        && let Some(g) = generator
+    {
+        g.next_key(); // the draw the kernels used
+    }
+    let mut dims = qt.dims().to_vec();
+    dims.pop();
+    let lse = Tensor::<B>::from_storage(lse, dims.clone(), DType::F32);
+    dims.push(vt.dims()[vt.rank() - 1]);
+    let out = Tensor::<B>::from_storage(o, dims, dtype);
+    let saved = (qt, kt, vt, out.clone(), lse);
+    Ok(Some(Var::from_op(OP, &[&q, &k, &v], out, move |g, _| {
+        let (qt, kt, vt, ot, lt) = &saved;
+        let g = if g.dtype() == dtype {
+            g.clone()
+        } else {
+            g.to_dtype(dtype)?
+        };
+        let grads = B::attention_backward(
+            operand(qt),
+            operand(kt),
+            operand(vt),
+            operand(ot),
+            operand(lt),
+            operand(&g),
+            dtype,
+            spec,
+        )?;
+        let Some((dq, dk, dv)) = grads else {
+            return Err(Error::backend(
+                OP,
+                format!(
+                    "the {} backend fused the forward but offers no fused backward",
+                    B::NAME
+                ),
+            ));
+        };
+        let back = |s, t: &Tensor<B>| Some(Tensor::<B>::from_storage(s, t.shape().clone(), dtype));
+        Ok(vec![back(dq, qt), back(dk, kt), back(dv, vt)])
+    })))
 }
 
 /// Checks ranks, dtypes and the sizes that must agree; returns `(Tq, Tk, d)`.

@@ -49,8 +49,10 @@
 //!   [`Var::avg_pool2d`] and [`Var::adaptive_avg_pool2d`], separable averages written with
 //!   `matmul` (or one mean for non-overlapping windows) and differentiated through them; their
 //!   constant matrices are uploaded once per geometry, dtype and device and cached.
-//! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
-//!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
+//! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is one
+//!   node of the backend's fused flash-style kernel where it offers one (CUDA; no mask or
+//!   causal, dropout inside the kernel), else two batched products around one masked-softmax node; fully
+//!   masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
 //!   losses, norms and reductions in f32, op by op as `torch.autocast` does (the op lists are
 //!   in the [`autocast`] docs); the backward follows through differentiable casts.
@@ -101,7 +103,7 @@ mod programs;
 pub mod testing;
 mod var;
 
-pub use attention::AttnMask;
+pub use attention::{AttnMask, ComposedAttentionGuard, composed_attention};
 pub use autocast::{
     AutocastGuard, autocast, autocast_cache_len, autocast_disabled, autocast_dtype,
 };

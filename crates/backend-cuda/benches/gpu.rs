@@ -10,7 +10,8 @@ use common::{report, time};
 
 use std::time::Instant;
 
-use kiln_backend_cuda::{Cuda, raw, set_allow_tf32, try_gpu, unavailable_reason};
+use kiln_autograd::{AttnMask, Var, composed_attention, no_grad};
+use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
 use kiln_core::{Backend, DType, Generator, Result};
 
 fn main() {
@@ -212,4 +213,54 @@ fn main() {
     let ms = time(&dev, 5, 1000, || x.exp()?.realize());
     report("exp_230400_x1000_driverpool", ms * 1000.0, "ms");
     kiln_backend_cuda::set_block_cache(true);
+    drop(x);
+
+    attention(&dev);
+}
+
+/// Issue 31: scaled dot-product attention at the GPT example's shape (batch 64, 6 heads,
+/// T = 256, head size 64, causal), forward alone (no graph recorded) and forward + backward
+/// (the gradients of q, k and v for a given output gradient, as `torch.autograd.grad`), in f32
+/// (TF32 off) and bf16: the fused kernels, and the composed path (`_composed`, kiln only) for
+/// the record.
+fn attention(dev: &CudaDevice) {
+    let (b, h, t, d) = (64, 6, 256, 64);
+    for (dt, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+        let draw = |seed| {
+            Generator::new(seed)
+                .uniform::<Cuda>([b, h, t, d], -1.0, 1.0, dev)
+                .and_then(|x| x.to_dtype(dt))
+                .unwrap()
+        };
+        let (q, k, v) = (
+            Var::param(draw(11)),
+            Var::param(draw(12)),
+            Var::param(draw(13)),
+        );
+        let g = draw(14);
+        let sdpa = || q.scaled_dot_product_attention(&k, &v, &AttnMask::Causal, 0.0, None, None);
+        let fwd = || no_grad(|| sdpa()?.tensor().realize());
+        let fwd_bwd = || -> Result<()> {
+            for x in [&q, &k, &v] {
+                x.zero_grad();
+            }
+            sdpa()?.backward_with(&g)?;
+            for x in [&q, &k, &v] {
+                x.grad().expect("a gradient").realize()?;
+            }
+            Ok(())
+        };
+        report(&format!("attn_gpt_fwd_{tag}"), time(dev, 5, 20, fwd), "ms");
+        report(
+            &format!("attn_gpt_fwd_bwd_{tag}"),
+            time(dev, 5, 20, fwd_bwd),
+            "ms",
+        );
+        let _composed = composed_attention();
+        report(
+            &format!("attn_gpt_fwd_bwd_{tag}_composed"),
+            time(dev, 5, 20, fwd_bwd),
+            "ms",
+        );
+    }
 }

@@ -2,28 +2,7 @@
 // counter [i_lo, i_hi, 0, 0] and key [seed_lo, seed_hi]. The affine maps use explicit
 // round-to-nearest intrinsics so that no FMA contraction changes the uniforms' last bit.
 
-__device__ __forceinline__ void philox(u64 i, u64 seed, u32 out[4]) {
-    u32 c0 = (u32)i, c1 = (u32)(i >> 32), c2 = 0, c3 = 0;
-    u32 k0 = (u32)seed, k1 = (u32)(seed >> 32);
-#pragma unroll
-    for (int round = 0; round < 10; ++round) {
-        if (round > 0) {
-            k0 += 0x9E3779B9u;
-            k1 += 0xBB67AE85u;
-        }
-        u32 hi0 = __umulhi(0xD2511F53u, c0), lo0 = 0xD2511F53u * c0;
-        u32 hi1 = __umulhi(0xCD9E8D57u, c2), lo1 = 0xCD9E8D57u * c2;
-        u32 n0 = hi1 ^ c1 ^ k0, n2 = hi0 ^ c3 ^ k1;
-        c0 = n0;
-        c1 = lo1;
-        c2 = n2;
-        c3 = lo0;
-    }
-    out[0] = c0;
-    out[1] = c1;
-    out[2] = c2;
-    out[3] = c3;
-}
+// (`philox` itself lives in common.cuh: fused attention draws its dropout mask with it.)
 
 extern "C" __global__ void rand_uniform_double(double* y, u64 n, u64 seed, double low,
                                                double high) {

@@ -108,9 +108,11 @@ mod transfer;
 mod types;
 mod user_kernel;
 
+use kiln_core::backend::Operand;
 use kiln_core::{
-    Backend, BinaryOp, CmpOp, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist,
-    ReduceOp, Result, UnaryOp, UpdateRule, UpdateSlot,
+    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, DType, Error,
+    HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp, UpdateRule,
+    UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -571,6 +573,49 @@ impl Backend for Cuda {
             dtype,
         )
         .map(CudaStorage::ready)
+    }
+
+    fn attention_forward(
+        q: Operand<'_, CudaStorage>,
+        k: Operand<'_, CudaStorage>,
+        v: Operand<'_, CudaStorage>,
+        dtype: DType,
+        spec: AttentionSpec,
+    ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
+        let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
+        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, spec)?;
+        Ok(r.map(|(o, l)| (CudaStorage::ready(o), CudaStorage::ready(l))))
+    }
+
+    fn attention_backward(
+        q: Operand<'_, CudaStorage>,
+        k: Operand<'_, CudaStorage>,
+        v: Operand<'_, CudaStorage>,
+        out: Operand<'_, CudaStorage>,
+        lse: Operand<'_, CudaStorage>,
+        g: Operand<'_, CudaStorage>,
+        dtype: DType,
+        spec: AttentionSpec,
+    ) -> Result<Option<AttentionGrads<CudaStorage>>> {
+        let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
+        let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
+        let r = ops::attention::backward(
+            (&qb, q.1),
+            (&kb, k.1),
+            (&vb, v.1),
+            (&ob, out.1),
+            (&lb, lse.1),
+            (&gb, g.1),
+            dtype,
+            spec,
+        )?;
+        Ok(r.map(|(a, b, c)| {
+            (
+                CudaStorage::ready(a),
+                CudaStorage::ready(b),
+                CudaStorage::ready(c),
+            )
+        }))
     }
 
     fn cross_entropy_backward(

@@ -88,16 +88,18 @@ pub enum Module {
     Softmax,
     Index,
     Util,
+    Attention,
 }
 
 impl Module {
-    pub const ALL: [Module; 6] = [
+    pub const ALL: [Module; 7] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
         Module::Softmax,
         Module::Index,
         Module::Util,
+        Module::Attention,
     ];
 
     /// The file name under `kernels/`.
@@ -109,6 +111,7 @@ impl Module {
             Module::Softmax => "softmax.cu",
             Module::Index => "index.cu",
             Module::Util => "util.cu",
+            Module::Attention => "attention.cu",
         }
     }
 
@@ -120,6 +123,7 @@ impl Module {
             Module::Softmax => include_str!("../kernels/softmax.cu"),
             Module::Index => include_str!("../kernels/index.cu"),
             Module::Util => include_str!("../kernels/util.cu"),
+            Module::Attention => include_str!("../kernels/attention.cu"),
         }
     }
 

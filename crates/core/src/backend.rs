@@ -43,6 +43,37 @@ pub struct MemoryStats {
     pub reserved: usize,
 }
 
+/// What a fused attention kernel computes ([`Backend::attention_forward`]):
+/// `dropout(softmax(q kᵀ · scale + causal mask)) · v` per batch entry.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionSpec {
+    /// Multiplies the scores `q kᵀ` (PyTorch's default is `1/√d`).
+    pub scale: f64,
+    /// Query `i` sees keys `0..=i` only (top-left aligned when `Tq != Tk`, PyTorch's
+    /// `is_causal`).
+    pub causal: bool,
+    /// Dropout probability on the attention weights (0: none). Weight `n` (the row-major
+    /// index over `[batch.., Tq, Tk]`) is kept, scaled by `1/(1 - p)`, when the f32 uniform of
+    /// [`crate::philox`] for counter `n` and key `dropout_key` is at least `p` (the composed
+    /// path's `rand_like` + `compare_scalar(Ge, p)` in f32), so forward and backward regenerate
+    /// the same mask and an f32 composed attention drawn with the same key drops the same
+    /// weights.
+    pub dropout_p: f64,
+    /// The Philox key of the dropout mask ([`Generator::next_key`](crate::Generator::next_key)).
+    pub dropout_key: u64,
+}
+
+/// One operand of a fused attention call: a storage and its layout.
+pub type Operand<'a, S> = (&'a S, &'a Layout);
+
+/// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
+/// inputs' dtype, and the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32
+/// (`+inf` for a row with no key left, so that `exp(s - lse)` is 0 there).
+pub type AttentionOutputs<S> = (S, S);
+
+/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
+pub type AttentionGrads<S> = (S, S, S);
+
 /// A compute device family (CPU, CUDA, the f64 reference).
 ///
 /// All methods are associated functions: state lives in the storages and in per-device state the
@@ -424,6 +455,47 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
                 Ok((p, outs))
             })
             .collect()
+    }
+
+    /// Fused scaled dot-product attention in the flash-attention manner: `q` `[batch.., Tq,
+    /// d]`, `k` `[batch.., Tk, d]`, `v` `[batch.., Tk, dv]` (the same batch axes, no
+    /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output and
+    /// the row log-sum-exps ([`AttentionOutputs`]), which [`Backend::attention_backward`]
+    /// recomputes the weights from. A fully masked row (only with `Tk = 0`, which callers do not
+    /// send) gives zeros.
+    ///
+    /// `Ok(None)` means "not offered" for this call (dtype, head size, layout): the caller
+    /// (kiln-autograd's `scaled_dot_product_attention`) composes attention from products and a
+    /// softmax instead. The default offers nothing, so the CPU and the reference backend keep
+    /// the composed path; a backend that returns `Some` here must implement the backward too.
+    fn attention_forward(
+        q: Operand<'_, Self::Storage>,
+        k: Operand<'_, Self::Storage>,
+        v: Operand<'_, Self::Storage>,
+        dtype: DType,
+        spec: AttentionSpec,
+    ) -> Result<Option<AttentionOutputs<Self::Storage>>> {
+        let _ = (q, k, v, dtype, spec);
+        Ok(None)
+    }
+
+    /// The gradients `(dq, dk, dv)` (contiguous, in the shapes of `q`, `k`, `v`) of a fused
+    /// attention whose forward gave `out` and `lse`, for the output gradient `g`, by
+    /// recomputing the weights tile by tile from `lse` (the `Tq × Tk` matrix is never stored).
+    /// `Ok(None)` when not offered (the default); a backend that fused the forward must offer it.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward(
+        q: Operand<'_, Self::Storage>,
+        k: Operand<'_, Self::Storage>,
+        v: Operand<'_, Self::Storage>,
+        out: Operand<'_, Self::Storage>,
+        lse: Operand<'_, Self::Storage>,
+        g: Operand<'_, Self::Storage>,
+        dtype: DType,
+        spec: AttentionSpec,
+    ) -> Result<Option<AttentionGrads<Self::Storage>>> {
+        let _ = (q, k, v, out, lse, g, dtype, spec);
+        Ok(None)
     }
 
     /// Evaluates an expression program (module `expr`) over `inputs`, each laid out in the

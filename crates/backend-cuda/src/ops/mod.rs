@@ -1,8 +1,8 @@
 //! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
 //! This file holds the shared helpers, the elementwise ops (each a generated one-instruction
 //! program: `expr_run::run_single`) and data movement; reductions
-//! (`reduce.rs`), softmax and cross-entropy (`rows.rs`) and indexing (`index.rs`) have files
-//! of their own.
+//! (`reduce.rs`), softmax and cross-entropy (`rows.rs`), indexing (`index.rs`) and fused
+//! attention (`attention.rs`) have files of their own.
 
 use cudarc::driver::sys;
 use std::sync::Arc;
@@ -418,6 +418,7 @@ pub(super) fn check_ids(
     Ok(())
 }
 
+pub(crate) mod attention;
 mod index;
 mod reduce;
 mod rows;

@@ -1,0 +1,299 @@
+//! The CUDA backend's fused attention (flash-style forward, recomputing backward) against the
+//! composed path: output and the gradients of q, k and v, for shapes whose sequence lengths are
+//! not multiples of the kernels' tile of 32, `Tq != Tk`, head sizes 32/64/80/128 (and
+//! `dv != d`), causal or not, several batch entries and heads, in f32 (tight: the reference is
+//! the composed path on the CPU in f64) and f16/bf16 (loose: the reference is the f64 composed
+//! path on the same rounded inputs). Also: the fused path is taken (one kernel launch), it
+//! equals the GPU's own composed path, with dropout too (the same mask from the same generator), head views of a packed projection are read in place,
+//! `check_backward` passes in f32, and what is not offered (f64, masks other than causal, heads
+//! over 128) still runs composed. `cargo xtask test-gpu` carries this binary to the GPU.
+//!
+//! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
+
+mod common;
+
+use common::{assert_close, f64s};
+use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
+use kiln_backend_cpu::Cpu;
+use kiln_backend_cuda::{Cuda, CudaDevice, gpu_or_skip, thread_launches};
+use kiln_core::{Backend, DType, Generator, Tensor};
+
+/// Standard normal values drawn from `seed`.
+fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
+    common::normal_with(dims, seed, (0.0, 1.0), dtype, dev)
+}
+
+/// A problem: batch, heads, Tq, Tk, d, dv.
+type Dims6 = (usize, usize, usize, usize, usize, usize);
+
+/// Attention and the gradients of q, k, v for the output gradient `g`, as f64 vectors:
+/// `[out, dq, dk, dv]`.
+fn run<B: Backend>(
+    q: &Tensor<B>,
+    k: &Tensor<B>,
+    v: &Tensor<B>,
+    g: &Tensor<B>,
+    causal: bool,
+) -> [Vec<f64>; 4] {
+    run_dropout(q, k, v, g, causal, None)
+}
+
+/// [`run`] with dropout `(p, generator)`.
+fn run_dropout<B: Backend>(
+    q: &Tensor<B>,
+    k: &Tensor<B>,
+    v: &Tensor<B>,
+    g: &Tensor<B>,
+    causal: bool,
+    dropout: Option<(f64, &mut Generator)>,
+) -> [Vec<f64>; 4] {
+    let (p, generator) = match dropout {
+        Some((p, rng)) => (p, Some(rng)),
+        None => (0.0, None),
+    };
+    let (qv, kv, vv) = (
+        Var::param(q.clone()),
+        Var::param(k.clone()),
+        Var::param(v.clone()),
+    );
+    let mask = if causal {
+        AttnMask::Causal
+    } else {
+        AttnMask::None
+    };
+    let y = qv
+        .scaled_dot_product_attention(&kv, &vv, &mask, p, None, generator)
+        .unwrap();
+    y.backward_with(g).unwrap();
+    let grad = |x: &Var<B>| f64s(&x.grad().expect("a gradient"));
+    [f64s(&y.tensor()), grad(&qv), grad(&kv), grad(&vv)]
+}
+
+/// The same values as an f64 CPU tensor.
+fn on_cpu(t: &Tensor<Cuda>) -> Tensor<Cpu> {
+    Tensor::<Cpu>::from_vec(f64s(t), t.dims().to_vec(), &Cpu::device(0)).unwrap()
+}
+
+/// Fused on the GPU in `dtype` against the composed path on the CPU in f64 from the same
+/// (rounded) inputs.
+fn against_cpu(dev: &CudaDevice, dtype: DType, dims: Dims6, causal: bool, tol: f64) {
+    let (b, h, tq, tk, d, dv) = dims;
+    let seed = (tq * 7 + tk * 3 + d) as u64;
+    let q = normal::<Cuda>(&[b, h, tq, d], seed, dtype, dev);
+    let k = normal::<Cuda>(&[b, h, tk, d], seed + 1, dtype, dev);
+    let v = normal::<Cuda>(&[b, h, tk, dv], seed + 2, dtype, dev);
+    let g = normal::<Cuda>(&[b, h, tq, dv], seed + 3, dtype, dev);
+    let got = run(&q, &k, &v, &g, causal);
+    let want = run(&on_cpu(&q), &on_cpu(&k), &on_cpu(&v), &on_cpu(&g), causal);
+    for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        assert_close(
+            &format!("{dtype} {dims:?} causal {causal}: {name}"),
+            got,
+            want,
+            tol,
+        );
+    }
+}
+
+/// Sequence lengths off the tile of 32, Tq != Tk both ways, head sizes 32/64/80/128, dv != d.
+const SHAPES: [Dims6; 7] = [
+    (2, 3, 37, 37, 64, 64),
+    (1, 2, 70, 45, 32, 32),
+    (2, 1, 45, 70, 80, 80),
+    (1, 2, 100, 100, 128, 128),
+    (2, 2, 33, 33, 64, 48),
+    (1, 1, 1, 5, 64, 64),
+    (3, 2, 64, 64, 64, 64),
+];
+
+#[test]
+fn fused_f32_matches_composed_f64_on_cpu() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for dims in SHAPES {
+        for causal in [false, true] {
+            against_cpu(&dev, DType::F32, dims, causal, 1e-4);
+        }
+    }
+}
+
+#[test]
+fn fused_bf16_and_f16_match_within_their_precision() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for dims in SHAPES {
+        for causal in [false, true] {
+            against_cpu(&dev, DType::BF16, dims, causal, 3e-2);
+            against_cpu(&dev, DType::F16, dims, causal, 1e-2);
+        }
+    }
+}
+
+/// The fused path is one kernel launch for the forward (the composed path needs a mask, a
+/// softmax and products), and it agrees with the GPU's own composed path.
+#[test]
+fn fused_is_one_launch_and_equals_the_gpu_composed_path() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, h, t, d) = (2, 3, 50, 64);
+    let q = normal::<Cuda>(&[b, h, t, d], 1, DType::F32, &dev);
+    let k = normal::<Cuda>(&[b, h, t, d], 2, DType::F32, &dev);
+    let v = normal::<Cuda>(&[b, h, t, d], 3, DType::F32, &dev);
+    let g = normal::<Cuda>(&[b, h, t, d], 4, DType::F32, &dev);
+    for x in [&q, &k, &v, &g] {
+        x.realize().unwrap();
+    }
+    let (qv, kv, vv) = (
+        Var::constant(q.clone()),
+        Var::constant(k.clone()),
+        Var::constant(v.clone()),
+    );
+    let before = thread_launches();
+    let y = qv
+        .scaled_dot_product_attention(&kv, &vv, &AttnMask::Causal, 0.0, None, None)
+        .unwrap();
+    assert_eq!(
+        thread_launches() - before,
+        1,
+        "the fused forward is one kernel"
+    );
+    drop(y);
+    let fused = run(&q, &k, &v, &g, true);
+    let composed = {
+        let _off = composed_attention();
+        run(&q, &k, &v, &g, true)
+    };
+    for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+        .iter()
+        .zip(fused.iter().zip(&composed))
+    {
+        assert_close(&format!("fused vs composed on the GPU: {name}"), a, b, 1e-4);
+    }
+}
+
+/// Dropout inside the kernels draws the composed path's mask (Philox, the generator's next
+/// key, f32 uniforms): with the same generator state the fused and the composed path agree in
+/// f32, forward and backward, and each advances the generator by one draw.
+#[test]
+fn fused_dropout_draws_the_composed_mask() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, h, tq, tk, d) = (2, 3, 45, 70, 64);
+    let q = normal::<Cuda>(&[b, h, tq, d], 41, DType::F32, &dev);
+    let k = normal::<Cuda>(&[b, h, tk, d], 42, DType::F32, &dev);
+    let v = normal::<Cuda>(&[b, h, tk, d], 43, DType::F32, &dev);
+    let g = normal::<Cuda>(&[b, h, tq, d], 44, DType::F32, &dev);
+    for causal in [false, true] {
+        let mut rng = Generator::new(77);
+        let fused = run_dropout(&q, &k, &v, &g, causal, Some((0.25, &mut rng)));
+        assert_eq!(rng.draws(), 1, "the fused path takes one draw");
+        let mut rng = Generator::new(77);
+        let composed = {
+            let _off = composed_attention();
+            run_dropout(&q, &k, &v, &g, causal, Some((0.25, &mut rng)))
+        };
+        assert_eq!(rng.draws(), 1);
+        let plain = run(&q, &k, &v, &g, causal);
+        assert!(
+            fused[0]
+                .iter()
+                .zip(&plain[0])
+                .any(|(a, b)| (a - b).abs() > 1e-3),
+            "dropout changed nothing"
+        );
+        for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(fused.iter().zip(&composed))
+        {
+            assert_close(&format!("dropout, causal {causal}: {name}"), a, b, 1e-4);
+        }
+    }
+}
+
+/// Heads as a view of a packed `[b, t, 3·h·d]` projection (as multi-head attention makes them:
+/// row stride 3·h·d, head stride d) are read in place and give the contiguous inputs' results.
+#[test]
+fn head_views_of_a_packed_projection() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, t, h, d) = (2, 45, 3, 64);
+    let e = h * d;
+    let qkv = normal::<Cuda>(&[b, t, 3 * e], 9, DType::F32, &dev);
+    let g = normal::<Cuda>(&[b, h, t, d], 10, DType::F32, &dev);
+    let heads = |i: usize| {
+        qkv.narrow(2, i * e, e)
+            .unwrap()
+            .reshape([b, t, h, d])
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let (q, k, v) = (heads(0), heads(1), heads(2));
+    let viewed = run(&q, &k, &v, &g, true);
+    let packed = |x: &Tensor<Cuda>| x.contiguous().unwrap();
+    let dense = run(&packed(&q), &packed(&k), &packed(&v), &g, true);
+    for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+        .iter()
+        .zip(viewed.iter().zip(&dense))
+    {
+        assert_close(&format!("head views: {name}"), a, b, 1e-6);
+    }
+}
+
+/// Chainer's numerical gradient check through the fused kernels, in f32.
+#[test]
+fn fused_passes_check_backward_in_f32() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let inputs = [
+        normal::<Cuda>(&[1, 2, 35, 32], 21, DType::F32, &dev),
+        normal::<Cuda>(&[1, 2, 40, 32], 22, DType::F32, &dev),
+        normal::<Cuda>(&[1, 2, 40, 16], 23, DType::F32, &dev),
+    ];
+    let opts = CheckOptions::f32().with_tolerances(5e-3, 5e-2);
+    for mask in [AttnMask::None, AttnMask::Causal] {
+        check_backward(
+            |x| x[0].scaled_dot_product_attention(&x[1], &x[2], &mask, 0.0, None, None),
+            &inputs,
+            &opts,
+        )
+        .unwrap();
+    }
+}
+
+/// What the kernels do not take runs composed and still agrees with the CPU: f64, a boolean
+/// mask, heads of 160.
+#[test]
+fn cases_not_offered_run_composed() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    against_cpu(&dev, DType::F64, (1, 2, 37, 37, 64, 64), true, 1e-10);
+    against_cpu(&dev, DType::F32, (1, 1, 20, 20, 160, 160), true, 1e-4);
+    let (q, k, v) = (
+        normal::<Cuda>(&[1, 2, 9, 8], 31, DType::F32, &dev),
+        normal::<Cuda>(&[1, 2, 11, 8], 32, DType::F32, &dev),
+        normal::<Cuda>(&[1, 2, 11, 8], 33, DType::F32, &dev),
+    );
+    let keep: Vec<u8> = (0..9 * 11).map(|x| u8::from(x % 4 != 1)).collect();
+    let keep_gpu = Tensor::<Cuda>::from_slice(&keep, [9, 11], &dev).unwrap();
+    let keep_cpu = Tensor::<Cpu>::from_slice(&keep, [9, 11], &Cpu::device(0)).unwrap();
+    let y = Var::constant(q.clone())
+        .scaled_dot_product_attention(
+            &Var::constant(k.clone()),
+            &Var::constant(v.clone()),
+            &AttnMask::Keep(keep_gpu),
+            0.0,
+            None,
+            None,
+        )
+        .unwrap();
+    let want = Var::constant(on_cpu(&q))
+        .scaled_dot_product_attention(
+            &Var::constant(on_cpu(&k)),
+            &Var::constant(on_cpu(&v)),
+            &AttnMask::Keep(keep_cpu),
+            0.0,
+            None,
+            None,
+        )
+        .unwrap();
+    assert_close(
+        "boolean mask",
+        &f64s(&y.tensor()),
+        &f64s(&want.tensor()),
+        1e-4,
+    );
+}

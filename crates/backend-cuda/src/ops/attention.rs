@@ -1,0 +1,411 @@
+//! Fused scaled dot-product attention (`Backend::attention_forward` / `attention_backward`):
+//! argument packing and launches of `kernels/attention.cu`, whose header explains the
+//! algorithm (FlashAttention-2's tiles and online softmax; backward by recomputation from the
+//! saved row log-sum-exps, in two deterministic passes).
+//!
+//! # Why a module of its own
+//!
+//! Attention has an argument set no other kernel shares (four operands' batch strides, row
+//! strides, the scale and the mask), kernels compiled per head size, and shared memory above
+//! the default 48 KiB for the larger heads; keeping it here keeps `rows.rs` and `mod.rs` about
+//! rows and elementwise ops.
+//!
+//! # What it offers, and what it leaves to the composed path
+//!
+//! Dropout on the weights runs inside the kernels (the mask regenerated from Philox in each
+//! of them, never stored; `AttentionSpec::dropout_p`).
+//!
+//! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
+//! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
+//! more than 65535 tiles of queries or keys. kiln-autograd then composes attention from
+//! products and a softmax, which also handles every mask other than causal.
+//! Operands whose head axis is strided (not unit stride) are copied first; any other layout
+//! (a head view of a packed projection, transposed batch axes) is read in place.
+
+use cudarc::driver::sys;
+
+use kiln_core::backend::Operand;
+use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
+
+use crate::device::{DeviceState, check};
+use crate::launch::{Args, Dims, Strides, collapse};
+use crate::memory::{Buffer, alloc};
+use crate::ops::{Module, contiguous, same_device, tname};
+
+/// Queries (and keys) per tile; `ATT_B` of the kernel file.
+const TILE: usize = 32;
+/// Threads per block; `ATT_NT` of the kernel file.
+const THREADS: u32 = 128;
+/// Shared memory a kernel gets without opting in.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// The kernels' `AttnShape` (same fields, same order).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnShape {
+    tq: u64,
+    tk: u64,
+    d: u64,
+    dv: u64,
+    q_rs: u64,
+    k_rs: u64,
+    v_rs: u64,
+    g_rs: u64,
+    batch: u64,
+    key: u64,
+    scale: f32,
+    scale2: f32,
+    drop_p: f32,
+    drop_scale: f32,
+    causal: i32,
+    dropout: i32,
+}
+
+/// One operand as the kernels read it: a buffer (the caller's, or a copy with a unit head
+/// stride), and its layout.
+struct View<'a> {
+    copy: Option<Buffer>,
+    buf: &'a Buffer,
+    layout: Layout,
+}
+
+impl<'a> View<'a> {
+    fn new((s, l): (&'a Buffer, &Layout), dtype: DType) -> Result<Self> {
+        let r = l.rank();
+        if l.strides()[r - 1] == 1 || l.dims()[r - 1] <= 1 {
+            return Ok(View {
+                copy: None,
+                buf: s,
+                layout: l.clone(),
+            });
+        }
+        Ok(View {
+            copy: Some(contiguous(s, l, dtype)?),
+            buf: s,
+            layout: Layout::contiguous(l.shape().clone()),
+        })
+    }
+    fn ptr(&self) -> u64 {
+        self.copy.as_ref().unwrap_or(self.buf).device_ptr()
+    }
+    fn rows(&self) -> usize {
+        self.layout.dims()[self.layout.rank() - 2]
+    }
+    fn cols(&self) -> usize {
+        self.layout.dims()[self.layout.rank() - 1]
+    }
+    fn row_stride(&self) -> u64 {
+        self.layout.strides()[self.layout.rank() - 2] as u64
+    }
+    fn batch_dims(&self) -> &[usize] {
+        &self.layout.dims()[..self.layout.rank() - 2]
+    }
+    fn batch_strides(&self) -> &[usize] {
+        &self.layout.strides()[..self.layout.rank() - 2]
+    }
+}
+
+/// The compiled head size for heads of `d` and `dv`, or `None` above 128.
+fn head_tile(d: usize, dv: usize) -> Option<(&'static str, usize)> {
+    match d.max(dv) {
+        0..=64 => Some(("64", 64)),
+        65..=128 => Some(("128", 128)),
+        _ => None,
+    }
+}
+
+/// The problem of one call as the kernels take it.
+struct Plan {
+    shape: AttnShape,
+    /// The batch dims, collapsed.
+    bd: Dims,
+    /// Per operand (q, k, v, and dO in the backward), its batch strides and offset.
+    ss: Vec<Strides>,
+    /// The compiled head size: its name in the kernels' names, and its value.
+    tile: (&'static str, usize),
+}
+
+/// The [`Plan`] of one call, or `None` when the kernels do not take it.
+fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec) -> Result<Option<Plan>> {
+    const OP: &str = "scaled_dot_product_attention";
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Ok(None);
+    }
+    let (q, k, v) = (views[0], views[1], views[2]);
+    let batch = q.batch_dims();
+    if views.iter().any(|x| x.batch_dims() != batch) {
+        return Ok(None);
+    }
+    let (tq, tk, d, dv) = (q.rows(), k.rows(), q.cols(), v.cols());
+    if tq == 0 || tk == 0 || k.cols() != d || v.rows() != tk {
+        return Ok(None);
+    }
+    let Some((tile_name, dt)) = head_tile(d, dv) else {
+        return Ok(None);
+    };
+    if tq.div_ceil(TILE) > 65535 || tk.div_ceil(TILE) > 65535 {
+        return Ok(None);
+    }
+    let nbatch: usize = batch.iter().product();
+    if nbatch == 0 || nbatch >= 1 << 31 {
+        return Ok(None);
+    }
+    let strides: Vec<&[usize]> = views.iter().map(|x| x.batch_strides()).collect();
+    let offsets: Vec<usize> = views.iter().map(|x| x.layout.offset()).collect();
+    let (bd, ss) = collapse(OP, batch, &strides, &offsets)?;
+    let g_rs = views.get(3).map_or(0, |g| g.row_stride());
+    let shape = AttnShape {
+        tq: tq as u64,
+        tk: tk as u64,
+        d: d as u64,
+        dv: dv as u64,
+        q_rs: q.row_stride(),
+        k_rs: k.row_stride(),
+        v_rs: v.row_stride(),
+        g_rs,
+        batch: nbatch as u64,
+        key: spec.dropout_key,
+        scale: spec.scale as f32,
+        scale2: (spec.scale * std::f64::consts::LOG2_E) as f32,
+        drop_p: spec.dropout_p as f32,
+        drop_scale: (1.0 / (1.0 - spec.dropout_p)) as f32,
+        causal: spec.causal as i32,
+        dropout: (spec.dropout_p > 0.0) as i32,
+    };
+    Ok(Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile: (tile_name, dt),
+    }))
+}
+
+/// Shared memory of each kernel for head size `dt` (in bytes): f32 tiles of `[TILE][dt + 1]`
+/// and `[TILE][TILE + 1]` (the kernel file's layout).
+fn smem_bytes(kernel: &str, dt: usize) -> usize {
+    let tile = TILE * (dt + 1);
+    let square = TILE * (TILE + 1);
+    let floats = match kernel {
+        "attn_fwd" => 3 * tile + square,
+        "attn_bwd_dq" => 4 * tile + square,
+        _ => 4 * tile + 2 * square + 2 * TILE, // attn_bwd_dkdv
+    };
+    floats * 4
+}
+
+/// Launches `kernel` for `dtype` and head size `tile` over `grid` (batch, tiles), opting in
+/// to more than 48 KiB of shared memory where the kernel needs it.
+fn launch(
+    dev: &DeviceState,
+    kernel: &'static str,
+    dtype: DType,
+    (tile, dt): (&'static str, usize),
+    grid: (u32, u32),
+    args: &mut Args,
+) -> Result<()> {
+    const OP: &str = "scaled_dot_product_attention";
+    let f = dev.func(Module::Attention, &[kernel, tname(dtype), tile])?;
+    let smem = smem_bytes(kernel, dt);
+    if smem > DEFAULT_SMEM {
+        // SAFETY: `f` is a kernel of the current context (bound by the caller); the attribute
+        // is a plain integer setting of that function.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f.0,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            },
+            OP,
+        )?;
+    }
+    dev.launch(OP, f, grid, THREADS, smem as u32, args.ptrs())
+}
+
+/// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` and the f32 row
+/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs).
+pub(crate) fn forward(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+    dtype: DType,
+    spec: AttentionSpec,
+) -> Result<Option<AttentionOutputs<Buffer>>> {
+    const OP: &str = "scaled_dot_product_attention";
+    same_device(OP, q.0, k.0)?;
+    same_device(OP, q.0, v.0)?;
+    let dev = q.0.state();
+    dev.bind()?;
+    let (qv, kv, vv) = (
+        View::new(q, dtype)?,
+        View::new(k, dtype)?,
+        View::new(v, dtype)?,
+    );
+    let Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile,
+    }) = plan(&[&qv, &kv, &vv], dtype, spec)?
+    else {
+        return Ok(None);
+    };
+    let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
+    let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
+    let lse = alloc(dev, nb * tq * 4)?;
+    let mut a = Args::new();
+    a.push(qv.ptr())
+        .push(kv.ptr())
+        .push(vv.ptr())
+        .push(out.device_ptr())
+        .push(lse.device_ptr())
+        .push(shape)
+        .push(bd)
+        .push(ss[0])
+        .push(ss[1])
+        .push(ss[2]);
+    let grid = (nb as u32, tq.div_ceil(TILE) as u32);
+    launch(dev, "attn_fwd", dtype, tile, grid, &mut a)?;
+    Ok(Some((out, lse)))
+}
+
+/// `Backend::attention_backward` on the GPU: `(dq, dk, dv)`, contiguous in the shapes of `q`,
+/// `k` and `v`, or `None` when not offered (the forward then was not either).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+    out: Operand<'_, Buffer>,
+    lse: Operand<'_, Buffer>,
+    g: Operand<'_, Buffer>,
+    dtype: DType,
+    spec: AttentionSpec,
+) -> Result<Option<AttentionGrads<Buffer>>> {
+    const OP: &str = "scaled_dot_product_attention_backward";
+    for x in [k.0, v.0, out.0, lse.0, g.0] {
+        same_device(OP, q.0, x)?;
+    }
+    let dev = q.0.state();
+    dev.bind()?;
+    let (qv, kv, vv) = (
+        View::new(q, dtype)?,
+        View::new(k, dtype)?,
+        View::new(v, dtype)?,
+    );
+    let gv = View::new(g, dtype)?;
+    let Some(Plan {
+        shape,
+        bd,
+        ss,
+        tile,
+    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec)?
+    else {
+        return Ok(None);
+    };
+    let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
+    let (d, dvn) = (shape.d as usize, shape.dv as usize);
+    if gv.rows() != tq || gv.cols() != dvn {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects an output gradient [.., {tq}, {dvn}], got {}",
+                gv.layout.shape()
+            ),
+        ));
+    }
+    // The forward's own outputs, contiguous unless a caller re-laid them out.
+    let packed = |(s, l): Operand<'_, Buffer>, dt: DType| -> Result<Option<Buffer>> {
+        Ok(if l.is_contiguous() && l.offset() == 0 {
+            None
+        } else {
+            Some(contiguous(s, l, dt)?)
+        })
+    };
+    let out_copy = packed(out, dtype)?;
+    let lse_copy = packed(lse, DType::F32)?;
+    let out_ptr = out_copy.as_ref().unwrap_or(out.0).device_ptr();
+    let lse_ptr = lse_copy.as_ref().unwrap_or(lse.0).device_ptr();
+    if out.1.elem_count() != nb * tq * dvn || lse.1.elem_count() != nb * tq {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects the forward's output [.., {tq}, {dvn}] and log-sum-exp [.., {tq}], got {} and {}",
+                out.1.shape(),
+                lse.1.shape()
+            ),
+        ));
+    }
+    let dr = alloc(dev, nb * tq * 4)?;
+    let mut a = Args::new();
+    a.push(out_ptr)
+        .push(gv.ptr())
+        .push(dr.device_ptr())
+        .push(shape)
+        .push(bd)
+        .push(ss[3]);
+    let rows = (nb * tq) as u64;
+    let grid = (rows.div_ceil(8).min(dev.sm_count() as u64 * 32) as u32, 1);
+    let f = dev.func(Module::Attention, &["attn_bwd_pre", tname(dtype)])?;
+    dev.launch(OP, f, grid, 256, 0, a.ptrs())?;
+
+    let size = dtype.size_in_bytes();
+    let (dq, dk, dv) = (
+        alloc(dev, nb * tq * d * size)?,
+        alloc(dev, nb * tk * d * size)?,
+        alloc(dev, nb * tk * dvn * size)?,
+    );
+    let operands = |a: &mut Args| {
+        a.push(qv.ptr())
+            .push(kv.ptr())
+            .push(vv.ptr())
+            .push(gv.ptr())
+            .push(lse_ptr)
+            .push(dr.device_ptr());
+    };
+    let mut a = Args::new();
+    operands(&mut a);
+    a.push(dk.device_ptr()).push(dv.device_ptr());
+    a.push(shape)
+        .push(bd)
+        .push(ss[0])
+        .push(ss[1])
+        .push(ss[2])
+        .push(ss[3]);
+    let grid = (nb as u32, tk.div_ceil(TILE) as u32);
+    launch(dev, "attn_bwd_dkdv", dtype, tile, grid, &mut a)?;
+
+    let mut a = Args::new();
+    operands(&mut a);
+    a.push(dq.device_ptr());
+    a.push(shape)
+        .push(bd)
+        .push(ss[0])
+        .push(ss[1])
+        .push(ss[2])
+        .push(ss[3]);
+    let grid = (nb as u32, tq.div_ceil(TILE) as u32);
+    launch(dev, "attn_bwd_dq", dtype, tile, grid, &mut a)?;
+    Ok(Some((dq, dk, dv)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shape_struct_matches_the_kernel() {
+        // 10 u64 + 4 f32 + 2 i32.
+        assert_eq!(std::mem::size_of::<AttnShape>(), 104);
+    }
+
+    #[test]
+    fn shared_memory_fits_the_devices() {
+        // Below 48 KiB at head size 64 (no opt-in), below the 99 KiB of an sm_86 block at 128.
+        for k in ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"] {
+            assert!(smem_bytes(k, 64) <= DEFAULT_SMEM, "{k}");
+            assert!(smem_bytes(k, 128) <= 99 * 1024, "{k}");
+        }
+    }
+}

@@ -49,6 +49,9 @@
 //!   [`Var::avg_pool2d`] and [`Var::adaptive_avg_pool2d`], separable averages written with
 //!   `matmul` (or one mean for non-overlapping windows) and differentiated through them; their
 //!   constant matrices are uploaded once per geometry, dtype and device and cached.
+//! - [`Var::conv2d_native`]: a convolution by the backend's own library (cuDNN), one node whose
+//!   backward calls the library's two gradients; `None` where the backend offers none (the
+//!   CPU), and kiln-nn then keeps its im2col path.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is two
 //!   batched products around one masked-softmax node; fully masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
@@ -91,6 +94,7 @@ mod autocast;
 mod batch_norm;
 mod check;
 mod composite;
+mod conv;
 mod embedding;
 mod fuse;
 mod norm;

@@ -29,7 +29,7 @@ use std::process::{Command, ExitCode};
 const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
     ("kiln-autograd", &["cuda_gradients"]),
-    ("kiln-nn", &["cuda"]),
+    ("kiln-nn", &["cuda", "cuda_conv"]),
     ("kiln-optim", &["amp_devices"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).

@@ -407,10 +407,15 @@ pub(super) fn execute(
     let op = dir.op();
     let mut last_oom = None;
     for c in cands {
-        let ws = if c.workspace == 0 {
+        plan.set_math(c.math, op)?;
+        // What the search reported, or what cuDNN asks now for the math type set, if more
+        // (PyTorch asks again too: the two have been seen to differ).
+        let bytes =
+            workspace_size(h, plan, dir, c.algo).map_or(c.workspace, |b| b.max(c.workspace));
+        let ws = if bytes == 0 {
             None
         } else {
-            match alloc(dev, c.workspace) {
+            match alloc(dev, bytes) {
                 Ok(b) => Some(b),
                 Err(e @ Error::OutOfMemory { .. }) => {
                     last_oom = Some(e);
@@ -419,7 +424,6 @@ pub(super) fn execute(
                 Err(e) => return Err(e),
             }
         };
-        plan.set_math(c.math, op)?;
         let wsp = ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void;
         let (a, b, out) = (
             ops.a as *const c_void,
@@ -430,7 +434,7 @@ pub(super) fn execute(
         let _prof = crate::profile::launch(dev, op, true);
         // SAFETY: live handle (bound to the current stream) and descriptors under the device's
         // cuDNN lock; operands and output are live device buffers of the descriptors' shapes;
-        // the workspace holds at least `c.workspace` bytes and is freed (stream-ordered) after
+        // the workspace holds `bytes` bytes and is freed (stream-ordered) after
         // the call is queued; alpha/beta point at live host scalars of the right type.
         let r = unsafe {
             match dir {
@@ -444,7 +448,7 @@ pub(super) fn execute(
                     plan.conv,
                     fwd_algo(c.algo).ok_or_else(|| bad_algo(op, c.algo))?,
                     wsp,
-                    c.workspace,
+                    bytes,
                     beta,
                     plan.y,
                     out,
@@ -459,7 +463,7 @@ pub(super) fn execute(
                     plan.conv,
                     data_algo(c.algo).ok_or_else(|| bad_algo(op, c.algo))?,
                     wsp,
-                    c.workspace,
+                    bytes,
                     beta,
                     plan.x,
                     out,
@@ -474,7 +478,7 @@ pub(super) fn execute(
                     plan.conv,
                     filter_algo(c.algo).ok_or_else(|| bad_algo(op, c.algo))?,
                     wsp,
-                    c.workspace,
+                    bytes,
                     beta,
                     plan.w,
                     out,

@@ -3,11 +3,11 @@
 //!
 //! For each direction (forward, gradient of the input, gradient of the weight) the first call
 //! of a geometry asks cuDNN to time every algorithm on the real operands
-//! (`cudnnFind*AlgorithmEx`), with the largest workspace kiln's memory pool can give (up to a
-//! quarter of the device's memory), and keeps the list of those that ran, fastest first. Later
-//! calls take the first whose workspace the pool can give now (an algorithm whose workspace
-//! cannot be had is skipped, not an error), so a steady step makes no search and no driver
-//! allocation (the workspace is a pool block, back in the cache after the call).
+//! (`cudnnFind*AlgorithmEx`), with the largest workspace kiln's memory pool can give (up to
+//! 4 GiB or a quarter of the device's memory), and keeps the list of those that ran, fastest
+//! first. Later calls take the first whose workspace the pool can give now (an algorithm whose
+//! workspace cannot be had is skipped, not an error), so a steady step makes no search and no
+//! driver allocation (the workspace is a pool block, back in the cache after the call).
 //!
 //! Measuring synchronizes the device, which a CUDA graph capture forbids: while capturing, a
 //! geometry not measured yet takes cuDNN's heuristic ranking (`cudnnGet*Algorithm_v7`, host
@@ -215,6 +215,11 @@ fn candidates(perf: &[RawPerf], want: sys::cudnnMathType_t) -> Vec<Candidate> {
         .collect()
 }
 
+/// The most workspace a search offers the algorithms (those asking for more are not timed):
+/// 4 GiB, or a quarter of the device's memory if less. The fastest algorithms of ResNet-sized
+/// layers need far less; FFT ones on large layers ask for gigabytes.
+const MEASURE_WORKSPACE_CAP: usize = 4 << 30;
+
 /// Searches `dir`'s algorithms on the real operands (module docs): synchronizes the device.
 pub(super) fn measure(
     dev: &'static DeviceState,
@@ -225,9 +230,9 @@ pub(super) fn measure(
     ops: Operands,
 ) -> Result<Vec<Candidate>> {
     let op = dir.op();
-    // The largest workspace any algorithm asks for, capped, then smaller ones if the pool
-    // cannot give it.
-    let cap = dev.device().total_memory()? / 4;
+    // The largest workspace any algorithm asks for, capped (the block stays in the pool's
+    // cache afterwards), then smaller ones if the pool cannot give it.
+    let cap = (dev.device().total_memory()? / 4).min(MEASURE_WORKSPACE_CAP);
     let mut sizes: Vec<usize> = (0..dir.count())
         .filter_map(|a| workspace_size(h, plan, dir, a))
         .filter(|&b| b <= cap)

@@ -125,15 +125,38 @@ fn probe() -> std::result::Result<usize, String> {
     Ok(version)
 }
 
-/// The algorithms measured for one geometry, per direction ([`Dir::index`]), fastest first.
-type Chosen = [Option<Vec<Candidate>>; 3];
+/// One geometry's descriptors, the algorithms measured for it per direction ([`Dir::index`],
+/// fastest first), and whether cuDNN can run all three directions on it at all (its heuristic
+/// lists an algorithm for each): a convolution is offered only then, so that its gradients are
+/// never refused after its forward ran.
+struct Geometry {
+    plan: Plan,
+    chosen: [Option<Vec<Candidate>>; 3],
+    offered: bool,
+}
+
+impl Geometry {
+    fn new(h: sys::cudnnHandle_t, key: &Key) -> Result<Geometry> {
+        let plan = Plan::new(key)?;
+        let mut offered = true;
+        for dir in [Dir::Forward, Dir::Data, Dir::Filter] {
+            plan.set_math(key.math, dir.op())?;
+            offered &= !algo::heuristic(h, &plan, key.math, dir)?.is_empty();
+        }
+        Ok(Geometry {
+            plan,
+            chosen: [None, None, None],
+            offered,
+        })
+    }
+}
 
 /// One device's cuDNN: the handle, the stream it is bound to, and the plans of the geometries
 /// seen, each with the algorithms measured per direction.
 struct State {
     handle: sys::cudnnHandle_t,
     stream: usize,
-    plans: HashMap<Key, (Plan, Chosen)>,
+    plans: HashMap<Key, Geometry>,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -245,10 +268,20 @@ pub(crate) fn run(
         math,
     };
     let handle = st.handle;
-    let (plan, chosen) = match st.plans.entry(key) {
+    let geo = match st.plans.entry(key) {
         Entry::Occupied(e) => e.into_mut(),
-        Entry::Vacant(v) => v.insert((Plan::new(&key)?, [None, None, None])),
+        Entry::Vacant(v) => v.insert(Geometry::new(handle, &key)?),
     };
+    if !geo.offered {
+        if dir == Dir::Forward {
+            return Ok(None);
+        }
+        return Err(Error::backend(
+            op,
+            format!("cuDNN has no algorithm for {key:?}"),
+        ));
+    }
+    let (plan, chosen) = (&geo.plan, &mut geo.chosen);
     let size = dtype.size_in_bytes();
     let out = alloc(dev, out_dims.iter().product::<usize>() * size)?;
     let ops = Operands {
@@ -263,8 +296,10 @@ pub(crate) fn run(
     }
     let heuristic;
     let cands: &[Candidate] = match &chosen[i] {
-        Some(c) => c,
-        None => {
+        Some(c) if !c.is_empty() => c,
+        // Not measured yet inside a capture, or nothing ran in the search (its workspace
+        // could not be had): cuDNN's heuristic ranking.
+        _ => {
             plan.set_math(math, op)?;
             heuristic = algo::heuristic(handle, plan, math, dir)?;
             &heuristic

@@ -263,3 +263,60 @@ fn the_comparisons_hold_on_the_cpu() {
         }
     }
 }
+
+/// Output and the gradients of input, weight and bias as tensors (no host read: capturable).
+fn run_tensors(ops: &[Tensor<Cuda>; 4], c: &Case) -> kiln_core::Result<[Tensor<Cuda>; 4]> {
+    let [x, w, b, r] = ops;
+    let (x, w, b) = (
+        Var::param(x.clone()),
+        Var::param(w.clone()),
+        Var::param(b.clone()),
+    );
+    let y = conv2d_grouped(&x, &w, Some(&b), c.window(), c.groups)?;
+    y.backward_with(r)?;
+    let grad = |v: &Var<Cuda>| {
+        v.grad()
+            .ok_or_else(|| Error::invalid("test", "no gradient"))
+    };
+    Ok([y.tensor(), grad(&x)?, grad(&w)?, grad(&b)?])
+}
+
+#[test]
+fn cudnn_conv_is_captured_in_a_cuda_graph() {
+    use kiln_backend_cuda::{CudaGraph, write_static};
+    let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = gpu() else { return };
+    kiln_backend_cuda::set_allow_tf32(false);
+    kiln_backend_cuda::set_cudnn(true);
+    // A geometry measured before the capture (this also creates the handle), and one seen
+    // first inside it (cuDNN's heuristic choice; no other test uses it).
+    let measured = CASES[0];
+    let fresh = case([2, 5, 7, 6], 3, 3, 1, 1, 1, 1);
+    let host = |t: &Tensor<Cuda>| t.to_f64_vec().unwrap();
+    run_tensors(
+        &on::<Cuda>(&measured.operands(1), DType::F32, &dev),
+        &measured,
+    )
+    .unwrap();
+    for (i, c) in [measured, fresh].iter().enumerate() {
+        let fixed = on::<Cuda>(&c.operands(100 + i as u64), DType::F32, &dev);
+        let (graph, outs) = CudaGraph::capture(&dev, || run_tensors(&fixed, c)).unwrap();
+        // New values in the captured input, then one replay against the eager result.
+        let next = on::<Cuda>(&c.operands(200 + i as u64), DType::F32, &dev);
+        write_static(&fixed[0], &next[0]).unwrap();
+        graph.replay().unwrap();
+        let eager = run_tensors(
+            &[
+                next[0].clone(),
+                fixed[1].clone(),
+                fixed[2].clone(),
+                fixed[3].clone(),
+            ],
+            c,
+        )
+        .unwrap();
+        let got = outs.each_ref().map(host);
+        let want = eager.each_ref().map(host);
+        compare(&format!("captured {c:?}"), &got, &want, 1e-4);
+    }
+}

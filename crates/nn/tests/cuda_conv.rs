@@ -320,3 +320,33 @@ fn cudnn_conv_is_captured_in_a_cuda_graph() {
         compare(&format!("captured {c:?}"), &got, &want, 1e-4);
     }
 }
+
+#[test]
+fn under_autocast_the_conv_runs_in_the_low_dtype_on_both_paths() {
+    let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = gpu() else { return };
+    kiln_backend_cuda::set_cudnn(true);
+    let c = CASES[1];
+    let ops = on::<Cuda>(&c.operands(300), DType::F32, &dev);
+    let [x, w, b, _] = &ops;
+    let (x, w, b) = (
+        Var::param(x.clone()),
+        Var::param(w.clone()),
+        Var::param(b.clone()),
+    );
+    let _ac = kiln_autograd::autocast(DType::BF16).unwrap();
+    let native = conv2d_grouped(&x, &w, Some(&b), c.window(), c.groups).unwrap();
+    let im2col = conv2d_im2col_path(&x, &w, Some(&b), c.window(), c.groups).unwrap();
+    assert_eq!(native.dtype(), DType::BF16);
+    assert_eq!(im2col.dtype(), DType::BF16);
+    let (a, b) = (
+        native.tensor().to_f64_vec().unwrap(),
+        im2col.tensor().to_f64_vec().unwrap(),
+    );
+    let scale = b.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+    check_close(&a, &b, 3e-2 * scale, 3e-2).unwrap();
+    // The gradients flow back through the casts to the f32 parameters.
+    native.sum_all().unwrap().backward().unwrap();
+    assert_eq!(w.grad().unwrap().dtype(), DType::F32);
+    assert_eq!(x.grad().unwrap().dtype(), DType::F32);
+}

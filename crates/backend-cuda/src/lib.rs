@@ -739,7 +739,7 @@ impl Backend for Cuda {
         x_dims: [usize; 4],
         spec: &Conv2dSpec,
     ) -> Result<Option<CudaStorage>> {
-        if !cudnn::offered(dtype) {
+        if !cudnn::usable(dtype) {
             return Ok(None);
         }
         let (wd, yd) = (dims4(w_layout)?, dims4(dy_layout)?);
@@ -768,7 +768,7 @@ impl Backend for Cuda {
         w_dims: [usize; 4],
         spec: &Conv2dSpec,
     ) -> Result<Option<CudaStorage>> {
-        if !cudnn::offered(dtype) {
+        if !cudnn::usable(dtype) {
             return Ok(None);
         }
         let (xd, yd) = (dims4(x_layout)?, dims4(dy_layout)?);

@@ -99,6 +99,38 @@ fn available() -> std::result::Result<usize, &'static str> {
     r.as_ref().map(|v| *v).map_err(|s| s.as_str())
 }
 
+/// Every cuDNN function kiln calls (after `cudnnGetVersion`), checked once by [`probe`].
+const SYMBOLS: &[&str] = &[
+    "cudnnOpsVersionCheck",
+    "cudnnCnnVersionCheck",
+    "cudnnCreate",
+    "cudnnDestroy",
+    "cudnnSetStream",
+    "cudnnCreateTensorDescriptor",
+    "cudnnSetTensor4dDescriptor",
+    "cudnnDestroyTensorDescriptor",
+    "cudnnCreateFilterDescriptor",
+    "cudnnSetFilter4dDescriptor",
+    "cudnnDestroyFilterDescriptor",
+    "cudnnCreateConvolutionDescriptor",
+    "cudnnSetConvolution2dDescriptor",
+    "cudnnSetConvolutionGroupCount",
+    "cudnnSetConvolutionMathType",
+    "cudnnDestroyConvolutionDescriptor",
+    "cudnnGetConvolutionForwardWorkspaceSize",
+    "cudnnGetConvolutionBackwardDataWorkspaceSize",
+    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+    "cudnnFindConvolutionForwardAlgorithmEx",
+    "cudnnFindConvolutionBackwardDataAlgorithmEx",
+    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+    "cudnnGetConvolutionForwardAlgorithm_v7",
+    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+    "cudnnConvolutionForward",
+    "cudnnConvolutionBackwardData",
+    "cudnnConvolutionBackwardFilter",
+];
+
 fn probe() -> std::result::Result<usize, String> {
     // SAFETY: only tries to dlopen libcudnn by its candidate names; must come before any
     // other cuDNN call (cudarc panics on a library it cannot open).
@@ -112,7 +144,22 @@ fn probe() -> std::result::Result<usize, String> {
             "cuDNN {version} found, but kiln binds cuDNN 9 (libcudnn.so.9)"
         ));
     }
-    // SAFETY: cuDNN 9 has these; they load the sublibraries and compare their versions.
+    // cudarc panics on a symbol it cannot find: every one kiln calls must be there first.
+    // SAFETY: looks symbols up in the opened library without calling them.
+    let missing: Vec<&str> = SYMBOLS
+        .iter()
+        .copied()
+        .filter(|name| {
+            unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "cuDNN {version} found but it lacks {}",
+            missing.join(", ")
+        ));
+    }
+    // SAFETY: present (checked above); they load the sublibraries and compare their versions.
     let checks = unsafe { [sys::cudnnOpsVersionCheck(), sys::cudnnCnnVersionCheck()] };
     for r in checks {
         if r != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
@@ -187,7 +234,14 @@ fn slot(ordinal: usize) -> Option<&'static Mutex<Option<State>>> {
 
 /// Whether convolutions of `dtype` go to cuDNN now: enabled, loadable, a dtype it convolves.
 pub(crate) fn offered(dtype: DType) -> bool {
-    cudnn_enabled() && desc::types(dtype, false).is_some() && available().is_ok()
+    cudnn_enabled() && usable(dtype)
+}
+
+/// Whether cuDNN can convolve `dtype` at all, whatever the switch says: the gradients of a
+/// convolution recorded through cuDNN are computed by it even if [`set_cudnn`] turned it off
+/// since.
+pub(crate) fn usable(dtype: DType) -> bool {
+    desc::types(dtype, false).is_some() && available().is_ok()
 }
 
 /// A packed, offset-0 view of an operand: its buffer, or a packed copy of a strided or offset
@@ -222,7 +276,12 @@ pub(crate) fn run(
     dtype: DType,
 ) -> Result<Option<Buffer>> {
     let (x, w, y) = key_dims;
-    if !offered(dtype) || !fits(&[x, w, y]) {
+    let on = if dir == Dir::Forward {
+        offered(dtype)
+    } else {
+        usable(dtype)
+    };
+    if !on || !fits(&[x, w, y]) {
         return Ok(None);
     }
     let tf32 = crate::blas::allow_tf32();

@@ -23,6 +23,14 @@ impl<B: Backend> Var<B> {
     /// convolution for these operands (or they are not of one float dtype, which the caller's
     /// own path reports). Shapes that do not fit `spec` are an error naming `conv2d`.
     pub fn conv2d_native(&self, weight: &Var<B>, spec: Conv2dSpec) -> Result<Option<Var<B>>> {
+        // Nothing is cast for a backend that will not convolve (the CPU keeps its im2col path,
+        // which casts where it needs to).
+        let dev = self.device();
+        let offered = B::offers_conv2d(&dev, self.dtype())
+            && crate::autocast::autocast_dtype().is_none_or(|low| B::offers_conv2d(&dev, low));
+        if !offered {
+            return Ok(None);
+        }
         let (x, w) = (self.autocast_low()?, weight.autocast_low()?);
         if x.dtype() != w.dtype() || !x.dtype().is_float() || x.device() != w.device() {
             return Ok(None);

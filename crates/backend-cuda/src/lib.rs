@@ -696,6 +696,10 @@ impl Backend for Cuda {
         .map(CudaStorage::ready)
     }
 
+    fn offers_conv2d(_device: &CudaDevice, dtype: DType) -> bool {
+        cudnn::offered(dtype)
+    }
+
     fn conv2d(
         x: &CudaStorage,
         x_layout: &Layout,

@@ -463,6 +463,13 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
 
     // ---- library convolutions (offered by a backend, or not) -------------------------------
 
+    /// Whether [`Backend::conv2d`] may answer `Some` for operands of `dtype` on `device` (a cheap
+    /// check, so that a caller prepares nothing, such as an autocast copy, for a convolution
+    /// the backend will not run). Default: `false`.
+    fn offers_conv2d(device: &Self::Device, dtype: DType) -> bool {
+        let _ = (device, dtype);
+        false
+    }
     /// A 2-d convolution (cross-correlation, as every framework computes it) by the backend's
     /// own library: `x` `[n, c, h, w]` and `w` `[oc, c/groups, kh, kw]`, of one float dtype,
     /// any layouts; returns `[n, oc, oh, ow]` contiguous. The caller has checked the shapes

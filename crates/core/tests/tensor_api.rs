@@ -532,6 +532,7 @@ fn native_conv2d_is_not_offered_by_the_reference_and_checks_shapes() {
     };
     let x = Tensor::<Reference>::zeros([1, 3, 5, 5], DType::F64, &dev).unwrap();
     let w = Tensor::<Reference>::zeros([2, 3, 3, 3], DType::F64, &dev).unwrap();
+    assert!(!Reference::offers_conv2d(&dev, DType::F64));
     assert!(x.conv2d_native(&w, spec).unwrap().is_none());
     let bad = Tensor::<Reference>::zeros([2, 4, 3, 3], DType::F64, &dev).unwrap();
     let e = x.conv2d_native(&bad, spec).unwrap_err();

@@ -397,7 +397,8 @@ pub(super) fn heuristic(
     Ok(candidates(&perf, want))
 }
 
-/// Runs `dir` with the first candidate whose workspace the pool can give (module docs);
+/// Runs `dir` with the first candidate whose workspace the pool can give and that cuDNN runs
+/// (module docs); the error of the last one tried when none does;
 /// `alpha`/`beta` are host scalars of the type cuDNN expects for the data type (f64 for
 /// doubles, f32 otherwise), `beta` zero (the output is overwritten).
 pub(super) fn execute(
@@ -410,7 +411,8 @@ pub(super) fn execute(
     scalars: (*const c_void, *const c_void),
 ) -> Result<()> {
     let op = dir.op();
-    let mut last_oom = None;
+    // Why the last candidate could not run (its workspace, or cuDNN refusing it).
+    let mut last_err = None;
     for c in cands {
         plan.set_math(c.math, op)?;
         // What the search reported, or what cuDNN asks now for the math type set, if more
@@ -423,7 +425,7 @@ pub(super) fn execute(
             match alloc(dev, bytes) {
                 Ok(b) => Some(b),
                 Err(e @ Error::OutOfMemory { .. }) => {
-                    last_oom = Some(e);
+                    last_err = Some(e);
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -490,9 +492,14 @@ pub(super) fn execute(
                 ),
             }
         };
-        return status(r, op);
+        // The output is overwritten whole (beta = 0), so a refused candidate leaves nothing
+        // the next one depends on.
+        match status(r, op) {
+            Ok(()) => return Ok(()),
+            Err(e) => last_err = Some(e),
+        }
     }
-    Err(last_oom.unwrap_or_else(|| {
+    Err(last_err.unwrap_or_else(|| {
         Error::backend(
             op,
             "cuDNN reported no algorithm that can run this convolution",

@@ -360,3 +360,28 @@ for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
     report(f"attn_gpt_fwd_{tag}", timed(5, 20, attn_fwd), "ms")
     report(f"attn_gpt_fwd_bwd_{tag}", timed(5, 20, attn_fwd_bwd), "ms")
     del q, k, v, go
+
+# Convolutions (issue 33; crates/backend-cuda/benches/conv.rs): a 3x3 padding-1 conv forward +
+# backward (input and weight gradients, no bias), f32 with TF32 off, cuDNN's algorithms chosen
+# by measurement (cudnn.benchmark) as kiln does; the timed loop starts after the warm-up calls
+# of `timed`, so the search is not in the figure.
+torch.backends.cudnn.benchmark = True
+print(f"torch cuDNN: {torch.backends.cudnn.version()}")
+
+
+def conv_fwd_bwd(n, c, oc, s):
+    x = rand(n, c, s, s).requires_grad_()
+    w = rand(oc, c, 3, 3).requires_grad_()
+    gy = rand(n, oc, s, s)
+
+    def step():
+        y = torch.nn.functional.conv2d(x, w, padding=1)
+        y.backward(gy)
+        x.grad = None
+        w.grad = None
+
+    return timed(5, 10, step)
+
+
+for n, c, oc, s in [(64, 64, 64, 32), (128, 128, 128, 16), (32, 3, 64, 32)]:
+    report(f"conv3x3_b{n}_c{c}_{s}_fwdbwd", conv_fwd_bwd(n, c, oc, s), "ms")

@@ -29,16 +29,31 @@ use std::process::{Command, ExitCode};
 const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
     ("kiln-autograd", &["cuda_gradients", "cuda_attention"]),
-    ("kiln-nn", &["cuda"]),
+    ("kiln-nn", &["cuda", "cuda_conv"]),
     ("kiln-optim", &["amp_devices"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
 const GPU_BENCHES: &[(&str, &[&str])] = &[(
     "kiln-backend-cuda",
-    &["gpu", "transfer", "fuse", "steps", "ops"],
+    &["gpu", "transfer", "fuse", "steps", "ops", "conv"],
 )];
 /// Examples carried by the bench bundle (run by `profile.sh`, not by `bench.sh`).
 const GPU_EXAMPLES: &[&str] = &["mnist", "loader_overlap"];
+/// The lines of `run.sh` and `bench.sh` that find cuDNN, which convolutions use and which is
+/// not part of the driver: where it is only inside PyTorch's wheel, its directory
+/// (`site-packages/nvidia/cudnn/lib`, or `torch/lib` when that holds it) goes first on
+/// `LD_LIBRARY_PATH`. Nothing happens when neither is there (convolutions then say once that
+/// they use kiln's im2col path).
+const CUDNN_PATH: &str = r#"# cuDNN for convolutions: PyTorch's wheel's copy first on the library path, where there is one.
+cudnn_lib=$(python3 -c 'import os, nvidia.cudnn as m; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null)
+if [ -z "$cudnn_lib" ] || ! ls "$cudnn_lib"/libcudnn.so* >/dev/null 2>&1; then
+    cudnn_lib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
+fi
+if [ -n "$cudnn_lib" ] && ls "$cudnn_lib"/libcudnn.so* >/dev/null 2>&1; then
+    export LD_LIBRARY_PATH="$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    echo "cuDNN from $cudnn_lib"
+fi
+"#;
 /// The bundle must fit the device tool's carry limit.
 const BUNDLE_LIMIT: u64 = 64 << 20;
 
@@ -248,6 +263,7 @@ fn bundle(kind: Kind, run: bool) -> Result<(), String> {
 # Runs every GPU test binary of the bundle and prints one summary line.
 # Usage (on a GPU machine): bash target/gpu-bundle/run.sh [test-filter...]
 cd "$(dirname "$0")"
+@CUDNN_PATH@
 # The binaries travel packed (the device tool's carry limit) and are unpacked on each run.
 rm -rf tests && tar xzf tests.tar.gz || exit 1
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
@@ -267,6 +283,7 @@ echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$f
 # empty caches). Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/bench.sh
 export MNIST_DIR="${MNIST_DIR:-$PWD/data/mnist}"
 cd "$(dirname "$0")"
+@CUDNN_PATH@
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
 for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
@@ -277,6 +294,7 @@ python3 compare.py "$out"
 "#
         }
     };
+    let script = script.replace("@CUDNN_PATH@", CUDNN_PATH.trim_end());
     let script_name = match kind {
         Kind::Test => "run.sh",
         Kind::Bench => "bench.sh",

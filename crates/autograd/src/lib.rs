@@ -49,10 +49,13 @@
 //!   [`Var::avg_pool2d`] and [`Var::adaptive_avg_pool2d`], separable averages written with
 //!   `matmul` (or one mean for non-overlapping windows) and differentiated through them; their
 //!   constant matrices are uploaded once per geometry, dtype and device and cached.
+//! - [`Var::conv2d_native`]: a convolution by the backend's own library (cuDNN), one node whose
+//!   backward calls the library's two gradients; `None` where the backend offers none (the
+//!   CPU), and kiln-nn then keeps its im2col path.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is one
 //!   node of the backend's fused flash-style kernel where it offers one (CUDA; no mask or
-//!   causal, dropout inside the kernel), else two batched products around one masked-softmax node; fully
-//!   masked rows give zeros, not NaN.
+//!   causal, dropout inside the kernel), else two batched products around one masked-softmax
+//!   node; fully masked rows give zeros, not NaN.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
 //!   losses, norms and reductions in f32, op by op as `torch.autocast` does (the op lists are
 //!   in the [`autocast`] docs); the backward follows through differentiable casts.
@@ -93,6 +96,7 @@ mod autocast;
 mod batch_norm;
 mod check;
 mod composite;
+mod conv;
 mod embedding;
 mod fuse;
 mod norm;

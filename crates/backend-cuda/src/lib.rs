@@ -34,6 +34,10 @@
 //!   training step) once; [`CudaGraph::replay`] runs it with one launch, on memory private to
 //!   the graph.
 //! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
+//! - **Convolutions** through cuDNN where it can be loaded (`cudnn/`): forward and both
+//!   gradients for kiln-nn's `conv2d`, algorithms measured once per shape and cached per
+//!   device, workspaces from the memory pool. Without cuDNN (or with `KILN_CUDNN=0`,
+//!   [`set_cudnn`]) the backend says so once and convolutions take kiln-nn's im2col path.
 //! - **f16 and bf16** are storage types: every kernel loads and stores them in 16 bits and
 //!   computes in f32 (generated programs run their `Program::widened` form, the hand-written
 //!   kernels have f32-accumulating 16-bit instances compiled only when a 16-bit tensor uses
@@ -69,7 +73,8 @@
 //!    cache — type-erased so that it names no generator —, the allocator's state, transfers'
 //!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
 //! 4. **Kernels and ops** — `ops/` (elementwise and data movement; reductions, rows, indexing
-//!    in submodules), `blas.rs`, `fused.rs` (multi-tensor optimizer updates),
+//!    in submodules), `blas.rs`, `cudnn/` (convolutions; after `blas.rs`, whose TF32 switch it
+//!    follows), `fused.rs` (multi-tensor optimizer updates),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
@@ -86,6 +91,7 @@
 mod blas;
 mod codegen;
 pub mod compile;
+mod cudnn;
 mod device;
 mod expr_eval;
 mod expr_run;
@@ -110,12 +116,13 @@ mod user_kernel;
 
 use kiln_core::backend::Operand;
 use kiln_core::{
-    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, DType, Error,
-    HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp, UpdateRule,
-    UpdateSlot,
+    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec, DType,
+    Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp,
+    UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
+pub use cudnn::{cudnn_available, cudnn_enabled, cudnn_version, set_cudnn};
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
@@ -204,6 +211,24 @@ fn record(
         *r = (s.repr(), l, *d);
     }
     lazy::record(op, &reprs[..inputs.len()], out).map(CudaStorage::from)
+}
+
+/// A layout's dims as NCHW, or an error (the convolution hooks get rank-4 operands).
+fn dims4(l: &Layout) -> Result<[usize; 4]> {
+    <[usize; 4]>::try_from(l.dims())
+        .map_err(|_| Error::invalid("conv2d", format!("expects rank 4, got {:?}", l.dims())))
+}
+
+/// An error unless both buffers live on one device.
+fn same_device(op: &'static str, a: &memory::Buffer, b: &memory::Buffer) -> Result<()> {
+    if a.state().ordinal() != b.state().ordinal() {
+        return Err(Error::DeviceMismatch {
+            op,
+            lhs: a.device().to_string(),
+            rhs: b.device().to_string(),
+        });
+    }
+    Ok(())
 }
 
 impl Backend for Cuda {
@@ -714,6 +739,102 @@ impl Backend for Cuda {
             axis,
         )
         .map(CudaStorage::ready)
+    }
+
+    fn offers_conv2d(_device: &CudaDevice, dtype: DType) -> bool {
+        cudnn::offered(dtype)
+    }
+
+    fn conv2d(
+        x: &CudaStorage,
+        x_layout: &Layout,
+        w: &CudaStorage,
+        w_layout: &Layout,
+        dtype: DType,
+        spec: &Conv2dSpec,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::offered(dtype) {
+            return Ok(None);
+        }
+        let (xd, wd) = (dims4(x_layout)?, dims4(w_layout)?);
+        let Some(yd) = spec.output_dims(xd, wd) else {
+            return Err(Error::invalid(
+                "conv2d",
+                "shapes do not fit the convolution",
+            ));
+        };
+        let xb = cudnn::packed(x.buffer()?, x_layout, dtype)?;
+        let wb = cudnn::packed(w.buffer()?, w_layout, dtype)?;
+        same_device("conv2d", &xb, &wb)?;
+        let r = cudnn::run(
+            xb.state(),
+            cudnn::Dir::Forward,
+            &xb,
+            &wb,
+            (xd, wd, yd),
+            yd,
+            spec,
+            dtype,
+        );
+        Ok(r?.map(CudaStorage::ready))
+    }
+
+    fn conv2d_backward_data(
+        w: &CudaStorage,
+        w_layout: &Layout,
+        dy: &CudaStorage,
+        dy_layout: &Layout,
+        dtype: DType,
+        x_dims: [usize; 4],
+        spec: &Conv2dSpec,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::usable(dtype) {
+            return Ok(None);
+        }
+        let (wd, yd) = (dims4(w_layout)?, dims4(dy_layout)?);
+        let wb = cudnn::packed(w.buffer()?, w_layout, dtype)?;
+        let gb = cudnn::packed(dy.buffer()?, dy_layout, dtype)?;
+        same_device("conv2d_backward_data", &wb, &gb)?;
+        let r = cudnn::run(
+            wb.state(),
+            cudnn::Dir::Data,
+            &wb,
+            &gb,
+            (x_dims, wd, yd),
+            x_dims,
+            spec,
+            dtype,
+        );
+        Ok(r?.map(CudaStorage::ready))
+    }
+
+    fn conv2d_backward_filter(
+        x: &CudaStorage,
+        x_layout: &Layout,
+        dy: &CudaStorage,
+        dy_layout: &Layout,
+        dtype: DType,
+        w_dims: [usize; 4],
+        spec: &Conv2dSpec,
+    ) -> Result<Option<CudaStorage>> {
+        if !cudnn::usable(dtype) {
+            return Ok(None);
+        }
+        let (xd, yd) = (dims4(x_layout)?, dims4(dy_layout)?);
+        let xb = cudnn::packed(x.buffer()?, x_layout, dtype)?;
+        let gb = cudnn::packed(dy.buffer()?, dy_layout, dtype)?;
+        same_device("conv2d_backward_filter", &xb, &gb)?;
+        let r = cudnn::run(
+            xb.state(),
+            cudnn::Dir::Filter,
+            &xb,
+            &gb,
+            (xd, w_dims, yd),
+            w_dims,
+            spec,
+            dtype,
+        );
+        Ok(r?.map(CudaStorage::ready))
     }
 
     fn eval_expr(

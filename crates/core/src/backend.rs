@@ -74,6 +74,41 @@ pub type AttentionOutputs<S> = (S, S);
 /// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
 pub type AttentionGrads<S> = (S, S, S);
 
+/// The geometry of a 2-d convolution over `[n, c, h, w]` ([`Backend::conv2d`]): PyTorch's
+/// `stride`, `padding` (zeros, on both sides), `dilation` and `groups`, per spatial axis
+/// (height, width).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Conv2dSpec {
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+}
+
+impl Conv2dSpec {
+    /// The output `[n, oc, oh, ow]` of input `x` `[n, c, h, w]` and weight `w`
+    /// `[oc, c/groups, kh, kw]` (PyTorch's formula), or `None` when they do not fit: a zero
+    /// stride, dilation or group count, channels not divisible by the groups, or a window larger
+    /// than the padded input.
+    pub fn output_dims(&self, x: [usize; 4], w: [usize; 4]) -> Option<[usize; 4]> {
+        let [n, c, h, wd] = x;
+        let [oc, cg, kh, kw] = w;
+        let g = self.groups;
+        if g == 0 || self.stride.contains(&0) || self.dilation.contains(&0) {
+            return None;
+        }
+        if cg * g != c || !oc.is_multiple_of(g) || kh == 0 || kw == 0 {
+            return None;
+        }
+        let len = |i: usize, k: usize, axis: usize| {
+            let span = self.dilation[axis] * (k - 1) + 1;
+            let padded = i + 2 * self.padding[axis];
+            (padded >= span).then(|| (padded - span) / self.stride[axis] + 1)
+        };
+        Some([n, oc, len(h, kh, 0)?, len(wd, kw, 1)?])
+    }
+}
+
 /// A compute device family (CPU, CUDA, the f64 reference).
 ///
 /// All methods are associated functions: state lives in the storages and in per-device state the
@@ -495,6 +530,67 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
         let _ = (q, k, v, out, lse, g, dtype, spec);
+        Ok(None)
+    }
+
+    // ---- library convolutions (offered by a backend, or not) -------------------------------
+
+    /// Whether [`Backend::conv2d`] may answer `Some` for operands of `dtype` on `device` (a cheap
+    /// check, so that a caller prepares nothing, such as an autocast copy, for a convolution
+    /// the backend will not run). Default: `false`.
+    fn offers_conv2d(device: &Self::Device, dtype: DType) -> bool {
+        let _ = (device, dtype);
+        false
+    }
+    /// A 2-d convolution (cross-correlation, as every framework computes it) by the backend's
+    /// own library: `x` `[n, c, h, w]` and `w` `[oc, c/groups, kh, kw]`, of one float dtype,
+    /// any layouts; returns `[n, oc, oh, ow]` contiguous. The caller has checked the shapes
+    /// ([`Conv2dSpec::output_dims`]). `Ok(None)` (the default) when the backend does not offer
+    /// it for these operands: the caller then computes it from generic ops (im2col and one
+    /// GEMM), as the CPU does. A backend that answers `Some` here must also answer
+    /// [`Backend::conv2d_backward_data`] and [`Backend::conv2d_backward_filter`] for the same
+    /// operands, so that a recorded convolution can be differentiated.
+    fn conv2d(
+        x: &Self::Storage,
+        x_layout: &Layout,
+        w: &Self::Storage,
+        w_layout: &Layout,
+        dtype: DType,
+        spec: &Conv2dSpec,
+    ) -> Result<Option<Self::Storage>> {
+        let _ = (x, x_layout, w, w_layout, dtype, spec);
+        Ok(None)
+    }
+    /// The gradient of [`Backend::conv2d`] with respect to its input, `[n, c, h, w]` =
+    /// `x_dims`, from the weight and the output's gradient `dy` `[n, oc, oh, ow]`; contiguous.
+    /// `Ok(None)` (the default) when not offered.
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_backward_data(
+        w: &Self::Storage,
+        w_layout: &Layout,
+        dy: &Self::Storage,
+        dy_layout: &Layout,
+        dtype: DType,
+        x_dims: [usize; 4],
+        spec: &Conv2dSpec,
+    ) -> Result<Option<Self::Storage>> {
+        let _ = (w, w_layout, dy, dy_layout, dtype, x_dims, spec);
+        Ok(None)
+    }
+    /// The gradient of [`Backend::conv2d`] with respect to its weight, `[oc, c/groups, kh, kw]`
+    /// = `w_dims`, from the input and the output's gradient `dy`; contiguous. `Ok(None)` (the
+    /// default) when not offered.
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_backward_filter(
+        x: &Self::Storage,
+        x_layout: &Layout,
+        dy: &Self::Storage,
+        dy_layout: &Layout,
+        dtype: DType,
+        w_dims: [usize; 4],
+        spec: &Conv2dSpec,
+    ) -> Result<Option<Self::Storage>> {
+        let _ = (x, x_layout, dy, dy_layout, dtype, w_dims, spec);
         Ok(None)
     }
 

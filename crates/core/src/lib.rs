@@ -63,8 +63,8 @@ pub mod testing;
 mod update;
 
 pub use backend::{
-    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, GradFrom,
-    MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule, UpdateSlot,
+    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec,
+    GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule, UpdateSlot,
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;

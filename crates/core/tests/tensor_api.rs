@@ -475,3 +475,69 @@ fn sixteen_bit_tensors_hold_print_and_convert() {
     let back = b.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
     assert_eq!(back, vec![1.0, f32::from_bits(0x3dcd_0000), -65536.0]); // bf16 0.1001
 }
+
+#[test]
+fn conv2d_spec_output_dims_follow_pytorch() {
+    use kiln_core::Conv2dSpec;
+    let spec = |s, p, d, g| Conv2dSpec {
+        stride: [s, s],
+        padding: [p, p],
+        dilation: [d, d],
+        groups: g,
+    };
+    // torch.nn.functional.conv2d's output sizes.
+    let cases = [
+        (
+            spec(1, 1, 1, 1),
+            [2, 3, 9, 9],
+            [4, 3, 3, 3],
+            Some([2, 4, 9, 9]),
+        ),
+        (
+            spec(2, 1, 1, 1),
+            [2, 4, 10, 11],
+            [6, 4, 3, 3],
+            Some([2, 6, 5, 6]),
+        ),
+        (
+            spec(1, 2, 2, 1),
+            [2, 3, 9, 9],
+            [5, 3, 3, 3],
+            Some([2, 5, 9, 9]),
+        ),
+        (
+            spec(2, 1, 1, 6),
+            [2, 6, 8, 8],
+            [6, 1, 3, 3],
+            Some([2, 6, 4, 4]),
+        ),
+        (spec(1, 0, 1, 1), [1, 3, 2, 2], [1, 3, 3, 3], None), // window too large
+        (spec(1, 0, 1, 2), [1, 3, 5, 5], [2, 1, 3, 3], None), // 3 channels, 2 groups
+        (spec(0, 0, 1, 1), [1, 3, 5, 5], [2, 3, 3, 3], None), // stride 0
+    ];
+    for (s, x, w, want) in cases {
+        assert_eq!(s.output_dims(x, w), want, "{s:?} {x:?} {w:?}");
+    }
+}
+
+#[test]
+fn native_conv2d_is_not_offered_by_the_reference_and_checks_shapes() {
+    use kiln_core::Conv2dSpec;
+    let dev = R0;
+    let spec = Conv2dSpec {
+        stride: [1, 1],
+        padding: [0, 0],
+        dilation: [1, 1],
+        groups: 1,
+    };
+    let x = Tensor::<Reference>::zeros([1, 3, 5, 5], DType::F64, &dev).unwrap();
+    let w = Tensor::<Reference>::zeros([2, 3, 3, 3], DType::F64, &dev).unwrap();
+    assert!(!Reference::offers_conv2d(&dev, DType::F64));
+    assert!(x.conv2d_native(&w, spec).unwrap().is_none());
+    let bad = Tensor::<Reference>::zeros([2, 4, 3, 3], DType::F64, &dev).unwrap();
+    let e = x.conv2d_native(&bad, spec).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument { op: "conv2d", .. }),
+        "{e}"
+    );
+}

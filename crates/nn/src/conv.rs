@@ -21,11 +21,18 @@
 //!
 //! Index tensors depend only on the input's spatial shape; each layer caches the last one (per
 //! device), so steady-state training uploads nothing.
+//!
+//! **A backend's own convolution first.** Where the backend offers a convolution of its own
+//! (the CUDA backend's cuDNN, [`Var::conv2d_native`]), [`conv2d`], [`conv2d_grouped`] and
+//! [`Conv2d`] use it — one recorded op, the library's kernels forward and backward — and add
+//! the bias after it; otherwise (the CPU, or CUDA without cuDNN or with `KILN_CUDNN=0`) the
+//! im2col path above runs, unchanged. [`conv2d_im2col_path`] always takes im2col, to compare
+//! the two.
 
 use std::sync::Mutex;
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Generator, Result, Tensor};
+use kiln_core::{Backend, Conv2dSpec, DType, Error, Generator, Result, Tensor};
 
 use crate::init::Init;
 use crate::module::Module;
@@ -350,6 +357,36 @@ fn conv2d_cached<B: Backend>(
     groups: usize,
     cache: Option<&IdxCache<B>>,
 ) -> Result<Var<B>> {
+    let (oc, _) = check_conv(x, weight, bias, window, groups)?;
+    let g = groups;
+    let d = x.dims();
+    let (h, w) = (d[2], d[3]);
+    let (oh, ow) = window.out_hw("conv2d", h, w)?;
+    let spec = Conv2dSpec {
+        stride: window.stride,
+        padding: window.padding,
+        dilation: window.dilation,
+        groups: g,
+    };
+    if let Some(y) = x.conv2d_native(weight, spec)? {
+        // The backend's library (cuDNN) convolved; the bias is one broadcast add, in the
+        // convolution's dtype (under autocast the low one, as PyTorch's conv2d casts its bias).
+        return match bias {
+            Some(b) => y.add(&b.autocast_low()?.reshape([1, oc, 1, 1])?),
+            None => Ok(y),
+        };
+    }
+    conv2d_im2col(x, weight, bias, window, groups, cache, (oh, ow))
+}
+
+/// Checks the operands of a convolution; returns `(oc, c)`.
+fn check_conv<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+    groups: usize,
+) -> Result<(usize, usize)> {
     const OP: &str = "conv2d";
     let wd = weight.dims();
     let g = groups;
@@ -375,9 +412,39 @@ fn conv2d_cached<B: Backend>(
             format!("bias must be [{oc}], got {}", b.shape()),
         ));
     }
+    Ok((oc, c))
+}
+
+/// [`conv2d_grouped`] always through im2col and GEMM (what runs where the backend offers no
+/// convolution of its own), also on a backend that does: for comparing the two paths.
+pub fn conv2d_im2col_path<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+    groups: usize,
+) -> Result<Var<B>> {
+    check_conv(x, weight, bias, window, groups)?;
+    let (h, w) = (x.dims()[2], x.dims()[3]);
+    let ohw = window.out_hw("conv2d", h, w)?;
+    conv2d_im2col(x, weight, bias, window, groups, None, ohw)
+}
+
+/// im2col + GEMM (module docs) for operands [`check_conv`] accepted; `(oh, ow)` the output's
+/// spatial size.
+fn conv2d_im2col<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    bias: Option<&Var<B>>,
+    window: Window,
+    groups: usize,
+    cache: Option<&IdxCache<B>>,
+    (oh, ow): (usize, usize),
+) -> Result<Var<B>> {
+    let g = groups;
+    let (oc, c) = (weight.dims()[0], weight.dims()[1] * g);
     let d = x.dims();
     let (n, h, w) = (d[0], d[2], d[3]);
-    let (oh, ow) = window.out_hw(OP, h, w)?;
     let dev = x.device();
     let make = || {
         let (ids, pads) = window.im2col_ids(c, h, w, oh, ow);

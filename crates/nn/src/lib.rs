@@ -72,7 +72,8 @@ pub use batch_norm::{
     BatchNorm, BatchNorm1d, BatchNorm2d, BatchNormConfig, GroupNorm, GroupNormConfig,
 };
 pub use conv::{
-    Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, max_pool2d, max_pool2d_ceil,
+    Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, conv2d_im2col_path,
+    max_pool2d, max_pool2d_ceil,
 };
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};

@@ -5,6 +5,7 @@
 //! Ops validate their inputs here (dtypes, devices, shapes, axes) and return typed errors; the
 //! backend then runs the kernel.
 
+mod conv;
 mod display;
 mod ops;
 mod unary;

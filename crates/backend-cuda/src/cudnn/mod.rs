@@ -1,0 +1,387 @@
+//! Convolutions through cuDNN (cudarc's `cudnn`, loaded at run time): the CUDA backend's answer
+//! to `Backend::conv2d` and its two gradients.
+//!
+//! kiln's own convolution (kiln-nn: im2col gathers and one GEMM) runs at about half cuDNN's
+//! speed on ResNet-sized layers, so where cuDNN is there the CUDA backend hands convolutions to
+//! it, as PyTorch does, and kiln-nn's im2col path is what runs without it.
+//!
+//! - **Optional at run time.** libcudnn is opened only when a convolution first asks
+//!   ([`available`]): when it is missing (it is not part of the driver; PyTorch's wheels carry it
+//!   in `site-packages/nvidia/cudnn/lib`), older than 9, or incomplete, the backend says so once
+//!   on stderr and answers "not offered", and convolutions take the im2col path. cudarc panics
+//!   on a call into a library it cannot open, so nothing here calls cuDNN before that check.
+//!   `KILN_CUDNN=0` (or [`set_cudnn`]) forces the im2col path, to compare the two.
+//! - **One handle per device**, created on first use and bound to the calling thread's current
+//!   stream before every call, kept with the device's plans under one lock (`State`).
+//! - **Algorithms measured once per geometry** and cached per device (`algo.rs`); workspaces
+//!   are blocks of kiln's memory pool, never a `cudaMalloc` per call.
+//! - **Operands**: NCHW, packed and 256-byte aligned (a strided or offset view is copied first,
+//!   so that the algorithm measured for a geometry meets the same alignment every time); f32
+//!   (FMA math unless TF32 is allowed, see `blas.rs`), f64, and f16/bf16 computing in f32.
+//!   Geometries cuDNN's 32-bit descriptors cannot hold, and empty tensors, are not offered.
+//! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
+//!   the status; an allocation that fails stays `Error::OutOfMemory`.
+//! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
+//!   measured algorithm; one not measured yet takes cuDNN's heuristic choice during the
+//!   capture (measuring synchronizes, which a capture forbids). The handle is never created
+//!   during a capture: a first convolution inside one takes the im2col path.
+
+mod algo;
+mod desc;
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cudnn::sys;
+use kiln_core::{Conv2dSpec, DType, Error, Layout, Result};
+
+use crate::device::DeviceState;
+use crate::memory::{Buffer, alloc};
+pub(crate) use algo::Dir;
+use algo::{Candidate, Operands};
+use desc::{Key, Plan};
+
+/// A cuDNN status as a typed error naming `op` (the status itself, e.g.
+/// `CUDNN_STATUS_NOT_SUPPORTED`).
+fn status(r: sys::cudnnStatus_t, op: &'static str) -> Result<()> {
+    if r == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        return Ok(());
+    }
+    Err(Error::backend(op, format!("cuDNN {r:?}")))
+}
+
+static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
+
+/// Whether convolutions may use cuDNN (default: yes, unless `KILN_CUDNN=0`); cuDNN must also
+/// be present ([`cudnn_available`]).
+pub fn cudnn_enabled() -> bool {
+    match SWITCH.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("KILN_CUDNN").map_or(true, |v| v != "0");
+            SWITCH.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Allows (`true`, the default) or forbids cuDNN for convolutions; forbidden, they take
+/// kiln-nn's im2col path. Affects convolutions recorded from now on.
+pub fn set_cudnn(on: bool) {
+    SWITCH.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// Whether cuDNN 9 could be loaded (opening it on first call); when not, the reason was
+/// printed once on stderr.
+pub fn cudnn_available() -> bool {
+    available().is_ok()
+}
+
+/// cuDNN's version (e.g. 90100 for 9.1.0), or why it cannot be used.
+pub fn cudnn_version() -> std::result::Result<usize, String> {
+    available().map_err(|e| e.to_string())
+}
+
+/// Opens cuDNN once: present, version 9 or later, its convolution sublibraries loadable. On
+/// failure the reason is printed once (module docs).
+fn available() -> std::result::Result<usize, &'static str> {
+    static STATE: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let r = STATE.get_or_init(|| {
+        let r = probe();
+        if let Err(why) = &r {
+            eprintln!("kiln: {why}; convolutions use kiln's im2col path");
+        }
+        r
+    });
+    r.as_ref().map(|v| *v).map_err(|s| s.as_str())
+}
+
+/// Every cuDNN function kiln calls (after `cudnnGetVersion`), checked once by [`probe`].
+const SYMBOLS: &[&str] = &[
+    "cudnnOpsVersionCheck",
+    "cudnnCnnVersionCheck",
+    "cudnnCreate",
+    "cudnnDestroy",
+    "cudnnSetStream",
+    "cudnnCreateTensorDescriptor",
+    "cudnnSetTensor4dDescriptor",
+    "cudnnDestroyTensorDescriptor",
+    "cudnnCreateFilterDescriptor",
+    "cudnnSetFilter4dDescriptor",
+    "cudnnDestroyFilterDescriptor",
+    "cudnnCreateConvolutionDescriptor",
+    "cudnnSetConvolution2dDescriptor",
+    "cudnnSetConvolutionGroupCount",
+    "cudnnSetConvolutionMathType",
+    "cudnnDestroyConvolutionDescriptor",
+    "cudnnGetConvolutionForwardWorkspaceSize",
+    "cudnnGetConvolutionBackwardDataWorkspaceSize",
+    "cudnnGetConvolutionBackwardFilterWorkspaceSize",
+    "cudnnFindConvolutionForwardAlgorithmEx",
+    "cudnnFindConvolutionBackwardDataAlgorithmEx",
+    "cudnnFindConvolutionBackwardFilterAlgorithmEx",
+    "cudnnGetConvolutionForwardAlgorithm_v7",
+    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+    "cudnnConvolutionForward",
+    "cudnnConvolutionBackwardData",
+    "cudnnConvolutionBackwardFilter",
+];
+
+fn probe() -> std::result::Result<usize, String> {
+    // SAFETY: only tries to dlopen libcudnn by its candidate names; must come before any
+    // other cuDNN call (cudarc panics on a library it cannot open).
+    if !unsafe { sys::is_culib_present() } {
+        return Err("cuDNN not found (libcudnn.so.9 not on the library path)".into());
+    }
+    // SAFETY: the library is present; cudnnGetVersion exists in every version.
+    let version = unsafe { sys::cudnnGetVersion() };
+    if version < 90000 {
+        return Err(format!(
+            "cuDNN {version} found, but kiln binds cuDNN 9 (libcudnn.so.9)"
+        ));
+    }
+    // cudarc panics on a symbol it cannot find: every one kiln calls must be there first.
+    // SAFETY: looks symbols up in the opened library without calling them.
+    let missing: Vec<&str> = SYMBOLS
+        .iter()
+        .copied()
+        .filter(|name| {
+            unsafe { sys::culib().get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err()
+        })
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "cuDNN {version} found but it lacks {}",
+            missing.join(", ")
+        ));
+    }
+    // SAFETY: present (checked above); they load the sublibraries and compare their versions.
+    let checks = unsafe { [sys::cudnnOpsVersionCheck(), sys::cudnnCnnVersionCheck()] };
+    for r in checks {
+        if r != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            return Err(format!(
+                "cuDNN {version} found but not usable ({r:?}: is libcudnn_cnn.so.9 beside \
+                 libcudnn.so.9?)"
+            ));
+        }
+    }
+    Ok(version)
+}
+
+/// One geometry's descriptors, the algorithms measured for it per direction ([`Dir::index`],
+/// fastest first), and whether cuDNN can run all three directions on it at all (its heuristic
+/// lists an algorithm for each): a convolution is offered only then, so that its gradients are
+/// never refused after its forward ran.
+struct Geometry {
+    plan: Plan,
+    chosen: [Option<Vec<Candidate>>; 3],
+    offered: bool,
+}
+
+impl Geometry {
+    fn new(h: sys::cudnnHandle_t, key: &Key) -> Result<Geometry> {
+        let plan = Plan::new(key)?;
+        let mut offered = true;
+        for dir in [Dir::Forward, Dir::Data, Dir::Filter] {
+            plan.set_math(key.math, dir.op())?;
+            offered &= !algo::heuristic(h, &plan, key.math, dir)?.is_empty();
+        }
+        Ok(Geometry {
+            plan,
+            chosen: [None, None, None],
+            offered,
+        })
+    }
+}
+
+/// One device's cuDNN: the handle, the stream it is bound to, and the plans of the geometries
+/// seen, each with the algorithms measured per direction.
+struct State {
+    handle: sys::cudnnHandle_t,
+    stream: usize,
+    plans: HashMap<Key, Geometry>,
+}
+
+// SAFETY: the handle is used only under the device's lock below, after binding the device's
+// context; descriptors are host objects.
+unsafe impl Send for State {}
+
+impl Drop for State {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: the handle was created by `cudnnCreate` and is destroyed once.
+        unsafe {
+            sys::cudnnDestroy(self.handle);
+        }
+    }
+}
+
+/// The lock of device `ordinal`'s cuDNN state (`None` until the first convolution).
+fn slot(ordinal: usize) -> Option<&'static Mutex<Option<State>>> {
+    static SLOTS: OnceLock<Vec<Mutex<Option<State>>>> = OnceLock::new();
+    SLOTS
+        .get_or_init(|| {
+            (0..crate::device::device_count())
+                .map(|_| Mutex::new(None))
+                .collect()
+        })
+        .get(ordinal)
+}
+
+/// Whether convolutions of `dtype` go to cuDNN now: enabled, loadable, a dtype it convolves.
+pub(crate) fn offered(dtype: DType) -> bool {
+    cudnn_enabled() && usable(dtype)
+}
+
+/// Whether cuDNN can convolve `dtype` at all, whatever the switch says: the gradients of a
+/// convolution recorded through cuDNN are computed by it even if [`set_cudnn`] turned it off
+/// since.
+pub(crate) fn usable(dtype: DType) -> bool {
+    desc::types(dtype, false).is_some() && available().is_ok()
+}
+
+/// A packed, offset-0 view of an operand: its buffer, or a packed copy of a strided or offset
+/// view (module docs).
+pub(crate) fn packed(buf: Arc<Buffer>, l: &Layout, dtype: DType) -> Result<Arc<Buffer>> {
+    if l.offset() == 0 && l.is_contiguous() {
+        return Ok(buf);
+    }
+    crate::ops::contiguous(&buf, l, dtype).map(Arc::new)
+}
+
+/// Whether every tensor of the convolution fits cuDNN's 32-bit descriptors and none is empty.
+fn fits(dims: &[[usize; 4]]) -> bool {
+    dims.iter().all(|d| {
+        let n: Option<usize> = d.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        n.is_some_and(|n| n > 0 && n <= i32::MAX as usize)
+    })
+}
+
+/// One convolution call in direction `dir`: `a`, `b` are the operands (packed, on `dev`),
+/// the output (of `out_dims`) is allocated here. `Ok(None)` when cuDNN is not offered for it
+/// (module docs).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run(
+    dev: &'static DeviceState,
+    dir: Dir,
+    a: &Buffer,
+    b: &Buffer,
+    key_dims: ([usize; 4], [usize; 4], [usize; 4]),
+    out_dims: [usize; 4],
+    spec: &Conv2dSpec,
+    dtype: DType,
+) -> Result<Option<Buffer>> {
+    let (x, w, y) = key_dims;
+    let on = if dir == Dir::Forward {
+        offered(dtype)
+    } else {
+        usable(dtype)
+    };
+    if !on || !fits(&[x, w, y]) {
+        return Ok(None);
+    }
+    let tf32 = crate::blas::allow_tf32();
+    let Some((_, _, math)) = desc::types(dtype, tf32) else {
+        return Ok(None);
+    };
+    let Some(slot) = slot(dev.ordinal()) else {
+        return Ok(None);
+    };
+    dev.bind()?;
+    let op = dir.op();
+    let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+    let st = match guard.as_mut() {
+        Some(st) => st,
+        None => {
+            if dev.capturing() {
+                // Creating a handle allocates; not inside a capture (module docs).
+                return Ok(None);
+            }
+            let mut h = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the device's context is current (bound above); the
+            // handle lives as long as the process' device state.
+            status(unsafe { sys::cudnnCreate(&mut h) }, op)?;
+            guard.insert(State {
+                handle: h,
+                stream: 0,
+                plans: HashMap::new(),
+            })
+        }
+    };
+    let stream = dev.stream();
+    if st.stream != stream as usize {
+        // SAFETY: a live handle under the lock; the stream belongs to this device's context.
+        status(unsafe { sys::cudnnSetStream(st.handle, stream as _) }, op)?;
+        st.stream = stream as usize;
+    }
+    let key = Key {
+        x,
+        w,
+        y,
+        spec: *spec,
+        dtype,
+        math,
+    };
+    let handle = st.handle;
+    let geo = match st.plans.entry(key) {
+        Entry::Occupied(e) => e.into_mut(),
+        Entry::Vacant(v) => v.insert(Geometry::new(handle, &key)?),
+    };
+    if !geo.offered {
+        if dir == Dir::Forward {
+            return Ok(None);
+        }
+        return Err(Error::backend(
+            op,
+            format!("cuDNN has no algorithm for {key:?}"),
+        ));
+    }
+    let (plan, chosen) = (&geo.plan, &mut geo.chosen);
+    let size = dtype.size_in_bytes();
+    let out = alloc(dev, out_dims.iter().product::<usize>() * size)?;
+    let ops = Operands {
+        a: a.device_ptr(),
+        b: b.device_ptr(),
+        out: out.device_ptr(),
+    };
+    let i = dir.index();
+    if chosen[i].is_none() && !dev.capturing() {
+        plan.set_math(math, op)?;
+        chosen[i] = Some(algo::measure(dev, handle, plan, math, dir, ops)?);
+    }
+    let heuristic;
+    let cands: &[Candidate] = match &chosen[i] {
+        Some(c) if !c.is_empty() => c,
+        // Not measured yet inside a capture, or nothing ran in the search (its workspace
+        // could not be had): cuDNN's heuristic ranking.
+        _ => {
+            plan.set_math(math, op)?;
+            heuristic = algo::heuristic(handle, plan, math, dir)?;
+            &heuristic
+        }
+    };
+    // alpha = 1, beta = 0, as f64 for doubles and f32 otherwise (cuDNN's scaling parameters).
+    let (d, f) = ([1.0f64, 0.0], [1.0f32, 0.0]);
+    let scalars = if dtype == DType::F64 {
+        (
+            &d[0] as *const f64 as *const c_void,
+            &d[1] as *const f64 as *const c_void,
+        )
+    } else {
+        (
+            &f[0] as *const f32 as *const c_void,
+            &f[1] as *const f32 as *const c_void,
+        )
+    };
+    algo::execute(dev, handle, plan, dir, cands, ops, scalars)?;
+    drop(guard);
+    // A capture records instead of running: nothing to wait for (graph.rs).
+    if crate::device::sync_debug() && !dev.capturing() {
+        dev.sync(op)?;
+    }
+    Ok(Some(out))
+}

@@ -96,17 +96,22 @@ struct alignas(sizeof(T) * N) Vec {
 struct f16 { u16 x; };
 struct bf16 { u16 x; };
 
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(f16 h) {
+// One name each way: `wide` loads (f32/f64/integers unchanged; the 16-bit floats to f32, exact)
+// and `narrow<S>` stores (to the storage type `S`: unchanged, or f32 rounded to 16 bits). The
+// hand-written kernels templated on a storage type `S` and a compute type `T` (the same for
+// f32/f64; f32 for the 16-bit floats) use them, and so do `cast_to`'s 16-bit cases.
+template <typename T> __device__ __forceinline__ T wide(T v) { return v; }
+__device__ __forceinline__ float wide(f16 h) {
     if ((h.x & 0x7fffu) > 0x7c00u)
         return __uint_as_float(((u32)(h.x & 0x8000u) << 16) | 0x7fc00000u | ((u32)(h.x & 0x3ffu) << 13));
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h.x));
     return f;
 }
-__device__ __forceinline__ float to_f32(bf16 h) { return __uint_as_float(((u32)h.x) << 16); }
+__device__ __forceinline__ float wide(bf16 h) { return __uint_as_float(((u32)h.x) << 16); }
 
-__device__ __forceinline__ f16 f16_from_f32(float f) {
+template <typename S, typename T> __device__ __forceinline__ S narrow(T v) { return v; }
+template <> __device__ __forceinline__ f16 narrow<f16, float>(float f) {
     f16 h;
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -116,7 +121,7 @@ __device__ __forceinline__ f16 f16_from_f32(float f) {
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.x) : "f"(f));
     return h;
 }
-__device__ __forceinline__ bf16 bf16_from_f32(float f) {
+template <> __device__ __forceinline__ bf16 narrow<bf16, float>(float f) {
     bf16 h;
     u32 u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) {
@@ -140,20 +145,6 @@ __device__ __forceinline__ float f32_round_to_odd(double d) {
     if (r != r || (double)r == d) return r;
     return __uint_as_float(__float_as_uint(r) | 1u);
 }
-// f32 to the storage type `T` (f32 itself, or rounded to 16 bits).
-template <typename T> __device__ __forceinline__ T from_f32(float f);
-template <> __device__ __forceinline__ float from_f32<float>(float f) { return f; }
-template <> __device__ __forceinline__ f16 from_f32<f16>(float f) { return f16_from_f32(f); }
-template <> __device__ __forceinline__ bf16 from_f32<bf16>(float f) { return bf16_from_f32(f); }
-
-// Hand-written kernels templated on a storage type `S` and a compute type `T` (the same for
-// f32/f64; f32 for the 16-bit floats): `wide` loads, `narrow<S>` stores.
-template <typename T> __device__ __forceinline__ T wide(T v) { return v; }
-__device__ __forceinline__ float wide(f16 v) { return to_f32(v); }
-__device__ __forceinline__ float wide(bf16 v) { return to_f32(v); }
-template <typename S, typename T> __device__ __forceinline__ S narrow(T v) { return v; }
-template <> __device__ __forceinline__ f16 narrow<f16, float>(float v) { return f16_from_f32(v); }
-template <> __device__ __forceinline__ bf16 narrow<bf16, float>(float v) { return bf16_from_f32(v); }
 
 __device__ __forceinline__ bool is_nan(float x) { return x != x; }
 __device__ __forceinline__ bool is_nan(double x) { return x != x; }

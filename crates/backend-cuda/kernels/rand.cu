@@ -52,11 +52,11 @@ __device__ __forceinline__ float normal_f32(u64 i, u64 seed, float mean, float s
 #define RAND_F32(S)                                                                            \
     extern "C" __global__ void rand_uniform_##S(S* y, u64 n, u64 seed, float low, float high) { \
         for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \
-            y[i] = from_f32<S>(uniform_f32(i, seed, low, high));                               \
+            y[i] = narrow<S>(uniform_f32(i, seed, low, high));                                \
     }                                                                                          \
     extern "C" __global__ void rand_normal_##S(S* y, u64 n, u64 seed, float mean, float std) { \
         for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \
-            y[i] = from_f32<S>(normal_f32(i, seed, mean, std));                                \
+            y[i] = narrow<S>(normal_f32(i, seed, mean, std));                                \
     }
 RAND_F32(float)
 RAND_F32(f16)

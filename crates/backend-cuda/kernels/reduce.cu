@@ -15,8 +15,8 @@
 
 template <typename T> __device__ __forceinline__ void store(T* y, u64 i, T v) { y[i] = v; }
 // The 16-bit floats: an f32 accumulator, rounded once on store.
-__device__ __forceinline__ void store(f16* y, u64 i, float v) { y[i] = f16_from_f32(v); }
-__device__ __forceinline__ void store(bf16* y, u64 i, float v) { y[i] = bf16_from_f32(v); }
+__device__ __forceinline__ void store(f16* y, u64 i, float v) { y[i] = narrow<f16>(v); }
+__device__ __forceinline__ void store(bf16* y, u64 i, float v) { y[i] = narrow<bf16>(v); }
 template <typename T> __device__ __forceinline__ void store(i64* y, u64 i, ArgAcc<T> a) { y[i] = a.i; }
 
 template <typename T, typename Op, typename O>
@@ -153,7 +153,7 @@ REDUCE_ALL(u8)
 // (sums, max/min, arg values), one rounding on store. A split reduction keeps its partial
 // results in f32: `_part` kernels write them, the `_fin` row kernel folds them and rounds.
 template <typename T, typename B> struct WideOp : B {
-    static __device__ __forceinline__ typename B::Acc lift(T v, i64 i) { return B::lift(to_f32(v), i); }
+    static __device__ __forceinline__ typename B::Acc lift(T v, i64 i) { return B::lift(wide(v), i); }
 };
 #define REDUCE_PART(NAME, OPT, T)                                                              \
     extern "C" __global__ void reduce_row_##NAME##_##T##_part(const T* x, float* y, u64 nout,  \

@@ -63,13 +63,13 @@ template <> __device__ __forceinline__ float cast_to(double x) { return __double
 
 // The 16-bit floats (storage types, see common.cuh): a widened program only loads them, casts
 // them to f32 (exact) and rounds to them once from any dtype (an i64 through f64, as the CPU).
-template <> __device__ __forceinline__ float cast_to(f16 x) { return to_f32(x); }
-template <> __device__ __forceinline__ float cast_to(bf16 x) { return to_f32(x); }
-template <> __device__ __forceinline__ f16 cast_to(float x) { return f16_from_f32(x); }
-template <> __device__ __forceinline__ bf16 cast_to(float x) { return bf16_from_f32(x); }
-template <> __device__ __forceinline__ f16 cast_to(double x) { return f16_from_f32(f32_round_to_odd(x)); }
-template <> __device__ __forceinline__ bf16 cast_to(double x) { return bf16_from_f32(f32_round_to_odd(x)); }
+template <> __device__ __forceinline__ float cast_to(f16 x) { return wide(x); }
+template <> __device__ __forceinline__ float cast_to(bf16 x) { return wide(x); }
+template <> __device__ __forceinline__ f16 cast_to(float x) { return narrow<f16>(x); }
+template <> __device__ __forceinline__ bf16 cast_to(float x) { return narrow<bf16>(x); }
+template <> __device__ __forceinline__ f16 cast_to(double x) { return narrow<f16>(f32_round_to_odd(x)); }
+template <> __device__ __forceinline__ bf16 cast_to(double x) { return narrow<bf16>(f32_round_to_odd(x)); }
 template <> __device__ __forceinline__ f16 cast_to(i64 x) { return cast_to<double, f16>(__ll2double_rn(x)); }
 template <> __device__ __forceinline__ bf16 cast_to(i64 x) { return cast_to<double, bf16>(__ll2double_rn(x)); }
-template <> __device__ __forceinline__ f16 cast_to(u8 x) { return f16_from_f32((float)x); }
-template <> __device__ __forceinline__ bf16 cast_to(u8 x) { return bf16_from_f32((float)x); }
+template <> __device__ __forceinline__ f16 cast_to(u8 x) { return narrow<f16>((float)x); }
+template <> __device__ __forceinline__ bf16 cast_to(u8 x) { return narrow<bf16>((float)x); }

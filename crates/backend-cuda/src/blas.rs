@@ -212,6 +212,9 @@ fn int(op: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(op, format!("dimension {v} exceeds cuBLAS's i32")))
 }
 
+/// `Backend::matmul` over computed buffers: `[batch, m, k] x [batch, k, n]` into a fresh
+/// contiguous `[batch, m, n]`. Empty products are an empty or zeroed buffer; the rest goes to
+/// the first route that takes it: [`matvec`], [`gemm_small`], else cuBLAS ([`cublas_gemm`]).
 pub(crate) fn matmul(
     a: &Buffer,
     la: &Layout,
@@ -246,171 +249,122 @@ pub(crate) fn matmul(
         )?;
         return Ok(out);
     }
+    let tf32 = allow_tf32();
+    match route(dtype, (batch, m, k, n), tf32) {
+        Route::Matvec => matvec(dev, (a, la), (b, lb), &out, dtype)?,
+        Route::Small => gemm_small(dev, (a, la), (b, lb), &out, dtype)?,
+        Route::Cublas => {
+            let g = Gemm::new((a, la), (b, lb), &out, dtype)?;
+            cublas_gemm(dev, &g, dtype, tf32)?;
+        }
+    }
+    Ok(out)
+}
+
+/// Which kernel computes a non-empty product.
+enum Route {
+    /// One output row or column: [`matvec`].
+    Matvec,
+    /// A small product: [`gemm_small`].
+    Small,
+    /// cuBLAS: [`cublas_gemm`].
+    Cublas,
+}
+
+/// The route of a non-empty `[batch, m, k] x [batch, k, n]` product of `dtype`.
+fn route(dtype: DType, (batch, m, k, n): (usize, usize, usize, usize), tf32: bool) -> Route {
     let vector = batch == 1 && (m == 1 || n == 1) && matvec_on();
     // (The 16-bit floats have no matvec kernel: cuBLAS's GemmEx does them.)
     if vector && !dtype.is_half() && (k <= 1 << 14 || m.max(n) >= 1 << 10) {
-        matvec(dev, (a, la), (b, lb), &out, dtype)?;
-        return Ok(out);
+        return Route::Matvec;
     }
-    let tf32 = allow_tf32();
     // With TF32 allowed the product is cuBLAS's (tensor cores), whatever its size.
     let small = batch.saturating_mul(m).saturating_mul(n).saturating_mul(k) <= SMALL_GEMM_MACS
         && batch as u64 * m.div_ceil(16) as u64 <= 65_535
         && !tf32;
     if small && small_gemm_on() && matches!(dtype, DType::F32 | DType::F64) {
-        gemm_small(dev, (a, la), (b, lb), &out, dtype)?;
-        return Ok(out);
+        return Route::Small;
     }
-    let layout = |l: &Layout| {
-        let s = l.strides();
-        if s[2] == 1 {
-            (cb::cublasOperation_t::CUBLAS_OP_N, s[1].max(1))
-        } else {
-            (cb::cublasOperation_t::CUBLAS_OP_T, s[2].max(1))
-        }
-    };
-    let (op_a, lda) = layout(la);
-    let (op_b, ldb) = layout(lb);
-    let (m_, n_, k_) = (int(OP, m)?, int(OP, n)?, int(OP, k)?);
-    let (lda, ldb, batch_) = (int(OP, lda)?, int(OP, ldb)?, int(OP, batch)?);
-    let (sa, sb) = (la.strides()[0] as i64, lb.strides()[0] as i64);
-    let (pa, pb) = (operand_ptr(a, la, dtype), operand_ptr(b, lb, dtype));
+    Route::Cublas
+}
+
+/// One cuBLAS product in cuBLAS's column-major terms: row-major `C = A·B` computed as
+/// column-major `Cᵀ = Bᵀ·Aᵀ` (see the module docs), so `b` comes first in every call.
+struct Gemm {
+    op_a: cb::cublasOperation_t,
+    op_b: cb::cublasOperation_t,
+    /// Rows and columns of the row-major product, and the inner dimension.
+    m: i32,
+    n: i32,
+    k: i32,
+    lda: i32,
+    ldb: i32,
+    batch: usize,
+    batch_i32: i32,
+    /// Batch strides in elements (0 broadcasts), the output's included.
+    sa: i64,
+    sb: i64,
+    sc: i64,
+    /// Device addresses of the operands' first elements and of the output.
+    pa: u64,
+    pb: u64,
+    pc: u64,
+}
+
+impl Gemm {
+    /// The layout decisions: a row-major operand (unit column stride) is op N with its row
+    /// stride as leading dimension, any other op T with its column stride. Dimensions must
+    /// fit cuBLAS's `i32`.
+    fn new(
+        (a, la): (&Buffer, &Layout),
+        (b, lb): (&Buffer, &Layout),
+        out: &Buffer,
+        dtype: DType,
+    ) -> Result<Gemm> {
+        const OP: &str = "matmul";
+        let (batch, m, k) = (la.dims()[0], la.dims()[1], la.dims()[2]);
+        let n = lb.dims()[2];
+        let layout = |l: &Layout| {
+            let s = l.strides();
+            if s[2] == 1 {
+                (cb::cublasOperation_t::CUBLAS_OP_N, s[1].max(1))
+            } else {
+                (cb::cublasOperation_t::CUBLAS_OP_T, s[2].max(1))
+            }
+        };
+        let (op_a, lda) = layout(la);
+        let (op_b, ldb) = layout(lb);
+        Ok(Gemm {
+            op_a,
+            op_b,
+            m: int(OP, m)?,
+            n: int(OP, n)?,
+            k: int(OP, k)?,
+            lda: int(OP, lda)?,
+            ldb: int(OP, ldb)?,
+            batch,
+            batch_i32: int(OP, batch)?,
+            sa: la.strides()[0] as i64,
+            sb: lb.strides()[0] as i64,
+            sc: (m * n) as i64,
+            pa: operand_ptr(a, la, dtype),
+            pb: operand_ptr(b, lb, dtype),
+            pc: out.device_ptr(),
+        })
+    }
+}
+
+/// Runs `g` with the device's cuBLAS handle on the current stream: the f32/f64 entry points
+/// ([`gemm_float`]) or, for f16/bf16, `cublasGemmEx` ([`gemm_half`]); other dtypes are an
+/// error. With `KILN_CUDA_SYNC=1`, waits for it.
+fn cublas_gemm(dev: &DeviceState, g: &Gemm, dtype: DType, tf32: bool) -> Result<()> {
+    const OP: &str = "matmul";
     let mut guard = dev.blas();
     let blas = ready_handle(&mut guard, dev.stream(), tf32)?;
-    let sc = (m * n) as i64;
-    // One GEMM call, for element type `$t`: the plain entry point for one matrix (what
-    // PyTorch's `mm` calls; cuBLAS's heuristics for the batched one can pick other kernels),
-    // strided batched otherwise. Row-major C = A·B is computed as column-major Cᵀ = Bᵀ·Aᵀ.
-    macro_rules! gemm {
-        ($t:ty, $plain:ident, $batched:ident) => {{
-            let (alpha, beta): ($t, $t) = (1.0, 0.0);
-            let (pa, pb, pc) = (
-                pa as *const $t,
-                pb as *const $t,
-                out.device_ptr() as *mut $t,
-            );
-            // SAFETY: pointers and leading dimensions describe the operands' layouts (the
-            // trait's contract); `out` holds batch * m * n elements; the handle runs on the
-            // caller's current stream.
-            unsafe {
-                if batch == 1 {
-                    cb::$plain(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        &alpha,
-                        pb,
-                        ldb,
-                        pa,
-                        lda,
-                        &beta,
-                        pc,
-                        n_,
-                    )
-                } else {
-                    cb::$batched(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        &alpha,
-                        pb,
-                        ldb,
-                        sb,
-                        pa,
-                        lda,
-                        sa,
-                        &beta,
-                        pc,
-                        n_,
-                        sc,
-                        batch_,
-                    )
-                }
-            }
-        }};
-    }
     let _prof = crate::profile::launch(dev, OP, true);
     let status = match dtype {
-        DType::F32 => gemm!(f32, cublasSgemm_v2, cublasSgemmStridedBatched),
-        DType::F64 => gemm!(f64, cublasDgemm_v2, cublasDgemmStridedBatched),
-        DType::F16 | DType::BF16 => {
-            // 16-bit operands and result, f32 accumulation and f32 alpha/beta
-            // (CUBLAS_COMPUTE_32F): tensor cores, one rounding of each f32 dot product.
-            let t = if dtype == DType::F16 {
-                cb::cudaDataType::CUDA_R_16F
-            } else {
-                cb::cudaDataType::CUDA_R_16BF
-            };
-            let (alpha, beta) = (1.0f32, 0.0f32);
-            let alpha = &alpha as *const f32 as *const std::ffi::c_void;
-            let beta = &beta as *const f32 as *const std::ffi::c_void;
-            let (pa, pb) = (pa as *const std::ffi::c_void, pb as *const std::ffi::c_void);
-            let pc = out.device_ptr() as *mut std::ffi::c_void;
-            let compute = cb::cublasComputeType_t::CUBLAS_COMPUTE_32F;
-            let algo = cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT;
-            // SAFETY: as for the f32 path: the handle is bound to the current stream; the
-            // operand ranges (offsets, leading dimensions, batch strides from the layouts) lie
-            // inside their buffers, the output is a fresh buffer of batch·m·n elements of the
-            // 16-bit type `t`, and alpha/beta are f32 host scalars alive for the call, as
-            // CUBLAS_COMPUTE_32F requires.
-            unsafe {
-                if batch == 1 {
-                    cb::cublasGemmEx(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        alpha,
-                        pb,
-                        t,
-                        ldb,
-                        pa,
-                        t,
-                        lda,
-                        beta,
-                        pc,
-                        t,
-                        n_,
-                        compute,
-                        algo,
-                    )
-                } else {
-                    cb::cublasGemmStridedBatchedEx(
-                        blas.handle,
-                        op_b,
-                        op_a,
-                        n_,
-                        m_,
-                        k_,
-                        alpha,
-                        pb,
-                        t,
-                        ldb,
-                        sb,
-                        pa,
-                        t,
-                        lda,
-                        sa,
-                        beta,
-                        pc,
-                        t,
-                        n_,
-                        sc,
-                        batch_,
-                        compute,
-                        algo,
-                    )
-                }
-            }
-        }
+        DType::F32 | DType::F64 => gemm_float(blas.handle, g, dtype),
+        DType::F16 | DType::BF16 => gemm_half(blas.handle, g, dtype),
         d => {
             return Err(Error::DTypeMismatch {
                 op: OP,
@@ -425,5 +379,109 @@ pub(crate) fn matmul(
     if crate::device::sync_debug() && !dev.capturing() {
         dev.sync(OP)?;
     }
-    Ok(out)
+    Ok(())
+}
+
+/// One f32 or f64 GEMM: the plain entry point for one matrix (what PyTorch's `mm` calls;
+/// cuBLAS's heuristics for the batched one can pick other kernels), strided batched otherwise.
+fn gemm_float(h: cb::cublasHandle_t, g: &Gemm, dtype: DType) -> cb::cublasStatus_t {
+    macro_rules! gemm {
+        ($t:ty, $plain:ident, $batched:ident) => {{
+            let (alpha, beta): ($t, $t) = (1.0, 0.0);
+            let (pa, pb, pc) = (g.pa as *const $t, g.pb as *const $t, g.pc as *mut $t);
+            // SAFETY: pointers and leading dimensions describe the operands' layouts (the
+            // trait's contract); the output holds batch * m * n elements; the handle runs on
+            // the caller's current stream, under the device's cuBLAS lock.
+            unsafe {
+                if g.batch == 1 {
+                    cb::$plain(
+                        h, g.op_b, g.op_a, g.n, g.m, g.k, &alpha, pb, g.ldb, pa, g.lda, &beta, pc,
+                        g.n,
+                    )
+                } else {
+                    cb::$batched(
+                        h,
+                        g.op_b,
+                        g.op_a,
+                        g.n,
+                        g.m,
+                        g.k,
+                        &alpha,
+                        pb,
+                        g.ldb,
+                        g.sb,
+                        pa,
+                        g.lda,
+                        g.sa,
+                        &beta,
+                        pc,
+                        g.n,
+                        g.sc,
+                        g.batch_i32,
+                    )
+                }
+            }
+        }};
+    }
+    match dtype {
+        DType::F32 => gemm!(f32, cublasSgemm_v2, cublasSgemmStridedBatched),
+        _ => gemm!(f64, cublasDgemm_v2, cublasDgemmStridedBatched),
+    }
+}
+
+/// One f16 or bf16 GEMM through `cublasGemmEx` (strided batched for several matrices):
+/// 16-bit operands and result, f32 accumulation and f32 alpha/beta (CUBLAS_COMPUTE_32F):
+/// tensor cores, one rounding of each f32 dot product.
+fn gemm_half(h: cb::cublasHandle_t, g: &Gemm, dtype: DType) -> cb::cublasStatus_t {
+    use std::ffi::c_void;
+    let t = if dtype == DType::F16 {
+        cb::cudaDataType::CUDA_R_16F
+    } else {
+        cb::cudaDataType::CUDA_R_16BF
+    };
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let alpha = &alpha as *const f32 as *const c_void;
+    let beta = &beta as *const f32 as *const c_void;
+    let (pa, pb) = (g.pa as *const c_void, g.pb as *const c_void);
+    let pc = g.pc as *mut c_void;
+    let compute = cb::cublasComputeType_t::CUBLAS_COMPUTE_32F;
+    let algo = cb::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT;
+    // SAFETY: as for `gemm_float`: the handle is bound to the current stream; the operand
+    // ranges (offsets, leading dimensions, batch strides from the layouts) lie inside their
+    // buffers, the output is a fresh buffer of batch·m·n elements of the 16-bit type `t`, and
+    // alpha/beta are f32 host scalars alive for the call, as CUBLAS_COMPUTE_32F requires.
+    unsafe {
+        if g.batch == 1 {
+            cb::cublasGemmEx(
+                h, g.op_b, g.op_a, g.n, g.m, g.k, alpha, pb, t, g.ldb, pa, t, g.lda, beta, pc, t,
+                g.n, compute, algo,
+            )
+        } else {
+            cb::cublasGemmStridedBatchedEx(
+                h,
+                g.op_b,
+                g.op_a,
+                g.n,
+                g.m,
+                g.k,
+                alpha,
+                pb,
+                t,
+                g.ldb,
+                g.sb,
+                pa,
+                t,
+                g.lda,
+                g.sa,
+                beta,
+                pc,
+                t,
+                g.n,
+                g.sc,
+                g.batch_i32,
+                compute,
+                algo,
+            )
+        }
+    }
 }

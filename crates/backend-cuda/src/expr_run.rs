@@ -18,7 +18,12 @@
 //! variant)` (`DeviceState::generated_func`; its module is unloaded by `clear_kernel_cache`
 //! with the other generated kernels), apart for each [`Caller`]. A program run again on
 //! operands of the same layouts finds its checked call, plan and kernel in a per-thread memo
-//! ([`PLANNED`]) and redoes none of them. Inputs are computed buffers; outputs are fresh
+//! ([`PLANNED`]) and redoes none of them: its plan keeps what every run needs (output sizes,
+//! bounds, the widest vector width, and per device and width the kernel, grid and dimension
+//! arguments), so a run only checks alignment and packs pointers. A lone op (`run_single`,
+//! what a realized op of the op table runs) first looks in the few plans this thread used
+//! last ([`LONE`]), by comparison alone: a realized lone op's host time is its whole cost, and
+//! it had grown by ~0.6 µs (40%) when per-op kernels became generated programs. Inputs are computed buffers; outputs are fresh
 //! contiguous buffers; the launch goes to the calling thread's current stream.
 //!
 //! A program that cannot run as one kernel (layouts with more than 8 non-mergeable dimensions,
@@ -102,18 +107,56 @@ pub(crate) fn run_planned(
     params: &[f64],
     caller: Caller,
 ) -> Result<Option<Vec<Buffer>>> {
-    let (program, call) = (&planned.exec, &planned.call);
+    let Some(run) = prepare(dev, planned, bufs, layouts, caller)? else {
+        return Ok(None);
+    };
+    let outs = (planned.out_bytes.iter())
+        .map(|&bytes| alloc(dev, bytes))
+        .collect::<Result<Vec<Buffer>>>()?;
+    if planned.work {
+        launch(dev, &run, planned, bufs, layouts, &outs, params, caller)?;
+    }
+    Ok(Some(outs))
+}
+
+/// [`run_planned`] of a program with one output (a lone op, a recorded chain), which it
+/// returns without a `Vec` around it: a lone op's host time is its cost.
+pub(crate) fn run_planned_one(
+    dev: &'static DeviceState,
+    planned: &Planned,
+    bufs: &[&Buffer],
+    layouts: &[&Layout],
+    params: &[f64],
+    caller: Caller,
+) -> Result<Option<Buffer>> {
+    debug_assert_eq!(planned.exec.outputs().len(), 1, "one output");
+    let Some(run) = prepare(dev, planned, bufs, layouts, caller)? else {
+        return Ok(None);
+    };
+    let out = alloc(dev, planned.out_bytes[0])?;
+    if planned.work {
+        let outs = std::slice::from_ref(&out);
+        launch(dev, &run, planned, bufs, layouts, outs, params, caller)?;
+    }
+    Ok(Some(out))
+}
+
+/// The kernel and geometry (with the vector width the buffers' alignment allows) that run
+/// `planned` over `bufs`, after checking that every input's layout lies inside its buffer;
+/// `None` when it cannot run fused (see [`run_planned`]).
+fn prepare(
+    dev: &'static DeviceState,
+    planned: &Planned,
+    bufs: &[&Buffer],
+    layouts: &[&Layout],
+    caller: Caller,
+) -> Result<Option<Run>> {
     let Some(geo) = &planned.geo else {
         return Ok(None);
     };
-    // The vector width depends on the buffers' alignment.
-    let geo = planned.with_vec(geo, vec_width(program, geo, bufs, layouts));
-    let geo = &*geo;
-    let Some(f) = planned.kernel(dev, program, &geo.variant, caller)? else {
-        return Ok(None);
-    };
-    for (k, ((b, l), &dt)) in bufs.iter().zip(layouts).zip(program.inputs()).enumerate() {
-        if l.storage_extent() * dt.size_in_bytes() > b.len_bytes() {
+    for (k, (b, &reach)) in bufs.iter().zip(&planned.reach).enumerate() {
+        if reach > b.len_bytes() {
+            let l = layouts[k];
             return Err(Error::invalid(
                 caller.op(),
                 format!(
@@ -125,24 +168,9 @@ pub(crate) fn run_planned(
             ));
         }
     }
-    let outs = program
-        .outputs()
-        .iter()
-        .enumerate()
-        .map(|(j, &o)| {
-            let n = call.output_len(&planned.program, j, &planned.shape);
-            alloc(dev, n * program.dtype(o).size_in_bytes())
-        })
-        .collect::<Result<Vec<Buffer>>>()?;
-    let work = if program.reduces() {
-        call.kept.elem_count()
-    } else {
-        planned.shape.elem_count()
-    };
-    if work > 0 {
-        launch(dev, f, planned, geo, bufs, layouts, &outs, params, caller)?;
-    }
-    Ok(Some(outs))
+    // The vector width depends on the buffers' alignment.
+    let vec = planned.vec_width(geo, bufs, layouts);
+    planned.ready(dev, geo, vec, caller)
 }
 
 /// A checked call and its plan (`None`: the program runs op by op), for one program, iteration
@@ -156,54 +184,130 @@ pub(crate) struct Planned {
     shape: Shape,
     layouts: Vec<Layout>,
     params: usize,
-    call: kiln_core::expr::CallPlan,
     /// `None`: the program cannot run as one kernel.
     pub(crate) geo: Option<Geometry>,
-    /// `geo` with each vector width seen so far (alignment of the buffers decides it).
-    by_vec: RefCell<Vec<std::rc::Rc<Geometry>>>,
-    /// The kernels found for it: (device ordinal, kernel-cache epoch, vector width, kernel).
-    funcs: RefCell<Vec<(usize, u64, u32, Func)>>,
+    /// The bytes of each output (a fresh contiguous buffer).
+    out_bytes: Vec<usize>,
+    /// Whether a run has anything to compute (an element, or a kept element when reducing).
+    work: bool,
+    /// The bytes each input's layout reaches into its buffer (offset included), for the
+    /// bounds check of every run.
+    reach: Vec<usize>,
+    /// The vector width of an elementwise kernel whose contiguous inputs are all aligned for
+    /// it ([`codegen::vec_elems`] at address 0), or 0: only the alignment is checked per run.
+    vec_max: u32,
+    /// What runs it, per device, kernel-cache epoch and vector width: `geo` with that width
+    /// and the kernel (so a run looks up nothing else, and compares no program).
+    ready: RefCell<Vec<Ready>>,
+}
+
+/// A kernel found for a [`Planned`] (see `Planned::ready`).
+struct Ready {
+    ordinal: usize,
+    epoch: u64,
+    vec: u32,
+    run: Run,
+}
+
+/// What one run launches: the geometry (with its vector width), the kernel, and what follows
+/// from them alone (computed once per [`Ready`]).
+#[derive(Clone)]
+struct Run {
+    geo: std::rc::Rc<Geometry>,
+    func: Func,
+    /// The launch's grid and block (unused by a split reduction: `launch_split`).
+    grid: (u32, u32),
+    block: u32,
+    /// The iteration dimensions argument (`geo.dims`).
+    dims: Dims,
 }
 
 impl Planned {
-    /// `geo` (this plan's) with `variant.vec` set to `vec`, made once per width.
-    fn with_vec(&self, geo: &Geometry, vec: u32) -> std::rc::Rc<Geometry> {
-        let mut by_vec = self.by_vec.borrow_mut();
-        if let Some(g) = by_vec.iter().find(|g| g.variant.vec == vec) {
-            return g.clone();
+    /// Whether this is the plan of a call over `shape` and `layouts` with `params` parameters
+    /// (of its program: the caller compares that). Lists are compared element by element:
+    /// they are short, and a `memcmp` call for each cost more than the comparisons.
+    fn is_for(&self, shape: &Shape, layouts: &[&Layout], params: usize) -> bool {
+        fn same(a: &[usize], b: &[usize]) -> bool {
+            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
         }
-        let mut g = geo.clone();
-        g.variant.vec = vec;
-        let g = std::rc::Rc::new(g);
-        by_vec.push(g.clone());
-        g
+        self.params == params
+            && same(self.shape.dims(), shape.dims())
+            && self.layouts.len() == layouts.len()
+            && self.layouts.iter().zip(layouts).all(|(a, b)| {
+                a.offset() == b.offset()
+                    && same(a.dims(), b.dims())
+                    && same(a.strides(), b.strides())
+            })
     }
 
-    /// [`kernel`] for this plan's program and `variant`, remembered per device, epoch and
-    /// vector width (so a hit compares no program).
-    fn kernel(
+    /// The elements per vector of the kernel's loop over `bufs` (see `codegen::Variant::vec`):
+    /// [`Planned::vec_max`] when every contiguous input is aligned for it, else 0; for a split
+    /// reduction, 4 or 0 (see [`vec_width`]).
+    fn vec_width(&self, geo: &Geometry, bufs: &[&Buffer], layouts: &[&Layout]) -> u32 {
+        if geo.variant.strategy == Strategy::Split {
+            return vec_width(&self.exec, geo, bufs, layouts);
+        }
+        if self.vec_max == 0 {
+            return 0;
+        }
+        let n = self.vec_max as usize;
+        let aligned = (0..bufs.len())
+            .filter(|&k| geo.variant.access[k] == Access::Contig)
+            .all(|k| {
+                let size = self.exec.inputs()[k].size_in_bytes();
+                let at = bufs[k].device_ptr() + (layouts[k].offset() * size) as u64;
+                at.is_multiple_of((n * size) as u64)
+            });
+        if aligned { self.vec_max } else { 0 }
+    }
+
+    /// The geometry (this plan's `geo` with vector width `vec`) and kernel that run it on
+    /// `dev`: remembered per device, kernel-cache epoch and width, else found by [`kernel`]
+    /// (`None`: the caller's kernel budget is spent).
+    fn ready(
         &self,
         dev: &'static DeviceState,
-        program: &Program,
-        variant: &Variant,
+        geo: &Geometry,
+        vec: u32,
         caller: Caller,
-    ) -> Result<Option<Func>> {
-        let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
-        let key = (dev.ordinal(), epoch, variant.vec);
-        let hit = self
-            .funcs
-            .borrow()
-            .iter()
-            .find(|(o, e, v, _)| (*o, *e, *v) == key)
-            .map(|e| e.3);
-        if hit.is_some() {
-            return Ok(hit);
+    ) -> Result<Option<Run>> {
+        let (ordinal, epoch) = (dev.ordinal(), KERNEL_EPOCH.load(Ordering::SeqCst));
+        {
+            let ready = self.ready.borrow();
+            let hit = ready
+                .iter()
+                .find(|r| r.ordinal == ordinal && r.epoch == epoch && r.vec == vec);
+            if let Some(r) = hit {
+                return Ok(Some(r.run.clone()));
+            }
         }
-        let f = kernel(dev, program, variant, caller)?;
-        if let Some(f) = f {
-            self.funcs.borrow_mut().push((key.0, key.1, key.2, f));
-        }
-        Ok(f)
+        let shared = (self.ready.borrow().iter())
+            .find(|r| r.vec == vec)
+            .map(|r| r.run.geo.clone());
+        let geo = shared.unwrap_or_else(|| {
+            let mut g = geo.clone();
+            g.variant.vec = vec;
+            std::rc::Rc::new(g)
+        });
+        let Some(func) = kernel(dev, &self.exec, &geo.variant, caller)? else {
+            return Ok(None);
+        };
+        let (grid, block) = grid_and_block(dev, &geo);
+        let dims = dims_arg(&geo.dims);
+        let run = Run {
+            geo,
+            func,
+            grid,
+            block,
+            dims,
+        };
+        self.ready.borrow_mut().push(Ready {
+            ordinal,
+            epoch,
+            vec,
+            run: run.clone(),
+        });
+        Ok(Some(run))
     }
 }
 
@@ -325,13 +429,7 @@ fn planned_hit(
         m.borrow().0.get(&key).and_then(|bucket| {
             bucket
                 .iter()
-                .find(|e| {
-                    e.params == params
-                        && e.shape == *shape
-                        && e.layouts.len() == layouts.len()
-                        && e.layouts.iter().zip(layouts).all(|(a, b)| a == *b)
-                        && parts.matches(&e.program)
-                })
+                .find(|e| e.is_for(shape, layouts, params) && parts.matches(&e.program))
                 .cloned()
         })
     })
@@ -349,16 +447,38 @@ fn plan_new(
     let geo = codegen::plan(&exec, shape, layouts, &call.axes)
         .ok()
         .filter(|g| fits_args(&exec, g));
+    let reach = layouts
+        .iter()
+        .zip(exec.inputs())
+        .map(|(l, d)| l.storage_extent() * d.size_in_bytes())
+        .collect();
+    let vec_max = match &geo {
+        Some(g) if !exec.reduces() => codegen::vec_elems(&exec, &g.variant.access, |_| 0),
+        _ => 0,
+    };
+    let out_bytes = (0..exec.outputs().len())
+        .map(|j| {
+            let n = call.output_len(&program, j, shape);
+            n * exec.dtype(exec.outputs()[j]).size_in_bytes()
+        })
+        .collect();
+    let work = if exec.reduces() {
+        call.kept.elem_count() > 0
+    } else {
+        shape.elem_count() > 0
+    };
     let p = std::rc::Rc::new(Planned {
         program,
         exec,
         shape: shape.clone(),
         layouts: layouts.iter().map(|l| (*l).clone()).collect(),
         params: params.len(),
-        call,
+        out_bytes,
+        work,
+        reach,
+        vec_max,
         geo,
-        by_vec: RefCell::new(Vec::new()),
-        funcs: RefCell::new(Vec::new()),
+        ready: RefCell::new(Vec::new()),
     });
     PLANNED.with(|m| {
         let (map, len) = &mut *m.borrow_mut();
@@ -454,16 +574,15 @@ fn strides_arg(s: &[usize]) -> Strides {
 #[allow(clippy::too_many_arguments)]
 fn launch(
     dev: &'static DeviceState,
-    f: Func,
+    run: &Run,
     planned: &Planned,
-    g: &Geometry,
     bufs: &[&Buffer],
     layouts: &[&Layout],
     outs: &[Buffer],
     params: &[f64],
     caller: Caller,
 ) -> Result<()> {
-    let p = &planned.exec;
+    let (p, g, f) = (&planned.exec, &*run.geo, run.func);
     let at = |k: usize| -> u64 {
         bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
     };
@@ -471,9 +590,9 @@ fn launch(
     let reduces = p.reduces();
     if reduces {
         a.push(g.n as u64).push(g.n_red as u64);
-        a.push(dims_arg(&g.dims)).push(dims_arg(&g.red_dims));
+        a.push(run.dims).push(dims_arg(&g.red_dims));
     } else {
-        a.push(g.n as u64).push(dims_arg(&g.dims));
+        a.push(g.n as u64).push(run.dims);
     }
     for o in outs {
         a.push(o.device_ptr());
@@ -513,7 +632,13 @@ fn launch(
     if g.variant.strategy == Strategy::Split {
         return launch_split(dev, f, g, a, caller.op());
     }
-    let (grid, block) = match g.variant.strategy {
+    dev.launch(caller.op(), f, run.grid, run.block, 0, a.ptrs())
+}
+
+/// The grid and block of a launch of `g`'s kernel on `dev` (a split reduction's are
+/// `launch_split`'s).
+fn grid_and_block(dev: &DeviceState, g: &Geometry) -> ((u32, u32), u32) {
+    match g.variant.strategy {
         Strategy::Elementwise if g.variant.vec > 1 => (
             dev.grid_1d((g.n as u64).div_ceil(g.variant.vec as u64), BLOCK),
             BLOCK,
@@ -532,9 +657,8 @@ fn launch(
             let blocks = g.n.min(dev.sm_count() as usize * 16).max(1);
             ((blocks as u32, 1), block)
         }
-        Strategy::Split => unreachable!("launched by launch_split"),
-    };
-    dev.launch(caller.op(), f, grid, block, 0, a.ptrs())
+        Strategy::Split => ((0, 0), 0),
+    }
 }
 
 /// The two launches of a [`Strategy::Split`] kernel whose arguments up to its parameters are
@@ -691,8 +815,14 @@ pub(crate) fn run_single_parts(
     }
     dev.bind()?;
     let plan = |layouts: &[&Layout]| {
+        if let Some(p) = lone_hit(parts, shape, layouts, params.len()) {
+            return Ok(p);
+        }
         match planned_parts(parts, shape, layouts, params) {
-            Ok(Some(p)) => Ok(p),
+            Ok(Some(p)) => {
+                lone_note(&p);
+                Ok(p)
+            }
             Ok(None) => Err(Error::backend(name, "internal: not a valid program")),
             // `check_call` names the IR ("expr"); the caller knows the op.
             Err(Error::Expr { kind, msg, .. }) => Err(Error::Expr {
@@ -703,6 +833,7 @@ pub(crate) fn run_single_parts(
             Err(e) => Err(e),
         }
     };
+    let op = Caller::Op(name);
     // Up to 3 operands (`where`) without allocating: a lone op's host time is its cost.
     let n = inputs.len();
     let mut bufs: [&Buffer; 3] = [inputs[0].0; 3];
@@ -713,17 +844,16 @@ pub(crate) fn run_single_parts(
             layouts[k] = l;
         }
         let p = plan(&layouts[..n])?;
-        let op = Caller::Op(name);
-        if let Some(mut outs) = run_planned(dev, &p, &bufs[..n], &layouts[..n], params, op)? {
-            return Ok(outs.swap_remove(0));
+        if let Some(out) = run_first(dev, &p, &bufs[..n], &layouts[..n], params, op)? {
+            return Ok(out);
         }
     }
     let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
     let bufs: Vec<&Buffer> = inputs.iter().map(|(b, _)| &***b).collect();
     if n > 3 {
         let p = plan(&layouts)?;
-        if let Some(mut outs) = run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
-            return Ok(outs.swap_remove(0));
+        if let Some(out) = run_first(dev, &p, &bufs, &layouts, params, op)? {
+            return Ok(out);
         }
     }
     let flat = Layout::contiguous(shape.clone());
@@ -735,13 +865,67 @@ pub(crate) fn run_single_parts(
     let bufs: Vec<&Buffer> = copies.iter().collect();
     let layouts = vec![&flat; bufs.len()];
     let p = plan(&layouts)?;
-    match run_planned(dev, &p, &bufs, &layouts, params, Caller::Op(name))? {
-        Some(mut outs) => Ok(outs.swap_remove(0)),
+    match run_first(dev, &p, &bufs, &layouts, params, op)? {
+        Some(out) => Ok(out),
         None => Err(Error::backend(
             name,
             "internal: a single op over contiguous inputs did not plan as one kernel",
         )),
     }
+}
+
+/// The first output of `p` run over `bufs` ([`run_planned_one`] when it is the only one).
+fn run_first(
+    dev: &'static DeviceState,
+    p: &Planned,
+    bufs: &[&Buffer],
+    layouts: &[&Layout],
+    params: &[f64],
+    caller: Caller,
+) -> Result<Option<Buffer>> {
+    if p.exec.outputs().len() == 1 {
+        return run_planned_one(dev, p, bufs, layouts, params, caller);
+    }
+    Ok(run_planned(dev, p, bufs, layouts, params, caller)?.map(|mut o| o.swap_remove(0)))
+}
+
+/// The lone ops this thread planned last (`run_single_parts`), most recent first: an op repeated on operands of the same layouts (a loop's realized
+/// op) finds its plan by comparing a few instructions, dtypes and layouts, without
+/// fingerprinting the program, hashing the layouts and searching [`PLANNED`]. A miss costs
+/// at most [`LONE_LEN`] comparisons that mostly fail at the first instruction that differs.
+const LONE_LEN: usize = 8;
+
+thread_local! {
+    static LONE: RefCell<Vec<std::rc::Rc<Planned>>> =
+        const { RefCell::new(Vec::new()) };
+}
+
+/// The plan of the lone op `parts` that [`lone_note`] remembered for these operands, moved
+/// to the front.
+fn lone_hit(
+    parts: Parts<'_>,
+    shape: &Shape,
+    layouts: &[&Layout],
+    params: usize,
+) -> Option<std::rc::Rc<Planned>> {
+    LONE.with(|l| {
+        let mut l = l.borrow_mut();
+        let at = (l.iter())
+            .position(|e| parts.matches(&e.program) && e.is_for(shape, layouts, params))?;
+        l[..=at].rotate_right(1);
+        Some(l[0].clone())
+    })
+}
+
+/// Remembers the plan of a lone op for [`lone_hit`], in front, forgetting the oldest.
+fn lone_note(p: &std::rc::Rc<Planned>) {
+    LONE.with(|l| {
+        let mut l = l.borrow_mut();
+        if l.len() == LONE_LEN {
+            l.pop();
+        }
+        l.insert(0, p.clone());
+    })
 }
 
 /// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in

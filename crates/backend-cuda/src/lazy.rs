@@ -44,7 +44,7 @@ use kiln_core::expr::defer::{self, Deferral};
 use kiln_core::{DType, Error, Layout, ReduceOp, Result};
 
 use crate::device::{DeviceState, set_capture, set_current_stream};
-use crate::expr_run::{Caller, Parts, planned_parts, run_planned};
+use crate::expr_run::{Caller, Parts, planned_parts, run_planned_one};
 use crate::memory::{Buffer, alloc, duplicate, note_capture_use};
 use crate::ops;
 
@@ -366,14 +366,44 @@ fn force_here(node: &Arc<Node>) -> Result<Arc<Buffer>> {
 
 /// `op` over `args`, every one of them computed, with the single-op kernels.
 fn run_op(node: &Node, op: Op, args: &[Operand]) -> Result<Arc<Buffer>> {
+    let dev = node.ctx().dev;
+    if let Some(leaves) = leaves(args) {
+        // A lone op on computed tensors (what a realized op is): read in place, nothing
+        // allocated but its result.
+        let leaves = &leaves[..args.len()];
+        for (b, _, _) in leaves {
+            note_capture_use(b);
+        }
+        let len = node.shape().elem_count();
+        return eager(dev, op, leaves, node.dtype(), len).map(Arc::new);
+    }
     let held = defer::computed_args(node, args);
     for (b, _, _) in &held {
         note_capture_use(b);
     }
     let refs: Vec<(&Arc<Buffer>, &Layout, DType)> =
         held.iter().map(|(b, l, d)| (b, l, *d)).collect();
-    let dev = node.ctx().dev;
     eager(dev, op, &refs, node.dtype(), node.shape().elem_count()).map(Arc::new)
+}
+
+/// The operands of a node whose operands are all leaves (at most three, `where`'s), as the
+/// single-op kernels take them; `None` for any other node (one with no operand, or reading
+/// another node's value: `defer::computed_args` lays those out).
+fn leaves(args: &[Operand]) -> Option<[(&Arc<Buffer>, &Layout, DType); 3]> {
+    let Some(Operand::Leaf { buf, layout, dtype }) = args.first() else {
+        return None;
+    };
+    if args.len() > 3 {
+        return None;
+    }
+    let mut out = [(buf, layout, *dtype); 3];
+    for (o, a) in out.iter_mut().zip(args) {
+        let Operand::Leaf { buf, layout, dtype } = a else {
+            return None;
+        };
+        *o = (buf, layout, *dtype);
+    }
+    Some(out)
 }
 
 static PROGRAM_BUDGET: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -453,6 +483,5 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let caller = Caller::Lazy {
         budget: program_budget(),
     };
-    let outs = run_planned(dev, &planned, &bufs, &layouts, &params, caller)?;
-    Ok(outs.map(|mut o| o.remove(0)))
+    run_planned_one(dev, &planned, &bufs, &layouts, &params, caller)
 }

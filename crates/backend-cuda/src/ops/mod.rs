@@ -7,7 +7,7 @@
 use cudarc::driver::sys;
 use std::sync::Arc;
 
-use kiln_core::expr::{Instr, Val, rules};
+use kiln_core::expr::{Instr, Program, Val, rules};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, Result, UnaryOp};
 
 use crate::device::{DeviceState, check};
@@ -115,8 +115,41 @@ pub(crate) fn unary(op: UnaryOp, s: &Arc<Buffer>, l: &Layout, dtype: DType) -> R
             got: dtype,
         });
     }
-    let program = rules::unary_program(op, dtype)?;
+    let program = rule(false, op, dtype, rules::unary_program)?;
     run_single(op.name(), &program, &[(s, l)], l.shape(), contiguous)
+}
+
+/// The op table's program of unary `op` at `dtype` (its backward rule with `backward`), from
+/// `make` once per thread: `rules`' process-wide memo takes a lock and hashes its key on
+/// every call, which a realized lone op (whose host time is its cost) need not repeat.
+fn rule(
+    backward: bool,
+    op: UnaryOp,
+    dtype: DType,
+    make: fn(UnaryOp, DType) -> Result<Arc<Program>>,
+) -> Result<Arc<Program>> {
+    type Rules = Vec<((bool, UnaryOp, DType), Arc<Program>)>;
+    thread_local! {
+        static RULES: std::cell::RefCell<Rules> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    /// Rules a thread keeps (a model uses a few unary ops at one or two dtypes).
+    const RULES_LEN: usize = 64;
+    let key = (backward, op, dtype);
+    let hit = RULES.with(|r| {
+        let r = r.borrow();
+        r.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone())
+    });
+    if let Some(p) = hit {
+        return Ok(p);
+    }
+    let p = make(op, dtype)?;
+    RULES.with(|r| {
+        let mut r = r.borrow_mut();
+        if r.len() < RULES_LEN {
+            r.push((key, p.clone()));
+        }
+    });
+    Ok(p)
 }
 
 /// `Backend::binary` over computed buffers (broadcast operands arrive as stride-0 views).
@@ -157,7 +190,7 @@ pub(crate) fn unary_backward(
             got: dtype,
         });
     }
-    let program = rules::unary_backward_program(op, dtype)?;
+    let program = rule(true, op, dtype, rules::unary_backward_program)?;
     run_single(OP, &program, &[(s, ls), (g, lg)], lg.shape(), contiguous)
 }
 

@@ -3,16 +3,18 @@
 //! ([`splice`]). Every backend runs or splices these, so an op computes the same bits alone,
 //! in a fused chain, forward and backward.
 
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::program::{Instr, Program, Val};
+use crate::fasthash::FastMap;
 use crate::op::{BinaryOp, CompositeOp, Expr, Side, UnaryOp, Vjp};
 use crate::{DType, Result};
 
 /// Programs per op and dtype, made once per process and shared (`Arc`): a backward or a lone
-/// op asks for its rule on every call, and a copy of a program is several allocations.
-type Memo<K, V> = OnceLock<Mutex<HashMap<(K, DType), V>>>;
+/// op asks for its rule on every call, and a copy of a program is several allocations. Keys
+/// are hashed with FNV ([`FastMap`]): SipHash of the key was most of a lookup, about a
+/// tenth of a realized lone op's host time.
+type Memo<K, V> = OnceLock<Mutex<FastMap<(K, DType), V>>>;
 
 fn memoized<K: Copy + Eq + std::hash::Hash, V: Clone>(
     memo: &Memo<K, V>,

@@ -17,6 +17,13 @@ pub use crate::nvrtc::{
 };
 pub use crate::sources::{COMMON, Group, Module, scalar_ops};
 
+/// The fixed kernels' CUBINs built into this binary (`build.rs`): how many, the NVRTC version
+/// that built them (`(0, 0)` if none), and a note saying for which architectures, or why
+/// there are none (no NVRTC at build time, `KILN_PREBUILT=0`).
+pub fn prebuilt() -> (usize, (i32, i32), &'static str) {
+    crate::prebuilt::summary()
+}
+
 /// The cache file for `module` on `sm_{arch}` with NVRTC `version`.
 pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) -> PathBuf {
     source_cache_path(

@@ -87,9 +87,9 @@ fn prebuild(out: &Path) -> Result<String, String> {
                 while let Some((m, g, arch, src)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let name = format!("{}-{}-sm{arch}.cubin", m.file_name(), g.label());
                     let path = dir.join(name.replace('*', "all"));
-                    match nvrtc.compile(m.file_name(), src, *arch) {
+                    match nvrtc.compile(m.file_name(), src, *arch, version) {
                         Ok(cubin) if std::fs::write(&path, &cubin).is_ok() => {
-                            let hash = source_hash(src, *arch);
+                            let hash = source_hash(src, *arch, version);
                             built.lock().unwrap().push((*m, *g, *arch, hash, path));
                         }
                         Ok(_) => println!("cargo:warning=could not write {}", path.display()),
@@ -259,7 +259,11 @@ impl Nvrtc {
             let lib = unsafe { libloading::Library::new(&p) }.ok()?;
             let nvrtc = Nvrtc::bind(lib, builtins)?;
             let probe = "extern \"C\" __global__ void kiln_probe() {}";
-            nvrtc.compile("probe.cu", probe, 90).ok().map(|_| nvrtc)
+            let version = nvrtc.version().ok()?;
+            nvrtc
+                .compile("probe.cu", probe, 90, version)
+                .ok()
+                .map(|_| nvrtc)
         })
     }
 
@@ -293,10 +297,16 @@ impl Nvrtc {
     }
 
     /// The CUBIN of `source` (named `file`) for `sm_{arch}`, with the run time's options.
-    fn compile(&self, file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
+    fn compile(
+        &self,
+        file: &str,
+        source: &str,
+        arch: u32,
+        version: (i32, i32),
+    ) -> Result<Vec<u8>, String> {
         let src = CString::new(source).map_err(|e| e.to_string())?;
         let name = CString::new(file).map_err(|e| e.to_string())?;
-        let opts: Vec<CString> = kernel_files::options(arch)
+        let opts: Vec<CString> = kernel_files::options(arch, version)
             .into_iter()
             .map(|o| CString::new(o).expect("options have no NUL"))
             .collect();

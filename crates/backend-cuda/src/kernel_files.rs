@@ -13,20 +13,35 @@
 /// The header prepended to every kernel source (types, `Dims`/`Strides`, block reductions).
 pub const COMMON: &str = include_str!("../kernels/common.cuh");
 
-/// NVRTC options for compute capability `arch` (e.g. 90). No fast-math: results match the
-/// CPU backend to the usual float tolerances, and the random kernels use explicit `_rn`
-/// intrinsics where bit-exactness matters.
-pub fn options(arch: u32) -> Vec<String> {
+/// NVRTC options for users' kernels on compute capability `arch` (e.g. 90). No fast-math:
+/// results match the CPU backend to the usual float tolerances, and the random kernels use
+/// explicit `_rn` intrinsics where bit-exactness matters.
+pub fn user_options(arch: u32) -> Vec<String> {
     vec![
         format!("--gpu-architecture=sm_{arch}"),
         "--std=c++17".to_string(),
     ]
 }
 
-/// A stable 64-bit FNV-1a of `source` and the options for `arch`: what a prebuilt CUBIN was
-/// built from, checked again at run time before it is used (a stale table is never loaded).
-pub fn source_hash(source: &str, arch: u32) -> u64 {
-    let opts = options(arch).join(" ");
+/// NVRTC options for kiln's own kernels (these files and the generated programs) on `arch`
+/// with NVRTC `nvrtc`: [`user_options`], plus `--minimal` from NVRTC 12.4 on. It leaves out
+/// declarations our kernels never use (textures, surfaces, device-side launch, the runtime
+/// API's types): measured with NVRTC 13.0, ~15-20 % less CPU time for a small generated
+/// program, and byte-identical CUBINs for every file here. (Users' kernels may use what it
+/// leaves out, so they keep [`user_options`].)
+pub fn options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
+    let mut o = user_options(arch);
+    if nvrtc >= (12, 4) {
+        o.push("--minimal".to_string());
+    }
+    o
+}
+
+/// A stable 64-bit FNV-1a of `source` and the options for `arch` and NVRTC `nvrtc`: what a
+/// prebuilt CUBIN was built from, checked again at run time before it is used (a stale table
+/// is never loaded).
+pub fn source_hash(source: &str, arch: u32, nvrtc: (i32, i32)) -> u64 {
+    let opts = options(arch, nvrtc).join(" ");
     [source.as_bytes(), b"\0", opts.as_bytes()]
         .iter()
         .flat_map(|b| b.iter())

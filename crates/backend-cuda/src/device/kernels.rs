@@ -114,9 +114,11 @@ impl KernelCache {
             .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))
         };
         let group = Group::of(parts);
-        let f = match lookup(self.module(arch, module, group)?) {
+        let f = match lookup(self.module(arch, module, group, &name)?) {
             Ok(f) => f,
-            Err(_) if group != Group::All => lookup(self.module(arch, module, Group::All)?)?,
+            Err(_) if group != Group::All => {
+                lookup(self.module(arch, module, Group::All, &name)?)?
+            }
             Err(e) => return Err(e),
         };
         self.funcs.lock().unwrap().insert(key, Func(f));
@@ -218,7 +220,9 @@ impl KernelCache {
         Ok(Func(f))
     }
 
-    fn module(&self, arch: u32, module: Module, group: Group) -> Result<usize> {
+    /// The loaded `group` of `module`, loading it on first use (for kernel `kernel`, named in
+    /// a compile error).
+    fn module(&self, arch: u32, module: Module, group: Group, kernel: &str) -> Result<usize> {
         let cell = self
             .modules
             .lock()
@@ -230,7 +234,7 @@ impl KernelCache {
         if let Some(m) = *loaded {
             return Ok(m);
         }
-        let m = load_fixed(arch, module, group)?;
+        let m = load_fixed(arch, module, group, kernel)?;
         *loaded = Some(m);
         Ok(m)
     }
@@ -256,8 +260,9 @@ impl KernelCache {
 /// the binary has one for this device that the driver accepts, else the once-per-process
 /// CUBIN from the disk cache or NVRTC (`fixed_cubins.rs`), else — the driver refused that one,
 /// a stale cache entry — a fresh compile. A refused prebuilt image costs a compile, never an
-/// error; a compile error names the file, the group and the architecture, with NVRTC's log.
-fn load_fixed(arch: u32, module: Module, group: Group) -> Result<usize> {
+/// error; a compile error names the file, the group, the architecture and the kernel asked
+/// for, with NVRTC's log.
+fn load_fixed(arch: u32, module: Module, group: Group, kernel: &str) -> Result<usize> {
     let (file, label) = (module.file_name(), group.label());
     let t0 = std::time::Instant::now();
     if let Some(p) = crate::prebuilt::find(module, group, arch) {
@@ -275,7 +280,7 @@ fn load_fixed(arch: u32, module: Module, group: Group) -> Result<usize> {
     let failed = |e: String| {
         Error::backend(
             "nvrtc",
-            format!("compiling {file} [{label}] for sm_{arch}: {e}"),
+            format!("compiling {file} [{label}] for sm_{arch} (for kernel `{kernel}`): {e}"),
         )
     };
     let bin = crate::fixed_cubins::cubin(module, group, arch).map_err(failed)?;

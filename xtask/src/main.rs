@@ -332,6 +332,10 @@ python3 compare.py "$out"
         exes.len(),
         total as f64 / (1 << 20) as f64
     );
+    // What xtask's own build of the CUDA crate got (same environment as the bundle's): a bundle
+    // built where NVRTC cannot be loaded compiles every fixed kernel on the GPU machine.
+    let (n, _, note) = kiln_backend_cuda::compile::prebuilt();
+    println!("prebuilt fixed kernels: {n} ({note})");
     if run {
         run_script(&dir.join(script_name))?;
     }

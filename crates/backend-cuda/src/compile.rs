@@ -11,11 +11,19 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+pub use crate::kernel_files::{options, user_options};
 pub use crate::nvrtc::{
-    cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
-    nvrtc_available, nvrtc_version, options, read_cached, source_cache_path, write_cached,
+    Flavor, cache_dir, compile, compile_source, fnv128, load_or_compile, load_or_compile_source,
+    nvrtc_available, nvrtc_version, read_cached, source_cache_path, write_cached,
 };
 pub use crate::sources::{COMMON, Group, Module, scalar_ops};
+
+/// The fixed kernels' CUBINs built into this binary (`build.rs`): how many, the NVRTC version
+/// that built them (`(0, 0)` if none), and a note saying for which architectures, or why
+/// there are none (no NVRTC at build time, `KILN_PREBUILT=0`).
+pub fn prebuilt() -> (usize, (i32, i32), &'static str) {
+    crate::prebuilt::summary()
+}
 
 /// The cache file for `module` on `sm_{arch}` with NVRTC `version`.
 pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) -> PathBuf {
@@ -23,6 +31,7 @@ pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) ->
         dir,
         module.file_name(),
         &module.full_source(),
+        &options(arch, version),
         arch,
         version,
     )
@@ -55,12 +64,16 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
         })
     });
     let generated = [
-        ("expr.cu", crate::codegen::sample_sources()),
-        ("user.cu", crate::user_kernel::sample_sources()),
+        ("expr.cu", Flavor::Kiln, crate::codegen::sample_sources()),
+        (
+            "user.cu",
+            Flavor::User,
+            crate::user_kernel::sample_sources(),
+        ),
     ];
-    let generated = generated.into_iter().flat_map(|(file, samples)| {
+    let generated = generated.into_iter().flat_map(|(file, flavor, samples)| {
         samples.into_iter().map(move |(name, src)| {
-            let (r, t) = timed(|| compile_source(file, &src, arch).map(|c| c.len()));
+            let (r, t) = timed(|| compile_source(flavor, file, &src, arch).map(|c| c.len()));
             (name, r, t)
         })
     });

@@ -9,34 +9,97 @@
 //! error. Errors are NVRTC's log (with file and line) as a `String`; callers wrap it in the
 //! typed error of their op.
 //!
+//! Our fixed files may skip NVRTC altogether: their CUBINs for common architectures are built
+//! into the binary (`prebuilt.rs`), and compiled at most once per process otherwise
+//! (`fixed_cubins.rs`). `KILN_CUDA_COMPILE_LOG=1` prints one stderr line per compile, cache hit
+//! or prebuilt load ([`log_line`]): where a cold start's seconds go.
+//!
 //! Runtime layer, below the device state: it knows source text only (`sources.rs`), no device,
 //! no generator. (Memoization per device lives in `device/kernels.rs`.)
 
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
+use std::time::Instant;
 
 use cudarc::nvrtc::sys as nvrtc;
 
 use crate::sources::{Group, Module};
 
-/// The CUBIN of `group` of our kernel file `module` for `sm_{arch}` (disk cache, else NVRTC).
+/// The CUBIN of `group` of our kernel file `module` for `sm_{arch}` (disk cache, else NVRTC;
+/// the prebuilt table is the caller's to try first).
 pub fn load_or_compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
-    load_or_compile_source(module.file_name(), &module.group_source(group), arch)
+    cached_or_compiled(
+        Flavor::Kiln,
+        module.file_name(),
+        group.label(),
+        &module.group_source(group),
+        arch,
+    )
+}
+
+/// Whether the disk cache holds an entry for `group` of `module` on `sm_{arch}` (not read:
+/// a corrupt entry is found out when it is loaded, and then costs a compile).
+pub fn is_cached(module: Module, group: Group, arch: u32) -> bool {
+    let (Some(dir), Ok(version)) = (cache_dir(), nvrtc_version()) else {
+        return false;
+    };
+    let src = module.group_source(group);
+    let opts = crate::kernel_files::options(arch, version);
+    source_cache_path(&dir, module.file_name(), &src, &opts, arch, version).exists()
+}
+
+/// Whether `KILN_CUDA_COMPILE_LOG=1` (read once): one stderr line per NVRTC compile, disk-cache
+/// hit or prebuilt load.
+pub fn log_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_COMPILE_LOG").is_ok_and(|v| v.trim() == "1"))
+}
+
+/// One compile-log line (when [`log_enabled`]): the file, its group (a dtype, `*` for the
+/// whole file, or a generated source's short hash), the architecture, where the CUBIN came
+/// from (`prebuilt`, `disk`, `nvrtc`, ...), the milliseconds since `since`, and the thread
+/// when it is a background one.
+pub fn log_line(file: &str, group: &str, arch: u32, how: &str, since: Instant) {
+    if !log_enabled() {
+        return;
+    }
+    let ms = since.elapsed().as_secs_f64() * 1e3;
+    let thread = std::thread::current();
+    let on = thread
+        .name()
+        .filter(|n| n.starts_with("kiln-"))
+        .map(|n| format!(" (on {n})"))
+        .unwrap_or_default();
+    eprintln!("kiln-cuda compile: {file} [{group}] sm_{arch} {how} {ms:.1} ms{on}");
 }
 
 /// Compiles `group` of our kernel file `module` for `sm_{arch}`, bypassing the disk cache.
 pub fn compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
-    compile_source(module.file_name(), &module.group_source(group), arch)
+    compile_source(
+        Flavor::Kiln,
+        module.file_name(),
+        &module.group_source(group),
+        arch,
+    )
 }
 
-/// NVRTC options for compute capability `arch` (e.g. 90). No fast-math: results match the
-/// CPU backend to the usual float tolerances, and the random kernels use explicit `_rn`
-/// intrinsics where bit-exactness matters.
-pub fn options(arch: u32) -> Vec<String> {
-    vec![
-        format!("--gpu-architecture=sm_{arch}"),
-        "--std=c++17".to_string(),
-    ]
+/// Whose kernel a source is, which decides its NVRTC options.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flavor {
+    /// Ours: the fixed files and the generated programs ([`crate::kernel_files::options`]).
+    Kiln,
+    /// A user's (`ElementwiseKernel`, `RawKernel`, ...): [`crate::kernel_files::user_options`].
+    User,
+}
+
+impl Flavor {
+    /// The NVRTC options for `sm_{arch}` with the NVRTC loaded now.
+    pub fn options(self, arch: u32) -> Result<Vec<String>, String> {
+        Ok(match self {
+            Flavor::Kiln => crate::kernel_files::options(arch, nvrtc_version()?),
+            Flavor::User => crate::kernel_files::user_options(arch),
+        })
+    }
 }
 
 /// Whether libnvrtc can be loaded.
@@ -60,15 +123,17 @@ pub fn nvrtc_version() -> Result<(i32, i32), String> {
 }
 
 /// Compiles CUDA C `source` (named `file` in diagnostics) for `sm_{arch}` to a CUBIN.
-pub fn compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
-    if !nvrtc_available() {
-        return Err("libnvrtc not found".into());
-    }
+pub fn compile_source(
+    flavor: Flavor,
+    file: &str,
+    source: &str,
+    arch: u32,
+) -> Result<Vec<u8>, String> {
+    let opts = flavor.options(arch)?;
     let src = CString::new(source).map_err(|e| e.to_string())?;
     let name = CString::new(file).map_err(|e| e.to_string())?;
     let prog = cudarc::nvrtc::result::create_program(&src, Some(&name))
         .map_err(|e| format!("nvrtcCreateProgram: {e:?}"))?;
-    let opts = options(arch);
     // SAFETY: `prog` is a live program; `src` and `name` outlive it (destroyed below).
     let compiled = unsafe { cudarc::nvrtc::result::compile_program(prog, &opts) };
     let out = match compiled {
@@ -127,17 +192,18 @@ pub fn cache_dir() -> Option<PathBuf> {
     Some(base.join("kiln").join("kernels"))
 }
 
-/// The cache file for the full `source` named `file`.
+/// The cache file for the full `source` named `file`, compiled with NVRTC options `opts`.
 pub fn source_cache_path(
     dir: &std::path::Path,
     file: &str,
     source: &str,
+    opts: &[String],
     arch: u32,
     version: (i32, i32),
 ) -> PathBuf {
     let key = fnv128(&[
         source.as_bytes(),
-        options(arch).join(" ").as_bytes(),
+        opts.join(" ").as_bytes(),
         format!("sm_{arch}").as_bytes(),
         format!("nvrtc {}.{}", version.0, version.1).as_bytes(),
     ]);
@@ -179,13 +245,41 @@ pub fn write_cached(path: &std::path::Path, payload: &[u8]) {
 
 /// The CUBIN of the full `source` (named `file` in diagnostics) for `sm_{arch}`: from the disk
 /// cache when a valid entry exists, else compiled (and then cached).
-pub fn load_or_compile_source(file: &str, source: &str, arch: u32) -> Result<Vec<u8>, String> {
+pub fn load_or_compile_source(
+    flavor: Flavor,
+    file: &str,
+    source: &str,
+    arch: u32,
+) -> Result<Vec<u8>, String> {
+    let label = format!("{:08x}", fnv128(&[source.as_bytes()]) as u32);
+    cached_or_compiled(flavor, file, &label, source, arch)
+}
+
+/// [`load_or_compile_source`], logged under `file [label]`.
+fn cached_or_compiled(
+    flavor: Flavor,
+    file: &str,
+    label: &str,
+    source: &str,
+    arch: u32,
+) -> Result<Vec<u8>, String> {
+    let t0 = Instant::now();
     let version = nvrtc_version()?;
-    let path = cache_dir().map(|d| source_cache_path(&d, file, source, arch, version));
+    let opts = flavor.options(arch)?;
+    let path = cache_dir().map(|d| source_cache_path(&d, file, source, &opts, arch, version));
     if let Some(bin) = path.as_deref().and_then(read_cached) {
+        log_line(file, label, arch, "disk", t0);
         return Ok(bin);
     }
-    let bin = compile_source(file, source, arch)?;
+    let bin = compile_source(flavor, file, source, arch);
+    log_line(
+        file,
+        label,
+        arch,
+        if bin.is_ok() { "nvrtc" } else { "nvrtc FAILED" },
+        t0,
+    );
+    let bin = bin?;
     if let Some(p) = &path {
         write_cached(p, &bin);
     }

@@ -149,6 +149,30 @@ fn kernel_files_compile_per_dtype() {
     assert_eq!(Module::Util.groups(), [Group::All]);
 }
 
+/// `--minimal` (kiln's own kernels, NVRTC 12.4 on) leaves what NVRTC generates unchanged:
+/// the CUBIN of a fixed group is byte for byte the one compiled with users' options.
+#[test]
+fn minimal_option_changes_no_cubin() {
+    if !compile::nvrtc_available() {
+        println!("skipped: libnvrtc not found");
+        return;
+    }
+    let version = compile::nvrtc_version().unwrap();
+    assert_eq!(
+        compile::options(90, version).contains(&"--minimal".to_string()),
+        version >= (12, 4)
+    );
+    let src = Module::Softmax.group_source(Group::Dtype("float"));
+    let ours = compile::compile_source(compile::Flavor::Kiln, "softmax.cu", &src, 90).unwrap();
+    let users = compile::compile_source(compile::Flavor::User, "softmax.cu", &src, 90).unwrap();
+    assert!(
+        ours == users,
+        "CUBINs differ ({} vs {} bytes)",
+        ours.len(),
+        users.len()
+    );
+}
+
 /// NVRTC compiles a kernel source and reports errors with file and line (`cargo xtask
 /// check-kernels` compiles every source; this keeps `cargo test` fast).
 #[test]
@@ -163,6 +187,7 @@ fn nvrtc_compiles_kernels_when_present() {
         "NVRTC must return a CUBIN (ELF)"
     );
     let e = compile::compile_source(
+        compile::Flavor::Kiln,
         "broken.cu",
         "extern \"C\" __global__ void k() { oops; }",
         90,

@@ -428,7 +428,9 @@ fn sample_sources_compile_with_nvrtc() {
         return;
     }
     for (name, src) in samples {
-        if let Err(log) = crate::nvrtc::compile_source("expr.cu", &src, 90) {
+        if let Err(log) =
+            crate::nvrtc::compile_source(crate::nvrtc::Flavor::Kiln, "expr.cu", &src, 90)
+        {
             panic!("{name} does not compile:\n{log}\n{}", body(&src));
         }
     }

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::ffi::{CString, c_void};
 use std::sync::Mutex;
 
-use cudarc::driver::sys::{self, CUresult};
+use cudarc::driver::sys;
 use kiln_core::fasthash::FastMap;
 use kiln_core::{Error, Result};
 
@@ -114,9 +114,11 @@ impl KernelCache {
             .map_err(|e| Error::backend("kernel lookup", format!("{name}: {e}")))
         };
         let group = Group::of(parts);
-        let f = match lookup(self.module(arch, module, group)?) {
+        let f = match lookup(self.module(arch, module, group, &name)?) {
             Ok(f) => f,
-            Err(_) if group != Group::All => lookup(self.module(arch, module, Group::All)?)?,
+            Err(_) if group != Group::All => {
+                lookup(self.module(arch, module, Group::All, &name)?)?
+            }
             Err(e) => return Err(e),
         };
         self.funcs.lock().unwrap().insert(key, Func(f));
@@ -218,7 +220,9 @@ impl KernelCache {
         Ok(Func(f))
     }
 
-    fn module(&self, arch: u32, module: Module, group: Group) -> Result<usize> {
+    /// The loaded `group` of `module`, loading it on first use (for kernel `kernel`, named in
+    /// a compile error).
+    fn module(&self, arch: u32, module: Module, group: Group, kernel: &str) -> Result<usize> {
         let cell = self
             .modules
             .lock()
@@ -230,27 +234,9 @@ impl KernelCache {
         if let Some(m) = *loaded {
             return Ok(m);
         }
-        let bin = crate::nvrtc::load_or_compile(module, group, arch).map_err(|e| {
-            Error::backend(
-                "nvrtc",
-                format!("compiling {} for sm_{}: {e}", module.file_name(), arch),
-            )
-        })?;
-        let mut m = std::ptr::null_mut();
-        // SAFETY: `bin` is a CUBIN image for this device's architecture; valid out-pointer.
-        let r = unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) };
-        if r != CUresult::CUDA_SUCCESS {
-            // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
-            let bin = crate::nvrtc::compile(module, group, arch)
-                .map_err(|e| Error::backend("nvrtc", e))?;
-            // SAFETY: as above.
-            check(
-                unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
-                "cuModuleLoadData",
-            )?;
-        }
-        *loaded = Some(m as usize);
-        Ok(m as usize)
+        let m = load_fixed(arch, module, group, kernel)?;
+        *loaded = Some(m);
+        Ok(m)
     }
 
     /// Forgets every function and returns every module (built-in and generated) for the
@@ -268,4 +254,54 @@ impl KernelCache {
         modules.append(&mut self.generated.modules.lock().unwrap());
         modules
     }
+}
+
+/// Loads `group` of the fixed file `module` into the current context: the prebuilt CUBIN when
+/// the binary has one for this device that the driver accepts, else the once-per-process
+/// CUBIN from the disk cache or NVRTC (`fixed_cubins.rs`), else — the driver refused that one,
+/// a stale cache entry — a fresh compile. A refused prebuilt image costs a compile, never an
+/// error; a compile error names the file, the group, the architecture and the kernel asked
+/// for, with NVRTC's log.
+fn load_fixed(arch: u32, module: Module, group: Group, kernel: &str) -> Result<usize> {
+    let (file, label) = (module.file_name(), group.label());
+    let t0 = std::time::Instant::now();
+    if let Some(p) = crate::prebuilt::find(module, group, arch) {
+        match load_image(&p.cubin.bytes) {
+            Ok(m) => {
+                crate::nvrtc::log_line(file, label, arch, "prebuilt", t0);
+                return Ok(m);
+            }
+            Err(e) => {
+                let how = format!("prebuilt for sm_{} refused by the driver ({e})", p.arch);
+                crate::nvrtc::log_line(file, label, arch, &how, t0);
+            }
+        }
+    }
+    let failed = |e: String| {
+        Error::backend(
+            "nvrtc",
+            format!("compiling {file} [{label}] for sm_{arch} (for kernel `{kernel}`): {e}"),
+        )
+    };
+    let bin = crate::fixed_cubins::cubin(module, group, arch).map_err(failed)?;
+    match load_image(&bin) {
+        Ok(m) => Ok(m),
+        Err(_) => {
+            // A stale or corrupt cache entry slipped through: recompile once, bypassing it.
+            let bin = crate::nvrtc::compile(module, group, arch).map_err(failed)?;
+            load_image(&bin)
+        }
+    }
+}
+
+/// Loads a CUBIN image into the current context; the module's handle.
+fn load_image(bin: &[u8]) -> Result<usize> {
+    let mut m = std::ptr::null_mut();
+    // SAFETY: `bin` is a whole CUBIN image (NVRTC output or a prebuilt one; the driver checks
+    // it and refuses what it cannot load), alive for the call; valid out-pointer.
+    check(
+        unsafe { sys::cuModuleLoadData(&mut m, bin.as_ptr() as *const c_void) },
+        "cuModuleLoadData",
+    )?;
+    Ok(m as usize)
 }

@@ -318,9 +318,13 @@ pub(crate) fn state(dev: &CudaDevice) -> Result<&'static DeviceState> {
     })?;
     let s = slot.get_or_init(|| {
         crate::profile::set_binder(|o| state(&CudaDevice::new(o)).is_ok());
-        DeviceState::create(dev.ordinal())
+        let s = DeviceState::create(dev.ordinal())
             .map(|s| &*Box::leak(Box::new(s)))
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        // The fixed kernels almost every program needs start compiling in the background now
+        // (unless prebuilt or cached), so their first use waits on a compile under way.
+        crate::fixed_cubins::prefetch(s.arch);
+        Ok(s)
     });
     match s {
         Ok(s) => {

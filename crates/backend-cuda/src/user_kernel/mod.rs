@@ -157,17 +157,21 @@ fn kernel(
     let f = dev.generated_func(key, usize::MAX, || {
         let cname = CString::new(name)
             .map_err(|_| Error::invalid(op, format!("kernel name `{name}` contains a NUL")))?;
-        let bin =
-            crate::nvrtc::load_or_compile_source(&format!("{name}.cu"), &source(), dev.arch())
-                .map_err(|log| {
-                    Error::backend(
-                        op,
-                        format!(
-                            "kernel `{name}` does not compile (NVRTC, sm_{}):\n{log}",
-                            dev.arch()
-                        ),
-                    )
-                })?;
+        let bin = crate::nvrtc::load_or_compile_source(
+            crate::nvrtc::Flavor::User,
+            &format!("{name}.cu"),
+            &source(),
+            dev.arch(),
+        )
+        .map_err(|log| {
+            Error::backend(
+                op,
+                format!(
+                    "kernel `{name}` does not compile (NVRTC, sm_{}):\n{log}",
+                    dev.arch()
+                ),
+            )
+        })?;
         Ok((bin, cname))
     })?;
     Ok(f.expect("user kernels have no budget"))

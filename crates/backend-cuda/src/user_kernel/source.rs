@@ -576,7 +576,9 @@ mod tests {
             return;
         }
         for (name, src) in samples {
-            if let Err(log) = crate::nvrtc::compile_source("user.cu", &src, 90) {
+            if let Err(log) =
+                crate::nvrtc::compile_source(crate::nvrtc::Flavor::User, "user.cu", &src, 90)
+            {
                 panic!("{name} does not compile:\n{log}\n{src}");
             }
         }

@@ -1,0 +1,296 @@
+//! The CUBINs of our fixed kernel files that are not prebuilt: compiled at most once per
+//! process, and the ones nearly every program needs started in the background when the first
+//! device comes up.
+//!
+//! # Why
+//!
+//! A fresh machine used to compile each fixed group on the thread that first needed it, one
+//! after another. Now:
+//!
+//! - **Never twice**: [`cubin`] memoizes per (file, group, architecture) in a [`OnceMap`]; a
+//!   second requester (another device, a background worker, another thread) waits for the
+//!   compile in flight instead of starting its own.
+//! - **In parallel, ahead of use**: [`prefetch`] starts, on worker threads, the f32 groups of
+//!   the files almost every program uses ([`COMMON_GROUPS`]) unless the binary has them
+//!   prebuilt or the disk cache holds them; the first real use then waits on a compile already
+//!   under way (NVRTC is thread-safe per program).
+//! - **Exit waits**: a process must not exit while a worker is inside NVRTC (its static
+//!   destructors would run under the worker's feet), so an `atexit` hook waits, bounded, for
+//!   the workers in flight. Workers never panic: a failed compile is a memoized `Err` carrying
+//!   NVRTC's log, reported to whoever needs that kernel.
+//!
+//! Runtime layer: above `nvrtc.rs` and `prebuilt.rs`, below `device/`.
+
+use std::collections::HashMap;
+use std::hash::Hash;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::kernel_files::{Group, Module};
+
+/// A CUBIN shared by everyone who asked for it.
+pub(crate) type Cubin = Arc<[u8]>;
+
+/// Once-cells by key: the first caller of a key runs its computation; callers meanwhile wait
+/// for that result, and later ones get it at once.
+pub(crate) struct OnceMap<K, V> {
+    cells: Mutex<HashMap<K, Arc<OnceLock<V>>>>,
+}
+
+impl<K: Eq + Hash, V: Clone> OnceMap<K, V> {
+    pub fn new() -> Self {
+        OnceMap {
+            cells: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// The value of `key`, computed by `f` if nobody did or does; and whether this call ran
+    /// `f` (false: it found the value, or waited for another thread's computation).
+    pub fn get_or_compute(&self, key: K, f: impl FnOnce() -> V) -> (V, bool) {
+        let cell = self.cells.lock().unwrap().entry(key).or_default().clone();
+        let mut ran = false;
+        let v = cell.get_or_init(|| {
+            ran = true;
+            f()
+        });
+        (v.clone(), ran)
+    }
+
+    /// Whether `key` has a cell (computed, or being computed).
+    pub fn has(&self, key: &K) -> bool {
+        self.cells.lock().unwrap().contains_key(key)
+    }
+}
+
+type Key = (Module, Group, u32);
+
+fn memo() -> &'static OnceMap<Key, Result<Cubin, String>> {
+    static MEMO: OnceLock<OnceMap<Key, Result<Cubin, String>>> = OnceLock::new();
+    MEMO.get_or_init(OnceMap::new)
+}
+
+/// The CUBIN of `group` of `module` for `sm_{arch}` from the disk cache or NVRTC, once per
+/// process (see the module docs); `Err` is NVRTC's log.
+pub(crate) fn cubin(module: Module, group: Group, arch: u32) -> Result<Cubin, String> {
+    let t0 = Instant::now();
+    let (r, ran) = memo().get_or_compute((module, group, arch), || {
+        crate::nvrtc::load_or_compile(module, group, arch).map(Cubin::from)
+    });
+    if !ran && t0.elapsed() > Duration::from_millis(1) {
+        let how = "waited for the compile in flight";
+        crate::nvrtc::log_line(module.file_name(), group.label(), arch, how, t0);
+    }
+    r
+}
+
+/// The groups an f32 training program loads: those the main job (`examples/mnist`) loaded, by
+/// its compile log (`KILN_CUDA_COMPILE_LOG=1`). Random initialization comes first in a
+/// program, so its own thread usually starts that one, and the workers take it last.
+pub(crate) const COMMON_GROUPS: [(Module, Group); 4] = [
+    (Module::Reduce, Group::Dtype("float")),
+    (Module::Softmax, Group::Dtype("float")),
+    (Module::Reduce, Group::Dtype("i64")),
+    (Module::Rand, Group::Dtype("float")),
+];
+
+/// Starts compiling, on background threads, the [`COMMON_GROUPS`] for `sm_{arch}` that are
+/// neither prebuilt nor in the disk cache nor already requested. Once per architecture;
+/// returns at once.
+pub(crate) fn prefetch(arch: u32) {
+    static STARTED: Mutex<Vec<u32>> = Mutex::new(Vec::new());
+    if crate::nvrtc::log_enabled() && STARTED.lock().unwrap().is_empty() {
+        let (n, _, note) = crate::prebuilt::summary();
+        let off = if crate::prebuilt::enabled() {
+            ""
+        } else {
+            ", not used: KILN_PREBUILT=0"
+        };
+        eprintln!("kiln-cuda compile: {n} prebuilt CUBINs in this binary ({note}{off})");
+    }
+    {
+        let mut started = STARTED.lock().unwrap();
+        if started.contains(&arch) || !crate::nvrtc::nvrtc_available() {
+            return;
+        }
+        started.push(arch);
+    }
+    let todo: Vec<(Module, Group)> = COMMON_GROUPS
+        .into_iter()
+        .filter(|&(m, g)| {
+            crate::prebuilt::find(m, g, arch).is_none()
+                && !memo().has(&(m, g, arch))
+                && !crate::nvrtc::is_cached(m, g, arch)
+        })
+        .collect();
+    if todo.is_empty() {
+        return;
+    }
+    // Leave a core to the program itself.
+    let workers = std::thread::available_parallelism()
+        .map_or(1, |n| n.get().saturating_sub(1))
+        .clamp(1, todo.len());
+    let queue = Arc::new(Mutex::new(todo.into_iter()));
+    for i in 0..workers {
+        let queue = queue.clone();
+        let work = move || {
+            loop {
+                let next = queue.lock().unwrap().next();
+                let Some((m, g)) = next else { break };
+                // Started by someone else meanwhile: not worth waiting for here.
+                if memo().has(&(m, g, arch)) {
+                    continue;
+                }
+                // The result is memoized for whoever needs it; errors reach them there.
+                let _ = cubin(m, g, arch);
+            }
+        };
+        in_flight().start();
+        let spawned = std::thread::Builder::new()
+            .name(format!("kiln-prefetch-{i}"))
+            .spawn(move || {
+                let _done = Finished;
+                work();
+            });
+        if spawned.is_err() {
+            in_flight().finish(); // no thread: the groups compile on first use instead
+        }
+    }
+}
+
+/// Background workers still running, and the `atexit` hook that waits for them.
+struct InFlight {
+    count: Mutex<usize>,
+    zero: Condvar,
+}
+
+/// How long process exit waits for background compiles at most (reduce.cu's f16 group takes
+/// ~7 s on a small VM; the common f32 groups ~2 s).
+const EXIT_WAIT: Duration = Duration::from_secs(20);
+
+fn in_flight() -> &'static InFlight {
+    static IN_FLIGHT: OnceLock<InFlight> = OnceLock::new();
+    IN_FLIGHT.get_or_init(|| {
+        unsafe extern "C" {
+            fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+        }
+        // SAFETY: registers a plain `extern "C" fn()` with the C runtime; it touches only this
+        // static (initialized before it can run) and a mutex/condvar.
+        unsafe { atexit(wait_at_exit) };
+        InFlight {
+            count: Mutex::new(0),
+            zero: Condvar::new(),
+        }
+    })
+}
+
+impl InFlight {
+    fn start(&self) {
+        *self.count.lock().unwrap() += 1;
+    }
+
+    fn finish(&self) {
+        let mut n = self.count.lock().unwrap();
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.zero.notify_all();
+        }
+    }
+
+    /// Waits until no worker runs, or `limit` passed; whether none runs.
+    fn wait(&self, limit: Duration) -> bool {
+        let n = self.count.lock().unwrap_or_else(|e| e.into_inner());
+        let (n, _) = self
+            .zero
+            .wait_timeout_while(n, limit, |n| *n > 0)
+            .unwrap_or_else(|e| e.into_inner());
+        *n == 0
+    }
+}
+
+/// Marks a worker finished when dropped (also if it unwound).
+struct Finished;
+
+impl Drop for Finished {
+    fn drop(&mut self) {
+        in_flight().finish();
+    }
+}
+
+extern "C" fn wait_at_exit() {
+    in_flight().wait(EXIT_WAIT);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Eight threads ask for the same key while its computation is slow: it runs once, and
+    /// every thread gets its value; another key computes on its own.
+    #[test]
+    fn once_map_computes_each_key_once_under_concurrent_requests() {
+        let map: OnceMap<u32, Result<Arc<[u8]>, String>> = OnceMap::new();
+        let calls = AtomicUsize::new(0);
+        let ran = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..8 {
+                s.spawn(|| {
+                    let (v, r) = map.get_or_compute(7, || {
+                        calls.fetch_add(1, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_millis(100));
+                        Ok(Arc::from(&b"cubin"[..]))
+                    });
+                    assert_eq!(&*v.unwrap(), b"cubin");
+                    ran.fetch_add(r as usize, Ordering::SeqCst);
+                });
+            }
+        });
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+        let (v, r) = map.get_or_compute(8, || Err("log".into()));
+        assert!(r && v.is_err());
+        // An error is kept too: the same failure is not compiled again.
+        let (v, r) = map.get_or_compute(8, || unreachable!());
+        assert_eq!(v.unwrap_err(), "log");
+        assert!(!r && map.has(&8) && !map.has(&9));
+    }
+
+    #[test]
+    fn in_flight_wait_returns_when_workers_finish_or_the_limit_passes() {
+        let f = InFlight {
+            count: Mutex::new(0),
+            zero: Condvar::new(),
+        };
+        assert!(f.wait(Duration::ZERO));
+        f.start();
+        assert!(!f.wait(Duration::from_millis(20)));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(50));
+                f.finish();
+            });
+            assert!(f.wait(Duration::from_secs(10)));
+        });
+    }
+
+    /// Two threads needing the same fixed group of a file get one compile (needs libnvrtc;
+    /// no GPU): the second waits for the first's result, errors included.
+    #[test]
+    fn a_fixed_group_compiles_once_per_process() {
+        if !crate::nvrtc::nvrtc_available() {
+            eprintln!("skipped: libnvrtc not found");
+            return;
+        }
+        let key = (Module::Copy, Group::Dtype("u8"), 75);
+        let results: Vec<Result<Cubin, String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|_| s.spawn(|| cubin(key.0, key.1, key.2)))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let first = results[0].as_ref().unwrap();
+        for r in &results {
+            assert!(Arc::ptr_eq(first, r.as_ref().unwrap()), "one shared CUBIN");
+        }
+    }
+}

@@ -9,7 +9,7 @@
 //!   into `target/gpu-bundle/tests.tar.gz` with a `run.sh` that unpacks them, runs each and
 //!   prints one summary line; those two files are what travels to a GPU machine (packed, since
 //!   the binaries alone are over the device tool's carry limit). `--run` also runs it here.
-//! - `bench-gpu [--run]`: the same for the GPU benches plus `bench/gpu_torch.py` and
+//! - `bench-gpu [--run]`: the same for the GPU benches (packed into `benches.tar.gz`) plus `bench/gpu_torch.py` and
 //!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
 //!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
 //!   which runs it on the GPU with `KILN_PROFILE=1`.
@@ -51,6 +51,12 @@ if [ -z "$cudnn_lib" ] || ! ls "$cudnn_lib"/libcudnn.so* >/dev/null 2>&1; then
 fi
 if [ -n "$cudnn_lib" ] && ls "$cudnn_lib"/libcudnn.so* >/dev/null 2>&1; then
     export LD_LIBRARY_PATH="$cudnn_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # cudarc asks the loader for `libcudnn.so` before `libcudnn.so.9`; the wheel has only the
+    # latter, so a system `libcudnn.so` (another version) would win: name PyTorch's copy.
+    if [ ! -e "$cudnn_lib/libcudnn.so" ] && [ -e "$cudnn_lib/libcudnn.so.9" ]; then
+        mkdir -p .cudnn && ln -sf "$cudnn_lib/libcudnn.so.9" .cudnn/libcudnn.so
+        export LD_LIBRARY_PATH="$PWD/.cudnn:$LD_LIBRARY_PATH"
+    fi
     echo "cuDNN from $cudnn_lib"
 fi
 "#;
@@ -284,6 +290,8 @@ echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$f
 export MNIST_DIR="${MNIST_DIR:-$PWD/data/mnist}"
 cd "$(dirname "$0")"
 @CUDNN_PATH@
+# The binaries travel packed (the device tool's carry limit) and are unpacked on each run.
+rm -rf benches && tar xzf benches.tar.gz || exit 1
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
 for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
@@ -309,10 +317,9 @@ python3 compare.py "$out"
     }
     // What one `run` carries for this kind (the other kinds' parts of the folder stay home).
     let mut carried: Vec<PathBuf> = vec![bin_dir.clone(), dir.join(script_name)];
-    if kind == Kind::Test {
-        // Stripped, the test binaries are ~68 MiB, over the carry limit; gzip makes them ~20.
-        carried[0] = pack(&dir, sub)?;
-    }
+    // Stripped, the test binaries are ~90 MiB and the benches ~40 (each holds the prebuilt
+    // kernels), over the carry limit with the examples; gzip makes them a third of that.
+    carried[0] = pack(&dir, sub)?;
     if kind == Kind::Bench {
         for f in [
             "gpu_torch.py",

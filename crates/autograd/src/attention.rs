@@ -30,8 +30,9 @@
 //! `q`, `k`, `v`, the output and the log-sum-exps; its backward is the backend's
 //! [`Backend::attention_backward`], which recomputes the weights tile by tile from them. The
 //! fused path is taken for no mask or the causal mask, with or without dropout, for q, k, v
-//! with the same batch axes, where the backend offers the call (on CUDA: f32, f16, bf16 and
-//! head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
+//! with the same batch axes, where the backend offers the call (on CUDA: f32, and f16/bf16
+//! only when asked, since its 16-bit kernels measured slower than composing around tensor-core
+//! GEMMs; head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
 //! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
 //! generator's next draw, regenerated in the backward (never stored) — the very mask the
 //! composed path draws with `rand_like` in f32, so the two paths agree with the same generator

@@ -119,12 +119,22 @@ fn fused_f32_matches_composed_f64_on_cpu() {
 #[test]
 fn fused_bf16_and_f16_match_within_their_precision() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    // 16-bit attention takes the fused kernels only when asked (by default it composes around
+    // tensor-core GEMMs, which are faster at these lengths): ask, and check it was taken.
+    kiln_backend_cuda::set_fused_attention_16bit(true);
+    let q = Var::constant(normal::<Cuda>(&[1, 1, 40, 64], 1, DType::BF16, &dev));
+    q.tensor().realize().unwrap();
+    let before = thread_launches();
+    let y = q.scaled_dot_product_attention(&q, &q, &AttnMask::Causal, 0.0, None, None);
+    assert_eq!(thread_launches() - before, 1, "bf16 attention did not fuse");
+    drop(y);
     for dims in SHAPES {
         for causal in [false, true] {
             against_cpu(&dev, DType::BF16, dims, causal, 3e-2);
             against_cpu(&dev, DType::F16, dims, causal, 1e-2);
         }
     }
+    kiln_backend_cuda::set_fused_attention_16bit(false);
 }
 
 /// The fused path is one kernel launch for the forward (the composed path needs a mask, a

@@ -221,8 +221,9 @@ fn main() {
 /// Issue 31: scaled dot-product attention at the GPT example's shape (batch 64, 6 heads,
 /// T = 256, head size 64, causal), forward alone (no graph recorded) and forward + backward
 /// (the gradients of q, k and v for a given output gradient, as `torch.autograd.grad`), in f32
-/// (TF32 off) and bf16: the fused kernels, and the composed path (`_composed`, kiln only) for
-/// the record.
+/// (TF32 off) and bf16: what attention takes by default (the fused kernels in f32, composed in
+/// bf16), the 16-bit fused kernels (`_fused_kernel`) and the composed path (`_composed`), kiln
+/// only, for the record.
 fn attention(dev: &CudaDevice) {
     let (b, h, t, d) = (64, 6, 256, 64);
     for (dt, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
@@ -256,6 +257,17 @@ fn attention(dev: &CudaDevice) {
             time(dev, 5, 20, fwd_bwd),
             "ms",
         );
+        if dt != DType::F32 {
+            // The 16-bit fused kernels, which attention takes only when asked (f32 FMAs: by
+            // default 16-bit attention composes around cuBLAS's tensor-core GEMMs).
+            kiln_backend_cuda::set_fused_attention_16bit(true);
+            report(
+                &format!("attn_gpt_fwd_bwd_{tag}_fused_kernel"),
+                time(dev, 5, 20, fwd_bwd),
+                "ms",
+            );
+            kiln_backend_cuda::set_fused_attention_16bit(false);
+        }
         let _composed = composed_attention();
         report(
             &format!("attn_gpt_fwd_bwd_{tag}_composed"),

@@ -124,7 +124,7 @@ fn a_captured_autocast_bf16_step_trains_like_the_eager_one() {
 /// Trains two copies of one MLP, one eagerly and one by replaying a captured step, with
 /// autocast to `amp` when given, and checks the losses and parameters agree within `tol`.
 fn captured_step_trains_like_the_eager_one(dev: &CudaDevice, amp: Option<DType>, tol: f64) {
-    let dev = dev.clone();
+    let dev = *dev;
     let batch = 32;
     let x =
         Var::constant(Tensor::<Cuda>::from_vec(ramp(batch * 64, 0.02), [batch, 64], &dev).unwrap());

@@ -175,6 +175,13 @@ def resnet18(dev, steps, repeats, warmup, precision="f32"):
     0.9, weight decay 5e-4, cudnn.benchmark on; peak_mib is torch.cuda.max_memory_allocated."""
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
+    # cuDNN's convolutions default to TF32 in PyTorch (matmuls do not): f32 here means IEEE f32,
+    # as kiln's, and tf32 turns it on for both (the same API family as tf32_off's).
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "tf32" if precision == "tf32" else "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
     nn = torch.nn
     layers, cin = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()], 64
     for stage in range(4):

@@ -361,37 +361,8 @@ fn mlp<B: Backend>(
     let labels: Vec<i64> = (0..batch).map(|i| (i % classes) as i64).collect();
     let labels = Tensor::<B>::from_vec(labels, [batch], dev)?;
     let model = build_mlp::<B>(widths, dev)?;
-    let mut opt = SgdConfig::new(0.1).init(model.parameters())?;
-    let mut scaler: GradScaler<B> = GradScalerConfig::new()
-        .with_enabled(precision.needs_scaler())
-        .init()?;
-
-    let mut step = || -> Result<Var<B>> {
-        let loss = {
-            let _amp = precision.autocast().map(autocast).transpose()?;
-            cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?
-        };
-        opt.zero_grad();
-        scaler.scale(&loss)?.backward()?;
-        // `opt.step()` unless f16 (then skipped on overflow; one flag read per step).
-        scaler.step(&mut opt)?;
-        scaler.update()?;
-        Ok(loss)
-    };
-    for _ in 0..s.warmup {
-        step()?;
-    }
-    let mut totals = Vec::with_capacity(s.repeats);
-    let mut last = None;
-    for _ in 0..s.repeats {
-        totals.push(time_ms::<B>(dev, || {
-            for _ in 0..s.steps {
-                last = Some(step()?);
-            }
-            Ok(())
-        })?);
-    }
-    let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
+    let opt = SgdConfig::new(0.1).init(model.parameters())?;
+    let (totals, loss) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
     let extra = format!(
         " batch={batch} arch={} loss={:.6} precision={}",
         widths
@@ -418,20 +389,44 @@ fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Resu
         dev,
         &mut Generator::new(0),
     )?;
-    let mut opt = SgdConfig::new(0.05)
+    let opt = SgdConfig::new(0.05)
         .with_momentum(0.9)
         .with_weight_decay(5e-4)
         .init(model.parameters())?;
+    let (totals, loss) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
+    let peak = B::memory_stats(dev)?.peak as f64 / (1 << 20) as f64;
+    let extra = format!(
+        " batch={batch} arch=resnet18-cifar-w64 loss={:.6} precision={} peak_mib={peak:.0}",
+        loss.unwrap_or(f64::NAN),
+        format!("{precision:?}").to_lowercase()
+    );
+    report("resnet18", dev, s, &totals, &extra);
+    Ok(())
+}
+
+/// Times `s` of `model`'s training step (forward under `precision`'s autocast, cross-entropy,
+/// backward, `opt`'s step; with a `GradScaler` for f16) after the warm-up steps: the repeats'
+/// timings and the last loss.
+fn train_steps<B: Backend, M: Module<B>, O: Optimizer<B>>(
+    dev: &B::Device,
+    model: &M,
+    mut opt: O,
+    x: &Var<B>,
+    labels: &Tensor<B>,
+    precision: Precision,
+    s: Sizes,
+) -> Result<(Vec<Timing>, Option<f64>)> {
     let mut scaler: GradScaler<B> = GradScalerConfig::new()
         .with_enabled(precision.needs_scaler())
         .init()?;
     let mut step = || -> Result<Var<B>> {
         let loss = {
             let _amp = precision.autocast().map(autocast).transpose()?;
-            cross_entropy(&model.forward(&x)?, &labels, Reduction::Mean)?
+            cross_entropy(&model.forward(x)?, labels, Reduction::Mean)?
         };
         opt.zero_grad();
         scaler.scale(&loss)?.backward()?;
+        // `opt.step()` unless f16 (then skipped on overflow; one flag read per step).
         scaler.step(&mut opt)?;
         scaler.update()?;
         Ok(loss)
@@ -450,12 +445,5 @@ fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Resu
         })?);
     }
     let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
-    let peak = B::memory_stats(dev)?.peak as f64 / (1 << 20) as f64;
-    let extra = format!(
-        " batch={batch} arch=resnet18-cifar-w64 loss={:.6} precision={} peak_mib={peak:.0}",
-        loss.unwrap_or(f64::NAN),
-        format!("{precision:?}").to_lowercase()
-    );
-    report("resnet18", dev, s, &totals, &extra);
-    Ok(())
+    Ok((totals, loss))
 }

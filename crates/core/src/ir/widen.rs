@@ -8,9 +8,8 @@
 //! program itself casts to a 16-bit type (a user's `to_dtype(bf16)` rounds, as it must). An
 //! op run alone rounds once, as PyTorch's eager kernels do; a fused chain keeps its
 //! intermediates in f32, as `torch.compile`'s generated kernels do: at least as accurate as
-//! rounding after every op, and a widened bf16 chain stays bound by memory, not by ~6
-//! integer instructions of rounding per op and element (what one rounding per instruction
-//! cost on an H100: a six-op bf16 chain at 0.5x copy bandwidth). So a fused 16-bit result
+//! rounding after every op, and no rounding instructions per op and element in a chain's
+//! kernel (on an H100 a six-op bf16 chain then runs at 0.97x copy bandwidth). So a fused 16-bit result
 //! may differ from the op-by-op one in its last bits, as fused f32 results already may
 //! (contracted multiply-adds). An evaluator of the widened program needs, for the 16-bit
 //! types, only their loads (inputs), their stores (outputs) and two casts: any dtype to a

@@ -29,7 +29,7 @@ use std::process::{Command, ExitCode};
 const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
     ("kiln-autograd", &["cuda_gradients", "cuda_attention"]),
-    ("kiln-nn", &["cuda", "cuda_conv"]),
+    ("kiln-nn", &["cuda", "cuda_conv", "cuda_conv_route"]),
     ("kiln-optim", &["amp_devices"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).

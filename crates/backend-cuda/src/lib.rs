@@ -265,6 +265,10 @@ impl Backend for Cuda {
         state(device)?.sync_all("synchronize")
     }
 
+    fn is_capturing(device: &CudaDevice) -> bool {
+        state(device).is_ok_and(|s| s.capturing())
+    }
+
     fn memory_stats(device: &CudaDevice) -> Result<MemoryStats> {
         memory::memory_stats(state(device)?)
     }

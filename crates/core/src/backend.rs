@@ -131,6 +131,13 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     fn parse_device(name: &str) -> Result<Self::Device>;
     /// Waits until all work queued on `device` has finished.
     fn synchronize(device: &Self::Device) -> Result<()>;
+    /// Whether the calling thread is recording work on `device` into a graph (CUDA graph
+    /// capture) instead of running it: then nothing may synchronize, time or read back values
+    /// on that device. Default: `false` (a backend without graphs never captures).
+    fn is_capturing(device: &Self::Device) -> bool {
+        let _ = device;
+        false
+    }
     fn memory_stats(device: &Self::Device) -> Result<MemoryStats>;
     /// Returns cached, unused memory to the system.
     fn empty_cache(device: &Self::Device) -> Result<()>;

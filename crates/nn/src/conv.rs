@@ -26,14 +26,17 @@
 //! (the CUDA backend's cuDNN, [`Var::conv2d_native`]), [`conv2d`], [`conv2d_grouped`] and
 //! [`Conv2d`] use it — one recorded op, the library's kernels forward and backward — and add
 //! the bias after it; otherwise (the CPU, or CUDA without cuDNN or with `KILN_CUDNN=0`) the
-//! im2col path above runs, unchanged. [`conv2d_im2col_path`] always takes im2col, to compare
-//! the two.
+//! im2col path above runs, unchanged. A few shapes (a stem layer's 3 input channels) run
+//! faster through im2col even where the library is offered: those are measured once per shape
+//! and routed to the faster path (`conv_route.rs`, [`set_conv_routing`](crate::set_conv_routing)).
+//! [`conv2d_im2col_path`] always takes im2col, to compare the two.
 
 use std::sync::Mutex;
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, Conv2dSpec, DType, Error, Generator, Result, Tensor};
 
+use crate::conv_route::{Candidate, prefer_im2col};
 use crate::init::Init;
 use crate::module::Module;
 
@@ -368,7 +371,10 @@ fn conv2d_cached<B: Backend>(
         dilation: window.dilation,
         groups: g,
     };
-    if let Some(y) = x.conv2d_native(weight, spec)? {
+    if library_offered(x)
+        && !routed_to_im2col(x, weight, window, groups, spec, (oh, ow))?
+        && let Some(y) = x.conv2d_native(weight, spec)?
+    {
         // The backend's library (cuDNN) convolved; the bias is one broadcast add, in the
         // convolution's dtype (under autocast the low one, as PyTorch's conv2d casts its bias).
         return match bias {
@@ -377,6 +383,43 @@ fn conv2d_cached<B: Backend>(
         };
     }
     conv2d_im2col(x, weight, bias, window, groups, cache, (oh, ow))
+}
+
+/// Whether the backend offers its own convolution for `x`'s dtype (and the autocast dtype).
+fn library_offered<B: Backend>(x: &Var<B>) -> bool {
+    let dev = x.device();
+    B::offers_conv2d(&dev, x.dtype())
+        && kiln_autograd::autocast_dtype().is_none_or(|low| B::offers_conv2d(&dev, low))
+}
+
+/// Whether this shape runs faster through im2col than through the backend's library, as
+/// measured once per shape (`conv_route.rs`).
+fn routed_to_im2col<B: Backend>(
+    x: &Var<B>,
+    weight: &Var<B>,
+    window: Window,
+    groups: usize,
+    spec: Conv2dSpec,
+    (oh, ow): (usize, usize),
+) -> Result<bool> {
+    let wd = weight.dims();
+    let taps = wd[1] * wd[2] * wd[3];
+    let candidate = Candidate {
+        x,
+        weight,
+        taps,
+        columns: taps * groups * oh * ow * x.dims()[0],
+        geometry: format!("{spec:?}"),
+    };
+    prefer_im2col(
+        &candidate,
+        |x, w| {
+            x.conv2d_native(w, spec)?.ok_or_else(|| {
+                Error::backend("conv2d", "the backend withdrew its convolution offer")
+            })
+        },
+        |x, w| conv2d_im2col(x, w, None, window, groups, None, (oh, ow)),
+    )
 }
 
 /// Checks the operands of a convolution; returns `(oc, c)`.

@@ -53,6 +53,7 @@ mod activation;
 mod attention;
 mod batch_norm;
 mod conv;
+mod conv_route;
 mod dropout;
 mod embedding;
 pub mod init;
@@ -75,6 +76,7 @@ pub use conv::{
     Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, conv2d_im2col_path,
     max_pool2d, max_pool2d_ceil,
 };
+pub use conv_route::{conv_routes_measured, conv_routing, set_conv_routing};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};
 pub use init::Init;

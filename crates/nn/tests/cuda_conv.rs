@@ -29,6 +29,9 @@ fn cpu() -> <Cpu as Backend>::Device {
 /// The GPU, having said whether cuDNN is there (and failed when it must be).
 fn gpu() -> Option<CudaDevice> {
     let dev = gpu_or_skip(0)?;
+    // These tests are about cuDNN: no shape may be routed to im2col by measurement (that is
+    // `cuda_conv_route.rs`'s subject).
+    kiln_nn::set_conv_routing(false);
     match kiln_backend_cuda::cudnn_version() {
         Ok(v) => eprintln!("cuDNN {v}"),
         Err(why) => {

@@ -64,7 +64,11 @@ pub fn check_all(arch: u32) -> Result<Vec<CheckResult>, String> {
         })
     });
     let generated = [
-        ("expr.cu", Flavor::Kiln, crate::codegen::sample_sources()),
+        (
+            "expr.cu",
+            Flavor::Generated,
+            crate::codegen::sample_sources(),
+        ),
         (
             "user.cu",
             Flavor::User,

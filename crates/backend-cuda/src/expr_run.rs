@@ -931,7 +931,7 @@ fn lone_note(p: &std::rc::Rc<Planned>) {
 /// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
 /// an [`Error::Backend`] naming `expr` when it does not compile.
 pub(crate) fn build(source: &str, arch: u32) -> Result<Vec<u8>> {
-    crate::nvrtc::load_or_compile_source(crate::nvrtc::Flavor::Kiln, "expr.cu", source, arch)
+    crate::nvrtc::load_or_compile_source(crate::nvrtc::Flavor::Generated, "expr.cu", source, arch)
         .map_err(|log| {
             Error::backend(
                 "expr",

@@ -86,8 +86,11 @@ pub fn compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, Strin
 /// Whose kernel a source is, which decides its NVRTC options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
-    /// Ours: the fixed files and the generated programs ([`crate::kernel_files::options`]).
+    /// Our fixed files ([`crate::kernel_files::options`]).
     Kiln,
+    /// Our generated programs (expression programs, lazy chains, lone ops):
+    /// [`generated_options`].
+    Generated,
     /// A user's (`ElementwiseKernel`, `RawKernel`, ...): [`crate::kernel_files::user_options`].
     User,
 }
@@ -97,9 +100,32 @@ impl Flavor {
     pub fn options(self, arch: u32) -> Result<Vec<String>, String> {
         Ok(match self {
             Flavor::Kiln => crate::kernel_files::options(arch, nvrtc_version()?),
+            Flavor::Generated => generated_options(arch, nvrtc_version()?),
             Flavor::User => crate::kernel_files::user_options(arch),
         })
     }
+}
+
+/// NVRTC options for a generated program: [`crate::kernel_files::options`], plus
+/// `--Ofast-compile=mid` from NVRTC 12.8 on unless `KILN_CUDA_FAST_COMPILE=0`.
+///
+/// Why: a generated program is compiled on the user's machine the first time a process needs
+/// it, while the user waits (the fixed files are prebuilt), and NVRTC's time goes mostly to
+/// optimizing device code (for a reduction program, ~60 % of it in ptxas). `mid` skips the
+/// optimizations that cost compile time and do little for code like ours — loops over
+/// elements that stream memory through 16-byte vectors, and tree reductions: measured with
+/// NVRTC 13.0 on a 2-core VM, 2.3–2.7× less CPU time for the sample reduction and map
+/// programs (`cargo xtask check-kernels` lists them). The run-time effect was measured on an
+/// H100 (BENCHMARKS.md, "Fast compile of generated programs").
+pub fn generated_options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
+    static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let full = *FULL
+        .get_or_init(|| std::env::var("KILN_CUDA_FAST_COMPILE").is_ok_and(|v| v.trim() == "0"));
+    let mut o = crate::kernel_files::options(arch, nvrtc);
+    if nvrtc >= (12, 8) && !full {
+        o.push("--Ofast-compile=mid".to_string());
+    }
+    o
 }
 
 /// Whether libnvrtc can be loaded.

@@ -107,23 +107,27 @@ impl Flavor {
 }
 
 /// NVRTC options for a generated program: [`crate::kernel_files::options`], plus
-/// `--Ofast-compile=mid` from NVRTC 12.8 on unless `KILN_CUDA_FAST_COMPILE=0`.
+/// `--Ofast-compile=min` from NVRTC 12.8 on. `KILN_CUDA_FAST_COMPILE` picks another level
+/// (`mid`, `max`) or none (`0`).
 ///
 /// Why: a generated program is compiled on the user's machine the first time a process needs
 /// it, while the user waits (the fixed files are prebuilt), and NVRTC's time goes mostly to
-/// optimizing device code (for a reduction program, ~60 % of it in ptxas). `mid` skips the
-/// optimizations that cost compile time and do little for code like ours — loops over
-/// elements that stream memory through 16-byte vectors, and tree reductions: measured with
-/// NVRTC 13.0 on a 2-core VM, 2.3–2.7× less CPU time for the sample reduction and map
-/// programs (`cargo xtask check-kernels` lists them). The run-time effect was measured on an
-/// H100 (BENCHMARKS.md, "Fast compile of generated programs").
+/// optimizing device code (for a reduction program, ~60 % of it in ptxas). `min` gives up the
+/// optimizations that cost compile time and, measured on an H100, no run time for kiln's
+/// programs (BENCHMARKS.md, "Fast compile of generated programs"); `mid` compiles 2.3–2.7×
+/// faster but made elementwise chains 30–40 % slower there, so it is not the default.
 pub fn generated_options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
-    static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let full = *FULL
-        .get_or_init(|| std::env::var("KILN_CUDA_FAST_COMPILE").is_ok_and(|v| v.trim() == "0"));
+    static LEVEL: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let level = LEVEL.get_or_init(|| {
+        match std::env::var("KILN_CUDA_FAST_COMPILE").map(|v| v.trim().to_string()) {
+            Ok(v) if v == "0" => None,
+            Ok(v) if ["min", "mid", "max"].contains(&v.as_str()) => Some(v),
+            _ => Some("min".to_string()),
+        }
+    });
     let mut o = crate::kernel_files::options(arch, nvrtc);
-    if nvrtc >= (12, 8) && !full {
-        o.push("--Ofast-compile=mid".to_string());
+    if let (Some(level), true) = (level, nvrtc >= (12, 8)) {
+        o.push(format!("--Ofast-compile={level}"));
     }
     o
 }

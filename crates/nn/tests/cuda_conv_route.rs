@@ -101,10 +101,10 @@ fn a_stem_shape_is_measured_once_and_both_paths_agree() {
             .unwrap_or_else(|e| panic!("{what} vs cuDNN: {e}"));
         check_close(&routed[k], &own[k], 1e-4, 1e-4)
             .unwrap_or_else(|e| panic!("{what} vs im2col: {e}"));
-        assert_eq!(
-            routed[k], again[k],
-            "{what}: the second routed run took another path"
-        );
+        // The same path again: equal but for atomics (im2col's scatter-add, some library
+        // algorithms), which reorder sums.
+        check_close(&again[k], &routed[k], 1e-5, 1e-5)
+            .unwrap_or_else(|e| panic!("{what}: the second routed run differs: {e}"));
     }
 }
 

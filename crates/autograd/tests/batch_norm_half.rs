@@ -180,6 +180,23 @@ fn half_batch_norm_keeps_the_input_and_the_parameters_dtypes() {
         assert_eq!(x.grad().unwrap().dtype(), half);
         assert_eq!(w.grad().unwrap().dtype(), half);
         assert_eq!(b.grad().unwrap().dtype(), DType::F32);
+        // Group norm shares the engine (outside autocast, which casts its input to f32).
+        let xg = Var::leaf(normal::<Cpu>(&[2, 4, 5], 10, half, &dev));
+        let wg = Var::param(normal::<Cpu>(&[4], 11, DType::F32, &dev));
+        let yg = xg.group_norm(2, Some(&wg), None, EPS).unwrap();
+        assert_eq!(yg.dtype(), half);
+        let want = Var::leaf(xg.tensor().to_dtype(DType::F32).unwrap())
+            .group_norm(2, Some(&wg.detach()), None, EPS)
+            .unwrap();
+        assert_close(
+            "group norm",
+            &f64s(&yg.tensor()),
+            &f64s(&want.tensor()),
+            tol(half),
+        );
+        yg.sum(&[0, 1, 2], false).unwrap().backward().unwrap();
+        assert_eq!(xg.grad().unwrap().dtype(), half);
+        assert_eq!(wg.grad().unwrap().dtype(), DType::F32);
         // f64 input, f32 parameter: still an error (only a 16-bit input takes f32 ones).
         let x64 = Var::leaf(normal::<Cpu>(&[8, 3], 7, DType::F64, &dev));
         let w32 = Var::param(normal::<Cpu>(&[3], 8, DType::F32, &dev));

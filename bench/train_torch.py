@@ -62,9 +62,11 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def timed(dev, steps, repeats, warmup, step, reset=None):
+def timed(dev, steps, repeats, warmup, step, reset=None, after_warmup=None):
     for _ in range(warmup):
         step()
+    if after_warmup:
+        after_warmup()
     totals, last = [], None
     for _ in range(repeats):
         if reset:
@@ -207,11 +209,23 @@ def resnet18(dev, steps, repeats, warmup, precision="f32"):
         scaler.update()
         return loss
 
-    totals, loss = timed(dev, steps, repeats, warmup, step)
-    peak = torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else float("nan")
+    # peak_mib over the whole run, step_peak_mib over the timed steps (as kiln's bench_train:
+    # the warm-up's cuDNN algorithm search holds workspaces a steady step does not).
+    cuda = dev.type == "cuda"
+    warm = {}
+
+    def after_warmup():
+        if cuda:
+            sync(dev)
+            warm["peak"] = torch.cuda.max_memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+
+    totals, loss = timed(dev, steps, repeats, warmup, step, after_warmup=after_warmup)
+    step_peak = torch.cuda.max_memory_allocated(dev) if cuda else float("nan")
+    peak = max(warm.get("peak", 0), step_peak) if cuda else float("nan")
     report("resnet18", dev, steps, repeats, totals,
            f" batch={batch} arch=resnet18-cifar-w64 loss={loss.item():.6f} precision={precision}"
-           f" peak_mib={peak:.0f}")
+           f" peak_mib={peak / 2**20:.0f} step_peak_mib={step_peak / 2**20:.0f}")
 
 
 def main():

@@ -28,7 +28,9 @@
 //!   input channels, 10 classes) on CIFAR-shaped data at batch 256 (`[256, 3, 32, 32]`, the
 //!   same hashed values as the MLPs), BatchNorm in training mode. Only by name; its line also
 //!   gives the device's peak bytes in tensors since the process started (`peak_mib`), which
-//!   `bench/train_torch.py` reports as `torch.cuda.max_memory_allocated`.
+//!   `bench/train_torch.py` reports as `torch.cuda.max_memory_allocated`, and on CUDA the peak
+//!   of the timed steps alone (`step_peak_mib`: the peak is reset after the warm-up, whose
+//!   cuDNN algorithm search holds workspaces a steady step does not; the same in the twin).
 //!
 //! `--precision` (`f32` default, `tf32`, `bf16`, `f16`; [`kiln_examples::Precision`]) applies to
 //! the MLP and ResNet steps: `bf16` and `f16` run the forward and the loss under `autocast` (f32 weights
@@ -53,7 +55,9 @@ use clap::{Parser, ValueEnum};
 use kiln_autograd::{Var, autocast};
 use kiln_core::{Backend, BinaryOp, DType, Generator, Reduction, Result, Shape, Tensor};
 use kiln_examples::resnet::{ResNet, ResNetConfig};
-use kiln_examples::{DEVICE_HELP, Job, Precision, dispatch, fused_program_stats, launch_stats};
+use kiln_examples::{
+    DEVICE_HELP, Job, Precision, dispatch, fused_program_stats, launch_stats, take_peak_memory,
+};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{LinearConfig, Module, Relu, Sequential};
 use kiln_optim::{GradScaler, GradScalerConfig, Optimizer, SgdConfig};
@@ -362,7 +366,7 @@ fn mlp<B: Backend>(
     let labels = Tensor::<B>::from_vec(labels, [batch], dev)?;
     let model = build_mlp::<B>(widths, dev)?;
     let opt = SgdConfig::new(0.1).init(model.parameters())?;
-    let (totals, loss) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
+    let (totals, loss, _) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
     let extra = format!(
         " batch={batch} arch={} loss={:.6} precision={}",
         widths
@@ -393,12 +397,18 @@ fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Resu
         .with_momentum(0.9)
         .with_weight_decay(5e-4)
         .init(model.parameters())?;
-    let (totals, loss) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
-    let peak = B::memory_stats(dev)?.peak as f64 / (1 << 20) as f64;
+    let (totals, loss, warm_peak) = train_steps(dev, &model, opt, &x, &labels, precision, s)?;
+    // `peak_mib` over the whole run (as PyTorch's max_memory_allocated without a reset), and
+    // `step_peak_mib` over the timed steps only, where the backend can reset its peak (CUDA).
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let step_peak = B::memory_stats(dev)?.peak;
     let extra = format!(
-        " batch={batch} arch=resnet18-cifar-w64 loss={:.6} precision={} peak_mib={peak:.0}",
+        " batch={batch} arch=resnet18-cifar-w64 loss={:.6} precision={} peak_mib={:.0} \
+         step_peak_mib={:.0}",
         loss.unwrap_or(f64::NAN),
-        format!("{precision:?}").to_lowercase()
+        format!("{precision:?}").to_lowercase(),
+        mib(warm_peak.max(step_peak)),
+        mib(step_peak)
     );
     report("resnet18", dev, s, &totals, &extra);
     Ok(())
@@ -406,7 +416,8 @@ fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Resu
 
 /// Times `s` of `model`'s training step (forward under `precision`'s autocast, cross-entropy,
 /// backward, `opt`'s step; with a `GradScaler` for f16) after the warm-up steps: the repeats'
-/// timings and the last loss.
+/// timings, the last loss and the peak memory of the warm-up (after which the peak is reset
+/// where the backend can: [`take_peak_memory`]).
 fn train_steps<B: Backend, M: Module<B>, O: Optimizer<B>>(
     dev: &B::Device,
     model: &M,
@@ -415,7 +426,7 @@ fn train_steps<B: Backend, M: Module<B>, O: Optimizer<B>>(
     labels: &Tensor<B>,
     precision: Precision,
     s: Sizes,
-) -> Result<(Vec<Timing>, Option<f64>)> {
+) -> Result<(Vec<Timing>, Option<f64>, usize)> {
     let mut scaler: GradScaler<B> = GradScalerConfig::new()
         .with_enabled(precision.needs_scaler())
         .init()?;
@@ -434,6 +445,8 @@ fn train_steps<B: Backend, M: Module<B>, O: Optimizer<B>>(
     for _ in 0..s.warmup {
         step()?;
     }
+    B::synchronize(dev)?;
+    let warm_peak = take_peak_memory::<B>(dev)?;
     let mut totals = Vec::with_capacity(s.repeats);
     let mut last = None;
     for _ in 0..s.repeats {
@@ -445,5 +458,5 @@ fn train_steps<B: Backend, M: Module<B>, O: Optimizer<B>>(
         })?);
     }
     let loss = last.map(|l| l.tensor().to_scalar()).transpose()?;
-    Ok((totals, loss))
+    Ok((totals, loss, warm_peak))
 }

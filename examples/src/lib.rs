@@ -92,6 +92,18 @@ pub fn launch_stats<B: Backend>() -> (u64, u64) {
     }
 }
 
+/// The device's peak memory in use so far, in bytes, then the peak reset to the current use
+/// where the backend can (CUDA), so that the next reading covers only what runs after: the
+/// benchmarks read it after their warm-up, whose first steps hold transient buffers a steady
+/// step does not (cuDNN's algorithm search times every algorithm with its largest workspace).
+pub fn take_peak_memory<B: Backend>(dev: &B::Device) -> Result<usize> {
+    let peak = B::memory_stats(dev)?.peak;
+    if let Some(d) = (dev as &dyn std::any::Any).downcast_ref::<kiln_backend_cuda::CudaDevice>() {
+        kiln_backend_cuda::reset_peak(d)?;
+    }
+    Ok(peak)
+}
+
 /// Fused elementwise programs built so far and the host nanoseconds spent compiling (or loading)
 /// them, when `B` is the CUDA backend; `(0, 0)` otherwise.
 pub fn fused_program_stats<B: Backend>() -> (u64, u64) {

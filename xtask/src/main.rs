@@ -28,7 +28,10 @@ use std::process::{Command, ExitCode};
 /// Add a crate's GPU tests here with one line.
 const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
-    ("kiln-autograd", &["cuda_gradients", "cuda_attention"]),
+    (
+        "kiln-autograd",
+        &["cuda_gradients", "cuda_attention", "batch_norm_half"],
+    ),
     ("kiln-nn", &["cuda", "cuda_conv", "cuda_conv_route"]),
     ("kiln-optim", &["amp_devices"]),
 ];

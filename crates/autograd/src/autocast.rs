@@ -35,13 +35,25 @@
 //! | policy | ops |
 //! |---|---|
 //! | **low** (inputs cast to the autocast dtype) | [`Var::matmul`], [`Var::linear`], convolutions (kiln-nn's `conv2d` is im2col + `matmul`; its bias is cast too), [`Var::scaled_dot_product_attention`] (its products; see below) |
-//! | **f32** (16-bit inputs cast up; output f32) | [`Var::softmax`], [`Var::log_softmax`], [`Var::cross_entropy`], kiln-nn's `mse` and `bce_with_logits`, [`Var::layer_norm`], [`Var::rms_norm`], [`Var::batch_norm_train`], [`Var::batch_norm_eval`], [`Var::group_norm`], [`Var::sum`] / [`Var::mean`] (PyTorch's `sum` with `dtype=float32`), `exp`, `expm1`, `log`, `log1p`, `recip`, `rsqrt`, `softplus`, `pow` |
+//! | **f32** (16-bit inputs cast up; output f32) | [`Var::softmax`], [`Var::log_softmax`], [`Var::cross_entropy`], kiln-nn's `mse` and `bce_with_logits`, [`Var::layer_norm`], [`Var::rms_norm`], [`Var::group_norm`], [`Var::sum`] / [`Var::mean`] (PyTorch's `sum` with `dtype=float32`), `exp`, `expm1`, `log`, `log1p`, `recip`, `rsqrt`, `softplus`, `pow` |
 //! | **widest** (the narrower float operand cast to the wider) | binary elementwise ops ([`Var::binary`]: add, sub, mul, div, maximum, minimum), [`Var::cat`], [`Var::where_cond`] |
+//! | **input dtype, f32 statistics** (the input not cast; f32 parameters read as they are) | [`Var::batch_norm_train`], [`Var::batch_norm_eval`]: output and `dx` in the input's dtype; mean, variance, running statistics, `dweight`, `dbias` in f32, computed in f32 (see below) |
 //! | **input dtype** (no cast) | everything else: activations (`relu`, `gelu`, `tanh`, ...), views, indexing, embeddings, dropout, max/min reductions |
+//!
+//! Batch norm is not on PyTorch's fp32 list either: cuDNN's batch norm reads a 16-bit input
+//! with f32 weight, bias and running statistics, accumulates the statistics in f32 and writes a
+//! 16-bit output. kiln's does the same inside its fused programs (16-bit loads widened, f32
+//! arithmetic, one rounding where `y` or `dx` is stored), so a conv → batch norm → relu chain
+//! stays 16-bit end to end: no f32 copy of the activation is made, saved for backward, or cast
+//! back for the next convolution (on the f32 list, each conv → batch norm → relu of ResNet-18
+//! made an f32 copy of the convolution's output, an f32 output and relu output, and a bf16
+//! copy of that for the next convolution). Layer norm, RMS norm and group norm stay f32, as on
+//! PyTorch's list.
 //!
 //! Only f32, f16 and bf16 values are cast; f64 is never touched (gradient checks stay exact),
 //! nor are integer tensors. Outside an autocast scope nothing is cast and mixing float dtypes
-//! in one op remains an error, as everywhere in kiln: the widest rule exists only where
+//! in one op remains an error, as everywhere in kiln (but for batch norm's f32 parameters
+//! beside a 16-bit input, which PyTorch takes too): the widest rule exists only where
 //! autocast itself made the dtypes differ (a bf16 linear's output added to an f32 residual).
 //!
 //! Attention: the products run in the low dtype, and the softmax between them in f32 (scores

@@ -23,11 +23,23 @@
 //! the affine map). In evaluation mode batch norm normalizes with given running statistics:
 //! one program forward, `dx = g · w · rstd` and the same per-channel sums backward.
 //!
+//! # Dtypes
+//!
+//! The programs compute in the input's compute dtype: for a 16-bit input (bf16, f16) they load
+//! it and the output's gradient as 16 bits, widen them, do every sum and product in f32 and
+//! round only `y` and `dx` to 16 bits when storing them. The statistics (`mean`, `rstd`, the
+//! variances) are f32 outputs, so what backward reads and what the running statistics fold in
+//! was never rounded; the weight and bias may be of the input's dtype or f32 (a 16-bit input
+//! beside f32 parameters, as autocast leaves them and as cuDNN takes them), and their gradients
+//! come in their own dtype, summed in f32. Nothing of the input's size exists in f32: that is
+//! what makes batch norm cheap in memory under autocast (see `autocast.rs`). Group norm shares
+//! the engine (autocast casts its input to f32 first, as PyTorch does).
+//!
 //! Running statistics are state, not part of the differentiable op: training mode returns the
 //! batch statistics ([`BatchStats`]) and [`update_running_stats`] folds them into the running
 //! ones with PyTorch's formula (one small program), so the layer in kiln-nn decides when.
 //!
-//! Programs are built once per (step, dtype, rank, axes, which of weight and bias) and memoized
+//! Programs are built once per (step, input dtype, rank, axes, which of weight and bias) and memoized
 //! here; the backends memoize what they compile from them.
 
 use std::sync::{Arc, OnceLock};
@@ -85,37 +97,45 @@ fn axes_of(mask: u32, rank: usize) -> Vec<isize> {
 /// The program of `key`, built on first use.
 fn program(key: Key) -> Result<Arc<Program>> {
     static MEMO: Memo<Key> = OnceLock::new();
-    memoized(&MEMO, key, key.dtype, build)
+    memoized(&MEMO, key, build)
 }
 
-/// The number of inputs and the outputs of `key`'s program (see [`Step`] for the signatures).
-fn build(key: Key) -> (usize, Vec<Expr>) {
+/// The inputs and the outputs of `key`'s program (see [`Step`] for the signatures).
+///
+/// `key.dtype` is the input's dtype (the running statistics' for [`Step::Running`]); the
+/// arithmetic, the statistics and the affine parameters are in its compute dtype (f32 for a
+/// 16-bit input): the input and the output's gradient are widened as they are loaded, and the
+/// values of the input's shape (`y`, `dx`) rounded to its dtype once, when stored.
+fn build(key: Key) -> (Inputs, Vec<Expr>) {
     let stat = axes_of(key.stat, key.rank);
     let col = axes_of(key.col, key.rank);
-    let mut ins = Inputs(0);
+    let (xd, cd) = (key.dtype, key.dtype.compute_dtype());
+    let mut ins = Inputs::new(cd);
+    let store = |e: Expr| if xd == cd { e } else { e.to_dtype(xd) };
     let times_w = |e: Expr, ins: &mut Inputs| match ins.next_if(key.weight) {
         Some(w) => e * w,
         None => e,
     };
     let outs = match key.step {
-        Step::Mean => vec![ins.next().sum(&stat) * Expr::param(0)],
+        Step::Mean => vec![ins.next_of(xd).sum(&stat) * Expr::param(0)],
         Step::Var => {
-            let (x, mean) = (ins.next(), ins.next());
+            let (x, mean) = (ins.next_of(xd), ins.next());
             let d = x - mean;
             let ss = (&d * &d).sum(&stat);
             let var = &ss * Expr::param(0);
             vec![(&var + Expr::param(2)).rsqrt(), var, ss * Expr::param(1)]
         }
         Step::Normalize => {
-            let (x, mean, rstd) = (ins.next(), ins.next(), ins.next());
+            let (x, mean, rstd) = (ins.next_of(xd), ins.next(), ins.next());
             let y = times_w((x - mean) * rstd, &mut ins);
-            vec![match ins.next_if(key.bias) {
+            vec![store(match ins.next_if(key.bias) {
                 Some(b) => y + b,
                 None => y,
-            }]
+            })]
         }
         Step::ColSums => {
-            let (g, x, mean, rstd) = (ins.next(), ins.next(), ins.next(), ins.next());
+            let (g, x) = (ins.next_of(xd), ins.next_of(xd));
+            let (mean, rstd) = (ins.next(), ins.next());
             let xhat = (x - mean) * rstd;
             let mut outs = vec![(&g * xhat).sum(&col)];
             if key.bias {
@@ -124,15 +144,17 @@ fn build(key: Key) -> (usize, Vec<Expr>) {
             outs
         }
         Step::FactoredDx => {
-            let (g, x, mean, rstd) = (ins.next(), ins.next(), ins.next(), ins.next());
+            let (g, x) = (ins.next_of(xd), ins.next_of(xd));
+            let (mean, rstd) = (ins.next(), ins.next());
             let scale = times_w(rstd.clone(), &mut ins);
             let (sgx, sg) = (ins.next(), ins.next());
             let inv_n = Expr::param(0);
             let xhat = (x - mean) * rstd;
-            vec![scale * (g - sg * &inv_n - xhat * (sgx * inv_n))]
+            vec![store(scale * (g - sg * &inv_n - xhat * (sgx * inv_n)))]
         }
         Step::RowMeans | Step::Dx => {
-            let (g, x, mean, rstd) = (ins.next(), ins.next(), ins.next(), ins.next());
+            let (g, x) = (ins.next_of(xd), ins.next_of(xd));
+            let (mean, rstd) = (ins.next(), ins.next());
             let xhat = (x - mean) * &rstd;
             let gy = times_w(g, &mut ins);
             if key.step == Step::RowMeans {
@@ -140,21 +162,22 @@ fn build(key: Key) -> (usize, Vec<Expr>) {
                 vec![gy.sum(&stat) * &inv_n, (&gy * &xhat).sum(&stat) * inv_n]
             } else {
                 let (a, c) = (ins.next(), ins.next());
-                vec![rstd * (gy - a - xhat * c)]
+                vec![store(rstd * (gy - a - xhat * c))]
             }
         }
         Step::EvalDx => {
-            let (g, rstd) = (ins.next(), ins.next());
-            vec![times_w(g * rstd, &mut ins)]
+            let (g, rstd) = (ins.next_of(xd), ins.next());
+            vec![store(times_w(g * rstd, &mut ins))]
         }
         Step::Running => {
-            let (rm, rv, mean, var) = (ins.next(), ins.next(), ins.next(), ins.next());
+            let (rm, rv) = (ins.next_of(xd), ins.next_of(xd));
+            let (mean, var) = (ins.next(), ins.next());
             let m = Expr::param(0);
             let keep = Expr::param(1);
-            vec![&m * mean + &keep * rm, m * var + keep * rv]
+            vec![store(&m * mean + &keep * rm), store(m * var + keep * rv)]
         }
     };
-    (ins.0, outs)
+    (ins, outs)
 }
 
 fn run<B: Backend>(key: Key, inputs: &[&Tensor<B>], params: &[f64]) -> Result<Vec<Tensor<B>>> {
@@ -167,7 +190,8 @@ fn inv(n: usize) -> f64 {
 }
 
 /// The statistics of one training-mode [`Var::batch_norm_train`] call, per channel (`[c]`):
-/// what a layer folds into its running statistics ([`update_running_stats`]).
+/// what a layer folds into its running statistics ([`update_running_stats`]). In the input's
+/// compute dtype (f32 for a 16-bit input).
 #[derive(Clone, Debug)]
 pub struct BatchStats<B: Backend> {
     /// The batch mean.
@@ -183,7 +207,9 @@ pub struct BatchStats<B: Backend> {
 /// PyTorch's running-statistics update, `momentum · batch + (1 - momentum) · running`, for the
 /// mean and (with the unbiased batch variance) the variance; one program for both. Returns the
 /// new `(running_mean, running_var)`. `momentum` in `[0, 1]`; PyTorch's cumulative average
-/// (`momentum=None`) is `1 / num_batches_tracked` here.
+/// (`momentum=None`) is `1 / num_batches_tracked` here. The running statistics are of the
+/// statistics' dtype, or 16-bit beside f32 statistics (a model converted to bf16): they are
+/// then read widened, updated in f32 and rounded once.
 pub fn update_running_stats<B: Backend>(
     running_mean: &Tensor<B>,
     running_var: &Tensor<B>,
@@ -198,6 +224,9 @@ pub fn update_running_stats<B: Backend>(
         ));
     }
     let c = stats.mean.dims().to_vec();
+    // The running statistics keep their dtype; the batch's are in its compute dtype (f32 for
+    // 16-bit running statistics, which the update reads widened and rounds once).
+    let rd = running_mean.dtype();
     for (name, t) in [("running_mean", running_mean), ("running_var", running_var)] {
         if t.dims() != c.as_slice() {
             return Err(Error::invalid(
@@ -208,18 +237,31 @@ pub fn update_running_stats<B: Backend>(
                 ),
             ));
         }
-        if t.dtype() != stats.mean.dtype() {
+        if t.dtype() != rd || rd.compute_dtype() != stats.mean.dtype() {
             return Err(Error::DTypeMismatch {
                 op: OP,
-                expected: format!("a {name} of the statistics' dtype {}", stats.mean.dtype()),
+                expected: format!(
+                    "a {name} of the statistics' dtype {} (or 16 bits for f32 statistics)",
+                    stats.mean.dtype()
+                ),
                 got: t.dtype(),
             });
         }
         t.check_same_device(OP, &stats.mean)?;
     }
+    if stats.var_unbiased.dtype() != stats.mean.dtype() {
+        return Err(Error::DTypeMismatch {
+            op: OP,
+            expected: format!(
+                "an unbiased variance of the mean's dtype {}",
+                stats.mean.dtype()
+            ),
+            got: stats.var_unbiased.dtype(),
+        });
+    }
     let key = Key {
         step: Step::Running,
-        dtype: stats.mean.dtype(),
+        dtype: rd,
         rank: c.len(),
         stat: 0,
         col: 0,
@@ -263,7 +305,8 @@ fn check_input<B: Backend>(op: &'static str, x: &Tensor<B>, eps: f64) -> Result<
     Ok(x.dims()[1])
 }
 
-/// Checks that each given per-channel tensor is `[c]`, of `x`'s dtype and device.
+/// Checks that each given per-channel tensor is `[c]`, on `x`'s device, and of `x`'s dtype or
+/// its compute dtype (f32 beside a 16-bit input, as PyTorch's and cuDNN's batch norm take it).
 fn check_channel_params<B: Backend>(
     op: &'static str,
     x: &Tensor<B>,
@@ -281,10 +324,14 @@ fn check_channel_params<B: Backend>(
                 ),
             ));
         }
-        if p.dtype() != x.dtype() {
+        if p.dtype() != x.dtype() && p.dtype() != x.dtype().compute_dtype() {
             return Err(Error::DTypeMismatch {
                 op,
-                expected: format!("a {name} of the input's dtype {}", x.dtype()),
+                expected: format!(
+                    "a {name} of the input's dtype {} or its compute dtype {}",
+                    x.dtype(),
+                    x.dtype().compute_dtype()
+                ),
                 got: p.dtype(),
             });
         }
@@ -304,8 +351,10 @@ struct Saved<B: Backend> {
     x: Tensor<B>,
     mean: Tensor<B>,
     rstd: Tensor<B>,
-    /// The weight viewed to broadcast against `x`.
+    /// The weight viewed to broadcast against `x`, in the compute dtype.
     w: Option<Tensor<B>>,
+    /// The dtypes of the weight and the bias (their gradients'), where given.
+    param_dtypes: [Option<DType>; 2],
     /// Batch norm's factored backward (statistics axes = parameter-sum axes).
     factored: bool,
     /// Evaluation mode: `mean` and `rstd` are constants (the running statistics).
@@ -372,9 +421,14 @@ impl<B: Backend> Saved<B> {
                     .reshape(self.dims.clone())?,
             );
         }
-        for (i, s) in [wanted(iw), wanted(ib)].into_iter().zip(sums) {
-            if let Some(i) = i {
-                grads[i] = Some(s.reshape([self.channels])?);
+        for ((i, d), s) in [wanted(iw), wanted(ib)]
+            .into_iter()
+            .zip(self.param_dtypes)
+            .zip(sums)
+        {
+            if let (Some(i), Some(d)) = (i, d) {
+                // Summed in the compute dtype; a 16-bit parameter's gradient is rounded once.
+                grads[i] = Some(s.reshape([self.channels])?.to_dtype(d)?);
             }
         }
         Ok(grads)
@@ -432,6 +486,28 @@ fn autocast_f32_all<B: Backend>(
     ))
 }
 
+/// Batch norm's affine parameters under autocast, where the input keeps its dtype (PyTorch's
+/// CUDA autocast lists no batch norm: cuDNN reads a 16-bit input beside f32 parameters and
+/// statistics): a parameter of neither the input's dtype nor its compute dtype is cast to f32.
+/// Unchanged outside autocast.
+type Params<B> = (Option<Var<B>>, Option<Var<B>>);
+fn autocast_bn_params<B: Backend>(
+    x: &Var<B>,
+    weight: Option<&Var<B>>,
+    bias: Option<&Var<B>>,
+) -> Result<Params<B>> {
+    let on = crate::autocast::autocast_dtype().is_some();
+    let (xd, cd) = (x.dtype(), x.dtype().compute_dtype());
+    let fit = |p: &Var<B>| {
+        if on && p.dtype() != xd && p.dtype() != cd {
+            p.autocast_f32()
+        } else {
+            Ok(p.clone())
+        }
+    };
+    Ok((weight.map(fit).transpose()?, bias.map(fit).transpose()?))
+}
+
 impl<B: Backend> Var<B> {
     /// Batch normalization in training mode (PyTorch's `F.batch_norm(x, rm, rv, weight, bias,
     /// training=True, eps=eps)`) over `[n, c, *]` (`[n, c]`, `[n, c, l]`, `[n, c, h, w]`, ...):
@@ -440,6 +516,10 @@ impl<B: Backend> Var<B> {
     /// which [`update_running_stats`] folds into running ones; this op itself keeps no state.
     /// One recorded op with the closed-form backward (module docs). At least two values per
     /// channel are needed, as in PyTorch.
+    ///
+    /// A 16-bit input gives a 16-bit output and f32 statistics, computed in f32; `weight` and
+    /// `bias` may be f32 beside it (module docs). Under [`crate::autocast`] nothing is cast:
+    /// batch norm runs in its input's dtype, as in PyTorch.
     pub fn batch_norm_train(
         &self,
         weight: Option<&Self>,
@@ -447,12 +527,8 @@ impl<B: Backend> Var<B> {
         eps: f64,
     ) -> Result<(Self, BatchStats<B>)> {
         const OP: &str = "batch_norm";
-        if crate::autocast::autocast_dtype().is_some() {
-            // Autocast's f32 list, as layer_norm: statistics and output in f32.
-            let (x, w, b) = autocast_f32_all(self, weight, bias)?;
-            let _off = crate::autocast::autocast_disabled();
-            return x.batch_norm_train(w.as_ref(), b.as_ref(), eps);
-        }
+        let (weight, bias) = autocast_bn_params(self, weight, bias)?;
+        let (weight, bias) = (weight.as_ref(), bias.as_ref());
         let x = self.tensor();
         let c = check_input(OP, &x, eps)?;
         let (wt, bt) = (weight.map(Var::tensor), bias.map(Var::tensor));
@@ -491,6 +567,7 @@ impl<B: Backend> Var<B> {
             mean,
             rstd,
             w: wv,
+            param_dtypes: dtypes_of(wt.as_ref(), bt.as_ref()),
             factored: true,
             eval: false,
             channels: c,
@@ -502,7 +579,9 @@ impl<B: Backend> Var<B> {
     /// Batch normalization in evaluation mode (PyTorch's `F.batch_norm(x, running_mean,
     /// running_var, weight, bias, training=False, eps=eps)`) over `[n, c, *]`: each channel
     /// normalized with the given running mean and variance (`[c]` tensors, constants), then
-    /// `· weight + bias` when given. One recorded op.
+    /// `· weight + bias` when given. One recorded op. Dtypes as
+    /// [`Var::batch_norm_train`]: the running statistics, like the parameters, may be f32
+    /// beside a 16-bit input.
     pub fn batch_norm_eval(
         &self,
         running_mean: &Tensor<B>,
@@ -512,11 +591,8 @@ impl<B: Backend> Var<B> {
         eps: f64,
     ) -> Result<Self> {
         const OP: &str = "batch_norm";
-        if crate::autocast::autocast_dtype().is_some() {
-            let (x, w, b) = autocast_f32_all(self, weight, bias)?;
-            let _off = crate::autocast::autocast_disabled();
-            return x.batch_norm_eval(running_mean, running_var, w.as_ref(), b.as_ref(), eps);
-        }
+        let (weight, bias) = autocast_bn_params(self, weight, bias)?;
+        let (weight, bias) = (weight.as_ref(), bias.as_ref());
         let x = self.tensor();
         let c = check_input(OP, &x, eps)?;
         let (wt, bt) = (weight.map(Var::tensor), bias.map(Var::tensor));
@@ -537,7 +613,8 @@ impl<B: Backend> Var<B> {
             channel_view(bt.as_ref(), &x)?,
         );
         let mean = channel_view(Some(running_mean), &x)?.expect("given");
-        let rstd = channel_view(Some(&running_var.add_scalar(eps)?.rsqrt()?), &x)?.expect("given");
+        let rv = running_var.to_dtype(x.dtype().compute_dtype())?;
+        let rstd = channel_view(Some(&rv.add_scalar(eps)?.rsqrt()?), &x)?.expect("given");
         let count = x.elem_count().checked_div(c).unwrap_or(0);
         let (y, mean, rstd, _) = forward(
             key,
@@ -556,6 +633,7 @@ impl<B: Backend> Var<B> {
             mean,
             rstd,
             w: wv,
+            param_dtypes: dtypes_of(wt.as_ref(), bt.as_ref()),
             factored: true,
             eval: true,
             channels: c,
@@ -598,7 +676,11 @@ impl<B: Backend> Var<B> {
         let (nb, cg) = (x.dims()[0], c / groups);
         let s: usize = x.dims()[2..].iter().product();
         let xg = x.reshape([nb, groups, cg, s])?;
-        let view = |t: Option<&Tensor<B>>| t.map(|t| t.reshape([1, groups, cg, 1])).transpose();
+        let cd = x.dtype().compute_dtype();
+        let view = |t: Option<&Tensor<B>>| {
+            t.map(|t| t.to_dtype(cd)?.reshape([1, groups, cg, 1]))
+                .transpose()
+        };
         let (wv, bv) = (view(wt.as_ref())?, view(bt.as_ref())?);
         let key = Key {
             step: Step::Mean,
@@ -620,6 +702,7 @@ impl<B: Backend> Var<B> {
             mean,
             rstd,
             w: wv,
+            param_dtypes: dtypes_of(wt.as_ref(), bt.as_ref()),
             factored: false,
             eval: false,
             channels: c,
@@ -657,10 +740,16 @@ fn bn_key<B: Backend>(x: &Tensor<B>, weight: bool, bias: bool) -> Key {
     }
 }
 
-/// A `[c]` tensor viewed as `[1, c, 1, ...]` to broadcast against `x` `[n, c, *]`.
+/// A `[c]` tensor in `x`'s compute dtype (a no-op but for a 16-bit parameter beside a 16-bit
+/// input), viewed as `[1, c, 1, ...]` to broadcast against `x` `[n, c, *]`.
 fn channel_view<B: Backend>(t: Option<&Tensor<B>>, x: &Tensor<B>) -> Result<Option<Tensor<B>>> {
     let Some(t) = t else { return Ok(None) };
     let mut dims = vec![1; x.rank()];
     dims[1] = x.dims()[1];
-    Ok(Some(t.reshape(dims)?))
+    Ok(Some(t.to_dtype(x.dtype().compute_dtype())?.reshape(dims)?))
+}
+
+/// The dtypes of the given weight and bias.
+fn dtypes_of<B: Backend>(w: Option<&Tensor<B>>, b: Option<&Tensor<B>>) -> [Option<DType>; 2] {
+    [w.map(Tensor::dtype), b.map(Tensor::dtype)]
 }

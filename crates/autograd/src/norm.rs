@@ -68,15 +68,15 @@ struct Key {
 /// The program of `key`, built on first use.
 fn program(key: Key) -> Result<Arc<Program>> {
     static MEMO: Memo<Key> = OnceLock::new();
-    memoized(&MEMO, key, key.dtype, build)
+    memoized(&MEMO, key, build)
 }
 
-/// The number of inputs and the outputs of `key`'s program (see [`Step`] for the signatures).
-fn build(key: Key) -> (usize, Vec<Expr>) {
+/// The inputs and the outputs of `key`'s program (see [`Step`] for the signatures).
+fn build(key: Key) -> (Inputs, Vec<Expr>) {
     let last: Vec<isize> = (-(key.k as isize)..0).collect();
     let lead: Vec<isize> = (0..(key.rank - key.k) as isize).collect();
     let (inv_n, eps) = (Expr::param(0), Expr::param(1));
-    let mut ins = Inputs(0);
+    let mut ins = Inputs::new(key.dtype);
     // `g` comes first in the backward programs.
     let g = matches!(key.step, Step::RowMeans | Step::Dx | Step::ColSums).then(|| ins.next());
     let x = ins.next();
@@ -139,7 +139,7 @@ fn build(key: Key) -> (usize, Vec<Expr>) {
             outs
         }
     };
-    (ins.0, outs)
+    (ins, outs)
 }
 
 /// `x̂` from `x` and the next inputs (`mean` when centered, then `rstd`).

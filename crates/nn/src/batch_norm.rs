@@ -14,6 +14,10 @@
 //! `set_training` to its batch norms as to its dropouts. The math is
 //! [`Var::batch_norm_train`] / [`Var::batch_norm_eval`] / [`Var::group_norm`]: one recorded op
 //! each, forward and backward as expression programs on every backend.
+//!
+//! Under autocast a batch norm runs in its input's dtype, as PyTorch's: a bf16 convolution's
+//! output gives a bf16 output, with the statistics computed in f32 and the weight, bias and
+//! running statistics left f32 (see `kiln_autograd::autocast`).
 
 use kiln_autograd::{Var, update_running_stats};
 use kiln_core::{Backend, DType, Error, Result, Tensor};

@@ -1,6 +1,7 @@
 // Fused scaled dot-product attention in the flash-attention manner (FlashAttention-2's
-// algorithm, f32 FMA on CUDA cores; no tensor cores yet). The Tq x Tk matrix of scores is never
-// stored: each block holds tiles of ATT_B queries and ATT_B keys in shared memory.
+// algorithm, f32 FMA on CUDA cores; attention_tc.cu is its tensor-core version for f16/bf16 on
+// sm_80+). The Tq x Tk matrix of scores is never stored: each block holds tiles of ATT_B queries
+// and ATT_B keys in shared memory.
 //
 // Forward (`attn_fwd`): one block per (batch entry, tile of queries). It loads its Q tile once,
 // then for each K/V tile computes S = Q K^T (scaled, in base 2), masks it (keys past Tk;

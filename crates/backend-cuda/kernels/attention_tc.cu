@@ -223,6 +223,12 @@ __device__ __forceinline__ float tc_quad_sum(float x) {
 __device__ __forceinline__ int tc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
 __device__ __forceinline__ int tc_col(int n, int e) { return n * 8 + (threadIdx.x & 3) * 2 + (e & 1); }
 
+// Whether every query of [q0, q0 + nq) sees every key of [k0, k0 + nk) (no element of the
+// tile needs its mask: the warp skips att_keep).
+__device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
+    return q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
+}
+
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // contiguous [.., ncols] output `out` (columns < ncols).
 template <typename S, int DT>
@@ -273,11 +279,12 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
         tc_zero<BK / 8>(s);
         tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, sK);
         float mx[2] = {-att_inf(), -att_inf()};
+        const bool full = tc_full(a, w0, 16, k0, BK);
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const bool ok = att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
+                const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
                 s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
                 mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             }
@@ -369,13 +376,14 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
         tc_zero<BQ / 8>(dpt);
         tc_mm_nt<S, DT, BQ / 8, DT>(st, sK + warp * 16 * P, sQ);
         tc_mm_nt<S, DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, sG);
+        const bool full = tc_full(a, q0, BQ, w0, 16);
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int c = tc_col(n, e);
                 const u64 kj = w0 + tc_row(e), qi = q0 + c;
-                const bool ok = att_keep(a, qi, kj);
+                const bool ok = full || att_keep(a, qi, kj);
                 const float p = ok ? exp2f(st[n][e] * a.scale2 - sL[c]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
                 st[n][e] = p * z;
@@ -433,12 +441,13 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
         tc_zero<BK / 8>(dp);
         tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, sK);
         tc_mm_nt<S, DT, BK / 8, DT>(dp, sG + warp * 16 * P, sV);
+        const bool full = tc_full(a, w0, 16, k0, BK);
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                const bool ok = att_keep(a, qi, kj);
+                const bool ok = full || att_keep(a, qi, kj);
                 const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
                 dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);

@@ -37,6 +37,9 @@
 // Loads are synchronous (no cp.async double buffering yet): 16-byte vectors when the operand's
 // base, row stride and width allow, else element by element; rows and columns outside the
 // matrix are zeros (a head narrower than DT is zero-padded).
+//
+// tests/attention_tc_emulation.py replays this file's index arithmetic lane by lane on the CPU
+// (ldmatrix and mma emulated from the PTX ISA's layouts); keep it in step.
 
 #define TC_NT 128
 #define TC_BQ 64  // queries per block (forward, dQ) and keys per block (dK/dV): 4 warps x 16

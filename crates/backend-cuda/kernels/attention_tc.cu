@@ -34,9 +34,10 @@
 // dP once more, but it is bit-reproducible (as attention.cu's) and needs no f32 scratch and
 // cast.
 //
-// Loads are synchronous (no cp.async double buffering yet): 16-byte vectors when the operand's
-// base, row stride and width allow, else element by element; rows and columns outside the
-// matrix are zeros (a head narrower than DT is zero-padded).
+// Loads: the tiles a block loops over are double-buffered (tile t + 1 is fetched while tile t
+// computes): 16-byte `cp.async` copies when the operand's base, row stride and width allow,
+// else plain element loads; rows and columns outside the matrix are zeros (a head narrower
+// than DT is zero-padded).
 //
 // tests/attention_tc_emulation.py replays this file's index arithmetic lane by lane on the CPU
 // (ldmatrix and mma emulated from the PTX ISA's layouts); keep it in step.
@@ -133,8 +134,21 @@ template <> __device__ __forceinline__ u32 tc_pack<f16>(float lo, float hi) {
     return r;
 }
 
+// 16 bytes from global `src` to shared `dst` without waiting (zeros instead when !ok).
+__device__ __forceinline__ void tc_cp16(u16* dst, const u16* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_saddr(dst)), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are in flight.
+template <int N> __device__ __forceinline__ void tc_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Rows r0 .. r0+ROWS of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
-// shared [ROWS][DT + 8] 16-bit tile, zeros outside the matrix.
+// shared [ROWS][DT + 8] 16-bit tile, zeros outside the matrix. 16-byte vectors go by cp.async
+// (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
+// plain stores (visible after the __syncthreads).
 template <int ROWS, int DT>
 __device__ __forceinline__ void tc_load(u16* dst, const u16* __restrict__ src, u64 rs, u64 r0,
                                         u64 nrows, u64 ncols) {
@@ -143,9 +157,8 @@ __device__ __forceinline__ void tc_load(u16* dst, const u16* __restrict__ src, u
         for (int idx = threadIdx.x; idx < ROWS * DT / 8; idx += TC_NT) {
             const int r = idx / (DT / 8), c = (idx % (DT / 8)) * 8;
             const u64 gr = r0 + (u64)r;
-            uint4 x = make_uint4(0, 0, 0, 0);
-            if (gr < nrows && (u64)c < ncols) x = *(const uint4*)(src + gr * rs + (u64)c);
-            *(uint4*)(dst + r * P + c) = x;
+            const bool ok = gr < nrows && (u64)c < ncols;
+            tc_cp16(dst + r * P + c, ok ? src + gr * rs + (u64)c : src, ok);
         }
     } else {
         for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
@@ -258,8 +271,8 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
     constexpr int P = DT + 8, BK = TcSide<DT>::T;
     extern __shared__ __align__(16) u16 tc_smem[];
     u16* sQ = tc_smem;
-    u16* sK = sQ + TC_BQ * P;
-    u16* sV = sK + BK * P;
+    u16* sK = sQ + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    u16* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;  // the longest (causal) first
@@ -273,14 +286,27 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
     tc_zero<DT / 8>(acc);
     u64 kend = a.tk;
     if (a.causal && q0 + TC_BQ < kend) kend = q0 + TC_BQ;
-    for (u64 k0 = 0; k0 < kend; k0 += BK) {
-        __syncthreads();  // the previous tile's products are done with sK, sV
-        tc_load<BK, DT>(sK, kb, a.k_rs, k0, a.tk, a.d);
-        tc_load<BK, DT>(sV, vb, a.v_rs, k0, a.tk, a.dv);
-        __syncthreads();
+    const int nt = (int)((kend + BK - 1) / BK);
+    auto fetch = [&](int t) {
+        tc_load<BK, DT>(sK + (t & 1) * BK * P, kb, a.k_rs, (u64)t * BK, a.tk, a.d);
+        tc_load<BK, DT>(sV + (t & 1) * BK * P, vb, a.v_rs, (u64)t * BK, a.tk, a.dv);
+        tc_commit();
+    };
+    fetch(0);  // one group with the Q tile
+    for (int t = 0; t < nt; ++t) {
+        const u64 k0 = (u64)t * BK;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cK = sK + (t & 1) * BK * P;
+        const u16* cV = sV + (t & 1) * BK * P;
         float s[BK / 8][4];
         tc_zero<BK / 8>(s);
-        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, sK);
+        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
         float mx[2] = {-att_inf(), -att_inf()};
         const bool full = tc_full(a, w0, 16, k0, BK);
 #pragma unroll
@@ -318,7 +344,8 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             }
         u32 pf[BK / 16][4];
         tc_frag<S, BK / 8>(pf, s);
-        tc_mm_rn<S, BK, DT / 8, DT>(acc, pf, sV);
+        tc_mm_rn<S, BK, DT / 8, DT>(acc, pf, cV);
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     float inv[2];
 #pragma unroll
@@ -347,10 +374,10 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     extern __shared__ __align__(16) u16 tc_smem[];
     u16* sK = tc_smem;
     u16* sV = sK + TC_BQ * P;
-    u16* sQ = sV + TC_BQ * P;
-    u16* sG = sQ + BQ * P;
-    float* sL = (float*)(sG + BQ * P);  // lse of the tile's queries, base 2
-    float* sD = sL + BQ;                // Dr of the tile's queries
+    u16* sQ = sV + TC_BQ * P;               // two buffers of BQ rows (tile t in buffer t % 2)
+    u16* sG = sQ + 2 * BQ * P;              // the same
+    float* sL = (float*)(sG + 2 * BQ * P);  // lse of the tiles' queries, base 2 (two buffers)
+    float* sD = sL + 2 * BQ;                // Dr of the tiles' queries (two buffers)
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 k0 = (u64)blockIdx.y * TC_BQ;
@@ -364,21 +391,39 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     tc_zero<DT / 8>(adk);
     tc_zero<DT / 8>(adv);
     // Causal: only queries i >= k0 see a key of this tile (k0 is a multiple of BQ).
-    for (u64 q0 = a.causal ? k0 : 0; q0 < a.tq; q0 += BQ) {
-        __syncthreads();  // the previous tile's products are done with sQ, sG, sL, sD
-        tc_load<BQ, DT>(sQ, qb, a.q_rs, q0, a.tq, a.d);
-        tc_load<BQ, DT>(sG, gb, a.g_rs, q0, a.tq, a.dv);
+    const u64 qs = a.causal ? k0 : 0;
+    const int nt = a.tq > qs ? (int)((a.tq - qs + BQ - 1) / BQ) : 0;
+    auto fetch = [&](int t) {
+        const u64 q0 = qs + (u64)t * BQ;
+        const int o = t & 1;
+        tc_load<BQ, DT>(sQ + o * BQ * P, qb, a.q_rs, q0, a.tq, a.d);
+        tc_load<BQ, DT>(sG + o * BQ * P, gb, a.g_rs, q0, a.tq, a.dv);
         if (threadIdx.x < BQ) {
             const u64 qi = q0 + threadIdx.x;
-            sL[threadIdx.x] = qi < a.tq ? lse[b * a.tq + qi] * TC_LOG2E : att_inf();
-            sD[threadIdx.x] = qi < a.tq ? dr[b * a.tq + qi] : 0.f;
+            sL[o * BQ + threadIdx.x] = qi < a.tq ? lse[b * a.tq + qi] * TC_LOG2E : att_inf();
+            sD[o * BQ + threadIdx.x] = qi < a.tq ? dr[b * a.tq + qi] : 0.f;
         }
-        __syncthreads();
+        tc_commit();
+    };
+    if (nt > 0) fetch(0);  // one group with the K and V tiles
+    for (int t = 0; t < nt; ++t) {
+        const u64 q0 = qs + (u64)t * BQ;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cQ = sQ + (t & 1) * BQ * P;
+        const u16* cG = sG + (t & 1) * BQ * P;
+        const float* cL = sL + (t & 1) * BQ;
+        const float* cD = sD + (t & 1) * BQ;
         float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
         tc_zero<BQ / 8>(st);
         tc_zero<BQ / 8>(dpt);
-        tc_mm_nt<S, DT, BQ / 8, DT>(st, sK + warp * 16 * P, sQ);
-        tc_mm_nt<S, DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, sG);
+        tc_mm_nt<S, DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
+        tc_mm_nt<S, DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
         const bool full = tc_full(a, q0, BQ, w0, 16);
 #pragma unroll
         for (int n = 0; n < BQ / 8; ++n)
@@ -387,17 +432,21 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                 const int c = tc_col(n, e);
                 const u64 kj = w0 + tc_row(e), qi = q0 + c;
                 const bool ok = full || att_keep(a, qi, kj);
-                const float p = ok ? exp2f(st[n][e] * a.scale2 - sL[c]) : 0.f;
+                const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
                 st[n][e] = p * z;
-                dpt[n][e] = p * (dpt[n][e] * z - sD[c]);
+                dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
             }
         u32 f[BQ / 16][4];
         tc_frag<S, BQ / 8>(f, st);
-        tc_mm_rn<S, BQ, DT / 8, DT>(adv, f, sG);  // dV += (P^T z) dO
+        tc_mm_rn<S, BQ, DT / 8, DT>(adv, f, cG);  // dV += (P^T z) dO
         tc_frag<S, BQ / 8>(f, dpt);
-        tc_mm_rn<S, BQ, DT / 8, DT>(adk, f, sQ);  // dK += dS^T Q
+        tc_mm_rn<S, BQ, DT / 8, DT>(adk, f, cQ);  // dK += dS^T Q
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
+    // With no query tile (causal, keys past the last query) the K and V copies are uncommitted.
+    tc_commit();
+    tc_wait<0>();
     tc_store<S, DT>(dk + b * a.tk * a.d, adk, w0, a.tk, a.d, a.scale, a.scale);
     tc_store<S, DT>(dv + b * a.tk * a.dv, adv, w0, a.tk, a.dv, 1.f, 1.f);
 }
@@ -413,8 +462,8 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
     extern __shared__ __align__(16) u16 tc_smem[];
     u16* sQ = tc_smem;
     u16* sG = sQ + TC_BQ * P;
-    u16* sK = sG + TC_BQ * P;
-    u16* sV = sK + BK * P;
+    u16* sK = sG + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    u16* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;
@@ -434,16 +483,29 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
     tc_zero<DT / 8>(adq);
     u64 kend = a.tk;
     if (a.causal && q0 + TC_BQ < kend) kend = q0 + TC_BQ;
-    for (u64 k0 = 0; k0 < kend; k0 += BK) {
-        __syncthreads();  // the previous tile's products are done with sK, sV
-        tc_load<BK, DT>(sK, kb, a.k_rs, k0, a.tk, a.d);
-        tc_load<BK, DT>(sV, vb, a.v_rs, k0, a.tk, a.dv);
-        __syncthreads();
+    const int nt = (int)((kend + BK - 1) / BK);
+    auto fetch = [&](int t) {
+        tc_load<BK, DT>(sK + (t & 1) * BK * P, kb, a.k_rs, (u64)t * BK, a.tk, a.d);
+        tc_load<BK, DT>(sV + (t & 1) * BK * P, vb, a.v_rs, (u64)t * BK, a.tk, a.dv);
+        tc_commit();
+    };
+    fetch(0);  // one group with the Q and dO tiles
+    for (int t = 0; t < nt; ++t) {
+        const u64 k0 = (u64)t * BK;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cK = sK + (t & 1) * BK * P;
+        const u16* cV = sV + (t & 1) * BK * P;
         float s[BK / 8][4], dp[BK / 8][4];
         tc_zero<BK / 8>(s);
         tc_zero<BK / 8>(dp);
-        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, sK);
-        tc_mm_nt<S, DT, BK / 8, DT>(dp, sG + warp * 16 * P, sV);
+        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+        tc_mm_nt<S, DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
         const bool full = tc_full(a, w0, 16, k0, BK);
 #pragma unroll
         for (int n = 0; n < BK / 8; ++n)
@@ -457,7 +519,8 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             }
         u32 f[BK / 16][4];
         tc_frag<S, BK / 8>(f, dp);
-        tc_mm_rn<S, BK, DT / 8, DT>(adq, f, sK);  // dQ += dS K
+        tc_mm_rn<S, BK, DT / 8, DT>(adq, f, cK);  // dQ += dS K
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     tc_store<S, DT>(dq + b * a.tq * a.d, adq, w0, a.tq, a.d, a.scale, a.scale);
 }

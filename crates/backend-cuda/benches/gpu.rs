@@ -3,7 +3,8 @@
 //! `bench/compare.py` puts beside PyTorch's. Run through `cargo xtask bench-gpu`. Elementwise
 //! results are realized (the backend defers elementwise work and would skip unread results).
 //!
-//! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
+//! `KILN_BENCH_ONLY=attention` runs the attention rows alone. Without a GPU it prints
+//! `skipped: no CUDA device (...)` and exits 0.
 
 mod common;
 use common::{report, time};
@@ -27,6 +28,10 @@ fn main() {
     };
     set_allow_tf32(false);
     println!("kiln device: {}", dev.name().unwrap());
+    if std::env::var("KILN_BENCH_ONLY").is_ok_and(|v| v == "attention") {
+        attention(&dev); // the attention rows alone (`KILN_BENCH_ONLY=attention`)
+        return;
+    }
     let f32t = |shape: &[usize], seed| {
         Generator::new(seed)
             .uniform::<Cuda>(shape, -1.0, 1.0, &dev)

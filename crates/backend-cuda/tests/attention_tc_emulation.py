@@ -10,7 +10,9 @@ arithmetic as the kernel file writes it, with `ldmatrix` (plain and .trans) and
 it checks indexing, not precision), and compares forward, dQ, dK and dV with a dense reference,
 for shapes off the tiles, Tq != Tk, head sizes 48/64/128, causal and dropout (a stand-in mask:
 the Philox mask itself is shared verbatim with attention.cu). Keep it in step with the kernel
-file. Swapping two registers of `frag` makes every case fail by O(1).
+file. Swapping two registers of `frag` makes every case fail by O(1). Not replayed: the
+double buffering (which buffer a tile lands in, cp.async groups and barriers) and the 16-bit
+rounding; the GPU tests (crates/autograd/tests/cuda_attention.rs) cover those.
 """
 import sys
 import numpy as np

@@ -236,7 +236,7 @@ fn tensor_core_dropout_equals_the_fma_kernels() {
     }
 }
 
-/// Head views of a packed bf16 `[b, t, 3·h·d]` projection through the tensor-core kernels:
+/// Head views of a packed bf16 `[b, t, 3·h·d + 8]` projection through the tensor-core kernels:
 /// aligned (16-byte loads) and one element off (element loads), both equal to the contiguous
 /// inputs' results bit for bit (loads are exact; the products are the same).
 #[test]
@@ -245,7 +245,8 @@ fn tensor_core_head_views_of_a_packed_projection() {
     let _on = Fused16::on();
     let (b, t, h, d) = (2, 70, 3, 64);
     let e = h * d;
-    let qkv = normal::<Cuda>(&[b, t, 3 * e + 1], 19, DType::BF16, &dev);
+    // Row stride 3·h·d + 8 (a multiple of 8 elements): from 0 every row starts 16-byte aligned.
+    let qkv = normal::<Cuda>(&[b, t, 3 * e + 8], 19, DType::BF16, &dev);
     let g = normal::<Cuda>(&[b, h, t, d], 20, DType::BF16, &dev);
     for start in [0, 1] {
         let heads = |i: usize| {

@@ -12,6 +12,8 @@
 
 mod common;
 
+use std::sync::{Mutex, MutexGuard};
+
 use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
 use kiln_backend_cpu::Cpu;
@@ -116,12 +118,36 @@ fn fused_f32_matches_composed_f64_on_cpu() {
     }
 }
 
+/// Serializes the tests that flip the process-wide 16-bit switches
+/// (`set_fused_attention_16bit`, `set_attention_tensor_cores`): tests run on parallel threads.
+static SWITCHES: Mutex<()> = Mutex::new(());
+
+/// Holds [`SWITCHES`] with fused 16-bit attention on (tensor cores where the device has them)
+/// and puts both switches back to their defaults when dropped.
+struct Fused16(#[allow(dead_code)] MutexGuard<'static, ()>);
+
+impl Fused16 {
+    fn on() -> Self {
+        let guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        kiln_backend_cuda::set_fused_attention_16bit(true);
+        kiln_backend_cuda::set_attention_tensor_cores(true);
+        Fused16(guard)
+    }
+}
+
+impl Drop for Fused16 {
+    fn drop(&mut self) {
+        kiln_backend_cuda::set_fused_attention_16bit(false);
+        kiln_backend_cuda::set_attention_tensor_cores(true);
+    }
+}
+
 #[test]
 fn fused_bf16_and_f16_match_within_their_precision() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _on = Fused16::on();
     // 16-bit attention takes the fused kernels only when asked (by default it composes around
     // tensor-core GEMMs, which are faster at these lengths): ask, and check it was taken.
-    kiln_backend_cuda::set_fused_attention_16bit(true);
     let q = Var::constant(normal::<Cuda>(&[1, 1, 40, 64], 1, DType::BF16, &dev));
     q.tensor().realize().unwrap();
     let before = thread_launches();
@@ -134,7 +160,114 @@ fn fused_bf16_and_f16_match_within_their_precision() {
             against_cpu(&dev, DType::F16, dims, causal, 1e-2);
         }
     }
-    kiln_backend_cuda::set_fused_attention_16bit(false);
+}
+
+/// Shapes for the tensor-core kernels (64 queries or keys per block, 32 or 64 on the other
+/// side): one query, lengths off the tiles and on them (37, 100, 200, 256), `Tq != Tk` both
+/// ways, head sizes 64, 128 and the padded 48.
+const TC_SHAPES: [Dims6; 7] = [
+    (1, 2, 1, 1, 64, 64),
+    (2, 2, 200, 200, 64, 64),
+    (1, 2, 256, 256, 64, 64),
+    (1, 1, 256, 256, 128, 128),
+    (2, 1, 37, 200, 128, 128),
+    (1, 2, 200, 100, 48, 48),
+    (2, 1, 100, 37, 48, 64),
+];
+
+/// The tensor-core kernels (fused 16-bit attention on sm_80+) against the f64 composed path on
+/// the CPU, forward and the three gradients, within bf16's and f16's precision.
+#[test]
+fn tensor_core_kernels_match_within_their_precision() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _on = Fused16::on();
+    for dims in TC_SHAPES {
+        for causal in [false, true] {
+            against_cpu(&dev, DType::BF16, dims, causal, 3e-2);
+            against_cpu(&dev, DType::F16, dims, causal, 1e-2);
+        }
+    }
+}
+
+/// The tensor-core and the f32-FMA kernels agree (up to the tensor-core path's 16-bit weights)
+/// with dropout, from the same generator state: the same Philox mask. They are distinct
+/// kernels (the results differ in the last bits without dropout), and dropout does change the
+/// result.
+#[test]
+fn tensor_core_dropout_equals_the_fma_kernels() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _on = Fused16::on();
+    for (dtype, tol) in [(DType::BF16, 3e-2), (DType::F16, 1e-2)] {
+        for (b, h, tq, tk, d) in [(2, 3, 45, 70, 64), (1, 2, 200, 130, 128)] {
+            let q = normal::<Cuda>(&[b, h, tq, d], 51, dtype, &dev);
+            let k = normal::<Cuda>(&[b, h, tk, d], 52, dtype, &dev);
+            let v = normal::<Cuda>(&[b, h, tk, d], 53, dtype, &dev);
+            let g = normal::<Cuda>(&[b, h, tq, d], 54, dtype, &dev);
+            for causal in [false, true] {
+                let drop = |tc: bool| {
+                    kiln_backend_cuda::set_attention_tensor_cores(tc);
+                    let mut rng = Generator::new(99);
+                    let r = run_dropout(&q, &k, &v, &g, causal, Some((0.2, &mut rng)));
+                    kiln_backend_cuda::set_attention_tensor_cores(true);
+                    r
+                };
+                let (tc, fma) = (drop(true), drop(false));
+                let what = format!("{dtype} {tq}x{tk} d {d} causal {causal}");
+                for (name, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(tc.iter().zip(&fma)) {
+                    assert_close(&format!("{what}, dropout: {name}"), a, b, tol);
+                }
+                let plain = run(&q, &k, &v, &g, causal);
+                assert!(
+                    plain[0]
+                        .iter()
+                        .zip(&tc[0])
+                        .any(|(a, b)| (a - b).abs() > 1e-2),
+                    "{what}: dropout changed nothing"
+                );
+                kiln_backend_cuda::set_attention_tensor_cores(false);
+                let plain_fma = run(&q, &k, &v, &g, causal);
+                kiln_backend_cuda::set_attention_tensor_cores(true);
+                assert!(
+                    plain != plain_fma,
+                    "{what}: the tensor-core path gave the FMA kernels' bits (was it taken?)"
+                );
+            }
+        }
+    }
+}
+
+/// Head views of a packed bf16 `[b, t, 3·h·d + 8]` projection through the tensor-core kernels:
+/// aligned (16-byte loads) and one element off (element loads), both equal to the contiguous
+/// inputs' results bit for bit (loads are exact; the products are the same).
+#[test]
+fn tensor_core_head_views_of_a_packed_projection() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _on = Fused16::on();
+    let (b, t, h, d) = (2, 70, 3, 64);
+    let e = h * d;
+    // Row stride 3·h·d + 8 (a multiple of 8 elements): from 0 every row starts 16-byte aligned.
+    let qkv = normal::<Cuda>(&[b, t, 3 * e + 8], 19, DType::BF16, &dev);
+    let g = normal::<Cuda>(&[b, h, t, d], 20, DType::BF16, &dev);
+    for start in [0, 1] {
+        let heads = |i: usize| {
+            qkv.narrow(2, start + i * e, e)
+                .unwrap()
+                .reshape([b, t, h, d])
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let (q, k, v) = (heads(0), heads(1), heads(2));
+        let viewed = run(&q, &k, &v, &g, true);
+        let packed = |x: &Tensor<Cuda>| x.contiguous().unwrap();
+        let dense = run(&packed(&q), &packed(&k), &packed(&v), &g, true);
+        for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(viewed.iter().zip(&dense))
+        {
+            assert_close(&format!("bf16 head views from {start}: {name}"), a, b, 0.0);
+        }
+    }
 }
 
 /// The fused path is one kernel launch for the forward (the composed path needs a mask, a

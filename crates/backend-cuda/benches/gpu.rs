@@ -3,7 +3,8 @@
 //! `bench/compare.py` puts beside PyTorch's. Run through `cargo xtask bench-gpu`. Elementwise
 //! results are realized (the backend defers elementwise work and would skip unread results).
 //!
-//! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
+//! `KILN_BENCH_ONLY=attention` runs the attention rows alone. Without a GPU it prints
+//! `skipped: no CUDA device (...)` and exits 0.
 
 mod common;
 use common::{report, time};
@@ -27,6 +28,10 @@ fn main() {
     };
     set_allow_tf32(false);
     println!("kiln device: {}", dev.name().unwrap());
+    if std::env::var("KILN_BENCH_ONLY").is_ok_and(|v| v == "attention") {
+        attention(&dev); // the attention rows alone (`KILN_BENCH_ONLY=attention`)
+        return;
+    }
     let f32t = |shape: &[usize], seed| {
         Generator::new(seed)
             .uniform::<Cuda>(shape, -1.0, 1.0, &dev)
@@ -226,8 +231,8 @@ fn main() {
 /// T = 256, head size 64, causal), forward alone (no graph recorded) and forward + backward
 /// (the gradients of q, k and v for a given output gradient, as `torch.autograd.grad`), in f32
 /// (TF32 off) and bf16: what attention takes by default (the fused kernels in f32, composed in
-/// bf16), the 16-bit fused kernels (`_fused_kernel`) and the composed path (`_composed`), kiln
-/// only, for the record.
+/// bf16), the 16-bit fused kernels (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the
+/// f32-FMA ones) and the composed path (`_composed`), kiln only, for the record.
 fn attention(dev: &CudaDevice) {
     let (b, h, t, d) = (64, 6, 256, 64);
     for (dt, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
@@ -262,14 +267,27 @@ fn attention(dev: &CudaDevice) {
             "ms",
         );
         if dt != DType::F32 {
-            // The 16-bit fused kernels, which attention takes only when asked (f32 FMAs: by
-            // default 16-bit attention composes around cuBLAS's tensor-core GEMMs).
+            // The 16-bit fused kernels, which attention takes only when asked (by default
+            // 16-bit attention composes around cuBLAS's tensor-core GEMMs): the tensor-core
+            // kernels (`_fused_kernel`, sm_80+) and the f32-FMA ones (`_fused_fma`).
             kiln_backend_cuda::set_fused_attention_16bit(true);
+            report(
+                &format!("attn_gpt_fwd_{tag}_fused_kernel"),
+                time(dev, 5, 20, fwd),
+                "ms",
+            );
             report(
                 &format!("attn_gpt_fwd_bwd_{tag}_fused_kernel"),
                 time(dev, 5, 20, fwd_bwd),
                 "ms",
             );
+            kiln_backend_cuda::set_attention_tensor_cores(false);
+            report(
+                &format!("attn_gpt_fwd_bwd_{tag}_fused_fma"),
+                time(dev, 5, 20, fwd_bwd),
+                "ms",
+            );
+            kiln_backend_cuda::set_attention_tensor_cores(true);
             kiln_backend_cuda::set_fused_attention_16bit(false);
         }
         let _composed = composed_attention();

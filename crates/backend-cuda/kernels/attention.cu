@@ -1,6 +1,7 @@
 // Fused scaled dot-product attention in the flash-attention manner (FlashAttention-2's
-// algorithm, f32 FMA on CUDA cores; no tensor cores yet). The Tq x Tk matrix of scores is never
-// stored: each block holds tiles of ATT_B queries and ATT_B keys in shared memory.
+// algorithm, f32 FMA on CUDA cores; attention_tc.cu is its tensor-core version for f16/bf16 on
+// sm_80+). The Tq x Tk matrix of scores is never stored: each block holds tiles of ATT_B queries
+// and ATT_B keys in shared memory.
 //
 // Forward (`attn_fwd`): one block per (batch entry, tile of queries). It loads its Q tile once,
 // then for each K/V tile computes S = Q K^T (scaled, in base 2), masks it (keys past Tk;
@@ -47,6 +48,7 @@
 #define ATT_LOG2E 1.4426950408889634f
 #define ATT_LN2 0.6931471805599453f
 
+// ---- BEGIN same in attention.cu and attention_tc.cu ----
 // Sizes and scalars of one call (mirrored by `ops/attention.rs`'s `AttnShape`).
 struct AttnShape {
     u64 tq, tk, d, dv;
@@ -62,6 +64,7 @@ struct AttnShape {
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
+// ---- END same ----
 
 // Rows r0 .. r0+ATT_B of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
 // shared [ATT_B][DT + 1] f32 tile, zeros outside the matrix.
@@ -130,6 +133,7 @@ __device__ __forceinline__ float att_sum16(float x) {
     return x;
 }
 
+// ---- BEGIN same in attention.cu and attention_tc.cu ----
 // Whether query qi may see key kj.
 __device__ __forceinline__ bool att_keep(const AttnShape& a, u64 qi, u64 kj) {
     return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi);
@@ -145,6 +149,7 @@ __device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 
     const float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);
     return u >= a.drop_p ? a.drop_scale : 0.f;
 }
+// ---- END same ----
 
 // The key tiles a tile of queries starting at q0 needs: keys 0 .. att_kend.
 __device__ __forceinline__ u64 att_kend(const AttnShape& a, u64 q0) {

@@ -71,10 +71,11 @@ pub enum Module {
     Index,
     Util,
     Attention,
+    AttentionTc,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -82,6 +83,7 @@ impl Module {
         Module::Index,
         Module::Util,
         Module::Attention,
+        Module::AttentionTc,
     ];
 
     /// The file name under `kernels/`.
@@ -94,6 +96,7 @@ impl Module {
             Module::Index => "index.cu",
             Module::Util => "util.cu",
             Module::Attention => "attention.cu",
+            Module::AttentionTc => "attention_tc.cu",
         }
     }
 
@@ -106,6 +109,7 @@ impl Module {
             Module::Index => include_str!("../kernels/index.cu"),
             Module::Util => include_str!("../kernels/util.cu"),
             Module::Attention => include_str!("../kernels/attention.cu"),
+            Module::AttentionTc => include_str!("../kernels/attention_tc.cu"),
         }
     }
 
@@ -246,5 +250,26 @@ mod tests {
         assert!(Module::Reduce.groups().contains(&Group::Dtype("bf16")));
         assert!(Module::Rand.groups().contains(&Group::Dtype("f16")));
         assert!(Module::Index.groups().contains(&Group::Dtype("u16")));
+        assert_eq!(
+            Module::AttentionTc.groups(),
+            [Group::Dtype("f16"), Group::Dtype("bf16")]
+        );
+    }
+
+    /// The two attention files describe the problem identically: the text between their
+    /// `BEGIN same` / `END same` markers (the shape struct, the mask and the dropout mask, on
+    /// which "the tensor-core kernels equal the FMA ones up to rounding" rests) is equal.
+    #[test]
+    fn attention_files_share_the_problem_verbatim() {
+        let blocks = |m: Module| -> Vec<String> {
+            m.source()
+                .split("// ---- BEGIN same in attention.cu and attention_tc.cu ----")
+                .skip(1)
+                .map(|b| b.split("// ---- END same ----").next().unwrap().to_string())
+                .collect()
+        };
+        let fma = blocks(Module::Attention);
+        assert_eq!(fma.len(), 2);
+        assert_eq!(fma, blocks(Module::AttentionTc));
     }
 }

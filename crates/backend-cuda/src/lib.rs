@@ -133,7 +133,9 @@ pub use graph::{CudaGraph, write_static};
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};
 pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
-pub use ops::attention::{fused_attention_16bit, set_fused_attention_16bit};
+pub use ops::attention::{
+    fused_attention_16bit, set_attention_tensor_cores, set_fused_attention_16bit,
+};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};

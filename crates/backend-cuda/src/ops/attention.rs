@@ -1,7 +1,8 @@
 //! Fused scaled dot-product attention (`Backend::attention_forward` / `attention_backward`):
-//! argument packing and launches of `kernels/attention.cu`, whose header explains the
-//! algorithm (FlashAttention-2's tiles and online softmax; backward by recomputation from the
-//! saved row log-sum-exps, in two deterministic passes).
+//! argument packing and launches of `kernels/attention.cu` (f32 FMAs) or
+//! `kernels/attention_tc.cu` (tensor cores, f16/bf16 on sm_80+; `attention_kernels.rs` picks),
+//! whose headers explain the algorithm (FlashAttention-2's tiles and online softmax; backward
+//! by recomputation from the saved row log-sum-exps, in deterministic passes).
 //!
 //! # Why a module of its own
 //!
@@ -15,13 +16,15 @@
 //! Dropout on the weights runs inside the kernels (the mask regenerated from Philox in each
 //! of them, never stored; `AttentionSpec::dropout_p`).
 //!
-//! f16 and bf16 are offered only after [`set_fused_attention_16bit`]`(true)`: the kernels do
-//! their products with f32 FMAs, not tensor cores, and on an H100 (2026-11-27, GPT shape
-//! B=64, H=6, T=256, d=64, causal) the fused bf16 forward + backward took 0.940 ms against
-//! 0.773 ms composed (cuBLAS's tensor-core GEMMs around a softmax) and 0.249 ms for PyTorch's
-//! flash kernel. So by default 16-bit attention composes; the switch is for the tests and for
-//! sequences whose `T × T` weights would not fit in memory. f32 is offered (0.965 ms fused
-//! against 1.286 composed).
+//! f16 and bf16 are offered only after [`set_fused_attention_16bit`]`(true)` (the one switch
+//! of whether 16-bit attention fuses; off by default until the tensor-core kernels are
+//! measured). On sm_80+ at head sizes up to 128 they run `kernels/attention_tc.cu`: the same
+//! algorithm and mask with `mma.sync` tensor-core products. Elsewhere (older GPUs, or after
+//! [`set_attention_tensor_cores`]`(false)`, which the tests use to compare the two) they run
+//! the FMA kernels of `kernels/attention.cu`, which on an H100 (2026-11-27, GPT shape B=64,
+//! H=6, T=256, d=64, causal, bf16 forward + backward) took 0.940 ms against 0.773 ms composed
+//! (cuBLAS's tensor-core GEMMs around a softmax) and 0.249 ms for PyTorch's flash kernel.
+//! f32 always runs the FMA kernels (0.965 ms fused against 1.286 composed).
 //!
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
@@ -32,22 +35,15 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use cudarc::driver::sys;
-
 use kiln_core::backend::Operand;
 use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
 
-use crate::device::{DeviceState, check};
 use crate::launch::{Args, Dims, Strides, collapse};
 use crate::memory::{Buffer, alloc};
+use crate::ops::attention_kernels::{Family, Stage, TILE, launch};
 use crate::ops::{Module, contiguous, same_device, tname};
 
-/// Queries (and keys) per tile; `ATT_B` of the kernel file.
-const TILE: usize = 32;
-/// Threads per block; `ATT_NT` of the kernel file.
-const THREADS: u32 = 128;
-/// Shared memory a kernel gets without opting in.
-const DEFAULT_SMEM: usize = 48 * 1024;
+pub use crate::ops::attention_kernels::set_attention_tensor_cores;
 
 /// The kernels' `AttnShape` (same fields, same order).
 #[repr(C)]
@@ -133,14 +129,15 @@ struct Plan {
     ss: Vec<Strides>,
     /// The compiled head size: its name in the kernels' names, and its value.
     tile: (&'static str, usize),
+    /// The kernels that run it.
+    family: Family,
 }
 
 /// Whether f16/bf16 attention takes the fused kernels (module docs; off by default).
 static HALF: AtomicBool = AtomicBool::new(false);
-
-/// Offers (or stops offering) the fused kernels for f16 and bf16 operands: they compute with
-/// f32 FMAs, slower than the composed path's tensor-core GEMMs at moderate sequence lengths,
-/// but never store the `T × T` weights (module docs). Off by default; process-wide.
+/// Offers (or stops offering) the fused kernels for f16 and bf16 operands: on sm_80+ the
+/// tensor-core kernels, else the f32-FMA ones (module docs); they never store the `T × T`
+/// weights. Off by default (the composed path around cuBLAS's GEMMs); process-wide.
 pub fn set_fused_attention_16bit(on: bool) {
     HALF.store(on, Ordering::Relaxed);
 }
@@ -151,7 +148,7 @@ pub fn fused_attention_16bit() -> bool {
 }
 
 /// The [`Plan`] of one call, or `None` when the kernels do not take it.
-fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec) -> Result<Option<Plan>> {
+fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Result<Option<Plan>> {
     const OP: &str = "scaled_dot_product_attention";
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !(dtype == DType::F32 || (half && fused_attention_16bit())) {
@@ -203,50 +200,8 @@ fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec) -> Result<Option
         bd,
         ss,
         tile: (tile_name, dt),
+        family: Family::of(dtype, arch),
     }))
-}
-
-/// Shared memory of each kernel for head size `dt` (in bytes): f32 tiles of `[TILE][dt + 1]`
-/// and `[TILE][TILE + 1]` (the kernel file's layout).
-fn smem_bytes(kernel: &str, dt: usize) -> usize {
-    let tile = TILE * (dt + 1);
-    let square = TILE * (TILE + 1);
-    let floats = match kernel {
-        "attn_fwd" => 3 * tile + square,
-        "attn_bwd_dq" => 4 * tile + square,
-        _ => 4 * tile + 2 * square + 2 * TILE, // attn_bwd_dkdv
-    };
-    floats * 4
-}
-
-/// Launches `kernel` for `dtype` and head size `tile` over `grid` (batch, tiles), opting in
-/// to more than 48 KiB of shared memory where the kernel needs it.
-fn launch(
-    dev: &DeviceState,
-    kernel: &'static str,
-    dtype: DType,
-    (tile, dt): (&'static str, usize),
-    grid: (u32, u32),
-    args: &mut Args,
-) -> Result<()> {
-    const OP: &str = "scaled_dot_product_attention";
-    let f = dev.func(Module::Attention, &[kernel, tname(dtype), tile])?;
-    let smem = smem_bytes(kernel, dt);
-    if smem > DEFAULT_SMEM {
-        // SAFETY: `f` is a kernel of the current context (bound by the caller); the attribute
-        // is a plain integer setting of that function.
-        check(
-            unsafe {
-                sys::cuFuncSetAttribute(
-                    f.0,
-                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-            },
-            OP,
-        )?;
-    }
-    dev.launch(OP, f, grid, THREADS, smem as u32, args.ptrs())
 }
 
 /// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` and the f32 row
@@ -273,7 +228,8 @@ pub(crate) fn forward(
         bd,
         ss,
         tile,
-    }) = plan(&[&qv, &kv, &vv], dtype, spec)?
+        family,
+    }) = plan(&[&qv, &kv, &vv], dtype, spec, dev.arch())?
     else {
         return Ok(None);
     };
@@ -291,8 +247,8 @@ pub(crate) fn forward(
         .push(ss[0])
         .push(ss[1])
         .push(ss[2]);
-    let grid = (nb as u32, tq.div_ceil(TILE) as u32);
-    launch(dev, "attn_fwd", dtype, tile, grid, &mut a)?;
+    let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
+    launch(dev, (family, Stage::Fwd), dtype, tile, grid, &mut a)?;
     Ok(Some((out, lse)))
 }
 
@@ -326,7 +282,8 @@ pub(crate) fn backward(
         bd,
         ss,
         tile,
-    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec)?
+        family,
+    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec, dev.arch())?
     else {
         return Ok(None);
     };
@@ -399,8 +356,8 @@ pub(crate) fn backward(
         .push(ss[1])
         .push(ss[2])
         .push(ss[3]);
-    let grid = (nb as u32, tk.div_ceil(TILE) as u32);
-    launch(dev, "attn_bwd_dkdv", dtype, tile, grid, &mut a)?;
+    let grid = (nb as u32, tk.div_ceil(family.block_rows()) as u32);
+    launch(dev, (family, Stage::DkDv), dtype, tile, grid, &mut a)?;
 
     let mut a = Args::new();
     operands(&mut a);
@@ -411,8 +368,8 @@ pub(crate) fn backward(
         .push(ss[1])
         .push(ss[2])
         .push(ss[3]);
-    let grid = (nb as u32, tq.div_ceil(TILE) as u32);
-    launch(dev, "attn_bwd_dq", dtype, tile, grid, &mut a)?;
+    let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
+    launch(dev, (family, Stage::Dq), dtype, tile, grid, &mut a)?;
     Ok(Some((dq, dk, dv)))
 }
 
@@ -424,14 +381,5 @@ mod tests {
     fn shape_struct_matches_the_kernel() {
         // 10 u64 + 4 f32 + 2 i32.
         assert_eq!(std::mem::size_of::<AttnShape>(), 104);
-    }
-
-    #[test]
-    fn shared_memory_fits_the_devices() {
-        // Below 48 KiB at head size 64 (no opt-in), below the 99 KiB of an sm_86 block at 128.
-        for k in ["attn_fwd", "attn_bwd_dq", "attn_bwd_dkdv"] {
-            assert!(smem_bytes(k, 64) <= DEFAULT_SMEM, "{k}");
-            assert!(smem_bytes(k, 128) <= 99 * 1024, "{k}");
-        }
     }
 }

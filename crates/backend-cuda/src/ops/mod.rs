@@ -452,6 +452,7 @@ pub(super) fn check_ids(
 }
 
 pub(crate) mod attention;
+mod attention_kernels;
 mod index;
 mod reduce;
 mod rows;

@@ -1,0 +1,555 @@
+// Fused attention for f16/bf16 on tensor cores (sm_80+): attention.cu's algorithm and
+// semantics (FlashAttention-2 forward with an online softmax; backward by recomputation from
+// the saved log-sum-exp in deterministic passes; dropout by the same regenerated Philox mask),
+// with every tile product an `mma.sync.m16n8k16` (16-bit inputs, f32 accumulation).
+//
+// Why a file of its own: it compiles only for the 16-bit dtypes and only on sm_80+ (the host
+// never launches it below; there the kernels compile to a trap), and its tiles, fragments and
+// block shapes have nothing in common with the FMA kernels but the problem's description,
+// which is copied verbatim between `BEGIN same` / `END same` markers (a Rust test in
+// kernel_files.rs keeps the copies equal).
+//
+// Layout (as FlashAttention-2): TC_NT = 128 threads = 4 warps; a warp owns 16 rows of the
+// block's stationary tile (queries in the forward and dQ, keys in dK/dV) and loops over tiles
+// of the other side held in shared memory. Shared tiles are 16-bit, row pitch DT + 8 elements
+// (16 bytes more than a row, so the eight row addresses of an `ldmatrix` fall in distinct
+// banks). Products:
+//   tc_mm_nt: C[16][N] += A[16][K] B[N][K]^T, A and B from shared memory (ldmatrix);
+//   tc_mm_rn: C[16][N] += A[16][K] B[K][N], A in registers (an f32 accumulator of the
+//             previous product rounded to 16 bits: its m16n8 layout is the A operand's), B
+//             from shared memory (ldmatrix.trans).
+// An m16n8 accumulator fragment c[4] of lane (g = lane / 4, t = lane % 4) holds row g,
+// columns 2t and 2t+1 (c[0], c[1]) and row g + 8, the same columns (c[2], c[3]); a row's
+// max and sum are xor-shuffles over the four lanes of a quad.
+//
+// The weights P (forward, dV) and dS (dK, dQ) enter the second product rounded to the storage
+// type, as in FlashAttention-2; everything else (scores, softmax, accumulators) is f32.
+//
+// Backward: attention.cu's `attn_bwd_pre` computes Dr = rowsum(dO O) first; then
+//   attn_tc_dkdv: one block per (batch, 64 keys), over the query tiles that see them:
+//                 S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dV += (P^T z) dO,
+//                 dS^T = P^T (dP^T z - Dr), dK += dS^T Q · scale
+//   attn_tc_dq:   one block per (batch, 64 queries), over its key tiles: dQ += dS K · scale
+// dQ is a pass of its own rather than f32 atomics from the dK/dV kernel: it recomputes S and
+// dP once more, but it is bit-reproducible (as attention.cu's) and needs no f32 scratch and
+// cast.
+//
+// Loads: the tiles a block loops over are double-buffered (tile t + 1 is fetched while tile t
+// computes): 16-byte `cp.async` copies when the operand's base, row stride and width allow,
+// else plain element loads; rows and columns outside the matrix are zeros (a head narrower
+// than DT is zero-padded).
+//
+// tests/attention_tc_emulation.py replays this file's index arithmetic lane by lane on the CPU
+// (ldmatrix and mma emulated from the PTX ISA's layouts); keep it in step.
+
+#define TC_NT 128
+#define TC_BQ 64  // queries per block (forward, dQ) and keys per block (dK/dV): 4 warps x 16
+#define TC_LOG2E 1.4426950408889634f
+#define TC_LN2 0.6931471805599453f
+
+// ---- BEGIN same in attention.cu and attention_tc.cu ----
+// Sizes and scalars of one call (mirrored by `ops/attention.rs`'s `AttnShape`).
+struct AttnShape {
+    u64 tq, tk, d, dv;
+    u64 q_rs, k_rs, v_rs, g_rs;  // row strides of q, k, v, dO (elements)
+    u64 batch;                   // number of batch entries
+    u64 key;                     // Philox key of the dropout mask
+    float scale;                 // scale of the scores
+    float scale2;                // scale * log2(e)
+    float drop_p;                // dropout probability (0: no dropout)
+    float drop_scale;            // 1 / (1 - drop_p)
+    int causal;
+    int dropout;                 // drop_p > 0
+};
+
+__device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
+// ---- END same ----
+
+// ---- BEGIN same in attention.cu and attention_tc.cu ----
+// Whether query qi may see key kj.
+__device__ __forceinline__ bool att_keep(const AttnShape& a, u64 qi, u64 kj) {
+    return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi);
+}
+
+// Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
+// bit for bit: a uniform f32 `(w0 >> 8) 2^-24` from Philox with counter (b Tq + i) Tk + j
+// (the weights' row-major index) and the draw's key, kept when >= p (rand.cu's uniform_f32 and
+// a `compare_scalar(Ge, p)` in f32). Forward and both backward kernels regenerate it.
+__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
+    u32 w[4];
+    philox((b * a.tq + i) * a.tk + j, a.key, w);
+    const float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);
+    return u >= a.drop_p ? a.drop_scale : 0.f;
+}
+// ---- END same ----
+
+#if __CUDA_ARCH__ >= 800
+
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 tc_saddr(const void* p) {
+    u64 a;
+    asm("cvta.to.shared.u64 %0, %1;" : "=l"(a) : "l"(p));
+    return (u32)a;
+}
+
+__device__ __forceinline__ void tc_ldsm(u32 r[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(tc_saddr(p)));
+}
+
+__device__ __forceinline__ void tc_ldsm_t(u32 r[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(tc_saddr(p)));
+}
+
+// c += a b for one m16n8k16 tile (`S` picks the 16-bit input format).
+template <typename S> __device__ __forceinline__ void tc_mma(float c[4], const u32 a[4], u32 b0, u32 b1);
+template <> __device__ __forceinline__ void tc_mma<bf16>(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void tc_mma<f16>(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to a pair of `S` (lo in the low half: the lower column of a fragment).
+template <typename S> __device__ __forceinline__ u32 tc_pack(float lo, float hi);
+template <> __device__ __forceinline__ u32 tc_pack<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 tc_pack<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// 16 bytes from global `src` to shared `dst` without waiting (zeros instead when !ok).
+__device__ __forceinline__ void tc_cp16(u16* dst, const u16* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_saddr(dst)), "l"(src),
+                 "r"(ok ? 16 : 0));
+}
+__device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are in flight.
+template <int N> __device__ __forceinline__ void tc_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Rows r0 .. r0+ROWS of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
+// shared [ROWS][DT + 8] 16-bit tile, zeros outside the matrix. 16-byte vectors go by cp.async
+// (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
+// plain stores (visible after the __syncthreads).
+template <int ROWS, int DT>
+__device__ __forceinline__ void tc_load(u16* dst, const u16* __restrict__ src, u64 rs, u64 r0,
+                                        u64 nrows, u64 ncols) {
+    constexpr int P = DT + 8;
+    if (((u64)src & 15) == 0 && rs % 8 == 0 && ncols % 8 == 0) {
+        for (int idx = threadIdx.x; idx < ROWS * DT / 8; idx += TC_NT) {
+            const int r = idx / (DT / 8), c = (idx % (DT / 8)) * 8;
+            const u64 gr = r0 + (u64)r;
+            const bool ok = gr < nrows && (u64)c < ncols;
+            tc_cp16(dst + r * P + c, ok ? src + gr * rs + (u64)c : src, ok);
+        }
+    } else {
+        for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
+            const int r = idx / DT, c = idx % DT;
+            const u64 gr = r0 + (u64)r;
+            dst[r * P + c] = gr < nrows && (u64)c < ncols ? src[gr * rs + (u64)c] : (u16)0;
+        }
+    }
+}
+
+// acc[n] += A[16][K] B[8n .. 8n+8][K]^T: A rows at `A` (the warp's 16), B at `B`, both with
+// row pitch DT + 8. K and 8 NT multiples of 16.
+template <typename S, int K, int NT, int DT>
+__device__ __forceinline__ void tc_mm_nt(float acc[NT][4], const u16* A, const u16* B) {
+    constexpr int P = DT + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        u32 a[4];
+        tc_ldsm(a, A + (lane & 15) * P + kk * 16 + (lane >> 4) * 8);
+#pragma unroll
+        for (int n = 0; n < NT / 2; ++n) {
+            u32 b[4];
+            tc_ldsm(b, B + (n * 16 + (lane & 7) + (lane >> 4) * 8) * P + kk * 16 +
+                           ((lane >> 3) & 1) * 8);
+            tc_mma<S>(acc[2 * n], a, b[0], b[1]);
+            tc_mma<S>(acc[2 * n + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc[n] += A[16][K] B[K][8n .. 8n+8]: A as fragments (tc_frag), B at `B` with row pitch DT + 8.
+template <typename S, int K, int NT, int DT>
+__device__ __forceinline__ void tc_mm_rn(float acc[NT][4], const u32 a[K / 16][4], const u16* B) {
+    constexpr int P = DT + 8;
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < NT / 2; ++n) {
+            u32 b[4];
+            tc_ldsm_t(b, B + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P + n * 16 +
+                             (lane >> 4) * 8);
+            tc_mma<S>(acc[2 * n], a[kk], b[0], b[1]);
+            tc_mma<S>(acc[2 * n + 1], a[kk], b[2], b[3]);
+        }
+    }
+}
+
+// An f32 accumulator [16][8 NC] rounded to `S` as the A fragments of the next product
+// (k = its columns): k-step kk takes n-tiles 2kk and 2kk + 1.
+template <typename S, int NC>
+__device__ __forceinline__ void tc_frag(u32 a[NC / 2][4], const float c[NC][4]) {
+#pragma unroll
+    for (int kk = 0; kk < NC / 2; ++kk) {
+        a[kk][0] = tc_pack<S>(c[2 * kk][0], c[2 * kk][1]);
+        a[kk][1] = tc_pack<S>(c[2 * kk][2], c[2 * kk][3]);
+        a[kk][2] = tc_pack<S>(c[2 * kk + 1][0], c[2 * kk + 1][1]);
+        a[kk][3] = tc_pack<S>(c[2 * kk + 1][2], c[2 * kk + 1][3]);
+    }
+}
+
+template <int NT> __device__ __forceinline__ void tc_zero(float c[NT][4]) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+}
+
+__device__ __forceinline__ float tc_quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float tc_quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Element e of n-tile n of a lane's fragment: its row (0 .. 16) and column (0 .. 8 NT).
+__device__ __forceinline__ int tc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
+__device__ __forceinline__ int tc_col(int n, int e) { return n * 8 + (threadIdx.x & 3) * 2 + (e & 1); }
+
+// Whether every query of [q0, q0 + nq) sees every key of [k0, k0 + nk) (no element of the
+// tile needs its mask: the warp skips att_keep).
+__device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
+    return q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
+}
+
+// An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
+// contiguous [.., ncols] output `out` (columns < ncols).
+template <typename S, int DT>
+__device__ __forceinline__ void tc_store(S* out, const float c[DT / 8][4], u64 r0, u64 nrows,
+                                         u64 ncols, float mul0, float mul1) {
+#pragma unroll
+    for (int n = 0; n < DT / 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u64 r = r0 + tc_row(e), col = tc_col(n, e);
+            if (r < nrows && col < ncols) out[r * ncols + col] = narrow<S>(c[n][e] * (e < 2 ? mul0 : mul1));
+        }
+}
+
+// The tile of the side a block loops over (keys in the forward and dQ, queries in dK/dV): 64
+// at head size 64, 32 at 128 (so that a warp's f32 fragments stay in registers without spills).
+template <int DT> struct TcSide { static constexpr int T = DT == 64 ? 64 : 32; };
+
+template <typename S, int DT>
+__device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
+                            const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
+                            const AttnShape& a, const Dims& bd, const Strides& sq,
+                            const Strides& sk, const Strides& sv) {
+    constexpr int P = DT + 8, BK = TcSide<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];
+    u16* sQ = tc_smem;
+    u16* sK = sQ + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    u16* sV = sK + 2 * BK * P;  // the same
+    const int warp = threadIdx.x >> 5;
+    const u64 b = blockIdx.x;
+    const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;  // the longest (causal) first
+    const u64 w0 = q0 + warp * 16;                              // the warp's first query
+    const u16* kb = (const u16*)(k + offset1<u64>(b, bd, sk));
+    const u16* vb = (const u16*)(v + offset1<u64>(b, bd, sv));
+    tc_load<TC_BQ, DT>(sQ, (const u16*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
+
+    float m[2] = {-att_inf(), -att_inf()}, l[2] = {0.f, 0.f};
+    float acc[DT / 8][4];
+    tc_zero<DT / 8>(acc);
+    u64 kend = a.tk;
+    if (a.causal && q0 + TC_BQ < kend) kend = q0 + TC_BQ;
+    const int nt = (int)((kend + BK - 1) / BK);
+    auto fetch = [&](int t) {
+        tc_load<BK, DT>(sK + (t & 1) * BK * P, kb, a.k_rs, (u64)t * BK, a.tk, a.d);
+        tc_load<BK, DT>(sV + (t & 1) * BK * P, vb, a.v_rs, (u64)t * BK, a.tk, a.dv);
+        tc_commit();
+    };
+    fetch(0);  // one group with the Q tile
+    for (int t = 0; t < nt; ++t) {
+        const u64 k0 = (u64)t * BK;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cK = sK + (t & 1) * BK * P;
+        const u16* cV = sV + (t & 1) * BK * P;
+        float s[BK / 8][4];
+        tc_zero<BK / 8>(s);
+        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+        float mx[2] = {-att_inf(), -att_inf()};
+        const bool full = tc_full(a, w0, 16, k0, BK);
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
+                s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
+                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+            }
+        float base[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
+            // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+            base[h] = mnew == -att_inf() ? 0.f : mnew;
+            const float alpha = exp2f(m[h] - base[h]);
+            m[h] = mnew;
+            l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
+#pragma unroll
+            for (int n = 0; n < DT / 8; ++n) {
+                acc[n][2 * h] *= alpha;
+                acc[n][2 * h + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float p = exp2f(s[n][e] - base[e >> 1]);
+                l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
+                s[n][e] = a.dropout && p > 0.f
+                              ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
+                              : p;
+            }
+        u32 pf[BK / 16][4];
+        tc_frag<S, BK / 8>(pf, s);
+        tc_mm_rn<S, BK, DT / 8, DT>(acc, pf, cV);
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
+    }
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] = tc_quad_sum(l[h]);
+        inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    }
+    tc_store<S, DT>(o + b * a.tq * a.dv, acc, w0, a.tq, a.dv, inv[0], inv[1]);
+    if ((threadIdx.x & 3) == 0)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u64 qi = w0 + tc_row(2 * h);
+            if (qi < a.tq)
+                lse[b * a.tq + qi] = l[h] > 0.f ? (m[h] + log2f(l[h])) * TC_LN2 : att_inf();
+        }
+}
+
+template <typename S, int DT>
+__device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
+                             const S* __restrict__ v, const S* __restrict__ g,
+                             const float* __restrict__ lse, const float* __restrict__ dr,
+                             S* __restrict__ dk, S* __restrict__ dv, const AttnShape& a,
+                             const Dims& bd, const Strides& sq, const Strides& sk,
+                             const Strides& sv, const Strides& sg) {
+    constexpr int P = DT + 8, BQ = TcSide<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];
+    u16* sK = tc_smem;
+    u16* sV = sK + TC_BQ * P;
+    u16* sQ = sV + TC_BQ * P;               // two buffers of BQ rows (tile t in buffer t % 2)
+    u16* sG = sQ + 2 * BQ * P;              // the same
+    float* sL = (float*)(sG + 2 * BQ * P);  // lse of the tiles' queries, base 2 (two buffers)
+    float* sD = sL + 2 * BQ;                // Dr of the tiles' queries (two buffers)
+    const int warp = threadIdx.x >> 5;
+    const u64 b = blockIdx.x;
+    const u64 k0 = (u64)blockIdx.y * TC_BQ;
+    const u64 w0 = k0 + warp * 16;  // the warp's first key
+    const u16* qb = (const u16*)(q + offset1<u64>(b, bd, sq));
+    const u16* gb = (const u16*)(g + offset1<u64>(b, bd, sg));
+    tc_load<TC_BQ, DT>(sK, (const u16*)(k + offset1<u64>(b, bd, sk)), a.k_rs, k0, a.tk, a.d);
+    tc_load<TC_BQ, DT>(sV, (const u16*)(v + offset1<u64>(b, bd, sv)), a.v_rs, k0, a.tk, a.dv);
+
+    float adk[DT / 8][4], adv[DT / 8][4];
+    tc_zero<DT / 8>(adk);
+    tc_zero<DT / 8>(adv);
+    // Causal: only queries i >= k0 see a key of this tile (k0 is a multiple of BQ).
+    const u64 qs = a.causal ? k0 : 0;
+    const int nt = a.tq > qs ? (int)((a.tq - qs + BQ - 1) / BQ) : 0;
+    auto fetch = [&](int t) {
+        const u64 q0 = qs + (u64)t * BQ;
+        const int o = t & 1;
+        tc_load<BQ, DT>(sQ + o * BQ * P, qb, a.q_rs, q0, a.tq, a.d);
+        tc_load<BQ, DT>(sG + o * BQ * P, gb, a.g_rs, q0, a.tq, a.dv);
+        if (threadIdx.x < BQ) {
+            const u64 qi = q0 + threadIdx.x;
+            sL[o * BQ + threadIdx.x] = qi < a.tq ? lse[b * a.tq + qi] * TC_LOG2E : att_inf();
+            sD[o * BQ + threadIdx.x] = qi < a.tq ? dr[b * a.tq + qi] : 0.f;
+        }
+        tc_commit();
+    };
+    if (nt > 0) fetch(0);  // one group with the K and V tiles
+    for (int t = 0; t < nt; ++t) {
+        const u64 q0 = qs + (u64)t * BQ;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cQ = sQ + (t & 1) * BQ * P;
+        const u16* cG = sG + (t & 1) * BQ * P;
+        const float* cL = sL + (t & 1) * BQ;
+        const float* cD = sD + (t & 1) * BQ;
+        float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
+        tc_zero<BQ / 8>(st);
+        tc_zero<BQ / 8>(dpt);
+        tc_mm_nt<S, DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
+        tc_mm_nt<S, DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
+        const bool full = tc_full(a, q0, BQ, w0, 16);
+#pragma unroll
+        for (int n = 0; n < BQ / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int c = tc_col(n, e);
+                const u64 kj = w0 + tc_row(e), qi = q0 + c;
+                const bool ok = full || att_keep(a, qi, kj);
+                const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
+                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                st[n][e] = p * z;
+                dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
+            }
+        u32 f[BQ / 16][4];
+        tc_frag<S, BQ / 8>(f, st);
+        tc_mm_rn<S, BQ, DT / 8, DT>(adv, f, cG);  // dV += (P^T z) dO
+        tc_frag<S, BQ / 8>(f, dpt);
+        tc_mm_rn<S, BQ, DT / 8, DT>(adk, f, cQ);  // dK += dS^T Q
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
+    }
+    // With no query tile (causal, keys past the last query) the K and V copies are uncommitted.
+    tc_commit();
+    tc_wait<0>();
+    tc_store<S, DT>(dk + b * a.tk * a.d, adk, w0, a.tk, a.d, a.scale, a.scale);
+    tc_store<S, DT>(dv + b * a.tk * a.dv, adv, w0, a.tk, a.dv, 1.f, 1.f);
+}
+
+template <typename S, int DT>
+__device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
+                           const S* __restrict__ v, const S* __restrict__ g,
+                           const float* __restrict__ lse, const float* __restrict__ dr,
+                           S* __restrict__ dq, const AttnShape& a, const Dims& bd,
+                           const Strides& sq, const Strides& sk, const Strides& sv,
+                           const Strides& sg) {
+    constexpr int P = DT + 8, BK = TcSide<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];
+    u16* sQ = tc_smem;
+    u16* sG = sQ + TC_BQ * P;
+    u16* sK = sG + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    u16* sV = sK + 2 * BK * P;  // the same
+    const int warp = threadIdx.x >> 5;
+    const u64 b = blockIdx.x;
+    const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;
+    const u64 w0 = q0 + warp * 16;
+    const u16* kb = (const u16*)(k + offset1<u64>(b, bd, sk));
+    const u16* vb = (const u16*)(v + offset1<u64>(b, bd, sv));
+    tc_load<TC_BQ, DT>(sQ, (const u16*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
+    tc_load<TC_BQ, DT>(sG, (const u16*)(g + offset1<u64>(b, bd, sg)), a.g_rs, q0, a.tq, a.dv);
+    float l2[2], dri[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const u64 qi = w0 + tc_row(2 * h);
+        l2[h] = qi < a.tq ? lse[b * a.tq + qi] * TC_LOG2E : att_inf();
+        dri[h] = qi < a.tq ? dr[b * a.tq + qi] : 0.f;
+    }
+    float adq[DT / 8][4];
+    tc_zero<DT / 8>(adq);
+    u64 kend = a.tk;
+    if (a.causal && q0 + TC_BQ < kend) kend = q0 + TC_BQ;
+    const int nt = (int)((kend + BK - 1) / BK);
+    auto fetch = [&](int t) {
+        tc_load<BK, DT>(sK + (t & 1) * BK * P, kb, a.k_rs, (u64)t * BK, a.tk, a.d);
+        tc_load<BK, DT>(sV + (t & 1) * BK * P, vb, a.v_rs, (u64)t * BK, a.tk, a.dv);
+        tc_commit();
+    };
+    fetch(0);  // one group with the Q and dO tiles
+    for (int t = 0; t < nt; ++t) {
+        const u64 k0 = (u64)t * BK;
+        if (t + 1 < nt) {
+            fetch(t + 1);  // in flight while this tile computes
+            tc_wait<1>();
+        } else {
+            tc_wait<0>();
+        }
+        __syncthreads();  // tile t is in shared memory for every thread
+        const u16* cK = sK + (t & 1) * BK * P;
+        const u16* cV = sV + (t & 1) * BK * P;
+        float s[BK / 8][4], dp[BK / 8][4];
+        tc_zero<BK / 8>(s);
+        tc_zero<BK / 8>(dp);
+        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+        tc_mm_nt<S, DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
+        const bool full = tc_full(a, w0, 16, k0, BK);
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                const bool ok = full || att_keep(a, qi, kj);
+                const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
+                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
+            }
+        u32 f[BK / 16][4];
+        tc_frag<S, BK / 8>(f, dp);
+        tc_mm_rn<S, BK, DT / 8, DT>(adq, f, cK);  // dQ += dS K
+        __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
+    }
+    tc_store<S, DT>(dq + b * a.tq * a.d, adq, w0, a.tq, a.d, a.scale, a.scale);
+}
+
+#define TC_BODY(call) call
+#else
+// Below sm_80 there is no bf16 mma: the host never launches these (ops/attention.rs).
+#define TC_BODY(call) __trap()
+#endif
+
+#define ATTN_TC_DT(S, DT)                                                                      \
+    extern "C" __global__ void __launch_bounds__(TC_NT)                                        \
+        attn_tc_fwd_##S##_##DT(const S* q, const S* k, const S* v, S* o, float* lse,          \
+                               AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv) {     \
+        TC_BODY((attn_tc_fwd<S, DT>(q, k, v, o, lse, a, bd, sq, sk, sv)));                     \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_tc_dkdv_##S##_##DT(               \
+        const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
+        S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {  \
+        TC_BODY((attn_tc_dkdv<S, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg)));    \
+    }                                                                                          \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_tc_dq_##S##_##DT(                 \
+        const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
+        S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {         \
+        TC_BODY((attn_tc_dq<S, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg)));          \
+    }
+#define ATTN_TC(S)                                                                             \
+    ATTN_TC_DT(S, 64)                                                                          \
+    ATTN_TC_DT(S, 128)
+// (An instance line names its storage type only: the host compiles a dtype's lines alone.)
+ATTN_TC(f16)
+ATTN_TC(bf16)

@@ -1,0 +1,180 @@
+//! The two families of fused-attention kernels (`kernels/attention.cu`'s f32-FMA ones and
+//! `kernels/attention_tc.cu`'s tensor-core ones): which one runs a call, their names, block
+//! sizes and shared memory, and their launch. `attention.rs` packs the arguments, which both
+//! families take alike.
+//!
+//! # Why a module of its own
+//!
+//! It keeps `attention.rs` about the problem (operands, strides, shapes) and below ~500
+//! lines, and puts everything that must match a kernel file's tile layout in one place.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use cudarc::driver::sys;
+
+use kiln_core::{DType, Result};
+
+use crate::device::{DeviceState, check};
+use crate::launch::Args;
+use crate::ops::{Module, tname};
+
+/// Queries (and keys) per tile of the FMA kernels; `ATT_B` of `attention.cu`.
+pub(super) const TILE: usize = 32;
+/// Queries per block of the tensor-core forward and dQ, keys per block of their dK/dV;
+/// `TC_BQ` of `attention_tc.cu`.
+const TC_TILE: usize = 64;
+/// Threads per block of both kernel files (`ATT_NT`, `TC_NT`).
+const THREADS: u32 = 128;
+/// Shared memory a kernel gets without opting in.
+const DEFAULT_SMEM: usize = 48 * 1024;
+
+/// Whether fused f16/bf16 attention takes the tensor-core kernels where the device has them.
+static TENSOR_CORES: AtomicBool = AtomicBool::new(true);
+
+/// Lets fused f16/bf16 attention use the tensor-core kernels on sm_80+ (`true`, the default)
+/// or keeps it on the f32-FMA kernels (`false`: for comparing the two). Process-wide.
+pub fn set_attention_tensor_cores(on: bool) {
+    TENSOR_CORES.store(on, Ordering::Relaxed);
+}
+
+/// The two kernel families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Family {
+    /// `attention.cu`: f32 FMAs, any float dtype.
+    Fma,
+    /// `attention_tc.cu`: `mma.sync` on 16-bit operands, sm_80+.
+    TensorCore,
+}
+
+/// The three kernels of a family that take a head-size tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Stage {
+    Fwd,
+    DkDv,
+    Dq,
+}
+
+impl Family {
+    /// The family that runs `dtype` on a device of compute capability `arch`.
+    pub(super) fn of(dtype: DType, arch: u32) -> Family {
+        let half = matches!(dtype, DType::F16 | DType::BF16);
+        if half && arch >= 80 && TENSOR_CORES.load(Ordering::Relaxed) {
+            Family::TensorCore
+        } else {
+            Family::Fma
+        }
+    }
+
+    fn module(self) -> Module {
+        match self {
+            Family::Fma => Module::Attention,
+            Family::TensorCore => Module::AttentionTc,
+        }
+    }
+
+    fn kernel(self, stage: Stage) -> &'static str {
+        match (self, stage) {
+            (Family::Fma, Stage::Fwd) => "attn_fwd",
+            (Family::Fma, Stage::DkDv) => "attn_bwd_dkdv",
+            (Family::Fma, Stage::Dq) => "attn_bwd_dq",
+            (Family::TensorCore, Stage::Fwd) => "attn_tc_fwd",
+            (Family::TensorCore, Stage::DkDv) => "attn_tc_dkdv",
+            (Family::TensorCore, Stage::Dq) => "attn_tc_dq",
+        }
+    }
+
+    /// Rows of the stationary side per block (queries of Fwd/Dq, keys of DkDv).
+    pub(super) fn block_rows(self) -> usize {
+        match self {
+            Family::Fma => TILE,
+            Family::TensorCore => TC_TILE,
+        }
+    }
+
+    /// Shared memory of `stage` for head size `dt` (in bytes), as the kernel file lays it out.
+    fn smem_bytes(self, stage: Stage, dt: usize) -> usize {
+        match self {
+            Family::Fma => {
+                // f32 tiles of [TILE][dt + 1] and [TILE][TILE + 1].
+                let tile = TILE * (dt + 1);
+                let square = TILE * (TILE + 1);
+                4 * match stage {
+                    Stage::Fwd => 3 * tile + square,
+                    Stage::Dq => 4 * tile + square,
+                    Stage::DkDv => 4 * tile + 2 * square + 2 * TILE,
+                }
+            }
+            Family::TensorCore => {
+                // 16-bit tiles of pitch dt + 8: TC_TILE stationary rows (Q; K and V; Q and
+                // dO), two buffers of `side` rows (TcSide) of each operand the block loops
+                // over (K and V; Q and dO; K and V), and in DkDv two f32 per query of each
+                // buffer (lse, Dr).
+                let side = if dt == 64 { 64 } else { 32 };
+                let row = 2 * (dt + 8);
+                match stage {
+                    Stage::Fwd => (TC_TILE + 4 * side) * row,
+                    Stage::Dq => (2 * TC_TILE + 4 * side) * row,
+                    Stage::DkDv => (2 * TC_TILE + 4 * side) * row + 4 * side * 4,
+                }
+            }
+        }
+    }
+}
+
+/// Launches `stage` of `family` for `dtype` and head size `tile` over `grid` (batch, blocks),
+/// opting in to more than 48 KiB of shared memory where the kernel needs it.
+pub(super) fn launch(
+    dev: &DeviceState,
+    (family, stage): (Family, Stage),
+    dtype: DType,
+    (tile, dt): (&'static str, usize),
+    grid: (u32, u32),
+    args: &mut Args,
+) -> Result<()> {
+    const OP: &str = "scaled_dot_product_attention";
+    let f = dev.func(family.module(), &[family.kernel(stage), tname(dtype), tile])?;
+    let smem = family.smem_bytes(stage, dt);
+    if smem > DEFAULT_SMEM {
+        // SAFETY: `f` is a kernel of the current context (bound by the caller); the attribute
+        // is a plain integer setting of that function.
+        check(
+            unsafe {
+                sys::cuFuncSetAttribute(
+                    f.0,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+            },
+            OP,
+        )?;
+    }
+    dev.launch(OP, f, grid, THREADS, smem as u32, args.ptrs())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_memory_fits_the_devices() {
+        // The FMA kernels below 48 KiB at head size 64 (no opt-in); all below the 99 KiB of an
+        // sm_86 block. The tensor-core forward at 64 (the GPT shape's) needs no opt-in either.
+        for k in [Stage::Fwd, Stage::Dq, Stage::DkDv] {
+            assert!(Family::Fma.smem_bytes(k, 64) <= DEFAULT_SMEM, "{k:?}");
+            for f in [Family::Fma, Family::TensorCore] {
+                for dt in [64, 128] {
+                    assert!(f.smem_bytes(k, dt) <= 99 * 1024, "{f:?} {k:?} {dt}");
+                }
+            }
+        }
+        assert_eq!(Family::TensorCore.smem_bytes(Stage::Fwd, 64), 46080);
+    }
+
+    #[test]
+    fn tensor_cores_take_16_bit_on_sm80_and_up_only() {
+        assert_eq!(Family::of(DType::BF16, 90), Family::TensorCore);
+        assert_eq!(Family::of(DType::F16, 80), Family::TensorCore);
+        assert_eq!(Family::of(DType::BF16, 75), Family::Fma);
+        assert_eq!(Family::of(DType::F32, 90), Family::Fma);
+    }
+}

@@ -60,11 +60,13 @@ pub mod test_pinned;
 pub mod test_profile;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod unscale;
 mod update;
 
 pub use backend::{
     AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec,
-    GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule, UpdateSlot,
+    FOUND_NON_FINITE, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule,
+    UpdateSlot,
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;

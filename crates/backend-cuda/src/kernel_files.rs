@@ -71,10 +71,11 @@ pub enum Module {
     Index,
     Util,
     Attention,
+    Amp,
 }
 
 impl Module {
-    pub const ALL: [Module; 7] = [
+    pub const ALL: [Module; 8] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -82,6 +83,7 @@ impl Module {
         Module::Index,
         Module::Util,
         Module::Attention,
+        Module::Amp,
     ];
 
     /// The file name under `kernels/`.
@@ -94,6 +96,7 @@ impl Module {
             Module::Index => "index.cu",
             Module::Util => "util.cu",
             Module::Attention => "attention.cu",
+            Module::Amp => "amp.cu",
         }
     }
 
@@ -106,6 +109,7 @@ impl Module {
             Module::Index => include_str!("../kernels/index.cu"),
             Module::Util => include_str!("../kernels/util.cu"),
             Module::Attention => include_str!("../kernels/attention.cu"),
+            Module::Amp => include_str!("../kernels/amp.cu"),
         }
     }
 

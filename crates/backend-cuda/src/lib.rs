@@ -88,6 +88,7 @@
 
 // In rustfmt's order; the layers, bottom to top, are in "Layers" above: each module imports
 // only modules listed before it there.
+mod amp;
 mod blas;
 mod codegen;
 pub mod compile;
@@ -121,7 +122,7 @@ use kiln_core::backend::Operand;
 use kiln_core::{
     AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec, DType,
     Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp,
-    UpdateRule, UpdateSlot,
+    UnscaleSlot, UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -849,6 +850,31 @@ impl Backend for Cuda {
         params: &[f64],
     ) -> Result<Vec<CudaStorage>> {
         expr_eval::eval_expr(device, program, shape, inputs, params)
+    }
+
+    fn unscale_check(
+        dtype: DType,
+        inv_scale: f64,
+        slots: &[UnscaleSlot<'_, CudaStorage>],
+    ) -> Result<(Vec<CudaStorage>, CudaStorage)> {
+        // The computed gradients (deferred work runs here), held while the slots borrow them.
+        let held = slots
+            .iter()
+            .map(|s| s.grad.buffer())
+            .collect::<Result<Vec<_>>>()?;
+        let bslots: Vec<UnscaleSlot<'_, memory::Buffer>> = held
+            .iter()
+            .zip(slots)
+            .map(|(g, s)| UnscaleSlot {
+                grad: &**g,
+                len: s.len,
+            })
+            .collect();
+        let (outs, flag) = amp::unscale_check(dtype, inv_scale, &bslots)?;
+        Ok((
+            outs.into_iter().map(CudaStorage::ready).collect(),
+            CudaStorage::ready(flag),
+        ))
     }
 
     fn fused_update(

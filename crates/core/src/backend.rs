@@ -16,6 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+pub use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
 pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
 use crate::ir::{Program, rules};
@@ -548,6 +549,51 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
         let _ = (q, k, v, out, lse, g, dtype, spec);
+        Ok(None)
+    }
+
+    // ---- linear layers with fused epilogues (offered by a backend, or not) ------------------
+
+    /// `act(x · wᵀ + bias)` by one library product whose epilogue adds the bias and applies the
+    /// activation (module [`crate::epilogue`]): `x` `[m, k]`, `w` `[n, k]`, `bias` `[n]`, of
+    /// `dtype` except the bias, which may be f32 under 16-bit operands where the library wants
+    /// it so; any layout (the backend declines what it cannot take). With `keep_aux` the result
+    /// carries what [`Backend::linear_epilogue_backward`] needs.
+    ///
+    /// `Ok(None)` means "not offered" for this call (dtype, activation, alignment): the caller
+    /// (kiln-autograd's `Var::linear_act`) composes a product, a bias add and the activation.
+    /// The default offers nothing. A backend that answers `Some` with `keep_aux` must offer the
+    /// backward for that result.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_epilogue(
+        x: Operand<'_, Self::Storage>,
+        w: Operand<'_, Self::Storage>,
+        bias: Option<(Operand<'_, Self::Storage>, DType)>,
+        dtype: DType,
+        act: Activation,
+        keep_aux: bool,
+    ) -> Result<Option<EpilogueOutputs<Self::Storage>>> {
+        let _ = (x, w, bias, dtype, act, keep_aux);
+        Ok(None)
+    }
+
+    /// The gradients of a [`Backend::linear_epilogue`] for the output gradient `g` `[m, n]`
+    /// (of `dtype`), from `x`, `w`, the forward's `aux` and the activation: `dpre = g · act'`,
+    /// `dx = dpre · w`, `dw = dpreᵀ · x` and `db = Σ_rows dpre` (when `bias_dtype` is given),
+    /// the bias gradient and the activation's derivative in the products' epilogues where the
+    /// library offers them (cuBLASLt's `DRELU_BGRAD`, `DGELU_BGRAD`, `BGRADB`). `Ok(None)` when
+    /// not offered (the default).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_epilogue_backward(
+        x: Operand<'_, Self::Storage>,
+        w: Operand<'_, Self::Storage>,
+        aux: Option<&Self::Storage>,
+        g: Operand<'_, Self::Storage>,
+        dtype: DType,
+        bias_dtype: Option<DType>,
+        act: Activation,
+    ) -> Result<Option<EpilogueGrads<Self::Storage>>> {
+        let _ = (x, w, aux, g, dtype, bias_dtype, act);
         Ok(None)
     }
 

@@ -16,12 +16,39 @@ use crate::device::check;
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
 use crate::sources::Module;
+use crate::storage::CudaStorage;
 
 /// Gradients per launch: `UNSCALE_MAX` of `amp.cu` (its `UnscaleArgs` fills 3 KB of the 4 KB
 /// of kernel parameters).
 pub(crate) const UNSCALE_MAX: usize = 128;
 
 const BLOCK: u32 = 256;
+
+/// [`unscale_check`] over storages: their computed buffers (deferred work runs here), held
+/// while the kernel's slots borrow them.
+pub(crate) fn unscale_check_storages(
+    dtype: DType,
+    inv_scale: f64,
+    slots: &[UnscaleSlot<'_, CudaStorage>],
+) -> Result<(Vec<CudaStorage>, CudaStorage)> {
+    let held = slots
+        .iter()
+        .map(|s| s.grad.buffer())
+        .collect::<Result<Vec<_>>>()?;
+    let bslots: Vec<UnscaleSlot<'_, Buffer>> = held
+        .iter()
+        .zip(slots)
+        .map(|(g, s)| UnscaleSlot {
+            grad: &**g,
+            len: s.len,
+        })
+        .collect();
+    let (outs, flag) = unscale_check(dtype, inv_scale, &bslots)?;
+    Ok((
+        outs.into_iter().map(CudaStorage::ready).collect(),
+        CudaStorage::ready(flag),
+    ))
+}
 
 /// The unscaled gradients (new buffers) and the flag (one f32: 0, or 1 when some unscaled
 /// element is inf or NaN) of `slots`, all of `dtype` on one device.

@@ -116,7 +116,7 @@ fn a_captured_check_replays_with_new_gradients() {
     Cuda::realize(g0.storage()).unwrap();
     Cuda::realize(g1.storage()).unwrap();
     // Loads the f16 kernel before the capture (a capture records launches, not module loads).
-    Tensor::unscale_check(&[g0.clone()], 0.5).unwrap();
+    Tensor::unscale_check(std::slice::from_ref(&g0), 0.5).unwrap();
     let (graph, (outs, flag)) = CudaGraph::capture(&dev, || {
         Tensor::unscale_check(&[g0.clone(), g1.clone()], 0.5)
     })

@@ -99,6 +99,7 @@ mod composite;
 mod conv;
 mod embedding;
 mod fuse;
+mod linear_act;
 mod norm;
 mod ops;
 mod pool;
@@ -114,6 +115,7 @@ pub use autocast::{
 pub use batch_norm::{BatchStats, update_running_stats};
 pub use check::{CheckOptions, assert_backward, check_backward};
 pub use fuse::{Fused, fuse, fuse_n, fuse2};
+pub use linear_act::{linear_epilogues_enabled, set_linear_epilogues};
 pub use ops::reduce_to_shape;
 pub use pool::AvgPoolOptions;
 pub use var::{BackwardFn, GradHook, HookHandle, InputGrads, Var, VarId, is_grad_enabled, no_grad};

@@ -72,10 +72,11 @@ pub enum Module {
     Util,
     Attention,
     AttentionTc,
+    Amp,
 }
 
 impl Module {
-    pub const ALL: [Module; 8] = [
+    pub const ALL: [Module; 9] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -84,6 +85,7 @@ impl Module {
         Module::Util,
         Module::Attention,
         Module::AttentionTc,
+        Module::Amp,
     ];
 
     /// The file name under `kernels/`.
@@ -97,6 +99,7 @@ impl Module {
             Module::Util => "util.cu",
             Module::Attention => "attention.cu",
             Module::AttentionTc => "attention_tc.cu",
+            Module::Amp => "amp.cu",
         }
     }
 
@@ -110,6 +113,7 @@ impl Module {
             Module::Util => include_str!("../kernels/util.cu"),
             Module::Attention => include_str!("../kernels/attention.cu"),
             Module::AttentionTc => include_str!("../kernels/attention_tc.cu"),
+            Module::Amp => include_str!("../kernels/amp.cu"),
         }
     }
 

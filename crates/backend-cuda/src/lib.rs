@@ -88,7 +88,9 @@
 
 // In rustfmt's order; the layers, bottom to top, are in "Layers" above: each module imports
 // only modules listed before it there.
+mod amp;
 mod blas;
+mod blas_lt;
 mod codegen;
 pub mod compile;
 mod cudnn;
@@ -118,13 +120,15 @@ mod types;
 mod user_kernel;
 
 use kiln_core::backend::Operand;
+use kiln_core::epilogue::{EpilogueGrads, EpilogueOutputs};
 use kiln_core::{
-    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec, DType,
-    Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp, Result, UnaryOp,
-    UpdateRule, UpdateSlot,
+    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
+    Conv2dSpec, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp,
+    Result, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
+pub use blas_lt::{lt_epilogues, set_lt_epilogues};
 pub use cudnn::{cudnn_available, cudnn_enabled, cudnn_version, set_cudnn};
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
@@ -855,6 +859,37 @@ impl Backend for Cuda {
         params: &[f64],
     ) -> Result<Vec<CudaStorage>> {
         expr_eval::eval_expr(device, program, shape, inputs, params)
+    }
+
+    fn linear_epilogue(
+        x: Operand<'_, CudaStorage>,
+        w: Operand<'_, CudaStorage>,
+        bias: Option<(Operand<'_, CudaStorage>, DType)>,
+        dtype: DType,
+        act: Activation,
+        keep_aux: bool,
+    ) -> Result<Option<EpilogueOutputs<CudaStorage>>> {
+        blas_lt::linear_epilogue(x, w, bias, dtype, act, keep_aux)
+    }
+
+    fn linear_epilogue_backward(
+        x: Operand<'_, CudaStorage>,
+        w: Operand<'_, CudaStorage>,
+        aux: Option<&CudaStorage>,
+        g: Operand<'_, CudaStorage>,
+        dtype: DType,
+        bias_dtype: Option<DType>,
+        act: Activation,
+    ) -> Result<Option<EpilogueGrads<CudaStorage>>> {
+        blas_lt::linear_epilogue_backward(x, w, aux, g, dtype, bias_dtype, act)
+    }
+
+    fn unscale_check(
+        dtype: DType,
+        inv_scale: f64,
+        slots: &[UnscaleSlot<'_, CudaStorage>],
+    ) -> Result<(Vec<CudaStorage>, CudaStorage)> {
+        amp::unscale_check_storages(dtype, inv_scale, slots)
     }
 
     fn fused_update(

@@ -16,10 +16,12 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+pub use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
 pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
 use crate::ir::{Program, rules};
 pub use crate::op::{BinaryOp, CmpOp, GradFrom, ReduceOp, UnaryOp};
+pub use crate::unscale::{FOUND_NON_FINITE, UnscaleSlot};
 pub use crate::update::{UpdateRule, UpdateSlot};
 use crate::{DType, Error, Layout, Result, Shape};
 
@@ -499,6 +501,23 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
             .collect()
     }
 
+    /// Unscales the gradients of dynamic loss scaling and checks them for inf/NaN in one pass
+    /// (PyTorch's `_amp_foreach_non_finite_check_and_unscale_`): returns, per slot, `g · inv`
+    /// (out of place, `dtype`, computed in f32 for the 16-bit floats and in `dtype` otherwise,
+    /// rounded once: [`crate::unscale::unscale_program`]), and one f32 flag of one element on
+    /// the slots' device: 0 when every unscaled element is finite, [`FOUND_NON_FINITE`] when
+    /// some is inf or NaN. `slots` is not empty, of one float `dtype` and one device (the
+    /// caller checks). The default evaluates the program once per slot through
+    /// [`Backend::eval_expr`] and unites the flags with a maximum ([`unscale_check_composed`]);
+    /// a GPU backend overrides it with one multi-tensor kernel for all slots.
+    fn unscale_check(
+        dtype: DType,
+        inv_scale: f64,
+        slots: &[UnscaleSlot<'_, Self::Storage>],
+    ) -> Result<(Vec<Self::Storage>, Self::Storage)> {
+        unscale_check_composed::<Self>(dtype, inv_scale, slots)
+    }
+
     /// Fused scaled dot-product attention in the flash-attention manner: `q` `[batch.., Tq,
     /// d]`, `k` `[batch.., Tk, d]`, `v` `[batch.., Tk, dv]` (the same batch axes, no
     /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output and
@@ -537,6 +556,51 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
         let _ = (q, k, v, out, lse, g, dtype, spec);
+        Ok(None)
+    }
+
+    // ---- linear layers with fused epilogues (offered by a backend, or not) ------------------
+
+    /// `act(x · wᵀ + bias)` by one library product whose epilogue adds the bias and applies the
+    /// activation (module [`crate::epilogue`]): `x` `[m, k]`, `w` `[n, k]`, `bias` `[n]`, of
+    /// `dtype` except the bias, which may be f32 under 16-bit operands where the library wants
+    /// it so; any layout (the backend declines what it cannot take). With `keep_aux` the result
+    /// carries what [`Backend::linear_epilogue_backward`] needs.
+    ///
+    /// `Ok(None)` means "not offered" for this call (dtype, activation, alignment): the caller
+    /// (kiln-autograd's `Var::linear_act`) composes a product, a bias add and the activation.
+    /// The default offers nothing. A backend that answers `Some` with `keep_aux` must offer the
+    /// backward for that result.
+    #[allow(clippy::too_many_arguments)]
+    fn linear_epilogue(
+        x: Operand<'_, Self::Storage>,
+        w: Operand<'_, Self::Storage>,
+        bias: Option<(Operand<'_, Self::Storage>, DType)>,
+        dtype: DType,
+        act: Activation,
+        keep_aux: bool,
+    ) -> Result<Option<EpilogueOutputs<Self::Storage>>> {
+        let _ = (x, w, bias, dtype, act, keep_aux);
+        Ok(None)
+    }
+
+    /// The gradients of a [`Backend::linear_epilogue`] for the output gradient `g` `[m, n]`
+    /// (of `dtype`), from `x`, `w`, the forward's `aux` and the activation: `dpre = g · act'`,
+    /// `dx = dpre · w`, `dw = dpreᵀ · x` and `db = Σ_rows dpre` (when `bias_dtype` is given),
+    /// the bias gradient and the activation's derivative in the products' epilogues where the
+    /// library offers them (cuBLASLt's `DRELU_BGRAD`, `DGELU_BGRAD`, `BGRADB`). `Ok(None)` when
+    /// not offered (the default).
+    #[allow(clippy::too_many_arguments)]
+    fn linear_epilogue_backward(
+        x: Operand<'_, Self::Storage>,
+        w: Operand<'_, Self::Storage>,
+        aux: Option<&Self::Storage>,
+        g: Operand<'_, Self::Storage>,
+        dtype: DType,
+        bias_dtype: Option<DType>,
+        act: Activation,
+    ) -> Result<Option<EpilogueGrads<Self::Storage>>> {
+        let _ = (x, w, aux, g, dtype, bias_dtype, act);
         Ok(None)
     }
 
@@ -640,4 +704,48 @@ pub fn unary_backward_by_rule<B: Backend>(
     let dev = B::storage_device(s);
     let mut out = B::eval_expr(&dev, &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
     Ok(out.swap_remove(0))
+}
+
+/// The composed [`Backend::unscale_check`]: [`crate::unscale::unscale_program`] evaluated per
+/// slot by the backend's own [`Backend::eval_expr`], the per-slot flags united by a maximum.
+/// Public so that a backend overriding the op can fall back to it (and tests compare with it).
+pub fn unscale_check_composed<B: Backend>(
+    dtype: DType,
+    inv_scale: f64,
+    slots: &[UnscaleSlot<'_, B::Storage>],
+) -> Result<(Vec<B::Storage>, B::Storage)> {
+    const OP: &str = "unscale_check";
+    let Some(first) = slots.first() else {
+        return Err(Error::invalid(
+            OP,
+            "no gradients: the flag lives on their device",
+        ));
+    };
+    let program = crate::unscale::unscale_program(dtype)?;
+    let dev = B::storage_device(first.grad);
+    let one = Layout::contiguous([1]);
+    let mut outs = Vec::with_capacity(slots.len());
+    let mut flag: Option<B::Storage> = None;
+    for slot in slots {
+        let l = Layout::contiguous([slot.len]);
+        let mut r = B::eval_expr(&dev, &program, l.shape(), &[(slot.grad, &l)], &[inv_scale])?;
+        if r.len() != 2 {
+            return Err(Error::backend(
+                OP,
+                format!("the unscale program returned {} outputs, not 2", r.len()),
+            ));
+        }
+        let f = r.pop().expect("two outputs");
+        outs.push(r.pop().expect("two outputs"));
+        flag = Some(match flag {
+            None => f,
+            Some(prev) => {
+                let union = crate::unscale::flag_union_program()?;
+                let mut u =
+                    B::eval_expr(&dev, &union, one.shape(), &[(&prev, &one), (&f, &one)], &[])?;
+                u.swap_remove(0)
+            }
+        });
+    }
+    Ok((outs, flag.expect("at least one slot")))
 }

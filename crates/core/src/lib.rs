@@ -38,6 +38,8 @@ mod device;
 mod dims;
 mod dtype;
 pub mod env;
+pub mod epilogue;
+pub mod epilogue_composed;
 mod error;
 pub mod expr;
 pub mod fasthash;
@@ -60,11 +62,13 @@ pub mod test_pinned;
 pub mod test_profile;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod unscale;
 mod update;
 
 pub use backend::{
-    AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp, Conv2dSpec,
-    GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UpdateRule, UpdateSlot,
+    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
+    Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UnscaleSlot,
+    UpdateRule, UpdateSlot,
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;

@@ -2,12 +2,15 @@
 //! (and take an index there, keeping names aligned with PyTorch's `nn.Sequential`).
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, Result};
+use kiln_core::{Activation, Backend, Result};
 
 use crate::module::Module;
 
 macro_rules! activation {
     ($(#[$doc:meta])* $name:ident, $method:ident) => {
+        activation!($(#[$doc])* $name, $method, None);
+    };
+    ($(#[$doc:meta])* $name:ident, $method:ident, $act:expr) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
         pub struct $name;
@@ -22,13 +25,16 @@ macro_rules! activation {
             fn describe(&self) -> String {
                 concat!(stringify!($name), "()").to_string()
             }
+            fn as_activation(&self) -> Option<Activation> {
+                $act
+            }
         }
     };
 }
 
 activation!(
     /// `max(x, 0)`.
-    Relu, relu
+    Relu, relu, Some(Activation::Relu)
 );
 activation!(
     /// `1 / (1 + exp(-x))`.
@@ -40,12 +46,12 @@ activation!(
 );
 activation!(
     /// The exact GELU, `x Φ(x)` (PyTorch's default, not the tanh approximation).
-    Gelu, gelu
+    Gelu, gelu, Some(Activation::Gelu)
 );
 activation!(
     /// GELU in its tanh form, `x/2 (1 + tanh(√(2/π) (x + 0.044715 x³)))` (PyTorch's
     /// `nn.GELU(approximate="tanh")`, GPT-2's activation).
-    GeluTanh, gelu_tanh
+    GeluTanh, gelu_tanh, Some(Activation::GeluTanh)
 );
 
 /// Collapses every axis after the first into one: `[n, c, h, w] -> [n, c*h*w]`

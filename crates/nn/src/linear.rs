@@ -2,7 +2,7 @@
 //! default initialization, so weights transfer to and from `torch.nn.Linear` unchanged.
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Generator, Result};
+use kiln_core::{Activation, Backend, DType, Error, Generator, Result};
 
 use crate::init::Init;
 use crate::module::Module;
@@ -105,6 +105,21 @@ impl<B: Backend> Linear<B> {
         self.weight.dims()[0]
     }
 
+    /// The input's last axis must be `in_features` (a typed error naming the layer).
+    fn check_input(&self, x: &Var<B>) -> Result<()> {
+        let in_f = self.in_features();
+        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_f {
+            return Err(Error::invalid(
+                "Linear",
+                format!(
+                    "expects inputs whose last axis is {in_f}, got shape {}",
+                    x.shape()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Ties this layer's weight to `weight`: the layer uses that very variable from now on (its
     /// own is dropped), so both users' gradients accumulate into one `.grad()` and one update
     /// moves both. This is nanoGPT's `lm_head.weight = wte.weight`:
@@ -148,19 +163,17 @@ impl<B: Backend> Linear<B> {
 
 impl<B: Backend> Module<B> for Linear<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        let in_f = self.in_features();
-        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_f {
-            return Err(Error::invalid(
-                "Linear",
-                format!(
-                    "expects inputs whose last axis is {in_f}, got shape {}",
-                    x.shape()
-                ),
-            ));
-        }
+        self.check_input(x)?;
         // One node with the parameters as direct inputs (see `Var::linear`); the backend's
         // GEMM reads W column-major through a transposed view, no copy.
         x.linear(&self.weight, self.bias.as_ref())
+    }
+
+    fn forward_then(&self, x: &Var<B>, act: Activation) -> Option<Result<Var<B>>> {
+        Some(
+            self.check_input(x)
+                .and_then(|()| x.linear_act(&self.weight, self.bias.as_ref(), act)),
+        )
     }
 
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {

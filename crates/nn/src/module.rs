@@ -21,7 +21,7 @@
 use std::path::Path;
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, Error, Result, Tensor};
+use kiln_core::{Activation, Backend, Error, Result, Tensor};
 
 use crate::serialize::{check_state_dict, load_safetensors, save_safetensors};
 
@@ -97,6 +97,21 @@ pub trait Module<B: Backend>: Send + Sync {
 
     /// A one-line description, e.g. `Linear(in=784, out=100, bias=true)`.
     fn describe(&self) -> String;
+
+    /// The activation this module applies, when that is all it does (`Relu`, `Gelu`,
+    /// `GeluTanh`): lets [`Sequential`](crate::Sequential) fuse it into the layer before it.
+    /// Default: `None`.
+    fn as_activation(&self) -> Option<Activation> {
+        None
+    }
+
+    /// This module followed by `act`, as one op, when it can fuse them (`Linear`: the
+    /// backend's bias-and-activation epilogue, `Var::linear_act`); the result must equal
+    /// `act(self.forward(x))`. Default: `None` (the caller applies them one after the other).
+    fn forward_then(&self, x: &Var<B>, act: Activation) -> Option<Result<Var<B>>> {
+        let _ = (x, act);
+        None
+    }
 }
 
 impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
@@ -117,6 +132,12 @@ impl<B: Backend, M: Module<B> + ?Sized> Module<B> for Box<M> {
     }
     fn describe(&self) -> String {
         (**self).describe()
+    }
+    fn as_activation(&self) -> Option<Activation> {
+        (**self).as_activation()
+    }
+    fn forward_then(&self, x: &Var<B>, act: Activation) -> Option<Result<Var<B>>> {
+        (**self).forward_then(x, act)
     }
 }
 

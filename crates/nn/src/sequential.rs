@@ -2,6 +2,13 @@
 //!
 //! Children are named by their index, parameterless ones included, so the parameters of
 //! `[Linear, ReLU, Linear]` are `0.weight, 0.bias, 2.weight, 2.bias`, as in PyTorch.
+//!
+//! A layer followed by an activation module that the layer can fuse (`Linear` then `Relu`,
+//! `Gelu` or `GeluTanh`: [`Module::forward_then`]) runs as one op, `Var::linear_act`, which a
+//! GPU computes with the bias and the activation in the product's epilogue (cuBLASLt) instead
+//! of a separate elementwise pass; elsewhere it is the same ops as the two modules in turn.
+//! [`Sequential::with_fused_epilogues`] turns this off for one model, and
+//! `kiln_autograd::set_linear_epilogues` the library path for the whole process.
 
 use kiln_autograd::Var;
 use kiln_core::{Backend, Result};
@@ -11,6 +18,7 @@ use crate::module::{Module, prefixed};
 /// Modules applied one after the other.
 pub struct Sequential<B: Backend> {
     layers: Vec<Box<dyn Module<B>>>,
+    fuse: bool,
 }
 
 impl<B: Backend> Default for Sequential<B> {
@@ -21,7 +29,16 @@ impl<B: Backend> Default for Sequential<B> {
 
 impl<B: Backend> Sequential<B> {
     pub fn new() -> Self {
-        Sequential { layers: Vec::new() }
+        Sequential {
+            layers: Vec::new(),
+            fuse: true,
+        }
+    }
+    /// Whether a layer and the activation module after it run as one fused op (module docs;
+    /// on by default).
+    pub fn with_fused_epilogues(mut self, on: bool) -> Self {
+        self.fuse = on;
+        self
     }
     /// Appends a module (builder style: `Sequential::new().add(l1).add(Relu)`).
     #[allow(clippy::should_implement_trait)]
@@ -47,8 +64,18 @@ impl<B: Backend> Sequential<B> {
 impl<B: Backend> Module<B> for Sequential<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
         let mut h = x.clone();
-        for l in &self.layers {
-            h = l.forward(&h)?;
+        let mut i = 0;
+        while i < self.layers.len() {
+            let next = self.layers.get(i + 1).filter(|_| self.fuse);
+            if let Some(act) = next.and_then(|n| n.as_activation())
+                && let Some(y) = self.layers[i].forward_then(&h, act)
+            {
+                h = y?;
+                i += 2;
+                continue;
+            }
+            h = self.layers[i].forward(&h)?;
+            i += 1;
         }
         Ok(h)
     }

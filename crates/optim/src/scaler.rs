@@ -29,13 +29,14 @@
 //! # Device work and the one host read
 //!
 //! The scale is a host `f64`: [`GradScaler::scale`] is one scalar multiply (the scalar is a
-//! kernel argument, no upload), and unscaling multiplies each gradient by `1 / S` in the same
-//! way. The inf/NaN check runs on the device: each gradient contributes `Σ (g · 0)`, which is
-//! 0 when every element is finite and NaN as soon as one is inf or NaN (`inf · 0 = NaN`, and
-//! NaN propagates through the sum); the per-gradient partial sums are added on the device into
-//! one 0-d flag (moved to the first gradient's device, as gradient clipping does). On a backend
-//! that defers elementwise work (CUDA) the multiply and its sum are one fused reduction per
-//! gradient. [`GradScaler::step`] reads that flag back once — the only synchronization the
+//! kernel argument, no upload). Unscaling and the inf/NaN check are one op,
+//! [`Tensor::unscale_check`], per group of gradients sharing a device and a dtype: it returns
+//! `g · (1 / S)` for each gradient and a 0-d f32 flag, 1 when some unscaled element is inf or
+//! NaN and 0 otherwise. On a GPU that is one multi-tensor kernel and a memset for up to 128
+//! gradients (PyTorch's `_amp_foreach_non_finite_check_and_unscale_`), not a multiply and a
+//! reduction per gradient; elsewhere one fused pass per gradient. The groups' flags are added
+//! on the device into one (moved to the first group's device, as gradient clipping does).
+//! [`GradScaler::step`] reads that flag back once — the only synchronization the
 //! scaler adds, once per step, as PyTorch's `found_inf.item()` in its `step`. Everything before
 //! it (backward, unscale, clipping) stays asynchronous.
 
@@ -121,6 +122,10 @@ impl GradScalerConfig {
     }
 }
 
+/// Gradients sharing a device and a dtype (one [`Tensor::unscale_check`]), with their
+/// parameters.
+type Group<B> = (<B as Backend>::Device, DType, Vec<(Var<B>, Tensor<B>)>);
+
 /// Where the scaler is within one step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Stage {
@@ -141,7 +146,7 @@ pub struct GradScaler<B: Backend> {
     scale: f64,
     clean_steps: u64,
     stage: Stage,
-    /// The device flag of the current step between `unscale_` and `step` (0 or NaN).
+    /// The device flag of the current step between `unscale_` and `step` (0: all finite).
     flag: Option<Tensor<B>>,
 }
 
@@ -219,17 +224,28 @@ impl<B: Backend> GradScaler<B> {
             }
         }
         let inv = 1.0 / self.scale;
-        let mut flag: Option<Tensor<B>> = None;
+        // One multi-tensor unscale-and-check per (device, dtype) group of gradients.
+        let mut groups: Vec<Group<B>> = Vec::new();
         for p in Var::unique(params.iter().cloned()) {
             let Some(g) = p.grad() else { continue };
-            let g = g.mul_scalar(inv)?;
-            // 0 when every element is finite, NaN otherwise (inf · 0 = NaN; NaN propagates).
-            let part = g.mul_scalar(0.0)?.sum_all()?.to_dtype(DType::F32)?;
+            let (dev, dtype) = (g.device().clone(), g.dtype());
+            match groups.iter_mut().find(|e| e.0 == dev && e.1 == dtype) {
+                Some(e) => e.2.push((p, g)),
+                None => groups.push((dev, dtype, vec![(p, g)])),
+            }
+        }
+        let mut flag: Option<Tensor<B>> = None;
+        for (_, _, members) in groups {
+            let grads: Vec<Tensor<B>> = members.iter().map(|(_, g)| g.clone()).collect();
+            let (unscaled, part) = Tensor::unscale_check(&grads, inv)?;
+            for ((p, _), g) in members.iter().zip(unscaled) {
+                p.set_grad(Some(g))?;
+            }
+            // 0 or 1 per group; a sum of them is nonzero exactly when some group found one.
             flag = Some(match flag {
                 None => part,
                 Some(f) => f.add(&part.to_device(f.device())?)?,
             });
-            p.set_grad(Some(g))?;
         }
         self.stage = Stage::Unscaled;
         Ok(flag)
@@ -255,7 +271,7 @@ impl<B: Backend> GradScaler<B> {
         };
         // No flag: no parameter had a gradient, so nothing overflowed.
         let found_inf = match flag {
-            Some(f) => !f.to_scalar()?.is_finite(),
+            Some(f) => f.to_scalar()? != 0.0,
             None => false,
         };
         if !found_inf {

@@ -19,9 +19,12 @@
 
 use std::fmt;
 
+use crate::backend::Operand;
 use crate::backend::{
     Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
 };
+use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
+use crate::epilogue_composed::{linear_epilogue_backward_composed, linear_epilogue_composed};
 use crate::expr::Program;
 use crate::{DType, Error, Layout, Result, Shape, philox};
 
@@ -798,6 +801,31 @@ impl Backend for Reference {
             }
         };
         Ok(new(base.device, out))
+    }
+
+    /// Offered for every activation, composed from the kernels above
+    /// ([`crate::epilogue_composed`]): the callers' fused path is then tested on the host.
+    fn linear_epilogue(
+        x: Operand<'_, RefStorage>,
+        w: Operand<'_, RefStorage>,
+        bias: Option<(Operand<'_, RefStorage>, DType)>,
+        dtype: DType,
+        act: Activation,
+        keep_aux: bool,
+    ) -> Result<Option<EpilogueOutputs<RefStorage>>> {
+        linear_epilogue_composed::<Self>(x, w, bias, dtype, act, keep_aux).map(Some)
+    }
+
+    fn linear_epilogue_backward(
+        x: Operand<'_, RefStorage>,
+        w: Operand<'_, RefStorage>,
+        aux: Option<&RefStorage>,
+        g: Operand<'_, RefStorage>,
+        dtype: DType,
+        bias_dtype: Option<DType>,
+        act: Activation,
+    ) -> Result<Option<EpilogueGrads<RefStorage>>> {
+        linear_epilogue_backward_composed::<Self>(x, w, aux, g, dtype, bias_dtype, act).map(Some)
     }
 
     /// Op by op: the reference is the oracle the fused evaluators are tested against.

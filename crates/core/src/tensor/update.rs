@@ -1,8 +1,8 @@
 //! Multi-tensor optimizer updates: validation, then one [`Backend::fused_update`] call.
 
 use super::Tensor;
-use crate::backend::{Backend, UpdateRule, UpdateSlot};
-use crate::{Error, Result};
+use crate::backend::{Backend, UnscaleSlot, UpdateRule, UpdateSlot};
+use crate::{DType, Error, Result, Shape};
 
 /// The new parameter and state tensors of one parameter after [`Tensor::fused_update`].
 pub type Updated<B> = (Tensor<B>, Vec<Tensor<B>>);
@@ -103,5 +103,68 @@ impl<B: Backend> Tensor<B> {
                 (orig.fresh(p, shape.clone(), dtype), st)
             })
             .collect())
+    }
+}
+
+impl<B: Backend> Tensor<B> {
+    /// Unscales the gradients of dynamic loss scaling and checks them for inf/NaN at once:
+    /// returns `grads[i] · inv_scale` (new tensors of the same shape and dtype, computed in f32
+    /// for the 16-bit floats and rounded once) and a 0-d f32 flag on their device, `0` when
+    /// every unscaled element is finite and [`FOUND_NON_FINITE`](crate::FOUND_NON_FINITE) (`1`) otherwise. Nothing is
+    /// read back to the host. All gradients must share one device and one float dtype, and
+    /// there must be at least one (the flag lives on their device).
+    ///
+    /// On the GPU this is one multi-tensor kernel (and a memset of the flag) for up to 128
+    /// gradients per launch, where the composed form is a multiply and a reduction per gradient.
+    pub fn unscale_check(grads: &[Self], inv_scale: f64) -> Result<(Vec<Self>, Self)> {
+        const OP: &str = "unscale_check";
+        let Some(first) = grads.first() else {
+            return Err(Error::invalid(
+                OP,
+                "no gradients: the flag lives on their device",
+            ));
+        };
+        first.require_float(OP)?;
+        if !inv_scale.is_finite() {
+            return Err(Error::invalid(
+                OP,
+                format!("the inverse scale must be finite, got {inv_scale}"),
+            ));
+        }
+        let dtype = first.dtype();
+        let mut owned = Vec::with_capacity(grads.len());
+        for g in grads {
+            first.check_same_device(OP, g)?;
+            if g.dtype() != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: dtype.to_string(),
+                    got: g.dtype(),
+                });
+            }
+            owned.push(g.contiguous()?);
+        }
+        let slots: Vec<UnscaleSlot<'_, B::Storage>> = owned
+            .iter()
+            .map(|g| UnscaleSlot {
+                grad: g.storage(),
+                len: g.elem_count(),
+            })
+            .collect();
+        let p = first.prof(OP, &[], false);
+        let (outs, flag) = B::unscale_check(dtype, inv_scale, &slots)?;
+        drop(p);
+        if outs.len() != grads.len() {
+            return Err(Error::backend(
+                OP,
+                format!("{} outputs for {} gradients", outs.len(), grads.len()),
+            ));
+        }
+        let outs = outs
+            .into_iter()
+            .zip(grads)
+            .map(|(s, g)| g.fresh(s, g.shape().clone(), dtype))
+            .collect();
+        Ok((outs, first.fresh(flag, Shape::scalar(), DType::F32)))
     }
 }

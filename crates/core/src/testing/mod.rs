@@ -344,6 +344,7 @@ mod memory;
 mod random;
 mod reduce;
 mod unary;
+mod unscale;
 mod update;
 
 use harness::{Check, Outcome, Pair, describe};
@@ -359,4 +360,5 @@ use memory::{g_cat_stack, g_contiguous, g_copy, g_copy_into, g_devices, g_fill, 
 use random::g_rand;
 use reduce::{g_reduce, g_softmax, g_xent};
 use unary::{g_composite, g_unary, g_unary_backward};
+pub use unscale::{check_unscale_check, check_unscale_check_errors};
 use update::g_fused_update;

@@ -1,0 +1,62 @@
+// Mixed-precision training: the GradScaler's gradient unscale and inf/NaN check in one pass
+// (PyTorch's `_amp_foreach_non_finite_check_and_unscale_`; host code amp.rs).
+//
+// One launch takes up to UNSCALE_MAX gradients of one dtype as one virtual concatenation:
+// `start` holds the prefix offsets (start[count] elements in all) and each thread finds its
+// gradient by binary search over them, as the generated multi-tensor kernels do
+// (codegen/multi_tensor.rs). Every pointer travels in the by-value `UnscaleArgs` (3 KB of
+// the 4 KB of kernel parameters; no per-launch upload, so a captured CUDA graph replays it as
+// is). Each element is loaded, multiplied by `inv` in the compute type (f32 for the 16-bit
+// floats), rounded once to its dtype and stored to `y`; a thread that stored a non-finite
+// value writes 1 to `found`, which the host zeroed before the launch. Set-only, so no atomics:
+// racing writers all write the same value.
+
+#define UNSCALE_MAX 128
+
+struct UnscaleArgs {
+    u64 start[UNSCALE_MAX + 1];
+    u64 count;
+    u64 x[UNSCALE_MAX];
+    u64 y[UNSCALE_MAX];
+};
+
+// Whether `v` is inf or NaN: the exponent bits all set (a bit test, immune to any
+// floating-point contraction of `v - v`).
+__device__ __forceinline__ bool non_finite(float v) {
+    return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool non_finite(double v) {
+    return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+// S: the storage type; T: the compute type (S itself for float and double, float for f16/bf16).
+template <typename S, typename T>
+__device__ __forceinline__ void unscale_check(const UnscaleArgs& a, T inv, float* found) {
+    const u64 total = a.start[a.count];
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    bool bad = false;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        int lo = 0, hi = (int)a.count - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (a.start[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        const u64 e = i - a.start[lo];
+        const S v = narrow<S>(wide(((const S*)a.x[lo])[e]) * inv);
+        ((S*)a.y[lo])[e] = v;
+        // Widening is exact: the check sees the stored value (an f16 overflow included).
+        bad |= non_finite(wide(v));
+    }
+    if (bad) *found = 1.0f;
+}
+
+#define UNSCALE_CHECK(S, T)                                                                    \
+    extern "C" __global__ void unscale_check_##S(UnscaleArgs a, T inv, float* found) {         \
+        unscale_check<S, T>(a, inv, found);                                                    \
+    }
+#define UNSCALE_CHECK_SAME(T) UNSCALE_CHECK(T, T)
+#define UNSCALE_CHECK_HALF(S) UNSCALE_CHECK(S, float)
+UNSCALE_CHECK_SAME(float)
+UNSCALE_CHECK_SAME(double)
+UNSCALE_CHECK_HALF(f16)
+UNSCALE_CHECK_HALF(bf16)

@@ -1,0 +1,18 @@
+//! `Tensor::unscale_check` by the composed default (`Backend::unscale_check`) on the reference
+//! backend: planted inf/NaN, exact unscaled values, typed errors (`kiln_core::testing`'s
+//! checks, which the CPU and CUDA backends run too).
+
+#![cfg(feature = "testing")]
+
+use kiln_core::reference::{RefDevice, Reference};
+use kiln_core::testing::{check_unscale_check, check_unscale_check_errors};
+
+#[test]
+fn unscale_check_on_the_reference_backend() {
+    check_unscale_check::<Reference>(&RefDevice::default(), 3000);
+}
+
+#[test]
+fn unscale_check_errors_are_typed() {
+    check_unscale_check_errors::<Reference>(&RefDevice::default());
+}

@@ -8,7 +8,9 @@
 //! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) listed in [`GPU_TESTS`]
 //!   into `target/gpu-bundle/tests.tar.gz` with a `run.sh` that unpacks them, runs each and
 //!   prints one summary line; those two files are what travels to a GPU machine (packed, since
-//!   the binaries alone are over the device tool's carry limit). `--run` also runs it here.
+//!   the binaries alone are over the device tool's carry limit). Past 40 MiB packed, the
+//!   binaries go in parts (`tests-1.tar.gz`, `tests-2.tar.gz`, ...), one call carrying `run.sh`
+//!   and one part. `--run` also runs it here.
 //! - `bench-gpu [--run]`: the same for the GPU benches (packed into `benches.tar.gz`) plus `bench/gpu_torch.py` and
 //!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
 //!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
@@ -273,15 +275,23 @@ fn bundle(kind: Kind, run: bool) -> Result<(), String> {
 # Usage (on a GPU machine): bash target/gpu-bundle/run.sh [test-filter...]
 cd "$(dirname "$0")"
 @CUDNN_PATH@
-# The binaries travel packed (the device tool's carry limit) and are unpacked on each run.
-rm -rf tests && tar xzf tests.tar.gz || exit 1
+# The binaries travel packed (the device tool's carry limit), in parts when they are many
+# (tests-1.tar.gz, tests-2.tar.gz, ...: carry one per call); each run unpacks what is here.
+rm -rf tests && mkdir tests
+parts=""
+for a in tests.tar.gz tests-*.tar.gz; do
+    [ -e "$a" ] || continue
+    tar xzf "$a" || exit 1
+    parts="$parts ${a%.tar.gz}"
+done
+[ -n "$parts" ] || { echo "no tests*.tar.gz here"; exit 1; }
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 pass=0; fail=0; failed=""
 for t in tests/*; do
     echo "=== $t"
     if timeout "${KILN_TEST_TIMEOUT:-400}" "$t" --test-threads=1 "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $t"; fi
 done
-echo "GPU TEST SUMMARY: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}"
+echo "GPU TEST SUMMARY:$parts: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}"
 [ "$fail" -eq 0 ]
 "#
         }
@@ -319,10 +329,11 @@ python3 compare.py "$out"
         }
     }
     // What one `run` carries for this kind (the other kinds' parts of the folder stay home).
-    let mut carried: Vec<PathBuf> = vec![bin_dir.clone(), dir.join(script_name)];
-    // Stripped, the test binaries are ~90 MiB and the benches ~40 (each holds the prebuilt
-    // kernels), over the carry limit with the examples; gzip makes them a third of that.
-    carried[0] = pack(&dir, sub)?;
+    // Stripped, the test binaries are ~200 MiB and the benches ~40 (each holds the prebuilt
+    // kernels), over the carry limit; gzip makes them a third of that, and the tests still go
+    // in parts that one call each can carry (`run.sh` runs the parts it finds).
+    let parts = pack_parts(&dir, sub)?;
+    let mut carried: Vec<PathBuf> = vec![parts[0].clone(), dir.join(script_name)];
     if kind == Kind::Bench {
         for f in [
             "gpu_torch.py",
@@ -335,11 +346,19 @@ python3 compare.py "$out"
         }
         carried.extend(GPU_EXAMPLES.iter().map(|e| dir.join(e)));
     }
-    let total = carry_size(&carried)?;
+    let mut total = carry_size(&carried)?;
+    for part in &parts[1..] {
+        total = total.max(carry_size(&[part.clone(), dir.join(script_name)])?);
+    }
+    let names: Vec<String> = parts
+        .iter()
+        .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .collect();
     println!(
-        "bundle: {} ({} binaries, {:.1} MiB to carry)",
+        "bundle: {} ({} binaries in {}; at most {:.1} MiB to carry per call)",
         dir.display(),
         exes.len(),
+        names.join(", "),
         total as f64 / (1 << 20) as f64
     );
     // What xtask's own build of the CUDA crate got (same environment as the bundle's): a bundle
@@ -352,23 +371,77 @@ python3 compare.py "$out"
     Ok(())
 }
 
-/// Packs `dir/sub` into `dir/sub.tar.gz` (with `tar`) and removes the folder; returns the
-/// archive's path.
-fn pack(dir: &Path, sub: &str) -> Result<PathBuf, String> {
-    let archive = dir.join(format!("{sub}.tar.gz"));
-    let st = Command::new("tar")
-        .arg("czf")
-        .arg(&archive)
-        .arg("-C")
-        .arg(dir)
-        .arg(sub)
-        .status()
-        .map_err(|e| format!("tar: {e}"))?;
-    if !st.success() {
-        return Err(format!("tar czf {} failed: {st}", archive.display()));
+/// The largest archive one part may be: with its script and the working tree, one call can
+/// carry it.
+const PART_LIMIT: u64 = 40 << 20;
+
+/// Packs `dir/sub` into `dir/sub.tar.gz`, or, when that is over [`PART_LIMIT`], into
+/// `sub-1.tar.gz`, `sub-2.tar.gz`, ... (binaries spread by size, largest first into the
+/// lightest part), each holding `sub/<binaries>`; removes the folder and any older archives.
+fn pack_parts(dir: &Path, sub: &str) -> Result<Vec<PathBuf>, String> {
+    for e in std::fs::read_dir(dir).map_err(|e| e.to_string())?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(sub) && name.ends_with(".tar.gz") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    let mut files: Vec<(u64, String)> = std::fs::read_dir(dir.join(sub))
+        .map_err(|e| e.to_string())?
+        .flatten()
+        .map(|e| {
+            (
+                path_size(&e.path()),
+                e.file_name().to_string_lossy().into_owned(),
+            )
+        })
+        .collect();
+    files.sort();
+    files.reverse();
+    let whole = tar(dir, &format!("{sub}.tar.gz"), sub, &[])?;
+    let size = path_size(&whole);
+    if size <= PART_LIMIT {
+        std::fs::remove_dir_all(dir.join(sub)).map_err(|e| e.to_string())?;
+        return Ok(vec![whole]);
+    }
+    std::fs::remove_file(&whole).map_err(|e| e.to_string())?;
+    let k = size.div_ceil(PART_LIMIT * 9 / 10) as usize;
+    let mut groups: Vec<(u64, Vec<String>)> = vec![(0, Vec::new()); k];
+    for (bytes, name) in files {
+        let lightest = groups.iter_mut().min_by_key(|g| g.0).expect("k >= 1");
+        lightest.0 += bytes;
+        lightest.1.push(format!("{sub}/{name}"));
+    }
+    let mut parts = Vec::new();
+    for (i, (_, names)) in groups.iter().enumerate() {
+        let part = tar(dir, &format!("{sub}-{}.tar.gz", i + 1), "", names)?;
+        if path_size(&part) > PART_LIMIT {
+            return Err(format!(
+                "{} is over {} MiB",
+                part.display(),
+                PART_LIMIT >> 20
+            ));
+        }
+        parts.push(part);
     }
     std::fs::remove_dir_all(dir.join(sub)).map_err(|e| e.to_string())?;
-    Ok(archive)
+    Ok(parts)
+}
+
+/// `tar czf dir/archive -C dir <what or names>`; the archive's path.
+fn tar(dir: &Path, archive: &str, what: &str, names: &[String]) -> Result<PathBuf, String> {
+    let path = dir.join(archive);
+    let mut cmd = Command::new("tar");
+    cmd.arg("czf").arg(&path).arg("-C").arg(dir);
+    if names.is_empty() {
+        cmd.arg(what);
+    } else {
+        cmd.args(names);
+    }
+    let st = cmd.status().map_err(|e| format!("tar: {e}"))?;
+    if !st.success() {
+        return Err(format!("tar czf {} failed: {st}", path.display()));
+    }
+    Ok(path)
 }
 
 /// Builds [`GPU_EXAMPLES`] (release, stripped) into `dir` with `profile.sh`, which runs one

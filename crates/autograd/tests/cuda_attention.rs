@@ -123,7 +123,8 @@ fn fused_f32_matches_composed_f64_on_cpu() {
 static SWITCHES: Mutex<()> = Mutex::new(());
 
 /// Holds [`SWITCHES`] with fused 16-bit attention on (tensor cores where the device has them)
-/// and puts both switches back to their defaults when dropped.
+/// and, when dropped, turns it off (the other tests ask for what they compare) and tensor
+/// cores back on.
 struct Fused16(#[allow(dead_code)] MutexGuard<'static, ()>);
 
 impl Fused16 {
@@ -146,8 +147,8 @@ impl Drop for Fused16 {
 fn fused_bf16_and_f16_match_within_their_precision() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let _on = Fused16::on();
-    // 16-bit attention takes the fused kernels only when asked (by default it composes around
-    // tensor-core GEMMs, which are faster at these lengths): ask, and check it was taken.
+    // Ask for the fused kernels explicitly (by default they run only where the tensor-core
+    // family does), and check they were taken.
     let q = Var::constant(normal::<Cuda>(&[1, 1, 40, 64], 1, DType::BF16, &dev));
     q.tensor().realize().unwrap();
     let before = thread_launches();

@@ -267,9 +267,9 @@ fn attention(dev: &CudaDevice) {
             "ms",
         );
         if dt != DType::F32 {
-            // The 16-bit fused kernels, which attention takes only when asked (by default
-            // 16-bit attention composes around cuBLAS's tensor-core GEMMs): the tensor-core
-            // kernels (`_fused_kernel`, sm_80+) and the f32-FMA ones (`_fused_fma`).
+            // The 16-bit fused kernels asked for explicitly (the rows above took the default:
+            // fused on sm_80+, composed elsewhere): the tensor-core kernels (`_fused_kernel`)
+            // and the f32-FMA ones (`_fused_fma`).
             kiln_backend_cuda::set_fused_attention_16bit(true);
             report(
                 &format!("attn_gpt_fwd_{tag}_fused_kernel"),

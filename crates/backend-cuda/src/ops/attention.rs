@@ -16,15 +16,17 @@
 //! Dropout on the weights runs inside the kernels (the mask regenerated from Philox in each
 //! of them, never stored; `AttentionSpec::dropout_p`).
 //!
-//! f16 and bf16 are offered only after [`set_fused_attention_16bit`]`(true)` (the one switch
-//! of whether 16-bit attention fuses; off by default until the tensor-core kernels are
-//! measured). On sm_80+ at head sizes up to 128 they run `kernels/attention_tc.cu`: the same
-//! algorithm and mask with `mma.sync` tensor-core products. Elsewhere (older GPUs, or after
-//! [`set_attention_tensor_cores`]`(false)`, which the tests use to compare the two) they run
-//! the FMA kernels of `kernels/attention.cu`, which on an H100 (2026-11-27, GPT shape B=64,
-//! H=6, T=256, d=64, causal, bf16 forward + backward) took 0.940 ms against 0.773 ms composed
-//! (cuBLAS's tensor-core GEMMs around a softmax) and 0.249 ms for PyTorch's flash kernel.
-//! f32 always runs the FMA kernels (0.965 ms fused against 1.286 composed).
+//! f16 and bf16 fuse where the tensor-core kernels run — sm_80+ at head sizes up to 128 —
+//! and compose elsewhere, unless [`set_fused_attention_16bit`] says otherwise (the one switch
+//! of whether 16-bit attention fuses). The tensor-core kernels (`kernels/attention_tc.cu`) are
+//! the same algorithm and mask with `mma.sync` products; on an H100 (2026-11-27, GPT shape
+//! B=64, H=6, T=256, d=64, causal, bf16 forward + backward) they took 0.328 ms against
+//! 0.762 ms composed (cuBLAS's tensor-core GEMMs around a softmax), 0.915 ms on the FMA kernels
+//! of `kernels/attention.cu`, and 0.515 ms for PyTorch's `scaled_dot_product_attention` in the
+//! same run. Older GPUs (or [`set_attention_tensor_cores`]`(false)`, which the tests use to
+//! compare the two) would run the FMA kernels, slower than composing, so there 16-bit
+//! composes by default. f32 always runs the FMA kernels (0.964 ms fused against 1.285
+//! composed; PyTorch 0.639).
 //!
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
@@ -33,7 +35,7 @@
 //! Operands whose head axis is strided (not unit stride) are copied first; any other layout
 //! (a head view of a packed projection, transposed batch axes) is read in place.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use kiln_core::backend::Operand;
 use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
@@ -133,25 +135,37 @@ struct Plan {
     family: Family,
 }
 
-/// Whether f16/bf16 attention takes the fused kernels (module docs; off by default).
-static HALF: AtomicBool = AtomicBool::new(false);
-/// Offers (or stops offering) the fused kernels for f16 and bf16 operands: on sm_80+ the
-/// tensor-core kernels, else the f32-FMA ones (module docs); they never store the `T × T`
-/// weights. Off by default (the composed path around cuBLAS's GEMMs); process-wide.
+/// Whether f16/bf16 attention takes the fused kernels: [`AUTO`] until
+/// [`set_fused_attention_16bit`] is called, then [`ON`] or [`OFF`].
+static HALF: AtomicU8 = AtomicU8::new(AUTO);
+/// Fused where the tensor-core kernels run (sm_80+, tensor cores allowed), composed elsewhere.
+const AUTO: u8 = 0;
+const ON: u8 = 1;
+const OFF: u8 = 2;
+
+/// Offers the fused kernels for f16 and bf16 operands on every device (`true`: on sm_80+ the
+/// tensor-core kernels, else the f32-FMA ones), or on none (`false`: the composed path around
+/// cuBLAS's GEMMs). Until it is called, 16-bit attention fuses exactly where the tensor-core
+/// kernels run (module docs). Process-wide.
 pub fn set_fused_attention_16bit(on: bool) {
-    HALF.store(on, Ordering::Relaxed);
+    HALF.store(if on { ON } else { OFF }, Ordering::Relaxed);
 }
 
-/// Whether [`set_fused_attention_16bit`] is on.
-pub fn fused_attention_16bit() -> bool {
-    HALF.load(Ordering::Relaxed)
+/// Whether f16/bf16 attention fuses on a device of compute capability `arch` (see
+/// [`set_fused_attention_16bit`]).
+pub fn fused_attention_16bit(arch: u32) -> bool {
+    match HALF.load(Ordering::Relaxed) {
+        ON => true,
+        OFF => false,
+        _ => Family::of(DType::BF16, arch) == Family::TensorCore,
+    }
 }
 
 /// The [`Plan`] of one call, or `None` when the kernels do not take it.
 fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Result<Option<Plan>> {
     const OP: &str = "scaled_dot_product_attention";
     let half = matches!(dtype, DType::F16 | DType::BF16);
-    if !(dtype == DType::F32 || (half && fused_attention_16bit())) {
+    if !(dtype == DType::F32 || (half && fused_attention_16bit(arch))) {
         return Ok(None);
     }
     let (q, k, v) = (views[0], views[1], views[2]);

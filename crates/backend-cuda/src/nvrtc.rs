@@ -89,7 +89,7 @@ pub enum Flavor {
     /// Our fixed files ([`crate::kernel_files::options`]).
     Kiln,
     /// Our generated programs (expression programs, lazy chains, lone ops):
-    /// [`generated_options`].
+    /// `generated_options`.
     Generated,
     /// A user's (`ElementwiseKernel`, `RawKernel`, ...): [`crate::kernel_files::user_options`].
     User,

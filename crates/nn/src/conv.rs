@@ -409,7 +409,7 @@ fn routed_to_im2col<B: Backend>(
         weight,
         taps,
         columns: taps * groups * oh * ow * x.dims()[0],
-        geometry: format!("{spec:?}"),
+        spec,
     };
     prefer_im2col(
         &candidate,

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kiln_autograd::{Var, autocast_dtype, is_grad_enabled, no_grad};
-use kiln_core::{Backend, Result};
+use kiln_core::{Backend, Conv2dSpec, Result};
 
 /// The longest im2col reduction (`c/groups · kh · kw`) for which the paths are compared.
 pub const MAX_TAPS: usize = 64;
@@ -64,14 +64,13 @@ pub fn conv_routes_measured() -> usize {
 }
 
 /// One convolution as the router sees it: `taps` is `c/groups · kh · kw`, `columns` the im2col
-/// matrix's element count, `geometry` anything else that tells shapes apart (stride, padding,
-/// dilation, groups).
+/// matrix's element count, `spec` the rest of the geometry (stride, padding, dilation, groups).
 pub(crate) struct Candidate<'a, B: Backend> {
     pub x: &'a Var<B>,
     pub weight: &'a Var<B>,
     pub taps: usize,
     pub columns: usize,
-    pub geometry: String,
+    pub spec: Conv2dSpec,
 }
 
 /// Whether the convolution should take im2col although the backend offers its own. `library`
@@ -87,14 +86,14 @@ pub(crate) fn prefer_im2col<B: Backend>(
     let dev = c.x.device();
     let grads = is_grad_enabled();
     let key = format!(
-        "{} {dev:?} {} {:?} {} {:?} {:?} {} {grads}",
+        "{} {dev:?} {} {:?} {} {:?} {:?} {:?} {grads}",
         B::NAME,
         c.x.dtype(),
         autocast_dtype(),
         c.x.shape(),
         c.weight.dtype(),
         c.weight.shape(),
-        c.geometry,
+        c.spec,
     );
     if let Some(&won) = CHOICES.lock().unwrap().get_or_insert_default().get(&key) {
         return Ok(won);

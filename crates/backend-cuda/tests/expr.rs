@@ -361,6 +361,27 @@ fn long_reductions_split_over_blocks_match_the_cpu() {
         let tr = |_: usize, v: G| v.permute(&[1, 0]).unwrap();
         let trc = |_: usize, v: Tensor<Cpu>| v.permute(&[1, 0]).unwrap();
         against_cpu(&dev, &p, std::slice::from_ref(&r), tr, trc, &[1e-3], rtol);
+        // Just past one block's share (64K): a GPT embedding's 98K-element norm, split too.
+        let e = rand_cpu(&[256, 384], 7, dtype);
+        let p = Program::from_exprs(&[dtype], &[x.square().sum(&[0, 1])]).unwrap();
+        against_cpu(
+            &dev,
+            &p,
+            std::slice::from_ref(&e),
+            |_, v| v,
+            |_, v| v,
+            &[],
+            rtol,
+        );
+        let g = up(&dev, &e);
+        g.realize().unwrap();
+        let l0 = kiln_backend_cuda::thread_launches();
+        p.run(&[&g], &[]).unwrap().remove(0).realize().unwrap();
+        assert_eq!(
+            kiln_backend_cuda::thread_launches() - l0,
+            2,
+            "split: two launches"
+        );
     }
 }
 

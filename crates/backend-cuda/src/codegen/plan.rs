@@ -42,15 +42,24 @@ fn too_many_dims(n: usize) -> Error {
 const THREAD_MAX_RED: usize = 64;
 
 /// Blocks a [`Strategy::Split`] reduction aims for (about 8 resident blocks on each of an
-/// H100's or H200's 132 multiprocessors), and the fewest reduced elements a part gets.
+/// H100's or H200's 132 multiprocessors), and the fewest reduced elements a part gets (32 a
+/// thread of a 256-thread block: enough loads in flight to stream).
 pub(super) const SPLIT_BLOCKS: usize = 1024;
-pub(super) const SPLIT_MIN_PART: usize = 1 << 16;
+pub(super) const SPLIT_MIN_PART: usize = 1 << 13;
+/// Reductions of at most this many elements per kept element are one block each, one launch.
+pub(super) const ONE_BLOCK_MAX: usize = 1 << 16;
 
 /// The parts of a [`Strategy::Split`] reduction of `n_kept` kept elements of `n_red` reduced
-/// elements each (1: do not split). Below two parts' worth of elements (128K) one block does
-/// it alone: the second launch would cost a host-bound loop more (3–4 µs of driver time) than
-/// the one block takes (a norm of 64K f32 is one launch in d2l-style loops).
+/// elements each (1: do not split). Up to 64K elements one block does it alone: the second
+/// launch would cost a host-bound loop more (3–4 µs of driver time) than the one block takes
+/// (a norm of 64K f32 is one launch in d2l-style loops). Above, parts of at least 8K elements:
+/// with 64K-element parts (as until 2026-11-27) the per-parameter norms of a GPT's gradient
+/// clipping ran 2–9 blocks each, 38–43 µs a weight matrix on an H100, and a 98K-element
+/// embedding's one block 83 µs.
 pub(crate) fn split_parts(n_kept: usize, n_red: usize) -> usize {
+    if n_red <= ONE_BLOCK_MAX {
+        return 1;
+    }
     let want = SPLIT_BLOCKS.div_ceil(n_kept.max(1));
     want.min(n_red / SPLIT_MIN_PART).max(1)
 }

@@ -1,6 +1,6 @@
 //! Unit tests of the generated source (compared as text) and of the launch plan.
 
-use super::plan::{SPLIT_BLOCKS, SPLIT_MIN_PART};
+use super::plan::{ONE_BLOCK_MAX, SPLIT_BLOCKS, SPLIT_MIN_PART};
 use super::*;
 use kiln_core::expr::Expr;
 use kiln_core::{Layout, Shape};
@@ -250,7 +250,13 @@ fn long_reductions_of_few_kept_elements_split() {
     assert_eq!(split_parts(1, 10_000), 1, "a small norm stays one launch");
     assert_eq!(split_parts(1, 256 * 256), 1);
     assert_eq!(split_parts(1, 1 << 26), SPLIT_BLOCKS);
-    assert_eq!(split_parts(1, 5 * SPLIT_MIN_PART), 5);
+    assert_eq!(split_parts(1, ONE_BLOCK_MAX), 1);
+    assert_eq!(split_parts(1, 10 * SPLIT_MIN_PART), 10);
+    assert_eq!(
+        split_parts(1, 384 * 1536),
+        72,
+        "a GPT weight's norm: 72 blocks"
+    );
     assert_eq!(split_parts(4, 1 << 26), SPLIT_BLOCKS / 4);
     assert_eq!(split_parts(4096, 1 << 20), 1, "enough blocks already");
     let x = Expr::input(0);
@@ -259,7 +265,7 @@ fn long_reductions_of_few_kept_elements_split() {
     let l = Layout::contiguous(shape.clone());
     let g = plan(&p, &shape, &[&l], &[0, 1]).unwrap();
     assert_eq!(g.variant.strategy, Strategy::Split);
-    assert_eq!((g.n, g.n_red, g.parts), (1, 1 << 22, 64));
+    assert_eq!((g.n, g.n_red, g.parts), (1, 1 << 22, 512));
     let small = Shape::new([100, 100]);
     let l = Layout::contiguous(small.clone());
     let g = plan(&p, &small, &[&l], &[0, 1]).unwrap();

@@ -10,7 +10,8 @@
 //!   in `site-packages/nvidia/cudnn/lib`), older than 9, or incomplete, the backend says so once
 //!   on stderr and answers "not offered", and convolutions take the im2col path. cudarc panics
 //!   on a call into a library it cannot open, so nothing here calls cuDNN before that check.
-//!   `KILN_CUDNN=0` (or [`set_cudnn`]) forces the im2col path, to compare the two.
+//!   `KILN_CUDNN=0` (or [`set_cudnn`]) forces the im2col path, to compare the two;
+//!   `KILN_CUDNN_LOG=1` prints each geometry's measured algorithms.
 //! - **One handle per device**, created on first use and bound to the calling thread's current
 //!   stream before every call, kept with the device's plans under one lock (`State`).
 //! - **Algorithms measured once per geometry** and cached per device (`algo.rs`); workspaces
@@ -54,6 +55,13 @@ fn status(r: sys::cudnnStatus_t, op: &'static str) -> Result<()> {
 }
 
 static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
+
+/// `KILN_CUDNN_LOG=1`: each measured geometry prints its fastest algorithms (stderr), the
+/// first being the one that runs, with the times cuDNN's search measured.
+fn log_choices() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDNN_LOG").is_ok_and(|v| v == "1"))
+}
 
 /// Whether convolutions may use cuDNN (default: yes, unless `KILN_CUDNN=0`); cuDNN must also
 /// be present ([`cudnn_available`]).
@@ -351,7 +359,23 @@ pub(crate) fn run(
     let i = dir.index();
     if chosen[i].is_none() && !dev.capturing() {
         plan.set_math(math, op)?;
-        chosen[i] = Some(algo::measure(dev, handle, plan, math, dir, ops)?);
+        let found = algo::measure(dev, handle, plan, math, dir, ops)?;
+        if log_choices() {
+            let list: Vec<String> = found.iter().take(4).map(|c| c.to_string()).collect();
+            eprintln!(
+                "kiln cudnn {op} x {:?} w {:?} {:?} {:?}: {}",
+                key.x,
+                key.w,
+                key.dtype,
+                key.math,
+                if list.is_empty() {
+                    "nothing ran".into()
+                } else {
+                    list.join("; ")
+                }
+            );
+        }
+        chosen[i] = Some(found);
     }
     let heuristic;
     let cands: &[Candidate] = match &chosen[i] {

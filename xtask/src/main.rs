@@ -6,8 +6,8 @@
 //!   reports errors with file and line. Without libnvrtc it prints `skipped: libnvrtc not
 //!   found` and succeeds locally, but fails under CI (`CI=true`).
 //! - `test-gpu [--run]`: builds the GPU test binaries (release, stripped) listed in [`GPU_TESTS`]
-//!   into `target/gpu-bundle/tests.tar.gz` with a `run.sh` that unpacks them, runs each and
-//!   prints one summary line; those two files are what travels to a GPU machine (packed, since
+//!   into `target/gpu-bundle/tests.tar.gz` with a `run.sh` that unpacks them, runs them
+//!   (`KILN_TEST_JOBS` binaries at a time, default 6) and prints one summary line; those two files are what travels to a GPU machine (packed, since
 //!   the binaries alone are over the device tool's carry limit). Past 40 MiB packed, the
 //!   binaries go in parts (`tests-1.tar.gz`, `tests-2.tar.gz`, ...), one call carrying `run.sh`
 //!   and one part. `--run` also runs it here.
@@ -16,7 +16,7 @@
 //!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
 //!   which runs it on the GPU with `KILN_PROFILE=1`.
 //!
-//! - `multi-gpu`: issue 12's two-GPU bundle: the `data_parallel`, `model_parallel` and
+//! - `multi-gpu`: the two-GPU bundle: the `data_parallel`, `model_parallel` and
 //!   `two_gpu_matmul` examples, the NCCL test binary, the bundled MNIST files,
 //!   `bench/ddp_torch.py` (PyTorch DDP twin) and `multi_gpu.sh` (from `bench/`), which runs
 //!   every check and benchmark and prints a summary: `bash target/gpu-bundle/multi_gpu.sh`.
@@ -286,12 +286,38 @@ for a in tests.tar.gz tests-*.tar.gz; do
 done
 [ -n "$parts" ] || { echo "no tests*.tar.gz here"; exit 1; }
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
-pass=0; fail=0; failed=""
+# Binaries run KILN_TEST_JOBS at a time (default 6: most of their time is NVRTC compiling on
+# the host's cores, one core each), each test of a binary one after another (launch counts
+# are per process, memory checks per device). `kiln-backend-cuda-gpu` fills most of the card
+# to test running out of memory, so it runs alone, first. Each binary's output is printed
+# whole when it ends, with its wall time.
+jobs="${KILN_TEST_JOBS:-6}"
+rm -rf logs && mkdir logs
+one() {
+    local t=$1; shift
+    local n; n=$(basename "$t")
+    local s; s=$(date +%s)
+    timeout "${KILN_TEST_TIMEOUT:-400}" "$t" --test-threads=1 "$@" > "logs/$n.log" 2>&1
+    local rc=$?
+    echo "$rc $(( $(date +%s) - s ))" > "logs/$n.rc"
+    { echo "=== $t"; cat "logs/$n.log"; }
+}
+start=$(date +%s)
+for t in tests/*kiln-backend-cuda-gpu; do [ -e "$t" ] && one "$t" "$@"; done
 for t in tests/*; do
-    echo "=== $t"
-    if timeout "${KILN_TEST_TIMEOUT:-400}" "$t" --test-threads=1 "$@"; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $t"; fi
+    case "$t" in *kiln-backend-cuda-gpu) continue ;; esac
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
+    one "$t" "$@" &
 done
-echo "GPU TEST SUMMARY:$parts: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}"
+wait
+pass=0; fail=0; failed=""; times=""
+for r in logs/*.rc; do
+    n=$(basename "$r" .rc); read -r rc secs < "$r"
+    times="$times $n=${secs}s"
+    if [ "$rc" -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $n"; fi
+done
+echo "per binary:$times"
+echo "GPU TEST SUMMARY:$parts: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}, $(( $(date +%s) - start )) s with $jobs jobs"
 [ "$fail" -eq 0 ]
 "#
         }

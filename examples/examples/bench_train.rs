@@ -101,7 +101,10 @@ struct Args {
 fn main() {
     let args = Args::parse();
     let device = args.device.clone();
-    if let Err(e) = dispatch(&device, Bench(args)) {
+    let r = dispatch(&device, Bench(args));
+    // With `KILN_PROFILE=1`, where the time went (warm-up included).
+    kiln_core::profile::report();
+    if let Err(e) = r {
         eprintln!("error: {e}");
         std::process::exit(1);
     }

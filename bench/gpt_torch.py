@@ -230,6 +230,8 @@ def main():
         opt.zero_grad(set_to_none=True)
         since += 1
     print(f"trained in {time.perf_counter() - start:.1f} s")
+    if cuda:
+        print(f"peak GPU memory {torch.cuda.max_memory_allocated(dev) / 2**20:.0f} MiB")
     if a.sample > 0:
         model.eval()
         g = torch.Generator(device=dev).manual_seed(a.seed + 1)

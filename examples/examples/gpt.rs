@@ -228,6 +228,11 @@ fn run<B: Backend>(args: Args, dev: B::Device) -> Result<()> {
         );
     })?;
     println!("trained in {:.1} s", start.elapsed().as_secs_f64());
+    if B::NAME == "cuda" {
+        // Bytes in tensors at the peak, as PyTorch's `max_memory_allocated`.
+        let peak = B::memory_stats(&dev)?.peak as f64 / (1 << 20) as f64;
+        println!("peak GPU memory {peak:.0} MiB");
+    }
     if args.sample > 0 {
         let mut sg = Generator::new(c.seed.wrapping_add(1));
         let settings = (args.temperature, Some(args.top_k as usize));

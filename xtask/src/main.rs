@@ -11,10 +11,12 @@
 //!   the binaries alone are over the device tool's carry limit). Past 40 MiB packed, the
 //!   binaries go in parts (`tests-1.tar.gz`, `tests-2.tar.gz`, ...), one call carrying `run.sh`
 //!   and one part. `--run` also runs it here.
-//! - `bench-gpu [--run]`: the same for the GPU benches (packed into `benches.tar.gz`) plus `bench/gpu_torch.py` and
-//!   `bench/gpu_cupy.py`, whose run prints one kiln-vs-PyTorch/CuPy table
-//!   (`target/gpu-bundle/bench.sh`); it also carries the `mnist` example and `profile.sh`,
-//!   which runs it on the GPU with `KILN_PROFILE=1`.
+//! - `bench-gpu [--run]`: the same for the GPU benches (packed into `benches.tar.gz`) plus
+//!   `bench/gpu_torch.py`, `bench/gpu_cupy.py` and the whole-model twins, whose run prints one
+//!   kiln-vs-PyTorch/CuPy table (`target/gpu-bundle/bench.sh`); it also carries the `mnist`,
+//!   `gpt` and `bench_train` examples (packed into `examples.tar.gz`: the first minute, the
+//!   GPT and ResNet-18 rows of `bench/models_gpu.py`) and `profile.sh`, which runs `mnist` on
+//!   the GPU with `KILN_PROFILE=1`.
 //!
 //! - `multi-gpu`: the two-GPU bundle: the `data_parallel`, `model_parallel` and
 //!   `two_gpu_matmul` examples, the NCCL test binary, the bundled MNIST files,
@@ -42,8 +44,10 @@ const GPU_BENCHES: &[(&str, &[&str])] = &[(
     "kiln-backend-cuda",
     &["gpu", "transfer", "fuse", "steps", "ops", "conv"],
 )];
-/// Examples carried by the bench bundle (run by `profile.sh`, not by `bench.sh`).
-const GPU_EXAMPLES: &[&str] = &["mnist", "loader_overlap"];
+/// Examples carried by the bench bundle, packed into `examples.tar.gz`: `mnist` for the first
+/// minute (`cold_start.py`) and `profile.sh`, `gpt` and `bench_train` for the whole-model rows
+/// (`bench/models_gpu.py`), `loader_overlap` to run by hand.
+const GPU_EXAMPLES: &[&str] = &["mnist", "loader_overlap", "gpt", "bench_train"];
 /// The lines of `run.sh` and `bench.sh` that find cuDNN, which convolutions use and which is
 /// not part of the driver: where it is only inside PyTorch's wheel, its directory
 /// (`site-packages/nvidia/cudnn/lib`, or `torch/lib` when that holds it) goes first on
@@ -324,19 +328,23 @@ echo "GPU TEST SUMMARY:$parts: $pass binaries passed, $fail failed${failed:+ (fa
         Kind::Bench => {
             r#"#!/usr/bin/env bash
 # Runs the GPU benches and bench/gpu_torch.py (PyTorch, same workloads, same device) and prints
-# one comparison table, then the first minute (bench/cold_start.py: the main job's first run with
-# empty caches). Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/bench.sh
+# one comparison table, with the first minute (bench/cold_start.py: the main job's first run with
+# empty caches) and whole models beside their twins (bench/models_gpu.py: the GPT, ResNet-18;
+# KILN_BENCH_MODELS=0 skips them). Usage (on a GPU machine, from the repository root):
+# bash target/gpu-bundle/bench.sh
 export MNIST_DIR="${MNIST_DIR:-$PWD/data/mnist}"
+export GPT_DATA="${GPT_DATA:-$PWD/data/shakespeare.txt.gz}"
 cd "$(dirname "$0")"
 @CUDNN_PATH@
 # The binaries travel packed (the device tool's carry limit) and are unpacked on each run.
-rm -rf benches && tar xzf benches.tar.gz || exit 1
+rm -rf benches examples && for a in benches.tar.gz examples*.tar.gz; do tar xzf "$a" || exit 1; done
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 out=$(mktemp)
 for b in benches/*; do timeout "${KILN_BENCH_TIMEOUT:-300}" "$b" --bench | tee -a "$out"; done
 PYTHONUNBUFFERED=1 python3 gpu_torch.py | tee -a "$out"
 PYTHONUNBUFFERED=1 python3 gpu_cupy.py | tee -a "$out"
-PYTHONUNBUFFERED=1 python3 cold_start.py ./mnist "${KILN_COLD_ROUNDS:-3}" | tee -a "$out"
+PYTHONUNBUFFERED=1 python3 cold_start.py ./examples/mnist "${KILN_COLD_ROUNDS:-3}" | tee -a "$out"
+[ "${KILN_BENCH_MODELS:-1}" = 0 ] || PYTHONUNBUFFERED=1 python3 models_gpu.py ./examples | tee -a "$out"
 python3 compare.py "$out"
 "#
         }
@@ -349,7 +357,7 @@ python3 compare.py "$out"
     std::fs::write(dir.join(script_name), script).map_err(|e| e.to_string())?;
     if kind == Kind::Bench {
         bundle_examples(&dir)?;
-        for f in ["gpu_torch.py", "gpu_cupy.py", "compare.py", "cold_start.py"] {
+        for f in BENCH_SCRIPTS {
             let src = root().join("bench").join(f);
             std::fs::copy(&src, dir.join(f)).map_err(|e| format!("{}: {e}", src.display()))?;
         }
@@ -361,16 +369,10 @@ python3 compare.py "$out"
     let parts = pack_parts(&dir, sub)?;
     let mut carried: Vec<PathBuf> = vec![parts[0].clone(), dir.join(script_name)];
     if kind == Kind::Bench {
-        for f in [
-            "gpu_torch.py",
-            "gpu_cupy.py",
-            "compare.py",
-            "cold_start.py",
-            "profile.sh",
-        ] {
+        for f in BENCH_SCRIPTS.iter().chain(&["profile.sh"]) {
             carried.push(dir.join(f));
         }
-        carried.extend(GPU_EXAMPLES.iter().map(|e| dir.join(e)));
+        carried.extend(pack_parts(&dir, "examples")?);
     }
     let mut total = carry_size(&carried)?;
     for part in &parts[1..] {
@@ -470,8 +472,20 @@ fn tar(dir: &Path, archive: &str, what: &str, names: &[String]) -> Result<PathBu
     Ok(path)
 }
 
-/// Builds [`GPU_EXAMPLES`] (release, stripped) into `dir` with `profile.sh`, which runs one
-/// MNIST epoch on the GPU with the profiler on and writes a Chrome trace.
+/// The bench bundle's Python scripts, copied from `bench/`.
+const BENCH_SCRIPTS: &[&str] = &[
+    "gpu_torch.py",
+    "gpu_cupy.py",
+    "compare.py",
+    "cold_start.py",
+    "models_gpu.py",
+    "gpt_torch.py",
+    "train_torch.py",
+];
+
+/// Builds [`GPU_EXAMPLES`] (release, stripped) into `dir/examples/` (packed by the caller) with
+/// `profile.sh`, which runs one MNIST epoch on the GPU with the profiler on and writes a Chrome
+/// trace.
 fn bundle_examples(dir: &Path) -> Result<(), String> {
     let mut args = vec!["build", "--release", "-p", "kiln-examples"];
     for e in GPU_EXAMPLES {
@@ -486,18 +500,23 @@ fn bundle_examples(dir: &Path) -> Result<(), String> {
     if !st.success() {
         return Err(format!("cargo {} failed", args.join(" ")));
     }
+    let to = dir.join("examples");
+    let _ = std::fs::remove_dir_all(&to);
+    std::fs::create_dir_all(&to).map_err(|e| e.to_string())?;
     for e in GPU_EXAMPLES {
         let src = root().join("target/release/examples").join(e);
-        std::fs::copy(&src, dir.join(e)).map_err(|err| format!("{}: {err}", src.display()))?;
+        std::fs::copy(&src, to.join(e)).map_err(|err| format!("{}: {err}", src.display()))?;
+        let _ = std::fs::remove_file(dir.join(e)); // older bundles kept them unpacked
     }
     let script = r#"#!/usr/bin/env bash
 # One MNIST epoch on the GPU with kiln's profiler on: prints the per-op table, the "where did it
 # run" listing and the memory view, and writes a Chrome trace (open it in Perfetto).
 # Usage (on a GPU machine, from the repository root): bash target/gpu-bundle/profile.sh [TRACE]
 here="$(cd "$(dirname "$0")" && pwd)"
+[ -x "$here/examples/mnist" ] || (cd "$here" && for a in examples*.tar.gz; do tar xzf "$a"; done) || exit 1
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$here/.kernel-cache}"
 KILN_PROFILE=1 KILN_PROFILE_TRACE="${1:-$here/mnist-trace.json}" \
-    "$here/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
+    "$here/examples/mnist" --device cuda --epochs 1 --data-dir "${MNIST_DIR:-data/mnist}"
 "#;
     std::fs::write(dir.join("profile.sh"), script).map_err(|e| e.to_string())
 }

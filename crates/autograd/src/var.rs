@@ -778,7 +778,17 @@ impl<B: Backend> Var<B> {
             let is_leaf = input.node().is_none();
             match grads.remove(&input.id()) {
                 Some(acc) => {
-                    grads.insert(input.id(), acc.add(&gi)?);
+                    let sum = acc.add(&gi)?;
+                    if !is_leaf {
+                        // A fan-in (a residual connection): the sum is the gradient a whole
+                        // branch of backward ops reads, several of them (each operand of the
+                        // forward op that made `input`). Left pending, a fusing backend would
+                        // inline it into each reader's program and recompute it, chain and
+                        // all, in every one: a GPT's residual-stream gradient grew by one
+                        // read a layer. Stored once, each reader reads it.
+                        sum.realize()?;
+                    }
+                    grads.insert(input.id(), sum);
                 }
                 None => {
                     if is_leaf && let Some(pos) = last_use.get(&input.id()) {

@@ -11,13 +11,14 @@ use kiln_core::{Backend, DType, Error, Generator, RandDist, Reduction, Tensor, p
 #[test]
 fn conformance_against_reference() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    kiln_core::testing::run_conformance::<Cuda>(&dev);
+    // Eight threads: the groups' programs compile in parallel (NVRTC, empty caches).
+    kiln_core::testing::run_parallel::<Cuda, Cpu>(&dev, None, 8);
 }
 
 #[test]
 fn cuda_matches_cpu() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    kiln_core::testing::compare_backends::<Cuda, Cpu>(&dev, &Cpu::device(0));
+    kiln_core::testing::run_parallel::<Cuda, Cpu>(&dev, Some(&Cpu::device(0)), 8);
 }
 
 #[test]

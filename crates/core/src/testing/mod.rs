@@ -130,6 +130,51 @@ pub fn run_conformance_with<B: Backend>(device: &B::Device, cfg: &Config) {
     run_groups(&p, &format!("conformance[{}]", B::NAME), None);
 }
 
+/// [`run_conformance`] and [`compare_backends`] with the op groups spread over `threads` threads
+/// (one [`Pair`] each): a backend that compiles each new program the first time it runs (the
+/// CUDA backend, through NVRTC, with empty caches) then compiles in parallel, and the suite
+/// takes a fraction of its one-thread time on a many-core host. `oracle`: `None` checks against
+/// the reference backend, `Some(d)` against backend `O` on `d`. Panics with every group's
+/// failures once all threads are done.
+pub fn run_parallel<B: Backend, O: Backend>(
+    device: &B::Device,
+    oracle: Option<&O::Device>,
+    threads: usize,
+) {
+    let threads = threads.clamp(1, GROUPS.len());
+    let chunks: Vec<Vec<&str>> = (0..threads)
+        .map(|t| GROUPS.iter().copied().skip(t).step_by(threads).collect())
+        .collect();
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = chunks
+            .iter()
+            .map(|names| {
+                s.spawn(move || match oracle {
+                    None => run_groups_named::<B>(device, &Config::default(), names),
+                    Some(od) => {
+                        let p =
+                            Pair::<B, O>::new(device.clone(), od.clone(), &Config::default(), 2.0);
+                        let label =
+                            format!("compare[{} ({device}) vs {} ({od})]", B::NAME, O::NAME);
+                        run_groups(&p, &label, Some(names));
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .filter_map(|h| h.join().err())
+            .map(|e| {
+                e.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|m| m.to_string()))
+                    .unwrap_or_else(|| "a group panicked".into())
+            })
+            .collect()
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
 /// Runs every check with backend `A` on `da` as the subject and backend `B` on `db` as the
 /// oracle, on the same random inputs (CUDA against the CPU). Tolerances are twice those against
 /// the reference, since both sides round.

@@ -1,8 +1,9 @@
 //! The fused path of [`Var::layer_norm`] / [`Var::rms_norm`]: the backend's own one-pass
 //! normalization ([`Backend::layer_norm_forward`]) and its backward
 //! ([`Backend::layer_norm_backward`]), where the backend offers them (the CUDA backend: one
-//! kernel forward, a per-row `dx` kernel and a two-stage column sum backward). Elsewhere, and
-//! under [`composed_norm`], `norm.rs` runs its composed expression programs.
+//! kernel forward, a per-row `dx` kernel and a two-stage column sum backward; the reference
+//! backend: plain loops). Elsewhere (the CPU backend), and under [`composed_norm`], `norm.rs`
+//! runs its composed expression programs.
 //!
 //! A separate module so that `norm.rs` keeps the composed programs and their docs, and this one
 //! the plumbing: the operands in, the `[rows]` f32 statistics kept for the backward, the
@@ -11,7 +12,7 @@
 use std::cell::Cell;
 
 use kiln_core::backend::Operand;
-use kiln_core::{Backend, DType, Error, NormSpec, Result, Tensor};
+use kiln_core::{Backend, Error, NormSpec, Result, Tensor};
 
 use crate::var::Var;
 
@@ -97,7 +98,7 @@ pub(crate) fn fused<B: Backend>(call: NormCall<'_, B>) -> Result<Option<Var<B>>>
     else {
         return Ok(None);
     };
-    let stat = |s| Tensor::<B>::from_storage(s, [rows], DType::F32);
+    let stat = |s| Tensor::<B>::from_storage(s, [rows], dtype.compute_dtype());
     let (mean, rstd) = (mean.map(stat), stat(rstd));
     let y = Tensor::<B>::from_storage(y, xt.shape().clone(), dtype);
     let mut inputs = vec![x];

@@ -93,7 +93,7 @@ pub struct NormSpec {
 
 /// The outputs of [`Backend::layer_norm_forward`]: `y` (contiguous, the input's shape and
 /// dtype), the row means `[rows]` (layer norm only) and the row `rstd = 1/√(var + eps)` `[rows]`,
-/// both in f32.
+/// both in the input's compute dtype (f32 for f32 and the 16-bit floats, f64 for f64).
 pub type NormOutputs<S> = (S, Option<S>, S);
 
 /// The outputs of [`Backend::layer_norm_backward`]: `dx` (contiguous, the input's shape and
@@ -584,14 +584,16 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     }
 
     /// Layer norm (`spec.centered`) or RMS norm over the last `spec.cols` elements of each row
-    /// of `x` in one pass (PyTorch's `vectorized_layer_norm_kernel`): the row statistics in f32,
+    /// of `x` in one pass (PyTorch's `vectorized_layer_norm_kernel`): the row statistics in the
+    /// compute dtype ([`NormOutputs`]),
     /// then `(x - mean) · rstd · w + b` (or `x · rstd · w`), `weight` and `bias` `[cols]` of
     /// `dtype` when given. Any layouts (a backend may copy to contiguous first).
     ///
     /// `Ok(None)` means "not offered" for this call (dtype, row length): the caller
     /// (kiln-autograd's `Var::layer_norm`) runs its composed expression programs instead. The
-    /// default offers nothing, so the CPU and the reference backend keep the composed path; a
-    /// backend that answers `Some` must answer [`Backend::layer_norm_backward`] for its result.
+    /// default offers nothing, so the CPU backend keeps the composed path (the reference backend
+    /// offers it by plain loops, the CUDA backend by its kernels); a backend that answers `Some`
+    /// must answer [`Backend::layer_norm_backward`] for its result.
     fn layer_norm_forward(
         x: Operand<'_, Self::Storage>,
         weight: Option<Operand<'_, Self::Storage>>,

@@ -21,9 +21,10 @@ use crate::ops::{Module, contiguous, run, same_device, tname};
 /// here, under the 48 KiB a launch gets without opting in).
 pub(crate) const MAX_COLS: usize = 8192;
 
-/// The backward's `dx` kernel caches `(ĝ, x̂)` f32 pairs up to this row length (48 KiB);
-/// longer rows read `g`, `x` and `w` a second time instead.
-const CACHE_COLS: usize = 6144;
+/// The backward's `dx` kernel caches `(ĝ, x̂)` f32 pairs in shared memory up to this row
+/// length (32 KiB; with the kernel's static scratch it must stay under the 48 KiB a launch gets
+/// without opting in); longer rows read `g`, `x` and `w` a second time instead (from L1/L2).
+const CACHE_COLS: usize = 4096;
 
 /// Rows per chunk of the column sums' first stage.
 const CHUNK: usize = 64;

@@ -20,8 +20,8 @@
 //! - **Our own kernels**: generated ones (`codegen/`) for every elementwise op (each a
 //!   one-instruction program of kiln's IR), fused chains and the optimizers' multi-tensor
 //!   updates (the rules' own programs), and hand-written ones (`kernels/*.cu`: reductions,
-//!   softmax, indexing, copies, random numbers, fused layer / RMS norm); compiled by NVRTC for the device's
-//!   architecture on first use, memoized per device (`device/`) and cached on disk
+//!   softmax, indexing, copies, random numbers, fused layer / RMS norm); compiled by NVRTC for
+//!   the device's architecture on first use, memoized per device (`device/`) and cached on disk
 //!   (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used

@@ -81,7 +81,7 @@ fn row_block(units: usize) -> u32 {
 
 /// Whether every pointer is 16-byte aligned and the rows are whole vectors.
 fn vectorized(dtype: DType, cols: usize, ptrs: &[u64]) -> bool {
-    cols % (16 / dtype.size_in_bytes()) == 0 && ptrs.iter().all(|p| p % 16 == 0)
+    cols.is_multiple_of(16 / dtype.size_in_bytes()) && ptrs.iter().all(|p| p.is_multiple_of(16))
 }
 
 fn grid_rows(dev: &DeviceState, rows: usize) -> (u32, u32) {
@@ -339,7 +339,7 @@ mod tests {
         assert!(vectorized(DType::F32, 384, &[0, 256]));
         assert!(!vectorized(DType::F32, 1000 + 2, &[0, 256]));
         assert!(!vectorized(DType::BF16, 384, &[0, 258]));
-        assert!(vectorized(DType::BF16, 1000, &[0, 16]) == (1000 % 8 == 0));
+        assert!(vectorized(DType::BF16, 1000, &[0, 16]));
         assert_eq!(row_block(1), 32);
         assert_eq!(row_block(96), 96);
         assert_eq!(row_block(8192), 256);

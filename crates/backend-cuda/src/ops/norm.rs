@@ -7,7 +7,10 @@
 //!
 //! Offered for f32, f16 and bf16 rows of 1 to [`MAX_COLS`] elements. f64 and longer rows are
 //! not offered (`Ok(None)`): kiln-autograd runs its composed programs, which take any length.
-//! Operands that are not contiguous are copied to contiguous first.
+//! Operands that are not contiguous are copied to contiguous first. `KILN_CUDA_FUSED_NORM=0`
+//! offers nothing for the whole process (to measure a model against the composed path).
+
+use std::sync::OnceLock;
 
 use kiln_core::backend::Operand;
 use kiln_core::{DType, Error, NormGrads, NormOutputs, NormSpec, Result};
@@ -56,9 +59,16 @@ impl<'a> Contig<'a> {
     }
 }
 
+/// Whether `KILN_CUDA_FUSED_NORM` leaves the kernels on (anything but `0`), read once.
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_FUSED_NORM").map_or(true, |v| v.trim() != "0"))
+}
+
 /// Whether the kernels take this call (module docs).
 fn offered(dtype: DType, spec: &NormSpec) -> bool {
-    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+    enabled()
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
         && (1..=MAX_COLS).contains(&spec.cols)
         && spec.rows > 0
 }

@@ -34,7 +34,12 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
     ("kiln-backend-cuda", &[]),
     (
         "kiln-autograd",
-        &["cuda_gradients", "cuda_attention", "batch_norm_half"],
+        &[
+            "cuda_gradients",
+            "cuda_attention",
+            "cuda_norm",
+            "batch_norm_half",
+        ],
     ),
     ("kiln-nn", &["cuda", "cuda_conv", "cuda_conv_route"]),
     ("kiln-optim", &["amp_devices"]),

@@ -20,8 +20,11 @@
 //! program reduces over one set of axes and cannot feed a reduced value back into an
 //! elementwise output, so the forward is three programs (the mean; the biased variance two-pass
 //! and `rstd`; the normalization with the affine map) and the backward three (the two row means;
-//! `dx`; the column sums `dw`, `db`). One kernel for statistics and normalization, as the fused
-//! GPU kernels of PyTorch do, is a later step that needs a GPU to measure it.
+//! `dx`; the column sums `dw`, `db`). A backend may run the whole normalization natively
+//! instead ([`Backend::layer_norm_forward`], module `norm_fused`): the CUDA backend does, with
+//! one kernel for statistics and normalization, as PyTorch's fused GPU kernels do; the
+//! programs here are the path of the CPU and the reference backend, of f64, and of rows the
+//! kernels do not take.
 //!
 //! Programs are built once per (step, dtype, rank, normalized rank, which of weight and bias)
 //! and memoized here; the backends memoize what they compile from them.
@@ -31,6 +34,7 @@ use std::sync::{Arc, OnceLock};
 use kiln_core::expr::{Expr, Program};
 use kiln_core::{Backend, DType, Error, Result, Tensor};
 
+use crate::norm_fused::{NormCall, fused};
 use crate::programs::{Inputs, Memo, memoized};
 use crate::var::Var;
 
@@ -346,6 +350,19 @@ impl<B: Backend> Var<B> {
         let (wt, bt) = (weight.map(Var::tensor), bias.map(Var::tensor));
         let params = [("weight", wt.as_ref()), ("bias", bt.as_ref())];
         let n = check_args(op, &x, normalized_shape, &params, eps)?;
+        let call = NormCall {
+            op,
+            x: self,
+            weight,
+            bias,
+            centered,
+            eps,
+            n,
+            k: normalized_shape.len(),
+        };
+        if let Some(y) = fused(call)? {
+            return Ok(y);
+        }
         let key = Key {
             step: Step::Mean,
             dtype: x.dtype(),

@@ -2,13 +2,15 @@
 //! forward and the closed-form gradients written out as plain f64 loops here (independently of
 //! the expression programs the ops run), on the f64 reference backend and the CPU backend, in
 //! f64 and f32, with contiguous and strided inputs; `check_backward` on each; and the typed
-//! errors. (The comparison with PyTorch's values is in `torch_f64.rs`; the generic gradient
+//! errors. The reference backend offers the fused op (`Backend::layer_norm_forward`), so on it
+//! these tests check autograd's fused path, and under `composed_norm` the composed programs; the
+//! CPU backend runs the composed programs. (The comparison with PyTorch's values is in `torch_f64.rs`; the generic gradient
 //! suite checks the same ops on random shapes on every backend.)
 
 mod common;
 
 use common::{assert_close, f64s, normal};
-use kiln_autograd::{CheckOptions, Var, check_backward};
+use kiln_autograd::{CheckOptions, Var, check_backward, composed_norm};
 use kiln_backend_cpu::Cpu;
 use kiln_core::reference::{RefDevice, Reference};
 use kiln_core::{Backend, DType, Error, Tensor};
@@ -120,6 +122,29 @@ fn norms_match_values_derived_by_hand() {
     norms_match_by_hand::<Reference>(&RefDevice(0), DType::F64, 1e-12);
     norms_match_by_hand::<Cpu>(&Cpu::device(0), DType::F64, 1e-12);
     norms_match_by_hand::<Cpu>(&Cpu::device(0), DType::F32, 2e-5);
+}
+
+/// The reference backend's fused path (above) in f32 and with a strided input, and its composed
+/// programs when `composed_norm` is in force.
+#[test]
+fn reference_fused_and_composed_paths() {
+    let dev = RefDevice(0);
+    norms_match_by_hand::<Reference>(&dev, DType::F32, 2e-6);
+    let t = normal::<Reference>(&[6, 4], 9, DType::F64, &dev)
+        .t()
+        .unwrap();
+    let (a, c) = (Var::param(t.clone()), Var::param(t.contiguous().unwrap()));
+    let ya = a.rms_norm(&[6], None, 1e-5).unwrap();
+    let yc = c.rms_norm(&[6], None, 1e-5).unwrap();
+    assert_close("y", &f64s(&ya.tensor()), &f64s(&yc.tensor()), 1e-14);
+    ya.sum_all().unwrap().backward().unwrap();
+    yc.sum_all().unwrap().backward().unwrap();
+    let (ga, gc) = (a.grad().unwrap(), c.grad().unwrap());
+    assert_eq!(ga.dims(), [4, 6]);
+    assert_close("dx", &f64s(&ga), &f64s(&gc), 1e-14);
+    let _composed = composed_norm();
+    norms_match_by_hand::<Reference>(&dev, DType::F64, 1e-12);
+    gradcheck::<Reference>(&dev);
 }
 
 #[test]

@@ -73,10 +73,11 @@ pub enum Module {
     Attention,
     AttentionTc,
     Amp,
+    Norm,
 }
 
 impl Module {
-    pub const ALL: [Module; 9] = [
+    pub const ALL: [Module; 10] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -86,6 +87,7 @@ impl Module {
         Module::Attention,
         Module::AttentionTc,
         Module::Amp,
+        Module::Norm,
     ];
 
     /// The file name under `kernels/`.
@@ -100,6 +102,7 @@ impl Module {
             Module::Attention => "attention.cu",
             Module::AttentionTc => "attention_tc.cu",
             Module::Amp => "amp.cu",
+            Module::Norm => "norm.cu",
         }
     }
 
@@ -114,6 +117,7 @@ impl Module {
             Module::Attention => include_str!("../kernels/attention.cu"),
             Module::AttentionTc => include_str!("../kernels/attention_tc.cu"),
             Module::Amp => include_str!("../kernels/amp.cu"),
+            Module::Norm => include_str!("../kernels/norm.cu"),
         }
     }
 

@@ -20,8 +20,8 @@
 //! - **Our own kernels**: generated ones (`codegen/`) for every elementwise op (each a
 //!   one-instruction program of kiln's IR), fused chains and the optimizers' multi-tensor
 //!   updates (the rules' own programs), and hand-written ones (`kernels/*.cu`: reductions,
-//!   softmax, indexing, copies, random numbers); compiled by NVRTC for the device's
-//!   architecture on first use, memoized per device (`device/`) and cached on disk
+//!   softmax, indexing, copies, random numbers, fused layer / RMS norm); compiled by NVRTC for
+//!   the device's architecture on first use, memoized per device (`device/`) and cached on disk
 //!   (`nvrtc.rs`; `KILN_KERNEL_CACHE`).
 //! - **Memory** (`memory.rs`): the driver's stream-ordered pool with its release threshold
 //!   raised, a block cache per stream that never reuses a block before every stream that used
@@ -123,8 +123,8 @@ use kiln_core::backend::Operand;
 use kiln_core::epilogue::{EpilogueGrads, EpilogueOutputs};
 use kiln_core::{
     Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
-    Conv2dSpec, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, RandDist, ReduceOp,
-    Result, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
+    Conv2dSpec, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, NormGrads, NormOutputs,
+    NormSpec, RandDist, ReduceOp, Result, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -655,6 +655,59 @@ impl Backend for Cuda {
                 CudaStorage::ready(c),
             )
         }))
+    }
+
+    fn layer_norm_forward(
+        x: Operand<'_, CudaStorage>,
+        weight: Option<Operand<'_, CudaStorage>>,
+        bias: Option<Operand<'_, CudaStorage>>,
+        dtype: DType,
+        spec: NormSpec,
+    ) -> Result<Option<NormOutputs<CudaStorage>>> {
+        let xb = x.0.buffer()?;
+        let wb = weight.map(|w| w.0.buffer()).transpose()?;
+        let bb = bias.map(|b| b.0.buffer()).transpose()?;
+        let r = ops::norm::forward(
+            (&xb, x.1),
+            wb.as_deref().zip(weight.map(|w| w.1)),
+            bb.as_deref().zip(bias.map(|b| b.1)),
+            dtype,
+            spec,
+        )?;
+        Ok(r.map(|(y, m, r)| {
+            (
+                CudaStorage::ready(y),
+                m.map(CudaStorage::ready),
+                CudaStorage::ready(r),
+            )
+        }))
+    }
+
+    fn layer_norm_backward(
+        x: Operand<'_, CudaStorage>,
+        mean: Option<Operand<'_, CudaStorage>>,
+        rstd: Operand<'_, CudaStorage>,
+        weight: Option<Operand<'_, CudaStorage>>,
+        g: Operand<'_, CudaStorage>,
+        dtype: DType,
+        spec: NormSpec,
+        needs: [bool; 3],
+    ) -> Result<Option<NormGrads<CudaStorage>>> {
+        let (xb, rb, gb) = (x.0.buffer()?, rstd.0.buffer()?, g.0.buffer()?);
+        let mb = mean.map(|m| m.0.buffer()).transpose()?;
+        let wb = weight.map(|w| w.0.buffer()).transpose()?;
+        let r = ops::norm::backward(
+            (&xb, x.1),
+            mb.as_deref().zip(mean.map(|m| m.1)),
+            (&rb, rstd.1),
+            wb.as_deref().zip(weight.map(|w| w.1)),
+            (&gb, g.1),
+            dtype,
+            spec,
+            needs,
+        )?;
+        let ready = |b: Option<memory::Buffer>| b.map(CudaStorage::ready);
+        Ok(r.map(|(dx, dw, db)| (ready(dx), ready(dw), ready(db))))
     }
 
     fn cross_entropy_backward(

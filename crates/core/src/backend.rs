@@ -76,6 +76,30 @@ pub type AttentionOutputs<S> = (S, S);
 /// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
 pub type AttentionGrads<S> = (S, S, S);
 
+/// What a fused layer norm or RMS norm computes ([`Backend::layer_norm_forward`]): each row of
+/// `cols` elements (the normalized trailing axes, flattened) of `rows` rows normalized on its
+/// own.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct NormSpec {
+    /// Layer norm (subtracts the row mean; the biased variance) or RMS norm (the mean square).
+    pub centered: bool,
+    /// Added to the variance (or mean square) before the reciprocal square root.
+    pub eps: f64,
+    /// The number of rows (the product of the leading axes).
+    pub rows: usize,
+    /// The number of normalized elements of a row.
+    pub cols: usize,
+}
+
+/// The outputs of [`Backend::layer_norm_forward`]: `y` (contiguous, the input's shape and
+/// dtype), the row means `[rows]` (layer norm only) and the row `rstd = 1/√(var + eps)` `[rows]`,
+/// both in the input's compute dtype (f32 for f32 and the 16-bit floats, f64 for f64).
+pub type NormOutputs<S> = (S, Option<S>, S);
+
+/// The outputs of [`Backend::layer_norm_backward`]: `dx` (contiguous, the input's shape and
+/// dtype), and `dw`, `db` `[cols]` in the input's dtype where asked for.
+pub type NormGrads<S> = (Option<S>, Option<S>, Option<S>);
+
 /// The geometry of a 2-d convolution over `[n, c, h, w]` ([`Backend::conv2d`]): PyTorch's
 /// `stride`, `padding` (zeros, on both sides), `dilation` and `groups`, per spatial axis
 /// (height, width).
@@ -556,6 +580,48 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
         let _ = (q, k, v, out, lse, g, dtype, spec);
+        Ok(None)
+    }
+
+    /// Layer norm (`spec.centered`) or RMS norm over the last `spec.cols` elements of each row
+    /// of `x` in one pass (PyTorch's `vectorized_layer_norm_kernel`): the row statistics in the
+    /// compute dtype ([`NormOutputs`]),
+    /// then `(x - mean) · rstd · w + b` (or `x · rstd · w`), `weight` and `bias` `[cols]` of
+    /// `dtype` when given. Any layouts (a backend may copy to contiguous first).
+    ///
+    /// `Ok(None)` means "not offered" for this call (dtype, row length): the caller
+    /// (kiln-autograd's `Var::layer_norm`) runs its composed expression programs instead. The
+    /// default offers nothing, so the CPU backend keeps the composed path (the reference backend
+    /// offers it by plain loops, the CUDA backend by its kernels); a backend that answers `Some`
+    /// must answer [`Backend::layer_norm_backward`] for its result.
+    fn layer_norm_forward(
+        x: Operand<'_, Self::Storage>,
+        weight: Option<Operand<'_, Self::Storage>>,
+        bias: Option<Operand<'_, Self::Storage>>,
+        dtype: DType,
+        spec: NormSpec,
+    ) -> Result<Option<NormOutputs<Self::Storage>>> {
+        let _ = (x, weight, bias, dtype, spec);
+        Ok(None)
+    }
+
+    /// The gradients of a [`Backend::layer_norm_forward`] for the output gradient `g` (the
+    /// shape of `x`, of `dtype`), from the forward's input, statistics and weight:
+    /// `dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ x̂))` with `ĝ = g · w` (no `mean(ĝ)` term for RMS
+    /// norm), `dw = Σ_rows g x̂`, `db = Σ_rows g`, each computed only where `needs` (dx, dw, db)
+    /// asks. `Ok(None)` when not offered (the default).
+    #[allow(clippy::too_many_arguments)]
+    fn layer_norm_backward(
+        x: Operand<'_, Self::Storage>,
+        mean: Option<Operand<'_, Self::Storage>>,
+        rstd: Operand<'_, Self::Storage>,
+        weight: Option<Operand<'_, Self::Storage>>,
+        g: Operand<'_, Self::Storage>,
+        dtype: DType,
+        spec: NormSpec,
+        needs: [bool; 3],
+    ) -> Result<Option<NormGrads<Self::Storage>>> {
+        let _ = (x, mean, rstd, weight, g, dtype, spec, needs);
         Ok(None)
     }
 

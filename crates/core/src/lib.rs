@@ -67,8 +67,8 @@ mod update;
 
 pub use backend::{
     Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
-    Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, RandDist, ReduceOp, UnaryOp, UnscaleSlot,
-    UpdateRule, UpdateSlot,
+    Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads, NormOutputs, NormSpec,
+    RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;

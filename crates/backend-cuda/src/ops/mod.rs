@@ -1,8 +1,8 @@
 //! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
 //! This file holds the shared helpers, the elementwise ops (each a generated one-instruction
 //! program: `expr_run::run_single`) and data movement; reductions
-//! (`reduce.rs`), softmax and cross-entropy (`rows.rs`), indexing (`index.rs`) and fused
-//! attention (`attention.rs`) have files of their own.
+//! (`reduce.rs`), softmax and cross-entropy (`rows.rs`), indexing (`index.rs`), fused
+//! attention (`attention.rs`) and fused layer / RMS norm (`norm.rs`) have files of their own.
 
 use cudarc::driver::sys;
 use std::sync::Arc;
@@ -454,6 +454,7 @@ pub(super) fn check_ids(
 pub(crate) mod attention;
 mod attention_kernels;
 mod index;
+pub(crate) mod norm;
 mod reduce;
 mod rows;
 

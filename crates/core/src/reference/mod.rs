@@ -19,15 +19,16 @@
 
 use std::fmt;
 
-use crate::backend::Operand;
 use crate::backend::{
     Backend, BinaryOp, CmpOp, HostBuffer, MemoryStats, RandDist, ReduceOp, UnaryOp,
 };
+use crate::backend::{NormGrads, NormOutputs, NormSpec, Operand};
 use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
 use crate::epilogue_composed::{linear_epilogue_backward_composed, linear_epilogue_composed};
 use crate::expr::Program;
 use crate::{DType, Error, Layout, Result, Shape, philox};
 
+mod norm;
 mod values;
 use values::*;
 
@@ -801,6 +802,31 @@ impl Backend for Reference {
             }
         };
         Ok(new(base.device, out))
+    }
+
+    /// Offered for every float dtype, by plain loops (module `norm`): the callers' fused path
+    /// is then tested on the host.
+    fn layer_norm_forward(
+        x: Operand<'_, RefStorage>,
+        weight: Option<Operand<'_, RefStorage>>,
+        bias: Option<Operand<'_, RefStorage>>,
+        dtype: DType,
+        spec: NormSpec,
+    ) -> Result<Option<NormOutputs<RefStorage>>> {
+        norm::forward(x, weight, bias, dtype, spec)
+    }
+
+    fn layer_norm_backward(
+        x: Operand<'_, RefStorage>,
+        mean: Option<Operand<'_, RefStorage>>,
+        rstd: Operand<'_, RefStorage>,
+        weight: Option<Operand<'_, RefStorage>>,
+        g: Operand<'_, RefStorage>,
+        dtype: DType,
+        spec: NormSpec,
+        needs: [bool; 3],
+    ) -> Result<Option<NormGrads<RefStorage>>> {
+        norm::backward(x, mean, rstd, weight, g, dtype, spec, needs)
     }
 
     /// Offered for every activation, composed from the kernels above

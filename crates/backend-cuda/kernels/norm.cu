@@ -1,0 +1,268 @@
+// Fused layer norm and RMS norm (`Backend::layer_norm_forward` / `layer_norm_backward`, host
+// side in `src/ops/norm.rs`) over contiguous rows of `cols` elements, storage type S (f32, f16,
+// bf16), statistics and arithmetic in f32.
+//
+// Forward (`ln_fwd_S`): one block per row (grid-stride over rows). The row is read from global
+// memory once into shared memory as f32, then its statistics are computed in two passes over
+// that copy (the mean, then the mean of squared deviations): exact two-pass, as the composed
+// path computes them, with no Welford divisions, and the second pass costs no global traffic.
+// Then y = (x - mean) * rstd * w + b is written, and mean/rstd (f32) by thread 0.
+//
+// Each thread touches only its own elements of the shared copy (vector `v` of N elements for
+// v = threadIdx.x mod blockDim.x with `vec`, element `c` likewise without), the same ones in
+// every pass and every row, so the copy needs no barrier of its own: the only ones are in the
+// block reductions. The host picks `vec` once per launch (every row base aligned to 16 bytes,
+// cols a multiple of N).
+//
+// Backward: `ln_bwd_dx_S`, one block per row: ĝ = g * w and x̂ = (x - mean) * rstd (cached as
+// f32 pairs in shared memory when `cache`), the row sums Σĝ and Σĝx̂ by block reduction, then
+// dx = rstd * (ĝ - Σĝ/n - x̂ Σĝx̂/n) (no Σĝ term for RMS norm). `ln_bwd_cols_S` sums g x̂ and g
+// per column over a chunk of rows (block 32 columns x 8 row lanes, a fixed order), writing f32
+// partials [chunks, cols]; `ln_bwd_cols_final_S` adds a column's partials in order and rounds
+// once into dw/db. No atomics: the sums are deterministic.
+
+// Row r's statistics and normalized output.
+template <typename S>
+__device__ void ln_fwd_rows(const S* __restrict__ x, const S* __restrict__ w,
+                            const S* __restrict__ b, S* __restrict__ y, float* __restrict__ mean_out,
+                            float* __restrict__ rstd_out, u64 rows, u64 cols, float eps,
+                            int centered, int vec) {
+    extern __shared__ __align__(16) unsigned char dyn[];
+    __shared__ float scratch[32];
+    float* row = (float*)dyn;
+    const int N = 16 / sizeof(S);
+    const float inv_n = 1.0f / (float)cols;
+    const u64 nv = cols / N;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const S* p = x + r * cols;
+        S* q = y + r * cols;
+        float s = 0.0f;
+        if (vec) {
+            for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+                Vec<S, N> t = ((const Vec<S, N>*)p)[v];
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float f = wide(t.v[j]);
+                    row[v * N + j] = f;
+                    s += f;
+                }
+            }
+        } else {
+            for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                float f = wide(p[c]);
+                row[c] = f;
+                s += f;
+            }
+        }
+        float mean = 0.0f;
+        if (centered) mean = block_reduce<SumOp<float> >(s, scratch) * inv_n;
+        // The second pass over the thread's own elements of the copy.
+        float ss = 0.0f;
+        if (vec) {
+            for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float d = row[v * N + j] - mean;
+                    ss += d * d;
+                }
+            }
+        } else {
+            for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                float d = row[c] - mean;
+                ss += d * d;
+            }
+        }
+        const float rstd = rsqrtf(block_reduce<SumOp<float> >(ss, scratch) * inv_n + eps);
+        if (threadIdx.x == 0) {
+            if (centered) mean_out[r] = mean;
+            rstd_out[r] = rstd;
+        }
+        if (vec) {
+            for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+                Vec<S, N> o, wv, bv;
+                if (w) wv = ((const Vec<S, N>*)w)[v];
+                if (b) bv = ((const Vec<S, N>*)b)[v];
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float f = (row[v * N + j] - mean) * rstd;
+                    if (w) f *= wide(wv.v[j]);
+                    if (b) f += wide(bv.v[j]);
+                    o.v[j] = narrow<S>(f);
+                }
+                ((Vec<S, N>*)q)[v] = o;
+            }
+        } else {
+            for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                float f = (row[c] - mean) * rstd;
+                if (w) f *= wide(w[c]);
+                if (b) f += wide(b[c]);
+                q[c] = narrow<S>(f);
+            }
+        }
+    }
+}
+
+// dx of row r (see the file's comment). `cache` holds (ĝ, x̂) pairs when the row fits in shared
+// memory; otherwise the second pass reads g, x and w again (from L1/L2).
+template <typename S>
+__device__ void ln_bwd_dx_rows(const S* __restrict__ x, const float* __restrict__ mean_in,
+                               const float* __restrict__ rstd_in, const S* __restrict__ w,
+                               const S* __restrict__ g, S* __restrict__ dx, u64 rows, u64 cols,
+                               int centered, int vec, int cache) {
+    extern __shared__ __align__(16) unsigned char dyn[];
+    __shared__ float scratch[32];
+    float2* pair = (float2*)dyn;
+    const int N = 16 / sizeof(S);
+    const float inv_n = 1.0f / (float)cols;
+    const u64 nv = cols / N;
+    for (u64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const S* px = x + r * cols;
+        const S* pg = g + r * cols;
+        S* q = dx + r * cols;
+        const float mean = centered ? mean_in[r] : 0.0f;
+        const float rstd = rstd_in[r];
+        float sg = 0.0f, sgx = 0.0f;
+        if (vec) {
+            for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+                Vec<S, N> xv = ((const Vec<S, N>*)px)[v], gv = ((const Vec<S, N>*)pg)[v], wv;
+                if (w) wv = ((const Vec<S, N>*)w)[v];
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float gh = wide(gv.v[j]);
+                    if (w) gh *= wide(wv.v[j]);
+                    float xh = (wide(xv.v[j]) - mean) * rstd;
+                    sg += gh;
+                    sgx += gh * xh;
+                    if (cache) pair[v * N + j] = make_float2(gh, xh);
+                }
+            }
+        } else {
+            for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                float gh = wide(pg[c]);
+                if (w) gh *= wide(w[c]);
+                float xh = (wide(px[c]) - mean) * rstd;
+                sg += gh;
+                sgx += gh * xh;
+                if (cache) pair[c] = make_float2(gh, xh);
+            }
+        }
+        const float a = centered ? block_reduce<SumOp<float> >(sg, scratch) * inv_n : 0.0f;
+        const float m = block_reduce<SumOp<float> >(sgx, scratch) * inv_n;
+        if (vec) {
+            for (u64 v = threadIdx.x; v < nv; v += blockDim.x) {
+                Vec<S, N> o, xv, gv, wv;
+                if (!cache) {
+                    xv = ((const Vec<S, N>*)px)[v];
+                    gv = ((const Vec<S, N>*)pg)[v];
+                    if (w) wv = ((const Vec<S, N>*)w)[v];
+                }
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float gh, xh;
+                    if (cache) {
+                        float2 t = pair[v * N + j];
+                        gh = t.x;
+                        xh = t.y;
+                    } else {
+                        gh = wide(gv.v[j]);
+                        if (w) gh *= wide(wv.v[j]);
+                        xh = (wide(xv.v[j]) - mean) * rstd;
+                    }
+                    o.v[j] = narrow<S>(rstd * (gh - a - xh * m));
+                }
+                ((Vec<S, N>*)q)[v] = o;
+            }
+        } else {
+            for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+                float gh, xh;
+                if (cache) {
+                    float2 t = pair[c];
+                    gh = t.x;
+                    xh = t.y;
+                } else {
+                    gh = wide(pg[c]);
+                    if (w) gh *= wide(w[c]);
+                    xh = (wide(px[c]) - mean) * rstd;
+                }
+                q[c] = narrow<S>(rstd * (gh - a - xh * m));
+            }
+        }
+    }
+}
+
+// Column partials over rows [blockIdx.y * chunk, +chunk): block (32, 8), 32 columns per block.
+// part_w[blockIdx.y * cols + c] = Σ g x̂, part_b likewise Σ g (when `bias`).
+template <typename S>
+__device__ void ln_bwd_cols_part(const S* __restrict__ x, const float* __restrict__ mean_in,
+                                 const float* __restrict__ rstd_in, const S* __restrict__ g,
+                                 float* __restrict__ part_w, float* __restrict__ part_b,
+                                 u64 rows, u64 cols, u64 chunk, int centered, int bias) {
+    __shared__ float sw[8][33];
+    __shared__ float sb[8][33];
+    const u64 c = (u64)blockIdx.x * 32 + threadIdx.x;
+    const u64 r0 = (u64)blockIdx.y * chunk;
+    const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    float aw = 0.0f, ab = 0.0f;
+    if (c < cols) {
+        for (u64 r = r0 + threadIdx.y; r < r1; r += 8) {
+            const float mean = centered ? mean_in[r] : 0.0f;
+            const float gv = wide(g[r * cols + c]);
+            aw += gv * ((wide(x[r * cols + c]) - mean) * rstd_in[r]);
+            ab += gv;
+        }
+    }
+    sw[threadIdx.y][threadIdx.x] = aw;
+    sb[threadIdx.y][threadIdx.x] = ab;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+        float tw = 0.0f, tb = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            tw += sw[k][threadIdx.x];
+            tb += sb[k][threadIdx.x];
+        }
+        part_w[(u64)blockIdx.y * cols + c] = tw;
+        if (bias) part_b[(u64)blockIdx.y * cols + c] = tb;
+    }
+}
+
+// dw[c] = Σ_k part_w[k, c] (and db), in order, rounded once to S.
+template <typename S>
+__device__ void ln_bwd_cols_sum(const float* __restrict__ part_w, const float* __restrict__ part_b,
+                                S* __restrict__ dw, S* __restrict__ db, u64 chunks, u64 cols) {
+    for (u64 c = KILN_TID; c < cols; c += KILN_NTHREADS) {
+        float tw = 0.0f, tb = 0.0f;
+        for (u64 k = 0; k < chunks; ++k) {
+            tw += part_w[k * cols + c];
+            if (db) tb += part_b[k * cols + c];
+        }
+        if (dw) dw[c] = narrow<S>(tw);
+        if (db) db[c] = narrow<S>(tb);
+    }
+}
+
+#define NORM(S)                                                                                  \
+    extern "C" __global__ void ln_fwd_##S(const S* x, const S* w, const S* b, S* y, float* mean, \
+                                          float* rstd, u64 rows, u64 cols, float eps,            \
+                                          int centered, int vec) {                               \
+        ln_fwd_rows<S>(x, w, b, y, mean, rstd, rows, cols, eps, centered, vec);                  \
+    }                                                                                            \
+    extern "C" __global__ void ln_bwd_dx_##S(const S* x, const float* mean, const float* rstd,   \
+                                             const S* w, const S* g, S* dx, u64 rows, u64 cols,  \
+                                             int centered, int vec, int cache) {                 \
+        ln_bwd_dx_rows<S>(x, mean, rstd, w, g, dx, rows, cols, centered, vec, cache);            \
+    }                                                                                            \
+    extern "C" __global__ void ln_bwd_cols_##S(const S* x, const float* mean, const float* rstd, \
+                                               const S* g, float* part_w, float* part_b,         \
+                                               u64 rows, u64 cols, u64 chunk, int centered,      \
+                                               int bias) {                                       \
+        ln_bwd_cols_part<S>(x, mean, rstd, g, part_w, part_b, rows, cols, chunk, centered,       \
+                            bias);                                                               \
+    }                                                                                            \
+    extern "C" __global__ void ln_bwd_cols_sum_##S(const float* part_w, const float* part_b,     \
+                                                   S* dw, S* db, u64 chunks, u64 cols) {         \
+        ln_bwd_cols_sum<S>(part_w, part_b, dw, db, chunks, cols);                                \
+    }
+NORM(float)
+NORM(f16)
+NORM(bf16)

@@ -1,0 +1,357 @@
+//! Fused layer norm and RMS norm (`Backend::layer_norm_forward` / `layer_norm_backward`,
+//! kernels in `kernels/norm.cu`): one kernel forward (the row read once into shared memory,
+//! two-pass f32 statistics, the normalized and affine output, f32 `mean`/`rstd` saved), and
+//! backward one kernel per row for `dx` plus a two-stage, atomics-free column sum for `dw`/`db`
+//! — PyTorch eager's kernel structure, instead of the composed path's three generated
+//! programs each way (three reads of the input forward, three of `g` and `x` backward).
+//!
+//! Offered for f32, f16 and bf16 rows of 1 to [`MAX_COLS`] elements. f64 and longer rows are
+//! not offered (`Ok(None)`): kiln-autograd runs its composed programs, which take any length.
+//! Operands that are not contiguous are copied to contiguous first. `KILN_CUDA_FUSED_NORM=0`
+//! offers nothing for the whole process (to measure a model against the composed path).
+
+use std::sync::OnceLock;
+
+use kiln_core::backend::Operand;
+use kiln_core::{DType, Error, NormGrads, NormOutputs, NormSpec, Result};
+
+use crate::device::DeviceState;
+use crate::launch::Args;
+use crate::memory::{Buffer, alloc};
+use crate::ops::{Module, contiguous, run, same_device, tname};
+
+/// The longest row the kernels take: the forward caches the row as f32 in shared memory (32 KiB
+/// here, under the 48 KiB a launch gets without opting in).
+pub(crate) const MAX_COLS: usize = 8192;
+
+/// The backward's `dx` kernel caches `(ĝ, x̂)` f32 pairs in shared memory up to this row
+/// length (32 KiB; with the kernel's static scratch it must stay under the 48 KiB a launch gets
+/// without opting in); longer rows read `g`, `x` and `w` a second time instead (from L1/L2).
+const CACHE_COLS: usize = 4096;
+
+/// Rows per chunk of the column sums' first stage.
+const CHUNK: usize = 64;
+
+/// An operand as a contiguous buffer: itself (at its offset) or a contiguous copy.
+struct Contig<'a> {
+    copy: Option<Buffer>,
+    buf: &'a Buffer,
+    offset: u64,
+}
+
+impl<'a> Contig<'a> {
+    fn new((s, l): Operand<'a, Buffer>, dtype: DType) -> Result<Self> {
+        if l.is_contiguous() {
+            return Ok(Contig {
+                copy: None,
+                buf: s,
+                offset: (l.offset() * dtype.size_in_bytes()) as u64,
+            });
+        }
+        Ok(Contig {
+            copy: Some(contiguous(s, l, dtype)?),
+            buf: s,
+            offset: 0,
+        })
+    }
+    fn ptr(&self) -> u64 {
+        self.copy.as_ref().unwrap_or(self.buf).device_ptr() + self.offset
+    }
+}
+
+/// Whether `KILN_CUDA_FUSED_NORM` leaves the kernels on (anything but `0`), read once.
+fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_CUDA_FUSED_NORM").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Whether the kernels take this call (module docs).
+fn offered(dtype: DType, spec: &NormSpec) -> bool {
+    enabled()
+        && matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        && (1..=MAX_COLS).contains(&spec.cols)
+        && spec.rows > 0
+}
+
+/// Checks that `o` holds `len` elements.
+fn check_len(op: &'static str, what: &str, o: &Operand<'_, Buffer>, len: usize) -> Result<()> {
+    if o.1.elem_count() != len {
+        return Err(Error::invalid(
+            op,
+            format!("{what} must have {len} elements, got shape {}", o.1.shape()),
+        ));
+    }
+    Ok(())
+}
+
+/// Threads per row: one per vector (or element) up to 256, a multiple of the warp.
+fn row_block(units: usize) -> u32 {
+    (units.div_ceil(32) * 32).clamp(32, 256) as u32
+}
+
+/// Whether every pointer is 16-byte aligned and the rows are whole vectors.
+fn vectorized(dtype: DType, cols: usize, ptrs: &[u64]) -> bool {
+    cols.is_multiple_of(16 / dtype.size_in_bytes()) && ptrs.iter().all(|p| p.is_multiple_of(16))
+}
+
+fn grid_rows(dev: &DeviceState, rows: usize) -> (u32, u32) {
+    (rows.min(dev.sm_count() as usize * 32) as u32, 1)
+}
+
+fn op_name(spec: &NormSpec, backward: bool) -> &'static str {
+    match (spec.centered, backward) {
+        (true, false) => "layer_norm",
+        (true, true) => "layer_norm_backward",
+        (false, false) => "rms_norm",
+        (false, true) => "rms_norm_backward",
+    }
+}
+
+/// `Backend::layer_norm_forward` on the GPU (module docs).
+pub(crate) fn forward(
+    x: Operand<'_, Buffer>,
+    w: Option<Operand<'_, Buffer>>,
+    b: Option<Operand<'_, Buffer>>,
+    dtype: DType,
+    spec: NormSpec,
+) -> Result<Option<NormOutputs<Buffer>>> {
+    if !offered(dtype, &spec) {
+        return Ok(None);
+    }
+    let op = op_name(&spec, false);
+    let (rows, cols) = (spec.rows, spec.cols);
+    check_len(op, "the input", &x, rows * cols)?;
+    for (name, p) in [("weight", &w), ("bias", &b)] {
+        if let Some(p) = p {
+            same_device(op, x.0, p.0)?;
+            check_len(op, name, p, cols)?;
+        }
+    }
+    let dev = x.0.state();
+    dev.bind()?;
+    let xc = Contig::new(x, dtype)?;
+    let wc = w.map(|w| Contig::new(w, dtype)).transpose()?;
+    let bc = b.map(|b| Contig::new(b, dtype)).transpose()?;
+    let y = alloc(dev, rows * cols * dtype.size_in_bytes())?;
+    let mean = spec.centered.then(|| alloc(dev, rows * 4)).transpose()?;
+    let rstd = alloc(dev, rows * 4)?;
+    let (wp, bp) = (
+        wc.as_ref().map_or(0, Contig::ptr),
+        bc.as_ref().map_or(0, Contig::ptr),
+    );
+    let vec = vectorized(dtype, cols, &[xc.ptr(), y.device_ptr(), wp, bp]);
+    let units = if vec {
+        cols / (16 / dtype.size_in_bytes())
+    } else {
+        cols
+    };
+    let mut a = Args::new();
+    a.push(xc.ptr())
+        .push(wp)
+        .push(bp)
+        .push(y.device_ptr())
+        .push(mean.as_ref().map_or(0, Buffer::device_ptr))
+        .push(rstd.device_ptr())
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(spec.eps as f32)
+        .push(spec.centered as i32)
+        .push(vec as i32);
+    run(
+        dev,
+        op,
+        Module::Norm,
+        &["ln_fwd", tname(dtype)],
+        grid_rows(dev, rows),
+        row_block(units),
+        (cols * 4) as u32,
+        &mut a,
+    )?;
+    Ok(Some((y, mean, rstd)))
+}
+
+/// `Backend::layer_norm_backward` on the GPU (module docs); `None` exactly where the forward
+/// was not offered.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    x: Operand<'_, Buffer>,
+    mean: Option<Operand<'_, Buffer>>,
+    rstd: Operand<'_, Buffer>,
+    w: Option<Operand<'_, Buffer>>,
+    g: Operand<'_, Buffer>,
+    dtype: DType,
+    spec: NormSpec,
+    needs: [bool; 3],
+) -> Result<Option<NormGrads<Buffer>>> {
+    if !offered(dtype, &spec) {
+        return Ok(None);
+    }
+    let op = op_name(&spec, true);
+    let (rows, cols) = (spec.rows, spec.cols);
+    if spec.centered != mean.is_some() {
+        return Err(Error::invalid(
+            op,
+            "the row means are given exactly for a layer norm",
+        ));
+    }
+    check_len(op, "the input", &x, rows * cols)?;
+    check_len(op, "the output gradient", &g, rows * cols)?;
+    check_len(op, "rstd", &rstd, rows)?;
+    same_device(op, x.0, g.0)?;
+    same_device(op, x.0, rstd.0)?;
+    if let Some(m) = &mean {
+        check_len(op, "mean", m, rows)?;
+        same_device(op, x.0, m.0)?;
+    }
+    if let Some(w) = &w {
+        check_len(op, "weight", w, cols)?;
+        same_device(op, x.0, w.0)?;
+    }
+    let dev = x.0.state();
+    dev.bind()?;
+    let xc = Contig::new(x, dtype)?;
+    let gc = Contig::new(g, dtype)?;
+    let mc = mean.map(|m| Contig::new(m, DType::F32)).transpose()?;
+    let rc = Contig::new(rstd, DType::F32)?;
+    let wc = w.map(|w| Contig::new(w, dtype)).transpose()?;
+    let mp = mc.as_ref().map_or(0, Contig::ptr);
+    let size = dtype.size_in_bytes();
+    let dx = if needs[0] {
+        let dx = alloc(dev, rows * cols * size)?;
+        let wp = wc.as_ref().map_or(0, Contig::ptr);
+        let vec = vectorized(dtype, cols, &[xc.ptr(), gc.ptr(), dx.device_ptr(), wp]);
+        let units = if vec { cols / (16 / size) } else { cols };
+        let cache = cols <= CACHE_COLS;
+        let mut a = Args::new();
+        a.push(xc.ptr())
+            .push(mp)
+            .push(rc.ptr())
+            .push(wp)
+            .push(gc.ptr())
+            .push(dx.device_ptr())
+            .push(rows as u64)
+            .push(cols as u64)
+            .push(spec.centered as i32)
+            .push(vec as i32)
+            .push(cache as i32);
+        let smem = if cache { cols * 8 } else { 0 };
+        run(
+            dev,
+            op,
+            Module::Norm,
+            &["ln_bwd_dx", tname(dtype)],
+            grid_rows(dev, rows),
+            row_block(units),
+            smem as u32,
+            &mut a,
+        )?;
+        Some(dx)
+    } else {
+        None
+    };
+    let (dw, db) = if needs[1] || needs[2] {
+        column_sums(
+            dev,
+            op,
+            &xc,
+            mp,
+            &rc,
+            &gc,
+            dtype,
+            spec,
+            [needs[1], needs[2]],
+        )?
+    } else {
+        (None, None)
+    };
+    Ok(Some((dx, dw, db)))
+}
+
+/// `dw = Σ_rows g x̂` and `db = Σ_rows g` where `want`: f32 partials per chunk of [`CHUNK`]
+/// rows, then one ordered sum per column (deterministic, no atomics).
+#[allow(clippy::too_many_arguments)]
+fn column_sums(
+    dev: &'static DeviceState,
+    op: &'static str,
+    xc: &Contig<'_>,
+    mean_ptr: u64,
+    rc: &Contig<'_>,
+    gc: &Contig<'_>,
+    dtype: DType,
+    spec: NormSpec,
+    want: [bool; 2],
+) -> Result<(Option<Buffer>, Option<Buffer>)> {
+    let (rows, cols) = (spec.rows, spec.cols);
+    // Chunks of at least CHUNK rows, and few enough for the grid's y limit.
+    let chunk = CHUNK.max(rows.div_ceil(65_535));
+    let chunks = rows.div_ceil(chunk);
+    let part_w = alloc(dev, chunks * cols * 4)?;
+    let part_b = want[1].then(|| alloc(dev, chunks * cols * 4)).transpose()?;
+    let mut a = Args::new();
+    a.push(xc.ptr())
+        .push(mean_ptr)
+        .push(rc.ptr())
+        .push(gc.ptr())
+        .push(part_w.device_ptr())
+        .push(part_b.as_ref().map_or(0, Buffer::device_ptr))
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(chunk as u64)
+        .push(spec.centered as i32)
+        .push(want[1] as i32);
+    let f = dev.func(Module::Norm, &["ln_bwd_cols", tname(dtype)])?;
+    let grid = [cols.div_ceil(32) as u32, chunks as u32, 1];
+    dev.launch_3d(op, f, grid, [32, 8, 1], 0, a.ptrs())?;
+    let size = dtype.size_in_bytes();
+    let dw = want[0].then(|| alloc(dev, cols * size)).transpose()?;
+    let db = want[1].then(|| alloc(dev, cols * size)).transpose()?;
+    let mut a = Args::new();
+    a.push(part_w.device_ptr())
+        .push(part_b.as_ref().map_or(0, Buffer::device_ptr))
+        .push(dw.as_ref().map_or(0, Buffer::device_ptr))
+        .push(db.as_ref().map_or(0, Buffer::device_ptr))
+        .push(chunks as u64)
+        .push(cols as u64);
+    run(
+        dev,
+        op,
+        Module::Norm,
+        &["ln_bwd_cols_sum", tname(dtype)],
+        dev.grid_1d(cols as u64, 256),
+        256,
+        0,
+        &mut a,
+    )?;
+    Ok((dw, db))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn offers_the_float_dtypes_up_to_max_cols() {
+        let spec = |cols| NormSpec {
+            centered: true,
+            eps: 1e-5,
+            rows: 3,
+            cols,
+        };
+        assert!(offered(DType::F32, &spec(1)));
+        assert!(offered(DType::BF16, &spec(MAX_COLS)));
+        assert!(!offered(DType::F16, &spec(MAX_COLS + 1)));
+        assert!(!offered(DType::F64, &spec(384)));
+        assert!(!offered(DType::F32, &spec(0)));
+    }
+
+    #[test]
+    fn vector_path_needs_whole_vectors_and_alignment() {
+        assert!(vectorized(DType::F32, 384, &[0, 256]));
+        assert!(!vectorized(DType::F32, 1000 + 2, &[0, 256]));
+        assert!(!vectorized(DType::BF16, 384, &[0, 258]));
+        assert!(vectorized(DType::BF16, 1000, &[0, 16]));
+        assert_eq!(row_block(1), 32);
+        assert_eq!(row_block(96), 96);
+        assert_eq!(row_block(8192), 256);
+    }
+}

@@ -138,7 +138,8 @@ pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_progr
 pub use memory::{reset_peak, set_block_cache};
 pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
 pub use ops::attention::{
-    fused_attention_16bit, set_attention_tensor_cores, set_fused_attention_16bit,
+    fused_attention_16bit, set_attention_tensor_cores, set_attention_tensor_cores_f32,
+    set_fused_attention_16bit,
 };
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;

@@ -45,7 +45,9 @@ use crate::memory::{Buffer, alloc};
 use crate::ops::attention_kernels::{Family, Stage, TILE, launch};
 use crate::ops::{Module, contiguous, same_device, tname};
 
-pub use crate::ops::attention_kernels::set_attention_tensor_cores;
+pub use crate::ops::attention_kernels::{
+    set_attention_tensor_cores, set_attention_tensor_cores_f32,
+};
 
 /// The kernels' `AttnShape` (same fields, same order).
 #[repr(C)]
@@ -157,12 +159,17 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     match HALF.load(Ordering::Relaxed) {
         ON => true,
         OFF => false,
-        _ => Family::of(DType::BF16, arch) == Family::TensorCore,
+        _ => Family::of(DType::BF16, 64, arch, usize::MAX) == Family::TensorCore,
     }
 }
 
 /// The [`Plan`] of one call, or `None` when the kernels do not take it.
-fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Result<Option<Plan>> {
+fn plan(
+    views: &[&View<'_>],
+    dtype: DType,
+    spec: AttentionSpec,
+    (arch, smem_optin): (u32, usize),
+) -> Result<Option<Plan>> {
     const OP: &str = "scaled_dot_product_attention";
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !(dtype == DType::F32 || (half && fused_attention_16bit(arch))) {
@@ -214,7 +221,7 @@ fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Re
         bd,
         ss,
         tile: (tile_name, dt),
-        family: Family::of(dtype, arch),
+        family: Family::of(dtype, dt, arch, smem_optin),
     }))
 }
 
@@ -243,7 +250,12 @@ pub(crate) fn forward(
         ss,
         tile,
         family,
-    }) = plan(&[&qv, &kv, &vv], dtype, spec, dev.arch())?
+    }) = plan(
+        &[&qv, &kv, &vv],
+        dtype,
+        spec,
+        (dev.arch(), dev.smem_optin()),
+    )?
     else {
         return Ok(None);
     };
@@ -297,7 +309,12 @@ pub(crate) fn backward(
         ss,
         tile,
         family,
-    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec, dev.arch())?
+    }) = plan(
+        &[&qv, &kv, &vv, &gv],
+        dtype,
+        spec,
+        (dev.arch(), dev.smem_optin()),
+    )?
     else {
         return Ok(None);
     };

@@ -1,6 +1,7 @@
 //! Fused scaled dot-product attention (`Backend::attention_forward` / `attention_backward`):
 //! argument packing and launches of `kernels/attention.cu` (f32 FMAs) or
-//! `kernels/attention_tc.cu` (tensor cores, f16/bf16 on sm_80+; `attention_kernels.rs` picks),
+//! `kernels/attention_tc.cu` (tensor cores on sm_80+: f16/bf16, and f32 as 3xTF32 or 1xTF32;
+//! `attention_kernels.rs` picks),
 //! whose headers explain the algorithm (FlashAttention-2's tiles and online softmax; backward
 //! by recomputation from the saved row log-sum-exps, in deterministic passes).
 //!
@@ -25,8 +26,16 @@
 //! of `kernels/attention.cu`, and 0.515 ms for PyTorch's `scaled_dot_product_attention` in the
 //! same run. Older GPUs (or [`set_attention_tensor_cores`]`(false)`, which the tests use to
 //! compare the two) would run the FMA kernels, slower than composing, so there 16-bit
-//! composes by default. f32 always runs the FMA kernels (0.964 ms fused against 1.285
-//! composed; PyTorch 0.639).
+//! composes by default.
+//!
+//! f32 runs the tensor-core kernels too on sm_80+ (where their shared memory fits: not head
+//! size 128 on sm_86/sm_89), with TF32 products: 3xTF32 by default (each operand split into a
+//! TF32 part and a TF32 remainder, three products per tile: near-f32 results, and the
+//! arithmetic of PyTorch's f32 attention, whose memory-efficient kernel uses CUTLASS's
+//! `OpMultiplyAddFastF32`), 1xTF32 while [`crate::allow_tf32`] is on.
+//! [`set_attention_tensor_cores_f32`]`(false)` forces the f32-FMA kernels, which took 0.964 ms
+//! fused against 1.285 composed at the GPT shape above (PyTorch 0.639); the tensor-core f32
+//! kernels are not yet measured.
 //!
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),

@@ -623,7 +623,8 @@ impl Backend for Cuda {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
-        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, spec)?;
+        let tf32 = blas::allow_tf32();
+        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
         Ok(r.map(|(o, l)| (CudaStorage::ready(o), CudaStorage::ready(l))))
     }
 
@@ -647,7 +648,7 @@ impl Backend for Cuda {
             (&lb, lse.1),
             (&gb, g.1),
             dtype,
-            spec,
+            (spec, blas::allow_tf32()),
         )?;
         Ok(r.map(|(a, b, c)| {
             (

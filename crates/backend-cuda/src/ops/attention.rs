@@ -168,7 +168,7 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     match HALF.load(Ordering::Relaxed) {
         ON => true,
         OFF => false,
-        _ => Family::of(DType::BF16, 64, arch, usize::MAX) == Family::TensorCore,
+        _ => Family::of(DType::BF16, 64, (arch, usize::MAX), false) == Family::TensorCore,
     }
 }
 
@@ -176,9 +176,10 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
 fn plan(
     views: &[&View<'_>],
     dtype: DType,
-    spec: AttentionSpec,
-    (arch, smem_optin): (u32, usize),
+    (spec, tf32): (AttentionSpec, bool),
+    target: (u32, usize),
 ) -> Result<Option<Plan>> {
+    let arch = target.0;
     const OP: &str = "scaled_dot_product_attention";
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !(dtype == DType::F32 || (half && fused_attention_16bit(arch))) {
@@ -230,18 +231,20 @@ fn plan(
         bd,
         ss,
         tile: (tile_name, dt),
-        family: Family::of(dtype, dt, arch, smem_optin),
+        family: Family::of(dtype, dt, target, tf32),
     }))
 }
 
 /// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` and the f32 row
-/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs).
+/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs). `spec` comes with
+/// whether f32 may take 1xTF32 (`allow_tf32()`, read by the caller: `blas` is not this
+/// module's to import).
 pub(crate) fn forward(
     q: Operand<'_, Buffer>,
     k: Operand<'_, Buffer>,
     v: Operand<'_, Buffer>,
     dtype: DType,
-    spec: AttentionSpec,
+    spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention";
     same_device(OP, q.0, k.0)?;
@@ -298,7 +301,7 @@ pub(crate) fn backward(
     lse: Operand<'_, Buffer>,
     g: Operand<'_, Buffer>,
     dtype: DType,
-    spec: AttentionSpec,
+    spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionGrads<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention_backward";
     for x in [k.0, v.0, out.0, lse.0, g.0] {

@@ -68,15 +68,21 @@ pub(super) enum Stage {
 
 impl Family {
     /// The family that runs `dtype` at head size `dt` on a device of compute capability
-    /// `arch` that gives a block at most `smem_optin` bytes of shared memory: f32 takes the
-    /// TF32 kernels only where all three of their stages fit (not at head size 128 on the
-    /// 99 KiB of sm_86/sm_89).
-    pub(super) fn of(dtype: DType, dt: usize, arch: u32, smem_optin: usize) -> Family {
+    /// `arch` that gives a block at most `smem_optin` bytes of shared memory, with TF32
+    /// allowed (`tf32`: `crate::allow_tf32()`, read by the caller) or not: f32 takes the TF32
+    /// kernels only where all three of their stages fit (not at head size 128 on the 99 KiB
+    /// of sm_86/sm_89).
+    pub(super) fn of(
+        dtype: DType,
+        dt: usize,
+        (arch, smem_optin): (u32, usize),
+        tf32: bool,
+    ) -> Family {
         let half = matches!(dtype, DType::F16 | DType::BF16);
         if half && arch >= 80 && TENSOR_CORES.load(Ordering::Relaxed) {
             return Family::TensorCore;
         }
-        let tf32 = Family::Tf32(!crate::blas::allow_tf32());
+        let tf32 = Family::Tf32(!tf32);
         if dtype == DType::F32
             && arch >= 80
             && TENSOR_CORES_F32.load(Ordering::Relaxed)
@@ -209,23 +215,40 @@ mod tests {
     fn tensor_cores_take_16_bit_and_f32_on_sm80_and_up_only() {
         const H100: usize = 227 * 1024;
         const SM86: usize = 99 * 1024;
-        assert_eq!(Family::of(DType::BF16, 64, 90, H100), Family::TensorCore);
-        assert_eq!(Family::of(DType::F16, 128, 80, H100), Family::TensorCore);
-        assert_eq!(Family::of(DType::BF16, 64, 75, 64 * 1024), Family::Fma);
-        assert_eq!(Family::of(DType::F32, 64, 75, 64 * 1024), Family::Fma);
+        assert_eq!(
+            Family::of(DType::BF16, 64, (90, H100), false),
+            Family::TensorCore
+        );
+        assert_eq!(
+            Family::of(DType::F16, 128, (80, H100), false),
+            Family::TensorCore
+        );
+        assert_eq!(
+            Family::of(DType::BF16, 64, (75, 64 * 1024), false),
+            Family::Fma
+        );
+        assert_eq!(
+            Family::of(DType::F32, 64, (75, 64 * 1024), false),
+            Family::Fma
+        );
+        // 3xTF32 by default, 1xTF32 with TF32 allowed.
+        assert_eq!(
+            Family::of(DType::F32, 64, (90, H100), false),
+            Family::Tf32(true)
+        );
+        assert_eq!(
+            Family::of(DType::F32, 64, (80, H100), true),
+            Family::Tf32(false)
+        );
         assert!(matches!(
-            Family::of(DType::F32, 64, 90, H100),
+            Family::of(DType::F32, 128, (90, H100), false),
             Family::Tf32(_)
         ));
         assert!(matches!(
-            Family::of(DType::F32, 128, 90, H100),
+            Family::of(DType::F32, 64, (86, SM86), false),
             Family::Tf32(_)
         ));
-        assert!(matches!(
-            Family::of(DType::F32, 64, 86, SM86),
-            Family::Tf32(_)
-        ));
-        assert_eq!(Family::of(DType::F32, 128, 86, SM86), Family::Fma);
-        assert_eq!(Family::of(DType::F64, 64, 90, H100), Family::Fma);
+        assert_eq!(Family::of(DType::F32, 128, (86, SM86), false), Family::Fma);
+        assert_eq!(Family::of(DType::F64, 64, (90, H100), false), Family::Fma);
     }
 }

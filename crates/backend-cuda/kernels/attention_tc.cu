@@ -408,6 +408,12 @@ __device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 
     return q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
 }
 
+// Whether no query of [q0, q0 + nq) sees a key of [k0, k0 + nk) (causal: every key after
+// every query; the whole tile is masked).
+__device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
+    return a.causal && k0 > q0 + nq - 1;
+}
+
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // contiguous [.., ncols] output `out` (columns < ncols).
 template <typename S, int DT>
@@ -463,47 +469,51 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const E* cK = sK + (t & 1) * BK * P;
-        const E* cV = sV + (t & 1) * BK * P;
-        float s[BK / 8][4];
-        tc_zero<BK / 8>(s);
-        O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
-        float mx[2] = {-att_inf(), -att_inf()};
-        const bool full = tc_full(a, w0, 16, k0, BK);
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
-                s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        // (Causal: a warp whose rows see no key of the tile skips it; its product would add
+        // zeros. The barriers stay, and no tile is fully masked for the whole block.)
+        if (!tc_none(a, w0, 16, k0, BK)) {
+            const E* cK = sK + (t & 1) * BK * P;
+            const E* cV = sV + (t & 1) * BK * P;
+            float s[BK / 8][4];
+            tc_zero<BK / 8>(s);
+            O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+            float mx[2] = {-att_inf(), -att_inf()};
+            const bool full = tc_full(a, w0, 16, k0, BK);
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
+                    s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                }
+            float base[2];
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
+                // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+                base[h] = mnew == -att_inf() ? 0.f : mnew;
+                const float alpha = exp2f(m[h] - base[h]);
+                m[h] = mnew;
+                l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
+    #pragma unroll
+                for (int n = 0; n < DT / 8; ++n) {
+                    acc[n][2 * h] *= alpha;
+                    acc[n][2 * h + 1] *= alpha;
+                }
             }
-        float base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
-            // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-            base[h] = mnew == -att_inf() ? 0.f : mnew;
-            const float alpha = exp2f(m[h] - base[h]);
-            m[h] = mnew;
-            l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
-#pragma unroll
-            for (int n = 0; n < DT / 8; ++n) {
-                acc[n][2 * h] *= alpha;
-                acc[n][2 * h + 1] *= alpha;
-            }
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(s[n][e] - base[e >> 1]);
+                    l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
+                    s[n][e] = a.dropout && p > 0.f
+                                  ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
+                                  : p;
+                }
+            O::template rn<BK, DT / 8, DT>(acc, s, cV);
         }
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[n][e] - base[e >> 1]);
-                l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
-                s[n][e] = a.dropout && p > 0.f
-                              ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
-                              : p;
-            }
-        O::template rn<BK, DT / 8, DT>(acc, s, cV);
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     float inv[2];
@@ -575,30 +585,32 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const E* cQ = sQ + (t & 1) * BQ * P;
-        const E* cG = sG + (t & 1) * BQ * P;
-        const float* cL = sL + (t & 1) * BQ;
-        const float* cD = sD + (t & 1) * BQ;
-        float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
-        tc_zero<BQ / 8>(st);
-        tc_zero<BQ / 8>(dpt);
-        O::template nt<DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
-        O::template nt<DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
-        const bool full = tc_full(a, q0, BQ, w0, 16);
-#pragma unroll
-        for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = tc_col(n, e);
-                const u64 kj = w0 + tc_row(e), qi = q0 + c;
-                const bool ok = full || att_keep(a, qi, kj);
-                const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
-                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                st[n][e] = p * z;
-                dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
-            }
-        O::template rn<BQ, DT / 8, DT>(adv, st, cG);   // dV += (P^T z) dO
-        O::template rn<BQ, DT / 8, DT>(adk, dpt, cQ);  // dK += dS^T Q
+        if (!tc_none(a, q0, BQ, w0, 16)) {
+            const E* cQ = sQ + (t & 1) * BQ * P;
+            const E* cG = sG + (t & 1) * BQ * P;
+            const float* cL = sL + (t & 1) * BQ;
+            const float* cD = sD + (t & 1) * BQ;
+            float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
+            tc_zero<BQ / 8>(st);
+            tc_zero<BQ / 8>(dpt);
+            O::template nt<DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
+            O::template nt<DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
+            const bool full = tc_full(a, q0, BQ, w0, 16);
+    #pragma unroll
+            for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = tc_col(n, e);
+                    const u64 kj = w0 + tc_row(e), qi = q0 + c;
+                    const bool ok = full || att_keep(a, qi, kj);
+                    const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
+                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                    st[n][e] = p * z;
+                    dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
+                }
+            O::template rn<BQ, DT / 8, DT>(adv, st, cG);   // dV += (P^T z) dO
+            O::template rn<BQ, DT / 8, DT>(adk, dpt, cQ);  // dK += dS^T Q
+        }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     // With no query tile (causal, keys past the last query) the K and V copies are uncommitted.
@@ -657,25 +669,27 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const E* cK = sK + (t & 1) * BK * P;
-        const E* cV = sV + (t & 1) * BK * P;
-        float s[BK / 8][4], dp[BK / 8][4];
-        tc_zero<BK / 8>(s);
-        tc_zero<BK / 8>(dp);
-        O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
-        O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
-        const bool full = tc_full(a, w0, 16, k0, BK);
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                const bool ok = full || att_keep(a, qi, kj);
-                const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
-                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
-            }
-        O::template rn<BK, DT / 8, DT>(adq, dp, cK);  // dQ += dS K
+        if (!tc_none(a, w0, 16, k0, BK)) {
+            const E* cK = sK + (t & 1) * BK * P;
+            const E* cV = sV + (t & 1) * BK * P;
+            float s[BK / 8][4], dp[BK / 8][4];
+            tc_zero<BK / 8>(s);
+            tc_zero<BK / 8>(dp);
+            O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+            O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
+            const bool full = tc_full(a, w0, 16, k0, BK);
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                    const bool ok = full || att_keep(a, qi, kj);
+                    const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
+                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                    dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
+                }
+            O::template rn<BK, DT / 8, DT>(adq, dp, cK);  // dQ += dS K
+        }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     tc_store<S, DT>(dq + b * a.tq * a.d, adq, w0, a.tq, a.d, a.scale, a.scale);

@@ -339,27 +339,28 @@ report("d2l_matmul_norm_x1000_gpu", wall_sync(d2l_gpu), "ms")
 
 
 # ---- issue 31: attention at the GPT example's shape (B=64, H=6, T=256, d=64, causal) -------
-# Twins of `attention` in crates/backend-cuda/benches/gpu.rs: forward alone (no_grad) and
-# forward + backward (the gradients of q, k, v for a given output gradient), f32 (TF32 off)
-# and bf16, through F.scaled_dot_product_attention (PyTorch picks its flash / memory-efficient
-# kernel).
+# and at a long-sequence one (attn_long_*: B=8, H=16, T=2048, d=64, causal). Twins of
+# `attention` in crates/backend-cuda/benches/gpu.rs: forward alone (no_grad) and forward +
+# backward (the gradients of q, k, v for a given output gradient), f32 (TF32 off) and bf16,
+# through F.scaled_dot_product_attention (PyTorch picks its flash / memory-efficient kernel).
 import torch.nn.functional as F
 
-for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
-    q, k, v = (rand(64, 6, 256, 64).to(dt).requires_grad_() for _ in range(3))
-    go = rand(64, 6, 256, 64).to(dt)
+for name, (b, h, t, d) in (("gpt", (64, 6, 256, 64)), ("long", (8, 16, 2048, 64))):
+    for dt, tag in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        q, k, v = (rand(b, h, t, d).to(dt).requires_grad_() for _ in range(3))
+        go = rand(b, h, t, d).to(dt)
 
-    def attn_fwd():
-        with torch.no_grad():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        def attn_fwd():
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    def attn_fwd_bwd():
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        torch.autograd.grad(y, (q, k, v), go)
+        def attn_fwd_bwd():
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(y, (q, k, v), go)
 
-    report(f"attn_gpt_fwd_{tag}", timed(5, 20, attn_fwd), "ms")
-    report(f"attn_gpt_fwd_bwd_{tag}", timed(5, 20, attn_fwd_bwd), "ms")
-    del q, k, v, go
+        report(f"attn_{name}_fwd_{tag}", timed(5, 20, attn_fwd), "ms")
+        report(f"attn_{name}_fwd_bwd_{tag}", timed(5, 20, attn_fwd_bwd), "ms")
+        del q, k, v, go
 
 # Convolutions (issue 33; crates/backend-cuda/benches/conv.rs): a 3x3 padding-1 conv forward +
 # backward (input and weight gradients, no bias), f32 with TF32 off, cuDNN's algorithms chosen

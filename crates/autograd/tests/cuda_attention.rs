@@ -8,11 +8,15 @@
 //! `check_backward` passes in f32, and what is not offered (f64, masks other than causal, heads
 //! over 128) still runs composed. `cargo xtask test-gpu` carries this binary to the GPU.
 //!
+//! On sm_80+ f32 runs the TF32 tensor-core kernels (3xTF32 by default, 1xTF32 under
+//! `set_allow_tf32(true)`): the f32 tests above check them, and the `f32_tensor_core_*` tests
+//! check them against the f64 composed path at their own precision and against the FMA kernels.
+//!
 //! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 mod common;
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
@@ -111,6 +115,7 @@ const SHAPES: [Dims6; 7] = [
 #[test]
 fn fused_f32_matches_composed_f64_on_cpu() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     for dims in SHAPES {
         for causal in [false, true] {
             against_cpu(&dev, DType::F32, dims, causal, 1e-4);
@@ -118,18 +123,25 @@ fn fused_f32_matches_composed_f64_on_cpu() {
     }
 }
 
-/// Serializes the tests that flip the process-wide 16-bit switches
-/// (`set_fused_attention_16bit`, `set_attention_tensor_cores`): tests run on parallel threads.
-static SWITCHES: Mutex<()> = Mutex::new(());
+/// Serializes the tests that flip the process-wide switches (`set_fused_attention_16bit`,
+/// `set_attention_tensor_cores`, `set_attention_tensor_cores_f32`, `set_allow_tf32`; they hold
+/// it for writing) against each other and against the f32 tests whose tolerance assumes the
+/// defaults (they hold it for reading): tests run on parallel threads.
+static SWITCHES: RwLock<()> = RwLock::new(());
+
+/// Holds [`SWITCHES`] for reading: the switches stay at their defaults meanwhile.
+fn defaults() -> RwLockReadGuard<'static, ()> {
+    SWITCHES.read().unwrap_or_else(|e| e.into_inner())
+}
 
 /// Holds [`SWITCHES`] with fused 16-bit attention on (tensor cores where the device has them)
 /// and, when dropped, turns it off (the other tests ask for what they compare) and tensor
 /// cores back on.
-struct Fused16(#[allow(dead_code)] MutexGuard<'static, ()>);
+struct Fused16(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
 
 impl Fused16 {
     fn on() -> Self {
-        let guard = SWITCHES.lock().unwrap_or_else(|e| e.into_inner());
+        let guard = SWITCHES.write().unwrap_or_else(|e| e.into_inner());
         kiln_backend_cuda::set_fused_attention_16bit(true);
         kiln_backend_cuda::set_attention_tensor_cores(true);
         Fused16(guard)
@@ -276,6 +288,7 @@ fn tensor_core_head_views_of_a_packed_projection() {
 #[test]
 fn fused_is_one_launch_and_equals_the_gpu_composed_path() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     let (b, h, t, d) = (2, 3, 50, 64);
     let q = normal::<Cuda>(&[b, h, t, d], 1, DType::F32, &dev);
     let k = normal::<Cuda>(&[b, h, t, d], 2, DType::F32, &dev);
@@ -318,6 +331,7 @@ fn fused_is_one_launch_and_equals_the_gpu_composed_path() {
 #[test]
 fn fused_dropout_draws_the_composed_mask() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     let (b, h, tq, tk, d) = (2, 3, 45, 70, 64);
     let q = normal::<Cuda>(&[b, h, tq, d], 41, DType::F32, &dev);
     let k = normal::<Cuda>(&[b, h, tk, d], 42, DType::F32, &dev);
@@ -355,6 +369,7 @@ fn fused_dropout_draws_the_composed_mask() {
 #[test]
 fn head_views_of_a_packed_projection() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     let (b, t, h, d) = (2, 45, 3, 64);
     let e = h * d;
     let qkv = normal::<Cuda>(&[b, t, 3 * e], 9, DType::F32, &dev);
@@ -383,6 +398,7 @@ fn head_views_of_a_packed_projection() {
 #[test]
 fn fused_passes_check_backward_in_f32() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     let inputs = [
         normal::<Cuda>(&[1, 2, 35, 32], 21, DType::F32, &dev),
         normal::<Cuda>(&[1, 2, 40, 32], 22, DType::F32, &dev),
@@ -404,6 +420,7 @@ fn fused_passes_check_backward_in_f32() {
 #[test]
 fn cases_not_offered_run_composed() {
     let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
     against_cpu(&dev, DType::F64, (1, 2, 37, 37, 64, 64), true, 1e-10);
     against_cpu(&dev, DType::F32, (1, 1, 20, 20, 160, 160), true, 1e-4);
     let (q, k, v) = (
@@ -440,4 +457,130 @@ fn cases_not_offered_run_composed() {
         &f64s(&want.tensor()),
         1e-4,
     );
+}
+
+/// Holds [`SWITCHES`] for writing with the f32 defaults (TF32 tensor cores on, `allow_tf32`
+/// off) and restores them when dropped, also after a failed assertion.
+struct F32Switches(#[allow(dead_code)] RwLockWriteGuard<'static, ()>, bool);
+
+impl F32Switches {
+    fn take() -> Self {
+        let guard = SWITCHES.write().unwrap_or_else(|e| e.into_inner());
+        let tf32 = kiln_backend_cuda::allow_tf32();
+        kiln_backend_cuda::set_allow_tf32(false);
+        kiln_backend_cuda::set_attention_tensor_cores_f32(true);
+        F32Switches(guard, tf32)
+    }
+}
+
+impl Drop for F32Switches {
+    fn drop(&mut self) {
+        kiln_backend_cuda::set_allow_tf32(self.1);
+        kiln_backend_cuda::set_attention_tensor_cores_f32(true);
+    }
+}
+
+/// The f32 tensor-core kernels (TF32 `mma.sync` on sm_80+) against the f64 composed path on
+/// the CPU, forward and the three gradients: 3xTF32 (the default) near f32, 1xTF32 (under
+/// `allow_tf32`) within TF32's precision. Elsewhere (no sm_80) the FMA kernels meet both.
+#[test]
+fn f32_tensor_core_kernels_match_within_their_precision() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _switches = F32Switches::take();
+    for dims in TC_SHAPES {
+        for causal in [false, true] {
+            against_cpu(&dev, DType::F32, dims, causal, 1e-5);
+        }
+    }
+    kiln_backend_cuda::set_allow_tf32(true);
+    for dims in TC_SHAPES {
+        for causal in [false, true] {
+            against_cpu(&dev, DType::F32, dims, causal, 1e-2);
+        }
+    }
+}
+
+/// The f32 tensor-core kernels (3xTF32 and 1xTF32) and the FMA kernels agree with dropout
+/// from the same generator state (the same Philox mask), the tensor-core results are not the
+/// FMA kernels' bits (the path was taken), 1xTF32's not 3xTF32's, and dropout changes the
+/// result.
+#[test]
+fn f32_tensor_core_dropout_equals_the_fma_kernels() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _switches = F32Switches::take();
+    for (b, h, tq, tk, d) in [(2, 3, 45, 70, 64), (1, 2, 200, 130, 128)] {
+        let q = normal::<Cuda>(&[b, h, tq, d], 61, DType::F32, &dev);
+        let k = normal::<Cuda>(&[b, h, tk, d], 62, DType::F32, &dev);
+        let v = normal::<Cuda>(&[b, h, tk, d], 63, DType::F32, &dev);
+        let g = normal::<Cuda>(&[b, h, tq, d], 64, DType::F32, &dev);
+        for causal in [false, true] {
+            // (tensor cores, 1xTF32): results with and without dropout.
+            let go = |tc: bool, tf32: bool| {
+                kiln_backend_cuda::set_attention_tensor_cores_f32(tc);
+                kiln_backend_cuda::set_allow_tf32(tf32);
+                let mut rng = Generator::new(99);
+                let dropped = run_dropout(&q, &k, &v, &g, causal, Some((0.2, &mut rng)));
+                let plain = run(&q, &k, &v, &g, causal);
+                kiln_backend_cuda::set_attention_tensor_cores_f32(true);
+                kiln_backend_cuda::set_allow_tf32(false);
+                (dropped, plain)
+            };
+            let (fma, fma_plain) = go(false, false);
+            let what = format!("f32 {tq}x{tk} d {d} causal {causal}");
+            for (tf32, tol) in [(false, 1e-5), (true, 1e-2)] {
+                let (tc, tc_plain) = go(true, tf32);
+                for (name, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(tc.iter().zip(&fma)) {
+                    assert_close(&format!("{what} tf32 {tf32}, dropout: {name}"), a, b, tol);
+                }
+                assert!(
+                    tc_plain != fma_plain,
+                    "{what} tf32 {tf32}: the tensor-core path gave the FMA kernels' bits (was it taken?)"
+                );
+                assert!(
+                    tc_plain[0]
+                        .iter()
+                        .zip(&tc[0])
+                        .any(|(a, b)| (a - b).abs() > 1e-2),
+                    "{what}: dropout changed nothing"
+                );
+            }
+            assert!(
+                go(true, false).1 != go(true, true).1,
+                "{what}: 1xTF32 gave 3xTF32's bits"
+            );
+        }
+    }
+}
+
+/// Head views of a packed f32 `[b, t, 3·h·d + 4]` projection through the f32 tensor-core
+/// kernels: aligned (16-byte cp.async loads) and one element off (element loads), both equal
+/// to the contiguous inputs' results bit for bit.
+#[test]
+fn f32_tensor_core_head_views_of_a_packed_projection() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _defaults = defaults();
+    let (b, t, h, d) = (2, 70, 3, 64);
+    let e = h * d;
+    let qkv = normal::<Cuda>(&[b, t, 3 * e + 4], 29, DType::F32, &dev);
+    let g = normal::<Cuda>(&[b, h, t, d], 30, DType::F32, &dev);
+    for start in [0, 1] {
+        let heads = |i: usize| {
+            qkv.narrow(2, start + i * e, e)
+                .unwrap()
+                .reshape([b, t, h, d])
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+        };
+        let (q, k, v) = (heads(0), heads(1), heads(2));
+        let viewed = run(&q, &k, &v, &g, true);
+        let packed = |x: &Tensor<Cuda>| x.contiguous().unwrap();
+        let dense = run(&packed(&q), &packed(&k), &packed(&v), &g, true);
+        for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+            .iter()
+            .zip(viewed.iter().zip(&dense))
+        {
+            assert_close(&format!("f32 head views from {start}: {name}"), a, b, 0.0);
+        }
+    }
 }

@@ -227,74 +227,77 @@ fn main() {
     attention(&dev);
 }
 
-/// Issue 31: scaled dot-product attention at the GPT example's shape (batch 64, 6 heads,
-/// T = 256, head size 64, causal), forward alone (no graph recorded) and forward + backward
-/// (the gradients of q, k and v for a given output gradient, as `torch.autograd.grad`), in f32
-/// (TF32 off) and bf16: what attention takes by default (the fused kernels in f32, composed in
-/// bf16), the 16-bit fused kernels (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the
-/// f32-FMA ones) and the composed path (`_composed`), kiln only, for the record.
+/// Issue 31: scaled dot-product attention at the GPT example's shape (`attn_gpt_*`: batch 64,
+/// 6 heads, T = 256, head size 64, causal) and at a long-sequence one (`attn_long_*`: batch 8,
+/// 16 heads, T = 2048, head size 64, causal), forward alone (no graph recorded) and forward +
+/// backward (the gradients of q, k and v for a given output gradient, as
+/// `torch.autograd.grad`), in f32 (TF32 off) and bf16: what attention takes by default (f32:
+/// the fused kernels, on sm_80+ the 3xTF32 tensor-core ones; bf16: fused on sm_80+, composed
+/// elsewhere). For the record, kiln only, at the GPT shape: f32 on the f32-FMA kernels
+/// (`_fused_fma`) and on 1xTF32 (`_tf32`, `allow_tf32` on); the 16-bit fused kernels asked for
+/// explicitly (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the f32-FMA ones); the
+/// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB).
 fn attention(dev: &CudaDevice) {
-    let (b, h, t, d) = (64, 6, 256, 64);
-    for (dt, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
-        let draw = |seed| {
-            Generator::new(seed)
-                .uniform::<Cuda>([b, h, t, d], -1.0, 1.0, dev)
-                .and_then(|x| x.to_dtype(dt))
-                .unwrap()
-        };
-        let (q, k, v) = (
-            Var::param(draw(11)),
-            Var::param(draw(12)),
-            Var::param(draw(13)),
-        );
-        let g = draw(14);
-        let sdpa = || q.scaled_dot_product_attention(&k, &v, &AttnMask::Causal, 0.0, None, None);
-        let fwd = || no_grad(|| sdpa()?.tensor().realize());
-        let fwd_bwd = || -> Result<()> {
-            for x in [&q, &k, &v] {
-                x.zero_grad();
+    for (name, (b, h, t, d)) in [("gpt", (64, 6, 256, 64)), ("long", (8, 16, 2048, 64))] {
+        let gpt = name == "gpt";
+        for (dt, tag) in [(DType::F32, "f32"), (DType::BF16, "bf16")] {
+            let draw = |seed| {
+                Generator::new(seed)
+                    .uniform::<Cuda>([b, h, t, d], -1.0, 1.0, dev)
+                    .and_then(|x| x.to_dtype(dt))
+                    .unwrap()
+            };
+            let (q, k, v) = (
+                Var::param(draw(11)),
+                Var::param(draw(12)),
+                Var::param(draw(13)),
+            );
+            let g = draw(14);
+            let sdpa =
+                || q.scaled_dot_product_attention(&k, &v, &AttnMask::Causal, 0.0, None, None);
+            let fwd = || no_grad(|| sdpa()?.tensor().realize());
+            let fwd_bwd = || -> Result<()> {
+                for x in [&q, &k, &v] {
+                    x.zero_grad();
+                }
+                sdpa()?.backward_with(&g)?;
+                for x in [&q, &k, &v] {
+                    x.grad().expect("a gradient").realize()?;
+                }
+                Ok(())
+            };
+            let row = |what: &str, f: &dyn Fn() -> Result<()>| {
+                report(&format!("attn_{name}_{what}"), time(dev, 5, 20, f), "ms");
+            };
+            row(&format!("fwd_{tag}"), &fwd);
+            row(&format!("fwd_bwd_{tag}"), &fwd_bwd);
+            if !gpt {
+                continue;
             }
-            sdpa()?.backward_with(&g)?;
-            for x in [&q, &k, &v] {
-                x.grad().expect("a gradient").realize()?;
+            if dt == DType::F32 {
+                // The f32-FMA kernels, and 1xTF32 on tensor cores.
+                kiln_backend_cuda::set_attention_tensor_cores_f32(false);
+                row(&format!("fwd_{tag}_fused_fma"), &fwd);
+                row(&format!("fwd_bwd_{tag}_fused_fma"), &fwd_bwd);
+                kiln_backend_cuda::set_attention_tensor_cores_f32(true);
+                set_allow_tf32(true);
+                row(&format!("fwd_{tag}_tf32"), &fwd);
+                row(&format!("fwd_bwd_{tag}_tf32"), &fwd_bwd);
+                set_allow_tf32(false);
+            } else {
+                // The 16-bit fused kernels asked for explicitly (the rows above took the
+                // default: fused on sm_80+, composed elsewhere): the tensor-core kernels
+                // (`_fused_kernel`) and the f32-FMA ones (`_fused_fma`).
+                kiln_backend_cuda::set_fused_attention_16bit(true);
+                row(&format!("fwd_{tag}_fused_kernel"), &fwd);
+                row(&format!("fwd_bwd_{tag}_fused_kernel"), &fwd_bwd);
+                kiln_backend_cuda::set_attention_tensor_cores(false);
+                row(&format!("fwd_bwd_{tag}_fused_fma"), &fwd_bwd);
+                kiln_backend_cuda::set_attention_tensor_cores(true);
+                kiln_backend_cuda::set_fused_attention_16bit(false);
             }
-            Ok(())
-        };
-        report(&format!("attn_gpt_fwd_{tag}"), time(dev, 5, 20, fwd), "ms");
-        report(
-            &format!("attn_gpt_fwd_bwd_{tag}"),
-            time(dev, 5, 20, fwd_bwd),
-            "ms",
-        );
-        if dt != DType::F32 {
-            // The 16-bit fused kernels asked for explicitly (the rows above took the default:
-            // fused on sm_80+, composed elsewhere): the tensor-core kernels (`_fused_kernel`)
-            // and the f32-FMA ones (`_fused_fma`).
-            kiln_backend_cuda::set_fused_attention_16bit(true);
-            report(
-                &format!("attn_gpt_fwd_{tag}_fused_kernel"),
-                time(dev, 5, 20, fwd),
-                "ms",
-            );
-            report(
-                &format!("attn_gpt_fwd_bwd_{tag}_fused_kernel"),
-                time(dev, 5, 20, fwd_bwd),
-                "ms",
-            );
-            kiln_backend_cuda::set_attention_tensor_cores(false);
-            report(
-                &format!("attn_gpt_fwd_bwd_{tag}_fused_fma"),
-                time(dev, 5, 20, fwd_bwd),
-                "ms",
-            );
-            kiln_backend_cuda::set_attention_tensor_cores(true);
-            kiln_backend_cuda::set_fused_attention_16bit(false);
+            let _composed = composed_attention();
+            row(&format!("fwd_bwd_{tag}_composed"), &fwd_bwd);
         }
-        let _composed = composed_attention();
-        report(
-            &format!("attn_gpt_fwd_bwd_{tag}_composed"),
-            time(dev, 5, 20, fwd_bwd),
-            "ms",
-        );
     }
 }

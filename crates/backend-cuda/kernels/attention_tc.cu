@@ -1,29 +1,56 @@
-// Fused attention for f16/bf16 on tensor cores (sm_80+): attention.cu's algorithm and
-// semantics (FlashAttention-2 forward with an online softmax; backward by recomputation from
-// the saved log-sum-exp in deterministic passes; dropout by the same regenerated Philox mask),
-// with every tile product an `mma.sync.m16n8k16` (16-bit inputs, f32 accumulation).
+// Fused attention on tensor cores (sm_80+), for f16/bf16 and for f32: attention.cu's algorithm
+// and semantics (FlashAttention-2 forward with an online softmax; backward by recomputation
+// from the saved log-sum-exp in deterministic passes; dropout by the same regenerated Philox
+// mask), with every tile product an `mma.sync`: m16n8k16 on 16-bit inputs, or m16n8k8 on TF32
+// inputs for f32 storage; f32 accumulation in both.
 //
-// Why a file of its own: it compiles only for the 16-bit dtypes and only on sm_80+ (the host
-// never launches it below; there the kernels compile to a trap), and its tiles, fragments and
-// block shapes have nothing in common with the FMA kernels but the problem's description,
-// which is copied verbatim between `BEGIN same` / `END same` markers (a Rust test in
-// kernel_files.rs keeps the copies equal).
+// Why a file of its own: it compiles only on sm_80+ (the host never launches it below; there
+// the kernels compile to a trap), and its tiles, fragments and block shapes have nothing in
+// common with the FMA kernels but the problem's description, which is copied verbatim between
+// `BEGIN same` / `END same` markers (a Rust test in kernel_files.rs keeps the copies equal).
+//
+// Why f16/bf16 and f32 share one file: the kernels differ only in their operand format (the
+// shared-memory element, and the fragment loads and mma of a tile product); masking, the
+// online softmax, dropout, the loads' double buffering and the stores are the same code. So
+// the kernel bodies are templates over an operand format `O` (TcHalf<S> or TcTf32<SPLIT>,
+// below), each of which gives the two tile products `O::nt` and `O::rn`.
 //
 // Layout (as FlashAttention-2): TC_NT = 128 threads = 4 warps; a warp owns 16 rows of the
 // block's stationary tile (queries in the forward and dQ, keys in dK/dV) and loops over tiles
-// of the other side held in shared memory. Shared tiles are 16-bit, row pitch DT + 8 elements
-// (16 bytes more than a row, so the eight row addresses of an `ldmatrix` fall in distinct
+// of the other side held in shared memory. Shared tiles hold the storage type (16-bit, or
+// f32), row pitch DT plus 16 bytes (DT + 8 halves, DT + 4 floats: see the formats for the
 // banks). Products:
-//   tc_mm_nt: C[16][N] += A[16][K] B[N][K]^T, A and B from shared memory (ldmatrix);
-//   tc_mm_rn: C[16][N] += A[16][K] B[K][N], A in registers (an f32 accumulator of the
-//             previous product rounded to 16 bits: its m16n8 layout is the A operand's), B
-//             from shared memory (ldmatrix.trans).
+//   nt: C[16][N] += A[16][K] B[N][K]^T, A and B from shared memory;
+//   rn: C[16][N] += A[16][K] B[K][N], A an f32 accumulator of the previous product (the
+//       weights P or dS: its m16n8 layout serves as the A operand), B from shared memory.
 // An m16n8 accumulator fragment c[4] of lane (g = lane / 4, t = lane % 4) holds row g,
 // columns 2t and 2t+1 (c[0], c[1]) and row g + 8, the same columns (c[2], c[3]); a row's
 // max and sum are xor-shuffles over the four lanes of a quad.
 //
-// The weights P (forward, dV) and dS (dK, dQ) enter the second product rounded to the storage
-// type, as in FlashAttention-2; everything else (scores, softmax, accumulators) is f32.
+// 16-bit formats (TcHalf): fragments by `ldmatrix` (.trans for rn's B); the weights P (forward,
+// dV) and dS (dK, dQ) enter the second product rounded to the storage type, as in
+// FlashAttention-2; everything else (scores, softmax, accumulators) is f32.
+//
+// f32 (TcTf32<SPLIT>): `mma.m16n8k8.tf32` with operands split by `cvt.rna.tf32.f32`.
+//   SPLIT 3 (the default, "3xTF32"): x = big + small, big = tf32(x), small = tf32(x - big);
+//     a b ~ big_a big_b + big_a small_b + small_a big_b (small_a small_b, ~2^-22 relative, is
+//     dropped): three mmas per tile, results of near-f32 accuracy. This is what PyTorch's f32
+//     `scaled_dot_product_attention` does on sm_80+: its memory-efficient kernel (xformers,
+//     CUTLASS) takes its GEMMs' math from `DefaultGemmType<ArchTag, float>` in
+//     aten/src/ATen/native/transformers/cuda/mem_eff_attention/gemm_kernel_utils.h, which for
+//     compute capability >= 80 is `OpClassTensorOp`, `InstructionShape 16x8x8`,
+//     `OpMultiplyAddFastF32` (CUTLASS's 3xTF32) — for both of its products, the weights
+//     included. So SPLIT 3 matches the precision kiln's f32 users compare against.
+//   SPLIT 1 ("1xTF32", when the host's allow_tf32() is on): one mma on tf32(x), ~10-bit
+//     mantissas, as cuBLAS's TF32 GEMMs.
+//   The weights P and dS enter rn unrounded (f32, split like any operand).
+//   Fragments come by plain 32-bit `ld.shared` (ldmatrix moves b16 pairs). With a pitch of
+//   DT + 4 floats (= 4 mod 32 banks) the 32 lanes of every load hit 32 distinct banks: nt's
+//   A and B elements (row g, column t (+4)) at bank 4g + t (+4); rn's B elements (row 2t
+//   (+1), column g) at 8t (+4) + g. rn's A needs columns t and t + 4 of its k-step where the
+//   accumulator's lane holds columns 2t and 2t + 1: k is a summed index, so rn permutes it
+//   (A's column t <-> 2t, t + 4 <-> 2t + 1, and B's rows alike) and takes c[] as it lies, with
+//   no shuffle.
 //
 // Backward: attention.cu's `attn_bwd_pre` computes Dr = rowsum(dO O) first; then
 //   attn_tc_dkdv: one block per (batch, 64 keys), over the query tiles that see them:
@@ -39,8 +66,9 @@
 // else plain element loads; rows and columns outside the matrix are zeros (a head narrower
 // than DT is zero-padded).
 //
-// tests/attention_tc_emulation.py replays this file's index arithmetic lane by lane on the CPU
-// (ldmatrix and mma emulated from the PTX ISA's layouts); keep it in step.
+// tests/attention_tc_emulation.py replays the 16-bit kernels' index arithmetic lane by lane on
+// the CPU (ldmatrix and mma emulated from the PTX ISA's layouts), and tests/attention_tf32_
+// emulation.py the f32 format's fragments; keep them in step.
 
 #define TC_NT 128
 #define TC_BQ 64  // queries per block (forward, dQ) and keys per block (dK/dV): 4 warps x 16
@@ -135,7 +163,7 @@ template <> __device__ __forceinline__ u32 tc_pack<f16>(float lo, float hi) {
 }
 
 // 16 bytes from global `src` to shared `dst` without waiting (zeros instead when !ok).
-__device__ __forceinline__ void tc_cp16(u16* dst, const u16* src, bool ok) {
+__device__ __forceinline__ void tc_cp16(void* dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_saddr(dst)), "l"(src),
                  "r"(ok ? 16 : 0));
 }
@@ -145,17 +173,24 @@ template <int N> __device__ __forceinline__ void tc_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// The row pitch (elements) of a shared tile of head size DT and element E: a row and 16
+// bytes (DT + 8 halves, DT + 4 floats), which spreads the rows of a fragment load over the
+// banks (the header).
+template <typename E, int DT> struct TcPitch { static constexpr int P = DT + 16 / (int)sizeof(E); };
+// (The kernels' dynamic shared memory is declared u16 whatever E is, and cast: declared as
+// bytes, ptxas gave the 16-bit dQ kernels ~40 registers more, NVRTC 13.0, sm_90.)
+
 // Rows r0 .. r0+ROWS of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
-// shared [ROWS][DT + 8] 16-bit tile, zeros outside the matrix. 16-byte vectors go by cp.async
+// shared [ROWS][TcPitch] tile of E, zeros outside the matrix. 16-byte vectors go by cp.async
 // (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
 // plain stores (visible after the __syncthreads).
-template <int ROWS, int DT>
-__device__ __forceinline__ void tc_load(u16* dst, const u16* __restrict__ src, u64 rs, u64 r0,
+template <int ROWS, int DT, typename E>
+__device__ __forceinline__ void tc_load(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
                                         u64 nrows, u64 ncols) {
-    constexpr int P = DT + 8;
-    if (((u64)src & 15) == 0 && rs % 8 == 0 && ncols % 8 == 0) {
-        for (int idx = threadIdx.x; idx < ROWS * DT / 8; idx += TC_NT) {
-            const int r = idx / (DT / 8), c = (idx % (DT / 8)) * 8;
+    constexpr int P = TcPitch<E, DT>::P, V = 16 / (int)sizeof(E);  // V: elements per vector
+    if (((u64)src & 15) == 0 && rs % V == 0 && ncols % V == 0) {
+        for (int idx = threadIdx.x; idx < ROWS * DT / V; idx += TC_NT) {
+            const int r = idx / (DT / V), c = (idx % (DT / V)) * V;
             const u64 gr = r0 + (u64)r;
             const bool ok = gr < nrows && (u64)c < ncols;
             tc_cp16(dst + r * P + c, ok ? src + gr * rs + (u64)c : src, ok);
@@ -164,7 +199,7 @@ __device__ __forceinline__ void tc_load(u16* dst, const u16* __restrict__ src, u
         for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
             const int r = idx / DT, c = idx % DT;
             const u64 gr = r0 + (u64)r;
-            dst[r * P + c] = gr < nrows && (u64)c < ncols ? src[gr * rs + (u64)c] : (u16)0;
+            dst[r * P + c] = gr < nrows && (u64)c < ncols ? src[gr * rs + (u64)c] : (E)0;
         }
     }
 }
@@ -221,6 +256,134 @@ __device__ __forceinline__ void tc_frag(u32 a[NC / 2][4], const float c[NC][4]) 
     }
 }
 
+// ---- TF32 (f32 storage) ----
+
+// x rounded to TF32 (nearest, ties away: CUTLASS's and cuBLAS's rounding), in an f32 register
+// with the low 13 mantissa bits zero.
+__device__ __forceinline__ u32 tf_round(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// x as `big` (and, for SPLIT 3, `small` = the rounded remainder; else 0).
+template <int SPLIT> __device__ __forceinline__ void tf_split(float x, u32& big, u32& small) {
+    big = tf_round(x);
+    small = SPLIT == 3 ? tf_round(x - __uint_as_float(big)) : 0u;
+}
+
+// c += a b for one m16n8k8 TF32 tile.
+__device__ __forceinline__ void tf_mma1(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b from split operands: the two cross terms first (the small ones, as CUTLASS's
+// FastF32), then big x big; SPLIT 1: big x big only.
+template <int SPLIT>
+__device__ __forceinline__ void tf_mma(float c[4], const u32 ab[4], const u32 as[4],
+                                       const u32 bb[2], const u32 bs[2]) {
+    if (SPLIT == 3) {
+        tf_mma1(c, as, bb[0], bb[1]);
+        tf_mma1(c, ab, bs[0], bs[1]);
+    }
+    tf_mma1(c, ab, bb[0], bb[1]);
+}
+
+// acc[n] += A[16][K] B[8n .. 8n+8][K]^T in TF32: A rows at `A` (the warp's 16), B at `B`, both
+// f32 with row pitch DT + 4. K and 8 NT multiples of 8. A fragment (m16n8k8 .row): a0 (g, t),
+// a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4); B (.col): b0 (k t, n g), b1 (k t + 4, n g).
+template <int SPLIT, int K, int NT, int DT>
+__device__ __forceinline__ void tf_mm_nt(float acc[NT][4], const float* A, const float* B) {
+    constexpr int P = DT + 4;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < K / 8; ++kk) {
+        u32 ab[4], as[4];
+        const float* ap = A + g * P + kk * 8 + t;
+        tf_split<SPLIT>(ap[0], ab[0], as[0]);
+        tf_split<SPLIT>(ap[8 * P], ab[1], as[1]);
+        tf_split<SPLIT>(ap[4], ab[2], as[2]);
+        tf_split<SPLIT>(ap[8 * P + 4], ab[3], as[3]);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            u32 bb[2], bs[2];
+            const float* bp = B + (n * 8 + g) * P + kk * 8 + t;
+            tf_split<SPLIT>(bp[0], bb[0], bs[0]);
+            tf_split<SPLIT>(bp[4], bb[1], bs[1]);
+            tf_mma<SPLIT>(acc[n], ab, as, bb, bs);
+        }
+    }
+}
+
+// acc[n] += A[16][K] B[K][8n .. 8n+8] in TF32: A the f32 accumulator p (n-tile kk is k-step
+// kk), B at `B` (f32, row pitch DT + 4). The k index is permuted within a step (the header):
+// A's column t is p's column 2t (p[kk][0], p[kk][2]), column t + 4 is 2t + 1 (p[kk][1],
+// p[kk][3]); B's rows t and t + 4 are rows 2t and 2t + 1 of the step.
+template <int SPLIT, int K, int NT, int DT>
+__device__ __forceinline__ void tf_mm_rn(float acc[NT][4], const float p[K / 8][4], const float* B) {
+    constexpr int P = DT + 4;
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < K / 8; ++kk) {
+        u32 ab[4], as[4];
+        tf_split<SPLIT>(p[kk][0], ab[0], as[0]);
+        tf_split<SPLIT>(p[kk][2], ab[1], as[1]);
+        tf_split<SPLIT>(p[kk][1], ab[2], as[2]);
+        tf_split<SPLIT>(p[kk][3], ab[3], as[3]);
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            u32 bb[2], bs[2];
+            const float* bp = B + (kk * 8 + 2 * t) * P + n * 8 + g;
+            tf_split<SPLIT>(bp[0], bb[0], bs[0]);
+            tf_split<SPLIT>(bp[P], bb[1], bs[1]);
+            tf_mma<SPLIT>(acc[n], ab, as, bb, bs);
+        }
+    }
+}
+
+// ---- Operand formats: what the kernel bodies are templated over ----
+// S: the storage type of the operands and outputs; E: the shared tiles' element; nt and rn:
+// the two tile products (header); SIDE<DT>: rows of the tiles a block loops over.
+
+// f16/bf16 on m16n8k16. Side tiles: 64 at head size 64, 32 at 128 (so that a warp's f32
+// fragments stay in registers without spills).
+template <typename S_> struct TcHalf {
+    typedef S_ S;
+    typedef u16 E;
+    template <int DT> struct Side { static constexpr int T = DT == 64 ? 64 : 32; };
+    template <int K, int NT, int DT>
+    static __device__ __forceinline__ void nt(float acc[NT][4], const E* A, const E* B) {
+        tc_mm_nt<S, K, NT, DT>(acc, A, B);
+    }
+    template <int K, int NT, int DT>
+    static __device__ __forceinline__ void rn(float acc[NT][4], const float p[K / 8][4], const E* B) {
+        u32 f[K / 16][4];
+        tc_frag<S, K / 8>(f, p);
+        tc_mm_rn<S, K, NT, DT>(acc, f, B);
+    }
+};
+
+// f32 on m16n8k8 TF32, SPLIT 3 (3xTF32) or 1. Side tiles of 32 rows at both head sizes: f32
+// tiles take twice the bytes of 16-bit ones, and 32 keeps the forward at head size 64 at
+// 51 KiB of shared memory (four blocks, 16 warps, per H100 SM; 64 would allow two).
+template <int SPLIT> struct TcTf32 {
+    typedef float S;
+    typedef float E;
+    template <int DT> struct Side { static constexpr int T = 32; };
+    template <int K, int NT, int DT>
+    static __device__ __forceinline__ void nt(float acc[NT][4], const E* A, const E* B) {
+        tf_mm_nt<SPLIT, K, NT, DT>(acc, A, B);
+    }
+    template <int K, int NT, int DT>
+    static __device__ __forceinline__ void rn(float acc[NT][4], const float p[K / 8][4], const E* B) {
+        tf_mm_rn<SPLIT, K, NT, DT>(acc, p, B);
+    }
+};
+
 template <int NT> __device__ __forceinline__ void tc_zero(float c[NT][4]) {
 #pragma unroll
     for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
@@ -245,6 +408,12 @@ __device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 
     return q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
 }
 
+// Whether no query of [q0, q0 + nq) sees a key of [k0, k0 + nk) (causal: every key after
+// every query; the whole tile is masked).
+__device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
+    return a.causal && k0 > q0 + nq - 1;
+}
+
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // contiguous [.., ncols] output `out` (columns < ncols).
 template <typename S, int DT>
@@ -259,27 +428,25 @@ __device__ __forceinline__ void tc_store(S* out, const float c[DT / 8][4], u64 r
         }
 }
 
-// The tile of the side a block loops over (keys in the forward and dQ, queries in dK/dV): 64
-// at head size 64, 32 at 128 (so that a warp's f32 fragments stay in registers without spills).
-template <int DT> struct TcSide { static constexpr int T = DT == 64 ? 64 : 32; };
 
-template <typename S, int DT>
+template <typename O, int DT, typename S = typename O::S>
 __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                             const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
                             const AttnShape& a, const Dims& bd, const Strides& sq,
                             const Strides& sk, const Strides& sv) {
-    constexpr int P = DT + 8, BK = TcSide<DT>::T;
-    extern __shared__ __align__(16) u16 tc_smem[];
-    u16* sQ = tc_smem;
-    u16* sK = sQ + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
-    u16* sV = sK + 2 * BK * P;  // the same
+    typedef typename O::E E;
+    constexpr int P = TcPitch<E, DT>::P, BK = O::template Side<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
+    E* sQ = (E*)tc_smem;
+    E* sK = sQ + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    E* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;  // the longest (causal) first
     const u64 w0 = q0 + warp * 16;                              // the warp's first query
-    const u16* kb = (const u16*)(k + offset1<u64>(b, bd, sk));
-    const u16* vb = (const u16*)(v + offset1<u64>(b, bd, sv));
-    tc_load<TC_BQ, DT>(sQ, (const u16*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
+    const E* kb = (const E*)(k + offset1<u64>(b, bd, sk));
+    const E* vb = (const E*)(v + offset1<u64>(b, bd, sv));
+    tc_load<TC_BQ, DT>(sQ, (const E*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
 
     float m[2] = {-att_inf(), -att_inf()}, l[2] = {0.f, 0.f};
     float acc[DT / 8][4];
@@ -302,49 +469,51 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const u16* cK = sK + (t & 1) * BK * P;
-        const u16* cV = sV + (t & 1) * BK * P;
-        float s[BK / 8][4];
-        tc_zero<BK / 8>(s);
-        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
-        float mx[2] = {-att_inf(), -att_inf()};
-        const bool full = tc_full(a, w0, 16, k0, BK);
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
-                s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
-                mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+        // (Causal: a warp whose rows see no key of the tile skips it; its product would add
+        // zeros. The barriers stay, and no tile is fully masked for the whole block.)
+        if (!tc_none(a, w0, 16, k0, BK)) {
+            const E* cK = sK + (t & 1) * BK * P;
+            const E* cV = sV + (t & 1) * BK * P;
+            float s[BK / 8][4];
+            tc_zero<BK / 8>(s);
+            O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+            float mx[2] = {-att_inf(), -att_inf()};
+            const bool full = tc_full(a, w0, 16, k0, BK);
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
+                    s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
+                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
+                }
+            float base[2];
+    #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
+                // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
+                base[h] = mnew == -att_inf() ? 0.f : mnew;
+                const float alpha = exp2f(m[h] - base[h]);
+                m[h] = mnew;
+                l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
+    #pragma unroll
+                for (int n = 0; n < DT / 8; ++n) {
+                    acc[n][2 * h] *= alpha;
+                    acc[n][2 * h + 1] *= alpha;
+                }
             }
-        float base[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
-            // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
-            base[h] = mnew == -att_inf() ? 0.f : mnew;
-            const float alpha = exp2f(m[h] - base[h]);
-            m[h] = mnew;
-            l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
-#pragma unroll
-            for (int n = 0; n < DT / 8; ++n) {
-                acc[n][2 * h] *= alpha;
-                acc[n][2 * h + 1] *= alpha;
-            }
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float p = exp2f(s[n][e] - base[e >> 1]);
+                    l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
+                    s[n][e] = a.dropout && p > 0.f
+                                  ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
+                                  : p;
+                }
+            O::template rn<BK, DT / 8, DT>(acc, s, cV);
         }
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float p = exp2f(s[n][e] - base[e >> 1]);
-                l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
-                s[n][e] = a.dropout && p > 0.f
-                              ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
-                              : p;
-            }
-        u32 pf[BK / 16][4];
-        tc_frag<S, BK / 8>(pf, s);
-        tc_mm_rn<S, BK, DT / 8, DT>(acc, pf, cV);
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     float inv[2];
@@ -363,29 +532,30 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
         }
 }
 
-template <typename S, int DT>
+template <typename O, int DT, typename S = typename O::S>
 __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                              const S* __restrict__ v, const S* __restrict__ g,
                              const float* __restrict__ lse, const float* __restrict__ dr,
                              S* __restrict__ dk, S* __restrict__ dv, const AttnShape& a,
                              const Dims& bd, const Strides& sq, const Strides& sk,
                              const Strides& sv, const Strides& sg) {
-    constexpr int P = DT + 8, BQ = TcSide<DT>::T;
-    extern __shared__ __align__(16) u16 tc_smem[];
-    u16* sK = tc_smem;
-    u16* sV = sK + TC_BQ * P;
-    u16* sQ = sV + TC_BQ * P;               // two buffers of BQ rows (tile t in buffer t % 2)
-    u16* sG = sQ + 2 * BQ * P;              // the same
+    typedef typename O::E E;
+    constexpr int P = TcPitch<E, DT>::P, BQ = O::template Side<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
+    E* sK = (E*)tc_smem;
+    E* sV = sK + TC_BQ * P;
+    E* sQ = sV + TC_BQ * P;               // two buffers of BQ rows (tile t in buffer t % 2)
+    E* sG = sQ + 2 * BQ * P;              // the same
     float* sL = (float*)(sG + 2 * BQ * P);  // lse of the tiles' queries, base 2 (two buffers)
     float* sD = sL + 2 * BQ;                // Dr of the tiles' queries (two buffers)
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 k0 = (u64)blockIdx.y * TC_BQ;
     const u64 w0 = k0 + warp * 16;  // the warp's first key
-    const u16* qb = (const u16*)(q + offset1<u64>(b, bd, sq));
-    const u16* gb = (const u16*)(g + offset1<u64>(b, bd, sg));
-    tc_load<TC_BQ, DT>(sK, (const u16*)(k + offset1<u64>(b, bd, sk)), a.k_rs, k0, a.tk, a.d);
-    tc_load<TC_BQ, DT>(sV, (const u16*)(v + offset1<u64>(b, bd, sv)), a.v_rs, k0, a.tk, a.dv);
+    const E* qb = (const E*)(q + offset1<u64>(b, bd, sq));
+    const E* gb = (const E*)(g + offset1<u64>(b, bd, sg));
+    tc_load<TC_BQ, DT>(sK, (const E*)(k + offset1<u64>(b, bd, sk)), a.k_rs, k0, a.tk, a.d);
+    tc_load<TC_BQ, DT>(sV, (const E*)(v + offset1<u64>(b, bd, sv)), a.v_rs, k0, a.tk, a.dv);
 
     float adk[DT / 8][4], adv[DT / 8][4];
     tc_zero<DT / 8>(adk);
@@ -415,33 +585,32 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const u16* cQ = sQ + (t & 1) * BQ * P;
-        const u16* cG = sG + (t & 1) * BQ * P;
-        const float* cL = sL + (t & 1) * BQ;
-        const float* cD = sD + (t & 1) * BQ;
-        float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
-        tc_zero<BQ / 8>(st);
-        tc_zero<BQ / 8>(dpt);
-        tc_mm_nt<S, DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
-        tc_mm_nt<S, DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
-        const bool full = tc_full(a, q0, BQ, w0, 16);
-#pragma unroll
-        for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int c = tc_col(n, e);
-                const u64 kj = w0 + tc_row(e), qi = q0 + c;
-                const bool ok = full || att_keep(a, qi, kj);
-                const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
-                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                st[n][e] = p * z;
-                dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
-            }
-        u32 f[BQ / 16][4];
-        tc_frag<S, BQ / 8>(f, st);
-        tc_mm_rn<S, BQ, DT / 8, DT>(adv, f, cG);  // dV += (P^T z) dO
-        tc_frag<S, BQ / 8>(f, dpt);
-        tc_mm_rn<S, BQ, DT / 8, DT>(adk, f, cQ);  // dK += dS^T Q
+        if (!tc_none(a, q0, BQ, w0, 16)) {
+            const E* cQ = sQ + (t & 1) * BQ * P;
+            const E* cG = sG + (t & 1) * BQ * P;
+            const float* cL = sL + (t & 1) * BQ;
+            const float* cD = sD + (t & 1) * BQ;
+            float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
+            tc_zero<BQ / 8>(st);
+            tc_zero<BQ / 8>(dpt);
+            O::template nt<DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
+            O::template nt<DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
+            const bool full = tc_full(a, q0, BQ, w0, 16);
+    #pragma unroll
+            for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int c = tc_col(n, e);
+                    const u64 kj = w0 + tc_row(e), qi = q0 + c;
+                    const bool ok = full || att_keep(a, qi, kj);
+                    const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
+                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                    st[n][e] = p * z;
+                    dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
+                }
+            O::template rn<BQ, DT / 8, DT>(adv, st, cG);   // dV += (P^T z) dO
+            O::template rn<BQ, DT / 8, DT>(adk, dpt, cQ);  // dK += dS^T Q
+        }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     // With no query tile (causal, keys past the last query) the K and V copies are uncommitted.
@@ -451,27 +620,28 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     tc_store<S, DT>(dv + b * a.tk * a.dv, adv, w0, a.tk, a.dv, 1.f, 1.f);
 }
 
-template <typename S, int DT>
+template <typename O, int DT, typename S = typename O::S>
 __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                            const S* __restrict__ v, const S* __restrict__ g,
                            const float* __restrict__ lse, const float* __restrict__ dr,
                            S* __restrict__ dq, const AttnShape& a, const Dims& bd,
                            const Strides& sq, const Strides& sk, const Strides& sv,
                            const Strides& sg) {
-    constexpr int P = DT + 8, BK = TcSide<DT>::T;
-    extern __shared__ __align__(16) u16 tc_smem[];
-    u16* sQ = tc_smem;
-    u16* sG = sQ + TC_BQ * P;
-    u16* sK = sG + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
-    u16* sV = sK + 2 * BK * P;  // the same
+    typedef typename O::E E;
+    constexpr int P = TcPitch<E, DT>::P, BK = O::template Side<DT>::T;
+    extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
+    E* sQ = (E*)tc_smem;
+    E* sG = sQ + TC_BQ * P;
+    E* sK = sG + TC_BQ * P;   // two buffers of BK rows (tile t in buffer t % 2)
+    E* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;
     const u64 w0 = q0 + warp * 16;
-    const u16* kb = (const u16*)(k + offset1<u64>(b, bd, sk));
-    const u16* vb = (const u16*)(v + offset1<u64>(b, bd, sv));
-    tc_load<TC_BQ, DT>(sQ, (const u16*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
-    tc_load<TC_BQ, DT>(sG, (const u16*)(g + offset1<u64>(b, bd, sg)), a.g_rs, q0, a.tq, a.dv);
+    const E* kb = (const E*)(k + offset1<u64>(b, bd, sk));
+    const E* vb = (const E*)(v + offset1<u64>(b, bd, sv));
+    tc_load<TC_BQ, DT>(sQ, (const E*)(q + offset1<u64>(b, bd, sq)), a.q_rs, q0, a.tq, a.d);
+    tc_load<TC_BQ, DT>(sG, (const E*)(g + offset1<u64>(b, bd, sg)), a.g_rs, q0, a.tq, a.dv);
     float l2[2], dri[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -499,27 +669,27 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        const u16* cK = sK + (t & 1) * BK * P;
-        const u16* cV = sV + (t & 1) * BK * P;
-        float s[BK / 8][4], dp[BK / 8][4];
-        tc_zero<BK / 8>(s);
-        tc_zero<BK / 8>(dp);
-        tc_mm_nt<S, DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
-        tc_mm_nt<S, DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
-        const bool full = tc_full(a, w0, 16, k0, BK);
-#pragma unroll
-        for (int n = 0; n < BK / 8; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                const bool ok = full || att_keep(a, qi, kj);
-                const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
-                const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
-            }
-        u32 f[BK / 16][4];
-        tc_frag<S, BK / 8>(f, dp);
-        tc_mm_rn<S, BK, DT / 8, DT>(adq, f, cK);  // dQ += dS K
+        if (!tc_none(a, w0, 16, k0, BK)) {
+            const E* cK = sK + (t & 1) * BK * P;
+            const E* cV = sV + (t & 1) * BK * P;
+            float s[BK / 8][4], dp[BK / 8][4];
+            tc_zero<BK / 8>(s);
+            tc_zero<BK / 8>(dp);
+            O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+            O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
+            const bool full = tc_full(a, w0, 16, k0, BK);
+    #pragma unroll
+            for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                    const bool ok = full || att_keep(a, qi, kj);
+                    const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
+                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
+                    dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
+                }
+            O::template rn<BK, DT / 8, DT>(adq, dp, cK);  // dQ += dS K
+        }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
     tc_store<S, DT>(dq + b * a.tq * a.d, adq, w0, a.tq, a.d, a.scale, a.scale);
@@ -531,25 +701,29 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 #define TC_BODY(call) __trap()
 #endif
 
-#define ATTN_TC_DT(S, DT)                                                                      \
+// NAME: the kernels' prefix (attn_NAME_fwd_S_DT ...); O: the operand format; S: storage type.
+#define ATTN_TC_DT(NAME, O, S, DT)                                                             \
     extern "C" __global__ void __launch_bounds__(TC_NT)                                        \
-        attn_tc_fwd_##S##_##DT(const S* q, const S* k, const S* v, S* o, float* lse,          \
-                               AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv) {     \
-        TC_BODY((attn_tc_fwd<S, DT>(q, k, v, o, lse, a, bd, sq, sk, sv)));                     \
+        attn_##NAME##_fwd_##S##_##DT(const S* q, const S* k, const S* v, S* o, float* lse,    \
+                                     AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv) { \
+        TC_BODY((attn_tc_fwd<O, DT>(q, k, v, o, lse, a, bd, sq, sk, sv)));                     \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_tc_dkdv_##S##_##DT(               \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dkdv_##S##_##DT(         \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {  \
-        TC_BODY((attn_tc_dkdv<S, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg)));    \
+        TC_BODY((attn_tc_dkdv<O, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg)));    \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_tc_dq_##S##_##DT(                 \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dq_##S##_##DT(           \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {         \
-        TC_BODY((attn_tc_dq<S, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg)));          \
+        TC_BODY((attn_tc_dq<O, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg)));          \
     }
-#define ATTN_TC(S)                                                                             \
-    ATTN_TC_DT(S, 64)                                                                          \
-    ATTN_TC_DT(S, 128)
+#define ATTN_TC(NAME, O, S)                                                                    \
+    ATTN_TC_DT(NAME, O, S, 64)                                                                 \
+    ATTN_TC_DT(NAME, O, S, 128)
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
-ATTN_TC(f16)
-ATTN_TC(bf16)
+// f16/bf16: attn_tc_*; f32: attn_tf32x3_* (3xTF32, the default) and attn_tf32_* (1xTF32).
+ATTN_TC(tc, TcHalf<f16>, f16)
+ATTN_TC(tc, TcHalf<bf16>, bf16)
+ATTN_TC(tf32x3, TcTf32<3>, float)
+ATTN_TC(tf32, TcTf32<1>, float)

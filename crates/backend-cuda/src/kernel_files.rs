@@ -260,7 +260,11 @@ mod tests {
         assert!(Module::Index.groups().contains(&Group::Dtype("u16")));
         assert_eq!(
             Module::AttentionTc.groups(),
-            [Group::Dtype("f16"), Group::Dtype("bf16")]
+            [
+                Group::Dtype("float"),
+                Group::Dtype("f16"),
+                Group::Dtype("bf16")
+            ]
         );
     }
 

@@ -138,7 +138,8 @@ pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_progr
 pub use memory::{reset_peak, set_block_cache};
 pub use nccl::{Collective, NcclComm, NcclId, ReduceOp as NcclReduceOp, nccl_version};
 pub use ops::attention::{
-    fused_attention_16bit, set_attention_tensor_cores, set_fused_attention_16bit,
+    fused_attention_16bit, set_attention_tensor_cores, set_attention_tensor_cores_f32,
+    set_fused_attention_16bit,
 };
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
@@ -622,7 +623,8 @@ impl Backend for Cuda {
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
-        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, spec)?;
+        let tf32 = blas::allow_tf32();
+        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
         Ok(r.map(|(o, l)| (CudaStorage::ready(o), CudaStorage::ready(l))))
     }
 
@@ -646,7 +648,7 @@ impl Backend for Cuda {
             (&lb, lse.1),
             (&gb, g.1),
             dtype,
-            spec,
+            (spec, blas::allow_tf32()),
         )?;
         Ok(r.map(|(a, b, c)| {
             (

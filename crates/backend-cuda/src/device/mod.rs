@@ -195,6 +195,7 @@ pub(crate) struct DeviceState {
     /// Compute capability, `major * 10 + minor`.
     arch: u32,
     sm_count: u32,
+    smem_optin: usize,
     total_mem: usize,
     streams: Streams,
     kernels: KernelCache,
@@ -361,6 +362,8 @@ impl DeviceState {
             let major = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
             let minor = attr(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
             let sm_count = attr(CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32;
+            let smem_optin =
+                attr(CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
             let mut name = [0 as std::ffi::c_char; 256];
             check(
                 sys::cuDeviceGetName(name.as_mut_ptr(), 256, cu_dev),
@@ -400,6 +403,7 @@ impl DeviceState {
                 name,
                 arch: (major * 10 + minor) as u32,
                 sm_count,
+                smem_optin,
                 total_mem,
                 errors,
                 kernels: KernelCache::default(),
@@ -432,6 +436,11 @@ impl DeviceState {
     /// Multiprocessors.
     pub fn sm_count(&self) -> u32 {
         self.sm_count
+    }
+
+    /// The most shared memory (bytes) a block may opt in to.
+    pub fn smem_optin(&self) -> usize {
+        self.smem_optin
     }
 
     /// The cuBLAS handle slot (`None` until `blas.rs` creates it), locked while a call uses it.

@@ -1,6 +1,7 @@
 //! Fused scaled dot-product attention (`Backend::attention_forward` / `attention_backward`):
 //! argument packing and launches of `kernels/attention.cu` (f32 FMAs) or
-//! `kernels/attention_tc.cu` (tensor cores, f16/bf16 on sm_80+; `attention_kernels.rs` picks),
+//! `kernels/attention_tc.cu` (tensor cores on sm_80+: f16/bf16, and f32 as 3xTF32 or 1xTF32;
+//! `attention_kernels.rs` picks),
 //! whose headers explain the algorithm (FlashAttention-2's tiles and online softmax; backward
 //! by recomputation from the saved row log-sum-exps, in deterministic passes).
 //!
@@ -25,8 +26,16 @@
 //! of `kernels/attention.cu`, and 0.515 ms for PyTorch's `scaled_dot_product_attention` in the
 //! same run. Older GPUs (or [`set_attention_tensor_cores`]`(false)`, which the tests use to
 //! compare the two) would run the FMA kernels, slower than composing, so there 16-bit
-//! composes by default. f32 always runs the FMA kernels (0.964 ms fused against 1.285
-//! composed; PyTorch 0.639).
+//! composes by default.
+//!
+//! f32 runs the tensor-core kernels too on sm_80+ (where their shared memory fits: not head
+//! size 128 on sm_86/sm_89), with TF32 products: 3xTF32 by default (each operand split into a
+//! TF32 part and a TF32 remainder, three products per tile: near-f32 results, and the
+//! arithmetic of PyTorch's f32 attention, whose memory-efficient kernel uses CUTLASS's
+//! `OpMultiplyAddFastF32`), 1xTF32 while [`crate::allow_tf32`] is on.
+//! [`set_attention_tensor_cores_f32`]`(false)` forces the f32-FMA kernels, which took 0.964 ms
+//! fused against 1.285 composed at the GPT shape above (PyTorch 0.639); the tensor-core f32
+//! kernels are not yet measured.
 //!
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
@@ -45,7 +54,9 @@ use crate::memory::{Buffer, alloc};
 use crate::ops::attention_kernels::{Family, Stage, TILE, launch};
 use crate::ops::{Module, contiguous, same_device, tname};
 
-pub use crate::ops::attention_kernels::set_attention_tensor_cores;
+pub use crate::ops::attention_kernels::{
+    set_attention_tensor_cores, set_attention_tensor_cores_f32,
+};
 
 /// The kernels' `AttnShape` (same fields, same order).
 #[repr(C)]
@@ -157,12 +168,18 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     match HALF.load(Ordering::Relaxed) {
         ON => true,
         OFF => false,
-        _ => Family::of(DType::BF16, arch) == Family::TensorCore,
+        _ => Family::of(DType::BF16, 64, (arch, usize::MAX), false) == Family::TensorCore,
     }
 }
 
 /// The [`Plan`] of one call, or `None` when the kernels do not take it.
-fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Result<Option<Plan>> {
+fn plan(
+    views: &[&View<'_>],
+    dtype: DType,
+    (spec, tf32): (AttentionSpec, bool),
+    target: (u32, usize),
+) -> Result<Option<Plan>> {
+    let arch = target.0;
     const OP: &str = "scaled_dot_product_attention";
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !(dtype == DType::F32 || (half && fused_attention_16bit(arch))) {
@@ -214,18 +231,20 @@ fn plan(views: &[&View<'_>], dtype: DType, spec: AttentionSpec, arch: u32) -> Re
         bd,
         ss,
         tile: (tile_name, dt),
-        family: Family::of(dtype, arch),
+        family: Family::of(dtype, dt, target, tf32),
     }))
 }
 
 /// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` and the f32 row
-/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs).
+/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs). `spec` comes with
+/// whether f32 may take 1xTF32 (`allow_tf32()`, read by the caller: `blas` is not this
+/// module's to import).
 pub(crate) fn forward(
     q: Operand<'_, Buffer>,
     k: Operand<'_, Buffer>,
     v: Operand<'_, Buffer>,
     dtype: DType,
-    spec: AttentionSpec,
+    spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention";
     same_device(OP, q.0, k.0)?;
@@ -243,7 +262,12 @@ pub(crate) fn forward(
         ss,
         tile,
         family,
-    }) = plan(&[&qv, &kv, &vv], dtype, spec, dev.arch())?
+    }) = plan(
+        &[&qv, &kv, &vv],
+        dtype,
+        spec,
+        (dev.arch(), dev.smem_optin()),
+    )?
     else {
         return Ok(None);
     };
@@ -277,7 +301,7 @@ pub(crate) fn backward(
     lse: Operand<'_, Buffer>,
     g: Operand<'_, Buffer>,
     dtype: DType,
-    spec: AttentionSpec,
+    spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionGrads<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention_backward";
     for x in [k.0, v.0, out.0, lse.0, g.0] {
@@ -297,7 +321,12 @@ pub(crate) fn backward(
         ss,
         tile,
         family,
-    }) = plan(&[&qv, &kv, &vv, &gv], dtype, spec, dev.arch())?
+    }) = plan(
+        &[&qv, &kv, &vv, &gv],
+        dtype,
+        spec,
+        (dev.arch(), dev.smem_optin()),
+    )?
     else {
         return Ok(None);
     };

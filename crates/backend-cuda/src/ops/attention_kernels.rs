@@ -1,7 +1,7 @@
-//! The two families of fused-attention kernels (`kernels/attention.cu`'s f32-FMA ones and
-//! `kernels/attention_tc.cu`'s tensor-core ones): which one runs a call, their names, block
-//! sizes and shared memory, and their launch. `attention.rs` packs the arguments, which both
-//! families take alike.
+//! The families of fused-attention kernels (`kernels/attention.cu`'s f32-FMA ones and
+//! `kernels/attention_tc.cu`'s tensor-core ones: 16-bit, and f32 as 3xTF32 or 1xTF32): which
+//! one runs a call, their names, block sizes and shared memory, and their launch.
+//! `attention.rs` packs the arguments, which all families take alike.
 //!
 //! # Why a module of its own
 //!
@@ -30,6 +30,8 @@ const DEFAULT_SMEM: usize = 48 * 1024;
 
 /// Whether fused f16/bf16 attention takes the tensor-core kernels where the device has them.
 static TENSOR_CORES: AtomicBool = AtomicBool::new(true);
+/// Whether fused f32 attention takes the TF32 tensor-core kernels where the device has them.
+static TENSOR_CORES_F32: AtomicBool = AtomicBool::new(true);
 
 /// Lets fused f16/bf16 attention use the tensor-core kernels on sm_80+ (`true`, the default)
 /// or keeps it on the f32-FMA kernels (`false`: for comparing the two). Process-wide.
@@ -37,13 +39,23 @@ pub fn set_attention_tensor_cores(on: bool) {
     TENSOR_CORES.store(on, Ordering::Relaxed);
 }
 
-/// The two kernel families.
+/// Lets fused f32 attention use the TF32 tensor-core kernels on sm_80+ (`true`, the default:
+/// 3xTF32, near-f32 results as PyTorch's; 1xTF32 while [`crate::allow_tf32`] is on) or
+/// forces the f32-FMA kernels (`false`: for comparing the two). Process-wide.
+pub fn set_attention_tensor_cores_f32(on: bool) {
+    TENSOR_CORES_F32.store(on, Ordering::Relaxed);
+}
+
+/// The kernel families.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Family {
     /// `attention.cu`: f32 FMAs, any float dtype.
     Fma,
     /// `attention_tc.cu`: `mma.sync` on 16-bit operands, sm_80+.
     TensorCore,
+    /// `attention_tc.cu` on f32 operands: TF32 `mma.sync`, sm_80+; three products per tile
+    /// (3xTF32, `true`) or one (1xTF32, `false`).
+    Tf32(bool),
 }
 
 /// The three kernels of a family that take a head-size tile.
@@ -55,20 +67,38 @@ pub(super) enum Stage {
 }
 
 impl Family {
-    /// The family that runs `dtype` on a device of compute capability `arch`.
-    pub(super) fn of(dtype: DType, arch: u32) -> Family {
+    /// The family that runs `dtype` at head size `dt` on a device of compute capability
+    /// `arch` that gives a block at most `smem_optin` bytes of shared memory, with TF32
+    /// allowed (`tf32`: `crate::allow_tf32()`, read by the caller) or not: f32 takes the TF32
+    /// kernels only where all three of their stages fit (not at head size 128 on the 99 KiB
+    /// of sm_86/sm_89).
+    pub(super) fn of(
+        dtype: DType,
+        dt: usize,
+        (arch, smem_optin): (u32, usize),
+        tf32: bool,
+    ) -> Family {
         let half = matches!(dtype, DType::F16 | DType::BF16);
         if half && arch >= 80 && TENSOR_CORES.load(Ordering::Relaxed) {
-            Family::TensorCore
-        } else {
-            Family::Fma
+            return Family::TensorCore;
         }
+        let tf32 = Family::Tf32(!tf32);
+        if dtype == DType::F32
+            && arch >= 80
+            && TENSOR_CORES_F32.load(Ordering::Relaxed)
+            && [Stage::Fwd, Stage::DkDv, Stage::Dq]
+                .iter()
+                .all(|&s| tf32.smem_bytes(s, dt) <= smem_optin)
+        {
+            return tf32;
+        }
+        Family::Fma
     }
 
     fn module(self) -> Module {
         match self {
             Family::Fma => Module::Attention,
-            Family::TensorCore => Module::AttentionTc,
+            Family::TensorCore | Family::Tf32(_) => Module::AttentionTc,
         }
     }
 
@@ -80,6 +110,12 @@ impl Family {
             (Family::TensorCore, Stage::Fwd) => "attn_tc_fwd",
             (Family::TensorCore, Stage::DkDv) => "attn_tc_dkdv",
             (Family::TensorCore, Stage::Dq) => "attn_tc_dq",
+            (Family::Tf32(true), Stage::Fwd) => "attn_tf32x3_fwd",
+            (Family::Tf32(true), Stage::DkDv) => "attn_tf32x3_dkdv",
+            (Family::Tf32(true), Stage::Dq) => "attn_tf32x3_dq",
+            (Family::Tf32(false), Stage::Fwd) => "attn_tf32_fwd",
+            (Family::Tf32(false), Stage::DkDv) => "attn_tf32_dkdv",
+            (Family::Tf32(false), Stage::Dq) => "attn_tf32_dq",
         }
     }
 
@@ -87,7 +123,7 @@ impl Family {
     pub(super) fn block_rows(self) -> usize {
         match self {
             Family::Fma => TILE,
-            Family::TensorCore => TC_TILE,
+            Family::TensorCore | Family::Tf32(_) => TC_TILE,
         }
     }
 
@@ -104,13 +140,15 @@ impl Family {
                     Stage::DkDv => 4 * tile + 2 * square + 2 * TILE,
                 }
             }
-            Family::TensorCore => {
-                // 16-bit tiles of pitch dt + 8: TC_TILE stationary rows (Q; K and V; Q and
-                // dO), two buffers of `side` rows (TcSide) of each operand the block loops
-                // over (K and V; Q and dO; K and V), and in DkDv two f32 per query of each
-                // buffer (lse, Dr).
-                let side = if dt == 64 { 64 } else { 32 };
-                let row = 2 * (dt + 8);
+            Family::TensorCore | Family::Tf32(_) => {
+                // Tiles of the storage type with a row pitch of dt elements and 16 bytes
+                // (TcPitch): TC_TILE stationary rows (Q; K and V; Q and dO), two buffers of
+                // `side` rows (the format's Side) of each operand the block loops over (K and
+                // V; Q and dO; K and V), and in DkDv two f32 per query of each buffer (lse, Dr).
+                let (side, row) = match self {
+                    Family::TensorCore => (if dt == 64 { 64 } else { 32 }, 2 * dt + 16),
+                    _ => (32, 4 * dt + 16),
+                };
                 match stage {
                     Stage::Fwd => (TC_TILE + 4 * side) * row,
                     Stage::Dq => (2 * TC_TILE + 4 * side) * row,
@@ -168,13 +206,49 @@ mod tests {
             }
         }
         assert_eq!(Family::TensorCore.smem_bytes(Stage::Fwd, 64), 46080);
+        // f32: [64][68] + 4 [32][68] floats; DkDv at 128 fits an A100's or H100's block.
+        assert_eq!(Family::Tf32(true).smem_bytes(Stage::Fwd, 64), 52224);
+        assert!(Family::Tf32(true).smem_bytes(Stage::DkDv, 128) <= 163 * 1024);
     }
 
     #[test]
-    fn tensor_cores_take_16_bit_on_sm80_and_up_only() {
-        assert_eq!(Family::of(DType::BF16, 90), Family::TensorCore);
-        assert_eq!(Family::of(DType::F16, 80), Family::TensorCore);
-        assert_eq!(Family::of(DType::BF16, 75), Family::Fma);
-        assert_eq!(Family::of(DType::F32, 90), Family::Fma);
+    fn tensor_cores_take_16_bit_and_f32_on_sm80_and_up_only() {
+        const H100: usize = 227 * 1024;
+        const SM86: usize = 99 * 1024;
+        assert_eq!(
+            Family::of(DType::BF16, 64, (90, H100), false),
+            Family::TensorCore
+        );
+        assert_eq!(
+            Family::of(DType::F16, 128, (80, H100), false),
+            Family::TensorCore
+        );
+        assert_eq!(
+            Family::of(DType::BF16, 64, (75, 64 * 1024), false),
+            Family::Fma
+        );
+        assert_eq!(
+            Family::of(DType::F32, 64, (75, 64 * 1024), false),
+            Family::Fma
+        );
+        // 3xTF32 by default, 1xTF32 with TF32 allowed.
+        assert_eq!(
+            Family::of(DType::F32, 64, (90, H100), false),
+            Family::Tf32(true)
+        );
+        assert_eq!(
+            Family::of(DType::F32, 64, (80, H100), true),
+            Family::Tf32(false)
+        );
+        assert!(matches!(
+            Family::of(DType::F32, 128, (90, H100), false),
+            Family::Tf32(_)
+        ));
+        assert!(matches!(
+            Family::of(DType::F32, 64, (86, SM86), false),
+            Family::Tf32(_)
+        ));
+        assert_eq!(Family::of(DType::F32, 128, (86, SM86), false), Family::Fma);
+        assert_eq!(Family::of(DType::F64, 64, (90, H100), false), Family::Fma);
     }
 }

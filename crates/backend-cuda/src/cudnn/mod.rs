@@ -349,7 +349,14 @@ pub(crate) fn run(
         out: &out,
     };
     let format = call.choose(geo)?;
-    call.run(geo, format)?;
+    match call.run(geo, format) {
+        // NHWC's scratch (or its algorithms' workspaces) could not be had: NCHW needs none of
+        // the former (its measured algorithms, or the heuristic ranking if not measured).
+        Err(Error::OutOfMemory { .. }) if format == nhwc::Format::Nhwc => {
+            call.run(geo, nhwc::Format::Nchw)?
+        }
+        r => r?,
+    }
     drop(guard);
     // A capture records instead of running: nothing to wait for (graph.rs).
     if crate::device::sync_debug() && !dev.capturing() {

@@ -107,18 +107,27 @@ impl Format {
     }
 }
 
-/// A new packed NHWC copy of the packed NCHW `src` of `dims` (`[n, c, h, w]`; a filter's
-/// `[k, c, r, s]` becomes KRSC the same way).
+/// A packed NCHW tensor of `dims` (`[n, c, h, w]`) seen in NHWC order: copied packed, it is
+/// the NHWC tensor (a filter's `[k, c, r, s]` becomes KRSC the same way).
+fn nhwc_view(dims: [usize; 4]) -> Result<Layout> {
+    Layout::contiguous(dims.to_vec()).permute(&[0, 2, 3, 1])
+}
+
+/// A packed NHWC tensor whose NCHW dimensions are `dims`, seen in NCHW order.
+fn nchw_view(dims: [usize; 4]) -> Result<Layout> {
+    let [n, c, h, w] = dims;
+    Layout::contiguous(vec![n, h, w, c]).permute(&[0, 3, 1, 2])
+}
+
+/// A new packed NHWC copy of the packed NCHW `src` of `dims`.
 pub(super) fn to_nhwc(src: &Buffer, dims: [usize; 4], dtype: DType) -> Result<Buffer> {
-    let view = Layout::contiguous(dims.to_vec()).permute(&[0, 2, 3, 1])?;
-    crate::ops::contiguous(src, &view, dtype)
+    crate::ops::contiguous(src, &nhwc_view(dims)?, dtype)
 }
 
 /// Copies the packed NHWC `src` (whose NCHW dimensions are `dims`) into the packed NCHW `dst`.
 pub(super) fn to_nchw(src: &Buffer, dims: [usize; 4], dst: &Buffer, dtype: DType) -> Result<()> {
-    let [n, c, h, w] = dims;
-    let view = Layout::contiguous(vec![n, h, w, c]).permute(&[0, 3, 1, 2])?;
-    crate::ops::copy_strided(src, &view, dst, &Layout::contiguous(dims.to_vec()), dtype)
+    let packed = Layout::contiguous(dims.to_vec());
+    crate::ops::copy_strided(src, &nchw_view(dims)?, dst, &packed, dtype)
 }
 
 /// An NHWC output buffer for `dims` (uninitialized).
@@ -170,4 +179,33 @@ pub(super) fn time_ms(
         }
     }
     Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The element offset of index `i` in `l`.
+    fn at(l: &Layout, i: [usize; 4]) -> usize {
+        l.offset() + i.iter().zip(l.strides()).map(|(a, s)| a * s).sum::<usize>()
+    }
+
+    /// The two views address the elements cuDNN's NHWC descriptors expect (the GPU copies
+    /// walk them in order): a swapped pair of dimensions fails here, on any machine.
+    #[test]
+    fn the_views_are_nhwc_and_back() {
+        let dims = [2, 3, 4, 5];
+        let [n, c, h, w] = dims;
+        let (to, back) = (nhwc_view(dims).unwrap(), nchw_view(dims).unwrap());
+        assert_eq!(to.dims(), &[n, h, w, c]);
+        assert_eq!(back.dims(), &dims);
+        for (a, b, y, x) in (0..n).flat_map(|a| {
+            (0..c).flat_map(move |b| (0..h).flat_map(move |y| (0..w).map(move |x| (a, b, y, x))))
+        }) {
+            // Element (n, h, w, c) of the NHWC copy is element (n, c, h, w) of the NCHW source.
+            assert_eq!(at(&to, [a, y, x, b]), ((a * c + b) * h + y) * w + x);
+            // Element (n, c, h, w) of the NCHW result sits at (n, h, w, c) of the NHWC buffer.
+            assert_eq!(at(&back, [a, b, y, x]), ((a * h + y) * w + x) * c + b);
+        }
+    }
 }

@@ -200,6 +200,16 @@ impl Call<'_> {
             },
         };
         self.ensure(geo, f)?;
+        // NHWC descriptors the heuristic accepted but on which no algorithm ran in the search:
+        // NCHW (whose own empty search falls back to the heuristic ranking, as it always has).
+        if f == Format::Nhwc
+            && geo.chosen[f.index()][i]
+                .as_ref()
+                .is_some_and(|c| c.is_empty())
+        {
+            self.ensure(geo, Format::Nchw)?;
+            return Ok(Format::Nchw);
+        }
         Ok(f)
     }
 

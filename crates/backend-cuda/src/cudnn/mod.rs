@@ -20,6 +20,7 @@
 //! - **Operands**: NCHW, packed and 256-byte aligned (a strided or offset view is copied first,
 //!   so that the algorithm measured for a geometry meets the same alignment every time); f32
 //!   (FMA math unless TF32 is allowed, see `blas.rs`), f64, and f16/bf16 computing in f32.
+//!   Geometries cuDNN's 32-bit descriptors cannot hold, and empty tensors, are not offered.
 //! - **Two memory formats for tensor-core math** (TF32, bf16, f16): cuDNN's fastest Hopper
 //!   kernels are NHWC/KRSC ones, which NCHW descriptors never reach, so such a geometry may
 //!   instead run on NHWC copies of its operands, transposed by kiln's strided copy, with the
@@ -27,7 +28,6 @@
 //!   whole calls, transposes included, is measured once and kept (`pick.rs`).
 //!   `KILN_CUDNN_LAYOUT=nchw|nhwc|auto` (or [`set_cudnn_layout`]) forces one to compare;
 //!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
-//!   Geometries cuDNN's 32-bit descriptors cannot hold, and empty tensors, are not offered.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the

@@ -3,6 +3,8 @@
 //! ResNet-sized layers; kiln-nn's `conv2d` (cuDNN when the backend can load it), then the same
 //! with cuDNN refused (`set_cudnn(false)`, what `KILN_CUDNN=0` does: kiln's im2col path) as
 //! `_im2col` rows. `bench/gpu_torch.py` times PyTorch's twin (`cudnn.benchmark = True`).
+//! Then tensor-core rows: TF32 and bf16, with cuDNN's layout forced to NCHW, forced to NHWC
+//! (operands transposed, transposes included) and `auto` (`_tf32_nchw`, `_bf16_nhwc`, ...).
 //! Device time from CUDA events, median of 5; prints `BENCH kiln <name> <value> ms` lines.
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
@@ -12,7 +14,8 @@ use common::{report, time};
 
 use kiln_autograd::Var;
 use kiln_backend_cuda::{Cuda, CudaDevice, set_allow_tf32, try_gpu, unavailable_reason};
-use kiln_core::{Generator, Result, Tensor};
+use kiln_backend_cuda::{CudnnLayout, set_cudnn_layout};
+use kiln_core::{DType, Generator, Result, Tensor};
 use kiln_nn::{Window, conv2d};
 
 /// (batch, in channels, out channels, side) of each layer.
@@ -20,10 +23,12 @@ const LAYERS: &[(usize, usize, usize, usize)] =
     &[(64, 64, 64, 32), (128, 128, 128, 16), (32, 3, 64, 32)];
 
 /// Median ms of one forward + backward of a 3×3 padding-1 convolution.
-fn fwd_bwd(dev: &CudaDevice, (n, c, oc, s): (usize, usize, usize, usize)) -> f64 {
+fn fwd_bwd(dev: &CudaDevice, (n, c, oc, s): (usize, usize, usize, usize), dt: DType) -> f64 {
     let t = |shape: &[usize], seed| -> Tensor<Cuda> {
         Generator::new(seed)
             .uniform::<Cuda>(shape, -1.0, 1.0, dev)
+            .unwrap()
+            .to_dtype(dt)
             .unwrap()
     };
     let x = Var::param(t(&[n, c, s, s], 1));
@@ -61,8 +66,24 @@ fn main() {
         kiln_backend_cuda::set_cudnn(on);
         for &l @ (n, c, _, s) in LAYERS {
             let name = format!("conv3x3_b{n}_c{c}_{s}_fwdbwd{tag}");
-            report(&name, fwd_bwd(&dev, l), "ms");
+            report(&name, fwd_bwd(&dev, l, DType::F32), "ms");
         }
     }
     kiln_backend_cuda::set_cudnn(true);
+    for (prec, dt) in [("tf32", DType::F32), ("bf16", DType::BF16)] {
+        set_allow_tf32(prec == "tf32");
+        for (tag, layout) in [
+            ("nchw", CudnnLayout::Nchw),
+            ("nhwc", CudnnLayout::Nhwc),
+            ("auto", CudnnLayout::Auto),
+        ] {
+            set_cudnn_layout(layout);
+            for &l @ (n, c, _, s) in LAYERS {
+                let name = format!("conv3x3_b{n}_c{c}_{s}_fwdbwd_{prec}_{tag}");
+                report(&name, fwd_bwd(&dev, l, dt), "ms");
+            }
+        }
+    }
+    set_cudnn_layout(CudnnLayout::Auto);
+    set_allow_tf32(false);
 }

@@ -3,7 +3,9 @@
 //! for stride, padding, dilation, groups (depthwise included), 1×1 kernels and batch 1, in f32
 //! (TF32 off), f64, bf16 and f16; the fallback (`set_cudnn(false)`, the `KILN_CUDNN=0` switch,
 //! and `conv2d_im2col_path`) giving the same; the numerical gradient check of the recorded op
-//! in f64; typed errors for bad shapes.
+//! in f64; typed errors for bad shapes. With tensor-core math (TF32, bf16, f16) each cuDNN
+//! layout (`set_cudnn_layout`: NHWC forced, NCHW forced, auto) against the CPU, NHWC's calls
+//! counted so that a silent fall back to NCHW fails, and NHWC in a CUDA graph.
 //!
 //! Without a GPU every test prints `skipped: no CUDA device 0 (<reason>)`. Without cuDNN on
 //! the GPU machine the backend prints once that convolutions use the im2col path, each test
@@ -254,7 +256,7 @@ fn the_comparisons_hold_on_the_cpu() {
     // The same cases, operands and tolerances with the CPU standing in for the GPU (its
     // 16-bit convolution rounds like the GPU's, through the im2col path): checks the harness
     // itself, and runs without a GPU.
-    for (i, c) in CASES.iter().enumerate() {
+    for (i, c) in CASES.iter().chain(TC_CASES).enumerate() {
         let ops = c.operands(10 + i as u64);
         let want = run::<Cpu>(&on::<Cpu>(&ops, DType::F64, &cpu()), c, true);
         let got = run::<Cpu>(&on::<Cpu>(&ops, DType::F32, &cpu()), c, false);
@@ -352,4 +354,144 @@ fn under_autocast_the_conv_runs_in_the_low_dtype_on_both_paths() {
     native.sum_all().unwrap().backward().unwrap();
     assert_eq!(w.grad().unwrap().dtype(), DType::F32);
     assert_eq!(x.grad().unwrap().dtype(), DType::F32);
+}
+
+/// Geometries of ResNet's kind, with channel counts cuDNN's NHWC tensor-core kernels take
+/// (multiples of 8), for the layout tests beside [`CASES`]: 3×3 "same", a 1×1 stride-2
+/// projection, and one strided, padded, dilated and grouped.
+const TC_CASES: &[Case] = &[
+    case([2, 16, 8, 8], 16, 3, 1, 1, 1, 1),
+    case([2, 16, 8, 8], 32, 1, 2, 0, 1, 1),
+    case([2, 16, 9, 9], 32, 3, 2, 1, 2, 2),
+];
+
+/// Restores the layout switch and TF32 when a layout test ends (also on a failure), so that
+/// the other tests run as they expect.
+struct Restore(bool);
+
+impl Drop for Restore {
+    fn drop(&mut self) {
+        kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Auto);
+        kiln_backend_cuda::set_allow_tf32(self.0);
+    }
+}
+
+/// Each case in TF32, bf16 and f16 against the CPU's im2col path, with the layout switch at
+/// `layout`; returns how many cuDNN calls ran NHWC per case of [`TC_CASES`] and dtype.
+fn tensor_core_sweep(dev: &CudaDevice, layout: kiln_backend_cuda::CudnnLayout) -> Vec<u64> {
+    kiln_backend_cuda::set_cudnn_layout(layout);
+    kiln_backend_cuda::set_allow_tf32(true);
+    let mut nhwc = Vec::new();
+    for (i, c) in CASES.iter().chain(TC_CASES).enumerate() {
+        let ops = c.operands(500 + i as u64);
+        // TF32 rounds the operands to a 10-bit mantissa: f16's tolerance, against f64.
+        let refs = [
+            (DType::F32, 5e-3, on::<Cpu>(&ops, DType::F64, &cpu())),
+            (DType::BF16, 3e-2, widened(&ops, DType::BF16, DType::F32)),
+            (DType::F16, 5e-3, widened(&ops, DType::F16, DType::F32)),
+        ];
+        for (dt, tol, reference) in refs {
+            let want = run::<Cpu>(&reference, c, true);
+            let before = kiln_backend_cuda::cudnn_nhwc_calls();
+            let got = run::<Cuda>(&on::<Cuda>(&ops, dt, dev), c, false);
+            compare(&format!("{layout:?} {dt} {c:?}"), &got, &want, tol);
+            if i >= CASES.len() {
+                nhwc.push(kiln_backend_cuda::cudnn_nhwc_calls() - before);
+            }
+        }
+    }
+    nhwc
+}
+
+#[test]
+fn each_cudnn_layout_matches_the_cpu_in_tf32_bf16_and_f16() {
+    let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = gpu() else { return };
+    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    kiln_backend_cuda::set_cudnn(true);
+    let cudnn = kiln_backend_cuda::cudnn_available();
+    use kiln_backend_cuda::CudnnLayout::{Auto, Nchw, Nhwc};
+    let forced = tensor_core_sweep(&dev, Nhwc);
+    eprintln!("NHWC calls per TC case and dtype (forced nhwc): {forced:?}");
+    // Forward, input gradient and weight gradient each ran NHWC where cuDNN offers it, which
+    // it does for every ungrouped ResNet geometry; the grouped one is only reported.
+    for (j, n) in forced.iter().enumerate() {
+        let c = TC_CASES[j / 3];
+        if cudnn && c.groups == 1 {
+            assert!(*n >= 3, "{c:?} (dtype {}): {n} NHWC calls, want 3", j % 3);
+        }
+    }
+    let nchw = tensor_core_sweep(&dev, Nchw);
+    assert!(
+        nchw.iter().all(|n| *n == 0),
+        "forced nchw ran NHWC: {nchw:?}"
+    );
+    let auto = tensor_core_sweep(&dev, Auto);
+    eprintln!("NHWC calls per TC case and dtype (auto): {auto:?}");
+}
+
+#[test]
+fn strict_f32_and_f64_stay_nchw_when_nhwc_is_forced() {
+    let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = gpu() else { return };
+    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    kiln_backend_cuda::set_cudnn(true);
+    kiln_backend_cuda::set_allow_tf32(false);
+    kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nhwc);
+    let c = TC_CASES[0];
+    let ops = c.operands(600);
+    let before = kiln_backend_cuda::cudnn_nhwc_calls();
+    for (dt, tol) in [(DType::F64, 1e-10), (DType::F32, 1e-4)] {
+        let want = run::<Cpu>(&on::<Cpu>(&ops, dt, &cpu()), &c, true);
+        let got = run::<Cuda>(&on::<Cuda>(&ops, dt, &dev), &c, false);
+        compare(&format!("{dt} {c:?}"), &got, &want, tol);
+    }
+    assert_eq!(kiln_backend_cuda::cudnn_nhwc_calls(), before);
+}
+
+#[test]
+fn nhwc_cudnn_conv_is_captured_in_a_cuda_graph() {
+    use kiln_backend_cuda::{CudaGraph, write_static};
+    let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(dev) = gpu() else { return };
+    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    kiln_backend_cuda::set_cudnn(true);
+    kiln_backend_cuda::set_allow_tf32(true);
+    kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nhwc);
+    // One geometry measured before the capture, one seen first inside it (NHWC heuristic;
+    // no other test uses it).
+    let measured = TC_CASES[0];
+    let fresh = case([2, 8, 7, 6], 16, 3, 1, 1, 1, 1);
+    let host = |t: &Tensor<Cuda>| t.to_f64_vec().unwrap();
+    run_tensors(
+        &on::<Cuda>(&measured.operands(1), DType::F32, &dev),
+        &measured,
+    )
+    .unwrap();
+    for (i, c) in [measured, fresh].iter().enumerate() {
+        let fixed = on::<Cuda>(&c.operands(700 + i as u64), DType::F32, &dev);
+        let before = kiln_backend_cuda::cudnn_nhwc_calls();
+        let (graph, outs) = CudaGraph::capture(&dev, || run_tensors(&fixed, c)).unwrap();
+        if kiln_backend_cuda::cudnn_available() {
+            assert!(kiln_backend_cuda::cudnn_nhwc_calls() >= before + 3, "{c:?}");
+        }
+        let next = on::<Cuda>(&c.operands(800 + i as u64), DType::F32, &dev);
+        write_static(&fixed[0], &next[0]).unwrap();
+        graph.replay().unwrap();
+        let eager = run_tensors(
+            &[
+                next[0].clone(),
+                fixed[1].clone(),
+                fixed[2].clone(),
+                fixed[3].clone(),
+            ],
+            c,
+        )
+        .unwrap();
+        let got = outs.each_ref().map(host);
+        let want = eager.each_ref().map(host);
+        // The eager run may measure an algorithm other than the captured heuristic one: TF32's
+        // tolerance.
+        compare(&format!("captured nhwc {c:?}"), &got, &want, 5e-3);
+    }
 }

@@ -1,9 +1,10 @@
 //! cuDNN descriptors for one convolution geometry (a [`Plan`]), its cache key, and the mapping
 //! of kiln's dtypes and TF32 switch onto cuDNN's data, compute and math types.
 //!
-//! Descriptors are plain host objects; a plan builds its four once per geometry and keeps them
-//! (with the algorithms measured for it, `algo.rs`) for the life of the process, so a steady
-//! training step makes no descriptor calls.
+//! Descriptors are plain host objects; a plan builds its four once per geometry and memory
+//! format (NCHW, and NHWC for tensor-core math, `nhwc.rs`) and keeps them (with the algorithms
+//! measured for it, `algo.rs`) for the life of the process, so a steady training step makes no
+//! descriptor calls.
 
 use cudarc::cudnn::sys;
 use kiln_core::{Conv2dSpec, DType, Error, Result};
@@ -67,9 +68,10 @@ pub(super) struct Plan {
 unsafe impl Send for Plan {}
 
 impl Plan {
-    /// The descriptors of `key` (packed NCHW tensors, an NCHW filter, cross-correlation with
-    /// the key's padding, stride, dilation and group count, its math type).
-    pub fn new(key: &Key) -> Result<Plan> {
+    /// The descriptors of `key` (packed tensors and filter in `format`, NCHW or NHWC, the
+    /// filter's NHWC being KRSC; cross-correlation with the key's padding, stride, dilation
+    /// and group count, its math type). The dimensions are given in NCHW order either way.
+    pub fn new(key: &Key, format: sys::cudnnTensorFormat_t) -> Result<Plan> {
         const OP: &str = "conv2d";
         let (data, compute, math) =
             types(key.dtype, key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH).ok_or_else(
@@ -85,7 +87,6 @@ impl Plan {
             y: std::ptr::null_mut(),
             conv: std::ptr::null_mut(),
         };
-        let nchw = sys::cudnnTensorFormat_t::CUDNN_TENSOR_NCHW;
         let d4 = |d: [usize; 4]| -> Result<[i32; 4]> {
             Ok([int(d[0])?, int(d[1])?, int(d[2])?, int(d[3])?])
         };
@@ -104,15 +105,15 @@ impl Plan {
             status(sys::cudnnCreateFilterDescriptor(&mut plan.w), OP)?;
             status(sys::cudnnCreateConvolutionDescriptor(&mut plan.conv), OP)?;
             status(
-                sys::cudnnSetTensor4dDescriptor(plan.x, nchw, data, x[0], x[1], x[2], x[3]),
+                sys::cudnnSetTensor4dDescriptor(plan.x, format, data, x[0], x[1], x[2], x[3]),
                 OP,
             )?;
             status(
-                sys::cudnnSetTensor4dDescriptor(plan.y, nchw, data, y[0], y[1], y[2], y[3]),
+                sys::cudnnSetTensor4dDescriptor(plan.y, format, data, y[0], y[1], y[2], y[3]),
                 OP,
             )?;
             status(
-                sys::cudnnSetFilter4dDescriptor(plan.w, data, nchw, w[0], w[1], w[2], w[3]),
+                sys::cudnnSetFilter4dDescriptor(plan.w, data, format, w[0], w[1], w[2], w[3]),
                 OP,
             )?;
             status(

@@ -11,7 +11,8 @@
 //!   on stderr and answers "not offered", and convolutions take the im2col path. cudarc panics
 //!   on a call into a library it cannot open, so nothing here calls cuDNN before that check.
 //!   `KILN_CUDNN=0` (or [`set_cudnn`]) forces the im2col path, to compare the two;
-//!   `KILN_CUDNN_LOG=1` prints each geometry's measured algorithms.
+//!   `KILN_CUDNN_LOG=1` prints each geometry's measured algorithms per format and, with the
+//!   layout at `auto`, both formats' times and the one kept.
 //! - **One handle per device**, created on first use and bound to the calling thread's current
 //!   stream before every call, kept with the device's plans under one lock (`State`).
 //! - **Algorithms measured once per geometry** and cached per device (`algo.rs`); workspaces
@@ -20,19 +21,29 @@
 //!   so that the algorithm measured for a geometry meets the same alignment every time); f32
 //!   (FMA math unless TF32 is allowed, see `blas.rs`), f64, and f16/bf16 computing in f32.
 //!   Geometries cuDNN's 32-bit descriptors cannot hold, and empty tensors, are not offered.
+//! - **Two memory formats for tensor-core math** (TF32, bf16, f16): cuDNN's fastest Hopper
+//!   kernels are NHWC/KRSC ones, which NCHW descriptors never reach, so such a geometry may
+//!   instead run on NHWC copies of its operands, transposed by kiln's strided copy, with the
+//!   result transposed back (`nhwc.rs`). Per geometry and direction the faster of the two
+//!   whole calls, transposes included, is measured once and kept (`pick.rs`).
+//!   `KILN_CUDNN_LAYOUT=nchw|nhwc|auto` (or [`set_cudnn_layout`]) forces one to compare;
+//!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
-//!   measured algorithm; one not measured yet takes cuDNN's heuristic choice during the
-//!   capture (measuring synchronizes, which a capture forbids). The handle is never created
+//!   measured algorithm and format; one not measured yet takes cuDNN's heuristic choice, in
+//!   NCHW (NHWC when forced), during the capture (measuring synchronizes, which a capture
+//!   forbids). NHWC's transposes are plain kernels, captured like any other, and their
+//!   scratch comes from the pool as a workspace does. The handle is never created
 //!   during a capture: a first convolution inside one takes the im2col path.
 
 mod algo;
 mod desc;
+mod nhwc;
+mod pick;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -42,8 +53,9 @@ use kiln_core::{Conv2dSpec, DType, Error, Layout, Result};
 use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 pub(crate) use algo::Dir;
-use algo::{Candidate, Operands};
-use desc::{Key, Plan};
+use desc::Key;
+pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
+use pick::Geometry;
 
 /// A cuDNN status as a typed error naming `op` (the status itself, e.g.
 /// `CUDNN_STATUS_NOT_SUPPORTED`).
@@ -56,8 +68,9 @@ fn status(r: sys::cudnnStatus_t, op: &'static str) -> Result<()> {
 
 static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
 
-/// `KILN_CUDNN_LOG=1`: each measured geometry prints its fastest algorithms (stderr), the
-/// first being the one that runs, with the times cuDNN's search measured.
+/// `KILN_CUDNN_LOG=1`: each measured geometry prints its fastest algorithms per format
+/// (stderr), the first being the one that runs, with the times cuDNN's search measured; at
+/// `auto`, each format's whole-call time (NHWC with its transposes) and the one kept.
 fn log_choices() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("KILN_CUDNN_LOG").is_ok_and(|v| v == "1"))
@@ -178,32 +191,6 @@ fn probe() -> std::result::Result<usize, String> {
         }
     }
     Ok(version)
-}
-
-/// One geometry's descriptors, the algorithms measured for it per direction ([`Dir::index`],
-/// fastest first), and whether cuDNN can run all three directions on it at all (its heuristic
-/// lists an algorithm for each): a convolution is offered only then, so that its gradients are
-/// never refused after its forward ran.
-struct Geometry {
-    plan: Plan,
-    chosen: [Option<Vec<Candidate>>; 3],
-    offered: bool,
-}
-
-impl Geometry {
-    fn new(h: sys::cudnnHandle_t, key: &Key) -> Result<Geometry> {
-        let plan = Plan::new(key)?;
-        let mut offered = true;
-        for dir in [Dir::Forward, Dir::Data, Dir::Filter] {
-            plan.set_math(key.math, dir.op())?;
-            offered &= !algo::heuristic(h, &plan, key.math, dir)?.is_empty();
-        }
-        Ok(Geometry {
-            plan,
-            chosen: [None, None, None],
-            offered,
-        })
-    }
 }
 
 /// One device's cuDNN: the handle, the stream it is bound to, and the plans of the geometries
@@ -348,60 +335,28 @@ pub(crate) fn run(
             format!("cuDNN has no algorithm for {key:?}"),
         ));
     }
-    let (plan, chosen) = (&geo.plan, &mut geo.chosen);
-    let size = dtype.size_in_bytes();
-    let out = alloc(dev, out_dims.iter().product::<usize>() * size)?;
-    let ops = Operands {
-        a: a.device_ptr(),
-        b: b.device_ptr(),
-        out: out.device_ptr(),
+    let out = alloc(
+        dev,
+        out_dims.iter().product::<usize>() * dtype.size_in_bytes(),
+    )?;
+    let call = pick::Call {
+        dev,
+        handle,
+        key: &key,
+        dir,
+        a,
+        b,
+        out: &out,
     };
-    let i = dir.index();
-    if chosen[i].is_none() && !dev.capturing() {
-        plan.set_math(math, op)?;
-        let found = algo::measure(dev, handle, plan, math, dir, ops)?;
-        if log_choices() {
-            let list: Vec<String> = found.iter().take(4).map(|c| c.to_string()).collect();
-            eprintln!(
-                "kiln cudnn {op} x {:?} w {:?} {:?} {:?}: {}",
-                key.x,
-                key.w,
-                key.dtype,
-                key.math,
-                if list.is_empty() {
-                    "nothing ran".into()
-                } else {
-                    list.join("; ")
-                }
-            );
+    let format = call.choose(geo)?;
+    match call.run(geo, format) {
+        // NHWC's scratch (or its algorithms' workspaces) could not be had: NCHW needs none of
+        // the former (its measured algorithms, or the heuristic ranking if not measured).
+        Err(Error::OutOfMemory { .. }) if format == nhwc::Format::Nhwc => {
+            call.run(geo, nhwc::Format::Nchw)?
         }
-        chosen[i] = Some(found);
+        r => r?,
     }
-    let heuristic;
-    let cands: &[Candidate] = match &chosen[i] {
-        Some(c) if !c.is_empty() => c,
-        // Not measured yet inside a capture, or nothing ran in the search (its workspace
-        // could not be had): cuDNN's heuristic ranking.
-        _ => {
-            plan.set_math(math, op)?;
-            heuristic = algo::heuristic(handle, plan, math, dir)?;
-            &heuristic
-        }
-    };
-    // alpha = 1, beta = 0, as f64 for doubles and f32 otherwise (cuDNN's scaling parameters).
-    let (d, f) = ([1.0f64, 0.0], [1.0f32, 0.0]);
-    let scalars = if dtype == DType::F64 {
-        (
-            &d[0] as *const f64 as *const c_void,
-            &d[1] as *const f64 as *const c_void,
-        )
-    } else {
-        (
-            &f[0] as *const f32 as *const c_void,
-            &f[1] as *const f32 as *const c_void,
-        )
-    };
-    algo::execute(dev, handle, plan, dir, cands, ops, scalars)?;
     drop(guard);
     // A capture records instead of running: nothing to wait for (graph.rs).
     if crate::device::sync_debug() && !dev.capturing() {

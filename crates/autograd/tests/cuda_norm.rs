@@ -148,7 +148,12 @@ const SHAPES: [(&[usize], usize); 14] = [
 fn fused_f32_matches_composed_f64_on_cpu() {
     let Some(dev) = gpu_or_skip(0) else { return };
     for (dims, k) in SHAPES {
-        against_cpu(&dev, dims, k, DType::F32, 1e-4);
+        let n: usize = dims[dims.len() - k..].iter().product();
+        // Rows of a few elements: among 16,384 rows of three, some have a tiny variance whose
+        // large rstd amplifies f32 rounding in dx (2.2e-4 relative on an H100, the composed
+        // f32 path alike); a wrong mean or formula is off by far more.
+        let tol = if n < 8 { 1e-3 } else { 1e-4 };
+        against_cpu(&dev, dims, k, DType::F32, tol);
     }
 }
 

@@ -371,7 +371,7 @@ struct Restore(bool);
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Auto);
+        kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nchw);
         kiln_backend_cuda::set_allow_tf32(self.0);
     }
 }

@@ -24,9 +24,10 @@
 //! - **Two memory formats for tensor-core math** (TF32, bf16, f16): cuDNN's fastest Hopper
 //!   kernels are NHWC/KRSC ones, which NCHW descriptors never reach, so such a geometry may
 //!   instead run on NHWC copies of its operands, transposed by kiln's strided copy, with the
-//!   result transposed back (`nhwc.rs`). Per geometry and direction the faster of the two
-//!   whole calls, transposes included, is measured once and kept (`pick.rs`).
-//!   `KILN_CUDNN_LAYOUT=nchw|nhwc|auto` (or [`set_cudnn_layout`]) forces one to compare;
+//!   result transposed back (`nhwc.rs`). With `KILN_CUDNN_LAYOUT=auto` (or
+//!   [`set_cudnn_layout`]) the faster of the two whole calls, transposes included, is measured
+//!   once per geometry and direction and kept (`pick.rs`); the default is NCHW, since on an
+//!   H100 `auto` gained no more than the noise (see `CudnnLayout::Nchw`); `nhwc` forces NHWC;
 //!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.

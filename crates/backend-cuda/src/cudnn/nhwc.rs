@@ -28,10 +28,12 @@ use crate::memory::{Buffer, alloc};
 /// tensor-core ones; FMA math keeps the NCHW path that matches the CPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CudnnLayout {
-    /// Measure both per geometry and direction and keep the faster, transposes included (the
-    /// default).
+    /// Measure both per geometry and direction and keep the faster, transposes included.
     Auto,
-    /// Always NCHW (kiln's own layout, no transposes).
+    /// Always NCHW (kiln's own layout, no transposes): the default. On an H100 (2026-11-27)
+    /// `Auto` gained ~2% on a TF32 ResNet-18 step (15.9–16.2 against 16.2–16.8 ms), within
+    /// the run-to-run noise, while searching both layouts doubles each geometry's first call
+    /// and its one-shot timings can pick the slower layout (BENCHMARKS.md, seventh session).
     Nchw,
     /// NHWC wherever cuDNN offers it for the geometry (all three directions); NCHW otherwise.
     Nhwc,
@@ -42,17 +44,17 @@ static LAYOUT: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1 + inde
 const LAYOUTS: [CudnnLayout; 3] = [CudnnLayout::Auto, CudnnLayout::Nchw, CudnnLayout::Nhwc];
 
 /// The layout switch: [`set_cudnn_layout`], else `KILN_CUDNN_LAYOUT=auto|nchw|nhwc` (default
-/// `auto`; another value is reported once on stderr and taken as `auto`).
+/// `nchw`; another value is reported once on stderr and taken as `nchw`).
 pub fn cudnn_layout() -> CudnnLayout {
     match LAYOUT.load(Ordering::Relaxed) {
         0 => {
             let l = match std::env::var("KILN_CUDNN_LAYOUT").as_deref() {
-                Err(_) | Ok("auto") | Ok("") => CudnnLayout::Auto,
-                Ok("nchw") => CudnnLayout::Nchw,
+                Ok("auto") => CudnnLayout::Auto,
+                Err(_) | Ok("") | Ok("nchw") => CudnnLayout::Nchw,
                 Ok("nhwc") => CudnnLayout::Nhwc,
                 Ok(other) => {
-                    eprintln!("kiln: KILN_CUDNN_LAYOUT={other:?} is not auto, nchw or nhwc; auto");
-                    CudnnLayout::Auto
+                    eprintln!("kiln: KILN_CUDNN_LAYOUT={other:?} is not auto, nchw or nhwc; nchw");
+                    CudnnLayout::Nchw
                 }
             };
             set_cudnn_layout(l);
@@ -66,7 +68,7 @@ pub fn cudnn_layout() -> CudnnLayout {
 /// overriding `KILN_CUDNN_LAYOUT`. Each layout's measured algorithms stay cached, so switching
 /// back and forth measures nothing twice.
 pub fn set_cudnn_layout(layout: CudnnLayout) {
-    let i = LAYOUTS.iter().position(|l| *l == layout).unwrap_or(0);
+    let i = LAYOUTS.iter().position(|l| *l == layout).unwrap_or(1);
     LAYOUT.store(i as u8 + 1, Ordering::Relaxed);
 }
 

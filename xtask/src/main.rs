@@ -297,26 +297,35 @@ done
 export KILN_KERNEL_CACHE="${KILN_KERNEL_CACHE:-$PWD/.kernel-cache}"
 # Binaries run KILN_TEST_JOBS at a time (default 6: most of their time is NVRTC compiling on
 # the host's cores, one core each), each test of a binary one after another (launch counts
-# are per process, memory checks per device). `kiln-backend-cuda-gpu` fills most of the card
-# to test running out of memory, so it runs alone, first. Each binary's output is printed
-# whole when it ends, with its wall time.
+# are per process, memory checks per device). The out-of-memory test of `kiln-backend-cuda-gpu`
+# fills most of the card, so it runs alone, first; that binary's other tests join the rest.
+# Each binary's output is printed whole when it ends, with its wall time.
 jobs="${KILN_TEST_JOBS:-6}"
+oom=out_of_memory_is_a_typed_error_and_the_device_recovers
 rm -rf logs && mkdir logs
 one() {
-    local t=$1; shift
-    local n; n=$(basename "$t")
+    local t=$1 n=$2; shift 2
     local s; s=$(date +%s)
     timeout "${KILN_TEST_TIMEOUT:-400}" "$t" --test-threads=1 "$@" > "logs/$n.log" 2>&1
     local rc=$?
     echo "$rc $(( $(date +%s) - s ))" > "logs/$n.rc"
-    { echo "=== $t"; cat "logs/$n.log"; }
+    { echo "=== $t $*"; cat "logs/$n.log"; }
 }
 start=$(date +%s)
-for t in tests/*kiln-backend-cuda-gpu; do [ -e "$t" ] && one "$t" "$@"; done
-for t in tests/*; do
-    case "$t" in *kiln-backend-cuda-gpu) continue ;; esac
+if [ $# -eq 0 ] && [ -e tests/kiln-backend-cuda-gpu ]; then
+    one tests/kiln-backend-cuda-gpu kiln-backend-cuda-gpu-oom --exact "$oom"
+fi
+# The longest binaries first (with empty caches: the conformance suite, the expression
+# kernels, the gradient checks), then the rest.
+long="tests/kiln-backend-cuda-gpu tests/kiln-backend-cuda-expr tests/kiln-autograd-cuda_gradients"
+for t in $long tests/*; do
+    [ -e "$t" ] || continue
+    case " $started " in *" $t "*) continue ;; esac
+    started="$started $t"
+    args=("$@")
+    [ $# -eq 0 ] && [ "$t" = tests/kiln-backend-cuda-gpu ] && args=(--skip "$oom")
     while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n; done
-    one "$t" "$@" &
+    one "$t" "$(basename "$t")" "${args[@]}" &
 done
 wait
 pass=0; fail=0; failed=""; times=""
@@ -326,7 +335,7 @@ for r in logs/*.rc; do
     if [ "$rc" -eq 0 ]; then pass=$((pass+1)); else fail=$((fail+1)); failed="$failed $n"; fi
 done
 echo "per binary:$times"
-echo "GPU TEST SUMMARY:$parts: $pass binaries passed, $fail failed${failed:+ (failed:$failed)}, $(( $(date +%s) - start )) s with $jobs jobs"
+echo "GPU TEST SUMMARY:$parts: $pass runs passed, $fail failed${failed:+ (failed:$failed)}, $(( $(date +%s) - start )) s with $jobs jobs"
 [ "$fail" -eq 0 ]
 "#
         }

@@ -1042,35 +1042,6 @@ pub mod raw {
     /// Runs `f` between two timing events on the calling thread's current stream of `device`
     /// and returns the elapsed milliseconds (after synchronizing with the second).
     pub fn time_ms(device: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<f32> {
-        use cudarc::driver::sys;
-        /// Timing events, destroyed on drop (also when a step below fails).
-        struct Events([sys::CUevent; 2]);
-        impl Drop for Events {
-            fn drop(&mut self) {
-                for e in self.0 {
-                    if !e.is_null() {
-                        // SAFETY: created by cuEventCreate below and destroyed once, here.
-                        unsafe { sys::cuEventDestroy_v2(e) };
-                    }
-                }
-            }
-        }
-        let s = state(device)?;
-        let mut ev = Events([std::ptr::null_mut(); 2]);
-        // SAFETY: events are created into the guard (valid out-pointers), recorded on the
-        // current stream of this device (bound by `state`), synchronized, and destroyed by the
-        // guard on every path.
-        unsafe {
-            device::check(sys::cuEventCreate(&mut ev.0[0], 0), "time")?;
-            device::check(sys::cuEventCreate(&mut ev.0[1], 0), "time")?;
-            let [a, b] = ev.0;
-            device::check(sys::cuEventRecord(a, s.stream()), "time")?;
-            let r = f();
-            device::check(sys::cuEventRecord(b, s.stream()), "time")?;
-            device::check(sys::cuEventSynchronize(b), "time")?;
-            let mut ms = 0f32;
-            device::check(sys::cuEventElapsedTime_v2(&mut ms, a, b), "time")?;
-            r.map(|_| ms)
-        }
+        device::time_on(state(device)?.stream(), "time", f)
     }
 }

@@ -17,10 +17,9 @@
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use cudarc::cudnn::sys as dnn;
-use cudarc::driver::sys;
 use kiln_core::{DType, Layout, Result};
 
-use crate::device::{DeviceState, check};
+use crate::device::{DeviceState, time_on};
 use crate::memory::{Buffer, alloc};
 
 /// Which memory format cuDNN convolutions with tensor-core math (f32 with TF32 allowed, bf16,
@@ -137,20 +136,6 @@ pub(super) fn scratch(dev: &'static DeviceState, dims: [usize; 4], dtype: DType)
     alloc(dev, dims.iter().product::<usize>() * dtype.size_in_bytes())
 }
 
-/// Two timing events, destroyed on drop.
-struct Events([sys::CUevent; 2]);
-
-impl Drop for Events {
-    fn drop(&mut self) {
-        for e in self.0 {
-            if !e.is_null() {
-                // SAFETY: created by cuEventCreate in `time_ms` and destroyed once, here.
-                unsafe { sys::cuEventDestroy_v2(e) };
-            }
-        }
-    }
-}
-
 /// The fastest of `reps` runs of `f` on the current stream, in ms, after one warm-up run
 /// (synchronizes; never called while capturing).
 pub(super) fn time_ms(
@@ -158,27 +143,10 @@ pub(super) fn time_ms(
     reps: usize,
     mut f: impl FnMut() -> Result<()>,
 ) -> Result<f32> {
-    const OP: &str = "conv2d layout timing";
     f()?;
-    let mut ev = Events([std::ptr::null_mut(); 2]);
-    let stream = dev.stream();
     let mut best = f32::INFINITY;
-    // SAFETY: the events are created into the guard (valid out-pointers), recorded on this
-    // device's current stream (its context is bound by the caller), synchronized before being
-    // read, and destroyed by the guard on every path.
-    unsafe {
-        check(sys::cuEventCreate(&mut ev.0[0], 0), OP)?;
-        check(sys::cuEventCreate(&mut ev.0[1], 0), OP)?;
-        let [a, b] = ev.0;
-        for _ in 0..reps {
-            check(sys::cuEventRecord(a, stream), OP)?;
-            f()?;
-            check(sys::cuEventRecord(b, stream), OP)?;
-            check(sys::cuEventSynchronize(b), OP)?;
-            let mut ms = 0f32;
-            check(sys::cuEventElapsedTime_v2(&mut ms, a, b), OP)?;
-            best = best.min(ms);
-        }
+    for _ in 0..reps {
+        best = best.min(time_on(dev.stream(), "conv2d layout timing", &mut f)?);
     }
     Ok(best)
 }

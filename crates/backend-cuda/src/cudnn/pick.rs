@@ -142,12 +142,8 @@ impl Call<'_> {
                 self.nchw_ops(),
             )?,
             Format::Nhwc => {
-                let [a, b, out] = self.stage()?;
-                let ops = Operands {
-                    a: a.device_ptr(),
-                    b: b.device_ptr(),
-                    out: out.device_ptr(),
-                };
+                let staged = self.stage()?;
+                let ops = staged_operands(&staged);
                 algo::measure(self.dev, self.handle, plan, self.key.math, self.dir, ops)?
             }
         };
@@ -305,17 +301,22 @@ impl Call<'_> {
         match f {
             Format::Nchw => algo::execute(dev, h, plan, dir, cands, self.nchw_ops(), scalars),
             Format::Nhwc => {
-                let [a, b, out] = self.stage()?;
-                let ops = Operands {
-                    a: a.device_ptr(),
-                    b: b.device_ptr(),
-                    out: out.device_ptr(),
-                };
+                let staged = self.stage()?;
+                let ops = staged_operands(&staged);
                 algo::execute(dev, h, plan, dir, cands, ops, scalars)?;
-                nhwc::to_nchw(&out, self.dims()[2], self.out, self.key.dtype)?;
+                nhwc::to_nchw(&staged[2], self.dims()[2], self.out, self.key.dtype)?;
                 nhwc::count_nhwc_call();
                 Ok(())
             }
         }
+    }
+}
+
+/// The device pointers of operands staged into NHWC ([`Call::stage`]'s `[a, b, out]`).
+fn staged_operands([a, b, out]: &[Buffer; 3]) -> Operands {
+    Operands {
+        a: a.device_ptr(),
+        b: b.device_ptr(),
+        out: out.device_ptr(),
     }
 }

@@ -28,7 +28,7 @@ pub(crate) use allocator::Allocator;
 use error_flag::ErrorFlag;
 pub(crate) use kernels::Func;
 use kernels::KernelCache;
-pub(crate) use streams::Streams;
+pub(crate) use streams::{Streams, time_on};
 pub(crate) use transfers::{InFlight, STAGING_BLOCKS, Staging, Transfers, staging_bytes};
 
 use crate::pool::GraphPool;

@@ -92,3 +92,41 @@ impl Streams {
 unsafe impl Send for Streams {}
 // SAFETY: as above.
 unsafe impl Sync for Streams {}
+
+/// Runs `f` between two timing events recorded on `stream` and returns the elapsed
+/// milliseconds, after synchronizing with the second (so never while capturing). The events
+/// are created for the call and destroyed on every path; `op` names a failing driver call.
+pub(crate) fn time_on(
+    stream: sys::CUstream,
+    op: &'static str,
+    f: impl FnOnce() -> Result<()>,
+) -> Result<f32> {
+    /// Timing events, destroyed on drop (also when a step below fails).
+    struct Events([sys::CUevent; 2]);
+    impl Drop for Events {
+        fn drop(&mut self) {
+            for e in self.0 {
+                if !e.is_null() {
+                    // SAFETY: created by cuEventCreate below and destroyed once, here.
+                    unsafe { sys::cuEventDestroy_v2(e) };
+                }
+            }
+        }
+    }
+    let mut ev = Events([std::ptr::null_mut(); 2]);
+    // SAFETY: events are created into the guard (valid out-pointers), recorded on `stream`
+    // (whose context the caller has bound), synchronized before being read, and destroyed by
+    // the guard on every path.
+    unsafe {
+        check(sys::cuEventCreate(&mut ev.0[0], 0), op)?;
+        check(sys::cuEventCreate(&mut ev.0[1], 0), op)?;
+        let [a, b] = ev.0;
+        check(sys::cuEventRecord(a, stream), op)?;
+        let r = f();
+        check(sys::cuEventRecord(b, stream), op)?;
+        check(sys::cuEventSynchronize(b), op)?;
+        let mut ms = 0f32;
+        check(sys::cuEventElapsedTime_v2(&mut ms, a, b), op)?;
+        r.map(|_| ms)
+    }
+}

@@ -79,7 +79,9 @@
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
-//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `graph.rs` (CUDA graph
+//! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `update.rs` (the
+//!    optimizers' multi-tensor update over storage handles); `raw.rs` (allocations, a spin
+//!    kernel and event timing for benchmarks and tests); `graph.rs` (CUDA graph
 //!    capture and replay); `nccl.rs` (collectives over tensors); `user_kernel/` (CuPy-style
 //!    [`ElementwiseKernel`], [`ReductionKernel`], [`RawKernel`]: parameter lists and source
 //!    generation in `params.rs`/`source.rs`, pure; launching in the others); `compile.rs` (the
@@ -112,11 +114,13 @@ mod pinned;
 mod pool;
 mod prebuilt;
 mod profile;
+pub mod raw;
 mod sources;
 mod storage;
 mod stream;
 mod transfer;
 mod types;
+mod update;
 mod user_kernel;
 
 use kiln_core::backend::Operand;
@@ -955,93 +959,6 @@ impl Backend for Cuda {
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
-        // Computed buffers for every operand, held while the kernel's slots borrow them.
-        type Held = (
-            std::sync::Arc<memory::Buffer>,
-            std::sync::Arc<memory::Buffer>,
-            Vec<std::sync::Arc<memory::Buffer>>,
-        );
-        let held = slots
-            .iter()
-            .map(|s| -> Result<Held> {
-                let st = s.state.iter().map(|x| x.buffer()).collect::<Result<_>>()?;
-                Ok((s.param.buffer()?, s.grad.buffer()?, st))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let bslots: Vec<UpdateSlot<'_, memory::Buffer>> = held
-            .iter()
-            .zip(slots)
-            .map(|((p, g, st), s)| UpdateSlot {
-                param: &**p,
-                grad: &**g,
-                state: st.iter().map(|x| &**x).collect(),
-                len: s.len,
-            })
-            .collect();
-        if bslots.first().is_some_and(|s| s.param.state().capturing()) {
-            // A captured graph updates the parameters where they are (see `graph.rs`).
-            fused::fused_update_in_place(rule, dtype, &bslots)?;
-            return Ok(held
-                .iter()
-                .map(|(p, _, st)| {
-                    p.contents_changed();
-                    let st = st
-                        .iter()
-                        .map(|b| {
-                            b.contents_changed();
-                            CudaStorage::from(lazy::Repr::Ready(b.clone()))
-                        })
-                        .collect();
-                    (CudaStorage::from(lazy::Repr::Ready(p.clone())), st)
-                })
-                .collect());
-        }
-        let out = fused::fused_update(rule, dtype, &bslots)?;
-        Ok(out
-            .into_iter()
-            .map(|(p, st)| {
-                let st = st.into_iter().map(CudaStorage::ready).collect();
-                (CudaStorage::ready(p), st)
-            })
-            .collect())
-    }
-}
-
-/// Low-level access for benchmarks and custom kernels.
-pub mod raw {
-    use super::*;
-
-    /// Allocates `bytes` of uninitialized device memory (`torch.empty`), freed on drop.
-    pub fn alloc(device: &CudaDevice, bytes: usize) -> Result<CudaStorage> {
-        CudaStorage::alloc(device, bytes)
-    }
-
-    /// Queues a kernel that keeps one GPU thread busy for `micros` microseconds on the calling
-    /// thread's current stream of `device`: work of known length that leaves the GPU otherwise
-    /// free, for testing and measuring stream concurrency and ordering.
-    pub fn spin(device: &CudaDevice, micros: u64) -> Result<()> {
-        let s = state(device)?;
-        let f = s.func(sources::Module::Util, &["spin", "ns"])?;
-        let mut ns = micros * 1000;
-        let mut p = [&mut ns as *mut u64 as *mut std::ffi::c_void];
-        s.launch("spin", f, (1, 1), 1, 0, &mut p)
-    }
-
-    /// Queues a [`spin`] of `micros` on the device's internal copy stream, delaying the host
-    /// transfers queued after it: lets a test prove that an asynchronous copy's source is kept
-    /// alive and its result ordered (no use outside tests).
-    #[doc(hidden)]
-    pub fn delay_copies(device: &CudaDevice, micros: u64) -> Result<()> {
-        let s = state(device)?;
-        let prev = device::set_current_stream(s.ordinal(), s.copy_stream());
-        let r = spin(device, micros);
-        device::set_current_stream(s.ordinal(), prev);
-        r
-    }
-
-    /// Runs `f` between two timing events on the calling thread's current stream of `device`
-    /// and returns the elapsed milliseconds (after synchronizing with the second).
-    pub fn time_ms(device: &CudaDevice, f: impl FnOnce() -> Result<()>) -> Result<f32> {
-        device::time_on(state(device)?.stream(), "time", f)
+        update::fused_update(rule, dtype, slots)
     }
 }

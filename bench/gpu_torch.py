@@ -338,6 +338,32 @@ report("d2l_matmul_norm_x1000_host", wall_sync(d2l_host), "ms")
 report("d2l_matmul_norm_x1000_gpu", wall_sync(d2l_gpu), "ms")
 
 
+
+# ---- Backend::reduce's two paths in kiln (`reductions` in gpu.rs): the same reductions here,
+# reported under both kiln row names so that each path has its ratio.
+def reductions():
+    rows = [
+        ("sum_4096x4096_rows", (4096, 4096), (1,), False, torch.float32),
+        ("sum_4096x4096_cols", (4096, 4096), (0,), False, torch.float32),
+        ("max_4096x4096_rows", (4096, 4096), (1,), True, torch.float32),
+        ("sum_16384x384_rows", (16384, 384), (1,), False, torch.float32),
+        ("sum_16384x384_cols", (16384, 384), (0,), False, torch.float32),
+        ("sum_bn_256x64x32x32", (256, 64, 32, 32), (0, 2, 3), False, torch.float32),
+        ("sum_all_64M", (64 << 20,), (0,), False, torch.float32),
+        ("sum_4096x4096_rows_bf16", (4096, 4096), (1,), False, torch.bfloat16),
+    ]
+    for name, shape, axes, is_max, dtype in rows:
+        x = rand(*shape).to(dtype)
+        f = (lambda: torch.amax(x, dim=axes)) if is_max else (lambda: torch.sum(x, dim=axes))
+        ms = timed(5, 20, f)
+        gbs = x.numel() * x.element_size() / (ms * 1e-3) / 1e9
+        for tag in ("", "_generated"):
+            report(f"reduce_{name}{tag}", gbs, "GB/s")
+        del x
+
+
+reductions()
+
 # ---- issue 31: attention at the GPT example's shape (B=64, H=6, T=256, d=64, causal) -------
 # and at a long-sequence one (attn_long_*: B=8, H=16, T=2048, d=64, causal). Twins of
 # `attention` in crates/backend-cuda/benches/gpu.rs: forward alone (no_grad) and forward +

@@ -32,6 +32,10 @@ fn main() {
         attention(&dev); // the attention rows alone (`KILN_BENCH_ONLY=attention`)
         return;
     }
+    if std::env::var("KILN_BENCH_ONLY").is_ok_and(|v| v == "reduce") {
+        reductions(&dev); // the reduction rows alone (`KILN_BENCH_ONLY=reduce`)
+        return;
+    }
     let f32t = |shape: &[usize], seed| {
         Generator::new(seed)
             .uniform::<Cuda>(shape, -1.0, 1.0, &dev)
@@ -224,7 +228,75 @@ fn main() {
     kiln_backend_cuda::set_block_cache(true);
     drop(x);
 
+    reductions(&dev);
     attention(&dev);
+}
+
+/// `Backend::reduce` of computed tensors by its two paths: `reduce_*` the hand-written kernels
+/// (`kernels/reduce.cu`, the default), `reduce_*_generated` the generated one-reduction
+/// programs (`KILN_CUDA_REDUCE=generated`); GB/s of the input read. Shapes: rows and columns of
+/// a 4096² matrix, layer norm's rows and a bias gradient's columns at the GPT shape
+/// (16384 × 384), batch norm's statistics of a ResNet activation (256, 64, 32, 32) over
+/// (0, 2, 3), everything of 64M; bf16 rows.
+fn reductions(dev: &CudaDevice) {
+    let t = |shape: &[usize], dtype| {
+        Generator::new(11)
+            .uniform::<Cuda>(shape, -1.0, 1.0, dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.contiguous())
+            .unwrap()
+    };
+    /// Name, shape, axes, max (else sum), dtype.
+    type Row = (
+        &'static str,
+        &'static [usize],
+        &'static [isize],
+        bool,
+        DType,
+    );
+    let rows: [Row; 8] = [
+        ("sum_4096x4096_rows", &[4096, 4096], &[1], false, DType::F32),
+        ("sum_4096x4096_cols", &[4096, 4096], &[0], false, DType::F32),
+        ("max_4096x4096_rows", &[4096, 4096], &[1], true, DType::F32),
+        ("sum_16384x384_rows", &[16384, 384], &[1], false, DType::F32),
+        ("sum_16384x384_cols", &[16384, 384], &[0], false, DType::F32),
+        (
+            "sum_bn_256x64x32x32",
+            &[256, 64, 32, 32],
+            &[0, 2, 3],
+            false,
+            DType::F32,
+        ),
+        ("sum_all_64M", &[64 << 20], &[0], false, DType::F32),
+        (
+            "sum_4096x4096_rows_bf16",
+            &[4096, 4096],
+            &[1],
+            false,
+            DType::BF16,
+        ),
+    ];
+    for (name, shape, axes, max, dtype) in rows {
+        let x = t(shape, dtype);
+        let bytes = (x.elem_count() * dtype.size_in_bytes()) as f64;
+        for (generated, tag) in [(false, ""), (true, "_generated")] {
+            kiln_backend_cuda::set_generated_reductions(generated);
+            let ms = time(dev, 5, 20, || {
+                let y = if max {
+                    x.max(axes, false)?
+                } else {
+                    x.sum(axes, false)?
+                };
+                y.realize()
+            });
+            report(
+                &format!("reduce_{name}{tag}"),
+                bytes / (ms * 1e-3) / 1e9,
+                "GB/s",
+            );
+        }
+    }
+    kiln_backend_cuda::set_generated_reductions(false);
 }
 
 /// Issue 31: scaled dot-product attention at the GPT example's shape (`attn_gpt_*`: batch 64,

@@ -8,8 +8,8 @@
 
 use std::sync::Arc;
 
-use kiln_core::expr::{Program, eval_composed};
-use kiln_core::{Error, Layout, Result, Shape};
+use kiln_core::expr::{Combine, Expr, Program, eval_composed};
+use kiln_core::{DType, Error, Layout, ReduceOp, Result, Shape};
 
 use crate::device::state;
 use crate::expr_run::{Caller, planned, run_planned};
@@ -51,4 +51,33 @@ pub(crate) fn eval_expr(
         Some(outs) => Ok(outs.into_iter().map(CudaStorage::ready).collect()),
         None => eval_composed::<Cuda>(device, program, shape, inputs, params),
     }
+}
+
+/// `Backend::reduce` of `s` as a generated one-reduction program (`x.sum(axes)`, max, min) on
+/// the expression evaluator, instead of `kernels/reduce.cu`'s hand-written kernels: what
+/// [`crate::ops::reduce::generated_reductions`] selects. `None` for what the program form does
+/// not cover (arg reductions, non-float dtypes, empty tensors, no axes); the caller then runs
+/// the hand kernels.
+pub(crate) fn reduce(
+    op: ReduceOp,
+    s: &CudaStorage,
+    l: &Layout,
+    dtype: DType,
+    axes: &[usize],
+) -> Result<Option<CudaStorage>> {
+    let combine = match op {
+        ReduceOp::Sum => Combine::Sum,
+        ReduceOp::Max => Combine::Max,
+        ReduceOp::Min => Combine::Min,
+        ReduceOp::ArgMax | ReduceOp::ArgMin => return Ok(None),
+    };
+    if !dtype.is_float() || l.elem_count() == 0 || axes.is_empty() {
+        return Ok(None);
+    }
+    let axes: Vec<isize> = axes.iter().map(|&a| a as isize).collect();
+    let Ok(p) = Program::from_exprs(&[dtype], &[Expr::input(0).reduce(combine, &axes)]) else {
+        return Ok(None);
+    };
+    let out = eval_expr(&s.device(), &p, l.shape(), &[(s, l)], &[])?;
+    Ok(out.into_iter().next())
 }

@@ -148,6 +148,7 @@ pub use ops::attention::{
     fused_attention_16bit, set_attention_tensor_cores, set_attention_tensor_cores_f32,
     set_fused_attention_16bit,
 };
+pub use ops::reduce::{generated_reductions, set_generated_reductions};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
@@ -580,6 +581,11 @@ impl Backend for Cuda {
             && let Some(out) = lazy::reduce_all(s.repr(), layout, op)?
         {
             return Ok(CudaStorage::ready(out));
+        }
+        if ops::reduce::generated_reductions()
+            && let Some(out) = expr_eval::reduce(op, s, layout, dtype, axes)?
+        {
+            return Ok(out);
         }
         ops::reduce(op, &*s.buffer()?, layout, dtype, axes).map(CudaStorage::ready)
     }

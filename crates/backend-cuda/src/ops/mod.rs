@@ -455,7 +455,7 @@ pub(crate) mod attention;
 mod attention_kernels;
 mod index;
 pub(crate) mod norm;
-mod reduce;
+pub(crate) mod reduce;
 mod rows;
 
 pub(crate) use index::{gather, index_select, scatter_add};

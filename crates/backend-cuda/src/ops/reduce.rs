@@ -1,6 +1,9 @@
 //! Reductions over chosen axes (`Backend::reduce`): one pass, or partial results per output
 //! and a second pass that combines them.
 
+use std::sync::LazyLock;
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use cudarc::driver::sys;
 use kiln_core::{DType, Error, Layout, ReduceOp, Result};
 
@@ -8,6 +11,25 @@ use crate::device::{DeviceState, check};
 use crate::launch::{Args, Dims, Strides, collapse};
 use crate::memory::{Buffer, alloc};
 use crate::ops::{Module, run, tname};
+
+/// Whether `Backend::reduce` of a computed buffer runs as a generated program
+/// (`expr_eval::reduce`) instead of this file's hand-written kernels: `KILN_CUDA_REDUCE=generated`
+/// (read once) or [`set_generated_reductions`]. Off by default: the hand kernels are prebuilt
+/// (no compile on a fresh machine), and the benchmark rows `reduce_*` time both paths.
+pub fn generated_reductions() -> bool {
+    GENERATED.load(Ordering::Relaxed) == 1
+        || (GENERATED.load(Ordering::Relaxed) == 2 && *ENV_GENERATED)
+}
+
+/// Sets [`generated_reductions`] for the process (overrides the environment).
+pub fn set_generated_reductions(on: bool) {
+    GENERATED.store(on as u8, Ordering::Relaxed);
+}
+
+/// 0 off, 1 on, 2 unset (the environment decides).
+static GENERATED: AtomicU8 = AtomicU8::new(2);
+static ENV_GENERATED: LazyLock<bool> =
+    LazyLock::new(|| std::env::var("KILN_CUDA_REDUCE").is_ok_and(|v| v.trim() == "generated"));
 
 pub(super) fn block_for(n: u64, max: u32) -> u32 {
     (n.next_power_of_two().clamp(32, max as u64)) as u32

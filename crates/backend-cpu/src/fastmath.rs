@@ -102,7 +102,7 @@ const LP: [f32; 9] = [
     -1.666_805_8e-1,
     2.000_071_5e-1,
     -2.499_999_4e-1,
-    3.333_333_1e-1,
+    3.333_333e-1,
 ];
 
 /// `ln(x)`: the Cephes `logf` polynomial, branch-free (selects only) so that a loop of it

@@ -98,9 +98,10 @@ impl UnaryVisitor for UnaryKernel<'_> {
     fn visit<F: UnaryFn>(self) -> Result<CpuStorage> {
         let (s, l, name) = (self.s, self.layout, F::OP.name());
         match self.dtype {
-            // f32 exp and sigmoid: the vectorized polynomials of `fastmath` (hand kernels kept
-            // because they beat the scalar loop, see `fastmath`'s docs and BENCHMARKS.md).
+            // f32 exp, ln and sigmoid: the vectorized polynomials of `fastmath` (hand kernels
+            // kept because they beat the scalar loop, see `fastmath`'s docs and BENCHMARKS.md).
             DType::F32 if F::OP == UnaryOp::Exp => run1::<f32, f32>(s, l, name, fastmath::exp_f32),
+            DType::F32 if F::OP == UnaryOp::Log => run1::<f32, f32>(s, l, name, fastmath::ln_f32),
             DType::F32 if F::OP == UnaryOp::Sigmoid => {
                 run1::<f32, f32>(s, l, name, fastmath::sigmoid_f32)
             }

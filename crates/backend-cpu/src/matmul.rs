@@ -14,7 +14,8 @@
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
 //! matrix on every call to do one multiply-add per element. They run as dot products over
 //! contiguous rows or as axpys over contiguous columns, whichever the matrix's layout makes
-//! sequential, with sixteen accumulator lanes so that the loops vectorize.
+//! sequential, with sixteen accumulator lanes so that the loops vectorize (dot products four
+//! rows at a time, see `Dots::rows_body`).
 
 use kiln_core::{DType, Error, Layout, Result};
 use ndarray::linalg::general_mat_mul;
@@ -529,13 +530,76 @@ impl<T: CpuElem + LinalgScalar> Dots<'_, T> {
         self.rows_body(first, out)
     }
 
+    /// Contiguous rows and vector go four rows at a time ([`dot4`]: the vector is loaded once
+    /// per four rows and eight accumulator chains run at once instead of two), and the blocks
+    /// run from the last row to the first. The order does not change a bit (each row is its own
+    /// sum), but a matrix larger than L2 then ends its pass with its *first* rows cached, which
+    /// is where the next pass over it starts: the column-major product `xᵀ · g` of a
+    /// logistic-regression step reads `x` from row 0 up ([`axpy_rows`]) right after `x · w`.
+    /// 400x784 f32 (1.25 MB; 2-core EPYC VM, 512 KB L2, load 5-6), CPU µs per call of
+    /// `x · w` then `xᵀ · g`, three runs each: 48-52 one row at a time, 44-51 four at a time,
+    /// 40-47 four at a time from the last row.
     #[inline(always)]
     fn rows_body(&self, first: usize, out: &mut [T]) {
-        for (j, v) in out.iter_mut().enumerate() {
-            let a = &self.mat[self.start + (first + j) * self.rstride..];
-            *v = dot(a, self.estride, self.vec, self.vstride, self.k);
+        let row = |j: usize| &self.mat[self.start + (first + j) * self.rstride..];
+        if self.estride != 1 || self.vstride != 1 {
+            for (j, v) in out.iter_mut().enumerate() {
+                *v = dot(row(j), self.estride, self.vec, self.vstride, self.k);
+            }
+            return;
+        }
+        let (blocks, tail) = out.as_chunks_mut::<4>();
+        let done = blocks.len() * 4;
+        for (j, v) in tail.iter_mut().enumerate().rev() {
+            *v = dot(row(done + j), 1, self.vec, 1, self.k);
+        }
+        for (b, o) in blocks.iter_mut().enumerate().rev() {
+            let j = b * 4;
+            *o = dot4(
+                [row(j), row(j + 1), row(j + 2), row(j + 3)],
+                self.vec,
+                self.k,
+            );
         }
     }
+}
+
+/// The dot products of four contiguous rows with one contiguous vector over `len`: each row's
+/// sum in exactly [`dot`]'s order (sixteen lanes, then the remainder, then the lanes folded),
+/// so the same bits as four calls of it.
+#[inline(always)]
+fn dot4<T: CpuElem + LinalgScalar>(rows: [&[T]; 4], v: &[T], len: usize) -> [T; 4] {
+    let v = &v[..len];
+    let rows = rows.map(|r| &r[..len]);
+    let (vc, vr) = v.as_chunks::<16>();
+    let [c0, c1, c2, c3] = rows.map(|r| r.as_chunks::<16>().0);
+    // One named accumulator per row and the chunks zipped: written with an array of rows
+    // indexed in a loop, LLVM kept the accumulators in memory and did not vectorize.
+    let (mut a0, mut a1, mut a2, mut a3) = (
+        [T::zero(); 16],
+        [T::zero(); 16],
+        [T::zero(); 16],
+        [T::zero(); 16],
+    );
+    for ((((vb, x0), x1), x2), x3) in vc.iter().zip(c0).zip(c1).zip(c2).zip(c3) {
+        for l in 0..16 {
+            a0[l] = a0[l] + x0[l] * vb[l];
+            a1[l] = a1[l] + x1[l] * vb[l];
+            a2[l] = a2[l] + x2[l] * vb[l];
+            a3[l] = a3[l] + x3[l] * vb[l];
+        }
+    }
+    let acc = [a0, a1, a2, a3];
+    let full = vc.len() * 16;
+    let mut res = [T::zero(); 4];
+    for (q, r) in res.iter_mut().enumerate() {
+        let mut t = T::zero();
+        for (&u, &w) in rows[q][full..].iter().zip(vr) {
+            t = t + u * w;
+        }
+        *r = acc[q].iter().fold(t, |x, &y| x + y);
+    }
+    res
 }
 
 #[inline(always)]

@@ -109,3 +109,26 @@ fn a_large_matrix_vector_product_split_by_rows_is_exact_in_every_row() {
         }
     }
 }
+
+#[test]
+fn small_matrix_vector_products_are_exact_in_every_row() {
+    // Below the split threshold: row-major matrices go four rows at a time from the last
+    // block down, then the leftover rows; every row count mod 4 and a depth with a remainder
+    // past the 16-lane chunks, each row against f64 (a block written to the wrong rows shows).
+    let dev = Cpu::device(0);
+    for (m, k) in [(1, 5), (3, 17), (4, 16), (6, 33), (401, 785), (400, 784)] {
+        let v = Generator::new(5).randn::<Cpu>([k, 1], &dev).unwrap();
+        let vv = v.to_vec::<f32>().unwrap();
+        for (a, what) in operands(m, k) {
+            let c = a.matmul(&v).unwrap().to_vec::<f32>().unwrap();
+            let av = a.contiguous().unwrap().to_vec::<f32>().unwrap();
+            for (i, &got) in c.iter().enumerate() {
+                let want: f64 = (0..k).map(|p| av[i * k + p] as f64 * vv[p] as f64).sum();
+                assert!(
+                    (got as f64 - want).abs() < 1e-3,
+                    "{what} {m}x{k}: row {i}: {got}, want {want}"
+                );
+            }
+        }
+    }
+}

@@ -708,6 +708,8 @@ pub(super) fn unary_f32(op: UnaryOp, a: Src<'_, f32>, o: &mut [f32], post: Optio
     match (op, post) {
         (UnaryOp::Exp, None) => via(&fastmath::exp_f32, a, o),
         (UnaryOp::Exp, Some(t)) => via(&|x, o| fastmath::exp_then_f32(x, o, t.m, t.a), a, o),
+        (UnaryOp::Log, None) => via(&fastmath::ln_f32, a, o),
+        (UnaryOp::Log, Some(t)) => via(&|x, o| fastmath::ln_then_f32(x, o, t.m, t.a), a, o),
         (UnaryOp::Sigmoid, _) => {
             via(&fastmath::sigmoid_f32, a, o);
             if let Some(t) = post {

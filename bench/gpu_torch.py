@@ -357,7 +357,7 @@ def reductions():
         f = (lambda: torch.amax(x, dim=axes)) if is_max else (lambda: torch.sum(x, dim=axes))
         ms = timed(5, 20, f)
         gbs = x.numel() * x.element_size() / (ms * 1e-3) / 1e9
-        for tag in ("", "_generated"):
+        for tag in ("", "_kernels", "_generated"):
             report(f"reduce_{name}{tag}", gbs, "GB/s")
         del x
 

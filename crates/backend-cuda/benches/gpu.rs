@@ -12,7 +12,9 @@ use common::{report, time};
 use std::time::Instant;
 
 use kiln_autograd::{AttnMask, Var, composed_attention, no_grad};
-use kiln_backend_cuda::{Cuda, CudaDevice, raw, set_allow_tf32, try_gpu, unavailable_reason};
+use kiln_backend_cuda::{
+    Cuda, CudaDevice, ReducePath, raw, set_allow_tf32, try_gpu, unavailable_reason,
+};
 use kiln_core::{Backend, DType, Generator, Result};
 
 fn main() {
@@ -232,9 +234,10 @@ fn main() {
     attention(&dev);
 }
 
-/// `Backend::reduce` of computed tensors by its two paths: `reduce_*` the hand-written kernels
-/// (`kernels/reduce.cu`, the default), `reduce_*_generated` the generated one-reduction
-/// programs (`KILN_CUDA_REDUCE=generated`); GB/s of the input read. Shapes: rows and columns of
+/// `Backend::reduce` of computed tensors by its two paths: `reduce_*` the default (each shape on
+/// the path that measured faster), `reduce_*_kernels` the hand-written kernels
+/// (`kernels/reduce.cu`), `reduce_*_generated` the generated one-reduction programs; GB/s of
+/// the input read. Shapes: rows and columns of
 /// a 4096² matrix, layer norm's rows and a bias gradient's columns at the GPT shape
 /// (16384 × 384), batch norm's statistics of a ResNet activation (256, 64, 32, 32) over
 /// (0, 2, 3), everything of 64M; bf16 rows.
@@ -279,8 +282,12 @@ fn reductions(dev: &CudaDevice) {
     for (name, shape, axes, max, dtype) in rows {
         let x = t(shape, dtype);
         let bytes = (x.elem_count() * dtype.size_in_bytes()) as f64;
-        for (generated, tag) in [(false, ""), (true, "_generated")] {
-            kiln_backend_cuda::set_generated_reductions(generated);
+        for (path, tag) in [
+            (ReducePath::Auto, ""),
+            (ReducePath::Kernels, "_kernels"),
+            (ReducePath::Generated, "_generated"),
+        ] {
+            kiln_backend_cuda::set_reduce_path(path);
             let ms = time(dev, 5, 20, || {
                 let y = if max {
                     x.max(axes, false)?
@@ -296,7 +303,7 @@ fn reductions(dev: &CudaDevice) {
             );
         }
     }
-    kiln_backend_cuda::set_generated_reductions(false);
+    kiln_backend_cuda::set_reduce_path(ReducePath::Auto);
 }
 
 /// Issue 31: scaled dot-product attention at the GPT example's shape (`attn_gpt_*`: batch 64,

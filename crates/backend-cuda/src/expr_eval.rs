@@ -55,7 +55,7 @@ pub(crate) fn eval_expr(
 
 /// `Backend::reduce` of `s` as a generated one-reduction program (`x.sum(axes)`, max, min) on
 /// the expression evaluator, instead of `kernels/reduce.cu`'s hand-written kernels: what
-/// [`crate::ops::reduce::generated_reductions`] selects. `None` for what the program form does
+/// [`crate::ops::reduce::reduce_path`] selects. `None` for what the program form does
 /// not cover (arg reductions, non-float dtypes, empty tensors, no axes); the caller then runs
 /// the hand kernels.
 pub(crate) fn reduce(

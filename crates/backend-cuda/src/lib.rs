@@ -148,7 +148,7 @@ pub use ops::attention::{
     fused_attention_16bit, set_attention_tensor_cores, set_attention_tensor_cores_f32,
     set_fused_attention_16bit,
 };
-pub use ops::reduce::{generated_reductions, set_generated_reductions};
+pub use ops::reduce::{ReducePath, reduce_path, set_reduce_path};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
@@ -582,9 +582,15 @@ impl Backend for Cuda {
         {
             return Ok(CudaStorage::ready(out));
         }
-        if ops::reduce::generated_reductions()
-            && let Some(out) = expr_eval::reduce(op, s, layout, dtype, axes)?
-        {
+        let generated = match ops::reduce::reduce_path() {
+            ReducePath::Kernels => false,
+            ReducePath::Generated => true,
+            ReducePath::Auto => {
+                let sms = state(&s.device())?.sm_count() as usize;
+                ops::reduce::generated_is_faster(layout, axes, sms)
+            }
+        };
+        if generated && let Some(out) = expr_eval::reduce(op, s, layout, dtype, axes)? {
             return Ok(out);
         }
         ops::reduce(op, &*s.buffer()?, layout, dtype, axes).map(CudaStorage::ready)

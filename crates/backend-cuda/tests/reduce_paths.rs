@@ -1,12 +1,12 @@
-//! `Backend::reduce` by its two paths: the hand-written kernels (`kernels/reduce.cu`, the
-//! default) and the generated one-reduction programs (`KILN_CUDA_REDUCE=generated`) agree with
-//! each other and with the CPU on rows, columns, batch-norm axes, strided views and every
+//! `Backend::reduce` by its two paths: the hand-written kernels (`kernels/reduce.cu`), the
+//! generated one-reduction programs, and the default choice between them per shape agree with
+//! the CPU on rows, columns, batch-norm axes, strided views and every
 //! float dtype. Its own test binary: the switch is process-wide.
 //!
 //! Without a GPU the test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, gpu_or_skip, set_generated_reductions};
+use kiln_backend_cuda::{Cuda, ReducePath, gpu_or_skip, set_reduce_path};
 use kiln_core::{DType, Generator, Tensor};
 
 /// `(shape, axes)`: rows, columns, a middle axis, batch norm's axes, everything, one past the
@@ -75,15 +75,12 @@ fn generated_reductions_match_the_kernels_and_the_cpu() {
                     .and_then(|y| y.to_dtype(DType::F64))
                     .and_then(|y| y.to_vec::<f64>())
                     .unwrap();
-                    set_generated_reductions(false);
-                    let kernel = run(&g);
-                    set_generated_reductions(true);
-                    let generated = run(&g);
-                    set_generated_reductions(false);
                     let what = format!("{op} {dtype} {shape:?} over {axes:?}");
                     let t = if op == "sum" { tol } else { 0.0 };
-                    close(&kernel, &want, t, &format!("{what}, kernels"));
-                    close(&generated, &want, t, &format!("{what}, generated"));
+                    for path in [ReducePath::Kernels, ReducePath::Generated, ReducePath::Auto] {
+                        set_reduce_path(path);
+                        close(&run(&g), &want, t, &format!("{what}, {path:?}"));
+                    }
                 }
             }
         }

@@ -12,24 +12,82 @@ use crate::launch::{Args, Dims, Strides, collapse};
 use crate::memory::{Buffer, alloc};
 use crate::ops::{Module, run, tname};
 
-/// Whether `Backend::reduce` of a computed buffer runs as a generated program
-/// (`expr_eval::reduce`) instead of this file's hand-written kernels: `KILN_CUDA_REDUCE=generated`
-/// (read once) or [`set_generated_reductions`]. Off by default: the hand kernels are prebuilt
-/// (no compile on a fresh machine), and the benchmark rows `reduce_*` time both paths.
-pub fn generated_reductions() -> bool {
-    GENERATED.load(Ordering::Relaxed) == 1
-        || (GENERATED.load(Ordering::Relaxed) == 2 && *ENV_GENERATED)
+/// Which path `Backend::reduce` of a computed buffer takes: this file's hand-written kernels
+/// (`kernels/reduce.cu`, prebuilt: nothing to compile on a fresh machine) or a generated
+/// one-reduction program (`expr_eval::reduce`, compiled on first use).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReducePath {
+    /// Per shape, the path that measured faster ([`generated_is_faster`]); the default.
+    Auto,
+    /// The hand-written kernels always.
+    Kernels,
+    /// Generated programs wherever they apply (sum, max, min of floats).
+    Generated,
 }
 
-/// Sets [`generated_reductions`] for the process (overrides the environment).
-pub fn set_generated_reductions(on: bool) {
-    GENERATED.store(on as u8, Ordering::Relaxed);
+/// The process's [`ReducePath`]: [`set_reduce_path`], else `KILN_CUDA_REDUCE=auto|kernels|
+/// generated` (read once), else `Auto`.
+pub fn reduce_path() -> ReducePath {
+    match PATH.load(Ordering::Relaxed) {
+        1 => ReducePath::Kernels,
+        2 => ReducePath::Generated,
+        3 => ReducePath::Auto,
+        _ => *ENV_PATH,
+    }
 }
 
-/// 0 off, 1 on, 2 unset (the environment decides).
-static GENERATED: AtomicU8 = AtomicU8::new(2);
-static ENV_GENERATED: LazyLock<bool> =
-    LazyLock::new(|| std::env::var("KILN_CUDA_REDUCE").is_ok_and(|v| v.trim() == "generated"));
+/// Sets [`reduce_path`] for the process (overrides the environment).
+pub fn set_reduce_path(path: ReducePath) {
+    let v = match path {
+        ReducePath::Kernels => 1,
+        ReducePath::Generated => 2,
+        ReducePath::Auto => 3,
+    };
+    PATH.store(v, Ordering::Relaxed);
+}
+
+/// 0 unset (the environment decides), else [`set_reduce_path`]'s choice.
+static PATH: AtomicU8 = AtomicU8::new(0);
+static ENV_PATH: LazyLock<ReducePath> =
+    LazyLock::new(
+        || match std::env::var("KILN_CUDA_REDUCE").as_deref().map(str::trim) {
+            Ok("kernels") => ReducePath::Kernels,
+            Ok("generated") => ReducePath::Generated,
+            _ => ReducePath::Auto,
+        },
+    );
+
+/// Whether a generated program reduces `l` over `axes` faster than the hand-written kernels,
+/// on a device of `sms` multiprocessors. Measured on an H100 (2026-11-27, `reduce_*` rows of
+/// the gpu bench, GB/s read, hand kernels against generated):
+/// - columns (the reduced axes are not the innermost): 4096² 1876 against 562, 16384 × 384
+///   2313 against 633 — the hand kernel's coalesced column walk; kept;
+/// - long rows with many outputs: 4096² sum 2468 against 1837, max 2561 against 1836, bf16
+///   2455 against 1309 — kept;
+/// - everything (one output): 2761 against 2769 — equal; the prebuilt kernel is kept;
+/// - short rows: 16384 × 384 732 against 1078, and few outputs over many elements (batch
+///   norm's statistics, (256, 64, 32, 32) over (0, 2, 3): 64 outputs) 643 against 1078 — the
+///   hand kernels give each output one block, the generated ones split long reductions over
+///   the whole GPU (`codegen::plan`): generated.
+pub(crate) fn generated_is_faster(l: &Layout, axes: &[usize], sms: usize) -> bool {
+    let (mut nout, mut inner) = (1usize, 1usize);
+    let (mut red_stride, mut kept_stride) = (usize::MAX, usize::MAX);
+    for (i, (&d, &st)) in l.dims().iter().zip(l.strides()).enumerate() {
+        if axes.contains(&i) {
+            inner *= d;
+            if d > 1 {
+                red_stride = red_stride.min(st);
+            }
+        } else {
+            nout *= d;
+            if d > 1 {
+                kept_stride = kept_stride.min(st);
+            }
+        }
+    }
+    let rows = red_stride < kept_stride;
+    rows && nout > 1 && (nout < sms || inner <= 1024)
+}
 
 pub(super) fn block_for(n: u64, max: u32) -> u32 {
     (n.next_power_of_two().clamp(32, max as u64)) as u32
@@ -363,4 +421,38 @@ fn combine_partials(
         0,
         &mut a,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::generated_is_faster;
+    use kiln_core::{Layout, Shape};
+
+    fn faster(dims: &[usize], axes: &[usize]) -> bool {
+        generated_is_faster(&Layout::contiguous(Shape::from(dims.to_vec())), axes, 132)
+    }
+
+    #[test]
+    fn the_measured_shapes_take_the_faster_path() {
+        assert!(!faster(&[4096, 4096], &[1]), "long rows: the kernels");
+        assert!(!faster(&[4096, 4096], &[0]), "columns: the kernels");
+        assert!(!faster(&[16384, 384], &[0]), "columns: the kernels");
+        assert!(!faster(&[1 << 26], &[0]), "everything: the prebuilt kernel");
+        assert!(faster(&[16384, 384], &[1]), "short rows: generated");
+        assert!(
+            faster(&[256, 64, 32, 32], &[0, 2, 3]),
+            "few outputs: generated"
+        );
+        let t = Layout::contiguous(Shape::from(vec![4096, 384]))
+            .transpose(0, 1)
+            .unwrap();
+        assert!(
+            generated_is_faster(&t, &[0], 132),
+            "by memory order: a short row"
+        );
+        assert!(
+            !generated_is_faster(&t, &[1], 132),
+            "by memory order: a column"
+        );
+    }
 }

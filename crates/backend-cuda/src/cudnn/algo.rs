@@ -27,7 +27,7 @@ use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 
 /// The three convolutions cuDNN computes for a geometry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Dir {
     /// `y = conv(x, w)`.
     Forward,

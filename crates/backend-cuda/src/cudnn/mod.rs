@@ -39,7 +39,9 @@
 //!   during a capture: a first convolution inside one takes the im2col path.
 
 mod algo;
+mod backend;
 mod desc;
+mod graph;
 mod nhwc;
 mod pick;
 
@@ -55,6 +57,7 @@ use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 pub(crate) use algo::Dir;
 use desc::Key;
+pub use graph::{CudnnApi, cudnn_api, cudnn_graph_calls, set_cudnn_api};
 pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
 use pick::Geometry;
 
@@ -194,12 +197,14 @@ fn probe() -> std::result::Result<usize, String> {
     Ok(version)
 }
 
-/// One device's cuDNN: the handle, the stream it is bound to, and the plans of the geometries
-/// seen, each with the algorithms measured per direction.
+/// One device's cuDNN: the handle, the stream it is bound to, the plans of the geometries
+/// seen, each with the algorithms measured per direction, and the graph API's measured plans
+/// per geometry and direction.
 struct State {
     handle: sys::cudnnHandle_t,
     stream: usize,
     plans: HashMap<Key, Geometry>,
+    graph: graph::Cache,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -209,6 +214,7 @@ unsafe impl Send for State {}
 impl Drop for State {
     fn drop(&mut self) {
         self.plans.clear();
+        self.graph.clear();
         // SAFETY: the handle was created by `cudnnCreate` and is destroyed once.
         unsafe {
             sys::cudnnDestroy(self.handle);
@@ -305,6 +311,7 @@ pub(crate) fn run(
                 handle: h,
                 stream: 0,
                 plans: HashMap::new(),
+                graph: HashMap::new(),
             })
         }
     };
@@ -340,6 +347,23 @@ pub(crate) fn run(
         dev,
         out_dims.iter().product::<usize>() * dtype.size_in_bytes(),
     )?;
+    if graph::cudnn_api() == CudnnApi::Graph {
+        let call = graph::Call {
+            dev,
+            handle,
+            key: &key,
+            dir,
+            ops: algo::Operands {
+                a: a.device_ptr(),
+                b: b.device_ptr(),
+                out: out.device_ptr(),
+            },
+        };
+        if call.run(&mut st.graph)? {
+            drop(guard);
+            return finish(dev, op, out);
+        }
+    }
     let call = pick::Call {
         dev,
         handle,
@@ -359,7 +383,12 @@ pub(crate) fn run(
         r => r?,
     }
     drop(guard);
-    // A capture records instead of running: nothing to wait for (graph.rs).
+    finish(dev, op, out)
+}
+
+/// The end of a call that ran: with sync debugging on, waits for it (a capture records
+/// instead of running: nothing to wait for, `graph.rs` of the crate).
+fn finish(dev: &'static DeviceState, op: &'static str, out: Buffer) -> Result<Option<Buffer>> {
     if crate::device::sync_debug() && !dev.capturing() {
         dev.sync(op)?;
     }

@@ -12,8 +12,8 @@
 //!   count), a cross-correlation descriptor (f32 compute for f32, bf16 and f16; f64 for f64),
 //!   and one forward, backward-data or backward-filter operation with alpha 1 and beta 0 (the
 //!   output is overwritten, as on the legacy path).
-//! - **Selection**: engine configs from heuristic mode A (mode FALLBACK when A gives none that
-//!   builds), each filtered by its numerical notes (below), made into an execution plan (one
+//! - **Selection**: engine configs from heuristic mode A (mode FALLBACK when none of A's
+//!   runs), each filtered by its numerical notes (below), made into an execution plan (one
 //!   that does not finalize is skipped), up to [`MAX_CANDIDATES`]; each plan run once to warm
 //!   up and then timed [`TIMED_RUNS`] times with CUDA events on the call's own buffers; the
 //!   plans kept fastest first. Later calls run the first whose workspace kiln's pool can give.
@@ -309,11 +309,13 @@ impl Call<'_> {
         Err(last_err.unwrap_or_else(|| Error::backend(op, "no cuDNN graph plan could run")))
     }
 
-    /// Builds, filters and times the plans of this geometry and direction (synchronizes).
-    /// A graph cuDNN refuses gives an entry without plans, not an error.
+    /// Builds, filters and times the plans of this geometry and direction (synchronizes):
+    /// heuristic mode A's configs in order until [`MAX_CANDIDATES`] plans ran, mode FALLBACK's
+    /// only when A's gave none. A graph cuDNN refuses gives an entry without plans, not an
+    /// error.
     fn measure(&self) -> Result<Entry> {
         let op = self.dir.op();
-        let (graph, configs) = match self.build() {
+        let (graph, mut parts) = match self.build() {
             Ok(v) => v,
             Err(e @ Error::OutOfMemory { .. }) => return Err(e),
             Err(e) => {
@@ -324,31 +326,52 @@ impl Call<'_> {
                 });
             }
         };
+        let tf32 = self.key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
         let mut plans = Vec::new();
-        for (cfg, engine, notes) in configs {
-            let Ok(plan) = self.plan(&cfg) else { continue };
-            let mut ws = [0i64];
-            plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)?;
-            let mut c = Candidate {
-                plan,
-                workspace: ws[0].max(0) as usize,
-                engine,
-                notes,
-                time: f32::INFINITY,
+        for mode in [
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ] {
+            // A mode that fails leaves the next one to try.
+            let Ok(configs) = heuristic(&graph, mode, op) else {
+                continue;
             };
-            match self.time(&c) {
-                Ok(t) => {
+            for cfg in configs {
+                if plans.len() == MAX_CANDIDATES {
+                    break;
+                }
+                let Ok((engine, notes)) = engine_of(&cfg, op) else {
+                    continue;
+                };
+                if !allowed(&notes, self.key.dtype, tf32) {
+                    continue;
+                }
+                // A config that does not finalize here is skipped.
+                let Ok(plan) = self.plan(&cfg) else { continue };
+                let mut ws = [0i64];
+                plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)?;
+                let mut c = Candidate {
+                    plan,
+                    workspace: ws[0].max(0) as usize,
+                    engine,
+                    notes,
+                    time: f32::INFINITY,
+                };
+                // A plan that does not run here (its workspace, or cuDNN refusing) is dropped.
+                if let Ok(t) = self.time(&c) {
                     c.time = t;
                     plans.push(c);
                 }
-                // A plan that does not run here (its workspace, or cuDNN refusing) is dropped.
-                Err(_) => continue,
+            }
+            if !plans.is_empty() {
+                break;
             }
         }
         plans.sort_by(|a, b| a.time.total_cmp(&b.time));
         self.log(&plans, None);
+        parts.push(graph);
         Ok(Entry {
-            _graph: graph,
+            _graph: parts,
             plans,
         })
     }
@@ -364,12 +387,9 @@ impl Call<'_> {
         Ok(best)
     }
 
-    /// The operation graph of this call and its allowed engine configs (each with its engine's
-    /// global index and numerical notes), in heuristic order, at most [`MAX_CANDIDATES`]
-    /// beyond which no plan is built. The descriptors the graph holds come first in the
-    /// returned list, kept alive with the plans.
-    #[allow(clippy::type_complexity)]
-    fn build(&self) -> Result<(Vec<Desc>, Vec<(Desc, i64, Vec<u32>)>)> {
+    /// The finalized operation graph of this call, and the descriptors it was built from
+    /// (kept alive with the plans).
+    fn build(&self) -> Result<(Desc, Vec<Desc>)> {
         let op = self.dir.op();
         let key = self.key;
         let tf32 = key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
@@ -378,43 +398,19 @@ impl Call<'_> {
             expected: "f32, f64, f16 or bf16".into(),
             got: key.dtype,
         })?;
-        let [x, w, y] = tensors(key, op)?
-            .map(|t| tensor(&t, data, op))
-            .into_iter()
-            .collect::<Result<Vec<_>>>()?
-            .try_into()
-            .map_err(|_| Error::backend(op, "three tensors"))?;
+        let [tx, tw, ty] = tensors(key, op)?;
+        let (x, w, y) = (
+            tensor(&tx, data, op)?,
+            tensor(&tw, data, op)?,
+            tensor(&ty, data, op)?,
+        );
         let conv = convolution(key, compute, op)?;
         let operation = operation(self.dir, [&x, &w, &y], &conv, key.dtype, op)?;
         let graph = Desc::new(K::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, op)?;
         graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, &[self.handle], op)?;
         graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &[operation.raw()], op)?;
         graph.finalize(op)?;
-        let mut configs = Vec::new();
-        for mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            // A mode that fails leaves the next one to try.
-            let Ok(cfgs) = heuristic(&graph, mode, op) else {
-                continue;
-            };
-            for cfg in cfgs {
-                if configs.len() == MAX_CANDIDATES {
-                    break;
-                }
-                let Ok((engine, notes)) = engine_of(&cfg, op) else {
-                    continue;
-                };
-                if allowed(&notes, key.dtype, tf32) {
-                    configs.push((cfg, engine, notes));
-                }
-            }
-            if !configs.is_empty() {
-                break;
-            }
-        }
-        Ok((vec![x, w, y, conv, operation, graph], configs))
+        Ok((graph, vec![x, w, y, conv, operation]))
     }
 
     /// An execution plan of `cfg` (an error when it does not finalize).

@@ -29,6 +29,11 @@
 //!   once per geometry and direction and kept (`pick.rs`); the default is NCHW, since on an
 //!   H100 `auto` gained no more than the noise (see `CudnnLayout::Nchw`); `nhwc` forces NHWC;
 //!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
+//! - **Two APIs**: the legacy one above (`algo.rs`, the default) and the backend (graph) API
+//!   (`graph.rs`, `KILN_CUDNN_API=graph` or [`set_cudnn_api`]), whose engines, timed per
+//!   geometry and direction as `cudnn.benchmark` does, include Hopper's NHWC tensor-core
+//!   kernels for NCHW tensors; a geometry the graph API cannot serve, or first seen inside a
+//!   capture, takes the legacy path. The layout switch applies to the legacy API only.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the

@@ -206,3 +206,47 @@ impl Desc {
         Ok(out)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tag<T: Element>() -> Ty {
+        T::TY
+    }
+
+    /// Each Rust element type carries the backend type tag cuDNN reads its values as: a wrong
+    /// tag is only a `BAD_PARAM` at run time on a GPU, so it is pinned here.
+    #[test]
+    fn element_types_carry_their_backend_tags() {
+        assert_eq!(tag::<i64>(), Ty::CUDNN_TYPE_INT64);
+        assert_eq!(tag::<f32>(), Ty::CUDNN_TYPE_FLOAT);
+        assert_eq!(tag::<f64>(), Ty::CUDNN_TYPE_DOUBLE);
+        assert_eq!(tag::<sys::cudnnDataType_t>(), Ty::CUDNN_TYPE_DATA_TYPE);
+        assert_eq!(
+            tag::<sys::cudnnConvolutionMode_t>(),
+            Ty::CUDNN_TYPE_CONVOLUTION_MODE
+        );
+        assert_eq!(
+            tag::<sys::cudnnBackendHeurMode_t>(),
+            Ty::CUDNN_TYPE_HEUR_MODE
+        );
+        assert_eq!(tag::<sys::cudnnHandle_t>(), Ty::CUDNN_TYPE_HANDLE);
+        assert_eq!(
+            tag::<sys::cudnnBackendDescriptor_t>(),
+            Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR
+        );
+        assert_eq!(tag::<DevPtr>(), Ty::CUDNN_TYPE_VOID_PTR);
+    }
+
+    /// Values are passed as arrays of the C types: enums are `int`-sized, pointers and the
+    /// device-pointer wrapper pointer-sized.
+    #[test]
+    fn elements_have_the_c_sizes() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<sys::cudnnDataType_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnConvolutionMode_t>(), 4);
+        assert_eq!(size_of::<sys::cudnnBackendHeurMode_t>(), 4);
+        assert_eq!(size_of::<DevPtr>(), size_of::<*mut c_void>());
+    }
+}

@@ -217,6 +217,9 @@ fn aligned(ptrs: &[u64]) -> bool {
 /// One finalized execution plan and what was learned about it.
 struct Candidate {
     plan: Desc,
+    /// The engine config the plan was made from, kept alive with it (as cudnn-frontend's
+    /// plans hold theirs).
+    _cfg: Desc,
     workspace: usize,
     /// cuDNN's global engine index, and its numerical notes (for the log).
     engine: i64,
@@ -352,6 +355,7 @@ impl Call<'_> {
                 plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)?;
                 let mut c = Candidate {
                     plan,
+                    _cfg: cfg,
                     workspace: ws[0].max(0) as usize,
                     engine,
                     notes,

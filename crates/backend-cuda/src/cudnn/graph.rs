@@ -12,11 +12,12 @@
 //!   count), a cross-correlation descriptor (f32 compute for f32, bf16 and f16; f64 for f64),
 //!   and one forward, backward-data or backward-filter operation with alpha 1 and beta 0 (the
 //!   output is overwritten, as on the legacy path).
-//! - **Selection**: engine configs from heuristic mode A (mode FALLBACK when none of A's
-//!   runs), each filtered by its numerical notes (below), made into an execution plan (one
-//!   that does not finalize is skipped), up to [`MAX_CANDIDATES`]; each plan run once to warm
-//!   up and then timed [`TIMED_RUNS`] times with CUDA events on the call's own buffers; the
-//!   plans kept fastest first. Later calls run the first whose workspace kiln's pool can give.
+//! - **Selection**: engine configs from heuristic mode A, then mode FALLBACK (PyTorch joins
+//!   the two lists the same way), each filtered by its numerical notes (below) and made into
+//!   an execution plan (one that does not finalize, or wants more workspace than the legacy
+//!   search offers, is skipped), up to [`MAX_CANDIDATES`]; each plan run once to warm up, then
+//!   timed [`TIMED_RUNS`] times with CUDA events on the call's own buffers; the plans kept
+//!   fastest first. Later calls run the first whose workspace kiln's pool can give.
 //! - **Numerical notes**, mirroring the legacy path's math types: f32 with TF32 off
 //!   (`blas.rs`'s switch; FMA math on the legacy path) refuses engines noted `TENSOR_CORE`, so
 //!   f32 stays true f32; engines noted `DOWN_CONVERT_INPUTS` (which would convert f32 inputs
@@ -132,10 +133,11 @@ fn graph_available() -> bool {
     })
 }
 
-/// Execution plans built per geometry at most (heuristic order), as PyTorch's benchmark mode
-/// caps its candidates: enough for the fast engines, few enough that a geometry's first call
-/// stays short (each plan may compile kernels when it is finalized).
-const MAX_CANDIDATES: usize = 8;
+/// Execution plans timed per geometry and direction at most (heuristic order), as PyTorch's
+/// benchmark mode caps its candidates (`cudnn.benchmark_limit`, 10 by default): enough for the
+/// fast engines, few enough that a geometry's first call stays short (a plan may compile
+/// kernels when it is finalized).
+const MAX_CANDIDATES: usize = 10;
 
 /// Timed runs per plan after one warm-up (the fastest counts).
 const TIMED_RUNS: usize = 2;
@@ -313,9 +315,9 @@ impl Call<'_> {
     }
 
     /// Builds, filters and times the plans of this geometry and direction (synchronizes):
-    /// heuristic mode A's configs in order until [`MAX_CANDIDATES`] plans ran, mode FALLBACK's
-    /// only when A's gave none. A graph cuDNN refuses gives an entry without plans, not an
-    /// error.
+    /// heuristic mode A's configs in order, then mode FALLBACK's (as PyTorch joins the two
+    /// lists), until [`MAX_CANDIDATES`] plans ran. A graph cuDNN refuses gives an entry
+    /// without plans, not an error.
     fn measure(&self) -> Result<Entry> {
         let op = self.dir.op();
         let (graph, mut parts) = match self.build() {
@@ -330,6 +332,8 @@ impl Call<'_> {
             }
         };
         let tf32 = self.key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
+        // The legacy search's workspace cap (`algo.rs`): a plan asking for more is not timed.
+        let cap = (self.dev.device().total_memory()? / 4).min(super::algo::MEASURE_WORKSPACE_CAP);
         let mut plans = Vec::new();
         for mode in [
             sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
@@ -353,10 +357,14 @@ impl Call<'_> {
                 let Ok(plan) = self.plan(&cfg) else { continue };
                 let mut ws = [0i64];
                 plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)?;
+                let workspace = ws[0].max(0) as usize;
+                if workspace > cap {
+                    continue;
+                }
                 let mut c = Candidate {
                     plan,
                     _cfg: cfg,
-                    workspace: ws[0].max(0) as usize,
+                    workspace,
                     engine,
                     notes,
                     time: f32::INFINITY,
@@ -367,7 +375,7 @@ impl Call<'_> {
                     plans.push(c);
                 }
             }
-            if !plans.is_empty() {
+            if plans.len() == MAX_CANDIDATES {
                 break;
             }
         }

@@ -47,19 +47,22 @@ fn gpu() -> Option<(CudaDevice, bool)> {
     Some((dev, cudnn))
 }
 
-/// Restores the legacy API and the TF32 switch when a test ends (also on a failure).
-struct Restore(bool);
+/// Restores the API and TF32 switches when a test ends (also on a failure).
+struct Restore(bool, CudnnApi);
 
 impl Restore {
     fn new() -> Restore {
-        Restore(kiln_backend_cuda::allow_tf32())
+        Restore(
+            kiln_backend_cuda::allow_tf32(),
+            kiln_backend_cuda::cudnn_api(),
+        )
     }
 }
 
 impl Drop for Restore {
     fn drop(&mut self) {
-        kiln_backend_cuda::set_cudnn_api(CudnnApi::Legacy);
         kiln_backend_cuda::set_allow_tf32(self.0);
+        kiln_backend_cuda::set_cudnn_api(self.1);
     }
 }
 

@@ -25,7 +25,8 @@
 //!   as the legacy path keeps nondeterministic algorithms.
 //! - **Fallback**: a geometry whose graph cuDNN refuses (or where no plan ran) is remembered
 //!   as such and takes the legacy path, as does one first seen inside a CUDA graph capture
-//!   (timing synchronizes). A plan measured before a capture is captured like any kernel.
+//!   (timing synchronizes), or a call for which no plan's workspace can be had. A plan
+//!   measured before a capture is captured like any kernel.
 //! - **Switch**: `KILN_CUDNN_API=graph|legacy` (read once) or [`set_cudnn_api`]; the default
 //!   is `legacy` until measurements on an H100 favour the graph path.
 //!   [`cudnn_graph_calls`] counts calls that ran through it, for tests and benchmarks.
@@ -298,8 +299,6 @@ impl Call<'_> {
         if entry.plans.is_empty() {
             return Ok(false);
         }
-        let op = self.dir.op();
-        let mut last_err = None;
         for c in &entry.plans {
             match self.execute(c) {
                 Ok(()) => {
@@ -307,11 +306,13 @@ impl Call<'_> {
                     return Ok(true);
                 }
                 // Its workspace cannot be had now: the next (slower) plan may need less.
-                Err(e @ Error::OutOfMemory { .. }) => last_err = Some(e),
+                Err(Error::OutOfMemory { .. }) => continue,
                 Err(e) => return Err(e),
             }
         }
-        Err(last_err.unwrap_or_else(|| Error::backend(op, "no cuDNN graph plan could run")))
+        // No plan's workspace could be had: the legacy path, which takes the first algorithm
+        // whose workspace can be (some need none).
+        Ok(false)
     }
 
     /// Builds, filters and times the plans of this geometry and direction (synchronizes):
@@ -356,7 +357,12 @@ impl Call<'_> {
                 // A config that does not finalize here is skipped.
                 let Ok(plan) = self.plan(&cfg) else { continue };
                 let mut ws = [0i64];
-                plan.get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)?;
+                if plan
+                    .get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)
+                    .is_err()
+                {
+                    continue;
+                }
                 let workspace = ws[0].max(0) as usize;
                 if workspace > cap {
                     continue;

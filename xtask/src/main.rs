@@ -41,7 +41,10 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
             "batch_norm_half",
         ],
     ),
-    ("kiln-nn", &["cuda", "cuda_conv", "cuda_conv_route"]),
+    (
+        "kiln-nn",
+        &["cuda", "cuda_conv", "cuda_conv_route", "cuda_conv_graph"],
+    ),
     ("kiln-optim", &["amp_devices"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).

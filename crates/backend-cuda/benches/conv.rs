@@ -5,6 +5,9 @@
 //! `_im2col` rows. `bench/gpu_torch.py` times PyTorch's twin (`cudnn.benchmark = True`).
 //! Then tensor-core rows: TF32 and bf16, with cuDNN's layout forced to NCHW, forced to NHWC
 //! (operands transposed, transposes included) and `auto` (`_tf32_nchw`, `_bf16_nhwc`, ...).
+//! Then the same layers through cuDNN's graph API (`set_cudnn_api(Graph)`, what
+//! `KILN_CUDNN_API=graph` does) in f32, TF32 and bf16 (`_f32_graph`, `_tf32_graph`, ...), to
+//! compare with the legacy API's rows above.
 //! Device time from CUDA events, median of 5; prints `BENCH kiln <name> <value> ms` lines.
 //!
 //! Without a GPU it prints `skipped: no CUDA device (...)` and exits 0.
@@ -14,7 +17,7 @@ use common::{report, time};
 
 use kiln_autograd::Var;
 use kiln_backend_cuda::{Cuda, CudaDevice, set_allow_tf32, try_gpu, unavailable_reason};
-use kiln_backend_cuda::{CudnnLayout, set_cudnn_layout};
+use kiln_backend_cuda::{CudnnApi, CudnnLayout, set_cudnn_api, set_cudnn_layout};
 use kiln_core::{DType, Generator, Result, Tensor};
 use kiln_nn::{Window, conv2d};
 
@@ -84,6 +87,23 @@ fn main() {
             }
         }
     }
+    set_cudnn_layout(CudnnLayout::Nchw);
+    set_cudnn_api(CudnnApi::Graph);
+    for (prec, dt) in [
+        ("f32", DType::F32),
+        ("tf32", DType::F32),
+        ("bf16", DType::BF16),
+    ] {
+        set_allow_tf32(prec == "tf32");
+        let before = kiln_backend_cuda::cudnn_graph_calls();
+        for &l @ (n, c, _, s) in LAYERS {
+            let name = format!("conv3x3_b{n}_c{c}_{s}_fwdbwd_{prec}_graph");
+            report(&name, fwd_bwd(&dev, l, dt), "ms");
+        }
+        let calls = kiln_backend_cuda::cudnn_graph_calls() - before;
+        println!("kiln conv {prec}: {calls} calls through the cuDNN graph API");
+    }
+    set_cudnn_api(CudnnApi::Legacy);
     set_cudnn_layout(CudnnLayout::Auto);
     set_allow_tf32(false);
 }

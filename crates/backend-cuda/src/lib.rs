@@ -134,8 +134,8 @@ use kiln_core::{
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use blas_lt::{lt_epilogues, set_lt_epilogues};
 pub use cudnn::{
-    CudnnLayout, cudnn_available, cudnn_enabled, cudnn_layout, cudnn_nhwc_calls, cudnn_version,
-    set_cudnn, set_cudnn_layout,
+    CudnnApi, CudnnLayout, cudnn_api, cudnn_available, cudnn_enabled, cudnn_graph_calls,
+    cudnn_layout, cudnn_nhwc_calls, cudnn_version, set_cudnn, set_cudnn_api, set_cudnn_layout,
 };
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,

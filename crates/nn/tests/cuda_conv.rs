@@ -5,7 +5,9 @@
 //! and `conv2d_im2col_path`) giving the same; the numerical gradient check of the recorded op
 //! in f64; typed errors for bad shapes. With tensor-core math (TF32, bf16, f16) each cuDNN
 //! layout (`set_cudnn_layout`: NHWC forced, NCHW forced, auto) against the CPU, NHWC's calls
-//! counted so that a silent fall back to NCHW fails, and NHWC in a CUDA graph.
+//! counted so that a silent fall back to NCHW fails, and NHWC in a CUDA graph. The layout tests
+//! run cuDNN's legacy API (which the layout switch steers); the others take the API
+//! `KILN_CUDNN_API` names, so `KILN_CUDNN_API=graph` runs them through the graph API.
 //!
 //! Without a GPU every test prints `skipped: no CUDA device 0 (<reason>)`. Without cuDNN on
 //! the GPU machine the backend prints once that convolutions use the im2col path, each test
@@ -365,14 +367,28 @@ const TC_CASES: &[Case] = &[
     case([2, 16, 9, 9], 32, 3, 2, 1, 2, 2),
 ];
 
-/// Restores the layout switch and TF32 when a layout test ends (also on a failure), so that
-/// the other tests run as they expect.
-struct Restore(bool);
+/// Restores the layout switch, TF32 and the cuDNN API when a layout test ends (also on a
+/// failure), so that the other tests run as they expect. The layout tests run the legacy API,
+/// the one the layout switch steers (`cuda_conv_graph.rs` tests the graph API), whatever
+/// `KILN_CUDNN_API` says.
+struct Restore(bool, kiln_backend_cuda::CudnnApi);
+
+impl Restore {
+    fn legacy() -> Restore {
+        let r = Restore(
+            kiln_backend_cuda::allow_tf32(),
+            kiln_backend_cuda::cudnn_api(),
+        );
+        kiln_backend_cuda::set_cudnn_api(kiln_backend_cuda::CudnnApi::Legacy);
+        r
+    }
+}
 
 impl Drop for Restore {
     fn drop(&mut self) {
         kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nchw);
         kiln_backend_cuda::set_allow_tf32(self.0);
+        kiln_backend_cuda::set_cudnn_api(self.1);
     }
 }
 
@@ -407,7 +423,7 @@ fn tensor_core_sweep(dev: &CudaDevice, layout: kiln_backend_cuda::CudnnLayout) -
 fn each_cudnn_layout_matches_the_cpu_in_tf32_bf16_and_f16() {
     let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu() else { return };
-    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    let _restore = Restore::legacy();
     kiln_backend_cuda::set_cudnn(true);
     let cudnn = kiln_backend_cuda::cudnn_available();
     use kiln_backend_cuda::CudnnLayout::{Auto, Nchw, Nhwc};
@@ -434,7 +450,7 @@ fn each_cudnn_layout_matches_the_cpu_in_tf32_bf16_and_f16() {
 fn strict_f32_and_f64_stay_nchw_when_nhwc_is_forced() {
     let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu() else { return };
-    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    let _restore = Restore::legacy();
     kiln_backend_cuda::set_cudnn(true);
     kiln_backend_cuda::set_allow_tf32(false);
     kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nhwc);
@@ -454,7 +470,7 @@ fn nhwc_cudnn_conv_is_captured_in_a_cuda_graph() {
     use kiln_backend_cuda::{CudaGraph, write_static};
     let _g = SWITCH.lock().unwrap_or_else(|e| e.into_inner());
     let Some(dev) = gpu() else { return };
-    let _restore = Restore(kiln_backend_cuda::allow_tf32());
+    let _restore = Restore::legacy();
     kiln_backend_cuda::set_cudnn(true);
     kiln_backend_cuda::set_allow_tf32(true);
     kiln_backend_cuda::set_cudnn_layout(kiln_backend_cuda::CudnnLayout::Nhwc);

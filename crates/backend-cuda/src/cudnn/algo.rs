@@ -27,7 +27,7 @@ use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 
 /// The three convolutions cuDNN computes for a geometry.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Dir {
     /// `y = conv(x, w)`.
     Forward,
@@ -240,7 +240,7 @@ fn candidates(perf: &[RawPerf], want: sys::cudnnMathType_t) -> Vec<Candidate> {
 /// The most workspace a search offers the algorithms (those asking for more are not timed):
 /// 4 GiB, or a quarter of the device's memory if less. The fastest algorithms of ResNet-sized
 /// layers need far less; FFT ones on large layers ask for gigabytes.
-const MEASURE_WORKSPACE_CAP: usize = 4 << 30;
+pub(super) const MEASURE_WORKSPACE_CAP: usize = 4 << 30;
 
 /// Searches `dir`'s algorithms on the real operands (module docs): synchronizes the device.
 pub(super) fn measure(

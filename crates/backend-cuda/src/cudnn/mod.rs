@@ -29,6 +29,11 @@
 //!   once per geometry and direction and kept (`pick.rs`); the default is NCHW, since on an
 //!   H100 `auto` gained no more than the noise (see `CudnnLayout::Nchw`); `nhwc` forces NHWC;
 //!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
+//! - **Two APIs**: the legacy one above (`algo.rs`, the default) and the backend (graph) API
+//!   (`graph.rs`, `KILN_CUDNN_API=graph` or [`set_cudnn_api`]), whose engines, timed per
+//!   geometry and direction as `cudnn.benchmark` does, include Hopper's NHWC tensor-core
+//!   kernels for NCHW tensors; a geometry the graph API cannot serve, or first seen inside a
+//!   capture, takes the legacy path. The layout switch applies to the legacy API only.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
@@ -39,7 +44,9 @@
 //!   during a capture: a first convolution inside one takes the im2col path.
 
 mod algo;
+mod backend;
 mod desc;
+mod graph;
 mod nhwc;
 mod pick;
 
@@ -55,6 +62,7 @@ use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 pub(crate) use algo::Dir;
 use desc::Key;
+pub use graph::{CudnnApi, cudnn_api, cudnn_graph_calls, set_cudnn_api};
 pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
 use pick::Geometry;
 
@@ -194,12 +202,14 @@ fn probe() -> std::result::Result<usize, String> {
     Ok(version)
 }
 
-/// One device's cuDNN: the handle, the stream it is bound to, and the plans of the geometries
-/// seen, each with the algorithms measured per direction.
+/// One device's cuDNN: the handle, the stream it is bound to, the plans of the geometries
+/// seen, each with the algorithms measured per direction, and the graph API's measured plans
+/// per geometry and direction.
 struct State {
     handle: sys::cudnnHandle_t,
     stream: usize,
     plans: HashMap<Key, Geometry>,
+    graph: graph::Cache,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -209,6 +219,7 @@ unsafe impl Send for State {}
 impl Drop for State {
     fn drop(&mut self) {
         self.plans.clear();
+        self.graph.clear();
         // SAFETY: the handle was created by `cudnnCreate` and is destroyed once.
         unsafe {
             sys::cudnnDestroy(self.handle);
@@ -305,6 +316,7 @@ pub(crate) fn run(
                 handle: h,
                 stream: 0,
                 plans: HashMap::new(),
+                graph: HashMap::new(),
             })
         }
     };
@@ -340,6 +352,23 @@ pub(crate) fn run(
         dev,
         out_dims.iter().product::<usize>() * dtype.size_in_bytes(),
     )?;
+    if graph::cudnn_api() == CudnnApi::Graph {
+        let call = graph::Call {
+            dev,
+            handle,
+            key: &key,
+            dir,
+            ops: algo::Operands {
+                a: a.device_ptr(),
+                b: b.device_ptr(),
+                out: out.device_ptr(),
+            },
+        };
+        if call.run(&mut st.graph)? {
+            drop(guard);
+            return finish(dev, op, out);
+        }
+    }
     let call = pick::Call {
         dev,
         handle,
@@ -359,7 +388,12 @@ pub(crate) fn run(
         r => r?,
     }
     drop(guard);
-    // A capture records instead of running: nothing to wait for (graph.rs).
+    finish(dev, op, out)
+}
+
+/// The end of a call that ran: with sync debugging on, waits for it (a capture records
+/// instead of running: nothing to wait for, `graph.rs` of the crate).
+fn finish(dev: &'static DeviceState, op: &'static str, out: Buffer) -> Result<Option<Buffer>> {
     if crate::device::sync_debug() && !dev.capturing() {
         dev.sync(op)?;
     }

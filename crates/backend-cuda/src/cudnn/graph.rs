@@ -27,8 +27,9 @@
 //!   as such and takes the legacy path, as does one first seen inside a CUDA graph capture
 //!   (timing synchronizes), or a call for which no plan's workspace can be had. A plan
 //!   measured before a capture is captured like any kernel.
-//! - **Switch**: `KILN_CUDNN_API=graph|legacy` (read once) or [`set_cudnn_api`]; the default
-//!   is `legacy` until measurements on an H100 favour the graph path.
+//! - **Switch**: `KILN_CUDNN_API=auto|graph|legacy` (read once) or [`set_cudnn_api`]; the
+//!   default `auto` takes this path where the math may use tensor cores (TF32, bf16, f16) and
+//!   the legacy one for f32 without TF32 and f64, as measured on an H100 (see [`CudnnApi`]).
 //!   [`cudnn_graph_calls`] counts calls that ran through it, for tests and benchmarks.
 
 use std::collections::HashMap;
@@ -52,31 +53,49 @@ use crate::memory::alloc;
 /// Which cuDNN API convolutions go through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CudnnApi {
-    /// `cudnnFind*AlgorithmEx` and `cudnnConvolution*` (`algo.rs`): the default.
+    /// The graph API where the math may use tensor cores (TF32, bf16, f16), the legacy API
+    /// for f32 with TF32 off and f64: the default. Measured on an H100 (2026-11-27,
+    /// ResNet-18 step at batch 256, BENCHMARKS.md): TF32 18.28 ms legacy against 14.42 graph,
+    /// bf16 21.00 against 10.61, but f32 23.25 against 30.59 — the legacy search's FMA
+    /// algorithms (Winograd, FFT) are not among the graph heuristics' first ten.
+    Auto,
+    /// `cudnnFind*AlgorithmEx` and `cudnnConvolution*` (`algo.rs`).
     Legacy,
     /// The backend (graph) API with engine configs timed per geometry (this module); a
     /// geometry it cannot serve takes the legacy path.
     Graph,
 }
 
-static API: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: legacy; 2: graph
+impl CudnnApi {
+    /// Whether a call whose math is `math` goes through the graph API.
+    pub(super) fn graph_for(self, math: sys::cudnnMathType_t) -> bool {
+        match self {
+            CudnnApi::Legacy => false,
+            CudnnApi::Graph => true,
+            CudnnApi::Auto => math != sys::cudnnMathType_t::CUDNN_FMA_MATH,
+        }
+    }
+}
+
+static API: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: legacy; 2: graph; 3: auto
 
 /// `KILN_CUDNN_API`'s value as an API, and a warning for a value that is neither.
 fn parse_api(v: Option<&str>) -> (CudnnApi, Option<String>) {
     match v {
-        None | Some("") | Some("legacy") => (CudnnApi::Legacy, None),
+        None | Some("") | Some("auto") => (CudnnApi::Auto, None),
+        Some("legacy") => (CudnnApi::Legacy, None),
         Some("graph") => (CudnnApi::Graph, None),
         Some(other) => (
-            CudnnApi::Legacy,
+            CudnnApi::Auto,
             Some(format!(
-                "kiln: KILN_CUDNN_API={other:?} is not graph or legacy; legacy"
+                "kiln: KILN_CUDNN_API={other:?} is not auto, graph or legacy; auto"
             )),
         ),
     }
 }
 
-/// The API switch: [`set_cudnn_api`], else `KILN_CUDNN_API=graph|legacy` (default `legacy`;
-/// another value is reported once on stderr and taken as `legacy`).
+/// The API switch: [`set_cudnn_api`], else `KILN_CUDNN_API=auto|graph|legacy` (default `auto`;
+/// another value is reported once on stderr and taken as `auto`).
 pub fn cudnn_api() -> CudnnApi {
     match API.load(Ordering::Relaxed) {
         0 => {
@@ -89,7 +108,8 @@ pub fn cudnn_api() -> CudnnApi {
             api
         }
         1 => CudnnApi::Legacy,
-        _ => CudnnApi::Graph,
+        2 => CudnnApi::Graph,
+        _ => CudnnApi::Auto,
     }
 }
 
@@ -99,6 +119,7 @@ pub fn set_cudnn_api(api: CudnnApi) {
     let v = match api {
         CudnnApi::Legacy => 1,
         CudnnApi::Graph => 2,
+        CudnnApi::Auto => 3,
     };
     API.store(v, Ordering::Relaxed);
 }
@@ -665,13 +686,14 @@ mod tests {
     }
 
     #[test]
-    fn the_switch_reads_graph_and_legacy() {
-        assert_eq!(parse_api(None), (CudnnApi::Legacy, None));
-        assert_eq!(parse_api(Some("")), (CudnnApi::Legacy, None));
+    fn the_switch_reads_auto_graph_and_legacy() {
+        assert_eq!(parse_api(None), (CudnnApi::Auto, None));
+        assert_eq!(parse_api(Some("")), (CudnnApi::Auto, None));
+        assert_eq!(parse_api(Some("auto")), (CudnnApi::Auto, None));
         assert_eq!(parse_api(Some("legacy")), (CudnnApi::Legacy, None));
         assert_eq!(parse_api(Some("graph")), (CudnnApi::Graph, None));
         let (api, warning) = parse_api(Some("Graph"));
-        assert_eq!(api, CudnnApi::Legacy);
+        assert_eq!(api, CudnnApi::Auto);
         assert!(warning.unwrap().contains("KILN_CUDNN_API"));
     }
 

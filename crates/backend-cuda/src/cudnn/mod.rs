@@ -29,11 +29,13 @@
 //!   once per geometry and direction and kept (`pick.rs`); the default is NCHW, since on an
 //!   H100 `auto` gained no more than the noise (see `CudnnLayout::Nchw`); `nhwc` forces NHWC;
 //!   f64 and strict f32 (FMA) are always NCHW. [`cudnn_nhwc_calls`] counts NHWC calls.
-//! - **Two APIs**: the legacy one above (`algo.rs`, the default) and the backend (graph) API
-//!   (`graph.rs`, `KILN_CUDNN_API=graph` or [`set_cudnn_api`]), whose engines, timed per
-//!   geometry and direction as `cudnn.benchmark` does, include Hopper's NHWC tensor-core
-//!   kernels for NCHW tensors; a geometry the graph API cannot serve, or first seen inside a
-//!   capture, takes the legacy path. The layout switch applies to the legacy API only.
+//! - **Two APIs**: the legacy one above (`algo.rs`) and the backend (graph) API (`graph.rs`),
+//!   whose engines, timed per geometry and direction as `cudnn.benchmark` does, include
+//!   Hopper's NHWC tensor-core kernels for NCHW tensors; a geometry the graph API cannot
+//!   serve, or first seen inside a capture, takes the legacy path. By default (`auto`) the
+//!   graph API serves tensor-core math (TF32, bf16, f16) and the legacy one strict f32 and
+//!   f64, where its Winograd/FFT algorithms win (`KILN_CUDNN_API=auto|graph|legacy`,
+//!   [`set_cudnn_api`]). The layout switch applies to the legacy API only.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
@@ -352,7 +354,7 @@ pub(crate) fn run(
         dev,
         out_dims.iter().product::<usize>() * dtype.size_in_bytes(),
     )?;
-    if graph::cudnn_api() == CudnnApi::Graph {
+    if graph::cudnn_api().graph_for(math) {
         let call = graph::Call {
             dev,
             handle,

@@ -68,7 +68,7 @@ static ENV_PATH: LazyLock<ReducePath> =
 /// - short rows: 16384 × 384 732 against 1078, and few outputs over many elements (batch
 ///   norm's statistics, (256, 64, 32, 32) over (0, 2, 3): 64 outputs) 643 against 1078 — the
 ///   hand kernels give each output one block, the generated ones split long reductions over
-///   the whole GPU (`codegen::plan`): generated.
+///   the whole GPU (`codegen::plan`): generated, from a million elements up.
 pub(crate) fn generated_is_faster(l: &Layout, axes: &[usize], sms: usize) -> bool {
     let (mut nout, mut inner) = (1usize, 1usize);
     let (mut red_stride, mut kept_stride) = (usize::MAX, usize::MAX);
@@ -86,7 +86,10 @@ pub(crate) fn generated_is_faster(l: &Layout, axes: &[usize], sms: usize) -> boo
         }
     }
     let rows = red_stride < kept_stride;
-    rows && nout > 1 && (nout < sms || inner <= 1024)
+    // Under a million elements the launch dominates either way, and the prebuilt kernel costs
+    // a fresh process no compile (a classifier's loss rows, a small batch's statistics).
+    let large = nout * inner >= 1 << 20;
+    large && rows && nout > 1 && (nout < sms || inner <= 1024)
 }
 
 pub(super) fn block_for(n: u64, max: u32) -> u32 {

@@ -628,7 +628,7 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let tf32 = blas::allow_tf32();
         let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
-        Ok(r.map(|(o, l)| (CudaStorage::ready(o), CudaStorage::ready(l))))
+        Ok(r.map(|((o, ol), l)| ((CudaStorage::ready(o), ol), CudaStorage::ready(l))))
     }
 
     fn attention_backward(
@@ -653,13 +653,8 @@ impl Backend for Cuda {
             dtype,
             (spec, blas::allow_tf32()),
         )?;
-        Ok(r.map(|(a, b, c)| {
-            (
-                CudaStorage::ready(a),
-                CudaStorage::ready(b),
-                CudaStorage::ready(c),
-            )
-        }))
+        let ready = |(b, l)| (CudaStorage::ready(b), l);
+        Ok(r.map(|(a, b, c)| (ready(a), ready(b), ready(c))))
     }
 
     fn layer_norm_forward(

@@ -68,13 +68,51 @@ pub struct AttentionSpec {
 /// One operand of a fused attention call: a storage and its layout.
 pub type Operand<'a, S> = (&'a S, &'a Layout);
 
-/// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
-/// inputs' dtype, and the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32
-/// (`+inf` for a row with no key left, so that `exp(s - lse)` is 0 there).
-pub type AttentionOutputs<S> = (S, S);
+/// One output of a fused attention call: a fresh storage holding exactly the output's elements
+/// and the layout to view it with (offset 0; see [`attention_output_layout`]).
+pub type AttentionOutput<S> = (S, Layout);
 
-/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
-pub type AttentionGrads<S> = (S, S, S);
+/// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
+/// inputs' dtype with its layout (O mirrors q's axis order: [`attention_output_layout`]), and
+/// the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32, contiguous (`+inf` for a
+/// row with no key left, so that `exp(s - lse)` is 0 there).
+pub type AttentionOutputs<S> = (AttentionOutput<S>, S);
+
+/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)` in the shapes
+/// of `q`, `k`, `v`, each with its layout (dQ/dK/dV mirror q/k/v's axis order:
+/// [`attention_output_layout`]).
+pub type AttentionGrads<S> = (
+    AttentionOutput<S>,
+    AttentionOutput<S>,
+    AttentionOutput<S>,
+);
+
+/// The layout of a fused attention output of shape `shape` (`[batch.., H, T, c]`) computed
+/// from an operand laid out as `like` (same rank): when `like`'s head axis (rank-3) has a
+/// smaller stride than its `T` axis — the `[.., T, H, d]` projection viewed as `[.., H, T, d]`,
+/// as multi-head attention makes it — the output is the `[.., H, T, c]` view of a fresh
+/// row-major `[.., T, H, c]` buffer, so that the caller's transpose back to `[.., T, H, c]`
+/// (and the reshape to `[.., T, H·c]`) is free; otherwise it is contiguous. Offset 0 and no
+/// gaps either way: the storage holds exactly `shape`'s elements.
+///
+/// Why: attention between per-head projections is where a transformer's copies come from
+/// (kernels that write `[.., H, T, d]` force one copy per operand and gradient around them);
+/// PyTorch's fused kernels write the caller's `[B, T, H, d]` in place the same way.
+pub fn attention_output_layout(like: &Layout, shape: &Shape) -> Layout {
+    let r = shape.rank();
+    let heads_last = r >= 3
+        && like.rank() == r
+        && shape.dims()[r - 3] > 1
+        && like.strides()[r - 3] < like.strides()[r - 2];
+    if !heads_last {
+        return Layout::contiguous(shape.clone());
+    }
+    let mut phys = shape.dims().to_vec();
+    phys.swap(r - 3, r - 2);
+    Layout::contiguous(Shape::new(phys))
+        .transpose(r - 3, r - 2)
+        .expect("axes in range")
+}
 
 /// What a fused layer norm or RMS norm computes ([`Backend::layer_norm_forward`]): each row of
 /// `cols` elements (the normalized trailing axes, flattened) of `rows` rows normalized on its
@@ -544,9 +582,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
 
     /// Fused scaled dot-product attention in the flash-attention manner: `q` `[batch.., Tq,
     /// d]`, `k` `[batch.., Tk, d]`, `v` `[batch.., Tk, dv]` (the same batch axes, no
-    /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output and
-    /// the row log-sum-exps ([`AttentionOutputs`]), which [`Backend::attention_backward`]
-    /// recomputes the weights from. A fully masked row (only with `Tk = 0`, which callers do not
+    /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output
+    /// with its layout (contiguous, or mirroring q's axis order as [`attention_output_layout`]
+    /// lays it out) and the row log-sum-exps ([`AttentionOutputs`]), which
+    /// [`Backend::attention_backward`] recomputes the weights from (it must accept the output in
+    /// the layout it returned). A fully masked row (only with `Tk = 0`, which callers do not
     /// send) gives zeros.
     ///
     /// `Ok(None)` means "not offered" for this call (dtype, head size, layout): the caller
@@ -564,7 +604,9 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         Ok(None)
     }
 
-    /// The gradients `(dq, dk, dv)` (contiguous, in the shapes of `q`, `k`, `v`) of a fused
+    /// The gradients `(dq, dk, dv)` (in the shapes of `q`, `k`, `v`, each with its layout: a
+    /// backend may keep them contiguous or mirror its operand's axis order as
+    /// [`attention_output_layout`] does) of a fused
     /// attention whose forward gave `out` and `lse`, for the output gradient `g`, by
     /// recomputing the weights tile by tile from `lse` (the `Tq × Tk` matrix is never stored).
     /// `Ok(None)` when not offered (the default); a backend that fused the forward must offer it.

@@ -66,7 +66,8 @@ pub mod unscale;
 mod update;
 
 pub use backend::{
-    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
+    Activation, AttentionGrads, AttentionOutput, AttentionOutputs, AttentionSpec, Backend,
+    BinaryOp, CmpOp, attention_output_layout,
     Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads, NormOutputs, NormSpec,
     RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
 };

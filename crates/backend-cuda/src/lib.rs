@@ -653,8 +653,10 @@ impl Backend for Cuda {
             dtype,
             (spec, blas::allow_tf32()),
         )?;
-        let ready = |(b, l)| (CudaStorage::ready(b), l);
-        Ok(r.map(|(a, b, c)| (ready(a), ready(b), ready(c))))
+        Ok(r.map(|g| AttentionGrads {
+            storages: g.storages.into_iter().map(CudaStorage::ready).collect(),
+            grads: g.grads,
+        }))
     }
 
     fn layer_norm_forward(

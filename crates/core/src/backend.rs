@@ -78,14 +78,77 @@ pub type AttentionOutput<S> = (S, Layout);
 /// row with no key left, so that `exp(s - lse)` is 0 there).
 pub type AttentionOutputs<S> = (AttentionOutput<S>, S);
 
-/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)` in the shapes
-/// of `q`, `k`, `v`, each with its layout (dQ/dK/dV mirror q/k/v's axis order:
-/// [`attention_output_layout`]).
-pub type AttentionGrads<S> = (
-    AttentionOutput<S>,
-    AttentionOutput<S>,
-    AttentionOutput<S>,
-);
+/// The outputs of [`Backend::attention_backward`]: the gradients `dq`, `dk`, `dv` in the shapes
+/// of `q`, `k`, `v`. dQ/dK/dV mirror q/k/v's layouts: either three storages, each laid out by
+/// [`attention_output_layout`], or — when `q`, `k` and `v` are the three head views of one
+/// packed projection ([`attention_packed_layouts`]) — one storage holding all three in the
+/// operands' own layout, so the gradient of the packed projection is that storage as is (no
+/// zero-filled buffer, no slice assignments, no sum).
+#[derive(Debug)]
+pub struct AttentionGrads<S> {
+    /// Fresh storages (one or three).
+    pub storages: Vec<S>,
+    /// For `dq`, `dk`, `dv` in turn: the index in `storages` of the one it lies in, and its
+    /// layout there.
+    pub grads: [(usize, Layout); 3],
+}
+
+impl<S> AttentionGrads<S> {
+    /// Three separate gradients, each in its own storage.
+    pub fn separate(
+        dq: AttentionOutput<S>,
+        dk: AttentionOutput<S>,
+        dv: AttentionOutput<S>,
+    ) -> Self {
+        AttentionGrads {
+            storages: vec![dq.0, dk.0, dv.0],
+            grads: [(0, dq.1), (1, dk.1), (2, dv.1)],
+        }
+    }
+}
+
+/// When `q`, `k` and `v` are views of one storage with the same shape and strides, offset by
+/// `base`, `base + δ` and `base + 2δ`, such that together they cover `3n` elements with no gap
+/// and no overlap (the three `[.., H, T, d]` head views of a `[.., T, 3E]` projection, or of a
+/// `[.., T, 3, H, d]` one): the element count `3n` of a buffer that holds their three
+/// gradients and the three layouts in it (theirs, less `base`). `None` otherwise (the caller
+/// must also check that the three share a storage).
+pub fn attention_packed_layouts(
+    q: &Layout,
+    k: &Layout,
+    v: &Layout,
+) -> Option<(usize, [Layout; 3])> {
+    if q.shape() != k.shape() || q.shape() != v.shape() || q.strides() != k.strides() {
+        return None;
+    }
+    if q.strides() != v.strides() || k.offset() < q.offset() {
+        return None;
+    }
+    let (base, delta) = (q.offset(), k.offset() - q.offset());
+    if delta == 0 || v.offset() != k.offset() + delta {
+        return None;
+    }
+    // With an axis of size 3 and stride δ added, the elements must tile [base, base + 3n).
+    let mut axes: Vec<(usize, usize)> = q
+        .dims()
+        .iter()
+        .zip(q.strides())
+        .filter(|(d, _)| **d > 1)
+        .map(|(&d, &s)| (d, s))
+        .collect();
+    axes.push((3, delta));
+    axes.sort_by_key(|&(_, s)| std::cmp::Reverse(s));
+    let mut expect = 1;
+    for &(d, s) in axes.iter().rev() {
+        if s != expect {
+            return None;
+        }
+        expect *= d;
+    }
+    let rebase =
+        |l: &Layout| Layout::from_parts(l.shape().clone(), l.strides().to_vec(), l.offset() - base);
+    Some((expect, [rebase(q), rebase(k), rebase(v)]))
+}
 
 /// The layout of a fused attention output of shape `shape` (`[batch.., H, T, c]`) computed
 /// from an operand laid out as `like` (same rank): when `like`'s head axis (rank-3) has a

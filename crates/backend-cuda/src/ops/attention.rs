@@ -51,7 +51,10 @@
 //! d]` buffer (multi-head attention's head views) gets its output or gradient in a fresh
 //! `[.., T, H, d]` buffer (returned as the `[.., H, T, d]` view), so the caller's transpose
 //! back and reshape to `[.., T, E]` cost nothing; other operands get contiguous outputs. The
-//! row statistics (lse, Dr) stay contiguous `[.., T]`. The backward reads the forward's O in
+//! row statistics (lse, Dr) stay contiguous `[.., T]`. When q, k and v are the three head
+//! views of one packed `[.., T, 3E]` projection (self-attention), dQ, dK and dV are written
+//! into one `[.., T, 3E]` buffer in the operands' own layouts: that buffer is the packed
+//! projection's gradient as is. The backward reads the forward's O in
 //! whatever layout it is given (unit head stride), in place.
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -59,7 +62,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use kiln_core::backend::Operand;
 use kiln_core::{
     AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result, Shape,
-    attention_output_layout,
+    attention_output_layout, attention_packed_layouts,
 };
 
 use crate::launch::{Args, Dims, Strides, collapse};
@@ -341,7 +344,8 @@ pub(crate) fn forward(
 }
 
 /// `Backend::attention_backward` on the GPU: `(dq, dk, dv)` in the shapes of `q`, `k` and `v`,
-/// each with its layout (module docs), or `None` when not offered (the forward then was not
+/// each with its layout (module docs; one buffer for the three when `q`, `k`, `v` are the head
+/// views of one packed projection), or `None` when not offered (the forward then was not
 /// either).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
@@ -378,11 +382,15 @@ pub(crate) fn backward(
             ),
         ));
     }
-    let (dq_l, dk_l, dv_l) = (
-        out_layout(q.1, q.1.dims().to_vec()),
-        out_layout(k.1, k.1.dims().to_vec()),
-        out_layout(v.1, v.1.dims().to_vec()),
-    );
+    let packed = packed_grads(q, k, v);
+    let [dq_l, dk_l, dv_l] = match &packed {
+        Some((_, ls)) => ls.clone(),
+        None => [
+            out_layout(q.1, q.1.dims().to_vec()),
+            out_layout(k.1, k.1.dims().to_vec()),
+            out_layout(v.1, v.1.dims().to_vec()),
+        ],
+    };
     let Some(Plan {
         mut shape,
         bd,
@@ -446,11 +454,20 @@ pub(crate) fn backward(
     dev.launch(OP, f, grid, 256, 0, a.ptrs())?;
 
     let size = dtype.size_in_bytes();
-    let (dq, dk, dv) = (
-        alloc(dev, nb * tq * d * size)?,
-        alloc(dev, nb * tk * d * size)?,
-        alloc(dev, nb * tk * dvn * size)?,
-    );
+    let storages = match packed {
+        Some((n, _)) => vec![alloc(dev, n * size)?],
+        None => vec![
+            alloc(dev, nb * tq * d * size)?,
+            alloc(dev, nb * tk * d * size)?,
+            alloc(dev, nb * tk * dvn * size)?,
+        ],
+    };
+    // One storage: the three gradients lie in it at their layouts' offsets (in `sdq` ...).
+    let (dq, dk, dv) = match storages.as_slice() {
+        [one] => (one, one, one),
+        [a, b, c] => (a, b, c),
+        _ => unreachable!("one or three storages"),
+    };
     let operands = |a: &mut Args| {
         a.push(qv.ptr())
             .push(kv.ptr())
@@ -485,7 +502,26 @@ pub(crate) fn backward(
         .push(sdq);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
     launch(dev, (family, Stage::Dq), dtype, tile, grid, &mut a)?;
-    Ok(Some(((dq, dq_l), (dk, dk_l), (dv, dv_l))))
+    let which = |i: usize| if storages.len() == 1 { 0 } else { i };
+    Ok(Some(AttentionGrads {
+        grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],
+        storages,
+    }))
+}
+
+/// When `q`, `k`, `v` are the three head views of one packed projection (one buffer,
+/// `kiln_core::attention_packed_layouts`, unit head stride): the element count of one buffer
+/// for their three gradients and the gradients' layouts in it.
+fn packed_grads(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+) -> Option<(usize, [Layout; 3])> {
+    let (p, l) = (q.0.device_ptr(), q.1);
+    if p != k.0.device_ptr() || p != v.0.device_ptr() || l.strides()[l.rank() - 1] != 1 {
+        return None;
+    }
+    attention_packed_layouts(q.1, k.1, v.1)
 }
 
 #[cfg(test)]

@@ -21,7 +21,7 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, CudaDevice, gpu_or_skip, thread_launches};
+use kiln_backend_cuda::{Cuda, CudaDevice, CudaStorage, gpu_or_skip, thread_launches};
 use kiln_core::{AttentionSpec, Backend, DType, Generator, Layout, Tensor};
 
 /// Standard normal values drawn from `seed`.
@@ -634,7 +634,9 @@ fn head_view(qkv: &Tensor<Cuda>, (start, i, h, d): (usize, usize, usize, usize))
 /// The layouts the backend returns for `(q, k, v)` with the output gradient `g` (causal): the
 /// output's, then for each gradient whether the three share one storage, and its layout.
 fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout); 4] {
-    let op = |t: &Tensor<Cuda>| (t.storage(), t.layout());
+    fn op(t: &Tensor<Cuda>) -> (&CudaStorage, &Layout) {
+        (t.storage(), t.layout())
+    }
     let [q, k, v] = qkv;
     let spec = AttentionSpec {
         scale: 0.125,

@@ -16,6 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+pub use crate::attention_layout::{attention_output_layout, attention_packed_layouts};
 pub use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
 pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
@@ -105,76 +106,6 @@ impl<S> AttentionGrads<S> {
             grads: [(0, dq.1), (1, dk.1), (2, dv.1)],
         }
     }
-}
-
-/// When `q`, `k` and `v` are views of one storage with the same shape and strides, offset by
-/// `base`, `base + δ` and `base + 2δ`, such that together they cover `3n` elements with no gap
-/// and no overlap (the three `[.., H, T, d]` head views of a `[.., T, 3E]` projection, or of a
-/// `[.., T, 3, H, d]` one): the element count `3n` of a buffer that holds their three
-/// gradients and the three layouts in it (theirs, less `base`). `None` otherwise (the caller
-/// must also check that the three share a storage).
-pub fn attention_packed_layouts(
-    q: &Layout,
-    k: &Layout,
-    v: &Layout,
-) -> Option<(usize, [Layout; 3])> {
-    if q.shape() != k.shape() || q.shape() != v.shape() || q.strides() != k.strides() {
-        return None;
-    }
-    if q.strides() != v.strides() || k.offset() < q.offset() {
-        return None;
-    }
-    let (base, delta) = (q.offset(), k.offset() - q.offset());
-    if delta == 0 || v.offset() != k.offset() + delta {
-        return None;
-    }
-    // With an axis of size 3 and stride δ added, the elements must tile [base, base + 3n).
-    let mut axes: Vec<(usize, usize)> = q
-        .dims()
-        .iter()
-        .zip(q.strides())
-        .filter(|(d, _)| **d > 1)
-        .map(|(&d, &s)| (d, s))
-        .collect();
-    axes.push((3, delta));
-    axes.sort_by_key(|&(_, s)| std::cmp::Reverse(s));
-    let mut expect = 1;
-    for &(d, s) in axes.iter().rev() {
-        if s != expect {
-            return None;
-        }
-        expect *= d;
-    }
-    let rebase =
-        |l: &Layout| Layout::from_parts(l.shape().clone(), l.strides().to_vec(), l.offset() - base);
-    Some((expect, [rebase(q), rebase(k), rebase(v)]))
-}
-
-/// The layout of a fused attention output of shape `shape` (`[batch.., H, T, c]`) computed
-/// from an operand laid out as `like` (same rank): when `like`'s head axis (rank-3) has a
-/// smaller stride than its `T` axis — the `[.., T, H, d]` projection viewed as `[.., H, T, d]`,
-/// as multi-head attention makes it — the output is the `[.., H, T, c]` view of a fresh
-/// row-major `[.., T, H, c]` buffer, so that the caller's transpose back to `[.., T, H, c]`
-/// (and the reshape to `[.., T, H·c]`) is free; otherwise it is contiguous. Offset 0 and no
-/// gaps either way: the storage holds exactly `shape`'s elements.
-///
-/// Why: attention between per-head projections is where a transformer's copies come from
-/// (kernels that write `[.., H, T, d]` force one copy per operand and gradient around them);
-/// PyTorch's fused kernels write the caller's `[B, T, H, d]` in place the same way.
-pub fn attention_output_layout(like: &Layout, shape: &Shape) -> Layout {
-    let r = shape.rank();
-    let heads_last = r >= 3
-        && like.rank() == r
-        && shape.dims()[r - 3] > 1
-        && like.strides()[r - 3] < like.strides()[r - 2];
-    if !heads_last {
-        return Layout::contiguous(shape.clone());
-    }
-    let mut phys = shape.dims().to_vec();
-    phys.swap(r - 3, r - 2);
-    Layout::contiguous(Shape::new(phys))
-        .transpose(r - 3, r - 2)
-        .expect("axes in range")
 }
 
 /// What a fused layer norm or RMS norm computes ([`Backend::layer_norm_forward`]): each row of

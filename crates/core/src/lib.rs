@@ -32,6 +32,7 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
+mod attention_layout;
 pub mod backend;
 mod clock;
 mod device;

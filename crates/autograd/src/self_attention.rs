@@ -53,7 +53,8 @@ impl<B: Backend> Var<B> {
     ) -> Result<Self> {
         let dims = self.dims();
         let r = dims.len();
-        if r < 2 || num_heads == 0 || dims[r - 1] == 0 || dims[r - 1] % (3 * num_heads) != 0 {
+        if r < 2 || num_heads == 0 || dims[r - 1] == 0 || !dims[r - 1].is_multiple_of(3 * num_heads)
+        {
             return Err(Error::invalid(
                 OP,
                 format!(

@@ -43,6 +43,13 @@
 //! inside the kernel. [`composed_attention`] turns the fused path off for the calling thread
 //! (tests and benchmarks compare both on one device).
 //!
+//! The backend picks its outputs' layouts ([`kiln_core::attention_output_layout`]): for head
+//! views of a `[.., T, H, d]` projection (multi-head attention's) the output and the gradients
+//! come back heads-last, so the caller's transpose back and reshape to `[.., T, E]` are free;
+//! for the three head views of one packed `[.., T, 3E]` projection the three gradients share
+//! one buffer, which [`Var::packed_self_attention`] (`self_attention.rs`) hands on as the
+//! projection's gradient.
+//!
 //! [`autocast`]: crate::autocast()
 //!
 //! # The composed path

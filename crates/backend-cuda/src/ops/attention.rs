@@ -414,24 +414,7 @@ pub(crate) fn backward(
     let (so, sdq, sdk, sdv) = (ss[4], ss[5], ss[6], ss[7]);
     let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
     let (d, dvn) = (shape.d as usize, shape.dv as usize);
-    if gv.rows() != tq || gv.cols() != dvn {
-        return Err(kiln_core::Error::invalid(
-            OP,
-            format!(
-                "expects an output gradient [.., {tq}, {dvn}], got {}",
-                gv.layout.shape()
-            ),
-        ));
-    }
-    if lse.1.elem_count() != nb * tq {
-        return Err(kiln_core::Error::invalid(
-            OP,
-            format!(
-                "expects the forward's log-sum-exp [.., {tq}], got {}",
-                lse.1.shape()
-            ),
-        ));
-    }
+    check_saved(&gv, lse.1, &shape)?;
     // The log-sum-exps: contiguous as the forward made them, unless a caller re-laid them out.
     let lse_copy = if lse.1.is_contiguous() && lse.1.offset() == 0 {
         None
@@ -507,6 +490,31 @@ pub(crate) fn backward(
         grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],
         storages,
     }))
+}
+
+/// Checks the output gradient's rows and columns and the log-sum-exps' count against `shape`.
+fn check_saved(gv: &View<'_>, lse: &Layout, shape: &AttnShape) -> Result<()> {
+    const OP: &str = "scaled_dot_product_attention_backward";
+    let (nb, tq, dvn) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
+    if gv.rows() != tq || gv.cols() != dvn {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects an output gradient [.., {tq}, {dvn}], got {}",
+                gv.layout.shape()
+            ),
+        ));
+    }
+    if lse.elem_count() != nb * tq {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects the forward's log-sum-exp [.., {tq}], got {}",
+                lse.shape()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// When `q`, `k`, `v` are the three head views of one packed projection (one buffer,

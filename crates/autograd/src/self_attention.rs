@@ -170,14 +170,14 @@ fn fused<B: Backend>(
         return Ok(None);
     };
     let y = heads.merge(&f.out)?;
-    let packed = (xt.dims().to_vec(), heads.split(), heads.merged(), heads.e);
-    let saved = (qt, kt, vt, f);
+    let shapes = (heads.split(), heads.merged());
+    let saved = (xt, qt, kt, vt, f);
     Ok(Some(Var::from_op(OP, &[&x], y, move |g, _| {
-        let (qt, kt, vt, f) = &saved;
-        let (xdims, split, merged, e) = &packed;
+        let (xt, qt, kt, vt, f) = &saved;
+        let (split, merged) = &shapes;
         let g = g.reshape(split.clone())?.transpose(-3, -2)?;
         let [dq, dk, dv] = fused_backward((qt, kt, vt), f, &g)?;
-        if let Some(dx) = one_buffer([&dq, &dk, &dv], xdims, *e) {
+        if let Some(dx) = one_buffer([&dq, &dk, &dv], xt, [qt, kt, vt]) {
             return Ok(vec![Some(dx)]);
         }
         let to_rows = |t: &Tensor<B>| t.transpose(-3, -2)?.reshape(merged.clone());
@@ -187,30 +187,31 @@ fn fused<B: Backend>(
 }
 
 /// The packed gradient `[.., T, 3E]` when the backend wrote `dq`, `dk`, `dv` into one storage
-/// that is exactly it (row-major, third `i` at columns `i·E ..`); else `None`.
-fn one_buffer<B: Backend>(g: [&Tensor<B>; 3], xdims: &[usize], e: usize) -> Option<Tensor<B>> {
-    let s = g[0].storage_arc();
-    if !g.iter().all(|t| Arc::ptr_eq(t.storage_arc(), s)) {
+/// that is exactly it: the projection `x` is row-major, and each gradient lies in the shared
+/// storage as its operand view lies in `x` (shifted by the first view's offset); else `None`.
+fn one_buffer<B: Backend>(
+    grads: [&Tensor<B>; 3],
+    x: &Tensor<B>,
+    views: [&Tensor<B>; 3],
+) -> Option<Tensor<B>> {
+    let s = grads[0].storage_arc();
+    if !x.is_contiguous() || !grads.iter().all(|t| Arc::ptr_eq(t.storage_arc(), s)) {
         return None;
     }
-    let whole = Layout::contiguous(xdims.to_vec());
-    let r = xdims.len();
-    let lead = &xdims[..r - 1];
-    for (i, t) in g.iter().enumerate() {
-        // Third i of the whole, as the head view: [.., T, H, d] -> [.., H, T, d].
-        let h = t.dims()[t.rank() - 3];
-        let mut split = lead.to_vec();
-        split.extend([h, e / h]);
-        let want = whole
-            .narrow(r - 1, i * e, e)
-            .ok()?
-            .reshape(&split.into())
-            .ok()??
-            .transpose(r - 1, r - 2)
-            .ok()?;
-        if *t.layout() != want {
+    let base = views[0].layout().offset();
+    for (g, v) in grads.iter().zip(views) {
+        let l = v.layout();
+        let want = l
+            .offset()
+            .checked_sub(base)
+            .map(|off| Layout::from_parts(l.shape().clone(), l.strides().to_vec(), off));
+        if want.as_ref() != Some(g.layout()) {
             return None;
         }
     }
-    Some(Tensor::from_parts(s.clone(), whole, g[0].dtype()))
+    Some(Tensor::from_parts(
+        s.clone(),
+        Layout::contiguous(x.shape().clone()),
+        grads[0].dtype(),
+    ))
 }

@@ -43,6 +43,13 @@
 //! inside the kernel. [`composed_attention`] turns the fused path off for the calling thread
 //! (tests and benchmarks compare both on one device).
 //!
+//! The backend picks its outputs' layouts ([`kiln_core::attention_output_layout`]): for head
+//! views of a `[.., T, H, d]` projection (multi-head attention's) the output and the gradients
+//! come back heads-last, so the caller's transpose back and reshape to `[.., T, E]` are free;
+//! for the three head views of one packed `[.., T, 3E]` projection the three gradients share
+//! one buffer, which [`Var::packed_self_attention`] (`self_attention.rs`) hands on as the
+//! projection's gradient.
+//!
 //! [`autocast`]: crate::autocast()
 //!
 //! # The composed path
@@ -51,10 +58,12 @@
 //! backward).
 
 use std::cell::Cell;
+use std::sync::Arc;
 
 use kiln_core::backend::Operand;
 use kiln_core::{
-    AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor, philox,
+    AttentionGrads, AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor,
+    philox,
 };
 
 use crate::ops::softmax_backward;
@@ -147,19 +156,7 @@ impl<B: Backend> Var<B> {
         generator: Option<&mut Generator>,
     ) -> Result<Self> {
         let (tq, tk, d) = check_inputs(self, k, v)?;
-        let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
-        if !scale.is_finite() || scale <= 0.0 {
-            return Err(Error::invalid(
-                OP,
-                format!("scale must be finite and positive, got {scale}"),
-            ));
-        }
-        if !(0.0..1.0).contains(&dropout_p) {
-            return Err(Error::invalid(
-                OP,
-                format!("dropout_p must be in [0, 1), got {dropout_p}"),
-            ));
-        }
+        let scale = check_scalars(OP, d, scale, dropout_p)?;
         let mut generator = generator;
         let dropout = (dropout_p > 0.0).then_some(dropout_p);
         if let Some(y) = fused(self, k, v, mask, dropout, scale, generator.as_deref_mut())? {
@@ -225,41 +222,42 @@ fn operand<B: Backend>(t: &Tensor<B>) -> Operand<'_, B::Storage> {
     (t.storage(), t.layout())
 }
 
-/// The fused path (module docs), or `None` when it does not apply or the backend does not
-/// offer it for these operands.
-///
-/// With dropout the mask's key is the generator's next draw, as the composed path's
-/// `rand_like` would take it; the generator advances only when the backend accepts the call,
-/// so a declined call leaves the composed path the same draw.
-fn fused<B: Backend>(
-    q: &Var<B>,
-    k: &Var<B>,
-    v: &Var<B>,
-    mask: &AttnMask<B>,
-    dropout: Option<f64>,
-    scale: f64,
-    generator: Option<&mut Generator>,
-) -> Result<Option<Var<B>>> {
+/// Whether the fused path may take `mask`: `Some(causal)`, or `None` (a tensor mask, or
+/// [`composed_attention`] in force).
+pub(crate) fn fusable_mask<B: Backend>(mask: &AttnMask<B>) -> Option<bool> {
     let causal = match mask {
         AttnMask::None => false,
         AttnMask::Causal => true,
-        AttnMask::Keep(_) | AttnMask::Additive(_) => return Ok(None),
+        AttnMask::Keep(_) | AttnMask::Additive(_) => return None,
     };
-    if COMPOSED.with(|c| c.get()) {
-        return Ok(None);
-    }
-    // Dropout without a generator is the composed path's error.
+    (!COMPOSED.with(|c| c.get())).then_some(causal)
+}
+
+/// The backend's fused forward on tensors, as [`fused`] and the packed self-attention run it.
+pub(crate) struct FusedForward<B: Backend> {
+    /// The output `[.., Tq, dv]` in the layout the backend chose.
+    pub out: Tensor<B>,
+    /// The row log-sum-exps `[.., Tq]`, f32.
+    pub lse: Tensor<B>,
+    pub spec: AttentionSpec,
+}
+
+/// Asks the backend for the fused forward of `q`, `k`, `v` (one dtype); `None` when it
+/// declines. With dropout the mask's key is the generator's next draw, as the composed path's
+/// `rand_like` would take it; the generator advances only when the backend accepts the call,
+/// so a declined call leaves the composed path the same draw. Dropout without a generator is
+/// the composed path's error (`None` here).
+pub(crate) fn fused_forward<B: Backend>(
+    (qt, kt, vt): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
+    causal: bool,
+    (dropout, scale): (Option<f64>, f64),
+    generator: Option<&mut Generator>,
+) -> Result<Option<FusedForward<B>>> {
     let (dropout_p, dropout_key, generator) = match (dropout, generator) {
         (None, g) => (0.0, 0, g),
         (Some(_), None) => return Ok(None),
         (Some(p), Some(g)) => (p, philox::draw_key(g.initial_seed(), g.draws()), Some(g)),
     };
-    let (q, k, v) = if crate::autocast::autocast_dtype().is_some() {
-        (q.autocast_low()?, k.autocast_low()?, v.autocast_low()?)
-    } else {
-        (q.clone(), k.clone(), v.clone())
-    };
-    let (qt, kt, vt) = (q.tensor(), k.tensor(), v.tensor());
     let dtype = qt.dtype();
     if kt.dtype() != dtype || vt.dtype() != dtype {
         return Ok(None);
@@ -270,8 +268,8 @@ fn fused<B: Backend>(
         dropout_p,
         dropout_key,
     };
-    let Some((o, lse)) =
-        B::attention_forward(operand(&qt), operand(&kt), operand(&vt), dtype, spec)?
+    let Some(((o, o_layout), lse)) =
+        B::attention_forward(operand(qt), operand(kt), operand(vt), dtype, spec)?
     else {
         return Ok(None);
     };
@@ -284,37 +282,142 @@ fn fused<B: Backend>(
     dims.pop();
     let lse = Tensor::<B>::from_storage(lse, dims.clone(), DType::F32);
     dims.push(vt.dims()[vt.rank() - 1]);
-    let out = Tensor::<B>::from_storage(o, dims, dtype);
-    let saved = (qt, kt, vt, out.clone(), lse);
-    Ok(Some(Var::from_op(OP, &[&q, &k, &v], out, move |g, _| {
-        let (qt, kt, vt, ot, lt) = &saved;
-        let g = if g.dtype() == dtype {
-            g.clone()
-        } else {
-            g.to_dtype(dtype)?
-        };
-        let grads = B::attention_backward(
-            operand(qt),
-            operand(kt),
-            operand(vt),
-            operand(ot),
-            operand(lt),
-            operand(&g),
-            dtype,
-            spec,
-        )?;
-        let Some((dq, dk, dv)) = grads else {
+    if o_layout.dims() != dims.as_slice() || o_layout.offset() != 0 {
+        return Err(Error::backend(
+            OP,
+            format!(
+                "the {} backend returned an output laid out as {:?}, expected shape {dims:?} at offset 0",
+                B::NAME,
+                o_layout
+            ),
+        ));
+    }
+    let out = Tensor::<B>::from_parts(Arc::new(o), o_layout, dtype);
+    Ok(Some(FusedForward { out, lse, spec }))
+}
+
+/// The backend's fused backward for the forward `f` of `q`, `k`, `v` and the output gradient
+/// `g`: `(dq, dk, dv)` in the layouts the backend chose (possibly views of one storage).
+pub(crate) fn fused_backward<B: Backend>(
+    (qt, kt, vt): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
+    f: &FusedForward<B>,
+    g: &Tensor<B>,
+) -> Result<[Tensor<B>; 3]> {
+    let dtype = qt.dtype();
+    let g = if g.dtype() == dtype {
+        g.clone()
+    } else {
+        g.to_dtype(dtype)?
+    };
+    let grads = B::attention_backward(
+        operand(qt),
+        operand(kt),
+        operand(vt),
+        operand(&f.out),
+        operand(&f.lse),
+        operand(&g),
+        dtype,
+        f.spec,
+    )?;
+    let Some(AttentionGrads { storages, grads }) = grads else {
+        return Err(Error::backend(
+            OP,
+            format!(
+                "the {} backend fused the forward but offers no fused backward",
+                B::NAME
+            ),
+        ));
+    };
+    let storages: Vec<Arc<B::Storage>> = storages.into_iter().map(Arc::new).collect();
+    let mut out = Vec::with_capacity(3);
+    for ((i, layout), t) in grads.into_iter().zip([qt, kt, vt]) {
+        let Some(s) = storages.get(i) else {
             return Err(Error::backend(
                 OP,
                 format!(
-                    "the {} backend fused the forward but offers no fused backward",
-                    B::NAME
+                    "the {} backend's gradient names storage {i} of {}",
+                    B::NAME,
+                    storages.len()
                 ),
             ));
         };
-        let back = |s, t: &Tensor<B>| Some(Tensor::<B>::from_storage(s, t.shape().clone(), dtype));
-        Ok(vec![back(dq, qt), back(dk, kt), back(dv, vt)])
+        if layout.shape() != t.shape() {
+            return Err(Error::backend(
+                OP,
+                format!(
+                    "the {} backend returned a gradient of shape {} for an operand of shape {}",
+                    B::NAME,
+                    layout.shape(),
+                    t.shape()
+                ),
+            ));
+        }
+        out.push(Tensor::<B>::from_parts(s.clone(), layout, dtype));
+    }
+    let [dq, dk, dv]: [Tensor<B>; 3] = out
+        .try_into()
+        .map_err(|_| Error::backend(OP, "three gradients"))?;
+    Ok([dq, dk, dv])
+}
+
+/// The fused path (module docs), or `None` when it does not apply or the backend does not
+/// offer it for these operands. One node; its output and gradients come in the layouts the
+/// backend chose (heads-last for head views of a `[.., T, H, d]` projection).
+fn fused<B: Backend>(
+    q: &Var<B>,
+    k: &Var<B>,
+    v: &Var<B>,
+    mask: &AttnMask<B>,
+    dropout: Option<f64>,
+    scale: f64,
+    generator: Option<&mut Generator>,
+) -> Result<Option<Var<B>>> {
+    let Some(causal) = fusable_mask(mask) else {
+        return Ok(None);
+    };
+    if dropout.is_some() && generator.is_none() {
+        return Ok(None);
+    }
+    let (q, k, v) = if crate::autocast::autocast_dtype().is_some() {
+        (q.autocast_low()?, k.autocast_low()?, v.autocast_low()?)
+    } else {
+        (q.clone(), k.clone(), v.clone())
+    };
+    let (qt, kt, vt) = (q.tensor(), k.tensor(), v.tensor());
+    let Some(f) = fused_forward((&qt, &kt, &vt), causal, (dropout, scale), generator)? else {
+        return Ok(None);
+    };
+    let out = f.out.clone();
+    let saved = (qt, kt, vt, f);
+    Ok(Some(Var::from_op(OP, &[&q, &k, &v], out, move |g, _| {
+        let (qt, kt, vt, f) = &saved;
+        let [dq, dk, dv] = fused_backward((qt, kt, vt), f, g)?;
+        Ok(vec![Some(dq), Some(dk), Some(dv)])
     })))
+}
+
+/// The scale (default `1/√d`), checked finite and positive, and `dropout_p` checked in
+/// `[0, 1)`; errors name `op`.
+pub(crate) fn check_scalars(
+    op: &'static str,
+    d: usize,
+    scale: Option<f64>,
+    dropout_p: f64,
+) -> Result<f64> {
+    let scale = scale.unwrap_or(1.0 / (d as f64).sqrt());
+    if !scale.is_finite() || scale <= 0.0 {
+        return Err(Error::invalid(
+            op,
+            format!("scale must be finite and positive, got {scale}"),
+        ));
+    }
+    if !(0.0..1.0).contains(&dropout_p) {
+        return Err(Error::invalid(
+            op,
+            format!("dropout_p must be in [0, 1), got {dropout_p}"),
+        ));
+    }
+    Ok(scale)
 }
 
 /// Checks ranks, dtypes and the sizes that must agree; returns `(Tq, Tk, d)`.

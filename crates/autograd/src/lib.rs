@@ -55,7 +55,9 @@
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is one
 //!   node of the backend's fused flash-style kernel where it offers one (CUDA; no mask or
 //!   causal, dropout inside the kernel), else two batched products around one masked-softmax
-//!   node; fully masked rows give zeros, not NaN.
+//!   node; fully masked rows give zeros, not NaN. [`Var::packed_self_attention`] is multi-head
+//!   self-attention of a packed `[.., T, 3E]` projection as one node: on the fused path its
+//!   gradient is one buffer the kernels write, with no zero-fill, slice assignment or sum.
 //! - Mixed precision: inside an [`autocast`] scope, GEMMs run in bf16/f16 and softmax,
 //!   losses, norms and reductions in f32, op by op as `torch.autocast` does (the op lists are
 //!   in the [`autocast`] docs); the backward follows through differentiable casts.
@@ -105,6 +107,7 @@ mod norm_fused;
 mod ops;
 mod pool;
 mod programs;
+mod self_attention;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod var;

@@ -456,3 +456,68 @@ fn key_padding_ignores_the_padded_keys() {
         Err(Error::InvalidArgument { .. })
     ));
 }
+
+/// `packed_self_attention` over a `[b, t, 3E]` projection equals three narrowed head views
+/// into `scaled_dot_product_attention` (output and the projection's gradient, with dropout
+/// from the same generator state and a keep-mask, which composes), and rejects a width that is
+/// not a multiple of `3·num_heads` with a typed error.
+#[test]
+fn packed_self_attention_equals_the_narrowed_views() {
+    let dev = Cpu::device(0);
+    let (b, t, h, d) = (2, 5, 3, 4);
+    let e = h * d;
+    let x = normal::<Cpu>(&[b, t, 3 * e], 3, DType::F32, &dev);
+    let g = normal::<Cpu>(&[b, t, e], 4, DType::F32, &dev);
+    let keep: Vec<u8> = (0..t * t).map(|i| u8::from(i % 3 != 1)).collect();
+    let keep = Tensor::<Cpu>::from_vec(keep, [t, t], &dev).unwrap();
+    for (mask, p) in [
+        (AttnMask::None, 0.0),
+        (AttnMask::Causal, 0.3),
+        (AttnMask::Keep(keep), 0.0),
+    ] {
+        let run = |packed: bool| {
+            let xv = Var::param(x.clone());
+            let mut rng = Generator::new(9);
+            let rng = (p > 0.0).then_some(&mut rng);
+            let y = if packed {
+                xv.packed_self_attention(h, &mask, p, None, rng).unwrap()
+            } else {
+                let view = |i: usize| {
+                    xv.narrow(-1, i * e, e)
+                        .unwrap()
+                        .reshape([b, t, h, d])
+                        .unwrap()
+                        .transpose(-3, -2)
+                        .unwrap()
+                };
+                view(0)
+                    .scaled_dot_product_attention(&view(1), &view(2), &mask, p, None, rng)
+                    .unwrap()
+                    .transpose(-3, -2)
+                    .unwrap()
+                    .reshape([b, t, e])
+                    .unwrap()
+            };
+            y.backward_with(&g).unwrap();
+            [f64s(&y.tensor()), f64s(&xv.grad().unwrap())]
+        };
+        let (packed, narrow) = (run(true), run(false));
+        for (name, (a, c)) in ["out", "dx"].iter().zip(packed.iter().zip(&narrow)) {
+            assert_close(&format!("packed vs narrowed, p {p}: {name}"), a, c, 0.0);
+        }
+    }
+    let bad = Var::param(normal::<Cpu>(&[b, t, 3 * e + 1], 5, DType::F32, &dev));
+    let err = bad
+        .packed_self_attention(h, &AttnMask::None, 0.0, None, None)
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::InvalidArgument {
+                op: "packed_self_attention",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}

@@ -21,8 +21,8 @@ use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
 use kiln_backend_cpu::Cpu;
-use kiln_backend_cuda::{Cuda, CudaDevice, gpu_or_skip, thread_launches};
-use kiln_core::{Backend, DType, Generator, Tensor};
+use kiln_backend_cuda::{Cuda, CudaDevice, CudaStorage, gpu_or_skip, thread_launches};
+use kiln_core::{AttentionSpec, Backend, DType, Generator, Layout, Tensor};
 
 /// Standard normal values drawn from `seed`.
 fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
@@ -581,6 +581,243 @@ fn f32_tensor_core_head_views_of_a_packed_projection() {
             .zip(viewed.iter().zip(&dense))
         {
             assert_close(&format!("f32 head views from {start}: {name}"), a, b, 0.0);
+        }
+    }
+}
+
+/// Which kernels a heads-last test runs: f32 on the FMA kernels (tensor cores off), f32 on the
+/// TF32 tensor cores (3xTF32), bf16 and f16 on the 16-bit tensor cores.
+const FAMILIES: [(&str, DType); 4] = [
+    ("f32 fma", DType::F32),
+    ("f32 tensor cores", DType::F32),
+    ("bf16 tensor cores", DType::BF16),
+    ("f16 tensor cores", DType::F16),
+];
+
+/// Holds [`SWITCHES`] with the switches set for `family` (one of [`FAMILIES`]) and the
+/// defaults restored when dropped.
+struct FamilySwitches(#[allow(dead_code)] RwLockWriteGuard<'static, ()>, bool);
+
+impl FamilySwitches {
+    fn take(family: &str) -> Self {
+        let guard = SWITCHES.write().unwrap_or_else(|e| e.into_inner());
+        let tf32 = kiln_backend_cuda::allow_tf32();
+        kiln_backend_cuda::set_allow_tf32(false);
+        kiln_backend_cuda::set_attention_tensor_cores_f32(family != "f32 fma");
+        kiln_backend_cuda::set_attention_tensor_cores(true);
+        kiln_backend_cuda::set_fused_attention_16bit(true);
+        FamilySwitches(guard, tf32)
+    }
+}
+
+impl Drop for FamilySwitches {
+    fn drop(&mut self) {
+        kiln_backend_cuda::set_allow_tf32(self.1);
+        kiln_backend_cuda::set_attention_tensor_cores_f32(true);
+        kiln_backend_cuda::set_attention_tensor_cores(true);
+        kiln_backend_cuda::set_fused_attention_16bit(false);
+    }
+}
+
+/// The `[b, h, t, d]` head view `i` of a `[b, t, w]` projection whose thirds start at `start`.
+fn head_view(qkv: &Tensor<Cuda>, (start, i, h, d): (usize, usize, usize, usize)) -> Tensor<Cuda> {
+    let (b, t) = (qkv.dims()[0], qkv.dims()[1]);
+    let e = h * d;
+    qkv.narrow(2, start + i * e, e)
+        .unwrap()
+        .reshape([b, t, h, d])
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+}
+
+/// The layouts the backend returns for `(q, k, v)` with the output gradient `g` (causal): the
+/// output's, then for each gradient whether the three share one storage, and its layout.
+fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout); 4] {
+    fn op(t: &Tensor<Cuda>) -> (&CudaStorage, &Layout) {
+        (t.storage(), t.layout())
+    }
+    let [q, k, v] = qkv;
+    let spec = AttentionSpec {
+        scale: 0.125,
+        causal: true,
+        dropout_p: 0.0,
+        dropout_key: 0,
+    };
+    let dtype = q.dtype();
+    let ((o, ol), lse) = Cuda::attention_forward(op(q), op(k), op(v), dtype, spec)
+        .unwrap()
+        .expect("fused");
+    let lse_l = Layout::contiguous(&ol.dims()[..ol.rank() - 1]);
+    let grads = Cuda::attention_backward(
+        op(q),
+        op(k),
+        op(v),
+        (&o, &ol),
+        (&lse, &lse_l),
+        op(g),
+        dtype,
+        spec,
+    )
+    .unwrap()
+    .expect("fused");
+    let one = grads.storages.len() == 1;
+    let [a, b, c] = grads.grads.map(|(_, l)| (one, l));
+    [(false, ol), a, b, c]
+}
+
+/// Whether a `[b, h, t, d]` layout is the view of a row-major `[b, t, h, d]` buffer.
+fn heads_last(l: &Layout) -> bool {
+    let (h, t, d) = (l.dims()[1], l.dims()[2], l.dims()[3]);
+    l.strides() == [t * h * d, d, h * d, 1]
+}
+
+/// Every kernel family, heads-last operands (the `[b, h, t, d]` head views of a `[b, t, 3hd]`
+/// projection, and of one padded so that the three do not tile one buffer): the output and
+/// the gradients are the contiguous operands' bit for bit (the arithmetic is the same; only the
+/// stores move), come back heads-last (the output and, for separate operands, each gradient;
+/// for the tiled projection the three gradients lie in one buffer of the projection's layout),
+/// and match the f64 composed path on the CPU within the family's tolerance.
+#[test]
+fn heads_last_operands_give_heads_last_outputs_in_every_family() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, t, h, d) = (2, 70, 3, 64);
+    let e = h * d;
+    for (family, dtype) in FAMILIES {
+        let _switches = FamilySwitches::take(family);
+        let tol = match dtype {
+            DType::F32 => 1e-4,
+            DType::BF16 => 3e-2,
+            _ => 1e-2,
+        };
+        for pad in [0, 8] {
+            let qkv = normal::<Cuda>(&[b, t, 3 * e + pad], 71, dtype, &dev);
+            let g = normal::<Cuda>(&[b, t, h, d], 72, dtype, &dev)
+                .transpose(1, 2)
+                .unwrap();
+            let (q, k, v) = (
+                head_view(&qkv, (0, 0, h, d)),
+                head_view(&qkv, (0, 1, h, d)),
+                head_view(&qkv, (0, 2, h, d)),
+            );
+            let what = format!("{family}, padding {pad}");
+            // The backend's layouts for the output and the gradients.
+            let layouts = backend_layouts([&q, &k, &v], &g);
+            assert!(heads_last(&layouts[0].1), "{what}: output {:?}", layouts[0]);
+            for (x, (one, l)) in [&q, &k, &v].iter().zip(&layouts[1..]) {
+                if pad == 0 {
+                    // One buffer, each gradient in its operand's layout.
+                    assert!(*one, "{what}: the gradients share one buffer");
+                    assert_eq!(l.strides(), x.layout().strides(), "{what}");
+                } else {
+                    assert!(!*one, "{what}: separate gradients");
+                    assert!(heads_last(l), "{what}: gradient {l:?}");
+                }
+            }
+            // Bit for bit the contiguous operands' results.
+            let viewed = run(&q, &k, &v, &g, true);
+            let dense = |x: &Tensor<Cuda>| x.contiguous().unwrap();
+            let contiguous = run(&dense(&q), &dense(&k), &dense(&v), &dense(&g), true);
+            for (name, (a, c)) in ["out", "dq", "dk", "dv"]
+                .iter()
+                .zip(viewed.iter().zip(&contiguous))
+            {
+                assert_close(&format!("{what}: {name} vs contiguous"), a, c, 0.0);
+            }
+            // And the f64 reference.
+            let want = run(&on_cpu(&q), &on_cpu(&k), &on_cpu(&v), &on_cpu(&g), true);
+            for (name, (a, w)) in ["out", "dq", "dk", "dv"]
+                .iter()
+                .zip(viewed.iter().zip(&want))
+            {
+                assert_close(&format!("{what}: {name} vs f64"), a, w, tol);
+            }
+        }
+    }
+}
+
+/// Packed self-attention's output and gradient `[b, t, 3E]` through the narrow-based
+/// composition (three narrowed head views into `scaled_dot_product_attention`, fused too).
+fn narrow_path(
+    x: &Tensor<Cuda>,
+    h: usize,
+    g: &Tensor<Cuda>,
+    dropout: Option<(f64, &mut Generator)>,
+) -> [Vec<f64>; 2] {
+    let (b, t, e) = (x.dims()[0], x.dims()[1], x.dims()[2] / 3);
+    let xv = Var::param(x.clone());
+    let (p, rng) = dropout.map_or((0.0, None), |(p, r)| (p, Some(r)));
+    let view = |i: usize| {
+        xv.narrow(-1, i * e, e)
+            .unwrap()
+            .reshape([b, t, h, e / h])
+            .unwrap()
+            .transpose(-3, -2)
+            .unwrap()
+    };
+    let y = view(0)
+        .scaled_dot_product_attention(&view(1), &view(2), &AttnMask::Causal, p, None, rng)
+        .unwrap()
+        .transpose(-3, -2)
+        .unwrap()
+        .reshape([b, t, e])
+        .unwrap();
+    y.backward_with(g).unwrap();
+    [f64s(&y.tensor()), f64s(&xv.grad().unwrap())]
+}
+
+/// `packed_self_attention`'s output and gradient, and the kernel launches of its backward.
+fn packed_path(
+    x: &Tensor<Cuda>,
+    h: usize,
+    g: &Tensor<Cuda>,
+    dropout: Option<(f64, &mut Generator)>,
+) -> ([Vec<f64>; 2], u64) {
+    let xv = Var::param(x.clone());
+    let (p, rng) = dropout.map_or((0.0, None), |(p, r)| (p, Some(r)));
+    let y = xv
+        .packed_self_attention(h, &AttnMask::Causal, p, None, rng)
+        .unwrap();
+    assert!(
+        y.tensor().is_contiguous(),
+        "the output [b, t, E] is the heads-last buffer as is"
+    );
+    let before = thread_launches();
+    y.backward_with(g).unwrap();
+    let launches = thread_launches() - before;
+    ([f64s(&y.tensor()), f64s(&xv.grad().unwrap())], launches)
+}
+
+/// The packed self-attention node equals the narrow-based path bit for bit (the narrow path's
+/// zero padding and sums add zeros), with dropout too (the same draw), in every kernel family;
+/// and its backward is the attention's three kernels (Dr, dK/dV, dQ) writing one buffer: no
+/// zero-fill, no slice assignment, no sum.
+#[test]
+fn packed_self_attention_equals_the_narrow_path_with_one_buffer() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let (b, t, h, d) = (2, 70, 3, 64);
+    let e = h * d;
+    for (family, dtype) in FAMILIES {
+        let _switches = FamilySwitches::take(family);
+        let x = normal::<Cuda>(&[b, t, 3 * e], 81, dtype, &dev);
+        let g = normal::<Cuda>(&[b, t, e], 82, dtype, &dev);
+        x.realize().unwrap();
+        g.realize().unwrap();
+        for p in [0.0, 0.2] {
+            let mut r1 = Generator::new(5);
+            let mut r2 = Generator::new(5);
+            let drop1 = (p > 0.0).then_some((p, &mut r1));
+            let (packed, launches) = packed_path(&x, h, &g, drop1);
+            let drop2 = (p > 0.0).then_some((p, &mut r2));
+            let narrow = narrow_path(&x, h, &g, drop2);
+            assert_eq!(r1.draws(), r2.draws(), "{family}: the same draws");
+            for (name, (a, c)) in ["out", "dx"].iter().zip(packed.iter().zip(&narrow)) {
+                assert_close(&format!("{family} dropout {p}: {name}"), a, c, 0.0);
+            }
+            assert_eq!(
+                launches, 3,
+                "{family}: the packed backward is the three attention kernels"
+            );
         }
     }
 }

@@ -315,7 +315,8 @@ fn reductions(dev: &CudaDevice) {
 /// elsewhere). For the record, kiln only, at the GPT shape: f32 on the f32-FMA kernels
 /// (`_fused_fma`) and on 1xTF32 (`_tf32`, `allow_tf32` on); the 16-bit fused kernels asked for
 /// explicitly (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the f32-FMA ones); the
-/// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB).
+/// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB); and
+/// multi-head self-attention over a packed projection ([`packed_rows`]).
 fn attention(dev: &CudaDevice) {
     // The long shape first: the GPT shape's extra rows flip the kernel switches (and leave
     // 16-bit fusion forced off, not on its default).
@@ -377,8 +378,60 @@ fn attention(dev: &CudaDevice) {
                 kiln_backend_cuda::set_attention_tensor_cores(true);
                 kiln_backend_cuda::set_fused_attention_16bit(false);
             }
+            packed_rows(dev, (b, h, t, d), (dt, tag));
             let _composed = composed_attention();
             row(&format!("fwd_bwd_{tag}_composed"), &fwd_bwd);
         }
+    }
+}
+
+/// Multi-head self-attention over a packed `[b, t, 3E]` projection, forward + the gradient of
+/// the projection, as `MultiheadAttention` runs it (`attn_gpt_packed_fwd_bwd_*`:
+/// `packed_self_attention`, one node, the gradient one buffer the kernels write) and as it ran
+/// before (`attn_gpt_narrow_fwd_bwd_*`: three narrowed head views into
+/// `scaled_dot_product_attention`, the output transposed back, the gradients zero-padded and
+/// summed at the fan-in).
+fn packed_rows(
+    dev: &CudaDevice,
+    (b, h, t, d): (usize, usize, usize, usize),
+    (dt, tag): (DType, &str),
+) {
+    let e = h * d;
+    let x = Var::param(
+        Generator::new(15)
+            .uniform::<Cuda>([b, t, 3 * e], -1.0, 1.0, dev)
+            .and_then(|x| x.to_dtype(dt))
+            .unwrap(),
+    );
+    let g = Generator::new(16)
+        .uniform::<Cuda>([b, t, e], -1.0, 1.0, dev)
+        .and_then(|x| x.to_dtype(dt))
+        .unwrap();
+    let narrow = || -> Result<Var<Cuda>> {
+        let view = |i: usize| {
+            x.narrow(-1, i * e, e)?
+                .reshape([b, t, h, d])?
+                .transpose(-3, -2)
+        };
+        view(0)?
+            .scaled_dot_product_attention(&view(1)?, &view(2)?, &AttnMask::Causal, 0.0, None, None)?
+            .transpose(-3, -2)?
+            .reshape([b, t, e])
+    };
+    let packed = || x.packed_self_attention(h, &AttnMask::Causal, 0.0, None, None);
+    for (what, f) in [
+        ("packed", &packed as &dyn Fn() -> Result<Var<Cuda>>),
+        ("narrow", &narrow),
+    ] {
+        let fwd_bwd = || -> Result<()> {
+            x.zero_grad();
+            f()?.backward_with(&g)?;
+            x.grad().expect("a gradient").realize()
+        };
+        report(
+            &format!("attn_gpt_{what}_fwd_bwd_{tag}"),
+            time(dev, 5, 20, &fwd_bwd),
+            "ms",
+        );
     }
 }

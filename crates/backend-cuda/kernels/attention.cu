@@ -32,7 +32,10 @@
 // and the tiles are zero-padded to it. Q/K/V/dO rows need a
 // unit stride along the head axis; rows and batch entries may have any strides (a head view
 // of a packed qkv projection is read in place). The batch index is decomposed by `bd` and each
-// operand's `Strides` (common.cuh's offset1). O, lse, Dr, dQ, dK, dV are contiguous.
+// operand's `Strides` (common.cuh's offset1). O, dQ, dK and dV are written through their own
+// batch `Strides` and row strides (`AttnShape::o_rs` ..., unit head stride): the host lays them
+// out `[.., T, H, d]` when the operand they mirror is a head view of such a buffer. The
+// backward reads O the same way; lse and Dr are contiguous `[batch, Tq]`.
 //
 // Thread layout (ATT_NT = 128 threads): tx = tid % 16, ty = tid / 16. In a tile product a
 // thread owns rows ty*ATT_RM .. +ATT_RM and columns tx + 16 j: the 16 lanes sharing a row are
@@ -53,6 +56,7 @@
 struct AttnShape {
     u64 tq, tk, d, dv;
     u64 q_rs, k_rs, v_rs, g_rs;  // row strides of q, k, v, dO (elements)
+    u64 o_rs, dq_rs, dk_rs, dv_rs;  // row strides of O, dQ, dK, dV (elements)
     u64 batch;                   // number of batch entries
     u64 key;                     // Philox key of the dropout mask
     float scale;                 // scale of the scores
@@ -162,7 +166,7 @@ template <typename S, int DT>
 __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
                          const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
                          const AttnShape& a, const Dims& bd, const Strides& sq,
-                         const Strides& sk, const Strides& sv) {
+                         const Strides& sk, const Strides& sv, const Strides& so) {
     extern __shared__ __align__(16) float att_smem[];
     float* sQ = att_smem;
     float* sK = sQ + ATT_B * (DT + 1);
@@ -229,7 +233,7 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
         const u64 qi = q0 + ty * ATT_RM + i;
         if (qi >= a.tq) continue;
         const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-        S* orow = o + (b * a.tq + qi) * a.dv;
+        S* orow = o + offset1<u64>(b, bd, so) + qi * a.o_rs;
 #pragma unroll
         for (int n = 0; n < DT / 16; ++n) {
             const u64 c = tx + 16 * n;
@@ -243,14 +247,14 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
 template <typename S>
 __device__ void attn_bwd_pre(const S* __restrict__ o, const S* __restrict__ g,
                              float* __restrict__ dr, const AttnShape& a, const Dims& bd,
-                             const Strides& sg) {
+                             const Strides& sg, const Strides& so) {
     const u64 rows = a.batch * a.tq;
     const int lane = threadIdx.x & 31;
     const u64 warps = (u64)gridDim.x * (blockDim.x >> 5);
     for (u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += warps) {
         const u64 b = r / a.tq, i = r - b * a.tq;
         const S* gr = g + offset1<u64>(b, bd, sg) + i * a.g_rs;
-        const S* orow = o + r * a.dv;
+        const S* orow = o + offset1<u64>(b, bd, so) + i * a.o_rs;
         float s = 0.f;
         for (u64 n = lane; n < a.dv; n += 32) s = fmaf(wide(gr[n]), wide(orow[n]), s);
 #pragma unroll
@@ -265,7 +269,8 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                               const float* __restrict__ lse, const float* __restrict__ dr,
                               S* __restrict__ dk, S* __restrict__ dv, const AttnShape& a,
                               const Dims& bd, const Strides& sq, const Strides& sk,
-                              const Strides& sv, const Strides& sg) {
+                              const Strides& sv, const Strides& sg, const Strides& sdk,
+                              const Strides& sdv) {
     extern __shared__ __align__(16) float att_smem[];
     float* sK = att_smem;
     float* sV = sK + ATT_B * (DT + 1);
@@ -319,6 +324,8 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
         att_mm_nn<DT>(adv, sP, sG, ty, tx);  // dV += P^T dO
         att_mm_nn<DT>(adk, sS, sQ, ty, tx);  // dK += dS^T Q
     }
+    S* dkb = dk + offset1<u64>(b, bd, sdk);
+    S* dvb = dv + offset1<u64>(b, bd, sdv);
 #pragma unroll
     for (int i = 0; i < ATT_RM; ++i) {
         const u64 kj = k0 + ty * ATT_RM + i;
@@ -326,8 +333,8 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
         for (int n = 0; n < DT / 16; ++n) {
             const u64 c = tx + 16 * n;
-            if (c < a.d) dk[(b * a.tk + kj) * a.d + c] = narrow<S>(adk[i][n] * a.scale);
-            if (c < a.dv) dv[(b * a.tk + kj) * a.dv + c] = narrow<S>(adv[i][n]);
+            if (c < a.d) dkb[kj * a.dk_rs + c] = narrow<S>(adk[i][n] * a.scale);
+            if (c < a.dv) dvb[kj * a.dv_rs + c] = narrow<S>(adv[i][n]);
         }
     }
 }
@@ -338,7 +345,7 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
                             const float* __restrict__ lse, const float* __restrict__ dr,
                             S* __restrict__ dq, const AttnShape& a, const Dims& bd,
                             const Strides& sq, const Strides& sk, const Strides& sv,
-                            const Strides& sg) {
+                            const Strides& sg, const Strides& sdq) {
     extern __shared__ __align__(16) float att_smem[];
     float* sQ = att_smem;
     float* sG = sQ + ATT_B * (DT + 1);
@@ -385,6 +392,7 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
         __syncthreads();
         att_mm_nn<DT>(adq, sS, sK, ty, tx);  // dQ += dS K
     }
+    S* dqb = dq + offset1<u64>(b, bd, sdq);
 #pragma unroll
     for (int i = 0; i < ATT_RM; ++i) {
         const u64 qi = q0 + ty * ATT_RM + i;
@@ -392,33 +400,35 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
         for (int n = 0; n < DT / 16; ++n) {
             const u64 c = tx + 16 * n;
-            if (c < a.d) dq[(b * a.tq + qi) * a.d + c] = narrow<S>(adq[i][n] * a.scale);
+            if (c < a.d) dqb[qi * a.dq_rs + c] = narrow<S>(adq[i][n] * a.scale);
         }
     }
 }
 
 #define ATTN_DT(S, DT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_NT)                                       \
-        attn_fwd_##S##_##DT(const S* q, const S* k, const S* v, S* o, float* lse,             \
-                            AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv) {        \
-        attn_fwd<S, DT>(q, k, v, o, lse, a, bd, sq, sk, sv);                                   \
+    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_fwd_##S##_##DT(                  \
+        const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \
+        Strides sq, Strides sk, Strides sv, Strides so) {                                      \
+        attn_fwd<S, DT>(q, k, v, o, lse, a, bd, sq, sk, sv, so);                               \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dkdv_##S##_##DT(             \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
-        S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {  \
-        attn_bwd_dkdv<S, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg);              \
+        S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,    \
+        Strides sdk, Strides sdv) {                                                            \
+        attn_bwd_dkdv<S, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, sdk, sdv);    \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dq_##S##_##DT(               \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
-        S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {         \
-        attn_bwd_dq<S, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg);                    \
+        S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,           \
+        Strides sdq) {                                                                         \
+        attn_bwd_dq<S, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg, sdq);               \
     }
 #define ATTN(S)                                                                                \
     ATTN_DT(S, 64)                                                                             \
     ATTN_DT(S, 128)                                                                            \
     extern "C" __global__ void attn_bwd_pre_##S(const S* o, const S* g, float* dr,            \
-                                                AttnShape a, Dims bd, Strides sg) {            \
-        attn_bwd_pre<S>(o, g, dr, a, bd, sg);                                                  \
+                                                AttnShape a, Dims bd, Strides sg, Strides so) { \
+        attn_bwd_pre<S>(o, g, dr, a, bd, sg, so);                                              \
     }
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
 ATTN(float)

@@ -52,6 +52,9 @@
 //   (A's column t <-> 2t, t + 4 <-> 2t + 1, and B's rows alike) and takes c[] as it lies, with
 //   no shuffle.
 //
+// Outputs: O, dQ, dK, dV are stored through batch `Strides` and row strides (attention.cu's
+// header: heads-last buffers when the operands are head views); lse stays contiguous.
+//
 // Backward: attention.cu's `attn_bwd_pre` computes Dr = rowsum(dO O) first; then
 //   attn_tc_dkdv: one block per (batch, 64 keys), over the query tiles that see them:
 //                 S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T - lse), dV += (P^T z) dO,
@@ -80,6 +83,7 @@
 struct AttnShape {
     u64 tq, tk, d, dv;
     u64 q_rs, k_rs, v_rs, g_rs;  // row strides of q, k, v, dO (elements)
+    u64 o_rs, dq_rs, dk_rs, dv_rs;  // row strides of O, dQ, dK, dV (elements)
     u64 batch;                   // number of batch entries
     u64 key;                     // Philox key of the dropout mask
     float scale;                 // scale of the scores
@@ -415,16 +419,16 @@ __device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 
 }
 
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
-// contiguous [.., ncols] output `out` (columns < ncols).
+// [nrows, ncols] output `out` of row stride `rs` (columns < ncols; unit column stride).
 template <typename S, int DT>
 __device__ __forceinline__ void tc_store(S* out, const float c[DT / 8][4], u64 r0, u64 nrows,
-                                         u64 ncols, float mul0, float mul1) {
+                                         u64 rs, u64 ncols, float mul0, float mul1) {
 #pragma unroll
     for (int n = 0; n < DT / 8; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
             const u64 r = r0 + tc_row(e), col = tc_col(n, e);
-            if (r < nrows && col < ncols) out[r * ncols + col] = narrow<S>(c[n][e] * (e < 2 ? mul0 : mul1));
+            if (r < nrows && col < ncols) out[r * rs + col] = narrow<S>(c[n][e] * (e < 2 ? mul0 : mul1));
         }
 }
 
@@ -433,7 +437,7 @@ template <typename O, int DT, typename S = typename O::S>
 __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                             const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
                             const AttnShape& a, const Dims& bd, const Strides& sq,
-                            const Strides& sk, const Strides& sv) {
+                            const Strides& sk, const Strides& sv, const Strides& so) {
     typedef typename O::E E;
     constexpr int P = TcPitch<E, DT>::P, BK = O::template Side<DT>::T;
     extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
@@ -522,7 +526,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
         l[h] = tc_quad_sum(l[h]);
         inv[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
     }
-    tc_store<S, DT>(o + b * a.tq * a.dv, acc, w0, a.tq, a.dv, inv[0], inv[1]);
+    tc_store<S, DT>(o + offset1<u64>(b, bd, so), acc, w0, a.tq, a.o_rs, a.dv, inv[0], inv[1]);
     if ((threadIdx.x & 3) == 0)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -538,7 +542,8 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                              const float* __restrict__ lse, const float* __restrict__ dr,
                              S* __restrict__ dk, S* __restrict__ dv, const AttnShape& a,
                              const Dims& bd, const Strides& sq, const Strides& sk,
-                             const Strides& sv, const Strides& sg) {
+                             const Strides& sv, const Strides& sg, const Strides& sdk,
+                             const Strides& sdv) {
     typedef typename O::E E;
     constexpr int P = TcPitch<E, DT>::P, BQ = O::template Side<DT>::T;
     extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
@@ -616,8 +621,8 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     // With no query tile (causal, keys past the last query) the K and V copies are uncommitted.
     tc_commit();
     tc_wait<0>();
-    tc_store<S, DT>(dk + b * a.tk * a.d, adk, w0, a.tk, a.d, a.scale, a.scale);
-    tc_store<S, DT>(dv + b * a.tk * a.dv, adv, w0, a.tk, a.dv, 1.f, 1.f);
+    tc_store<S, DT>(dk + offset1<u64>(b, bd, sdk), adk, w0, a.tk, a.dk_rs, a.d, a.scale, a.scale);
+    tc_store<S, DT>(dv + offset1<u64>(b, bd, sdv), adv, w0, a.tk, a.dv_rs, a.dv, 1.f, 1.f);
 }
 
 template <typename O, int DT, typename S = typename O::S>
@@ -626,7 +631,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                            const float* __restrict__ lse, const float* __restrict__ dr,
                            S* __restrict__ dq, const AttnShape& a, const Dims& bd,
                            const Strides& sq, const Strides& sk, const Strides& sv,
-                           const Strides& sg) {
+                           const Strides& sg, const Strides& sdq) {
     typedef typename O::E E;
     constexpr int P = TcPitch<E, DT>::P, BK = O::template Side<DT>::T;
     extern __shared__ __align__(16) u16 tc_smem[];  // (see TcPitch)
@@ -692,7 +697,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
         }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
     }
-    tc_store<S, DT>(dq + b * a.tq * a.d, adq, w0, a.tq, a.d, a.scale, a.scale);
+    tc_store<S, DT>(dq + offset1<u64>(b, bd, sdq), adq, w0, a.tq, a.dq_rs, a.d, a.scale, a.scale);
 }
 
 #define TC_BODY(call) call
@@ -703,20 +708,23 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 
 // NAME: the kernels' prefix (attn_NAME_fwd_S_DT ...); O: the operand format; S: storage type.
 #define ATTN_TC_DT(NAME, O, S, DT)                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_NT)                                        \
-        attn_##NAME##_fwd_##S##_##DT(const S* q, const S* k, const S* v, S* o, float* lse,    \
-                                     AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv) { \
-        TC_BODY((attn_tc_fwd<O, DT>(q, k, v, o, lse, a, bd, sq, sk, sv)));                     \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_fwd_##S##_##DT(          \
+        const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \
+        Strides sq, Strides sk, Strides sv, Strides so) {                                      \
+        TC_BODY((attn_tc_fwd<O, DT>(q, k, v, o, lse, a, bd, sq, sk, sv, so)));                 \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dkdv_##S##_##DT(         \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
-        S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {  \
-        TC_BODY((attn_tc_dkdv<O, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg)));    \
+        S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,    \
+        Strides sdk, Strides sdv) {                                                            \
+        TC_BODY((attn_tc_dkdv<O, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, sdk,  \
+                                     sdv)));                                                   \
     }                                                                                          \
     extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dq_##S##_##DT(           \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
-        S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg) {         \
-        TC_BODY((attn_tc_dq<O, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg)));          \
+        S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,           \
+        Strides sdq) {                                                                         \
+        TC_BODY((attn_tc_dq<O, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg, sdq)));     \
     }
 #define ATTN_TC(NAME, O, S)                                                                    \
     ATTN_TC_DT(NAME, O, S, 64)                                                                 \

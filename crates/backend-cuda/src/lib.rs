@@ -644,7 +644,7 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let tf32 = blas::allow_tf32();
         let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
-        Ok(r.map(|(o, l)| (CudaStorage::ready(o), CudaStorage::ready(l))))
+        Ok(r.map(|((o, ol), l)| ((CudaStorage::ready(o), ol), CudaStorage::ready(l))))
     }
 
     fn attention_backward(
@@ -669,12 +669,9 @@ impl Backend for Cuda {
             dtype,
             (spec, blas::allow_tf32()),
         )?;
-        Ok(r.map(|(a, b, c)| {
-            (
-                CudaStorage::ready(a),
-                CudaStorage::ready(b),
-                CudaStorage::ready(c),
-            )
+        Ok(r.map(|g| AttentionGrads {
+            storages: g.storages.into_iter().map(CudaStorage::ready).collect(),
+            grads: g.grads,
         }))
     }
 

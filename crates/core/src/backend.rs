@@ -16,6 +16,7 @@
 use std::fmt::{Debug, Display};
 use std::hash::Hash;
 
+pub use crate::attention_layout::{attention_output_layout, attention_packed_layouts};
 pub use crate::epilogue::{Activation, EpilogueGrads, EpilogueOutputs};
 pub use crate::host::HostBuffer;
 use crate::host::{HostRows, HostSource};
@@ -68,13 +69,44 @@ pub struct AttentionSpec {
 /// One operand of a fused attention call: a storage and its layout.
 pub type Operand<'a, S> = (&'a S, &'a Layout);
 
-/// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
-/// inputs' dtype, and the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32
-/// (`+inf` for a row with no key left, so that `exp(s - lse)` is 0 there).
-pub type AttentionOutputs<S> = (S, S);
+/// One output of a fused attention call: a fresh storage holding exactly the output's elements
+/// and the layout to view it with (offset 0; see [`attention_output_layout`]).
+pub type AttentionOutput<S> = (S, Layout);
 
-/// The outputs of [`Backend::attention_backward`]: the gradients `(dq, dk, dv)`.
-pub type AttentionGrads<S> = (S, S, S);
+/// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
+/// inputs' dtype with its layout (O mirrors q's axis order: [`attention_output_layout`]), and
+/// the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32, contiguous (`+inf` for a
+/// row with no key left, so that `exp(s - lse)` is 0 there).
+pub type AttentionOutputs<S> = (AttentionOutput<S>, S);
+
+/// The outputs of [`Backend::attention_backward`]: the gradients `dq`, `dk`, `dv` in the shapes
+/// of `q`, `k`, `v`. dQ/dK/dV mirror q/k/v's layouts: either three storages, each laid out by
+/// [`attention_output_layout`], or — when `q`, `k` and `v` are the three head views of one
+/// packed projection ([`attention_packed_layouts`]) — one storage holding all three in the
+/// operands' own layout, so the gradient of the packed projection is that storage as is (no
+/// zero-filled buffer, no slice assignments, no sum).
+#[derive(Debug)]
+pub struct AttentionGrads<S> {
+    /// Fresh storages (one or three).
+    pub storages: Vec<S>,
+    /// For `dq`, `dk`, `dv` in turn: the index in `storages` of the one it lies in, and its
+    /// layout there.
+    pub grads: [(usize, Layout); 3],
+}
+
+impl<S> AttentionGrads<S> {
+    /// Three separate gradients, each in its own storage.
+    pub fn separate(
+        dq: AttentionOutput<S>,
+        dk: AttentionOutput<S>,
+        dv: AttentionOutput<S>,
+    ) -> Self {
+        AttentionGrads {
+            storages: vec![dq.0, dk.0, dv.0],
+            grads: [(0, dq.1), (1, dk.1), (2, dv.1)],
+        }
+    }
+}
 
 /// What a fused layer norm or RMS norm computes ([`Backend::layer_norm_forward`]): each row of
 /// `cols` elements (the normalized trailing axes, flattened) of `rows` rows normalized on its
@@ -544,9 +576,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
 
     /// Fused scaled dot-product attention in the flash-attention manner: `q` `[batch.., Tq,
     /// d]`, `k` `[batch.., Tk, d]`, `v` `[batch.., Tk, dv]` (the same batch axes, no
-    /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output and
-    /// the row log-sum-exps ([`AttentionOutputs`]), which [`Backend::attention_backward`]
-    /// recomputes the weights from. A fully masked row (only with `Tk = 0`, which callers do not
+    /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output
+    /// with its layout (contiguous, or mirroring q's axis order as [`attention_output_layout`]
+    /// lays it out) and the row log-sum-exps ([`AttentionOutputs`]), which
+    /// [`Backend::attention_backward`] recomputes the weights from (it must accept the output in
+    /// the layout it returned). A fully masked row (only with `Tk = 0`, which callers do not
     /// send) gives zeros.
     ///
     /// `Ok(None)` means "not offered" for this call (dtype, head size, layout): the caller
@@ -564,7 +598,9 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         Ok(None)
     }
 
-    /// The gradients `(dq, dk, dv)` (contiguous, in the shapes of `q`, `k`, `v`) of a fused
+    /// The gradients `(dq, dk, dv)` (in the shapes of `q`, `k`, `v`, each with its layout: a
+    /// backend may keep them contiguous or mirror its operand's axis order as
+    /// [`attention_output_layout`] does) of a fused
     /// attention whose forward gave `out` and `lse`, for the output gradient `g`, by
     /// recomputing the weights tile by tile from `lse` (the `Tq × Tk` matrix is never stored).
     /// `Ok(None)` when not offered (the default); a backend that fused the forward must offer it.

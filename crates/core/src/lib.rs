@@ -32,6 +32,7 @@
 //! # Ok::<(), kiln_core::Error>(())
 //! ```
 
+mod attention_layout;
 pub mod backend;
 mod clock;
 mod device;
@@ -66,9 +67,10 @@ pub mod unscale;
 mod update;
 
 pub use backend::{
-    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
-    Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads, NormOutputs, NormSpec,
-    RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
+    Activation, AttentionGrads, AttentionOutput, AttentionOutputs, AttentionSpec, Backend,
+    BinaryOp, CmpOp, Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads, NormOutputs,
+    NormSpec, RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
+    attention_output_layout, attention_packed_layouts,
 };
 pub use device::{DeviceKind, DeviceSpec};
 pub use dims::Shape;

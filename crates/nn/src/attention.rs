@@ -3,9 +3,12 @@
 //! One fused input projection: `in_proj_weight` `[3E, E]` holds the query, key and value
 //! projections stacked (PyTorch's layout and name, so a PyTorch state dict loads unchanged), and
 //! self-attention (query, key and value the same variable) runs it as one product
-//! `x · in_proj_weightᵀ` of width `3E`, then splits the result into the three views. Heads are
-//! a reshape and a transpose (`[.., L, E]` → `[.., H, L, E/H]`), the attention itself is
-//! [`Var::scaled_dot_product_attention`], and `out_proj` is a [`Linear`].
+//! `x · in_proj_weightᵀ` of width `3E` and attends over the packed result in one node
+//! ([`Var::packed_self_attention`]: on a fused backend the output comes back `[.., L, E]` and
+//! the gradient as one `[.., L, 3E]` buffer, with no head transposes or zero-padded slices).
+//! Cross-attention projects the three apart; its heads are a reshape and a transpose
+//! (`[.., L, E]` → `[.., H, L, E/H]`) into [`Var::scaled_dot_product_attention`]. `out_proj`
+//! is a [`Linear`].
 //!
 //! Initialization is PyTorch's `_reset_parameters`: `in_proj_weight` Xavier uniform (fans
 //! `E` and `3E`), `out_proj.weight` the Linear default (Kaiming uniform with `a = √5`), both
@@ -179,24 +182,18 @@ pub fn multi_head_attention<B: Backend>(
             ));
         }
     }
-    let third = |t: &Var<B>, i: usize| t.narrow(0, i * e, e);
-    let (q, k, v) = if query.ptr_eq(key) && key.ptr_eq(value) {
+    if query.ptr_eq(key) && key.ptr_eq(value) {
+        // Self-attention: one projection, one attention node over its packed result.
         let qkv = query.linear(w.in_proj_weight, w.in_proj_bias)?;
-        (
-            qkv.narrow(-1, 0, e)?,
-            qkv.narrow(-1, e, e)?,
-            qkv.narrow(-1, 2 * e, e)?,
-        )
-    } else {
-        let mut proj = Vec::with_capacity(3);
-        for (i, x) in [query, key, value].into_iter().enumerate() {
-            let b = w.in_proj_bias.map(|b| third(b, i)).transpose()?;
-            proj.push(x.linear(&third(w.in_proj_weight, i)?, b.as_ref())?);
-        }
-        let v = proj.pop().expect("three projections");
-        let k = proj.pop().expect("three projections");
-        (proj.pop().expect("three projections"), k, v)
-    };
+        let y = qkv.packed_self_attention(num_heads, mask, dropout_p, None, generator)?;
+        return y.linear(w.out_weight, w.out_bias);
+    }
+    let third = |t: &Var<B>, i: usize| t.narrow(0, i * e, e);
+    let mut proj = Vec::with_capacity(3);
+    for (i, x) in [query, key, value].into_iter().enumerate() {
+        let b = w.in_proj_bias.map(|b| third(b, i)).transpose()?;
+        proj.push(x.linear(&third(w.in_proj_weight, i)?, b.as_ref())?);
+    }
     // [.., T, E] -> [.., H, T, E/H].
     let heads = |x: &Var<B>| {
         let mut d = x.dims();
@@ -205,15 +202,15 @@ pub fn multi_head_attention<B: Backend>(
         d.push(e / num_heads);
         x.reshape(d)?.transpose(-3, -2)
     };
-    let y = heads(&q)?.scaled_dot_product_attention(
-        &heads(&k)?,
-        &heads(&v)?,
+    let y = heads(&proj[0])?.scaled_dot_product_attention(
+        &heads(&proj[1])?,
+        &heads(&proj[2])?,
         mask,
         dropout_p,
         None,
         generator,
     )?;
-    // [.., H, L, E/H] -> [.., L, E].
+    // [.., H, L, E/H] -> [.., L, E] (free when the attention came back heads-last).
     let y = y.transpose(-3, -2)?;
     let mut d = y.dims();
     d.truncate(d.len() - 2);

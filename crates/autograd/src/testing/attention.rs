@@ -1,5 +1,6 @@
 //! Scaled dot-product attention: no mask, causal (square or not) and a random keep-mask (which
-//! may leave a query row with no key), over batch axes, with strided inputs.
+//! may leave a query row with no key), over batch axes, with strided inputs; packed multi-head
+//! self-attention (`packed_self_attention`) without a mask and causal.
 
 use super::*;
 use crate::AttnMask;
@@ -46,6 +47,33 @@ pub(super) fn attention_cases<B: Backend>() -> Vec<(String, Case<B>)> {
                     };
                     check(cfg, &ins, |v| {
                         v[0].scaled_dot_product_attention(&v[1], &v[2], &m, 0.0, None, None)
+                    })
+                })
+            }),
+        ));
+    }
+    for mask in ["none", "causal"] {
+        c.push((
+            format!("attention/packed_self_{mask}"),
+            Box::new(move |dev: &B::Device, cfg: &SuiteConfig| {
+                let s = (
+                    dims(0, 2),
+                    1usize..=4,
+                    (1usize..=3, 1usize..=3),
+                    lay(),
+                    any::<u64>(),
+                );
+                prop(cfg, s, |(batch, t, (h, d), lay, seed)| {
+                    let mut dims = batch.clone();
+                    dims.extend([t, 3 * h * d]);
+                    let x = In { dims, lay, seed }.build::<B>(Vals::Normal, dev)?;
+                    let m = if mask == "causal" {
+                        AttnMask::Causal
+                    } else {
+                        AttnMask::None
+                    };
+                    check(cfg, &[x], |v| {
+                        v[0].packed_self_attention(h, &m, 0.0, None, None)
                     })
                 })
             }),

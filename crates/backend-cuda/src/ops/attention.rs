@@ -43,11 +43,27 @@
 //! products and a softmax, which also handles every mask other than causal.
 //! Operands whose head axis is strided (not unit stride) are copied first; any other layout
 //! (a head view of a packed projection, transposed batch axes) is read in place.
+//!
+//! # Output layouts
+//!
+//! O, dQ, dK and dV are written through batch and row strides, laid out by
+//! `kiln_core::attention_output_layout`: an operand viewed `[.., H, T, d]` over a `[.., T, H,
+//! d]` buffer (multi-head attention's head views) gets its output or gradient in a fresh
+//! `[.., T, H, d]` buffer (returned as the `[.., H, T, d]` view), so the caller's transpose
+//! back and reshape to `[.., T, E]` cost nothing; other operands get contiguous outputs. The
+//! row statistics (lse, Dr) stay contiguous `[.., T]`. When q, k and v are the three head
+//! views of one packed `[.., T, 3E]` projection (self-attention), dQ, dK and dV are written
+//! into one `[.., T, 3E]` buffer in the operands' own layouts: that buffer is the packed
+//! projection's gradient as is. The backward reads the forward's O in
+//! whatever layout it is given (unit head stride), in place.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use kiln_core::backend::Operand;
-use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
+use kiln_core::{
+    AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result, Shape,
+    attention_output_layout, attention_packed_layouts,
+};
 
 use crate::launch::{Args, Dims, Strides, collapse};
 use crate::memory::{Buffer, alloc};
@@ -70,6 +86,10 @@ struct AttnShape {
     k_rs: u64,
     v_rs: u64,
     g_rs: u64,
+    o_rs: u64,
+    dq_rs: u64,
+    dk_rs: u64,
+    dv_rs: u64,
     batch: u64,
     key: u64,
     scale: f32,
@@ -138,7 +158,8 @@ struct Plan {
     shape: AttnShape,
     /// The batch dims, collapsed.
     bd: Dims,
-    /// Per operand (q, k, v, and dO in the backward), its batch strides and offset.
+    /// Per operand (q, k, v, and dO in the backward), then per output layout, its batch
+    /// strides and offset.
     ss: Vec<Strides>,
     /// The compiled head size: its name in the kernels' names, and its value.
     tile: (&'static str, usize),
@@ -175,6 +196,7 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
 /// The [`Plan`] of one call, or `None` when the kernels do not take it.
 fn plan(
     views: &[&View<'_>],
+    outs: &[&Layout],
     dtype: DType,
     (spec, tf32): (AttentionSpec, bool),
     target: (u32, usize),
@@ -204,8 +226,19 @@ fn plan(
     if nbatch == 0 || nbatch >= 1 << 31 {
         return Ok(None);
     }
-    let strides: Vec<&[usize]> = views.iter().map(|x| x.batch_strides()).collect();
-    let offsets: Vec<usize> = views.iter().map(|x| x.layout.offset()).collect();
+    if outs.iter().any(|l| l.dims()[..l.rank() - 2] != *batch) {
+        return Ok(None);
+    }
+    let strides: Vec<&[usize]> = views
+        .iter()
+        .map(|x| x.batch_strides())
+        .chain(outs.iter().map(|l| &l.strides()[..l.rank() - 2]))
+        .collect();
+    let offsets: Vec<usize> = views
+        .iter()
+        .map(|x| x.layout.offset())
+        .chain(outs.iter().map(|l| l.offset()))
+        .collect();
     let (bd, ss) = collapse(OP, batch, &strides, &offsets)?;
     let g_rs = views.get(3).map_or(0, |g| g.row_stride());
     let shape = AttnShape {
@@ -217,6 +250,10 @@ fn plan(
         k_rs: k.row_stride(),
         v_rs: v.row_stride(),
         g_rs,
+        o_rs: 0,
+        dq_rs: 0,
+        dk_rs: 0,
+        dv_rs: 0,
         batch: nbatch as u64,
         key: spec.dropout_key,
         scale: spec.scale as f32,
@@ -235,10 +272,20 @@ fn plan(
     }))
 }
 
-/// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` and the f32 row
-/// log-sum-exps `[batch.., Tq]`, or `None` when not offered (module docs). `spec` comes with
-/// whether f32 may take 1xTF32 (`allow_tf32()`, read by the caller: `blas` is not this
-/// module's to import).
+/// The row stride of a layout of rank >= 2.
+fn row_stride(l: &Layout) -> u64 {
+    l.strides()[l.rank() - 2] as u64
+}
+
+/// The layout of an output of `dims` computed from the operand laid out as `like`.
+fn out_layout(like: &Layout, dims: Vec<usize>) -> Layout {
+    attention_output_layout(like, &Shape::new(dims))
+}
+
+/// `Backend::attention_forward` on the GPU: the output `[batch.., Tq, dv]` with its layout
+/// (module docs) and the f32 row log-sum-exps `[batch.., Tq]`, or `None` when not offered
+/// (module docs). `spec` comes with whether f32 may take 1xTF32 (`allow_tf32()`, read by the
+/// caller: `blas` is not this module's to import).
 pub(crate) fn forward(
     q: Operand<'_, Buffer>,
     k: Operand<'_, Buffer>,
@@ -256,14 +303,18 @@ pub(crate) fn forward(
         View::new(k, dtype)?,
         View::new(v, dtype)?,
     );
+    let mut o_dims = q.1.dims().to_vec();
+    *o_dims.last_mut().expect("rank >= 2") = vv.cols();
+    let o_layout = out_layout(q.1, o_dims);
     let Some(Plan {
-        shape,
+        mut shape,
         bd,
         ss,
         tile,
         family,
     }) = plan(
         &[&qv, &kv, &vv],
+        &[&o_layout],
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -271,6 +322,7 @@ pub(crate) fn forward(
     else {
         return Ok(None);
     };
+    shape.o_rs = row_stride(&o_layout);
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
     let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
     let lse = alloc(dev, nb * tq * 4)?;
@@ -284,14 +336,17 @@ pub(crate) fn forward(
         .push(bd)
         .push(ss[0])
         .push(ss[1])
-        .push(ss[2]);
+        .push(ss[2])
+        .push(ss[3]);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
     launch(dev, (family, Stage::Fwd), dtype, tile, grid, &mut a)?;
-    Ok(Some((out, lse)))
+    Ok(Some(((out, o_layout), lse)))
 }
 
-/// `Backend::attention_backward` on the GPU: `(dq, dk, dv)`, contiguous in the shapes of `q`,
-/// `k` and `v`, or `None` when not offered (the forward then was not either).
+/// `Backend::attention_backward` on the GPU: `(dq, dk, dv)` in the shapes of `q`, `k` and `v`,
+/// each with its layout (module docs; one buffer for the three when `q`, `k`, `v` are the head
+/// views of one packed projection), or `None` when not offered (the forward then was not
+/// either).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: Operand<'_, Buffer>,
@@ -315,14 +370,36 @@ pub(crate) fn backward(
         View::new(v, dtype)?,
     );
     let gv = View::new(g, dtype)?;
+    // The forward's O, in the layout it returned (or any other with a unit head stride).
+    let ov = View::new(out, dtype)?;
+    if ov.layout.shape() != gv.layout.shape() {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects the forward's output in the output gradient's shape {}, got {}",
+                gv.layout.shape(),
+                ov.layout.shape()
+            ),
+        ));
+    }
+    let packed = packed_grads(q, k, v);
+    let [dq_l, dk_l, dv_l] = match &packed {
+        Some((_, ls)) => ls.clone(),
+        None => [
+            out_layout(q.1, q.1.dims().to_vec()),
+            out_layout(k.1, k.1.dims().to_vec()),
+            out_layout(v.1, v.1.dims().to_vec()),
+        ],
+    };
     let Some(Plan {
-        shape,
+        mut shape,
         bd,
         ss,
         tile,
         family,
     }) = plan(
         &[&qv, &kv, &vv, &gv],
+        &[&ov.layout, &dq_l, &dk_l, &dv_l],
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -330,58 +407,50 @@ pub(crate) fn backward(
     else {
         return Ok(None);
     };
+    shape.o_rs = ov.row_stride();
+    shape.dq_rs = row_stride(&dq_l);
+    shape.dk_rs = row_stride(&dk_l);
+    shape.dv_rs = row_stride(&dv_l);
+    let (so, sdq, sdk, sdv) = (ss[4], ss[5], ss[6], ss[7]);
     let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
     let (d, dvn) = (shape.d as usize, shape.dv as usize);
-    if gv.rows() != tq || gv.cols() != dvn {
-        return Err(kiln_core::Error::invalid(
-            OP,
-            format!(
-                "expects an output gradient [.., {tq}, {dvn}], got {}",
-                gv.layout.shape()
-            ),
-        ));
-    }
-    // The forward's own outputs, contiguous unless a caller re-laid them out.
-    let packed = |(s, l): Operand<'_, Buffer>, dt: DType| -> Result<Option<Buffer>> {
-        Ok(if l.is_contiguous() && l.offset() == 0 {
-            None
-        } else {
-            Some(contiguous(s, l, dt)?)
-        })
+    check_saved(&gv, lse.1, &shape)?;
+    // The log-sum-exps: contiguous as the forward made them, unless a caller re-laid them out.
+    let lse_copy = if lse.1.is_contiguous() && lse.1.offset() == 0 {
+        None
+    } else {
+        Some(contiguous(lse.0, lse.1, DType::F32)?)
     };
-    let out_copy = packed(out, dtype)?;
-    let lse_copy = packed(lse, DType::F32)?;
-    let out_ptr = out_copy.as_ref().unwrap_or(out.0).device_ptr();
     let lse_ptr = lse_copy.as_ref().unwrap_or(lse.0).device_ptr();
-    if out.1.elem_count() != nb * tq * dvn || lse.1.elem_count() != nb * tq {
-        return Err(kiln_core::Error::invalid(
-            OP,
-            format!(
-                "expects the forward's output [.., {tq}, {dvn}] and log-sum-exp [.., {tq}], got {} and {}",
-                out.1.shape(),
-                lse.1.shape()
-            ),
-        ));
-    }
     let dr = alloc(dev, nb * tq * 4)?;
     let mut a = Args::new();
-    a.push(out_ptr)
+    a.push(ov.ptr())
         .push(gv.ptr())
         .push(dr.device_ptr())
         .push(shape)
         .push(bd)
-        .push(ss[3]);
+        .push(ss[3])
+        .push(so);
     let rows = (nb * tq) as u64;
     let grid = (rows.div_ceil(8).min(dev.sm_count() as u64 * 32) as u32, 1);
     let f = dev.func(Module::Attention, &["attn_bwd_pre", tname(dtype)])?;
     dev.launch(OP, f, grid, 256, 0, a.ptrs())?;
 
     let size = dtype.size_in_bytes();
-    let (dq, dk, dv) = (
-        alloc(dev, nb * tq * d * size)?,
-        alloc(dev, nb * tk * d * size)?,
-        alloc(dev, nb * tk * dvn * size)?,
-    );
+    let storages = match packed {
+        Some((n, _)) => vec![alloc(dev, n * size)?],
+        None => vec![
+            alloc(dev, nb * tq * d * size)?,
+            alloc(dev, nb * tk * d * size)?,
+            alloc(dev, nb * tk * dvn * size)?,
+        ],
+    };
+    // One storage: the three gradients lie in it at their layouts' offsets (in `sdq` ...).
+    let (dq, dk, dv) = match storages.as_slice() {
+        [one] => (one, one, one),
+        [a, b, c] => (a, b, c),
+        _ => unreachable!("one or three storages"),
+    };
     let operands = |a: &mut Args| {
         a.push(qv.ptr())
             .push(kv.ptr())
@@ -398,7 +467,9 @@ pub(crate) fn backward(
         .push(ss[0])
         .push(ss[1])
         .push(ss[2])
-        .push(ss[3]);
+        .push(ss[3])
+        .push(sdk)
+        .push(sdv);
     let grid = (nb as u32, tk.div_ceil(family.block_rows()) as u32);
     launch(dev, (family, Stage::DkDv), dtype, tile, grid, &mut a)?;
 
@@ -410,10 +481,55 @@ pub(crate) fn backward(
         .push(ss[0])
         .push(ss[1])
         .push(ss[2])
-        .push(ss[3]);
+        .push(ss[3])
+        .push(sdq);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
     launch(dev, (family, Stage::Dq), dtype, tile, grid, &mut a)?;
-    Ok(Some((dq, dk, dv)))
+    let which = |i: usize| if storages.len() == 1 { 0 } else { i };
+    Ok(Some(AttentionGrads {
+        grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],
+        storages,
+    }))
+}
+
+/// Checks the output gradient's rows and columns and the log-sum-exps' count against `shape`.
+fn check_saved(gv: &View<'_>, lse: &Layout, shape: &AttnShape) -> Result<()> {
+    const OP: &str = "scaled_dot_product_attention_backward";
+    let (nb, tq, dvn) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
+    if gv.rows() != tq || gv.cols() != dvn {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects an output gradient [.., {tq}, {dvn}], got {}",
+                gv.layout.shape()
+            ),
+        ));
+    }
+    if lse.elem_count() != nb * tq {
+        return Err(kiln_core::Error::invalid(
+            OP,
+            format!(
+                "expects the forward's log-sum-exp [.., {tq}], got {}",
+                lse.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// When `q`, `k`, `v` are the three head views of one packed projection (one buffer,
+/// `kiln_core::attention_packed_layouts`, unit head stride): the element count of one buffer
+/// for their three gradients and the gradients' layouts in it.
+fn packed_grads(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+) -> Option<(usize, [Layout; 3])> {
+    let (p, l) = (q.0.device_ptr(), q.1);
+    if p != k.0.device_ptr() || p != v.0.device_ptr() || l.strides()[l.rank() - 1] != 1 {
+        return None;
+    }
+    attention_packed_layouts(q.1, k.1, v.1)
 }
 
 #[cfg(test)]
@@ -422,7 +538,7 @@ mod tests {
 
     #[test]
     fn shape_struct_matches_the_kernel() {
-        // 10 u64 + 4 f32 + 2 i32.
-        assert_eq!(std::mem::size_of::<AttnShape>(), 104);
+        // 14 u64 + 4 f32 + 2 i32.
+        assert_eq!(std::mem::size_of::<AttnShape>(), 136);
     }
 }

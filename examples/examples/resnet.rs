@@ -20,8 +20,9 @@
 //! (`--epochs 0` only evaluates), and `--dump-logits` writes 100 test inputs and their
 //! eval-mode logits, which `bench/resnet_torch.py --load W --check-logits F` recomputes.
 //!
-//! Convolutions run as im2col + GEMM on every backend (kiln has no cuDNN path yet), so on a GPU
-//! this measures that path.
+//! On a GPU convolutions run through cuDNN when it can be loaded (the graph API for TF32 and
+//! 16-bit math, the legacy one for strict f32; see kiln-backend-cuda's `cudnn` module), and as
+//! im2col + GEMM otherwise, as on the CPU; the backend says once which it uses.
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -73,6 +73,13 @@ pub(super) struct Candidate {
     time: f32,
 }
 
+impl Candidate {
+    /// What the search measured, ms (0 from the heuristic).
+    pub(super) fn time(&self) -> f32 {
+        self.time
+    }
+}
+
 impl std::fmt::Display for Candidate {
     /// `algo 1 (tensor op) 0.123 ms, 4.0 MiB`, for `KILN_CUDNN_LOG=1`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -28,8 +28,9 @@
 //!   (timing synchronizes), or a call for which no plan's workspace can be had. A plan
 //!   measured before a capture is captured like any kernel.
 //! - **Switch**: `KILN_CUDNN_API=auto|graph|legacy` (read once) or [`set_cudnn_api`]; the
-//!   default `auto` takes this path where the math may use tensor cores (TF32, bf16, f16) and
-//!   the legacy one for f32 without TF32 and f64, as measured on an H100 (see [`CudnnApi`]).
+//!   default `auto` takes this path where the math may use tensor cores (TF32, bf16, f16), and
+//!   for f32 without TF32 and f64 whichever API's fastest measured choice is faster, per
+//!   geometry and direction, as measured on an H100 (see [`CudnnApi`]).
 //!   [`cudnn_graph_calls`] counts calls that ran through it, for tests and benchmarks.
 
 use std::collections::HashMap;
@@ -53,11 +54,13 @@ use crate::memory::alloc;
 /// Which cuDNN API convolutions go through.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CudnnApi {
-    /// The graph API where the math may use tensor cores (TF32, bf16, f16), the legacy API
-    /// for f32 with TF32 off and f64: the default. Measured on an H100 (2026-11-27,
-    /// ResNet-18 step at batch 256, BENCHMARKS.md): TF32 18.28 ms legacy against 14.42 graph,
-    /// bf16 21.00 against 10.61, but f32 23.25 against 30.59 — the legacy search's FMA
-    /// algorithms (Winograd, FFT) are not among the graph heuristics' first ten.
+    /// The graph API where the math may use tensor cores (TF32, bf16, f16); for f32 with TF32
+    /// off and f64, whichever API's fastest measured choice is faster, per geometry and
+    /// direction: the default. Measured on an H100 (2026-11-27, ResNet-18 step at batch 256,
+    /// BENCHMARKS.md): TF32 18.28 ms legacy against 14.42 graph, bf16 21.00 against 10.61; in
+    /// f32 the graph heuristics' first ten engines lost the whole step (30.59 against 23.25:
+    /// the legacy search's Winograd and FFT algorithms are not among them) but won single
+    /// layers (a 3-channel stem, batch 32: 0.063 ms fwd+bwd against 0.258).
     Auto,
     /// `cudnnFind*AlgorithmEx` and `cudnnConvolution*` (`algo.rs`).
     Legacy,
@@ -67,12 +70,14 @@ pub enum CudnnApi {
 }
 
 impl CudnnApi {
-    /// Whether a call whose math is `math` goes through the graph API.
-    pub(super) fn graph_for(self, math: sys::cudnnMathType_t) -> bool {
+    /// Whether a call whose math is `math` goes through the graph API: `None` when both
+    /// APIs' measurements decide (`Auto` with FMA math).
+    pub(super) fn graph_for(self, math: sys::cudnnMathType_t) -> Option<bool> {
         match self {
-            CudnnApi::Legacy => false,
-            CudnnApi::Graph => true,
-            CudnnApi::Auto => math != sys::cudnnMathType_t::CUDNN_FMA_MATH,
+            CudnnApi::Legacy => Some(false),
+            CudnnApi::Graph => Some(true),
+            CudnnApi::Auto if math == sys::cudnnMathType_t::CUDNN_FMA_MATH => None,
+            CudnnApi::Auto => Some(true),
         }
     }
 }
@@ -302,6 +307,24 @@ pub(super) struct Call<'a> {
 }
 
 impl Call<'_> {
+    /// The fastest plan's time for this geometry and direction, ms (measured first if it was
+    /// not); `None` when the graph API cannot serve it, or nothing may be measured now (a
+    /// capture).
+    pub fn best_ms(&self, cache: &mut Cache) -> Result<Option<f32>> {
+        let o = self.ops;
+        if !graph_available() || !aligned(&[o.a, o.b, o.out]) {
+            return Ok(None);
+        }
+        let entry = match cache.entry((*self.key, self.dir)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(_) if self.dev.capturing() => {
+                return Ok(None);
+            }
+            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.measure()?),
+        };
+        Ok(entry.plans.first().map(|c| c.time))
+    }
+
     /// Runs the call through the graph API: `Ok(false)` when this geometry takes the legacy
     /// path instead (module docs), with nothing run.
     pub fn run(&self, cache: &mut Cache) -> Result<bool> {

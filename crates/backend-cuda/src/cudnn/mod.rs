@@ -33,9 +33,11 @@
 //!   whose engines, timed per geometry and direction as `cudnn.benchmark` does, include
 //!   Hopper's NHWC tensor-core kernels for NCHW tensors; a geometry the graph API cannot
 //!   serve, or first seen inside a capture, takes the legacy path. By default (`auto`) the
-//!   graph API serves tensor-core math (TF32, bf16, f16) and the legacy one strict f32 and
-//!   f64, where its Winograd/FFT algorithms win (`KILN_CUDNN_API=auto|graph|legacy`,
-//!   [`set_cudnn_api`]). The layout switch applies to the legacy API only.
+//!   graph API serves tensor-core math (TF32, bf16, f16); strict f32 and f64 take, per
+//!   geometry and direction, the API whose fastest measured choice is faster (the legacy
+//!   search's Winograd/FFT algorithms win ResNet-18's layers, the graph engines some others)
+//!   (`KILN_CUDNN_API=auto|graph|legacy`, [`set_cudnn_api`]). The layout switch applies to the
+//!   legacy API only.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
@@ -212,6 +214,8 @@ struct State {
     stream: usize,
     plans: HashMap<Key, Geometry>,
     graph: graph::Cache,
+    /// `auto`'s choice of API for FMA math, per geometry and direction (true: graph).
+    api_pick: HashMap<(Key, Dir), bool>,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -319,6 +323,7 @@ pub(crate) fn run(
                 stream: 0,
                 plans: HashMap::new(),
                 graph: HashMap::new(),
+                api_pick: HashMap::new(),
             })
         }
     };
@@ -354,23 +359,17 @@ pub(crate) fn run(
         dev,
         out_dims.iter().product::<usize>() * dtype.size_in_bytes(),
     )?;
-    if graph::cudnn_api().graph_for(math) {
-        let call = graph::Call {
-            dev,
-            handle,
-            key: &key,
-            dir,
-            ops: algo::Operands {
-                a: a.device_ptr(),
-                b: b.device_ptr(),
-                out: out.device_ptr(),
-            },
-        };
-        if call.run(&mut st.graph)? {
-            drop(guard);
-            return finish(dev, op, out);
-        }
-    }
+    let gcall = graph::Call {
+        dev,
+        handle,
+        key: &key,
+        dir,
+        ops: algo::Operands {
+            a: a.device_ptr(),
+            b: b.device_ptr(),
+            out: out.device_ptr(),
+        },
+    };
     let call = pick::Call {
         dev,
         handle,
@@ -380,6 +379,31 @@ pub(crate) fn run(
         b,
         out: &out,
     };
+    let on_graph = match graph::cudnn_api().graph_for(math) {
+        Some(g) => g,
+        None => match st.api_pick.get(&(key, dir)) {
+            Some(&g) => g,
+            None if dev.capturing() => false,
+            None => {
+                // Both APIs measured on this call's operands; the faster kept.
+                let legacy = call.best_nchw_ms(geo)?;
+                let graph = gcall.best_ms(&mut st.graph)?;
+                let g = matches!((graph, legacy), (Some(g), Some(l)) if g < l);
+                if log_choices() {
+                    eprintln!(
+                        "kiln cudnn {op} {key:?}: fastest legacy {legacy:?} ms, graph {graph:?} ms: {}",
+                        if g { "graph" } else { "legacy" }
+                    );
+                }
+                st.api_pick.insert((key, dir), g);
+                g
+            }
+        },
+    };
+    if on_graph && gcall.run(&mut st.graph)? {
+        drop(guard);
+        return finish(dev, op, out);
+    }
     let format = call.choose(geo)?;
     match call.run(geo, format) {
         // NHWC's scratch (or its algorithms' workspaces) could not be had: NCHW needs none of

@@ -179,6 +179,17 @@ impl Call<'_> {
         Ok(())
     }
 
+    /// The fastest measured NCHW algorithm's time for this direction, ms (searching first);
+    /// `None` when nothing was measured (inside a capture, or only the heuristic's ranking).
+    pub fn best_nchw_ms(&self, geo: &mut Geometry) -> Result<Option<f32>> {
+        self.ensure(geo, Format::Nchw)?;
+        Ok(geo.chosen[Format::Nchw.index()][self.dir.index()]
+            .as_ref()
+            .and_then(|c| c.first())
+            .map(|c| c.time())
+            .filter(|&t| t > 0.0))
+    }
+
     /// The format this call runs in (module docs), measuring what the switch asks for.
     pub fn choose(&self, geo: &mut Geometry) -> Result<Format> {
         let i = self.dir.index();

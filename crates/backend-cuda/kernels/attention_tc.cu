@@ -706,9 +706,18 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 #define TC_BODY(call) __trap()
 #endif
 
+// The forward's blocks per SM that the register budget must allow: with head size 64, four (at
+// most 128 registers; ptxas then spills ~50 bytes a thread). Without the bound ptxas gave the
+// 16-bit forward 166 registers once its stores went through output strides: three blocks per
+// SM instead of four, and 1.14 ms instead of 0.69 at (8, 16, 2048, 64) on an H100 (ncu,
+// 2026-11-27).
+// (An explicit minimum of 1 for head size 128 made ptxas take 182 registers instead of 138.)
+#define TC_FWD_BOUNDS_64 __launch_bounds__(TC_NT, 4)
+#define TC_FWD_BOUNDS_128 __launch_bounds__(TC_NT)
+
 // NAME: the kernels' prefix (attn_NAME_fwd_S_DT ...); O: the operand format; S: storage type.
 #define ATTN_TC_DT(NAME, O, S, DT)                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_fwd_##S##_##DT(          \
+    extern "C" __global__ void TC_FWD_BOUNDS_##DT attn_##NAME##_fwd_##S##_##DT(                \
         const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \
         Strides sq, Strides sk, Strides sv, Strides so) {                                      \
         TC_BODY((attn_tc_fwd<O, DT>(q, k, v, o, lse, a, bd, sq, sk, sv, so)));                 \

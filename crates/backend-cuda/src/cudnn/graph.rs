@@ -34,6 +34,7 @@
 //!   [`cudnn_graph_calls`] counts calls that ran through it, for tests and benchmarks.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
 use std::ffi::c_void;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
@@ -307,38 +308,35 @@ pub(super) struct Call<'a> {
 }
 
 impl Call<'_> {
-    /// The fastest plan's time for this geometry and direction, ms (measured first if it was
-    /// not); `None` when the graph API cannot serve it, or nothing may be measured now (a
-    /// capture).
-    pub fn best_ms(&self, cache: &mut Cache) -> Result<Option<f32>> {
+    /// This geometry and direction's entry, measured first if it was not; `None` when the
+    /// graph API cannot serve these operands or nothing may be measured now (a capture).
+    fn entry<'c>(&self, cache: &'c mut Cache) -> Result<Option<&'c Entry>> {
         let o = self.ops;
         if !graph_available() || !aligned(&[o.a, o.b, o.out]) {
             return Ok(None);
         }
-        let entry = match cache.entry((*self.key, self.dir)) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(_) if self.dev.capturing() => {
-                return Ok(None);
-            }
-            std::collections::hash_map::Entry::Vacant(v) => v.insert(self.measure()?),
-        };
-        Ok(entry.plans.first().map(|c| c.time))
+        Ok(Some(match cache.entry((*self.key, self.dir)) {
+            MapEntry::Occupied(e) => e.into_mut(),
+            MapEntry::Vacant(_) if self.dev.capturing() => return Ok(None),
+            MapEntry::Vacant(v) => v.insert(self.measure()?),
+        }))
+    }
+
+    /// The fastest plan's time for this geometry and direction, ms (measured first if it was
+    /// not); `None` when the graph API cannot serve it, or nothing may be measured now (a
+    /// capture).
+    pub fn best_ms(&self, cache: &mut Cache) -> Result<Option<f32>> {
+        Ok(self
+            .entry(cache)?
+            .and_then(|e| e.plans.first())
+            .map(|c| c.time))
     }
 
     /// Runs the call through the graph API: `Ok(false)` when this geometry takes the legacy
     /// path instead (module docs), with nothing run.
     pub fn run(&self, cache: &mut Cache) -> Result<bool> {
-        let o = self.ops;
-        if !graph_available() || !aligned(&[o.a, o.b, o.out]) {
+        let Some(entry) = self.entry(cache)? else {
             return Ok(false);
-        }
-        let entry = match cache.get(&(*self.key, self.dir)) {
-            Some(e) => e,
-            None if self.dev.capturing() => return Ok(false),
-            None => {
-                let e = self.measure()?;
-                cache.entry((*self.key, self.dir)).or_insert(e)
-            }
         };
         if entry.plans.is_empty() {
             return Ok(false);

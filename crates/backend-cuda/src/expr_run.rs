@@ -244,7 +244,7 @@ impl Planned {
     /// [`Planned::vec_max`] when every contiguous input is aligned for it, else 0; for a split
     /// reduction, 4 or 0 (see [`vec_width`]).
     fn vec_width(&self, geo: &Geometry, bufs: &[&Buffer], layouts: &[&Layout]) -> u32 {
-        if geo.variant.strategy == Strategy::Split {
+        if self.exec.reduces() {
             return vec_width(&self.exec, geo, bufs, layouts);
         }
         if self.vec_max == 0 {
@@ -453,7 +453,9 @@ fn plan_new(
         .map(|(l, d)| l.storage_extent() * d.size_in_bytes())
         .collect();
     let vec_max = match &geo {
-        Some(g) if !exec.reduces() => codegen::vec_elems(&exec, &g.variant.access, |_| 0),
+        Some(g) if !exec.reduces() => {
+            codegen::vec_elems(&exec, &g.variant.access, (&g.dims, &g.strides), |_| 0)
+        }
         _ => 0,
     };
     let out_bytes = (0..exec.outputs().len())
@@ -493,30 +495,43 @@ fn plan_new(
 }
 
 /// The elements per vector of an elementwise program's loop (see `codegen::Variant::vec`,
-/// [`codegen::vec_elems`]), or 0. For a split reduction, 4 or 0 (see `Variant::vec`).
+/// [`codegen::vec_elems`]), or 0. For a split or block reduction, 4 or 0: groups of 4
+/// elements per load, so every contiguous or strided input must have 2- or 4-byte elements and
+/// be aligned to 4 of them at the start of every kept element's row and of every group (parts
+/// start at multiples of 4 elements); a strided operand must run with unit stride along the
+/// innermost reduced dim, which 4 divides, so that a group never leaves one row (batch norm's
+/// statistics over `(n, h, w)` of `[n, c, h, w]`: rows of `h·w`), and its other strides
+/// must keep the groups aligned.
 fn vec_width(p: &Program, g: &Geometry, bufs: &[&Buffer], layouts: &[&Layout]) -> u32 {
-    if g.variant.access.contains(&Access::Strided) {
-        return 0;
-    }
     let at = |k: usize| {
         bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
     };
-    if g.variant.strategy == Strategy::Split {
-        // Groups of 4 four-byte elements per load: every contiguous input 16-byte aligned at
-        // the start of every kept element's row (parts start at multiples of 4 elements).
-        let ok = (0..p.inputs().len())
-            .filter(|&k| g.variant.access[k] == Access::Contig)
-            .all(|k| {
-                p.inputs()[k].size_in_bytes() == 4
-                    && at(k).is_multiple_of(16)
-                    && (g.n == 1 || g.strides[k].iter().all(|s| s % 4 == 0))
-            });
-        return if ok { 4 } else { 0 };
+    if !p.reduces() {
+        return codegen::vec_elems(p, &g.variant.access, (&g.dims, &g.strides), at);
     }
-    if p.reduces() {
+    if !matches!(g.variant.strategy, Strategy::Split | Strategy::Block) {
         return 0;
     }
-    codegen::vec_elems(p, &g.variant.access, at)
+    let n_in = p.inputs().len();
+    let rows = g.red_dims.last().is_some_and(|d| d % 4 == 0);
+    let load_ok = |k: usize| {
+        let size = p.inputs()[k].size_in_bytes();
+        matches!(size, 2 | 4)
+            && at(k).is_multiple_of(4 * size as u64)
+            && (g.n == 1 || g.strides[k].iter().all(|s| s % 4 == 0))
+    };
+    let ok = g.variant.access.iter().enumerate().all(|(m, a)| match a {
+        Access::Bcast => true,
+        Access::Contig => m >= n_in || load_ok(m),
+        Access::Strided => {
+            let rs = &g.red_strides[m];
+            let inner = rs
+                .split_last()
+                .is_some_and(|(&last, outer)| last == 1 && outer.iter().all(|s| s % 4 == 0));
+            rows && inner && (m >= n_in || load_ok(m))
+        }
+    });
+    if ok { 4 } else { 0 }
 }
 
 /// Whether the launch's arguments fit (see [`MAX_ARG_COUNT`]).

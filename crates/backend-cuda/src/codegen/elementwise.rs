@@ -40,12 +40,26 @@ pub(super) fn elementwise_body(s: &mut String, p: &Program, v: &Variant, nd: &Ne
 }
 
 /// The vector part of an elementwise kernel (see [`Variant::vec`]): `VN` consecutive elements
-/// per iteration, each contiguous input loaded and each output stored as one `Vec` (16 bytes for the widest
-/// of them).
+/// per iteration, each contiguous input loaded and each output stored as one `Vec` (16 bytes
+/// for the widest of them), each strided one (constant across the vector) read once.
 fn vector_loop(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
     let _ = writeln!(s, "    const int VN = {};", v.vec);
     s.push_str("    const u64 nv = n / VN;\n");
     s.push_str("    for (u64 w = KILN_TID; w < nv; w += KILN_NTHREADS) {\n");
+    // A strided operand is constant across the vector (see `vec_elems`): one offset for it.
+    let strided: Vec<usize> = (0..v.access.len())
+        .filter(|&k| v.access[k] == Access::Strided)
+        .collect();
+    emit_offsets(
+        s,
+        "        ",
+        "(w * VN)",
+        "d",
+        "s",
+        "off",
+        &|_| "0".into(),
+        &strided,
+    );
     for (k, a) in v.access.iter().enumerate() {
         if *a == Access::Contig {
             let t = ctype(p.inputs()[k]);
@@ -61,7 +75,8 @@ fn vector_loop(s: &mut String, p: &Program, v: &Variant, nd: &Need) {
     s.push_str("#pragma unroll\n        for (int l = 0; l < VN; ++l) {\n");
     let input = |k: u32| match v.access[k as usize] {
         Access::Contig => format!("w{k}.v[l]"),
-        _ => format!("x{k}[0]"),
+        Access::Strided => format!("x{k}[off{k}]"),
+        Access::Bcast => format!("x{k}[0]"),
     };
     emit_values_with(s, "            ", p, &nd.elem, &input);
     for (j, &o) in p.outputs().iter().enumerate() {

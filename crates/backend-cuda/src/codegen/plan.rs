@@ -48,6 +48,9 @@ pub(super) const SPLIT_BLOCKS: usize = 1024;
 pub(super) const SPLIT_MIN_PART: usize = 1 << 13;
 /// Reductions of at most this many elements per kept element are one block each, one launch.
 pub(super) const ONE_BLOCK_MAX: usize = 1 << 16;
+/// The fewest elements of a reduction that [`split_parts`] splits to fill the device although
+/// each kept element is at most [`ONE_BLOCK_MAX`] (see there).
+pub(super) const SPLIT_BUSY: usize = 1 << 22;
 
 /// The parts of a [`Strategy::Split`] reduction of `n_kept` kept elements of `n_red` reduced
 /// elements each (1: do not split). Up to 64K elements one block does it alone: the second
@@ -56,8 +59,14 @@ pub(super) const ONE_BLOCK_MAX: usize = 1 << 16;
 /// with 64K-element parts (as until 2026-11-27) the per-parameter norms of a GPT's gradient
 /// clipping ran 2–9 blocks each, 38–43 µs a weight matrix on an H100, and a 98K-element
 /// embedding's one block 83 µs.
+///
+/// Below 64K elements a kept element is split too when the kept elements alone would leave
+/// the multiprocessors idle on a big reduction: fewer than [`SPLIT_BLOCKS`]` / 2` of them over
+/// at least [`SPLIT_BUSY`] elements in all (batch norm's statistics over `(n, h, w)` of a
+/// `[256, 128, 16, 16]` activation were 128 blocks of 64K elements, one per multiprocessor).
 pub(crate) fn split_parts(n_kept: usize, n_red: usize) -> usize {
-    if n_red <= ONE_BLOCK_MAX {
+    let few_blocks = n_kept < SPLIT_BLOCKS / 2 && n_kept * n_red >= SPLIT_BUSY;
+    if n_red <= ONE_BLOCK_MAX && !few_blocks {
         return 1;
     }
     let want = SPLIT_BLOCKS.div_ceil(n_kept.max(1));
@@ -88,11 +97,23 @@ pub(crate) fn plan(
 /// `access`, its contiguous input `k` starting at device address `addr(k)` (see
 /// [`Variant::vec`]): 16 bytes of the widest contiguous input or output, so that each of them
 /// moves as one aligned vector of that many elements (a comparison of f32 loads 4 floats and
-/// stores 4 bytes, as the hand-written comparison kernels did); 0 when some operand is
-/// strided, nothing is contiguous, or a contiguous input is not aligned to its vector.
-/// Outputs are fresh buffers, aligned for any vector.
-pub(crate) fn vec_elems(p: &Program, access: &[Access], addr: impl Fn(usize) -> u64) -> u32 {
-    if p.reduces() || access.contains(&Access::Strided) {
+/// stores 4 bytes, as the hand-written comparison kernels did); 0 when nothing is contiguous,
+/// a contiguous input is not aligned to its vector, or a strided operand varies within a
+/// vector. Outputs are fresh buffers, aligned for any vector.
+///
+/// `rows` is the strided operands' iteration: the merged dims and, per operand, its strides
+/// in them (empty for the others), as [`Geometry::dims`]/[`Geometry::strides`]. A strided
+/// operand constant along the innermost of those dims (stride 0 there, as a per-channel
+/// scale over `[n, c, h, w]` is along `h·w`), whose length the width divides, reads one value
+/// per vector: the kernel finds its offset once per vector, not once per element (the
+/// divisions of that search were what bound batch norm's elementwise passes).
+pub(crate) fn vec_elems(
+    p: &Program,
+    access: &[Access],
+    rows: (&[usize], &[Vec<usize>]),
+    addr: impl Fn(usize) -> u64,
+) -> u32 {
+    if p.reduces() {
         return 0;
     }
     let contig = || (0..p.inputs().len()).filter(|&k| access[k] == Access::Contig);
@@ -106,7 +127,14 @@ pub(crate) fn vec_elems(p: &Program, access: &[Access], addr: impl Fn(usize) -> 
     let n = 16 / widest;
     let aligned =
         contig().all(|k| addr(k).is_multiple_of((n * p.inputs()[k].size_in_bytes()) as u64));
-    if aligned { n as u32 } else { 0 }
+    let (dims, strides) = rows;
+    let rows_ok = (0..access.len())
+        .filter(|&k| access[k] == Access::Strided)
+        .all(|k| {
+            dims.last().is_some_and(|d| d % n == 0)
+                && strides.get(k).and_then(|s| s.last()) == Some(&0)
+        });
+    if aligned && rows_ok { n as u32 } else { 0 }
 }
 
 /// Each strided operand's strides from `collapsed` (in order), empty for the others.

@@ -101,6 +101,10 @@ pub(super) fn reduction_body(s: &mut String, p: &Program, v: &Variant, nd: &Need
     };
     if split {
         fold.split_loop(s);
+    } else if block && v.vec == 4 {
+        // The whole row is the block's one part.
+        s.push_str("        const u64 r0 = 0, r1 = n_red;\n");
+        fold.split_loop(s);
     } else {
         fold.plain_loop(s, block);
     }
@@ -157,8 +161,9 @@ struct Fold<'a> {
 
 impl Fold<'_> {
     /// The fold's body for reduced index `r`: offsets, values, accumulators, elementwise
-    /// stores; `input` reads input k.
-    fn element(&self, s: &mut String, ind: &str, input: &dyn Fn(u32) -> String) {
+    /// stores; `input` reads input k. `group`: inside a vector group (lane `l`), whose strided
+    /// operands' offsets `offg<m>` were found once for the group.
+    fn element(&self, s: &mut String, ind: &str, input: &dyn Fn(u32) -> String, group: bool) {
         let (p, v) = (self.p, self.v);
         for (m, a) in v.access.iter().enumerate() {
             match a {
@@ -168,19 +173,24 @@ impl Fold<'_> {
                 Access::Bcast => {
                     let _ = writeln!(s, "{ind}const I off{m} = kb{m};");
                 }
+                Access::Strided if group => {
+                    let _ = writeln!(s, "{ind}const I off{m} = offg{m} + (I)l;");
+                }
                 Access::Strided => {}
             }
         }
-        emit_offsets(
-            s,
-            ind,
-            "r",
-            "rd",
-            "rs",
-            "off",
-            &|m| format!("kb{m}"),
-            &self.strided,
-        );
+        if !group {
+            emit_offsets(
+                s,
+                ind,
+                "r",
+                "rd",
+                "rs",
+                "off",
+                &|m| format!("kb{m}"),
+                &self.strided,
+            );
+        }
         emit_values_with(s, ind, p, &self.nd.elem, input);
         for &(i, c, a) in self.reduces {
             let at = acc_type(c, p.dtype(a));
@@ -197,37 +207,54 @@ impl Fold<'_> {
         }
     }
 
-    /// [`Strategy::Split`]: thread t folds the groups t, t + blockDim.x, ... of 4 consecutive
-    /// elements of its part, lane by lane, whether or not the inputs are read as 16-byte
-    /// vectors (`Variant::vec`), so the result does not depend on the buffers' alignment.
+    /// [`Strategy::Split`] (and [`Strategy::Block`] with vectors, over one part `r0..r1` =
+    /// the whole row): thread t folds the groups t, t + blockDim.x, ... of 4 consecutive
+    /// elements of its part, lane by lane, whether or not the inputs are read as vectors
+    /// (`Variant::vec`), so the result does not depend on the buffers' alignment. With
+    /// vectors, a strided operand (unit stride along the innermost reduced dim, which 4
+    /// divides: see `vec_width` in expr_run) finds its offset once per group, and a strided
+    /// input is loaded as one vector there too.
     fn split_loop(&self, s: &mut String) {
         let (p, v) = (self.p, self.v);
         s.push_str("        for (u64 g = r0 / 4 + threadIdx.x; g * 4 < r1; g += blockDim.x) {\n");
         if v.vec == 4 {
             s.push_str("            if (g * 4 + 4 <= r1) {\n");
+            emit_offsets(
+                s,
+                "                ",
+                "(g * 4)",
+                "rd",
+                "rs",
+                "offg",
+                &|m| format!("kb{m}"),
+                &self.strided,
+            );
             for (k, a) in v.access[..p.inputs().len()].iter().enumerate() {
-                if *a == Access::Contig {
-                    let t = ctype(p.inputs()[k]);
-                    let _ = writeln!(
-                        s,
-                        "                const Vec<{t}, 4> w{k} = ((const Vec<{t}, 4>*)(x{k} + kb{k}))[g];"
-                    );
-                }
+                let t = ctype(p.inputs()[k]);
+                let at = match a {
+                    Access::Contig => format!("x{k} + kb{k} + (I)(g * 4)"),
+                    Access::Strided => format!("x{k} + offg{k}"),
+                    Access::Bcast => continue,
+                };
+                let _ = writeln!(
+                    s,
+                    "                const Vec<{t}, 4> w{k} = *(const Vec<{t}, 4>*)({at});"
+                );
             }
             s.push_str("#pragma unroll\n");
             s.push_str("                for (int l = 0; l < 4; ++l) {\n");
             s.push_str("                    const u64 r = g * 4 + l;\n");
             let lanes = |k: u32| match v.access[k as usize] {
-                Access::Contig => format!("w{k}.v[l]"),
-                _ => format!("x{k}[off{k}]"),
+                Access::Bcast => format!("x{k}[off{k}]"),
+                _ => format!("w{k}.v[l]"),
             };
-            self.element(s, "                    ", &lanes);
+            self.element(s, "                    ", &lanes, true);
             s.push_str("                }\n                continue;\n            }\n");
         }
         s.push_str("            for (int l = 0; l < 4; ++l) {\n");
         s.push_str("                const u64 r = g * 4 + l;\n");
         s.push_str("                if (r >= r1) break;\n");
-        self.element(s, "                ", &scalar);
+        self.element(s, "                ", &scalar, false);
         s.push_str("            }\n");
     }
 
@@ -239,7 +266,7 @@ impl Fold<'_> {
         } else {
             s.push_str("        for (u64 r = 0; r < n_red; ++r) {\n");
         }
-        self.element(s, "            ", &scalar);
+        self.element(s, "            ", &scalar, false);
     }
 }
 

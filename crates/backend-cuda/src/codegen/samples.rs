@@ -77,6 +77,17 @@ fn map_samples(dtype: DType, out: &mut Vec<(String, String)>) -> Option<Expr> {
         if let Ok(src) = source_of(&vmap, &v) {
             out.push((format!("expr map, 16-byte vectors ({dtype})"), src));
         }
+        // a strided operand constant across each vector (a per-channel scale)
+        let v = Variant {
+            access: vec![Access::Contig, Access::Strided],
+            ..v
+        };
+        if let Ok(src) = source_of(&vmap, &v) {
+            out.push((
+                format!("expr map, vectors with a strided row ({dtype})"),
+                src,
+            ));
+        }
     }
     // mixed element sizes vectorize by the widest: a comparison (u8 out), `where` over a
     // u8 mask, a cast to u8 (the lone ops of `ops::single`)
@@ -112,21 +123,27 @@ fn reduction_samples(dtype: DType, sel: &Expr, out: &mut Vec<(String, String)>) 
         let Ok(rp) = Program::from_exprs(&ins4, &[post, sel.clone(), red]) else {
             continue;
         };
-        if dtype == DType::F32 {
-            let v = Variant {
-                wide: false,
-                strategy: Strategy::Split,
-                vec: 4,
-                access: vec![Access::Contig; 5],
-            };
-            if let Ok(src) = source_of(&rp, &v) {
-                out.push((
-                    format!("expr {} (f32, Split, 16-byte loads)", c.name()),
-                    src,
-                ));
+        use Access::{Bcast, Contig, Strided};
+        if matches!(dtype, DType::F32 | DType::BF16) {
+            // groups of 4 per load: contiguous rows, strided rows (an input and an
+            // elementwise output), broadcast operands
+            for (strategy, access) in [
+                (Strategy::Split, [Contig; 5]),
+                (Strategy::Split, [Strided, Contig, Bcast, Bcast, Strided]),
+                (Strategy::Block, [Contig, Strided, Bcast, Bcast, Contig]),
+            ] {
+                let v = Variant {
+                    wide: false,
+                    strategy,
+                    vec: 4,
+                    access: access.to_vec(),
+                };
+                if let Ok(src) = source_of(&rp, &v) {
+                    let name = format!("expr {} ({dtype}, {strategy:?}, loads of 4)", c.name());
+                    out.push((format!("{name} {access:?}"), src));
+                }
             }
         }
-        use Access::{Bcast, Contig, Strided};
         for (strategy, wide, access) in [
             (
                 Strategy::Block,

@@ -101,21 +101,40 @@ fn a_scalar_operand_is_a_kernel_parameter() {
 /// Mixed element sizes vectorize by the widest (a comparison of f32 loads 4 floats and
 /// stores 4 bytes, as the old hand-written kernel did); an input not aligned to its vector, or
 /// a strided one, turns vectors off.
+/// No strided operand's rows (see `vec_elems`).
+const NO_ROWS: (&[usize], &[Vec<usize>]) = (&[], &[]);
+
 #[test]
 fn vector_width_follows_the_widest_contiguous_operand() {
     use kiln_core::CmpOp;
     let (x, y, m) = (Expr::input(0), Expr::input(1), Expr::input(2));
     let cmp = |d: DType| prog(&[d, d], &[x.compare(CmpOp::Lt, &y)]);
     let contig = [Access::Contig, Access::Contig];
-    assert_eq!(vec_elems(&cmp(DType::F32), &contig, |_| 256), 4);
-    assert_eq!(vec_elems(&cmp(DType::F64), &contig, |_| 256), 2);
-    assert_eq!(vec_elems(&cmp(DType::U8), &contig, |_| 256), 16);
+    assert_eq!(vec_elems(&cmp(DType::F32), &contig, NO_ROWS, |_| 256), 4);
+    assert_eq!(vec_elems(&cmp(DType::F64), &contig, NO_ROWS, |_| 256), 2);
+    assert_eq!(vec_elems(&cmp(DType::U8), &contig, NO_ROWS, |_| 256), 16);
     assert_eq!(
-        vec_elems(&cmp(DType::F32), &contig, |k| 256 + 8 * k as u64),
+        vec_elems(&cmp(DType::F32), &contig, NO_ROWS, |k| 256 + 8 * k as u64),
         0
     );
     let strided = [Access::Contig, Access::Strided];
-    assert_eq!(vec_elems(&cmp(DType::F32), &strided, |_| 256), 0);
+    assert_eq!(vec_elems(&cmp(DType::F32), &strided, NO_ROWS, |_| 256), 0);
+    // A strided operand constant along rows that the width divides (a per-channel scale over
+    // [n, c, h·w]) reads once per vector; rows of 6, or a stride along the row, turn vectors
+    // off.
+    let per_channel = vec![vec![], vec![0, 1, 0]];
+    let rows = |hw: usize| vec![2, 3, hw];
+    let f32s = cmp(DType::F32);
+    assert_eq!(
+        vec_elems(&f32s, &strided, (&rows(8), &per_channel), |_| 256),
+        4
+    );
+    assert_eq!(
+        vec_elems(&f32s, &strided, (&rows(6), &per_channel), |_| 256),
+        0
+    );
+    let along = vec![vec![], vec![0, 8, 1]];
+    assert_eq!(vec_elems(&f32s, &strided, (&rows(8), &along), |_| 256), 0);
     // `where` over a u8 mask and f32 branches: the mask moves 4 bytes at a time, so it must
     // be 4-byte aligned, not 16.
     let w = prog(
@@ -123,15 +142,21 @@ fn vector_width_follows_the_widest_contiguous_operand() {
         &[m.where_cond(&x, &y)],
     );
     let three = [Access::Contig, Access::Bcast, Access::Contig];
-    assert_eq!(vec_elems(&w, &three, |k| if k == 2 { 260 } else { 256 }), 4);
-    assert_eq!(vec_elems(&w, &three, |k| if k == 2 { 258 } else { 256 }), 0);
+    assert_eq!(
+        vec_elems(&w, &three, NO_ROWS, |k| if k == 2 { 260 } else { 256 }),
+        4
+    );
+    assert_eq!(
+        vec_elems(&w, &three, NO_ROWS, |k| if k == 2 { 258 } else { 256 }),
+        0
+    );
     // A cast f32 -> f64: 2 elements (8 bytes in, 16 out).
     let c = prog(&[DType::F32], &[x.to_dtype(DType::F64)]);
-    assert_eq!(vec_elems(&c, &[Access::Contig], |_| 8), 2);
-    assert_eq!(vec_elems(&c, &[Access::Contig], |_| 4), 0);
+    assert_eq!(vec_elems(&c, &[Access::Contig], NO_ROWS, |_| 8), 2);
+    assert_eq!(vec_elems(&c, &[Access::Contig], NO_ROWS, |_| 4), 0);
     // Only broadcast inputs: the output alone sets the width.
     let b = prog(&[DType::F32], &[&x + 1.0]);
-    assert_eq!(vec_elems(&b, &[Access::Bcast], |_| 4), 4);
+    assert_eq!(vec_elems(&b, &[Access::Bcast], NO_ROWS, |_| 4), 4);
 }
 
 #[test]
@@ -238,7 +263,7 @@ fn split_reductions_fold_parts_then_finish_in_a_second_phase() {
     let vec = at(b, "if (g * 4 + 4 <= r1)");
     let load = at(
         b,
-        "const Vec<float, 4> w0 = ((const Vec<float, 4>*)(x0 + kb0))[g];",
+        "const Vec<float, 4> w0 = *(const Vec<float, 4>*)(x0 + kb0 + (I)(g * 4));",
     );
     let lane = at(b, "const float v0 = w0.v[l];");
     let tail = at(b, "if (r >= r1) break;");
@@ -259,6 +284,12 @@ fn long_reductions_of_few_kept_elements_split() {
     );
     assert_eq!(split_parts(4, 1 << 26), SPLIT_BLOCKS / 4);
     assert_eq!(split_parts(4096, 1 << 20), 1, "enough blocks already");
+    // Batch norm's statistics: 128 channels of 64K elements split to fill the device, 512
+    // channels of 4K need not; a small reduction stays one launch.
+    assert_eq!(split_parts(128, 256 * 16 * 16), 8);
+    assert_eq!(split_parts(256, 256 * 8 * 8), 2);
+    assert_eq!(split_parts(512, 256 * 4 * 4), 1);
+    assert_eq!(split_parts(64, 4096), 1);
     let x = Expr::input(0);
     let p = prog(&[DType::F32], &[(&x * &x).sum(&[0, 1])]);
     let shape = Shape::new([2048, 2048]);

@@ -582,3 +582,44 @@ fn matvec_paths_match_reference() {
         }
     }
 }
+
+/// `[b, m, k] · [k, n]` folds into one `[b·m, k] · [k, n]` product when the left operand's
+/// matrices are the row blocks of one row-major matrix; views whose blocks are not (a slice
+/// of the rows, a transposed batch, column-major matrices) keep the batched product. Each
+/// against the per-matrix 2-d products.
+#[test]
+fn products_with_a_shared_right_operand_fold_only_when_rows_stack() -> Result<()> {
+    let d = dev();
+    let x = Tensor::<Cpu>::from_vec(
+        (0..3 * 6 * 5).map(|i| (i % 7) as f32 - 3.0).collect(),
+        [3, 6, 5],
+        &d,
+    )?;
+    let w = Tensor::<Cpu>::from_vec(
+        (0..5 * 2).map(|i| (i % 5) as f32 * 0.5 - 1.0).collect(),
+        [5, 2],
+        &d,
+    )?;
+    let views = [
+        ("contiguous", x.clone()),
+        ("rows 1..5 of each matrix", x.narrow(1, 1, 4)?),
+        ("batch and rows swapped", x.transpose(0, 1)?),
+        (
+            "column-major matrices",
+            x.transpose(1, 2)?.contiguous()?.transpose(1, 2)?,
+        ),
+    ];
+    for (what, a) in views {
+        let got = a.matmul(&w)?;
+        assert_eq!(got.dims(), [a.dims()[0], a.dims()[1], 2], "{what}");
+        for i in 0..a.dims()[0] {
+            let want = a.narrow(0, i, 1)?.squeeze(0)?.matmul(&w)?;
+            let have = got.narrow(0, i, 1)?.squeeze(0)?;
+            assert!(
+                close(&have.to_f64_vec()?, &want.to_f64_vec()?, 1e-6),
+                "{what}, matrix {i}"
+            );
+        }
+    }
+    Ok(())
+}

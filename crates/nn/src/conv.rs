@@ -271,7 +271,7 @@ impl<B: Backend> Conv2d<B> {
     }
 
     /// A new layer from this one's geometry and the given parameters (made parameters here):
-    /// what [`Conv2d::fold_batch_norm`](crate::conv_bn) returns.
+    /// what `Conv2d::fold_batch_norm` returns.
     pub(crate) fn with_params(&self, weight: Tensor<B>, bias: Tensor<B>) -> Conv2d<B> {
         Conv2d {
             cfg: Conv2dConfig {

@@ -38,6 +38,11 @@
 //!   search's Winograd/FFT algorithms win ResNet-18's layers, the graph engines some others)
 //!   (`KILN_CUDNN_API=auto|graph|legacy`, [`set_cudnn_api`]). The layout switch applies to the
 //!   legacy API only.
+//! - **Fused inference epilogue** (`fused.rs`): a forward convolution with a per-channel bias
+//!   and a ReLU as one graph (convolution → pointwise add → pointwise ReLU), for kiln-nn's
+//!   folded Conv + BatchNorm in eval mode (`Backend::conv2d_bias_act`); selected and cached
+//!   as the graph API's convolutions, declined (`None`) where cuDNN serves no engine.
+//!   `KILN_CUDNN_FUSION=0` or [`set_cudnn_fusion`] turns it off.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the

@@ -4,7 +4,8 @@
 //! and none), in f32 and f64; training mode is the three layers unchanged (outputs, running
 //! statistics); the cached fold follows parameter and statistic changes; an eval forward that
 //! records gives the unfused layers' gradients; state dicts keep PyTorch's names; bad input is
-//! a typed error. The CUDA fused kernel is compared in `cuda_conv_bn.rs`.
+//! a typed error; a 16-bit convolution with an f32 batch norm folds in f32 and rounds once. The
+//! CUDA fused kernel is compared in `cuda_conv_bn.rs`.
 
 use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
@@ -462,5 +463,29 @@ fn bad_input_is_a_typed_error() {
         assert!(no_grad(|| m.forward(&x)).is_err());
         let x = Var::constant(normal(&[3, 7, 6], 0, DType::F32));
         assert!(no_grad(|| m.forward(&x)).is_err());
+    }
+}
+
+/// A 16-bit convolution with an f32 batch norm (what the batch norm itself accepts): the fold
+/// computes in f32 and rounds once to the convolution's dtype.
+#[test]
+fn mixed_dtypes_fold_in_the_convolutions_dtype() {
+    let g = &GEOS[1];
+    for (conv_dt, bn_dt, tol) in [
+        (DType::BF16, DType::F32, 5e-2),
+        (DType::F16, DType::F32, 1e-2),
+    ] {
+        let x = Var::constant(normal(&[2, g.cin, 7, 6], 31, conv_dt));
+        let (conv, mut bn) = (conv_of(g, conv_dt, 6), bn_of(g, bn_dt, 6));
+        let want = host(&unfused(&conv, &mut bn, g.act, &x).tensor());
+        let mut m = ConvBnAct::new(conv_of(g, conv_dt, 6), bn_of(g, bn_dt, 6), g.act).unwrap();
+        m.eval();
+        let y = no_grad(|| m.forward(&x)).unwrap();
+        assert_eq!(y.dtype(), conv_dt);
+        let what = format!("{conv_dt:?} conv, {bn_dt:?} batch norm");
+        assert_close(&what, &host(&y.tensor()), &want, tol);
+        let folded = conv.fold_batch_norm(&bn).unwrap();
+        assert_eq!(folded.weight.dtype(), conv_dt);
+        assert_eq!(folded.bias.as_ref().unwrap().dtype(), conv_dt);
     }
 }

@@ -142,6 +142,14 @@ pub(crate) fn conv_bias_act(
     let Some(st) = bound(&mut guard, dev, OP)? else {
         return Ok(None);
     };
+    if st
+        .fused
+        .get(&(key, relu))
+        .is_some_and(|e| e.plans.is_empty())
+    {
+        // Measured before and not served: nothing to allocate.
+        return Ok(None);
+    }
     let out = alloc(dev, yd.iter().product::<usize>() * dtype.size_in_bytes())?;
     let call = Call {
         dev,

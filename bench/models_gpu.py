@@ -13,7 +13,11 @@ script. Prints `BENCH <side> <workload> <value> <unit>` lines that `compare.py` 
 - `gpt_peak_{f32,bf16}`: the GPU memory a whole GPT run held in tensors at its peak, MiB
   (kiln's allocator peak; PyTorch's `max_memory_allocated`);
 - `resnet18_step_{f32,tf32,bf16}` and `resnet18_step_peak_{...}`: the ResNet-18 (CIFAR form)
-  SGD step at batch 256 and the peak of a steady step, as `bench_train --which resnet18`.
+  SGD step at batch 256 and the peak of a steady step, as `bench_train --which resnet18`;
+- `resnet18_eval_{f32,tf32,bf16}` and `resnet18_eval_unfolded_{...}`: its eval forward under
+  no_grad at batch 256, as `bench_train --which resnet18-eval`: kiln with each BatchNorm
+  folded into its convolution (and cuDNN's fused conv+bias+ReLU graph where it serves), and
+  with convolution, BatchNorm and ReLU apart; both beside PyTorch eager (which folds nothing).
 
 Each kiln and PyTorch run is a child process, one after another; a run that fails prints why
 and gives no row.
@@ -56,6 +60,22 @@ def gpt(side, cmd, prec):
         bench(side, f"gpt_peak_{prec}", float(peak.group(1)), "MiB")
 
 
+def resnet_eval(side, cmd, prec):
+    """`resnet18_eval_{prec}` (kiln's batch norms folded) and `resnet18_eval_unfolded_{prec}`:
+    ms per eval forward at batch 256 under no_grad, each beside PyTorch's eager forward."""
+    out = run(cmd + ["--device", "cuda", "--which", "resnet18-eval", "--precision", prec])
+    for line in out.splitlines():
+        m = re.search(r"resnet18-eval .* ms_per_step=([\d.]+).*fold=(on|off)", line)
+        if m:
+            ms = float(m.group(1))
+            if side == "torch":  # PyTorch's eager forward is the reference of both rows
+                bench(side, f"resnet18_eval_{prec}", ms, "ms")
+                bench(side, f"resnet18_eval_unfolded_{prec}", ms, "ms")
+            else:
+                unfolded = "_unfolded" if m.group(2) == "off" else ""
+                bench(side, f"resnet18_eval{unfolded}_{prec}", ms, "ms")
+
+
 def resnet(side, cmd, prec):
     out = run(cmd + ["--device", "cuda", "--which", "resnet18", "--precision", prec])
     m = re.search(r"ms_per_step=([\d.]+).*step_peak_mib=([\d.]+)", out)
@@ -74,6 +94,9 @@ def main():
     for prec in ("f32", "tf32", "bf16"):
         resnet("kiln", [os.path.join(bins, "bench_train")], prec)
         resnet("torch", py + [os.path.join(HERE, "train_torch.py")], prec)
+    for prec in ("f32", "tf32", "bf16"):
+        resnet_eval("kiln", [os.path.join(bins, "bench_train")], prec)
+        resnet_eval("torch", py + [os.path.join(HERE, "train_torch.py")], prec)
 
 
 if __name__ == "__main__":

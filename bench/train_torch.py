@@ -172,6 +172,50 @@ class _Block(torch.nn.Module):
         return F.relu(h + (x if self.downsample is None else self.downsample(x)))
 
 
+def resnet18_eval(dev, steps, repeats, warmup, precision="f32"):
+    """kiln's `resnet18-eval` workload: the same ResNet-18's eval-mode forward under
+    torch.no_grad at batch 256 (after two training-mode forwards), eager (conv, BatchNorm and
+    ReLU apart: PyTorch folds nothing in eager mode), cudnn.benchmark on."""
+    torch.manual_seed(0)
+    torch.backends.cudnn.benchmark = True
+    conv = getattr(torch.backends.cudnn, "conv", None)
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        conv.fp32_precision = "tf32" if precision == "tf32" else "ieee"
+    else:
+        torch.backends.cudnn.allow_tf32 = precision == "tf32"
+    model = _resnet18_model(dev)
+    batch = 256
+    x = data(batch, 3 * 32 * 32, dev).reshape(batch, 3, 32, 32)
+    low = {"bf16": torch.bfloat16, "f16": torch.float16}.get(precision)
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+    model.eval()
+
+    def step():
+        with torch.no_grad(), torch.autocast(dev.type, dtype=low or torch.float32,
+                                             enabled=low is not None):
+            return model(x)
+
+    totals, y = timed(dev, steps, repeats, warmup, step)
+    report("resnet18-eval", dev, steps, repeats, totals,
+           f" batch={batch} arch=resnet18-cifar-w64 fold=off precision={precision}"
+           f" checksum={y.double().abs().sum().item():.4f}")
+
+
+def _resnet18_model(dev):
+    """ResNet-18 in its CIFAR form (kiln's `examples/resnet`), on `dev`."""
+    nn = torch.nn
+    layers, cin = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()], 64
+    for stage in range(4):
+        cout = 64 << stage
+        for i in range(2):
+            layers.append(_Block(cin, cout, 2 if stage > 0 and i == 0 else 1))
+            cin = cout
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
+    return nn.Sequential(*layers).to(dev)
+
+
 def resnet18(dev, steps, repeats, warmup, precision="f32"):
     """kiln's `resnet18` workload: ResNet-18 (CIFAR form, width 64) at batch 256, SGD momentum
     0.9, weight decay 5e-4, cudnn.benchmark on; peak_mib is torch.cuda.max_memory_allocated."""
@@ -184,15 +228,7 @@ def resnet18(dev, steps, repeats, warmup, precision="f32"):
         conv.fp32_precision = "tf32" if precision == "tf32" else "ieee"
     else:
         torch.backends.cudnn.allow_tf32 = precision == "tf32"
-    nn = torch.nn
-    layers, cin = [nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()], 64
-    for stage in range(4):
-        cout = 64 << stage
-        for i in range(2):
-            layers.append(_Block(cin, cout, 2 if stage > 0 and i == 0 else 1))
-            cin = cout
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, 10)]
-    model = nn.Sequential(*layers).to(dev)
+    model = _resnet18_model(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
     batch = 256
     x = data(batch, 3 * 32 * 32, dev).reshape(batch, 3, 32, 32)
@@ -231,7 +267,8 @@ def resnet18(dev, steps, repeats, warmup, precision="f32"):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (cpu if no GPU)")
-    ap.add_argument("--which", default="all", choices=["logreg", "mlp-small", "mlp-large", "all", "resnet18"])
+    ap.add_argument("--which", default="all", choices=["logreg", "mlp-small", "mlp-large", "all", "resnet18",
+                                                   "resnet18-eval"])
     ap.add_argument("--steps", type=int, help="steps per repeat (logreg 10000, mlp-small 200, mlp-large 20)")
     ap.add_argument("--repeats", type=int, help="timed repeats, median reported (logreg 3, MLPs 5)")
     ap.add_argument("--warmup", type=int, help="untimed warm-up steps (200, 20, 3)")
@@ -264,6 +301,8 @@ def main():
         print("skipping mlp-large on cpu (ask for it with --which mlp-large)", file=sys.stderr)
     if a.which == "resnet18":
         resnet18(dev, *pick(10, 5, 3), a.precision)
+    if a.which == "resnet18-eval":
+        resnet18_eval(dev, *pick(20, 5, 3), a.precision)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,13 @@
 //!   of the timed steps alone (`step_peak_mib`: the peak is reset after the warm-up, whose
 //!   cuDNN algorithm search holds workspaces a steady step does not; the same in the twin).
 //!
+//! - `resnet18-eval`: the same model's eval-mode forward under `no_grad` at batch 256 (after
+//!   two training-mode forwards that move the running statistics), twice: `fold=on`, each
+//!   batch norm folded into its convolution (`kiln_nn::ConvBnAct`; on CUDA the bias and ReLU
+//!   in cuDNN's fused graph where it serves the dtype, `KILN_CUDNN_FUSION=0` to compare), and
+//!   `fold=off`, convolution, batch norm and ReLU one after the other. `checksum` (the sum of
+//!   the logits' magnitudes) should agree between the two lines. Only by name.
+//!
 //! `--precision` (`f32` default, `tf32`, `bf16`, `f16`; [`kiln_examples::Precision`]) applies to
 //! the MLP and ResNet steps: `bf16` and `f16` run the forward and the loss under `autocast` (f32 weights
 //! and SGD), `f16` with a `GradScaler` (whose overflow check reads one flag back per step, as
@@ -52,14 +59,14 @@
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
-use kiln_autograd::{Var, autocast};
+use kiln_autograd::{Var, autocast, no_grad};
 use kiln_core::{Backend, BinaryOp, DType, Generator, Reduction, Result, Shape, Tensor};
 use kiln_examples::resnet::{ResNet, ResNetConfig};
 use kiln_examples::{
     DEVICE_HELP, Job, Precision, dispatch, fused_program_stats, launch_stats, take_peak_memory,
 };
 use kiln_nn::loss::cross_entropy;
-use kiln_nn::{LinearConfig, Module, Relu, Sequential};
+use kiln_nn::{LinearConfig, Module, ModuleExt, Relu, Sequential};
 use kiln_optim::{GradScaler, GradScalerConfig, Optimizer, SgdConfig};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -74,6 +81,9 @@ enum Which {
     All,
     /// ResNet-18 (CIFAR form) step at batch 256 (issue 33); only by name.
     Resnet18,
+    /// ResNet-18 (CIFAR form) eval forward at batch 256, batch norms folded and not; only by
+    /// name.
+    Resnet18Eval,
 }
 
 /// kiln's side of the training benchmarks (see the file docs).
@@ -151,6 +161,9 @@ impl Job for Bench {
         }
         if a.which == Which::Resnet18 {
             resnet18::<B>(&dev, Sizes::pick(&a, 10, 5, 3), a.precision)?;
+        }
+        if a.which == Which::Resnet18Eval {
+            resnet18_eval::<B>(&dev, Sizes::pick(&a, 20, 5, 3), a.precision)?;
         }
         Ok(())
     }
@@ -414,6 +427,61 @@ fn resnet18<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Resu
         mib(step_peak)
     );
     report("resnet18", dev, s, &totals, &extra);
+    Ok(())
+}
+
+/// The `resnet18-eval` workload (see the file docs): one line with the batch norms folded
+/// into the convolutions (`fold=on`), one with convolution, batch norm and ReLU apart
+/// (`fold=off`), the same model and input.
+fn resnet18_eval<B: Backend>(dev: &B::Device, s: Sizes, precision: Precision) -> Result<()> {
+    let (batch, classes) = (256, 10);
+    let x = Tensor::<B>::from_vec(data(batch, 3 * 32 * 32), [batch, 3 * 32 * 32], dev)?;
+    let x = Var::constant(x.reshape([batch, 3, 32, 32])?);
+    let mut model = ResNet::<B>::new(
+        ResNetConfig::resnet18(3, classes, 64),
+        dev,
+        &mut Generator::new(0),
+    )?;
+    // A few training-mode forwards, so the running statistics are not the initial ones.
+    for _ in 0..2 {
+        no_grad(|| model.forward(&x))?;
+    }
+    model.eval();
+    for fold in [true, false] {
+        model.set_fold(fold);
+        let forward = || -> Result<Var<B>> {
+            let _amp = precision.autocast().map(autocast).transpose()?;
+            no_grad(|| model.forward(&x))
+        };
+        for _ in 0..s.warmup {
+            forward()?;
+        }
+        let mut totals = Vec::with_capacity(s.repeats);
+        let mut last = None;
+        for _ in 0..s.repeats {
+            totals.push(time_ms::<B>(dev, || {
+                for _ in 0..s.steps {
+                    last = Some(forward()?);
+                }
+                Ok(())
+            })?);
+        }
+        let checksum = match last {
+            Some(y) => y
+                .tensor()
+                .to_dtype(DType::F64)?
+                .abs()?
+                .sum_all()?
+                .to_scalar()?,
+            None => f64::NAN,
+        };
+        let extra = format!(
+            " batch={batch} arch=resnet18-cifar-w64 fold={} precision={} checksum={checksum:.4}",
+            if fold { "on" } else { "off" },
+            format!("{precision:?}").to_lowercase(),
+        );
+        report("resnet18-eval", dev, s, &totals, &extra);
+    }
     Ok(())
 }
 

@@ -10,18 +10,24 @@
 //!
 //! The model forwards `set_training` to its batch norms: [`ModuleExt::train`] and
 //! [`ModuleExt::eval`] switch them between batch statistics (updating the running ones) and
-//! the running statistics.
+//! the running statistics. Each convolution and its batch norm (and ReLU where one follows
+//! directly) is a `kiln_nn::ConvBnAct`: in eval mode the batch norm is folded into the
+//! convolution's weight and bias, and on CUDA the bias and ReLU run in the convolution's
+//! epilogue (cuDNN's fused graph) for inference under `no_grad`; [`ResNet::set_fold`] turns
+//! that off to compare.
 //!
 //! [`ModuleExt::train`]: kiln_nn::ModuleExt::train
 //! [`ModuleExt::eval`]: kiln_nn::ModuleExt::eval
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, DType, Error, Generator, HostBuffer, Reduction, Result, Tensor};
+use kiln_core::{
+    Activation, Backend, DType, Error, Generator, HostBuffer, Reduction, Result, Tensor,
+};
 use kiln_data::{ArrayDataset, DataLoader, Dataset};
 use kiln_nn::loss::cross_entropy;
 use kiln_nn::{
-    AdaptiveAvgPool2d, BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, Linear, LinearConfig,
-    Module,
+    AdaptiveAvgPool2d, BatchNorm, BatchNormConfig, Conv2d, Conv2dConfig, ConvBnAct, Linear,
+    LinearConfig, Module,
 };
 use kiln_optim::Optimizer;
 
@@ -52,14 +58,31 @@ fn bn<B: Backend>(c: usize, dev: &B::Device) -> Result<BatchNorm<B>> {
     BatchNormConfig::new(c).init_2d::<B>(dev)
 }
 
+/// A convolution (no bias, "same" padding) with its BatchNorm and activation, its parameters
+/// and buffers named `conv` and `bn` (torchvision's names for them): in eval mode the batch
+/// norm is folded into the convolution (`kiln_nn::ConvBnAct`).
+fn conv_bn<B: Backend>(
+    (cin, cout, k, stride): (usize, usize, usize, usize),
+    act: Activation,
+    names: (&str, &str),
+    dev: &B::Device,
+    g: &mut Generator,
+) -> Result<ConvBnAct<B>> {
+    let c = conv(cin, cout, k, stride, dev, g)?;
+    Ok(ConvBnAct::new(c, bn(cout, dev)?, act)?.with_names(names.0, names.1))
+}
+
 /// Two 3×3 convolutions with BatchNorm and a residual connection (a 1×1 projection with
-/// BatchNorm when the shape changes).
+/// BatchNorm when the shape changes). Each convolution and its batch norm (and the first
+/// one's ReLU) is one [`ConvBnAct`], so in eval mode the block runs three (or two) folded
+/// convolutions.
 pub struct BasicBlock<B: Backend> {
-    conv1: Conv2d<B>,
-    bn1: BatchNorm<B>,
-    conv2: Conv2d<B>,
-    bn2: BatchNorm<B>,
-    downsample: Option<(Conv2d<B>, BatchNorm<B>)>,
+    /// `conv1`, `bn1`, ReLU.
+    first: ConvBnAct<B>,
+    /// `conv2`, `bn2` (the ReLU comes after the residual sum).
+    second: ConvBnAct<B>,
+    /// `downsample.0`, `downsample.1`.
+    downsample: Option<ConvBnAct<B>>,
 }
 
 impl<B: Backend> BasicBlock<B> {
@@ -70,66 +93,64 @@ impl<B: Backend> BasicBlock<B> {
         dev: &B::Device,
         g: &mut Generator,
     ) -> Result<Self> {
-        let conv1 = conv(cin, cout, 3, stride, dev, g)?;
-        let bn1 = bn(cout, dev)?;
-        let conv2 = conv(cout, cout, 3, 1, dev, g)?;
-        let bn2 = bn(cout, dev)?;
+        let relu = Activation::Relu;
+        let first = conv_bn((cin, cout, 3, stride), relu, ("conv1", "bn1"), dev, g)?;
+        let none = Activation::Identity;
+        let second = conv_bn((cout, cout, 3, 1), none, ("conv2", "bn2"), dev, g)?;
         let downsample = if stride != 1 || cin != cout {
-            Some((conv(cin, cout, 1, stride, dev, g)?, bn(cout, dev)?))
+            let names = ("downsample.0", "downsample.1");
+            Some(conv_bn((cin, cout, 1, stride), none, names, dev, g)?)
         } else {
             None
         };
         Ok(BasicBlock {
-            conv1,
-            bn1,
-            conv2,
-            bn2,
+            first,
+            second,
             downsample,
         })
+    }
+
+    /// Every `ConvBnAct` of the block.
+    fn layers_mut(&mut self) -> impl Iterator<Item = &mut ConvBnAct<B>> {
+        [&mut self.first, &mut self.second]
+            .into_iter()
+            .chain(self.downsample.as_mut())
     }
 }
 
 impl<B: Backend> Module<B> for BasicBlock<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        let h = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
-        let h = self.bn2.forward(&self.conv2.forward(&h)?)?;
+        let h = self.second.forward(&self.first.forward(x)?)?;
         let shortcut = match &self.downsample {
-            Some((c, b)) => b.forward(&c.forward(x)?)?,
+            Some(d) => d.forward(x)?,
             None => x.clone(),
         };
         h.add(&shortcut)?.relu()
     }
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
-        let mut v = prefixed("conv1", self.conv1.named_parameters());
-        v.extend(prefixed("bn1", self.bn1.named_parameters()));
-        v.extend(prefixed("conv2", self.conv2.named_parameters()));
-        v.extend(prefixed("bn2", self.bn2.named_parameters()));
-        if let Some((c, b)) = &self.downsample {
-            v.extend(prefixed("downsample.0", c.named_parameters()));
-            v.extend(prefixed("downsample.1", b.named_parameters()));
+        let mut v = self.first.named_parameters();
+        v.extend(self.second.named_parameters());
+        if let Some(d) = &self.downsample {
+            v.extend(d.named_parameters());
         }
         v
     }
     fn named_buffers(&self) -> Vec<(String, Var<B>)> {
-        let mut v = prefixed("bn1", self.bn1.named_buffers());
-        v.extend(prefixed("bn2", self.bn2.named_buffers()));
-        if let Some((_, b)) = &self.downsample {
-            v.extend(prefixed("downsample.1", b.named_buffers()));
+        let mut v = self.first.named_buffers();
+        v.extend(self.second.named_buffers());
+        if let Some(d) = &self.downsample {
+            v.extend(d.named_buffers());
         }
         v
     }
     fn set_training(&mut self, training: bool) {
-        self.bn1.set_training(training);
-        self.bn2.set_training(training);
-        if let Some((_, b)) = &mut self.downsample {
-            b.set_training(training);
-        }
+        self.layers_mut().for_each(|l| l.set_training(training));
     }
     fn describe(&self) -> String {
         format!(
             "BasicBlock({} -> {}, downsample={})",
-            self.conv1.config().in_channels,
-            self.conv1.config().out_channels,
+            self.first.conv.config().in_channels,
+            self.first.conv.config().out_channels,
             self.downsample.is_some()
         )
     }
@@ -162,8 +183,8 @@ impl ResNetConfig {
 /// ResNet in its CIFAR form (module docs).
 pub struct ResNet<B: Backend> {
     cfg: ResNetConfig,
-    conv1: Conv2d<B>,
-    bn1: BatchNorm<B>,
+    /// `conv1`, `bn1`, ReLU.
+    stem: ConvBnAct<B>,
     layers: Vec<Vec<BasicBlock<B>>>,
     pool: AdaptiveAvgPool2d,
     fc: Linear<B>,
@@ -180,8 +201,13 @@ impl<B: Backend> ResNet<B> {
             ));
         }
         let w = cfg.width;
-        let conv1 = conv(cfg.in_channels, w, 3, 1, dev, g)?;
-        let bn1 = bn(w, dev)?;
+        let stem = conv_bn(
+            (cfg.in_channels, w, 3, 1),
+            Activation::Relu,
+            ("conv1", "bn1"),
+            dev,
+            g,
+        )?;
         let mut layers = Vec::new();
         let mut cin = w;
         for (stage, &n) in cfg.blocks.iter().enumerate() {
@@ -197,8 +223,7 @@ impl<B: Backend> ResNet<B> {
         let fc = LinearConfig::new(cin, cfg.classes).init::<B>(dev, g)?;
         Ok(ResNet {
             cfg,
-            conv1,
-            bn1,
+            stem,
             layers,
             pool: AdaptiveAvgPool2d::new([1, 1]),
             fc,
@@ -207,6 +232,18 @@ impl<B: Backend> ResNet<B> {
 
     pub fn config(&self) -> &ResNetConfig {
         &self.cfg
+    }
+
+    /// Whether eval mode folds each batch norm into its convolution (the default) or runs
+    /// convolution, batch norm and activation one after the other (`ConvBnAct::set_fold`),
+    /// for comparing the two.
+    pub fn set_fold(&mut self, fold: bool) {
+        self.stem.set_fold(fold);
+        for blocks in &mut self.layers {
+            for b in blocks {
+                b.layers_mut().for_each(|l| l.set_fold(fold));
+            }
+        }
     }
 
     fn children(&self) -> impl Iterator<Item = (String, &BasicBlock<B>)> {
@@ -221,7 +258,7 @@ impl<B: Backend> ResNet<B> {
 
 impl<B: Backend> Module<B> for ResNet<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        let mut h = self.bn1.forward(&self.conv1.forward(x)?)?.relu()?;
+        let mut h = self.stem.forward(x)?;
         for blocks in &self.layers {
             for b in blocks {
                 h = b.forward(&h)?;
@@ -231,8 +268,7 @@ impl<B: Backend> Module<B> for ResNet<B> {
         self.fc.forward(&h)
     }
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {
-        let mut v = prefixed("conv1", self.conv1.named_parameters());
-        v.extend(prefixed("bn1", self.bn1.named_parameters()));
+        let mut v = self.stem.named_parameters();
         for (name, b) in self.children() {
             v.extend(prefixed(&name, b.named_parameters()));
         }
@@ -240,14 +276,14 @@ impl<B: Backend> Module<B> for ResNet<B> {
         v
     }
     fn named_buffers(&self) -> Vec<(String, Var<B>)> {
-        let mut v = prefixed("bn1", self.bn1.named_buffers());
+        let mut v = self.stem.named_buffers();
         for (name, b) in self.children() {
             v.extend(prefixed(&name, b.named_buffers()));
         }
         v
     }
     fn set_training(&mut self, training: bool) {
-        self.bn1.set_training(training);
+        self.stem.set_training(training);
         for blocks in &mut self.layers {
             for b in blocks {
                 b.set_training(training);

@@ -1,9 +1,10 @@
 //! Keeps `examples/resnet` true: a very narrow ResNet-18 (CIFAR form) trains for a few epochs
 //! on a few hundred padded MNIST digits on the CPU and its training loss falls; its state dict
-//! has torchvision's names, buffers included; evaluation mode is deterministic and uses the
-//! running statistics.
+//! has torchvision's names, buffers included; evaluation mode is deterministic, uses the
+//! running statistics, and its folded convolutions (`ConvBnAct`) give the unfolded layers'
+//! output.
 
-use kiln_autograd::Var;
+use kiln_autograd::{Var, no_grad};
 use kiln_backend_cpu::Cpu;
 use kiln_core::{Backend, Generator};
 use kiln_data::{DataLoader, Mnist};
@@ -75,5 +76,30 @@ fn tiny_resnet_loss_falls_on_the_cpu() {
     let b = model.forward(&x).unwrap().tensor().to_vec::<f32>().unwrap();
     assert_eq!(a, b);
     assert_eq!(nbt.1.tensor().to_vec::<i64>().unwrap(), [4 * 8]);
+
+    // The folded eval forward (each batch norm folded into its convolution), recording or
+    // not, equals convolution, batch norm and ReLU one after the other.
+    let folded = no_grad(|| model.forward(&x)).unwrap();
+    model.set_fold(false);
+    let unfolded = model.forward(&x).unwrap();
+    model.set_fold(true);
+    let host = |v: &Var<Cpu>| -> Vec<f64> {
+        let t = v.tensor().to_dtype(kiln_core::DType::F64).unwrap();
+        t.to_vec::<f64>().unwrap()
+    };
+    let want = host(&unfolded);
+    let close = |what: &str, got: &[f64]| {
+        let err = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-4, "{what}: max error {err}");
+    };
+    close("no_grad", &host(&folded));
+    close(
+        "recording",
+        &a.into_iter().map(f64::from).collect::<Vec<_>>(),
+    );
     assert_eq!(<Cpu as Backend>::NAME, "cpu");
 }

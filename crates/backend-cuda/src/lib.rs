@@ -134,8 +134,9 @@ use kiln_core::{
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use blas_lt::{lt_epilogues, set_lt_epilogues};
 pub use cudnn::{
-    CudnnApi, CudnnLayout, cudnn_api, cudnn_available, cudnn_enabled, cudnn_graph_calls,
-    cudnn_layout, cudnn_nhwc_calls, cudnn_version, set_cudnn, set_cudnn_api, set_cudnn_layout,
+    CudnnApi, CudnnLayout, cudnn_api, cudnn_available, cudnn_enabled, cudnn_fused_calls,
+    cudnn_fusion, cudnn_graph_calls, cudnn_layout, cudnn_nhwc_calls, cudnn_version, set_cudnn,
+    set_cudnn_api, set_cudnn_fusion, set_cudnn_layout,
 };
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
@@ -862,6 +863,17 @@ impl Backend for Cuda {
             dtype,
         );
         Ok(r?.map(CudaStorage::ready))
+    }
+
+    fn conv2d_bias_act(
+        x: Operand<'_, CudaStorage>,
+        w: Operand<'_, CudaStorage>,
+        bias: Operand<'_, CudaStorage>,
+        dtype: DType,
+        spec: &Conv2dSpec,
+        act: Activation,
+    ) -> Result<Option<CudaStorage>> {
+        cudnn::conv_bias_act(x, w, bias, dtype, spec, act)
     }
 
     fn conv2d_backward_data(

@@ -734,6 +734,26 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         let _ = (x, x_layout, w, w_layout, dtype, spec);
         Ok(None)
     }
+    /// `act(conv2d(x, w) + bias)` in one library call (an inference epilogue: a convolution
+    /// whose output gets a per-channel `bias` `[oc]` added and `act` applied before it is
+    /// written), for the folded Conv + BatchNorm (+ ReLU) of kiln-nn's `ConvBnAct` in eval
+    /// mode: `x` `[n, c, h, w]`, `w` `[oc, c/groups, kh, kw]` and `bias` of one float dtype,
+    /// any layouts; returns `[n, oc, oh, ow]` contiguous. Forward only: nothing is recorded,
+    /// no gradient is offered. The caller has checked the shapes ([`Conv2dSpec::output_dims`]).
+    /// `Ok(None)` (the default) when not offered for these operands or this activation: the
+    /// caller then runs the convolution, the bias add and the activation one after the other.
+    #[allow(clippy::too_many_arguments)]
+    fn conv2d_bias_act(
+        x: Operand<'_, Self::Storage>,
+        w: Operand<'_, Self::Storage>,
+        bias: Operand<'_, Self::Storage>,
+        dtype: DType,
+        spec: &Conv2dSpec,
+        act: Activation,
+    ) -> Result<Option<Self::Storage>> {
+        let _ = (x, w, bias, dtype, spec, act);
+        Ok(None)
+    }
     /// The gradient of [`Backend::conv2d`] with respect to its input, `[n, c, h, w]` =
     /// `x_dims`, from the weight and the output's gradient `dy` `[n, oc, oh, ow]`; contiguous.
     /// `Ok(None)` (the default) when not offered.

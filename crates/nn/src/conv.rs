@@ -228,6 +228,62 @@ impl<B: Backend> Conv2d<B> {
     pub fn config(&self) -> &Conv2dConfig {
         &self.cfg
     }
+
+    /// The layer's sliding window (kernel, stride, padding, dilation).
+    pub fn window(&self) -> Window {
+        let c = &self.cfg;
+        Window {
+            kernel: c.kernel,
+            stride: c.stride,
+            padding: c.padding,
+            dilation: c.dilation,
+        }
+    }
+
+    /// The geometry handed to a backend's own convolution.
+    pub(crate) fn spec(&self) -> Conv2dSpec {
+        let c = &self.cfg;
+        Conv2dSpec {
+            stride: c.stride,
+            padding: c.padding,
+            dilation: c.dilation,
+            groups: c.groups,
+        }
+    }
+
+    /// This layer's convolution with another `weight` and `bias` of its shapes (a folded
+    /// batch norm's, `conv_bn.rs`), through the same paths and index cache as
+    /// [`Module::forward`].
+    pub(crate) fn forward_with(
+        &self,
+        x: &Var<B>,
+        weight: &Var<B>,
+        bias: Option<&Var<B>>,
+    ) -> Result<Var<B>> {
+        conv2d_cached(
+            x,
+            weight,
+            bias,
+            self.window(),
+            self.cfg.groups,
+            Some(&self.idx),
+        )
+    }
+
+    /// A new layer from this one's geometry and the given parameters (made parameters here):
+    /// what `Conv2d::fold_batch_norm` returns.
+    pub(crate) fn with_params(&self, weight: Tensor<B>, bias: Tensor<B>) -> Conv2d<B> {
+        Conv2d {
+            cfg: Conv2dConfig {
+                bias: true,
+                dtype: weight.dtype(),
+                ..self.cfg
+            },
+            weight: Var::param(weight),
+            bias: Some(Var::param(bias)),
+            idx: IdxCache::new(),
+        }
+    }
 }
 
 /// The sliding-window geometry shared by convolution and pooling.
@@ -532,21 +588,7 @@ fn conv2d_im2col<B: Backend>(
 
 impl<B: Backend> Module<B> for Conv2d<B> {
     fn forward(&self, x: &Var<B>) -> Result<Var<B>> {
-        let c = &self.cfg;
-        let window = Window {
-            kernel: c.kernel,
-            stride: c.stride,
-            padding: c.padding,
-            dilation: c.dilation,
-        };
-        conv2d_cached(
-            x,
-            &self.weight,
-            self.bias.as_ref(),
-            window,
-            c.groups,
-            Some(&self.idx),
-        )
+        self.forward_with(x, &self.weight, self.bias.as_ref())
     }
 
     fn named_parameters(&self) -> Vec<(String, Var<B>)> {

@@ -5,7 +5,8 @@
 //!
 //! - [`Module`] (forward, named parameters and buffers, train/eval) and [`ModuleExt`] (`to_device`,
 //!   `save`/`load`, `state_dict`), implemented by every layer;
-//! - layers: [`Linear`], [`Conv2d`] (grouped and depthwise too), [`MaxPool2d`], [`AvgPool2d`],
+//! - layers: [`Linear`], [`Conv2d`] (grouped and depthwise too), [`ConvBnAct`] (a convolution,
+//!   a batch norm and an activation, folded into one convolution in eval mode), [`MaxPool2d`], [`AvgPool2d`],
 //!   [`AdaptiveAvgPool2d`], [`Flatten`], [`Dropout`], [`LayerNorm`], [`RMSNorm`],
 //!   [`BatchNorm`] (`BatchNorm1d`/`BatchNorm2d`, with running statistics as buffers),
 //!   [`GroupNorm`], [`Embedding`], [`MultiheadAttention`] (with the functional
@@ -53,6 +54,7 @@ mod activation;
 mod attention;
 mod batch_norm;
 mod conv;
+mod conv_bn;
 mod conv_route;
 mod dropout;
 mod embedding;
@@ -76,6 +78,7 @@ pub use conv::{
     Conv2d, Conv2dConfig, MaxPool2d, Window, conv2d, conv2d_grouped, conv2d_im2col_path,
     max_pool2d, max_pool2d_ceil,
 };
+pub use conv_bn::ConvBnAct;
 pub use conv_route::{conv_routes_measured, conv_routing, set_conv_routing};
 pub use dropout::Dropout;
 pub use embedding::{Embedding, EmbeddingConfig};

@@ -70,6 +70,13 @@ impl Element for sys::cudnnConvolutionMode_t {
 impl Element for sys::cudnnBackendHeurMode_t {
     const TY: Ty = Ty::CUDNN_TYPE_HEUR_MODE;
 }
+impl Element for sys::cudnnPointwiseMode_t {
+    const TY: Ty = Ty::CUDNN_TYPE_POINTWISE_MODE;
+}
+/// C's `bool` (one byte, as Rust's), for flags such as a tensor's `IS_VIRTUAL`.
+impl Element for bool {
+    const TY: Ty = Ty::CUDNN_TYPE_BOOLEAN;
+}
 impl Element for sys::cudnnHandle_t {
     const TY: Ty = Ty::CUDNN_TYPE_HANDLE;
 }
@@ -233,6 +240,11 @@ mod tests {
         );
         assert_eq!(tag::<sys::cudnnHandle_t>(), Ty::CUDNN_TYPE_HANDLE);
         assert_eq!(
+            tag::<sys::cudnnPointwiseMode_t>(),
+            Ty::CUDNN_TYPE_POINTWISE_MODE
+        );
+        assert_eq!(tag::<bool>(), Ty::CUDNN_TYPE_BOOLEAN);
+        assert_eq!(
             tag::<sys::cudnnBackendDescriptor_t>(),
             Ty::CUDNN_TYPE_BACKEND_DESCRIPTOR
         );
@@ -248,5 +260,7 @@ mod tests {
         assert_eq!(size_of::<sys::cudnnConvolutionMode_t>(), 4);
         assert_eq!(size_of::<sys::cudnnBackendHeurMode_t>(), 4);
         assert_eq!(size_of::<DevPtr>(), size_of::<*mut c_void>());
+        assert_eq!(size_of::<sys::cudnnPointwiseMode_t>(), 4);
+        assert_eq!(size_of::<bool>(), 1);
     }
 }

@@ -140,7 +140,7 @@ pub fn cudnn_graph_calls() -> u64 {
 
 /// Whether the loaded cuDNN exports the backend API's functions (checked once; cuDNN itself
 /// is known to be loadable when this is asked).
-fn graph_available() -> bool {
+pub(super) fn graph_available() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
         let missing: Vec<&str> = backend::SYMBOLS
@@ -165,40 +165,40 @@ fn graph_available() -> bool {
 /// benchmark mode caps its candidates (`cudnn.benchmark_limit`, 10 by default): enough for the
 /// fast engines, few enough that a geometry's first call stays short (a plan may compile
 /// kernels when it is finalized).
-const MAX_CANDIDATES: usize = 10;
+pub(super) const MAX_CANDIDATES: usize = 10;
 
 /// Timed runs per plan after one warm-up (the fastest counts).
-const TIMED_RUNS: usize = 2;
+pub(super) const TIMED_RUNS: usize = 2;
 
 /// The unique ids of the three tensors in every graph.
-const UID_X: i64 = 1;
-const UID_W: i64 = 2;
-const UID_Y: i64 = 3;
+pub(super) const UID_X: i64 = 1;
+pub(super) const UID_W: i64 = 2;
+pub(super) const UID_Y: i64 = 3;
 
 /// The byte alignment declared for every tensor: kiln's operands are whole pool blocks
 /// (256-byte aligned), and each call checks its pointers against it ([`aligned`]).
-const ALIGNMENT: i64 = 16;
+pub(super) const ALIGNMENT: i64 = 16;
 
 /// One tensor of the graph: unique id, dimensions and strides (in elements, NCHW order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct TensorSpec {
-    uid: i64,
-    dims: [i64; 4],
-    strides: [i64; 4],
+pub(super) struct TensorSpec {
+    pub uid: i64,
+    pub dims: [i64; 4],
+    pub strides: [i64; 4],
 }
 
 /// The strides of a packed tensor of `dims`.
-fn packed_strides(dims: [i64; 4]) -> [i64; 4] {
+pub(super) fn packed_strides(dims: [i64; 4]) -> [i64; 4] {
     [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1]
 }
 
 /// `v` as the backend API's int64.
-fn i64_of(v: usize, op: &'static str) -> Result<i64> {
+pub(super) fn i64_of(v: usize, op: &'static str) -> Result<i64> {
     i64::try_from(v).map_err(|_| Error::invalid(op, format!("{v} exceeds cuDNN's int64")))
 }
 
 /// `x`, `w` and `y` of `key`, packed NCHW (a filter `[k, c/groups, r, s]`).
-fn tensors(key: &Key, op: &'static str) -> Result<[TensorSpec; 3]> {
+pub(super) fn tensors(key: &Key, op: &'static str) -> Result<[TensorSpec; 3]> {
     let spec = |uid, d: [usize; 4]| -> Result<TensorSpec> {
         let dims = [
             i64_of(d[0], op)?,
@@ -230,7 +230,7 @@ fn operand_uids(dir: Dir) -> [i64; 3] {
 }
 
 /// Whether an engine with numerical `notes` may run `dtype` with TF32 `tf32` (module docs).
-fn allowed(notes: &[u32], dtype: DType, tf32: bool) -> bool {
+pub(super) fn allowed(notes: &[u32], dtype: DType, tf32: bool) -> bool {
     use sys::cudnnBackendNumericalNote_t::*;
     let has = |n: sys::cudnnBackendNumericalNote_t| notes.contains(&(n as u32));
     if has(CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS) {
@@ -240,22 +240,22 @@ fn allowed(notes: &[u32], dtype: DType, tf32: bool) -> bool {
 }
 
 /// Whether every pointer meets the alignment the tensors declare.
-fn aligned(ptrs: &[u64]) -> bool {
+pub(super) fn aligned(ptrs: &[u64]) -> bool {
     ptrs.iter().all(|p| p % ALIGNMENT as u64 == 0)
 }
 
 /// One finalized execution plan and what was learned about it.
-struct Candidate {
-    plan: Desc,
+pub(super) struct Candidate {
+    pub plan: Desc,
     /// The engine config the plan was made from, kept alive with it (as cudnn-frontend's
     /// plans hold theirs).
-    _cfg: Desc,
-    workspace: usize,
+    pub _cfg: Desc,
+    pub workspace: usize,
     /// cuDNN's global engine index, and its numerical notes (for the log).
-    engine: i64,
-    notes: Vec<u32>,
+    pub engine: i64,
+    pub notes: Vec<u32>,
     /// The fastest timed run, ms.
-    time: f32,
+    pub time: f32,
 }
 
 impl std::fmt::Display for Candidate {
@@ -541,7 +541,7 @@ impl Call<'_> {
 }
 
 /// A finalized tensor descriptor of `t` in `data`.
-fn tensor(t: &TensorSpec, data: sys::cudnnDataType_t, op: &'static str) -> Result<Desc> {
+pub(super) fn tensor(t: &TensorSpec, data: sys::cudnnDataType_t, op: &'static str) -> Result<Desc> {
     let d = Desc::new(K::CUDNN_BACKEND_TENSOR_DESCRIPTOR, op)?;
     d.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, &[data], op)?;
     d.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, &t.dims, op)?;
@@ -554,7 +554,11 @@ fn tensor(t: &TensorSpec, data: sys::cudnnDataType_t, op: &'static str) -> Resul
 
 /// A finalized cross-correlation descriptor of `key`'s padding, stride and dilation (groups
 /// are implied by the tensors' channel counts).
-fn convolution(key: &Key, compute: sys::cudnnDataType_t, op: &'static str) -> Result<Desc> {
+pub(super) fn convolution(
+    key: &Key,
+    compute: sys::cudnnDataType_t,
+    op: &'static str,
+) -> Result<Desc> {
     let s = &key.spec;
     let pair = |v: [usize; 2]| -> Result<[i64; 2]> { Ok([i64_of(v[0], op)?, i64_of(v[1], op)?]) };
     let (pad, stride, dil) = (pair(s.padding)?, pair(s.stride)?, pair(s.dilation)?);
@@ -616,7 +620,7 @@ fn operation_attrs(dir: Dir) -> (K, [A; 6]) {
 
 /// A finalized convolution operation for `dir` on tensors `[x, w, y]`: alpha 1, beta 0, as
 /// doubles for f64 data and floats otherwise (cuDNN's scaling types).
-fn operation(
+pub(super) fn operation(
     dir: Dir,
     [x, w, y]: [&Desc; 3],
     conv: &Desc,
@@ -641,7 +645,7 @@ fn operation(
 }
 
 /// The engine configs heuristic `mode` lists for `graph`, best first.
-fn heuristic(
+pub(super) fn heuristic(
     graph: &Desc,
     mode: sys::cudnnBackendHeurMode_t,
     op: &'static str,
@@ -664,7 +668,7 @@ fn heuristic(
 }
 
 /// The global index and numerical notes of `cfg`'s engine.
-fn engine_of(cfg: &Desc, op: &'static str) -> Result<(i64, Vec<u32>)> {
+pub(super) fn engine_of(cfg: &Desc, op: &'static str) -> Result<(i64, Vec<u32>)> {
     let engine = cfg
         .get_descs(
             A::CUDNN_ATTR_ENGINECFG_ENGINE,

@@ -38,6 +38,11 @@
 //!   search's Winograd/FFT algorithms win ResNet-18's layers, the graph engines some others)
 //!   (`KILN_CUDNN_API=auto|graph|legacy`, [`set_cudnn_api`]). The layout switch applies to the
 //!   legacy API only.
+//! - **Fused inference epilogue** (`fused.rs`): a forward convolution with a per-channel bias
+//!   and a ReLU as one graph (convolution → pointwise add → pointwise ReLU), for kiln-nn's
+//!   folded Conv + BatchNorm in eval mode (`Backend::conv2d_bias_act`); selected and cached
+//!   as the graph API's convolutions, declined (`None`) where cuDNN serves no engine.
+//!   `KILN_CUDNN_FUSION=0` or [`set_cudnn_fusion`] turns it off.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the
@@ -50,6 +55,7 @@
 mod algo;
 mod backend;
 mod desc;
+mod fused;
 mod graph;
 mod nhwc;
 mod pick;
@@ -66,6 +72,8 @@ use crate::device::DeviceState;
 use crate::memory::{Buffer, alloc};
 pub(crate) use algo::Dir;
 use desc::Key;
+pub(crate) use fused::conv_bias_act;
+pub use fused::{cudnn_fused_calls, cudnn_fusion, set_cudnn_fusion};
 pub use graph::{CudnnApi, cudnn_api, cudnn_graph_calls, set_cudnn_api};
 pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
 use pick::Geometry;
@@ -216,6 +224,8 @@ struct State {
     graph: graph::Cache,
     /// `auto`'s choice of API for FMA math, per geometry and direction (true: graph).
     api_pick: HashMap<(Key, Dir), bool>,
+    /// The fused convolution + bias + activation graphs measured (`fused.rs`).
+    fused: fused::Cache,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -226,6 +236,7 @@ impl Drop for State {
     fn drop(&mut self) {
         self.plans.clear();
         self.graph.clear();
+        self.fused.clear();
         // SAFETY: the handle was created by `cudnnCreate` and is destroyed once.
         unsafe {
             sys::cudnnDestroy(self.handle);
@@ -274,6 +285,44 @@ fn fits(dims: &[[usize; 4]]) -> bool {
     })
 }
 
+/// The device's cuDNN state (`guard`, its lock held), created on first use, its handle bound
+/// to the calling thread's current stream; `None` when it does not exist yet and may not be
+/// created now (a capture: module docs). The device's context must be current.
+fn bound<'a>(
+    guard: &'a mut Option<State>,
+    dev: &'static DeviceState,
+    op: &'static str,
+) -> Result<Option<&'a mut State>> {
+    let st = match guard {
+        Some(st) => st,
+        None => {
+            if dev.capturing() {
+                // Creating a handle allocates; not inside a capture (module docs).
+                return Ok(None);
+            }
+            let mut h = std::ptr::null_mut();
+            // SAFETY: valid out-pointer; the device's context is current (the caller's
+            // contract); the handle lives as long as the process' device state.
+            status(unsafe { sys::cudnnCreate(&mut h) }, op)?;
+            guard.insert(State {
+                handle: h,
+                stream: 0,
+                plans: HashMap::new(),
+                graph: HashMap::new(),
+                api_pick: HashMap::new(),
+                fused: HashMap::new(),
+            })
+        }
+    };
+    let stream = dev.stream();
+    if st.stream != stream as usize {
+        // SAFETY: a live handle under the lock; the stream belongs to this device's context.
+        status(unsafe { sys::cudnnSetStream(st.handle, stream as _) }, op)?;
+        st.stream = stream as usize;
+    }
+    Ok(Some(st))
+}
+
 /// One convolution call in direction `dir`: `a`, `b` are the operands (packed, on `dev`),
 /// the output (of `out_dims`) is allocated here. `Ok(None)` when cuDNN is not offered for it
 /// (module docs).
@@ -307,32 +356,9 @@ pub(crate) fn run(
     dev.bind()?;
     let op = dir.op();
     let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
-    let st = match guard.as_mut() {
-        Some(st) => st,
-        None => {
-            if dev.capturing() {
-                // Creating a handle allocates; not inside a capture (module docs).
-                return Ok(None);
-            }
-            let mut h = std::ptr::null_mut();
-            // SAFETY: valid out-pointer; the device's context is current (bound above); the
-            // handle lives as long as the process' device state.
-            status(unsafe { sys::cudnnCreate(&mut h) }, op)?;
-            guard.insert(State {
-                handle: h,
-                stream: 0,
-                plans: HashMap::new(),
-                graph: HashMap::new(),
-                api_pick: HashMap::new(),
-            })
-        }
+    let Some(st) = bound(&mut guard, dev, op)? else {
+        return Ok(None);
     };
-    let stream = dev.stream();
-    if st.stream != stream as usize {
-        // SAFETY: a live handle under the lock; the stream belongs to this device's context.
-        status(unsafe { sys::cudnnSetStream(st.handle, stream as _) }, op)?;
-        st.stream = stream as usize;
-    }
     let key = Key {
         x,
         w,

@@ -5,7 +5,7 @@
 //! These are not the public face of convolution: they exist so that the layer above can ask
 //! "does this backend convolve natively?" without naming a backend.
 
-use crate::backend::{Backend, Conv2dSpec};
+use crate::backend::{Activation, Backend, Conv2dSpec};
 use crate::{Error, Result, Tensor};
 
 /// `t`'s dims as `[usize; 4]`, or an error naming `op` and `what`.
@@ -59,6 +59,43 @@ impl<B: Backend> Tensor<B> {
             weight.layout(),
             self.dtype(),
             &spec,
+        )?;
+        Ok(s.map(|s| self.fresh(s, out, self.dtype())))
+    }
+
+    /// `act(conv2d(self, weight) + bias)` by one library call of the backend
+    /// ([`Backend::conv2d_bias_act`]; forward only, for inference): `[n, oc, oh, ow]`, or
+    /// `None` when the backend does not offer it for these operands and this activation.
+    /// `bias` is `[oc]`, of the operands' dtype. Shapes that do not fit are an error naming
+    /// `conv2d_bias_act`.
+    pub fn conv2d_bias_act_native(
+        &self,
+        weight: &Self,
+        bias: &Self,
+        spec: Conv2dSpec,
+        act: Activation,
+    ) -> Result<Option<Self>> {
+        const OP: &str = "conv2d_bias_act";
+        check_pair(OP, self, weight)?;
+        check_pair(OP, self, bias)?;
+        let (xd, wd) = (dims4(OP, "input", self)?, dims4(OP, "weight", weight)?);
+        let out = spec
+            .output_dims(xd, wd)
+            .ok_or_else(|| misfit(OP, xd, wd, &spec))?;
+        if bias.dims() != [wd[0]] {
+            return Err(Error::invalid(
+                OP,
+                format!("bias must be [{}], got {}", wd[0], bias.shape()),
+            ));
+        }
+        let _p = self.prof(OP, &[weight, bias], false);
+        let s = B::conv2d_bias_act(
+            (self.storage(), self.layout()),
+            (weight.storage(), weight.layout()),
+            (bias.storage(), bias.layout()),
+            self.dtype(),
+            &spec,
+            act,
         )?;
         Ok(s.map(|s| self.fresh(s, out, self.dtype())))
     }

@@ -1,0 +1,493 @@
+//! A forward convolution with a per-channel bias and an activation in one cuDNN graph: the
+//! CUDA backend's `Backend::conv2d_bias_act`, which kiln-nn's `ConvBnAct` runs in eval mode
+//! (a batch norm folded into the convolution's weight and bias).
+//!
+//! Why: unfused, inference after a folded batch norm is a convolution, a bias add and a ReLU,
+//! each a pass over the activations; cuDNN's runtime-fusion engines run the three as one
+//! kernel whose epilogue adds the bias and clamps before the output is written.
+//!
+//! - **Graph**: `x`, `w` (as `graph.rs` builds them), the bias `[1, oc, 1, 1]` and `y`; the
+//!   convolution writes a virtual f32 tensor, a pointwise `ADD` of the bias writes `y` (no
+//!   activation) or a second virtual tensor, a pointwise `RELU_FWD` writes `y`. ReLU and none
+//!   are offered; GELU is declined (the caller composes it).
+//! - **Selection, caching, timing**: as `graph.rs` (heuristic mode A then FALLBACK, numerical
+//!   notes filtered the same way, up to `MAX_CANDIDATES` plans timed, the fastest kept), per
+//!   geometry, dtype, math and activation, in the device's cuDNN state.
+//! - **Fallback**: a graph no engine serves (cuDNN's runtime fusion wants some dtypes and
+//!   layouts only), a geometry first seen inside a CUDA graph capture, misaligned operands, or
+//!   no plan whose workspace can be had: `Ok(None)`, and the caller runs the convolution, the
+//!   bias add and the activation; `KILN_CUDNN_LOG=1` says so once per geometry.
+//! - **Switch**: `KILN_CUDNN_FUSION=0` (read once) or [`set_cudnn_fusion`] turns it off, to
+//!   compare; [`cudnn_fused_calls`] counts the calls that ran fused.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry as MapEntry;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+
+use cudarc::cudnn::sys::{
+    self, cudnnBackendAttributeName_t as A, cudnnBackendDescriptorType_t as K,
+};
+use kiln_core::{Activation, Conv2dSpec, DType, Error, Layout, Result};
+
+use super::algo::Dir;
+use super::backend::{Desc, DevPtr};
+use super::desc::{Key, types};
+use super::graph::{self, Candidate, TensorSpec};
+use super::{bound, fits, log_choices, packed, slot};
+use crate::CudaStorage;
+use crate::device::{DeviceState, time_on};
+use crate::memory::{Buffer, alloc};
+
+const OP: &str = "conv2d_bias_act";
+
+/// The unique ids of the bias and the two virtual intermediates (`x`, `w`, `y` are
+/// `graph.rs`'s).
+const UID_BIAS: i64 = 4;
+const UID_CONV: i64 = 5;
+const UID_ADD: i64 = 6;
+
+static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
+static FUSED_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether the fused graph may run (default: yes, unless `KILN_CUDNN_FUSION=0`).
+pub fn cudnn_fusion() -> bool {
+    match SWITCH.load(Ordering::Relaxed) {
+        0 => {
+            let on = std::env::var("KILN_CUDNN_FUSION").map_or(true, |v| v != "0");
+            set_cudnn_fusion(on);
+            on
+        }
+        v => v == 2,
+    }
+}
+
+/// Allows (`true`, the default) or forbids the fused convolution + bias + activation graph;
+/// forbidden, `conv2d_bias_act` answers "not offered" and the three run one after the other.
+pub fn set_cudnn_fusion(on: bool) {
+    SWITCH.store(if on { 2 } else { 1 }, Ordering::Relaxed);
+}
+
+/// How many convolutions ran through the fused graph since the process started (timing runs
+/// not counted): lets tests and benchmarks see that it ran.
+pub fn cudnn_fused_calls() -> u64 {
+    FUSED_CALLS.load(Ordering::Relaxed)
+}
+
+/// The measured plans of one fused geometry, fastest first (none: not served), and the
+/// descriptors they were built from.
+pub(super) struct Entry {
+    _graph: Vec<Desc>,
+    plans: Vec<Candidate>,
+}
+
+/// Per device: each geometry and activation (true: ReLU) seen.
+pub(super) type Cache = HashMap<(Key, bool), Entry>;
+
+/// `Backend::conv2d_bias_act` on the CUDA backend (module docs): `Ok(None)` when not offered.
+pub(crate) fn conv_bias_act(
+    x: (&CudaStorage, &Layout),
+    w: (&CudaStorage, &Layout),
+    bias: (&CudaStorage, &Layout),
+    dtype: DType,
+    spec: &Conv2dSpec,
+    act: Activation,
+) -> Result<Option<CudaStorage>> {
+    let relu = match act {
+        Activation::Identity => false,
+        Activation::Relu => true,
+        _ => return Ok(None),
+    };
+    // f64 has no runtime-fusion engine; the rest as the plain convolution.
+    if !cudnn_fusion() || dtype == DType::F64 || !super::offered(dtype) {
+        return Ok(None);
+    }
+    if !graph::graph_available() {
+        return Ok(None);
+    }
+    let dims4 = |l: &Layout| <[usize; 4]>::try_from(l.dims()).ok();
+    let (Some(xd), Some(wd)) = (dims4(x.1), dims4(w.1)) else {
+        return Ok(None);
+    };
+    let Some(yd) = spec.output_dims(xd, wd) else {
+        return Ok(None);
+    };
+    if bias.1.dims() != [wd[0]] || !fits(&[xd, wd, yd]) {
+        return Ok(None);
+    }
+    let xb = packed(x.0.buffer()?, x.1, dtype)?;
+    let wb = packed(w.0.buffer()?, w.1, dtype)?;
+    let bb = packed(bias.0.buffer()?, bias.1, dtype)?;
+    let dev = xb.state();
+    if wb.state().ordinal() != dev.ordinal() || bb.state().ordinal() != dev.ordinal() {
+        return Err(Error::invalid(OP, "operands on different devices"));
+    }
+    let tf32 = crate::blas::allow_tf32();
+    let Some((_, _, math)) = types(dtype, tf32) else {
+        return Ok(None);
+    };
+    let key = Key {
+        x: xd,
+        w: wd,
+        y: yd,
+        spec: *spec,
+        dtype,
+        math,
+    };
+    let Some(slot) = slot(dev.ordinal()) else {
+        return Ok(None);
+    };
+    dev.bind()?;
+    let mut guard = slot.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(st) = bound(&mut guard, dev, OP)? else {
+        return Ok(None);
+    };
+    if st
+        .fused
+        .get(&(key, relu))
+        .is_some_and(|e| e.plans.is_empty())
+    {
+        // Measured before and not served: nothing to allocate.
+        return Ok(None);
+    }
+    let out = alloc(dev, yd.iter().product::<usize>() * dtype.size_in_bytes())?;
+    let call = Call {
+        dev,
+        handle: st.handle,
+        key: &key,
+        relu,
+        ptrs: [
+            xb.device_ptr(),
+            wb.device_ptr(),
+            bb.device_ptr(),
+            out.device_ptr(),
+        ],
+    };
+    if !call.run(&mut st.fused)? {
+        return Ok(None);
+    }
+    drop(guard);
+    if crate::device::sync_debug() && !dev.capturing() {
+        dev.sync(OP)?;
+    }
+    Ok(Some(CudaStorage::ready(out)))
+}
+
+/// One fused call: the handle (bound, under the device's cuDNN lock), the geometry, and the
+/// device pointers of `x`, `w`, the bias and `y`.
+struct Call<'a> {
+    dev: &'static DeviceState,
+    handle: sys::cudnnHandle_t,
+    key: &'a Key,
+    relu: bool,
+    ptrs: [u64; 4],
+}
+
+impl Call<'_> {
+    /// Runs the fastest plan whose workspace can be had: `Ok(false)` when none ran (not
+    /// served, not measurable now, no workspace), with nothing run.
+    fn run(&self, cache: &mut Cache) -> Result<bool> {
+        if !graph::aligned(&self.ptrs) {
+            return Ok(false);
+        }
+        let entry = match cache.entry((*self.key, self.relu)) {
+            MapEntry::Occupied(e) => e.into_mut(),
+            MapEntry::Vacant(_) if self.dev.capturing() => return Ok(false),
+            MapEntry::Vacant(v) => v.insert(self.measure()?),
+        };
+        for c in &entry.plans {
+            match self.execute(c) {
+                Ok(()) => {
+                    FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(true);
+                }
+                Err(Error::OutOfMemory { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(false)
+    }
+
+    /// Builds the graph and times its plans (synchronizes), as `graph.rs` does; a graph cuDNN
+    /// refuses, or one no engine serves, gives an entry without plans.
+    fn measure(&self) -> Result<Entry> {
+        let (graph, mut parts) = match self.build() {
+            Ok(v) => v,
+            Err(e @ Error::OutOfMemory { .. }) => return Err(e),
+            Err(e) => {
+                self.log(&[], Some(&e));
+                return Ok(Entry {
+                    _graph: Vec::new(),
+                    plans: Vec::new(),
+                });
+            }
+        };
+        let tf32 = self.key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
+        let cap = (self.dev.device().total_memory()? / 4).min(super::algo::MEASURE_WORKSPACE_CAP);
+        let mut plans = Vec::new();
+        for mode in [
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ] {
+            let Ok(configs) = graph::heuristic(&graph, mode, OP) else {
+                continue;
+            };
+            for cfg in configs {
+                if plans.len() == graph::MAX_CANDIDATES {
+                    break;
+                }
+                let Ok((engine, notes)) = graph::engine_of(&cfg, OP) else {
+                    continue;
+                };
+                if !graph::allowed(&notes, self.key.dtype, tf32) {
+                    continue;
+                }
+                let Ok(plan) = self.plan(&cfg) else { continue };
+                let mut ws = [0i64];
+                if plan
+                    .get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, OP)
+                    .is_err()
+                {
+                    continue;
+                }
+                let workspace = ws[0].max(0) as usize;
+                if workspace > cap {
+                    continue;
+                }
+                let mut c = Candidate {
+                    plan,
+                    _cfg: cfg,
+                    workspace,
+                    engine,
+                    notes,
+                    time: f32::INFINITY,
+                };
+                if let Ok(t) = self.time(&c) {
+                    c.time = t;
+                    plans.push(c);
+                }
+            }
+            if plans.len() == graph::MAX_CANDIDATES {
+                break;
+            }
+        }
+        plans.sort_by(|a, b| a.time.total_cmp(&b.time));
+        self.log(&plans, None);
+        parts.push(graph);
+        Ok(Entry {
+            _graph: parts,
+            plans,
+        })
+    }
+
+    /// One warm-up run, then the fastest of `TIMED_RUNS` timed ones, ms.
+    fn time(&self, c: &Candidate) -> Result<f32> {
+        self.execute(c)?;
+        let mut best = f32::INFINITY;
+        for _ in 0..graph::TIMED_RUNS {
+            let t = time_on(self.dev.stream(), "conv2d_bias_act timing", || {
+                self.execute(c)
+            })?;
+            best = best.min(t);
+        }
+        Ok(best)
+    }
+
+    /// The finalized operation graph (convolution → bias add → ReLU) and its descriptors.
+    fn build(&self) -> Result<(Desc, Vec<Desc>)> {
+        let key = self.key;
+        let tf32 = key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
+        let (data, compute, _) = types(key.dtype, tf32).ok_or_else(|| Error::DTypeMismatch {
+            op: OP,
+            expected: "f32, f16 or bf16".into(),
+            got: key.dtype,
+        })?;
+        let [tx, tw, ty] = graph::tensors(key, OP)?;
+        let oc = ty.dims[1];
+        let tb = TensorSpec {
+            uid: UID_BIAS,
+            dims: [1, oc, 1, 1],
+            strides: [oc, 1, 1, 1],
+        };
+        let x = graph::tensor(&tx, data, OP)?;
+        let w = graph::tensor(&tw, data, OP)?;
+        let b = graph::tensor(&tb, data, OP)?;
+        let y = graph::tensor(&ty, data, OP)?;
+        let conv_out = virtual_tensor(
+            &TensorSpec {
+                uid: UID_CONV,
+                ..ty
+            },
+            compute,
+        )?;
+        let conv = graph::convolution(key, compute, OP)?;
+        let conv_op = graph::operation(Dir::Forward, [&x, &w, &conv_out], &conv, key.dtype, OP)?;
+        let mut parts = vec![x, w, b];
+        let (add_out, relu_op) = if self.relu {
+            let add_out = virtual_tensor(&TensorSpec { uid: UID_ADD, ..ty }, compute)?;
+            let (relu_pw, relu_op) = pointwise(
+                sys::cudnnPointwiseMode_t::CUDNN_POINTWISE_RELU_FWD,
+                compute,
+                &add_out,
+                None,
+                &y,
+            )?;
+            parts.push(relu_pw);
+            (Some(add_out), Some(relu_op))
+        } else {
+            (None, None)
+        };
+        let (add_pw, add_op) = pointwise(
+            sys::cudnnPointwiseMode_t::CUDNN_POINTWISE_ADD,
+            compute,
+            &conv_out,
+            Some(&parts[2]),
+            add_out.as_ref().unwrap_or(&y),
+        )?;
+        let mut ops = vec![conv_op.raw(), add_op.raw()];
+        if let Some(r) = &relu_op {
+            ops.push(r.raw());
+        }
+        let graph = Desc::new(K::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR, OP)?;
+        graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE, &[self.handle], OP)?;
+        graph.set(A::CUDNN_ATTR_OPERATIONGRAPH_OPS, &ops, OP)?;
+        graph.finalize(OP)?;
+        parts.extend([y, conv_out, conv, conv_op, add_pw, add_op]);
+        parts.extend(add_out);
+        parts.extend(relu_op);
+        Ok((graph, parts))
+    }
+
+    /// An execution plan of `cfg` (an error when it does not finalize).
+    fn plan(&self, cfg: &Desc) -> Result<Desc> {
+        let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, OP)?;
+        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[self.handle], OP)?;
+        plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg, OP)?;
+        plan.finalize(OP)?;
+        Ok(plan)
+    }
+
+    /// Queues plan `c` with a workspace from the pool (freed, stream-ordered, once queued).
+    fn execute(&self, c: &Candidate) -> Result<()> {
+        let ws: Option<Buffer> = if c.workspace == 0 {
+            None
+        } else {
+            Some(alloc(self.dev, c.workspace)?)
+        };
+        let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
+        let ptrs = self.ptrs.map(|p| DevPtr(p as *mut c_void));
+        let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, OP)?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+            &[graph::UID_X, graph::UID_W, UID_BIAS, graph::UID_Y],
+            OP,
+        )?;
+        pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &ptrs, OP)?;
+        pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[wsp], OP)?;
+        pack.finalize(OP)?;
+        let _prof = crate::profile::launch(self.dev, OP, true);
+        // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
+        // under the device's cuDNN lock; the variant pack names live device buffers of the
+        // graph's shapes (`x`, `w`, the bias and `y`, held by the caller) and a workspace of
+        // the plan's size, freed stream-ordered after the call is queued.
+        let r = unsafe { sys::cudnnBackendExecute(self.handle, c.plan.raw(), pack.raw()) };
+        super::status(r, OP)
+    }
+
+    /// `KILN_CUDNN_LOG=1`: the plans measured, fastest first, or why the fused graph is not
+    /// served (the caller then runs the three ops).
+    fn log(&self, plans: &[Candidate], err: Option<&Error>) {
+        if !log_choices() {
+            return;
+        }
+        let k = self.key;
+        let what = match err {
+            Some(e) => format!("not served ({e}), conv + bias + activation unfused"),
+            None if plans.is_empty() => {
+                "no engine ran, conv + bias + activation unfused".to_string()
+            }
+            None => plans
+                .iter()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join("; "),
+        };
+        eprintln!(
+            "kiln cudnn fused conv2d+bias{} x {:?} w {:?} {:?} {:?}: {what}",
+            if self.relu { "+relu" } else { "" },
+            k.x,
+            k.w,
+            k.dtype,
+            k.math,
+        );
+    }
+}
+
+/// A finalized virtual (never materialized) tensor of `t`'s shape in `data`.
+fn virtual_tensor(t: &TensorSpec, data: sys::cudnnDataType_t) -> Result<Desc> {
+    let d = Desc::new(K::CUDNN_BACKEND_TENSOR_DESCRIPTOR, OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_DATA_TYPE, &[data], OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_DIMENSIONS, &t.dims, OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_STRIDES, &t.strides, OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_UNIQUE_ID, &[t.uid], OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, &[graph::ALIGNMENT], OP)?;
+    d.set(A::CUDNN_ATTR_TENSOR_IS_VIRTUAL, &[true], OP)?;
+    d.finalize(OP)?;
+    Ok(d)
+}
+
+/// A pointwise `mode` (math in `prec`) from `x` (and `b`) to `y`: its pointwise descriptor and
+/// the finalized operation.
+fn pointwise(
+    mode: sys::cudnnPointwiseMode_t,
+    prec: sys::cudnnDataType_t,
+    x: &Desc,
+    b: Option<&Desc>,
+    y: &Desc,
+) -> Result<(Desc, Desc)> {
+    let pw = Desc::new(K::CUDNN_BACKEND_POINTWISE_DESCRIPTOR, OP)?;
+    pw.set(A::CUDNN_ATTR_POINTWISE_MODE, &[mode], OP)?;
+    pw.set(A::CUDNN_ATTR_POINTWISE_MATH_PREC, &[prec], OP)?;
+    pw.finalize(OP)?;
+    let op = Desc::new(K::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR, OP)?;
+    op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &pw, OP)?;
+    op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x, OP)?;
+    if let Some(b) = b {
+        op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b, OP)?;
+    }
+    op.set_desc(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y, OP)?;
+    op.finalize(OP)?;
+    Ok((pw, op))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The variant pack's ids are the graph's: `x`, `w`, bias, `y`, all distinct from the
+    /// virtual intermediates'.
+    #[test]
+    fn the_unique_ids_are_distinct() {
+        let ids = [
+            graph::UID_X,
+            graph::UID_W,
+            graph::UID_Y,
+            UID_BIAS,
+            UID_CONV,
+            UID_ADD,
+        ];
+        for (i, a) in ids.iter().enumerate() {
+            assert!(!ids[i + 1..].contains(a), "{a} twice");
+        }
+    }
+
+    #[test]
+    fn the_switch_turns_fusion_off() {
+        let was = cudnn_fusion();
+        set_cudnn_fusion(false);
+        assert!(!cudnn_fusion());
+        set_cudnn_fusion(true);
+        assert!(cudnn_fusion());
+        set_cudnn_fusion(was);
+    }
+}

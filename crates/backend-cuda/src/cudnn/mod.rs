@@ -41,8 +41,9 @@
 //! - **Fused inference epilogue** (`fused.rs`): a forward convolution with a per-channel bias
 //!   and a ReLU as one graph (convolution → pointwise add → pointwise ReLU), for kiln-nn's
 //!   folded Conv + BatchNorm in eval mode (`Backend::conv2d_bias_act`); selected and cached
-//!   as the graph API's convolutions, declined (`None`) where cuDNN serves no engine.
-//!   `KILN_CUDNN_FUSION=0` or [`set_cudnn_fusion`] turns it off.
+//!   as the graph API's convolutions, declined (`None`) where cuDNN serves no engine. By
+//!   default for TF32 convolutions only (where it measured faster); `KILN_CUDNN_FUSION=1` or
+//!   [`set_cudnn_fusion`]`(true)` for every dtype, `=0` or `(false)` never.
 //! - **Errors**: a cuDNN status other than success becomes `Error::Backend` naming the op and
 //!   the status; an allocation that fails stays `Error::OutOfMemory`.
 //! - **CUDA graphs**: a convolution captured after its geometry was measured replays the

@@ -37,11 +37,11 @@
 //! to a helper thread (the split GEMM of `matmul.rs` does) and a deferred op (`lazy.rs`) can
 //! hold its inputs; the memory counts as in use, and returns to the cache, with the last holder.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use kiln_core::expr::defer::{self, Deferral};
+use kiln_core::fasthash::FastMap;
 use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result, bf16, f16};
 
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
@@ -509,7 +509,10 @@ pub(crate) fn memory_stats(device: &CpuDevice) -> MemoryStats {
 
 type Key = (usize, DType, usize);
 
-static CACHE: Mutex<Option<HashMap<Key, Vec<CpuData>>>> = Mutex::new(None);
+/// Keyed with kiln's fast hasher: a cached buffer is looked up on every allocation from
+/// [`CACHE_MIN_BYTES`] up; with std's SipHash a logistic-regression step ran 2.1% more
+/// instructions (callgrind, 300 steps: 172.6M against 169.0M).
+static CACHE: Mutex<Option<FastMap<Key, Vec<CpuData>>>> = Mutex::new(None);
 
 fn release(device: CpuDevice, data: CpuData) {
     let bytes = data.size_in_bytes();
@@ -523,7 +526,7 @@ fn release(device: CpuDevice, data: CpuData) {
     let Ok(mut guard) = CACHE.lock() else { return };
     c.cached.fetch_add(bytes, Ordering::Relaxed);
     guard
-        .get_or_insert_with(HashMap::new)
+        .get_or_insert_with(FastMap::default)
         .entry((device.ordinal(), data.dtype(), data.len()))
         .or_default()
         .push(data);

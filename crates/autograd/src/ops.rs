@@ -22,7 +22,7 @@ use std::sync::Arc;
 use kiln_core::expr::{Arg, Program};
 use kiln_core::{
     Backend, BinaryOp, CmpOp, DType, Error, GradFrom, Reduction, Result, Shape, Side, Tensor,
-    UnaryOp, Vjp,
+    UnaryOp,
 };
 
 use crate::autocast::{autocast_dtype, binary_in_f32, unary_in_f32, widest_all};
@@ -109,12 +109,12 @@ fn unary_grad<B: Backend>(
     g: &Tensor<B>,
 ) -> Result<Tensor<B>> {
     let name = op.name();
-    match op.vjp() {
-        Vjp::Input(_) => saved(x, name)?.unary_backward(op, g),
-        Vjp::Output(_) => saved(y, name)?.unary_backward(op, g),
+    match op.grad_reads() {
+        Some(GradFrom::Input) => saved(x, name)?.unary_backward(op, g),
+        Some(GradFrom::Output) => saved(y, name)?.unary_backward(op, g),
+        None if op.vjp_is_zero() => g.zeros_like(),
         // The rule reads only `g`; `g` stands in for the saved operand.
-        Vjp::Neither(_) => g.unary_backward(op, g),
-        Vjp::Zero => g.zeros_like(),
+        None => g.unary_backward(op, g),
     }
 }
 

@@ -103,16 +103,10 @@ impl<B: Backend> Edge<B> {
     /// `Ok` when `g` can be this input's gradient: of its shape, dtype and device (a leaf's
     /// current ones, an op output's as recorded); else the input, described.
     fn fits(&self, g: &Tensor<B>) -> std::result::Result<(), String> {
-        let live = match self.var.node().is_none() && self.var.freed_name().is_none() {
-            true => self
-                .var
-                .data
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
-            false => None,
-        };
-        let (shape, dtype, device) = match &live {
+        // A leaf's current value, read in place (no clone of the tensor per gradient).
+        let leaf = matches!(*lock(&self.var.creator), Creator::Leaf);
+        let data = leaf.then(|| self.var.data.read().unwrap_or_else(|e| e.into_inner()));
+        let (shape, dtype, device) = match data.as_deref().and_then(Option::as_ref) {
             Some(t) => (t.shape(), t.dtype(), t.device()),
             None => (&self.shape, self.dtype, &self.device),
         };

@@ -255,7 +255,7 @@ impl Layout {
             return Err(err());
         }
         let extra = shape.rank() - self.rank();
-        let mut strides = vec![0; shape.rank()];
+        let mut strides = Dims::zeros(shape.rank());
         for (i, &d) in shape.dims().iter().enumerate() {
             if i < extra {
                 continue;
@@ -271,7 +271,7 @@ impl Layout {
         }
         Ok(Layout {
             shape: shape.clone(),
-            strides: Dims::from(strides),
+            strides,
             offset: self.offset,
         })
     }

@@ -397,6 +397,13 @@ macro_rules! define_unary_ops {
                 }
             }
 
+            /// What the gradient rule reads and whether it is zero, without building the
+            /// rule's expression (which [`UnaryOp::vjp`] allocates node by node): autograd
+            /// asks this on every recorded unary op and its backward.
+            fn vjp_kind(self) -> VjpKind {
+                match self { $(UnaryOp::$V => vjp_kind_of!($from),)* }
+            }
+
             /// The gradient rule (see [`Vjp`]).
             pub fn vjp(self) -> Vjp {
                 match self { $(UnaryOp::$V => vjp_of!($from $(($($grad)*))?),)* }
@@ -437,6 +444,30 @@ macro_rules! dtypes_allow {
     };
 }
 
+/// [`Vjp`]'s variant without its expression.
+#[derive(Clone, Copy)]
+enum VjpKind {
+    Input,
+    Output,
+    Neither,
+    Zero,
+}
+
+macro_rules! vjp_kind_of {
+    (x) => {
+        VjpKind::Input
+    };
+    (y) => {
+        VjpKind::Output
+    };
+    (none) => {
+        VjpKind::Neither
+    };
+    (zero) => {
+        VjpKind::Zero
+    };
+}
+
 macro_rules! vjp_of {
     (x(|$s:ident, $g:ident| $e:expr)) => {{
         let ($s, $g) = (Expr::input(0), Expr::input(1));
@@ -461,10 +492,16 @@ impl UnaryOp {
     /// The operand [`Backend::unary_backward`](crate::Backend::unary_backward) reads: the
     /// input `x` or the output `y`; `None` for an op whose gradient reads neither.
     pub fn grad_reads(self) -> Option<GradFrom> {
-        match self.vjp() {
-            Vjp::Input(_) => Some(GradFrom::Input),
-            Vjp::Output(_) => Some(GradFrom::Output),
-            Vjp::Neither(_) | Vjp::Zero => None,
+        match self.vjp_kind() {
+            VjpKind::Input => Some(GradFrom::Input),
+            VjpKind::Output => Some(GradFrom::Output),
+            VjpKind::Neither | VjpKind::Zero => None,
         }
+    }
+
+    /// Whether the op's derivative is identically zero ([`Vjp::Zero`]), without building the
+    /// rule's expression.
+    pub fn vjp_is_zero(self) -> bool {
+        matches!(self.vjp_kind(), VjpKind::Zero)
     }
 }

@@ -39,11 +39,18 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
             "cuda_attention",
             "cuda_norm",
             "batch_norm_half",
+            "cuda_batch_norm_sizes",
         ],
     ),
     (
         "kiln-nn",
-        &["cuda", "cuda_conv", "cuda_conv_route", "cuda_conv_graph"],
+        &[
+            "cuda",
+            "cuda_conv",
+            "cuda_conv_route",
+            "cuda_conv_graph",
+            "cuda_conv_bn",
+        ],
     ),
     ("kiln-optim", &["amp_devices"]),
 ];

@@ -248,54 +248,14 @@ impl Call<'_> {
         };
         let tf32 = self.key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
         let cap = (self.dev.device().total_memory()? / 4).min(super::algo::MEASURE_WORKSPACE_CAP);
-        let mut plans = Vec::new();
-        for mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            let Ok(configs) = graph::heuristic(&graph, mode, OP) else {
-                continue;
-            };
-            for cfg in configs {
-                if plans.len() == graph::MAX_CANDIDATES {
-                    break;
-                }
-                let Ok((engine, notes)) = graph::engine_of(&cfg, OP) else {
-                    continue;
-                };
-                if !graph::allowed(&notes, self.key.dtype, tf32) {
-                    continue;
-                }
-                let Ok(plan) = self.plan(&cfg) else { continue };
-                let mut ws = [0i64];
-                if plan
-                    .get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, OP)
-                    .is_err()
-                {
-                    continue;
-                }
-                let workspace = ws[0].max(0) as usize;
-                if workspace > cap {
-                    continue;
-                }
-                let mut c = Candidate {
-                    plan,
-                    _cfg: cfg,
-                    workspace,
-                    engine,
-                    notes,
-                    time: f32::INFINITY,
-                };
-                if let Ok(t) = self.time(&c) {
-                    c.time = t;
-                    plans.push(c);
-                }
-            }
-            if plans.len() == graph::MAX_CANDIDATES {
-                break;
-            }
-        }
-        plans.sort_by(|a, b| a.time.total_cmp(&b.time));
+        let plans = graph::search(
+            &graph,
+            (self.key.dtype, tf32),
+            cap,
+            OP,
+            |cfg| self.plan(cfg),
+            |c| self.time(c),
+        );
         self.log(&plans, None);
         parts.push(graph);
         Ok(Entry {

@@ -377,57 +377,14 @@ impl Call<'_> {
         let tf32 = self.key.math != sys::cudnnMathType_t::CUDNN_FMA_MATH;
         // The legacy search's workspace cap (`algo.rs`): a plan asking for more is not timed.
         let cap = (self.dev.device().total_memory()? / 4).min(super::algo::MEASURE_WORKSPACE_CAP);
-        let mut plans = Vec::new();
-        for mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
-        ] {
-            // A mode that fails leaves the next one to try.
-            let Ok(configs) = heuristic(&graph, mode, op) else {
-                continue;
-            };
-            for cfg in configs {
-                if plans.len() == MAX_CANDIDATES {
-                    break;
-                }
-                let Ok((engine, notes)) = engine_of(&cfg, op) else {
-                    continue;
-                };
-                if !allowed(&notes, self.key.dtype, tf32) {
-                    continue;
-                }
-                // A config that does not finalize here is skipped.
-                let Ok(plan) = self.plan(&cfg) else { continue };
-                let mut ws = [0i64];
-                if plan
-                    .get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)
-                    .is_err()
-                {
-                    continue;
-                }
-                let workspace = ws[0].max(0) as usize;
-                if workspace > cap {
-                    continue;
-                }
-                let mut c = Candidate {
-                    plan,
-                    _cfg: cfg,
-                    workspace,
-                    engine,
-                    notes,
-                    time: f32::INFINITY,
-                };
-                // A plan that does not run here (its workspace, or cuDNN refusing) is dropped.
-                if let Ok(t) = self.time(&c) {
-                    c.time = t;
-                    plans.push(c);
-                }
-            }
-            if plans.len() == MAX_CANDIDATES {
-                break;
-            }
-        }
-        plans.sort_by(|a, b| a.time.total_cmp(&b.time));
+        let plans = search(
+            &graph,
+            (self.key.dtype, tf32),
+            cap,
+            op,
+            |cfg| self.plan(cfg),
+            |c| self.time(c),
+        );
         self.log(&plans, None);
         parts.push(graph);
         Ok(Entry {
@@ -642,6 +599,74 @@ pub(super) fn operation(
     }
     d.finalize(op)?;
     Ok(d)
+}
+
+/// The plans of `graph`, filtered and timed, fastest first (synchronizes): heuristic mode A's
+/// configs in order, then mode FALLBACK's (as PyTorch joins the two lists), until
+/// [`MAX_CANDIDATES`] plans ran. Configs whose numerical notes `dtype` and `tf32` do not allow
+/// ([`allowed`]) are skipped, as are plans that `plan` does not finalize and plans asking for
+/// more than `cap` bytes of workspace; a plan that `time` cannot run is dropped. What
+/// `graph.rs`'s convolutions and `fused.rs`'s fused graph both search.
+pub(super) fn search(
+    graph: &Desc,
+    (dtype, tf32): (DType, bool),
+    cap: usize,
+    op: &'static str,
+    plan: impl Fn(&Desc) -> Result<Desc>,
+    time: impl Fn(&Candidate) -> Result<f32>,
+) -> Vec<Candidate> {
+    let mut plans = Vec::new();
+    for mode in [
+        sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+        sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+    ] {
+        // A mode that fails leaves the next one to try.
+        let Ok(configs) = heuristic(graph, mode, op) else {
+            continue;
+        };
+        for cfg in configs {
+            if plans.len() == MAX_CANDIDATES {
+                break;
+            }
+            let Ok((engine, notes)) = engine_of(&cfg, op) else {
+                continue;
+            };
+            if !allowed(&notes, dtype, tf32) {
+                continue;
+            }
+            // A config that does not finalize here is skipped.
+            let Ok(plan) = plan(&cfg) else { continue };
+            let mut ws = [0i64];
+            if plan
+                .get(A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, &mut ws, op)
+                .is_err()
+            {
+                continue;
+            }
+            let workspace = ws[0].max(0) as usize;
+            if workspace > cap {
+                continue;
+            }
+            let mut c = Candidate {
+                plan,
+                _cfg: cfg,
+                workspace,
+                engine,
+                notes,
+                time: f32::INFINITY,
+            };
+            // A plan that does not run here (its workspace, or cuDNN refusing) is dropped.
+            if let Ok(t) = time(&c) {
+                c.time = t;
+                plans.push(c);
+            }
+        }
+        if plans.len() == MAX_CANDIDATES {
+            break;
+        }
+    }
+    plans.sort_by(|a, b| a.time.total_cmp(&b.time));
+    plans
 }
 
 /// The engine configs heuristic `mode` lists for `graph`, best first.

@@ -7,9 +7,10 @@
 //! without a convolution bias). One convolution then does the work of a convolution and a
 //! normalization pass over its whole output; where the backend offers it
 //! ([`Backend::conv2d_bias_act`](kiln_core::Backend::conv2d_bias_act): cuDNN's runtime-fusion
-//! engines on CUDA) the bias add and the activation ride in the convolution's epilogue too, one
-//! kernel where three passes over the activations ran. Elsewhere (the CPU) the folded
-//! convolution, a bias add and the activation run one after the other.
+//! engines on CUDA, by default for TF32 convolutions, the one math where that measured faster)
+//! the bias add and the activation ride in the convolution's epilogue too, one kernel where
+//! three passes over the activations ran. Elsewhere the folded convolution, a bias add and the
+//! activation run one after the other.
 //!
 //! Two ways to get it:
 //! - [`Conv2d::fold_batch_norm`]: a new `Conv2d` with the folded parameters (PyTorch's

@@ -24,7 +24,6 @@
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
-use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 
 use cudarc::cudnn::sys::{
@@ -33,13 +32,13 @@ use cudarc::cudnn::sys::{
 use kiln_core::{Activation, Conv2dSpec, DType, Error, Layout, Result};
 
 use super::algo::Dir;
-use super::backend::{Desc, DevPtr};
+use super::backend::Desc;
 use super::desc::{Key, types};
 use super::graph::{self, Candidate, TensorSpec};
 use super::{bound, fits, log_choices, packed, slot};
 use crate::CudaStorage;
-use crate::device::{DeviceState, time_on};
-use crate::memory::{Buffer, alloc};
+use crate::device::DeviceState;
+use crate::memory::alloc;
 
 const OP: &str = "conv2d_bias_act";
 
@@ -254,7 +253,7 @@ impl Call<'_> {
             cap,
             OP,
             |cfg| self.plan(cfg),
-            |c| self.time(c),
+            |c| graph::time_plan(self.dev, "conv2d_bias_act timing", || self.execute(c)),
         );
         self.log(&plans, None);
         parts.push(graph);
@@ -262,19 +261,6 @@ impl Call<'_> {
             _graph: parts,
             plans,
         })
-    }
-
-    /// One warm-up run, then the fastest of `TIMED_RUNS` timed ones, ms.
-    fn time(&self, c: &Candidate) -> Result<f32> {
-        self.execute(c)?;
-        let mut best = f32::INFINITY;
-        for _ in 0..graph::TIMED_RUNS {
-            let t = time_on(self.dev.stream(), "conv2d_bias_act timing", || {
-                self.execute(c)
-            })?;
-            best = best.min(t);
-        }
-        Ok(best)
     }
 
     /// The finalized operation graph (convolution → bias add → ReLU) and its descriptors.
@@ -351,31 +337,10 @@ impl Call<'_> {
         Ok(plan)
     }
 
-    /// Queues plan `c` with a workspace from the pool (freed, stream-ordered, once queued).
+    /// Queues plan `c` ([`graph::execute`]) on `x`, `w`, the bias and `y`.
     fn execute(&self, c: &Candidate) -> Result<()> {
-        let ws: Option<Buffer> = if c.workspace == 0 {
-            None
-        } else {
-            Some(alloc(self.dev, c.workspace)?)
-        };
-        let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
-        let ptrs = self.ptrs.map(|p| DevPtr(p as *mut c_void));
-        let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, OP)?;
-        pack.set(
-            A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
-            &[graph::UID_X, graph::UID_W, UID_BIAS, graph::UID_Y],
-            OP,
-        )?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &ptrs, OP)?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[wsp], OP)?;
-        pack.finalize(OP)?;
-        let _prof = crate::profile::launch(self.dev, OP, true);
-        // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
-        // under the device's cuDNN lock; the variant pack names live device buffers of the
-        // graph's shapes (`x`, `w`, the bias and `y`, held by the caller) and a workspace of
-        // the plan's size, freed stream-ordered after the call is queued.
-        let r = unsafe { sys::cudnnBackendExecute(self.handle, c.plan.raw(), pack.raw()) };
-        super::status(r, OP)
+        let uids = [graph::UID_X, graph::UID_W, UID_BIAS, graph::UID_Y];
+        graph::execute(self.dev, self.handle, c, (&uids, &self.ptrs), OP)
     }
 
     /// `KILN_CUDNN_LOG=1`: the plans measured, fastest first, or why the fused graph is not

@@ -383,7 +383,7 @@ impl Call<'_> {
             cap,
             op,
             |cfg| self.plan(cfg),
-            |c| self.time(c),
+            |c| time_plan(self.dev, "conv2d graph timing", || self.execute(c)),
         );
         self.log(&plans, None);
         parts.push(graph);
@@ -391,17 +391,6 @@ impl Call<'_> {
             _graph: parts,
             plans,
         })
-    }
-
-    /// One warm-up run, then the fastest of [`TIMED_RUNS`] timed ones, ms.
-    fn time(&self, c: &Candidate) -> Result<f32> {
-        self.execute(c)?;
-        let mut best = f32::INFINITY;
-        for _ in 0..TIMED_RUNS {
-            let t = time_on(self.dev.stream(), "conv2d graph timing", || self.execute(c))?;
-            best = best.min(t);
-        }
-        Ok(best)
     }
 
     /// The finalized operation graph of this call, and the descriptors it was built from
@@ -440,34 +429,11 @@ impl Call<'_> {
         Ok(plan)
     }
 
-    /// Queues plan `c` on the handle's stream with a workspace from the pool (freed,
-    /// stream-ordered, once queued).
+    /// Queues plan `c` on the handle's stream ([`execute`]).
     fn execute(&self, c: &Candidate) -> Result<()> {
-        let op = self.dir.op();
-        let ws = if c.workspace == 0 {
-            None
-        } else {
-            Some(alloc(self.dev, c.workspace)?)
-        };
-        let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
         let o = self.ops;
-        let ptrs = [o.a, o.b, o.out].map(|p| DevPtr(p as *mut c_void));
-        let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, op)?;
-        pack.set(
-            A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
-            &operand_uids(self.dir),
-            op,
-        )?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &ptrs, op)?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[wsp], op)?;
-        pack.finalize(op)?;
-        let _prof = crate::profile::launch(self.dev, op, true);
-        // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
-        // under the device's cuDNN lock; the variant pack names live device buffers of the
-        // graph's shapes (the caller's contract) and a workspace of the plan's size, freed
-        // stream-ordered after the call is queued.
-        let r = unsafe { sys::cudnnBackendExecute(self.handle, c.plan.raw(), pack.raw()) };
-        super::status(r, op)
+        let io = (&operand_uids(self.dir)[..], &[o.a, o.b, o.out][..]);
+        execute(self.dev, self.handle, c, io, self.dir.op())
     }
 
     /// `KILN_CUDNN_LOG=1`: the plans measured, fastest first (the first runs), or why the
@@ -599,6 +565,63 @@ pub(super) fn operation(
     }
     d.finalize(op)?;
     Ok(d)
+}
+
+/// Queues plan `c` on `handle`'s stream (bound by the caller, under the device's cuDNN lock)
+/// with the operands `(uids, ptrs)` (device addresses of live buffers of the graph's shapes)
+/// and a workspace of the plan's size from the pool, freed stream-ordered once queued. What
+/// `graph.rs`'s convolutions and `fused.rs`'s fused graph both run.
+pub(super) fn execute(
+    dev: &'static DeviceState,
+    handle: sys::cudnnHandle_t,
+    c: &Candidate,
+    (uids, ptrs): (&[i64], &[u64]),
+    op: &'static str,
+) -> Result<()> {
+    let ws = if c.workspace == 0 {
+        None
+    } else {
+        Some(alloc(dev, c.workspace)?)
+    };
+    let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
+    // At most four operands (x, w, bias, y): no allocation per call.
+    if ptrs.len() > 4 || ptrs.len() != uids.len() {
+        return Err(Error::invalid(
+            op,
+            format!("{} operand ids for {} pointers", uids.len(), ptrs.len()),
+        ));
+    }
+    let mut dev_ptrs = [DevPtr(std::ptr::null_mut()); 4];
+    for (d, &p) in dev_ptrs.iter_mut().zip(ptrs) {
+        *d = DevPtr(p as *mut c_void);
+    }
+    let ptrs = &dev_ptrs[..ptrs.len()];
+    let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, op)?;
+    pack.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids, op)?;
+    pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, ptrs, op)?;
+    pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[wsp], op)?;
+    pack.finalize(op)?;
+    let _prof = crate::profile::launch(dev, op, true);
+    // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
+    // under the device's cuDNN lock (the caller's); the variant pack names live device buffers
+    // of the graph's shapes (the caller's contract) and a workspace of the plan's size, freed
+    // stream-ordered after the call is queued.
+    let r = unsafe { sys::cudnnBackendExecute(handle, c.plan.raw(), pack.raw()) };
+    super::status(r, op)
+}
+
+/// One warm-up `run`, then the fastest of [`TIMED_RUNS`] timed ones on `dev`'s stream, ms.
+pub(super) fn time_plan(
+    dev: &'static DeviceState,
+    what: &'static str,
+    run: impl Fn() -> Result<()>,
+) -> Result<f32> {
+    run()?;
+    let mut best = f32::INFINITY;
+    for _ in 0..TIMED_RUNS {
+        best = best.min(time_on(dev.stream(), what, &run)?);
+    }
+    Ok(best)
 }
 
 /// The plans of `graph`, filtered and timed, fastest first (synchronizes): heuristic mode A's

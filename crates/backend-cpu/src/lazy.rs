@@ -260,7 +260,10 @@ fn run_program(
     let g = defer::build(root, reduce);
     let dtypes: Vec<DType> = g.inputs.iter().map(|(_, _, d)| *d).collect();
     let param_dtypes: Vec<DType> = g.params.iter().map(|(_, d)| *d).collect();
-    let program = Program::new(dtypes, param_dtypes, g.code, vec![g.out], g.axes);
+    // The root's value first, then the shared values the program also stores.
+    let mut outputs = vec![g.out];
+    outputs.extend(g.extra.iter().map(|(_, v)| *v));
+    let program = Program::new(dtypes, param_dtypes, g.code, outputs, g.axes);
     debug_assert!(program.is_ok(), "an invalid program: {program:?}");
     let Ok(program) = program else {
         return Ok(None);
@@ -273,5 +276,8 @@ fn run_program(
     let inputs: Vec<(&CpuStorage, &Layout)> = stores.iter().map(|(s, l)| (s, *l)).collect();
     let params: Vec<f64> = g.params.iter().map(|(v, _)| *v).collect();
     let mut outs = eval_expr(&root.ctx(), &program, root.shape(), &inputs, &params)?;
+    for ((node, _), out) in g.extra.iter().zip(outs.drain(1..)) {
+        node.finish(out.shared()?);
+    }
     outs.swap_remove(0).shared().map(Some)
 }

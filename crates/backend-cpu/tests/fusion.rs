@@ -129,6 +129,54 @@ fn writing_into_a_tensor_that_a_pending_op_reads_keeps_the_old_values() {
 }
 
 #[test]
+fn a_pending_value_that_two_chains_read_is_computed_once() {
+    all_deferred();
+    let dev = Cpu::device(8); // a device of its own: its bytes in use are this test's
+    let n = 1usize << 12;
+    let on_dev = |salt| pattern(&[n], salt, DType::F32).to_device(&dev).unwrap();
+    let (a, b, c) = (on_dev(1), on_dev(2), on_dev(3));
+    let in_use = || Cpu::memory_stats(&dev).unwrap().in_use;
+    let bytes = n * 4;
+    let base = in_use();
+
+    // `y` (three leaf reads) is read by two pending chains and by no tensor.
+    let y = (&(&a * &b).unwrap() + &c).unwrap();
+    let (z1, z2) = (y.exp().unwrap(), y.sin().unwrap());
+    drop(y);
+    z1.realize().unwrap();
+    assert_eq!(
+        in_use(),
+        base + 2 * bytes,
+        "z1's pass also stored y, for z2"
+    );
+    z2.realize().unwrap();
+    assert_eq!(in_use(), base + 2 * bytes, "z2 read y, then y was released");
+    let y = (&(&a * &b).unwrap() + &c).unwrap();
+    assert_eq!(bits(&z1), bits(&y.exp().unwrap()));
+    assert_eq!(bits(&z2), bits(&y.sin().unwrap()));
+    drop((y, z1, z2));
+
+    // A reduced value that a pending chain also reads is stored by the reduction's pass.
+    let y = (&(&a * &b).unwrap() + &c).unwrap();
+    let z = y.exp().unwrap();
+    let s = y.sum(&[0], false).unwrap();
+    drop(y);
+    assert!(in_use() >= base + bytes, "the reduction stored y for z");
+    z.realize().unwrap();
+    let y = (&(&a * &b).unwrap() + &c).unwrap();
+    assert_eq!(bits(&z), bits(&y.exp().unwrap()));
+    assert_eq!(bits(&s), bits(&y.sum(&[0], false).unwrap()));
+    drop((y, z, s));
+
+    // A value that only a tensor holds is not stored (the handle may be a temporary).
+    let y = (&(&a * &b).unwrap() + &c).unwrap();
+    let z = y.exp().unwrap();
+    z.realize().unwrap();
+    assert_eq!(in_use(), base + bytes, "z alone");
+    assert!(Cpu::is_deferred(y.storage()), "y is still pending");
+}
+
+#[test]
 fn errors_still_name_the_op_that_caused_them() {
     all_deferred();
     let dev = Cpu::device(0);

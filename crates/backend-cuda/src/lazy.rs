@@ -44,7 +44,7 @@ use kiln_core::expr::defer::{self, Deferral};
 use kiln_core::{DType, Error, Layout, ReduceOp, Result};
 
 use crate::device::{DeviceState, set_capture, set_current_stream};
-use crate::expr_run::{Caller, Parts, planned_parts, run_planned_one};
+use crate::expr_run::{Caller, Parts, planned_parts, run_planned, run_planned_one};
 use crate::memory::{Buffer, alloc, duplicate, note_capture_use};
 use crate::ops;
 
@@ -463,11 +463,14 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let g = defer::build(root, reduce.map(|op| (op, &every_axis[..])));
     let dtypes: Vec<DType> = g.inputs.iter().map(|(_, _, d)| *d).collect();
     let param_dtypes: Vec<DType> = g.params.iter().map(|(_, d)| *d).collect();
+    // The root's value first, then the shared values the program also stores.
+    let mut outputs = vec![g.out];
+    outputs.extend(g.extra.iter().map(|(_, v)| *v));
     let parts = Parts {
         inputs: &dtypes,
         params: &param_dtypes,
         code: &g.code,
-        outputs: &[g.out],
+        outputs: &outputs,
         axes: &g.axes,
     };
     let layouts: Vec<&Layout> = g.inputs.iter().map(|(_, l, _)| l).collect();
@@ -483,5 +486,14 @@ fn run_program(root: &Arc<Node>, reduce: Option<ReduceOp>) -> Result<Option<Buff
     let caller = Caller::Lazy {
         budget: program_budget(),
     };
-    run_planned_one(dev, &planned, &bufs, &layouts, &params, caller)
+    if g.extra.is_empty() {
+        return run_planned_one(dev, &planned, &bufs, &layouts, &params, caller);
+    }
+    let Some(mut outs) = run_planned(dev, &planned, &bufs, &layouts, &params, caller)? else {
+        return Ok(None);
+    };
+    for ((node, _), buf) in g.extra.iter().zip(outs.drain(1..)) {
+        node.finish(Arc::new(buf));
+    }
+    Ok(outs.pop())
 }

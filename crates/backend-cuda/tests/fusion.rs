@@ -108,6 +108,61 @@ fn a_chain_is_one_launch_and_unread_work_never_runs() {
     close(&r.to_f64_vec().unwrap(), &expect, 1e-5, "softplus chain");
 }
 
+/// A pending value that two pending chains read is stored by the first chain's kernel and read
+/// back by the second, not recomputed; a value only a tensor holds is not stored.
+#[test]
+fn a_pending_value_that_two_chains_read_is_computed_once() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    let n = 1 << 16;
+    let [a, b, c] = [1, 2, 3].map(|salt| pattern::<Cuda>(&[n], salt, &dev, DType::F32));
+    let [ca, cb, cc] = [1, 2, 3].map(|salt| pattern::<Cpu>(&[n], salt, &cpu, DType::F32));
+    let cy = ca.mul(&cb).unwrap().add(&cc).unwrap();
+    let pending = |t: &Tensor<Cuda>| t.storage().is_pending();
+
+    let y = a.mul(&b).unwrap().add(&c).unwrap();
+    let (z1, z2) = (y.exp().unwrap(), y.sin().unwrap());
+    z1.realize().unwrap(); // compiles
+    assert!(!pending(&y), "z1's kernel stored y, which z2 reads");
+    let before = thread_launches();
+    z2.realize().unwrap();
+    assert_eq!(thread_launches(), before + 1, "z2: one launch over y");
+    let host = |t: &Tensor<Cuda>| t.to_f64_vec().unwrap();
+    let cpu_of = |t: Tensor<Cpu>| t.to_f64_vec().unwrap();
+    close(&host(&z1), &cpu_of(cy.exp().unwrap()), 1e-5, "exp(y)");
+    close(&host(&z2), &cpu_of(cy.sin().unwrap()), 1e-5, "sin(y)");
+
+    // The reduction of a pending value that a pending chain also reads stores it too.
+    let y = a.mul(&b).unwrap().add(&c).unwrap();
+    let z = y.exp().unwrap();
+    let s = y.sum(&[0], false).unwrap();
+    s.realize().unwrap();
+    assert!(
+        !pending(&y),
+        "the reduction's kernel stored y, which z reads"
+    );
+    close(
+        &host(&z),
+        &cpu_of(cy.exp().unwrap()),
+        1e-5,
+        "exp(y) after sum",
+    );
+    close(
+        &host(&s),
+        &cpu_of(cy.sum(&[0], false).unwrap()),
+        1e-4,
+        "sum(y)",
+    );
+
+    // Held by a tensor only: not stored (the handle may be a temporary nobody reads).
+    let y = a.mul(&b).unwrap().add(&c).unwrap();
+    y.exp().unwrap().realize().unwrap();
+    assert!(
+        pending(&y),
+        "y was stored although no pending chain reads it"
+    );
+}
+
 #[test]
 fn writing_into_a_buffer_a_pending_op_reads_leaves_the_op_its_old_values() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -19,7 +19,16 @@
 //! chain of those), through any view; any other view forces it first and reads it as a leaf
 //! ([`operand`]). And a node that would exceed [`MAX_OPS`] operations or [`MAX_LEAVES`] leaf
 //! reads forces its operands first ([`node`]), so that programs stay bounded.
+//!
+//! A pending value that several chains read is computed once: when the program of one of
+//! them computes it, and another pending node outside that program also reads it, the
+//! program stores it as an extra output ([`Built::extra`]), and the other chain later reads
+//! the stored value instead of recomputing it from its leaves. Only values with two or more
+//! leaf reads are stored so (recomputing one read costs no more than storing and reading
+//! back), and only for pending readers: a tensor handle may be a temporary that nobody reads
+//! again, and storing for it would cost a write that today's program does not pay.
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::ir::{Combine, Instr, Val, rules};
@@ -29,6 +38,8 @@ use crate::{BinaryOp, CmpOp, DType, Layout, ReduceOp, Result, Shape, UnaryOp};
 pub const MAX_OPS: u32 = 48;
 /// Most leaf reads in one node's DAG (counted with repeats).
 pub const MAX_LEAVES: u32 = 12;
+/// Most values a program stores besides its root ([`Built::extra`]).
+pub const MAX_EXTRA: usize = 4;
 
 /// What a backend supplies to the deferral graph.
 pub trait Deferral: Sized + 'static {
@@ -139,6 +150,26 @@ pub struct Node<D: Deferral> {
     /// the buffers they hold, are released).
     pending: Mutex<Option<(Op, Vec<Operand<D>>)>>,
     done: OnceLock<D::Buf>,
+    /// How many pending nodes read this one as an operand (they release it when computed
+    /// or dropped): a program that computes this node stores it for them.
+    readers: AtomicU32,
+}
+
+/// Gives up a node's pending work: its operands, and its place among their readers.
+fn release<D: Deferral>(pending: &mut Option<(Op, Vec<Operand<D>>)>) {
+    if let Some((_, args)) = pending.take() {
+        for a in &args {
+            if let Operand::Node(n) = a {
+                n.readers.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl<D: Deferral> Drop for Node<D> {
+    fn drop(&mut self) {
+        release(self.pending.get_mut().unwrap_or_else(|e| e.into_inner()));
+    }
 }
 
 impl<D: Deferral> Node<D> {
@@ -152,6 +183,11 @@ impl<D: Deferral> Node<D> {
         shape: Shape,
         dtype: DType,
     ) -> Self {
+        for a in &args {
+            if let Operand::Node(n) = a {
+                n.readers.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         Node {
             ctx,
             dtype,
@@ -161,6 +197,7 @@ impl<D: Deferral> Node<D> {
             leaves,
             pending: Mutex::new(Some((op, args))),
             done: OnceLock::new(),
+            readers: AtomicU32::new(0),
         }
     }
     pub fn ctx(&self) -> D::Ctx {
@@ -204,7 +241,7 @@ impl<D: Deferral> Node<D> {
     pub fn finish(&self, buf: D::Buf) -> D::Buf {
         let mut pending = self.pending.lock().unwrap();
         let value = self.done.get_or_init(|| buf).clone();
-        *pending = None;
+        release(&mut pending);
         value
     }
 }
@@ -334,7 +371,7 @@ pub fn force_with<D: Deferral>(
         }) {
             let buf = run_op(node, *op, args)?;
             let value = node.done.get_or_init(|| buf).clone();
-            *pending = None;
+            release(&mut pending);
             return Ok(value);
         }
     }
@@ -365,6 +402,10 @@ pub struct Built<D: Deferral> {
     pub params: Vec<(f64, DType)>,
     /// The value computed: the root, or its reduction.
     pub out: Val,
+    /// Pending nodes of the DAG that pending nodes outside it also read, with their values:
+    /// the program stores each as an output after `out`, and the caller gives each its
+    /// buffer with [`Node::finish`] (at most [`MAX_EXTRA`]; see the module docs).
+    pub extra: Vec<(Arc<Node<D>>, Val)>,
     /// The reduced axes, if reducing, else empty.
     pub axes: Vec<isize>,
 }
@@ -380,6 +421,7 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
         memo: Vec::new(),
     };
     let mut out = g.node(root);
+    let extra = g.shared(root, reduce.is_some());
     let mut axes = Vec::new();
     if let Some((op, over)) = reduce {
         let combine = match op {
@@ -395,6 +437,7 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
         inputs: g.inputs,
         params: g.params,
         out,
+        extra,
         axes,
     }
 }
@@ -417,8 +460,16 @@ struct Gen<'a, D: Deferral> {
     code: Vec<Instr>,
     inputs: Vec<(D::Buf, Layout, DType)>,
     params: Vec<(f64, DType)>,
-    /// Nodes already emitted (held, so that their addresses stay theirs).
-    memo: Vec<(Arc<Node<D>>, Val)>,
+    /// Nodes already emitted (held, so that their addresses stay theirs), with whether they
+    /// were pending and how many reads of them the DAG holds.
+    memo: Vec<Emitted<D>>,
+}
+
+struct Emitted<D: Deferral> {
+    node: Arc<Node<D>>,
+    val: Val,
+    pending: bool,
+    reads: u32,
 }
 
 impl<D: Deferral> Gen<'_, D> {
@@ -473,11 +524,39 @@ impl<D: Deferral> Gen<'_, D> {
         rules::splice(&rule, &[s, g], |ins, _| self.push(ins))[0]
     }
 
-    fn node(&mut self, n: &Arc<Node<D>>) -> Val {
-        if let Some(&(_, r)) = self.memo.iter().find(|(m, _)| Arc::ptr_eq(m, n)) {
-            return r;
+    /// The pending nodes of the DAG below `root` that pending nodes outside it read too, and
+    /// `root` itself when `reducing` (its elements are otherwise not stored) and any pending
+    /// node reads it: elementwise values in the root's shape, of two or more leaf reads.
+    fn shared(&self, root: &Arc<Node<D>>, reducing: bool) -> Vec<(Arc<Node<D>>, Val)> {
+        let mut out = Vec::new();
+        for e in &self.memo {
+            let n = &e.node;
+            let is_root = Arc::ptr_eq(n, root);
+            // The root's one read is the build's own, not a reader's.
+            let inside = if is_root { 0 } else { e.reads };
+            let outside = n.readers.load(Ordering::Relaxed).saturating_sub(inside);
+            if e.pending
+                && (!is_root || reducing)
+                && outside > 0
+                && !n.uniform
+                && n.leaves >= 2
+                && n.shape.dims() == root.shape.dims()
+                && out.len() < MAX_EXTRA
+            {
+                out.push((n.clone(), e.val));
+            }
         }
-        let r = match n.pending() {
+        out
+    }
+
+    fn node(&mut self, n: &Arc<Node<D>>) -> Val {
+        if let Some(e) = self.memo.iter_mut().find(|e| Arc::ptr_eq(&e.node, n)) {
+            e.reads += 1;
+            return e.val;
+        }
+        let pending = n.pending();
+        let was_pending = pending.is_some();
+        let r = match pending {
             None => {
                 let buf = n.done().expect("a node without work is done").clone();
                 self.leaf(buf, done_layout(n, self.shape), n.dtype)
@@ -500,7 +579,12 @@ impl<D: Deferral> Gen<'_, D> {
                 }
             }
         };
-        self.memo.push((n.clone(), r));
+        self.memo.push(Emitted {
+            node: n.clone(),
+            val: r,
+            pending: was_pending,
+            reads: 1,
+        });
         r
     }
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <time.h>
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 static uintptr_t next_handle = 0x1000;
@@ -99,12 +100,22 @@ CUresult cuStreamGetPriority(void* s, int* p) { *p = 0; OK; }
 CUresult cuCtxGetStreamPriorityRange(int* l, int* g) { *l = 0; *g = -5; OK; }
 CUresult cuEventCreate(void** e, unsigned f) { *e = handle(); OK; }
 CUresult cuEventDestroy_v2(void* e) { OK; }
-CUresult cuEventRecord(void* e, void* s) { OK; }
-CUresult cuEventRecordWithFlags(void* e, void* s, unsigned f) { OK; }
+// An event records the host's clock (no work runs, so an event-timed loop reports the host
+// time it took to issue it: what a host-bound step costs).
+#define EVENT_SLOTS 4096
+static double event_time[EVENT_SLOTS];
+static double now_ms(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e3 + t.tv_nsec * 1e-6;
+}
+static double* event_slot(void* e) { return &event_time[((uintptr_t)e >> 4) % EVENT_SLOTS]; }
+CUresult cuEventRecord(void* e, void* s) { *event_slot(e) = now_ms(); OK; }
+CUresult cuEventRecordWithFlags(void* e, void* s, unsigned f) { *event_slot(e) = now_ms(); OK; }
 CUresult cuEventQuery(void* e) { OK; }
 CUresult cuEventSynchronize(void* e) { OK; }
-CUresult cuEventElapsedTime(float* ms, void* a, void* b) { *ms = 0.001f; OK; }
-CUresult cuEventElapsedTime_v2(float* ms, void* a, void* b) { *ms = 0.001f; OK; }
+CUresult cuEventElapsedTime(float* ms, void* a, void* b) { *ms = (float)(*event_slot(b) - *event_slot(a)); OK; }
+CUresult cuEventElapsedTime_v2(float* ms, void* a, void* b) { *ms = (float)(*event_slot(b) - *event_slot(a)); OK; }
 CUresult cuModuleLoadData(void** m, const void* img) { *m = handle(); OK; }
 CUresult cuModuleLoadDataEx(void** m, const void* img, unsigned n, void* o, void** v) { *m = handle(); OK; }
 CUresult cuModuleUnload(void* m) { OK; }
@@ -154,5 +165,7 @@ int cublasSgemm_v2() { return 0; }
 int cublasDgemm_v2() { return 0; }
 int cublasSgemmStridedBatched() { return 0; }
 int cublasDgemmStridedBatched() { return 0; }
+int cublasGemmEx() { return 0; }
+int cublasGemmStridedBatchedEx() { return 0; }
 int cublasGetVersion_v2(void* h, int* v) { *v = 130000; return 0; }
 const char* cublasGetStatusString(int s) { return "fake"; }

@@ -403,23 +403,30 @@ impl<B: Backend> Var<B> {
             .expect("a Var handle keeps its value")
     }
 
+    /// `f` of the value, borrowed under the read lock (no clone of the tensor: the accessors
+    /// below run several times per op).
+    fn with_tensor<R>(&self, f: impl FnOnce(&Tensor<B>) -> R) -> R {
+        let data = self.0.data.read().unwrap_or_else(|e| e.into_inner());
+        f(data.as_ref().expect("a Var handle keeps its value"))
+    }
+
     pub fn shape(&self) -> Shape {
-        self.tensor().shape().clone()
+        self.with_tensor(|t| t.shape().clone())
     }
     pub fn dims(&self) -> Vec<usize> {
-        self.tensor().dims().to_vec()
+        self.with_tensor(|t| t.dims().to_vec())
     }
     pub fn rank(&self) -> usize {
-        self.tensor().rank()
+        self.with_tensor(|t| t.rank())
     }
     pub fn elem_count(&self) -> usize {
-        self.tensor().elem_count()
+        self.with_tensor(|t| t.elem_count())
     }
     pub fn dtype(&self) -> DType {
-        self.tensor().dtype()
+        self.with_tensor(|t| t.dtype())
     }
     pub fn device(&self) -> B::Device {
-        self.tensor().device().clone()
+        self.with_tensor(|t| t.device().clone())
     }
 
     /// Whether a gradient flows to (leaf) or through (op output) this variable.
@@ -458,6 +465,11 @@ impl<B: Backend> Var<B> {
     /// PyTorch: call `zero_grad` (or let the optimizer do it) once per step.
     pub fn grad(&self) -> Option<Tensor<B>> {
         lock(&self.0.grad).clone()
+    }
+
+    /// Whether a gradient is accumulated (`grad().is_some()` without cloning it).
+    pub fn has_grad(&self) -> bool {
+        lock(&self.0.grad).is_some()
     }
 
     /// Drops the accumulated gradient (`.grad()` becomes `None`; PyTorch's `set_to_none`).

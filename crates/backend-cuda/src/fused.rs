@@ -11,6 +11,7 @@
 //! with Nesterov 1.21× the GB/s, AdamW equal.
 
 use std::cell::RefCell;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use kiln_core::expr::Program;
@@ -111,23 +112,24 @@ fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct MtKey(Program);
 
-/// The multi-tensor kernel of `program` on `dev`: memoized, else generated and compiled (or
-/// loaded from the disk cache).
-fn kernel(dev: &DeviceState, program: &Program) -> Result<Func> {
+/// The program the multi-tensor kernel of rule program `rule` runs (16-bit parameters: f32
+/// arithmetic, one rounding per stored value; the rule's program otherwise) and that kernel on
+/// `dev`: memoized, else generated and compiled (or loaded from the disk cache).
+fn kernel(dev: &DeviceState, rule: &Arc<Program>) -> Result<(Arc<Program>, Func)> {
     let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
     let recent = RECENT.with(|r| {
-        r.borrow()
-            .iter()
-            .find(|e| e.0 == dev.ordinal() && e.1 == epoch && e.2 == *program)
-            .map(|e| e.3)
+        (r.borrow().iter())
+            .find(|e| e.0 == dev.ordinal() && e.1 == epoch && Arc::ptr_eq(&e.2, rule))
+            .map(|e| (e.3.clone(), e.4))
     });
-    if let Some(f) = recent {
-        return Ok(f);
+    if let Some(hit) = recent {
+        return Ok(hit);
     }
+    let program = Arc::new(rule.widened()?);
     // A handful of programs at most (the rules' flags times the dtypes): no budget.
-    let key = MtKey(program.clone());
+    let key = MtKey((*program).clone());
     let f = dev.generated_func(&key, usize::MAX, || {
-        let src = codegen::multi_tensor_source(program)?;
+        let src = codegen::multi_tensor_source(&program)?;
         let bin = crate::expr_run::build(&src, dev.arch())?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("fused_update", e))?;
         Ok((bin, name))
@@ -139,15 +141,18 @@ fn kernel(dev: &DeviceState, program: &Program) -> Result<Func> {
         if r.len() == 4 {
             r.remove(0);
         }
-        r.push((dev.ordinal(), epoch, key.0, f));
+        r.push((dev.ordinal(), epoch, rule.clone(), program.clone(), f));
     });
-    Ok(f)
+    Ok((program, f))
 }
 
 thread_local! {
-    /// The kernels this thread used last, by (device, kernel-cache epoch, program): a step
-    /// finds its kernel by comparing programs, without cloning one for the device's memo key.
-    static RECENT: RefCell<Vec<(usize, u64, Program, Func)>> = const { RefCell::new(Vec::new()) };
+    /// The kernels this thread used last, by (device, kernel-cache epoch, the rule's memoized
+    /// program, compared by address), with the program each runs: a step finds its kernel
+    /// without widening, cloning or comparing programs.
+    #[allow(clippy::type_complexity)]
+    static RECENT: RefCell<Vec<(usize, u64, Arc<Program>, Arc<Program>, Func)>> =
+        const { RefCell::new(Vec::new()) };
 }
 
 /// Launches the update of `slots` into `outs` (new parameter, new states per slot).
@@ -165,9 +170,7 @@ fn launch(
     dev.bind()?;
     let nstate = rule.state_count();
     let (program, params) = rule.program(dtype)?;
-    // 16-bit parameters: f32 arithmetic, one rounding per stored value (a no-op otherwise).
-    let program = program.widened()?;
-    let f = kernel(dev, &program)?;
+    let (program, f) = kernel(dev, &program)?;
     for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
         for s in chunk {
             if s.param.device() != first.param.device() {

@@ -12,7 +12,7 @@
 //! overrides it. This module sits below `backend` (it needs only the IR).
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::ir::{Expr, Program};
 use crate::{DType, Result};
@@ -92,9 +92,9 @@ impl UpdateRule {
     /// per structure (the variant, its flags, and which hyperparameters are zero) and dtype
     /// and memoized; the expressions, which carry no values (every hyperparameter is a
     /// parameter), are still built each call for the values' order. Debug builds check the
-    /// memo against a fresh lowering.
-    pub fn program(&self, dtype: DType) -> Result<(Program, Vec<f64>)> {
-        type Memo = HashMap<([u64; 9], DType), Program>;
+    /// memo against a fresh lowering. The program is shared (`Arc`): a step clones no vectors.
+    pub fn program(&self, dtype: DType) -> Result<(Arc<Program>, Vec<f64>)> {
+        type Memo = HashMap<([u64; 9], DType), Arc<Program>>;
         static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();
         let (outs, params) = self.exprs();
         let inputs = vec![dtype; 2 + self.state_count()];
@@ -107,12 +107,12 @@ impl UpdateRule {
             .cloned();
         if let Some(p) = hit {
             debug_assert!(
-                Program::from_exprs(&inputs, &outs).is_ok_and(|q| q == p),
+                Program::from_exprs(&inputs, &outs).is_ok_and(|q| q == *p),
                 "UpdateRule::structure misses a choice of the program: {self:?}"
             );
             return Ok((p, params));
         }
-        let p = Program::from_exprs(&inputs, &outs)?;
+        let p = Arc::new(Program::from_exprs(&inputs, &outs)?);
         memo.lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, p.clone());

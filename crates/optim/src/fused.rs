@@ -181,7 +181,7 @@ pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
     key: impl Fn(usize) -> K,
 ) -> Result<Vec<(K, Vec<Member<B>>)>> {
     let stepped: Vec<usize> = (0..params.len())
-        .filter(|&i| params[i].grad().is_some())
+        .filter(|&i| params[i].has_grad())
         .collect();
     masters.settle(params, &stepped)?;
     let mut out: Vec<Keyed<B, K>> = Vec::new();

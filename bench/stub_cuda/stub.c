@@ -130,7 +130,20 @@ CUresult cuGetErrorName(int e, const char** s) { *s = "FAKE_ERROR"; OK; }
 CUresult cuPointerGetAttribute(void* d, int a, CUdeviceptr p) { memset(d, 0, 8); OK; }
 // NVRTC
 int nvrtcVersion(int* a, int* b) { *a = 13; *b = 0; return 0; }
-int nvrtcCreateProgram(void** p, const char* src, const char* name, int n, const char* const* h, const char* const* i) { *p = handle(); return 0; }
+// With KILN_STUB_SOURCES=DIR, every source handed to NVRTC is written there (what a run
+// compiles, to time with the real NVRTC elsewhere).
+int nvrtcCreateProgram(void** p, const char* src, const char* name, int n, const char* const* h, const char* const* i) {
+  static int seq = 0;
+  const char* dir = getenv("KILN_STUB_SOURCES");
+  if (dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%04d-%s", dir, __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED), name ? name : "src.cu");
+    FILE* f = fopen(path, "w");
+    if (f) { fputs(src, f); fclose(f); }
+  }
+  *p = handle();
+  return 0;
+}
 int nvrtcDestroyProgram(void** p) { return 0; }
 int nvrtcCompileProgram(void* p, int n, const char* const* o) { return 0; }
 int nvrtcGetCUBINSize(void* p, size_t* n) { *n = 64; return 0; }
@@ -158,14 +171,14 @@ CUresult cuThreadExchangeStreamCaptureMode(int* m) { OK; }
 static uintptr_t next_blas = 0x9000;
 int cublasCreate_v2(void** h) { next_blas += 16; *h = (void*)next_blas; return 0; }
 int cublasDestroy_v2(void* h) { return 0; }
-int cublasSetMathMode(void* h, int m) { return 0; }
-int cublasSetStream_v2(void* h, void* s) { return 0; }
-int cublasSetWorkspace_v2(void* h, void* w, unsigned long n) { return 0; }
-int cublasSgemm_v2() { return 0; }
-int cublasDgemm_v2() { return 0; }
-int cublasSgemmStridedBatched() { return 0; }
-int cublasDgemmStridedBatched() { return 0; }
-int cublasGemmEx() { return 0; }
-int cublasGemmStridedBatchedEx() { return 0; }
+int cublasSetMathMode(void* h, int m) { count(__func__); return 0; }
+int cublasSetStream_v2(void* h, void* s) { count(__func__); return 0; }
+int cublasSetWorkspace_v2(void* h, void* w, unsigned long n) { count(__func__); return 0; }
+int cublasSgemm_v2() { count(__func__); return 0; }
+int cublasDgemm_v2() { count(__func__); return 0; }
+int cublasSgemmStridedBatched() { count(__func__); return 0; }
+int cublasDgemmStridedBatched() { count(__func__); return 0; }
+int cublasGemmEx() { count(__func__); return 0; }
+int cublasGemmStridedBatchedEx() { count(__func__); return 0; }
 int cublasGetVersion_v2(void* h, int* v) { *v = 130000; return 0; }
 const char* cublasGetStatusString(int s) { return "fake"; }

@@ -23,6 +23,7 @@ fn gradient_suite_on_cpu_in_f32() {
         cases: 8,
         check: CheckOptions::f32(),
         filter: None,
+        threads: 1,
     };
     run_gradient_suite_with::<Cpu>(&Cpu::device(0), &cfg);
 }

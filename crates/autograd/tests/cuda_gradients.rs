@@ -4,15 +4,18 @@
 //! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_autograd::CheckOptions;
-use kiln_autograd::testing::{
-    SuiteConfig, run_copy_suite, run_gradient_suite, run_gradient_suite_with,
-};
+use kiln_autograd::testing::{SuiteConfig, run_copy_suite, run_gradient_suite_with};
 use kiln_backend_cuda::{Cuda, gpu_or_skip};
 
 #[test]
 fn gradient_suite_on_cuda() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    run_gradient_suite::<Cuda>(&dev);
+    // Eight threads: the ops' programs compile in parallel (NVRTC, empty caches).
+    let cfg = SuiteConfig {
+        threads: 8,
+        ..SuiteConfig::default()
+    };
+    run_gradient_suite_with::<Cuda>(&dev, &cfg);
 }
 
 #[test]
@@ -26,6 +29,7 @@ fn gradient_suite_on_cuda_in_f32() {
         cases: 8,
         check: CheckOptions::f32().with_tolerances(5e-3, 5e-2),
         filter: None,
+        threads: 8,
     };
     run_gradient_suite_with::<Cuda>(&dev, &cfg);
 }

@@ -109,105 +109,130 @@ fn runner(cases: u32) -> TestRunner {
     })
 }
 
+/// Runs `cases` cases of `strategy()` spread over four threads, each with its own runner (and
+/// random seed): every case compiles a new program, and NVRTC then compiles on four cores.
+/// Panics with a failing case of any thread.
+fn spread<S: Strategy>(
+    cases: u32,
+    strategy: impl Fn() -> S + Sync,
+    test: impl Fn(S::Value) -> Result<(), TestCaseError> + Sync,
+) {
+    const THREADS: u32 = 4;
+    let failures: Vec<String> = std::thread::scope(|s| {
+        let runs: Vec<_> = (0..THREADS)
+            .map(|_| {
+                s.spawn(|| {
+                    (runner(cases / THREADS).run(&strategy(), &test)).map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        (runs.into_iter())
+            .filter_map(|r| r.join().expect("a case thread panicked").err())
+            .collect()
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
 /// Elementwise programs: two outputs (the tree and a second use of its inputs).
 #[test]
 fn elementwise_trees_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let strategy = (
-        tree(3, &tree_ops()),
-        shape(),
-        prop::collection::vec(input(3), 3),
-        any::<bool>(),
-        -2.0f64..2.0,
-    );
-    runner(160)
-        .run(&strategy, |(t, shp, ins, f64_, param)| {
-            let dtype = if f64_ { DType::F64 } else { DType::F32 };
-            let other = if f64_ { DType::F32 } else { DType::F64 };
-            let rank = shp.len();
-            let xs: Vec<G> = ins
-                .iter()
-                .map(|i| {
-                    let mut i = i.clone();
-                    i.ones.resize(rank, false);
-                    i.drop = i.drop.min(rank);
-                    make(&dev, &i, &shp, dtype)
-                })
-                .collect();
-            let e = t.build(dtype, other);
-            let second = Expr::input(0) * 2.0 - Expr::input(1);
-            let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
-            let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
-            let (atol, rtol) = tolerance(&t, f64_, (1e-4, 1e-4));
-            compare(&dev, &p, &xs, &params, atol, rtol)
-        })
-        .unwrap();
+    let strategy = || {
+        (
+            tree(3, &tree_ops()),
+            shape(),
+            prop::collection::vec(input(3), 3),
+            any::<bool>(),
+            -2.0f64..2.0,
+        )
+    };
+    spread(160, strategy, |(t, shp, ins, f64_, param)| {
+        let dtype = if f64_ { DType::F64 } else { DType::F32 };
+        let other = if f64_ { DType::F32 } else { DType::F64 };
+        let rank = shp.len();
+        let xs: Vec<G> = ins
+            .iter()
+            .map(|i| {
+                let mut i = i.clone();
+                i.ones.resize(rank, false);
+                i.drop = i.drop.min(rank);
+                make(&dev, &i, &shp, dtype)
+            })
+            .collect();
+        let e = t.build(dtype, other);
+        let second = Expr::input(0) * 2.0 - Expr::input(1);
+        let p = Program::from_exprs(&[dtype; 3], &[e, second]).unwrap();
+        let params: Vec<f64> = (0..p.params().len()).map(|_| param).collect();
+        let (atol, rtol) = tolerance(&t, f64_, (1e-4, 1e-4));
+        compare(&dev, &p, &xs, &params, atol, rtol)
+    });
 }
 
 /// Reductions over random axes with a post-map; also an elementwise output of the same pass.
 #[test]
 fn reductions_match_op_by_op() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    let strategy = (
-        tree(2, &tree_ops()),
-        shape().prop_filter("rank >= 1", |s| !s.is_empty()),
-        prop::collection::vec(input(3), 2),
-        prop::collection::vec(any::<bool>(), 3),
-        prop::sample::select(Combine::ALL.to_vec()),
-        any::<bool>(),
-        any::<bool>(),
-    );
-    runner(160)
-        .run(
-            &strategy,
-            |(t, shp, ins, axes_mask, combine, f64_, with_elem)| {
-                let dtype = if f64_ { DType::F64 } else { DType::F32 };
-                let other = if f64_ { DType::F32 } else { DType::F64 };
-                let rank = shp.len();
-                let mut axes: Vec<isize> = (0..rank)
-                    .filter(|&a| axes_mask[a])
-                    .map(|a| a as isize)
-                    .collect();
-                if axes.is_empty() {
-                    axes.push(-1);
-                }
-                // Long products overflow in one order and not in another: keep them short.
-                let big = shp.iter().product::<usize>() > 4096;
-                prop_assume!(!(combine == Combine::Prod && big));
-                let empty_fold = axes
-                    .iter()
-                    .any(|&a| shp[(a + rank as isize) as usize % rank] == 0);
-                prop_assume!(!(empty_fold && matches!(combine, Combine::Max | Combine::Min)));
-                let xs: Vec<G> = ins
-                    .iter()
-                    .enumerate()
-                    .map(|(k, i)| {
-                        let mut i = i.clone();
-                        i.ones.resize(rank, false);
-                        i.drop = i.drop.min(rank);
-                        if k == 1 {
-                            // input 1 has the iteration shape itself
-                            i.drop = 0;
-                            i.ones = vec![false; rank];
-                        }
-                        make(&dev, &i, &shp, dtype)
-                    })
-                    .collect();
-                // Bounded map values, so that sums in another order stay close.
-                let body = t.build(dtype, other).tanh() * 1.5 + Expr::input(1);
-                let red = body.reduce(combine, &axes);
-                let post = (&red * 0.5).abs() + Expr::param(0);
-                let mut outs = vec![post, red];
-                if with_elem {
-                    outs.push(body.sigmoid());
-                }
-                let p = Program::from_exprs(&[dtype; 2], &outs).unwrap();
-                let params = vec![0.25; p.params().len()];
-                let (atol, rtol) = tolerance(&t, f64_, (1e-3, 1e-4));
-                compare(&dev, &p, &xs, &params, atol, rtol)
-            },
+    let strategy = || {
+        (
+            tree(2, &tree_ops()),
+            shape().prop_filter("rank >= 1", |s| !s.is_empty()),
+            prop::collection::vec(input(3), 2),
+            prop::collection::vec(any::<bool>(), 3),
+            prop::sample::select(Combine::ALL.to_vec()),
+            any::<bool>(),
+            any::<bool>(),
         )
-        .unwrap();
+    };
+    spread(
+        160,
+        strategy,
+        |(t, shp, ins, axes_mask, combine, f64_, with_elem)| {
+            let dtype = if f64_ { DType::F64 } else { DType::F32 };
+            let other = if f64_ { DType::F32 } else { DType::F64 };
+            let rank = shp.len();
+            let mut axes: Vec<isize> = (0..rank)
+                .filter(|&a| axes_mask[a])
+                .map(|a| a as isize)
+                .collect();
+            if axes.is_empty() {
+                axes.push(-1);
+            }
+            // Long products overflow in one order and not in another: keep them short.
+            let big = shp.iter().product::<usize>() > 4096;
+            prop_assume!(!(combine == Combine::Prod && big));
+            let empty_fold = axes
+                .iter()
+                .any(|&a| shp[(a + rank as isize) as usize % rank] == 0);
+            prop_assume!(!(empty_fold && matches!(combine, Combine::Max | Combine::Min)));
+            let xs: Vec<G> = ins
+                .iter()
+                .enumerate()
+                .map(|(k, i)| {
+                    let mut i = i.clone();
+                    i.ones.resize(rank, false);
+                    i.drop = i.drop.min(rank);
+                    if k == 1 {
+                        // input 1 has the iteration shape itself
+                        i.drop = 0;
+                        i.ones = vec![false; rank];
+                    }
+                    make(&dev, &i, &shp, dtype)
+                })
+                .collect();
+            // Bounded map values, so that sums in another order stay close.
+            let body = t.build(dtype, other).tanh() * 1.5 + Expr::input(1);
+            let red = body.reduce(combine, &axes);
+            let post = (&red * 0.5).abs() + Expr::param(0);
+            let mut outs = vec![post, red];
+            if with_elem {
+                outs.push(body.sigmoid());
+            }
+            let p = Program::from_exprs(&[dtype; 2], &outs).unwrap();
+            let params = vec![0.25; p.params().len()];
+            let (atol, rtol) = tolerance(&t, f64_, (1e-3, 1e-4));
+            compare(&dev, &p, &xs, &params, atol, rtol)
+        },
+    );
 }
 
 /// Uploads a CPU tensor.

@@ -11,8 +11,8 @@ use kiln_core::{Backend, DType, Error, Generator, RandDist, Reduction, Tensor, p
 #[test]
 fn conformance_against_reference() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    // Eight threads: the groups' programs compile in parallel (NVRTC, empty caches).
-    kiln_core::testing::run_parallel::<Cuda, Cpu>(&dev, None, 8);
+    // Sixteen threads: the groups' programs compile in parallel (NVRTC, empty caches).
+    kiln_core::testing::run_parallel::<Cuda, Cpu>(&dev, None, 16);
 }
 
 #[test]

@@ -46,6 +46,9 @@ pub struct SuiteConfig {
     pub check: CheckOptions,
     /// Only ops whose name contains this string (all when `None`).
     pub filter: Option<String>,
+    /// Threads the ops are spread over (1: one after another). A backend that compiles each
+    /// new program on first use (CUDA, with empty caches) then compiles on several cores.
+    pub threads: usize,
 }
 
 impl Default for SuiteConfig {
@@ -54,6 +57,7 @@ impl Default for SuiteConfig {
             cases: 24,
             check: CheckOptions::default(),
             filter: None,
+            threads: 1,
         }
     }
 }
@@ -65,21 +69,38 @@ pub fn run_gradient_suite<B: Backend>(device: &B::Device) {
 
 /// [`run_gradient_suite`] with explicit settings.
 pub fn run_gradient_suite_with<B: Backend>(device: &B::Device, cfg: &SuiteConfig) {
-    let mut failures = Vec::new();
-    let mut ran = 0;
-    for (name, case) in cases::<B>() {
-        if cfg
-            .filter
-            .as_ref()
-            .is_some_and(|f| !name.contains(f.as_str()))
-        {
-            continue;
+    let threads = cfg.threads.max(1);
+    // Thread `t` runs the cases whose index is `t` modulo `threads` (each thread builds its own
+    // case list: the cases' closures are not `Send`).
+    let part = |t: usize| {
+        let (mut ran, mut failures) = (0, Vec::new());
+        for (i, (name, case)) in cases::<B>().into_iter().enumerate() {
+            let wanted = cfg
+                .filter
+                .as_ref()
+                .is_none_or(|f| name.contains(f.as_str()));
+            if i % threads != t || !wanted {
+                continue;
+            }
+            ran += 1;
+            if let Err(msg) = case(device, cfg) {
+                failures.push(format!("{name}: {msg}"));
+            }
         }
-        ran += 1;
-        if let Err(msg) = case(device, cfg) {
-            failures.push(format!("{name}: {msg}"));
-        }
-    }
+        (ran, failures)
+    };
+    let parts: Vec<(usize, Vec<String>)> = if threads == 1 {
+        vec![part(0)]
+    } else {
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..threads).map(|t| s.spawn(move || part(t))).collect();
+            (handles.into_iter())
+                .map(|h| h.join().expect("a gradient check thread panicked"))
+                .collect()
+        })
+    };
+    let ran: usize = parts.iter().map(|(r, _)| r).sum();
+    let failures: Vec<String> = parts.into_iter().flat_map(|(_, f)| f).collect();
     assert!(
         failures.is_empty(),
         "gradient suite on {} ({device}): {} of {ran} ops failed:\n{}",

@@ -421,7 +421,10 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
         memo: Vec::new(),
     };
     let mut out = g.node(root);
-    let extra = g.shared(root, reduce.is_some());
+    let extra = match store_shared() {
+        true => g.shared(root, reduce.is_some()),
+        false => Vec::new(),
+    };
     let mut axes = Vec::new();
     if let Some((op, over)) = reduce {
         let combine = match op {
@@ -440,6 +443,13 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
         extra,
         axes,
     }
+}
+
+/// Whether programs store the shared values of their DAG ([`Built::extra`]): yes, unless
+/// `KILN_DEFER_SHARED=0` (read once; for measuring what storing them changes).
+fn store_shared() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("KILN_DEFER_SHARED").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Whether a reduction `op` of pending `n`, read through `l`, can run in the program of `n`'s

@@ -265,6 +265,12 @@ fn group_fns<X: Backend, Y: Backend>() -> Vec<(&'static str, GroupFn<X, Y>)> {
     ]
 }
 
+/// Whether `KILN_TEST_TIMES=1`: the suites print each group's seconds (where a slow suite's
+/// time goes; `--nocapture` shows them).
+fn times_wanted() -> bool {
+    std::env::var("KILN_TEST_TIMES").is_ok_and(|v| v == "1")
+}
+
 fn run_groups<X: Backend, Y: Backend>(p: &Pair<X, Y>, label: &str, only: Option<&[&str]>) {
     let mut out = Outcome::default();
     let mut groups = 0;
@@ -273,7 +279,11 @@ fn run_groups<X: Backend, Y: Backend>(p: &Pair<X, Y>, label: &str, only: Option<
             continue;
         }
         groups += 1;
+        let t0 = std::time::Instant::now();
         f(p, &mut out);
+        if times_wanted() {
+            eprintln!("{label}: group {name} {:.2} s", t0.elapsed().as_secs_f64());
+        }
     }
     let head = format!(
         "{label}: {groups} op groups ({} checks), {} cases each",

@@ -26,8 +26,8 @@ fn binary_doms(op: BinaryOp, dtype: DType) -> (Dom, Dom) {
     }
 }
 
-pub(super) fn g_binary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in BinaryOp::ALL {
+pub(super) fn g_binary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome, shard: Shard) {
+    for op in shard.of(BinaryOp::ALL) {
         let strat = (
             broadcast_shapes(4),
             select(dtypes_where(|d| op.supports(d))),
@@ -52,8 +52,12 @@ pub(super) fn g_binary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome
     }
 }
 
-pub(super) fn g_binary_scalar<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in BinaryOp::ALL {
+pub(super) fn g_binary_scalar<X: Backend, Y: Backend>(
+    p: &Pair<X, Y>,
+    out: &mut Outcome,
+    shard: Shard,
+) {
+    for op in shard.of(BinaryOp::ALL) {
         let strat = (
             shapes(0, 4, 6),
             select(dtypes_where(|d| op.supports(d))),
@@ -113,8 +117,8 @@ fn cmp_dom(dtype: DType) -> Dom {
     }
 }
 
-pub(super) fn g_compare<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in CmpOp::ALL {
+pub(super) fn g_compare<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome, shard: Shard) {
+    for op in shard.of(CmpOp::ALL) {
         let strat = (broadcast_shapes(4), select(ALL.to_vec()), any::<bool>()).prop_flat_map(
             |((da, db), dtype, swap)| {
                 let (da, db) = if swap { (db, da) } else { (da, db) };
@@ -191,8 +195,8 @@ fn cast_dom(from: DType, to: DType) -> Dom {
     }
 }
 
-pub(super) fn g_cast<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for from in ALL {
+pub(super) fn g_cast<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome, shard: Shard) {
+    for from in shard.of(ALL) {
         for to in ALL {
             let strat = shapes(0, 4, 6)
                 .prop_flat_map(move |dims| spec(dims, from, cast_dom(from, to), true));

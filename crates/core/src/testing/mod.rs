@@ -141,22 +141,36 @@ pub fn run_parallel<B: Backend, O: Backend>(
     oracle: Option<&O::Device>,
     threads: usize,
 ) {
-    let threads = threads.clamp(1, GROUPS.len());
-    let chunks: Vec<Vec<&str>> = (0..threads)
-        .map(|t| GROUPS.iter().copied().skip(t).step_by(threads).collect())
+    // The groups whose ops take longest, in shares first (heaviest first), then the others:
+    // each thread takes every `threads`-th item.
+    let mut items: Vec<(&str, Shard)> = Vec::new();
+    for &(name, shares) in SHARED {
+        items.extend((0..shares).map(|k| (name, Shard { k, n: shares })));
+    }
+    let whole = GROUPS
+        .iter()
+        .filter(|g| !SHARED.iter().any(|(n, _)| n == *g));
+    items.extend(whole.map(|&g| (g, Shard::ALL)));
+    let threads = threads.clamp(1, items.len());
+    let chunks: Vec<Vec<(&str, Shard)>> = (0..threads)
+        .map(|t| items.iter().copied().skip(t).step_by(threads).collect())
         .collect();
     let failures: Vec<String> = std::thread::scope(|s| {
         let handles: Vec<_> = chunks
             .iter()
-            .map(|names| {
+            .map(|items| {
                 s.spawn(move || match oracle {
-                    None => run_groups_named::<B>(device, &Config::default(), names),
+                    None => {
+                        let cfg = Config::default();
+                        let p = Pair::<B, Reference>::new(device.clone(), RefDevice(0), &cfg, 1.0);
+                        run_items(&p, &format!("conformance[{}]", B::NAME), items);
+                    }
                     Some(od) => {
                         let p =
                             Pair::<B, O>::new(device.clone(), od.clone(), &Config::default(), 2.0);
                         let label =
                             format!("compare[{} ({device}) vs {} ({od})]", B::NAME, O::NAME);
-                        run_groups(&p, &label, Some(names));
+                        run_items(&p, &label, items);
                     }
                 })
             })
@@ -233,35 +247,85 @@ pub fn run_groups_named<B: Backend>(device: &B::Device, cfg: &Config, names: &[&
     run_groups(&p, &format!("conformance[{}]", B::NAME), Some(names));
 }
 
-type GroupFn<X, Y> = fn(&Pair<X, Y>, &mut Outcome);
+/// A share of a group's checks: the ops (or source dtypes) whose index is `k` modulo `n`.
+/// [`run_parallel`] runs the slowest groups ([`SHARED`]) in shares on several threads.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shard {
+    k: usize,
+    n: usize,
+}
+
+impl Shard {
+    /// The whole group.
+    pub(crate) const ALL: Shard = Shard { k: 0, n: 1 };
+
+    /// This share's items of `all`.
+    pub(crate) fn of<T: Copy, const N: usize>(self, all: [T; N]) -> impl Iterator<Item = T> {
+        (all.into_iter().enumerate()).filter_map(move |(i, t)| (i % self.n == self.k).then_some(t))
+    }
+}
+
+/// The groups [`run_parallel`] splits, and into how many shares: the slowest with a backend
+/// that compiles each op's program on first use (CUDA with empty caches, 2026-11-28 on an
+/// H100 host: `unary_backward` 77 s, `unary` 43 s, `binary` 27 s, `compare` 27 s,
+/// `binary_scalar` 25 s, `cast` 17 s on one thread each).
+const SHARED: &[(&str, usize)] = &[
+    ("unary_backward", 8),
+    ("unary", 4),
+    ("binary", 3),
+    ("compare", 3),
+    ("binary_scalar", 3),
+    ("cast", 2),
+];
+
+/// A group's checks: all of them, or those of a [`Shard`].
+enum GroupFn<X: Backend, Y: Backend> {
+    Whole(fn(&Pair<X, Y>, &mut Outcome)),
+    Shared(fn(&Pair<X, Y>, &mut Outcome, Shard)),
+}
+
+/// Runs `shard` of group `name` (the whole group for [`Shard::ALL`]).
+fn run_group<X: Backend, Y: Backend>(name: &str, p: &Pair<X, Y>, out: &mut Outcome, shard: Shard) {
+    let fns = group_fns::<X, Y>();
+    let (_, f) = (fns.iter())
+        .find(|(n, _)| *n == name)
+        .expect("a group of GROUPS");
+    match f {
+        GroupFn::Shared(f) => f(p, out, shard),
+        GroupFn::Whole(f) => {
+            assert_eq!(shard.n, 1, "group {name} has no shares");
+            f(p, out)
+        }
+    }
+}
 
 fn group_fns<X: Backend, Y: Backend>() -> Vec<(&'static str, GroupFn<X, Y>)> {
     vec![
-        ("devices", g_devices::<X, Y>),
-        ("fill", g_fill::<X, Y>),
-        ("host_roundtrip", g_host::<X, Y>),
-        ("copy", g_copy::<X, Y>),
-        ("contiguous", g_contiguous::<X, Y>),
-        ("copy_into", g_copy_into::<X, Y>),
-        ("rand", g_rand::<X, Y>),
-        ("unary", g_unary::<X, Y>),
-        ("unary_backward", g_unary_backward::<X, Y>),
-        ("composite", g_composite::<X, Y>),
-        ("binary", g_binary::<X, Y>),
-        ("binary_scalar", g_binary_scalar::<X, Y>),
-        ("compare", g_compare::<X, Y>),
-        ("where_cond", g_where::<X, Y>),
-        ("reduce", g_reduce::<X, Y>),
-        ("matmul", g_matmul::<X, Y>),
-        ("softmax", g_softmax::<X, Y>),
-        ("cross_entropy", g_xent::<X, Y>),
-        ("cast", g_cast::<X, Y>),
-        ("index_select", g_index_select::<X, Y>),
-        ("gather", g_gather::<X, Y>),
-        ("scatter_add", g_scatter_add::<X, Y>),
-        ("index_errors", g_index_errors::<X, Y>),
-        ("cat_stack", g_cat_stack::<X, Y>),
-        ("fused_update", g_fused_update::<X, Y>),
+        ("devices", GroupFn::Whole(g_devices::<X, Y>)),
+        ("fill", GroupFn::Whole(g_fill::<X, Y>)),
+        ("host_roundtrip", GroupFn::Whole(g_host::<X, Y>)),
+        ("copy", GroupFn::Whole(g_copy::<X, Y>)),
+        ("contiguous", GroupFn::Whole(g_contiguous::<X, Y>)),
+        ("copy_into", GroupFn::Whole(g_copy_into::<X, Y>)),
+        ("rand", GroupFn::Whole(g_rand::<X, Y>)),
+        ("unary", GroupFn::Shared(g_unary::<X, Y>)),
+        ("unary_backward", GroupFn::Shared(g_unary_backward::<X, Y>)),
+        ("composite", GroupFn::Whole(g_composite::<X, Y>)),
+        ("binary", GroupFn::Shared(g_binary::<X, Y>)),
+        ("binary_scalar", GroupFn::Shared(g_binary_scalar::<X, Y>)),
+        ("compare", GroupFn::Shared(g_compare::<X, Y>)),
+        ("where_cond", GroupFn::Whole(g_where::<X, Y>)),
+        ("reduce", GroupFn::Whole(g_reduce::<X, Y>)),
+        ("matmul", GroupFn::Whole(g_matmul::<X, Y>)),
+        ("softmax", GroupFn::Whole(g_softmax::<X, Y>)),
+        ("cross_entropy", GroupFn::Whole(g_xent::<X, Y>)),
+        ("cast", GroupFn::Shared(g_cast::<X, Y>)),
+        ("index_select", GroupFn::Whole(g_index_select::<X, Y>)),
+        ("gather", GroupFn::Whole(g_gather::<X, Y>)),
+        ("scatter_add", GroupFn::Whole(g_scatter_add::<X, Y>)),
+        ("index_errors", GroupFn::Whole(g_index_errors::<X, Y>)),
+        ("cat_stack", GroupFn::Whole(g_cat_stack::<X, Y>)),
+        ("fused_update", GroupFn::Whole(g_fused_update::<X, Y>)),
     ]
 }
 
@@ -272,21 +336,33 @@ fn times_wanted() -> bool {
 }
 
 fn run_groups<X: Backend, Y: Backend>(p: &Pair<X, Y>, label: &str, only: Option<&[&str]>) {
+    let items: Vec<(&str, Shard)> = (GROUPS.iter())
+        .filter(|g| only.is_none_or(|o| o.contains(g)))
+        .map(|&g| (g, Shard::ALL))
+        .collect();
+    run_items(p, label, &items);
+}
+
+/// Runs each (group, share) of `items`; prints one summary line, or panics with every failure.
+fn run_items<X: Backend, Y: Backend>(p: &Pair<X, Y>, label: &str, items: &[(&str, Shard)]) {
     let mut out = Outcome::default();
-    let mut groups = 0;
-    for (name, f) in group_fns::<X, Y>() {
-        if only.is_some_and(|o| !o.contains(&name)) {
-            continue;
-        }
-        groups += 1;
+    for &(name, shard) in items {
         let t0 = std::time::Instant::now();
-        f(p, &mut out);
+        run_group(name, p, &mut out, shard);
         if times_wanted() {
-            eprintln!("{label}: group {name} {:.2} s", t0.elapsed().as_secs_f64());
+            let part = match shard.n {
+                1 => String::new(),
+                n => format!(" ({} of {n})", shard.k + 1),
+            };
+            eprintln!(
+                "{label}: group {name}{part} {:.2} s",
+                t0.elapsed().as_secs_f64()
+            );
         }
     }
+    let groups = items.len();
     let head = format!(
-        "{label}: {groups} op groups ({} checks), {} cases each",
+        "{label}: {groups} op groups or shares ({} checks), {} cases each",
         out.checks, p.cfg.cases
     );
     if out.failures.is_empty() {
@@ -310,7 +386,7 @@ macro_rules! check_fns {
         pub fn $pub_name<B: Backend>(device: &B::Device, cfg: &Config) {
             let p = Pair::<B, Reference>::new(device.clone(), RefDevice(0), cfg, 1.0);
             let mut out = Outcome::default();
-            $group::<B, Reference>(&p, &mut out);
+            run_group::<B, Reference>($name, &p, &mut out, Shard::ALL);
             if !out.failures.is_empty() {
                 panic!(
                     "conformance[{}] {}: {} of {} checks FAILED (seed {:#x})\n\n{}",

@@ -12,8 +12,8 @@ fn unary_dom(op: UnaryOp, dtype: DType) -> Dom {
     Dom::range(d.lo, d.hi).avoid(d.avoid)
 }
 
-pub(super) fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in UnaryOp::ALL {
+pub(super) fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome, shard: Shard) {
+    for op in shard.of(UnaryOp::ALL) {
         let strat = (shapes(0, 4, 6), select(dtypes_where(|d| op.supports(d))))
             .prop_flat_map(move |(dims, dtype)| spec(dims, dtype, unary_dom(op, dtype), true));
         p.run(out, &format!("unary {}", op.name()), strat, |s| {
@@ -30,8 +30,12 @@ pub(super) fn g_unary<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome)
     }
 }
 
-pub(super) fn g_unary_backward<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut Outcome) {
-    for op in UnaryOp::ALL {
+pub(super) fn g_unary_backward<X: Backend, Y: Backend>(
+    p: &Pair<X, Y>,
+    out: &mut Outcome,
+    shard: Shard,
+) {
+    for op in shard.of(UnaryOp::ALL) {
         let strat = (shapes(0, 4, 6), select(dtypes_where(|d| d.is_float()))).prop_flat_map(
             move |(dims, dtype)| {
                 (

@@ -421,9 +421,10 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
         memo: Vec::new(),
     };
     let mut out = g.node(root);
-    let extra = match store_shared() {
-        true => g.shared(root, reduce.is_some()),
-        false => Vec::new(),
+    let extra = if store_shared() {
+        g.shared(root, reduce.is_some())
+    } else {
+        Vec::new()
     };
     let mut axes = Vec::new();
     if let Some((op, over)) = reduce {
@@ -449,7 +450,7 @@ pub fn build<D: Deferral>(root: &Arc<Node<D>>, reduce: Option<(ReduceOp, &[usize
 /// `KILN_DEFER_SHARED=0` (read once; for measuring what storing them changes).
 fn store_shared() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("KILN_DEFER_SHARED").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| !std::env::var("KILN_DEFER_SHARED").is_ok_and(|v| v.trim() == "0"))
 }
 
 /// Whether a reduction `op` of pending `n`, read through `l`, can run in the program of `n`'s

@@ -11,21 +11,20 @@
 //! prints so and compares the im2col path on both sides (`KILN_REQUIRE_CUDNN=1` makes that a
 //! failure).
 
+mod conv_case;
+
 use std::sync::Mutex;
+
+use conv_case::{Case, case, compare, cpu, on, run, widened};
 
 use kiln_autograd::Var;
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice, CudnnApi, gpu_or_skip};
-use kiln_core::testing::check_close;
-use kiln_core::{Backend, Conv2dSpec, DType, Error, Generator, Tensor};
-use kiln_nn::{Window, conv2d_grouped, conv2d_im2col_path};
+use kiln_core::{DType, Error, Tensor};
+use kiln_nn::conv2d_grouped;
 
 /// The API and TF32 switches are process-wide: each test holds this.
 static SWITCH: Mutex<()> = Mutex::new(());
-
-fn cpu() -> <Cpu as Backend>::Device {
-    Cpu::parse_device("cpu").unwrap()
-}
 
 /// The GPU and whether cuDNN is there (failing when `KILN_REQUIRE_CUDNN=1` and it is not).
 fn gpu() -> Option<(CudaDevice, bool)> {
@@ -66,31 +65,7 @@ impl Drop for Restore {
     }
 }
 
-/// One geometry: input `[n, c, h, w]`, `oc` outputs, a `k`×`k` kernel, stride, padding,
-/// dilation, groups.
-#[derive(Clone, Copy, Debug)]
-struct Case {
-    x: [usize; 4],
-    oc: usize,
-    k: usize,
-    stride: usize,
-    pad: usize,
-    dil: usize,
-    groups: usize,
-}
-
-const fn case(x: [usize; 4], oc: usize, k: usize, s: usize, p: usize, d: usize, g: usize) -> Case {
-    Case {
-        x,
-        oc,
-        k,
-        stride: s,
-        pad: p,
-        dil: d,
-        groups: g,
-    }
-}
-
+/// The geometries (see `conv_case::Case`).
 const CASES: &[Case] = &[
     case([2, 16, 8, 8], 16, 3, 1, 1, 1, 1), // 3×3 "same", ResNet-like
     case([2, 16, 9, 9], 32, 3, 2, 1, 1, 1), // stride 2, odd size
@@ -101,97 +76,6 @@ const CASES: &[Case] = &[
     case([2, 16, 8, 8], 16, 3, 1, 1, 1, 2), // 2 groups
     case([2, 16, 8, 8], 16, 3, 2, 1, 1, 16), // depthwise, stride 2
 ];
-
-impl Case {
-    fn window(&self) -> Window {
-        Window {
-            kernel: [self.k; 2],
-            stride: [self.stride; 2],
-            padding: [self.pad; 2],
-            dilation: [self.dil; 2],
-        }
-    }
-    fn w_dims(&self) -> [usize; 4] {
-        [self.oc, self.x[1] / self.groups, self.k, self.k]
-    }
-    fn y_dims(&self) -> [usize; 4] {
-        let spec = Conv2dSpec {
-            stride: [self.stride; 2],
-            padding: [self.pad; 2],
-            dilation: [self.dil; 2],
-            groups: self.groups,
-        };
-        spec.output_dims(self.x, self.w_dims()).unwrap()
-    }
-    /// Input, weight, bias and the upstream gradient, on the CPU in f64 (seeded).
-    fn operands(&self, seed: u64) -> [Tensor<Cpu>; 4] {
-        let mut g = Generator::new(seed);
-        let dev = cpu();
-        let mut t = |shape: Vec<usize>| {
-            g.normal::<Cpu>(shape, 0.0, 1.0, &dev)
-                .unwrap()
-                .to_dtype(DType::F64)
-                .unwrap()
-        };
-        [
-            t(self.x.to_vec()),
-            t(self.w_dims().to_vec()),
-            t(vec![self.oc]),
-            t(self.y_dims().to_vec()),
-        ]
-    }
-}
-
-/// Output, then the gradients of input, weight and bias of `sum(conv(x, w) + b) * r)`, in f64.
-fn run<B: Backend>(ops: &[Tensor<B>; 4], c: &Case, im2col: bool) -> [Vec<f64>; 4] {
-    let [x, w, b, r] = ops;
-    let (x, w, b) = (
-        Var::param(x.clone()),
-        Var::param(w.clone()),
-        Var::param(b.clone()),
-    );
-    let y = if im2col {
-        conv2d_im2col_path(&x, &w, Some(&b), c.window(), c.groups)
-    } else {
-        conv2d_grouped(&x, &w, Some(&b), c.window(), c.groups)
-    }
-    .unwrap();
-    y.mul(&Var::constant(r.clone()))
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let host = |t: Tensor<B>| t.to_f64_vec().unwrap();
-    [
-        host(y.tensor()),
-        host(x.grad().unwrap()),
-        host(w.grad().unwrap()),
-        host(b.grad().unwrap()),
-    ]
-}
-
-/// `ops` in `dtype` on `dev` (rounded there: the CPU reference reads the same rounded values).
-fn on<B: Backend>(ops: &[Tensor<Cpu>; 4], dtype: DType, dev: &B::Device) -> [Tensor<B>; 4] {
-    ops.clone()
-        .map(|t| t.to_dtype(dtype).unwrap().to_backend::<B>(dev).unwrap())
-}
-
-/// The operands rounded to `low` and widened to `dtype` on the CPU (16-bit references).
-fn widened(ops: &[Tensor<Cpu>; 4], low: DType, dtype: DType) -> [Tensor<Cpu>; 4] {
-    ops.clone()
-        .map(|t| t.to_dtype(low).unwrap().to_dtype(dtype).unwrap())
-}
-
-/// Compares four results with a tolerance relative to each one's largest magnitude.
-fn compare(what: &str, got: &[Vec<f64>; 4], want: &[Vec<f64>; 4], tol: f64) {
-    for (i, name) in ["y", "dx", "dw", "db"].iter().enumerate() {
-        let scale = want[i].iter().fold(1.0f64, |m, v| m.max(v.abs()));
-        if let Err(e) = check_close(&got[i], &want[i], tol * scale, tol) {
-            panic!("{what} {name}: {e} (tolerance {tol:e}, scale {scale:.3})");
-        }
-    }
-}
 
 /// One dtype setting of the sweep: the dtype on the GPU, TF32, the CPU reference's dtype and
 /// rounding, the tolerance.

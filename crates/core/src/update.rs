@@ -90,13 +90,15 @@ impl UpdateRule {
     /// Lowering the expressions into a program is most of the cost (15 µs for Adam, a fifth of
     /// a 40-parameter multi-tensor step's host time on the GPU), so the program is lowered once
     /// per structure (the variant, its flags, and which hyperparameters are zero) and dtype
-    /// and memoized; the expressions, which carry no values (every hyperparameter is a
-    /// parameter), are still built each call for the values' order. Debug builds check the
-    /// memo against a fresh lowering. The program is shared (`Arc`): a step clones no vectors.
+    /// and memoized. The expressions carry no values: every hyperparameter is a parameter at a
+    /// fixed slot ([`UpdateRule::param_values`]), so a step computes those values and builds
+    /// nothing else. Debug builds check the memo against a fresh lowering. The program is
+    /// shared (`Arc`): a step clones no vectors.
     pub fn program(&self, dtype: DType) -> Result<(Arc<Program>, Vec<f64>)> {
-        type Memo = HashMap<([u64; 9], DType), Arc<Program>>;
+        // The program, and the slots of `param_values` it reads, in its parameters' order.
+        type Memo = HashMap<([u64; 9], DType), (Arc<Program>, Vec<usize>)>;
         static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();
-        let (outs, params) = self.exprs();
+        let values = self.param_values();
         let inputs = vec![dtype; 2 + self.state_count()];
         let key = (self.structure(), dtype);
         let memo = MEMO.get_or_init(Default::default);
@@ -105,18 +107,37 @@ impl UpdateRule {
             .unwrap_or_else(|e| e.into_inner())
             .get(&key)
             .cloned();
-        if let Some(p) = hit {
-            debug_assert!(
-                Program::from_exprs(&inputs, &outs).is_ok_and(|q| q == *p),
-                "UpdateRule::structure misses a choice of the program: {self:?}"
-            );
-            return Ok((p, params));
-        }
-        let p = Arc::new(Program::from_exprs(&inputs, &outs)?);
-        memo.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, p.clone());
-        Ok((p, params))
+        let (p, slots) = match hit {
+            Some((p, slots)) => {
+                debug_assert!(
+                    self.lower(&inputs)
+                        .is_ok_and(|(q, s)| q == *p && s == slots),
+                    "UpdateRule::structure misses a choice of the program: {self:?}"
+                );
+                (p, slots)
+            }
+            None => {
+                let (p, slots) = self.lower(&inputs)?;
+                let entry = (Arc::new(p), slots);
+                memo.lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(key, entry.clone());
+                entry
+            }
+        };
+        Ok((p, slots.iter().map(|&k| values[k]).collect()))
+    }
+
+    /// The rule's program over `inputs`, with one parameter per read of a constant, numbered
+    /// in the order the formulas read them, and the slot of [`UpdateRule::param_values`] each
+    /// parameter takes its value from.
+    fn lower(&self, inputs: &[DType]) -> Result<(Program, Vec<usize>)> {
+        let mut slots = Vec::new();
+        let outs = self.exprs(&mut |slot| {
+            slots.push(slot);
+            Expr::param(slots.len() - 1)
+        });
+        Ok((Program::from_exprs(inputs, &outs)?, slots))
     }
 
     /// What the program's shape may depend on: the variant, its flags and, for each
@@ -168,24 +189,58 @@ impl UpdateRule {
 
     /// The rule's outputs as expressions of the inputs `[param, grad, state...]` and of
     /// parameters, and the parameters' values in order (the formulas above, op for op).
-    fn exprs(&self) -> (Vec<Expr>, Vec<f64>) {
-        let mut params = Vec::new();
-        let mut param = |v: f64| {
-            params.push(v);
-            Expr::param(params.len() - 1)
-        };
-        let (p, g) = (Expr::input(0), Expr::input(1));
-        let outs = match *self {
+    /// The values of the rule's parameters, by slot: every constant of the formulas above,
+    /// computed in f64 from the hyperparameters. SGD: weight decay, momentum, `1 - dampening`,
+    /// `lr`; Adam: weight decay, `1 - lr * weight_decay`, `beta1`, `1 - beta1`, `beta2`,
+    /// `1 - beta2`, `1 / sqrt(bias_correction2)`, `eps`, `lr / bias_correction1`.
+    fn param_values(&self) -> Vec<f64> {
+        match *self {
             UpdateRule::Sgd {
                 lr,
                 momentum,
                 dampening,
+                weight_decay,
+                ..
+            } => vec![weight_decay, momentum, 1.0 - dampening, lr],
+            UpdateRule::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                bias_correction1,
+                bias_correction2,
+                ..
+            } => vec![
+                weight_decay,
+                1.0 - lr * weight_decay,
+                beta1,
+                1.0 - beta1,
+                beta2,
+                1.0 - beta2,
+                1.0 / bias_correction2.sqrt(),
+                eps,
+                lr / bias_correction1,
+            ],
+        }
+    }
+
+    /// The update as expressions over `[param, grad, state...]`, reading the constant of slot
+    /// `k` of [`UpdateRule::param_values`] as `param(k)`, called where the constant is used
+    /// (so the program numbers its parameters in the order the formulas read them).
+    fn exprs(&self, param: &mut dyn FnMut(usize) -> Expr) -> Vec<Expr> {
+        let (p, g) = (Expr::input(0), Expr::input(1));
+        match *self {
+            UpdateRule::Sgd {
+                momentum,
                 nesterov,
                 weight_decay,
                 first_step,
+                ..
             } => {
+                // Slots: 0 weight decay, 1 momentum, 2 `1 - dampening`, 3 lr.
                 let g = if weight_decay != 0.0 {
-                    &g + &p * param(weight_decay)
+                    &g + &p * param(0)
                 } else {
                     g
                 };
@@ -193,43 +248,40 @@ impl UpdateRule {
                     let m = if first_step {
                         g.clone()
                     } else {
-                        Expr::input(2) * param(momentum) + &g * param(1.0 - dampening)
+                        Expr::input(2) * param(1) + &g * param(2)
                     };
                     let d = if nesterov {
-                        &g + &m * param(momentum)
+                        &g + &m * param(1)
                     } else {
                         m.clone()
                     };
-                    vec![&p - d * param(lr), m]
+                    vec![&p - d * param(3), m]
                 } else {
-                    vec![&p - g * param(lr)]
+                    vec![&p - g * param(3)]
                 }
             }
             UpdateRule::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
                 weight_decay,
                 decoupled,
-                bias_correction1,
-                bias_correction2,
+                ..
             } => {
+                // Slots: 0 weight decay, 1 `1 - lr * weight_decay`, 2 beta1, 3 `1 - beta1`,
+                // 4 beta2, 5 `1 - beta2`, 6 `1 / sqrt(bias_correction2)`, 7 eps,
+                // 8 `lr / bias_correction1`.
                 let (mut p, mut g) = (p, g);
                 if weight_decay != 0.0 {
                     if decoupled {
-                        p = p * param(1.0 - lr * weight_decay);
+                        p = p * param(1);
                     } else {
-                        g = &g + &p * param(weight_decay);
+                        g = &g + &p * param(0);
                     }
                 }
-                let m = Expr::input(2) * param(beta1) + &g * param(1.0 - beta1);
-                let v = Expr::input(3) * param(beta2) + g.square() * param(1.0 - beta2);
-                let denom = v.sqrt() * param(1.0 / bias_correction2.sqrt()) + param(eps);
-                let upd = (&m / denom) * param(lr / bias_correction1);
+                let m = Expr::input(2) * param(2) + &g * param(3);
+                let v = Expr::input(3) * param(4) + g.square() * param(5);
+                let denom = v.sqrt() * param(6) + param(7);
+                let upd = (&m / denom) * param(8);
                 vec![p - upd, m, v]
             }
-        };
-        (outs, params)
+        }
     }
 }

@@ -187,8 +187,6 @@ impl UpdateRule {
         }
     }
 
-    /// The rule's outputs as expressions of the inputs `[param, grad, state...]` and of
-    /// parameters, and the parameters' values in order (the formulas above, op for op).
     /// The values of the rule's parameters, by slot: every constant of the formulas above,
     /// computed in f64 from the hyperparameters. SGD: weight decay, momentum, `1 - dampening`,
     /// `lr`; Adam: weight decay, `1 - lr * weight_decay`, `beta1`, `1 - beta1`, `beta2`,

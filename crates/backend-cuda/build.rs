@@ -87,9 +87,9 @@ fn prebuild(out: &Path) -> Result<String, String> {
                 while let Some((m, g, arch, src)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
                     let name = format!("{}-{}-sm{arch}.cubin", m.file_name(), g.label());
                     let path = dir.join(name.replace('*', "all"));
-                    match nvrtc.compile(m.file_name(), src, *arch, version) {
+                    match nvrtc.compile(*m, src, *arch, version) {
                         Ok(cubin) if std::fs::write(&path, &cubin).is_ok() => {
-                            let hash = source_hash(src, *arch, version);
+                            let hash = source_hash(*m, src, *arch, version);
                             built.lock().unwrap().push((*m, *g, *arch, hash, path));
                         }
                         Ok(_) => println!("cargo:warning=could not write {}", path.display()),
@@ -261,7 +261,7 @@ impl Nvrtc {
             let probe = "extern \"C\" __global__ void kiln_probe() {}";
             let version = nvrtc.version().ok()?;
             nvrtc
-                .compile("probe.cu", probe, 90, version)
+                .compile(Module::Util, probe, 90, version)
                 .ok()
                 .map(|_| nvrtc)
         })
@@ -296,17 +296,18 @@ impl Nvrtc {
             .ok_or_else(|| format!("nvrtcVersion failed ({r})"))
     }
 
-    /// The CUBIN of `source` (named `file`) for `sm_{arch}`, with the run time's options.
+    /// The CUBIN of `source` (of `module`) for `sm_{arch}`, with the run time's options.
     fn compile(
         &self,
-        file: &str,
+        module: Module,
         source: &str,
         arch: u32,
         version: (i32, i32),
     ) -> Result<Vec<u8>, String> {
         let src = CString::new(source).map_err(|e| e.to_string())?;
-        let name = CString::new(file).map_err(|e| e.to_string())?;
-        let opts: Vec<CString> = kernel_files::options(arch, version)
+        let name = CString::new(module.file_name()).map_err(|e| e.to_string())?;
+        let opts: Vec<CString> = module
+            .options(arch, version)
             .into_iter()
             .map(|o| CString::new(o).expect("options have no NUL"))
             .collect();

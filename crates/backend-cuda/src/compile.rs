@@ -31,7 +31,7 @@ pub fn cache_path(dir: &Path, module: Module, arch: u32, version: (i32, i32)) ->
         dir,
         module.file_name(),
         &module.full_source(),
-        &options(arch, version),
+        &module.options(arch, version),
         arch,
         version,
     )

@@ -44,6 +44,7 @@ use crate::codegen::{self, Access, Geometry, KERNEL, Strategy, Variant};
 use crate::device::{DeviceState, Func, KERNEL_EPOCH};
 use crate::launch::{Args, Dims, MAX_DIMS, Strides};
 use crate::memory::{Buffer, alloc};
+use crate::tier;
 
 /// Distinct generated kernels per device; past this, new programs run op by op.
 pub(crate) const MAX_KERNELS: usize = 1024;
@@ -215,6 +216,8 @@ struct Ready {
 struct Run {
     geo: std::rc::Rc<Geometry>,
     func: Func,
+    /// `func` is the interpreter (`tier.rs`): the program's kernel is not compiled yet.
+    interp: bool,
     /// The launch's grid and block (unused by a split reduction: `launch_split`).
     grid: (u32, u32),
     block: u32,
@@ -289,18 +292,31 @@ impl Planned {
             g.variant.vec = vec;
             std::rc::Rc::new(g)
         });
-        let Some(func) = kernel(dev, &self.exec, &geo.variant, caller)? else {
+        let Some(k) = kernel(dev, &self.exec, &geo.variant, caller)? else {
             return Ok(None);
         };
-        let (grid, block) = grid_and_block(dev, &geo);
+        let (func, interp) = match k {
+            Kernel::Compiled(f) => (f, false),
+            Kernel::Interpreted(f) => (f, true),
+        };
+        // The interpreter loops element by element, whatever the vector width.
+        let (grid, block) = match interp {
+            true => (dev.grid_1d(geo.n as u64, BLOCK), BLOCK),
+            false => grid_and_block(dev, &geo),
+        };
         let dims = dims_arg(&geo.dims);
         let run = Run {
             geo,
             func,
+            interp,
             grid,
             block,
             dims,
         };
+        if interp {
+            // Not remembered: a later run takes the compiled kernel once it is there.
+            return Ok(Some(run));
+        }
         self.ready.borrow_mut().push(Ready {
             ordinal,
             epoch,
@@ -612,6 +628,30 @@ fn launch(
     let at = |k: usize| -> u64 {
         bufs[k].device_ptr() + (layouts[k].offset() * p.inputs()[k].size_in_bytes()) as u64
     };
+    if run.interp {
+        // Named per program (the interpreter's one function runs them all).
+        let fp = planned.program.fingerprint();
+        crate::profile::fused_ops(((fp ^ fp >> 64) as usize, u64::MAX), || {
+            format!("interpreted: {}", op_names(planned, caller))
+        });
+        let mut ptrs = [0u64; 8];
+        for (o, b) in ptrs.iter_mut().zip(outs) {
+            *o = b.device_ptr();
+        }
+        let outs = &ptrs[..outs.len()];
+        return tier::launch(
+            dev,
+            f,
+            p,
+            g,
+            at,
+            outs,
+            params,
+            caller.op(),
+            run.grid,
+            run.block,
+        );
+    }
     let mut a = Args::new();
     let reduces = p.reduces();
     if reduces {
@@ -646,19 +686,24 @@ fn launch(
         };
     }
     let kernel = (f.0 as usize, KERNEL_EPOCH.load(Ordering::SeqCst));
-    crate::profile::fused_ops(kernel, || match caller {
-        // Named by the program as written (not its widened form's casts).
+    crate::profile::fused_ops(kernel, || op_names(planned, caller));
+    if g.variant.strategy == Strategy::Split {
+        return launch_split(dev, f, g, a, caller.op());
+    }
+    dev.launch(caller.op(), f, run.grid, run.block, 0, a.ptrs())
+}
+
+/// What the profiler names a launch of `planned` after: the program as written (not its
+/// widened form's casts).
+fn op_names(planned: &Planned, caller: Caller) -> String {
+    match caller {
         Caller::User => format!(
             "expr: {}",
             crate::profile::program_op_names(&planned.program)
         ),
         Caller::Lazy { .. } => crate::profile::program_op_names(&planned.program),
         Caller::Op(name) => name.to_string(),
-    });
-    if g.variant.strategy == Strategy::Split {
-        return launch_split(dev, f, g, a, caller.op());
     }
-    dev.launch(caller.op(), f, run.grid, run.block, 0, a.ptrs())
 }
 
 /// The grid and block of a launch of `g`'s kernel on `dev` (a split reduction's are
@@ -717,15 +762,22 @@ fn launch_split(
     Ok(())
 }
 
+/// What runs a program: its compiled kernel, or the interpreter while it compiles.
+enum Kernel {
+    Compiled(Func),
+    Interpreted(Func),
+}
+
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
-/// cache) and loaded; `None` when the device already holds the caller's budget of them
+/// cache) and loaded; or the interpreter while that compile runs in the background
+/// ([`tiered`]); `None` when the device already holds the caller's budget of them
 /// ([`MAX_KERNELS`] for users' programs).
 fn kernel(
     dev: &'static DeviceState,
     p: &Program,
     v: &Variant,
     caller: Caller,
-) -> Result<Option<Func>> {
+) -> Result<Option<Kernel>> {
     let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
     let hit = RECENT.with(|r| {
         r.borrow()
@@ -735,14 +787,34 @@ fn kernel(
             })
             .map(|e| e.func)
     });
-    if hit.is_some() {
-        return Ok(hit);
+    if let Some(f) = hit {
+        return Ok(Some(Kernel::Compiled(f)));
     }
     let key = ExprKey(p.clone(), v.clone());
+    let settled = || match caller {
+        Caller::User => dev.generated_settled(&key, MAX_KERNELS),
+        Caller::Lazy { budget } => dev.generated_settled(&LazyKey(key.clone()), budget),
+        Caller::Op(_) => dev.generated_settled(&OpKey(key.clone()), usize::MAX),
+    };
+    let mut compiled = None;
+    if v.strategy == Strategy::Elementwise && tier::interpretable(p) && !settled() {
+        match tiered(dev, &key)? {
+            Tiered::Interpret(f) => return Ok(Some(Kernel::Interpreted(f))),
+            Tiered::Compiled(bin) => compiled = Some(bin),
+            Tiered::OnTheSpot => {}
+        }
+    }
     let build = || {
         let t0 = std::time::Instant::now();
-        let src = codegen::source(p, v)?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("expr", e))?;
+        if let Some(bin) = compiled {
+            // Built in the background: counted, but nobody waited for it.
+            if let Caller::Lazy { .. } = caller {
+                LAZY_PROGRAMS.fetch_add(1, Ordering::Relaxed);
+            }
+            return Ok((bin, name));
+        }
+        let src = codegen::source(p, v)?;
         let bin = build(&src, dev.arch())?;
         if let Caller::Lazy { .. } = caller {
             LAZY_PROGRAMS.fetch_add(1, Ordering::Relaxed);
@@ -771,7 +843,67 @@ fn kernel(
             });
         });
     }
-    Ok(f)
+    Ok(f.map(Kernel::Compiled))
+}
+
+/// How [`tiered`] says a program not loaded yet runs.
+enum Tiered {
+    /// In the interpreter (its compile is under way, or tiering is `Always`).
+    Interpret(Func),
+    /// Its background compile finished: the CUBIN to load.
+    Compiled(Vec<u8>),
+    /// Compiled on the spot (tiering off, the interpreter not loaded, a graph being captured,
+    /// the disk cache has it, or a background compile failed: the compile on the spot then
+    /// reports NVRTC's log).
+    OnTheSpot,
+}
+
+/// Background compiles kept before finished ones nobody took are dropped.
+const PENDING_MAX: usize = 1024;
+
+/// Background compiles under way, by architecture and program.
+type Pending = std::collections::HashMap<(u32, ExprKey), Arc<tier::Job>>;
+
+fn pending() -> &'static std::sync::Mutex<Pending> {
+    static PENDING: std::sync::OnceLock<std::sync::Mutex<Pending>> = std::sync::OnceLock::new();
+    PENDING.get_or_init(Default::default)
+}
+
+/// How the interpretable program `key`, not loaded on `dev`, runs now (see [`tier`]).
+fn tiered(dev: &'static DeviceState, key: &ExprKey) -> Result<Tiered> {
+    let mode = tier::tiering();
+    if mode == tier::Tiering::Off || dev.capturing() {
+        return Ok(Tiered::OnTheSpot);
+    }
+    let Some(interp) = tier::interpreter(dev, mode == tier::Tiering::Always) else {
+        return Ok(Tiered::OnTheSpot);
+    };
+    if mode == tier::Tiering::Always {
+        return Ok(Tiered::Interpret(interp));
+    }
+    let at = (dev.arch(), key.clone());
+    let mut pending = pending().lock().unwrap();
+    if let Some(job) = pending.get(&at) {
+        return Ok(match job.take() {
+            None => Tiered::Interpret(interp),
+            Some(r) => {
+                pending.remove(&at);
+                r.map_or(Tiered::OnTheSpot, Tiered::Compiled)
+            }
+        });
+    }
+    let src = codegen::source(&key.0, &key.1)?;
+    if crate::nvrtc::is_source_cached(crate::nvrtc::Flavor::Generated, "expr.cu", &src, dev.arch())
+    {
+        return Ok(Tiered::OnTheSpot);
+    }
+    // Programs run once (tests, a user's experiments) leave finished compiles nobody takes:
+    // forget those now and then (the disk cache has them).
+    if pending.len() >= PENDING_MAX {
+        pending.retain(|_, job| !job.finished());
+    }
+    pending.insert(at, tier::compile_in_background(dev.arch(), src));
+    Ok(Tiered::Interpret(interp))
 }
 
 /// Kernels a thread looked up last, so that a program run again (a norm in a loop) finds its

@@ -56,6 +56,12 @@ impl<K: Eq + Hash, V: Clone> OnceMap<K, V> {
         (v.clone(), ran)
     }
 
+    /// Whether `key`'s value is computed (not merely under way).
+    pub fn computed(&self, key: &K) -> bool {
+        let cell = self.cells.lock().unwrap().get(key).cloned();
+        cell.is_some_and(|c| c.get().is_some())
+    }
+
     /// Whether `key` has a cell (computed, or being computed).
     pub fn has(&self, key: &K) -> bool {
         self.cells.lock().unwrap().contains_key(key)
@@ -83,10 +89,19 @@ pub(crate) fn cubin(module: Module, group: Group, arch: u32) -> Result<Cubin, St
     r
 }
 
+/// Whether `group` of `module` loads on `sm_{arch}` without waiting for NVRTC: prebuilt, or
+/// compiled (or read from the disk cache) by this process already.
+pub(crate) fn available(module: Module, group: Group, arch: u32) -> bool {
+    crate::prebuilt::find(module, group, arch).is_some() || memo().computed(&(module, group, arch))
+}
+
 /// The groups an f32 training program loads: those the main job (`examples/mnist`) loaded, by
 /// its compile log (`KILN_CUDA_COMPILE_LOG=1`). Random initialization comes first in a
 /// program, so its own thread usually starts that one, and the workers take it last.
-pub(crate) const COMMON_GROUPS: [(Module, Group); 4] = [
+/// The interpreter comes first: a program's first runs take it while their kernels compile
+/// (`tier.rs`), and it is used only once it is loaded or compiled.
+pub(crate) const COMMON_GROUPS: [(Module, Group); 5] = [
+    (Module::Interp, Group::All),
     (Module::Reduce, Group::Dtype("float")),
     (Module::Softmax, Group::Dtype("float")),
     (Module::Reduce, Group::Dtype("i64")),
@@ -158,16 +173,18 @@ pub(crate) fn prefetch(arch: u32) {
 }
 
 /// Background workers still running, and the `atexit` hook that waits for them.
-struct InFlight {
+pub(crate) struct InFlight {
     count: Mutex<usize>,
     zero: Condvar,
+    /// Set when the process exits: workers start no new compile.
+    exiting: std::sync::atomic::AtomicBool,
 }
 
 /// How long process exit waits for background compiles at most (reduce.cu's f16 group takes
 /// ~7 s on a small VM; the common f32 groups ~2 s).
 const EXIT_WAIT: Duration = Duration::from_secs(20);
 
-fn in_flight() -> &'static InFlight {
+pub(crate) fn in_flight() -> &'static InFlight {
     static IN_FLIGHT: OnceLock<InFlight> = OnceLock::new();
     IN_FLIGHT.get_or_init(|| {
         unsafe extern "C" {
@@ -176,16 +193,29 @@ fn in_flight() -> &'static InFlight {
         // SAFETY: registers a plain `extern "C" fn()` with the C runtime; it touches only this
         // static (initialized before it can run) and a mutex/condvar.
         unsafe { atexit(wait_at_exit) };
-        InFlight {
-            count: Mutex::new(0),
-            zero: Condvar::new(),
-        }
+        InFlight::new()
     })
 }
 
 impl InFlight {
+    fn new() -> Self {
+        InFlight {
+            count: Mutex::new(0),
+            zero: Condvar::new(),
+            exiting: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
     fn start(&self) {
         *self.count.lock().unwrap() += 1;
+    }
+
+    /// Counts a worker about to compile, unless the process is exiting: the guard marks it
+    /// finished when dropped.
+    pub(crate) fn enter(&self) -> Option<Finished> {
+        self.start();
+        let guard = Finished;
+        (!self.exiting.load(std::sync::atomic::Ordering::SeqCst)).then_some(guard)
     }
 
     fn finish(&self) {
@@ -208,7 +238,7 @@ impl InFlight {
 }
 
 /// Marks a worker finished when dropped (also if it unwound).
-struct Finished;
+pub(crate) struct Finished;
 
 impl Drop for Finished {
     fn drop(&mut self) {
@@ -217,7 +247,9 @@ impl Drop for Finished {
 }
 
 extern "C" fn wait_at_exit() {
-    in_flight().wait(EXIT_WAIT);
+    let f = in_flight();
+    f.exiting.store(true, std::sync::atomic::Ordering::SeqCst);
+    f.wait(EXIT_WAIT);
 }
 
 #[cfg(test)]
@@ -257,10 +289,7 @@ mod tests {
 
     #[test]
     fn in_flight_wait_returns_when_workers_finish_or_the_limit_passes() {
-        let f = InFlight {
-            count: Mutex::new(0),
-            zero: Condvar::new(),
-        };
+        let f = InFlight::new();
         assert!(f.wait(Duration::ZERO));
         f.start();
         assert!(!f.wait(Duration::from_millis(20)));

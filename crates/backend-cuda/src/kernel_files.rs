@@ -37,11 +37,15 @@ pub fn options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
     o
 }
 
-/// A stable 64-bit FNV-1a of `source` and the options for `arch` and NVRTC `nvrtc`: what a
-/// prebuilt CUBIN was built from, checked again at run time before it is used (a stale table
-/// is never loaded).
-pub fn source_hash(source: &str, arch: u32, nvrtc: (i32, i32)) -> u64 {
-    let opts = options(arch, nvrtc).join(" ");
+/// The option that keeps NVRTC from contracting a multiply and an add into one fused
+/// multiply-add: the generated programs and the interpreter take it (see [`Module::options`]).
+pub const NO_FMAD: &str = "--fmad=false";
+
+/// A stable 64-bit FNV-1a of `source` and `module`'s options for `arch` and NVRTC `nvrtc`:
+/// what a prebuilt CUBIN was built from, checked again at run time before it is used (a stale
+/// table is never loaded).
+pub fn source_hash(module: Module, source: &str, arch: u32, nvrtc: (i32, i32)) -> u64 {
+    let opts = module.options(arch, nvrtc).join(" ");
     [source.as_bytes(), b"\0", opts.as_bytes()]
         .iter()
         .flat_map(|b| b.iter())
@@ -74,10 +78,11 @@ pub enum Module {
     AttentionTc,
     Amp,
     Norm,
+    Interp,
 }
 
 impl Module {
-    pub const ALL: [Module; 10] = [
+    pub const ALL: [Module; 11] = [
         Module::Copy,
         Module::Rand,
         Module::Reduce,
@@ -88,6 +93,7 @@ impl Module {
         Module::AttentionTc,
         Module::Amp,
         Module::Norm,
+        Module::Interp,
     ];
 
     /// The file name under `kernels/`.
@@ -103,6 +109,7 @@ impl Module {
             Module::AttentionTc => "attention_tc.cu",
             Module::Amp => "amp.cu",
             Module::Norm => "norm.cu",
+            Module::Interp => "interp.cu",
         }
     }
 
@@ -118,7 +125,29 @@ impl Module {
             Module::AttentionTc => include_str!("../kernels/attention_tc.cu"),
             Module::Amp => include_str!("../kernels/amp.cu"),
             Module::Norm => include_str!("../kernels/norm.cu"),
+            // The scalar functions every generated program gets, as text `build.rs` can see
+            // (`sources::interp_ops` writes the checked-in part), then the interpreter.
+            Module::Interp => concat!(
+                "#line 1 \"scalar_ops.cuh\"\n",
+                include_str!("../kernels/scalar_ops.cuh"),
+                "\n#line 1 \"interp_ops.cuh\"\n",
+                include_str!("../kernels/interp_ops.cuh"),
+                "\n#line 1 \"interp.cu\"\n",
+                include_str!("../kernels/interp.cu"),
+            ),
         }
+    }
+
+    /// NVRTC's options for this file on `arch` with NVRTC `nvrtc`: [`options`], and for the
+    /// interpreter `--fmad=false`, as for the generated programs it stands in for (a multiply
+    /// and an add contracted into one rounding in one of them but not in the other would make
+    /// an interpreted run differ from a compiled one).
+    pub fn options(self, arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
+        let mut o = options(arch, nvrtc);
+        if self == Module::Interp {
+            o.push(NO_FMAD.to_string());
+        }
+        o
     }
 
     /// The text NVRTC compiles for the kernels of dtype `group` only (see [`Group`]): the

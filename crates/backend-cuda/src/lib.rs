@@ -74,7 +74,8 @@
 //!    state, the error flag), `memory.rs`, `pinned.rs`, `stream.rs`, `transfer.rs`.
 //! 4. **Kernels and ops** — `ops/` (elementwise and data movement; reductions, rows, indexing
 //!    in submodules), `blas.rs`, `cudnn/` (convolutions; after `blas.rs`, whose TF32 switch it
-//!    follows), `fused.rs` (multi-tensor optimizer updates),
+//!    follows), `fused.rs` (multi-tensor optimizer updates), `tier.rs` (the interpreter that
+//!    runs a program while its kernel compiles in the background),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
@@ -118,6 +119,7 @@ pub mod raw;
 mod sources;
 mod storage;
 mod stream;
+mod tier;
 mod transfer;
 mod types;
 mod update;
@@ -153,6 +155,7 @@ pub use ops::reduce::{ReducePath, reduce_path, set_reduce_path};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
 pub use stream::{Event, Stream, StreamGuard, synchronize};
+pub use tier::{Tiering, set_tiering, tier_stats, tiering};
 pub use transfer::copy_threads;
 pub use types::{Cuda, CudaDevice};
 pub use user_kernel::{Dim3, ElementwiseKernel, KernelArg, RawKernel, ReductionKernel, empty};

@@ -29,7 +29,7 @@ use crate::sources::{Group, Module};
 /// the prebuilt table is the caller's to try first).
 pub fn load_or_compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
     cached_or_compiled(
-        Flavor::Kiln,
+        Flavor::File(module),
         module.file_name(),
         group.label(),
         &module.group_source(group),
@@ -44,8 +44,18 @@ pub fn is_cached(module: Module, group: Group, arch: u32) -> bool {
         return false;
     };
     let src = module.group_source(group);
-    let opts = crate::kernel_files::options(arch, version);
+    let opts = module.options(arch, version);
     source_cache_path(&dir, module.file_name(), &src, &opts, arch, version).exists()
+}
+
+/// Whether the disk cache holds an entry for the full `source` named `file` of `flavor` on
+/// `sm_{arch}` (not read: a corrupt entry is found out when it is loaded).
+pub fn is_source_cached(flavor: Flavor, file: &str, source: &str, arch: u32) -> bool {
+    let (Some(dir), Ok(version), Ok(opts)) = (cache_dir(), nvrtc_version(), flavor.options(arch))
+    else {
+        return false;
+    };
+    source_cache_path(&dir, file, source, &opts, arch, version).exists()
 }
 
 /// Whether `KILN_CUDA_COMPILE_LOG=1` (read once): one stderr line per NVRTC compile, disk-cache
@@ -76,7 +86,7 @@ pub fn log_line(file: &str, group: &str, arch: u32, how: &str, since: Instant) {
 /// Compiles `group` of our kernel file `module` for `sm_{arch}`, bypassing the disk cache.
 pub fn compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, String> {
     compile_source(
-        Flavor::Kiln,
+        Flavor::File(module),
         module.file_name(),
         &module.group_source(group),
         arch,
@@ -86,8 +96,10 @@ pub fn compile(module: Module, group: Group, arch: u32) -> Result<Vec<u8>, Strin
 /// Whose kernel a source is, which decides its NVRTC options.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
-    /// Our fixed files ([`crate::kernel_files::options`]).
+    /// Our kernels' options ([`crate::kernel_files::options`]).
     Kiln,
+    /// One of our fixed files, with its own options ([`Module::options`]).
+    File(Module),
     /// Our generated programs (expression programs, lazy chains, lone ops):
     /// `generated_options`.
     Generated,
@@ -100,15 +112,21 @@ impl Flavor {
     pub fn options(self, arch: u32) -> Result<Vec<String>, String> {
         Ok(match self {
             Flavor::Kiln => crate::kernel_files::options(arch, nvrtc_version()?),
+            Flavor::File(m) => m.options(arch, nvrtc_version()?),
             Flavor::Generated => generated_options(arch, nvrtc_version()?),
             Flavor::User => crate::kernel_files::user_options(arch),
         })
     }
 }
 
-/// NVRTC options for a generated program: [`crate::kernel_files::options`], plus
-/// `--Ofast-compile=<level>` (NVRTC 12.8+) when `KILN_CUDA_FAST_COMPILE` is `min`, `mid` or
-/// `max`; none by default.
+/// NVRTC options for a generated program: [`crate::kernel_files::options`], `--fmad=false`,
+/// and `--Ofast-compile=<level>` (NVRTC 12.8+) when `KILN_CUDA_FAST_COMPILE` is `min`, `mid`
+/// or `max`; none by default.
+///
+/// `--fmad=false`: no multiply and add contracted into one rounding, so a fused chain gives the
+/// bits each op gives alone, and the interpreter (`tier.rs`, which runs a program until its
+/// kernel is compiled) gives the compiled kernel's bits. Elementwise programs are bound by
+/// memory, not by the extra instruction.
 ///
 /// Why not by default: a generated program is compiled the first time a process needs it,
 /// while the user waits, so a faster compile would shorten a fresh machine's first steps; but
@@ -125,6 +143,7 @@ pub fn generated_options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
             .filter(|v| ["min", "mid", "max"].contains(&v.as_str()))
     });
     let mut o = crate::kernel_files::options(arch, nvrtc);
+    o.push(crate::kernel_files::NO_FMAD.to_string());
     if let (Some(level), true) = (level, nvrtc >= (12, 8)) {
         o.push(format!("--Ofast-compile={level}"));
     }

@@ -53,8 +53,9 @@ pub(crate) fn find(module: Module, group: Group, arch: u32) -> Option<&'static P
     if !enabled() {
         return None;
     }
-    pick(TABLE, module.file_name(), group.label(), arch)
-        .filter(|p| p.source_hash == source_hash(&module.group_source(group), p.arch, NVRTC))
+    pick(TABLE, module.file_name(), group.label(), arch).filter(|p| {
+        p.source_hash == source_hash(module, &module.group_source(group), p.arch, NVRTC)
+    })
 }
 
 /// What the binary holds, for the compile log: `(entries, NVRTC version, note)`.

@@ -31,9 +31,10 @@ fn tolerance(t: &Tree, f64_: bool, f32_tol: (f64, f64)) -> (f64, f64) {
 }
 
 /// The unary ops the random trees draw from, read from the op table: every op on both float
-/// dtypes whose derivative is not zero everywhere (not floor, ceil or sign). The fused kernel
-/// may contract a multiply and an add into one FMA where the single-op kernels round twice,
-/// and a piecewise-constant op would turn that last-bit difference into a different value.
+/// dtypes whose derivative is not zero everywhere (not floor, ceil or sign): a
+/// piecewise-constant op would turn a last-bit difference between the fused and the op-by-op
+/// evaluation into a different value. (Generated kernels compile with `--fmad=false`, so none
+/// is expected; `tests/tier.rs` compares bits with every op.)
 /// Every op, those included, is in the fixed programs of `every_op_and_dtype_matches_the_cpu`.
 fn tree_ops() -> Vec<UnaryOp> {
     UnaryOp::ALL

@@ -184,6 +184,27 @@ impl KernelCache {
         }
     }
 
+    /// Whether [`KernelCache::generated_func`] of `key` would answer without building: the
+    /// kernel is loaded (or another thread is building it, which it would wait for), or the
+    /// key is new and the memo holds `budget` kernels already (`None`).
+    pub fn generated_settled<K>(&self, key: &K, budget: usize) -> bool
+    where
+        K: Eq + std::hash::Hash + 'static,
+    {
+        let slot = (self.generated.slots.lock().unwrap())
+            .get(&std::any::TypeId::of::<K>())
+            .cloned();
+        let Some(slot) = slot else {
+            return budget == 0;
+        };
+        let mut guard = slot.lock().unwrap();
+        let map = memo_of::<K>(&mut guard);
+        match map.get(key) {
+            Some(c) => c.try_lock().map_or(true, |f| f.is_some()),
+            None => map.len() >= budget,
+        }
+    }
+
     /// Builds a generated kernel and loads its module (kept until `forget_all`).
     fn load_generated(
         &self,

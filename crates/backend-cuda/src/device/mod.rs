@@ -583,6 +583,15 @@ impl DeviceState {
             .generated_func(key, budget, build, || self.bind())
     }
 
+    /// Whether `generated_func` of `key` would answer without building (see
+    /// [`KernelCache::generated_settled`]).
+    pub fn generated_settled<K>(&self, key: &K, budget: usize) -> bool
+    where
+        K: Eq + std::hash::Hash + 'static,
+    {
+        self.kernels.generated_settled(key, budget)
+    }
+
     /// Launches `f` on the calling thread's current stream. `params` point at the kernel's
     /// arguments, in order and with the exact C types the kernel declares.
     pub fn launch(

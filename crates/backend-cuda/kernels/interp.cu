@@ -4,16 +4,17 @@
 //
 // Values are f32 (comparison results and u8 inputs held as 0/1 or 0..255 in f32, exactly);
 // every instruction calls the same `op_<name><float>` a compiled program calls (the
-// `interp_*` dispatch of interp_ops.cuh), and this file and the generated programs both
-// compile with `--fmad=false`, so an interpreted run and a compiled run give the same bits.
+// `interp_*` dispatch of interp_ops.cuh), and this file and the generated elementwise
+// programs both compile with `--fmad=false`, so an interpreted run and a compiled run give the
+// same bits.
 //
 // One instruction is two words: `kind | op << 4` and its operands (`a | b << 8 | c << 16`,
 // value numbers), or a constant's bits, or an input's / parameter's number.
 
 #define INTERP_MAX_IN 12
 #define INTERP_MAX_OUT 5
-#define INTERP_MAX_PARAMS 32
-#define INTERP_MAX_CODE 64
+#define INTERP_MAX_PARAMS 64
+#define INTERP_MAX_CODE 128
 
 #define INTERP_INPUT 0
 #define INTERP_PARAM 1
@@ -44,7 +45,7 @@ struct InterpArgs {
     float params[INTERP_MAX_PARAMS];
     u32 code[2 * INTERP_MAX_CODE];
 };
-static_assert(sizeof(InterpArgs) == 1800, "InterpArgs must match src/tier.rs");
+static_assert(sizeof(InterpArgs) == 2440, "InterpArgs must match src/tier.rs");
 
 __device__ __forceinline__ float interp_load(const InterpArgs& a, u32 k, u64 i) {
     u32 acc = a.access[k];

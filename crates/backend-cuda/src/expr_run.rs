@@ -815,7 +815,7 @@ fn kernel(
             return Ok((bin, name));
         }
         let src = codegen::source(p, v)?;
-        let bin = build(&src, dev.arch())?;
+        let bin = build(&src, dev.arch(), flavor(v))?;
         if let Caller::Lazy { .. } = caller {
             LAZY_PROGRAMS.fetch_add(1, Ordering::Relaxed);
             LAZY_NANOS.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -893,8 +893,12 @@ fn tiered(dev: &'static DeviceState, key: &ExprKey) -> Result<Tiered> {
         });
     }
     let src = codegen::source(&key.0, &key.1)?;
-    if crate::nvrtc::is_source_cached(crate::nvrtc::Flavor::Generated, "expr.cu", &src, dev.arch())
-    {
+    if crate::nvrtc::is_source_cached(
+        crate::nvrtc::Flavor::Elementwise,
+        "expr.cu",
+        &src,
+        dev.arch(),
+    ) {
         return Ok(Tiered::OnTheSpot);
     }
     // Programs run once (tests, a user's experiments) leave finished compiles nobody takes:
@@ -1086,16 +1090,24 @@ fn lone_note(p: &std::rc::Rc<Planned>) {
     })
 }
 
-/// The CUBIN of a generated `source` for `sm_{arch}` (disk cache, else NVRTC); NVRTC's log in
-/// an [`Error::Backend`] naming `expr` when it does not compile.
-pub(crate) fn build(source: &str, arch: u32) -> Result<Vec<u8>> {
-    crate::nvrtc::load_or_compile_source(crate::nvrtc::Flavor::Generated, "expr.cu", source, arch)
-        .map_err(|log| {
-            Error::backend(
-                "expr",
-                format!("NVRTC could not compile a generated kernel for sm_{arch}: {log}"),
-            )
-        })
+/// How the program of variant `v` compiles: elementwise programs without multiply-add
+/// contraction (`Flavor::Elementwise`: the interpreter's bits), reductions with it.
+fn flavor(v: &Variant) -> crate::nvrtc::Flavor {
+    match v.strategy {
+        Strategy::Elementwise => crate::nvrtc::Flavor::Elementwise,
+        _ => crate::nvrtc::Flavor::Generated,
+    }
+}
+
+/// The CUBIN of a generated `source` of `flavor` for `sm_{arch}` (disk cache, else NVRTC);
+/// NVRTC's log in an [`Error::Backend`] naming `expr` when it does not compile.
+pub(crate) fn build(source: &str, arch: u32, flavor: crate::nvrtc::Flavor) -> Result<Vec<u8>> {
+    crate::nvrtc::load_or_compile_source(flavor, "expr.cu", source, arch).map_err(|log| {
+        Error::backend(
+            "expr",
+            format!("NVRTC could not compile a generated kernel for sm_{arch}: {log}"),
+        )
+    })
 }
 
 #[cfg(test)]
@@ -1110,7 +1122,7 @@ mod tests {
             return;
         }
         let src = "extern \"C\" __global__ void expr(float* y) { y[0] = undefined_name; }";
-        match build(src, 90) {
+        match build(src, 90, crate::nvrtc::Flavor::Elementwise) {
             Err(Error::Backend { op, msg }) => {
                 assert_eq!(op, "expr");
                 assert!(msg.contains("undefined_name"), "{msg}");

@@ -157,6 +157,7 @@ pub(crate) fn prefetch(arch: u32) {
                 }
                 // The result is memoized for whoever needs it; errors reach them there.
                 let _ = cubin(m, g, arch);
+                after_compile();
             }
         };
         in_flight().start();
@@ -184,17 +185,63 @@ pub(crate) struct InFlight {
 /// ~7 s on a small VM; the common f32 groups ~2 s).
 const EXIT_WAIT: Duration = Duration::from_secs(20);
 
+unsafe extern "C" {
+    fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+}
+
+/// The background workers' count, registering the exit hook on first use.
+///
+/// Exit runs `atexit` hooks and libraries' static destructors newest first, so the hook must
+/// be registered after every library NVRTC loads, or a worker still compiling would run under
+/// their destructors (seen: a segfault at a busy test binary's exit). libnvrtc itself is
+/// loaded before any compile is asked for; its builtins library it loads at its first compile,
+/// so that one is loaded here first ([`preload_nvrtc_builtins`]), and [`after_compile`]
+/// registers the hook once more after the first compile finished, should its name differ.
 pub(crate) fn in_flight() -> &'static InFlight {
     static IN_FLIGHT: OnceLock<InFlight> = OnceLock::new();
     IN_FLIGHT.get_or_init(|| {
-        unsafe extern "C" {
-            fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
-        }
+        preload_nvrtc_builtins();
         // SAFETY: registers a plain `extern "C" fn()` with the C runtime; it touches only this
         // static (initialized before it can run) and a mutex/condvar.
         unsafe { atexit(wait_at_exit) };
         InFlight::new()
     })
+}
+
+/// Registers the exit hook again after a background compile finished (once): by then NVRTC has
+/// loaded everything it loads (see [`in_flight`]). Waiting twice at exit costs nothing.
+pub(crate) fn after_compile() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: as in `in_flight`.
+    ONCE.call_once(|| unsafe {
+        atexit(wait_at_exit);
+    });
+}
+
+/// Loads `libnvrtc-builtins.so.<major>.<minor>` (what NVRTC loads at its first compile) now,
+/// and keeps it; nothing if it is not found by that name.
+fn preload_nvrtc_builtins() {
+    #[cfg(target_os = "linux")]
+    {
+        const RTLD_NOW: std::ffi::c_int = 2;
+        const RTLD_GLOBAL: std::ffi::c_int = 0x100;
+        unsafe extern "C" {
+            fn dlopen(
+                file: *const std::ffi::c_char,
+                flag: std::ffi::c_int,
+            ) -> *mut std::ffi::c_void;
+        }
+        let Ok((major, minor)) = crate::nvrtc::nvrtc_version() else {
+            return;
+        };
+        let Ok(name) = std::ffi::CString::new(format!("libnvrtc-builtins.so.{major}.{minor}"))
+        else {
+            return;
+        };
+        // SAFETY: a NUL-terminated library name; the handle is kept for the process (never
+        // closed), and the library's initializers have no preconditions.
+        let _ = unsafe { dlopen(name.as_ptr(), RTLD_NOW | RTLD_GLOBAL) };
+    }
 }
 
 impl InFlight {

@@ -130,7 +130,7 @@ fn kernel(dev: &DeviceState, rule: &Arc<Program>) -> Result<(Arc<Program>, Func)
     let key = MtKey((*program).clone());
     let f = dev.generated_func(&key, usize::MAX, || {
         let src = codegen::multi_tensor_source(&program)?;
-        let bin = crate::expr_run::build(&src, dev.arch())?;
+        let bin = crate::expr_run::build(&src, dev.arch(), crate::nvrtc::Flavor::Generated)?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("fused_update", e))?;
         Ok((bin, name))
     })?;

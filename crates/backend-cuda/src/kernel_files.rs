@@ -38,7 +38,8 @@ pub fn options(arch: u32, nvrtc: (i32, i32)) -> Vec<String> {
 }
 
 /// The option that keeps NVRTC from contracting a multiply and an add into one fused
-/// multiply-add: the generated programs and the interpreter take it (see [`Module::options`]).
+/// multiply-add: the generated elementwise programs and the interpreter take it (see
+/// [`Module::options`]).
 pub const NO_FMAD: &str = "--fmad=false";
 
 /// A stable 64-bit FNV-1a of `source` and `module`'s options for `arch` and NVRTC `nvrtc`:

@@ -47,6 +47,10 @@
 //!   recorded instead of launched; the first op that needs the values runs the pending chain as
 //!   one generated kernel. A [`CudaStorage`] is a computed buffer or such pending work.
 //!   `KILN_CUDA_FUSE=0` / [`set_fusion`] turns it off.
+//! - **No waiting for NVRTC on a first run** (`tier.rs`): a generated elementwise program that
+//!   is not compiled yet runs in an interpreter kernel (prebuilt like the fixed files) while
+//!   it compiles on a background thread, with the same bits; `KILN_CUDA_TIER=0` /
+//!   [`set_tiering`] compiles on the spot instead.
 //!
 //! Errors found inside kernels (an index or label out of range) set a device-side error flag
 //! instead of touching memory out of bounds; the op that launched the kernel reads the flag

@@ -17,8 +17,9 @@
 //!
 //! Each instruction calls the op's own `op_<name><float>` (the checked-in `interp_ops.cuh`,
 //! written from the op tables like every generated program's), and both the interpreter and
-//! the generated programs compile with `--fmad=false`, so an interpreted run gives exactly the
-//! compiled kernel's bits (a GPU test checks random programs both ways).
+//! the generated elementwise programs compile with `--fmad=false` (`Flavor::Elementwise`), so
+//! an interpreted run gives exactly the compiled kernel's bits (a GPU test checks random
+//! programs both ways, and fails when the compiled side contracts multiply-adds).
 //!
 //! # Switches
 //!
@@ -95,8 +96,8 @@ pub fn tier_stats() -> (u64, u64) {
 // The interpreter's limits (`kernels/interp.cu`).
 const MAX_IN: usize = 12;
 const MAX_OUT: usize = 5;
-const MAX_PARAMS: usize = 32;
-const MAX_CODE: usize = 64;
+const MAX_PARAMS: usize = 64;
+const MAX_CODE: usize = 128;
 
 const INPUT: u32 = 0;
 const PARAM: u32 = 1;
@@ -112,7 +113,7 @@ const BCAST: u32 = 1;
 const STRIDED: u32 = 2;
 const U8_INPUT: u32 = 4;
 
-/// `kernels/interp.cu`'s `InterpArgs`, field for field (1,800 bytes, passed by value; both
+/// `kernels/interp.cu`'s `InterpArgs`, field for field (2,440 bytes, passed by value; both
 /// sides assert the size).
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -131,7 +132,7 @@ struct InterpArgs {
     code: [u32; 2 * MAX_CODE],
 }
 
-const _: () = assert!(std::mem::size_of::<InterpArgs>() == 1800);
+const _: () = assert!(std::mem::size_of::<InterpArgs>() == 2440);
 
 /// Whether the interpreter runs `p` (an elementwise program of f32 values, with u8 inputs,
 /// comparisons, selections and outputs, within its limits).
@@ -266,17 +267,19 @@ impl Job {
     }
 }
 
-/// Starts compiling generated `source` for `sm_{arch}` on a background worker (through the
-/// disk cache, which it fills).
+/// Starts compiling generated elementwise `source` for `sm_{arch}` on a background worker
+/// (`Flavor::Elementwise`, through the disk cache, which it fills).
 pub(crate) fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
     let job = Arc::new(Job {
         done: Mutex::new(None),
     });
     let j = job.clone();
     BACKGROUND.fetch_add(1, Ordering::Relaxed);
+    // The exit hook in place before any worker runs (see `fixed_cubins::in_flight`).
+    crate::fixed_cubins::in_flight();
     pool().submit(Box::new(move || {
         let r = crate::nvrtc::load_or_compile_source(
-            crate::nvrtc::Flavor::Generated,
+            crate::nvrtc::Flavor::Elementwise,
             "expr.cu",
             &source,
             arch,
@@ -346,6 +349,7 @@ impl Pool {
                 return;
             };
             task();
+            crate::fixed_cubins::after_compile();
         }
     }
 }

@@ -12,10 +12,10 @@
 //!
 //! A lone elementwise op (`ops/`), a chain `lazy.rs` recorded and a user's program are all
 //! generated here: every op calls its scalar device function (`op_<name><T>`,
-//! `cast_to<F, T>` in `kernels/scalar_ops.cuh`), and programs compile with `--fmad=false` (no
-//! multiply-add contracted into one rounding), so fused and unfused values agree bit for bit
-//! (but for 16-bit intermediates, which a widened program keeps in f32: `kiln_core`'s
-//! `Program::widened`), and so does the interpreter (`tier.rs`); one C variable per
+//! `cast_to<F, T>` in `kernels/scalar_ops.cuh`), and elementwise programs compile with
+//! `--fmad=false` (no multiply-add contracted into one rounding), so fused and unfused values
+//! agree bit for bit (but for 16-bit intermediates, which a widened program keeps in f32:
+//! `kiln_core`'s `Program::widened`), and so does the interpreter (`tier.rs`); one C variable per
 //! value (`v<i>`, SSA, in instruction order); shapes and strides travel by value (`Dims`,
 //! `Strides` of `kernels/common.cuh`) after the host has merged dimensions ([`plan`]); index
 //! arithmetic in `I`, 32-bit when every index fits, else 64-bit ([`Variant::wide`]).

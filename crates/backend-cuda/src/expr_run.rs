@@ -20,11 +20,13 @@
 //! operands of the same layouts finds its checked call, plan and kernel in a per-thread memo
 //! ([`PLANNED`]) and redoes none of them: its plan keeps what every run needs (output sizes,
 //! bounds, the widest vector width, and per device and width the kernel, grid and dimension
-//! arguments), so a run only checks alignment and packs pointers. A lone op (`run_single`,
-//! what a realized op of the op table runs) first looks in the few plans this thread used
-//! last ([`LONE`]), by comparison alone: a realized lone op's host time is its whole cost, and
-//! it had grown by ~0.6 µs (40%) when per-op kernels became generated programs. Inputs are computed buffers; outputs are fresh
-//! contiguous buffers; the launch goes to the calling thread's current stream.
+//! arguments), so a run only checks alignment and packs pointers. A lone op (`run_single`
+//! in `expr_lone.rs`, what a realized op of the op table runs) first looks in the few plans
+//! its thread used last, by comparison alone: a realized lone op's host time is its whole
+//! cost, and it had grown by ~0.6 µs (40%) when per-op kernels became generated programs.
+//! Inputs are computed buffers; outputs are fresh contiguous buffers; the launch goes to the
+//! calling thread's current stream. A program not compiled yet may run in the interpreter
+//! while it compiles (`tier.rs`).
 //!
 //! A program that cannot run as one kernel (layouts with more than 8 non-mergeable dimensions,
 //! argument lists beyond what a launch takes, a caller's kernel budget spent) gives `None`, and
@@ -32,7 +34,6 @@
 //! log.
 
 use std::cell::RefCell;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use std::sync::atomic::AtomicU64;
@@ -68,7 +69,7 @@ pub(crate) enum Caller {
     /// The deferral layer (`lazy.rs`): a recorded chain of elementwise ops, up to `budget`
     /// programs per device ("fused elementwise").
     Lazy { budget: usize },
-    /// One op of the op table over computed buffers (`run_single`), under the op's name: no
+    /// One op of the op table over computed buffers (`expr_lone::run_single`), under the op's name: no
     /// budget, as there are at most a few per op, dtype and layout class.
     Op(&'static str),
 }
@@ -262,6 +263,23 @@ impl Planned {
                 at.is_multiple_of((n * size) as u64)
             });
         if aligned { self.vec_max } else { 0 }
+    }
+
+    /// How many outputs its program has.
+    pub(crate) fn outputs(&self) -> usize {
+        self.exec.outputs().len()
+    }
+
+    /// Whether this is the plan of the program `parts` define over `shape` and `layouts` with
+    /// `params` parameters (by comparison alone: no fingerprint, no hash).
+    pub(crate) fn is_plan_of(
+        &self,
+        parts: Parts<'_>,
+        shape: &Shape,
+        layouts: &[&Layout],
+        params: usize,
+    ) -> bool {
+        parts.matches(&self.program) && self.is_for(shape, layouts, params)
     }
 
     /// The geometry (this plan's `geo` with vector width `vec`) and kernel that run it on
@@ -770,7 +788,7 @@ enum Kernel {
 
 /// The kernel of `(p, v)` on `dev`: memoized, else generated, compiled (or loaded from the disk
 /// cache) and loaded; or the interpreter while that compile runs in the background
-/// ([`tiered`]); `None` when the device already holds the caller's budget of them
+/// ([`tier::tiered`]); `None` when the device already holds the caller's budget of them
 /// ([`MAX_KERNELS`] for users' programs).
 fn kernel(
     dev: &'static DeviceState,
@@ -798,10 +816,10 @@ fn kernel(
     };
     let mut compiled = None;
     if v.strategy == Strategy::Elementwise && tier::interpretable(p) && !settled() {
-        match tiered(dev, &key)? {
-            Tiered::Interpret(f) => return Ok(Some(Kernel::Interpreted(f))),
-            Tiered::Compiled(bin) => compiled = Some(bin),
-            Tiered::OnTheSpot => {}
+        match tier::tiered(dev, p, v)? {
+            tier::Tiered::Interpret(f) => return Ok(Some(Kernel::Interpreted(f))),
+            tier::Tiered::Compiled(bin) => compiled = Some(bin),
+            tier::Tiered::OnTheSpot => {}
         }
     }
     let build = || {
@@ -846,70 +864,6 @@ fn kernel(
     Ok(f.map(Kernel::Compiled))
 }
 
-/// How [`tiered`] says a program not loaded yet runs.
-enum Tiered {
-    /// In the interpreter (its compile is under way, or tiering is `Always`).
-    Interpret(Func),
-    /// Its background compile finished: the CUBIN to load.
-    Compiled(Vec<u8>),
-    /// Compiled on the spot (tiering off, the interpreter not loaded, a graph being captured,
-    /// the disk cache has it, or a background compile failed: the compile on the spot then
-    /// reports NVRTC's log).
-    OnTheSpot,
-}
-
-/// Background compiles kept before finished ones nobody took are dropped.
-const PENDING_MAX: usize = 1024;
-
-/// Background compiles under way, by architecture and program.
-type Pending = std::collections::HashMap<(u32, ExprKey), Arc<tier::Job>>;
-
-fn pending() -> &'static std::sync::Mutex<Pending> {
-    static PENDING: std::sync::OnceLock<std::sync::Mutex<Pending>> = std::sync::OnceLock::new();
-    PENDING.get_or_init(Default::default)
-}
-
-/// How the interpretable program `key`, not loaded on `dev`, runs now (see [`tier`]).
-fn tiered(dev: &'static DeviceState, key: &ExprKey) -> Result<Tiered> {
-    let mode = tier::tiering();
-    if mode == tier::Tiering::Off || dev.capturing() {
-        return Ok(Tiered::OnTheSpot);
-    }
-    let Some(interp) = tier::interpreter(dev, mode == tier::Tiering::Always) else {
-        return Ok(Tiered::OnTheSpot);
-    };
-    if mode == tier::Tiering::Always {
-        return Ok(Tiered::Interpret(interp));
-    }
-    let at = (dev.arch(), key.clone());
-    let mut pending = pending().lock().unwrap();
-    if let Some(job) = pending.get(&at) {
-        return Ok(match job.take() {
-            None => Tiered::Interpret(interp),
-            Some(r) => {
-                pending.remove(&at);
-                r.map_or(Tiered::OnTheSpot, Tiered::Compiled)
-            }
-        });
-    }
-    let src = codegen::source(&key.0, &key.1)?;
-    if crate::nvrtc::is_source_cached(
-        crate::nvrtc::Flavor::Elementwise,
-        "expr.cu",
-        &src,
-        dev.arch(),
-    ) {
-        return Ok(Tiered::OnTheSpot);
-    }
-    // Programs run once (tests, a user's experiments) leave finished compiles nobody takes:
-    // forget those now and then (the disk cache has them).
-    if pending.len() >= PENDING_MAX {
-        pending.retain(|_, job| !job.finished());
-    }
-    pending.insert(at, tier::compile_in_background(dev.arch(), src));
-    Ok(Tiered::Interpret(interp))
-}
-
 /// Kernels a thread looked up last, so that a program run again (a norm in a loop) finds its
 /// kernel by comparing, without cloning and hashing the program and taking the device's memo
 /// locks. Valid for one [`KERNEL_EPOCH`] (`clear_kernel_cache` unloads the modules).
@@ -935,160 +889,9 @@ struct ExprKey(Program, Variant);
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct LazyKey(ExprKey);
 
-/// The same for single ops (`run_single`).
+/// The same for single ops (`expr_lone::run_single`).
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct OpKey(ExprKey);
-
-/// Runs the program of one op (`name`, for errors and the profiler) over computed buffers, in
-/// the iteration `shape`: the one path of every elementwise op of the op table, fused or not
-/// (a chain and a lone op are both generated from the table). Inputs whose layouts a kernel
-/// cannot take (more than 8 dimensions that do not merge) are first copied contiguous.
-pub(crate) fn run_single(
-    name: &'static str,
-    program: &Program,
-    inputs: &[(&Arc<Buffer>, &Layout)],
-    shape: &Shape,
-    contiguous: impl Fn(&Buffer, &Layout, DType) -> Result<Buffer>,
-) -> Result<Buffer> {
-    run_single_parts(name, Parts::of(program), inputs, shape, &[], contiguous)
-}
-
-/// [`run_single`] of the program `parts` define, with scalar parameters `params` (kernel
-/// arguments: a new value reuses the kernel). The program is built only the first time this
-/// thread plans the call ([`planned_parts`]), so a binary op or a scalar op costs no
-/// allocation on the host once warm. Errors of the call name the op.
-pub(crate) fn run_single_parts(
-    name: &'static str,
-    parts: Parts<'_>,
-    inputs: &[(&Arc<Buffer>, &Layout)],
-    shape: &Shape,
-    params: &[f64],
-    contiguous: impl Fn(&Buffer, &Layout, DType) -> Result<Buffer>,
-) -> Result<Buffer> {
-    let dev = inputs[0].0.state();
-    for (b, _) in &inputs[1..] {
-        if b.state().ordinal() != dev.ordinal() {
-            return Err(Error::DeviceMismatch {
-                op: name,
-                lhs: inputs[0].0.device().to_string(),
-                rhs: b.device().to_string(),
-            });
-        }
-    }
-    dev.bind()?;
-    let plan = |layouts: &[&Layout]| {
-        if let Some(p) = lone_hit(parts, shape, layouts, params.len()) {
-            return Ok(p);
-        }
-        match planned_parts(parts, shape, layouts, params) {
-            Ok(Some(p)) => {
-                lone_note(&p);
-                Ok(p)
-            }
-            Ok(None) => Err(Error::backend(name, "internal: not a valid program")),
-            // `check_call` names the IR ("expr"); the caller knows the op.
-            Err(Error::Expr { kind, msg, .. }) => Err(Error::Expr {
-                op: name,
-                kind,
-                msg,
-            }),
-            Err(e) => Err(e),
-        }
-    };
-    let op = Caller::Op(name);
-    // Up to 3 operands (`where`) without allocating: a lone op's host time is its cost.
-    let n = inputs.len();
-    let mut bufs: [&Buffer; 3] = [inputs[0].0; 3];
-    let mut layouts: [&Layout; 3] = [inputs[0].1; 3];
-    if n <= 3 {
-        for (k, (b, l)) in inputs.iter().enumerate() {
-            bufs[k] = b;
-            layouts[k] = l;
-        }
-        let p = plan(&layouts[..n])?;
-        if let Some(out) = run_first(dev, &p, &bufs[..n], &layouts[..n], params, op)? {
-            return Ok(out);
-        }
-    }
-    let layouts: Vec<&Layout> = inputs.iter().map(|(_, l)| *l).collect();
-    let bufs: Vec<&Buffer> = inputs.iter().map(|(b, _)| &***b).collect();
-    if n > 3 {
-        let p = plan(&layouts)?;
-        if let Some(out) = run_first(dev, &p, &bufs, &layouts, params, op)? {
-            return Ok(out);
-        }
-    }
-    let flat = Layout::contiguous(shape.clone());
-    let copies = inputs
-        .iter()
-        .zip(parts.inputs)
-        .map(|((b, l), &dt)| contiguous(b, l, dt))
-        .collect::<Result<Vec<Buffer>>>()?;
-    let bufs: Vec<&Buffer> = copies.iter().collect();
-    let layouts = vec![&flat; bufs.len()];
-    let p = plan(&layouts)?;
-    match run_first(dev, &p, &bufs, &layouts, params, op)? {
-        Some(out) => Ok(out),
-        None => Err(Error::backend(
-            name,
-            "internal: a single op over contiguous inputs did not plan as one kernel",
-        )),
-    }
-}
-
-/// The first output of `p` run over `bufs` ([`run_planned_one`] when it is the only one).
-fn run_first(
-    dev: &'static DeviceState,
-    p: &Planned,
-    bufs: &[&Buffer],
-    layouts: &[&Layout],
-    params: &[f64],
-    caller: Caller,
-) -> Result<Option<Buffer>> {
-    if p.exec.outputs().len() == 1 {
-        return run_planned_one(dev, p, bufs, layouts, params, caller);
-    }
-    Ok(run_planned(dev, p, bufs, layouts, params, caller)?.map(|mut o| o.swap_remove(0)))
-}
-
-/// The lone ops this thread planned last (`run_single_parts`), most recent first: an op repeated on operands of the same layouts (a loop's realized
-/// op) finds its plan by comparing a few instructions, dtypes and layouts, without
-/// fingerprinting the program, hashing the layouts and searching [`PLANNED`]. A miss costs
-/// at most [`LONE_LEN`] comparisons that mostly fail at the first instruction that differs.
-const LONE_LEN: usize = 8;
-
-thread_local! {
-    static LONE: RefCell<Vec<std::rc::Rc<Planned>>> =
-        const { RefCell::new(Vec::new()) };
-}
-
-/// The plan of the lone op `parts` that [`lone_note`] remembered for these operands, moved
-/// to the front.
-fn lone_hit(
-    parts: Parts<'_>,
-    shape: &Shape,
-    layouts: &[&Layout],
-    params: usize,
-) -> Option<std::rc::Rc<Planned>> {
-    LONE.with(|l| {
-        let mut l = l.borrow_mut();
-        let at = (l.iter())
-            .position(|e| parts.matches(&e.program) && e.is_for(shape, layouts, params))?;
-        l[..=at].rotate_right(1);
-        Some(l[0].clone())
-    })
-}
-
-/// Remembers the plan of a lone op for [`lone_hit`], in front, forgetting the oldest.
-fn lone_note(p: &std::rc::Rc<Planned>) {
-    LONE.with(|l| {
-        let mut l = l.borrow_mut();
-        if l.len() == LONE_LEN {
-            l.pop();
-        }
-        l.insert(0, p.clone());
-    })
-}
 
 /// How the program of variant `v` compiles: elementwise programs without multiply-add
 /// contraction (`Flavor::Elementwise`: the interpreter's bits), reductions with it.

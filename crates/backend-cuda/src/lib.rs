@@ -81,6 +81,7 @@
 //!    follows), `fused.rs` (multi-tensor optimizer updates), `tier.rs` (the interpreter that
 //!    runs a program while its kernel compiles in the background),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
+//!    `expr_lone.rs` (a lone op's program: the plans it used last, found by comparison),
 //!    `host_gather.rs` (batches gathered from host rows on the copy stream).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
@@ -103,6 +104,7 @@ pub mod compile;
 mod cudnn;
 mod device;
 mod expr_eval;
+mod expr_lone;
 mod expr_run;
 mod fixed_cubins;
 mod fused;

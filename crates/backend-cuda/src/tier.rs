@@ -36,7 +36,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use kiln_core::expr::{Instr, Program};
 use kiln_core::{BinaryOp, CmpOp, DType, Result, UnaryOp};
 
-use crate::codegen::{Access, Geometry, Strategy};
+use crate::codegen::{Access, Geometry, Strategy, Variant};
 use crate::device::{DeviceState, Func};
 use crate::launch::{Args, Dims, Strides};
 use crate::sources::{Group, Module};
@@ -243,33 +243,98 @@ pub(crate) fn launch(
 /// The interpreter's kernel on `dev`, when it loads without waiting for NVRTC (prebuilt, or
 /// compiled by this process already) or `wait`; `None` otherwise (programs then compile on
 /// the spot, and `fixed_cubins::prefetch` has its compile under way).
-pub(crate) fn interpreter(dev: &DeviceState, wait: bool) -> Option<Func> {
+fn interpreter(dev: &DeviceState, wait: bool) -> Option<Func> {
     if !wait && !crate::fixed_cubins::available(Module::Interp, Group::All, dev.arch()) {
         return None;
     }
     dev.func(Module::Interp, &["interp_f32"]).ok()
 }
 
+/// How [`tiered`] says a program not loaded yet runs.
+pub(crate) enum Tiered {
+    /// In the interpreter (its compile is under way, or tiering is `Always`).
+    Interpret(Func),
+    /// Its background compile finished: the CUBIN to load.
+    Compiled(Vec<u8>),
+    /// Compiled on the spot (tiering off, the interpreter not loaded, a graph being captured,
+    /// the disk cache has it, or a background compile failed: the compile on the spot then
+    /// reports NVRTC's log).
+    OnTheSpot,
+}
+
+/// Background compiles kept before finished ones nobody took are dropped.
+const PENDING_MAX: usize = 1024;
+
+/// Background compiles under way, by architecture, program and variant.
+type Pending = std::collections::HashMap<(u32, Program, Variant), Arc<Job>>;
+
+fn pending() -> &'static std::sync::Mutex<Pending> {
+    static PENDING: std::sync::OnceLock<std::sync::Mutex<Pending>> = std::sync::OnceLock::new();
+    PENDING.get_or_init(Default::default)
+}
+
+/// How the interpretable program `p` of variant `v`, not loaded on `dev`, runs now (see the
+/// module docs).
+pub(crate) fn tiered(dev: &DeviceState, p: &Program, v: &Variant) -> Result<Tiered> {
+    let mode = tiering();
+    if mode == Tiering::Off || dev.capturing() {
+        return Ok(Tiered::OnTheSpot);
+    }
+    let Some(interp) = interpreter(dev, mode == Tiering::Always) else {
+        return Ok(Tiered::OnTheSpot);
+    };
+    if mode == Tiering::Always {
+        return Ok(Tiered::Interpret(interp));
+    }
+    let at = (dev.arch(), p.clone(), v.clone());
+    let mut pending = pending().lock().unwrap();
+    if let Some(job) = pending.get(&at) {
+        return Ok(match job.take() {
+            None => Tiered::Interpret(interp),
+            Some(r) => {
+                pending.remove(&at);
+                r.map_or(Tiered::OnTheSpot, Tiered::Compiled)
+            }
+        });
+    }
+    let src = crate::codegen::source(p, v)?;
+    if crate::nvrtc::is_source_cached(
+        crate::nvrtc::Flavor::Elementwise,
+        "expr.cu",
+        &src,
+        dev.arch(),
+    ) {
+        return Ok(Tiered::OnTheSpot);
+    }
+    // Programs run once (tests, a user's experiments) leave finished compiles nobody takes:
+    // forget those now and then (the disk cache has them).
+    if pending.len() >= PENDING_MAX {
+        pending.retain(|_, job| !job.finished());
+    }
+    pending.insert(at, compile_in_background(dev.arch(), src));
+    Ok(Tiered::Interpret(interp))
+}
+
 /// A background compile: the CUBIN, or NVRTC's log, once done.
-pub(crate) struct Job {
+struct Job {
     done: Mutex<Option<std::result::Result<Vec<u8>, String>>>,
 }
 
 impl Job {
     /// The result if the compile finished (taken: a second call gets `None`).
-    pub fn take(&self) -> Option<std::result::Result<Vec<u8>, String>> {
+    fn take(&self) -> Option<std::result::Result<Vec<u8>, String>> {
         self.done.lock().unwrap().take()
     }
 
     /// Whether the compile finished (its result not taken yet).
-    pub fn finished(&self) -> bool {
+    fn finished(&self) -> bool {
         self.done.lock().unwrap().is_some()
     }
 }
 
 /// Starts compiling generated elementwise `source` for `sm_{arch}` on a background worker
 /// (`Flavor::Elementwise`, through the disk cache, which it fills).
-pub(crate) fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
+fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
     let job = Arc::new(Job {
         done: Mutex::new(None),
     });

@@ -1,6 +1,6 @@
 //! The kernels of the `Backend` trait: argument packing and launch configuration for each op.
 //! This file holds the shared helpers, the elementwise ops (each a generated one-instruction
-//! program: `expr_run::run_single`) and data movement; reductions
+//! program: `expr_lone::run_single`) and data movement; reductions
 //! (`reduce.rs`), softmax and cross-entropy (`rows.rs`), indexing (`index.rs`), fused
 //! attention (`attention.rs`) and fused layer / RMS norm (`norm.rs`) have files of their own.
 
@@ -11,7 +11,8 @@ use kiln_core::expr::{Instr, Program, Val, rules};
 use kiln_core::{BinaryOp, CmpOp, DType, Error, Layout, RandDist, Result, UnaryOp};
 
 use crate::device::{DeviceState, check};
-use crate::expr_run::{Parts, run_single, run_single_parts};
+use crate::expr_lone::{run_single, run_single_parts};
+use crate::expr_run::Parts;
 use crate::launch::{Args, collapse, fits_u32};
 use crate::memory::{Buffer, alloc};
 use crate::sources::Module;
@@ -64,7 +65,7 @@ pub(crate) fn run(
 /// parameters `params` (dtype, value): how every elementwise op without a table entry of its
 /// own (binary, scalar, comparison, `where`, cast) runs on computed buffers. The kernel is
 /// generated and compiled on first use for the layouts' class, as a fused chain's is
-/// (`expr_run::run_single_parts`): there is no hand-written kernel per op and dtype, and a
+/// (`expr_lone::run_single_parts`): there is no hand-written kernel per op and dtype, and a
 /// fresh process compiles only the ones it uses. Measured against the hand-written kernels
 /// they replaced (H200, BENCHMARKS.md, 2026-11-27): device time within 1.2% (add, broadcast,
 /// transposed, scalar, compare, i64 div), 1.2–2.2× faster for `where` and casts (which had no

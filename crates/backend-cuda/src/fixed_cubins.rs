@@ -157,7 +157,7 @@ pub(crate) fn prefetch(arch: u32) {
                 }
                 // The result is memoized for whoever needs it; errors reach them there.
                 let _ = cubin(m, g, arch);
-                after_compile();
+                rehook_after_new_libraries();
             }
         };
         in_flight().start();
@@ -195,8 +195,8 @@ unsafe extern "C" {
 /// be registered after every library NVRTC loads, or a worker still compiling would run under
 /// their destructors (seen: a segfault at a busy test binary's exit). libnvrtc itself is
 /// loaded before any compile is asked for; its builtins library it loads at its first compile,
-/// so that one is loaded here first ([`preload_nvrtc_builtins`]), and [`after_compile`]
-/// registers the hook once more after the first compile finished, should its name differ.
+/// so that one is loaded here first ([`preload_nvrtc_builtins`]); and libraries loaded later
+/// get the hook registered once more ([`rehook_after_new_libraries`]).
 pub(crate) fn in_flight() -> &'static InFlight {
     static IN_FLIGHT: OnceLock<InFlight> = OnceLock::new();
     IN_FLIGHT.get_or_init(|| {
@@ -208,14 +208,53 @@ pub(crate) fn in_flight() -> &'static InFlight {
     })
 }
 
-/// Registers the exit hook again after a background compile finished (once): by then NVRTC has
-/// loaded everything it loads (see [`in_flight`]). Waiting twice at exit costs nothing.
-pub(crate) fn after_compile() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    // SAFETY: as in `in_flight`.
-    ONCE.call_once(|| unsafe {
-        atexit(wait_at_exit);
-    });
+/// Registers the exit hook again when libraries were loaded since it last was (cuBLAS, cuDNN,
+/// NVRTC's builtins: each loaded on first use). Exit runs the newest registrations first, so
+/// a library loaded after the hook would be torn down while a background compile still runs —
+/// cuDNN compiles its own kernels through the same NVRTC, and a segfault at the exit of the
+/// test binary that runs convolutions and then transformer layers was seen until this was
+/// called before each background compile. Waiting again at exit costs nothing.
+pub(crate) fn rehook_after_new_libraries() {
+    static HOOKED_AT: Mutex<usize> = Mutex::new(0);
+    let loaded = loaded_objects();
+    let mut at = HOOKED_AT.lock().unwrap();
+    if loaded > *at {
+        *at = loaded;
+        // SAFETY: as in `in_flight`.
+        unsafe { atexit(wait_at_exit) };
+    }
+}
+
+/// How many shared objects the process has loaded (`dl_iterate_phdr`); 0 where unknown.
+fn loaded_objects() -> usize {
+    #[cfg(target_os = "linux")]
+    {
+        unsafe extern "C" {
+            fn dl_iterate_phdr(
+                cb: unsafe extern "C" fn(
+                    *mut std::ffi::c_void,
+                    usize,
+                    *mut std::ffi::c_void,
+                ) -> i32,
+                data: *mut std::ffi::c_void,
+            ) -> i32;
+        }
+        unsafe extern "C" fn count(
+            _: *mut std::ffi::c_void,
+            _: usize,
+            n: *mut std::ffi::c_void,
+        ) -> i32 {
+            // SAFETY: `n` is the `usize` passed below, alive for the call.
+            unsafe { *(n as *mut usize) += 1 };
+            0
+        }
+        let mut n = 0usize;
+        // SAFETY: the callback only counts into `n`, which outlives the call.
+        unsafe { dl_iterate_phdr(count, &mut n as *mut usize as *mut std::ffi::c_void) };
+        n
+    }
+    #[cfg(not(target_os = "linux"))]
+    0
 }
 
 /// Loads `libnvrtc-builtins.so.<major>.<minor>` (what NVRTC loads at its first compile) now,

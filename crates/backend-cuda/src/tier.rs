@@ -340,8 +340,10 @@ fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
     });
     let j = job.clone();
     BACKGROUND.fetch_add(1, Ordering::Relaxed);
-    // The exit hook in place before any worker runs (see `fixed_cubins::in_flight`).
+    // The exit hook in place before any worker runs, and after every library loaded so far
+    // (see `fixed_cubins::in_flight`).
     crate::fixed_cubins::in_flight();
+    crate::fixed_cubins::rehook_after_new_libraries();
     pool().submit(Box::new(move || {
         let r = crate::nvrtc::load_or_compile_source(
             crate::nvrtc::Flavor::Elementwise,
@@ -386,8 +388,10 @@ impl Pool {
         let have = self.workers.load(Ordering::Relaxed);
         if have < max && waiting > 0 {
             let i = self.workers.fetch_add(1, Ordering::Relaxed);
+            // NVRTC is used to a main thread's stack (8 MiB), not a spawned thread's 2 MiB.
             let spawned = std::thread::Builder::new()
                 .name(format!("kiln-compile-{i}"))
+                .stack_size(16 << 20)
                 .spawn(move || self.work());
             if spawned.is_err() {
                 self.workers.fetch_sub(1, Ordering::Relaxed);
@@ -414,7 +418,7 @@ impl Pool {
                 return;
             };
             task();
-            crate::fixed_cubins::after_compile();
+            crate::fixed_cubins::rehook_after_new_libraries();
         }
     }
 }

@@ -24,7 +24,8 @@
 //! # Switches
 //!
 //! `KILN_CUDA_TIER=0` or [`set_tiering`]`(Tiering::Off)` compiles on the spot as before;
-//! `Tiering::Always` interprets every program it can and compiles none of them (tests).
+//! `Tiering::Always` interprets every program it can that is not loaded yet, and compiles none
+//! of them (tests).
 //!
 //! Layer: beside `expr_run.rs`, which calls it; it imports the runtime (`device/`, `nvrtc.rs`,
 //! `fixed_cubins.rs`) and the pure helpers below them.

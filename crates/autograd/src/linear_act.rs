@@ -80,7 +80,7 @@ fn fused<B: Backend>(
         || xt.rank() == 0
         || wt.dtype() != dtype
         || xt.dims()[xt.rank() - 1] != wt.dims()[1]
-        || b.is_some_and(|b| b.dims() != [wt.dims()[0]])
+        || b.is_some_and(|b| b.shape().dims() != [wt.dims()[0]])
     {
         return Ok(None);
     }

@@ -466,7 +466,7 @@ impl<B: Backend> Var<B> {
         let mut y = x.matmul(&wt.t()?)?;
         let mut inputs = vec![self, w];
         if let Some(b) = b {
-            if b.dims() != [n_out] {
+            if b.shape().dims() != [n_out] {
                 return Err(Error::invalid(
                     OP,
                     format!("expects a bias [{n_out}], got {}", b.shape()),

@@ -204,7 +204,7 @@ fn one_buffer<B: Backend>(
         let want = l
             .offset()
             .checked_sub(base)
-            .map(|off| Layout::from_parts(l.shape().clone(), l.strides().to_vec(), off));
+            .map(|off| Layout::from_parts(l.shape().clone(), l.strides(), off));
         if want.as_ref() != Some(g.layout()) {
             return None;
         }

@@ -67,6 +67,8 @@ pub(crate) struct Node<B: Backend> {
     pub(crate) name: &'static str,
     /// Every input.
     pub(crate) inputs: Vec<Edge<B>>,
+    /// `inputs[i].need` for each input: the flags `backward` is called with.
+    pub(crate) needs: Vec<bool>,
     pub(crate) backward: BackwardFn<B>,
 }
 
@@ -358,18 +360,18 @@ impl<B: Backend> Var<B> {
             name,
             inputs: inputs
                 .iter()
-                .zip(needs)
-                .map(|(v, need)| {
-                    let t = v.tensor();
-                    Edge {
+                .zip(&needs)
+                .map(|(v, &need)| {
+                    v.with_tensor(|t| Edge {
                         var: VarRef(v.0.clone()),
                         need,
                         shape: t.shape().clone(),
                         dtype: t.dtype(),
                         device: t.device().clone(),
-                    }
+                    })
                 })
                 .collect(),
+            needs,
             backward: Box::new(backward),
         };
         Self::new(output, true, Creator::Op(Arc::new(node)))
@@ -415,6 +417,11 @@ impl<B: Backend> Var<B> {
     }
     pub fn dims(&self) -> Vec<usize> {
         self.with_tensor(|t| t.dims().to_vec())
+    }
+    /// The extent of `axis` (like PyTorch's `size(dim)`), without copying the shape.
+    /// Panics when `axis` is out of range, as indexing `dims()` would.
+    pub fn dim(&self, axis: usize) -> usize {
+        self.with_tensor(|t| t.dims()[axis])
     }
     pub fn rank(&self) -> usize {
         self.with_tensor(|t| t.rank())
@@ -704,30 +711,32 @@ impl<B: Backend> Var<B> {
         if v.retain_grad.load(Ordering::Relaxed) {
             v.accumulate_grad(g.clone())?;
         }
-        let needs: Vec<bool> = node.inputs.iter().map(|e| e.need).collect();
-        let first: Vec<bool> = node
-            .inputs
-            .iter()
-            .map(|e| {
-                e.need
-                    && e.var.node().is_none()
-                    && last_use.get(&e.var.id()) == Some(&pos)
-                    && e.var.has_grad_hooks()
-            })
-            .collect();
-        let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
-        if first.iter().any(|&f| f) && rest.iter().any(|&r| r) {
-            let early = (node.backward)(&g, &first)?;
-            Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
-            for (e, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
-                e.var.leaf_var().flush_grad(grads)?;
+        let needs = &node.needs;
+        // Leaf inputs with gradient hooks whose last use this is: their gradients are
+        // complete once this node's backward for them ran, so they go first (and their hooks
+        // run) before the other inputs' (rare: built only when there is one).
+        let first_of = |e: &Edge<B>| {
+            e.need
+                && e.var.node().is_none()
+                && last_use.get(&e.var.id()) == Some(&pos)
+                && e.var.has_grad_hooks()
+        };
+        if node.inputs.iter().any(first_of) {
+            let first: Vec<bool> = node.inputs.iter().map(first_of).collect();
+            let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
+            if rest.iter().any(|&r| r) {
+                let early = (node.backward)(&g, &first)?;
+                Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
+                for (e, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
+                    e.var.leaf_var().flush_grad(grads)?;
+                }
+                let late = (node.backward)(&g, &rest)?;
+                return Self::add_input_grads(&node, late, &rest, grads, last_use, flush_at);
             }
-            let late = (node.backward)(&g, &rest)?;
-            return Self::add_input_grads(&node, late, &rest, grads, last_use, flush_at);
         }
-        let input_grads = (node.backward)(&g, &needs)?;
+        let input_grads = (node.backward)(&g, needs)?;
         drop(g);
-        Self::add_input_grads(&node, input_grads, &needs, grads, last_use, flush_at)
+        Self::add_input_grads(&node, input_grads, needs, grads, last_use, flush_at)
     }
 
     /// Adds the gradients a node's backward returned for the inputs marked in `wanted` to

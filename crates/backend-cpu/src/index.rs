@@ -53,16 +53,8 @@ fn index_select_t<T: CpuElem>(
 ) -> Result<CpuStorage> {
     let x = slice::<T>("index_select", s)?;
     let (dims, strides) = (layout.dims(), layout.strides());
-    let pre = Layout::from_parts(
-        Shape::new(&dims[..axis]),
-        strides[..axis].to_vec(),
-        layout.offset(),
-    );
-    let post = Layout::from_parts(
-        Shape::new(&dims[axis + 1..]),
-        strides[axis + 1..].to_vec(),
-        0,
-    );
+    let pre = Layout::from_parts(Shape::new(&dims[..axis]), &strides[..axis], layout.offset());
+    let post = Layout::from_parts(Shape::new(&dims[axis + 1..]), &strides[axis + 1..], 0);
     let block = post.elem_count();
     let pre_n = pre.elem_count();
     // Saturating: a product past usize is reported by `alloc` as an impossible size.

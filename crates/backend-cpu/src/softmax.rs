@@ -95,7 +95,7 @@ fn softmax_t<T: SoftFloat>(s: &CpuStorage, layout: &Layout, log: bool) -> Result
     }
     let rows = Layout::from_parts(
         Shape::new(&layout.dims()[..r - 1]),
-        layout.strides()[..r - 1].to_vec(),
+        &layout.strides()[..r - 1],
         layout.offset(),
     );
     let plan = Plan::new([&rows]);

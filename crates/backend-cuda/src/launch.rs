@@ -55,45 +55,94 @@ pub(crate) fn collapse_raw(dims: &[usize], strides: &[&[usize]]) -> (Vec<usize>,
     (od, os)
 }
 
-/// [`collapse_raw`] packed into kernel arguments; `offsets[k]` is operand k's offset.
-pub(crate) fn collapse(
+/// [`collapse_raw`] packed into kernel arguments for `N` operands; `offsets[k]` is operand k's
+/// offset. Writes straight into the fixed-size structs: no heap allocation per launch.
+pub(crate) fn collapse<const N: usize>(
+    op: &'static str,
+    dims: &[usize],
+    strides: &[&[usize]; N],
+    offsets: &[usize; N],
+) -> Result<(Dims, [Strides; N])> {
+    collapse_where(op, dims, strides, offsets, |_| true)
+}
+
+/// [`collapse`] of the dims `i` for which `keep(i)` holds (a reduction's kept or reduced axes).
+pub(crate) fn collapse_where<const N: usize>(
+    op: &'static str,
+    dims: &[usize],
+    strides: &[&[usize]; N],
+    offsets: &[usize; N],
+    keep: impl Fn(usize) -> bool,
+) -> Result<(Dims, [Strides; N])> {
+    let mut ss = [Strides::default(); N];
+    let d = collapse_into(op, dims, strides, offsets, &mut ss, keep)?;
+    Ok((d, ss))
+}
+
+/// [`collapse`] for a number of operands known only at run time.
+pub(crate) fn collapse_dyn(
     op: &'static str,
     dims: &[usize],
     strides: &[&[usize]],
     offsets: &[usize],
 ) -> Result<(Dims, Vec<Strides>)> {
-    let (od, os) = collapse_raw(dims, strides);
-    if od.len() > MAX_DIMS {
-        return Err(Error::invalid(
-            op,
-            format!(
-                "the CUDA backend supports up to {MAX_DIMS} non-mergeable dimensions, got {} (shape {dims:?})",
-                od.len()
-            ),
-        ));
-    }
-    let mut d = Dims {
-        rank: od.len() as i32,
-        ..Default::default()
-    };
-    for (i, &x) in od.iter().enumerate() {
-        d.d[i] = x as u64;
-    }
-    let ss = os
-        .iter()
-        .zip(offsets)
-        .map(|(o, &off)| {
-            let mut s = Strides {
-                offset: off as u64,
-                ..Default::default()
-            };
-            for (i, &x) in o.iter().enumerate() {
-                s.s[i] = x as u64;
-            }
-            s
-        })
-        .collect();
+    let mut ss = vec![Strides::default(); strides.len()];
+    let d = collapse_into(op, dims, strides, offsets, &mut ss, |_| true)?;
     Ok((d, ss))
+}
+
+/// The merge of [`collapse_raw`] over the dims that `keep` selects, written into `out` (one
+/// entry per operand).
+fn collapse_into(
+    op: &'static str,
+    dims: &[usize],
+    strides: &[&[usize]],
+    offsets: &[usize],
+    out: &mut [Strides],
+    keep: impl Fn(usize) -> bool,
+) -> Result<Dims> {
+    let mut d = Dims::default();
+    let mut rank = 0;
+    for (o, &off) in out.iter_mut().zip(offsets) {
+        o.offset = off as u64;
+    }
+    for (i, &n) in dims.iter().enumerate() {
+        if n == 1 || !keep(i) {
+            continue;
+        }
+        let merge = rank > 0
+            && strides
+                .iter()
+                .zip(out.iter())
+                .all(|(s, o)| o.s[rank - 1] == (s[i] * n) as u64);
+        if merge {
+            d.d[rank - 1] *= n as u64;
+            for (s, o) in strides.iter().zip(out.iter_mut()) {
+                o.s[rank - 1] = s[i] as u64;
+            }
+            continue;
+        }
+        if rank == MAX_DIMS {
+            let kept: Vec<usize> = (0..dims.len()).filter(|&i| keep(i)).collect();
+            let sel = |v: &[usize]| kept.iter().map(|&i| v[i]).collect::<Vec<_>>();
+            let ss: Vec<Vec<usize>> = strides.iter().map(|s| sel(s)).collect();
+            let refs: Vec<&[usize]> = ss.iter().map(|s| &s[..]).collect();
+            let got = collapse_raw(&sel(dims), &refs).0.len();
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the CUDA backend supports up to {MAX_DIMS} non-mergeable dimensions, got {got} (shape {dims:?})"
+                ),
+            ));
+        }
+        d.d[rank] = n as u64;
+        for (s, o) in strides.iter().zip(out.iter_mut()) {
+            o.s[rank] = s[i] as u64;
+        }
+        rank += 1;
+    }
+    d.rank = rank as i32;
+    Ok(d)
 }
 
 /// Whether 32-bit index arithmetic is exact for these layouts (every element count and storage
@@ -195,6 +244,44 @@ mod tests {
         let (d, s) = collapse_raw(&[2, 3, 4], &[&[12, 4, 1], &[0, 1, 0]]);
         assert_eq!(d, vec![2, 3, 4]);
         assert_eq!(s[1], vec![0, 1, 0]);
+    }
+
+    /// The packed forms (fixed-size structs, no heap) merge exactly as `collapse_raw` does,
+    /// also over a selection of the dims, and fail past `MAX_DIMS` with the merged count.
+    #[test]
+    fn packed_collapse_agrees_with_collapse_raw() {
+        let cases: [(&[usize], [&[usize]; 2]); 4] = [
+            (&[2, 1, 3, 4], [&[12, 12, 4, 1], &[12, 12, 4, 1]]),
+            (&[3, 2], [&[1, 3], &[2, 1]]),
+            (&[2, 3, 4], [&[12, 4, 1], &[0, 1, 0]]),
+            (
+                &[5, 1, 6, 7, 1, 2],
+                [&[84, 7, 14, 2, 1, 1], &[0, 0, 14, 2, 2, 1]],
+            ),
+        ];
+        for (dims, strides) in cases {
+            for mask in 0u32..1 << dims.len() {
+                let keep = |i: usize| mask & (1 << i) != 0;
+                let kept: Vec<usize> = (0..dims.len()).filter(|&i| keep(i)).collect();
+                let sel = |v: &[usize]| kept.iter().map(|&i| v[i]).collect::<Vec<_>>();
+                let (s0, s1) = (sel(strides[0]), sel(strides[1]));
+                let (rd, rs) = collapse_raw(&sel(dims), &[&s0, &s1]);
+                let (d, ss) = collapse_where("t", dims, &strides, &[3, 9], keep).unwrap();
+                assert_eq!(d.rank as usize, rd.len(), "{dims:?} mask {mask:b}");
+                let u = |v: &[usize]| v.iter().map(|&x| x as u64).collect::<Vec<_>>();
+                assert_eq!(d.d[..rd.len()], u(&rd)[..]);
+                for k in 0..2 {
+                    assert_eq!(ss[k].s[..rd.len()], u(&rs[k])[..]);
+                }
+                assert_eq!((ss[0].offset, ss[1].offset), (3, 9));
+            }
+        }
+        let dims = [2; MAX_DIMS + 2];
+        let strides: Vec<usize> = (0..dims.len()).map(|i| 3usize.pow(i as u32)).collect();
+        let err = collapse("t", &dims, &[&strides], &[0]).unwrap_err();
+        assert!(err.to_string().contains("got 10"), "{err}");
+        let (d, _) = collapse_dyn("t", &dims[..3], &[&[4, 2, 1], &[8, 2, 1]], &[0, 0]).unwrap();
+        assert_eq!(d.rank, 2);
     }
 
     #[test]

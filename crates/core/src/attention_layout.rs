@@ -72,8 +72,7 @@ pub fn attention_packed_layouts(
         }
         expect *= d;
     }
-    let rebase =
-        |l: &Layout| Layout::from_parts(l.shape().clone(), l.strides().to_vec(), l.offset() - base);
+    let rebase = |l: &Layout| Layout::from_parts(l.shape().clone(), l.strides(), l.offset() - base);
     Some((expect, [rebase(q), rebase(k), rebase(v)]))
 }
 
@@ -122,7 +121,7 @@ mod tests {
         // Contiguous [3, b, h, t, d] slices tile too (offset by one operand each).
         let c = |i: usize| {
             let l = Layout::contiguous(Shape::new(vec![b, h, t, d]));
-            Layout::from_parts(l.shape().clone(), l.strides().to_vec(), i * b * h * t * d)
+            Layout::from_parts(l.shape().clone(), l.strides(), i * b * h * t * d)
         };
         assert!(attention_packed_layouts(&c(0), &c(1), &c(2)).is_some());
     }

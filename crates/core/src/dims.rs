@@ -153,8 +153,10 @@ impl std::fmt::Debug for Dims {
 pub struct Shape(Dims);
 
 impl Shape {
-    pub fn new(dims: impl Into<Vec<usize>>) -> Self {
-        Shape(Dims::from(dims.into()))
+    /// A shape of these dimensions (a slice, an array or a `Vec`); up to [`INLINE`] of them
+    /// without a heap allocation.
+    pub fn new(dims: impl AsRef<[usize]>) -> Self {
+        Shape(Dims::from(dims.as_ref()))
     }
 
     pub(crate) fn from_dims(dims: Dims) -> Self {

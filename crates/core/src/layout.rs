@@ -26,8 +26,10 @@ impl Layout {
         }
     }
 
-    /// A layout from raw parts. The caller guarantees every index stays inside its storage.
-    pub fn from_parts(shape: Shape, strides: Vec<usize>, offset: usize) -> Self {
+    /// A layout from raw parts (strides as a slice, an array or a `Vec`). The caller
+    /// guarantees every index stays inside its storage.
+    pub fn from_parts(shape: Shape, strides: impl AsRef<[usize]>, offset: usize) -> Self {
+        let strides = strides.as_ref();
         assert_eq!(shape.rank(), strides.len(), "one stride per dimension");
         Layout {
             shape,
@@ -182,12 +184,17 @@ impl Layout {
     /// Reorders dimensions: dimension `i` of the result is dimension `perm[i]` of `self`.
     pub fn permute(&self, perm: &[usize]) -> Result<Layout> {
         let rank = self.rank();
-        let mut seen = vec![false; rank];
-        if perm.len() != rank
-            || perm
-                .iter()
-                .any(|&p| p >= rank || std::mem::replace(&mut seen[p], true))
-        {
+        // A bit per axis seen (ranks past 64 take the slow check below).
+        let mut seen = 0u64;
+        let mut repeated = |p: usize| {
+            if rank > 64 {
+                return perm.iter().filter(|&&q| q == p).count() > 1;
+            }
+            let was = seen & (1 << p) != 0;
+            seen |= 1 << p;
+            was
+        };
+        if perm.len() != rank || perm.iter().any(|&p| p >= rank || repeated(p)) {
             return Err(Error::invalid(
                 "permute",
                 format!(
@@ -197,7 +204,7 @@ impl Layout {
             ));
         }
         Ok(Layout {
-            shape: Shape::new(perm.iter().map(|&p| self.dims()[p]).collect::<Vec<_>>()),
+            shape: Shape::from_dims(perm.iter().map(|&p| self.dims()[p]).collect()),
             strides: perm.iter().map(|&p| self.strides[p]).collect(),
             offset: self.offset,
         })
@@ -205,7 +212,7 @@ impl Layout {
 
     /// Swaps two (already normalized) axes.
     pub fn transpose(&self, a: usize, b: usize) -> Result<Layout> {
-        let mut perm: Vec<usize> = (0..self.rank()).collect();
+        let mut perm: Dims = (0..self.rank()).collect();
         if a >= perm.len() || b >= perm.len() {
             return Err(Error::AxisOutOfRange {
                 op: "transpose",

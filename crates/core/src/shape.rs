@@ -23,9 +23,14 @@ impl Shape {
         normalize_axis(op, axis, self.rank())
     }
 
-    /// Resolves a list of axes; rejects duplicates.
+    /// Resolves a list of axes; rejects duplicates. Sorted.
     pub fn axes(&self, op: &'static str, axes: &[isize]) -> Result<Vec<usize>> {
-        let mut out = Vec::with_capacity(axes.len());
+        Ok(self.axis_set(op, axes)?.to_vec())
+    }
+
+    /// [`Shape::axes`] without a heap allocation (up to five axes).
+    pub(crate) fn axis_set(&self, op: &'static str, axes: &[isize]) -> Result<Dims> {
+        let mut out = Dims::new();
         for &a in axes {
             let a = self.axis(op, a)?;
             if out.contains(&a) {

@@ -99,16 +99,16 @@ pub struct Linear<B: Backend> {
 
 impl<B: Backend> Linear<B> {
     pub fn in_features(&self) -> usize {
-        self.weight.dims()[1]
+        self.weight.dim(1)
     }
     pub fn out_features(&self) -> usize {
-        self.weight.dims()[0]
+        self.weight.dim(0)
     }
 
     /// The input's last axis must be `in_features` (a typed error naming the layer).
     fn check_input(&self, x: &Var<B>) -> Result<()> {
         let in_f = self.in_features();
-        if x.rank() == 0 || x.dims()[x.rank() - 1] != in_f {
+        if x.rank() == 0 || x.dim(x.rank() - 1) != in_f {
             return Err(Error::invalid(
                 "Linear",
                 format!(

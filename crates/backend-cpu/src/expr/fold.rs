@@ -87,7 +87,7 @@ pub(super) fn run(
         .map(|l| {
             Walk::new(&Layout::from_parts(
                 Shape::new(kept_dims.clone()),
-                l.strides()[..kept_axes.len()].to_vec(),
+                &l.strides()[..kept_axes.len()],
                 l.offset(),
             ))
         })

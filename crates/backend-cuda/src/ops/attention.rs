@@ -65,7 +65,7 @@ use kiln_core::{
     attention_output_layout, attention_packed_layouts,
 };
 
-use crate::launch::{Args, Dims, Strides, collapse};
+use crate::launch::{Args, Dims, Strides, collapse_dyn};
 use crate::memory::{Buffer, alloc};
 use crate::ops::attention_kernels::{Family, Stage, TILE, launch};
 use crate::ops::{Module, contiguous, same_device, tname};
@@ -239,7 +239,7 @@ fn plan(
         .map(|x| x.layout.offset())
         .chain(outs.iter().map(|l| l.offset()))
         .collect();
-    let (bd, ss) = collapse(OP, batch, &strides, &offsets)?;
+    let (bd, ss) = collapse_dyn(OP, batch, &strides, &offsets)?;
     let g_rs = views.get(3).map_or(0, |g| g.row_stride());
     let shape = AttnShape {
         tq: tq as u64,

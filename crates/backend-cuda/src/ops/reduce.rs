@@ -8,7 +8,7 @@ use cudarc::driver::sys;
 use kiln_core::{DType, Error, Layout, ReduceOp, Result};
 
 use crate::device::{DeviceState, check};
-use crate::launch::{Args, Dims, Strides, collapse};
+use crate::launch::{Args, Dims, Strides, collapse, collapse_where};
 use crate::memory::{Buffer, alloc};
 use crate::ops::{Module, run, tname};
 
@@ -107,18 +107,15 @@ pub(crate) fn reduce(
     let dev = s.state();
     dev.bind()?;
     let out_dtype = if op.is_arg() { DType::I64 } else { dtype };
-    let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
-    for (i, (&d, &st)) in l.dims().iter().zip(l.strides()).enumerate() {
-        if axes.contains(&i) {
-            rd.push(d);
-            rs.push(st);
+    let reduced = |i: usize| axes.contains(&i);
+    let (mut nout, mut inner) = (1usize, 1usize);
+    for (i, &d) in l.dims().iter().enumerate() {
+        if reduced(i) {
+            inner *= d;
         } else {
-            kd.push(d);
-            ks.push(st);
+            nout *= d;
         }
     }
-    let nout: usize = kd.iter().product();
-    let inner: usize = rd.iter().product();
     let out = alloc(dev, nout * out_dtype.size_in_bytes())?;
     if nout == 0 {
         return Ok(out);
@@ -141,19 +138,15 @@ pub(crate) fn reduce(
         )?;
         return Ok(out);
     }
-    let (kdims, kstr) = collapse(name, &kd, &[&ks], &[l.offset()])?;
-    // For arg reductions `rd` is the one reduced axis: `r` is the index the kernel reports.
-    let (rdims, rstr) = collapse(name, &rd, &[&rs], &[0])?;
-    let (kstr, rstr) = (kstr[0], rstr[0]);
+    let (dims, strides) = (l.dims(), &[l.strides()]);
+    let (kdims, [kstr]) = collapse_where(name, dims, strides, &[l.offset()], |i| !reduced(i))?;
+    // For arg reductions the reduced dims are the one reduced axis: `r` is the index the kernel
+    // reports.
+    let (rdims, [rstr]) = collapse_where(name, dims, strides, &[0], reduced)?;
     let contig = rdims.rank == 0 || (rdims.rank == 1 && rstr.s[0] == 1);
-    let min_stride = |d: &[usize], s: &[usize]| {
-        d.iter()
-            .zip(s)
-            .filter(|(d, _)| **d > 1)
-            .map(|(_, s)| *s)
-            .min()
-    };
-    let row_mode = match (min_stride(&rd, &rs), min_stride(&kd, &ks)) {
+    // The smallest stride of a dim longer than 1 (merged dims keep their innermost stride).
+    let min_stride = |d: &Dims, s: &Strides| s.s[..d.rank as usize].iter().min().copied();
+    let row_mode = match (min_stride(&rdims, &rstr), min_stride(&kdims, &kstr)) {
         (Some(r), Some(k)) => r < k || nout < 64,
         _ => true,
     };

@@ -2,6 +2,7 @@
 
 use super::Tensor;
 use crate::backend::{Backend, BinaryOp, CmpOp, ReduceOp, UnaryOp};
+use crate::dims::Dims;
 use crate::shape::normalize_axis;
 use crate::{DType, Error, Layout, Result, Shape};
 
@@ -248,7 +249,7 @@ impl<B: Backend> Tensor<B> {
     /// axes as size 1 when `keepdim`.
     pub fn reduce(&self, op: ReduceOp, axes: &[isize], keepdim: bool) -> Result<Self> {
         let name = op.name();
-        let axes = self.shape().axes(name, axes)?;
+        let axes = self.shape().axis_set(name, axes)?;
         match op {
             ReduceOp::Sum if !(self.dtype().is_float() || self.dtype() == DType::I64) => {
                 return Err(dtype_err(name, "a float dtype or i64", self.dtype()));
@@ -270,8 +271,8 @@ impl<B: Backend> Tensor<B> {
         let p = self.prof(name, &[], false);
         let s = B::reduce(op, self.storage(), self.layout(), self.dtype(), &axes)?;
         drop(p);
-        let mut kept = self.dims().to_vec();
-        for &a in &axes {
+        let mut kept = Dims::from(self.dims());
+        for &a in axes.iter() {
             kept[a] = 1;
         }
         let dtype = if op.is_arg() {
@@ -279,15 +280,15 @@ impl<B: Backend> Tensor<B> {
         } else {
             self.dtype()
         };
-        let out = self.fresh(s, kept, dtype);
+        let out = self.fresh(s, Shape::from_dims(kept), dtype);
         if keepdim {
             return Ok(out);
         }
-        let dims: Vec<usize> = (0..self.rank())
+        let dims: Dims = (0..self.rank())
             .filter(|i| !axes.contains(i))
             .map(|i| self.dims()[i])
             .collect();
-        out.reshape(dims)
+        out.reshape(Shape::from_dims(dims))
     }
 
     fn all_axes(&self) -> Vec<isize> {
@@ -396,14 +397,14 @@ impl<B: Backend> Tensor<B> {
             b3.layout(),
             self.dtype(),
         )?;
-        let mut out_dims = batch.dims().to_vec();
+        let mut out_dims: Dims = batch.dims().iter().copied().collect();
         if self.rank() > 1 {
             out_dims.push(m);
         }
         if rhs.rank() > 1 {
             out_dims.push(n);
         }
-        Ok(self.fresh(s, out_dims, self.dtype()))
+        Ok(self.fresh(s, Shape::from_dims(out_dims), self.dtype()))
     }
 
     // ---- softmax and losses --------------------------------------------------------------
@@ -576,13 +577,14 @@ fn as_batched_matrix<B: Backend>(
     rows: usize,
     cols: usize,
 ) -> Result<Tensor<B>> {
-    let mut full = batch.dims().to_vec();
-    full.extend([rows, cols]);
+    let mut full: Dims = batch.dims().iter().copied().collect();
+    full.push(rows);
+    full.push(cols);
     // Already of that shape (every plain 2-d product): no new layout to build.
-    let t = if t.dims() == full.as_slice() {
+    let t = if t.dims() == &full[..] {
         t.clone()
     } else {
-        t.broadcast_to(full)?
+        t.broadcast_to(Shape::from_dims(full))?
     };
     let nb = batch.elem_count();
     let try_view = |t: &Tensor<B>| -> Option<Layout> {
@@ -618,7 +620,7 @@ fn as_batched_matrix<B: Backend>(
         }
         Some(Layout::from_parts(
             Shape::new([nb, rows, cols]),
-            vec![bstride.unwrap_or(0), rs, cs],
+            [bstride.unwrap_or(0), rs, cs],
             t.layout().offset(),
         ))
     };

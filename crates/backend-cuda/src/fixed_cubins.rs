@@ -160,6 +160,7 @@ pub(crate) fn prefetch(arch: u32) {
                 rehook_after_new_libraries();
             }
         };
+        hook_exit(arch);
         in_flight().start();
         let spawned = std::thread::Builder::new()
             .name(format!("kiln-prefetch-{i}"))
@@ -189,23 +190,34 @@ unsafe extern "C" {
     fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
 }
 
-/// The background workers' count, registering the exit hook on first use.
-///
-/// Exit runs `atexit` hooks and libraries' static destructors newest first, so the hook must
-/// be registered after every library NVRTC loads, or a worker still compiling would run under
-/// their destructors (seen: a segfault at a busy test binary's exit). libnvrtc itself is
-/// loaded before any compile is asked for; its builtins library it loads at its first compile,
-/// so that one is loaded here first ([`preload_nvrtc_builtins`]); and libraries loaded later
-/// get the hook registered once more ([`rehook_after_new_libraries`]).
+/// The background workers' count (see [`hook_exit`] for the exit hook that waits for them).
 pub(crate) fn in_flight() -> &'static InFlight {
     static IN_FLIGHT: OnceLock<InFlight> = OnceLock::new();
-    IN_FLIGHT.get_or_init(|| {
+    IN_FLIGHT.get_or_init(InFlight::new)
+}
+
+/// Makes process exit wait for background compiles: once per process, on the thread that
+/// starts the first one, before it starts.
+///
+/// Exit runs `atexit` hooks, C++ static destructors and libraries' destructors newest first,
+/// so the hook must be registered after everything NVRTC registers, or a worker still
+/// compiling runs under torn-down NVRTC state. NVRTC registers handlers of its own during its
+/// first compile (statics built on first use): a program that exited while a background
+/// compile ran crashed in every run (the fuse bench on an H200, 8 of 8, 2026-11-28; the same
+/// in a C program on the development machine whose hook was registered before NVRTC's first
+/// compile, and never when an empty kernel was compiled first). So an empty kernel is compiled
+/// here first ([`crate::nvrtc::warm_up`], ~10-40 ms once, on this thread), NVRTC's builtins
+/// library is loaded, and only then is the hook registered; libraries loaded later (cuBLAS,
+/// cuDNN) get it registered once more ([`rehook_after_new_libraries`]).
+pub(crate) fn hook_exit(arch: u32) {
+    static HOOKED: std::sync::Once = std::sync::Once::new();
+    HOOKED.call_once(|| {
         preload_nvrtc_builtins();
-        // SAFETY: registers a plain `extern "C" fn()` with the C runtime; it touches only this
-        // static (initialized before it can run) and a mutex/condvar.
+        crate::nvrtc::warm_up(arch);
+        // SAFETY: registers a plain `extern "C" fn()` with the C runtime; it touches only a
+        // static (built on first use) and its mutex/condvar.
         unsafe { atexit(wait_at_exit) };
-        InFlight::new()
-    })
+    });
 }
 
 /// Registers the exit hook again when libraries were loaded since it last was (cuBLAS, cuDNN,
@@ -220,7 +232,7 @@ pub(crate) fn rehook_after_new_libraries() {
     let mut at = HOOKED_AT.lock().unwrap();
     if loaded > *at {
         *at = loaded;
-        // SAFETY: as in `in_flight`.
+        // SAFETY: as in `hook_exit`.
         unsafe { atexit(wait_at_exit) };
     }
 }

@@ -210,6 +210,18 @@ pub fn compile_source(
     out
 }
 
+/// Compiles an empty kernel for `sm_{arch}` and discards it (errors too): NVRTC sets up what
+/// it builds on first use, and registers its exit handlers, on this thread now (see
+/// `fixed_cubins::hook_exit`, which needs them registered before its own).
+pub(crate) fn warm_up(arch: u32) {
+    let _ = compile_source(
+        Flavor::Generated,
+        "warm_up.cu",
+        "extern \"C\" __global__ void kiln_warm_up() {}",
+        arch,
+    );
+}
+
 fn cubin(prog: nvrtc::nvrtcProgram) -> Result<Vec<u8>, String> {
     let mut size = 0usize;
     // SAFETY: `prog` was compiled successfully; `size` is a valid out-pointer.

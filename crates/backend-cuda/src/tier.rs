@@ -342,8 +342,8 @@ fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
     let j = job.clone();
     BACKGROUND.fetch_add(1, Ordering::Relaxed);
     // The exit hook in place before any worker runs, and after every library loaded so far
-    // (see `fixed_cubins::in_flight`).
-    crate::fixed_cubins::in_flight();
+    // (see `fixed_cubins::hook_exit`).
+    crate::fixed_cubins::hook_exit(arch);
     crate::fixed_cubins::rehook_after_new_libraries();
     pool().submit(Box::new(move || {
         let r = crate::nvrtc::load_or_compile_source(
@@ -365,6 +365,8 @@ struct Pool {
     queue: Mutex<VecDeque<Task>>,
     ready: Condvar,
     workers: AtomicUsize,
+    /// The most workers it starts.
+    max_workers: usize,
 }
 
 fn pool() -> &'static Pool {
@@ -373,21 +375,17 @@ fn pool() -> &'static Pool {
         queue: Mutex::new(VecDeque::new()),
         ready: Condvar::new(),
         workers: AtomicUsize::new(0),
+        max_workers: std::thread::available_parallelism()
+            .map_or(1, |n| n.get().saturating_sub(1))
+            .clamp(1, 8),
     })
 }
 
 impl Pool {
+    /// Queues `task`, starting one more worker while there are fewer than `max_workers`.
     fn submit(&'static self, task: Task) {
-        let waiting = {
-            let mut q = self.queue.lock().unwrap();
-            q.push_back(task);
-            q.len()
-        };
-        let max = std::thread::available_parallelism()
-            .map_or(1, |n| n.get().saturating_sub(1))
-            .clamp(1, 8);
-        let have = self.workers.load(Ordering::Relaxed);
-        if have < max && waiting > 0 {
+        self.queue.lock().unwrap().push_back(task);
+        if self.workers.load(Ordering::Relaxed) < self.max_workers {
             let i = self.workers.fetch_add(1, Ordering::Relaxed);
             // NVRTC is used to a main thread's stack (8 MiB), not a spawned thread's 2 MiB.
             let spawned = std::thread::Builder::new()
@@ -403,7 +401,7 @@ impl Pool {
 
     /// A worker: runs tasks as they come; at process exit it starts none (a task's result is
     /// then not needed, and NVRTC must not be inside a compile while the process tears down:
-    /// `fixed_cubins::in_flight`'s exit hook waits for the task under way).
+    /// `fixed_cubins::hook_exit`'s exit hook waits for the task under way).
     fn work(&self) {
         loop {
             let task = {

@@ -182,3 +182,54 @@ fn a_new_program_runs_interpreted_until_its_compile_lands() {
     }
     assert_eq!(tier_stats().1, b1, "no second compile of the same program");
 }
+
+/// A process that exits while a background compile runs exits cleanly: the exit waits for
+/// the compile. Run as child processes of this test binary (the same test, with
+/// `KILN_TIER_EXIT_CHILD=1`), each starting a compile nobody has cached and exiting 0 to 45
+/// ms later, while it runs; before NVRTC's exit handlers were made older than kiln's exit
+/// hook (`fixed_cubins::hook_exit`) such children crashed inside NVRTC.
+#[test]
+fn exiting_while_a_background_compile_runs_is_clean() {
+    let child = std::env::var("KILN_TIER_EXIT_CHILD").is_ok();
+    let Some(dev) = gpu_or_skip(0) else { return };
+    if child {
+        set_tiering(Tiering::On);
+        let x = uniform(&dev, &[1000]);
+        let c = std::env::var("KILN_TIER_EXIT_CONST")
+            .unwrap()
+            .parse::<f64>()
+            .unwrap();
+        let p = Program::from_exprs(&[DType::F32], &[(Expr::input(0) * c).exp()]).unwrap();
+        p.run(&[&x], &[]).unwrap();
+        assert_eq!(tier_stats().1, 1, "one compile started");
+        let ms = std::env::var("KILN_TIER_EXIT_MS").unwrap().parse().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        std::process::exit(0);
+    }
+    let cache = std::env::temp_dir().join(format!("kiln-tier-exit-{}", std::process::id()));
+    for (run, ms) in [0, 5, 10, 15, 20, 30, 45].into_iter().enumerate() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "exiting_while_a_background_compile_runs_is_clean",
+            ])
+            .args(["--nocapture", "--test-threads=1"])
+            .env("KILN_TIER_EXIT_CHILD", "1")
+            .env_remove("KILN_CUDA_TIER")
+            .env(
+                "KILN_TIER_EXIT_CONST",
+                format!("{}", 1.0 + run as f64 * 1e-3),
+            )
+            .env("KILN_TIER_EXIT_MS", ms.to_string())
+            .env("KILN_KERNEL_CACHE", &cache)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "child {run} (exit {ms} ms after starting a compile): {:?}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let _ = std::fs::remove_dir_all(&cache);
+}

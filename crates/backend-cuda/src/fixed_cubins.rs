@@ -161,6 +161,7 @@ pub(crate) fn prefetch(arch: u32) {
             }
         };
         hook_exit(arch);
+        wait_at_thread_exit();
         in_flight().start();
         let spawned = std::thread::Builder::new()
             .name(format!("kiln-prefetch-{i}"))
@@ -202,13 +203,13 @@ pub(crate) fn in_flight() -> &'static InFlight {
 /// Exit runs `atexit` hooks, C++ static destructors and libraries' destructors newest first,
 /// so the hook must be registered after everything NVRTC registers, or a worker still
 /// compiling runs under torn-down NVRTC state. NVRTC registers handlers of its own during its
-/// first compile (statics built on first use): a program that exited while a background
-/// compile ran crashed in every run (the fuse bench on an H200, 8 of 8, 2026-11-28; the same
-/// in a C program on the development machine whose hook was registered before NVRTC's first
-/// compile, and never when an empty kernel was compiled first). So an empty kernel is compiled
+/// first compile (statics built on first use): a C program on the development machine whose
+/// hook was registered before NVRTC's first compile crashed when it exited 10-20 ms into a
+/// compile, and never when an empty kernel was compiled first. So an empty kernel is compiled
 /// here first ([`crate::nvrtc::warm_up`], ~10-40 ms once, on this thread), NVRTC's builtins
 /// library is loaded, and only then is the hook registered; libraries loaded later (cuBLAS,
-/// cuDNN) get it registered once more ([`rehook_after_new_libraries`]).
+/// cuDNN) get it registered once more ([`rehook_after_new_libraries`]). The exiting thread's
+/// thread-local destructors run before all of these: [`wait_at_thread_exit`] covers them.
 pub(crate) fn hook_exit(arch: u32) {
     static HOOKED: std::sync::Once = std::sync::Once::new();
     HOOKED.call_once(|| {
@@ -218,6 +219,37 @@ pub(crate) fn hook_exit(arch: u32) {
         // static (built on first use) and its mutex/condvar.
         unsafe { atexit(wait_at_exit) };
     });
+}
+
+/// Makes this thread's exit wait for background compiles before its thread-local
+/// destructors run (newest first, so before every one registered until now).
+///
+/// Why, besides [`hook_exit`]: at process exit the exiting thread's thread-local destructors
+/// run before any `atexit` hook (glibc's `exit`), and a test that exited 15-30 ms into a
+/// background compile crashed inside NVRTC while kiln's hook was already waiting for it
+/// (H200, 2026-11-28, diagnostics printed by the hook and a SIGSEGV handler; with this wait,
+/// none in 21 exits). Called on the thread that starts a background compile, once per compile
+/// (a small record each, freed when the thread ends). At a plain thread exit it waits for the
+/// compiles under way too (tens of ms), and no longer.
+pub(crate) fn wait_at_thread_exit() {
+    #[cfg(target_os = "linux")]
+    {
+        unsafe extern "C" {
+            fn __cxa_thread_atexit_impl(
+                dtor: unsafe extern "C" fn(*mut std::ffi::c_void),
+                obj: *mut std::ffi::c_void,
+                dso_symbol: *mut std::ffi::c_void,
+            ) -> std::ffi::c_int;
+        }
+        unsafe extern "C" fn wait(_: *mut std::ffi::c_void) {
+            in_flight().wait(EXIT_WAIT);
+        }
+        // SAFETY: registers a destructor for this thread with the C runtime; it takes no
+        // object and touches only a static; the DSO symbol is a function of this binary.
+        unsafe {
+            __cxa_thread_atexit_impl(wait, std::ptr::null_mut(), wait as *mut std::ffi::c_void)
+        };
+    }
 }
 
 /// Registers the exit hook again when libraries were loaded since it last was (cuBLAS, cuDNN,

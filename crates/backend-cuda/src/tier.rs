@@ -345,6 +345,7 @@ fn compile_in_background(arch: u32, source: String) -> Arc<Job> {
     // (see `fixed_cubins::hook_exit`).
     crate::fixed_cubins::hook_exit(arch);
     crate::fixed_cubins::rehook_after_new_libraries();
+    crate::fixed_cubins::wait_at_thread_exit();
     pool().submit(Box::new(move || {
         let r = crate::nvrtc::load_or_compile_source(
             crate::nvrtc::Flavor::Elementwise,

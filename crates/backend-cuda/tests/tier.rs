@@ -186,8 +186,9 @@ fn a_new_program_runs_interpreted_until_its_compile_lands() {
 /// A process that exits while a background compile runs exits cleanly: the exit waits for
 /// the compile. Run as child processes of this test binary (the same test, with
 /// `KILN_TIER_EXIT_CHILD=1`), each starting a compile nobody has cached and exiting 0 to 45
-/// ms later, while it runs; before NVRTC's exit handlers were made older than kiln's exit
-/// hook (`fixed_cubins::hook_exit`) such children crashed inside NVRTC.
+/// ms later, while it runs. Before the exiting thread waited for the compile ahead of its
+/// thread-local destructors (`fixed_cubins::wait_at_thread_exit`), children exiting 15-30 ms
+/// into the compile crashed inside NVRTC (H200) or hung until the exit hook gave up.
 #[test]
 fn exiting_while_a_background_compile_runs_is_clean() {
     let child = std::env::var("KILN_TIER_EXIT_CHILD").is_ok();

@@ -229,8 +229,9 @@ fn part<T: CpuElem + LinalgScalar>(
 }
 
 /// `out = a · b` for one product (row-major `out`), cut as [`Split::pick`] decides into
-/// several parts per core, which this thread and the [`pool`](crate::pool) helpers claim one
-/// at a time; each part is computed into a buffer of its own and then copied (or, for a depth
+/// parts (one or two per core, [`pool::parts`]): this thread writes the first straight into
+/// `out` while the [`pool`](crate::pool) helpers start on the others, which it then joins in
+/// claiming; those are computed into buffers of their own and then copied (or, for a depth
 /// split, added in part order) into place.
 fn split_gemm<T: CpuElem + LinalgScalar>(
     (a, ma): (&CpuStorage, &Mat),
@@ -247,18 +248,30 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     let ranges = cut(len, pool::parts(m * k * n, GEMM_PART), 1);
     let (ma, mb, dev) = (*ma, *mb, a.device());
     let (ad, bd) = (a.shared()?, b.shared()?);
-    let jobs = ranges.clone();
-    let parts = pool::run(ranges.len(), move |i| {
-        part::<T>(dev, (&ad, ma), (&bd, mb), split, jobs[i].clone())
-    })
-    .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
+    let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
+    let (av, bv) = (ma.view(x, 0)?, mb.view(y, 0)?);
     let mut c = ArrayViewMut2::from_shape((m, n), out).map_err(shape_err)?;
-    for (i, (r, buf)) in ranges.into_iter().zip(parts).enumerate() {
+    // The first part is written straight into `out` on this thread while the helpers start on
+    // the others (each into a buffer of its own, copied or, for a depth split, added after).
+    let rest = ranges[1..].to_vec();
+    let first = || {
+        let (a0, b0) = split.operands(av, bv, ranges[0].clone());
+        let mut t = split.target(&mut c, ranges[0].clone());
+        general_mat_mul(T::one(), &a0, &b0, T::zero(), &mut t);
+    };
+    let jobs = rest.clone();
+    let parts = pool::run_beside(
+        rest.len(),
+        move |i| part::<T>(dev, (&ad, ma), (&bd, mb), split, jobs[i].clone()),
+        first,
+    )
+    .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
+    for (r, buf) in rest.into_iter().zip(parts) {
         let buf = buf?;
         let mut t = split.target(&mut c, r);
         let src = ArrayView2::from_shape(t.raw_dim(), &buf[..]).map_err(shape_err)?;
         match split {
-            Split::Depth if i > 0 => t.zip_mut_with(&src, |o, &v| *o = *o + v),
+            Split::Depth => t.zip_mut_with(&src, |o, &v| *o = *o + v),
             _ => t.assign(&src),
         }
     }

@@ -141,7 +141,7 @@ where
     R: Send + 'static,
     F: Fn(usize) -> R + Send + Sync + 'static,
 {
-    posted(n, f, None::<fn()>)
+    run_parts(n, f, None::<fn()>)
 }
 
 /// [`run`], with `mine` run on this thread first, while the helpers start on `f`'s parts: work
@@ -151,12 +151,12 @@ where
     R: Send + 'static,
     F: Fn(usize) -> R + Send + Sync + 'static,
 {
-    posted(n, f, Some(mine))
+    run_parts(n, f, Some(mine))
 }
 
 /// [`run`] and [`run_beside`]: the parts are offered to the helpers when some other thread
 /// could take one (more than one part, or one beside `mine`).
-fn posted<R, F>(n: usize, f: F, mine: Option<impl FnOnce()>) -> Option<Vec<R>>
+fn run_parts<R, F>(n: usize, f: F, mine: Option<impl FnOnce()>) -> Option<Vec<R>>
 where
     R: Send + 'static,
     F: Fn(usize) -> R + Send + Sync + 'static,

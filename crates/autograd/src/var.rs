@@ -67,17 +67,17 @@ pub(crate) struct Node<B: Backend> {
     pub(crate) name: &'static str,
     /// Every input.
     pub(crate) inputs: Vec<Edge<B>>,
-    /// `inputs[i].need` for each input: the flags `backward` is called with.
+    /// Whether `inputs[i]` needed a gradient when the op ran: the flags `backward` is called
+    /// with.
     pub(crate) needs: Vec<bool>,
     pub(crate) backward: BackwardFn<B>,
 }
 
 /// A node's reference to one input: its graph state (not an op output's value, see the module
-/// docs), whether it needed a gradient when the op ran, and the shape, dtype and device the
-/// gradient returned for it must have.
+/// docs) and the shape, dtype and device the gradient returned for it must have (whether it
+/// needs one is [`Node::needs`]).
 pub(crate) struct Edge<B: Backend> {
     pub(crate) var: VarRef<B>,
-    pub(crate) need: bool,
     shape: Shape,
     dtype: DType,
     device: B::Device,
@@ -360,11 +360,9 @@ impl<B: Backend> Var<B> {
             name,
             inputs: inputs
                 .iter()
-                .zip(&needs)
-                .map(|(v, &need)| {
+                .map(|v| {
                     v.with_tensor(|t| Edge {
                         var: VarRef(v.0.clone()),
-                        need,
                         shape: t.shape().clone(),
                         dtype: t.dtype(),
                         device: t.device().clone(),
@@ -646,8 +644,8 @@ impl<B: Backend> Var<B> {
         let mut last_use: FastMap<VarId, usize> = FastMap::default();
         for (pos, v) in order.iter().enumerate() {
             if let Some(node) = v.node() {
-                for e in &node.inputs {
-                    if e.need && e.var.node().is_none() && e.var.freed_name().is_none() {
+                for (e, &need) in node.inputs.iter().zip(&node.needs) {
+                    if need && e.var.node().is_none() && e.var.freed_name().is_none() {
                         last_use.entry(e.var.id()).or_insert(pos);
                     }
                 }
@@ -715,14 +713,14 @@ impl<B: Backend> Var<B> {
         // Leaf inputs with gradient hooks whose last use this is: their gradients are
         // complete once this node's backward for them ran, so they go first (and their hooks
         // run) before the other inputs' (rare: built only when there is one).
-        let first_of = |e: &Edge<B>| {
-            e.need
-                && e.var.node().is_none()
+        let first_of = |(e, &need): (&Edge<B>, &bool)| {
+            need && e.var.node().is_none()
                 && last_use.get(&e.var.id()) == Some(&pos)
                 && e.var.has_grad_hooks()
         };
-        if node.inputs.iter().any(first_of) {
-            let first: Vec<bool> = node.inputs.iter().map(first_of).collect();
+        let inputs = || node.inputs.iter().zip(needs);
+        if inputs().any(first_of) {
+            let first: Vec<bool> = inputs().map(first_of).collect();
             let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
             if rest.iter().any(|&r| r) {
                 let early = (node.backward)(&g, &first)?;
@@ -862,8 +860,8 @@ fn topo_order<B: Backend>(root: &Var<B>) -> Vec<VarRef<B>> {
         let node = v.node();
         stack.push((v, true));
         if let Some(node) = node {
-            for e in &node.inputs {
-                if e.need && e.var.node().is_some() && !seen.contains(&e.var.id()) {
+            for (e, &need) in node.inputs.iter().zip(&node.needs) {
+                if need && e.var.node().is_some() && !seen.contains(&e.var.id()) {
                     stack.push((e.var.clone(), false));
                 }
             }

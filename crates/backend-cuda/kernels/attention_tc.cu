@@ -124,16 +124,28 @@ __device__ __forceinline__ u32 tc_saddr(const void* p) {
     return (u32)a;
 }
 
-__device__ __forceinline__ void tc_ldsm(u32 r[4], const u16* p) {
+// ldmatrix from a shared-memory byte address (the callers compute a lane's address once and
+// add constants in their unrolled loops: converting a generic pointer per load cost several
+// integer instructions per ldmatrix).
+__device__ __forceinline__ void tc_ldsm(u32 r[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(tc_saddr(p)));
+                 : "r"(addr));
 }
 
-__device__ __forceinline__ void tc_ldsm_t(u32 r[4], const u16* p) {
+__device__ __forceinline__ void tc_ldsm_t(u32 r[4], u32 addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(tc_saddr(p)));
+                 : "r"(addr));
+}
+
+// 2^x by the special-function unit, subnormal results flushed to zero (a softmax weight below
+// 2^-126 of the row's largest adds nothing an f32 sum can hold): one instruction, where
+// exp2f adds its subnormal scaling around it.
+__device__ __forceinline__ float tc_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 
 // c += a b for one m16n8k16 tile (`S` picks the 16-bit input format).
@@ -167,8 +179,8 @@ template <> __device__ __forceinline__ u32 tc_pack<f16>(float lo, float hi) {
 }
 
 // 16 bytes from global `src` to shared `dst` without waiting (zeros instead when !ok).
-__device__ __forceinline__ void tc_cp16(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(tc_saddr(dst)), "l"(src),
+__device__ __forceinline__ void tc_cp16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
                  "r"(ok ? 16 : 0));
 }
 __device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -192,12 +204,22 @@ template <int ROWS, int DT, typename E>
 __device__ __forceinline__ void tc_load(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
                                         u64 nrows, u64 ncols) {
     constexpr int P = TcPitch<E, DT>::P, V = 16 / (int)sizeof(E);  // V: elements per vector
+    // A thread copies the same column of rows r, r + STEP, r + 2 STEP, ...: its first source
+    // address and its bounds are computed once, then advanced by a constant.
+    constexpr int PER_ROW = DT / V, STEP = TC_NT / PER_ROW, PASSES = ROWS / STEP;
+    static_assert(TC_NT % PER_ROW == 0 && ROWS % STEP == 0, "tile rows per pass");
     if (((u64)src & 15) == 0 && rs % V == 0 && ncols % V == 0) {
-        for (int idx = threadIdx.x; idx < ROWS * DT / V; idx += TC_NT) {
-            const int r = idx / (DT / V), c = (idx % (DT / V)) * V;
-            const u64 gr = r0 + (u64)r;
-            const bool ok = gr < nrows && (u64)c < ncols;
-            tc_cp16(dst + r * P + c, ok ? src + gr * rs + (u64)c : src, ok);
+        const int r = threadIdx.x / PER_ROW, c = (threadIdx.x % PER_ROW) * V;
+        const bool cok = (u64)c < ncols;
+        const u64 gr = r0 + (u64)r;
+        const E* s = src + gr * rs + (u64)c;
+        const u64 step = (u64)STEP * rs;
+        const u32 d = tc_saddr(dst + r * P + c);
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+            const bool ok = cok && gr + (u64)(i * STEP) < nrows;
+            tc_cp16(d + (u32)(i * STEP * P * (int)sizeof(E)), ok ? s : src, ok);
+            s += step;
         }
     } else {
         for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
@@ -214,15 +236,19 @@ template <typename S, int K, int NT, int DT>
 __device__ __forceinline__ void tc_mm_nt(float acc[NT][4], const u16* A, const u16* B) {
     constexpr int P = DT + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's element (row, column) at kk = n = 0, as byte addresses; the loops add
+    // constants: A (row lane % 16, column (lane / 16) 8 + 16 kk), B (row 16 n + lane % 8 +
+    // (lane / 16) 8, column ((lane / 8) % 2) 8 + 16 kk).
+    const u32 a0 = tc_saddr(A + (lane & 15) * P + (lane >> 4) * 8);
+    const u32 b0 = tc_saddr(B + ((lane & 7) + (lane >> 4) * 8) * P + ((lane >> 3) & 1) * 8);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
         u32 a[4];
-        tc_ldsm(a, A + (lane & 15) * P + kk * 16 + (lane >> 4) * 8);
+        tc_ldsm(a, a0 + kk * 32);
 #pragma unroll
         for (int n = 0; n < NT / 2; ++n) {
             u32 b[4];
-            tc_ldsm(b, B + (n * 16 + (lane & 7) + (lane >> 4) * 8) * P + kk * 16 +
-                           ((lane >> 3) & 1) * 8);
+            tc_ldsm(b, b0 + (n * 16 * P + kk * 16) * 2);
             tc_mma<S>(acc[2 * n], a, b[0], b[1]);
             tc_mma<S>(acc[2 * n + 1], a, b[2], b[3]);
         }
@@ -234,13 +260,15 @@ template <typename S, int K, int NT, int DT>
 __device__ __forceinline__ void tc_mm_rn(float acc[NT][4], const u32 a[K / 16][4], const u16* B) {
     constexpr int P = DT + 8;
     const int lane = threadIdx.x & 31;
+    // The lane's element at kk = n = 0 (row lane % 8 + ((lane / 8) % 2) 8 + 16 kk, column
+    // (lane / 16) 8 + 16 n) as a byte address; the loops add constants.
+    const u32 b0 = tc_saddr(B + ((lane & 7) + ((lane >> 3) & 1) * 8) * P + (lane >> 4) * 8);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
 #pragma unroll
         for (int n = 0; n < NT / 2; ++n) {
             u32 b[4];
-            tc_ldsm_t(b, B + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * P + n * 16 +
-                             (lane >> 4) * 8);
+            tc_ldsm_t(b, b0 + (kk * 16 * P + n * 16) * 2);
             tc_mma<S>(acc[2 * n], a[kk], b[0], b[1]);
             tc_mma<S>(acc[2 * n + 1], a[kk], b[2], b[3]);
         }
@@ -420,16 +448,45 @@ __device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 
 
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // [nrows, ncols] output `out` of row stride `rs` (columns < ncols; unit column stride).
+template <typename S> struct TcPair;  // two S as one aligned vector
+template <> struct TcPair<float> { typedef float2 T; };
+template <> struct TcPair<f16> { typedef u32 T; };
+template <> struct TcPair<bf16> { typedef u32 T; };
+__device__ __forceinline__ float2 tc_pair(float lo, float hi, float*) { return make_float2(lo, hi); }
+// (16-bit pairs through `narrow`, as the element stores: the same rounding and NaN payloads.)
+__device__ __forceinline__ u32 tc_pair(float lo, float hi, f16*) {
+    return (u32)narrow<f16>(lo).x | ((u32)narrow<f16>(hi).x << 16);
+}
+__device__ __forceinline__ u32 tc_pair(float lo, float hi, bf16*) {
+    return (u32)narrow<bf16>(lo).x | ((u32)narrow<bf16>(hi).x << 16);
+}
+
 template <typename S, int DT>
 __device__ __forceinline__ void tc_store(S* out, const float c[DT / 8][4], u64 r0, u64 nrows,
                                          u64 rs, u64 ncols, float mul0, float mul1) {
+    // A lane's elements e = 0, 1 (and 2, 3) are columns 2t, 2t + 1 of one row: one vector
+    // store when the pair is aligned (even row stride and width, aligned base), else two.
+    typedef typename TcPair<S>::T V;
+    const bool pairs = ((u64)out % sizeof(V)) == 0 && rs % 2 == 0 && ncols % 2 == 0;
 #pragma unroll
-    for (int n = 0; n < DT / 8; ++n)
+    for (int h = 0; h < 2; ++h) {
+        const u64 r = r0 + tc_row(2 * h);
+        if (r >= nrows) continue;
+        S* row = out + r * rs;
+        const float mul = h == 0 ? mul0 : mul1;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const u64 r = r0 + tc_row(e), col = tc_col(n, e);
-            if (r < nrows && col < ncols) out[r * rs + col] = narrow<S>(c[n][e] * (e < 2 ? mul0 : mul1));
+        for (int n = 0; n < DT / 8; ++n) {
+            const u64 col = tc_col(n, 0);
+            if (col >= ncols) continue;
+            const float lo = c[n][2 * h] * mul, hi = c[n][2 * h + 1] * mul;
+            if (pairs) {
+                *(V*)(row + col) = tc_pair(lo, hi, (S*)nullptr);
+            } else {
+                row[col] = narrow<S>(lo);
+                if (col + 1 < ncols) row[col + 1] = narrow<S>(hi);
+            }
         }
+    }
 }
 
 
@@ -497,7 +554,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 const float mnew = fmaxf(m[h], tc_quad_max(mx[h]));
                 // A row with no key yet keeps max -inf: shift by 0 so exp2 gives 0, not NaN.
                 base[h] = mnew == -att_inf() ? 0.f : mnew;
-                const float alpha = exp2f(m[h] - base[h]);
+                const float alpha = tc_exp2(m[h] - base[h]);
                 m[h] = mnew;
                 l[h] *= alpha;  // the lane's partial sum; the quad's are added at the end
     #pragma unroll
@@ -510,7 +567,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = exp2f(s[n][e] - base[e >> 1]);
+                    const float p = tc_exp2(s[n][e] - base[e >> 1]);
                     l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
                     s[n][e] = a.dropout && p > 0.f
                                   ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
@@ -608,7 +665,7 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                     const int c = tc_col(n, e);
                     const u64 kj = w0 + tc_row(e), qi = q0 + c;
                     const bool ok = full || att_keep(a, qi, kj);
-                    const float p = ok ? exp2f(st[n][e] * a.scale2 - cL[c]) : 0.f;
+                    const float p = ok ? tc_exp2(st[n][e] * a.scale2 - cL[c]) : 0.f;
                     const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
                     st[n][e] = p * z;
                     dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
@@ -689,7 +746,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                 for (int e = 0; e < 4; ++e) {
                     const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
                     const bool ok = full || att_keep(a, qi, kj);
-                    const float p = ok ? exp2f(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
+                    const float p = ok ? tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
                     const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
                     dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
                 }

@@ -538,16 +538,28 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             float s[BK / 8][4];
             tc_zero<BK / 8>(s);
             O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
+            // Scaled scores, the masked ones -inf. Only a tile that crosses the mask or the
+            // matrix's edge tests its elements (the loops below stay free of branches: a
+            // per-element test cost a branch and its convergence barrier per element).
+            if (tc_full(a, w0, 16, k0, BK)) {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
+            } else {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        s[n][e] = att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e))
+                                      ? s[n][e] * a.scale2
+                                      : -att_inf();
+            }
             float mx[2] = {-att_inf(), -att_inf()};
-            const bool full = tc_full(a, w0, 16, k0, BK);
     #pragma unroll
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const bool ok = full || att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e));
-                    s[n][e] = ok ? s[n][e] * a.scale2 : -att_inf();
-                    mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
-                }
+                for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[n][e]);
             float base[2];
     #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -567,12 +579,15 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const float p = tc_exp2(s[n][e] - base[e >> 1]);
-                    l[e >> 1] += p;  // the normalizer counts every weight; dropout scales the product
-                    s[n][e] = a.dropout && p > 0.f
-                                  ? p * att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e))
-                                  : p;
+                    s[n][e] = tc_exp2(s[n][e] - base[e >> 1]);
+                    l[e >> 1] += s[n][e];  // the normalizer counts every weight
                 }
+            if (a.dropout)  // dropout scales the product
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (s[n][e] > 0.f) s[n][e] *= att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e));
             O::template rn<BK, DT / 8, DT>(acc, s, cV);
         }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
@@ -657,19 +672,36 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             tc_zero<BQ / 8>(dpt);
             O::template nt<DT, BQ / 8, DT>(st, sK + warp * 16 * P, cQ);
             O::template nt<DT, BQ / 8, DT>(dpt, sV + warp * 16 * P, cG);
-            const bool full = tc_full(a, q0, BQ, w0, 16);
+            // P^T, then dS^T; masked weights 0 (tested only in tiles that cross the mask or
+            // the edge), dropout's multiplier z drawn only where a weight is nonzero (z does
+            // not change a zero weight's terms).
     #pragma unroll
             for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int c = tc_col(n, e);
-                    const u64 kj = w0 + tc_row(e), qi = q0 + c;
-                    const bool ok = full || att_keep(a, qi, kj);
-                    const float p = ok ? tc_exp2(st[n][e] * a.scale2 - cL[c]) : 0.f;
-                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                    st[n][e] = p * z;
-                    dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
-                }
+                for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] * a.scale2 - cL[tc_col(n, e)]);
+            if (!tc_full(a, q0, BQ, w0, 16))
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!att_keep(a, q0 + tc_col(n, e), w0 + tc_row(e))) st[n][e] = 0.f;
+            if (a.dropout) {
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int c = tc_col(n, e);
+                        const float p = st[n][e];
+                        const float z = p > 0.f ? att_drop(a, b, q0 + c, w0 + tc_row(e)) : 1.f;
+                        st[n][e] = p * z;
+                        dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
+                    }
+            } else {
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) dpt[n][e] = st[n][e] * (dpt[n][e] - cD[tc_col(n, e)]);
+            }
             O::template rn<BQ, DT / 8, DT>(adv, st, cG);   // dV += (P^T z) dO
             O::template rn<BQ, DT / 8, DT>(adk, dpt, cQ);  // dK += dS^T Q
         }
@@ -739,17 +771,32 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             tc_zero<BK / 8>(dp);
             O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
             O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
-            const bool full = tc_full(a, w0, 16, k0, BK);
+            // P, then dS (as in attn_tc_dkdv).
     #pragma unroll
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                    const bool ok = full || att_keep(a, qi, kj);
-                    const float p = ok ? tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]) : 0.f;
-                    const float z = a.dropout && ok ? att_drop(a, b, qi, kj) : 1.f;
-                    dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
-                }
+                for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]);
+            if (!tc_full(a, w0, 16, k0, BK))
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if (!att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
+            if (a.dropout) {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float p = s[n][e];
+                        const float z = p > 0.f ? att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e)) : 1.f;
+                        dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
+                    }
+            } else {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) dp[n][e] = s[n][e] * (dp[n][e] - dri[e >> 1]);
+            }
             O::template rn<BK, DT / 8, DT>(adq, dp, cK);  // dQ += dS K
         }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it

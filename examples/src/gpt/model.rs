@@ -4,9 +4,10 @@
 //! self-attention with one fused QKV projection → residual; LN → MLP 4× with GELU → residual),
 //! a final LayerNorm and an output layer tied to the token embedding. The attention is
 //! [`MultiheadAttention`] with [`AttnMask::Causal`] (its `in_proj_weight` is nanoGPT's
-//! `c_attn.weight`, its `out_proj` nanoGPT's `c_proj`), so kiln-autograd's attention (two
-//! batched products around one masked-softmax node; no flash kernel yet) does the work and the
-//! example adds no op of its own.
+//! `c_attn.weight`, its `out_proj` nanoGPT's `c_proj`), so kiln-autograd's attention does the
+//! work (on the GPU one fused flash-style kernel a pass, reading the packed projection in
+//! place; on the CPU two batched products around one masked-softmax node) and the example adds
+//! no op of its own.
 //!
 //! Initialization is nanoGPT's `_init_weights`: every weight matrix and embedding `N(0, 0.02)`,
 //! the two projections back into the residual stream `N(0, 0.02/√(2·n_layer))`, LayerNorm

@@ -201,6 +201,10 @@ template <typename E, int DT> struct TcPitch { static constexpr int P = DT + 16 
 // (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
 // plain stores (visible after the __syncthreads).
 template <int ROWS, int DT, typename E>
+__device__ __noinline__ void tc_load_elements(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
+                                              u64 nrows, u64 ncols);
+
+template <int ROWS, int DT, typename E>
 __device__ __forceinline__ void tc_load(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
                                         u64 nrows, u64 ncols) {
     constexpr int P = TcPitch<E, DT>::P, V = 16 / (int)sizeof(E);  // V: elements per vector
@@ -210,23 +214,35 @@ __device__ __forceinline__ void tc_load(E* dst, const E* __restrict__ src, u64 r
     static_assert(TC_NT % PER_ROW == 0 && ROWS % STEP == 0, "tile rows per pass");
     if (((u64)src & 15) == 0 && rs % V == 0 && ncols % V == 0) {
         const int r = threadIdx.x / PER_ROW, c = (threadIdx.x % PER_ROW) * V;
-        const bool cok = (u64)c < ncols;
         const u64 gr = r0 + (u64)r;
+        // This thread's rows left in the matrix (at most ROWS; none past a narrow head).
+        const int left = (u64)c >= ncols || gr >= nrows ? 0
+                         : nrows - gr >= (u64)ROWS  ? ROWS
+                                                    : (int)(nrows - gr);
         const E* s = src + gr * rs + (u64)c;
         const u64 step = (u64)STEP * rs;
         const u32 d = tc_saddr(dst + r * P + c);
 #pragma unroll
         for (int i = 0; i < PASSES; ++i) {
-            const bool ok = cok && gr + (u64)(i * STEP) < nrows;
+            const bool ok = i * STEP < left;
             tc_cp16(d + (u32)(i * STEP * P * (int)sizeof(E)), ok ? s : src, ok);
             s += step;
         }
     } else {
-        for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
-            const int r = idx / DT, c = idx % DT;
-            const u64 gr = r0 + (u64)r;
-            dst[r * P + c] = gr < nrows && (u64)c < ncols ? src[gr * rs + (u64)c] : (E)0;
-        }
+        tc_load_elements<ROWS, DT>(dst, src, rs, r0, nrows, ncols);
+    }
+}
+
+// tc_load's element by element path (operands not aligned for 16-byte vectors), out of line:
+// inlined, its index arithmetic was scheduled ahead of the vector path's branch.
+template <int ROWS, int DT, typename E>
+__device__ __noinline__ void tc_load_elements(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
+                                              u64 nrows, u64 ncols) {
+    constexpr int P = TcPitch<E, DT>::P;
+    for (int idx = threadIdx.x; idx < ROWS * DT; idx += TC_NT) {
+        const int r = idx / DT, c = idx % DT;
+        const u64 gr = r0 + (u64)r;
+        dst[r * P + c] = gr < nrows && (u64)c < ncols ? src[gr * rs + (u64)c] : (E)0;
     }
 }
 

@@ -196,14 +196,14 @@ template <typename E, int DT> struct TcPitch { static constexpr int P = DT + 16 
 // (The kernels' dynamic shared memory is declared u16 whatever E is, and cast: declared as
 // bytes, ptxas gave the 16-bit dQ kernels ~40 registers more, NVRTC 13.0, sm_90.)
 
-// Rows r0 .. r0+ROWS of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
-// shared [ROWS][TcPitch] tile of E, zeros outside the matrix. 16-byte vectors go by cp.async
-// (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
-// plain stores (visible after the __syncthreads).
 template <int ROWS, int DT, typename E>
 __device__ __noinline__ void tc_load_elements(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
                                               u64 nrows, u64 ncols);
 
+// Rows r0 .. r0+ROWS of a [nrows, ncols] matrix (row stride rs, unit column stride) into a
+// shared [ROWS][TcPitch] tile of E, zeros outside the matrix. 16-byte vectors go by cp.async
+// (they land after the caller's tc_commit, tc_wait and __syncthreads), anything else by
+// plain stores (visible after the __syncthreads).
 template <int ROWS, int DT, typename E>
 __device__ __forceinline__ void tc_load(E* dst, const E* __restrict__ src, u64 rs, u64 r0,
                                         u64 nrows, u64 ncols) {

@@ -58,6 +58,7 @@ mod device;
 mod elementwise;
 mod expr;
 mod fastmath;
+mod gemm_nt;
 mod half;
 mod index;
 mod lazy;

@@ -11,6 +11,10 @@
 //! gain from the second core too. Many small products are spread across cores with rayon, one
 //! product per task.
 //!
+//! f32 products whose operands are both contiguous along the depth (`x · Wᵀ`, a Linear layer's
+//! forward) run on [`gemm_nt`](crate::gemm_nt) where the CPU has AVX-512 (no packing; a split
+//! is then always by rows, in finer parts since no part repeats any packing).
+//!
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
 //! matrix on every call to do one multiply-add per element. They run as dot products over
 //! contiguous rows or as axpys over contiguous columns, whichever the matrix's layout makes
@@ -25,6 +29,7 @@ use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ShapeBuilder, s};
 use rayon::prelude::*;
 
 use crate::elementwise::{dtype_err, slice};
+use crate::gemm_nt::{self, Rows};
 use crate::pool;
 use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
 
@@ -35,6 +40,13 @@ const SMALL_GEMM: usize = 1 << 18;
 const SPLIT_GEMM: usize = 1 << 21;
 /// The smallest part of a split product, in multiply-adds (about 10 µs of one core's work).
 const GEMM_PART: usize = 1 << 19;
+/// The size of a part of a split [`gemm_nt`] product, in multiply-adds (about 6 µs of one
+/// core's work): with nothing packed per part, finer parts only cost their copy into place,
+/// and they let a helper that wakes late (~21 µs on the 2-core VM) still take an even share.
+const NT_PART: usize = 1 << 20;
+/// The shortest depth that goes to [`gemm_nt`]: below one 16-lane vector most of its work is
+/// the fold of the accumulators.
+const NT_MIN_K: usize = 16;
 
 /// How one product is shared among cores. Each part is a single-threaded GEMM that packs its
 /// own panels of `a` and `b`, so every split duplicates some work: splitting the rows of the
@@ -151,6 +163,9 @@ fn gemm<T: CpuElem + LinalgScalar>(
         return Ok(storage(a.device(), out));
     }
     let one = |bi: usize, o: &mut [T]| -> Result<()> {
+        if nt_rows(x, &ma, y, &mb, bi, 0..m, o) {
+            return Ok(());
+        }
         let av = ma.view(x, bi)?;
         let bv = mb.view(y, bi)?;
         let mut cv = ArrayViewMut2::from_shape((m, n), o)
@@ -217,6 +232,17 @@ fn part<T: CpuElem + LinalgScalar>(
 ) -> Result<Vec<T>> {
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
+    if split == Split::Rows && nt_fits::<T>(ma, mb) {
+        let n = mb.cols;
+        if kiln_core::profile::enabled() {
+            crate::storage::profile_alloc("matmul", dev, r.len() * n * size_of::<T>());
+        }
+        let mut out = new_vec::<T>("matmul", dev, r.len() * n)?;
+        if nt_rows(x, &ma, y, &mb, 0, r, &mut out) {
+            return Ok(out);
+        }
+        return Err(Error::backend("matmul", "gemm_nt refused its own part"));
+    }
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
     if kiln_core::profile::enabled() {
         crate::storage::profile_alloc("matmul", dev, av.nrows() * bv.ncols() * size_of::<T>());
@@ -229,7 +255,8 @@ fn part<T: CpuElem + LinalgScalar>(
 }
 
 /// `out = a · b` for one product (row-major `out`), cut as [`Split::pick`] decides into
-/// parts (one or two per core, [`pool::parts`]): this thread writes the first straight into
+/// parts (one or two per core, [`pool::parts`]; a [`gemm_nt`] product by rows into parts of
+/// [`NT_PART`]): this thread writes the first straight into
 /// `out` while the [`pool`](crate::pool) helpers start on the others, which it then joins in
 /// claiming; those are computed into buffers of their own and then copied (or, for a depth
 /// split, added in part order) into place.
@@ -239,13 +266,23 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     out: &mut [T],
 ) -> Result<()> {
     let (m, k, n) = (ma.rows, ma.cols, mb.cols);
-    let split = Split::pick(m, k, n);
+    let nt = nt_fits::<T>(*ma, *mb);
+    let split = if nt {
+        Split::Rows
+    } else {
+        Split::pick(m, k, n)
+    };
     let len = match split {
         Split::Rows => m,
         Split::Cols => n,
         Split::Depth => k,
     };
-    let ranges = cut(len, pool::parts(m * k * n, GEMM_PART), 1);
+    let ranges = if nt {
+        let parts = (m * k * n / NT_PART).clamp(1, 8 * pool::cores());
+        cut(m, parts, gemm_nt::TILE)
+    } else {
+        cut(len, pool::parts(m * k * n, GEMM_PART), 1)
+    };
     let (ma, mb, dev) = (*ma, *mb, a.device());
     let (ad, bd) = (a.shared()?, b.shared()?);
     let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
@@ -255,8 +292,15 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     // the others (each into a buffer of its own, copied or, for a depth split, added after).
     let rest = ranges[1..].to_vec();
     let first = || {
-        let (a0, b0) = split.operands(av, bv, ranges[0].clone());
-        let mut t = split.target(&mut c, ranges[0].clone());
+        let r = ranges[0].clone();
+        if nt
+            && let Some(o) = c.as_slice_mut()
+            && nt_rows(x, &ma, y, &mb, 0, r.clone(), &mut o[..r.len() * n])
+        {
+            return;
+        }
+        let (a0, b0) = split.operands(av, bv, r.clone());
+        let mut t = split.target(&mut c, r);
         general_mat_mul(T::one(), &a0, &b0, T::zero(), &mut t);
     };
     let jobs = rest.clone();
@@ -276,6 +320,58 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         }
     }
     Ok(())
+}
+
+/// Whether `a · b` goes to [`gemm_nt`]: f32 on a processor with AVX-512, the rows of `a` and
+/// the columns of `b` contiguous (unit stride along the depth), a depth of at least
+/// [`NT_MIN_K`], and a product, not a matrix-vector product.
+fn nt_fits<T: CpuElem>(ma: Mat, mb: Mat) -> bool {
+    T::DTYPE == DType::F32
+        && ma.cs == 1
+        && mb.rs == 1
+        && ma.cols >= NT_MIN_K
+        && ma.rows >= 2
+        && mb.cols >= 2
+        && gemm_nt::available()
+}
+
+/// Rows `r` of batch `bi`'s product `a · b` into `o` (`r.len()` rows of `b`'s width, row-major)
+/// through [`gemm_nt`] if [`nt_fits`]; false (nothing written) if not.
+fn nt_rows<T: CpuElem>(
+    x: &[T],
+    ma: &Mat,
+    y: &[T],
+    mb: &Mat,
+    bi: usize,
+    r: Range<usize>,
+    o: &mut [T],
+) -> bool {
+    if !nt_fits::<T>(*ma, *mb) {
+        return false;
+    }
+    // Casts that change nothing: T is f32 (its DTYPE says so, and CpuElem types are distinct).
+    let (Ok(x), Ok(y), Ok(o)) = (
+        bytemuck::try_cast_slice::<T, f32>(x),
+        bytemuck::try_cast_slice::<T, f32>(y),
+        bytemuck::try_cast_slice_mut::<T, f32>(o),
+    ) else {
+        return false;
+    };
+    let a = Rows {
+        data: x,
+        off: ma.off + bi * ma.bstride + r.start * ma.rs,
+        stride: ma.rs,
+        rows: r.len(),
+    };
+    // The columns of `b` are rows of `k` contiguous elements, `cs` apart.
+    let b = Rows {
+        data: y,
+        off: mb.off + bi * mb.bstride,
+        stride: mb.cs,
+        rows: mb.cols,
+    };
+    gemm_nt::product(a, b, ma.cols, o, mb.cols);
+    true
 }
 
 /// `0..len` in `parts` ranges of whole multiples of `align` (the last one shorter).

@@ -132,3 +132,54 @@ fn small_matrix_vector_products_are_exact_in_every_row() {
         }
     }
 }
+
+#[test]
+fn products_of_depth_contiguous_operands_match_f64_in_every_element() {
+    // `x · Wᵀ` (both operands contiguous along the depth: the AVX-512 `gemm_nt` path where the
+    // CPU has it): below and above the split threshold, sizes off the 4x4 tile and the 16-lane
+    // vector, a batch with a broadcast weight; every element against f64, and the first rows
+    // of a split product bit for bit against the same rows computed alone (no split).
+    let dev = Cpu::device(0);
+    for (batch, m, k, n) in [
+        (1, 2, 16, 2),
+        (1, 5, 17, 7),
+        (1, 100, 784, 100),
+        (1, 101, 785, 99),
+        (1, 301, 400, 30),
+        (3, 9, 33, 6),
+    ] {
+        let x = Generator::new(6).randn::<Cpu>([batch, m, k], &dev).unwrap();
+        let w = Generator::new(7).randn::<Cpu>([n, k], &dev).unwrap();
+        let wt = w.t().unwrap().unsqueeze(0).unwrap();
+        let wt = wt.broadcast_to([batch, k, n]).unwrap();
+        let c = x.matmul(&wt).unwrap().to_vec::<f32>().unwrap();
+        let (xv, wv) = (x.to_vec::<f32>().unwrap(), w.to_vec::<f32>().unwrap());
+        for bi in 0..batch {
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|p| xv[(bi * m + i) * k + p] as f64 * wv[j * k + p] as f64)
+                        .sum();
+                    let got = c[(bi * m + i) * n + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-3,
+                        "{batch}x{m}x{k}x{n}: c[{bi}][{i}][{j}] = {got}, want {want}"
+                    );
+                }
+            }
+        }
+        let top = x.narrow(1, 0, 2).unwrap().matmul(&wt).unwrap();
+        assert_eq!(
+            top.to_vec::<f32>().unwrap(),
+            x.matmul(&wt)
+                .unwrap()
+                .narrow(1, 0, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap(),
+            "{batch}x{m}x{k}x{n}: rows alone and in a split product differ"
+        );
+    }
+}

@@ -58,6 +58,7 @@ mod device;
 mod elementwise;
 mod expr;
 mod fastmath;
+mod gemm_nn;
 mod gemm_nt;
 mod half;
 mod index;

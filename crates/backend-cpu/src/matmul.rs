@@ -11,9 +11,11 @@
 //! gain from the second core too. Many small products are spread across cores with rayon, one
 //! product per task.
 //!
-//! f32 products whose operands are both contiguous along the depth (`x · Wᵀ`, a Linear layer's
-//! forward) run on [`gemm_nt`](crate::gemm_nt) where the CPU has AVX-512 (no packing; a split
-//! is then always by rows, in finer parts since no part repeats any packing).
+//! Where the CPU has AVX-512, f32 products of moderate size run on kiln's own kernels, which
+//! copy nothing (see [`Own`]): [`gemm_nt`](crate::gemm_nt) when both operands are contiguous
+//! along the depth (`x · Wᵀ`, a Linear layer's forward), [`gemm_nn`](crate::gemm_nn) when the
+//! right one is row-major (`g · W`, `gᵀ · x`: the backward). A split is then always by rows,
+//! in finer parts (no part repeats any packing), and only from [`OWN_SPLIT`] up.
 //!
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
 //! matrix on every call to do one multiply-add per element. They run as dot products over
@@ -29,6 +31,7 @@ use ndarray::{ArrayView2, ArrayViewMut2, LinalgScalar, ShapeBuilder, s};
 use rayon::prelude::*;
 
 use crate::elementwise::{dtype_err, slice};
+use crate::gemm_nn::{self, Strided};
 use crate::gemm_nt::{self, Rows};
 use crate::pool;
 use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
@@ -40,13 +43,23 @@ const SMALL_GEMM: usize = 1 << 18;
 const SPLIT_GEMM: usize = 1 << 21;
 /// The smallest part of a split product, in multiply-adds (about 10 µs of one core's work).
 const GEMM_PART: usize = 1 << 19;
-/// The size of a part of a split [`gemm_nt`] product, in multiply-adds (about 6 µs of one
-/// core's work): with nothing packed per part, finer parts only cost their copy into place,
-/// and they let a helper that wakes late (~21 µs on the 2-core VM) still take an even share.
-const NT_PART: usize = 1 << 20;
+/// The size of a part of a split product on an [`Own`] kernel, in multiply-adds (about 5 µs
+/// of one core's work): with nothing packed per part, finer parts only cost their copy into
+/// place, and they let a helper that wakes late still take an even share.
+const OWN_PART: usize = 1 << 20;
+/// Products on an [`Own`] kernel are split across cores from this many multiply-adds (about
+/// 18 µs of one core's work). On the 2-core VM waking a sleeping helper costs the caller
+/// 3.5-7 µs in the futex call and the helper starts 15-25 µs after it (2026-11-28), so below
+/// this the caller would finish alone about as soon.
+const OWN_SPLIT: usize = 1 << 22;
 /// The shortest depth that goes to [`gemm_nt`]: below one 16-lane vector most of its work is
 /// the fold of the accumulators.
 const NT_MIN_K: usize = 16;
+/// [`Own`] kernels take depths up to this, and operands of up to [`OWN_MAX_LEN`] elements:
+/// they have no cache blocking (a tile's rows of both operands stay in L1 and L2 only while
+/// they are this small), larger products keep matrixmultiply's.
+const OWN_MAX_K: usize = 1024;
+const OWN_MAX_LEN: usize = 1 << 20;
 
 /// How one product is shared among cores. Each part is a single-threaded GEMM that packs its
 /// own panels of `a` and `b`, so every split duplicates some work: splitting the rows of the
@@ -163,7 +176,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
         return Ok(storage(a.device(), out));
     }
     let one = |bi: usize, o: &mut [T]| -> Result<()> {
-        if nt_rows(x, &ma, y, &mb, bi, 0..m, o) {
+        if own_rows(x, &ma, y, &mb, bi, 0..m, o) {
             return Ok(());
         }
         let av = ma.view(x, bi)?;
@@ -177,7 +190,11 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.par_chunks_mut(m * n)
             .enumerate()
             .try_for_each(|(bi, o)| one(bi, o))?;
-    } else if batch == 1 && m * n * k >= SPLIT_GEMM && m.min(n) >= 16 && pool::cores() > 1 {
+    } else if batch == 1
+        && m * n * k >= own_kernel::<T>(ma, mb).map_or(SPLIT_GEMM, |_| OWN_SPLIT)
+        && m.min(n) >= 16
+        && pool::cores() > 1
+    {
         split_gemm((a, &ma), (b, &mb), &mut out)?;
     } else {
         for (bi, o) in out.chunks_mut(m * n).enumerate() {
@@ -232,16 +249,16 @@ fn part<T: CpuElem + LinalgScalar>(
 ) -> Result<Vec<T>> {
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
-    if split == Split::Rows && nt_fits::<T>(ma, mb) {
+    if split == Split::Rows && own_kernel::<T>(ma, mb).is_some() {
         let n = mb.cols;
         if kiln_core::profile::enabled() {
             crate::storage::profile_alloc("matmul", dev, r.len() * n * size_of::<T>());
         }
         let mut out = new_vec::<T>("matmul", dev, r.len() * n)?;
-        if nt_rows(x, &ma, y, &mb, 0, r, &mut out) {
+        if own_rows(x, &ma, y, &mb, 0, r, &mut out) {
             return Ok(out);
         }
-        return Err(Error::backend("matmul", "gemm_nt refused its own part"));
+        return Err(Error::backend("matmul", "an own kernel refused its part"));
     }
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
     if kiln_core::profile::enabled() {
@@ -255,8 +272,8 @@ fn part<T: CpuElem + LinalgScalar>(
 }
 
 /// `out = a · b` for one product (row-major `out`), cut as [`Split::pick`] decides into
-/// parts (one or two per core, [`pool::parts`]; a [`gemm_nt`] product by rows into parts of
-/// [`NT_PART`]): this thread writes the first straight into
+/// parts (one or two per core, [`pool::parts`]; a product on an [`Own`] kernel by rows into
+/// parts of [`OWN_PART`]): this thread writes the first straight into
 /// `out` while the [`pool`](crate::pool) helpers start on the others, which it then joins in
 /// claiming; those are computed into buffers of their own and then copied (or, for a depth
 /// split, added in part order) into place.
@@ -266,8 +283,8 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     out: &mut [T],
 ) -> Result<()> {
     let (m, k, n) = (ma.rows, ma.cols, mb.cols);
-    let nt = nt_fits::<T>(*ma, *mb);
-    let split = if nt {
+    let own = own_kernel::<T>(*ma, *mb).is_some();
+    let split = if own {
         Split::Rows
     } else {
         Split::pick(m, k, n)
@@ -277,8 +294,8 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
         Split::Cols => n,
         Split::Depth => k,
     };
-    let ranges = if nt {
-        let parts = (m * k * n / NT_PART).clamp(1, 8 * pool::cores());
+    let ranges = if own {
+        let parts = (m * k * n / OWN_PART).clamp(1, 8 * pool::cores());
         cut(m, parts, gemm_nt::TILE)
     } else {
         cut(len, pool::parts(m * k * n, GEMM_PART), 1)
@@ -293,9 +310,9 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     let rest = ranges[1..].to_vec();
     let first = || {
         let r = ranges[0].clone();
-        if nt
+        if own
             && let Some(o) = c.as_slice_mut()
-            && nt_rows(x, &ma, y, &mb, 0, r.clone(), &mut o[..r.len() * n])
+            && own_rows(x, &ma, y, &mb, 0, r.clone(), &mut o[..r.len() * n])
         {
             return;
         }
@@ -322,22 +339,42 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     Ok(())
 }
 
-/// Whether `a · b` goes to [`gemm_nt`]: f32 on a processor with AVX-512, the rows of `a` and
-/// the columns of `b` contiguous (unit stride along the depth), a depth of at least
-/// [`NT_MIN_K`], and a product, not a matrix-vector product.
-fn nt_fits<T: CpuElem>(ma: Mat, mb: Mat) -> bool {
-    T::DTYPE == DType::F32
-        && ma.cs == 1
-        && mb.rs == 1
-        && ma.cols >= NT_MIN_K
-        && ma.rows >= 2
-        && mb.cols >= 2
-        && gemm_nt::available()
+/// kiln's own f32 kernels (AVX-512, nothing copied), each for one layout of the operands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Own {
+    /// [`gemm_nt`]: rows of `a` and columns of `b` contiguous (unit stride along the depth).
+    Nt,
+    /// [`gemm_nn`]: `b` row-major, `a` any strides.
+    Nn,
+}
+
+/// Which [`Own`] kernel computes `a · b`, if one does: f32 on a processor with AVX-512, a
+/// product (not a matrix-vector product) of at most [`OWN_MAX_K`] depth and operands of at
+/// most [`OWN_MAX_LEN`] elements, in a layout one of them takes.
+fn own_kernel<T: CpuElem>(ma: Mat, mb: Mat) -> Option<Own> {
+    let (m, k, n) = (ma.rows, ma.cols, mb.cols);
+    if T::DTYPE != DType::F32
+        || m < 2
+        || n < 2
+        || k > OWN_MAX_K
+        || m * k > OWN_MAX_LEN
+        || k * n > OWN_MAX_LEN
+        || !gemm_nt::available()
+    {
+        return None;
+    }
+    if ma.cs == 1 && mb.rs == 1 && k >= NT_MIN_K {
+        Some(Own::Nt)
+    } else if mb.cs == 1 {
+        Some(Own::Nn)
+    } else {
+        None
+    }
 }
 
 /// Rows `r` of batch `bi`'s product `a · b` into `o` (`r.len()` rows of `b`'s width, row-major)
-/// through [`gemm_nt`] if [`nt_fits`]; false (nothing written) if not.
-fn nt_rows<T: CpuElem>(
+/// on the [`own_kernel`] if there is one; false (nothing written) if not.
+fn own_rows<T: CpuElem>(
     x: &[T],
     ma: &Mat,
     y: &[T],
@@ -346,9 +383,9 @@ fn nt_rows<T: CpuElem>(
     r: Range<usize>,
     o: &mut [T],
 ) -> bool {
-    if !nt_fits::<T>(*ma, *mb) {
+    let Some(kernel) = own_kernel::<T>(*ma, *mb) else {
         return false;
-    }
+    };
     // Casts that change nothing: T is f32 (its DTYPE says so, and CpuElem types are distinct).
     let (Ok(x), Ok(y), Ok(o)) = (
         bytemuck::try_cast_slice::<T, f32>(x),
@@ -357,20 +394,48 @@ fn nt_rows<T: CpuElem>(
     ) else {
         return false;
     };
-    let a = Rows {
-        data: x,
-        off: ma.off + bi * ma.bstride + r.start * ma.rs,
-        stride: ma.rs,
-        rows: r.len(),
-    };
-    // The columns of `b` are rows of `k` contiguous elements, `cs` apart.
-    let b = Rows {
-        data: y,
-        off: mb.off + bi * mb.bstride,
-        stride: mb.cs,
-        rows: mb.cols,
-    };
-    gemm_nt::product(a, b, ma.cols, o, mb.cols);
+    let (k, n) = (ma.cols, mb.cols);
+    let (aoff, boff) = (
+        ma.off + bi * ma.bstride + r.start * ma.rs,
+        mb.off + bi * mb.bstride,
+    );
+    match kernel {
+        Own::Nt => {
+            let a = Rows {
+                data: x,
+                off: aoff,
+                stride: ma.rs,
+                rows: r.len(),
+            };
+            // The columns of `b` are rows of `k` contiguous elements, `cs` apart.
+            let b = Rows {
+                data: y,
+                off: boff,
+                stride: mb.cs,
+                rows: n,
+            };
+            gemm_nt::product(a, b, k, o, n);
+        }
+        Own::Nn => {
+            let a = Strided {
+                data: x,
+                off: aoff,
+                rs: ma.rs,
+                cs: ma.cs,
+                rows: r.len(),
+                cols: k,
+            };
+            let b = Strided {
+                data: y,
+                off: boff,
+                rs: mb.rs,
+                cs: 1,
+                rows: k,
+                cols: n,
+            };
+            gemm_nn::product(a, b, o, n);
+        }
+    }
     true
 }
 

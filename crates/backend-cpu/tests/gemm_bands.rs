@@ -183,3 +183,25 @@ fn products_of_depth_contiguous_operands_match_f64_in_every_element() {
         );
     }
 }
+
+#[test]
+fn products_with_a_row_major_right_operand_keep_their_bits_when_split() {
+    // `a · b` with `b` row-major (the AVX-512 `gemm_nn` path where the CPU has it), `a` plain
+    // and transposed (`gᵀ · x`): above the split threshold (100x100x784, a small MLP's first
+    // weight gradient) and below, against f64 (`check`), and the first rows computed alone
+    // give the same bits as in the whole (split) product.
+    for (m, k, n) in [(100, 100, 784), (100, 100, 100), (13, 7, 33), (301, 400, 300)] {
+        let b = rhs(k, n);
+        for (lhs, name) in operands(m, k) {
+            let what = format!("{m}x{k}x{n} {name}");
+            check(&lhs, &b, &what);
+            let top = lhs.narrow(0, 0, 3).unwrap().matmul(&b).unwrap();
+            let whole = lhs.matmul(&b).unwrap().narrow(0, 0, 3).unwrap();
+            assert_eq!(
+                top.to_vec::<f32>().unwrap(),
+                whole.contiguous().unwrap().to_vec::<f32>().unwrap(),
+                "{what}: rows alone and in a split product differ"
+            );
+        }
+    }
+}

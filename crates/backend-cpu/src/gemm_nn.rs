@@ -54,15 +54,40 @@ impl Strided<'_> {
 /// `out[i * ostride + j] = Σ_p a(i, p) · b(p, j)` for `a` (`m x k`, any strides) and a
 /// row-major `b` (`k x n`, `b.cs == 1`). Panics if [`available`] is false, if `b` is not
 /// row-major, or if an operand or the output lies outside its slice.
+#[cfg(test)]
 pub(crate) fn product(a: Strided<'_>, b: Strided<'_>, out: &mut [f32], ostride: usize) {
+    let (m, n) = (a.rows, b.cols);
+    assert!(
+        m == 0
+            || n == 0
+            || (m - 1)
+                .checked_mul(ostride)
+                .and_then(|v| v.checked_add(n))
+                .is_some_and(|end| end <= out.len()),
+        "gemm_nn: the output lies outside its slice"
+    );
+    // SAFETY: `out` is borrowed exclusively and holds every element written (asserted above).
+    unsafe { product_to(a, b, out.as_mut_ptr(), ostride) }
+}
+
+/// [`product`] into `out[i * ostride + j]`. Panics if [`available`] is false, if `b` is not
+/// row-major, or if an operand lies outside its slice.
+///
+/// # Safety
+/// `out[i * ostride + j]` is writable for `i < a.rows`, `j < b.cols`, and no other thread
+/// reads or writes those elements until this returns.
+pub(crate) unsafe fn product_to(a: Strided<'_>, b: Strided<'_>, out: *mut f32, ostride: usize) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert_eq!(b.rows, k, "gemm_nn: the depths differ");
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
-        for row in out.chunks_mut(ostride.max(1)).take(m) {
-            row[..n].fill(0.0);
+        for i in 0..m {
+            for j in 0..n {
+                // SAFETY: i < m, j < n (the caller's contract).
+                unsafe { *out.add(i * ostride + j) = 0.0 };
+            }
         }
         return;
     }
@@ -72,20 +97,13 @@ pub(crate) fn product(a: Strided<'_>, b: Strided<'_>, out: &mut [f32], ostride: 
         a.fits() && b.fits(),
         "gemm_nn: an operand lies outside its slice"
     );
-    assert!(
-        (m - 1)
-            .checked_mul(ostride)
-            .and_then(|v| v.checked_add(n))
-            .is_some_and(|end| end <= out.len()),
-        "gemm_nn: the output lies outside its slice"
-    );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the processor has AVX-512F; `tiles` reads `a(i, p)` for i < m, p < k and
     // `b(p, j)` for p < k, j < n only (masked loads at the right edge), all inside their
-    // slices (`fits`), and writes `out[i * ostride + j]` for i < m, j < n only, inside `out`
-    // (all asserted above).
+    // slices (`fits`, asserted above), and writes `out[i * ostride + j]` for i < m, j < n
+    // only, which the caller guarantees writable and ours.
     unsafe {
-        tiles(a, b, out.as_mut_ptr(), ostride)
+        tiles(a, b, out, ostride)
     }
 }
 
@@ -109,8 +127,8 @@ unsafe fn tiles(a: Strided<'_>, b: Strided<'_>, out: *mut f32, ostride: usize) {
         let mut i = 0;
         for t in 0..count {
             let rows = m / count + usize::from(t < m % count);
-            // SAFETY (the three pointers): row i < m of `a`, column j < n of `b` and of `out`,
-            // inside their slices (checked by `product`).
+            // SAFETY (the three pointers): row i < m of `a`, column j < n of `b` (inside their
+            // slices, checked by `product_to`) and of `out` (its caller's contract).
             let (ap, bp, cp) = unsafe {
                 (
                     pa.add(a.off + i * a.rs),

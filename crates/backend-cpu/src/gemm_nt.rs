@@ -58,9 +58,30 @@ impl Rows<'_> {
 
 /// `out[i * ostride + j] = a_i · b_j` for every row `i` of `a` and row `j` of `b`, both of
 /// `k` elements. Panics if [`available`] is false or a row or output lies outside its slice.
+#[cfg(test)]
 pub(crate) fn product(a: Rows<'_>, b: Rows<'_>, k: usize, out: &mut [f32], ostride: usize) {
     let (m, n) = (a.rows, b.rows);
-    if m == 0 || n == 0 {
+    assert!(
+        m == 0
+            || n == 0
+            || (m - 1)
+                .checked_mul(ostride)
+                .and_then(|v| v.checked_add(n))
+                .is_some_and(|end| end <= out.len()),
+        "gemm_nt: the output lies outside its slice"
+    );
+    // SAFETY: `out` is borrowed exclusively and holds every element written (asserted above).
+    unsafe { product_to(a, b, k, out.as_mut_ptr(), ostride) }
+}
+
+/// [`product`] into `out[i * ostride + j]`. Panics if [`available`] is false or an operand
+/// row lies outside its slice.
+///
+/// # Safety
+/// `out[i * ostride + j]` is writable for `i < a.rows`, `j < b.rows`, and no other thread
+/// reads or writes those elements until this returns.
+pub(crate) unsafe fn product_to(a: Rows<'_>, b: Rows<'_>, k: usize, out: *mut f32, ostride: usize) {
+    if a.rows == 0 || b.rows == 0 {
         return;
     }
     assert!(available(), "gemm_nt::product needs AVX-512F");
@@ -68,20 +89,13 @@ pub(crate) fn product(a: Rows<'_>, b: Rows<'_>, k: usize, out: &mut [f32], ostri
         a.fits(k) && b.fits(k),
         "gemm_nt: an operand row lies outside its slice"
     );
-    assert!(
-        (m - 1)
-            .checked_mul(ostride)
-            .and_then(|v| v.checked_add(n))
-            .is_some_and(|end| end <= out.len()),
-        "gemm_nt: the output lies outside its slice"
-    );
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the processor has AVX-512F (asserted above), every row read lies inside its
     // slice (`fits`, asserted above: `tiles` reads rows `0..rows` of `k` elements from
-    // `off + i * stride`) and every output written lies inside `out` (asserted above: it
-    // writes `out[i * ostride + j]` for `i < m`, `j < n` only).
+    // `off + i * stride`) and `tiles` writes `out[i * ostride + j]` for i < m, j < n only,
+    // which the caller guarantees writable and ours.
     unsafe {
-        tiles(a, b, k, out.as_mut_ptr(), ostride)
+        tiles(a, b, k, out, ostride)
     }
 }
 
@@ -94,7 +108,7 @@ unsafe fn tiles(a: Rows<'_>, b: Rows<'_>, k: usize, out: *mut f32, ostride: usiz
     let (pa, pb) = (a.data.as_ptr(), b.data.as_ptr());
     for i in (0..m).step_by(TILE) {
         // SAFETY (all pointer arithmetic below): rows `min(.., m - 1)` and `min(.., n - 1)`
-        // exist, and `product` checked that they lie inside their slices.
+        // exist, and `product_to` checked that they lie inside their slices.
         let ar: [*const f32; TILE] =
             std::array::from_fn(|r| unsafe { pa.add(a.off + (i + r).min(m - 1) * a.stride) });
         for j in (0..n).step_by(TILE) {
@@ -107,7 +121,7 @@ unsafe fn tiles(a: Rows<'_>, b: Rows<'_>, k: usize, out: *mut f32, ostride: usiz
             unsafe { _mm512_storeu_ps(o.as_mut_ptr(), sums) };
             for r in 0..TILE.min(m - i) {
                 for q in 0..TILE.min(n - j) {
-                    // SAFETY: i + r < m and j + q < n, inside `out` (checked by `product`).
+                    // SAFETY: i + r < m and j + q < n, writable (`product_to`'s contract).
                     unsafe { *out.add((i + r) * ostride + j + q) = o[TILE * q + r] };
                 }
             }

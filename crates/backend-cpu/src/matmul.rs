@@ -43,10 +43,11 @@ const SMALL_GEMM: usize = 1 << 18;
 const SPLIT_GEMM: usize = 1 << 21;
 /// The smallest part of a split product, in multiply-adds (about 10 µs of one core's work).
 const GEMM_PART: usize = 1 << 19;
-/// The size of a part of a split product on an [`Own`] kernel, in multiply-adds (about 5 µs
-/// of one core's work): with nothing packed per part, finer parts only cost their copy into
-/// place, and they let a helper that wakes late still take an even share.
-const OWN_PART: usize = 1 << 20;
+/// The smallest part of a split product on an [`Own`] kernel, in multiply-adds (about 1.5 µs
+/// of one core's work): nothing is packed or copied per part.
+const OWN_MIN_PART: usize = 1 << 18;
+/// The column blocks of a split by columns on [`gemm_nn`] (its tiles' width).
+const OWN_COLS: usize = 32;
 /// Products on an [`Own`] kernel are split across cores from this many multiply-adds (about
 /// 18 µs of one core's work). On the 2-core VM waking a sleeping helper costs the caller
 /// 3.5-7 µs in the futex call and the helper starts 15-25 µs after it (2026-11-28), so below
@@ -176,7 +177,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
         return Ok(storage(a.device(), out));
     }
     let one = |bi: usize, o: &mut [T]| -> Result<()> {
-        if own_rows(x, &ma, y, &mb, bi, 0..m, o) {
+        if own_rows(x, &ma, y, &mb, bi, o) {
             return Ok(());
         }
         let av = ma.view(x, bi)?;
@@ -190,12 +191,16 @@ fn gemm<T: CpuElem + LinalgScalar>(
         out.par_chunks_mut(m * n)
             .enumerate()
             .try_for_each(|(bi, o)| one(bi, o))?;
-    } else if batch == 1
-        && m * n * k >= own_kernel::<T>(ma, mb).map_or(SPLIT_GEMM, |_| OWN_SPLIT)
-        && m.min(n) >= 16
-        && pool::cores() > 1
-    {
-        split_gemm((a, &ma), (b, &mb), &mut out)?;
+    } else if batch == 1 && pool::cores() > 1 {
+        match own_kernel::<T>(ma, mb) {
+            Some(kernel) if m * n * k >= OWN_SPLIT => {
+                split_own(kernel, (a, &ma), (b, &mb), &mut out)?
+            }
+            None if m * n * k >= SPLIT_GEMM && m.min(n) >= 16 => {
+                split_gemm((a, &ma), (b, &mb), &mut out)?
+            }
+            _ => one(0, &mut out)?,
+        }
     } else {
         for (bi, o) in out.chunks_mut(m * n).enumerate() {
             one(bi, o)?;
@@ -249,17 +254,6 @@ fn part<T: CpuElem + LinalgScalar>(
 ) -> Result<Vec<T>> {
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
-    if split == Split::Rows && own_kernel::<T>(ma, mb).is_some() {
-        let n = mb.cols;
-        if kiln_core::profile::enabled() {
-            crate::storage::profile_alloc("matmul", dev, r.len() * n * size_of::<T>());
-        }
-        let mut out = new_vec::<T>("matmul", dev, r.len() * n)?;
-        if own_rows(x, &ma, y, &mb, 0, r, &mut out) {
-            return Ok(out);
-        }
-        return Err(Error::backend("matmul", "an own kernel refused its part"));
-    }
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);
     if kiln_core::profile::enabled() {
         crate::storage::profile_alloc("matmul", dev, av.nrows() * bv.ncols() * size_of::<T>());
@@ -272,8 +266,7 @@ fn part<T: CpuElem + LinalgScalar>(
 }
 
 /// `out = a · b` for one product (row-major `out`), cut as [`Split::pick`] decides into
-/// parts (one or two per core, [`pool::parts`]; a product on an [`Own`] kernel by rows into
-/// parts of [`OWN_PART`]): this thread writes the first straight into
+/// parts (one or two per core, [`pool::parts`]): this thread writes the first straight into
 /// `out` while the [`pool`](crate::pool) helpers start on the others, which it then joins in
 /// claiming; those are computed into buffers of their own and then copied (or, for a depth
 /// split, added in part order) into place.
@@ -283,23 +276,13 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     out: &mut [T],
 ) -> Result<()> {
     let (m, k, n) = (ma.rows, ma.cols, mb.cols);
-    let own = own_kernel::<T>(*ma, *mb).is_some();
-    let split = if own {
-        Split::Rows
-    } else {
-        Split::pick(m, k, n)
-    };
+    let split = Split::pick(m, k, n);
     let len = match split {
         Split::Rows => m,
         Split::Cols => n,
         Split::Depth => k,
     };
-    let ranges = if own {
-        let parts = (m * k * n / OWN_PART).clamp(1, 8 * pool::cores());
-        cut(m, parts, gemm_nt::TILE)
-    } else {
-        cut(len, pool::parts(m * k * n, GEMM_PART), 1)
-    };
+    let ranges = cut(len, pool::parts(m * k * n, GEMM_PART), 1);
     let (ma, mb, dev) = (*ma, *mb, a.device());
     let (ad, bd) = (a.shared()?, b.shared()?);
     let (x, y) = (slice::<T>("matmul", a)?, slice::<T>("matmul", b)?);
@@ -309,15 +292,8 @@ fn split_gemm<T: CpuElem + LinalgScalar>(
     // the others (each into a buffer of its own, copied or, for a depth split, added after).
     let rest = ranges[1..].to_vec();
     let first = || {
-        let r = ranges[0].clone();
-        if own
-            && let Some(o) = c.as_slice_mut()
-            && own_rows(x, &ma, y, &mb, 0, r.clone(), &mut o[..r.len() * n])
-        {
-            return;
-        }
-        let (a0, b0) = split.operands(av, bv, r.clone());
-        let mut t = split.target(&mut c, r);
+        let (a0, b0) = split.operands(av, bv, ranges[0].clone());
+        let mut t = split.target(&mut c, ranges[0].clone());
         general_mat_mul(T::one(), &a0, &b0, T::zero(), &mut t);
     };
     let jobs = rest.clone();
@@ -372,49 +348,95 @@ fn own_kernel<T: CpuElem>(ma: Mat, mb: Mat) -> Option<Own> {
     }
 }
 
-/// Rows `r` of batch `bi`'s product `a · b` into `o` (`r.len()` rows of `b`'s width, row-major)
-/// on the [`own_kernel`] if there is one; false (nothing written) if not.
-fn own_rows<T: CpuElem>(
-    x: &[T],
-    ma: &Mat,
-    y: &[T],
-    mb: &Mat,
-    bi: usize,
-    r: Range<usize>,
-    o: &mut [T],
-) -> bool {
+/// Batch `bi`'s product `a · b` into `o` (row-major) on the [`own_kernel`] if there is one;
+/// false (nothing written) if not.
+fn own_rows<T: CpuElem>(x: &[T], ma: &Mat, y: &[T], mb: &Mat, bi: usize, o: &mut [T]) -> bool {
     let Some(kernel) = own_kernel::<T>(*ma, *mb) else {
         return false;
     };
-    // Casts that change nothing: T is f32 (its DTYPE says so, and CpuElem types are distinct).
-    let (Ok(x), Ok(y), Ok(o)) = (
-        bytemuck::try_cast_slice::<T, f32>(x),
-        bytemuck::try_cast_slice::<T, f32>(y),
-        bytemuck::try_cast_slice_mut::<T, f32>(o),
-    ) else {
+    let (Some(x), Some(y)) = (as_f32(x), as_f32(y)) else {
         return false;
     };
+    let Ok(o) = bytemuck::try_cast_slice_mut::<T, f32>(o) else {
+        return false;
+    };
+    let out = Out {
+        ptr: o.as_mut_ptr(),
+        len: o.len(),
+    };
+    // SAFETY: `o` is borrowed exclusively for the call and `own_block` checks the block
+    // against its length.
+    unsafe { own_block(kernel, (x, ma), (y, mb), bi, 0..ma.rows, 0..mb.cols, out) };
+    true
+}
+
+/// `x` as f32s, if `T` is f32 (a cast that changes nothing; CpuElem types are distinct, and
+/// only f32 says DType::F32).
+fn as_f32<T: CpuElem>(x: &[T]) -> Option<&[f32]> {
+    (T::DTYPE == DType::F32)
+        .then(|| bytemuck::try_cast_slice::<T, f32>(x).ok())
+        .flatten()
+}
+
+/// The row-major output of one product, shared by the parts of a split that write disjoint
+/// blocks of it.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: an `Out` is only written through by `own_block`, whose callers give each thread a
+// block of its own and keep the buffer alive and unused until every part has returned
+// (`split_own`).
+unsafe impl Send for Out {}
+// SAFETY: as above.
+unsafe impl Sync for Out {}
+
+/// Rows `rows` and columns `cols` of batch `bi`'s product `a · b` on `kernel`, written to
+/// `out[i * n + j]` (`n` the width of `b`). Panics if the block lies outside `out`.
+///
+/// # Safety
+/// `out.ptr` points to `out.len` writable f32s, and no other thread reads or writes this
+/// block's elements until this returns.
+unsafe fn own_block(
+    kernel: Own,
+    (x, ma): (&[f32], &Mat),
+    (y, mb): (&[f32], &Mat),
+    bi: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+    out: Out,
+) {
     let (k, n) = (ma.cols, mb.cols);
-    let (aoff, boff) = (
-        ma.off + bi * ma.bstride + r.start * ma.rs,
-        mb.off + bi * mb.bstride,
+    if rows.is_empty() || cols.is_empty() {
+        return;
+    }
+    assert!(
+        rows.end <= ma.rows && cols.end <= n && (rows.end - 1) * n + cols.end <= out.len,
+        "matmul: a block of the product lies outside its output"
     );
+    let aoff = ma.off + bi * ma.bstride + rows.start * ma.rs;
+    let boff = mb.off + bi * mb.bstride;
+    // SAFETY: inside `out` (asserted above).
+    let o = unsafe { out.ptr.add(rows.start * n + cols.start) };
     match kernel {
         Own::Nt => {
             let a = Rows {
                 data: x,
                 off: aoff,
                 stride: ma.rs,
-                rows: r.len(),
+                rows: rows.len(),
             };
             // The columns of `b` are rows of `k` contiguous elements, `cs` apart.
             let b = Rows {
                 data: y,
-                off: boff,
+                off: boff + cols.start * mb.cs,
                 stride: mb.cs,
-                rows: n,
+                rows: cols.len(),
             };
-            gemm_nt::product(a, b, k, o, n);
+            // SAFETY: the block's elements of `out` are writable and ours (our contract).
+            unsafe { gemm_nt::product_to(a, b, k, o, n) };
         }
         Own::Nn => {
             let a = Strided {
@@ -422,21 +444,105 @@ fn own_rows<T: CpuElem>(
                 off: aoff,
                 rs: ma.rs,
                 cs: ma.cs,
-                rows: r.len(),
+                rows: rows.len(),
                 cols: k,
             };
             let b = Strided {
                 data: y,
-                off: boff,
+                off: boff + cols.start,
                 rs: mb.rs,
                 cs: 1,
                 rows: k,
-                cols: n,
+                cols: cols.len(),
             };
-            gemm_nn::product(a, b, o, n);
+            // SAFETY: as above.
+            unsafe { gemm_nn::product_to(a, b, o, n) };
         }
     }
-    true
+}
+
+/// `out = a · b` on an [`Own`] kernel, shared with the [`pool`](crate::pool) helpers: by rows
+/// (`gemm_nt`, or `gemm_nn` for narrow products) or by columns in whole 32-column blocks
+/// (`gemm_nn`, so that every tile keeps its full height), every part written straight into
+/// `out`. The parts shrink towards the end ([`guided`]): a helper starts 15-25 µs after it is
+/// woken (2-core VM), and on data another core's cache holds, so equal parts left one core
+/// waiting for the other's last; the first part, on this thread, is a quarter of the product.
+/// In a small MLP's step (median wall µs per call, profiler trace, 2-core VM), against equal
+/// parts of 1 M multiply-adds by rows copied from buffers of their own: 100x784x100 `x · Wᵀ`
+/// 68 -> 62, 100x100x784 `gᵀ · x` 57 -> 48 (it takes 57-60 on one core).
+fn split_own<T: CpuElem>(
+    kernel: Own,
+    (a, ma): (&CpuStorage, &Mat),
+    (b, mb): (&CpuStorage, &Mat),
+    out: &mut [T],
+) -> Result<()> {
+    let (m, k, n) = (ma.rows, ma.cols, mb.cols);
+    let by_cols = kernel == Own::Nn && n >= 4 * OWN_COLS;
+    let (len, align, per) = if by_cols {
+        (n, OWN_COLS, m * k)
+    } else {
+        (m, gemm_nt::TILE, k * n)
+    };
+    let ranges = guided(len, align, (OWN_MIN_PART / per).max(1), 2 * pool::cores());
+    let (rows_all, cols_all) = (0..m, 0..n);
+    let block = move |r: Range<usize>| {
+        if by_cols {
+            (rows_all.clone(), r)
+        } else {
+            (r, cols_all.clone())
+        }
+    };
+    let (ma, mb) = (*ma, *mb);
+    let (x, y) = (slice::<f32>("matmul", a)?, slice::<f32>("matmul", b)?);
+    let o = bytemuck::try_cast_slice_mut::<T, f32>(out)
+        .map_err(|e| Error::backend("matmul", format!("an f32 output: {e}")))?;
+    let dst = Out {
+        ptr: o.as_mut_ptr(),
+        len: o.len(),
+    };
+    let (ad, bd) = (a.shared()?, b.shared()?);
+    let rest = ranges[1..].to_vec();
+    let first = ranges[0].clone();
+    let part_block = block.clone();
+    let mine = || {
+        let (rows, cols) = block(first);
+        // SAFETY: `out` is borrowed exclusively for this call, and each part writes its own
+        // block of it (the ranges are disjoint).
+        unsafe { own_block(kernel, (x, &ma), (y, &mb), 0, rows, cols, dst) };
+    };
+    let done = pool::run_beside(
+        rest.len(),
+        move |i| -> Result<()> {
+            let x = f32::slice(&ad).ok_or_else(|| dtype_err("matmul", "f32", ad.dtype()))?;
+            let y = f32::slice(&bd).ok_or_else(|| dtype_err("matmul", "f32", bd.dtype()))?;
+            let (rows, cols) = part_block(rest[i].clone());
+            // SAFETY: as for the first part: `split_own` holds `out` until `run_beside` has
+            // returned, which is after every part has (a late helper finds none left).
+            unsafe { own_block(kernel, (x, &ma), (y, &mb), 0, rows, cols, dst) };
+            Ok(())
+        },
+        mine,
+    )
+    .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
+    done.into_iter().collect()
+}
+
+/// `0..len` cut into parts that shrink as the work left does (guided self-scheduling): each
+/// part is `1 / share` of what is left, in whole multiples of `align`, at least `min` long.
+fn guided(len: usize, align: usize, min: usize, share: usize) -> Vec<Range<usize>> {
+    let mut v = Vec::new();
+    let mut start = 0;
+    while start < len {
+        let left = len - start;
+        let size = left
+            .div_ceil(share.max(1))
+            .max(min)
+            .next_multiple_of(align.max(1))
+            .min(left);
+        v.push(start..start + size);
+        start += size;
+    }
+    v
 }
 
 /// `0..len` in `parts` ranges of whole multiples of `align` (the last one shorter).

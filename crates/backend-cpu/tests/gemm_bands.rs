@@ -190,7 +190,12 @@ fn products_with_a_row_major_right_operand_keep_their_bits_when_split() {
     // and transposed (`gᵀ · x`): above the split threshold (100x100x784, a small MLP's first
     // weight gradient) and below, against f64 (`check`), and the first rows computed alone
     // give the same bits as in the whole (split) product.
-    for (m, k, n) in [(100, 100, 784), (100, 100, 100), (13, 7, 33), (301, 400, 300)] {
+    for (m, k, n) in [
+        (100, 100, 784),
+        (100, 100, 100),
+        (13, 7, 33),
+        (301, 400, 300),
+    ] {
         let b = rhs(k, n);
         for (lhs, name) in operands(m, k) {
             let what = format!("{m}x{k}x{n} {name}");

@@ -107,6 +107,110 @@ pub(crate) unsafe fn product_to(a: Strided<'_>, b: Strided<'_>, out: *mut f32, o
     }
 }
 
+/// `out[p * n + j] = b_j[p]` for the `n` rows `b_j` of `b` (`k` elements each): a right operand
+/// whose columns are contiguous (`Wᵀ`) copied row-major for [`product`], in 16x16 blocks
+/// transposed in registers. Panics if [`available`] is false, if a row lies outside its
+/// slice or if `out` is shorter than `k * n`.
+pub(crate) fn transpose(b: crate::gemm_nt::Rows<'_>, k: usize, out: &mut [f32]) {
+    let n = b.rows;
+    if n == 0 || k == 0 {
+        return;
+    }
+    assert!(available(), "gemm_nn::transpose needs AVX-512F");
+    assert!(
+        (n - 1)
+            .checked_mul(b.stride)
+            .and_then(|v| v.checked_add(b.off + k))
+            .is_some_and(|end| end <= b.data.len()),
+        "gemm_nn: a row to transpose lies outside its slice"
+    );
+    assert!(
+        out.len() >= k * n,
+        "gemm_nn: the transposed copy lies outside its slice"
+    );
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX-512F is there; `blocks` reads `k` elements of rows `0..n` (inside `b.data`,
+    // asserted above) and writes `out[p * n + j]` for p < k, j < n (inside `out`, asserted).
+    unsafe {
+        blocks(b, k, out.as_mut_ptr())
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn blocks(b: crate::gemm_nt::Rows<'_>, k: usize, out: *mut f32) {
+    let n = b.rows;
+    let src = b.data.as_ptr();
+    let lanes = |len: usize| -> __mmask16 { if len >= 16 { 0xffff } else { (1 << len) - 1 } };
+    for j0 in (0..n).step_by(16) {
+        let jn = (n - j0).min(16);
+        for p0 in (0..k).step_by(16) {
+            let pn = (k - p0).min(16);
+            // r[q]: elements p0..p0 + pn of row j0 + q (zero past the last row).
+            let r: [__m512; 16] = std::array::from_fn(|q| {
+                if q < jn {
+                    // SAFETY: row j0 + q < n, elements p0..p0 + pn < k (the mask).
+                    unsafe {
+                        _mm512_maskz_loadu_ps(lanes(pn), src.add(b.off + (j0 + q) * b.stride + p0))
+                    }
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            let t = transpose16(r);
+            for (p, &v) in t.iter().enumerate().take(pn) {
+                // SAFETY: row p0 + p < k of `out`, columns j0..j0 + jn < n (the mask).
+                unsafe { _mm512_mask_storeu_ps(out.add((p0 + p) * n + j0), lanes(jn), v) };
+            }
+        }
+    }
+}
+
+/// The 16x16 transpose of `r` (`r[q]` lane `p` becomes lane `q` of the result's `p`).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: [__m512; 16]) -> [__m512; 16] {
+    let t: [__m512; 16] = std::array::from_fn(|i| {
+        let (a, b) = (r[i & !1], r[i | 1]);
+        if i % 2 == 0 {
+            _mm512_unpacklo_ps(a, b)
+        } else {
+            _mm512_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + h]: 64-bit halves of t[4g + (h / 2)] and t[4g + 2 + (h / 2)].
+    let u: [__m512; 16] = std::array::from_fn(|i| {
+        let (g, h) = (i / 4, i % 4);
+        let (a, b) = (
+            _mm512_castps_pd(t[4 * g + h / 2]),
+            _mm512_castps_pd(t[4 * g + 2 + h / 2]),
+        );
+        _mm512_castpd_ps(if h % 2 == 0 {
+            _mm512_unpacklo_pd(a, b)
+        } else {
+            _mm512_unpackhi_pd(a, b)
+        })
+    });
+    let v: [__m512; 16] = std::array::from_fn(|i| {
+        let (g, h) = (i / 8, i % 8);
+        let (a, b) = (u[8 * g + h % 4], u[8 * g + 4 + h % 4]);
+        if h < 4 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    });
+    std::array::from_fn(|i| {
+        let (a, b) = (v[i % 8], v[8 + i % 8]);
+        if i < 8 {
+            _mm512_shuffle_f32x4::<0x88>(a, b)
+        } else {
+            _mm512_shuffle_f32x4::<0xDD>(a, b)
+        }
+    })
+}
+
 /// Column blocks of 32 (16 at the right edge when that is enough), and in each the rows in
 /// tiles of at most [`ROWS`], as even as they go (100 rows: one of 12, eight of 11).
 #[cfg(target_arch = "x86_64")]
@@ -280,6 +384,38 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// Every block edge (sizes on both sides of 16 and 32), rows with gaps and an offset.
+    #[test]
+    fn transposes_exactly() {
+        if !available() {
+            return;
+        }
+        for &n in &[1, 5, 16, 17, 33, 100] {
+            for &k in &[1, 15, 16, 17, 40, 784] {
+                let (off, stride) = (3, k + 2);
+                let d: Vec<f32> = (0..off + n * stride).map(|i| value(i, 3)).collect();
+                let rows = crate::gemm_nt::Rows {
+                    data: &d,
+                    off,
+                    stride,
+                    rows: n,
+                };
+                let mut out = vec![f32::NAN; k * n + 1];
+                transpose(rows, k, &mut out);
+                for p in 0..k {
+                    for j in 0..n {
+                        assert_eq!(
+                            out[p * n + j],
+                            d[off + j * stride + p],
+                            "{k}x{n} [{p}][{j}]"
+                        );
+                    }
+                }
+                assert!(out[k * n].is_nan(), "{k}x{n}: wrote past the end");
             }
         }
     }

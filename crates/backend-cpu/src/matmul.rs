@@ -364,10 +364,84 @@ fn own_rows<T: CpuElem>(x: &[T], ma: &Mat, y: &[T], mb: &Mat, bi: usize, o: &mut
         ptr: o.as_mut_ptr(),
         len: o.len(),
     };
+    if ma.rows >= NT_VIA_NN
+        && ma.cols <= NT_VIA_NN_MAX_K
+        && let Some((bt, tb)) = row_major_copy(kernel, y, mb, bi)
+    {
+        // SAFETY: as below.
+        unsafe {
+            own_block(
+                Own::Nn,
+                (x, ma),
+                (&bt, &tb),
+                bi,
+                0..ma.rows,
+                0..mb.cols,
+                out,
+            )
+        };
+        put_scratch(bt);
+        return true;
+    }
     // SAFETY: `o` is borrowed exclusively for the call and `own_block` checks the block
     // against its length.
     unsafe { own_block(kernel, (x, ma), (y, mb), bi, 0..ma.rows, 0..mb.cols, out) };
     true
+}
+
+/// An [`Own::Nt`] product of at least [`NT_VIA_NN`] rows and at most [`NT_VIA_NN_MAX_K`]
+/// depth that is not split across cores runs on [`gemm_nn`] over a row-major copy of its
+/// right operand ([`gemm_nn::transpose`], one pass over `b`): at a short depth `gemm_nt`'s
+/// fold and masked tail cost a third of its time. Single-threaded on the 2-core EPYC VM, µs
+/// per call, gemm_nt -> copy + gemm_nn: 100x100x100 15.5 -> 9.9 (the copy 0.9), 100x100x10
+/// 1.8 -> 1.6; but 16x784x100 10.7 -> 17.4 (the copy 6.3) and, split across both cores with
+/// the copy made before the helper is woken, 100x784x100 64 -> 72 µs a call in an MLP step.
+/// The copy changes the order of the sums, so such a product's bits differ from the same
+/// rows computed on `gemm_nt` (fewer rows, or a split).
+const NT_VIA_NN: usize = 16;
+const NT_VIA_NN_MAX_K: usize = 256;
+
+/// For an [`Own::Nt`] product of at least [`NT_VIA_NN`] rows: batch `bi` of `b` copied
+/// row-major (into this thread's scratch buffer; give it back with [`put_scratch`]), with the
+/// [`Mat`] that reads it.
+fn row_major_copy(kernel: Own, y: &[f32], mb: &Mat, bi: usize) -> Option<(Vec<f32>, Mat)> {
+    let (k, n) = (mb.rows, mb.cols);
+    if kernel != Own::Nt || k * n == 0 {
+        return None;
+    }
+    let mut bt = SCRATCH.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    bt.resize(k * n, 0.0);
+    let cols = Rows {
+        data: y,
+        off: mb.off + bi * mb.bstride,
+        stride: mb.cs,
+        rows: n,
+    };
+    gemm_nn::transpose(cols, k, &mut bt);
+    let tb = Mat {
+        off: 0,
+        bstride: 0,
+        rows: k,
+        cols: n,
+        rs: n,
+        cs: 1,
+    };
+    Some((bt, tb))
+}
+
+thread_local! {
+    /// The buffer of [`row_major_copy`], kept between products (it only grows).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Gives a buffer of [`row_major_copy`] back for the next product on this thread.
+fn put_scratch(v: Vec<f32>) {
+    SCRATCH.with(|s| {
+        let mut s = s.borrow_mut();
+        if v.capacity() > s.capacity() {
+            *s = v;
+        }
+    });
 }
 
 /// `x` as f32s, if `T` is f32 (a cast that changes nothing; CpuElem types are distinct, and

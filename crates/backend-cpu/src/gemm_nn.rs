@@ -13,7 +13,11 @@
 //! 1.9 -> 1.0. (Tiles of 8, 10 and 14 rows measured the same as 12, within 3%.)
 //!
 //! Each output is one sequential sum over the depth in one accumulator lane, whichever tile
-//! computes it, so a product split by rows gives the same bits as on one core.
+//! computes it, so a product split by rows or columns gives the same bits as on one core.
+//!
+//! [`transpose`] copies a right operand whose columns are contiguous (`Wᵀ`) row-major, in
+//! 16x16 blocks transposed in registers, for products that pay for the copy (see
+//! `matmul::NT_VIA_NN`).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -21,7 +25,7 @@ use std::arch::x86_64::*;
 /// Output rows per tile at most.
 const ROWS: usize = 12;
 
-/// Whether this processor runs [`product`] (AVX-512F, detected once).
+/// Whether this processor runs [`product_to`] (AVX-512F, detected once).
 pub(crate) fn available() -> bool {
     crate::gemm_nt::available()
 }
@@ -70,7 +74,7 @@ pub(crate) fn product(a: Strided<'_>, b: Strided<'_>, out: &mut [f32], ostride: 
     unsafe { product_to(a, b, out.as_mut_ptr(), ostride) }
 }
 
-/// [`product`] into `out[i * ostride + j]`. Panics if [`available`] is false, if `b` is not
+/// The same product written through a pointer: `out[i * ostride + j]`. Panics if [`available`] is false, if `b` is not
 /// row-major, or if an operand lies outside its slice.
 ///
 /// # Safety
@@ -108,7 +112,7 @@ pub(crate) unsafe fn product_to(a: Strided<'_>, b: Strided<'_>, out: *mut f32, o
 }
 
 /// `out[p * n + j] = b_j[p]` for the `n` rows `b_j` of `b` (`k` elements each): a right operand
-/// whose columns are contiguous (`Wᵀ`) copied row-major for [`product`], in 16x16 blocks
+/// whose columns are contiguous (`Wᵀ`) copied row-major for [`product_to`], in 16x16 blocks
 /// transposed in registers. Panics if [`available`] is false, if a row lies outside its
 /// slice or if `out` is shorter than `k * n`.
 pub(crate) fn transpose(b: crate::gemm_nt::Rows<'_>, k: usize, out: &mut [f32]) {

@@ -24,7 +24,7 @@ use std::arch::x86_64::*;
 /// Output rows per tile, and output columns per tile.
 pub(crate) const TILE: usize = 4;
 
-/// Whether this processor runs [`product`] (AVX-512F, detected once).
+/// Whether this processor runs [`product_to`] (AVX-512F, detected once).
 pub(crate) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
@@ -74,7 +74,7 @@ pub(crate) fn product(a: Rows<'_>, b: Rows<'_>, k: usize, out: &mut [f32], ostri
     unsafe { product_to(a, b, k, out.as_mut_ptr(), ostride) }
 }
 
-/// [`product`] into `out[i * ostride + j]`. Panics if [`available`] is false or an operand
+/// The same product written through a pointer: `out[i * ostride + j]`. Panics if [`available`] is false or an operand
 /// row lies outside its slice.
 ///
 /// # Safety

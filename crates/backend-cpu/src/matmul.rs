@@ -14,8 +14,10 @@
 //! Where the CPU has AVX-512, f32 products of moderate size run on kiln's own kernels, which
 //! copy nothing (see [`Own`]): [`gemm_nt`](crate::gemm_nt) when both operands are contiguous
 //! along the depth (`x · Wᵀ`, a Linear layer's forward), [`gemm_nn`](crate::gemm_nn) when the
-//! right one is row-major (`g · W`, `gᵀ · x`: the backward). A split is then always by rows,
-//! in finer parts (no part repeats any packing), and only from [`OWN_SPLIT`] up.
+//! right one is row-major (`g · W`, `gᵀ · x`: the backward), and a tall `x · Wᵀ` of short depth
+//! on `gemm_nn` over a row-major copy of `Wᵀ` ([`NT_VIA_NN`]). A split of such a product
+//! ([`split_own`]) starts only from [`OWN_SPLIT`] (waking a helper costs tens of µs here) and
+//! goes by rows or whole column blocks, in parts that shrink towards the end, written in place.
 //!
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: its packing would copy the whole
 //! matrix on every call to do one multiply-add per element. They run as dot products over

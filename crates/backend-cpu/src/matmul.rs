@@ -580,11 +580,19 @@ fn split_own<T: CpuElem>(
     let rest = ranges[1..].to_vec();
     let first = ranges[0].clone();
     let part_block = block.clone();
+    // A panic in this thread's part is caught, so that `run_beside` still returns only after
+    // the helpers' parts, which write into `out`, have finished.
+    let mine_panicked = std::cell::Cell::new(false);
     let mine = || {
         let (rows, cols) = block(first);
-        // SAFETY: `out` is borrowed exclusively for this call, and each part writes its own
-        // block of it (the ranges are disjoint).
-        unsafe { own_block(kernel, (x, &ma), (y, &mb), 0, rows, cols, dst) };
+        let run = || {
+            // SAFETY: `out` is borrowed exclusively for this call, and each part writes its
+            // own block of it (the ranges are disjoint).
+            unsafe { own_block(kernel, (x, &ma), (y, &mb), 0, rows, cols, dst) }
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err() {
+            mine_panicked.set(true);
+        }
     };
     let done = pool::run_beside(
         rest.len(),
@@ -600,6 +608,9 @@ fn split_own<T: CpuElem>(
         mine,
     )
     .ok_or_else(|| Error::backend("matmul", "a part of the product panicked"))?;
+    if mine_panicked.get() {
+        return Err(Error::backend("matmul", "a part of the product panicked"));
+    }
     done.into_iter().collect()
 }
 

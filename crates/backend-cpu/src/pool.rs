@@ -19,6 +19,7 @@
 //! value. Concurrent callers never wait on each other: the helpers serve the latest product
 //! posted, and every caller computes whatever parts of its own product nobody claimed.
 
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -206,4 +207,13 @@ where
     }
     let results = std::mem::take(&mut *job.results.lock().ok()?);
     results.into_iter().map(|r| r?.ok()).collect()
+}
+
+/// `0..len` in `parts` ranges of whole multiples of `align` (the last one shorter).
+pub(crate) fn cut(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
+    let per = len.div_ceil(parts.max(1)).next_multiple_of(align).max(1);
+    (0..len)
+        .step_by(per)
+        .map(|s| s..(s + per).min(len))
+        .collect()
 }

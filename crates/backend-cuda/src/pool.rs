@@ -37,9 +37,13 @@ pub(crate) struct DeferredFree {
 unsafe impl Send for DeferredFree {}
 
 /// The cache bucket of a request: a multiple of 512 bytes and of 1/8 of the request's power of
-/// two, so rounding wastes at most 12.5% and similar sizes share blocks.
+/// two (1/16 above 32 MiB), so rounding wastes less than that step and similar sizes share
+/// blocks. With eighths a GPT's `[16384, 1152]` f32 projection (72 MiB) took
+/// an 80 MiB block, 8 MiB of every layer's saved activations (48 MiB of the model's 2.7 GiB
+/// peak).
 pub(crate) fn bucket(bytes: usize) -> usize {
-    let step = (bytes.next_power_of_two() / 8).max(512);
+    let pow2 = bytes.next_power_of_two();
+    let step = (if pow2 > 32 << 20 { pow2 / 16 } else { pow2 / 8 }).max(512);
     bytes.next_multiple_of(step)
 }
 
@@ -92,5 +96,26 @@ impl Drop for GraphPool {
     fn drop(&mut self) {
         let blocks = std::mem::take(&mut *self.blocks.lock().unwrap());
         (self.release)(self.ordinal, &blocks);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::bucket;
+
+    #[test]
+    fn buckets_round_up_by_an_eighth_or_a_sixteenth() {
+        assert_eq!(bucket(1), 512);
+        assert_eq!(bucket(24 << 20), 24 << 20);
+        assert_eq!(bucket((24 << 20) + 1), 28 << 20);
+        assert_eq!(bucket(72 << 20), 72 << 20);
+        assert_eq!(bucket((72 << 20) + 1), 80 << 20);
+        assert_eq!(bucket(36 << 20), 36 << 20);
+        for b in [1usize, 511, 513, 1 << 20, 5_505_024, 75_497_472, 1 << 31] {
+            let r = bucket(b);
+            let p = b.next_power_of_two();
+            let step = if p > 32 << 20 { p / 16 } else { p / 8 };
+            assert!(r >= b && r - b < step.max(512), "{b} -> {r}");
+        }
     }
 }

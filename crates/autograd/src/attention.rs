@@ -239,6 +239,8 @@ pub(crate) struct FusedForward<B: Backend> {
     pub out: Tensor<B>,
     /// The row log-sum-exps `[.., Tq]`, f32.
     pub lse: Tensor<B>,
+    /// What the backend kept of the dropout mask for its backward.
+    pub mask: Option<B::Storage>,
     pub spec: AttentionSpec,
 }
 
@@ -268,7 +270,7 @@ pub(crate) fn fused_forward<B: Backend>(
         dropout_p,
         dropout_key,
     };
-    let Some(((o, o_layout), lse)) =
+    let Some(((o, o_layout), lse, mask)) =
         B::attention_forward(operand(qt), operand(kt), operand(vt), dtype, spec)?
     else {
         return Ok(None);
@@ -293,7 +295,12 @@ pub(crate) fn fused_forward<B: Backend>(
         ));
     }
     let out = Tensor::<B>::from_parts(Arc::new(o), o_layout, dtype);
-    Ok(Some(FusedForward { out, lse, spec }))
+    Ok(Some(FusedForward {
+        out,
+        lse,
+        mask,
+        spec,
+    }))
 }
 
 /// The backend's fused backward for the forward `f` of `q`, `k`, `v` and the output gradient
@@ -315,6 +322,7 @@ pub(crate) fn fused_backward<B: Backend>(
         operand(vt),
         operand(&f.out),
         operand(&f.lse),
+        f.mask.as_ref(),
         operand(&g),
         dtype,
         f.spec,

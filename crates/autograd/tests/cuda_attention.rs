@@ -645,7 +645,7 @@ fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout)
         dropout_key: 0,
     };
     let dtype = q.dtype();
-    let ((o, ol), lse) = Cuda::attention_forward(op(q), op(k), op(v), dtype, spec)
+    let ((o, ol), lse, mask) = Cuda::attention_forward(op(q), op(k), op(v), dtype, spec)
         .unwrap()
         .expect("fused");
     let lse_l = Layout::contiguous(&ol.dims()[..ol.rank() - 1]);
@@ -655,6 +655,7 @@ fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout)
         op(v),
         (&o, &ol),
         (&lse, &lse_l),
+        mask.as_ref(),
         op(g),
         dtype,
         spec,

@@ -59,6 +59,8 @@ struct AttnShape {
     u64 o_rs, dq_rs, dk_rs, dv_rs;  // row strides of O, dQ, dK, dV (elements)
     u64 batch;                   // number of batch entries
     u64 key;                     // Philox key of the dropout mask
+    u64 mask;                    // where the forward keeps its dropout bits for the backward
+                                 // (tensor-core kernels; 0: none, the backward draws again)
     float scale;                 // scale of the scores
     float scale2;                // scale * log2(e)
     float drop_p;                // dropout probability (0: no dropout)

@@ -86,6 +86,8 @@ struct AttnShape {
     u64 o_rs, dq_rs, dk_rs, dv_rs;  // row strides of O, dQ, dK, dV (elements)
     u64 batch;                   // number of batch entries
     u64 key;                     // Philox key of the dropout mask
+    u64 mask;                    // where the forward keeps its dropout bits for the backward
+                                 // (tensor-core kernels; 0: none, the backward draws again)
     float scale;                 // scale of the scores
     float scale2;                // scale * log2(e)
     float drop_p;                // dropout probability (0: no dropout)
@@ -464,6 +466,32 @@ __device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 
 
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // [nrows, ncols] output `out` of row stride `rs` (columns < ncols; unit column stride).
+// ---- Dropout bits kept by the forward for the backward (AttnShape::mask) ----
+// Where the host gives `mask`, the forward keeps each weight's keep/drop bit there and the
+// backward kernels read it instead of drawing Philox again: two of the three draws per weight
+// saved. One 32-bit word holds 8 queries x 4 keys of one parity, laid out like the forward's
+// m16n8 accumulators: word
+//   ((((b nqb + qi / 64) 4 + (qi % 64) / 16) nkt + kj / BK) (BK / 8) + (kj % BK) / 8) 4
+//     + ((qi % 16) / 8) 2 + kj % 2,  bit (qi % 8) 4 + (kj % 8) / 2,
+// with nqb = ceil(tq / 64), nkt = ceil(tk / BK) and BK the forward's key tile (its format's
+// Side). A forward warp's ballot over element e of n-tile n of key tile t is then word n 4 + e
+// from its tile's first, at bit `lane`; dQ (the same query blocks and key tiles) reads the same
+// words the same way; dK/dV gathers. Words of tiles a forward warp skips (every weight masked)
+// are never written, and never read: the backward reads a bit only where the weight is not 0.
+template <int BK>
+__device__ __forceinline__ u64 tc_mask_word(const AttnShape& a, u64 b, u64 qi, u64 kj) {
+    const u64 nqb = (a.tq + TC_BQ - 1) / TC_BQ, nkt = (a.tk + BK - 1) / BK;
+    return ((((b * nqb + qi / TC_BQ) * 4 + (qi % TC_BQ) / 16) * nkt + kj / BK) * (BK / 8) +
+            (kj % BK) / 8) * 4 + ((qi % 16) / 8) * 2 + (kj & 1);
+}
+
+// Dropout's multiplier of weight (b, qi, kj) from the forward's bits (att_drop's value).
+template <int BK>
+__device__ __forceinline__ float tc_mask_drop(const AttnShape& a, u64 b, u64 qi, u64 kj) {
+    const u32 w = ((const u32*)a.mask)[tc_mask_word<BK>(a, b, qi, kj)];
+    return (w >> ((qi % 8) * 4 + (kj % 8) / 2)) & 1u ? a.drop_scale : 0.f;
+}
+
 template <typename S> struct TcPair;  // two S as one aligned vector
 template <> struct TcPair<float> { typedef float2 T; };
 template <> struct TcPair<f16> { typedef u32 T; };
@@ -598,12 +626,31 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                     s[n][e] = tc_exp2(s[n][e] - base[e >> 1]);
                     l[e >> 1] += s[n][e];  // the normalizer counts every weight
                 }
-            if (a.dropout)  // dropout scales the product
+            if (a.dropout && a.mask) {  // dropout scales the product; bits kept for the backward
+                // Every visible weight draws (not only the nonzero ones: the backward may find
+                // a weight this forward rounded to 0 above 0), and each bit goes to its word
+                // (tc_mask_word): lane n 4 + e writes the ballot of element e of n-tile n.
+                const bool full = tc_full(a, w0, 16, k0, BK);
+                u32 mine = 0;
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                        const float z = full || att_keep(a, qi, kj) ? att_drop(a, b, qi, kj) : 0.f;
+                        s[n][e] *= z;
+                        const u32 word = __ballot_sync(0xffffffffu, z != 0.f);
+                        if ((threadIdx.x & 31) == n * 4 + e) mine = word;
+                    }
+                if ((threadIdx.x & 31) < BK / 2)
+                    ((u32*)a.mask)[tc_mask_word<BK>(a, b, w0, k0) + (threadIdx.x & 31)] = mine;
+            } else if (a.dropout) {
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e)
                         if (s[n][e] > 0.f) s[n][e] *= att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e));
+            }
             O::template rn<BK, DT / 8, DT>(acc, s, cV);
         }
         __syncthreads();  // every warp is done with buffer t % 2 before fetch(t + 2) refills it
@@ -708,7 +755,10 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                     for (int e = 0; e < 4; ++e) {
                         const int c = tc_col(n, e);
                         const float p = st[n][e];
-                        const float z = p > 0.f ? att_drop(a, b, q0 + c, w0 + tc_row(e)) : 1.f;
+                        const u64 qi = q0 + c, kj = w0 + tc_row(e);
+                        const float z = p > 0.f ? (a.mask ? tc_mask_drop<BQ>(a, b, qi, kj)
+                                                          : att_drop(a, b, qi, kj))
+                                                : 1.f;
                         st[n][e] = p * z;
                         dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
                     }
@@ -799,12 +849,17 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                     for (int e = 0; e < 4; ++e)
                         if (!att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
             if (a.dropout) {
+                // The forward's words of this warp and key tile (tc_mask_word), if kept.
+                const u32* mw = a.mask ? (const u32*)a.mask + tc_mask_word<BK>(a, b, w0, k0) : nullptr;
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float p = s[n][e];
-                        const float z = p > 0.f ? att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e)) : 1.f;
+                        float z = 1.f;
+                        if (p > 0.f)
+                            z = mw ? ((mw[n * 4 + e] >> (threadIdx.x & 31)) & 1u ? a.drop_scale : 0.f)
+                                   : att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e));
                         dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
                     }
             } else {

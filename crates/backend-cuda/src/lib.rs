@@ -654,7 +654,13 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let tf32 = blas::allow_tf32();
         let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
-        Ok(r.map(|((o, ol), l)| ((CudaStorage::ready(o), ol), CudaStorage::ready(l))))
+        Ok(r.map(|((o, ol), l, m)| {
+            (
+                (CudaStorage::ready(o), ol),
+                CudaStorage::ready(l),
+                m.map(CudaStorage::ready),
+            )
+        }))
     }
 
     fn attention_backward(
@@ -663,18 +669,21 @@ impl Backend for Cuda {
         v: Operand<'_, CudaStorage>,
         out: Operand<'_, CudaStorage>,
         lse: Operand<'_, CudaStorage>,
+        mask: Option<&CudaStorage>,
         g: Operand<'_, CudaStorage>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
+        let mb = mask.map(|m| m.buffer()).transpose()?;
         let r = ops::attention::backward(
             (&qb, q.1),
             (&kb, k.1),
             (&vb, v.1),
             (&ob, out.1),
             (&lb, lse.1),
+            mb.as_deref(),
             (&gb, g.1),
             dtype,
             (spec, blas::allow_tf32()),

@@ -74,10 +74,12 @@ pub type Operand<'a, S> = (&'a S, &'a Layout);
 pub type AttentionOutput<S> = (S, Layout);
 
 /// The outputs of [`Backend::attention_forward`]: the attention `[batch.., Tq, dv]` in the
-/// inputs' dtype with its layout (O mirrors q's axis order: [`attention_output_layout`]), and
-/// the log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32, contiguous (`+inf` for a
-/// row with no key left, so that `exp(s - lse)` is 0 there).
-pub type AttentionOutputs<S> = (AttentionOutput<S>, S);
+/// inputs' dtype with its layout (O mirrors q's axis order: [`attention_output_layout`]), the
+/// log-sum-exp of each row of scaled scores `[batch.., Tq]` in f32, contiguous (`+inf` for a
+/// row with no key left, so that `exp(s - lse)` is 0 there), and, with dropout, what the
+/// backend kept of the mask for its backward (opaque: the CUDA backend's bits, one per weight),
+/// which the caller hands back to [`Backend::attention_backward`].
+pub type AttentionOutputs<S> = (AttentionOutput<S>, S, Option<S>);
 
 /// The outputs of [`Backend::attention_backward`]: the gradients `dq`, `dk`, `dv` in the shapes
 /// of `q`, `k`, `v`. dQ/dK/dV mirror q/k/v's layouts: either three storages, each laid out by
@@ -611,11 +613,12 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         v: Operand<'_, Self::Storage>,
         out: Operand<'_, Self::Storage>,
         lse: Operand<'_, Self::Storage>,
+        mask: Option<&Self::Storage>,
         g: Operand<'_, Self::Storage>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
-        let _ = (q, k, v, out, lse, g, dtype, spec);
+        let _ = (q, k, v, out, lse, mask, g, dtype, spec);
         Ok(None)
     }
 

@@ -92,6 +92,8 @@ struct AttnShape {
     dv_rs: u64,
     batch: u64,
     key: u64,
+    /// Device address of the dropout bits (`attention_tc.cu`'s `tc_mask_word`), 0 for none.
+    mask: u64,
     scale: f32,
     scale2: f32,
     drop_p: f32,
@@ -256,6 +258,7 @@ fn plan(
         dv_rs: 0,
         batch: nbatch as u64,
         key: spec.dropout_key,
+        mask: 0,
         scale: spec.scale as f32,
         scale2: (spec.scale * std::f64::consts::LOG2_E) as f32,
         drop_p: spec.dropout_p as f32,
@@ -326,6 +329,12 @@ pub(crate) fn forward(
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
     let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
     let lse = alloc(dev, nb * tq * 4)?;
+    // With dropout the tensor-core forward keeps its bits for the backward (1 bit a weight).
+    let mask = match family.mask_bytes(tile.1, (nb, tq, shape.tk as usize)) {
+        Some(bytes) if spec.0.dropout_p > 0.0 => Some(alloc(dev, bytes)?),
+        _ => None,
+    };
+    shape.mask = mask.as_ref().map_or(0, |m| m.device_ptr());
     let mut a = Args::new();
     a.push(qv.ptr())
         .push(kv.ptr())
@@ -340,7 +349,7 @@ pub(crate) fn forward(
         .push(ss[3]);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
     launch(dev, (family, Stage::Fwd), dtype, tile, grid, &mut a)?;
-    Ok(Some(((out, o_layout), lse)))
+    Ok(Some(((out, o_layout), lse, mask)))
 }
 
 /// `Backend::attention_backward` on the GPU: `(dq, dk, dv)` in the shapes of `q`, `k` and `v`,
@@ -354,6 +363,7 @@ pub(crate) fn backward(
     v: Operand<'_, Buffer>,
     out: Operand<'_, Buffer>,
     lse: Operand<'_, Buffer>,
+    mask: Option<&Buffer>,
     g: Operand<'_, Buffer>,
     dtype: DType,
     spec: (AttentionSpec, bool),
@@ -415,6 +425,15 @@ pub(crate) fn backward(
     let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
     let (d, dvn) = (shape.d as usize, shape.dv as usize);
     check_saved(&gv, lse.1, &shape)?;
+    // The forward's dropout bits, where this family reads them and they are all there (else the
+    // kernels draw the mask again).
+    if let (Some(m), Some(bytes)) = (mask, family.mask_bytes(tile.1, (nb, tq, tk)))
+        && spec.0.dropout_p > 0.0
+        && m.len_bytes() >= bytes
+    {
+        same_device(OP, q.0, m)?;
+        shape.mask = m.device_ptr();
+    }
     // The log-sum-exps: contiguous as the forward made them, unless a caller re-laid them out.
     let lse_copy = if lse.1.is_contiguous() && lse.1.offset() == 0 {
         None

@@ -127,6 +127,28 @@ impl Family {
         }
     }
 
+    /// The tensor-core formats' `Side` (`attention_tc.cu`) at head size `dt`: the key tile of the
+    /// forward and dQ, the query tile of dK/dV; `None` for the FMA kernels.
+    pub(super) fn side(self, dt: usize) -> Option<usize> {
+        match self {
+            Family::Fma => None,
+            Family::TensorCore => Some(if dt == 64 { 64 } else { 32 }),
+            Family::Tf32(_) => Some(32),
+        }
+    }
+
+    /// The bytes of the dropout bits the tensor-core forward keeps for `batch` entries of `tq`
+    /// queries and `tk` keys at head size `dt` (`attention_tc.cu`'s `tc_mask_word`: two words
+    /// per key of a key tile per 64-query block); `None` for the FMA kernels, which keep none.
+    pub(super) fn mask_bytes(
+        self,
+        dt: usize,
+        (batch, tq, tk): (usize, usize, usize),
+    ) -> Option<usize> {
+        let side = self.side(dt)?;
+        Some(batch * tq.div_ceil(TC_TILE) * tk.div_ceil(side) * 2 * side * 4)
+    }
+
     /// Shared memory of `stage` for head size `dt` (in bytes), as the kernel file lays it out.
     fn smem_bytes(self, stage: Stage, dt: usize) -> usize {
         match self {
@@ -145,9 +167,10 @@ impl Family {
                 // (TcPitch): TC_TILE stationary rows (Q; K and V; Q and dO), two buffers of
                 // `side` rows (the format's Side) of each operand the block loops over (K and
                 // V; Q and dO; K and V), and in DkDv two f32 per query of each buffer (lse, Dr).
-                let (side, row) = match self {
-                    Family::TensorCore => (if dt == 64 { 64 } else { 32 }, 2 * dt + 16),
-                    _ => (32, 4 * dt + 16),
+                let side = self.side(dt).unwrap_or(TILE);
+                let row = match self {
+                    Family::TensorCore => 2 * dt + 16,
+                    _ => 4 * dt + 16,
                 };
                 match stage {
                     Stage::Fwd => (TC_TILE + 4 * side) * row,

@@ -631,6 +631,77 @@ fn head_view(qkv: &Tensor<Cuda>, (start, i, h, d): (usize, usize, usize, usize))
         .unwrap()
 }
 
+/// With dropout the tensor-core forward returns the bits it kept (none without dropout), and
+/// the backward reads them: given them it equals a backward that draws the mask again, to the
+/// bit, and given another draw's bits it does not.
+#[test]
+fn tensor_core_forward_keeps_its_dropout_bits_for_the_backward() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _on = Fused16::on();
+    let dtype = DType::BF16;
+    let (b, h, t, d) = (2, 3, 70, 64);
+    let x = |seed| normal::<Cuda>(&[b, h, t, d], seed, dtype, &dev);
+    let (q, k, v, g) = (x(61), x(62), x(63), x(64));
+    fn op(t: &Tensor<Cuda>) -> (&CudaStorage, &Layout) {
+        (t.storage(), t.layout())
+    }
+    let spec = |p, key| AttentionSpec {
+        scale: 0.125,
+        causal: true,
+        dropout_p: p,
+        dropout_key: key,
+    };
+    let forward = |s| {
+        Cuda::attention_forward(op(&q), op(&k), op(&v), dtype, s)
+            .unwrap()
+            .expect("fused")
+    };
+    assert!(
+        forward(spec(0.0, 7)).2.is_none(),
+        "bits kept without dropout"
+    );
+    let ((o, ol), lse, mask) = forward(spec(0.3, 7));
+    let other = forward(spec(0.3, 8)).2.expect("bits of the second draw");
+    let lse_l = Layout::contiguous(&ol.dims()[..ol.rank() - 1]);
+    let grads = |m: Option<&CudaStorage>| -> Vec<Vec<f64>> {
+        let r = Cuda::attention_backward(
+            op(&q),
+            op(&k),
+            op(&v),
+            (&o, &ol),
+            (&lse, &lse_l),
+            m,
+            op(&g),
+            dtype,
+            spec(0.3, 7),
+        )
+        .unwrap()
+        .expect("fused");
+        let storages: Vec<_> = r.storages.into_iter().map(std::sync::Arc::new).collect();
+        r.grads
+            .iter()
+            .map(|(i, l)| {
+                f64s(&Tensor::<Cuda>::from_parts(
+                    storages[*i].clone(),
+                    l.clone(),
+                    dtype,
+                ))
+            })
+            .collect()
+    };
+    let drawn = grads(None);
+    assert_eq!(
+        grads(mask.as_ref()),
+        drawn,
+        "the kept bits are not the drawn mask"
+    );
+    assert_ne!(
+        grads(Some(&other)),
+        drawn,
+        "the backward ignored the bits it was given"
+    );
+}
+
 /// The layouts the backend returns for `(q, k, v)` with the output gradient `g` (causal): the
 /// output's, then for each gradient whether the three share one storage, and its layout.
 fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout); 4] {

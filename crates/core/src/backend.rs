@@ -58,9 +58,9 @@ pub struct AttentionSpec {
     /// Dropout probability on the attention weights (0: none). Weight `n` (the row-major
     /// index over `[batch.., Tq, Tk]`) is kept, scaled by `1/(1 - p)`, when the f32 uniform of
     /// [`crate::philox`] for counter `n` and key `dropout_key` is at least `p` (the composed
-    /// path's `rand_like` + `compare_scalar(Ge, p)` in f32), so forward and backward regenerate
-    /// the same mask and an f32 composed attention drawn with the same key drops the same
-    /// weights.
+    /// path's `rand_like` + `compare_scalar(Ge, p)` in f32), so forward and backward use the same
+    /// mask (drawn again, or kept by the forward: [`AttentionOutputs`]) and an f32 composed
+    /// attention drawn with the same key drops the same weights.
     pub dropout_p: f64,
     /// The Philox key of the dropout mask ([`Generator::next_key`](crate::Generator::next_key)).
     pub dropout_key: u64,

@@ -14,8 +14,10 @@
 //!
 //! # What it offers, and what it leaves to the composed path
 //!
-//! Dropout on the weights runs inside the kernels (the mask regenerated from Philox in each
-//! of them, never stored; `AttentionSpec::dropout_p`).
+//! Dropout on the weights runs inside the kernels (`AttentionSpec::dropout_p`): the FMA kernels
+//! draw the mask from Philox in each of them; the tensor-core forward draws it once and keeps
+//! one bit a weight for the backward (the third of `AttentionOutputs`, `tc_mask_word` in
+//! `attention_tc.cu`), whose kernels read the bits and draw only when none are given.
 //!
 //! f16 and bf16 fuse where the tensor-core kernels run — sm_80+ at head sizes up to 128 —
 //! and compose elsewhere, unless [`set_fused_attention_16bit`] says otherwise (the one switch

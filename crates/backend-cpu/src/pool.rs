@@ -1,14 +1,21 @@
-//! Helper threads that share one matrix product with the calling thread, and sleep between
-//! products.
+//! Helper threads that share one matrix product with the calling thread, watch briefly for
+//! the next one, and sleep between bursts of products.
 //!
-//! A product is cut into more parts than there are cores, which the calling thread and the
-//! helpers claim one at a time from a shared counter ([`run`]). The caller starts on the parts
-//! at once and wakes the helpers (one futex wake); a helper that wakes late (an idle vCPU takes
-//! tens of µs to resume on a virtual machine) finds fewer parts left, and one that wakes after
-//! the last part was claimed finds none and goes back to sleep. So a product never waits for a
-//! wake-up, and no core is burned between products: the previous pool kept its helpers polling
-//! for a millisecond after each product (OpenBLAS's habit), which made a small MLP step cost
-//! 2.4× numpy's process CPU time and slowed everything else on a shared machine.
+//! A product is cut into parts ([`run`]) that the calling thread and the helpers claim, each
+//! thread starting on its own share (a static schedule: thread `t` of `c` starts at part
+//! `t·n/c`, so a core reads the same rows of a matrix each product and finds them in its own
+//! cache) and then taking whatever is left. The caller starts at once, so a product never
+//! waits for a helper: one that comes late finds fewer parts, or none.
+//!
+//! After a product a helper watches for the next for [`linger`] (100 µs), then sleeps on a
+//! condition variable. An idle vCPU takes 20–30 µs to resume on a virtual machine, about a
+//! third of each split product of a small MLP step; watching through the gaps between one
+//! step's products removed most of that (784-100-100-10 at batch 100, 2-core VM, 2026-11-28:
+//! 0.209–0.211 ms a step sleeping at once, 0.193–0.194 watching 50 µs, 0.176–0.180 watching
+//! 100 µs; process CPU time 0.6 → 0.75–0.8× numpy's). The bound keeps the cost where issue 32
+//! put it: the pool before kept polling for a millisecond after every product (OpenBLAS's
+//! habit), which made that step cost 2.4× numpy's process CPU time; a loop that multiplies
+//! less often than every 100 µs sleeps between products.
 //!
 //! Why not rayon: `rayon::join` from a thread outside rayon's pool (the user's thread, where
 //! the training loop runs) moves the whole job into the pool and puts the caller to sleep, so
@@ -21,22 +28,23 @@
 
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 /// The parts of one product, claimed by index.
 trait Parts: Send + Sync {
-    /// Claims and runs parts until none is left.
-    fn work(&self);
+    /// Claims and runs parts until none is left, starting at `thread`'s own share (thread 0
+    /// is the caller, helper `h` is thread `h + 1`).
+    fn work(&self, thread: usize);
 }
 
 struct Job<R, F> {
     f: F,
     n: usize,
-    /// The next part to claim.
-    next: AtomicUsize,
+    /// Which parts someone has taken.
+    claimed: Vec<AtomicBool>,
     /// Parts finished (their results stored).
     done: AtomicUsize,
     results: Mutex<Vec<Option<std::thread::Result<R>>>>,
@@ -45,11 +53,13 @@ struct Job<R, F> {
 }
 
 impl<R: Send, F: Fn(usize) -> R + Send + Sync> Parts for Job<R, F> {
-    fn work(&self) {
-        loop {
-            let i = self.next.fetch_add(1, Ordering::Relaxed);
-            if i >= self.n {
-                return;
+    fn work(&self, thread: usize) {
+        // Each thread starts on the same parts every product (a static schedule), so the rows
+        // it read last time are still in its own cache; then it takes whatever is left.
+        let first = (thread * self.n / cores()).min(self.n);
+        for i in (first..self.n).chain(0..first) {
+            if self.claimed[i].swap(true, Ordering::Relaxed) {
+                continue;
             }
             let r = catch_unwind(AssertUnwindSafe(|| (self.f)(i)));
             if let Ok(mut slots) = self.results.lock() {
@@ -66,13 +76,36 @@ impl<R: Send, F: Fn(usize) -> R + Send + Sync> Parts for Job<R, F> {
 struct Posted {
     job: Option<Arc<dyn Parts>>,
     serial: u64,
+    /// Helpers waiting on [`WAKE`] (a poster skips the wake-up call when none is).
+    sleeping: usize,
 }
 
 static POSTED: Mutex<Posted> = Mutex::new(Posted {
     job: None,
     serial: 0,
+    sleeping: 0,
 });
 static WAKE: Condvar = Condvar::new();
+/// `POSTED.serial`, readable without the lock by a helper watching between products.
+static SERIAL: AtomicU64 = AtomicU64::new(0);
+
+/// How long a helper keeps watching for the next product after its last one before it sleeps:
+/// [`LINGER_US`], or `KILN_CPU_LINGER_US` (read once; 0 sleeps at once, as on a machine shared
+/// with other work).
+fn linger() -> Duration {
+    static LINGER: OnceLock<Duration> = OnceLock::new();
+    *LINGER.get_or_init(|| {
+        let us = std::env::var("KILN_CPU_LINGER_US")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(LINGER_US);
+        Duration::from_micros(us)
+    })
+}
+
+/// The default of [`linger`]: longer than most gaps between one small training step's
+/// products (the module docs have the measurement), a tenth of the millisecond OpenBLAS spins.
+const LINGER_US: u64 = 100;
 
 /// The helper threads started (one per core beyond the first), started on first use.
 fn helpers() -> usize {
@@ -80,31 +113,40 @@ fn helpers() -> usize {
     *HELPERS.get_or_init(|| {
         let wanted = std::thread::available_parallelism().map_or(1, |n| n.get()) - 1;
         (0..wanted)
-            .filter(|i| {
+            .filter(|&i| {
                 // A helper that cannot start is simply not there: callers compute its share.
                 std::thread::Builder::new()
                     .name(format!("kiln-gemm-{i}"))
-                    .spawn(serve)
+                    .spawn(move || serve(i + 1))
                     .is_ok()
             })
             .count()
     })
 }
 
-/// A helper's life: sleep until a product is posted, work on it, sleep again.
-fn serve() {
+/// A helper's life: watch for the next product for [`linger`], then sleep until one is
+/// posted; work on it; again.
+fn serve(thread: usize) {
     let mut seen = 0;
     loop {
+        let since = Instant::now();
+        while SERIAL.load(Ordering::Acquire) == seen && since.elapsed() < linger() {
+            for _ in 0..32 {
+                std::hint::spin_loop();
+            }
+        }
         let job = {
             let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
             while posted.serial == seen {
+                posted.sleeping += 1;
                 posted = WAKE.wait(posted).unwrap_or_else(|e| e.into_inner());
+                posted.sleeping -= 1;
             }
             seen = posted.serial;
             posted.job.clone()
         };
         if let Some(job) = job {
-            job.work();
+            job.work(thread);
         }
     }
 }
@@ -170,7 +212,7 @@ where
     let job = Arc::new(Job {
         f,
         n,
-        next: AtomicUsize::new(0),
+        claimed: (0..n).map(|_| AtomicBool::new(false)).collect(),
         done: AtomicUsize::new(0),
         results: Mutex::new((0..n).map(|_| None).collect()),
         caller: std::thread::current(),
@@ -180,14 +222,18 @@ where
         posted.job = Some(job.clone());
         posted.serial += 1;
         let serial = posted.serial;
+        SERIAL.store(serial, Ordering::Release);
+        let sleeping = posted.sleeping;
         drop(posted);
-        WAKE.notify_all();
+        if sleeping > 0 {
+            WAKE.notify_all();
+        }
         serial
     });
     if let Some(mine) = mine {
         mine();
     }
-    job.work();
+    job.work(0);
     if let Some(serial) = serial {
         // Unpost it, so that the operands' memory does not outlive the product.
         let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
@@ -216,4 +262,44 @@ pub(crate) fn cut(len: usize, parts: usize, align: usize) -> Vec<Range<usize>> {
         .step_by(per)
         .map(|s| s..(s + per).min(len))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_runs_once_and_results_come_in_order() {
+        // Many small products in a row: the helpers (watching or woken) claim some parts,
+        // starting at their own shares; each part must still run exactly once.
+        for n in [1, 2, 3, 4, 7] {
+            for _ in 0..200 {
+                let runs: Arc<Vec<AtomicUsize>> =
+                    Arc::new((0..n).map(|_| AtomicUsize::new(0)).collect());
+                let counted = runs.clone();
+                let out = run(n, move |i| {
+                    counted[i].fetch_add(1, Ordering::Relaxed);
+                    i * 10
+                });
+                assert_eq!(out, Some((0..n).map(|i| i * 10).collect::<Vec<_>>()));
+                assert!(
+                    runs.iter().all(|r| r.load(Ordering::Relaxed) == 1),
+                    "n = {n}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_part_gives_none_and_the_pool_stays_usable() {
+        let bad = run(4, |i| {
+            if i == 3 {
+                panic!("part 3 (expected)")
+            } else {
+                i
+            }
+        });
+        assert_eq!(bad, None);
+        assert_eq!(run(4, |i| i + 1), Some(vec![1, 2, 3, 4]));
+    }
 }

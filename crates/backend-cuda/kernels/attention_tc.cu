@@ -31,7 +31,9 @@
 // dV) and dS (dK, dQ) enter the second product rounded to the storage type, as in
 // FlashAttention-2; everything else (scores, softmax, accumulators) is f32.
 //
-// f32 (TcTf32<SPLIT>): `mma.m16n8k8.tf32` with operands split by `cvt.rna.tf32.f32`.
+// f32 (TcTf32<SPLIT>): `mma.m16n8k8.tf32` with operands split by rounding to TF32 (tf_round:
+//   `cvt.rna.tf32.f32`'s result in two integer instructions; the conversion itself made the
+//   f32 kernels 20% slower).
 //   SPLIT 3 (the default, "3xTF32"): x = big + small, big = tf32(x), small = tf32(x - big);
 //     a b ~ big_a big_b + big_a small_b + small_a big_b (small_a small_b, ~2^-22 relative, is
 //     dropped): three mmas per tile, results of near-f32 accuracy. This is what PyTorch's f32
@@ -309,11 +311,12 @@ __device__ __forceinline__ void tc_frag(u32 a[NC / 2][4], const float c[NC][4]) 
 // ---- TF32 (f32 storage) ----
 
 // x rounded to TF32 (nearest, ties away: CUTLASS's and cuBLAS's rounding), in an f32 register
-// with the low 13 mantissa bits zero.
+// with the low 13 mantissa bits zero: half a TF32 unit added to the magnitude's bits, then the
+// 13 bits cleared, which is `cvt.rna.tf32.f32`'s result for every finite x (a carry moves into
+// the exponent as rounding up does; past the largest TF32 it gives infinity, as cvt does) in
+// two full-rate integer instructions instead of a conversion.
 __device__ __forceinline__ u32 tf_round(float x) {
-    u32 r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
 }
 
 // x as `big` (and, for SPLIT 3, `small` = the rounded remainder; else 0).

@@ -6,14 +6,14 @@ Run: python3 crates/backend-cuda/tests/attention_tf32_emulation.py (needs numpy;
 Why: the f32 kernels share their bodies (masking, softmax, dropout, loops) with the 16-bit ones,
 which tests/attention_tc_emulation.py replays; what is theirs alone is how a lane gathers its
 m16n8k8 fragments from shared memory and from the previous product's accumulator (with rn's
-permuted k index), and the big/small split. This script executes that arithmetic as the kernel
-file writes it, with `mma.sync.m16n8k8.tf32` emulated from the PTX ISA's fragment layouts and
-`cvt.rna.tf32.f32` bit for bit (f32 values, products summed in f64: the hardware's f32
-accumulation is not modelled), and checks a forward tile chain S = Q K^T, O = S V against f64:
-3xTF32 near f32 (relative error below 1e-6), 1xTF32 within TF32's (below 2e-3, and above
-2e-5, so a split that does nothing fails the first check). It also checks that every fragment
-load of both products touches 32 distinct banks at the pitch DT + 4. Swapping a2 and a1 in either
-product, or dropping the small terms of SPLIT 3, makes it fail.
+permuted k index), and the big/small split. This script executes that arithmetic as the kernel file
+writes it, with `mma.sync.m16n8k8.tf32` emulated from the PTX ISA's fragment layouts and the
+kernel's tf_round (`cvt.rna.tf32.f32`'s result, computed the same way) bit for bit (f32 values,
+products summed in f64: the hardware's f32 accumulation is not modelled), and checks a forward tile
+chain S = Q K^T, O = S V against f64: 3xTF32 near f32 (relative error below 1e-6), 1xTF32 within
+TF32's (below 2e-3, and above 2e-5, so a split that does nothing fails the first check). It also
+checks that every fragment load of both products touches 32 distinct banks at the pitch DT + 4.
+Swapping a2 and a1 in either product, or dropping the small terms of SPLIT 3, makes it fail.
 """
 import numpy as np
 
@@ -21,7 +21,7 @@ rng = np.random.default_rng(0)
 
 
 def rna_tf32(x):
-    """cvt.rna.tf32.f32: round an f32 to 10 explicit mantissa bits, ties away from zero."""
+    """tf_round (cvt.rna.tf32.f32): an f32 to 10 explicit mantissa bits, ties away from zero."""
     b = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     b = (b + 0x1000) & 0xFFFFE000  # add half an ulp of tf32 to the magnitude, truncate
     return b.astype(np.uint32).view(np.float32)

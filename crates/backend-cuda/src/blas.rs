@@ -290,25 +290,25 @@ fn route(dtype: DType, (batch, m, k, n): (usize, usize, usize, usize), tf32: boo
 
 /// One cuBLAS product in cuBLAS's column-major terms: row-major `C = A·B` computed as
 /// column-major `Cᵀ = Bᵀ·Aᵀ` (see the module docs), so `b` comes first in every call.
-struct Gemm {
-    op_a: cb::cublasOperation_t,
-    op_b: cb::cublasOperation_t,
+pub(crate) struct Gemm {
+    pub(crate) op_a: cb::cublasOperation_t,
+    pub(crate) op_b: cb::cublasOperation_t,
     /// Rows and columns of the row-major product, and the inner dimension.
-    m: i32,
-    n: i32,
-    k: i32,
-    lda: i32,
-    ldb: i32,
-    batch: usize,
+    pub(crate) m: i32,
+    pub(crate) n: i32,
+    pub(crate) k: i32,
+    pub(crate) lda: i32,
+    pub(crate) ldb: i32,
+    pub(crate) batch: usize,
     batch_i32: i32,
     /// Batch strides in elements (0 broadcasts), the output's included.
     sa: i64,
     sb: i64,
     sc: i64,
     /// Device addresses of the operands' first elements and of the output.
-    pa: u64,
-    pb: u64,
-    pc: u64,
+    pub(crate) pa: u64,
+    pub(crate) pb: u64,
+    pub(crate) pc: u64,
 }
 
 impl Gemm {
@@ -354,27 +354,34 @@ impl Gemm {
     }
 }
 
-/// Runs `g` with the device's cuBLAS handle on the current stream: the f32/f64 entry points
-/// ([`gemm_float`]) or, for f16/bf16, `cublasGemmEx` ([`gemm_half`]); other dtypes are an
-/// error. With `KILN_CUDA_SYNC=1`, waits for it.
-fn cublas_gemm(dev: &DeviceState, g: &Gemm, dtype: DType, tf32: bool) -> Result<()> {
+/// Runs `g` on the current stream: through the algorithm measured fastest for its shape where
+/// that is one of cuBLASLt's ([`gemm_tune`](crate::gemm_tune)), else with the device's cuBLAS
+/// handle: the f32/f64 entry points ([`gemm_float`]) or, for f16/bf16, `cublasGemmEx`
+/// ([`gemm_half`]); other dtypes are an error. With `KILN_CUDA_SYNC=1`, waits for it.
+fn cublas_gemm(dev: &'static DeviceState, g: &Gemm, dtype: DType, tf32: bool) -> Result<()> {
     const OP: &str = "matmul";
-    let mut guard = dev.blas();
-    let blas = ready_handle(&mut guard, dev.stream(), tf32)?;
-    let _prof = crate::profile::launch(dev, OP, true);
-    let status = match dtype {
-        DType::F32 | DType::F64 => gemm_float(blas.handle, g, dtype),
-        DType::F16 | DType::BF16 => gemm_half(blas.handle, g, dtype),
-        d => {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: "f32, f64, f16 or bf16".into(),
-                got: d,
-            });
-        }
+    let cublas = || -> Result<()> {
+        let mut guard = dev.blas();
+        let blas = ready_handle(&mut guard, dev.stream(), tf32)?;
+        let status = match dtype {
+            DType::F32 | DType::F64 => gemm_float(blas.handle, g, dtype),
+            DType::F16 | DType::BF16 => gemm_half(blas.handle, g, dtype),
+            d => {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: "f32, f64, f16 or bf16".into(),
+                    got: d,
+                });
+            }
+        };
+        blas_check(status, OP)
     };
-    blas_check(status, OP)?;
-    drop(guard);
+    let tuned = crate::gemm_tune::gemm_tuning() != crate::gemm_tune::GemmTuning::Off
+        && crate::gemm_tune::run_tuned(dev, g, dtype, tf32, &cublas)?;
+    if !tuned {
+        let _prof = crate::profile::launch(dev, OP, true);
+        cublas()?;
+    }
     // A capture records instead of running: nothing to wait for (graph.rs).
     if crate::device::sync_debug() && !dev.capturing() {
         dev.sync(OP)?;

@@ -63,7 +63,7 @@ pub fn set_lt_epilogues(on: bool) {
 
 /// The device's Lt handle (created on first use, with its context current; kept for the
 /// process' lifetime), as an address.
-fn handle(dev: &DeviceState) -> Result<lts::cublasLtHandle_t> {
+pub(crate) fn handle(dev: &DeviceState) -> Result<lts::cublasLtHandle_t> {
     static HANDLES: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
     let map = HANDLES.get_or_init(Default::default);
     let mut map = map.lock().unwrap_or_else(|e| e.into_inner());

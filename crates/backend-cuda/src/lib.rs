@@ -108,6 +108,7 @@ mod expr_lone;
 mod expr_run;
 mod fixed_cubins;
 mod fused;
+mod gemm_tune;
 mod graph;
 mod host_gather;
 mod kernel_files;
@@ -149,6 +150,7 @@ pub use cudnn::{
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
 };
+pub use gemm_tune::{GemmTuning, gemm_tuning, set_gemm_tuning, tuned_gemm_calls};
 pub use graph::{CudaGraph, write_static};
 pub use lazy::{fused_program_stats, fusion_enabled, set_fusion, set_fusion_program_budget};
 pub use memory::{reset_peak, set_block_cache};

@@ -401,3 +401,65 @@ fn large_transfers_round_trip_through_the_staging_ring() {
         dev.compute_capability().unwrap()
     );
 }
+
+/// Products timed once per shape (`gemm_tune.rs`): cuBLASLt's algorithms (forced with
+/// `GemmTuning::Lt`, so that they run whatever the timings) give cuBLAS's result within the
+/// dtype's rounding and the same bits on every later call, at any operand alignment (views one
+/// element in) and for the weight gradient's long inner dimension (split-K candidates); timed
+/// tuning agrees too.
+#[test]
+fn tuned_products_match_cublas_and_keep_their_bits() {
+    use kiln_backend_cuda::{GemmTuning, set_gemm_tuning, tuned_gemm_calls};
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let host = |r: usize, c: usize, s: usize| -> Vec<f32> {
+        (0..r * c)
+            .map(|i| ((i * 7919 + s) % 1013) as f32 / 1013.0 - 0.5)
+            .collect()
+    };
+    for (m, k, n) in [(384, 16384, 1152), (64, 4096, 96), (300, 77, 129)] {
+        for dtype in [DType::F32, DType::BF16] {
+            for offset in [0, 1] {
+                // `a` is [m, k] read from column `offset` of [m, k + offset].
+                let a = Tensor::<Cuda>::from_slice(&host(m, k + offset, 1), [m, k + offset], &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+                    .narrow(1, offset, k)
+                    .unwrap();
+                let b = Tensor::<Cuda>::from_slice(&host(k, n, 2), [k, n], &dev)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let run = |mode| -> Vec<f32> {
+                    set_gemm_tuning(mode);
+                    let y = a.matmul(&b).unwrap().to_dtype(DType::F32).unwrap();
+                    y.to_vec().unwrap()
+                };
+                let want = run(GemmTuning::Off);
+                let calls = tuned_gemm_calls();
+                let forced = [
+                    run(GemmTuning::Lt),
+                    run(GemmTuning::Lt),
+                    run(GemmTuning::Lt),
+                ];
+                let ran = tuned_gemm_calls() - calls;
+                let timed = run(GemmTuning::Timed);
+                set_gemm_tuning(GemmTuning::Timed);
+                let what = format!("{m}x{k}x{n} {dtype}, operand offset {offset}");
+                assert!(ran >= 3, "{what}: cuBLASLt ran {ran} of 3 forced calls");
+                let scale = want.iter().fold(0f32, |s, v| s.max(v.abs()));
+                let tol = if dtype == DType::F32 { 1e-5 } else { 1e-2 } * scale;
+                for (name, got) in [("forced Lt", &forced[0]), ("timed", &timed)] {
+                    let worst = got
+                        .iter()
+                        .zip(&want)
+                        .map(|(x, y)| (x - y).abs())
+                        .fold(0f32, f32::max);
+                    assert!(worst <= tol, "{what}, {name}: off by {worst} (tol {tol})");
+                }
+                assert_eq!(forced[1], forced[2], "{what}: bits changed between calls");
+                assert_eq!(forced[0], forced[1], "{what}: bits changed after measuring");
+            }
+        }
+    }
+}

@@ -1,0 +1,464 @@
+//! Matrix products timed once per shape: cuBLAS's default kernel or one of cuBLASLt's
+//! algorithms, whichever runs fastest, as `cudnn.benchmark` does for convolutions.
+//!
+//! Why: for one shape `cublasSgemm`/`cublasGemmEx` run one kernel of cuBLAS's choosing;
+//! cuBLASLt's heuristics offer several (split-K kernels with a workspace among them), and for
+//! some of a transformer's products another is much faster. H200, 2026-11-28, the GPT's
+//! products at 16384 tokens of width 384: the f32 weight gradient `[384, 16384] · [16384,
+//! 1152]` 424 µs through `cublasSgemm`, 302 µs for Lt's first heuristic with a 32 MiB
+//! workspace; TF32 `[384, 16384] · [16384, 1536]` 131 → 106 µs; bf16 `[16384, 384] ·
+//! [384, 1152]` 31 → 25 µs; the whole iteration's linear products 2.7% (f32), 5% (TF32) and 9%
+//! (bf16) faster with the fastest algorithm of each (BENCHMARKS.md).
+//!
+//! - **Which products**: one matrix (batch 1) of f32 (TF32 or not), f16 or bf16 on
+//!   `blas.rs`'s cuBLAS route; batched products and f64 keep cuBLAS.
+//! - **First sight of a shape** (dtype, TF32, transposes, m, n, k, leading dimensions, the
+//!   operands' address alignment): cuBLAS's product and up to [`CANDIDATES`] of Lt's
+//!   heuristic algorithms (with at most [`MAX_WORKSPACE`] of workspace) each run once, then
+//!   [`TIMED_RUNS`] times timed with CUDA events on the call's own buffers (this synchronizes,
+//!   once per shape); Lt's fastest is kept where it beats cuBLAS by [`MARGIN`]. The last run
+//!   is the call's result, computed again by the choice.
+//! - **Inside a CUDA graph capture** nothing is timed: an unseen shape runs cuBLAS and is
+//!   measured at its next call outside a capture. A measured choice is captured like any
+//!   launch (its workspace is a pool block, as cuDNN's are).
+//! - **Switch**: `KILN_CUDA_GEMM_TUNE=0` (read once) or [`set_gemm_tuning`]`(GemmTuning::Off)`:
+//!   every product through cuBLAS's default, as before; `lt` ([`GemmTuning::Lt`]) takes Lt's
+//!   fastest wherever it has one (tests, comparisons). A tuned product's bits can differ from the
+//!   default's (another kernel sums in another order), and between processes where timings
+//!   choose differently, as with cuDNN's benchmark mode; within a process a shape keeps its
+//!   choice. Lt's reductions for split-K are deterministic (sequenced by counters), so a choice
+//!   gives the same bits on every call.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublaslt::{result as lt, sys as lts};
+use kiln_core::{DType, Error, Result};
+
+use crate::blas::Gemm;
+use crate::device::{DeviceState, time_on};
+use crate::memory::alloc;
+
+const OP: &str = "matmul";
+
+/// Lt's heuristic algorithms timed per shape.
+const CANDIDATES: usize = 8;
+/// Timed runs of each candidate after its warm-up; the fastest counts.
+const TIMED_RUNS: usize = 3;
+/// The most workspace an Lt algorithm may ask for (PyTorch's cuBLAS workspace on Hopper).
+const MAX_WORKSPACE: usize = 32 << 20;
+/// Lt's algorithm is kept only when it takes at most this fraction of cuBLAS's time.
+const MARGIN: f32 = 0.97;
+
+/// How matrix products choose their kernel (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmTuning {
+    /// cuBLAS's default kernel for every product (`KILN_CUDA_GEMM_TUNE=0`).
+    Off,
+    /// cuBLAS or cuBLASLt's fastest algorithm, measured once per shape: the default.
+    Timed,
+    /// cuBLASLt's fastest algorithm wherever Lt has one, however cuBLAS compares
+    /// (`KILN_CUDA_GEMM_TUNE=lt`): for tests and comparisons.
+    Lt,
+}
+
+static MODE: AtomicU8 = AtomicU8::new(0); // 0: read the environment; else 1 + GemmTuning
+
+/// How products choose their kernel now: [`set_gemm_tuning`]'s last choice, else
+/// `KILN_CUDA_GEMM_TUNE` (`0`, `lt`; anything else or unset: [`GemmTuning::Timed`]).
+pub fn gemm_tuning() -> GemmTuning {
+    const MODES: [GemmTuning; 3] = [GemmTuning::Off, GemmTuning::Timed, GemmTuning::Lt];
+    match MODE.load(Ordering::Relaxed) {
+        0 => {
+            let mode = match std::env::var("KILN_CUDA_GEMM_TUNE").as_deref() {
+                Ok("0") => GemmTuning::Off,
+                Ok("lt") => GemmTuning::Lt,
+                _ => GemmTuning::Timed,
+            };
+            set_gemm_tuning(mode);
+            mode
+        }
+        v => MODES[(v - 1) as usize],
+    }
+}
+
+/// Sets how products choose their kernel, for the whole process. A shape measured under
+/// [`GemmTuning::Timed`] and one under [`GemmTuning::Lt`] are remembered apart.
+pub fn set_gemm_tuning(mode: GemmTuning) {
+    MODE.store(1 + mode as u8, Ordering::Relaxed);
+}
+
+/// Products that ran through a tuned Lt algorithm (for tests and benchmarks).
+static LT_CALLS: AtomicU64 = AtomicU64::new(0);
+
+/// Products this process ran through a tuned cuBLASLt algorithm.
+pub fn tuned_gemm_calls() -> u64 {
+    LT_CALLS.load(Ordering::Relaxed)
+}
+
+/// What a shape was measured to run fastest with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Key {
+    ordinal: usize,
+    dtype: DType,
+    tf32: bool,
+    ops: (i32, i32),
+    mnk: (i32, i32, i32),
+    ld: (i32, i32),
+    /// Alignment of the two operands' and the output's addresses, bytes (at most 256).
+    align: [u16; 3],
+    /// Measured under [`GemmTuning::Lt`] (Lt kept whatever cuBLAS's time).
+    lt_always: bool,
+}
+
+/// An Lt algorithm with the descriptors it runs with, kept for the process.
+struct LtPlan {
+    desc: lts::cublasLtMatmulDesc_t,
+    /// A (kiln's `b`), B (kiln's `a`), C = D (the output), in Lt's column-major terms.
+    layouts: [lts::cublasLtMatrixLayout_t; 3],
+    algo: lts::cublasLtMatmulAlgo_t,
+    workspace: usize,
+}
+
+// SAFETY: the descriptors are host objects that Lt only reads once they are built; kiln never
+// changes them, and destroys them only when the plan is dropped (a kept one lives for the
+// process).
+unsafe impl Send for LtPlan {}
+// SAFETY: as above: shared reads only.
+unsafe impl Sync for LtPlan {}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        // The plan owns its descriptors (each candidate has its own set).
+        drop(Descs {
+            desc: self.desc,
+            layouts: self.layouts,
+        });
+    }
+}
+
+/// Measured choices: `None` for cuBLAS's default.
+type Cache = HashMap<Key, Option<Arc<LtPlan>>>;
+
+fn cache() -> &'static Mutex<Cache> {
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Runs `g` with the algorithm measured fastest for its shape (measuring it first where it is
+/// new): `Ok(true)` when Lt ran it, `Ok(false)` when the caller should run cuBLAS (`cublas`,
+/// which also serves the measurement).
+pub(crate) fn run_tuned(
+    dev: &'static DeviceState,
+    g: &Gemm,
+    dtype: DType,
+    tf32: bool,
+    cublas: &dyn Fn() -> Result<()>,
+) -> Result<bool> {
+    if g.batch != 1 || !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Ok(false);
+    }
+    let key = Key {
+        ordinal: dev.ordinal(),
+        dtype,
+        tf32: tf32 && dtype == DType::F32,
+        ops: (g.op_a as i32, g.op_b as i32),
+        mnk: (g.m, g.n, g.k),
+        ld: (g.lda, g.ldb),
+        align: [align(g.pa), align(g.pb), align(g.pc)],
+        lt_always: gemm_tuning() == GemmTuning::Lt,
+    };
+    let known = cache()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get(&key)
+        .cloned();
+    let plan = match known {
+        Some(p) => p,
+        None if dev.capturing() => return Ok(false),
+        None => {
+            // Measured outside the lock (it synchronizes); a racing thread's equal result is
+            // simply replaced.
+            let p = measure(dev, g, &key, cublas).unwrap_or(None).map(Arc::new);
+            let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
+            match c.entry(key) {
+                Entry::Occupied(e) => e.get().clone(),
+                Entry::Vacant(v) => v.insert(p).clone(),
+            }
+        }
+    };
+    let Some(plan) = plan else {
+        return Ok(false);
+    };
+    let _prof = crate::profile::launch(dev, OP, true);
+    run_lt(dev, g, &plan)?;
+    LT_CALLS.fetch_add(1, Ordering::Relaxed);
+    Ok(true)
+}
+
+/// The largest power of two (at most 256) that divides a device address.
+fn align(p: u64) -> u16 {
+    1 << p.trailing_zeros().min(8)
+}
+
+/// Times cuBLAS and Lt's candidates on the call's buffers; `Some(plan)` where Lt's fastest
+/// beats cuBLAS by [`MARGIN`] (under [`GemmTuning::Lt`], wherever Lt has a candidate). Errors of Lt mean "cuBLAS" (`None`), never a failed product.
+fn measure(
+    dev: &'static DeviceState,
+    g: &Gemm,
+    key: &Key,
+    cublas: &dyn Fn() -> Result<()>,
+) -> Result<Option<LtPlan>> {
+    // SAFETY: only dlopens libcublasLt by its candidate names.
+    if !unsafe { lts::is_culib_present() } {
+        return Ok(None);
+    }
+    let base = if key.lt_always {
+        f32::INFINITY
+    } else {
+        time(dev, cublas)?
+    };
+    let mut plans = candidates(dev, key)?;
+    let ws = plans.iter().map(|p| p.workspace).max().unwrap_or(0);
+    let buf = if ws > 0 { Some(alloc(dev, ws)?) } else { None };
+    let wsp = buf.as_ref().map_or(0, |b| b.device_ptr());
+    let mut best: Option<(f32, usize)> = None;
+    for (i, p) in plans.iter().enumerate() {
+        let Ok(t) = time(dev, &|| lt_call(dev, g, p, wsp)) else {
+            continue;
+        };
+        if best.is_none_or(|(b, _)| t < b) {
+            best = Some((t, i));
+        }
+    }
+    drop(buf);
+    Ok(match best {
+        Some((t, i)) if t <= MARGIN * base => Some(plans.swap_remove(i)),
+        _ => None,
+    })
+}
+
+/// One warm-up run, then the fastest of [`TIMED_RUNS`] timed ones, ms.
+fn time(dev: &'static DeviceState, run: &dyn Fn() -> Result<()>) -> Result<f32> {
+    run()?;
+    let mut best = f32::INFINITY;
+    for _ in 0..TIMED_RUNS {
+        best = best.min(time_on(dev.stream(), OP, run)?);
+    }
+    Ok(best)
+}
+
+/// Lt's heuristic algorithms for `key`'s product, each with its own descriptors.
+fn candidates(dev: &'static DeviceState, key: &Key) -> Result<Vec<LtPlan>> {
+    let h = crate::blas_lt::handle(dev)?;
+    let mut out = Vec::new();
+    let first = new_descs(key)?;
+    let mut results: [lts::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
+        // SAFETY: a plain C struct of integers and floats, for which all-zero is a valid value.
+        unsafe { std::mem::zeroed() };
+    let mut count = 0i32;
+    let pref = Pref::new(key)?;
+    let [a, b, c] = first.layouts;
+    // SAFETY: live descriptors built above; `results` holds CANDIDATES entries and `count`
+    // receives how many were written.
+    let status = unsafe {
+        lts::cublasLtMatmulAlgoGetHeuristic(
+            h,
+            first.desc,
+            a,
+            b,
+            c,
+            c,
+            pref.0,
+            CANDIDATES as i32,
+            results.as_mut_ptr(),
+            &mut count,
+        )
+    };
+    if status != lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        return Ok(out);
+    }
+    let mut descs = Some(first);
+    for r in results.iter().take(count.max(0) as usize) {
+        if r.state != lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS || r.workspaceSize > MAX_WORKSPACE
+        {
+            continue;
+        }
+        let d = match descs.take() {
+            Some(d) => d,
+            None => new_descs(key)?,
+        };
+        out.push(LtPlan {
+            desc: d.desc,
+            layouts: d.layouts,
+            algo: r.algo,
+            workspace: r.workspaceSize,
+        });
+        std::mem::forget(d); // now owned by the plan
+    }
+    Ok(out)
+}
+
+/// An Lt matmul descriptor and layouts for `key` (destroyed on drop unless a plan takes them).
+struct Descs {
+    desc: lts::cublasLtMatmulDesc_t,
+    layouts: [lts::cublasLtMatrixLayout_t; 3],
+}
+
+impl Drop for Descs {
+    fn drop(&mut self) {
+        // SAFETY: each was created by Lt below and is destroyed once; null ones are skipped.
+        unsafe {
+            for &l in &self.layouts {
+                if !l.is_null() {
+                    let _ = lt::destroy_matrix_layout(l);
+                }
+            }
+            if !self.desc.is_null() {
+                let _ = lt::destroy_matmul_desc(self.desc);
+            }
+        }
+    }
+}
+
+fn lt_err(e: lt::CublasError) -> Error {
+    Error::backend(OP, format!("cuBLASLt: {e:?}"))
+}
+
+/// The descriptors of `key`'s product in Lt's column-major terms: kiln's row-major `C = A·B`
+/// is `Cᵀ = Bᵀ·Aᵀ`, the same call `blas.rs` makes of cuBLAS (`b` first, output `[n, m]`).
+fn new_descs(key: &Key) -> Result<Descs> {
+    use lts::cublasComputeType_t as Ct;
+    use lts::cudaDataType as Dt;
+    let (data, compute) = match (key.dtype, key.tf32) {
+        (DType::F32, true) => (Dt::CUDA_R_32F, Ct::CUBLAS_COMPUTE_32F_FAST_TF32),
+        (DType::F32, false) => (Dt::CUDA_R_32F, Ct::CUBLAS_COMPUTE_32F),
+        (DType::F16, _) => (Dt::CUDA_R_16F, Ct::CUBLAS_COMPUTE_32F),
+        _ => (Dt::CUDA_R_16BF, Ct::CUBLAS_COMPUTE_32F),
+    };
+    let mut d = Descs {
+        desc: std::ptr::null_mut(),
+        layouts: [std::ptr::null_mut(); 3],
+    };
+    d.desc = lt::create_matmul_desc(compute, Dt::CUDA_R_32F).map_err(lt_err)?;
+    let (op_a, op_b) = key.ops;
+    let (m, n, k) = (key.mnk.0 as u64, key.mnk.1 as u64, key.mnk.2 as u64);
+    let (lda, ldb) = (key.ld.0 as i64, key.ld.1 as i64);
+    {
+        use lts::cublasLtMatmulDescAttributes_t as A;
+        let set = |a: A, v: &i32| {
+            // SAFETY: `v` points at a live i32, the C type of the transpose attributes.
+            unsafe { lt::set_matmul_desc_attribute(d.desc, a, v as *const i32 as *const c_void, 4) }
+                .map_err(lt_err)
+        };
+        set(A::CUBLASLT_MATMUL_DESC_TRANSA, &op_b)?;
+        set(A::CUBLASLT_MATMUL_DESC_TRANSB, &op_a)?;
+    }
+    let n_op = 0; // CUBLAS_OP_N
+    // Lt's A is kiln's `b` (op(A) is [n, k]), B is kiln's `a` (op(B) is [k, m]), C is [n, m].
+    let shapes = [
+        if op_b == n_op {
+            (n, k, ldb)
+        } else {
+            (k, n, ldb)
+        },
+        if op_a == n_op {
+            (k, m, lda)
+        } else {
+            (m, k, lda)
+        },
+        (n, m, n as i64),
+    ];
+    for (slot, (r, c, ld)) in d.layouts.iter_mut().zip(shapes) {
+        *slot = lt::create_matrix_layout(data, r, c, ld).map_err(lt_err)?;
+    }
+    Ok(d)
+}
+
+/// The search preference: workspace cap and the operands' actual alignment (Lt assumes 256
+/// bytes unless told).
+struct Pref(lts::cublasLtMatmulPreference_t);
+
+impl Pref {
+    fn new(key: &Key) -> Result<Pref> {
+        use lts::cublasLtMatmulPreferenceAttributes_t as P;
+        let p = Pref(lt::create_matmul_pref().map_err(lt_err)?);
+        let set = |a: P, v: *const c_void, size: usize| {
+            // SAFETY: `v` points at a live value of `size` bytes, the attribute's C type.
+            unsafe { lt::set_matmul_pref_attribute(p.0, a, v, size) }.map_err(lt_err)
+        };
+        let ws = MAX_WORKSPACE as u64;
+        set(
+            P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &ws as *const u64 as _,
+            8,
+        )?;
+        let [al_a, al_b, al_c] = key.align.map(u32::from);
+        // Lt's A is kiln's `b`, B is kiln's `a`; C and D are the output.
+        for (attr, v) in [
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, al_b),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, al_a),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, al_c),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, al_c),
+        ] {
+            set(attr, &v as *const u32 as _, 4)?;
+        }
+        Ok(p)
+    }
+}
+
+impl Drop for Pref {
+    fn drop(&mut self) {
+        // SAFETY: created by Lt in `new` and destroyed once, here.
+        unsafe {
+            let _ = lt::destroy_matmul_pref(self.0);
+        }
+    }
+}
+
+/// Runs `g` with `plan`, its workspace a pool block freed stream-ordered after the call.
+fn run_lt(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan) -> Result<()> {
+    let ws = if plan.workspace > 0 {
+        Some(alloc(dev, plan.workspace)?)
+    } else {
+        None
+    };
+    lt_call(dev, g, plan, ws.as_ref().map_or(0, |b| b.device_ptr()))
+}
+
+/// One `cublasLtMatmul` of `g` with `plan` and a workspace at `ws` (0: none) of at least the
+/// plan's size, on the device's current stream.
+fn lt_call(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan, ws: u64) -> Result<()> {
+    let h = crate::blas_lt::handle(dev)?;
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let [a, b, c] = plan.layouts;
+    // SAFETY: the plan's descriptors describe `g`'s operands (the key matched their shapes,
+    // leading dimensions, transposes and alignment), whose buffers are live device memory of
+    // this context; the output is `g`'s fresh buffer of n·m elements; the workspace is a live
+    // block of at least `plan.workspace` bytes (or none when that is 0); alpha and beta are f32
+    // host scalars alive for the call (scale type f32); queued on the caller's current stream.
+    unsafe {
+        lt::matmul(
+            h,
+            plan.desc,
+            &alpha as *const f32 as *const c_void,
+            &beta as *const f32 as *const c_void,
+            g.pb as *const c_void,
+            a,
+            g.pa as *const c_void,
+            b,
+            g.pc as *const c_void,
+            c,
+            g.pc as *mut c_void,
+            c,
+            &plan.algo,
+            ws as *mut c_void,
+            if ws == 0 { 0 } else { plan.workspace },
+            dev.stream() as lts::cudaStream_t,
+        )
+    }
+    .map_err(lt_err)
+}

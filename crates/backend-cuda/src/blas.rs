@@ -17,6 +17,7 @@ use cudarc::driver::sys;
 use kiln_core::{DType, Error, Layout, Result};
 
 use crate::device::{Blas, DeviceState, check};
+use crate::gemm_tune::Gemm;
 use crate::launch::Args;
 use crate::memory::{Buffer, alloc};
 use crate::sources::Module;
@@ -286,29 +287,6 @@ fn route(dtype: DType, (batch, m, k, n): (usize, usize, usize, usize), tf32: boo
         return Route::Small;
     }
     Route::Cublas
-}
-
-/// One cuBLAS product in cuBLAS's column-major terms: row-major `C = A·B` computed as
-/// column-major `Cᵀ = Bᵀ·Aᵀ` (see the module docs), so `b` comes first in every call.
-pub(crate) struct Gemm {
-    pub(crate) op_a: cb::cublasOperation_t,
-    pub(crate) op_b: cb::cublasOperation_t,
-    /// Rows and columns of the row-major product, and the inner dimension.
-    pub(crate) m: i32,
-    pub(crate) n: i32,
-    pub(crate) k: i32,
-    pub(crate) lda: i32,
-    pub(crate) ldb: i32,
-    pub(crate) batch: usize,
-    batch_i32: i32,
-    /// Batch strides in elements (0 broadcasts), the output's included.
-    sa: i64,
-    sb: i64,
-    sc: i64,
-    /// Device addresses of the operands' first elements and of the output.
-    pub(crate) pa: u64,
-    pub(crate) pb: u64,
-    pub(crate) pc: u64,
 }
 
 impl Gemm {

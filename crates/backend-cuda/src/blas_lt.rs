@@ -23,10 +23,9 @@
 //! 16 bytes of elements (Lt's alignment for vectorized epilogues), or pointers not 16-byte
 //! aligned.
 
-use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublaslt::{result as lt, sys as lts};
 use kiln_core::backend::Operand;
@@ -34,7 +33,6 @@ use kiln_core::epilogue::{EpilogueGrads, EpilogueOutputs};
 use kiln_core::epilogue_composed::linear_epilogue_backward_composed;
 use kiln_core::{Activation, DType, Error, Layout, Result};
 
-use crate::device::DeviceState;
 use crate::lazy::Repr;
 use crate::memory::{Buffer, alloc};
 use crate::storage::CudaStorage;
@@ -59,21 +57,6 @@ pub fn lt_epilogues() -> bool {
 /// Offers (or stops offering) the cuBLASLt epilogue path for the whole process.
 pub fn set_lt_epilogues(on: bool) {
     ON.store(if on { 2 } else { 1 }, Ordering::Relaxed);
-}
-
-/// The device's Lt handle (created on first use, with its context current; kept for the
-/// process' lifetime), as an address.
-pub(crate) fn handle(dev: &DeviceState) -> Result<lts::cublasLtHandle_t> {
-    static HANDLES: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
-    let map = HANDLES.get_or_init(Default::default);
-    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(&h) = map.get(&dev.ordinal()) {
-        return Ok(h as lts::cublasLtHandle_t);
-    }
-    dev.bind()?;
-    let h = lt::create_handle().map_err(|e| Error::backend(OP, format!("{e:?}")))?;
-    map.insert(dev.ordinal(), h as usize);
-    Ok(h)
 }
 
 /// The epilogue for `act`, or `None` when Lt has none.
@@ -205,7 +188,7 @@ pub(crate) fn linear_epilogue(
         return Ok(None);
     };
     let dev = xb.state();
-    let h = handle(dev)?;
+    let h = crate::gemm_tune::lt_handle(dev)?;
     dev.bind()?;
     let size = dtype.size_in_bytes();
     let out = alloc(dev, m * n * size)?;

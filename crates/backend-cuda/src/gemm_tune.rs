@@ -35,14 +35,38 @@ use std::ffi::c_void;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
+use cudarc::cublas::sys as cb;
 use cudarc::cublaslt::{result as lt, sys as lts};
 use kiln_core::{DType, Error, Result};
 
-use crate::blas::Gemm;
 use crate::device::{DeviceState, time_on};
 use crate::memory::alloc;
 
 const OP: &str = "matmul";
+
+/// One product in cuBLAS's column-major terms: row-major `C = A·B` computed as column-major
+/// `Cᵀ = Bᵀ·Aᵀ` (`blas.rs`'s module docs), so `b` comes first in every call. Built by
+/// `blas.rs` (`Gemm::new`); here because the tuner below `blas.rs` reads it.
+pub(crate) struct Gemm {
+    pub(crate) op_a: cb::cublasOperation_t,
+    pub(crate) op_b: cb::cublasOperation_t,
+    /// Rows and columns of the row-major product, and the inner dimension.
+    pub(crate) m: i32,
+    pub(crate) n: i32,
+    pub(crate) k: i32,
+    pub(crate) lda: i32,
+    pub(crate) ldb: i32,
+    pub(crate) batch: usize,
+    pub(crate) batch_i32: i32,
+    /// Batch strides in elements (0 broadcasts), the output's included.
+    pub(crate) sa: i64,
+    pub(crate) sb: i64,
+    pub(crate) sc: i64,
+    /// Device addresses of the operands' first elements and of the output.
+    pub(crate) pa: u64,
+    pub(crate) pb: u64,
+    pub(crate) pc: u64,
+}
 
 /// Lt's heuristic algorithms timed per shape.
 const CANDIDATES: usize = 8;
@@ -138,6 +162,21 @@ impl Drop for LtPlan {
             layouts: self.layouts,
         });
     }
+}
+
+/// The device's Lt handle (created on first use, with its context current; kept for the
+/// process' lifetime); `blas_lt.rs`'s epilogues use it too.
+pub(crate) fn lt_handle(dev: &DeviceState) -> Result<lts::cublasLtHandle_t> {
+    static HANDLES: OnceLock<Mutex<HashMap<usize, usize>>> = OnceLock::new();
+    let map = HANDLES.get_or_init(Default::default);
+    let mut map = map.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&h) = map.get(&dev.ordinal()) {
+        return Ok(h as lts::cublasLtHandle_t);
+    }
+    dev.bind()?;
+    let h = lt::create_handle().map_err(lt_err)?;
+    map.insert(dev.ordinal(), h as usize);
+    Ok(h)
 }
 
 /// Measured choices: `None` for cuBLAS's default.
@@ -253,7 +292,7 @@ fn time(dev: &'static DeviceState, run: &dyn Fn() -> Result<()>) -> Result<f32> 
 
 /// Lt's heuristic algorithms for `key`'s product, each with its own descriptors.
 fn candidates(dev: &'static DeviceState, key: &Key) -> Result<Vec<LtPlan>> {
-    let h = crate::blas_lt::handle(dev)?;
+    let h = lt_handle(dev)?;
     let mut out = Vec::new();
     let first = new_descs(key)?;
     let mut results: [lts::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
@@ -432,7 +471,7 @@ fn run_lt(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan) -> Result<()> {
 /// One `cublasLtMatmul` of `g` with `plan` and a workspace at `ws` (0: none) of at least the
 /// plan's size, on the device's current stream.
 fn lt_call(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan, ws: u64) -> Result<()> {
-    let h = crate::blas_lt::handle(dev)?;
+    let h = lt_handle(dev)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
     let [a, b, c] = plan.layouts;
     // SAFETY: the plan's descriptors describe `g`'s operands (the key matched their shapes,

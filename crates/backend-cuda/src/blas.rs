@@ -1,4 +1,5 @@
-//! Matrix products: through cuBLAS (`sgemm`/`dgemm`, strided batched), or, for one output row
+//! Matrix products: through cuBLAS (`sgemm`/`dgemm`, strided batched) or, where a shape was
+//! measured faster that way, one of cuBLASLt's algorithms (`gemm_tune.rs`); for one output row
 //! or column and for small products, through kiln's own kernels of `reduce.cu`.
 //!
 //! The trait hands us `[batch, m, k] x [batch, k, n]` with each matrix row- or column-major

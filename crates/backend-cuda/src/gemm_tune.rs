@@ -4,11 +4,12 @@
 //! Why: for one shape `cublasSgemm`/`cublasGemmEx` run one kernel of cuBLAS's choosing;
 //! cuBLASLt's heuristics offer several (split-K kernels with a workspace among them), and for
 //! some of a transformer's products another is much faster. H200, 2026-11-28, the GPT's
-//! products at 16384 tokens of width 384: the f32 weight gradient `[384, 16384] · [16384,
-//! 1152]` 424 µs through `cublasSgemm`, 302 µs for Lt's first heuristic with a 32 MiB
-//! workspace; TF32 `[384, 16384] · [16384, 1536]` 131 → 106 µs; bf16 `[16384, 384] ·
-//! [384, 1152]` 31 → 25 µs; the whole iteration's linear products 2.7% (f32), 5% (TF32) and 9%
-//! (bf16) faster with the fastest algorithm of each (BENCHMARKS.md).
+//! products at 16384 tokens of width 384: the f32 weight gradient `[1152, 16384] · [16384,
+//! 384]` 424 µs through `cublasSgemm`, 302 µs for Lt's first heuristic with a 32 MiB
+//! workspace; TF32 `[1536, 16384] · [16384, 384]` 131 → 106 µs; bf16 `[16384, 384] ·
+//! [384, 1152]` 31 → 25 µs; the iteration's 75 linear products 3.6% (f32), 5.3% (TF32) and
+//! 8.5% (bf16) faster with each shape's fastest algorithm, and the GPT iteration with this
+//! module 2.0% (f32), 2.2% (TF32) and 0.6% (bf16) faster (BENCHMARKS.md).
 //!
 //! - **Which products**: one matrix (batch 1) of f32 (TF32 or not), f16 or bf16 on
 //!   `blas.rs`'s cuBLAS route; batched products and f64 keep cuBLAS.

@@ -33,7 +33,8 @@
 //! - **CUDA graphs** (`graph.rs`): [`CudaGraph::capture`] records a block of kiln work (a
 //!   training step) once; [`CudaGraph::replay`] runs it with one launch, on memory private to
 //!   the graph.
-//! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`).
+//! - **Matmul** through cuBLAS with TF32 off unless asked for (`blas.rs`), or through the
+//!   cuBLASLt algorithm a shape was timed fastest with at its first call (`gemm_tune.rs`).
 //! - **Convolutions** through cuDNN where it can be loaded (`cudnn/`): forward and both
 //!   gradients for kiln-nn's `conv2d`, algorithms measured once per shape and cached per
 //!   device, workspaces from the memory pool. Without cuDNN (or with `KILN_CUDNN=0`,

@@ -220,8 +220,8 @@ pub(crate) fn run_tuned(
         Some(p) => p,
         None if dev.capturing() => return Ok(false),
         None => {
-            // Measured outside the lock (it synchronizes); a racing thread's equal result is
-            // simply replaced.
+            // Measured outside the lock (it synchronizes); where another thread stored this
+            // shape's choice meanwhile, that one is kept and this one dropped.
             let p = measure(dev, g, &key, cublas).unwrap_or(None).map(Arc::new);
             let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
             match c.entry(key) {

@@ -16,8 +16,9 @@
 //! along the depth (`x · Wᵀ`, a Linear layer's forward), [`gemm_nn`](crate::gemm_nn) when the
 //! right one is row-major (`g · W`, `gᵀ · x`: the backward), and a tall `x · Wᵀ` of short depth
 //! on `gemm_nn` over a row-major copy of `Wᵀ` ([`NT_VIA_NN`]). A split of such a product
-//! ([`split_own`]) starts only from [`OWN_SPLIT`] (waking a helper costs tens of µs here) and
-//! goes by rows or whole column blocks, in parts that shrink towards the end, written in place.
+//! ([`split_own`]) starts only from [`OWN_SPLIT`] (waking a helper costs tens of µs here), or
+//! from [`OWN_SPLIT_AWAKE`] while a helper is awake anyway, and goes by rows or whole column
+//! blocks, in parts that shrink towards the end, written in place.
 //!
 //! Matrix-vector products (`n == 1` or `m == 1`) skip GEMM: see [`gemv`](crate::gemv).
 
@@ -53,6 +54,21 @@ const OWN_COLS: usize = 32;
 /// 3.5-7 µs in the futex call and the helper starts 15-25 µs after it (2026-11-28), so below
 /// this the caller would finish alone about as soon.
 const OWN_SPLIT: usize = 1 << 22;
+/// Where products on an [`Own`] kernel start being split: [`OWN_SPLIT`] while every helper
+/// sleeps; [`OWN_SPLIT_AWAKE`] while one is awake (it worked on a product less than the
+/// [`pool`]'s watch ago), when sharing costs no wake-up.
+fn own_split() -> usize {
+    if pool::awake() {
+        OWN_SPLIT_AWAKE
+    } else {
+        OWN_SPLIT
+    }
+}
+/// Products on an [`Own`] kernel are split from this many multiply-adds (about 2 µs of one
+/// core's work) while a helper is awake ([`own_split`]). MLP 784-100-100-10 at batch 100 on
+/// the 2-core VM (2026-11-28): its 100x100x100 products split, 0.177-0.179 ms a step against
+/// 0.171-0.172 (2^18: 0.169-0.172).
+const OWN_SPLIT_AWAKE: usize = 1 << 19;
 /// The shortest depth that goes to [`gemm_nt`]: below one 16-lane vector most of its work is
 /// the fold of the accumulators.
 const NT_MIN_K: usize = 16;
@@ -146,7 +162,7 @@ fn gemm<T: CpuElem + LinalgScalar>(
             .try_for_each(|(bi, o)| one(bi, o))?;
     } else if batch == 1 && pool::cores() > 1 {
         match own_kernel::<T>(ma, mb) {
-            Some(kernel) if m * n * k >= OWN_SPLIT => {
+            Some(kernel) if m * n * k >= own_split() => {
                 split_own(kernel, (a, &ma), (b, &mb), &mut out)?
             }
             None if m * n * k >= SPLIT_GEMM && m.min(n) >= 16 => {

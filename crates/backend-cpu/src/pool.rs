@@ -88,6 +88,14 @@ static POSTED: Mutex<Posted> = Mutex::new(Posted {
 static WAKE: Condvar = Condvar::new();
 /// `POSTED.serial`, readable without the lock by a helper watching between products.
 static SERIAL: AtomicU64 = AtomicU64::new(0);
+/// `POSTED.sleeping`, readable without the lock ([`awake`]).
+static SLEEPING: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether a helper is awake (working, or watching for the next product): sharing a product
+/// then costs no wake-up, so smaller products are worth splitting (`matmul.rs`).
+pub fn awake() -> bool {
+    helpers() > 0 && SLEEPING.load(Ordering::Relaxed) < helpers()
+}
 
 /// How long a helper keeps watching for the next product after its last one before it sleeps:
 /// [`LINGER_US`], or `KILN_CPU_LINGER_US` (read once; 0 sleeps at once, as on a machine shared
@@ -139,7 +147,9 @@ fn serve(thread: usize) {
             let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
             while posted.serial == seen {
                 posted.sleeping += 1;
+                SLEEPING.fetch_add(1, Ordering::Relaxed);
                 posted = WAKE.wait(posted).unwrap_or_else(|e| e.into_inner());
+                SLEEPING.fetch_sub(1, Ordering::Relaxed);
                 posted.sleeping -= 1;
             }
             seen = posted.serial;

@@ -76,19 +76,18 @@ impl<R: Send, F: Fn(usize) -> R + Send + Sync> Parts for Job<R, F> {
 struct Posted {
     job: Option<Arc<dyn Parts>>,
     serial: u64,
-    /// Helpers waiting on [`WAKE`] (a poster skips the wake-up call when none is).
-    sleeping: usize,
 }
 
 static POSTED: Mutex<Posted> = Mutex::new(Posted {
     job: None,
     serial: 0,
-    sleeping: 0,
 });
 static WAKE: Condvar = Condvar::new();
 /// `POSTED.serial`, readable without the lock by a helper watching between products.
 static SERIAL: AtomicU64 = AtomicU64::new(0);
-/// `POSTED.sleeping`, readable without the lock ([`awake`]).
+/// Helpers waiting on [`WAKE`]: changed only under `POSTED`'s lock, so a poster holding it
+/// reads it exactly and skips the wake-up call when none sleeps; read without the lock by
+/// [`awake`].
 static SLEEPING: AtomicUsize = AtomicUsize::new(0);
 
 /// Whether a helper is awake (working, or watching for the next product): sharing a product
@@ -146,11 +145,9 @@ fn serve(thread: usize) {
         let job = {
             let mut posted = POSTED.lock().unwrap_or_else(|e| e.into_inner());
             while posted.serial == seen {
-                posted.sleeping += 1;
                 SLEEPING.fetch_add(1, Ordering::Relaxed);
                 posted = WAKE.wait(posted).unwrap_or_else(|e| e.into_inner());
                 SLEEPING.fetch_sub(1, Ordering::Relaxed);
-                posted.sleeping -= 1;
             }
             seen = posted.serial;
             posted.job.clone()
@@ -233,7 +230,7 @@ where
         posted.serial += 1;
         let serial = posted.serial;
         SERIAL.store(serial, Ordering::Release);
-        let sleeping = posted.sleeping;
+        let sleeping = SLEEPING.load(Ordering::Relaxed);
         drop(posted);
         if sleeping > 0 {
             WAKE.notify_all();

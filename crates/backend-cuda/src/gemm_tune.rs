@@ -141,28 +141,9 @@ struct Key {
 
 /// An Lt algorithm with the descriptors it runs with, kept for the process.
 struct LtPlan {
-    desc: lts::cublasLtMatmulDesc_t,
-    /// A (kiln's `b`), B (kiln's `a`), C = D (the output), in Lt's column-major terms.
-    layouts: [lts::cublasLtMatrixLayout_t; 3],
+    descs: Descs,
     algo: lts::cublasLtMatmulAlgo_t,
     workspace: usize,
-}
-
-// SAFETY: the descriptors are host objects that Lt only reads once they are built; kiln never
-// changes them, and destroys them only when the plan is dropped (a kept one lives for the
-// process).
-unsafe impl Send for LtPlan {}
-// SAFETY: as above: shared reads only.
-unsafe impl Sync for LtPlan {}
-
-impl Drop for LtPlan {
-    fn drop(&mut self) {
-        // The plan owns its descriptors (each candidate has its own set).
-        drop(Descs {
-            desc: self.desc,
-            layouts: self.layouts,
-        });
-    }
 }
 
 /// The device's Lt handle (created on first use, with its context current; kept for the
@@ -245,7 +226,8 @@ fn align(p: u64) -> u16 {
 }
 
 /// Times cuBLAS and Lt's candidates on the call's buffers; `Some(plan)` where Lt's fastest
-/// beats cuBLAS by [`MARGIN`] (under [`GemmTuning::Lt`], wherever Lt has a candidate). Errors of Lt mean "cuBLAS" (`None`), never a failed product.
+/// beats cuBLAS by [`MARGIN`] (under [`GemmTuning::Lt`], wherever Lt has a candidate). Errors
+/// of Lt mean "cuBLAS" (`None`), never a failed product.
 fn measure(
     dev: &'static DeviceState,
     g: &Gemm,
@@ -261,13 +243,14 @@ fn measure(
     } else {
         time(dev, cublas)?
     };
-    let mut plans = candidates(dev, key)?;
-    let ws = plans.iter().map(|p| p.workspace).max().unwrap_or(0);
+    let descs = new_descs(key)?;
+    let algos = candidates(dev, key, &descs)?;
+    let ws = algos.iter().map(|&(_, w)| w).max().unwrap_or(0);
     let buf = if ws > 0 { Some(alloc(dev, ws)?) } else { None };
     let wsp = buf.as_ref().map_or(0, |b| b.device_ptr());
     let mut best: Option<(f32, usize)> = None;
-    for (i, p) in plans.iter().enumerate() {
-        let Ok(t) = time(dev, &|| lt_call(dev, g, p, wsp)) else {
+    for (i, (algo, w)) in algos.iter().enumerate() {
+        let Ok(t) = time(dev, &|| lt_call(dev, g, &descs, algo, (wsp, *w))) else {
             continue;
         };
         if best.is_none_or(|(b, _)| t < b) {
@@ -276,7 +259,11 @@ fn measure(
     }
     drop(buf);
     Ok(match best {
-        Some((t, i)) if t <= MARGIN * base => Some(plans.swap_remove(i)),
+        Some((t, i)) if t <= MARGIN * base => Some(LtPlan {
+            descs,
+            algo: algos[i].0,
+            workspace: algos[i].1,
+        }),
         _ => None,
     })
 }
@@ -291,23 +278,26 @@ fn time(dev: &'static DeviceState, run: &dyn Fn() -> Result<()>) -> Result<f32> 
     Ok(best)
 }
 
-/// Lt's heuristic algorithms for `key`'s product, each with its own descriptors.
-fn candidates(dev: &'static DeviceState, key: &Key) -> Result<Vec<LtPlan>> {
+/// Lt's heuristic algorithms for `key`'s product described by `descs`, with their workspace
+/// sizes (those asking for more than [`MAX_WORKSPACE`] left out).
+fn candidates(
+    dev: &'static DeviceState,
+    key: &Key,
+    descs: &Descs,
+) -> Result<Vec<(lts::cublasLtMatmulAlgo_t, usize)>> {
     let h = lt_handle(dev)?;
-    let mut out = Vec::new();
-    let first = new_descs(key)?;
     let mut results: [lts::cublasLtMatmulHeuristicResult_t; CANDIDATES] =
         // SAFETY: a plain C struct of integers and floats, for which all-zero is a valid value.
         unsafe { std::mem::zeroed() };
     let mut count = 0i32;
     let pref = Pref::new(key)?;
-    let [a, b, c] = first.layouts;
-    // SAFETY: live descriptors built above; `results` holds CANDIDATES entries and `count`
+    let [a, b, c] = descs.layouts;
+    // SAFETY: live descriptors of the caller's; `results` holds CANDIDATES entries and `count`
     // receives how many were written.
     let status = unsafe {
         lts::cublasLtMatmulAlgoGetHeuristic(
             h,
-            first.desc,
+            descs.desc,
             a,
             b,
             c,
@@ -319,34 +309,31 @@ fn candidates(dev: &'static DeviceState, key: &Key) -> Result<Vec<LtPlan>> {
         )
     };
     if status != lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
-        return Ok(out);
+        return Ok(Vec::new());
     }
-    let mut descs = Some(first);
-    for r in results.iter().take(count.max(0) as usize) {
-        if r.state != lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS || r.workspaceSize > MAX_WORKSPACE
-        {
-            continue;
-        }
-        let d = match descs.take() {
-            Some(d) => d,
-            None => new_descs(key)?,
-        };
-        out.push(LtPlan {
-            desc: d.desc,
-            layouts: d.layouts,
-            algo: r.algo,
-            workspace: r.workspaceSize,
-        });
-        std::mem::forget(d); // now owned by the plan
-    }
-    Ok(out)
+    Ok(results
+        .iter()
+        .take(count.max(0) as usize)
+        .filter(|r| {
+            r.state == lts::cublasStatus_t::CUBLAS_STATUS_SUCCESS
+                && r.workspaceSize <= MAX_WORKSPACE
+        })
+        .map(|r| (r.algo, r.workspaceSize))
+        .collect())
 }
 
-/// An Lt matmul descriptor and layouts for `key` (destroyed on drop unless a plan takes them).
+/// An Lt matmul descriptor and layouts for one shape (destroyed on drop).
 struct Descs {
     desc: lts::cublasLtMatmulDesc_t,
+    /// A (kiln's `b`), B (kiln's `a`), C = D (the output), in Lt's column-major terms.
     layouts: [lts::cublasLtMatrixLayout_t; 3],
 }
+
+// SAFETY: host objects that Lt only reads once they are built; kiln never changes them after
+// `new_descs`, and destroys them once, on drop (a kept plan's live as long as the process).
+unsafe impl Send for Descs {}
+// SAFETY: as above: shared reads only.
+unsafe impl Sync for Descs {}
 
 impl Drop for Descs {
     fn drop(&mut self) {
@@ -466,24 +453,31 @@ fn run_lt(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan) -> Result<()> {
     } else {
         None
     };
-    lt_call(dev, g, plan, ws.as_ref().map_or(0, |b| b.device_ptr()))
+    let ptr = ws.as_ref().map_or(0, |b| b.device_ptr());
+    lt_call(dev, g, &plan.descs, &plan.algo, (ptr, plan.workspace))
 }
 
-/// One `cublasLtMatmul` of `g` with `plan` and a workspace at `ws` (0: none) of at least the
-/// plan's size, on the device's current stream.
-fn lt_call(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan, ws: u64) -> Result<()> {
+/// One `cublasLtMatmul` of `g` with `descs` and `algo`, and a workspace `(address, size)`
+/// (address 0: none) of at least the algorithm's size, on the device's current stream.
+fn lt_call(
+    dev: &'static DeviceState,
+    g: &Gemm,
+    descs: &Descs,
+    algo: &lts::cublasLtMatmulAlgo_t,
+    (ws, size): (u64, usize),
+) -> Result<()> {
     let h = lt_handle(dev)?;
     let (alpha, beta) = (1.0f32, 0.0f32);
-    let [a, b, c] = plan.layouts;
-    // SAFETY: the plan's descriptors describe `g`'s operands (the key matched their shapes,
-    // leading dimensions, transposes and alignment), whose buffers are live device memory of
-    // this context; the output is `g`'s fresh buffer of n·m elements; the workspace is a live
-    // block of at least `plan.workspace` bytes (or none when that is 0); alpha and beta are f32
+    let [a, b, c] = descs.layouts;
+    // SAFETY: the descriptors describe `g`'s operands (the key matched their shapes, leading
+    // dimensions, transposes and alignment), whose buffers are live device memory of this
+    // context; the output is `g`'s fresh buffer of n·m elements; the workspace is a live block
+    // of at least the algorithm's `size` bytes (or none when that is 0); alpha and beta are f32
     // host scalars alive for the call (scale type f32); queued on the caller's current stream.
     unsafe {
         lt::matmul(
             h,
-            plan.desc,
+            descs.desc,
             &alpha as *const f32 as *const c_void,
             &beta as *const f32 as *const c_void,
             g.pb as *const c_void,
@@ -494,9 +488,9 @@ fn lt_call(dev: &'static DeviceState, g: &Gemm, plan: &LtPlan, ws: u64) -> Resul
             c,
             g.pc as *mut c_void,
             c,
-            &plan.algo,
+            algo,
             ws as *mut c_void,
-            if ws == 0 { 0 } else { plan.workspace },
+            if ws == 0 { 0 } else { size },
             dev.stream() as lts::cudaStream_t,
         )
     }

@@ -144,6 +144,8 @@ impl Fused16 {
         let guard = SWITCHES.write().unwrap_or_else(|e| e.into_inner());
         kiln_backend_cuda::set_fused_attention_16bit(true);
         kiln_backend_cuda::set_attention_tensor_cores(true);
+        // kiln's own kernels: cuDNN's engines have tests of their own (below).
+        kiln_backend_cuda::set_cudnn_attention(Some(false));
         Fused16(guard)
     }
 }
@@ -152,6 +154,7 @@ impl Drop for Fused16 {
     fn drop(&mut self) {
         kiln_backend_cuda::set_fused_attention_16bit(false);
         kiln_backend_cuda::set_attention_tensor_cores(true);
+        kiln_backend_cuda::set_cudnn_attention(None);
     }
 }
 
@@ -606,6 +609,7 @@ impl FamilySwitches {
         kiln_backend_cuda::set_attention_tensor_cores_f32(family != "f32 fma");
         kiln_backend_cuda::set_attention_tensor_cores(true);
         kiln_backend_cuda::set_fused_attention_16bit(true);
+        kiln_backend_cuda::set_cudnn_attention(Some(false));
         FamilySwitches(guard, tf32)
     }
 }
@@ -616,6 +620,7 @@ impl Drop for FamilySwitches {
         kiln_backend_cuda::set_attention_tensor_cores_f32(true);
         kiln_backend_cuda::set_attention_tensor_cores(true);
         kiln_backend_cuda::set_fused_attention_16bit(false);
+        kiln_backend_cuda::set_cudnn_attention(None);
     }
 }
 
@@ -891,5 +896,135 @@ fn packed_self_attention_equals_the_narrow_path_with_one_buffer() {
                 "{family}: the packed backward is the three attention kernels"
             );
         }
+    }
+}
+
+/// Holds [`SWITCHES`] with 16-bit attention on cuDNN's fused engines wherever cuDNN serves it
+/// (`None` when cuDNN is not loadable: the test says so and returns); back to the defaults when
+/// dropped.
+struct OnCudnn(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
+
+impl OnCudnn {
+    fn on() -> Option<Self> {
+        let guard = SWITCHES.write().unwrap_or_else(|e| e.into_inner());
+        if !kiln_backend_cuda::cudnn_available() {
+            println!("skipped: cuDNN not loadable, so no cuDNN attention to test");
+            return None;
+        }
+        kiln_backend_cuda::set_cudnn_attention(Some(true));
+        Some(OnCudnn(guard))
+    }
+}
+
+impl Drop for OnCudnn {
+    fn drop(&mut self) {
+        kiln_backend_cuda::set_cudnn_attention(None);
+    }
+}
+
+/// Shapes cuDNN's engines serve (d = dv, multiples of 8 up to 128): lengths off every tile,
+/// `Tq != Tk` both ways (top-left causal mask), one query.
+const CUDNN_SHAPES: [Dims6; 6] = [
+    (2, 3, 37, 37, 64, 64),
+    (1, 2, 70, 45, 32, 32),
+    (2, 1, 45, 70, 80, 80),
+    (1, 2, 256, 256, 128, 128),
+    (2, 2, 200, 100, 48, 48),
+    (1, 2, 1, 77, 64, 64),
+];
+
+/// cuDNN's fused attention (forward and backward) against the f64 composed path on the CPU,
+/// within bf16's and f16's precision; each call is counted as run on cuDNN.
+#[test]
+fn cudnn_attention_matches_within_bf16_and_f16_precision() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    for dims in CUDNN_SHAPES {
+        for causal in [false, true] {
+            let before = kiln_backend_cuda::cudnn_attention_calls();
+            against_cpu(&dev, DType::BF16, dims, causal, 3e-2);
+            against_cpu(&dev, DType::F16, dims, causal, 1e-2);
+            let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
+            assert_eq!(
+                calls, 4,
+                "{dims:?} causal {causal}: fwd + bwd in two dtypes on cuDNN"
+            );
+        }
+    }
+}
+
+/// A forward on cuDNN and a backward on kiln's kernels (and the reverse) give the gradients of
+/// both on one path: the saved log-sum-exps mean the same on both.
+#[test]
+fn cudnn_and_kiln_kernels_share_the_saved_statistics() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let (b, h, t, d) = (2, 3, 100, 64);
+    let x = |seed, dims: &[usize]| normal::<Cuda>(dims, seed, DType::BF16, &dev);
+    let (q, k, v, g) = (
+        x(1, &[b, h, t, d]),
+        x(2, &[b, h, t, d]),
+        x(3, &[b, h, t, d]),
+        x(4, &[b, h, t, d]),
+    );
+    let want = run(&on_cpu(&q), &on_cpu(&k), &on_cpu(&v), &on_cpu(&g), true);
+    for forward_on_cudnn in [true, false] {
+        kiln_backend_cuda::set_cudnn_attention(Some(forward_on_cudnn));
+        let (qv, kv, vv) = (
+            Var::param(q.clone()),
+            Var::param(k.clone()),
+            Var::param(v.clone()),
+        );
+        let y = qv
+            .scaled_dot_product_attention(&kv, &vv, &AttnMask::Causal, 0.0, None, None)
+            .unwrap();
+        y.tensor().realize().unwrap();
+        kiln_backend_cuda::set_cudnn_attention(Some(!forward_on_cudnn));
+        let before = kiln_backend_cuda::cudnn_attention_calls();
+        y.backward_with(&g).unwrap();
+        let on_cudnn = kiln_backend_cuda::cudnn_attention_calls() - before;
+        assert_eq!(
+            on_cudnn,
+            u64::from(!forward_on_cudnn),
+            "the backward's path"
+        );
+        let grad = |x: &Var<Cuda>| f64s(&x.grad().expect("a gradient"));
+        let got = [f64s(&y.tensor()), grad(&qv), grad(&kv), grad(&vv)];
+        for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            let what = format!("forward on cuDNN {forward_on_cudnn}: {name}");
+            assert_close(&what, got, want, 3e-2);
+        }
+    }
+}
+
+/// Head views of a packed bf16 `[b, t, 3·h·d]` projection (self-attention's layout) on cuDNN:
+/// read in place, the gradients in one buffer, equal to the contiguous inputs' results within
+/// bf16's precision.
+#[test]
+fn cudnn_attention_reads_head_views_of_a_packed_projection() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let (b, t, h, d) = (2, 70, 3, 64);
+    let e = h * d;
+    let qkv = normal::<Cuda>(&[b, t, 3 * e], 19, DType::BF16, &dev);
+    let g = normal::<Cuda>(&[b, h, t, d], 20, DType::BF16, &dev);
+    let heads = |i: usize| {
+        qkv.narrow(2, i * e, e)
+            .unwrap()
+            .reshape([b, t, h, d])
+            .unwrap()
+            .transpose(1, 2)
+            .unwrap()
+    };
+    let (q, k, v) = (heads(0), heads(1), heads(2));
+    let before = kiln_backend_cuda::cudnn_attention_calls();
+    let viewed = run(&q, &k, &v, &g, true);
+    assert_eq!(kiln_backend_cuda::cudnn_attention_calls() - before, 2);
+    let want = run(&on_cpu(&q), &on_cpu(&k), &on_cpu(&v), &on_cpu(&g), true);
+    for (name, (a, b)) in ["out", "dq", "dk", "dv"]
+        .iter()
+        .zip(viewed.iter().zip(&want))
+    {
+        assert_close(&format!("cuDNN bf16 head views: {name}"), a, b, 3e-2);
     }
 }

@@ -369,6 +369,14 @@ fn attention(dev: &CudaDevice) {
             };
             row(&format!("fwd_{tag}"), &fwd);
             row(&format!("fwd_bwd_{tag}"), &fwd_bwd);
+            if dt == DType::BF16 {
+                // kiln's own tensor-core kernels with cuDNN's engines off (the rows above take
+                // cuDNN's on Hopper).
+                kiln_backend_cuda::set_cudnn_attention(Some(false));
+                row(&format!("fwd_{tag}_kiln_kernels"), &fwd);
+                row(&format!("fwd_bwd_{tag}_kiln_kernels"), &fwd_bwd);
+                kiln_backend_cuda::set_cudnn_attention(None);
+            }
             if !gpt {
                 continue;
             }
@@ -387,12 +395,14 @@ fn attention(dev: &CudaDevice) {
                 // default: fused on sm_80+, composed elsewhere): the tensor-core kernels
                 // (`_fused_kernel`) and the f32-FMA ones (`_fused_fma`).
                 kiln_backend_cuda::set_fused_attention_16bit(true);
+                kiln_backend_cuda::set_cudnn_attention(Some(false));
                 row(&format!("fwd_{tag}_fused_kernel"), &fwd);
                 row(&format!("fwd_bwd_{tag}_fused_kernel"), &fwd_bwd);
                 kiln_backend_cuda::set_attention_tensor_cores(false);
                 row(&format!("fwd_bwd_{tag}_fused_fma"), &fwd_bwd);
                 kiln_backend_cuda::set_attention_tensor_cores(true);
                 kiln_backend_cuda::set_fused_attention_16bit(false);
+                kiln_backend_cuda::set_cudnn_attention(None);
             }
             packed_rows(dev, (b, h, t, d), (dt, tag));
             let _composed = composed_attention();

@@ -98,6 +98,7 @@
 // In rustfmt's order; the layers, bottom to top, are in "Layers" above: each module imports
 // only modules listed before it there.
 mod amp;
+mod attention_cudnn;
 mod blas;
 mod blas_lt;
 mod codegen;
@@ -144,9 +145,10 @@ use kiln_core::{
 pub use blas::{allow_tf32, set_allow_tf32};
 pub use blas_lt::{lt_epilogues, set_lt_epilogues};
 pub use cudnn::{
-    CudnnApi, CudnnLayout, cudnn_api, cudnn_available, cudnn_enabled, cudnn_fused_calls,
-    cudnn_fusion, cudnn_graph_calls, cudnn_layout, cudnn_nhwc_calls, cudnn_version, set_cudnn,
-    set_cudnn_api, set_cudnn_fusion, set_cudnn_layout,
+    CudnnApi, CudnnLayout, cudnn_api, cudnn_attention, cudnn_attention_calls, cudnn_available,
+    cudnn_enabled, cudnn_fused_calls, cudnn_fusion, cudnn_graph_calls, cudnn_layout,
+    cudnn_nhwc_calls, cudnn_version, set_cudnn, set_cudnn_api, set_cudnn_attention,
+    set_cudnn_fusion, set_cudnn_layout,
 };
 pub use device::{
     clear_kernel_cache, launch_stats, thread_launches, thread_syncs, unavailable_reason,
@@ -656,7 +658,13 @@ impl Backend for Cuda {
     ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let tf32 = blas::allow_tf32();
-        let r = ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?;
+        let fused = attention_cudnn::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, spec)?;
+        let r = match fused {
+            Some(r) => Some(r),
+            None => {
+                ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?
+            }
+        };
         Ok(r.map(|((o, ol), l, m)| {
             (
                 (CudaStorage::ready(o), ol),
@@ -680,6 +688,22 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
         let mb = mask.map(|m| m.buffer()).transpose()?;
+        let on_cudnn = attention_cudnn::backward(
+            (&qb, q.1),
+            (&kb, k.1),
+            (&vb, v.1),
+            (&ob, out.1),
+            (&lb, lse.1),
+            (&gb, g.1),
+            dtype,
+            spec,
+        )?;
+        if let Some(g) = on_cudnn {
+            return Ok(Some(AttentionGrads {
+                storages: g.storages.into_iter().map(CudaStorage::ready).collect(),
+                grads: g.grads,
+            }));
+        }
         let r = ops::attention::backward(
             (&qb, q.1),
             (&kb, k.1),

@@ -250,7 +250,7 @@ impl Call<'_> {
         let plans = graph::search(
             &graph,
             (self.key.dtype, tf32),
-            cap,
+            (cap, graph::MAX_CANDIDATES),
             OP,
             |cfg| self.plan(cfg),
             |c| graph::time_plan(self.dev, "conv2d_bias_act timing", || self.execute(c)),

@@ -380,7 +380,7 @@ impl Call<'_> {
         let plans = search(
             &graph,
             (self.key.dtype, tf32),
-            cap,
+            (cap, MAX_CANDIDATES),
             op,
             |cfg| self.plan(cfg),
             |c| time_plan(self.dev, "conv2d graph timing", || self.execute(c)),
@@ -625,15 +625,15 @@ pub(super) fn time_plan(
 }
 
 /// The plans of `graph`, filtered and timed, fastest first (synchronizes): heuristic mode A's
-/// configs in order, then mode FALLBACK's (as PyTorch joins the two lists), until
-/// [`MAX_CANDIDATES`] plans ran. Configs whose numerical notes `dtype` and `tf32` do not allow
+/// configs in order, then mode FALLBACK's (as PyTorch joins the two lists), until `max`
+/// plans ran ([`MAX_CANDIDATES`] for convolutions). Configs whose numerical notes `dtype` and `tf32` do not allow
 /// ([`allowed`]) are skipped, as are plans that `plan` does not finalize and plans asking for
 /// more than `cap` bytes of workspace; a plan that `time` cannot run is dropped. What
 /// `graph.rs`'s convolutions and `fused.rs`'s fused graph both search.
 pub(super) fn search(
     graph: &Desc,
     (dtype, tf32): (DType, bool),
-    cap: usize,
+    (cap, max): (usize, usize),
     op: &'static str,
     plan: impl Fn(&Desc) -> Result<Desc>,
     time: impl Fn(&Candidate) -> Result<f32>,
@@ -648,7 +648,7 @@ pub(super) fn search(
             continue;
         };
         for cfg in configs {
-            if plans.len() == MAX_CANDIDATES {
+            if plans.len() == max {
                 break;
             }
             let Ok((engine, notes)) = engine_of(&cfg, op) else {
@@ -684,7 +684,7 @@ pub(super) fn search(
                 plans.push(c);
             }
         }
-        if plans.len() == MAX_CANDIDATES {
+        if plans.len() == max {
             break;
         }
     }

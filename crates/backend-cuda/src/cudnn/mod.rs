@@ -60,6 +60,7 @@ mod fused;
 mod graph;
 mod nhwc;
 mod pick;
+mod sdpa;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -78,6 +79,8 @@ pub use fused::{cudnn_fused_calls, cudnn_fusion, set_cudnn_fusion};
 pub use graph::{CudnnApi, cudnn_api, cudnn_graph_calls, set_cudnn_api};
 pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
 use pick::Geometry;
+pub(crate) use sdpa::{Call as SdpaCall, run as sdpa_run, wanted as sdpa_wanted};
+pub use sdpa::{cudnn_attention, cudnn_attention_calls, set_cudnn_attention};
 
 /// A cuDNN status as a typed error naming `op` (the status itself, e.g.
 /// `CUDNN_STATUS_NOT_SUPPORTED`).
@@ -227,6 +230,8 @@ struct State {
     api_pick: HashMap<(Key, Dir), bool>,
     /// The fused convolution + bias + activation graphs measured (`fused.rs`).
     fused: fused::Cache,
+    /// The fused attention graphs measured (`sdpa.rs`).
+    sdpa: sdpa::Cache,
 }
 
 // SAFETY: the handle is used only under the device's lock below, after binding the device's
@@ -238,6 +243,7 @@ impl Drop for State {
         self.plans.clear();
         self.graph.clear();
         self.fused.clear();
+        self.sdpa.clear();
         // SAFETY: the handle was created by `cudnnCreate` and is destroyed once.
         unsafe {
             sys::cudnnDestroy(self.handle);
@@ -312,6 +318,7 @@ fn bound<'a>(
                 graph: HashMap::new(),
                 api_pick: HashMap::new(),
                 fused: HashMap::new(),
+                sdpa: HashMap::new(),
             })
         }
     };

@@ -283,7 +283,7 @@ fn row_stride(l: &Layout) -> u64 {
 }
 
 /// The layout of an output of `dims` computed from the operand laid out as `like`.
-fn out_layout(like: &Layout, dims: Vec<usize>) -> Layout {
+pub(crate) fn out_layout(like: &Layout, dims: Vec<usize>) -> Layout {
     attention_output_layout(like, &Shape::new(dims))
 }
 
@@ -394,15 +394,7 @@ pub(crate) fn backward(
             ),
         ));
     }
-    let packed = packed_grads(q, k, v);
-    let [dq_l, dk_l, dv_l] = match &packed {
-        Some((_, ls)) => ls.clone(),
-        None => [
-            out_layout(q.1, q.1.dims().to_vec()),
-            out_layout(k.1, k.1.dims().to_vec()),
-            out_layout(v.1, v.1.dims().to_vec()),
-        ],
-    };
+    let (packed, [dq_l, dk_l, dv_l]) = grad_layouts(q, k, v);
     let Some(Plan {
         mut shape,
         bd,
@@ -459,7 +451,7 @@ pub(crate) fn backward(
 
     let size = dtype.size_in_bytes();
     let storages = match packed {
-        Some((n, _)) => vec![alloc(dev, n * size)?],
+        Some(n) => vec![alloc(dev, n * size)?],
         None => vec![
             alloc(dev, nb * tq * d * size)?,
             alloc(dev, nb * tk * d * size)?,
@@ -536,6 +528,26 @@ fn check_saved(gv: &View<'_>, lse: &Layout, shape: &AttnShape) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// The layouts of `dq`, `dk`, `dv` for the operands `q`, `k`, `v` (module docs), with the
+/// element count of their one buffer when they are the head views of one packed projection.
+pub(crate) fn grad_layouts(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+) -> (Option<usize>, [Layout; 3]) {
+    match packed_grads(q, k, v) {
+        Some((n, ls)) => (Some(n), ls),
+        None => (
+            None,
+            [
+                out_layout(q.1, q.1.dims().to_vec()),
+                out_layout(k.1, k.1.dims().to_vec()),
+                out_layout(v.1, v.1.dims().to_vec()),
+            ],
+        ),
+    }
 }
 
 /// When `q`, `k`, `v` are the three head views of one packed projection (one buffer,

@@ -1,0 +1,148 @@
+//! 16-bit fused attention on cuDNN's engines (`cudnn/sdpa.rs`) with kiln's own output layouts
+//! (`ops/attention.rs`): what `Backend::attention_forward` and `attention_backward` try first
+//! for f16 and bf16 without dropout, before kiln's kernels.
+//!
+//! Why a module of its own: it joins the two without either importing the other (`cudnn`
+//! copies operands through `ops`, so `ops` may not import `cudnn`). The outputs are laid out
+//! exactly as kiln's kernels lay them out (O mirroring q's axis order, the three gradients in
+//! one buffer for the head views of one packed projection), and the log-sum-exps mean the same,
+//! so a forward here and a backward there (or the reverse) agree. Dropout stays on kiln's
+//! kernels: its mask is defined by kiln's Philox stream (`AttentionSpec::dropout_p`), which
+//! cuDNN's generator does not reproduce.
+
+use kiln_core::backend::Operand;
+use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
+
+use crate::cudnn::{SdpaCall, sdpa_run, sdpa_wanted};
+use crate::memory::{Buffer, alloc};
+use crate::ops::attention::{grad_layouts, out_layout};
+
+/// The device address of `l`'s first element in `b`.
+fn addr(b: &Buffer, l: &Layout, dtype: DType) -> u64 {
+    b.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
+}
+
+/// Whether the call may go to cuDNN at all: 16-bit, no dropout, one device, cuDNN wanted there.
+fn asked(bufs: &[&Buffer], dtype: DType, spec: &AttentionSpec) -> bool {
+    let dev = bufs[0].state();
+    spec.dropout_p == 0.0
+        && bufs.iter().all(|b| b.state().ordinal() == dev.ordinal())
+        && sdpa_wanted(dev.arch(), dtype)
+}
+
+/// The forward on cuDNN, or `None` (nothing run) when not served.
+pub(crate) fn forward(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+    dtype: DType,
+    spec: AttentionSpec,
+) -> Result<Option<AttentionOutputs<Buffer>>> {
+    if !asked(&[q.0, k.0, v.0], dtype, &spec) || q.1.rank() < 3 {
+        return Ok(None);
+    }
+    let dev = q.0.state();
+    let mut o_dims = q.1.dims().to_vec();
+    let r = o_dims.len();
+    o_dims[r - 1] = v.1.dims()[v.1.rank() - 1];
+    let o_layout = out_layout(q.1, o_dims);
+    let rows = q.1.elem_count() / q.1.dims()[r - 1].max(1);
+    let out = alloc(dev, o_layout.elem_count() * dtype.size_in_bytes())?;
+    let lse = alloc(dev, rows * 4)?;
+    let tensors = [
+        (addr(q.0, q.1, dtype), q.1),
+        (addr(k.0, k.1, dtype), k.1),
+        (addr(v.0, v.1, dtype), v.1),
+        (out.device_ptr(), &o_layout),
+    ];
+    let call = SdpaCall {
+        dtype,
+        causal: spec.causal,
+        scale: spec.scale as f32,
+        tensors: &tensors,
+        lse: lse.device_ptr(),
+    };
+    if !sdpa_run(dev, &call, false)? {
+        return Ok(None);
+    }
+    Ok(Some(((out, o_layout), lse, None)))
+}
+
+/// The backward on cuDNN, or `None` (nothing run) when not served.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: Operand<'_, Buffer>,
+    k: Operand<'_, Buffer>,
+    v: Operand<'_, Buffer>,
+    out: Operand<'_, Buffer>,
+    lse: Operand<'_, Buffer>,
+    g: Operand<'_, Buffer>,
+    dtype: DType,
+    spec: AttentionSpec,
+) -> Result<Option<AttentionGrads<Buffer>>> {
+    let bufs = [q.0, k.0, v.0, out.0, lse.0, g.0];
+    if !asked(&bufs, dtype, &spec) || q.1.rank() < 3 {
+        return Ok(None);
+    }
+    // The shapes the forward gave: anything else is left to kiln's kernels, which say what
+    // is wrong.
+    let rows = q.1.elem_count() / q.1.dims()[q.1.rank() - 1].max(1);
+    let lse_ok = lse.1.is_contiguous() && lse.1.offset() == 0 && lse.1.elem_count() == rows;
+    if !lse_ok
+        || out.1.shape() != g.1.shape()
+        || out.1.dims()[..out.1.rank() - 1] != q.1.dims()[..q.1.rank() - 1]
+    {
+        return Ok(None);
+    }
+    let dev = q.0.state();
+    let (packed, [dq_l, dk_l, dv_l]) = grad_layouts(q, k, v);
+    let size = dtype.size_in_bytes();
+    let storages = match packed {
+        Some(n) => vec![alloc(dev, n * size)?],
+        None => vec![
+            alloc(dev, dq_l.elem_count() * size)?,
+            alloc(dev, dk_l.elem_count() * size)?,
+            alloc(dev, dv_l.elem_count() * size)?,
+        ],
+    };
+    let which = |i: usize| if storages.len() == 1 { 0 } else { i };
+    let tensors = [
+        (addr(q.0, q.1, dtype), q.1),
+        (addr(k.0, k.1, dtype), k.1),
+        (addr(v.0, v.1, dtype), v.1),
+        (addr(out.0, out.1, dtype), out.1),
+        (addr(g.0, g.1, dtype), g.1),
+        (addr(&storages[which(0)], &dq_l, dtype), &dq_l),
+        (addr(&storages[which(1)], &dk_l, dtype), &dk_l),
+        (addr(&storages[which(2)], &dv_l, dtype), &dv_l),
+    ];
+    let call = SdpaCall {
+        dtype,
+        causal: spec.causal,
+        scale: spec.scale as f32,
+        tensors: &tensors,
+        lse: lse.0.device_ptr(),
+    };
+    if !sdpa_run(dev, &call, true)? {
+        return Ok(None);
+    }
+    Ok(Some(AttentionGrads {
+        grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],
+        storages,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kiln_core::Shape;
+
+    #[test]
+    fn output_layouts_are_kiln_kernels() {
+        // The forward's O of a head view: the same layout kiln's kernels return.
+        let q = Layout::from_parts(Shape::new([2, 3, 5, 8]), [360, 8, 72, 1], 0);
+        let o = out_layout(&q, vec![2, 3, 5, 8]);
+        assert_eq!(o.dims(), &[2, 3, 5, 8]);
+        assert_eq!(o.offset(), 0);
+    }
+}

@@ -30,6 +30,11 @@
 //! compare the two) would run the FMA kernels, slower than composing, so there 16-bit
 //! composes by default.
 //!
+//! On Hopper (sm_90+) f16 and bf16 without dropout go to cuDNN's fused attention engines
+//! first (`cudnn/sdpa.rs`, joined to this module's layouts by `attention_cudnn.rs`; those
+//! `wgmma` kernels take half the time of the `mma.sync` ones here at T = 2048), and reach
+//! this module only where cuDNN does not serve the call.
+//!
 //! f32 runs the tensor-core kernels too on sm_80+ (where their shared memory fits: not head
 //! size 128 on sm_86/sm_89), with TF32 products: 3xTF32 by default (each operand split into a
 //! TF32 part and a TF32 remainder, three products per tile: near-f32 results, and the

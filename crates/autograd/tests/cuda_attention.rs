@@ -1028,3 +1028,118 @@ fn cudnn_attention_reads_head_views_of_a_packed_projection() {
         assert_close(&format!("cuDNN bf16 head views: {name}"), a, b, 3e-2);
     }
 }
+
+/// Dropout on cuDNN: the mask is cuDNN's generator's (seeded with the call's key), the same in
+/// the forward and the backward. With `V = I` (`Tk = dv`) the output is the dropped weights
+/// themselves, which reveals the mask: about `1 - p` of the weights kept, each `P / (1 - p)`,
+/// the same draws for the same key, and the gradients equal the f64 formulas with that mask.
+#[test]
+fn cudnn_dropout_draws_one_mask_for_forward_and_backward() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let (b, h, t) = (2, 2, 64);
+    let (d, p) = (64, 0.3);
+    let dtype = DType::BF16;
+    let q = normal::<Cuda>(&[b, h, t, d], 31, dtype, &dev);
+    let k = normal::<Cuda>(&[b, h, t, d], 32, dtype, &dev);
+    let g = normal::<Cuda>(&[b, h, t, t], 33, dtype, &dev);
+    let eye: Vec<f32> = (0..b * h * t * t)
+        .map(|i| f32::from(i % (t * t) / t == i % t))
+        .collect();
+    let v = Tensor::<Cuda>::from_vec(eye, [b, h, t, t], &dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    let before = kiln_backend_cuda::cudnn_attention_calls();
+    let got = run_dropout(&q, &k, &v, &g, true, Some((p, &mut Generator::new(7))));
+    assert_eq!(
+        kiln_backend_cuda::cudnn_attention_calls() - before,
+        2,
+        "fwd + bwd on cuDNN"
+    );
+    let again = run_dropout(&q, &k, &v, &g, true, Some((p, &mut Generator::new(7))));
+    assert_eq!(got[0], again[0], "the same key draws the same mask");
+    let other = run_dropout(&q, &k, &v, &g, true, Some((p, &mut Generator::new(8))));
+    assert_ne!(got[0], other[0], "another key draws another mask");
+
+    // The f64 reference from the same bf16 inputs, with the mask the output reveals.
+    let (qh, kh, gh) = (f64s(&q), f64s(&k), f64s(&g));
+    let scale = 1.0 / (d as f64).sqrt();
+    let (mut kept, mut allowed) = (0usize, 0usize);
+    let n = b * h * t * t;
+    let (mut pr, mut mask) = (vec![0.0; n], vec![0.0; n]);
+    for bh in 0..b * h {
+        for i in 0..t {
+            let row = &mut pr[(bh * t + i) * t..][..t];
+            let s: Vec<f64> = (0..=i)
+                .map(|j| {
+                    let qi = &qh[(bh * t + i) * d..][..d];
+                    let kj = &kh[(bh * t + j) * d..][..d];
+                    scale * qi.iter().zip(kj).map(|(x, y)| x * y).sum::<f64>()
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+            for (j, x) in s.iter().enumerate() {
+                row[j] = (x - m).exp() / z;
+                let o = got[0][(bh * t + i) * t + j];
+                allowed += 1;
+                if o != 0.0 {
+                    kept += 1;
+                    mask[(bh * t + i) * t + j] = 1.0;
+                    let want = row[j] / (1.0 - p);
+                    assert!(
+                        (o - want).abs() <= 3e-2 * (1e-3 + want),
+                        "kept weight {o} vs {want}"
+                    );
+                }
+            }
+            for j in i + 1..t {
+                assert_eq!(got[0][(bh * t + i) * t + j], 0.0, "a masked key");
+            }
+        }
+    }
+    let frac = kept as f64 / allowed as f64;
+    assert!(
+        (frac - (1.0 - p)).abs() < 0.03,
+        "kept {frac} of the weights, want {}",
+        1.0 - p
+    );
+
+    // dV = Dᵀ·g, dP = mask ∘ g / (1 - p) (V = I), dS = P ∘ (dP - rowsum(dP ∘ P)),
+    // dQ = scale·dS·K, dK = scale·dSᵀ·Q.
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0; b * h * t * d],
+        vec![0.0; b * h * t * d],
+        vec![0.0; n],
+    );
+    for bh in 0..b * h {
+        let at = |i: usize, j: usize| (bh * t + i) * t + j;
+        let mut ds = vec![0.0; t * t];
+        for i in 0..t {
+            let dp: Vec<f64> = (0..t)
+                .map(|j| mask[at(i, j)] * gh[at(i, j)] / (1.0 - p))
+                .collect();
+            let r: f64 = (0..t).map(|j| dp[j] * pr[at(i, j)]).sum();
+            for j in 0..t {
+                ds[i * t + j] = pr[at(i, j)] * (dp[j] - r);
+                let dd = mask[at(i, j)] * pr[at(i, j)] / (1.0 - p);
+                for c in 0..t {
+                    dv[at(j, c)] += dd * gh[at(i, c)];
+                }
+            }
+        }
+        for i in 0..t {
+            for j in 0..t {
+                let w = scale * ds[i * t + j];
+                for c in 0..d {
+                    dq[(bh * t + i) * d + c] += w * kh[(bh * t + j) * d + c];
+                    dk[(bh * t + j) * d + c] += w * qh[(bh * t + i) * d + c];
+                }
+            }
+        }
+    }
+    assert_close("cuDNN dropout: dq", &got[1], &dq, 5e-2);
+    assert_close("cuDNN dropout: dk", &got[2], &dk, 5e-2);
+    assert_close("cuDNN dropout: dv", &got[3], &dv, 5e-2);
+}

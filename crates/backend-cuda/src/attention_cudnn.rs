@@ -6,9 +6,14 @@
 //! copies operands through `ops`, so `ops` may not import `cudnn`). The outputs are laid out
 //! exactly as kiln's kernels lay them out (O mirroring q's axis order, the three gradients in
 //! one buffer for the head views of one packed projection), and the log-sum-exps mean the same,
-//! so a forward here and a backward there (or the reverse) agree. Dropout stays on kiln's
-//! kernels: its mask is defined by kiln's Philox stream (`AttentionSpec::dropout_p`), which
-//! cuDNN's generator does not reproduce.
+//! so a forward here and a backward there (or the reverse) agree.
+//!
+//! With dropout the mask is cuDNN's: its Philox generator seeded with the call's
+//! `dropout_key`, the same in the forward and the backward, distributed as kiln's own kernels'
+//! mask (each weight kept with probability `1 - p`) but not the same draws. The forward then
+//! returns an empty buffer as the mask it kept (kiln's kernels keep at least a word of bits),
+//! and a backward given that marker runs here or fails: kiln's kernels would draw another
+//! mask.
 
 use kiln_core::backend::Operand;
 use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, Result};
@@ -22,12 +27,10 @@ fn addr(b: &Buffer, l: &Layout, dtype: DType) -> u64 {
     b.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
 }
 
-/// Whether the call may go to cuDNN at all: 16-bit, no dropout, one device, cuDNN wanted there.
-fn asked(bufs: &[&Buffer], dtype: DType, spec: &AttentionSpec) -> bool {
+/// Whether the call may go to cuDNN at all: 16-bit, one device, cuDNN wanted there.
+fn asked(bufs: &[&Buffer], dtype: DType) -> bool {
     let dev = bufs[0].state();
-    spec.dropout_p == 0.0
-        && bufs.iter().all(|b| b.state().ordinal() == dev.ordinal())
-        && sdpa_wanted(dev.arch(), dtype)
+    bufs.iter().all(|b| b.state().ordinal() == dev.ordinal()) && sdpa_wanted(dev.arch(), dtype)
 }
 
 /// The forward on cuDNN, or `None` (nothing run) when not served.
@@ -38,7 +41,7 @@ pub(crate) fn forward(
     dtype: DType,
     spec: AttentionSpec,
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
-    if !asked(&[q.0, k.0, v.0], dtype, &spec) || q.1.rank() < 3 {
+    if !asked(&[q.0, k.0, v.0], dtype) || q.1.rank() < 3 {
         return Ok(None);
     }
     let dev = q.0.state();
@@ -59,16 +62,20 @@ pub(crate) fn forward(
         dtype,
         causal: spec.causal,
         scale: spec.scale as f32,
+        dropout: (spec.dropout_p, spec.dropout_key),
         tensors: &tensors,
         lse: lse.device_ptr(),
     };
-    if !sdpa_run(dev, &call, false)? {
+    if !sdpa_run(dev, &call, (false, false))? {
         return Ok(None);
     }
-    Ok(Some(((out, o_layout), lse, None)))
+    // The marker: an empty buffer (no memory is allocated for it).
+    let marker = (spec.dropout_p > 0.0).then(|| alloc(dev, 0)).transpose()?;
+    Ok(Some(((out, o_layout), lse, marker)))
 }
 
-/// The backward on cuDNN, or `None` (nothing run) when not served.
+/// The backward on cuDNN, or `None` (nothing run) when not served; an error when the forward
+/// drew its dropout mask on cuDNN (`mask` is the marker) and cuDNN does not serve the backward.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: Operand<'_, Buffer>,
@@ -76,13 +83,26 @@ pub(crate) fn backward(
     v: Operand<'_, Buffer>,
     out: Operand<'_, Buffer>,
     lse: Operand<'_, Buffer>,
+    mask: Option<&Buffer>,
     g: Operand<'_, Buffer>,
     dtype: DType,
     spec: AttentionSpec,
 ) -> Result<Option<AttentionGrads<Buffer>>> {
+    const OP: &str = "scaled_dot_product_attention_backward";
     let bufs = [q.0, k.0, v.0, out.0, lse.0, g.0];
-    if !asked(&bufs, dtype, &spec) || q.1.rank() < 3 {
+    let must = spec.dropout_p > 0.0 && mask.is_some_and(|m| m.len_bytes() == 0);
+    if spec.dropout_p > 0.0 && !must {
+        // kiln's kernels drew this mask (or none was kept): they draw it again.
         return Ok(None);
+    }
+    let refuse = || {
+        Err(kiln_core::Error::invalid(
+            OP,
+            "the forward drew its dropout mask on cuDNN, which does not serve this backward",
+        ))
+    };
+    if !(must || asked(&bufs, dtype)) || q.1.rank() < 3 {
+        return if must { refuse() } else { Ok(None) };
     }
     // The shapes the forward gave: anything else is left to kiln's kernels, which say what
     // is wrong.
@@ -120,11 +140,12 @@ pub(crate) fn backward(
         dtype,
         causal: spec.causal,
         scale: spec.scale as f32,
+        dropout: (spec.dropout_p, spec.dropout_key),
         tensors: &tensors,
         lse: lse.0.device_ptr(),
     };
-    if !sdpa_run(dev, &call, true)? {
-        return Ok(None);
+    if !sdpa_run(dev, &call, (true, must))? {
+        return if must { refuse() } else { Ok(None) };
     }
     Ok(Some(AttentionGrads {
         grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],

@@ -694,6 +694,7 @@ impl Backend for Cuda {
             (&vb, v.1),
             (&ob, out.1),
             (&lb, lse.1),
+            mb.as_deref(),
             (&gb, g.1),
             dtype,
             spec,

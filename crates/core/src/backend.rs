@@ -60,7 +60,10 @@ pub struct AttentionSpec {
     /// [`crate::philox`] for counter `n` and key `dropout_key` is at least `p` (the composed
     /// path's `rand_like` + `compare_scalar(Ge, p)` in f32), so forward and backward use the same
     /// mask (drawn again, or kept by the forward: [`AttentionOutputs`]) and an f32 composed
-    /// attention drawn with the same key drops the same weights.
+    /// attention drawn with the same key drops the same weights. A backend may instead draw
+    /// from its library's generator keyed by `dropout_key` (the CUDA backend's 16-bit attention
+    /// on cuDNN's engines): each weight is still kept with probability `1 - p`, forward and
+    /// backward use one mask, but the draws differ from this stream's.
     pub dropout_p: f64,
     /// The Philox key of the dropout mask ([`Generator::next_key`](crate::Generator::next_key)).
     pub dropout_key: u64,

@@ -76,6 +76,9 @@ impl Element for sys::cudnnPointwiseMode_t {
 impl Element for sys::cudnnReduceTensorOp_t {
     const TY: Ty = Ty::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE;
 }
+impl Element for sys::cudnnRngDistribution_t {
+    const TY: Ty = Ty::CUDNN_TYPE_RNG_DISTRIBUTION;
+}
 /// C's `bool` (one byte, as Rust's), for flags such as a tensor's `IS_VIRTUAL`.
 impl Element for bool {
     const TY: Ty = Ty::CUDNN_TYPE_BOOLEAN;

@@ -7,15 +7,17 @@
 //! from 9.21), so this builds the expanded operation graph that cudnn-frontend's composite
 //! SDPA nodes lower to, which cuDNN's runtime-fusion engines recognize as attention. Written
 //! from those nodes (`scaled_dot_product_flash_attention.h`, `softmax.h`,
-//! `diagonal_band_mask.h`), for the cases kiln asks for: no dropout, no bias, top-left causal
-//! mask or none, one head count for q, k and v.
+//! `diagonal_band_mask.h`, `rng.h`), for the cases kiln asks for: no bias, top-left causal
+//! mask or none, dropout or none, one head count for q, k and v.
 //!
 //! - **Forward**: `S = Q·Kᵀ` (K described transposed), `S·scale`, the causal mask as
 //!   `row ≥ col ? S : -inf` (two `GEN_INDEX`, a `CMP_GE` and a `BINARY_SELECT`), the softmax
 //!   with its statistics (row max, `exp(S - max)`, row sum, `lse = max + log(sum)` written
-//!   out, `P = exp / sum` in the inputs' type), `O = P·V`.
+//!   out, `P = exp / sum` in the inputs' type), with dropout `P ∘ mask / (1 - p)` (the mask
+//!   drawn by cuDNN's Philox generator from the call's seed), `O = P·V`.
 //! - **Backward**: `Σ = rowsum(dO ∘ O)` (written to a scratch buffer), `P = exp(S·scale -
-//!   lse)` recomputed and masked, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - Σ)·scale`, `dK = dSᵀ·Q`,
+//!   lse)` recomputed and masked, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - Σ)·scale`, `dK = dSᵀ·Q`
+//!   (with dropout the same mask drawn again from the same seed, as cudnn-frontend does),
 //!   `dQ = dS·K` (through an f32 accumulator when the engine's `dP` workspace would pass
 //!   256 MiB, as cudnn-frontend decides).
 //! - The log-sum-exps are kiln's (`Backend::attention_forward`'s second output: natural log of
@@ -119,6 +121,10 @@ pub(crate) struct Call<'a> {
     pub dtype: DType,
     pub causal: bool,
     pub scale: f32,
+    /// Dropout on the weights: its probability (0: none) and the seed of cuDNN's Philox
+    /// generator (the mask is a function of the seed and the weight's position, so the
+    /// backward draws the forward's mask again).
+    pub dropout: (f64, u64),
     pub tensors: &'a [Operand<'a>],
     pub lse: u64,
 }
@@ -129,6 +135,8 @@ pub(super) struct Key {
     backward: bool,
     dtype: DType,
     causal: bool,
+    /// The dropout probability's bits (0: none): a constant of the graph.
+    dropout: u64,
     /// `[b, h, s_q, s_kv, d, dv]`.
     dims: [i64; 6],
     /// Each operand's strides over `[b, h, t, d]`, in [`Call::tensors`]' order.
@@ -160,6 +168,10 @@ const UID_NEG_INF: i64 = 11;
 const UID_ONE: i64 = 12;
 const UID_SUM: i64 = 13;
 const UID_DQ_ACC: i64 = 14;
+const UID_SEED: i64 = 15;
+const UID_OFFSET: i64 = 16;
+const UID_KEEP_SCALE: i64 = 17;
+const UID_DROP_INV: i64 = 18;
 const UID_VIRTUAL: i64 = 100;
 
 /// `[b, h, t, d]` dims and strides of a rank-4 layout, or of a rank-3 one as one head.
@@ -202,10 +214,14 @@ fn key_of(call: &Call<'_>, backward: bool) -> Option<Key> {
     if q[2] < 2 && k[2] < 2 {
         return None;
     }
+    if !(0.0..1.0).contains(&call.dropout.0) {
+        return None;
+    }
     Some(Key {
         backward,
         dtype: call.dtype,
         causal: call.causal,
+        dropout: call.dropout.0.to_bits(),
         dims: [q[0], q[1], q[2], k[2], q[3], v[3]],
         strides,
     })
@@ -224,8 +240,14 @@ pub(crate) fn wanted(arch: u32, dtype: DType) -> bool {
 }
 
 /// Runs the forward (`backward` false) or backward of `call` on cuDNN: `Ok(false)` when not
-/// served, with nothing run (the caller then runs kiln's kernels).
-pub(crate) fn run(dev: &'static DeviceState, call: &Call<'_>, backward: bool) -> Result<bool> {
+/// served, with nothing run (the caller then runs kiln's kernels). `must`: the size and count
+/// limits of the default switch do not apply (the backward of a forward that ran here with
+/// dropout, whose mask only cuDNN can draw again).
+pub(crate) fn run(
+    dev: &'static DeviceState,
+    call: &Call<'_>,
+    (backward, must): (bool, bool),
+) -> Result<bool> {
     let op = if backward { BWD } else { FWD };
     let Some(key) = key_of(call, backward) else {
         return Ok(false);
@@ -250,7 +272,7 @@ pub(crate) fn run(dev: &'static DeviceState, call: &Call<'_>, backward: bool) ->
         op,
     };
     let [b, h, sq, skv, d, _] = key.dims;
-    let forced = switch() == 2;
+    let forced = must || switch() == 2;
     let full = st.sdpa.len() >= MAX_GRAPHS;
     let entry = match st.sdpa.entry(key) {
         MapEntry::Occupied(e) => e.into_mut(),
@@ -351,6 +373,36 @@ impl Builder {
     /// A by-value f32 scalar, its value passed with each execution.
     fn scalar(&mut self, uid: i64) -> Result<T> {
         self.tensor(D::CUDNN_DATA_FLOAT, [1; 4], [1; 4], Some(uid), true)
+    }
+
+    /// The dropout mask of `dims`: Bernoulli draws, 1 with probability `1 - p`, from cuDNN's
+    /// Philox generator at the by-value seed and offset.
+    fn keep_mask(&mut self, p: f64, dims: [i64; 4]) -> Result<T> {
+        let op = self.op;
+        let seed = self.tensor(D::CUDNN_DATA_INT64, [1; 4], [1; 4], Some(UID_SEED), true)?;
+        let offset = self.tensor(D::CUDNN_DATA_INT64, [1; 4], [1; 4], Some(UID_OFFSET), true)?;
+        let mask = self.virt(D::CUDNN_DATA_FLOAT, dims)?;
+        let rng = Desc::new(K::CUDNN_BACKEND_RNG_DESCRIPTOR, op)?;
+        rng.set(
+            A::CUDNN_ATTR_RNG_DISTRIBUTION,
+            &[sys::cudnnRngDistribution_t::CUDNN_RNG_DISTRIBUTION_BERNOULLI],
+            op,
+        )?;
+        rng.set(A::CUDNN_ATTR_RNG_BERNOULLI_DIST_PROBABILITY, &[1.0 - p], op)?;
+        rng.finalize(op)
+            .map_err(|e| Error::backend(op, format!("dropout generator: {e}")))?;
+        let d = Desc::new(K::CUDNN_BACKEND_OPERATION_RNG_DESCRIPTOR, op)?;
+        d.set_desc(A::CUDNN_ATTR_OPERATION_RNG_YDESC, self.desc(mask), op)?;
+        d.set_desc(A::CUDNN_ATTR_OPERATION_RNG_DESC, &rng, op)?;
+        d.set_desc(A::CUDNN_ATTR_OPERATION_RNG_SEED, self.desc(seed), op)?;
+        d.set_desc(
+            A::CUDNN_ATTR_OPERATION_RNG_OFFSET_DESC,
+            self.desc(offset),
+            op,
+        )?;
+        self.parts.push(rng);
+        self.push_op(d, "dropout mask")?;
+        Ok(mask)
     }
 
     fn push_op(&mut self, d: Desc, what: &str) -> Result<()> {
@@ -543,6 +595,7 @@ impl Graph<'_> {
     /// The forward graph (module docs).
     fn build_forward(&self, b: &mut Builder) -> Result<Desc> {
         let [bb, h, sq, skv, d, dv] = self.key.dims;
+        let drop = f64::from_bits(self.key.dropout);
         let io = self.io();
         let q = self.operand(b, 0, UID_Q)?;
         let (kd, ks) = transposed(([bb, h, skv, d], self.key.strides[1]));
@@ -575,7 +628,7 @@ impl Graph<'_> {
             None,
             "lse",
         )?;
-        let p = b.virt(io, sdims)?;
+        let p = b.virt(if drop > 0.0 { D::CUDNN_DATA_FLOAT } else { io }, sdims)?;
         b.pointwise(
             Pw::CUDNN_POINTWISE_DIV,
             D::CUDNN_DATA_FLOAT,
@@ -584,6 +637,23 @@ impl Graph<'_> {
             None,
             "P",
         )?;
+        let p = if drop > 0.0 {
+            let mask = b.keep_mask(drop, sdims)?;
+            let kept = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[p, mask], sdims, "P∘mask")?;
+            let keep_scale = b.scalar(UID_KEEP_SCALE)?;
+            let pd = b.virt(io, sdims)?;
+            b.pointwise(
+                Pw::CUDNN_POINTWISE_MUL,
+                D::CUDNN_DATA_FLOAT,
+                &[kept, keep_scale],
+                pd,
+                None,
+                "dropout scale",
+            )?;
+            pd
+        } else {
+            p
+        };
         let _ = dv;
         b.matmul(p, v, o, "P·V")?;
         b.finish(self.handle)
@@ -592,6 +662,7 @@ impl Graph<'_> {
     /// The backward graph (module docs).
     fn build_backward(&self, b: &mut Builder) -> Result<Desc> {
         let [bb, h, sq, skv, d, dv] = self.key.dims;
+        let drop = f64::from_bits(self.key.dropout);
         let io = self.io();
         let q = self.operand(b, 0, UID_Q)?;
         let (kd, ks) = transposed(([bb, h, skv, d], self.key.strides[1]));
@@ -606,7 +677,8 @@ impl Graph<'_> {
         let row = [bb, h, sq, 1];
         let lse = b.tensor(D::CUDNN_DATA_FLOAT, row, packed(row), Some(UID_LSE), false)?;
         let scale = b.scalar(UID_SCALE)?;
-        let one = b.scalar(UID_ONE)?;
+        // With dropout Σ is scaled by 1 - p (cudnn-frontend's `Dropout_scale_inv`), else by 1.
+        let one = b.scalar(if drop > 0.0 { UID_DROP_INV } else { UID_ONE })?;
 
         // Σ = rowsum(dO ∘ O), written out.
         let go = b.virt_strided(
@@ -645,17 +717,40 @@ impl Graph<'_> {
             s = b.causal(s, sdims, neg_inf)?;
         }
         let p = b.pw_f32(Pw::CUDNN_POINTWISE_EXP, &[s], sdims, "P")?;
+        let (mask, keep_scale) = if drop > 0.0 {
+            (
+                Some(b.keep_mask(drop, sdims)?),
+                Some(b.scalar(UID_KEEP_SCALE)?),
+            )
+        } else {
+            (None, None)
+        };
+        // The weights as the forward applied them: P ∘ mask / (1 - p) with dropout.
+        let pd = match (mask, keep_scale) {
+            (Some(m), Some(k)) => {
+                let kept = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[p, m], sdims, "P∘mask")?;
+                b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[kept, k], sdims, "dropout scale")?
+            }
+            _ => p,
+        };
         let tdims = [bb, h, skv, sq];
         let tstr = [h * sq * skv, sq * skv, 1, skv];
         let pt = b.virt_strided(io, tdims, tstr)?;
-        b.reshape(p, pt, "Pᵀ")?;
+        b.reshape(pd, pt, "Pᵀ")?;
         b.matmul(pt, g, dvt, "Pᵀ·dO")?;
 
-        // dS = P ∘ (dO·Vᵀ - Σ) · scale.
+        // dS = P ∘ (mask ∘ dO·Vᵀ - Σ(1 - p)) / (1 - p) · scale, or P ∘ (dO·Vᵀ - Σ) · scale.
         let dp = b.virt(D::CUDNN_DATA_FLOAT, sdims)?;
         b.matmul(g, vt, dp, "dO·Vᵀ")?;
+        let dp = match mask {
+            Some(m) => b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[dp, m], sdims, "dP∘mask")?,
+            None => dp,
+        };
         let dp = b.pw_f32(Pw::CUDNN_POINTWISE_SUB, &[dp, sum], sdims, "dP - Σ")?;
-        let ds = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[dp, p], sdims, "P∘(dP - Σ)")?;
+        let mut ds = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[dp, p], sdims, "P∘(dP - Σ)")?;
+        if let Some(k) = keep_scale {
+            ds = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[ds, k], sdims, "dS dropout scale")?;
+        }
         let ds = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[ds, scale], sdims, "dS")?;
         let dst = b.virt_strided(io, tdims, tstr)?;
         b.reshape(ds, dst, "dSᵀ")?;
@@ -740,6 +835,11 @@ impl Graph<'_> {
         let scale = call.scale;
         let neg_inf = f32::NEG_INFINITY;
         let one = 1.0f32;
+        let (p, seed) = call.dropout;
+        let (keep_scale, drop_inv) = ((1.0 / (1.0 - p)) as f32, (1.0 - p) as f32);
+        // The generator's seed and offset, passed by value as int64 (the key's bits).
+        let (seed, offset) = (seed as i64, 0i64);
+        let host64 = |v: &i64| DevPtr(v as *const i64 as *mut c_void);
         let host = |v: &f32| DevPtr(v as *const f32 as *mut c_void);
         let dev_ptr = |p: u64| DevPtr(p as *mut c_void);
         let t = call.tensors;
@@ -751,13 +851,19 @@ impl Graph<'_> {
             uids.push(UID_NEG_INF);
             ptrs.push(host(&neg_inf));
         }
+        let dropout = self.key.dropout != 0;
+        if dropout {
+            uids.extend([UID_SEED, UID_OFFSET, UID_KEEP_SCALE]);
+            ptrs.extend([host64(&seed), host64(&offset), host(&keep_scale)]);
+        }
         let [bb, h, sq, _, d, _] = self.key.dims;
         let rows = (bb * h * sq) as usize;
         let mut scratch = Vec::new();
         if self.key.backward {
-            uids.extend([UID_DO, UID_DQ, UID_DK, UID_DV, UID_ONE]);
+            uids.extend([UID_DO, UID_DQ, UID_DK, UID_DV]);
             ptrs.extend(t[4..8].iter().map(|x| dev_ptr(x.0)));
-            ptrs.push(host(&one));
+            uids.push(if dropout { UID_DROP_INV } else { UID_ONE });
+            ptrs.push(host(if dropout { &drop_inv } else { &one }));
             scratch.push(alloc(self.dev, rows * 4)?);
             uids.push(UID_SUM);
             ptrs.push(dev_ptr(scratch[0].device_ptr()));
@@ -804,8 +910,12 @@ impl Graph<'_> {
         };
         let k = &self.key;
         eprintln!(
-            "kiln cudnn {} {:?} dims {:?} causal {}: {what}",
-            self.op, k.dtype, k.dims, k.causal
+            "kiln cudnn {} {:?} dims {:?} causal {} dropout {}: {what}",
+            self.op,
+            k.dtype,
+            k.dims,
+            k.causal,
+            f64::from_bits(k.dropout)
         );
     }
 }
@@ -832,6 +942,7 @@ mod tests {
             backward: true,
             dtype: DType::BF16,
             causal: true,
+            dropout: 0,
             dims: [b, h, t, t, 64, 64],
             strides: [[0; 4]; 8],
         };

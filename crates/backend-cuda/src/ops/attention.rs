@@ -30,8 +30,8 @@
 //! compare the two) would run the FMA kernels, slower than composing, so there 16-bit
 //! composes by default.
 //!
-//! On Hopper (sm_90+) f16 and bf16 without dropout go to cuDNN's fused attention engines
-//! first (`cudnn/sdpa.rs`, joined to this module's layouts by `attention_cudnn.rs`; those
+//! On Hopper (sm_90+) f16 and bf16 go to cuDNN's fused attention engines first (with
+//! dropout, cuDNN's generator draws the mask) (`cudnn/sdpa.rs`, joined to this module's layouts by `attention_cudnn.rs`; those
 //! `wgmma` kernels take half the time of the `mma.sync` ones here at T = 2048), and reach
 //! this module only where cuDNN does not serve the call.
 //!

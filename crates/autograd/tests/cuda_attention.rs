@@ -1143,3 +1143,40 @@ fn cudnn_dropout_draws_one_mask_for_forward_and_backward() {
     assert_close("cuDNN dropout: dk", &got[2], &dk, 5e-2);
     assert_close("cuDNN dropout: dv", &got[3], &dv, 5e-2);
 }
+
+/// A forward + backward on cuDNN's engines captured in a CUDA graph (its graphs measured by an
+/// eager call first) replays to the eager call's bits: the plans, their workspaces from the
+/// capture's pool and the by-value scalars are captured like kernels.
+#[test]
+fn cudnn_attention_replays_in_a_cuda_graph() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let dims = [2, 3, 128, 64];
+    let x = |seed| normal::<Cuda>(&dims, seed, DType::BF16, &dev);
+    let (q, k, v) = (Var::param(x(41)), Var::param(x(42)), Var::param(x(43)));
+    let g = x(44);
+    let step = || -> kiln_core::Result<[Tensor<Cuda>; 4]> {
+        for p in [&q, &k, &v] {
+            p.zero_grad();
+        }
+        let y = q.scaled_dot_product_attention(&k, &v, &AttnMask::Causal, 0.0, None, None)?;
+        y.backward_with(&g)?;
+        let grad = |p: &Var<Cuda>| p.grad().expect("a gradient");
+        Ok([y.tensor(), grad(&q), grad(&k), grad(&v)])
+    };
+    let eager = step().unwrap().map(|t| f64s(&t));
+    let before = kiln_backend_cuda::cudnn_attention_calls();
+    let (graph, outs) = kiln_backend_cuda::CudaGraph::capture(&dev, step).unwrap();
+    assert_eq!(
+        kiln_backend_cuda::cudnn_attention_calls() - before,
+        2,
+        "captured on cuDNN"
+    );
+    graph.replay().unwrap();
+    for (name, (t, want)) in ["out", "dq", "dk", "dv"]
+        .iter()
+        .zip(outs.iter().zip(&eager))
+    {
+        assert_eq!(&f64s(t), want, "replayed {name}");
+    }
+}

@@ -23,9 +23,9 @@
 //! - The log-sum-exps are kiln's (`Backend::attention_forward`'s second output: natural log of
 //!   the scaled scores' row sums, f32 `[batch.., Tq]`), so a forward run here and a backward
 //!   run by kiln's kernels (or the reverse) agree.
-//! - **Selection**: per shape, layout and direction, heuristic mode A's first two engine
-//!   configs are made into plans and timed on the call's own buffers (`graph::search`), the
-//!   faster kept; a graph no engine serves is remembered and the call answers "not served"
+//! - **Selection**: per shape, layout and direction, heuristic mode A's first engine config
+//!   that finalizes is made into a plan and run once on the call's own buffers
+//!   (`graph::search`, [`MAX_CANDIDATES`]); a graph no engine serves is remembered and the call answers "not served"
 //!   (`Ok(false)`), and kiln's kernels run it. Nothing is measured during a CUDA graph capture
 //!   (a shape first seen there is not served). Under the default switch small problems
 //!   ([`MIN_WORK`]) and shapes past [`MAX_GRAPHS`] stay on kiln's kernels: a new graph costs
@@ -94,11 +94,12 @@ pub fn cudnn_attention_calls() -> u64 {
     CALLS.load(Ordering::Relaxed)
 }
 
-/// Plans timed per graph: heuristic mode A's first two. On an H200 (2026-11-28) its first
-/// config was the fastest of all that ran at both benchmark shapes, forward and backward, and
-/// each plan finalized compiles kernels (~1 s a graph with ten): a graph's first call stays
-/// short.
-const MAX_CANDIDATES: usize = 2;
+/// Plans made and timed per graph: heuristic mode A's first (a config that does not finalize
+/// or run is skipped for the next). On an H200 (2026-11-28, all configs timed) the first was the
+/// fastest in each of the six graphs measured (forward and backward at both benchmark shapes,
+/// and with dropout at the GPT's), and each plan finalized compiles kernels: one keeps a new
+/// graph's first call to about half a second.
+const MAX_CANDIDATES: usize = 1;
 
 /// Under the default switch, problems of fewer multiply-adds in `Q·Kᵀ` (`b·h·Tq·Tk·d`) stay
 /// on kiln's kernels: each new shape costs a graph and its plans (see [`MAX_CANDIDATES`]),

@@ -5,7 +5,7 @@
 //! that string into a call of the generic code on the right one; the backends do not know each
 //! other (each builds on kiln-core, not on the other: see the README's "Crates"), so it lives
 //! here, where both are in view. The name itself is read by kiln-core's one parser,
-//! [`DeviceSpec`](kiln_core::DeviceSpec).
+//! [`DeviceSpec`].
 //!
 //! The program writes its body once as a [`Job`] and calls [`dispatch`]:
 //!

@@ -197,7 +197,7 @@ impl Module {
 /// `reduce.cu`'s compile time), so each module compiles per dtype on first use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Group {
-    /// The instances naming this dtype (one of [`DTYPE_TOKENS`]), and those naming none.
+    /// The instances naming this dtype (one of `DTYPE_TOKENS`), and those naming none.
     Dtype(&'static str),
     /// The whole file.
     All,

@@ -22,7 +22,7 @@ const SCALAR_OPS_CUH: &str = include_str!("../kernels/scalar_ops.cuh");
 /// The elementwise ops' scalar functions, prepended to every generated kernel:
 /// `scalar_ops.cuh`, then one device function per entry of kiln-core's op tables,
 /// `op_<name><T>(T x)` and `op_<name><T>(T a, T b)`, written from the entries' CUDA bodies
-/// ([`unary_device_functions`], [`binary_device_functions`]).
+/// (`unary_device_functions`, `binary_device_functions`).
 pub fn scalar_ops() -> &'static str {
     static TEXT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     TEXT.get_or_init(|| {

@@ -153,7 +153,7 @@ impl std::fmt::Debug for Dims {
 pub struct Shape(Dims);
 
 impl Shape {
-    /// A shape of these dimensions (a slice, an array or a `Vec`); up to [`INLINE`] of them
+    /// A shape of these dimensions (a slice, an array or a `Vec`); up to `INLINE` of them
     /// without a heap allocation.
     pub fn new(dims: impl AsRef<[usize]>) -> Self {
         Shape(Dims::from(dims.as_ref()))

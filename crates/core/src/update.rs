@@ -91,7 +91,7 @@ impl UpdateRule {
     /// a 40-parameter multi-tensor step's host time on the GPU), so the program is lowered once
     /// per structure (the variant, its flags, and which hyperparameters are zero) and dtype
     /// and memoized. The expressions carry no values: every hyperparameter is a parameter at a
-    /// fixed slot ([`UpdateRule::param_values`]), so a step computes those values and builds
+    /// fixed slot (`UpdateRule::param_values`), so a step computes those values and builds
     /// nothing else. Debug builds check the memo against a fresh lowering. The program is
     /// shared (`Arc`): a step clones no vectors.
     pub fn program(&self, dtype: DType) -> Result<(Arc<Program>, Vec<f64>)> {

@@ -2,7 +2,7 @@
 //!
 //! Training on several devices, above kiln-autograd and kiln-nn, generic over the backend:
 //!
-//! - [`env`]: a process's place from the launcher's variables (`RANK`, `WORLD_SIZE`,
+//! - [`env`](mod@env): a process's place from the launcher's variables (`RANK`, `WORLD_SIZE`,
 //!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`, or Slurm's), so kiln programs run under
 //!   `torchrun --no-python`, `srun`, or kiln's launcher ([`launch`]);
 //! - [`rendezvous`]: rank 0 hands out NCCL's id over TCP, with a deadline and errors naming

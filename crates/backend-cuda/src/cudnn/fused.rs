@@ -68,7 +68,7 @@ fn mode() -> u8 {
 }
 
 /// Whether the fused graph may run: `KILN_CUDNN_FUSION=0` forbids it, `=1` allows it for
-/// every dtype, unset (auto) for TF32 convolutions only ([`auto_serves`]).
+/// every dtype, unset (auto) for TF32 convolutions only (`auto_serves`).
 pub fn cudnn_fusion() -> bool {
     mode() != 1
 }

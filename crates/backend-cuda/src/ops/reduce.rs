@@ -17,7 +17,7 @@ use crate::ops::{Module, run, tname};
 /// one-reduction program (`expr_eval::reduce`, compiled on first use).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReducePath {
-    /// Per shape, the path that measured faster ([`generated_is_faster`]); the default.
+    /// Per shape, the path that measured faster (`generated_is_faster`); the default.
     Auto,
     /// The hand-written kernels always.
     Kernels,

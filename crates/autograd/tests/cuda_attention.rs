@@ -924,7 +924,7 @@ impl Drop for OnCudnn {
 
 /// Shapes cuDNN's engines serve (d = dv, multiples of 8 up to 128): lengths off every tile,
 /// `Tq != Tk` both ways (top-left causal mask), one query, head sizes 32, 64 and 80. Few: each
-/// new shape builds two graphs per dtype (about 0.3 s each on an H200).
+/// new shape builds two graphs per dtype (about half a second each on an H200).
 const CUDNN_SHAPES: [Dims6; 4] = [
     (2, 3, 37, 37, 64, 64),
     (1, 2, 70, 45, 32, 32),

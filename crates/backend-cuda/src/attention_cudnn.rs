@@ -1,6 +1,6 @@
 //! 16-bit fused attention on cuDNN's engines (`cudnn/sdpa.rs`) with kiln's own output layouts
 //! (`ops/attention.rs`): what `Backend::attention_forward` and `attention_backward` try first
-//! for f16 and bf16 without dropout, before kiln's kernels.
+//! for f16 and bf16, before kiln's kernels.
 //!
 //! Why a module of its own: it joins the two without either importing the other (`cudnn`
 //! copies operands through `ops`, so `ops` may not import `cudnn`). The outputs are laid out
@@ -112,7 +112,7 @@ pub(crate) fn backward(
         || out.1.shape() != g.1.shape()
         || out.1.dims()[..out.1.rank() - 1] != q.1.dims()[..q.1.rank() - 1]
     {
-        return Ok(None);
+        return if must { refuse() } else { Ok(None) };
     }
     let dev = q.0.state();
     let (packed, [dq_l, dk_l, dv_l]) = grad_layouts(q, k, v);

@@ -83,7 +83,9 @@
 //!    runs a program while its kernel compiles in the background),
 //!    `expr_run.rs` (expression programs over computed buffers: plan, kernel memo, launch),
 //!    `expr_lone.rs` (a lone op's program: the plans it used last, found by comparison),
-//!    `host_gather.rs` (batches gathered from host rows on the copy stream).
+//!    `host_gather.rs` (batches gathered from host rows on the copy stream),
+//!    `attention_cudnn.rs` (16-bit attention on cuDNN's engines in `ops/attention.rs`'s
+//!    layouts; after both, which do not import each other).
 //! 5. **Deferral** — `lazy.rs` (records and forces chains; owns the storage representation),
 //!    then `storage.rs` (the public [`CudaStorage`] handle over it).
 //! 6. **Users of storage** — `expr_eval.rs` (`Backend::eval_expr`); `update.rs` (the

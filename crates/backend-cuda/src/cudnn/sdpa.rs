@@ -25,11 +25,11 @@
 //!   run by kiln's kernels (or the reverse) agree.
 //! - **Selection**: per shape, layout and direction, heuristic mode A's first engine config
 //!   that finalizes is made into a plan and run once on the call's own buffers
-//!   (`graph::search`, [`MAX_CANDIDATES`]); a graph no engine serves is remembered and the call answers "not served"
-//!   (`Ok(false)`), and kiln's kernels run it. Nothing is measured during a CUDA graph capture
-//!   (a shape first seen there is not served). Under the default switch small problems
-//!   ([`MIN_WORK`]) and shapes past [`MAX_GRAPHS`] stay on kiln's kernels: a new graph costs
-//!   a few hundred milliseconds of plan compilation.
+//!   (`graph::search`, [`MAX_CANDIDATES`]); a graph no engine serves is remembered and the
+//!   call answers "not served" (`Ok(false)`), and kiln's kernels run it. Nothing is measured
+//!   during a CUDA graph capture (a shape first seen there is not served). Under the default
+//!   switch small problems ([`MIN_WORK`]) and shapes past [`MAX_GRAPHS`] stay on kiln's
+//!   kernels: a new graph costs about half a second, its plan's kernels compiled by cuDNN.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry as MapEntry;
@@ -51,7 +51,7 @@ use crate::memory::alloc;
 const FWD: &str = "scaled_dot_product_attention";
 const BWD: &str = "scaled_dot_product_attention_backward";
 
-static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on
+static SWITCH: AtomicU8 = AtomicU8::new(0); // 0: read the environment; 1: off; 2: on; 3: default
 static CALLS: AtomicU64 = AtomicU64::new(0);
 
 /// Whether 16-bit attention may run on cuDNN's fused engines where they serve the call: by
@@ -272,22 +272,12 @@ pub(crate) fn run(
         call,
         op,
     };
-    let [b, h, sq, skv, d, _] = key.dims;
-    let forced = must || switch() == 2;
-    let full = st.sdpa.len() >= MAX_GRAPHS;
+    // b·h·Tq·Tk·d, the multiply-adds of Q·Kᵀ.
+    let work = key.dims[..5].iter().fold(1i64, |a, &x| a.saturating_mul(x));
+    let limited = !(must || switch() == 2) && (work < MIN_WORK || st.sdpa.len() >= MAX_GRAPHS);
     let entry = match st.sdpa.entry(key) {
         MapEntry::Occupied(e) => e.into_mut(),
-        MapEntry::Vacant(_) if dev.capturing() => return Ok(false),
-        MapEntry::Vacant(_)
-            if !forced
-                && (full
-                    || [b, h, sq, skv, d]
-                        .iter()
-                        .fold(1i64, |a, &x| a.saturating_mul(x))
-                        < MIN_WORK) =>
-        {
-            return Ok(false);
-        }
+        MapEntry::Vacant(_) if dev.capturing() || limited => return Ok(false),
         MapEntry::Vacant(v) => v.insert(g.measure()?),
     };
     for c in &entry.plans {
@@ -329,7 +319,8 @@ impl Builder {
         &self.parts[t.0]
     }
 
-    /// A tensor descriptor; `virt` ones get the next virtual id, the others `uid`.
+    /// A tensor descriptor: an operand with id `uid`, or without one a virtual tensor (never
+    /// materialized) with the next free id; `by_value` for a scalar passed by host pointer.
     fn tensor(
         &mut self,
         data: D,
@@ -595,7 +586,7 @@ impl Graph<'_> {
 
     /// The forward graph (module docs).
     fn build_forward(&self, b: &mut Builder) -> Result<Desc> {
-        let [bb, h, sq, skv, d, dv] = self.key.dims;
+        let [bb, h, sq, skv, d, _] = self.key.dims;
         let drop = f64::from_bits(self.key.dropout);
         let io = self.io();
         let q = self.operand(b, 0, UID_Q)?;
@@ -655,7 +646,6 @@ impl Graph<'_> {
         } else {
             p
         };
-        let _ = dv;
         b.matmul(p, v, o, "P·V")?;
         b.finish(self.handle)
     }

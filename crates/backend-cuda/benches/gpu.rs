@@ -332,7 +332,8 @@ fn reductions(dev: &CudaDevice) {
 /// (`_fused_fma`) and on 1xTF32 (`_tf32`, `allow_tf32` on); the 16-bit fused kernels asked for
 /// explicitly (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the f32-FMA ones); the
 /// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB); and
-/// multi-head self-attention over a packed projection ([`packed_rows`]).
+/// multi-head self-attention over a packed projection ([`packed_rows`]); and at the GPT shape in
+/// bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside PyTorch's).
 fn attention(dev: &CudaDevice) {
     // The long shape first: the GPT shape's extra rows flip the kernel switches (and leave
     // 16-bit fusion forced off, not on its default).
@@ -375,6 +376,37 @@ fn attention(dev: &CudaDevice) {
                 kiln_backend_cuda::set_cudnn_attention(Some(false));
                 row(&format!("fwd_{tag}_kiln_kernels"), &fwd);
                 row(&format!("fwd_bwd_{tag}_kiln_kernels"), &fwd_bwd);
+                kiln_backend_cuda::set_cudnn_attention(None);
+            }
+            if gpt && dt == DType::BF16 {
+                // Training as the GPT runs it: dropout 0.2 on the weights (on Hopper cuDNN's
+                // engines draw the mask; `_kiln_kernels`: kiln's kernels and Philox stream).
+                let rng = std::cell::RefCell::new(Generator::new(5));
+                let fwd_bwd_dropout = || -> Result<()> {
+                    for x in [&q, &k, &v] {
+                        x.zero_grad();
+                    }
+                    let mut rng = rng.borrow_mut();
+                    let y = q.scaled_dot_product_attention(
+                        &k,
+                        &v,
+                        &AttnMask::Causal,
+                        0.2,
+                        None,
+                        Some(&mut rng),
+                    )?;
+                    y.backward_with(&g)?;
+                    for x in [&q, &k, &v] {
+                        x.grad().expect("a gradient").realize()?;
+                    }
+                    Ok(())
+                };
+                row(&format!("fwd_bwd_{tag}_dropout"), &fwd_bwd_dropout);
+                kiln_backend_cuda::set_cudnn_attention(Some(false));
+                row(
+                    &format!("fwd_bwd_{tag}_dropout_kiln_kernels"),
+                    &fwd_bwd_dropout,
+                );
                 kiln_backend_cuda::set_cudnn_attention(None);
             }
             if !gpt {

@@ -20,11 +20,28 @@ use kiln_core::{AttentionGrads, AttentionOutputs, AttentionSpec, DType, Layout, 
 
 use crate::cudnn::{SdpaCall, sdpa_run, sdpa_wanted};
 use crate::memory::{Buffer, alloc};
-use crate::ops::attention::{grad_layouts, out_layout};
+use crate::ops::attention::{grad_layouts, grad_storages, out_layout};
 
 /// The device address of `l`'s first element in `b`.
 fn addr(b: &Buffer, l: &Layout, dtype: DType) -> u64 {
     b.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64
+}
+
+/// The cuDNN call of `spec` on `tensors` (see `SdpaCall`) and the log-sum-exps at `lse`.
+fn sdpa_call<'a>(
+    dtype: DType,
+    spec: &AttentionSpec,
+    tensors: &'a [(u64, &'a Layout)],
+    lse: u64,
+) -> SdpaCall<'a> {
+    SdpaCall {
+        dtype,
+        causal: spec.causal,
+        scale: spec.scale as f32,
+        dropout: (spec.dropout_p, spec.dropout_key),
+        tensors,
+        lse,
+    }
 }
 
 /// Whether the call may go to cuDNN at all: 16-bit, one device, cuDNN wanted there.
@@ -58,14 +75,7 @@ pub(crate) fn forward(
         (addr(v.0, v.1, dtype), v.1),
         (out.device_ptr(), &o_layout),
     ];
-    let call = SdpaCall {
-        dtype,
-        causal: spec.causal,
-        scale: spec.scale as f32,
-        dropout: (spec.dropout_p, spec.dropout_key),
-        tensors: &tensors,
-        lse: lse.device_ptr(),
-    };
+    let call = sdpa_call(dtype, &spec, &tensors, lse.device_ptr());
     if !sdpa_run(dev, &call, (false, false))? {
         return Ok(None);
     }
@@ -116,15 +126,7 @@ pub(crate) fn backward(
     }
     let dev = q.0.state();
     let (packed, [dq_l, dk_l, dv_l]) = grad_layouts(q, k, v);
-    let size = dtype.size_in_bytes();
-    let storages = match packed {
-        Some(n) => vec![alloc(dev, n * size)?],
-        None => vec![
-            alloc(dev, dq_l.elem_count() * size)?,
-            alloc(dev, dk_l.elem_count() * size)?,
-            alloc(dev, dv_l.elem_count() * size)?,
-        ],
-    };
+    let storages = grad_storages(dev, packed, [&dq_l, &dk_l, &dv_l], dtype)?;
     let which = |i: usize| if storages.len() == 1 { 0 } else { i };
     let tensors = [
         (addr(q.0, q.1, dtype), q.1),
@@ -136,14 +138,7 @@ pub(crate) fn backward(
         (addr(&storages[which(1)], &dk_l, dtype), &dk_l),
         (addr(&storages[which(2)], &dv_l, dtype), &dv_l),
     ];
-    let call = SdpaCall {
-        dtype,
-        causal: spec.causal,
-        scale: spec.scale as f32,
-        dropout: (spec.dropout_p, spec.dropout_key),
-        tensors: &tensors,
-        lse: lse.0.device_ptr(),
-    };
+    let call = sdpa_call(dtype, &spec, &tensors, lse.0.device_ptr());
     if !sdpa_run(dev, &call, (true, must))? {
         return if must { refuse() } else { Ok(None) };
     }

@@ -690,34 +690,16 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
         let mb = mask.map(|m| m.buffer()).transpose()?;
-        let on_cudnn = attention_cudnn::backward(
-            (&qb, q.1),
-            (&kb, k.1),
-            (&vb, v.1),
-            (&ob, out.1),
-            (&lb, lse.1),
-            mb.as_deref(),
-            (&gb, g.1),
-            dtype,
-            spec,
-        )?;
-        if let Some(g) = on_cudnn {
-            return Ok(Some(AttentionGrads {
-                storages: g.storages.into_iter().map(CudaStorage::ready).collect(),
-                grads: g.grads,
-            }));
-        }
-        let r = ops::attention::backward(
-            (&qb, q.1),
-            (&kb, k.1),
-            (&vb, v.1),
-            (&ob, out.1),
-            (&lb, lse.1),
-            mb.as_deref(),
-            (&gb, g.1),
-            dtype,
-            (spec, blas::allow_tf32()),
-        )?;
+        let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
+        let (oo, lo, go) = ((&*ob, out.1), (&*lb, lse.1), (&*gb, g.1));
+        let mb = mb.as_deref();
+        let r = match attention_cudnn::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)? {
+            Some(r) => Some(r),
+            None => {
+                let spec = (spec, blas::allow_tf32());
+                ops::attention::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)?
+            }
+        };
         Ok(r.map(|g| AttentionGrads {
             storages: g.storages.into_iter().map(CudaStorage::ready).collect(),
             grads: g.grads,

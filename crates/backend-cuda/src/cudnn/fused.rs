@@ -218,17 +218,7 @@ impl Call<'_> {
             MapEntry::Vacant(_) if self.dev.capturing() => return Ok(false),
             MapEntry::Vacant(v) => v.insert(self.measure()?),
         };
-        for c in &entry.plans {
-            match self.execute(c) {
-                Ok(()) => {
-                    FUSED_CALLS.fetch_add(1, Ordering::Relaxed);
-                    return Ok(true);
-                }
-                Err(Error::OutOfMemory { .. }) => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        Ok(false)
+        graph::run_first(&entry.plans, &FUSED_CALLS, |c| self.execute(c))
     }
 
     /// Builds the graph and times its plans (synchronizes), as `graph.rs` does; a graph cuDNN
@@ -330,11 +320,7 @@ impl Call<'_> {
 
     /// An execution plan of `cfg` (an error when it does not finalize).
     fn plan(&self, cfg: &Desc) -> Result<Desc> {
-        let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, OP)?;
-        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[self.handle], OP)?;
-        plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg, OP)?;
-        plan.finalize(OP)?;
-        Ok(plan)
+        graph::plan(self.handle, cfg, OP)
     }
 
     /// Queues plan `c` ([`graph::execute`]) on `x`, `w`, the bias and `y`.

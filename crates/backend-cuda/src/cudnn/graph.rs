@@ -338,23 +338,9 @@ impl Call<'_> {
         let Some(entry) = self.entry(cache)? else {
             return Ok(false);
         };
-        if entry.plans.is_empty() {
-            return Ok(false);
-        }
-        for c in &entry.plans {
-            match self.execute(c) {
-                Ok(()) => {
-                    GRAPH_CALLS.fetch_add(1, Ordering::Relaxed);
-                    return Ok(true);
-                }
-                // Its workspace cannot be had now: the next (slower) plan may need less.
-                Err(Error::OutOfMemory { .. }) => continue,
-                Err(e) => return Err(e),
-            }
-        }
-        // No plan's workspace could be had: the legacy path, which takes the first algorithm
-        // whose workspace can be (some need none).
-        Ok(false)
+        // No plan, or none whose workspace could be had: the legacy path, which takes the
+        // first algorithm whose workspace can be (some need none).
+        run_first(&entry.plans, &GRAPH_CALLS, |c| self.execute(c))
     }
 
     /// Builds, filters and times the plans of this geometry and direction (synchronizes):
@@ -421,12 +407,7 @@ impl Call<'_> {
 
     /// An execution plan of `cfg` (an error when it does not finalize).
     fn plan(&self, cfg: &Desc) -> Result<Desc> {
-        let op = self.dir.op();
-        let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, op)?;
-        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[self.handle], op)?;
-        plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg, op)?;
-        plan.finalize(op)?;
-        Ok(plan)
+        plan(self.handle, cfg, self.dir.op())
     }
 
     /// Queues plan `c` on the handle's stream ([`execute`]).
@@ -578,12 +559,6 @@ pub(super) fn execute(
     (uids, ptrs): (&[i64], &[u64]),
     op: &'static str,
 ) -> Result<()> {
-    let ws = if c.workspace == 0 {
-        None
-    } else {
-        Some(alloc(dev, c.workspace)?)
-    };
-    let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
     // At most four operands (x, w, bias, y): no allocation per call.
     if ptrs.len() > 4 || ptrs.len() != uids.len() {
         return Err(Error::invalid(
@@ -595,7 +570,25 @@ pub(super) fn execute(
     for (d, &p) in dev_ptrs.iter_mut().zip(ptrs) {
         *d = DevPtr(p as *mut c_void);
     }
-    let ptrs = &dev_ptrs[..ptrs.len()];
+    execute_pack(dev, handle, c, (uids, &dev_ptrs[..ptrs.len()]), op)
+}
+
+/// [`execute`] with the variant pack's pointers as given: device addresses, or host addresses
+/// of by-value scalars (`sdpa.rs`), which must outlive the call (cuDNN reads them when the plan
+/// is queued).
+pub(super) fn execute_pack(
+    dev: &'static DeviceState,
+    handle: sys::cudnnHandle_t,
+    c: &Candidate,
+    (uids, ptrs): (&[i64], &[DevPtr]),
+    op: &'static str,
+) -> Result<()> {
+    let ws = if c.workspace == 0 {
+        None
+    } else {
+        Some(alloc(dev, c.workspace)?)
+    };
+    let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
     let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, op)?;
     pack.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, uids, op)?;
     pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, ptrs, op)?;
@@ -604,10 +597,40 @@ pub(super) fn execute(
     let _prof = crate::profile::launch(dev, op, true);
     // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
     // under the device's cuDNN lock (the caller's); the variant pack names live device buffers
-    // of the graph's shapes (the caller's contract) and a workspace of the plan's size, freed
-    // stream-ordered after the call is queued.
+    // of the graph's shapes and host scalars that outlive the call (the caller's contract), and
+    // a workspace of the plan's size, freed stream-ordered after the call is queued.
     let r = unsafe { sys::cudnnBackendExecute(handle, c.plan.raw(), pack.raw()) };
     super::status(r, op)
+}
+
+/// An execution plan of engine config `cfg` on `handle` (an error when it does not finalize).
+pub(super) fn plan(handle: sys::cudnnHandle_t, cfg: &Desc, op: &'static str) -> Result<Desc> {
+    let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, op)?;
+    plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[handle], op)?;
+    plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg, op)?;
+    plan.finalize(op)?;
+    Ok(plan)
+}
+
+/// Runs the first of `plans` (fastest first) whose workspace can be had, counting the call in
+/// `calls`: `Ok(false)` when none could (nothing ran; the caller takes its other path).
+pub(super) fn run_first(
+    plans: &[Candidate],
+    calls: &AtomicU64,
+    execute: impl Fn(&Candidate) -> Result<()>,
+) -> Result<bool> {
+    for c in plans {
+        match execute(c) {
+            Ok(()) => {
+                calls.fetch_add(1, Ordering::Relaxed);
+                return Ok(true);
+            }
+            // Its workspace cannot be had now: the next (slower) plan may need less.
+            Err(Error::OutOfMemory { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(false)
 }
 
 /// One warm-up `run`, then the fastest of [`TIMED_RUNS`] timed ones on `dev`'s stream, ms.

@@ -280,17 +280,7 @@ pub(crate) fn run(
         MapEntry::Vacant(_) if dev.capturing() || limited => return Ok(false),
         MapEntry::Vacant(v) => v.insert(g.measure()?),
     };
-    for c in &entry.plans {
-        match g.execute(c) {
-            Ok(()) => {
-                CALLS.fetch_add(1, Ordering::Relaxed);
-                return Ok(true);
-            }
-            Err(Error::OutOfMemory { .. }) => continue,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(false)
+    graph::run_first(&entry.plans, &CALLS, |c| g.execute(c))
 }
 
 /// One graph being built or run.
@@ -548,6 +538,15 @@ impl Builder {
     }
 }
 
+/// The tensors [`Graph::scores`] makes.
+struct Scores {
+    q: T,
+    kt: T,
+    lse: T,
+    scale: T,
+    s: T,
+}
+
 /// Packed strides of `dims`.
 fn packed(d: [i64; 4]) -> [i64; 4] {
     [d[1] * d[2] * d[3], d[2] * d[3], d[3], 1]
@@ -584,23 +583,40 @@ impl Graph<'_> {
         b.tensor(self.io(), dims, self.key.strides[i], Some(uid), false)
     }
 
-    /// The forward graph (module docs).
-    fn build_forward(&self, b: &mut Builder) -> Result<Desc> {
+    /// What both directions start from: Q, Kᵀ (K's descriptor with the last two axes
+    /// swapped), the log-sum-exps, the by-value scale, and the scaled scores `S = Q·Kᵀ·scale`
+    /// (f32, the products' ops pushed here).
+    fn scores(&self, b: &mut Builder) -> Result<Scores> {
         let [bb, h, sq, skv, d, _] = self.key.dims;
-        let drop = f64::from_bits(self.key.dropout);
-        let io = self.io();
         let q = self.operand(b, 0, UID_Q)?;
         let (kd, ks) = transposed(([bb, h, skv, d], self.key.strides[1]));
-        let kt = b.tensor(io, kd, ks, Some(UID_K), false)?;
-        let v = self.operand(b, 2, UID_V)?;
-        let o = self.operand(b, 3, UID_O)?;
+        let kt = b.tensor(self.io(), kd, ks, Some(UID_K), false)?;
         let row = [bb, h, sq, 1];
         let lse = b.tensor(D::CUDNN_DATA_FLOAT, row, packed(row), Some(UID_LSE), false)?;
         let scale = b.scalar(UID_SCALE)?;
         let sdims = [bb, h, sq, skv];
         let s = b.virt(D::CUDNN_DATA_FLOAT, sdims)?;
         b.matmul(q, kt, s, "Q·Kᵀ")?;
-        let mut s = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[s, scale], sdims, "scale")?;
+        let s = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[s, scale], sdims, "scale")?;
+        Ok(Scores {
+            q,
+            kt,
+            lse,
+            scale,
+            s,
+        })
+    }
+
+    /// The forward graph (module docs).
+    fn build_forward(&self, b: &mut Builder) -> Result<Desc> {
+        let [bb, h, sq, skv, _, _] = self.key.dims;
+        let drop = f64::from_bits(self.key.dropout);
+        let io = self.io();
+        let v = self.operand(b, 2, UID_V)?;
+        let o = self.operand(b, 3, UID_O)?;
+        let row = [bb, h, sq, 1];
+        let sdims = [bb, h, sq, skv];
+        let Scores { lse, mut s, .. } = self.scores(b)?;
         if self.key.causal {
             let neg_inf = b.scalar(UID_NEG_INF)?;
             s = b.causal(s, sdims, neg_inf)?;
@@ -655,9 +671,6 @@ impl Graph<'_> {
         let [bb, h, sq, skv, d, dv] = self.key.dims;
         let drop = f64::from_bits(self.key.dropout);
         let io = self.io();
-        let q = self.operand(b, 0, UID_Q)?;
-        let (kd, ks) = transposed(([bb, h, skv, d], self.key.strides[1]));
-        let kt = b.tensor(io, kd, ks, Some(UID_K), false)?;
         let (vd, vs) = transposed(([bb, h, skv, dv], self.key.strides[2]));
         let vt = b.tensor(io, vd, vs, Some(UID_V), false)?;
         let o = self.operand(b, 3, UID_O)?;
@@ -666,8 +679,6 @@ impl Graph<'_> {
         let dk = self.operand(b, 6, UID_DK)?;
         let dvt = self.operand(b, 7, UID_DV)?;
         let row = [bb, h, sq, 1];
-        let lse = b.tensor(D::CUDNN_DATA_FLOAT, row, packed(row), Some(UID_LSE), false)?;
-        let scale = b.scalar(UID_SCALE)?;
         // With dropout Σ is scaled by 1 - p (cudnn-frontend's `Dropout_scale_inv`), else by 1.
         let one = b.scalar(if drop > 0.0 { UID_DROP_INV } else { UID_ONE })?;
 
@@ -699,9 +710,13 @@ impl Graph<'_> {
 
         // P = exp(S·scale - lse), masked.
         let sdims = [bb, h, sq, skv];
-        let s = b.virt(D::CUDNN_DATA_FLOAT, sdims)?;
-        b.matmul(q, kt, s, "Q·Kᵀ")?;
-        let s = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[s, scale], sdims, "scale")?;
+        let Scores {
+            q,
+            kt,
+            lse,
+            scale,
+            s,
+        } = self.scores(b)?;
         let mut s = b.pw_f32(Pw::CUDNN_POINTWISE_SUB, &[s, lse], sdims, "S - lse")?;
         if self.key.causal {
             let neg_inf = b.scalar(UID_NEG_INF)?;
@@ -747,7 +762,8 @@ impl Graph<'_> {
         b.reshape(ds, dst, "dSᵀ")?;
         b.matmul(dst, q, dk, "dSᵀ·Q")?;
 
-        let (kd, ks) = transposed((kd, ks));
+        // K itself (its descriptor was Kᵀ), for dQ = dS·K.
+        let (kd, ks) = ([bb, h, skv, d], self.key.strides[1]);
         let kk = b.virt_strided(io, kd, ks)?;
         b.reshape(kt, kk, "K")?;
         if dp_workspace_fits(&self.key) {
@@ -799,7 +815,7 @@ impl Graph<'_> {
             (self.key.dtype, false),
             (cap, MAX_CANDIDATES),
             self.op,
-            |cfg| self.plan(cfg),
+            |cfg| graph::plan(self.handle, cfg, self.op),
             |c| graph::time_plan(self.dev, "attention timing", || self.execute(c)),
         );
         self.log(&plans, None);
@@ -808,15 +824,6 @@ impl Graph<'_> {
             _parts: b.parts,
             plans,
         })
-    }
-
-    fn plan(&self, cfg: &Desc) -> Result<Desc> {
-        let op = self.op;
-        let plan = Desc::new(K::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR, op)?;
-        plan.set(A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE, &[self.handle], op)?;
-        plan.set_desc(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, cfg, op)?;
-        plan.finalize(op)?;
-        Ok(plan)
     }
 
     /// Queues plan `c` on the call's operands, with the scratch the backward needs.
@@ -864,25 +871,8 @@ impl Graph<'_> {
                 ptrs.push(dev_ptr(scratch[1].device_ptr()));
             }
         }
-        let ws = if c.workspace == 0 {
-            None
-        } else {
-            Some(alloc(self.dev, c.workspace)?)
-        };
-        let wsp = DevPtr(ws.as_ref().map_or(0, |b| b.device_ptr()) as *mut c_void);
-        let pack = Desc::new(K::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR, op)?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, &uids, op)?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, &ptrs, op)?;
-        pack.set(A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE, &[wsp], op)?;
-        pack.finalize(op)?;
-        let _prof = crate::profile::launch(self.dev, op, true);
-        // SAFETY: a live handle bound to the current stream and a finalized plan built on it,
-        // under the device's cuDNN lock (held by `run`); the variant pack names the call's
-        // live device buffers of the graph's shapes (the caller's contract), scratch and
-        // workspace blocks freed stream-ordered after the call is queued, and host scalars
-        // that outlive the call (cuDNN reads by-value tensors when it is queued).
-        let r = unsafe { sys::cudnnBackendExecute(self.handle, c.plan.raw(), pack.raw()) };
-        super::status(r, op)
+        // The scratch buffers are freed stream-ordered once the plan is queued.
+        graph::execute_pack(self.dev, self.handle, c, (&uids, &ptrs), op)
     }
 
     /// `KILN_CUDNN_LOG=1`: the plans measured, fastest first, or why none serves the graph.

@@ -422,7 +422,6 @@ pub(crate) fn backward(
     shape.dv_rs = row_stride(&dv_l);
     let (so, sdq, sdk, sdv) = (ss[4], ss[5], ss[6], ss[7]);
     let (nb, tq, tk) = (shape.batch as usize, shape.tq as usize, shape.tk as usize);
-    let (d, dvn) = (shape.d as usize, shape.dv as usize);
     check_saved(&gv, lse.1, &shape)?;
     // The forward's dropout bits, where this family reads them and they are all there (else the
     // kernels draw the mask again).
@@ -454,15 +453,7 @@ pub(crate) fn backward(
     let f = dev.func(Module::Attention, &["attn_bwd_pre", tname(dtype)])?;
     dev.launch(OP, f, grid, 256, 0, a.ptrs())?;
 
-    let size = dtype.size_in_bytes();
-    let storages = match packed {
-        Some(n) => vec![alloc(dev, n * size)?],
-        None => vec![
-            alloc(dev, nb * tq * d * size)?,
-            alloc(dev, nb * tk * d * size)?,
-            alloc(dev, nb * tk * dvn * size)?,
-        ],
-    };
+    let storages = grad_storages(dev, packed, [&dq_l, &dk_l, &dv_l], dtype)?;
     // One storage: the three gradients lie in it at their layouts' offsets (in `sdq` ...).
     let (dq, dk, dv) = match storages.as_slice() {
         [one] => (one, one, one),
@@ -552,6 +543,24 @@ pub(crate) fn grad_layouts(
                 out_layout(v.1, v.1.dims().to_vec()),
             ],
         ),
+    }
+}
+
+/// The storages of the three gradients laid out as `layouts` (fresh, offset 0): one of `packed`
+/// elements when [`grad_layouts`] found a packed projection, else one each.
+pub(crate) fn grad_storages(
+    dev: &'static crate::device::DeviceState,
+    packed: Option<usize>,
+    layouts: [&Layout; 3],
+    dtype: DType,
+) -> Result<Vec<Buffer>> {
+    let size = dtype.size_in_bytes();
+    match packed {
+        Some(n) => Ok(vec![alloc(dev, n * size)?]),
+        None => layouts
+            .iter()
+            .map(|l| alloc(dev, l.elem_count() * size))
+            .collect(),
     }
 }
 

@@ -118,7 +118,7 @@ fn dot<T: CpuElem + LinalgScalar>(a: &[T], sa: usize, b: &[T], sb: usize, len: u
         for (&u, &v) in ra.iter().zip(rb) {
             t = t + u * v;
         }
-        acc.iter().fold(t, |x, &y| x + y)
+        fold16(acc) + t
     } else {
         (0..len).fold(T::zero(), |s, i| s + a[i * sa] * b[i * sb])
     }
@@ -314,7 +314,7 @@ impl<T: CpuElem + LinalgScalar> Dots<'_, T> {
 }
 
 /// The dot products of four contiguous rows with one contiguous vector over `len`: each row's
-/// sum in exactly [`dot`]'s order (sixteen lanes, then the remainder, then the lanes folded),
+/// sum in exactly [`dot`]'s order (sixteen lanes, folded by [`fold16`], plus the remainder),
 /// so the same bits as four calls of it.
 #[inline(always)]
 fn dot4<T: CpuElem + LinalgScalar>(rows: [&[T]; 4], v: &[T], len: usize) -> [T; 4] {
@@ -346,9 +346,22 @@ fn dot4<T: CpuElem + LinalgScalar>(rows: [&[T]; 4], v: &[T], len: usize) -> [T; 
         for (&u, &w) in rows[q][full..].iter().zip(vr) {
             t = t + u * w;
         }
-        *r = acc[q].iter().fold(t, |x, &y| x + y);
+        *r = fold16(acc[q]) + t;
     }
     res
+}
+
+/// The sixteen lanes of an accumulator summed as a tree (eight, four, two, one), the order
+/// every dot product here uses: its four levels vectorize and four rows' folds overlap, where
+/// sixteen dependent scalar adds per row took a sixth of a 400x784 product's time.
+#[inline(always)]
+fn fold16<T: CpuElem + LinalgScalar>(a: [T; 16]) -> T {
+    let mut h = [T::zero(); 8];
+    for l in 0..8 {
+        h[l] = a[l] + a[l + 8];
+    }
+    let q = [h[0] + h[4], h[1] + h[5], h[2] + h[6], h[3] + h[7]];
+    (q[0] + q[2]) + (q[1] + q[3])
 }
 
 #[inline(always)]

@@ -393,6 +393,17 @@ for name, (b, h, t, d) in (("gpt", (64, 6, 256, 64)), ("long", (8, 16, 2048, 64)
                 torch.autograd.grad(y, (q, k, v), go)
 
             report(f"attn_{name}_fwd_bwd_{tag}_dropout", timed(5, 20, attn_fwd_bwd_dropout), "ms")
+        if name == "gpt":
+            # Sequences of different lengths: sequence i keeps its first t - 2i keys (a boolean
+            # attn_mask [b, 1, 1, t], True = take part), not causal.
+            pos = torch.arange(t, device="cuda")
+            keep = (pos[None, :] < (t - 2 * torch.arange(b, device="cuda"))[:, None])[:, None, None, :]
+
+            def attn_fwd_bwd_padding():
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+                torch.autograd.grad(y, (q, k, v), go)
+
+            report(f"attn_{name}_fwd_bwd_{tag}_padding", timed(5, 20, attn_fwd_bwd_padding), "ms")
         del q, k, v, go
 
 # Convolutions (issue 33; crates/backend-cuda/benches/conv.rs): a 3x3 padding-1 conv forward +

@@ -29,14 +29,16 @@
 //! returns the output and each row's log-sum-exp. The result is ONE recorded node that saves
 //! `q`, `k`, `v`, the output and the log-sum-exps; its backward is the backend's
 //! [`Backend::attention_backward`], which recomputes the weights tile by tile from them. The
-//! fused path is taken for no mask or the causal mask, with or without dropout, for q, k, v
+//! fused path is taken for no mask, the causal mask or a boolean mask (`u8`, viewed in the
+//! scores' shape with zero strides where it broadcasts: a key-padding mask `[n, 1, 1, s]` is
+//! read in place), with or without dropout, for q, k, v
 //! with the same batch axes, where the backend offers the call (on CUDA: f32, and f16/bf16
 //! only when asked, since its 16-bit kernels measured slower than composing around tensor-core
 //! GEMMs; head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
 //! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
 //! generator's next draw, regenerated in the backward (never stored) — the very mask the
 //! composed path draws with `rand_like` in f32, so the two paths agree with the same generator
-//! state. Everything else — boolean and additive masks, f64, the CPU and the reference
+//! state. Everything else — additive masks, f64, the CPU and the reference
 //! backend — runs composed, as below, and that
 //! composition is the reference the fused kernel is tested against. Under [`autocast`] the
 //! fused path runs in the low dtype (PyTorch's autocast does the same for SDPA), with f32 math
@@ -137,8 +139,9 @@ impl<B: Backend> Var<B> {
     /// training (a module does this in evaluation mode).
     ///
     /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
-    /// never NaN, and a zero gradient. Without a mask or with the causal one (dropout or not), a
-    /// backend with a fused kernel (CUDA) runs it in the flash-attention manner as
+    /// never NaN, and a zero gradient. Without a mask, with the causal one or a boolean one
+    /// (dropout or not), a backend with a fused kernel (CUDA) runs it in the flash-attention
+    /// manner as
     /// one node (the `[.., Tq, Tk]` weights never stored); otherwise this runs as two batched
     /// products around one masked-softmax node (see `attention.rs`).
     ///
@@ -222,16 +225,21 @@ fn operand<B: Backend>(t: &Tensor<B>) -> Operand<'_, B::Storage> {
     (t.storage(), t.layout())
 }
 
-/// Whether the fused path may take `mask`: `Some(causal)`, or `None` (a tensor mask, or
-/// [`composed_attention`] in force).
-pub(crate) fn fusable_mask<B: Backend>(mask: &AttnMask<B>) -> Option<bool> {
-    let causal = match mask {
-        AttnMask::None => false,
-        AttnMask::Causal => true,
-        AttnMask::Keep(_) | AttnMask::Additive(_) => return None,
+/// What a fused kernel may be asked for `mask`: `Some((causal, keep))` (`keep`: a boolean
+/// mask, which [`fused_forward`] passes on where its dtype and shape fit), or `None` (an
+/// additive mask, or [`composed_attention`] in force).
+pub(crate) fn fusable_mask<B: Backend>(mask: &AttnMask<B>) -> Option<FusableMask<'_, B>> {
+    let m = match mask {
+        AttnMask::None => (false, None),
+        AttnMask::Causal => (true, None),
+        AttnMask::Keep(t) => (false, Some(t)),
+        AttnMask::Additive(_) => return None,
     };
-    (!COMPOSED.with(|c| c.get())).then_some(causal)
+    (!COMPOSED.with(|c| c.get())).then_some(m)
 }
+
+/// Whether the mask is causal, and the boolean mask (see [`fusable_mask`]).
+pub(crate) type FusableMask<'a, B> = (bool, Option<&'a Tensor<B>>);
 
 /// The backend's fused forward on tensors, as [`fused`] and the packed self-attention run it.
 pub(crate) struct FusedForward<B: Backend> {
@@ -241,6 +249,8 @@ pub(crate) struct FusedForward<B: Backend> {
     pub lse: Tensor<B>,
     /// What the backend kept of the dropout mask for its backward.
     pub mask: Option<B::Storage>,
+    /// The boolean mask, viewed in the scores' shape `[.., Tq, Tk]`.
+    pub keep: Option<Tensor<B>>,
     pub spec: AttentionSpec,
 }
 
@@ -248,10 +258,11 @@ pub(crate) struct FusedForward<B: Backend> {
 /// declines. With dropout the mask's key is the generator's next draw, as the composed path's
 /// `rand_like` would take it; the generator advances only when the backend accepts the call,
 /// so a declined call leaves the composed path the same draw. Dropout without a generator is
-/// the composed path's error (`None` here).
+/// the composed path's error (`None` here), and so is a boolean mask that is not `u8` or does
+/// not broadcast to the scores' shape.
 pub(crate) fn fused_forward<B: Backend>(
     (qt, kt, vt): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
-    causal: bool,
+    (causal, keep): FusableMask<'_, B>,
     (dropout, scale): (Option<f64>, f64),
     generator: Option<&mut Generator>,
 ) -> Result<Option<FusedForward<B>>> {
@@ -261,17 +272,34 @@ pub(crate) fn fused_forward<B: Backend>(
         (Some(p), Some(g)) => (p, philox::draw_key(g.initial_seed(), g.draws()), Some(g)),
     };
     let dtype = qt.dtype();
-    if kt.dtype() != dtype || vt.dtype() != dtype {
+    if kt.dtype() != dtype || vt.dtype() != dtype || qt.rank() < 2 || kt.rank() < 2 {
         return Ok(None);
     }
+    let keep = match keep {
+        None => None,
+        Some(m) => {
+            let mut scores = qt.dims().to_vec();
+            *scores.last_mut().expect("rank >= 2") = kt.dims()[kt.rank() - 2];
+            match m.broadcast_to(scores) {
+                Ok(m) if m.dtype() == DType::U8 => Some(m),
+                _ => return Ok(None),
+            }
+        }
+    };
     let spec = AttentionSpec {
         scale,
         causal,
         dropout_p,
         dropout_key,
     };
-    let Some(((o, o_layout), lse, mask)) =
-        B::attention_forward(operand(qt), operand(kt), operand(vt), dtype, spec)?
+    let Some(((o, o_layout), lse, mask)) = B::attention_forward(
+        operand(qt),
+        operand(kt),
+        operand(vt),
+        keep.as_ref().map(operand),
+        dtype,
+        spec,
+    )?
     else {
         return Ok(None);
     };
@@ -299,6 +327,7 @@ pub(crate) fn fused_forward<B: Backend>(
         out,
         lse,
         mask,
+        keep,
         spec,
     }))
 }
@@ -320,6 +349,7 @@ pub(crate) fn fused_backward<B: Backend>(
         operand(qt),
         operand(kt),
         operand(vt),
+        f.keep.as_ref().map(operand),
         operand(&f.out),
         operand(&f.lse),
         f.mask.as_ref(),
@@ -380,7 +410,7 @@ fn fused<B: Backend>(
     scale: f64,
     generator: Option<&mut Generator>,
 ) -> Result<Option<Var<B>>> {
-    let Some(causal) = fusable_mask(mask) else {
+    let Some(mask) = fusable_mask(mask) else {
         return Ok(None);
     };
     if dropout.is_some() && generator.is_none() {
@@ -392,7 +422,7 @@ fn fused<B: Backend>(
         (q.clone(), k.clone(), v.clone())
     };
     let (qt, kt, vt) = (q.tensor(), k.tensor(), v.tensor());
-    let Some(f) = fused_forward((&qt, &kt, &vt), causal, (dropout, scale), generator)? else {
+    let Some(f) = fused_forward((&qt, &kt, &vt), mask, (dropout, scale), generator)? else {
         return Ok(None);
     };
     let out = f.out.clone();

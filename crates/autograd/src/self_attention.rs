@@ -17,7 +17,7 @@
 //! `[.., T, 3E]` buffer in their own layouts (`kiln_core::attention_packed_layouts`): that buffer
 //! is the projection's gradient as is. A backend that returns them apart costs one `cat`.
 //!
-//! Where the fused path does not apply (masks other than none/causal, f64, the CPU, the
+//! Where the fused path does not apply (additive masks, f64, the CPU, the
 //! reference backend, [`composed_attention`](crate::composed_attention)) it runs the composed
 //! views above with autograd through them: the same numbers, graph and dropout draws as
 //! before this op existed.
@@ -149,7 +149,7 @@ fn fused<B: Backend>(
     (dropout, scale): (Option<f64>, f64),
     generator: Option<&mut Generator>,
 ) -> Result<Option<Var<B>>> {
-    let Some(causal) = fusable_mask(mask) else {
+    let Some(mask) = fusable_mask(mask) else {
         return Ok(None);
     };
     if dropout.is_some() && generator.is_none() {
@@ -166,7 +166,7 @@ fn fused<B: Backend>(
         heads.view(&xt, 1)?,
         heads.view(&xt, 2)?,
     );
-    let Some(f) = fused_forward((&qt, &kt, &vt), causal, (dropout, scale), generator)? else {
+    let Some(f) = fused_forward((&qt, &kt, &vt), mask, (dropout, scale), generator)? else {
         return Ok(None);
     };
     let y = heads.merge(&f.out)?;

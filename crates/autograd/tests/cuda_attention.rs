@@ -53,6 +53,23 @@ fn run_dropout<B: Backend>(
     causal: bool,
     dropout: Option<(f64, &mut Generator)>,
 ) -> [Vec<f64>; 4] {
+    let mask = if causal {
+        AttnMask::Causal
+    } else {
+        AttnMask::None
+    };
+    run_masked(q, k, v, g, &mask, dropout)
+}
+
+/// [`run_dropout`] with any mask.
+fn run_masked<B: Backend>(
+    q: &Tensor<B>,
+    k: &Tensor<B>,
+    v: &Tensor<B>,
+    g: &Tensor<B>,
+    mask: &AttnMask<B>,
+    dropout: Option<(f64, &mut Generator)>,
+) -> [Vec<f64>; 4] {
     let (p, generator) = match dropout {
         Some((p, rng)) => (p, Some(rng)),
         None => (0.0, None),
@@ -62,13 +79,8 @@ fn run_dropout<B: Backend>(
         Var::param(k.clone()),
         Var::param(v.clone()),
     );
-    let mask = if causal {
-        AttnMask::Causal
-    } else {
-        AttnMask::None
-    };
     let y = qv
-        .scaled_dot_product_attention(&kv, &vv, &mask, p, None, generator)
+        .scaled_dot_product_attention(&kv, &vv, mask, p, None, generator)
         .unwrap();
     y.backward_with(g).unwrap();
     let grad = |x: &Var<B>| f64s(&x.grad().expect("a gradient"));
@@ -418,8 +430,8 @@ fn fused_passes_check_backward_in_f32() {
     }
 }
 
-/// What the kernels do not take runs composed and still agrees with the CPU: f64, a boolean
-/// mask, heads of 160.
+/// What the kernels do not take runs composed and still agrees with the CPU: f64, heads of 160;
+/// and a boolean mask (fused) agrees too.
 #[test]
 fn cases_not_offered_run_composed() {
     let Some(dev) = gpu_or_skip(0) else { return };
@@ -657,7 +669,7 @@ fn tensor_core_forward_keeps_its_dropout_bits_for_the_backward() {
         dropout_key: key,
     };
     let forward = |s| {
-        Cuda::attention_forward(op(&q), op(&k), op(&v), dtype, s)
+        Cuda::attention_forward(op(&q), op(&k), op(&v), None, dtype, s)
             .unwrap()
             .expect("fused")
     };
@@ -673,6 +685,7 @@ fn tensor_core_forward_keeps_its_dropout_bits_for_the_backward() {
             op(&q),
             op(&k),
             op(&v),
+            None,
             (&o, &ol),
             (&lse, &lse_l),
             m,
@@ -721,7 +734,7 @@ fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout)
         dropout_key: 0,
     };
     let dtype = q.dtype();
-    let ((o, ol), lse, mask) = Cuda::attention_forward(op(q), op(k), op(v), dtype, spec)
+    let ((o, ol), lse, mask) = Cuda::attention_forward(op(q), op(k), op(v), None, dtype, spec)
         .unwrap()
         .expect("fused");
     let lse_l = Layout::contiguous(&ol.dims()[..ol.rank() - 1]);
@@ -729,6 +742,7 @@ fn backend_layouts(qkv: [&Tensor<Cuda>; 3], g: &Tensor<Cuda>) -> [(bool, Layout)
         op(q),
         op(k),
         op(v),
+        None,
         (&o, &ol),
         (&lse, &lse_l),
         mask.as_ref(),
@@ -1179,5 +1193,135 @@ fn cudnn_attention_replays_in_a_cuda_graph() {
         .zip(outs.iter().zip(&eager))
     {
         assert_eq!(&f64s(t), want, "replayed {name}");
+    }
+}
+
+/// The boolean masks of [`boolean_masks_fuse_and_match_the_composed_path`] for `[b, h, tq, tk]`
+/// scores, as `u8` values with their shapes: a key-padding mask `[b, tk]` (PyTorch's `True` =
+/// padding; sequence 0 pads its last third, the last sequence is all padding: its queries see
+/// no key), a per-head mask `[b, h, tq, tk]` (about three in four kept; query 5 of entry (0, 1)
+/// sees nothing), and one `[tq, tk]` mask shared by every head.
+fn boolean_masks((b, h, tq, tk): (usize, usize, usize, usize)) -> [(bool, Vec<u8>, Vec<usize>); 3] {
+    let padding = (0..b * tk)
+        .map(|x| {
+            let (n, j) = (x / tk, x % tk);
+            u8::from(n == b - 1 || (n == 0 && j >= 2 * tk / 3))
+        })
+        .collect();
+    let per_head = (0..b * h * tq * tk)
+        .map(|x| {
+            let row = x / tk;
+            u8::from(row != tq + 5 && (x.wrapping_mul(2654435761) >> 7) % 4 != 0)
+        })
+        .collect();
+    let shared = (0..tq * tk).map(|x| u8::from(x % 5 != 2)).collect();
+    [
+        (true, padding, vec![b, tk]),
+        (false, per_head, vec![b, h, tq, tk]),
+        (false, shared, vec![tq, tk]),
+    ]
+}
+
+/// The mask `(padding, values, dims)` of [`boolean_masks`] on `dev`, realized.
+fn keep_mask<B: Backend>(
+    (padding, values, dims): &(bool, Vec<u8>, Vec<usize>),
+    dev: &B::Device,
+) -> AttnMask<B> {
+    let t = Tensor::<B>::from_slice(values, dims.clone(), dev).unwrap();
+    let mask = if *padding {
+        AttnMask::key_padding(&t).unwrap()
+    } else {
+        AttnMask::Keep(t)
+    };
+    if let AttnMask::Keep(t) = &mask {
+        t.realize().unwrap();
+    }
+    mask
+}
+
+/// Boolean masks fuse (the forward is one kernel launch) — f32 on the 3xTF32 and the FMA
+/// kernels, bf16 and f16 on the tensor-core kernels (cuDNN's graph takes no mask) — and agree
+/// with the f64 composed path on the CPU, forward and gradients, for a key-padding mask with a
+/// sequence that is all padding, a per-head mask with a fully masked row, and a 2-D mask;
+/// rows that see no key give exact zeros.
+#[test]
+fn boolean_masks_fuse_and_match_the_composed_path() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let _switches = F32Switches::take();
+    let cpu = Cpu::device(0);
+    let cases: [(Dims6, [(DType, f64); 3]); 2] = [
+        (
+            (2, 3, 50, 70, 64, 64),
+            [(DType::F32, 1e-5), (DType::BF16, 3e-2), (DType::F16, 1e-2)],
+        ),
+        (
+            (2, 2, 100, 37, 128, 128),
+            [(DType::F32, 1e-5), (DType::BF16, 3e-2), (DType::F16, 1e-2)],
+        ),
+    ];
+    for fma in [false, true] {
+        kiln_backend_cuda::set_attention_tensor_cores_f32(!fma);
+        for ((b, h, tq, tk, d, dv), dtypes) in cases {
+            for (dtype, tol) in dtypes {
+                if fma && dtype != DType::F32 {
+                    continue;
+                }
+                let seed = (tq * 5 + tk + d) as u64;
+                let q = normal::<Cuda>(&[b, h, tq, d], seed, dtype, &dev);
+                let k = normal::<Cuda>(&[b, h, tk, d], seed + 1, dtype, &dev);
+                let v = normal::<Cuda>(&[b, h, tk, dv], seed + 2, dtype, &dev);
+                let g = normal::<Cuda>(&[b, h, tq, dv], seed + 3, dtype, &dev);
+                for x in [&q, &k, &v, &g] {
+                    x.realize().unwrap();
+                }
+                for m in boolean_masks((b, h, tq, tk)) {
+                    let what = format!("{dtype} fma {fma} {:?} mask {:?}", (b, h, tq, tk, d), m.2);
+                    let mask = keep_mask::<Cuda>(&m, &dev);
+                    let before = thread_launches();
+                    let y = Var::constant(q.clone())
+                        .scaled_dot_product_attention(
+                            &Var::constant(k.clone()),
+                            &Var::constant(v.clone()),
+                            &mask,
+                            0.0,
+                            None,
+                            None,
+                        )
+                        .unwrap();
+                    assert_eq!(
+                        thread_launches() - before,
+                        1,
+                        "{what}: the forward did not fuse"
+                    );
+                    drop(y);
+                    let got = run_masked(&q, &k, &v, &g, &mask, None);
+                    let want = run_masked(
+                        &on_cpu(&q),
+                        &on_cpu(&k),
+                        &on_cpu(&v),
+                        &on_cpu(&g),
+                        &keep_mask::<Cpu>(&m, &cpu),
+                        None,
+                    );
+                    for (name, (got, want)) in
+                        ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want))
+                    {
+                        assert_close(&format!("{what}: {name}"), got, want, tol);
+                    }
+                    if m.0 {
+                        // The last sequence is all padding: its outputs and dQ are exactly 0.
+                        let per_seq = h * tq * dv;
+                        let last = &got[0][(b - 1) * per_seq..b * per_seq];
+                        assert!(
+                            last.iter().all(|&x| x == 0.0),
+                            "{what}: a row that sees no key is not 0"
+                        );
+                        let per_seq = h * tq * d;
+                        let last = &got[1][(b - 1) * per_seq..b * per_seq];
+                        assert!(last.iter().all(|&x| x == 0.0), "{what}: its dq is not 0");
+                    }
+                }
+            }
+        }
     }
 }

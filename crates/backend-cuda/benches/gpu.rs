@@ -15,7 +15,7 @@ use kiln_autograd::{AttnMask, Var, composed_attention, no_grad};
 use kiln_backend_cuda::{
     Cuda, CudaDevice, ReducePath, raw, set_allow_tf32, try_gpu, unavailable_reason,
 };
-use kiln_core::{Backend, DType, Generator, Result};
+use kiln_core::{Backend, DType, Generator, Result, Tensor};
 
 fn main() {
     if !std::env::args().any(|a| a == "--bench") {
@@ -332,8 +332,11 @@ fn reductions(dev: &CudaDevice) {
 /// (`_fused_fma`) and on 1xTF32 (`_tf32`, `allow_tf32` on); the 16-bit fused kernels asked for
 /// explicitly (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the f32-FMA ones); the
 /// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB); and
-/// multi-head self-attention over a packed projection ([`packed_rows`]); and at the GPT shape in
-/// bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside PyTorch's).
+/// multi-head self-attention over a packed projection ([`packed_rows`]); at the GPT shape in
+/// bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside PyTorch's);
+/// and at the GPT shape, forward + backward under a key-padding mask instead of the causal one
+/// (`_padding`: sequence `i` keeps its first `256 - 2i` keys; a boolean mask `[64, 1, 1, 256]`,
+/// beside PyTorch's SDPA with that `attn_mask`).
 fn attention(dev: &CudaDevice) {
     // The long shape first: the GPT shape's extra rows flip the kernel switches (and leave
     // 16-bit fusion forced off, not on its default).
@@ -412,6 +415,24 @@ fn attention(dev: &CudaDevice) {
             if !gpt {
                 continue;
             }
+            // A batch of sequences of different lengths: a key-padding mask, fused.
+            let padding: Vec<u8> = (0..b * t)
+                .map(|x| u8::from(x % t >= t - 2 * (x / t)))
+                .collect();
+            let padding = Tensor::<Cuda>::from_slice(&padding, [b, t], dev).unwrap();
+            let keep = AttnMask::key_padding(&padding).unwrap();
+            let fwd_bwd_padding = || -> Result<()> {
+                for x in [&q, &k, &v] {
+                    x.zero_grad();
+                }
+                q.scaled_dot_product_attention(&k, &v, &keep, 0.0, None, None)?
+                    .backward_with(&g)?;
+                for x in [&q, &k, &v] {
+                    x.grad().expect("a gradient").realize()?;
+                }
+                Ok(())
+            };
+            row(&format!("fwd_bwd_{tag}_padding"), &fwd_bwd_padding);
             if dt == DType::F32 {
                 // The f32-FMA kernels, and 1xTF32 on tensor cores.
                 kiln_backend_cuda::set_attention_tensor_cores_f32(false);

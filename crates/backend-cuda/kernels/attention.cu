@@ -5,7 +5,8 @@
 //
 // Forward (`attn_fwd`): one block per (batch entry, tile of queries). It loads its Q tile once,
 // then for each K/V tile computes S = Q K^T (scaled, in base 2), masks it (keys past Tk;
-// causal: key j > query i, top-left aligned), and keeps per row a running max m and a running
+// causal: key j > query i, top-left aligned; in the KEEP instances, a boolean mask's zeros),
+// and keeps per row a running max m and a running
 // sum l of exp2(s - m), rescaling the output accumulator by exp2(m_old - m_new) whenever the
 // max grows (the online softmax). Causal blocks stop at the last key tile any of their queries
 // sees. It writes O = acc / l in the storage type and the row's natural log-sum-exp
@@ -67,6 +68,10 @@ struct AttnShape {
     float drop_scale;            // 1 / (1 - drop_p)
     int causal;
     int dropout;                 // drop_p > 0
+    u64 keep;                    // a boolean mask (u8, nonzero: query i may see key j) of the
+                                 // scores' shape, read by the KEEP instances only; its batch
+    Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
+    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -140,9 +145,20 @@ __device__ __forceinline__ float att_sum16(float x) {
 }
 
 // ---- BEGIN same in attention.cu and attention_tc.cu ----
-// Whether query qi may see key kj.
-__device__ __forceinline__ bool att_keep(const AttnShape& a, u64 qi, u64 kj) {
-    return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi);
+// Batch entry b's boolean mask (AttnShape::keep) in a KEEP instance, else null.
+template <bool KEEP>
+__device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a, u64 b,
+                                                              const Dims& bd) {
+    return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
+}
+
+// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
+// instances without a mask (KEEP false) compile to the bounds and causal tests alone.
+template <bool KEEP>
+__device__ __forceinline__ bool att_keep(const AttnShape& a, const unsigned char* km, u64 qi,
+                                         u64 kj) {
+    return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi) &&
+           (!KEEP || km[qi * a.keep_rs + kj * a.keep_cs]);
 }
 
 // Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
@@ -164,7 +180,7 @@ __device__ __forceinline__ u64 att_kend(const AttnShape& a, u64 q0) {
     return e;
 }
 
-template <typename S, int DT>
+template <typename S, int DT, bool KEEP>
 __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
                          const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
                          const AttnShape& a, const Dims& bd, const Strides& sq,
@@ -176,6 +192,7 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
     float* sP = sV + ATT_B * (DT + 1);
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     // The longest (causal) tiles first.
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * ATT_B;
     const S* qb = q + offset1<u64>(b, bd, sq);
@@ -206,7 +223,7 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const u64 kj = k0 + tx + 16 * j;
-                s[i][j] = att_keep(a, qi, kj) ? s[i][j] * a.scale2 : -att_inf();
+                s[i][j] = att_keep<KEEP>(a, km, qi, kj) ? s[i][j] * a.scale2 : -att_inf();
                 mx = fmaxf(mx, s[i][j]);
             }
             const float mnew = fmaxf(m[i], att_max16(mx));
@@ -265,7 +282,7 @@ __device__ void attn_bwd_pre(const S* __restrict__ o, const S* __restrict__ g,
     }
 }
 
-template <typename S, int DT>
+template <typename S, int DT, bool KEEP>
 __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                               const S* __restrict__ v, const S* __restrict__ g,
                               const float* __restrict__ lse, const float* __restrict__ dr,
@@ -284,6 +301,7 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     float* sD = sL + ATT_B;             // Dr of the tile's queries
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     const u64 k0 = (u64)blockIdx.y * ATT_B;
     const S* qb = q + offset1<u64>(b, bd, sq);
     const S* gb = g + offset1<u64>(b, bd, sg);
@@ -315,7 +333,7 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
-                const bool ok = att_keep(a, q0 + c, kj);
+                const bool ok = att_keep<KEEP>(a, km, q0 + c, kj);
                 const float p = ok ? exp2f(st[i][j] * a.scale2 - sL[c]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, q0 + c, kj) : 1.f;
                 sP[(ty * ATT_RM + i) * ATT_LP + c] = p * z;
@@ -341,7 +359,7 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     }
 }
 
-template <typename S, int DT>
+template <typename S, int DT, bool KEEP>
 __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
                             const S* __restrict__ v, const S* __restrict__ g,
                             const float* __restrict__ lse, const float* __restrict__ dr,
@@ -356,6 +374,7 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
     float* sS = sV + ATT_B * (DT + 1);  // dS [query][key]
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * ATT_B;
     const S* kb = k + offset1<u64>(b, bd, sk);
     const S* vb = v + offset1<u64>(b, bd, sv);
@@ -385,7 +404,7 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
-                const bool ok = att_keep(a, qi, k0 + c);
+                const bool ok = att_keep<KEEP>(a, km, qi, k0 + c);
                 const float p = ok ? exp2f(s[i][j] * a.scale2 - l2[i]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, qi, k0 + c) : 1.f;
                 sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dp[i][j] * z - dri[i]);
@@ -407,32 +426,47 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
     }
 }
 
-#define ATTN_DT(S, DT)                                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_fwd_##S##_##DT(                  \
+// The kernels of storage S, head size DT; TAG names them (attn_fwd_TAG_DT ...): S, or for
+// the instances that read a boolean mask (KEEP) S_keep, a group of its own (kernel_files.rs),
+// compiled only by a program that passes a mask.
+#define ATTN_DT_(S, TAG, DT, KEEP)                                                             \
+    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_fwd_##TAG##_##DT(                \
         const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \
         Strides sq, Strides sk, Strides sv, Strides so) {                                      \
-        attn_fwd<S, DT>(q, k, v, o, lse, a, bd, sq, sk, sv, so);                               \
+        attn_fwd<S, DT, KEEP>(q, k, v, o, lse, a, bd, sq, sk, sv, so);                         \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dkdv_##S##_##DT(             \
+    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dkdv_##TAG##_##DT(           \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,    \
         Strides sdk, Strides sdv) {                                                            \
-        attn_bwd_dkdv<S, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, sdk, sdv);    \
+        attn_bwd_dkdv<S, DT, KEEP>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, sdk,    \
+                                   sdv);                                                       \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dq_##S##_##DT(               \
+    extern "C" __global__ void __launch_bounds__(ATT_NT) attn_bwd_dq_##TAG##_##DT(             \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,           \
         Strides sdq) {                                                                         \
-        attn_bwd_dq<S, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg, sdq);               \
+        attn_bwd_dq<S, DT, KEEP>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg, sdq);         \
     }
 #define ATTN(S)                                                                                \
-    ATTN_DT(S, 64)                                                                             \
-    ATTN_DT(S, 128)                                                                            \
+    ATTN_DT_(S, S, 64, false)                                                                  \
+    ATTN_DT_(S, S, 128, false)                                                                 \
     extern "C" __global__ void attn_bwd_pre_##S(const S* o, const S* g, float* dr,            \
                                                 AttnShape a, Dims bd, Strides sg, Strides so) { \
         attn_bwd_pre<S>(o, g, dr, a, bd, sg, so);                                              \
     }
+// The KEEP instances of storage KILN_KEEP_S_TAG (TAG: float_keep, f16_keep, bf16_keep; the
+// line names the tag alone, so that it joins the tag's group only).
+#define KILN_KEEP_S_float_keep float
+#define KILN_KEEP_S_f16_keep f16
+#define KILN_KEEP_S_bf16_keep bf16
+#define ATTN_KEEP(TAG)                                                                         \
+    ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 64, true)                                                 \
+    ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 128, true)
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
 ATTN(float)
 ATTN(f16)
 ATTN(bf16)
+ATTN_KEEP(float_keep)
+ATTN_KEEP(f16_keep)
+ATTN_KEEP(bf16_keep)

@@ -96,15 +96,30 @@ struct AttnShape {
     float drop_scale;            // 1 / (1 - drop_p)
     int causal;
     int dropout;                 // drop_p > 0
+    u64 keep;                    // a boolean mask (u8, nonzero: query i may see key j) of the
+                                 // scores' shape, read by the KEEP instances only; its batch
+    Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
+    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
 // ---- END same ----
 
 // ---- BEGIN same in attention.cu and attention_tc.cu ----
-// Whether query qi may see key kj.
-__device__ __forceinline__ bool att_keep(const AttnShape& a, u64 qi, u64 kj) {
-    return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi);
+// Batch entry b's boolean mask (AttnShape::keep) in a KEEP instance, else null.
+template <bool KEEP>
+__device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a, u64 b,
+                                                              const Dims& bd) {
+    return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
+}
+
+// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
+// instances without a mask (KEEP false) compile to the bounds and causal tests alone.
+template <bool KEEP>
+__device__ __forceinline__ bool att_keep(const AttnShape& a, const unsigned char* km, u64 qi,
+                                         u64 kj) {
+    return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi) &&
+           (!KEEP || km[qi * a.keep_rs + kj * a.keep_cs]);
 }
 
 // Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
@@ -456,9 +471,10 @@ __device__ __forceinline__ int tc_row(int e) { return ((threadIdx.x & 31) >> 2) 
 __device__ __forceinline__ int tc_col(int n, int e) { return n * 8 + (threadIdx.x & 3) * 2 + (e & 1); }
 
 // Whether every query of [q0, q0 + nq) sees every key of [k0, k0 + nk) (no element of the
-// tile needs its mask: the warp skips att_keep).
+// tile needs its mask: the warp skips att_keep). Never with a boolean mask (KEEP).
+template <bool KEEP>
 __device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
-    return q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
+    return !KEEP && q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
 }
 
 // Whether no query of [q0, q0 + nq) sees a key of [k0, k0 + nk) (causal: every key after
@@ -537,7 +553,7 @@ __device__ __forceinline__ void tc_store(S* out, const float c[DT / 8][4], u64 r
 }
 
 
-template <typename O, int DT, typename S = typename O::S>
+template <typename O, int DT, bool KEEP, typename S = typename O::S>
 __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                             const S* __restrict__ v, S* __restrict__ o, float* __restrict__ lse,
                             const AttnShape& a, const Dims& bd, const Strides& sq,
@@ -550,6 +566,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
     E* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;  // the longest (causal) first
     const u64 w0 = q0 + warp * 16;                              // the warp's first query
     const E* kb = (const E*)(k + offset1<u64>(b, bd, sk));
@@ -588,7 +605,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             // Scaled scores, the masked ones -inf. Only a tile that crosses the mask or the
             // matrix's edge tests its elements (the loops below stay free of branches: a
             // per-element test cost a branch and its convergence barrier per element).
-            if (tc_full(a, w0, 16, k0, BK)) {
+            if (tc_full<KEEP>(a, w0, 16, k0, BK)) {
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
@@ -598,7 +615,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        s[n][e] = att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e))
+                        s[n][e] = att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))
                                       ? s[n][e] * a.scale2
                                       : -att_inf();
             }
@@ -633,14 +650,14 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 // Every visible weight draws (not only the nonzero ones: the backward may find
                 // a weight this forward rounded to 0 above 0), and each bit goes to its word
                 // (tc_mask_word): lane n 4 + e writes the ballot of element e of n-tile n.
-                const bool full = tc_full(a, w0, 16, k0, BK);
+                const bool full = tc_full<KEEP>(a, w0, 16, k0, BK);
                 u32 mine = 0;
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                        const float z = full || att_keep(a, qi, kj) ? att_drop(a, b, qi, kj) : 0.f;
+                        const float z = full || att_keep<KEEP>(a, km, qi, kj) ? att_drop(a, b, qi, kj) : 0.f;
                         s[n][e] *= z;
                         const u32 word = __ballot_sync(0xffffffffu, z != 0.f);
                         if ((threadIdx.x & 31) == n * 4 + e) mine = word;
@@ -674,7 +691,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
         }
 }
 
-template <typename O, int DT, typename S = typename O::S>
+template <typename O, int DT, bool KEEP, typename S = typename O::S>
 __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                              const S* __restrict__ v, const S* __restrict__ g,
                              const float* __restrict__ lse, const float* __restrict__ dr,
@@ -693,6 +710,7 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     float* sD = sL + 2 * BQ;                // Dr of the tiles' queries (two buffers)
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     const u64 k0 = (u64)blockIdx.y * TC_BQ;
     const u64 w0 = k0 + warp * 16;  // the warp's first key
     const E* qb = (const E*)(q + offset1<u64>(b, bd, sq));
@@ -745,12 +763,12 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] * a.scale2 - cL[tc_col(n, e)]);
-            if (!tc_full(a, q0, BQ, w0, 16))
+            if (!tc_full<KEEP>(a, q0, BQ, w0, 16))
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (!att_keep(a, q0 + tc_col(n, e), w0 + tc_row(e))) st[n][e] = 0.f;
+                        if (!att_keep<KEEP>(a, km, q0 + tc_col(n, e), w0 + tc_row(e))) st[n][e] = 0.f;
             if (a.dropout) {
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
@@ -783,7 +801,7 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
     tc_store<S, DT>(dv + offset1<u64>(b, bd, sdv), adv, w0, a.tk, a.dv_rs, a.dv, 1.f, 1.f);
 }
 
-template <typename O, int DT, typename S = typename O::S>
+template <typename O, int DT, bool KEEP, typename S = typename O::S>
 __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                            const S* __restrict__ v, const S* __restrict__ g,
                            const float* __restrict__ lse, const float* __restrict__ dr,
@@ -799,6 +817,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
     E* sV = sK + 2 * BK * P;  // the same
     const int warp = threadIdx.x >> 5;
     const u64 b = blockIdx.x;
+    const unsigned char* km = att_keep_base<KEEP>(a, b, bd);
     const u64 q0 = (u64)(gridDim.y - 1 - blockIdx.y) * TC_BQ;
     const u64 w0 = q0 + warp * 16;
     const E* kb = (const E*)(k + offset1<u64>(b, bd, sk));
@@ -845,12 +864,12 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]);
-            if (!tc_full(a, w0, 16, k0, BK))
+            if (!tc_full<KEEP>(a, w0, 16, k0, BK))
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e)
-                        if (!att_keep(a, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
+                        if (!att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
             if (a.dropout) {
                 // The forward's words of this warp and key tile (tc_mask_word), if kept.
                 const u32* mw = a.mask ? (const u32*)a.mask + tc_mask_word<BK>(a, b, w0, k0) : nullptr;
@@ -893,32 +912,47 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 #define TC_FWD_BOUNDS_64 __launch_bounds__(TC_NT, 4)
 #define TC_FWD_BOUNDS_128 __launch_bounds__(TC_NT)
 
-// NAME: the kernels' prefix (attn_NAME_fwd_S_DT ...); O: the operand format; S: storage type.
-#define ATTN_TC_DT(NAME, O, S, DT)                                                             \
-    extern "C" __global__ void TC_FWD_BOUNDS_##DT attn_##NAME##_fwd_##S##_##DT(                \
+// NAME: the kernels' prefix (attn_NAME_fwd_TAG_DT ...); O: the operand format; S: storage
+// type; TAG: S, or for the instances that read a boolean mask (KEEP) S_keep, a group of its own
+// (kernel_files.rs), compiled only by a program that passes a mask.
+#define ATTN_TC_DT(NAME, O, S, TAG, DT, KEEP)                                                  \
+    extern "C" __global__ void TC_FWD_BOUNDS_##DT attn_##NAME##_fwd_##TAG##_##DT(              \
         const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \
         Strides sq, Strides sk, Strides sv, Strides so) {                                      \
-        TC_BODY((attn_tc_fwd<O, DT>(q, k, v, o, lse, a, bd, sq, sk, sv, so)));                 \
+        TC_BODY((attn_tc_fwd<O, DT, KEEP>(q, k, v, o, lse, a, bd, sq, sk, sv, so)));           \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dkdv_##S##_##DT(         \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dkdv_##TAG##_##DT(       \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,    \
         Strides sdk, Strides sdv) {                                                            \
-        TC_BODY((attn_tc_dkdv<O, DT>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, sdk,  \
-                                     sdv)));                                                   \
+        TC_BODY((attn_tc_dkdv<O, DT, KEEP>(q, k, v, g, lse, dr, dk, dv, a, bd, sq, sk, sv, sg, \
+                                           sdk, sdv)));                                        \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dq_##S##_##DT(           \
+    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dq_##TAG##_##DT(         \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dq, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,           \
         Strides sdq) {                                                                         \
-        TC_BODY((attn_tc_dq<O, DT>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg, sdq)));     \
+        TC_BODY((attn_tc_dq<O, DT, KEEP>(q, k, v, g, lse, dr, dq, a, bd, sq, sk, sv, sg,       \
+                                         sdq)));                                               \
     }
 #define ATTN_TC(NAME, O, S)                                                                    \
-    ATTN_TC_DT(NAME, O, S, 64)                                                                 \
-    ATTN_TC_DT(NAME, O, S, 128)
+    ATTN_TC_DT(NAME, O, S, S, 64, false)                                                       \
+    ATTN_TC_DT(NAME, O, S, S, 128, false)
+// The KEEP instances of tag TAG (float_keep, f16_keep, bf16_keep; the line names the tag
+// alone, so that it joins the tag's group only); O: the operand format of the tag's type.
+#define KILN_TC_S_float_keep float
+#define KILN_TC_S_f16_keep f16
+#define KILN_TC_S_bf16_keep bf16
+#define ATTN_TC_KEEP(NAME, O, TAG)                                                             \
+    ATTN_TC_DT(NAME, O, KILN_TC_S_##TAG, TAG, 64, true)                                        \
+    ATTN_TC_DT(NAME, O, KILN_TC_S_##TAG, TAG, 128, true)
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
 // f16/bf16: attn_tc_*; f32: attn_tf32x3_* (3xTF32, the default) and attn_tf32_* (1xTF32).
 ATTN_TC(tc, TcHalf<f16>, f16)
 ATTN_TC(tc, TcHalf<bf16>, bf16)
 ATTN_TC(tf32x3, TcTf32<3>, float)
 ATTN_TC(tf32, TcTf32<1>, float)
+ATTN_TC_KEEP(tc, TcHalf<KILN_TC_S_f16_keep>, f16_keep)
+ATTN_TC_KEEP(tc, TcHalf<KILN_TC_S_bf16_keep>, bf16_keep)
+ATTN_TC_KEEP(tf32x3, TcTf32<3>, float_keep)
+ATTN_TC_KEEP(tf32, TcTf32<1>, float_keep)

@@ -203,9 +203,25 @@ pub enum Group {
     All,
 }
 
-/// The dtype names our kernel files and kernel names use.
-pub const DTYPE_TOKENS: [&str; 11] = [
-    "float", "double", "i64", "u8", "u16", "u32", "u64", "f32", "f64", "f16", "bf16",
+/// The dtype names our kernel files and kernel names use, and the tags of variants compiled
+/// apart from their dtype's group: attention's instances that read a boolean mask
+/// (`float_keep` ...; most programs never pass one, and they would double the compile time of
+/// every program that runs attention).
+pub const DTYPE_TOKENS: [&str; 14] = [
+    "float",
+    "double",
+    "i64",
+    "u8",
+    "u16",
+    "u32",
+    "u64",
+    "f32",
+    "f64",
+    "f16",
+    "bf16",
+    "float_keep",
+    "f16_keep",
+    "bf16_keep",
 ];
 
 impl Group {
@@ -293,9 +309,18 @@ mod tests {
             [
                 Group::Dtype("float"),
                 Group::Dtype("f16"),
-                Group::Dtype("bf16")
+                Group::Dtype("bf16"),
+                Group::Dtype("float_keep"),
+                Group::Dtype("f16_keep"),
+                Group::Dtype("bf16_keep"),
             ]
         );
+        // A mask's instances are not in the dtype's group, nor the other way round.
+        let bf16 = Module::AttentionTc.group_source(Group::Dtype("bf16"));
+        assert!(!bf16.contains("\nATTN_TC_KEEP("), "{bf16}");
+        let keep = Module::AttentionTc.group_source(Group::Dtype("bf16_keep"));
+        assert!(keep.contains("\nATTN_TC_KEEP(tc, TcHalf<KILN_TC_S_bf16_keep>, bf16_keep)"));
+        assert!(!keep.contains("\nATTN_TC(tc, TcHalf<bf16>, bf16)"));
     }
 
     /// The two attention files describe the problem identically: the text between their

@@ -655,17 +655,23 @@ impl Backend for Cuda {
         q: Operand<'_, CudaStorage>,
         k: Operand<'_, CudaStorage>,
         v: Operand<'_, CudaStorage>,
+        keep: Option<Operand<'_, CudaStorage>>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
+        let mb = keep.map(|m| m.0.buffer()).transpose()?;
+        let keep = mb.as_deref().zip(keep.map(|m| m.1));
+        let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let tf32 = blas::allow_tf32();
-        let fused = attention_cudnn::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, spec)?;
+        // A boolean mask runs on kiln's kernels only (cuDNN's graph here has no mask input).
+        let fused = match keep {
+            None => attention_cudnn::forward(qo, ko, vo, dtype, spec)?,
+            Some(_) => None,
+        };
         let r = match fused {
             Some(r) => Some(r),
-            None => {
-                ops::attention::forward((&qb, q.1), (&kb, k.1), (&vb, v.1), dtype, (spec, tf32))?
-            }
+            None => ops::attention::forward(qo, ko, vo, keep, dtype, (spec, tf32))?,
         };
         Ok(r.map(|((o, ol), l, m)| {
             (
@@ -680,6 +686,7 @@ impl Backend for Cuda {
         q: Operand<'_, CudaStorage>,
         k: Operand<'_, CudaStorage>,
         v: Operand<'_, CudaStorage>,
+        keep: Option<Operand<'_, CudaStorage>>,
         out: Operand<'_, CudaStorage>,
         lse: Operand<'_, CudaStorage>,
         mask: Option<&CudaStorage>,
@@ -690,14 +697,20 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
         let mb = mask.map(|m| m.buffer()).transpose()?;
+        let kpb = keep.map(|m| m.0.buffer()).transpose()?;
+        let keep = kpb.as_deref().zip(keep.map(|m| m.1));
         let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let (oo, lo, go) = ((&*ob, out.1), (&*lb, lse.1), (&*gb, g.1));
         let mb = mb.as_deref();
-        let r = match attention_cudnn::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)? {
+        let on_cudnn = match keep {
+            None => attention_cudnn::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)?,
+            Some(_) => None,
+        };
+        let r = match on_cudnn {
             Some(r) => Some(r),
             None => {
                 let spec = (spec, blas::allow_tf32());
-                ops::attention::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)?
+                ops::attention::backward(qo, ko, vo, oo, lo, (mb, keep), go, dtype, spec)?
             }
         };
         Ok(r.map(|g| AttentionGrads {

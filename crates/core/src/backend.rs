@@ -585,8 +585,12 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// with its layout (contiguous, or mirroring q's axis order as [`attention_output_layout`]
     /// lays it out) and the row log-sum-exps ([`AttentionOutputs`]), which
     /// [`Backend::attention_backward`] recomputes the weights from (it must accept the output in
-    /// the layout it returned). A fully masked row (only with `Tk = 0`, which callers do not
-    /// send) gives zeros.
+    /// the layout it returned).
+    ///
+    /// `keep`, when given, is a boolean mask (`u8`, nonzero where query `i` may attend to key
+    /// `j`, PyTorch's boolean `attn_mask`) laid out in the scores' shape `[batch.., Tq, Tk]`
+    /// (zero strides where it broadcasts), on top of `spec.causal`. A row whose keys are all
+    /// masked gives an output of zeros and a log-sum-exp of `+inf`.
     ///
     /// `Ok(None)` means "not offered" for this call (dtype, head size, layout): the caller
     /// (kiln-autograd's `scaled_dot_product_attention`) composes attention from products and a
@@ -596,10 +600,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         q: Operand<'_, Self::Storage>,
         k: Operand<'_, Self::Storage>,
         v: Operand<'_, Self::Storage>,
+        keep: Option<Operand<'_, Self::Storage>>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<Self::Storage>>> {
-        let _ = (q, k, v, dtype, spec);
+        let _ = (q, k, v, keep, dtype, spec);
         Ok(None)
     }
 
@@ -608,12 +613,14 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// [`attention_output_layout`] does) of a fused
     /// attention whose forward gave `out` and `lse`, for the output gradient `g`, by
     /// recomputing the weights tile by tile from `lse` (the `Tq × Tk` matrix is never stored).
+    /// `keep` is the forward's boolean mask, `mask` what the forward kept of its dropout mask.
     /// `Ok(None)` when not offered (the default); a backend that fused the forward must offer it.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         q: Operand<'_, Self::Storage>,
         k: Operand<'_, Self::Storage>,
         v: Operand<'_, Self::Storage>,
+        keep: Option<Operand<'_, Self::Storage>>,
         out: Operand<'_, Self::Storage>,
         lse: Operand<'_, Self::Storage>,
         mask: Option<&Self::Storage>,
@@ -621,7 +628,7 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
-        let _ = (q, k, v, out, lse, mask, g, dtype, spec);
+        let _ = (q, k, v, keep, out, lse, mask, g, dtype, spec);
         Ok(None)
     }
 

@@ -47,7 +47,13 @@
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
 //! more than 65535 tiles of queries or keys. kiln-autograd then composes attention from
-//! products and a softmax, which also handles every mask other than causal.
+//! products and a softmax, which also handles additive masks.
+//!
+//! A boolean mask (`u8` in the scores' shape, any strides: a key-padding mask broadcast over
+//! heads and queries has zero strides there) is read by the kernels where they test causality
+//! and the matrix's edges (`att_keep`): a tile then always tests its elements, and a row that
+//! sees no key gets zeros and a log-sum-exp of `+inf`, as a causal row past `Tk` would. cuDNN's
+//! engines are not asked for such calls (their graph here takes no mask).
 //! Operands whose head axis is strided (not unit stride) are copied first; any other layout
 //! (a head view of a packed projection, transposed batch axes) is read in place.
 //!
@@ -107,6 +113,12 @@ struct AttnShape {
     drop_scale: f32,
     causal: i32,
     dropout: i32,
+    /// Device address of the boolean mask (nonzero: query i may see key j), 0 for none; batch
+    /// entry `b` at `keep + offset1(b, bd, keep_bs)`, element (i, j) at `i keep_rs + j keep_cs`.
+    keep: u64,
+    keep_bs: Strides,
+    keep_rs: u64,
+    keep_cs: u64,
 }
 
 /// One operand as the kernels read it: a buffer (the caller's, or a copy with a unit head
@@ -202,10 +214,13 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     }
 }
 
-/// The [`Plan`] of one call, or `None` when the kernels do not take it.
+/// The [`Plan`] of one call, or `None` when the kernels do not take it. `keep`: the boolean
+/// mask laid out in the scores' shape `[batch.., Tq, Tk]` (its batch strides join the
+/// operands' in the collapse of the batch axes).
 fn plan(
     views: &[&View<'_>],
     outs: &[&Layout],
+    keep: Option<&Layout>,
     dtype: DType,
     (spec, tf32): (AttentionSpec, bool),
     target: (u32, usize),
@@ -238,17 +253,29 @@ fn plan(
     if outs.iter().any(|l| l.dims()[..l.rank() - 2] != *batch) {
         return Ok(None);
     }
+    if let Some(m) = keep
+        && (m.rank() != batch.len() + 2
+            || m.dims()[..batch.len()] != *batch
+            || m.dims()[batch.len()..] != [tq, tk])
+    {
+        return Ok(None);
+    }
     let strides: Vec<&[usize]> = views
         .iter()
         .map(|x| x.batch_strides())
-        .chain(outs.iter().map(|l| &l.strides()[..l.rank() - 2]))
+        .chain(
+            outs.iter()
+                .chain(keep.as_slice())
+                .map(|l| &l.strides()[..l.rank() - 2]),
+        )
         .collect();
     let offsets: Vec<usize> = views
         .iter()
         .map(|x| x.layout.offset())
-        .chain(outs.iter().map(|l| l.offset()))
+        .chain(outs.iter().chain(keep.as_slice()).map(|l| l.offset()))
         .collect();
     let (bd, ss) = collapse_dyn(OP, batch, &strides, &offsets)?;
+    let keep_strides = |i: usize| keep.map_or(0, |m| m.strides()[m.rank() - 2 + i] as u64);
     let g_rs = views.get(3).map_or(0, |g| g.row_stride());
     let shape = AttnShape {
         tq: tq as u64,
@@ -272,6 +299,14 @@ fn plan(
         drop_scale: (1.0 / (1.0 - spec.dropout_p)) as f32,
         causal: spec.causal as i32,
         dropout: (spec.dropout_p > 0.0) as i32,
+        keep: 0, // the caller's buffer address, set by the caller
+        keep_bs: if keep.is_some() {
+            ss[ss.len() - 1]
+        } else {
+            Strides::default()
+        },
+        keep_rs: keep_strides(0),
+        keep_cs: keep_strides(1),
     };
     Ok(Some(Plan {
         shape,
@@ -300,12 +335,16 @@ pub(crate) fn forward(
     q: Operand<'_, Buffer>,
     k: Operand<'_, Buffer>,
     v: Operand<'_, Buffer>,
+    keep: Option<Operand<'_, Buffer>>,
     dtype: DType,
     spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention";
     same_device(OP, q.0, k.0)?;
     same_device(OP, q.0, v.0)?;
+    if let Some((m, _)) = keep {
+        same_device(OP, q.0, m)?;
+    }
     let dev = q.0.state();
     dev.bind()?;
     let (qv, kv, vv) = (
@@ -325,6 +364,7 @@ pub(crate) fn forward(
     }) = plan(
         &[&qv, &kv, &vv],
         &[&o_layout],
+        keep.map(|m| m.1),
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -332,6 +372,7 @@ pub(crate) fn forward(
     else {
         return Ok(None);
     };
+    shape.keep = keep.map_or(0, |m| m.0.device_ptr());
     shape.o_rs = row_stride(&o_layout);
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
     let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
@@ -355,7 +396,14 @@ pub(crate) fn forward(
         .push(ss[2])
         .push(ss[3]);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
-    launch(dev, (family, Stage::Fwd), dtype, tile, grid, &mut a)?;
+    launch(
+        dev,
+        (family, Stage::Fwd, keep.is_some()),
+        dtype,
+        tile,
+        grid,
+        &mut a,
+    )?;
     Ok(Some(((out, o_layout), lse, mask)))
 }
 
@@ -370,13 +418,16 @@ pub(crate) fn backward(
     v: Operand<'_, Buffer>,
     out: Operand<'_, Buffer>,
     lse: Operand<'_, Buffer>,
-    mask: Option<&Buffer>,
+    (mask, keep): (Option<&Buffer>, Option<Operand<'_, Buffer>>),
     g: Operand<'_, Buffer>,
     dtype: DType,
     spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionGrads<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention_backward";
-    for x in [k.0, v.0, out.0, lse.0, g.0] {
+    for x in [k.0, v.0, out.0, lse.0, g.0]
+        .into_iter()
+        .chain(keep.map(|m| m.0))
+    {
         same_device(OP, q.0, x)?;
     }
     let dev = q.0.state();
@@ -409,6 +460,7 @@ pub(crate) fn backward(
     }) = plan(
         &[&qv, &kv, &vv, &gv],
         &[&ov.layout, &dq_l, &dk_l, &dv_l],
+        keep.map(|m| m.1),
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -416,6 +468,7 @@ pub(crate) fn backward(
     else {
         return Ok(None);
     };
+    shape.keep = keep.map_or(0, |m| m.0.device_ptr());
     shape.o_rs = ov.row_stride();
     shape.dq_rs = row_stride(&dq_l);
     shape.dk_rs = row_stride(&dk_l);
@@ -480,7 +533,14 @@ pub(crate) fn backward(
         .push(sdk)
         .push(sdv);
     let grid = (nb as u32, tk.div_ceil(family.block_rows()) as u32);
-    launch(dev, (family, Stage::DkDv), dtype, tile, grid, &mut a)?;
+    launch(
+        dev,
+        (family, Stage::DkDv, keep.is_some()),
+        dtype,
+        tile,
+        grid,
+        &mut a,
+    )?;
 
     let mut a = Args::new();
     operands(&mut a);
@@ -493,7 +553,14 @@ pub(crate) fn backward(
         .push(ss[3])
         .push(sdq);
     let grid = (nb as u32, tq.div_ceil(family.block_rows()) as u32);
-    launch(dev, (family, Stage::Dq), dtype, tile, grid, &mut a)?;
+    launch(
+        dev,
+        (family, Stage::Dq, keep.is_some()),
+        dtype,
+        tile,
+        grid,
+        &mut a,
+    )?;
     let which = |i: usize| if storages.len() == 1 { 0 } else { i };
     Ok(Some(AttentionGrads {
         grads: [(which(0), dq_l), (which(1), dk_l), (which(2), dv_l)],
@@ -585,7 +652,8 @@ mod tests {
 
     #[test]
     fn shape_struct_matches_the_kernel() {
-        // 15 u64 + 4 f32 + 2 i32.
-        assert_eq!(std::mem::size_of::<AttnShape>(), 144);
+        // 15 u64 + 4 f32 + 2 i32, then the mask's address, its batch strides (8 u64 and an
+        // offset) and its two strides.
+        assert_eq!(std::mem::size_of::<AttnShape>(), 144 + 8 + 72 + 16);
     }
 }

@@ -182,18 +182,39 @@ impl Family {
     }
 }
 
+/// The dtype part of the kernels' names: the storage type, or with a boolean mask (`keep`)
+/// its `_keep` instances, which compile in a group of their own (`kernel_files.rs`).
+fn tag(dtype: DType, keep: bool) -> Result<&'static str> {
+    Ok(match (tname(dtype), keep) {
+        (t, false) => t,
+        ("float", true) => "float_keep",
+        ("f16", true) => "f16_keep",
+        ("bf16", true) => "bf16_keep",
+        (t, true) => {
+            return Err(kiln_core::Error::backend(
+                "scaled_dot_product_attention",
+                format!("no boolean-mask kernels for {t}"),
+            ));
+        }
+    })
+}
+
 /// Launches `stage` of `family` for `dtype` and head size `tile` over `grid` (batch, blocks),
-/// opting in to more than 48 KiB of shared memory where the kernel needs it.
+/// with a boolean mask's instances when `keep`, opting in to more than 48 KiB of shared memory
+/// where the kernel needs it.
 pub(super) fn launch(
     dev: &DeviceState,
-    (family, stage): (Family, Stage),
+    (family, stage, keep): (Family, Stage, bool),
     dtype: DType,
     (tile, dt): (&'static str, usize),
     grid: (u32, u32),
     args: &mut Args,
 ) -> Result<()> {
     const OP: &str = "scaled_dot_product_attention";
-    let f = dev.func(family.module(), &[family.kernel(stage), tname(dtype), tile])?;
+    let f = dev.func(
+        family.module(),
+        &[family.kernel(stage), tag(dtype, keep)?, tile],
+    )?;
     let smem = family.smem_bytes(stage, dt);
     if smem > DEFAULT_SMEM {
         // SAFETY: `f` is a kernel of the current context (bound by the caller); the attribute

@@ -72,6 +72,7 @@ struct AttnShape {
                                  // scores' shape, read by the KEEP instances only; its batch
     Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
     u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
+    u64 keep_tiles;              // its summary per 16 x 16 block (attn_keep_tiles), or 0
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -151,6 +152,10 @@ __device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a
                                                               const Dims& bd) {
     return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
 }
+
+// The bits of attn_keep_tiles' summary of a block of the boolean mask.
+#define ATT_SEES 1u   // some pair of the block is kept
+#define ATT_HIDES 2u  // some pair of the block is masked
 
 // Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
 // instances without a mask (KEEP false) compile to the bounds and causal tests alone.
@@ -463,7 +468,34 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 #define ATTN_KEEP(TAG)                                                                         \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 64, true)                                                 \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 128, true)
+// The boolean mask's summary per 16 x 16 block of the scores, entry (b, i, j) of
+// [batch, ceil(Tq / 16), ceil(Tk / 16)]: ATT_SEES where some pair of the block is kept,
+// ATT_HIDES where some is masked (pairs past Tq or Tk count as neither). The tensor-core KEEP
+// instances read it to skip a warp's tile that sees nothing and to take the unmasked path
+// through one that sees everything (a padding mask's blocks are nearly all one or the other).
+// One warp per block: lane l reads row l / 2, keys (l % 2) 8 .. + 8.
+#define ATTN_KEEP_TILES(T)                                                                     \
+    extern "C" __global__ void attn_keep_tiles_##T(const T* keep, T* tiles, AttnShape a,       \
+                                                   Dims bd) {                                  \
+        const u64 ntq = (a.tq + 15) / 16, ntk = (a.tk + 15) / 16, n = a.batch * ntq * ntk;    \
+        const int lane = threadIdx.x & 31;                                                     \
+        const u64 step = ((u64)gridDim.x * blockDim.x) >> 5;                                   \
+        for (u64 t = ((u64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < n; t += step) {    \
+            const u64 b = t / (ntq * ntk), r = t - b * ntq * ntk;                              \
+            const u64 i = (r / ntk) * 16 + lane / 2, j0 = (r % ntk) * 16 + (lane & 1) * 8;    \
+            const T* km = keep + offset1<u64>(b, bd, a.keep_bs);                               \
+            bool sees = false, hides = false;                                                  \
+            for (u64 j = j0; i < a.tq && j < j0 + 8 && j < a.tk; ++j) {                        \
+                if (km[i * a.keep_rs + j * a.keep_cs]) sees = true;                            \
+                else hides = true;                                                             \
+            }                                                                                  \
+            const unsigned v = (__any_sync(0xffffffffu, sees) ? ATT_SEES : 0u) |               \
+                               (__any_sync(0xffffffffu, hides) ? ATT_HIDES : 0u);              \
+            if (lane == 0) tiles[t] = (T)v;                                                    \
+        }                                                                                      \
+    }
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
+ATTN_KEEP_TILES(u8)
 ATTN(float)
 ATTN(f16)
 ATTN(bf16)

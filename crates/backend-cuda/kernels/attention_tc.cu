@@ -100,6 +100,7 @@ struct AttnShape {
                                  // scores' shape, read by the KEEP instances only; its batch
     Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
     u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
+    u64 keep_tiles;              // its summary per 16 x 16 block (attn_keep_tiles), or 0
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -112,6 +113,10 @@ __device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a
                                                               const Dims& bd) {
     return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
 }
+
+// The bits of attn_keep_tiles' summary of a block of the boolean mask.
+#define ATT_SEES 1u   // some pair of the block is kept
+#define ATT_HIDES 2u  // some pair of the block is masked
 
 // Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
 // instances without a mask (KEEP false) compile to the bounds and causal tests alone.
@@ -470,11 +475,29 @@ __device__ __forceinline__ float tc_quad_sum(float x) {
 __device__ __forceinline__ int tc_row(int e) { return ((threadIdx.x & 31) >> 2) + (e >> 1) * 8; }
 __device__ __forceinline__ int tc_col(int n, int e) { return n * 8 + (threadIdx.x & 3) * 2 + (e & 1); }
 
-// Whether every query of [q0, q0 + nq) sees every key of [k0, k0 + nk) (no element of the
-// tile needs its mask: the warp skips att_keep). Never with a boolean mask (KEEP).
+// The boolean mask's summary (attn_keep_tiles in attention.cu) over queries [q0, q0 + nq) and
+// keys [k0, k0 + nk) of batch entry b: the OR of its blocks' ATT_SEES / ATT_HIDES bits.
+// Without a mask (KEEP false), every pair is seen.
 template <bool KEEP>
-__device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk) {
-    return !KEEP && q0 + nq <= a.tq && k0 + nk <= a.tk && (!a.causal || k0 + nk <= q0 + 1);
+__device__ __forceinline__ unsigned tc_keep_tiles(const AttnShape& a, u64 b, u64 q0, u64 nq,
+                                                  u64 k0, u64 nk) {
+    if (!KEEP) return ATT_SEES;
+    const u64 ntq = (a.tq + 15) / 16, ntk = (a.tk + 15) / 16;
+    const unsigned char* t = (const unsigned char*)a.keep_tiles + b * ntq * ntk;
+    unsigned v = 0;
+    for (u64 i = q0 / 16; i < ntq && i * 16 < q0 + nq; ++i)
+        for (u64 j = k0 / 16; j < ntk && j * 16 < k0 + nk; ++j) v |= t[i * ntk + j];
+    return v;
+}
+
+// Whether every query of [q0, q0 + nq) sees every key of [k0, k0 + nk) (no element of the
+// tile needs its mask: the warp skips att_keep). With a boolean mask (KEEP), only where its
+// summary kv of the tile (tc_keep_tiles) has no masked pair.
+template <bool KEEP>
+__device__ __forceinline__ bool tc_full(const AttnShape& a, u64 q0, u64 nq, u64 k0, u64 nk,
+                                        unsigned kv) {
+    return (!KEEP || !(kv & ATT_HIDES)) && q0 + nq <= a.tq && k0 + nk <= a.tk &&
+           (!a.causal || k0 + nk <= q0 + 1);
 }
 
 // Whether no query of [q0, q0 + nq) sees a key of [k0, k0 + nk) (causal: every key after
@@ -596,7 +619,9 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
         __syncthreads();  // tile t is in shared memory for every thread
         // (Causal: a warp whose rows see no key of the tile skips it; its product would add
         // zeros. The barriers stay, and no tile is fully masked for the whole block.)
-        if (!tc_none(a, w0, 16, k0, BK)) {
+        // (A boolean mask's summary: a warp whose rows see no key of the tile skips it too.)
+        const unsigned kv = tc_keep_tiles<KEEP>(a, b, w0, 16, k0, BK);
+        if (!tc_none(a, w0, 16, k0, BK) && (kv & ATT_SEES)) {
             const E* cK = sK + (t & 1) * BK * P;
             const E* cV = sV + (t & 1) * BK * P;
             float s[BK / 8][4];
@@ -605,7 +630,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
             // Scaled scores, the masked ones -inf. Only a tile that crosses the mask or the
             // matrix's edge tests its elements (the loops below stay free of branches: a
             // per-element test cost a branch and its convergence barrier per element).
-            if (tc_full<KEEP>(a, w0, 16, k0, BK)) {
+            if (tc_full<KEEP>(a, w0, 16, k0, BK, kv)) {
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
@@ -650,7 +675,7 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 // Every visible weight draws (not only the nonzero ones: the backward may find
                 // a weight this forward rounded to 0 above 0), and each bit goes to its word
                 // (tc_mask_word): lane n 4 + e writes the ballot of element e of n-tile n.
-                const bool full = tc_full<KEEP>(a, w0, 16, k0, BK);
+                const bool full = tc_full<KEEP>(a, w0, 16, k0, BK, kv);
                 u32 mine = 0;
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
@@ -746,7 +771,8 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        if (!tc_none(a, q0, BQ, w0, 16)) {
+        const unsigned kv = tc_keep_tiles<KEEP>(a, b, q0, BQ, w0, 16);
+        if (!tc_none(a, q0, BQ, w0, 16) && (kv & ATT_SEES)) {
             const E* cQ = sQ + (t & 1) * BQ * P;
             const E* cG = sG + (t & 1) * BQ * P;
             const float* cL = sL + (t & 1) * BQ;
@@ -763,7 +789,7 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] * a.scale2 - cL[tc_col(n, e)]);
-            if (!tc_full<KEEP>(a, q0, BQ, w0, 16))
+            if (!tc_full<KEEP>(a, q0, BQ, w0, 16, kv))
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
@@ -851,7 +877,8 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             tc_wait<0>();
         }
         __syncthreads();  // tile t is in shared memory for every thread
-        if (!tc_none(a, w0, 16, k0, BK)) {
+        const unsigned kv = tc_keep_tiles<KEEP>(a, b, w0, 16, k0, BK);
+        if (!tc_none(a, w0, 16, k0, BK) && (kv & ATT_SEES)) {
             const E* cK = sK + (t & 1) * BK * P;
             const E* cV = sV + (t & 1) * BK * P;
             float s[BK / 8][4], dp[BK / 8][4];
@@ -864,7 +891,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                 for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]);
-            if (!tc_full<KEEP>(a, w0, 16, k0, BK))
+            if (!tc_full<KEEP>(a, w0, 16, k0, BK, kv))
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll

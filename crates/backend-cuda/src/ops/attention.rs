@@ -119,6 +119,8 @@ struct AttnShape {
     keep_bs: Strides,
     keep_rs: u64,
     keep_cs: u64,
+    /// Device address of the mask's summary per 16 x 16 block ([`keep_tiles`]), 0 for none.
+    keep_tiles: u64,
 }
 
 /// One operand as the kernels read it: a buffer (the caller's, or a copy with a unit head
@@ -307,6 +309,7 @@ fn plan(
         },
         keep_rs: keep_strides(0),
         keep_cs: keep_strides(1),
+        keep_tiles: 0,
     };
     Ok(Some(Plan {
         shape,
@@ -315,6 +318,40 @@ fn plan(
         tile: (tile_name, dt),
         family: Family::of(dtype, dt, target, tf32),
     }))
+}
+
+/// With a boolean mask at `keep` (`shape.keep` and its strides set), its summary per 16 x 16
+/// block of the scores (`attn_keep_tiles` in `attention.cu`), which the tensor-core kernels
+/// read to skip blocks that see nothing and to run unmasked through blocks that see all: into
+/// a fresh buffer whose address goes to `shape.keep_tiles`, returned to live past the launches.
+/// `None` without a mask or for the FMA kernels (which test every element).
+fn keep_tiles(
+    dev: &'static crate::device::DeviceState,
+    shape: &mut AttnShape,
+    bd: Dims,
+    family: Family,
+    keep: bool,
+) -> Result<Option<Buffer>> {
+    if !keep || family == Family::Fma {
+        return Ok(None);
+    }
+    let blocks =
+        shape.batch as usize * (shape.tq as usize).div_ceil(16) * (shape.tk as usize).div_ceil(16);
+    let tiles = alloc(dev, blocks)?;
+    let mut a = Args::new();
+    a.push(shape.keep)
+        .push(tiles.device_ptr())
+        .push(*shape)
+        .push(bd);
+    // One warp per block, eight warps per thread block.
+    let grid = (
+        blocks.div_ceil(8).min(dev.sm_count() as usize * 32) as u32,
+        1,
+    );
+    let f = dev.func(Module::Attention, &["attn_keep_tiles", "u8"])?;
+    dev.launch("scaled_dot_product_attention", f, grid, 256, 0, a.ptrs())?;
+    shape.keep_tiles = tiles.device_ptr();
+    Ok(Some(tiles))
 }
 
 /// The row stride of a layout of rank >= 2.
@@ -373,6 +410,7 @@ pub(crate) fn forward(
         return Ok(None);
     };
     shape.keep = keep.map_or(0, |m| m.0.device_ptr());
+    let _tiles = keep_tiles(dev, &mut shape, bd, family, keep.is_some())?;
     shape.o_rs = row_stride(&o_layout);
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
     let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
@@ -469,6 +507,7 @@ pub(crate) fn backward(
         return Ok(None);
     };
     shape.keep = keep.map_or(0, |m| m.0.device_ptr());
+    let _tiles = keep_tiles(dev, &mut shape, bd, family, keep.is_some())?;
     shape.o_rs = ov.row_stride();
     shape.dq_rs = row_stride(&dq_l);
     shape.dk_rs = row_stride(&dk_l);
@@ -653,7 +692,7 @@ mod tests {
     #[test]
     fn shape_struct_matches_the_kernel() {
         // 15 u64 + 4 f32 + 2 i32, then the mask's address, its batch strides (8 u64 and an
-        // offset) and its two strides.
-        assert_eq!(std::mem::size_of::<AttnShape>(), 144 + 8 + 72 + 16);
+        // offset), its two strides and its summary's address.
+        assert_eq!(std::mem::size_of::<AttnShape>(), 144 + 8 + 72 + 16 + 8);
     }
 }

@@ -1240,7 +1240,8 @@ fn keep_mask<B: Backend>(
 }
 
 /// Boolean masks fuse (the forward is one kernel launch, two on the tensor-core kernels, which
-/// first summarize the mask per block) — f32 on the 3xTF32 and the FMA kernels, bf16 and f16 on the tensor-core kernels (cuDNN's graph takes no mask) — and agree
+/// first summarize the mask per block) — f32 on the 3xTF32 kernels (also under `allow_tf32`) and
+/// the FMA ones, bf16 and f16 on the tensor-core kernels (cuDNN's graph takes no mask) — and agree
 /// with the f64 composed path on the CPU, forward and gradients, for a key-padding mask with a
 /// sequence that is all padding, a per-head mask with a fully masked row, and a 2-D mask;
 /// rows that see no key give exact zeros.
@@ -1259,11 +1260,14 @@ fn boolean_masks_fuse_and_match_the_composed_path() {
             [(DType::F32, 1e-5), (DType::BF16, 3e-2), (DType::F16, 1e-2)],
         ),
     ];
-    for fma in [false, true] {
+    // (fma, allow_tf32): f32 with a mask runs 3xTF32 even under allow_tf32 (its tolerance
+    // holds), the FMA kernels where tensor cores are off.
+    for (fma, tf32) in [(false, false), (true, false), (false, true)] {
         kiln_backend_cuda::set_attention_tensor_cores_f32(!fma);
+        kiln_backend_cuda::set_allow_tf32(tf32);
         for ((b, h, tq, tk, d, dv), dtypes) in cases {
             for (dtype, tol) in dtypes {
-                if fma && dtype != DType::F32 {
+                if (fma || tf32) && dtype != DType::F32 {
                     continue;
                 }
                 let seed = (tq * 5 + tk + d) as u64;
@@ -1275,7 +1279,11 @@ fn boolean_masks_fuse_and_match_the_composed_path() {
                     x.realize().unwrap();
                 }
                 for m in boolean_masks((b, h, tq, tk)) {
-                    let what = format!("{dtype} fma {fma} {:?} mask {:?}", (b, h, tq, tk, d), m.2);
+                    let what = format!(
+                        "{dtype} fma {fma} tf32 {tf32} {:?} mask {:?}",
+                        (b, h, tq, tk, d),
+                        m.2
+                    );
                     let mask = keep_mask::<Cuda>(&m, &dev);
                     let before = thread_launches();
                     let y = Var::constant(q.clone())

@@ -460,11 +460,10 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
                                                 AttnShape a, Dims bd, Strides sg, Strides so) { \
         attn_bwd_pre<S>(o, g, dr, a, bd, sg, so);                                              \
     }
-// The KEEP instances of storage KILN_KEEP_S_TAG (TAG: float_keep, f16_keep, bf16_keep; the
-// line names the tag alone, so that it joins the tag's group only).
+// The KEEP instances of storage KILN_KEEP_S_TAG (the line names the tag alone, so that it
+// joins the tag's group only). f32 only: 16-bit attention with a mask runs on the tensor-core
+// kernels, or composes where those do not run.
 #define KILN_KEEP_S_float_keep float
-#define KILN_KEEP_S_f16_keep f16
-#define KILN_KEEP_S_bf16_keep bf16
 #define ATTN_KEEP(TAG)                                                                         \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 64, true)                                                 \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 128, true)
@@ -500,5 +499,3 @@ ATTN(float)
 ATTN(f16)
 ATTN(bf16)
 ATTN_KEEP(float_keep)
-ATTN_KEEP(f16_keep)
-ATTN_KEEP(bf16_keep)

@@ -966,7 +966,9 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
     ATTN_TC_DT(NAME, O, S, S, 64, false)                                                       \
     ATTN_TC_DT(NAME, O, S, S, 128, false)
 // The KEEP instances of tag TAG (float_keep, f16_keep, bf16_keep; the line names the tag
-// alone, so that it joins the tag's group only); O: the operand format of the tag's type.
+// alone, so that it joins the tag's group only); O: the operand format of the tag's type. f32
+// with a mask runs 3xTF32 only (also under allow_tf32): 1xTF32 instances would add their
+// CUBIN to every binary (kernel_files.rs prebuilds every group) for a rare combination.
 #define KILN_TC_S_float_keep float
 #define KILN_TC_S_f16_keep f16
 #define KILN_TC_S_bf16_keep bf16
@@ -982,4 +984,3 @@ ATTN_TC(tf32, TcTf32<1>, float)
 ATTN_TC_KEEP(tc, TcHalf<KILN_TC_S_f16_keep>, f16_keep)
 ATTN_TC_KEEP(tc, TcHalf<KILN_TC_S_bf16_keep>, bf16_keep)
 ATTN_TC_KEEP(tf32x3, TcTf32<3>, float_keep)
-ATTN_TC_KEEP(tf32, TcTf32<1>, float_keep)

@@ -53,7 +53,10 @@
 //! heads and queries has zero strides there) is read by the kernels where they test causality
 //! and the matrix's edges (`att_keep`): a tile then always tests its elements, and a row that
 //! sees no key gets zeros and a log-sum-exp of `+inf`, as a causal row past `Tk` would. cuDNN's
-//! engines are not asked for such calls (their graph here takes no mask).
+//! engines are not asked for such calls (their graph here takes no mask). The mask's kernel
+//! instances are few (every group ships prebuilt in every binary): f32 with a mask runs 3xTF32
+//! even under `allow_tf32` (or the FMA kernels where tensor cores do not run), and f16/bf16
+//! with a mask run the tensor-core kernels or compose.
 //! Operands whose head axis is strided (not unit stride) are copied first; any other layout
 //! (a head view of a packed projection, transposed batch axes) is read in place.
 //!
@@ -311,12 +314,18 @@ fn plan(
         keep_cs: keep_strides(1),
         keep_tiles: 0,
     };
+    // With a mask, f32 takes 3xTF32 even under `allow_tf32` and 16-bit only the tensor-core
+    // kernels: the mask's instances exist for those (`attention_tc.cu`, `attention.cu`).
+    let family = Family::of(dtype, dt, target, tf32 && keep.is_none());
+    if keep.is_some() && family == Family::Fma && dtype != DType::F32 {
+        return Ok(None);
+    }
     Ok(Some(Plan {
         shape,
         bd,
         ss,
         tile: (tile_name, dt),
-        family: Family::of(dtype, dt, target, tf32),
+        family,
     }))
 }
 

@@ -32,9 +32,9 @@
 //! fused path is taken for no mask, the causal mask or a boolean mask (`u8`, viewed in the
 //! scores' shape with zero strides where it broadcasts: a key-padding mask `[n, 1, 1, s]` is
 //! read in place), with or without dropout, for q, k, v
-//! with the same batch axes, where the backend offers the call (on CUDA: f32, and f16/bf16
-//! only when asked, since its 16-bit kernels measured slower than composing around tensor-core
-//! GEMMs; head sizes up to 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
+//! with the same batch axes, where the backend offers the call (on CUDA: f32, and f16/bf16 on
+//! sm_80+, on cuDNN's engines first on sm_90+ when no tensor mask is given; head sizes up to
+//! 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
 //! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
 //! generator's next draw, regenerated in the backward (never stored) — the very mask the
 //! composed path draws with `rand_like` in f32, so the two paths agree with the same generator
@@ -141,9 +141,8 @@ impl<B: Backend> Var<B> {
     /// A query row whose keys are all masked gets weights and output 0 (PyTorch's math path),
     /// never NaN, and a zero gradient. Without a mask, with the causal one or a boolean one
     /// (dropout or not), a backend with a fused kernel (CUDA) runs it in the flash-attention
-    /// manner as
-    /// one node (the `[.., Tq, Tk]` weights never stored); otherwise this runs as two batched
-    /// products around one masked-softmax node (see `attention.rs`).
+    /// manner as one node (the `[.., Tq, Tk]` weights never stored); otherwise this runs as two
+    /// batched products around one masked-softmax node (see `attention.rs`).
     ///
     /// Errors (each naming `scaled_dot_product_attention`): inputs of rank < 2, non-float or
     /// mixed dtypes, mismatched `d`, `Tk` or batch axes, a mask of the wrong dtype or shape, a

@@ -433,7 +433,7 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 
 // The kernels of storage S, head size DT; TAG names them (attn_fwd_TAG_DT ...): S, or for
 // the instances that read a boolean mask (KEEP) S_keep, a group of its own (kernel_files.rs),
-// compiled only by a program that passes a mask.
+// loaded only by a program that passes a mask.
 #define ATTN_DT_(S, TAG, DT, KEEP)                                                             \
     extern "C" __global__ void __launch_bounds__(ATT_NT) attn_fwd_##TAG##_##DT(                \
         const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \

@@ -941,7 +941,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 
 // NAME: the kernels' prefix (attn_NAME_fwd_TAG_DT ...); O: the operand format; S: storage
 // type; TAG: S, or for the instances that read a boolean mask (KEEP) S_keep, a group of its own
-// (kernel_files.rs), compiled only by a program that passes a mask.
+// (kernel_files.rs), loaded only by a program that passes a mask.
 #define ATTN_TC_DT(NAME, O, S, TAG, DT, KEEP)                                                  \
     extern "C" __global__ void TC_FWD_BOUNDS_##DT attn_##NAME##_fwd_##TAG##_##DT(              \
         const S* q, const S* k, const S* v, S* o, float* lse, AttnShape a, Dims bd,           \

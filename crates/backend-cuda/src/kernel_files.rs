@@ -205,8 +205,8 @@ pub enum Group {
 
 /// The dtype names our kernel files and kernel names use, and the tags of variants compiled
 /// apart from their dtype's group: attention's instances that read a boolean mask
-/// (`float_keep` ...; most programs never pass one, and they would double the compile time of
-/// every program that runs attention).
+/// (`float_keep` ...; most programs never pass one, and where the groups are not prebuilt, they
+/// would add their compile time to every program that runs attention).
 pub const DTYPE_TOKENS: [&str; 14] = [
     "float",
     "double",

@@ -271,12 +271,13 @@ pub(crate) fn fused_forward<B: Backend>(
         (Some(p), Some(g)) => (p, philox::draw_key(g.initial_seed(), g.draws()), Some(g)),
     };
     let dtype = qt.dtype();
-    if kt.dtype() != dtype || vt.dtype() != dtype || qt.rank() < 2 || kt.rank() < 2 {
+    if kt.dtype() != dtype || vt.dtype() != dtype {
         return Ok(None);
     }
     let keep = match keep {
         None => None,
         Some(m) => {
+            // [.., Tq, Tk] (both callers checked q and k of rank >= 2).
             let mut scores = qt.dims().to_vec();
             *scores.last_mut().expect("rank >= 2") = kt.dims()[kt.rank() - 2];
             match m.broadcast_to(scores) {

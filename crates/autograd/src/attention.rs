@@ -64,8 +64,8 @@ use std::sync::Arc;
 
 use kiln_core::backend::Operand;
 use kiln_core::{
-    AttentionGrads, AttentionSpec, Backend, CmpOp, DType, Error, Generator, Result, Shape, Tensor,
-    philox,
+    AttentionGrads, AttentionSpec, AttnMaskOperand, Backend, CmpOp, DType, Error, Generator,
+    Result, Shape, Tensor, philox,
 };
 
 use crate::ops::softmax_backward;
@@ -224,21 +224,38 @@ fn operand<B: Backend>(t: &Tensor<B>) -> Operand<'_, B::Storage> {
     (t.storage(), t.layout())
 }
 
-/// What a fused kernel may be asked for `mask`: `Some((causal, keep))` (`keep`: a boolean
-/// mask, which [`fused_forward`] passes on where its dtype and shape fit), or `None` (an
-/// additive mask, or [`composed_attention`] in force).
+/// What a fused kernel may be asked for `mask`: `Some((causal, tensor mask))` (a boolean or an
+/// additive mask, which [`fused_forward`] passes on where its dtype and shape fit), or `None`
+/// ([`composed_attention`] in force).
 pub(crate) fn fusable_mask<B: Backend>(mask: &AttnMask<B>) -> Option<FusableMask<'_, B>> {
     let m = match mask {
         AttnMask::None => (false, None),
         AttnMask::Causal => (true, None),
-        AttnMask::Keep(t) => (false, Some(t)),
-        AttnMask::Additive(_) => return None,
+        AttnMask::Keep(t) => (false, Some((MaskKind::Keep, t))),
+        AttnMask::Additive(t) => (false, Some((MaskKind::Additive, t))),
     };
     (!COMPOSED.with(|c| c.get())).then_some(m)
 }
 
-/// Whether the mask is causal, and the boolean mask (see [`fusable_mask`]).
-pub(crate) type FusableMask<'a, B> = (bool, Option<&'a Tensor<B>>);
+/// Which tensor mask a fused call carries ([`AttnMaskOperand`]'s variants).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum MaskKind {
+    Keep,
+    Additive,
+}
+
+/// Whether the mask is causal, and the tensor mask (see [`fusable_mask`]).
+pub(crate) type FusableMask<'a, B> = (bool, Option<(MaskKind, &'a Tensor<B>)>);
+
+/// A tensor mask as an operand of the backend's call.
+fn mask_operand<B: Backend>(
+    m: &Option<(MaskKind, Tensor<B>)>,
+) -> Option<AttnMaskOperand<'_, B::Storage>> {
+    m.as_ref().map(|(kind, t)| match kind {
+        MaskKind::Keep => AttnMaskOperand::Keep(operand(t)),
+        MaskKind::Additive => AttnMaskOperand::Additive(operand(t)),
+    })
+}
 
 /// The backend's fused forward on tensors, as [`fused`] and the packed self-attention run it.
 pub(crate) struct FusedForward<B: Backend> {
@@ -248,8 +265,8 @@ pub(crate) struct FusedForward<B: Backend> {
     pub lse: Tensor<B>,
     /// What the backend kept of the dropout mask for its backward.
     pub mask: Option<B::Storage>,
-    /// The boolean mask, viewed in the scores' shape `[.., Tq, Tk]`.
-    pub keep: Option<Tensor<B>>,
+    /// The tensor mask, viewed in the scores' shape `[.., Tq, Tk]`.
+    pub attn_mask: Option<(MaskKind, Tensor<B>)>,
     pub spec: AttentionSpec,
 }
 
@@ -257,11 +274,12 @@ pub(crate) struct FusedForward<B: Backend> {
 /// declines. With dropout the mask's key is the generator's next draw, as the composed path's
 /// `rand_like` would take it; the generator advances only when the backend accepts the call,
 /// so a declined call leaves the composed path the same draw. Dropout without a generator is
-/// the composed path's error (`None` here), and so is a boolean mask that is not `u8` or does
-/// not broadcast to the scores' shape.
+/// the composed path's error (`None` here), and so is a boolean mask that is not `u8`, an
+/// additive mask of another dtype (outside autocast, which casts it as the composed path does),
+/// or a mask that does not broadcast to the scores' shape.
 pub(crate) fn fused_forward<B: Backend>(
     (qt, kt, vt): (&Tensor<B>, &Tensor<B>, &Tensor<B>),
-    (causal, keep): FusableMask<'_, B>,
+    (causal, attn_mask): FusableMask<'_, B>,
     (dropout, scale): (Option<f64>, f64),
     generator: Option<&mut Generator>,
 ) -> Result<Option<FusedForward<B>>> {
@@ -274,15 +292,29 @@ pub(crate) fn fused_forward<B: Backend>(
     if kt.dtype() != dtype || vt.dtype() != dtype {
         return Ok(None);
     }
-    let keep = match keep {
+    let attn_mask = match attn_mask {
         None => None,
-        Some(m) => {
+        Some((kind, m)) => {
+            let m = match kind {
+                MaskKind::Keep if m.dtype() == DType::U8 => m.clone(),
+                MaskKind::Additive if m.dtype() == dtype => m.clone(),
+                // Under autocast a float mask follows the kernels' dtype (cast before it is
+                // broadcast, so only its own elements are converted).
+                MaskKind::Additive
+                    if crate::autocast::autocast_dtype().is_some()
+                        && m.dtype().is_float()
+                        && m.dtype() != DType::F64 =>
+                {
+                    m.to_dtype(dtype)?
+                }
+                _ => return Ok(None),
+            };
             // [.., Tq, Tk] (both callers checked q and k of rank >= 2).
             let mut scores = qt.dims().to_vec();
             *scores.last_mut().expect("rank >= 2") = kt.dims()[kt.rank() - 2];
             match m.broadcast_to(scores) {
-                Ok(m) if m.dtype() == DType::U8 => Some(m),
-                _ => return Ok(None),
+                Ok(m) => Some((kind, m)),
+                Err(_) => return Ok(None),
             }
         }
     };
@@ -296,7 +328,7 @@ pub(crate) fn fused_forward<B: Backend>(
         operand(qt),
         operand(kt),
         operand(vt),
-        keep.as_ref().map(operand),
+        mask_operand(&attn_mask),
         dtype,
         spec,
     )?
@@ -327,7 +359,7 @@ pub(crate) fn fused_forward<B: Backend>(
         out,
         lse,
         mask,
-        keep,
+        attn_mask,
         spec,
     }))
 }
@@ -349,7 +381,7 @@ pub(crate) fn fused_backward<B: Backend>(
         operand(qt),
         operand(kt),
         operand(vt),
-        f.keep.as_ref().map(operand),
+        mask_operand(&f.attn_mask),
         operand(&f.out),
         operand(&f.lse),
         f.mask.as_ref(),

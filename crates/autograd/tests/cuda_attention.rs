@@ -1336,3 +1336,108 @@ fn boolean_masks_fuse_and_match_the_composed_path() {
         }
     }
 }
+
+/// The mask `(padding, values, dims)` of [`boolean_masks`] as an additive mask of `dtype` on
+/// `dev` (`-inf` where masked, small values in `[-0.5, 0.5]` elsewhere; a padding mask as
+/// `[n, 1, 1, s]`), and the same values in f64 on the CPU.
+fn additive_mask(
+    (padding, values, dims): &(bool, Vec<u8>, Vec<usize>),
+    dtype: DType,
+    dev: &CudaDevice,
+) -> (AttnMask<Cuda>, AttnMask<Cpu>) {
+    let dims = match (padding, dims.as_slice()) {
+        (true, &[n, s]) => vec![n, 1, 1, s],
+        _ => dims.clone(),
+    };
+    let vals: Vec<f64> = values
+        .iter()
+        .enumerate()
+        .map(|(i, &x)| match (x != 0) != *padding {
+            true => ((i * 7) % 11) as f64 * 0.1 - 0.5,
+            false => f64::NEG_INFINITY,
+        })
+        .collect();
+    let t = Tensor::<Cuda>::from_vec(vals, dims.clone(), dev)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap();
+    t.realize().unwrap();
+    let c = Tensor::<Cpu>::from_vec(f64s(&t), dims, &Cpu::device(0)).unwrap();
+    (AttnMask::Additive(t), AttnMask::Additive(c))
+}
+
+/// Boolean and additive masks on cuDNN's engines (which take them as a bias added to the
+/// scores): forward and backward one cuDNN call each, against the f64 composed path on the CPU
+/// within bf16's and f16's precision, for a key-padding mask with a sequence that is all padding
+/// (its outputs and dQ exactly 0, as on kiln's kernels), a per-head mask with a fully masked
+/// row and a 2-D mask, each as a `u8` mask and as an additive one; at a second shape whose rows
+/// are 16-byte aligned the additive mask is read in place.
+#[test]
+fn masks_on_cudnn_match_the_composed_path() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let cpu = Cpu::device(0);
+    for (i, (b, h, tq, tk, d)) in [(2, 3, 50, 70, 64), (2, 2, 64, 128, 64)]
+        .into_iter()
+        .enumerate()
+    {
+        for (dtype, tol) in [(DType::BF16, 3e-2), (DType::F16, 1e-2)] {
+            let x = |seed, dims: &[usize]| normal::<Cuda>(dims, seed, dtype, &dev);
+            let (q, k, v, g) = (
+                x(11, &[b, h, tq, d]),
+                x(12, &[b, h, tk, d]),
+                x(13, &[b, h, tk, d]),
+                x(14, &[b, h, tq, d]),
+            );
+            for t in [&q, &k, &v, &g] {
+                t.realize().unwrap();
+            }
+            let masks = boolean_masks((b, h, tq, tk));
+            for m in masks.iter().take(if i == 0 { 3 } else { 1 }) {
+                for additive in [false, true] {
+                    if i > 0 && !additive {
+                        continue;
+                    }
+                    let what = format!(
+                        "{dtype} {:?} mask {:?} additive {additive}",
+                        (b, h, tq, tk, d),
+                        m.2
+                    );
+                    let (on_gpu, on_host) = if additive {
+                        additive_mask(m, dtype, &dev)
+                    } else {
+                        (keep_mask::<Cuda>(m, &dev), keep_mask::<Cpu>(m, &cpu))
+                    };
+                    let before = kiln_backend_cuda::cudnn_attention_calls();
+                    let got = run_masked(&q, &k, &v, &g, &on_gpu, None);
+                    let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
+                    assert_eq!(calls, 2, "{what}: forward and backward on cuDNN");
+                    let want = run_masked(
+                        &on_cpu(&q),
+                        &on_cpu(&k),
+                        &on_cpu(&v),
+                        &on_cpu(&g),
+                        &on_host,
+                        None,
+                    );
+                    for (name, (got, want)) in
+                        ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want))
+                    {
+                        assert_close(&format!("{what}: {name}"), got, want, tol);
+                    }
+                    if m.0 {
+                        // The last sequence is all padding: its outputs and dQ are exactly 0.
+                        let per_seq = h * tq * d;
+                        for (name, x) in [("out", &got[0]), ("dq", &got[1])] {
+                            let last = &x[(b - 1) * per_seq..b * per_seq];
+                            assert!(
+                                last.iter().all(|&x| x == 0.0),
+                                "{what}: {name} of a row that sees no key is not 0"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

@@ -493,8 +493,27 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
             if (lane == 0) tiles[t] = (T)v;                                                    \
         }                                                                                      \
     }
+// For cuDNN's graph (cudnn/sdpa.rs), which takes a mask as a bias added to the scores: a
+// boolean mask (contiguous rows of tk) as the bit patterns of a 16-bit float bias (rows of
+// stride tk8), 0 where kept and neg_inf (the type's -inf) where masked; and the log-sum-exps
+// of the rows no key remains in, which cuDNN's engines write as -inf, set to +inf (kiln's
+// convention: exp(s - lse) is then 0 in the backward). In T's group: they run where masks do.
+#define ATTN_MASK_BIAS(T)                                                                      \
+    extern "C" __global__ void attn_keep_bias_##T(const T* keep, unsigned short* bias,         \
+                                                  u64 rows, u64 tk, u64 tk8,                   \
+                                                  unsigned short neg_inf) {                    \
+        const u64 n = rows * tk, step = (u64)gridDim.x * blockDim.x;                           \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)             \
+            bias[(i / tk) * tk8 + i % tk] = keep[i] ? (unsigned short)0 : neg_inf;             \
+    }                                                                                          \
+    extern "C" __global__ void attn_lse_inf_##T(float* lse, u64 n) {                           \
+        const u64 step = (u64)gridDim.x * blockDim.x;                                          \
+        for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)             \
+            if (lse[i] == -att_inf()) lse[i] = att_inf();                                      \
+    }
 // (An instance line names its storage type only: the host compiles a dtype's lines alone.)
 ATTN_KEEP_TILES(u8)
+ATTN_MASK_BIAS(u8)
 ATTN(float)
 ATTN(f16)
 ATTN(bf16)

@@ -139,9 +139,10 @@ mod user_kernel;
 use kiln_core::backend::Operand;
 use kiln_core::epilogue::{EpilogueGrads, EpilogueOutputs};
 use kiln_core::{
-    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, Backend, BinaryOp, CmpOp,
-    Conv2dSpec, DType, Error, HostBuffer, HostSource, Layout, MemoryStats, NormGrads, NormOutputs,
-    NormSpec, RandDist, ReduceOp, Result, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
+    Activation, AttentionGrads, AttentionOutputs, AttentionSpec, AttnMaskOperand, Backend,
+    BinaryOp, CmpOp, Conv2dSpec, DType, Error, HostBuffer, HostSource, Layout, MemoryStats,
+    NormGrads, NormOutputs, NormSpec, RandDist, ReduceOp, Result, UnaryOp, UnscaleSlot, UpdateRule,
+    UpdateSlot,
 };
 
 pub use blas::{allow_tf32, set_allow_tf32};
@@ -256,6 +257,36 @@ fn dims4(l: &Layout) -> Result<[usize; 4]> {
 }
 
 /// An error unless both buffers live on one device.
+/// A fused attention call's tensor mask: its buffer (realized), and its layout and kind
+/// (additive or not).
+type MaskParts<'a> = (
+    Option<std::sync::Arc<memory::Buffer>>,
+    Option<(&'a Layout, bool)>,
+);
+
+/// A fused attention call's tensor mask as [`MaskParts`].
+fn mask_parts<'a>(m: Option<AttnMaskOperand<'a, CudaStorage>>) -> Result<MaskParts<'a>> {
+    Ok(match m {
+        None => (None, None),
+        Some(AttnMaskOperand::Keep((s, l))) => (Some(s.buffer()?), Some((l, false))),
+        Some(AttnMaskOperand::Additive((s, l))) => (Some(s.buffer()?), Some((l, true))),
+    })
+}
+
+/// The mask of [`mask_parts`] as `attention_cudnn` takes it.
+fn mask_operand<'a>(
+    buf: &'a Option<std::sync::Arc<memory::Buffer>>,
+    m: Option<(&'a Layout, bool)>,
+) -> Option<attention_cudnn::MaskOperand<'a>> {
+    buf.as_deref()
+        .zip(m)
+        .map(|(buf, (layout, additive))| attention_cudnn::MaskOperand {
+            buf,
+            layout,
+            additive,
+        })
+}
+
 fn same_device(op: &'static str, a: &memory::Buffer, b: &memory::Buffer) -> Result<()> {
     if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {
@@ -655,23 +686,24 @@ impl Backend for Cuda {
         q: Operand<'_, CudaStorage>,
         k: Operand<'_, CudaStorage>,
         v: Operand<'_, CudaStorage>,
-        keep: Option<Operand<'_, CudaStorage>>,
+        attn_mask: Option<AttnMaskOperand<'_, CudaStorage>>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<CudaStorage>>> {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
-        let mb = keep.map(|m| m.0.buffer()).transpose()?;
-        let keep = mb.as_deref().zip(keep.map(|m| m.1));
+        let (mask_buf, mask) = mask_parts(attn_mask)?;
+        let mask = mask_operand(&mask_buf, mask);
         let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let tf32 = blas::allow_tf32();
-        // A boolean mask runs on kiln's kernels only (cuDNN's graph here has no mask input).
-        let fused = match keep {
-            None => attention_cudnn::forward(qo, ko, vo, dtype, spec)?,
-            Some(_) => None,
-        };
-        let r = match fused {
+        // cuDNN first (16-bit where its engines are wanted), then kiln's kernels, which take a
+        // boolean mask but no additive one (that composes).
+        let r = match attention_cudnn::forward(qo, ko, vo, mask, dtype, spec)? {
             Some(r) => Some(r),
-            None => ops::attention::forward(qo, ko, vo, keep, dtype, (spec, tf32))?,
+            None if mask.is_some_and(|m| m.additive) => None,
+            None => {
+                let keep = mask.map(|m| (m.buf, m.layout));
+                ops::attention::forward(qo, ko, vo, keep, dtype, (spec, tf32))?
+            }
         };
         Ok(r.map(|((o, ol), l, m)| {
             (
@@ -686,7 +718,7 @@ impl Backend for Cuda {
         q: Operand<'_, CudaStorage>,
         k: Operand<'_, CudaStorage>,
         v: Operand<'_, CudaStorage>,
-        keep: Option<Operand<'_, CudaStorage>>,
+        attn_mask: Option<AttnMaskOperand<'_, CudaStorage>>,
         out: Operand<'_, CudaStorage>,
         lse: Operand<'_, CudaStorage>,
         mask: Option<&CudaStorage>,
@@ -697,19 +729,18 @@ impl Backend for Cuda {
         let (qb, kb, vb) = (q.0.buffer()?, k.0.buffer()?, v.0.buffer()?);
         let (ob, lb, gb) = (out.0.buffer()?, lse.0.buffer()?, g.0.buffer()?);
         let mb = mask.map(|m| m.buffer()).transpose()?;
-        let kpb = keep.map(|m| m.0.buffer()).transpose()?;
-        let keep = kpb.as_deref().zip(keep.map(|m| m.1));
+        let (am_buf, am) = mask_parts(attn_mask)?;
+        let am = mask_operand(&am_buf, am);
         let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let (oo, lo, go) = ((&*ob, out.1), (&*lb, lse.1), (&*gb, g.1));
         let mb = mb.as_deref();
-        let on_cudnn = match keep {
-            None => attention_cudnn::backward(qo, ko, vo, oo, lo, mb, go, dtype, spec)?,
-            Some(_) => None,
-        };
+        // An additive mask's backward runs on cuDNN or fails there (its forward ran there).
+        let on_cudnn = attention_cudnn::backward(qo, ko, vo, am, oo, lo, mb, go, dtype, spec)?;
         let r = match on_cudnn {
             Some(r) => Some(r),
             None => {
                 let spec = (spec, blas::allow_tf32());
+                let keep = am.filter(|m| !m.additive).map(|m| (m.buf, m.layout));
                 ops::attention::backward(qo, ko, vo, oo, lo, (mb, keep), go, dtype, spec)?
             }
         };

@@ -72,6 +72,25 @@ pub struct AttentionSpec {
 /// One operand of a fused attention call: a storage and its layout.
 pub type Operand<'a, S> = (&'a S, &'a Layout);
 
+/// The tensor mask of a fused attention call ([`Backend::attention_forward`]), laid out in the
+/// scores' shape `[batch.., Tq, Tk]` (zero strides where it broadcasts), on top of
+/// [`AttentionSpec::causal`].
+pub enum AttnMaskOperand<'a, S> {
+    /// `u8`, nonzero where query `i` may attend to key `j` (PyTorch's boolean `attn_mask`).
+    Keep(Operand<'a, S>),
+    /// Of the call's dtype, added to the scaled scores (`-inf` forbids a pair); it gets no
+    /// gradient.
+    Additive(Operand<'a, S>),
+}
+
+// Not derived: the derive would ask `S: Copy` of the storage, which only the references need.
+impl<S> Clone for AttnMaskOperand<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S> Copy for AttnMaskOperand<'_, S> {}
+
 /// One output of a fused attention call: a fresh storage holding exactly the output's elements
 /// and the layout to view it with (offset 0; see [`attention_output_layout`]).
 pub type AttentionOutput<S> = (S, Layout);
@@ -587,10 +606,9 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// [`Backend::attention_backward`] recomputes the weights from (it must accept the output in
     /// the layout it returned).
     ///
-    /// `keep`, when given, is a boolean mask (`u8`, nonzero where query `i` may attend to key
-    /// `j`, PyTorch's boolean `attn_mask`) laid out in the scores' shape `[batch.., Tq, Tk]`
-    /// (zero strides where it broadcasts), on top of `spec.causal`. A row whose keys are all
-    /// masked gives an output of zeros and a log-sum-exp of `+inf`.
+    /// `mask`, when given, is a boolean or an additive mask ([`AttnMaskOperand`]) in the scores'
+    /// shape. A row whose keys are all masked (by `false`, or by `-inf` added) gives an output
+    /// of zeros and a log-sum-exp of `+inf`. A backend may offer some masks and not others.
     ///
     /// `Ok(None)` means "not offered" for this call (dtype, head size, layout): the caller
     /// (kiln-autograd's `scaled_dot_product_attention`) composes attention from products and a
@@ -600,11 +618,11 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         q: Operand<'_, Self::Storage>,
         k: Operand<'_, Self::Storage>,
         v: Operand<'_, Self::Storage>,
-        keep: Option<Operand<'_, Self::Storage>>,
+        mask: Option<AttnMaskOperand<'_, Self::Storage>>,
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionOutputs<Self::Storage>>> {
-        let _ = (q, k, v, keep, dtype, spec);
+        let _ = (q, k, v, mask, dtype, spec);
         Ok(None)
     }
 
@@ -613,14 +631,15 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// [`attention_output_layout`] does) of a fused
     /// attention whose forward gave `out` and `lse`, for the output gradient `g`, by
     /// recomputing the weights tile by tile from `lse` (the `Tq × Tk` matrix is never stored).
-    /// `keep` is the forward's boolean mask, `mask` what the forward kept of its dropout mask.
+    /// `attn_mask` is the forward's tensor mask, `mask` what the forward kept of its dropout
+    /// mask.
     /// `Ok(None)` when not offered (the default); a backend that fused the forward must offer it.
     #[allow(clippy::too_many_arguments)]
     fn attention_backward(
         q: Operand<'_, Self::Storage>,
         k: Operand<'_, Self::Storage>,
         v: Operand<'_, Self::Storage>,
-        keep: Option<Operand<'_, Self::Storage>>,
+        attn_mask: Option<AttnMaskOperand<'_, Self::Storage>>,
         out: Operand<'_, Self::Storage>,
         lse: Operand<'_, Self::Storage>,
         mask: Option<&Self::Storage>,
@@ -628,7 +647,7 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         dtype: DType,
         spec: AttentionSpec,
     ) -> Result<Option<AttentionGrads<Self::Storage>>> {
-        let _ = (q, k, v, keep, out, lse, mask, g, dtype, spec);
+        let _ = (q, k, v, attn_mask, out, lse, mask, g, dtype, spec);
         Ok(None)
     }
 

@@ -67,9 +67,9 @@ pub mod unscale;
 mod update;
 
 pub use backend::{
-    Activation, AttentionGrads, AttentionOutput, AttentionOutputs, AttentionSpec, Backend,
-    BinaryOp, CmpOp, Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads, NormOutputs,
-    NormSpec, RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
+    Activation, AttentionGrads, AttentionOutput, AttentionOutputs, AttentionSpec, AttnMaskOperand,
+    Backend, BinaryOp, CmpOp, Conv2dSpec, FOUND_NON_FINITE, GradFrom, MemoryStats, NormGrads,
+    NormOutputs, NormSpec, RandDist, ReduceOp, UnaryOp, UnscaleSlot, UpdateRule, UpdateSlot,
     attention_output_layout, attention_packed_layouts,
 };
 pub use device::{DeviceKind, DeviceSpec};

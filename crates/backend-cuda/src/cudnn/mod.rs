@@ -79,7 +79,9 @@ pub use fused::{cudnn_fused_calls, cudnn_fusion, set_cudnn_fusion};
 pub use graph::{CudnnApi, cudnn_api, cudnn_graph_calls, set_cudnn_api};
 pub use nhwc::{CudnnLayout, cudnn_layout, cudnn_nhwc_calls, set_cudnn_layout};
 use pick::Geometry;
-pub(crate) use sdpa::{Call as SdpaCall, run as sdpa_run, wanted as sdpa_wanted};
+pub(crate) use sdpa::{
+    Call as SdpaCall, run as sdpa_run, too_small as sdpa_too_small, wanted as sdpa_wanted,
+};
 pub use sdpa::{cudnn_attention, cudnn_attention_calls, set_cudnn_attention};
 
 /// A cuDNN status as a typed error naming `op` (the status itself, e.g.

@@ -7,17 +7,18 @@
 //! from 9.21), so this builds the expanded operation graph that cudnn-frontend's composite
 //! SDPA nodes lower to, which cuDNN's runtime-fusion engines recognize as attention. Written
 //! from those nodes (`scaled_dot_product_flash_attention.h`, `softmax.h`,
-//! `diagonal_band_mask.h`, `rng.h`), for the cases kiln asks for: no bias, top-left causal
-//! mask or none, dropout or none, one head count for q, k and v.
+//! `diagonal_band_mask.h`, `rng.h`), for the cases kiln asks for: a bias (a tensor mask,
+//! `attention_cudnn.rs`) or none, top-left causal mask or none, dropout or none, one head
+//! count for q, k and v.
 //!
-//! - **Forward**: `S = Q·Kᵀ` (K described transposed), `S·scale`, the causal mask as
+//! - **Forward**: `S = Q·Kᵀ` (K described transposed), `S·scale`, `+ bias`, the causal mask as
 //!   `row ≥ col ? S : -inf` (two `GEN_INDEX`, a `CMP_GE` and a `BINARY_SELECT`), the softmax
 //!   with its statistics (row max, `exp(S - max)`, row sum, `lse = max + log(sum)` written
 //!   out, `P = exp / sum` in the inputs' type), with dropout `P ∘ mask / (1 - p)` (the mask
 //!   drawn by cuDNN's Philox generator from the call's seed), `O = P·V`.
-//! - **Backward**: `Σ = rowsum(dO ∘ O)` (written to a scratch buffer), `P = exp(S·scale -
-//!   lse)` recomputed and masked, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - Σ)·scale`, `dK = dSᵀ·Q`
-//!   (with dropout the same mask drawn again from the same seed, as cudnn-frontend does),
+//! - **Backward**: `Σ = rowsum(dO ∘ O)` (written to a scratch buffer), the weights
+//!   `P = exp(S·scale + bias - lse)` recomputed and masked, `dV = Pᵀ·dO`,
+//!   `dS = P ∘ (dO·Vᵀ - Σ)·scale`, `dK = dSᵀ·Q` (with dropout the same mask drawn again from the same seed, as cudnn-frontend does),
 //!   `dQ = dS·K` (through an f32 accumulator when the engine's `dP` workspace would pass
 //!   256 MiB, as cudnn-frontend decides).
 //! - The log-sum-exps are kiln's (`Backend::attention_forward`'s second output: natural log of
@@ -128,6 +129,9 @@ pub(crate) struct Call<'a> {
     pub dropout: (f64, u64),
     pub tensors: &'a [Operand<'a>],
     pub lse: u64,
+    /// An additive bias of the call's dtype over `[b, h, Tq, Tk]`: its device address, dims
+    /// (1 on a broadcast head axis) and strides (0 on broadcast batch and query axes).
+    pub bias: Option<(u64, [i64; 4], [i64; 4])>,
 }
 
 /// The shape, layouts and direction of one graph.
@@ -142,6 +146,8 @@ pub(super) struct Key {
     dims: [i64; 6],
     /// Each operand's strides over `[b, h, t, d]`, in [`Call::tensors`]' order.
     strides: [[i64; 4]; 8],
+    /// The bias's dims and strides ([`Call::bias`]).
+    bias: Option<([i64; 4], [i64; 4])>,
 }
 
 /// A measured graph: its descriptors (kept alive with the plans) and plans, fastest first
@@ -173,6 +179,7 @@ const UID_SEED: i64 = 15;
 const UID_OFFSET: i64 = 16;
 const UID_KEEP_SCALE: i64 = 17;
 const UID_DROP_INV: i64 = 18;
+const UID_BIAS: i64 = 19;
 const UID_VIRTUAL: i64 = 100;
 
 /// `[b, h, t, d]` dims and strides of a rank-4 layout, or of a rank-3 one as one head.
@@ -225,7 +232,20 @@ fn key_of(call: &Call<'_>, backward: bool) -> Option<Key> {
         dropout: call.dropout.0.to_bits(),
         dims: [q[0], q[1], q[2], k[2], q[3], v[3]],
         strides,
+        bias: call.bias.map(|(_, d, s)| (d, s)),
     })
+}
+
+/// Whether the default switch leaves a call with these `q` and `k` to kiln's kernels for its
+/// size ([`MIN_WORK`]): known before a mask is written out for it.
+pub(crate) fn too_small(q: &Layout, k: &Layout) -> bool {
+    let (Some((qd, _)), Some((kd, _))) = (bhtd(q), bhtd(k)) else {
+        return false;
+    };
+    let work = [qd[0], qd[1], qd[2], kd[2], qd[3]]
+        .iter()
+        .fold(1i64, |a, &x| a.saturating_mul(x));
+    switch() != 2 && work < MIN_WORK
 }
 
 /// Whether cuDNN's attention is asked on a device of compute capability `arch`.
@@ -253,7 +273,13 @@ pub(crate) fn run(
     let Some(key) = key_of(call, backward) else {
         return Ok(false);
     };
-    let ptrs: Vec<u64> = call.tensors.iter().map(|t| t.0).chain([call.lse]).collect();
+    let ptrs: Vec<u64> = call
+        .tensors
+        .iter()
+        .map(|t| t.0)
+        .chain([call.lse])
+        .chain(call.bias.map(|b| b.0))
+        .collect();
     if !graph::aligned(&ptrs) {
         return Ok(false);
     }
@@ -584,8 +610,8 @@ impl Graph<'_> {
     }
 
     /// What both directions start from: Q, Kᵀ (K's descriptor with the last two axes
-    /// swapped), the log-sum-exps, the by-value scale, and the scaled scores `S = Q·Kᵀ·scale`
-    /// (f32, the products' ops pushed here).
+    /// swapped), the log-sum-exps, the by-value scale, and the scaled scores `S = Q·Kᵀ·scale
+    /// (+ bias)` (f32, the products' ops pushed here).
     fn scores(&self, b: &mut Builder) -> Result<Scores> {
         let [bb, h, sq, skv, d, _] = self.key.dims;
         let q = self.operand(b, 0, UID_Q)?;
@@ -597,7 +623,11 @@ impl Graph<'_> {
         let sdims = [bb, h, sq, skv];
         let s = b.virt(D::CUDNN_DATA_FLOAT, sdims)?;
         b.matmul(q, kt, s, "Q·Kᵀ")?;
-        let s = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[s, scale], sdims, "scale")?;
+        let mut s = b.pw_f32(Pw::CUDNN_POINTWISE_MUL, &[s, scale], sdims, "scale")?;
+        if let Some((dims, strides)) = self.key.bias {
+            let bias = b.tensor(self.io(), dims, strides, Some(UID_BIAS), false)?;
+            s = b.pw_f32(Pw::CUDNN_POINTWISE_ADD, &[s, bias], sdims, "bias")?;
+        }
         Ok(Scores {
             q,
             kt,
@@ -849,6 +879,10 @@ impl Graph<'_> {
             uids.push(UID_NEG_INF);
             ptrs.push(host(&neg_inf));
         }
+        if let Some((addr, _, _)) = call.bias {
+            uids.push(UID_BIAS);
+            ptrs.push(dev_ptr(addr));
+        }
         let dropout = self.key.dropout != 0;
         if dropout {
             uids.extend([UID_SEED, UID_OFFSET, UID_KEEP_SCALE]);
@@ -891,12 +925,13 @@ impl Graph<'_> {
         };
         let k = &self.key;
         eprintln!(
-            "kiln cudnn {} {:?} dims {:?} causal {} dropout {}: {what}",
+            "kiln cudnn {} {:?} dims {:?} causal {} dropout {} bias {:?}: {what}",
             self.op,
             k.dtype,
             k.dims,
             k.causal,
-            f64::from_bits(k.dropout)
+            f64::from_bits(k.dropout),
+            k.bias
         );
     }
 }
@@ -926,6 +961,7 @@ mod tests {
             dropout: 0,
             dims: [b, h, t, t, 64, 64],
             strides: [[0; 4]; 8],
+            bias: None,
         };
         assert!(dp_workspace_fits(&key(64, 6, 256)));
         assert!(!dp_workspace_fits(&key(8, 16, 2048)));
@@ -948,6 +984,11 @@ mod tests {
             UID_ONE,
             UID_SUM,
             UID_DQ_ACC,
+            UID_SEED,
+            UID_OFFSET,
+            UID_KEEP_SCALE,
+            UID_DROP_INV,
+            UID_BIAS,
         ];
         let mut s = ids.to_vec();
         s.sort();

@@ -70,6 +70,9 @@ TARGET = {
     # and under a key-padding mask (a boolean attn_mask, fused since the sixteenth session)
     "attn_gpt_fwd_bwd_f32_padding": 1.0,
     "attn_gpt_fwd_bwd_bf16_padding": 1.0,
+    # and under ALiBi's additive bias (a float attn_mask; fused on cuDNN in bf16 on Hopper)
+    "attn_gpt_fwd_bwd_f32_additive": None,
+    "attn_gpt_fwd_bwd_bf16_additive": 1.0,
     # issue 31: the GPT beside PyTorch eager (f32 >= 1.1x) and its peak memory (<= PyTorch's);
     # TF32 and bf16 against torch.compile below (TARGET_GRAPH).
     "gpt_iter_f32": 1.1,

@@ -404,6 +404,16 @@ for name, (b, h, t, d) in (("gpt", (64, 6, 256, 64)), ("long", (8, 16, 2048, 64)
                 torch.autograd.grad(y, (q, k, v), go)
 
             report(f"attn_{name}_fwd_bwd_{tag}_padding", timed(5, 20, attn_fwd_bwd_padding), "ms")
+            # ALiBi's bias as a float attn_mask [1, h, t, t]: head i adds -2^(-8(i+1)/h) |q - k|.
+            heads = torch.arange(h, device="cuda", dtype=torch.float64)[:, None, None]
+            dist = (pos[:, None] - pos[None, :]).abs().to(torch.float64)
+            alibi = (-torch.exp2(-8.0 * (heads + 1) / h) * dist)[None].to(dt)
+
+            def attn_fwd_bwd_additive():
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)
+                torch.autograd.grad(y, (q, k, v), go)
+
+            report(f"attn_{name}_fwd_bwd_{tag}_additive", timed(5, 20, attn_fwd_bwd_additive), "ms")
         del q, k, v, go
 
 # Convolutions (issue 33; crates/backend-cuda/benches/conv.rs): a 3x3 padding-1 conv forward +

@@ -22,7 +22,7 @@ use common::{assert_close, f64s};
 use kiln_autograd::{AttnMask, CheckOptions, Var, check_backward, composed_attention};
 use kiln_backend_cpu::Cpu;
 use kiln_backend_cuda::{Cuda, CudaDevice, CudaStorage, gpu_or_skip, thread_launches};
-use kiln_core::{AttentionSpec, Backend, DType, Generator, Layout, Tensor};
+use kiln_core::{AttentionSpec, AttnMaskOperand, Backend, DType, Generator, Layout, Tensor};
 
 /// Standard normal values drawn from `seed`.
 fn normal<B: Backend>(dims: &[usize], seed: u64, dtype: DType, dev: &B::Device) -> Tensor<B> {
@@ -914,8 +914,9 @@ fn packed_self_attention_equals_the_narrow_path_with_one_buffer() {
 }
 
 /// Holds [`SWITCHES`] with 16-bit attention on cuDNN's fused engines wherever cuDNN serves it
-/// (`None` when cuDNN is not loadable: the test says so and returns); back to the defaults when
-/// dropped.
+/// and on kiln's fused kernels elsewhere (`None` when cuDNN is not loadable: the test says so
+/// and returns); when dropped, cuDNN back to its default and kiln's 16-bit kernels off, as
+/// [`Fused16`] leaves them.
 struct OnCudnn(#[allow(dead_code)] RwLockWriteGuard<'static, ()>);
 
 impl OnCudnn {
@@ -926,6 +927,9 @@ impl OnCudnn {
             return None;
         }
         kiln_backend_cuda::set_cudnn_attention(Some(true));
+        // kiln's 16-bit kernels where a test turns cuDNN off (an earlier test may have left
+        // them off).
+        kiln_backend_cuda::set_fused_attention_16bit(true);
         Some(OnCudnn(guard))
     }
 }
@@ -933,6 +937,7 @@ impl OnCudnn {
 impl Drop for OnCudnn {
     fn drop(&mut self) {
         kiln_backend_cuda::set_cudnn_attention(None);
+        kiln_backend_cuda::set_fused_attention_16bit(false);
     }
 }
 
@@ -1239,16 +1244,28 @@ fn keep_mask<B: Backend>(
     mask
 }
 
-/// Boolean masks fuse (the forward is one kernel launch, two on the tensor-core kernels, which
-/// first summarize the mask per block) — f32 on the 3xTF32 kernels (also under `allow_tf32`) and
-/// the FMA ones, bf16 and f16 on the tensor-core kernels (cuDNN's graph takes no mask) — and agree
-/// with the f64 composed path on the CPU, forward and gradients, for a key-padding mask with a
-/// sequence that is all padding, a per-head mask with a fully masked row, and a 2-D mask;
-/// rows that see no key give exact zeros.
+/// Boolean masks fuse on kiln's kernels (the forward is one kernel launch, two on the
+/// tensor-core kernels, which first summarize the mask per block) — f32 on the 3xTF32 kernels
+/// (also under `allow_tf32`) and the FMA ones, bf16 and f16 on the tensor-core kernels (cuDNN's
+/// engines off: `masks_on_cudnn_match_the_composed_path` has them) — and agree with the f64
+/// composed path on the CPU, forward and gradients, for a key-padding mask with a sequence that
+/// is all padding, a per-head mask with a fully masked row, and a 2-D mask; rows that see no key
+/// give exact zeros.
 #[test]
 fn boolean_masks_fuse_and_match_the_composed_path() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let _switches = F32Switches::take();
+    // kiln's own 16-bit kernels, whatever an earlier test left the switches at.
+    struct OwnKernels16;
+    impl Drop for OwnKernels16 {
+        fn drop(&mut self) {
+            kiln_backend_cuda::set_fused_attention_16bit(false);
+            kiln_backend_cuda::set_cudnn_attention(None);
+        }
+    }
+    let _own = OwnKernels16;
+    kiln_backend_cuda::set_fused_attention_16bit(true);
+    kiln_backend_cuda::set_cudnn_attention(Some(false));
     let cpu = Cpu::device(0);
     let cases: [(Dims6, [(DType, f64); 3]); 2] = [
         (
@@ -1366,6 +1383,40 @@ fn additive_mask(
     (AttnMask::Additive(t), AttnMask::Additive(c))
 }
 
+/// The row log-sum-exps of the backend's fused forward of `q`, `k`, `v` under `mask` (a `Keep`
+/// or `Additive` one), unscaled, no dropout.
+fn masked_lse(
+    q: &Tensor<Cuda>,
+    k: &Tensor<Cuda>,
+    v: &Tensor<Cuda>,
+    mask: &AttnMask<Cuda>,
+) -> Vec<f64> {
+    let mut scores = q.dims().to_vec();
+    *scores.last_mut().unwrap() = k.dims()[k.rank() - 2];
+    fn op(t: &Tensor<Cuda>) -> (&CudaStorage, &Layout) {
+        (t.storage(), t.layout())
+    }
+    let spec = AttentionSpec {
+        scale: 1.0 / (q.dims()[q.rank() - 1] as f64).sqrt(),
+        causal: false,
+        dropout_p: 0.0,
+        dropout_key: 0,
+    };
+    let (AttnMask::Keep(m) | AttnMask::Additive(m)) = mask else {
+        panic!("a tensor mask")
+    };
+    let m = m.broadcast_to(scores).unwrap();
+    let mo = match mask {
+        AttnMask::Keep(_) => AttnMaskOperand::Keep(op(&m)),
+        _ => AttnMaskOperand::Additive(op(&m)),
+    };
+    let (_, lse, _) = Cuda::attention_forward(op(q), op(k), op(v), Some(mo), q.dtype(), spec)
+        .unwrap()
+        .expect("fused");
+    let rows = q.elem_count() / q.dims()[q.rank() - 1];
+    f64s(&Tensor::<Cuda>::from_storage(lse, [rows], DType::F32))
+}
+
 /// Boolean and additive masks on cuDNN's engines (which take them as a bias added to the
 /// scores): forward and backward one cuDNN call each, against the f64 composed path on the CPU
 /// within bf16's and f16's precision, for a key-padding mask with a sequence that is all padding
@@ -1426,7 +1477,9 @@ fn masks_on_cudnn_match_the_composed_path() {
                         assert_close(&format!("{what}: {name}"), got, want, tol);
                     }
                     if m.0 {
-                        // The last sequence is all padding: its outputs and dQ are exactly 0.
+                        // The last sequence is all padding: its outputs and dQ are exactly 0,
+                        // and the backend's log-sum-exps of its rows kiln's +inf (cuDNN writes
+                        // -inf there).
                         let per_seq = h * tq * d;
                         for (name, x) in [("out", &got[0]), ("dq", &got[1])] {
                             let last = &x[(b - 1) * per_seq..b * per_seq];
@@ -1435,6 +1488,12 @@ fn masks_on_cudnn_match_the_composed_path() {
                                 "{what}: {name} of a row that sees no key is not 0"
                             );
                         }
+                        let lse = masked_lse(&q, &k, &v, &on_gpu);
+                        let last = &lse[(b - 1) * h * tq..];
+                        assert!(
+                            last.iter().all(|&x| x == f64::INFINITY),
+                            "{what}: the log-sum-exp of a row that sees no key is not +inf"
+                        );
                     }
                 }
             }

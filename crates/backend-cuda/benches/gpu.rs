@@ -336,7 +336,9 @@ fn reductions(dev: &CudaDevice) {
 /// bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside PyTorch's);
 /// and at the GPT shape, forward + backward under a key-padding mask instead of the causal one
 /// (`_padding`: sequence `i` keeps its first `256 - 2i` keys; a boolean mask `[64, 1, 1, 256]`,
-/// beside PyTorch's SDPA with that `attn_mask`).
+/// beside PyTorch's SDPA with that `attn_mask`; in bf16 also on kiln's own kernels,
+/// `_padding_kiln_kernels`) and under ALiBi's additive bias `[1, 6, 256, 256]` (`_additive`,
+/// beside PyTorch's SDPA with that float `attn_mask`).
 fn attention(dev: &CudaDevice) {
     // The long shape first: the GPT shape's extra rows flip the kernel switches (and leave
     // 16-bit fusion forced off, not on its default).
@@ -433,6 +435,40 @@ fn attention(dev: &CudaDevice) {
                 Ok(())
             };
             row(&format!("fwd_bwd_{tag}_padding"), &fwd_bwd_padding);
+            if dt == DType::BF16 {
+                // The same on kiln's own kernels (cuDNN's engines take it above on Hopper).
+                kiln_backend_cuda::set_cudnn_attention(Some(false));
+                row(
+                    &format!("fwd_bwd_{tag}_padding_kiln_kernels"),
+                    &fwd_bwd_padding,
+                );
+                kiln_backend_cuda::set_cudnn_attention(None);
+            }
+            // ALiBi's bias, an additive mask [1, h, t, t]: head i adds -2^(-8(i+1)/h)·|q - k|
+            // (fused on cuDNN's engines in 16-bit on Hopper; composed elsewhere).
+            let alibi: Vec<f64> = (0..h * t * t)
+                .map(|x| {
+                    let (head, i, j) = (x / (t * t), x / t % t, x % t);
+                    let slope = (-8.0 * (head + 1) as f64 / h as f64).exp2();
+                    -slope * (i as f64 - j as f64).abs()
+                })
+                .collect();
+            let alibi = Tensor::<Cuda>::from_vec(alibi, [1, h, t, t], dev)
+                .and_then(|x| x.to_dtype(dt))
+                .unwrap();
+            let additive = AttnMask::Additive(alibi);
+            let fwd_bwd_additive = || -> Result<()> {
+                for x in [&q, &k, &v] {
+                    x.zero_grad();
+                }
+                q.scaled_dot_product_attention(&k, &v, &additive, 0.0, None, None)?
+                    .backward_with(&g)?;
+                for x in [&q, &k, &v] {
+                    x.grad().expect("a gradient").realize()?;
+                }
+                Ok(())
+            };
+            row(&format!("fwd_bwd_{tag}_additive"), &fwd_bwd_additive);
             if dt == DType::F32 {
                 // The f32-FMA kernels, and 1xTF32 on tensor cores.
                 kiln_backend_cuda::set_attention_tensor_cores_f32(false);

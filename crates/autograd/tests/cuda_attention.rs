@@ -1201,7 +1201,7 @@ fn cudnn_attention_replays_in_a_cuda_graph() {
     }
 }
 
-/// The boolean masks of [`boolean_masks_fuse_and_match_the_composed_path`] for `[b, h, tq, tk]`
+/// The boolean masks of [`masks_fuse_on_kiln_kernels_and_match_the_composed_path`] for `[b, h, tq, tk]`
 /// scores, as `u8` values with their shapes: a key-padding mask `[b, tk]` (PyTorch's `True` =
 /// padding; sequence 0 pads its last third, the last sequence is all padding: its queries see
 /// no key), a per-head mask `[b, h, tq, tk]` (about three in four kept; query 5 of entry (0, 1)
@@ -1244,15 +1244,16 @@ fn keep_mask<B: Backend>(
     mask
 }
 
-/// Boolean masks fuse on kiln's kernels (the forward is one kernel launch, two on the
-/// tensor-core kernels, which first summarize the mask per block) — f32 on the 3xTF32 kernels
-/// (also under `allow_tf32`) and the FMA ones, bf16 and f16 on the tensor-core kernels (cuDNN's
-/// engines off: `masks_on_cudnn_match_the_composed_path` has them) — and agree with the f64
-/// composed path on the CPU, forward and gradients, for a key-padding mask with a sequence that
-/// is all padding, a per-head mask with a fully masked row, and a 2-D mask; rows that see no key
-/// give exact zeros.
+/// Boolean and additive masks fuse on kiln's kernels (the forward is one kernel launch, two on
+/// the tensor-core kernels, which first summarize the mask per block) — f32 on the 3xTF32
+/// kernels (also under `allow_tf32`) and the FMA ones, bf16 and f16 on the tensor-core kernels
+/// (cuDNN's engines off: `masks_on_cudnn_match_the_composed_path` has them) — and agree with the
+/// f64 composed path on the CPU, forward and gradients, for a key-padding mask with a sequence
+/// that is all padding, a per-head mask with a fully masked row, and a 2-D mask, each as a `u8`
+/// mask and as an additive one (`-inf` where masked, small values elsewhere); rows that see no
+/// key give exact zeros.
 #[test]
-fn boolean_masks_fuse_and_match_the_composed_path() {
+fn masks_fuse_on_kiln_kernels_and_match_the_composed_path() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let _switches = F32Switches::take();
     // kiln's own 16-bit kernels, whatever an earlier test left the switches at.
@@ -1295,13 +1296,20 @@ fn boolean_masks_fuse_and_match_the_composed_path() {
                 for x in [&q, &k, &v, &g] {
                     x.realize().unwrap();
                 }
-                for m in boolean_masks((b, h, tq, tk)) {
+                for (m, additive) in boolean_masks((b, h, tq, tk))
+                    .into_iter()
+                    .flat_map(|m| [(m.clone(), false), (m, true)])
+                {
                     let what = format!(
-                        "{dtype} fma {fma} tf32 {tf32} {:?} mask {:?}",
+                        "{dtype} fma {fma} tf32 {tf32} {:?} mask {:?} additive {additive}",
                         (b, h, tq, tk, d),
                         m.2
                     );
-                    let mask = keep_mask::<Cuda>(&m, &dev);
+                    let (mask, on_host) = if additive {
+                        additive_mask(&m, dtype, &dev)
+                    } else {
+                        (keep_mask::<Cuda>(&m, &dev), keep_mask::<Cpu>(&m, &cpu))
+                    };
                     let before = thread_launches();
                     let y = Var::constant(q.clone())
                         .scaled_dot_product_attention(
@@ -1328,7 +1336,7 @@ fn boolean_masks_fuse_and_match_the_composed_path() {
                         &on_cpu(&k),
                         &on_cpu(&v),
                         &on_cpu(&g),
-                        &keep_mask::<Cpu>(&m, &cpu),
+                        &on_host,
                         None,
                     );
                     for (name, (got, want)) in

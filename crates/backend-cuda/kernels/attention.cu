@@ -71,8 +71,10 @@ struct AttnShape {
     u64 keep;                    // a boolean mask (u8, nonzero: query i may see key j) of the
                                  // scores' shape, read by the KEEP instances only; its batch
     Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
-    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
+    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast), bytes
     u64 keep_tiles;              // its summary per 16 x 16 block (attn_keep_tiles), or 0
+    u64 bias;                    // nonzero: `keep` is an additive mask of the storage type,
+                                 // added to the scaled scores (-inf hides a pair)
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -153,17 +155,28 @@ __device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a
     return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
 }
 
-// The bits of attn_keep_tiles' summary of a block of the boolean mask.
-#define ATT_SEES 1u   // some pair of the block is kept
-#define ATT_HIDES 2u  // some pair of the block is masked
+// The bits of attn_keep_tiles' summary of a block of the mask.
+#define ATT_SEES 1u   // some pair of the block is kept (an additive mask's: is not -inf)
+#define ATT_HIDES 2u  // some pair of the block is masked (an additive mask's: is not 0)
 
-// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
-// instances without a mask (KEEP false) compile to the bounds and causal tests alone.
+// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP; an
+// additive mask hides by its -inf, added by att_bias). The instances without a mask (KEEP
+// false) compile to the bounds and causal tests alone.
 template <bool KEEP>
 __device__ __forceinline__ bool att_keep(const AttnShape& a, const unsigned char* km, u64 qi,
                                          u64 kj) {
     return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi) &&
-           (!KEEP || km[qi * a.keep_rs + kj * a.keep_cs]);
+           (!KEEP || a.bias || km[qi * a.keep_rs + kj * a.keep_cs]);
+}
+
+// An additive mask's value for a pair att_keep sees, times log2(e) (the scores' domain), or 0
+// (no additive mask). S: the storage type, the mask's.
+template <typename S, bool KEEP>
+__device__ __forceinline__ float att_bias(const AttnShape& a, const unsigned char* km, u64 qi,
+                                          u64 kj) {
+    return KEEP && a.bias
+               ? wide(*(const S*)(km + qi * a.keep_rs + kj * a.keep_cs)) * 1.4426950408889634f
+               : 0.f;
 }
 
 // Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
@@ -228,7 +241,10 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
 #pragma unroll
             for (int j = 0; j < ATT_CN; ++j) {
                 const u64 kj = k0 + tx + 16 * j;
-                s[i][j] = att_keep<KEEP>(a, km, qi, kj) ? s[i][j] * a.scale2 : -att_inf();
+                s[i][j] = att_keep<KEEP>(a, km, qi, kj)
+                              ? (KEEP ? s[i][j] * a.scale2 + att_bias<S, KEEP>(a, km, qi, kj)
+                                      : s[i][j] * a.scale2)
+                              : -att_inf();
                 mx = fmaxf(mx, s[i][j]);
             }
             const float mnew = fmaxf(m[i], att_max16(mx));
@@ -339,7 +355,10 @@ __device__ void attn_bwd_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
                 const bool ok = att_keep<KEEP>(a, km, q0 + c, kj);
-                const float p = ok ? exp2f(st[i][j] * a.scale2 - sL[c]) : 0.f;
+                const float x = KEEP && ok
+                                    ? st[i][j] * a.scale2 + att_bias<S, KEEP>(a, km, q0 + c, kj)
+                                    : st[i][j] * a.scale2;
+                const float p = ok ? exp2f(x - sL[c]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, q0 + c, kj) : 1.f;
                 sP[(ty * ATT_RM + i) * ATT_LP + c] = p * z;
                 sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dpt[i][j] * z - sD[c]);
@@ -410,7 +429,9 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
             for (int j = 0; j < ATT_CN; ++j) {
                 const int c = tx + 16 * j;
                 const bool ok = att_keep<KEEP>(a, km, qi, k0 + c);
-                const float p = ok ? exp2f(s[i][j] * a.scale2 - l2[i]) : 0.f;
+                const float x = KEEP && ok ? s[i][j] * a.scale2 + att_bias<S, KEEP>(a, km, qi, k0 + c)
+                                           : s[i][j] * a.scale2;
+                const float p = ok ? exp2f(x - l2[i]) : 0.f;
                 const float z = a.dropout && ok ? att_drop(a, b, qi, k0 + c) : 1.f;
                 sS[(ty * ATT_RM + i) * ATT_LP + c] = p * (dp[i][j] * z - dri[i]);
             }
@@ -467,15 +488,17 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
 #define ATTN_KEEP(TAG)                                                                         \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 64, true)                                                 \
     ATTN_DT_(KILN_KEEP_S_##TAG, TAG, 128, true)
-// The boolean mask's summary per 16 x 16 block of the scores, entry (b, i, j) of
+// The mask's summary per 16 x 16 block of the scores, entry (b, i, j) of
 // [batch, ceil(Tq / 16), ceil(Tk / 16)]: ATT_SEES where some pair of the block is kept,
 // ATT_HIDES where some is masked (pairs past Tq or Tk count as neither). The tensor-core KEEP
 // instances read it to skip a warp's tile that sees nothing and to take the unmasked path
 // through one that sees everything (a padding mask's blocks are nearly all one or the other).
+// An additive mask (a.bias) is read as the bits of its nbytes-byte elements: a pair is seen
+// unless it is neg_inf, and masked (the tile must add it) unless it is +-0.
 // One warp per block: lane l reads row l / 2, keys (l % 2) 8 .. + 8.
 #define ATTN_KEEP_TILES(T)                                                                     \
     extern "C" __global__ void attn_keep_tiles_##T(const T* keep, T* tiles, AttnShape a,       \
-                                                   Dims bd) {                                  \
+                                                   Dims bd, u32 nbytes, u32 neg_inf) {         \
         const u64 ntq = (a.tq + 15) / 16, ntk = (a.tk + 15) / 16, n = a.batch * ntq * ntk;    \
         const int lane = threadIdx.x & 31;                                                     \
         const u64 step = ((u64)gridDim.x * blockDim.x) >> 5;                                   \
@@ -485,8 +508,18 @@ __device__ void attn_bwd_dq(const S* __restrict__ q, const S* __restrict__ k,
             const T* km = keep + offset1<u64>(b, bd, a.keep_bs);                               \
             bool sees = false, hides = false;                                                  \
             for (u64 j = j0; i < a.tq && j < j0 + 8 && j < a.tk; ++j) {                        \
-                if (km[i * a.keep_rs + j * a.keep_cs]) sees = true;                            \
-                else hides = true;                                                             \
+                const T* e = km + i * a.keep_rs + j * a.keep_cs;                               \
+                if (a.bias) {                                                                  \
+                    const u32 x = nbytes == 2 ? (u32) * (const unsigned short*)e               \
+                                              : *(const u32*)e;                                \
+                    const u32 magnitude = nbytes == 2 ? 0x7fffu : 0x7fffffffu;                 \
+                    if (x != neg_inf) sees = true;                                             \
+                    if (x & magnitude) hides = true;                                           \
+                } else if (*e) {                                                               \
+                    sees = true;                                                               \
+                } else {                                                                       \
+                    hides = true;                                                              \
+                }                                                                              \
             }                                                                                  \
             const unsigned v = (__any_sync(0xffffffffu, sees) ? ATT_SEES : 0u) |               \
                                (__any_sync(0xffffffffu, hides) ? ATT_HIDES : 0u);              \

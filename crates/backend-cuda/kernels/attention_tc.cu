@@ -99,8 +99,10 @@ struct AttnShape {
     u64 keep;                    // a boolean mask (u8, nonzero: query i may see key j) of the
                                  // scores' shape, read by the KEEP instances only; its batch
     Strides keep_bs;             // entry b starts at keep + offset1(b, bd, keep_bs)
-    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast)
+    u64 keep_rs, keep_cs;        // its strides over queries and keys (0 where broadcast), bytes
     u64 keep_tiles;              // its summary per 16 x 16 block (attn_keep_tiles), or 0
+    u64 bias;                    // nonzero: `keep` is an additive mask of the storage type,
+                                 // added to the scaled scores (-inf hides a pair)
 };
 
 __device__ __forceinline__ float att_inf() { return __int_as_float(0x7f800000); }
@@ -114,17 +116,28 @@ __device__ __forceinline__ const unsigned char* att_keep_base(const AttnShape& a
     return KEEP ? (const unsigned char*)a.keep + offset1<u64>(b, bd, a.keep_bs) : nullptr;
 }
 
-// The bits of attn_keep_tiles' summary of a block of the boolean mask.
-#define ATT_SEES 1u   // some pair of the block is kept
-#define ATT_HIDES 2u  // some pair of the block is masked
+// The bits of attn_keep_tiles' summary of a block of the mask.
+#define ATT_SEES 1u   // some pair of the block is kept (an additive mask's: is not -inf)
+#define ATT_HIDES 2u  // some pair of the block is masked (an additive mask's: is not 0)
 
-// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP). The
-// instances without a mask (KEEP false) compile to the bounds and causal tests alone.
+// Whether query qi may see key kj (km: the batch entry's boolean mask, read when KEEP; an
+// additive mask hides by its -inf, added by att_bias). The instances without a mask (KEEP
+// false) compile to the bounds and causal tests alone.
 template <bool KEEP>
 __device__ __forceinline__ bool att_keep(const AttnShape& a, const unsigned char* km, u64 qi,
                                          u64 kj) {
     return qi < a.tq && kj < a.tk && (!a.causal || kj <= qi) &&
-           (!KEEP || km[qi * a.keep_rs + kj * a.keep_cs]);
+           (!KEEP || a.bias || km[qi * a.keep_rs + kj * a.keep_cs]);
+}
+
+// An additive mask's value for a pair att_keep sees, times log2(e) (the scores' domain), or 0
+// (no additive mask). S: the storage type, the mask's.
+template <typename S, bool KEEP>
+__device__ __forceinline__ float att_bias(const AttnShape& a, const unsigned char* km, u64 qi,
+                                          u64 kj) {
+    return KEEP && a.bias
+               ? wide(*(const S*)(km + qi * a.keep_rs + kj * a.keep_cs)) * 1.4426950408889634f
+               : 0.f;
 }
 
 // Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
@@ -639,10 +652,13 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        s[n][e] = att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))
-                                      ? s[n][e] * a.scale2
+                    for (int e = 0; e < 4; ++e) {
+                        const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                        s[n][e] = att_keep<KEEP>(a, km, qi, kj)
+                                      ? (KEEP ? s[n][e] * a.scale2 + att_bias<S, KEEP>(a, km, qi, kj)
+                                              : s[n][e] * a.scale2)
                                       : -att_inf();
+                    }
             }
             float mx[2] = {-att_inf(), -att_inf()};
     #pragma unroll
@@ -785,16 +801,30 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             // P^T, then dS^T; masked weights 0 (tested only in tiles that cross the mask or
             // the edge), dropout's multiplier z drawn only where a weight is nonzero (z does
             // not change a zero weight's terms).
-    #pragma unroll
-            for (int n = 0; n < BQ / 8; ++n)
-    #pragma unroll
-                for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] * a.scale2 - cL[tc_col(n, e)]);
-            if (!tc_full<KEEP>(a, q0, BQ, w0, 16, kv))
+            if (KEEP && a.bias && !tc_full<KEEP>(a, q0, BQ, w0, 16, kv)) {
+                // An additive mask's values go in before the exponential.
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!att_keep<KEEP>(a, km, q0 + tc_col(n, e), w0 + tc_row(e))) st[n][e] = 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        const u64 qi = q0 + tc_col(n, e), kj = w0 + tc_row(e);
+                        st[n][e] = att_keep<KEEP>(a, km, qi, kj)
+                                       ? tc_exp2(st[n][e] * a.scale2 + att_bias<S, KEEP>(a, km, qi, kj) -
+                                                 cL[tc_col(n, e)])
+                                       : 0.f;
+                    }
+            } else {
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] * a.scale2 - cL[tc_col(n, e)]);
+                if (!tc_full<KEEP>(a, q0, BQ, w0, 16, kv))
+    #pragma unroll
+                    for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!att_keep<KEEP>(a, km, q0 + tc_col(n, e), w0 + tc_row(e))) st[n][e] = 0.f;
+            }
             if (a.dropout) {
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
@@ -887,16 +917,30 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
             O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
             // P, then dS (as in attn_tc_dkdv).
-    #pragma unroll
-            for (int n = 0; n < BK / 8; ++n)
-    #pragma unroll
-                for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]);
-            if (!tc_full<KEEP>(a, w0, 16, k0, BK, kv))
+            if (KEEP && a.bias && !tc_full<KEEP>(a, w0, 16, k0, BK, kv)) {
+                // An additive mask's values go in before the exponential.
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if (!att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
+                    for (int e = 0; e < 4; ++e) {
+                        const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
+                        s[n][e] = att_keep<KEEP>(a, km, qi, kj)
+                                      ? tc_exp2(s[n][e] * a.scale2 + att_bias<S, KEEP>(a, km, qi, kj) -
+                                                l2[e >> 1])
+                                      : 0.f;
+                    }
+            } else {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] * a.scale2 - l2[e >> 1]);
+                if (!tc_full<KEEP>(a, w0, 16, k0, BK, kv))
+    #pragma unroll
+                    for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            if (!att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
+            }
             if (a.dropout) {
                 // The forward's words of this warp and key tile (tc_mask_word), if kept.
                 const u32* mw = a.mask ? (const u32*)a.mask + tc_mask_word<BK>(a, b, w0, k0) : nullptr;

@@ -254,8 +254,7 @@ pub(crate) fn forward(
 }
 
 /// The backward on cuDNN, or `None` (nothing run) when not served; an error when the forward
-/// drew its dropout mask on cuDNN (`mask` is the marker) or had an additive mask (which kiln's
-/// kernels do not take) and cuDNN does not serve the backward.
+/// drew its dropout mask on cuDNN (`mask` is the marker) and cuDNN does not serve the backward.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
     q: Operand<'_, Buffer>,
@@ -277,17 +276,11 @@ pub(crate) fn backward(
         // kiln's kernels drew this mask (or none was kept): they draw it again.
         return Ok(None);
     }
-    let additive = attn_mask.is_some_and(|m| m.additive);
-    let must = cudnn_dropout || additive;
+    let must = cudnn_dropout;
     let refuse = || {
-        let why = if cudnn_dropout {
-            "the forward drew its dropout mask on cuDNN"
-        } else {
-            "the forward's additive mask ran on cuDNN (kiln's kernels take none)"
-        };
         Err(kiln_core::Error::invalid(
             OP,
-            format!("{why}, which does not serve this backward"),
+            "the forward drew its dropout mask on cuDNN, which does not serve this backward",
         ))
     };
     if !(must || asked(&bufs, dtype)) || q.1.rank() < 3 {

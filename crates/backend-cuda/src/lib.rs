@@ -287,6 +287,14 @@ fn mask_operand<'a>(
         })
 }
 
+/// A tensor mask as kiln's attention kernels take it.
+fn kernels_mask(m: attention_cudnn::MaskOperand<'_>) -> ops::attention::MaskOperand<'_> {
+    ops::attention::MaskOperand {
+        op: (m.buf, m.layout),
+        additive: m.additive,
+    }
+}
+
 fn same_device(op: &'static str, a: &memory::Buffer, b: &memory::Buffer) -> Result<()> {
     if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {
@@ -695,14 +703,12 @@ impl Backend for Cuda {
         let mask = mask_operand(&mask_buf, mask);
         let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let tf32 = blas::allow_tf32();
-        // cuDNN first (16-bit where its engines are wanted), then kiln's kernels, which take a
-        // boolean mask but no additive one (that composes).
+        // cuDNN first (16-bit where its engines are wanted), then kiln's kernels.
         let r = match attention_cudnn::forward(qo, ko, vo, mask, dtype, spec)? {
             Some(r) => Some(r),
-            None if mask.is_some_and(|m| m.additive) => None,
             None => {
-                let keep = mask.map(|m| (m.buf, m.layout));
-                ops::attention::forward(qo, ko, vo, keep, dtype, (spec, tf32))?
+                let mask = mask.map(kernels_mask);
+                ops::attention::forward(qo, ko, vo, mask, dtype, (spec, tf32))?
             }
         };
         Ok(r.map(|((o, ol), l, m)| {
@@ -734,14 +740,13 @@ impl Backend for Cuda {
         let (qo, ko, vo) = ((&*qb, q.1), (&*kb, k.1), (&*vb, v.1));
         let (oo, lo, go) = ((&*ob, out.1), (&*lb, lse.1), (&*gb, g.1));
         let mb = mb.as_deref();
-        // An additive mask's backward runs on cuDNN or fails there (its forward ran there).
         let on_cudnn = attention_cudnn::backward(qo, ko, vo, am, oo, lo, mb, go, dtype, spec)?;
         let r = match on_cudnn {
             Some(r) => Some(r),
             None => {
                 let spec = (spec, blas::allow_tf32());
-                let keep = am.filter(|m| !m.additive).map(|m| (m.buf, m.layout));
-                ops::attention::backward(qo, ko, vo, oo, lo, (mb, keep), go, dtype, spec)?
+                let am = am.map(kernels_mask);
+                ops::attention::backward(qo, ko, vo, oo, lo, (mb, am), go, dtype, spec)?
             }
         };
         Ok(r.map(|g| AttentionGrads {

@@ -116,14 +116,25 @@ struct AttnShape {
     drop_scale: f32,
     causal: i32,
     dropout: i32,
-    /// Device address of the boolean mask (nonzero: query i may see key j), 0 for none; batch
-    /// entry `b` at `keep + offset1(b, bd, keep_bs)`, element (i, j) at `i keep_rs + j keep_cs`.
+    /// Device address of the mask (boolean: nonzero where query i may see key j; or additive,
+    /// of the storage type), 0 for none; batch entry `b` at `keep + offset1(b, bd, keep_bs)`,
+    /// element (i, j) at `i keep_rs + j keep_cs`, all in bytes.
     keep: u64,
     keep_bs: Strides,
     keep_rs: u64,
     keep_cs: u64,
     /// Device address of the mask's summary per 16 x 16 block ([`keep_tiles`]), 0 for none.
     keep_tiles: u64,
+    /// Nonzero: the mask at `keep` is additive.
+    bias: u64,
+}
+
+/// A tensor mask of a call, in the scores' shape `[batch.., Tq, Tk]`: boolean (`u8`), or
+/// `additive` (of the call's dtype, added to the scaled scores).
+#[derive(Clone, Copy)]
+pub(crate) struct MaskOperand<'a> {
+    pub op: Operand<'a, Buffer>,
+    pub additive: bool,
 }
 
 /// One operand as the kernels read it: a buffer (the caller's, or a copy with a unit head
@@ -219,19 +230,23 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     }
 }
 
-/// The [`Plan`] of one call, or `None` when the kernels do not take it. `keep`: the boolean
-/// mask laid out in the scores' shape `[batch.., Tq, Tk]` (its batch strides join the
-/// operands' in the collapse of the batch axes).
+/// The [`Plan`] of one call, or `None` when the kernels do not take it. `keep`: the mask laid
+/// out in the scores' shape `[batch.., Tq, Tk]` (its batch strides join the operands' in the
+/// collapse of the batch axes) and whether it is additive.
 fn plan(
     views: &[&View<'_>],
     outs: &[&Layout],
-    keep: Option<&Layout>,
+    mask: Option<(&Layout, bool)>,
     dtype: DType,
     (spec, tf32): (AttentionSpec, bool),
     target: (u32, usize),
 ) -> Result<Option<Plan>> {
     let arch = target.0;
     const OP: &str = "scaled_dot_product_attention";
+    let keep = mask.map(|m| m.0);
+    let additive = mask.is_some_and(|m| m.1);
+    // The mask's strides in bytes: an additive mask has the call's dtype.
+    let esize = if additive { dtype.size_in_bytes() } else { 1 } as u64;
     let half = matches!(dtype, DType::F16 | DType::BF16);
     if !(dtype == DType::F32 || (half && fused_attention_16bit(arch))) {
         return Ok(None);
@@ -280,7 +295,7 @@ fn plan(
         .chain(outs.iter().chain(keep.as_slice()).map(|l| l.offset()))
         .collect();
     let (bd, ss) = collapse_dyn(OP, batch, &strides, &offsets)?;
-    let keep_strides = |i: usize| keep.map_or(0, |m| m.strides()[m.rank() - 2 + i] as u64);
+    let keep_strides = |i: usize| keep.map_or(0, |m| m.strides()[m.rank() - 2 + i] as u64 * esize);
     let g_rs = views.get(3).map_or(0, |g| g.row_stride());
     let shape = AttnShape {
         tq: tq as u64,
@@ -306,13 +321,17 @@ fn plan(
         dropout: (spec.dropout_p > 0.0) as i32,
         keep: 0, // the caller's buffer address, set by the caller
         keep_bs: if keep.is_some() {
-            ss[ss.len() - 1]
+            let mut s = ss[ss.len() - 1];
+            s.s.iter_mut().for_each(|x| *x *= esize);
+            s.offset *= esize;
+            s
         } else {
             Strides::default()
         },
         keep_rs: keep_strides(0),
         keep_cs: keep_strides(1),
         keep_tiles: 0,
+        bias: u64::from(additive),
     };
     // With a mask, f32 takes 3xTF32 even under `allow_tf32` and 16-bit only the tensor-core
     // kernels: the mask's instances exist for those (`attention_tc.cu`, `attention.cu`).
@@ -338,7 +357,7 @@ fn keep_tiles(
     dev: &'static crate::device::DeviceState,
     shape: &mut AttnShape,
     bd: Dims,
-    family: Family,
+    (family, dtype): (Family, DType),
     keep: bool,
 ) -> Result<Option<Buffer>> {
     if !keep || family == Family::Fma {
@@ -348,10 +367,19 @@ fn keep_tiles(
         shape.batch as usize * (shape.tq as usize).div_ceil(16) * (shape.tk as usize).div_ceil(16);
     let tiles = alloc(dev, blocks)?;
     let mut a = Args::new();
+    // An additive mask's element size and the bits of its -inf.
+    let (nbytes, neg_inf): (u32, u32) = match (shape.bias != 0, dtype) {
+        (false, _) => (0, 0),
+        (true, DType::F16) => (2, 0xfc00),
+        (true, DType::BF16) => (2, 0xff80),
+        (true, _) => (4, 0xff80_0000),
+    };
     a.push(shape.keep)
         .push(tiles.device_ptr())
         .push(*shape)
-        .push(bd);
+        .push(bd)
+        .push(nbytes)
+        .push(neg_inf);
     // One warp per block, eight warps per thread block.
     let grid = (
         blocks.div_ceil(8).min(dev.sm_count() as usize * 32) as u32,
@@ -381,15 +409,15 @@ pub(crate) fn forward(
     q: Operand<'_, Buffer>,
     k: Operand<'_, Buffer>,
     v: Operand<'_, Buffer>,
-    keep: Option<Operand<'_, Buffer>>,
+    keep: Option<MaskOperand<'_>>,
     dtype: DType,
     spec: (AttentionSpec, bool),
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention";
     same_device(OP, q.0, k.0)?;
     same_device(OP, q.0, v.0)?;
-    if let Some((m, _)) = keep {
-        same_device(OP, q.0, m)?;
+    if let Some(m) = keep {
+        same_device(OP, q.0, m.op.0)?;
     }
     let dev = q.0.state();
     dev.bind()?;
@@ -410,7 +438,7 @@ pub(crate) fn forward(
     }) = plan(
         &[&qv, &kv, &vv],
         &[&o_layout],
-        keep.map(|m| m.1),
+        keep.map(|m| (m.op.1, m.additive)),
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -418,8 +446,8 @@ pub(crate) fn forward(
     else {
         return Ok(None);
     };
-    shape.keep = keep.map_or(0, |m| m.0.device_ptr());
-    let _tiles = keep_tiles(dev, &mut shape, bd, family, keep.is_some())?;
+    shape.keep = keep.map_or(0, |m| m.op.0.device_ptr());
+    let _tiles = keep_tiles(dev, &mut shape, bd, (family, dtype), keep.is_some())?;
     shape.o_rs = row_stride(&o_layout);
     let (nb, tq, dv) = (shape.batch as usize, shape.tq as usize, shape.dv as usize);
     let out = alloc(dev, nb * tq * dv * dtype.size_in_bytes())?;
@@ -465,7 +493,7 @@ pub(crate) fn backward(
     v: Operand<'_, Buffer>,
     out: Operand<'_, Buffer>,
     lse: Operand<'_, Buffer>,
-    (mask, keep): (Option<&Buffer>, Option<Operand<'_, Buffer>>),
+    (mask, keep): (Option<&Buffer>, Option<MaskOperand<'_>>),
     g: Operand<'_, Buffer>,
     dtype: DType,
     spec: (AttentionSpec, bool),
@@ -473,7 +501,7 @@ pub(crate) fn backward(
     const OP: &str = "scaled_dot_product_attention_backward";
     for x in [k.0, v.0, out.0, lse.0, g.0]
         .into_iter()
-        .chain(keep.map(|m| m.0))
+        .chain(keep.map(|m| m.op.0))
     {
         same_device(OP, q.0, x)?;
     }
@@ -507,7 +535,7 @@ pub(crate) fn backward(
     }) = plan(
         &[&qv, &kv, &vv, &gv],
         &[&ov.layout, &dq_l, &dk_l, &dv_l],
-        keep.map(|m| m.1),
+        keep.map(|m| (m.op.1, m.additive)),
         dtype,
         spec,
         (dev.arch(), dev.smem_optin()),
@@ -515,8 +543,8 @@ pub(crate) fn backward(
     else {
         return Ok(None);
     };
-    shape.keep = keep.map_or(0, |m| m.0.device_ptr());
-    let _tiles = keep_tiles(dev, &mut shape, bd, family, keep.is_some())?;
+    shape.keep = keep.map_or(0, |m| m.op.0.device_ptr());
+    let _tiles = keep_tiles(dev, &mut shape, bd, (family, dtype), keep.is_some())?;
     shape.o_rs = ov.row_stride();
     shape.dq_rs = row_stride(&dq_l);
     shape.dk_rs = row_stride(&dk_l);
@@ -702,6 +730,6 @@ mod tests {
     fn shape_struct_matches_the_kernel() {
         // 15 u64 + 4 f32 + 2 i32, then the mask's address, its batch strides (8 u64 and an
         // offset), its two strides and its summary's address.
-        assert_eq!(std::mem::size_of::<AttnShape>(), 144 + 8 + 72 + 16 + 8);
+        assert_eq!(std::mem::size_of::<AttnShape>(), 144 + 8 + 72 + 16 + 8 + 8);
     }
 }

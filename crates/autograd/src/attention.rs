@@ -29,17 +29,17 @@
 //! returns the output and each row's log-sum-exp. The result is ONE recorded node that saves
 //! `q`, `k`, `v`, the output and the log-sum-exps; its backward is the backend's
 //! [`Backend::attention_backward`], which recomputes the weights tile by tile from them. The
-//! fused path is taken for no mask, the causal mask or a boolean mask (`u8`, viewed in the
-//! scores' shape with zero strides where it broadcasts: a key-padding mask `[n, 1, 1, s]` is
-//! read in place), with or without dropout, for q, k, v
-//! with the same batch axes, where the backend offers the call (on CUDA: f32, and f16/bf16 on
-//! sm_80+, on cuDNN's engines first on sm_90+ when no tensor mask is given; head sizes up to
-//! 128; see `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside
-//! the kernels: the mask of weight `n` comes from Philox with counter `n` and the key of the
-//! generator's next draw, regenerated in the backward (never stored) — the very mask the
-//! composed path draws with `rand_like` in f32, so the two paths agree with the same generator
-//! state. Everything else — additive masks, f64, the CPU and the reference
-//! backend — runs composed, as below, and that
+//! fused path is taken for no mask, the causal mask, a boolean mask (`u8`) or an additive one
+//! (of the inputs' dtype; under autocast cast to the kernels' dtype), each viewed in the
+//! scores' shape with zero strides where it broadcasts (a key-padding mask `[n, 1, 1, s]` is
+//! read in place), with or without dropout, for q, k, v with the same batch axes, where the
+//! backend offers the call (on CUDA: f32, and f16/bf16 on sm_80+, on cuDNN's engines first on
+//! sm_90+, a tensor mask there as a bias added to the scores; head sizes up to 128; see
+//! `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside the kernels: the mask of
+//! weight `n` comes from Philox with counter `n` and the key of the generator's next draw,
+//! regenerated in the backward (never stored) — the very mask the composed path draws with
+//! `rand_like` in f32, so the two paths agree with the same generator state. Everything else —
+//! f64, the CPU and the reference backend — runs composed, as below, and that
 //! composition is the reference the fused kernel is tested against. Under [`autocast`] the
 //! fused path runs in the low dtype (PyTorch's autocast does the same for SDPA), with f32 math
 //! inside the kernel. [`composed_attention`] turns the fused path off for the calling thread

@@ -53,8 +53,8 @@
 //!   backward calls the library's two gradients; `None` where the backend offers none (the
 //!   CPU), and kiln-nn then keeps its im2col path.
 //! - [`Var::scaled_dot_product_attention`] (causal, boolean or additive masks, dropout) is one
-//!   node of the backend's fused flash-style kernel where it offers one (CUDA; no mask or
-//!   causal, dropout inside the kernel), else two batched products around one masked-softmax
+//!   node of the backend's fused flash-style kernel where it offers one (CUDA; every mask,
+//!   dropout inside the kernel), else two batched products around one masked-softmax
 //!   node; fully masked rows give zeros, not NaN. [`Var::packed_self_attention`] is multi-head
 //!   self-attention of a packed `[.., T, 3E]` projection as one node: on the fused path its
 //!   gradient is one buffer the kernels write, with no zero-fill, slice assignment or sum.

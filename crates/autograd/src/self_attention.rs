@@ -17,8 +17,8 @@
 //! `[.., T, 3E]` buffer in their own layouts (`kiln_core::attention_packed_layouts`): that buffer
 //! is the projection's gradient as is. A backend that returns them apart costs one `cat`.
 //!
-//! Where the fused path does not apply (additive masks, f64, the CPU, the
-//! reference backend, [`composed_attention`](crate::composed_attention)) it runs the composed
+//! Where the fused path does not apply (f64, the CPU, the reference backend,
+//! [`composed_attention`](crate::composed_attention)) it runs the composed
 //! views above with autograd through them: the same numbers, graph and dropout draws as
 //! before this op existed.
 

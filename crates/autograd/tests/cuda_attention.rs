@@ -1201,8 +1201,8 @@ fn cudnn_attention_replays_in_a_cuda_graph() {
     }
 }
 
-/// The boolean masks of [`masks_fuse_on_kiln_kernels_and_match_the_composed_path`] for `[b, h, tq, tk]`
-/// scores, as `u8` values with their shapes: a key-padding mask `[b, tk]` (PyTorch's `True` =
+/// The boolean masks of [`masks_fuse_on_kiln_kernels_and_match_the_composed_path`] for
+/// `[b, h, tq, tk]` scores, as `u8` values with their shapes: a key-padding mask `[b, tk]` (PyTorch's `True` =
 /// padding; sequence 0 pads its last third, the last sequence is all padding: its queries see
 /// no key), a per-head mask `[b, h, tq, tk]` (about three in four kept; query 5 of entry (0, 1)
 /// sees nothing), and one `[tq, tk]` mask shared by every head.

@@ -47,13 +47,15 @@
 //! `Ok(None)` ("not offered") for: f64 and non-float dtypes, head sizes (`d` or `dv`) above
 //! 128, `Tq` or `Tk` of 0, batch axes that differ between the operands (broadcast `k`/`v`),
 //! more than 65535 tiles of queries or keys. kiln-autograd then composes attention from
-//! products and a softmax, which also handles additive masks.
+//! products and a softmax.
 //!
-//! A boolean mask (`u8` in the scores' shape, any strides: a key-padding mask broadcast over
-//! heads and queries has zero strides there) is read by the kernels where they test causality
-//! and the matrix's edges (`att_keep`): a tile then always tests its elements, and a row that
-//! sees no key gets zeros and a log-sum-exp of `+inf`, as a causal row past `Tk` would. cuDNN's
-//! engines are not asked for such calls (their graph here takes no mask). The mask's kernel
+//! A tensor mask in the scores' shape (any strides: a key-padding mask broadcast over heads
+//! and queries has zero strides there) is read by the kernels where they test causality and
+//! the matrix's edges: a boolean one (`u8`) by `att_keep`, an additive one (of the storage
+//! type, `AttnShape::bias`) added by `att_bias` to the scaled scores before the exponential. A
+//! tile that crosses the mask tests (and adds) its elements, and a row that sees no key gets
+//! zeros and a log-sum-exp of `+inf`, as a causal row past `Tk` would. (16-bit calls with a
+//! tensor mask go to cuDNN's engines first on sm_90+, `attention_cudnn.rs`.) The mask's kernel
 //! instances are few (every group ships prebuilt in every binary): f32 with a mask runs 3xTF32
 //! even under `allow_tf32` (or the FMA kernels where tensor cores do not run), and f16/bf16
 //! with a mask run the tensor-core kernels or compose.

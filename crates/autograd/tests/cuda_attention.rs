@@ -1429,8 +1429,8 @@ fn masked_lse(
 /// scores): forward and backward one cuDNN call each, against the f64 composed path on the CPU
 /// within bf16's and f16's precision, for a key-padding mask with a sequence that is all padding
 /// (its outputs and dQ exactly 0, as on kiln's kernels), a per-head mask with a fully masked
-/// row and a 2-D mask, each as a `u8` mask and as an additive one; at a second shape whose rows
-/// are 16-byte aligned the additive mask is read in place.
+/// row and a 2-D mask, each as a `u8` mask and as an additive one (f16: the padding mask); at a
+/// second shape whose rows are 16-byte aligned the additive mask is read in place.
 #[test]
 fn masks_on_cudnn_match_the_composed_path() {
     let Some(dev) = gpu_or_skip(0) else { return };
@@ -1440,7 +1440,12 @@ fn masks_on_cudnn_match_the_composed_path() {
         .into_iter()
         .enumerate()
     {
+        // Each new mask layout builds two graphs (about half a second each): f16 and the second
+        // shape take the padding mask only.
         for (dtype, tol) in [(DType::BF16, 3e-2), (DType::F16, 1e-2)] {
+            if i > 0 && dtype == DType::F16 {
+                continue;
+            }
             let x = |seed, dims: &[usize]| normal::<Cuda>(dims, seed, dtype, &dev);
             let (q, k, v, g) = (
                 x(11, &[b, h, tq, d]),
@@ -1452,7 +1457,8 @@ fn masks_on_cudnn_match_the_composed_path() {
                 t.realize().unwrap();
             }
             let masks = boolean_masks((b, h, tq, tk));
-            for m in masks.iter().take(if i == 0 { 3 } else { 1 }) {
+            let all = i == 0 && dtype == DType::BF16;
+            for m in masks.iter().take(if all { 3 } else { 1 }) {
                 for additive in [false, true] {
                     if i > 0 && !additive {
                         continue;

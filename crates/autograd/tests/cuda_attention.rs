@@ -1430,7 +1430,8 @@ fn masked_lse(
 /// within bf16's and f16's precision, for a key-padding mask with a sequence that is all padding
 /// (its outputs and dQ exactly 0, as on kiln's kernels), a per-head mask with a fully masked
 /// row and a 2-D mask, each as a `u8` mask and as an additive one (f16: the padding mask); at a
-/// second shape whose rows are 16-byte aligned the additive mask is read in place.
+/// second shape whose rows are 16-byte aligned the additive mask is read in place; and under
+/// bf16 autocast, an f32 additive mask (cast to bf16 for the fused call).
 #[test]
 fn masks_on_cudnn_match_the_composed_path() {
     let Some(dev) = gpu_or_skip(0) else { return };
@@ -1512,5 +1513,39 @@ fn masks_on_cudnn_match_the_composed_path() {
                 }
             }
         }
+    }
+    // Under autocast an f32 additive mask follows the kernels' dtype (cast before it is
+    // broadcast, as the composed path casts it to the scores' f32).
+    let (b, h, tq, tk, d) = (2, 3, 50, 70, 64);
+    let x = |seed, dims: &[usize]| normal::<Cuda>(dims, seed, DType::F32, &dev);
+    let (q, k, v, g) = (
+        x(21, &[b, h, tq, d]),
+        x(22, &[b, h, tk, d]),
+        x(23, &[b, h, tk, d]),
+        x(24, &[b, h, tq, d]),
+    );
+    let (on_gpu, on_host) = additive_mask(&boolean_masks((b, h, tq, tk))[0], DType::F32, &dev);
+    let before = kiln_backend_cuda::cudnn_attention_calls();
+    let got = {
+        let _amp = kiln_autograd::autocast(DType::BF16).unwrap();
+        run_masked(&q, &k, &v, &g.to_dtype(DType::BF16).unwrap(), &on_gpu, None)
+    };
+    let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
+    assert_eq!(calls, 2, "autocast: forward and backward on cuDNN");
+    let want = run_masked(
+        &on_cpu(&q),
+        &on_cpu(&k),
+        &on_cpu(&v),
+        &on_cpu(&g),
+        &on_host,
+        None,
+    );
+    for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        assert_close(
+            &format!("autocast, f32 additive mask: {name}"),
+            got,
+            want,
+            3e-2,
+        );
     }
 }

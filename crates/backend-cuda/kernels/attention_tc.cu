@@ -519,6 +519,23 @@ __device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 
     return a.causal && k0 > q0 + nq - 1;
 }
 
+// Adds an additive mask's values (times log2(e)) to NT m16n8 fragments x of a tile that lies
+// inside the matrix: `base` addresses the value of fragment row tc_row(0) and column
+// tc_col(0, 0), fragment rows are rstride bytes apart and columns cstride. The addresses step
+// from that one base, where att_keep and att_bias would compute each from its indices (an
+// additive mask hides nothing the tile skips: every element reads its value).
+template <typename S, int NT>
+__device__ __forceinline__ void tc_add_bias(float x[NT][4], const unsigned char* base,
+                                            u64 rstride, u64 cstride) {
+    const u64 r8 = 8 * rstride, c8 = 8 * cstride;
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            x[n][e] += wide(*(const S*)(base + (e >> 1) * r8 + n * c8 + (e & 1) * cstride)) *
+                       1.4426950408889634f;
+}
+
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
 // [nrows, ncols] output `out` of row stride `rs` (columns < ncols; unit column stride).
 // ---- Dropout bits kept by the forward for the backward (AttnShape::mask) ----
@@ -648,6 +665,14 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
+            } else if (KEEP && a.bias && tc_full<false>(a, w0, 16, k0, BK, kv)) {
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
+                tc_add_bias<S, BK / 8>(
+                    s, km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
+                    a.keep_rs, a.keep_cs);
             } else {
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
@@ -801,8 +826,23 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             // P^T, then dS^T; masked weights 0 (tested only in tiles that cross the mask or
             // the edge), dropout's multiplier z drawn only where a weight is nonzero (z does
             // not change a zero weight's terms).
-            if (KEEP && a.bias && !tc_full<KEEP>(a, q0, BQ, w0, 16, kv)) {
-                // An additive mask's values go in before the exponential.
+            if (KEEP && a.bias && !tc_full<KEEP>(a, q0, BQ, w0, 16, kv) &&
+                tc_full<false>(a, q0, BQ, w0, 16, kv)) {
+                // An additive mask's values go in before the exponential (rows keys, columns
+                // queries here).
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) st[n][e] *= a.scale2;
+                tc_add_bias<S, BQ / 8>(
+                    st, km + (q0 + tc_col(0, 0)) * a.keep_rs + (w0 + tc_row(0)) * a.keep_cs,
+                    a.keep_cs, a.keep_rs);
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) st[n][e] = tc_exp2(st[n][e] - cL[tc_col(n, e)]);
+            } else if (KEEP && a.bias && !tc_full<KEEP>(a, q0, BQ, w0, 16, kv)) {
+                // The same across the matrix's edge or the causal diagonal, element by element.
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
     #pragma unroll
@@ -917,8 +957,22 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             O::template nt<DT, BK / 8, DT>(s, sQ + warp * 16 * P, cK);
             O::template nt<DT, BK / 8, DT>(dp, sG + warp * 16 * P, cV);
             // P, then dS (as in attn_tc_dkdv).
-            if (KEEP && a.bias && !tc_full<KEEP>(a, w0, 16, k0, BK, kv)) {
+            if (KEEP && a.bias && !tc_full<KEEP>(a, w0, 16, k0, BK, kv) &&
+                tc_full<false>(a, w0, 16, k0, BK, kv)) {
                 // An additive mask's values go in before the exponential.
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
+                tc_add_bias<S, BK / 8>(
+                    s, km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
+                    a.keep_rs, a.keep_cs);
+    #pragma unroll
+                for (int n = 0; n < BK / 8; ++n)
+    #pragma unroll
+                    for (int e = 0; e < 4; ++e) s[n][e] = tc_exp2(s[n][e] - l2[e >> 1]);
+            } else if (KEEP && a.bias && !tc_full<KEEP>(a, w0, 16, k0, BK, kv)) {
+                // The same across the matrix's edge or the causal diagonal, element by element.
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll

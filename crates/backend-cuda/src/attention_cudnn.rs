@@ -199,7 +199,7 @@ fn sdpa_call<'a>(
 }
 
 /// Whether the call may go to cuDNN at all: 16-bit, one device, cuDNN wanted there.
-pub(crate) fn asked(bufs: &[&Buffer], dtype: DType) -> bool {
+fn asked(bufs: &[&Buffer], dtype: DType) -> bool {
     let dev = bufs[0].state();
     bufs.iter().all(|b| b.state().ordinal() == dev.ordinal()) && sdpa_wanted(dev.arch(), dtype)
 }

@@ -256,7 +256,6 @@ fn dims4(l: &Layout) -> Result<[usize; 4]> {
         .map_err(|_| Error::invalid("conv2d", format!("expects rank 4, got {:?}", l.dims())))
 }
 
-/// An error unless both buffers live on one device.
 /// A fused attention call's tensor mask: its buffer (realized), and its layout and kind
 /// (additive or not).
 type MaskParts<'a> = (
@@ -295,6 +294,7 @@ fn kernels_mask(m: attention_cudnn::MaskOperand<'_>) -> ops::attention::MaskOper
     }
 }
 
+/// An error unless both buffers live on one device.
 fn same_device(op: &'static str, a: &memory::Buffer, b: &memory::Buffer) -> Result<()> {
     if a.state().ordinal() != b.state().ordinal() {
         return Err(Error::DeviceMismatch {

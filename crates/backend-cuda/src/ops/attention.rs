@@ -232,9 +232,9 @@ pub fn fused_attention_16bit(arch: u32) -> bool {
     }
 }
 
-/// The [`Plan`] of one call, or `None` when the kernels do not take it. `keep`: the mask laid
-/// out in the scores' shape `[batch.., Tq, Tk]` (its batch strides join the operands' in the
-/// collapse of the batch axes) and whether it is additive.
+/// The [`Plan`] of one call, or `None` when the kernels do not take it. `mask`: the tensor
+/// mask's layout in the scores' shape `[batch.., Tq, Tk]` (its batch strides join the operands'
+/// in the collapse of the batch axes) and whether it is additive.
 fn plan(
     views: &[&View<'_>],
     outs: &[&Layout],

@@ -103,10 +103,10 @@ impl<B: Backend> std::ops::Deref for VarRef<B> {
 
 impl<B: Backend> Edge<B> {
     /// `Ok` when `g` can be this input's gradient: of its shape, dtype and device (a leaf's
-    /// current ones, an op output's as recorded); else the input, described.
-    fn fits(&self, g: &Tensor<B>) -> std::result::Result<(), String> {
+    /// current ones, an op output's as recorded); else the input, described. `leaf`: whether
+    /// the input is a leaf (the caller read it).
+    fn fits(&self, g: &Tensor<B>, leaf: bool) -> std::result::Result<(), String> {
         // A leaf's current value, read in place (no clone of the tensor per gradient).
-        let leaf = matches!(*lock(&self.var.creator), Creator::Leaf);
         let data = leaf.then(|| self.var.data.read().unwrap_or_else(|e| e.into_inner()));
         let (shape, dtype, device) = match data.as_deref().and_then(Option::as_ref) {
             Some(t) => (t.shape(), t.dtype(), t.device()),
@@ -126,6 +126,16 @@ impl<B: Backend> VarRef<B> {
         debug_assert!(self.node().is_none(), "leaf_var on an op output");
         Var::from_inner(self.0.clone())
     }
+}
+
+/// What an input of a node was when `backward` started ([`Inner::was`]): read once per edge
+/// in [`topo_order`], since every read of a creator takes a lock (a logistic-regression step's
+/// backward took ~200 of them).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Was {
+    Leaf,
+    Op,
+    Freed(&'static str),
 }
 
 enum Creator<B: Backend> {
@@ -157,6 +167,15 @@ impl<B: Backend> Inner<B> {
         match &*lock(&self.creator) {
             Creator::Op(n) => Some(n.clone()),
             _ => None,
+        }
+    }
+
+    /// What this variable is now (one lock; `node` also clones the node).
+    fn was(&self) -> Was {
+        match &*lock(&self.creator) {
+            Creator::Leaf => Was::Leaf,
+            Creator::Op(_) => Was::Op,
+            Creator::Freed(n) => Was::Freed(n),
         }
     }
 
@@ -637,33 +656,43 @@ impl<B: Backend> Var<B> {
                  computed under no_grad)",
             ));
         }
-        let order = topo_order(self);
+        let Order { steps, inputs } = topo_order(self);
         // Where each leaf gets its last contribution: the earliest position (in post-order)
         // of a node that consumes it. Walking backwards, the leaf's gradient is complete
         // once that node has run, so it is accumulated and its hooks run right then.
         let mut last_use: FastMap<VarId, usize> = FastMap::default();
-        for (pos, v) in order.iter().enumerate() {
-            if let Some(node) = v.node() {
-                for (e, &need) in node.inputs.iter().zip(&node.needs) {
-                    if need && e.var.node().is_none() && e.var.freed_name().is_none() {
+        for (pos, step) in steps.iter().enumerate() {
+            if let Some(node) = &step.node {
+                let was = &inputs[step.inputs..];
+                for ((e, &need), &w) in node.inputs.iter().zip(&node.needs).zip(was) {
+                    if need && w == Was::Leaf {
                         last_use.entry(e.var.id()).or_insert(pos);
                     }
                 }
             }
         }
-        let mut flush_at: FastMap<usize, Vec<Var<B>>> = FastMap::default();
-        let mut grads: FastMap<VarId, Tensor<B>> = FastMap::default();
-        grads.insert(self.id(), seed);
-        // `order` is post-order (inputs first): walk it from the output back. Every consumer of
+        let mut pass = Pass {
+            grads: FastMap::default(),
+            last_use,
+            flush_at: FastMap::default(),
+        };
+        pass.grads.insert(self.id(), seed);
+        // `steps` is post-order (inputs first): walk it from the output back. Every consumer of
         // a node comes later in the order, so once the node has run nothing reads it again:
-        // without `retain_graph` it is freed right away, and the tensors it saved with it.
-        for (pos, v) in order.iter().enumerate().rev() {
-            Self::backward_node(v, pos, &mut grads, &last_use, &mut flush_at)?;
+        // without `retain_graph` it is freed right away, and the tensors it saved with it (the
+        // step holds the node too: dropped before the leaves' hooks run).
+        for (pos, step) in steps.into_iter().enumerate().rev() {
+            let was = step
+                .node
+                .as_ref()
+                .map_or(&[][..], |_| &inputs[step.inputs..]);
+            pass.node(&step, was, pos)?;
             if !retain_graph {
-                v.free_graph();
+                step.var.free_graph();
             }
-            for leaf in flush_at.remove(&pos).unwrap_or_default() {
-                leaf.flush_grad(&mut grads)?;
+            drop(step);
+            for leaf in pass.flush_at.remove(&pos).unwrap_or_default() {
+                leaf.flush_grad(&mut pass.grads)?;
             }
         }
         Ok(())
@@ -680,27 +709,34 @@ impl<B: Backend> Var<B> {
         }
         Ok(())
     }
+}
 
-    /// One step of [`Var::backward_opts`]: runs `v`'s backward (the node at `pos` of the
-    /// order) with its gradient from `grads` and adds the input gradients there; leaves seen for
-    /// the first time are queued in `flush_at` at their last use.
+/// The state of one backward pass ([`Var::backward_opts`]).
+struct Pass<B: Backend> {
+    /// Gradients so far, of the op outputs not yet run and of the leaves not yet flushed.
+    grads: FastMap<VarId, Tensor<B>>,
+    /// Each leaf's last consumer's position in the order.
+    last_use: FastMap<VarId, usize>,
+    /// The leaves whose gradients are complete after the node at a position.
+    flush_at: FastMap<usize, Vec<Var<B>>>,
+}
+
+impl<B: Backend> Pass<B> {
+    /// Runs the backward of `step` (the node at `pos` of the order; `was`: its inputs' kinds)
+    /// with its gradient from `grads` and adds the input gradients there; leaves seen for the
+    /// first time are queued in `flush_at` at their last use.
     ///
     /// Leaves with gradient hooks whose last use is this node come first: when the node also
     /// has other inputs to differentiate, its backward runs twice with disjoint `needs` (hooked
     /// leaves, then the rest) and those leaves are accumulated and their hooks run in between,
     /// so that a hook's work (DDP's all-reduce) is queued before the rest of the node's (the
     /// input's gradient) and overlaps it.
-    fn backward_node(
-        v: &VarRef<B>,
-        pos: usize,
-        grads: &mut FastMap<VarId, Tensor<B>>,
-        last_use: &FastMap<VarId, usize>,
-        flush_at: &mut FastMap<usize, Vec<Var<B>>>,
-    ) -> Result<()> {
-        let Some(g) = grads.remove(&v.id()) else {
+    fn node(&mut self, step: &Step<B>, was: &[Was], pos: usize) -> Result<()> {
+        let v = &step.var;
+        let Some(g) = self.grads.remove(&v.id()) else {
             return Ok(());
         };
-        let Some(node) = v.node() else {
+        let Some(node) = &step.node else {
             // A leaf (only the output itself can be a leaf here).
             v.accumulate_grad(g)?;
             v.leaf_var().run_grad_hooks()?;
@@ -713,39 +749,39 @@ impl<B: Backend> Var<B> {
         // Leaf inputs with gradient hooks whose last use this is: their gradients are
         // complete once this node's backward for them ran, so they go first (and their hooks
         // run) before the other inputs' (rare: built only when there is one).
-        let first_of = |(e, &need): (&Edge<B>, &bool)| {
-            need && e.var.node().is_none()
+        let last_use = &self.last_use;
+        let first_of = |((e, &need), &w): ((&Edge<B>, &bool), &Was)| {
+            need && w == Was::Leaf
                 && last_use.get(&e.var.id()) == Some(&pos)
                 && e.var.has_grad_hooks()
         };
-        let inputs = || node.inputs.iter().zip(needs);
+        let inputs = || node.inputs.iter().zip(needs).zip(was);
         if inputs().any(first_of) {
             let first: Vec<bool> = inputs().map(first_of).collect();
             let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
             if rest.iter().any(|&r| r) {
                 let early = (node.backward)(&g, &first)?;
-                Self::add_input_grads(&node, early, &first, grads, last_use, flush_at)?;
+                self.add_input_grads(node, was, early, &first)?;
                 for (e, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
-                    e.var.leaf_var().flush_grad(grads)?;
+                    e.var.leaf_var().flush_grad(&mut self.grads)?;
                 }
                 let late = (node.backward)(&g, &rest)?;
-                return Self::add_input_grads(&node, late, &rest, grads, last_use, flush_at);
+                return self.add_input_grads(node, was, late, &rest);
             }
         }
         let input_grads = (node.backward)(&g, needs)?;
         drop(g);
-        Self::add_input_grads(&node, input_grads, needs, grads, last_use, flush_at)
+        self.add_input_grads(node, was, input_grads, needs)
     }
 
     /// Adds the gradients a node's backward returned for the inputs marked in `wanted` to
-    /// `grads`, checking each against its input.
+    /// `grads`, checking each against its input (`was`: the inputs' kinds).
     fn add_input_grads(
+        &mut self,
         node: &Node<B>,
+        was: &[Was],
         input_grads: InputGrads<B>,
         wanted: &[bool],
-        grads: &mut FastMap<VarId, Tensor<B>>,
-        last_use: &FastMap<VarId, usize>,
-        flush_at: &mut FastMap<usize, Vec<Var<B>>>,
     ) -> Result<()> {
         const OP: &str = "backward";
         if input_grads.len() != node.inputs.len() {
@@ -759,12 +795,13 @@ impl<B: Backend> Var<B> {
                 ),
             ));
         }
-        for ((e, gi), need) in node.inputs.iter().zip(input_grads).zip(wanted) {
+        for (((e, gi), need), &w) in node.inputs.iter().zip(input_grads).zip(wanted).zip(was) {
             let Some(gi) = gi else { continue };
             if !need {
                 continue;
             }
-            if let Err(input) = e.fits(&gi) {
+            let is_leaf = w == Was::Leaf;
+            if let Err(input) = e.fits(&gi, is_leaf) {
                 return Err(Error::invalid(
                     OP,
                     format!(
@@ -776,8 +813,7 @@ impl<B: Backend> Var<B> {
                     ),
                 ));
             }
-            let input = &e.var;
-            if let Some(name) = input.freed_name() {
+            if let Was::Freed(name) = w {
                 return Err(Error::invalid(
                     OP,
                     format!(
@@ -788,8 +824,8 @@ impl<B: Backend> Var<B> {
                     ),
                 ));
             }
-            let is_leaf = input.node().is_none();
-            match grads.remove(&input.id()) {
+            let input = &e.var;
+            match self.grads.remove(&input.id()) {
                 Some(acc) => {
                     let sum = acc.add(&gi)?;
                     if !is_leaf {
@@ -801,13 +837,16 @@ impl<B: Backend> Var<B> {
                         // read a layer. Stored once, each reader reads it.
                         sum.realize()?;
                     }
-                    grads.insert(input.id(), sum);
+                    self.grads.insert(input.id(), sum);
                 }
                 None => {
-                    if is_leaf && let Some(pos) = last_use.get(&input.id()) {
-                        flush_at.entry(*pos).or_default().push(input.leaf_var());
+                    if is_leaf && let Some(pos) = self.last_use.get(&input.id()) {
+                        self.flush_at
+                            .entry(*pos)
+                            .or_default()
+                            .push(input.leaf_var());
                     }
-                    grads.insert(input.id(), gi);
+                    self.grads.insert(input.id(), gi);
                 }
             }
         }
@@ -842,27 +881,62 @@ fn check_like<B: Backend>(
     Ok(())
 }
 
+/// The backward pass's order ([`topo_order`]): its steps, and the kinds of their nodes'
+/// inputs.
+struct Order<B: Backend> {
+    steps: Vec<Step<B>>,
+    /// What each step's node's inputs were, from `Step::inputs` on, one per edge.
+    inputs: Vec<Was>,
+}
+
+/// One variable of the backward pass: an op output (or the root, which may be a leaf) with its
+/// node, read once.
+struct Step<B: Backend> {
+    var: VarRef<B>,
+    node: Option<Arc<Node<B>>>,
+    /// Where its inputs' kinds start in [`Order::inputs`].
+    inputs: usize,
+}
+
 /// The op outputs reachable from `root` through inputs that need a gradient, in post-order
-/// (every variable after all of its inputs). Iterative, so deep graphs (long RNN unrolls) do not
-/// overflow the stack.
-fn topo_order<B: Backend>(root: &Var<B>) -> Vec<VarRef<B>> {
-    let mut order = Vec::new();
+/// (every variable after all of its inputs), with what every input of theirs is. Iterative, so
+/// deep graphs (long RNN unrolls) do not overflow the stack.
+fn topo_order<B: Backend>(root: &Var<B>) -> Order<B> {
+    enum Visit<B: Backend> {
+        Enter(VarRef<B>),
+        Leave(Step<B>),
+    }
+    let mut order = Order {
+        steps: Vec::new(),
+        inputs: Vec::new(),
+    };
     let mut seen = FastSet::default();
-    let mut stack = vec![(VarRef(root.0.clone()), false)];
-    while let Some((v, expanded)) = stack.pop() {
-        if expanded {
-            order.push(v);
-            continue;
-        }
+    let mut stack = vec![Visit::Enter(VarRef(root.0.clone()))];
+    while let Some(visit) = stack.pop() {
+        let v = match visit {
+            Visit::Leave(step) => {
+                order.steps.push(step);
+                continue;
+            }
+            Visit::Enter(v) => v,
+        };
         if !seen.insert(v.id()) {
             continue;
         }
         let node = v.node();
-        stack.push((v, true));
+        let inputs = order.inputs.len();
+        // Left after its inputs (pushed after it, so popped first).
+        stack.push(Visit::Leave(Step {
+            var: v,
+            node: node.clone(),
+            inputs,
+        }));
         if let Some(node) = node {
             for (e, &need) in node.inputs.iter().zip(&node.needs) {
-                if need && e.var.node().is_some() && !seen.contains(&e.var.id()) {
-                    stack.push((e.var.clone(), false));
+                let was = e.var.was();
+                order.inputs.push(was);
+                if need && was == Was::Op && !seen.contains(&e.var.id()) {
+                    stack.push(Visit::Enter(e.var.clone()));
                 }
             }
         }

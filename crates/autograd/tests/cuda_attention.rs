@@ -1549,3 +1549,97 @@ fn masks_on_cudnn_match_the_composed_path() {
         );
     }
 }
+
+/// Rows whose log-sum-exps fall below `-ln(f32::MAX)` (~ -88.7) under a mask on cuDNN: every
+/// score about -120 (query feature 0 is 1, key feature 0 is -120·√d, as a "massive activation"
+/// head gives) under a keep-all boolean mask and an all-zero additive one, at Tk 192, 128 and
+/// 320. pytorch/pytorch#196678: cuDNN's Hopper backward scores the padded half of its last
+/// 128-wide key tile 0 under a bias, and `exp(0 - lse)` overflows into NaN in dQ when
+/// `Tk % 128 == 64`; PyTorch 2.11's cuDNN path gave 12288 NaN in dQ on this construction at
+/// L 192 on the H200 (cuDNN 9.19, 2026-11-28), kiln's graph on the same library none. This keeps
+/// it so: forward and backward on cuDNN, every value finite and within bf16's precision of the
+/// f64 composed path on the CPU.
+#[test]
+fn very_negative_scores_under_a_mask_keep_finite_gradients() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let Some(_on) = OnCudnn::on() else { return };
+    let cpu = Cpu::device(0);
+    let (b, h, d) = (2, 2, 64);
+    for (tq, tk) in [(192, 192), (128, 128), (100, 320)] {
+        // Small normal values with feature 0 set to `first`, as bf16 on the GPU.
+        let x = |seed, t: usize, first: Option<f64>| {
+            let n = normal::<Cpu>(&[b, h, t, d], seed, DType::F64, &cpu);
+            let mut vals = f64s(&n);
+            for (i, x) in vals.iter_mut().enumerate() {
+                *x = match first {
+                    Some(f) if i % d == 0 => f,
+                    Some(_) => *x * 0.1,
+                    None => *x,
+                };
+            }
+            let t = Tensor::<Cuda>::from_vec(vals, [b, h, t, d], &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            t.realize().unwrap();
+            t
+        };
+        let (q, k, v, g) = (
+            x(31, tq, Some(1.0)),
+            x(32, tk, Some(-120.0 * (d as f64).sqrt())),
+            x(33, tk, None),
+            x(34, tq, None),
+        );
+        let keep = (false, vec![1u8; tq * tk], vec![tq, tk]);
+        let zeros = |dtype| Tensor::<Cuda>::zeros([tq, tk], dtype, &dev).unwrap();
+        let masks = [
+            (
+                "keep-all boolean",
+                (
+                    keep_mask::<Cuda>(&keep, &dev),
+                    keep_mask::<Cpu>(&keep, &cpu),
+                ),
+            ),
+            (
+                "all-zero additive",
+                (
+                    AttnMask::Additive(zeros(DType::BF16)),
+                    AttnMask::Additive(on_cpu(&zeros(DType::F64))),
+                ),
+            ),
+        ];
+        for (name, (on_gpu, on_host)) in &masks {
+            let what = format!("bf16 {:?}, {name} mask", (b, h, tq, tk, d));
+            let before = kiln_backend_cuda::cudnn_attention_calls();
+            let got = run_masked(&q, &k, &v, &g, on_gpu, None);
+            let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
+            assert_eq!(calls, 2, "{what}: forward and backward on cuDNN");
+            let want = run_masked(
+                &on_cpu(&q),
+                &on_cpu(&k),
+                &on_cpu(&v),
+                &on_cpu(&g),
+                on_host,
+                None,
+            );
+            for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                let bad = got.iter().filter(|x| !x.is_finite()).count();
+                assert_eq!(bad, 0, "{what}: {bad} values of {name} are not finite");
+                if *name == "dq" {
+                    // Feature 0 sums dS against keys of -960: zero in exact arithmetic, bf16's
+                    // rounding of dS times 120 on either side; the other features as usual.
+                    let rest = |x: &[f64]| {
+                        x.iter()
+                            .enumerate()
+                            .filter(|(i, _)| i % d != 0)
+                            .map(|(_, &x)| x)
+                            .collect::<Vec<_>>()
+                    };
+                    assert_close(&format!("{what}: dq"), &rest(got), &rest(want), 3e-2);
+                } else {
+                    assert_close(&format!("{what}: {name}"), got, want, 3e-2);
+                }
+            }
+        }
+    }
+}

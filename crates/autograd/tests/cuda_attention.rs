@@ -87,6 +87,30 @@ fn run_masked<B: Backend>(
     [f64s(&y.tensor()), grad(&qv), grad(&kv), grad(&vv)]
 }
 
+/// The output and the gradients of `q`, `k`, `v` (for the output gradient `g`) under `mask`
+/// on the GPU, checked within `tol` against the composed path in f64 on the CPU from the same
+/// (rounded) inputs under `on_host`, the same mask there; returns the GPU's, as [`run`].
+fn masked_against_cpu(
+    what: &str,
+    [q, k, v, g]: [&Tensor<Cuda>; 4],
+    (mask, on_host): (&AttnMask<Cuda>, &AttnMask<Cpu>),
+    tol: f64,
+) -> [Vec<f64>; 4] {
+    let got = run_masked(q, k, v, g, mask, None);
+    let want = run_masked(
+        &on_cpu(q),
+        &on_cpu(k),
+        &on_cpu(v),
+        &on_cpu(g),
+        on_host,
+        None,
+    );
+    for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        assert_close(&format!("{what}: {name}"), got, want, tol);
+    }
+    got
+}
+
 /// The same values as an f64 CPU tensor.
 fn on_cpu(t: &Tensor<Cuda>) -> Tensor<Cpu> {
     Tensor::<Cpu>::from_vec(f64s(t), t.dims().to_vec(), &Cpu::device(0)).unwrap()
@@ -1330,20 +1354,7 @@ fn masks_fuse_on_kiln_kernels_and_match_the_composed_path() {
                         "{what}: the forward did not fuse"
                     );
                     drop(y);
-                    let got = run_masked(&q, &k, &v, &g, &mask, None);
-                    let want = run_masked(
-                        &on_cpu(&q),
-                        &on_cpu(&k),
-                        &on_cpu(&v),
-                        &on_cpu(&g),
-                        &on_host,
-                        None,
-                    );
-                    for (name, (got, want)) in
-                        ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want))
-                    {
-                        assert_close(&format!("{what}: {name}"), got, want, tol);
-                    }
+                    let got = masked_against_cpu(&what, [&q, &k, &v, &g], (&mask, &on_host), tol);
                     if m.0 {
                         // The last sequence is all padding: its outputs and dQ are exactly 0.
                         let per_seq = h * tq * dv;
@@ -1475,22 +1486,9 @@ fn masks_on_cudnn_match_the_composed_path() {
                         (keep_mask::<Cuda>(m, &dev), keep_mask::<Cpu>(m, &cpu))
                     };
                     let before = kiln_backend_cuda::cudnn_attention_calls();
-                    let got = run_masked(&q, &k, &v, &g, &on_gpu, None);
+                    let got = masked_against_cpu(&what, [&q, &k, &v, &g], (&on_gpu, &on_host), tol);
                     let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
                     assert_eq!(calls, 2, "{what}: forward and backward on cuDNN");
-                    let want = run_masked(
-                        &on_cpu(&q),
-                        &on_cpu(&k),
-                        &on_cpu(&v),
-                        &on_cpu(&g),
-                        &on_host,
-                        None,
-                    );
-                    for (name, (got, want)) in
-                        ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want))
-                    {
-                        assert_close(&format!("{what}: {name}"), got, want, tol);
-                    }
                     if m.0 {
                         // The last sequence is all padding: its outputs and dQ are exactly 0,
                         // and the backend's log-sum-exps of its rows kiln's +inf (cuDNN writes

@@ -519,21 +519,24 @@ __device__ __forceinline__ bool tc_none(const AttnShape& a, u64 q0, u64 nq, u64 
     return a.causal && k0 > q0 + nq - 1;
 }
 
-// Adds an additive mask's values (times log2(e)) to NT m16n8 fragments x of a tile that lies
-// inside the matrix: `base` addresses the value of fragment row tc_row(0) and column
+// Scales NT m16n8 fragments x of raw scores by scale2 and adds an additive mask's values
+// (times log2(e)), as the per-element path computes `s * scale2 + att_bias(..)`, for a tile that
+// lies inside the matrix: `base` addresses the value of fragment row tc_row(0) and column
 // tc_col(0, 0), fragment rows are rstride bytes apart and columns cstride. The addresses step
 // from that one base, where att_keep and att_bias would compute each from its indices (an
 // additive mask hides nothing the tile skips: every element reads its value).
 template <typename S, int NT>
-__device__ __forceinline__ void tc_add_bias(float x[NT][4], const unsigned char* base,
-                                            u64 rstride, u64 cstride) {
+__device__ __forceinline__ void tc_add_bias(float x[NT][4], float scale2,
+                                            const unsigned char* base, u64 rstride,
+                                            u64 cstride) {
     const u64 r8 = 8 * rstride, c8 = 8 * cstride;
 #pragma unroll
     for (int n = 0; n < NT; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            x[n][e] += wide(*(const S*)(base + (e >> 1) * r8 + n * c8 + (e & 1) * cstride)) *
-                       1.4426950408889634f;
+            x[n][e] = x[n][e] * scale2 +
+                      wide(*(const S*)(base + (e >> 1) * r8 + n * c8 + (e & 1) * cstride)) *
+                          1.4426950408889634f;
 }
 
 // An accumulator [16][DT] of rows r0 + tc_row(..) (those < nrows) times `mul` into the
@@ -666,12 +669,9 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
     #pragma unroll
                     for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
             } else if (KEEP && a.bias && tc_full<false>(a, w0, 16, k0, BK, kv)) {
-    #pragma unroll
-                for (int n = 0; n < BK / 8; ++n)
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
                 tc_add_bias<S, BK / 8>(
-                    s, km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
+                    s, a.scale2,
+                    km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
                     a.keep_rs, a.keep_cs);
             } else {
     #pragma unroll
@@ -830,12 +830,9 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                 tc_full<false>(a, q0, BQ, w0, 16, kv)) {
                 // An additive mask's values go in before the exponential (rows keys, columns
                 // queries here).
-    #pragma unroll
-                for (int n = 0; n < BQ / 8; ++n)
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) st[n][e] *= a.scale2;
                 tc_add_bias<S, BQ / 8>(
-                    st, km + (q0 + tc_col(0, 0)) * a.keep_rs + (w0 + tc_row(0)) * a.keep_cs,
+                    st, a.scale2,
+                    km + (q0 + tc_col(0, 0)) * a.keep_rs + (w0 + tc_row(0)) * a.keep_cs,
                     a.keep_cs, a.keep_rs);
     #pragma unroll
                 for (int n = 0; n < BQ / 8; ++n)
@@ -960,12 +957,9 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
             if (KEEP && a.bias && !tc_full<KEEP>(a, w0, 16, k0, BK, kv) &&
                 tc_full<false>(a, w0, 16, k0, BK, kv)) {
                 // An additive mask's values go in before the exponential.
-    #pragma unroll
-                for (int n = 0; n < BK / 8; ++n)
-    #pragma unroll
-                    for (int e = 0; e < 4; ++e) s[n][e] *= a.scale2;
                 tc_add_bias<S, BK / 8>(
-                    s, km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
+                    s, a.scale2,
+                    km + (w0 + tc_row(0)) * a.keep_rs + (k0 + tc_col(0, 0)) * a.keep_cs,
                     a.keep_rs, a.keep_cs);
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)

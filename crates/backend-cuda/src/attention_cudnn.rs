@@ -198,10 +198,15 @@ fn sdpa_call<'a>(
     }
 }
 
-/// Whether the call may go to cuDNN at all: 16-bit, one device, cuDNN wanted there.
-fn asked(bufs: &[&Buffer], dtype: DType) -> bool {
+/// Whether the call may go to cuDNN at all: 16-bit, one device (that of `bufs` and of the
+/// mask, if any), cuDNN wanted there.
+fn asked(bufs: &[&Buffer], mask: Option<MaskOperand<'_>>, dtype: DType) -> bool {
     let dev = bufs[0].state();
-    bufs.iter().all(|b| b.state().ordinal() == dev.ordinal()) && sdpa_wanted(dev.arch(), dtype)
+    bufs.iter()
+        .copied()
+        .chain(mask.map(|m| m.buf))
+        .all(|b| b.state().ordinal() == dev.ordinal())
+        && sdpa_wanted(dev.arch(), dtype)
 }
 
 /// The forward on cuDNN, or `None` (nothing run) when not served.
@@ -213,9 +218,7 @@ pub(crate) fn forward(
     dtype: DType,
     spec: AttentionSpec,
 ) -> Result<Option<AttentionOutputs<Buffer>>> {
-    let mut bufs = vec![q.0, k.0, v.0];
-    bufs.extend(attn_mask.map(|m| m.buf));
-    if !asked(&bufs, dtype) || q.1.rank() < 3 {
+    if !asked(&[q.0, k.0, v.0], attn_mask, dtype) || q.1.rank() < 3 {
         return Ok(None);
     }
     let bias = match attn_mask {
@@ -269,8 +272,7 @@ pub(crate) fn backward(
     spec: AttentionSpec,
 ) -> Result<Option<AttentionGrads<Buffer>>> {
     const OP: &str = "scaled_dot_product_attention_backward";
-    let mut bufs = vec![q.0, k.0, v.0, out.0, lse.0, g.0];
-    bufs.extend(attn_mask.map(|m| m.buf));
+    let bufs = [q.0, k.0, v.0, out.0, lse.0, g.0];
     let cudnn_dropout = spec.dropout_p > 0.0 && mask.is_some_and(|m| m.len_bytes() == 0);
     if spec.dropout_p > 0.0 && !cudnn_dropout {
         // kiln's kernels drew this mask (or none was kept): they draw it again.
@@ -283,7 +285,7 @@ pub(crate) fn backward(
             "the forward drew its dropout mask on cuDNN, which does not serve this backward",
         ))
     };
-    if !(must || asked(&bufs, dtype)) || q.1.rank() < 3 {
+    if !(must || asked(&bufs, attn_mask, dtype)) || q.1.rank() < 3 {
         return if must { refuse() } else { Ok(None) };
     }
     // The shapes the forward gave: anything else is left to kiln's kernels, which say what

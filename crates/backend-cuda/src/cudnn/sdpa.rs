@@ -236,16 +236,18 @@ fn key_of(call: &Call<'_>, backward: bool) -> Option<Key> {
     })
 }
 
+/// Whether a problem of `Q·Kᵀ` dimensions `[b, h, Tq, Tk, d]` is below [`MIN_WORK`].
+fn small(dims: [i64; 5]) -> bool {
+    dims.iter().fold(1i64, |a, &x| a.saturating_mul(x)) < MIN_WORK
+}
+
 /// Whether the default switch leaves a call with these `q` and `k` to kiln's kernels for its
 /// size ([`MIN_WORK`]): known before a mask is written out for it.
 pub(crate) fn too_small(q: &Layout, k: &Layout) -> bool {
     let (Some((qd, _)), Some((kd, _))) = (bhtd(q), bhtd(k)) else {
         return false;
     };
-    let work = [qd[0], qd[1], qd[2], kd[2], qd[3]]
-        .iter()
-        .fold(1i64, |a, &x| a.saturating_mul(x));
-    switch() != 2 && work < MIN_WORK
+    switch() != 2 && small([qd[0], qd[1], qd[2], kd[2], qd[3]])
 }
 
 /// Whether cuDNN's attention is asked on a device of compute capability `arch`.
@@ -298,9 +300,9 @@ pub(crate) fn run(
         call,
         op,
     };
-    // b·h·Tq·Tk·d, the multiply-adds of Q·Kᵀ.
-    let work = key.dims[..5].iter().fold(1i64, |a, &x| a.saturating_mul(x));
-    let limited = !(must || switch() == 2) && (work < MIN_WORK || st.sdpa.len() >= MAX_GRAPHS);
+    let [b, h, tq, tk, d, _] = key.dims;
+    let limited =
+        !(must || switch() == 2) && (small([b, h, tq, tk, d]) || st.sdpa.len() >= MAX_GRAPHS);
     let entry = match st.sdpa.entry(key) {
         MapEntry::Occupied(e) => e.into_mut(),
         MapEntry::Vacant(_) if dev.capturing() || limited => return Ok(false),

@@ -167,15 +167,19 @@ fn functor(c: Combine) -> &'static str {
     }
 }
 
-/// An exact C expression for constant `c`.
+/// An exact C expression for constant `c`; floats through `k_opaque` (scalar_ops.cuh), so that
+/// NVRTC does not fold math functions of them with other bits than the interpreter's.
 fn literal(c: kiln_core::expr::Scalar) -> String {
     match c.dtype() {
         DType::F32 => {
             let v = c.to_f64() as f32;
-            format!("__int_as_float((int)0x{:08x}u) /* {v:?} */", v.to_bits())
+            format!(
+                "k_opaque(__int_as_float((int)0x{:08x}u)) /* {v:?} */",
+                v.to_bits()
+            )
         }
         DType::F64 => format!(
-            "__longlong_as_double((long long)0x{:016x}ull) /* {:?} */",
+            "k_opaque(__longlong_as_double((long long)0x{:016x}ull)) /* {:?} */",
             c.bits(),
             c.to_f64()
         ),

@@ -170,7 +170,7 @@ impl<B: Backend> Inner<B> {
         }
     }
 
-    /// What this variable is now (one lock; `node` also clones the node).
+    /// What this variable is now (one lock; `node` would also clone the node).
     fn was(&self) -> Was {
         match &*lock(&self.creator) {
             Creator::Leaf => Was::Leaf,

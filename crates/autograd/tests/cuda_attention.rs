@@ -97,18 +97,24 @@ fn masked_against_cpu(
     tol: f64,
 ) -> [Vec<f64>; 4] {
     let got = run_masked(q, k, v, g, mask, None);
-    let want = run_masked(
+    let want = composed_on_cpu([q, k, v, g], on_host);
+    for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+        assert_close(&format!("{what}: {name}"), got, want, tol);
+    }
+    got
+}
+
+/// [`run_masked`] on the CPU in f64 from the same (rounded) values of `q`, `k`, `v`, `g`,
+/// under `on_host`: the composed path's reference.
+fn composed_on_cpu([q, k, v, g]: [&Tensor<Cuda>; 4], on_host: &AttnMask<Cpu>) -> [Vec<f64>; 4] {
+    run_masked(
         &on_cpu(q),
         &on_cpu(k),
         &on_cpu(v),
         &on_cpu(g),
         on_host,
         None,
-    );
-    for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
-        assert_close(&format!("{what}: {name}"), got, want, tol);
-    }
-    got
+    )
 }
 
 /// The same values as an f64 CPU tensor.
@@ -1530,14 +1536,7 @@ fn masks_on_cudnn_match_the_composed_path() {
     };
     let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
     assert_eq!(calls, 2, "autocast: forward and backward on cuDNN");
-    let want = run_masked(
-        &on_cpu(&q),
-        &on_cpu(&k),
-        &on_cpu(&v),
-        &on_cpu(&g),
-        &on_host,
-        None,
-    );
+    let want = composed_on_cpu([&q, &k, &v, &g], &on_host);
     for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
         assert_close(
             &format!("autocast, f32 additive mask: {name}"),
@@ -1614,14 +1613,7 @@ fn very_negative_scores_keep_finite_gradients_on_cudnn() {
             let got = run_masked(&q, &k, &v, &g, on_gpu, None);
             let calls = kiln_backend_cuda::cudnn_attention_calls() - before;
             assert_eq!(calls, 2, "{what}: forward and backward on cuDNN");
-            let want = run_masked(
-                &on_cpu(&q),
-                &on_cpu(&k),
-                &on_cpu(&v),
-                &on_cpu(&g),
-                on_host,
-                None,
-            );
+            let want = composed_on_cpu([&q, &k, &v, &g], on_host);
             for (name, (got, want)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
                 let bad = got.iter().filter(|x| !x.is_finite()).count();
                 assert_eq!(bad, 0, "{what}: {bad} values of {name} are not finite");

@@ -372,3 +372,38 @@ fn one_thread_direct_writes_give_the_op_by_op_bits() {
         }
     }
 }
+
+/// Small calls remember their plan per program (`flat.rs`'s `cached`): a plan must serve only
+/// calls whose inputs are in the same places. The same program runs, in turn, over a
+/// broadcast value that changes, inputs at other offsets, another length, and back; every
+/// result is compared with the op-by-op evaluation.
+#[test]
+fn remembered_plans_serve_only_calls_like_theirs() {
+    let dev = Cpu::device(0);
+    let (x, y) = (Expr::input(0), Expr::input(1));
+    let p = Program::from_exprs(&[DType::F32; 2], &[(x.exp() * &y) - &x]).unwrap();
+    let base = T::from_vec(
+        (0..600).map(|i| (i as f32 * 0.37).sin()).collect(),
+        [600],
+        &dev,
+    )
+    .unwrap();
+    let view = |start: usize, len: usize| base.narrow(0, start, len).unwrap();
+    let scalar = |v: f32| T::from_vec(vec![v], [1], &dev).unwrap();
+    let calls: Vec<(T, T)> = vec![
+        (view(0, 300), scalar(2.0)),
+        (view(0, 300), scalar(3.0)),
+        (view(0, 300), scalar(2.0)),
+        (view(7, 300), scalar(2.0)),
+        (view(0, 300), view(300, 300)),
+        (view(0, 300), view(299, 300)),
+        (view(0, 301), scalar(2.0)),
+        (view(0, 300), scalar(-1.5)),
+    ];
+    for round in 0..2 {
+        for (k, (a, b)) in calls.iter().enumerate() {
+            compare(&p, &[a.clone(), b.clone()], &[], 0.0)
+                .unwrap_or_else(|e| panic!("round {round}, call {k}: {e}"));
+        }
+    }
+}

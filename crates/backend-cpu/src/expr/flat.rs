@@ -12,11 +12,16 @@
 //! hardware prefetcher streams the inputs in. Outputs are streamed out of their registers, or,
 //! on one thread, written by the steps that compute them ([`direct_writes`]). The kernels are
 //! those of the general driver, so the results are the same bits.
+//!
+//! Small calls keep their plan, per thread, for the next call of the same program over inputs
+//! in the same places ([`cached`]): a training step runs the same gradient rules over the same
+//! shapes every step, and over a few hundred elements planning cost more than running.
 
 use std::cell::RefCell;
+use std::rc::Rc;
 
 use kiln_core::expr::{Instr, Program};
-use kiln_core::{BinaryOp, DType, UnaryOp};
+use kiln_core::{BinaryOp, DType, Layout, UnaryOp};
 use rayon::prelude::*;
 
 use super::block::{Aff, Elt, Src, binary_f32, store_fence, stream_copy, unary_f32};
@@ -84,7 +89,7 @@ pub(super) struct Plan {
 /// register and streamed out (see [`direct_writes`]).
 pub(super) fn plan(
     program: &Program,
-    layouts: &[&kiln_core::Layout],
+    layouts: &[&Layout],
     inputs: &[&CpuData],
     leaves: &Leaves,
     n: usize,
@@ -99,7 +104,7 @@ pub(super) fn plan(
     // Each value's operand; `None` for values computed by the tail op that uses them.
     let mut vals: Vec<Option<Opd>> = vec![None; code.len()];
     // Steps with value indices as outputs (registers are assigned below).
-    let mut steps: Vec<(FStep, usize)> = Vec::new();
+    let mut steps: Vec<(FStep, usize)> = Vec::with_capacity(code.len());
     let uni = |vals: &[Option<Opd>], v: u32| match vals[v as usize] {
         Some(Opd::Uni(c)) => Some(c),
         _ => None,
@@ -109,7 +114,7 @@ pub(super) fn plan(
             (Instr::Input(k), _) => {
                 let k = k as usize;
                 let data = f32::slice(inputs[k])?;
-                vals[i] = Some(match Walk::new(layouts[k]).run(0, n) {
+                vals[i] = Some(match whole_run(layouts[k], n) {
                     Run::Contig(off) => Opd::In { k, off },
                     Run::Const(off) => Opd::Uni(data[off]),
                     Run::Strided => return None,
@@ -187,27 +192,45 @@ fn assign_registers(
     values: usize,
     direct: bool,
 ) -> Plan {
-    let mut last_use: Vec<Option<usize>> = vec![None; values];
+    // What the allocation needs per value, in one vector (one allocation per call: this runs
+    // on every evaluation, and small programs over small tensors are all overhead).
+    #[derive(Clone, Copy)]
+    struct Val {
+        /// The last step reading it (`usize::MAX`: an output, read to the end).
+        last_use: Option<usize>,
+        /// How many outputs name it.
+        named: u32,
+        /// The output its step writes directly.
+        write_of: Option<usize>,
+        reg: usize,
+    }
+    let mut val = vec![
+        Val {
+            last_use: None,
+            named: 0,
+            write_of: None,
+            reg: usize::MAX,
+        };
+        values
+    ];
     for (s, (st, _)) in steps.iter().enumerate() {
         for o in [st.a, st.b] {
             if let Opd::Reg(v) = o {
-                last_use[v] = Some(s);
+                val[v].last_use = Some(s);
             }
         }
     }
-    let mut named = vec![0usize; values];
     for o in &outs {
         if let Opd::Reg(v) = *o {
-            named[v] += 1;
+            val[v].named += 1;
         }
     }
-    let mut write_of = vec![None; values];
     let outs: Vec<Option<Opd>> = outs
         .into_iter()
         .enumerate()
         .map(|(j, o)| match o {
-            Opd::Reg(v) if direct && last_use[v].is_none() && named[v] == 1 => {
-                write_of[v] = Some(j);
+            Opd::Reg(v) if direct && val[v].last_use.is_none() && val[v].named == 1 => {
+                val[v].write_of = Some(j);
                 None
             }
             o => Some(o),
@@ -215,13 +238,12 @@ fn assign_registers(
         .collect();
     for o in &outs {
         if let Some(Opd::Reg(v)) = *o {
-            last_use[v] = Some(usize::MAX);
+            val[v].last_use = Some(usize::MAX);
         }
     }
-    let mut reg_of = vec![usize::MAX; values];
-    let (mut free, mut regs) = (Vec::new(), 0);
+    let (mut free, mut regs) = (Vec::with_capacity(steps.len()), 0);
     for (s, (st, v)) in steps.iter().enumerate() {
-        let r = match write_of[*v] {
+        let r = match val[*v].write_of {
             Some(_) => None,
             None => Some(free.pop().unwrap_or_else(|| {
                 regs += 1;
@@ -229,7 +251,7 @@ fn assign_registers(
             })),
         };
         if let Some(r) = r {
-            reg_of[*v] = r;
+            val[*v].reg = r;
         }
         let mut read = [st.a, st.b].map(|o| match o {
             Opd::Reg(u) => Some(u),
@@ -239,16 +261,16 @@ fn assign_registers(
             read[1] = None;
         }
         for u in read.into_iter().flatten() {
-            if last_use[u] == Some(s) {
-                free.push(reg_of[u]);
+            if val[u].last_use == Some(s) {
+                free.push(val[u].reg);
             }
         }
-        if let (Some(r), None) = (r, last_use[*v]) {
+        if let (Some(r), None) = (r, val[*v].last_use) {
             free.push(r); // never read: the next step may overwrite it
         }
     }
     let reg = |o: Opd| match o {
-        Opd::Reg(v) => Opd::Reg(reg_of[v]),
+        Opd::Reg(v) => Opd::Reg(val[v].reg),
         o => o,
     };
     let outs = outs.into_iter().map(|o| o.map(reg)).collect();
@@ -257,7 +279,7 @@ fn assign_registers(
         .map(|(st, v)| FStep {
             a: reg(st.a),
             b: reg(st.b),
-            dst: write_of[v].map_or(Dst::Reg(reg_of[v]), Dst::Out),
+            dst: val[v].write_of.map_or(Dst::Reg(val[v].reg), Dst::Out),
             ..st
         })
         .collect();
@@ -266,6 +288,18 @@ fn assign_registers(
         regs,
         outs,
         stream: !direct,
+    }
+}
+
+/// Where elements `0..n` of layout `l` are: [`Walk::run`] over the whole iteration, without
+/// building the walk (no allocation) when `l` is contiguous or reads one element.
+fn whole_run(l: &Layout, n: usize) -> Run {
+    if n > 1 && l.reads_one() {
+        Run::Const(l.offset())
+    } else if l.is_contiguous() {
+        Run::Contig(l.offset())
+    } else {
+        Walk::new(l).run(0, n)
     }
 }
 
@@ -314,6 +348,131 @@ const CACHED_MAX_BYTES: usize = 4 << 20;
 thread_local! {
     /// This thread's registers of the last call, for the next one (no allocation per call).
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// This thread's plans of recent small calls (see [`cached`]).
+    static PLANS: RefCell<Vec<Remembered>> = const { RefCell::new(Vec::new()) };
+    /// The entry of `PLANS` the next new plan replaces once it is full.
+    static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Calls over at most this many elements keep their plan for the next call of the same
+/// program over operands of the same places ([`cached`]). Planning a small program (building
+/// its leaves, resolving operands, assigning registers: a dozen small allocations) took
+/// about a third of a 400-element gradient rule's evaluation; over large tensors it is noise.
+const REMEMBER_MAX: usize = 1 << 16;
+/// Plans kept per thread (a training step's distinct small programs: its gradient rules).
+const REMEMBERED: usize = 32;
+
+/// A plan with what it was made for: the program (by its fingerprint, which memoizers take
+/// for the program: `kiln_core::expr::fingerprint`), the element count, the write mode and
+/// every input's [`Place`] (no parameters: what else the plan bakes in is a function of the
+/// program).
+struct Remembered {
+    print: u128,
+    n: usize,
+    direct: bool,
+    places: Vec<Place>,
+    plan: Rc<Plan>,
+}
+
+/// Where an input's elements are, as far as a plan depends on it: from an offset, or one
+/// value (by its bits) everywhere.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Place {
+    Contig(usize),
+    Uni(u32),
+}
+
+/// What a plan of `program` bakes in beyond the program, `n` and the write mode: each input's
+/// [`Place`]; `None` when some input is strided or there are parameters (not remembered).
+fn places(
+    layouts: &[&Layout],
+    inputs: &[&CpuData],
+    params: &[f64],
+    n: usize,
+) -> Option<Vec<Place>> {
+    if n > REMEMBER_MAX || !params.is_empty() || layouts.len() != inputs.len() {
+        return None;
+    }
+    layouts
+        .iter()
+        .zip(inputs)
+        .map(|(l, d)| place(l, d, n))
+        .collect()
+}
+
+fn place(l: &Layout, d: &CpuData, n: usize) -> Option<Place> {
+    match whole_run(l, n) {
+        Run::Contig(off) => Some(Place::Contig(off)),
+        Run::Const(off) => Some(Place::Uni(f32::slice(d)?.get(off)?.to_bits())),
+        Run::Strided => None,
+    }
+}
+
+/// The plan a previous call of `program` made over inputs in the same places, if this thread
+/// still has it.
+pub(super) fn cached(
+    program: &Program,
+    layouts: &[&Layout],
+    inputs: &[&CpuData],
+    params: &[f64],
+    n: usize,
+    direct: bool,
+) -> Option<Rc<Plan>> {
+    if n > REMEMBER_MAX || !params.is_empty() || layouts.len() != inputs.len() {
+        return None;
+    }
+    let print = program.fingerprint();
+    PLANS.with(|plans| {
+        let plans = plans.try_borrow().ok()?;
+        let hit = plans.iter().find(|r| {
+            r.print == print
+                && r.n == n
+                && r.direct == direct
+                && r.places.len() == layouts.len()
+                && (r.places.iter().zip(layouts).zip(inputs))
+                    .all(|((&p, l), d)| place(l, d, n) == Some(p))
+        })?;
+        Some(hit.plan.clone())
+    })
+}
+
+/// Keeps `plan` for the next call like this one (when [`cached`] could find it again).
+pub(super) fn remember(
+    program: &Program,
+    layouts: &[&Layout],
+    inputs: &[&CpuData],
+    params: &[f64],
+    n: usize,
+    direct: bool,
+    plan: Plan,
+) -> Rc<Plan> {
+    let plan = Rc::new(plan);
+    if let Some(places) = places(layouts, inputs, params, n) {
+        PLANS.with(|plans| {
+            if let Ok(mut plans) = plans.try_borrow_mut() {
+                let entry = Remembered {
+                    print: program.fingerprint(),
+                    n,
+                    direct,
+                    places,
+                    plan: plan.clone(),
+                };
+                // Replaced in turn once full (a step's rules fit; a stream of one-off
+                // programs only cycles through).
+                let at = NEXT.with(|c| {
+                    let at = c.get();
+                    c.set((at + 1) % REMEMBERED);
+                    at
+                });
+                if plans.len() < REMEMBERED {
+                    plans.push(entry);
+                } else {
+                    plans[at] = entry;
+                }
+            }
+        });
+    }
+    plan
 }
 
 /// Runs `plan` over `n` elements into `outs`, in chunks across cores when large.

@@ -11,7 +11,7 @@
 //!
 //! The fast path ([`flat`]): an elementwise f32 program whose inputs are contiguous or a single
 //! value (the common case: a chain of tensor ops, an optimizer update) is planned once per call
-//! and run in blocks of 256 elements with registers reused once dead, so every decision above
+//! (small calls reuse the plan of the last call like them) and run in blocks of 256 elements with registers reused once dead, so every decision above
 //! is taken once instead of per block, and a block's values stay in L1 while the hardware
 //! prefetcher streams the inputs. Everything else takes the general driver below.
 //!
@@ -105,12 +105,12 @@ pub(crate) fn eval_expr(
             .iter()
             .map(|(s, _)| s.data())
             .collect::<Result<Vec<_>>>()?;
-        let leaves = Leaves::new(program, params);
         let o = Outs::new(&mut outs)?;
         if program.reduces() {
+            let leaves = Leaves::new(program, params);
             fold::run(program, shape, &plan.axes, &layouts, &stores, &leaves, &o);
         } else {
-            elementwise(program, shape, &layouts, &stores, &leaves, &o);
+            elementwise(program, shape, &layouts, &stores, params, &o);
         }
     }
     Ok(outs)
@@ -198,16 +198,42 @@ fn elementwise(
     shape: &Shape,
     layouts: &[&Layout],
     inputs: &[&CpuData],
-    leaves: &Leaves,
+    params: &[f64],
     outs: &Outs,
 ) {
     let n = shape.elem_count();
     let direct = flat::direct_writes(n, program.outputs().len());
-    if flat_on()
-        && let Some(plan) = flat::plan(program, layouts, inputs, leaves, n, direct)
-    {
-        return flat::run(&plan, program, inputs, n, outs);
+    if flat_on() {
+        if let Some(plan) = flat::cached(program, layouts, inputs, params, n, direct) {
+            return flat::run(&plan, program, inputs, n, outs);
+        }
+        let leaves = Leaves::new(program, params);
+        if let Some(plan) = flat::plan(program, layouts, inputs, &leaves, n, direct) {
+            let plan = flat::remember(program, layouts, inputs, params, n, direct, plan);
+            return flat::run(&plan, program, inputs, n, outs);
+        }
+        return general(program, shape, layouts, inputs, &leaves, outs);
     }
+    general(
+        program,
+        shape,
+        layouts,
+        inputs,
+        &Leaves::new(program, params),
+        outs,
+    )
+}
+
+/// [`elementwise`]'s general driver: any dtypes and layouts.
+fn general(
+    program: &Program,
+    shape: &Shape,
+    layouts: &[&Layout],
+    inputs: &[&CpuData],
+    leaves: &Leaves,
+    outs: &Outs,
+) {
+    let n = shape.elem_count();
     let walks: Vec<Walk> = layouts.iter().map(|l| Walk::new(l)).collect();
     let mut run = vec![true; program.code().len()];
     let chunk = if n < PAR_MIN || n.saturating_mul(program.code().len()) < PAR_WORK {

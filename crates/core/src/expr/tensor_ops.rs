@@ -22,10 +22,36 @@ pub enum Arg<'a, B: Backend> {
 }
 
 /// A value during the evaluation.
-enum Tv<B: Backend> {
+enum Tv<'a, B: Backend> {
     T(Tensor<B>),
+    /// A tensor argument, read in place (no handle cloned per instruction that reads it).
+    A(&'a Tensor<B>),
     /// A uniform value, already converted to its dtype (`Scalar::new`).
     S(f64),
+}
+
+/// A value as an operand: a tensor (computed or an argument) or a uniform value.
+enum V<'t, B: Backend> {
+    T(&'t Tensor<B>),
+    S(f64),
+}
+
+impl<B: Backend> Tv<'_, B> {
+    fn view(&self) -> V<'_, B> {
+        match self {
+            Tv::T(t) => V::T(t),
+            Tv::A(t) => V::T(t),
+            Tv::S(s) => V::S(*s),
+        }
+    }
+
+    /// The tensor, when the value is one.
+    fn tensor(&self) -> Option<&Tensor<B>> {
+        match self.view() {
+            V::T(t) => Some(t),
+            V::S(_) => None,
+        }
+    }
 }
 
 fn fold(v: f64, dtype: DType) -> f64 {
@@ -62,14 +88,11 @@ impl Program {
                 ),
             ));
         }
-        let tensors: Vec<&Tensor<B>> = args
-            .iter()
-            .filter_map(|a| match a {
-                Arg::Tensor(t) => Some(*t),
-                Arg::Scalar(_) => None,
-            })
-            .collect();
-        let Some(first) = tensors.first() else {
+        let mut tensors = args.iter().filter_map(|a| match a {
+            Arg::Tensor(t) => Some(*t),
+            Arg::Scalar(_) => None,
+        });
+        let Some(first) = tensors.next() else {
             return Err(expr_err(
                 "expr",
                 K::Arity,
@@ -82,80 +105,108 @@ impl Program {
             let v = self.step(*ins, dt, &vals, args, params, first)?;
             vals.push(v);
         }
-        let mut shape = first.shape().clone();
-        for t in &tensors[1..] {
-            shape = shape.broadcast_with("expr", t.shape())?;
+        // The arguments' common shape (a gradient rule's are usually all one shape).
+        let mut shape = None::<Shape>;
+        for t in tensors {
+            let s = shape.as_ref().unwrap_or(first.shape());
+            if t.shape() != s {
+                shape = Some(s.broadcast_with("expr", t.shape())?);
+            }
         }
-        self.outputs()
+        let shape = shape.as_ref().unwrap_or(first.shape());
+        let outputs = self.outputs();
+        outputs
             .iter()
-            .map(|&o| match &vals[o as usize] {
-                // An output that read only some arguments is broadcast (a view) to the shape.
-                Tv::T(t) if t.shape() != &shape => t.broadcast_to(shape.clone()),
-                Tv::T(t) => Ok(t.clone()),
-                Tv::S(v) => Tensor::full(shape.clone(), *v, self.dtype(o), first.device()),
+            .enumerate()
+            .map(|(j, &o)| {
+                // An output named once is moved out (the last reference to its value).
+                let once = !outputs[..j].contains(&o) && !outputs[j + 1..].contains(&o);
+                let v = &mut vals[o as usize];
+                match v.tensor() {
+                    // An output that read only some arguments is broadcast (a view) to the
+                    // shape.
+                    Some(t) if t.shape() != shape => t.broadcast_to(shape.clone()),
+                    Some(t) if !once => Ok(t.clone()),
+                    Some(_) => match std::mem::replace(v, Tv::S(0.0)) {
+                        Tv::T(t) => Ok(t),
+                        Tv::A(t) => Ok(t.clone()),
+                        Tv::S(_) => unreachable!("a tensor value"),
+                    },
+                    None => {
+                        let Tv::S(c) = *v else {
+                            unreachable!("a uniform value")
+                        };
+                        Tensor::full(shape.clone(), c, self.dtype(o), first.device())
+                    }
+                }
             })
             .collect()
     }
 
     /// One instruction of [`Program::run_ops`].
-    fn step<B: Backend>(
+    fn step<'a, B: Backend>(
         &self,
         ins: Instr,
         dt: DType,
-        vals: &[Tv<B>],
-        args: &[Arg<'_, B>],
+        vals: &[Tv<'a, B>],
+        args: &[Arg<'a, B>],
         params: &[f64],
         first: &Tensor<B>,
-    ) -> Result<Tv<B>> {
-        use Tv::{S, T};
+    ) -> Result<Tv<'a, B>> {
+        use Tv::{A, S, T};
         // A scalar as a one-element tensor, for the ops that take tensors only (`where`).
         let tensor = |v: &Tv<B>, dt: DType| -> Result<Tensor<B>> {
             match v {
                 T(t) => Ok(t.clone()),
+                A(t) => Ok((*t).clone()),
                 S(s) => Tensor::full(Shape::scalar(), *s, dt, first.device()),
             }
         };
-        let val = |v: u32| &vals[v as usize];
+        let val = |v: u32| vals[v as usize].view();
         Ok(match ins {
             Instr::Input(k) => match &args[k as usize] {
-                Arg::Tensor(t) => T((*t).clone()),
+                Arg::Tensor(t) => A(t),
                 Arg::Scalar(s) => S(fold(*s, dt)),
             },
             Instr::Param(k) => S(fold(params[k as usize], dt)),
             Instr::Const(c) => S(c.to_f64()),
             Instr::Unary(op, a) => match val(a) {
-                T(t) => T(t.unary(op)?),
-                S(s) => S(match dt {
-                    DType::I64 => op.eval_i64(*s as i64).unwrap_or(0) as f64,
-                    _ => fold(op.eval(*s), dt),
+                V::T(t) => T(t.unary(op)?),
+                V::S(s) => S(match dt {
+                    DType::I64 => op.eval_i64(s as i64).unwrap_or(0) as f64,
+                    _ => fold(op.eval(s), dt),
                 }),
             },
             Instr::Binary(op, a, b) => match (val(a), val(b)) {
-                (T(x), T(y)) => T(x.binary(op, y)?),
-                (T(x), S(c)) => T(x.binary_scalar(op, *c)?),
-                (S(c), T(y)) => T(y.scalar_binary(op, *c)?),
-                (S(x), S(y)) => S(match dt {
-                    DType::I64 => op.eval_i64(*x as i64, *y as i64).unwrap_or(0) as f64,
-                    DType::U8 => op.eval_u8(*x as u8, *y as u8).unwrap_or(0) as f64,
-                    _ => fold(op.eval(*x, *y), dt),
+                (V::T(x), V::T(y)) => T(x.binary(op, y)?),
+                (V::T(x), V::S(c)) => T(x.binary_scalar(op, c)?),
+                (V::S(c), V::T(y)) => T(y.scalar_binary(op, c)?),
+                (V::S(x), V::S(y)) => S(match dt {
+                    DType::I64 => op.eval_i64(x as i64, y as i64).unwrap_or(0) as f64,
+                    DType::U8 => op.eval_u8(x as u8, y as u8).unwrap_or(0) as f64,
+                    _ => fold(op.eval(x, y), dt),
                 }),
             },
             Instr::Cmp(op, a, b) => match (val(a), val(b)) {
-                (T(x), T(y)) => T(x.compare(op, y)?),
-                (T(x), S(c)) => T(x.compare_scalar(op, *c)?),
-                (S(c), T(y)) => T(y.compare_scalar(op.swapped(), *c)?),
-                (S(x), S(y)) => S(f64::from(u8::from(op.eval(*x, *y)))),
+                (V::T(x), V::T(y)) => T(x.compare(op, y)?),
+                (V::T(x), V::S(c)) => T(x.compare_scalar(op, c)?),
+                (V::S(c), V::T(y)) => T(y.compare_scalar(op.swapped(), c)?),
+                (V::S(x), V::S(y)) => S(f64::from(u8::from(op.eval(x, y)))),
             },
             Instr::Where(c, a, b) => match val(c) {
-                S(m) => match val(if *m != 0.0 { a } else { b }) {
+                V::S(m) => match &vals[if m != 0.0 { a } else { b } as usize] {
                     T(t) => T(t.clone()),
+                    A(t) => A(t),
                     S(s) => S(*s),
                 },
-                T(m) => T(m.where_cond(&tensor(val(a), dt)?, &tensor(val(b), dt)?)?),
+                V::T(m) => T(m.where_cond(
+                    &tensor(&vals[a as usize], dt)?,
+                    &tensor(&vals[b as usize], dt)?,
+                )?),
             },
             Instr::Cast(to, a) => match val(a) {
-                T(t) => T(t.to_dtype(to)?),
-                S(s) => S(fold(*s, to)),
+                V::T(t) => T(t.to_dtype(to)?),
+                V::S(s) => S(fold(s, to)),
             },
             Instr::Reduce(..) => unreachable!("rejected by run_ops"),
         })
@@ -197,6 +248,26 @@ mod tests {
         for (g, w) in got.iter().zip(&want) {
             assert_eq!(g.shape().dims(), &[2, 3]);
             assert_eq!(g.to_vec::<f64>().unwrap(), w.to_vec::<f64>().unwrap());
+        }
+    }
+
+    /// An output named twice, and an output that is an argument, are each returned whole
+    /// (`run_ops` moves an output named once out of its values and clones the others).
+    #[test]
+    fn run_ops_returns_repeated_outputs_and_arguments() {
+        let x = Expr::input(0);
+        let twice = &x * 2.0;
+        let p = Program::from_exprs(&[DType::F64], &[twice.clone(), x.clone(), twice]).unwrap();
+        assert_eq!(p.outputs()[0], p.outputs()[2], "the outputs share a value");
+        let xs = T::from_vec(vec![0.5, -1.0, 2.0], [3], &D).unwrap();
+        let got = p.run_ops(&[Arg::Tensor(&xs)], &[]).unwrap();
+        let want = [
+            vec![1.0, -2.0, 4.0],
+            vec![0.5, -1.0, 2.0],
+            vec![1.0, -2.0, 4.0],
+        ];
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(&g.to_vec::<f64>().unwrap(), w);
         }
     }
 }

@@ -154,6 +154,9 @@ pub(crate) struct Inner<B: Backend> {
     requires_grad: AtomicBool,
     retain_grad: AtomicBool,
     grad: Mutex<Option<Tensor<B>>>,
+    /// Whether `creator` is [`Creator::Leaf`]: fixed at construction (an op output becomes
+    /// `Freed`, never a leaf), so it is read without the lock.
+    leaf: bool,
     creator: Mutex<Creator<B>>,
     hooks: Mutex<Vec<(HookHandle, GradHook<B>)>>,
 }
@@ -172,6 +175,9 @@ impl<B: Backend> Inner<B> {
 
     /// What this variable is now (one lock; `node` would also clone the node).
     fn was(&self) -> Was {
+        if self.leaf {
+            return Was::Leaf;
+        }
         match &*lock(&self.creator) {
             Creator::Leaf => Was::Leaf,
             Creator::Op(_) => Was::Op,
@@ -251,9 +257,7 @@ impl<B: Backend> Clone for Var<B> {
 /// was saved by the backward closures themselves.
 impl<B: Backend> Drop for Var<B> {
     fn drop(&mut self) {
-        if self.0.handles.fetch_sub(1, Ordering::AcqRel) == 1
-            && !matches!(*lock(&self.0.creator), Creator::Leaf)
-        {
+        if self.0.handles.fetch_sub(1, Ordering::AcqRel) == 1 && !self.0.leaf {
             *self.0.data.write().unwrap_or_else(|e| e.into_inner()) = None;
         }
     }
@@ -328,6 +332,7 @@ impl<B: Backend> Var<B> {
             requires_grad: AtomicBool::new(requires_grad),
             retain_grad: AtomicBool::new(false),
             grad: Mutex::new(None),
+            leaf: matches!(creator, Creator::Leaf),
             creator: Mutex::new(creator),
             hooks: Mutex::new(Vec::new()),
         }))
@@ -460,7 +465,7 @@ impl<B: Backend> Var<B> {
 
     /// True for user-created variables (params and constants), false for op outputs.
     pub fn is_leaf(&self) -> bool {
-        matches!(*lock(&self.0.creator), Creator::Leaf)
+        self.0.leaf
     }
 
     /// Turns gradient tracking of a leaf on or off (freezing a parameter). Ops already recorded

@@ -53,6 +53,14 @@ impl<B: Backend> Tensor<B> {
         if self.dtype() != rhs.dtype() {
             return Err(dtype_err(op, self.dtype().to_string(), rhs.dtype()));
         }
+        if self.shape() == rhs.shape() {
+            // Nothing to broadcast (most calls): the layouts as they are.
+            return Ok((
+                self.shape().clone(),
+                self.layout().clone(),
+                rhs.layout().clone(),
+            ));
+        }
         let shape = self.shape().broadcast_with(op, rhs.shape())?;
         let l = self.layout().broadcast_to(&shape)?;
         let r = rhs.layout().broadcast_to(&shape)?;

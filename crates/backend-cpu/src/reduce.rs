@@ -60,6 +60,23 @@ where
     A: Copy + Send + Sync,
     U: CpuElem,
 {
+    // Everything into one output from a contiguous input (`sum_all`, a loss's mean): one run,
+    // folded without building the layouts and plans below (the same single run they make).
+    // Not for arg reductions (no `merge`), whose runs count positions from the storage's start.
+    let all =
+        merge.is_some() && (0..layout.rank()).all(|i| axes.contains(&i) || layout.dims()[i] == 1);
+    if let Some(r) = layout
+        .contiguous_range()
+        .filter(|r| all && r.len() < PAR_MIN)
+    {
+        let mut out = alloc::<U>(op, s.device(), 1)?;
+        out[0] = finish(if r.is_empty() {
+            init
+        } else {
+            run(init, &src[r.clone()], 0, 1, r.len())
+        });
+        return Ok(storage(s.device(), out));
+    }
     let (kept, red) = split(layout, axes);
     let n_out = kept.elem_count();
     let mut out = alloc::<U>(op, s.device(), n_out)?;

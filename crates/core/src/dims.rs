@@ -191,10 +191,15 @@ impl Shape {
     /// Number of elements, or `None` when it does not fit in `usize` (no dimension is 0 and the
     /// product overflows).
     pub fn checked_elem_count(&self) -> Option<usize> {
-        if self.0.contains(&0) {
-            return Some(0);
+        match &self.0[..] {
+            // Most shapes, without the scan for a zero (it runs several times per op): one
+            // product cannot overflow past a zero factor.
+            [] => Some(1),
+            [a] => Some(*a),
+            [a, b] => a.checked_mul(*b),
+            d if d.contains(&0) => Some(0),
+            d => d.iter().try_fold(1usize, |acc, &x| acc.checked_mul(x)),
         }
-        self.0.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
     }
 
     /// Row-major (C order) strides, in elements.

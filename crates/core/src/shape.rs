@@ -102,6 +102,10 @@ mod tests {
         assert_eq!(Shape::new([1 << 32, 1 << 32]).elem_count(), usize::MAX);
         // A zero dimension empties the shape whatever comes before it.
         assert_eq!(Shape::new([usize::MAX, 2, 0]).checked_elem_count(), Some(0));
+        assert_eq!(Shape::new([usize::MAX, 0]).checked_elem_count(), Some(0));
+        assert_eq!(Shape::new([0, usize::MAX]).checked_elem_count(), Some(0));
+        assert_eq!(Shape::new([7]).checked_elem_count(), Some(7));
+        assert_eq!(Shape::new([2, 3, 4, 5]).checked_elem_count(), Some(120));
         assert_eq!(Shape::new([3, 4]).elem_count_for("zeros").unwrap(), 12);
         assert_eq!(Shape::scalar().elem_count(), 1);
         // Strides of such a shape saturate instead of panicking.

@@ -11,9 +11,10 @@
 //!
 //! The fast path ([`flat`]): an elementwise f32 program whose inputs are contiguous or a single
 //! value (the common case: a chain of tensor ops, an optimizer update) is planned once per call
-//! (small calls reuse the plan of the last call like them) and run in blocks of 256 elements with registers reused once dead, so every decision above
-//! is taken once instead of per block, and a block's values stay in L1 while the hardware
-//! prefetcher streams the inputs. Everything else takes the general driver below.
+//! (a small call reuses the plan of an earlier call like it) and run in blocks of 256 elements
+//! with registers reused once dead, so every decision above is taken once instead of per
+//! block, and a block's values stay in L1 while the hardware prefetcher streams the inputs.
+//! Everything else takes the general driver below.
 //!
 //! Reductions: the iteration axes are reordered kept-first, so that the elements folded into one
 //! output (a "row") are consecutive; blocks run over rows (a block may span several short rows),

@@ -74,6 +74,13 @@ pub fn check_call(
             ));
         }
     }
+    if !program.reduces() {
+        // Nothing folds (most calls): no axes to resolve, the kept shape is the iteration's.
+        return Ok(CallPlan {
+            axes: Vec::new(),
+            kept: shape.clone(),
+        });
+    }
     let axes = program.resolve_axes(shape)?;
     let kept = program.kept_shape(shape)?;
     for &k in program.post_inputs() {

@@ -44,14 +44,6 @@ impl<B: Backend> Tv<'_, B> {
             Tv::S(s) => V::S(*s),
         }
     }
-
-    /// The tensor, when the value is one.
-    fn tensor(&self) -> Option<&Tensor<B>> {
-        match self.view() {
-            V::T(t) => Some(t),
-            V::S(_) => None,
-        }
-    }
 }
 
 fn fold(v: f64, dtype: DType) -> f64 {
@@ -119,25 +111,25 @@ impl Program {
             .iter()
             .enumerate()
             .map(|(j, &o)| {
-                // An output named once is moved out (the last reference to its value).
                 let once = !outputs[..j].contains(&o) && !outputs[j + 1..].contains(&o);
                 let v = &mut vals[o as usize];
-                match v.tensor() {
-                    // An output that read only some arguments is broadcast (a view) to the
-                    // shape.
-                    Some(t) if t.shape() != shape => t.broadcast_to(shape.clone()),
-                    Some(t) if !once => Ok(t.clone()),
-                    Some(_) => match std::mem::replace(v, Tv::S(0.0)) {
-                        Tv::T(t) => Ok(t),
-                        Tv::A(t) => Ok(t.clone()),
-                        Tv::S(_) => unreachable!("a tensor value"),
-                    },
-                    None => {
-                        let Tv::S(c) = *v else {
-                            unreachable!("a uniform value")
-                        };
-                        Tensor::full(shape.clone(), c, self.dtype(o), first.device())
+                let t = match v {
+                    Tv::S(c) => {
+                        return Tensor::full(shape.clone(), *c, self.dtype(o), first.device());
                     }
+                    Tv::A(t) => (*t).clone(),
+                    Tv::T(t) if !once => t.clone(),
+                    // Named once: nothing reads the value after this, so it is moved out.
+                    Tv::T(_) => match std::mem::replace(v, Tv::S(0.0)) {
+                        Tv::T(t) => t,
+                        _ => unreachable!("matched as a computed tensor just above"),
+                    },
+                };
+                // An output that read only some arguments is broadcast (a view) to the shape.
+                if t.shape() != shape {
+                    t.broadcast_to(shape.clone())
+                } else {
+                    Ok(t)
                 }
             })
             .collect()

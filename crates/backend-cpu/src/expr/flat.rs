@@ -14,7 +14,7 @@
 //! those of the general driver, so the results are the same bits.
 //!
 //! Small calls keep their plan, per thread, for the next call of the same program over inputs
-//! in the same places ([`cached`]): a training step runs the same gradient rules over the same
+//! in the same places ([`remembered`]): a training step runs the same gradient rules over the same
 //! shapes every step, and over a few hundred elements planning cost more than running.
 
 use std::cell::RefCell;
@@ -348,14 +348,14 @@ const CACHED_MAX_BYTES: usize = 4 << 20;
 thread_local! {
     /// This thread's registers of the last call, for the next one (no allocation per call).
     static SCRATCH: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// This thread's plans of recent small calls (see [`cached`]).
+    /// This thread's plans of recent small calls (see [`remembered`]).
     static PLANS: RefCell<Vec<Remembered>> = const { RefCell::new(Vec::new()) };
     /// The entry of `PLANS` the next new plan replaces once it is full.
     static NEXT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 /// Calls over at most this many elements keep their plan for the next call of the same
-/// program over operands of the same places ([`cached`]). Planning a small program (building
+/// program over operands of the same places ([`remembered`]). Planning a small program (building
 /// its leaves, resolving operands, assigning registers: a dozen small allocations) took
 /// about a third of a 400-element gradient rule's evaluation; over large tensors it is noise.
 const REMEMBER_MAX: usize = 1 << 16;
@@ -382,24 +382,6 @@ enum Place {
     Uni(u32),
 }
 
-/// What a plan of `program` bakes in beyond the program, `n` and the write mode: each input's
-/// [`Place`]; `None` when some input is strided or there are parameters (not remembered).
-fn places(
-    layouts: &[&Layout],
-    inputs: &[&CpuData],
-    params: &[f64],
-    n: usize,
-) -> Option<Vec<Place>> {
-    if n > REMEMBER_MAX || !params.is_empty() || layouts.len() != inputs.len() {
-        return None;
-    }
-    layouts
-        .iter()
-        .zip(inputs)
-        .map(|(l, d)| place(l, d, n))
-        .collect()
-}
-
 fn place(l: &Layout, d: &CpuData, n: usize) -> Option<Place> {
     match whole_run(l, n) {
         Run::Contig(off) => Some(Place::Contig(off)),
@@ -408,50 +390,52 @@ fn place(l: &Layout, d: &CpuData, n: usize) -> Option<Place> {
     }
 }
 
-/// The plan a previous call of `program` made over inputs in the same places, if this thread
-/// still has it.
-pub(super) fn cached(
+/// The plan of `program` over these inputs: the one a previous call over inputs in the same
+/// places made, if this thread still has it, else `make()`'s, kept for the next such call.
+/// Calls with parameters, strided inputs or more than [`REMEMBER_MAX`] elements are neither
+/// looked up nor kept.
+pub(super) fn remembered(
     program: &Program,
     layouts: &[&Layout],
     inputs: &[&CpuData],
     params: &[f64],
-    n: usize,
-    direct: bool,
+    (n, direct): (usize, bool),
+    make: impl FnOnce() -> Option<Plan>,
 ) -> Option<Rc<Plan>> {
-    if n > REMEMBER_MAX || !params.is_empty() || layouts.len() != inputs.len() {
-        return None;
-    }
+    let small = n <= REMEMBER_MAX && params.is_empty() && layouts.len() == inputs.len();
     let print = program.fingerprint();
-    PLANS.with(|plans| {
-        let plans = plans.try_borrow().ok()?;
-        let hit = plans.iter().find(|r| {
-            r.print == print
-                && r.n == n
-                && r.direct == direct
-                && r.places.len() == layouts.len()
-                && (r.places.iter().zip(layouts).zip(inputs))
-                    .all(|((&p, l), d)| place(l, d, n) == Some(p))
-        })?;
-        Some(hit.plan.clone())
-    })
-}
-
-/// Keeps `plan` for the next call like this one (when [`cached`] could find it again).
-pub(super) fn remember(
-    program: &Program,
-    layouts: &[&Layout],
-    inputs: &[&CpuData],
-    params: &[f64],
-    n: usize,
-    direct: bool,
-    plan: Plan,
-) -> Rc<Plan> {
-    let plan = Rc::new(plan);
-    if let Some(places) = places(layouts, inputs, params, n) {
+    let hit = small
+        .then(|| {
+            PLANS.with(|plans| {
+                let plans = plans.try_borrow().ok()?;
+                let hit = plans.iter().find(|r| {
+                    r.print == print
+                        && r.n == n
+                        && r.direct == direct
+                        && r.places.len() == layouts.len()
+                        && (r.places.iter().zip(layouts).zip(inputs))
+                            .all(|((&p, l), d)| place(l, d, n) == Some(p))
+                })?;
+                Some(hit.plan.clone())
+            })
+        })
+        .flatten();
+    if hit.is_some() {
+        return hit;
+    }
+    let plan = Rc::new(make()?);
+    let places = small
+        .then(|| {
+            (layouts.iter().zip(inputs))
+                .map(|(l, d)| place(l, d, n))
+                .collect::<Option<Vec<_>>>()
+        })
+        .flatten();
+    if let Some(places) = places {
         PLANS.with(|plans| {
             if let Ok(mut plans) = plans.try_borrow_mut() {
                 let entry = Remembered {
-                    print: program.fingerprint(),
+                    print,
                     n,
                     direct,
                     places,
@@ -472,7 +456,7 @@ pub(super) fn remember(
             }
         });
     }
-    plan
+    Some(plan)
 }
 
 /// Runs `plan` over `n` elements into `outs`, in chunks across cores when large.

@@ -204,25 +204,18 @@ fn elementwise(
 ) {
     let n = shape.elem_count();
     let direct = flat::direct_writes(n, program.outputs().len());
-    if flat_on() {
-        if let Some(plan) = flat::cached(program, layouts, inputs, params, n, direct) {
-            return flat::run(&plan, program, inputs, n, outs);
-        }
-        let leaves = Leaves::new(program, params);
-        if let Some(plan) = flat::plan(program, layouts, inputs, &leaves, n, direct) {
-            let plan = flat::remember(program, layouts, inputs, params, n, direct, plan);
-            return flat::run(&plan, program, inputs, n, outs);
-        }
-        return general(program, shape, layouts, inputs, &leaves, outs);
+    // Built only when a plan is made or the general driver runs (not for a remembered plan).
+    let mut leaves = None;
+    if flat_on()
+        && let Some(plan) = flat::remembered(program, layouts, inputs, params, (n, direct), || {
+            let leaves = leaves.insert(Leaves::new(program, params));
+            flat::plan(program, layouts, inputs, leaves, n, direct)
+        })
+    {
+        return flat::run(&plan, program, inputs, n, outs);
     }
-    general(
-        program,
-        shape,
-        layouts,
-        inputs,
-        &Leaves::new(program, params),
-        outs,
-    )
+    let leaves = leaves.unwrap_or_else(|| Leaves::new(program, params));
+    general(program, shape, layouts, inputs, &leaves, outs)
 }
 
 /// [`elementwise`]'s general driver: any dtypes and layouts.

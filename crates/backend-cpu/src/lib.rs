@@ -53,6 +53,7 @@
 //! 5. `lib.rs`: the `Backend` implementation for [`Cpu`], checking layouts and calling down.
 
 // Layers, bottom to top: see "Layers" above.
+mod aligned;
 mod convert;
 mod device;
 mod elementwise;
@@ -79,7 +80,7 @@ pub use lazy::{
     DEFAULT_FUSION_MIN_ELEMENTS, fusion_enabled, fusion_min_elements, set_fusion,
     set_fusion_min_elements,
 };
-pub use storage::{CpuData, CpuStorage, HostVec};
+pub use storage::{AlignedVec, CpuData, CpuStorage, HostVec};
 
 use kiln_core::expr::defer::Op;
 use kiln_core::{

@@ -35,7 +35,7 @@ use crate::gemm_nt::{self, Rows};
 use crate::gemv::{SPLIT_GEMV, gemv, split_gemv};
 use crate::mat::Mat;
 use crate::pool;
-use crate::storage::{CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
+use crate::storage::{AlignedVec, CpuData, CpuElem, CpuStorage, alloc, new_vec, storage};
 
 /// Products smaller than this many multiply-adds run one per rayon task.
 const SMALL_GEMM: usize = 1 << 18;
@@ -220,7 +220,7 @@ fn part<T: CpuElem + LinalgScalar>(
     (b, mb): (&CpuData, Mat),
     split: Split,
     r: Range<usize>,
-) -> Result<Vec<T>> {
+) -> Result<AlignedVec<T>> {
     let x = T::slice(a).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), a.dtype()))?;
     let y = T::slice(b).ok_or_else(|| dtype_err("matmul", T::DTYPE.as_str(), b.dtype()))?;
     let (av, bv) = split.operands(ma.view(x, 0)?, mb.view(y, 0)?, r);

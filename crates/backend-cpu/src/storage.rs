@@ -1,4 +1,5 @@
-//! Storage: one typed `Vec` per tensor, memory accounting, and a small buffer cache.
+//! Storage: one typed `Vec` per tensor (its elements starting on a cache line:
+//! [`AlignedVec`]), memory accounting, and a small buffer cache.
 //!
 //! Why a cache: a fresh multi-megabyte `Vec` comes from `mmap`, so every page of it faults on
 //! first write; for a memory-bound op such as `add` over 32M f32 the faults cost about as much
@@ -44,6 +45,7 @@ use kiln_core::expr::defer::{self, Deferral};
 use kiln_core::fasthash::FastMap;
 use kiln_core::{DType, Error, HostBuffer, MemoryStats, PinnedBlock, Result, bf16, f16};
 
+pub use crate::aligned::AlignedVec;
 use crate::device::{CpuDevice, MAX_CPU_DEVICES};
 
 /// Buffers smaller than this are never cached: glibc's own per-thread cache serves them (see
@@ -54,9 +56,10 @@ pub const CACHE_MIN_BYTES: usize = 1 << 10;
 /// The most bytes the cache keeps per device.
 pub const CACHE_MAX_BYTES: usize = 2 << 30;
 
-/// A storage's elements: an ordinary `Vec`, or page-locked memory. Dereferences to a slice.
+/// A storage's elements: ordinary memory (starting on a cache line, [`AlignedVec`]), or
+/// page-locked memory. Dereferences to a slice.
 pub enum HostVec<T> {
-    Heap(Vec<T>),
+    Heap(AlignedVec<T>),
     /// `len` elements at the start of a pinned block.
     Pinned {
         block: PinnedBlock,
@@ -114,7 +117,7 @@ impl<T: bytemuck::Pod> std::ops::DerefMut for HostVec<T> {
 /// A clone lands in ordinary memory (pin it again if needed).
 impl<T: bytemuck::Pod> Clone for HostVec<T> {
     fn clone(&self) -> Self {
-        HostVec::Heap(self.to_vec())
+        HostVec::Heap(AlignedVec::from_slice(self))
     }
 }
 
@@ -133,9 +136,11 @@ impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for HostVec<T> {
     }
 }
 
-impl<T> From<Vec<T>> for HostVec<T> {
+/// The caller's vector, moved onto a cache line within its own allocation when it is large
+/// enough to care ([`AlignedVec::from_vec`]).
+impl<T: bytemuck::Pod> From<Vec<T>> for HostVec<T> {
     fn from(v: Vec<T>) -> Self {
-        HostVec::Heap(v)
+        HostVec::Heap(AlignedVec::from_vec(v))
     }
 }
 
@@ -570,8 +575,8 @@ pub trait CpuElem:
     Copy + Default + Send + Sync + PartialOrd + std::fmt::Debug + bytemuck::Pod + 'static
 {
     const DTYPE: DType;
-    fn wrap(v: Vec<Self>) -> CpuData;
-    fn unwrap(d: CpuData) -> Option<Vec<Self>>;
+    fn wrap(v: AlignedVec<Self>) -> CpuData;
+    fn unwrap(d: CpuData) -> Option<AlignedVec<Self>>;
     fn slice(d: &CpuData) -> Option<&[Self]>;
     fn slice_mut(d: &mut CpuData) -> Option<&mut [Self]>;
     /// `v as Self` (rounded to nearest even for the 16-bit floats).
@@ -585,10 +590,10 @@ macro_rules! cpu_elem {
     ($t:ty, $v:ident, $nan:expr) => {
         impl CpuElem for $t {
             const DTYPE: DType = DType::$v;
-            fn wrap(v: Vec<Self>) -> CpuData {
+            fn wrap(v: AlignedVec<Self>) -> CpuData {
                 CpuData::$v(HostVec::Heap(v))
             }
-            fn unwrap(d: CpuData) -> Option<Vec<Self>> {
+            fn unwrap(d: CpuData) -> Option<AlignedVec<Self>> {
                 match d {
                     CpuData::$v(HostVec::Heap(v)) => Some(v),
                     _ => None,
@@ -629,7 +634,11 @@ cpu_elem!(bf16, BF16, |x: bf16| x.is_nan());
 /// A buffer of `len` elements for `op`'s output. Its contents are unspecified (a reused
 /// buffer keeps old values): the caller writes every element. Fails with a typed error, never
 /// an abort (see the module docs).
-pub(crate) fn alloc<T: CpuElem>(op: &'static str, device: CpuDevice, len: usize) -> Result<Vec<T>> {
+pub(crate) fn alloc<T: CpuElem>(
+    op: &'static str,
+    device: CpuDevice,
+    len: usize,
+) -> Result<AlignedVec<T>> {
     if kiln_core::profile::enabled() {
         profile_alloc(op, device, len * std::mem::size_of::<T>());
     }
@@ -648,15 +657,37 @@ pub(crate) fn profile_alloc(op: &'static str, device: CpuDevice, bytes: usize) {
     kiln_core::profile::record_alloc(op, label, 0, bytes as u64, in_use as u64);
 }
 
-/// `len` zeroed elements in fresh memory (never from the cache), or a typed error: an
-/// impossible size is [`Error::InvalidArgument`], a refused one [`Error::OutOfMemory`] (after
-/// emptying the cache and trying once more).
+/// `len` zeroed elements in fresh memory (never from the cache), starting on a cache line
+/// ([`AlignedVec`]), or a typed error as [`zeroed_vec`] gives.
 pub(crate) fn new_vec<T: CpuElem>(
     op: &'static str,
     device: CpuDevice,
     len: usize,
-) -> Result<Vec<T>> {
+) -> Result<AlignedVec<T>> {
     let bytes = byte_size::<T>(op, len)?;
+    let padded = zeroed(op, device, AlignedVec::<T>::padded_len(len), bytes)?;
+    Ok(AlignedVec::in_padded(padded, len))
+}
+
+/// `len` zeroed elements in a plain fresh `Vec` (for the caller's own use: `to_host`), or a
+/// typed error: an impossible size is [`Error::InvalidArgument`], a refused one
+/// [`Error::OutOfMemory`] (after emptying the cache and trying once more).
+pub(crate) fn zeroed_vec<T: CpuElem>(
+    op: &'static str,
+    device: CpuDevice,
+    len: usize,
+) -> Result<Vec<T>> {
+    zeroed(op, device, len, byte_size::<T>(op, len)?)
+}
+
+/// `len` zeroed elements, or [`Error::OutOfMemory`] naming `requested` bytes (what the caller
+/// asked for, without the padding of an [`AlignedVec`]).
+fn zeroed<T: CpuElem>(
+    op: &'static str,
+    device: CpuDevice,
+    len: usize,
+    requested: usize,
+) -> Result<Vec<T>> {
     if let Ok(v) = bytemuck::allocation::try_zeroed_vec(len) {
         return Ok(v);
     }
@@ -664,7 +695,7 @@ pub(crate) fn new_vec<T: CpuElem>(
     empty_all_caches();
     bytemuck::allocation::try_zeroed_vec(len).map_err(|()| Error::OutOfMemory {
         device: device.to_string(),
-        requested: bytes,
+        requested,
         held: counters(&device).in_use.load(Ordering::Relaxed),
         msg: format!(
             "{op}: the system allocator refused, even after kiln's buffer cache was freed"
@@ -697,6 +728,6 @@ pub(crate) fn byte_size<T: CpuElem>(op: &'static str, len: usize) -> Result<usiz
 }
 
 /// Wraps a typed vector as a storage.
-pub(crate) fn storage<T: CpuElem>(device: CpuDevice, v: Vec<T>) -> CpuStorage {
+pub(crate) fn storage<T: CpuElem>(device: CpuDevice, v: AlignedVec<T>) -> CpuStorage {
     CpuStorage::new(device, T::wrap(v))
 }

@@ -41,7 +41,7 @@ pub(crate) fn from_bytes_t<T: CpuElem>(
 /// The elements of `layout`, in row-major order, in a new `Vec`.
 pub(crate) fn to_host_t<T: CpuElem>(s: &CpuStorage, layout: &Layout) -> Result<Vec<T>> {
     let a = slice::<T>("to_host", s)?;
-    let mut out = alloc::<T>("to_host", s.device(), layout.elem_count())?;
+    let mut out = storage::zeroed_vec::<T>("to_host", s.device(), layout.elem_count())?;
     copy_out(a, layout, &mut out);
     Ok(out)
 }

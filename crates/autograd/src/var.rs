@@ -681,6 +681,7 @@ impl<B: Backend> Var<B> {
             last_use,
             flush_at: FastMap::default(),
         };
+        pass.grads.reserve(steps.len());
         pass.grads.insert(self.id(), seed);
         // `steps` is post-order (inputs first): walk it from the output back. Every consumer of
         // a node comes later in the order, so once the node has run nothing reads it again:
@@ -911,12 +912,16 @@ fn topo_order<B: Backend>(root: &Var<B>) -> Order<B> {
         Enter(VarRef<B>),
         Leave(Step<B>),
     }
+    // Sized for a small step's graph (a few dozen ops): growing these one doubling at a time
+    // was ten reallocations a logistic-regression step.
     let mut order = Order {
-        steps: Vec::new(),
-        inputs: Vec::new(),
+        steps: Vec::with_capacity(64),
+        inputs: Vec::with_capacity(128),
     };
     let mut seen = FastSet::default();
-    let mut stack = vec![Visit::Enter(VarRef(root.0.clone()))];
+    seen.reserve(64);
+    let mut stack = Vec::with_capacity(64);
+    stack.push(Visit::Enter(VarRef(root.0.clone())));
     while let Some(visit) = stack.pop() {
         let v = match visit {
             Visit::Leave(step) => {

@@ -67,15 +67,20 @@ impl<T: bytemuck::Pod> AlignedVec<T> {
     }
 
     /// A caller's vector, moved within its own allocation to start on a line when it is large
-    /// enough to care: `reserve_exact` grows the allocation by at most one line (glibc moves a
-    /// large one's pages with `mremap`, without copying), then the elements move up once. No
-    /// second buffer, so a large dataset never needs twice its memory.
+    /// enough to care: the allocation grows by at most one line (`realloc`; glibc grows a
+    /// large, separately mapped one with `mremap`, moving pages rather than bytes), then the
+    /// elements move up once, in place. kiln makes no second buffer of its own; if even that
+    /// line is refused, the elements stay where they are.
     pub fn from_vec(mut vec: Vec<T>) -> AlignedVec<T> {
         let len = vec.len();
         if !Self::wants_alignment(len) || Self::offset_to_line(vec.as_ptr()) == 0 {
             return AlignedVec { vec, start: 0, len };
         }
-        vec.reserve_exact(Self::padded_len(len) - len);
+        if vec.try_reserve_exact(Self::padded_len(len) - len).is_err() {
+            // No room for one more line: the elements stay where they are (slower loads,
+            // the same values), never an abort.
+            return AlignedVec { vec, start: 0, len };
+        }
         let start = Self::offset_to_line(vec.as_ptr());
         vec.resize(start + len, T::zeroed());
         vec.copy_within(0..len, start);

@@ -28,6 +28,17 @@ pub struct AlignedVec<T> {
     len: usize,
 }
 
+impl<T> AlignedVec<T> {
+    /// No elements (no allocation).
+    pub const fn empty() -> AlignedVec<T> {
+        AlignedVec {
+            vec: Vec::new(),
+            start: 0,
+            len: 0,
+        }
+    }
+}
+
 impl<T: bytemuck::Pod> AlignedVec<T> {
     /// Whether `len` elements are worth a padded buffer.
     fn wants_alignment(len: usize) -> bool {

@@ -94,13 +94,17 @@ pub(crate) fn record(
     for (i, (_, _, d)) in inputs.iter().enumerate() {
         ins[i] = *d;
     }
-    let fusable = op.fusable(&ins[..inputs.len()], out)
-        && inputs.iter().all(|(s, _, d)| s.dtype() == *d)
-        && fits_in_memory(l0.elem_count(), out);
-    let deferred = fusable && fusion_enabled() && l0.elem_count() >= fusion_min_elements();
+    let big = fusion_enabled() && l0.elem_count() >= fusion_min_elements();
     // 16-bit arithmetic runs only in the fused evaluator (see `elementwise.rs`): such an op is
     // recorded and computed at once, as a program of one op, when it is not deferred.
     let half = out.is_half() || ins[..inputs.len()].iter().any(|d| d.is_half());
+    // Asked only when the answer matters: a gradient rule's check looks it up in a memo behind
+    // a lock, which a small f32 op (most of a small step's ops) does not need.
+    let fusable = (big || half)
+        && op.fusable(&ins[..inputs.len()], out)
+        && inputs.iter().all(|(s, _, d)| s.dtype() == *d)
+        && fits_in_memory(l0.elem_count(), out);
+    let deferred = fusable && big;
     let record_now = deferred || (half && fusable);
     if !record_now {
         for (s, _, _) in inputs {

@@ -302,7 +302,10 @@ impl std::ops::Deref for Block {
 
 impl Drop for Block {
     fn drop(&mut self) {
-        let data = std::mem::replace(&mut self.data, CpuData::U8(Vec::new().into()));
+        let data = std::mem::replace(
+            &mut self.data,
+            CpuData::U8(HostVec::Heap(AlignedVec::empty())),
+        );
         counters(&self.device).sub(data.size_in_bytes());
         release(self.device, data);
     }

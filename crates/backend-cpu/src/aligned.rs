@@ -4,7 +4,7 @@
 //! cache lines costs two. A `Vec` from glibc starts 16 bytes past a 64-byte boundary (a large
 //! one right after its `mmap` chunk's header), so every load of a contiguous kernel straddled:
 //! on a 2-core Xeon VM (2026-11-29) the two 400x784 matrix-vector products of a
-//! logistic-regression step took 35–41 µs on such a matrix and 28 µs on the same matrix
+//! logistic-regression step took 35–41 µs on such a matrix and 24–28 µs on the same matrix
 //! starting on a line (BENCHMARKS.md). The elements are therefore placed `start` elements into
 //! a vector a little longer than they are, where the first lands on a 64-byte boundary; no
 //! allocator of our own and no `unsafe`.
@@ -21,7 +21,7 @@ const ALIGN_MIN_BYTES: usize = 256;
 /// `len` elements of `vec` from `start`, the first on an [`ALIGN`]-byte boundary when the
 /// buffer holds at least [`ALIGN_MIN_BYTES`] (and the allocator's placement allows it).
 /// Dereferences to those elements only.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct AlignedVec<T> {
     vec: Vec<T>,
     start: usize,
@@ -116,6 +116,14 @@ impl<T: bytemuck::Pod> AlignedVec<T> {
     }
 }
 
+/// A copy in a fresh padded buffer (a copy of the `Vec` would keep `start` at another
+/// address, off the line).
+impl<T: bytemuck::Pod> Clone for AlignedVec<T> {
+    fn clone(&self) -> Self {
+        Self::from_slice(self)
+    }
+}
+
 impl<T> Deref for AlignedVec<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
@@ -144,6 +152,8 @@ mod tests {
                 AlignedVec::<f32>::in_padded(vec![0.0; AlignedVec::<f32>::padded_len(len)], len);
             assert_eq!(v.len(), len);
             assert!(on_line(&v), "{len} f32 at {:p}", v.as_ptr());
+            let c = v.clone();
+            assert!(on_line(&c), "a clone of {len} f32 at {:p}", c.as_ptr());
             let n = len * 4;
             let b = AlignedVec::<u8>::in_padded(vec![0; AlignedVec::<u8>::padded_len(n)], n);
             assert!(on_line(&b), "{n} u8 at {:p}", b.as_ptr());

@@ -67,6 +67,8 @@ TARGET = {
     "attn_gpt_fwd_bwd_f32": 1.0,
     "attn_gpt_fwd_bf16": 1.0,
     "attn_gpt_fwd_bwd_bf16": 1.0,
+    # and with dropout 0.2 as the GPT trains (f32: kiln's 3xTF32 kernels keep the forward's bits)
+    "attn_gpt_fwd_bwd_f32_dropout": 1.0,
     # and under a key-padding mask (a boolean attn_mask, fused since the sixteenth session)
     "attn_gpt_fwd_bwd_f32_padding": 1.0,
     "attn_gpt_fwd_bwd_bf16_padding": 1.0,

@@ -333,12 +333,12 @@ fn reductions(dev: &CudaDevice) {
 /// explicitly (`_fused_kernel`: tensor cores on sm_80+; `_fused_fma`: the f32-FMA ones); the
 /// composed path (`_composed`; not at the long shape, whose f32 scores alone are 2 GiB); and
 /// multi-head self-attention over a packed projection ([`packed_rows`]); at the GPT shape in
-/// bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside PyTorch's);
-/// and at the GPT shape, forward + backward under a key-padding mask instead of the causal one
-/// (`_padding`: sequence `i` keeps its first `256 - 2i` keys; a boolean mask `[64, 1, 1, 256]`,
-/// beside PyTorch's SDPA with that `attn_mask`; in bf16 also on kiln's own kernels,
-/// `_padding_kiln_kernels`) and under ALiBi's additive bias `[1, 6, 256, 256]` (`_additive`,
-/// beside PyTorch's SDPA with that float `attn_mask`).
+/// f32 and bf16, forward + backward with dropout 0.2 as the GPT trains (`_dropout`, beside
+/// PyTorch's); and at the GPT shape, forward + backward under a key-padding mask instead of
+/// the causal one (`_padding`: sequence `i` keeps its first `256 - 2i` keys; a boolean mask
+/// `[64, 1, 1, 256]`, beside PyTorch's SDPA with that `attn_mask`; in bf16 also on kiln's own
+/// kernels, `_padding_kiln_kernels`) and under ALiBi's additive bias `[1, 6, 256, 256]`
+/// (`_additive`, beside PyTorch's SDPA with that float `attn_mask`).
 fn attention(dev: &CudaDevice) {
     // The long shape first: the GPT shape's extra rows flip the kernel switches (and leave
     // 16-bit fusion forced off, not on its default).
@@ -383,9 +383,10 @@ fn attention(dev: &CudaDevice) {
                 row(&format!("fwd_bwd_{tag}_kiln_kernels"), &fwd_bwd);
                 kiln_backend_cuda::set_cudnn_attention(None);
             }
-            if gpt && dt == DType::BF16 {
-                // Training as the GPT runs it: dropout 0.2 on the weights (on Hopper cuDNN's
-                // engines draw the mask; `_kiln_kernels`: kiln's kernels and Philox stream).
+            if gpt {
+                // Training as the GPT runs it: dropout 0.2 on the weights (f32: kiln's kernels;
+                // bf16 on Hopper: cuDNN's engines draw the mask, `_kiln_kernels`: kiln's kernels
+                // and Philox stream).
                 let rng = std::cell::RefCell::new(Generator::new(5));
                 let fwd_bwd_dropout = || -> Result<()> {
                     for x in [&q, &k, &v] {
@@ -407,12 +408,14 @@ fn attention(dev: &CudaDevice) {
                     Ok(())
                 };
                 row(&format!("fwd_bwd_{tag}_dropout"), &fwd_bwd_dropout);
-                kiln_backend_cuda::set_cudnn_attention(Some(false));
-                row(
-                    &format!("fwd_bwd_{tag}_dropout_kiln_kernels"),
-                    &fwd_bwd_dropout,
-                );
-                kiln_backend_cuda::set_cudnn_attention(None);
+                if dt == DType::BF16 {
+                    kiln_backend_cuda::set_cudnn_attention(Some(false));
+                    row(
+                        &format!("fwd_bwd_{tag}_dropout_kiln_kernels"),
+                        &fwd_bwd_dropout,
+                    );
+                    kiln_backend_cuda::set_cudnn_attention(None);
+                }
             }
             if !gpt {
                 continue;

@@ -550,9 +550,11 @@ __device__ __forceinline__ void tc_add_bias(float x[NT][4], float scale2,
 //     + ((qi % 16) / 8) 2 + kj % 2,  bit (qi % 8) 4 + (kj % 8) / 2,
 // with nqb = ceil(tq / 64), nkt = ceil(tk / BK) and BK the forward's key tile (its format's
 // Side). A forward warp's ballot over element e of n-tile n of key tile t is then word n 4 + e
-// from its tile's first, at bit `lane`; dQ (the same query blocks and key tiles) reads the same
-// words the same way; dK/dV gathers. Words of tiles a forward warp skips (every weight masked)
-// are never written, and never read: the backward reads a bit only where the weight is not 0.
+// from its tile's first, at bit `lane`; dQ (the same query blocks and key tiles) has lane j
+// load word j and shuffles it to the lanes; a dK/dV lane loads the 2 (BQ / 8) words its weights'
+// bits lie in (tc_drop_bit). Both load before the tile's products. Words of tiles a forward
+// warp skips (every weight masked) are never written: the backward may load them, but their
+// weights are 0 and a weight's multiplier does not change a zero weight's terms.
 template <int BK>
 __device__ __forceinline__ u64 tc_mask_word(const AttnShape& a, u64 b, u64 qi, u64 kj) {
     const u64 nqb = (a.tq + TC_BQ - 1) / TC_BQ, nkt = (a.tk + BK - 1) / BK;
@@ -560,11 +562,14 @@ __device__ __forceinline__ u64 tc_mask_word(const AttnShape& a, u64 b, u64 qi, u
             (kj % BK) / 8) * 4 + ((qi % 16) / 8) * 2 + (kj & 1);
 }
 
-// Dropout's multiplier of weight (b, qi, kj) from the forward's bits (att_drop's value).
-template <int BK>
-__device__ __forceinline__ float tc_mask_drop(const AttnShape& a, u64 b, u64 qi, u64 kj) {
-    const u32 w = ((const u32*)a.mask)[tc_mask_word<BK>(a, b, qi, kj)];
-    return (w >> ((qi % 8) * 4 + (kj % 8) / 2)) & 1u ? a.drop_scale : 0.f;
+// Dropout's multiplier (att_drop's value) of element e of a dK/dV lane's n-tile, whose weight
+// is query qi = q0 + tc_col(n, e), key kj = w0 + tc_row(e), from `w`: the word of its queries'
+// 8-row group and keys' 8-column group of the lane's key parity (tc_mask_word(qi - qi % 8,
+// kj - kj % 8) + kj % 2). Its bit is (qi % 8) 4 + (kj % 8) / 2 with qi % 8 = 2 (lane % 4) +
+// e % 2 and kj % 8 = lane / 4.
+__device__ __forceinline__ float tc_drop_bit(const AttnShape& a, u32 w, int e) {
+    const int lane = threadIdx.x & 31;
+    return (w >> ((lane & 3) * 8 + (e & 1) * 4 + (lane >> 3))) & 1u ? a.drop_scale : 0.f;
 }
 
 template <typename S> struct TcPair;  // two S as one aligned vector
@@ -818,6 +823,24 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
             const E* cG = sG + (t & 1) * BQ * P;
             const float* cL = sL + (t & 1) * BQ;
             const float* cD = sD + (t & 1) * BQ;
+            // The forward's dropout bits of this lane's weights (a.mask), loaded before the
+            // products so that their latency hides behind them: words[n][h] holds the bits of
+            // queries q0 + 8n .. + 8 and keys w0 + 8h .. + 8 of the lane's parity (tc_mask_word;
+            // tc_drop_bit picks a weight's bit). Words past the matrix stay 0 (never read: their
+            // weights are 0).
+            u32 words[BQ / 8][2];
+            if (a.dropout && a.mask) {
+                const u32 par = ((threadIdx.x & 31) >> 2) & 1u;
+    #pragma unroll
+                for (int n = 0; n < BQ / 8; ++n)
+    #pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const u64 qi = q0 + 8 * n, kj = w0 + 8 * h;
+                        words[n][h] = qi < a.tq && kj < a.tk
+                                          ? ((const u32*)a.mask)[tc_mask_word<BQ>(a, b, qi, kj) + par]
+                                          : 0u;
+                    }
+            }
             float st[BQ / 8][4], dpt[BQ / 8][4];  // S^T, dP^T: rows keys, columns queries
             tc_zero<BQ / 8>(st);
             tc_zero<BQ / 8>(dpt);
@@ -870,9 +893,9 @@ __device__ void attn_tc_dkdv(const S* __restrict__ q, const S* __restrict__ k,
                         const int c = tc_col(n, e);
                         const float p = st[n][e];
                         const u64 qi = q0 + c, kj = w0 + tc_row(e);
-                        const float z = p > 0.f ? (a.mask ? tc_mask_drop<BQ>(a, b, qi, kj)
-                                                          : att_drop(a, b, qi, kj))
-                                                : 1.f;
+                        const float z = a.mask  ? tc_drop_bit(a, words[n][e >> 1], e)
+                                        : p > 0.f ? att_drop(a, b, qi, kj)
+                                                  : 1.f;
                         st[n][e] = p * z;
                         dpt[n][e] = p * (dpt[n][e] * z - cD[c]);
                     }
@@ -948,6 +971,13 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
         if (!tc_none(a, w0, 16, k0, BK) && (kv & ATT_SEES)) {
             const E* cK = sK + (t & 1) * BK * P;
             const E* cV = sV + (t & 1) * BK * P;
+            // The forward's dropout words of this warp and key tile (tc_mask_word), if kept:
+            // lane j loads word j (n-tile j / 4, element j % 4) before the products, so that
+            // the load's latency hides behind them; element (n, e) then takes its bit `lane`
+            // from lane n 4 + e by a shuffle. Past the matrix: 0 (those weights are 0).
+            u32 mword = 0;
+            if (a.dropout && a.mask && (threadIdx.x & 31) < BK / 2 && w0 < a.tq)
+                mword = ((const u32*)a.mask)[tc_mask_word<BK>(a, b, w0, k0) + (threadIdx.x & 31)];
             float s[BK / 8][4], dp[BK / 8][4];
             tc_zero<BK / 8>(s);
             tc_zero<BK / 8>(dp);
@@ -990,17 +1020,18 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
                             if (!att_keep<KEEP>(a, km, w0 + tc_row(e), k0 + tc_col(n, e))) s[n][e] = 0.f;
             }
             if (a.dropout) {
-                // The forward's words of this warp and key tile (tc_mask_word), if kept.
-                const u32* mw = a.mask ? (const u32*)a.mask + tc_mask_word<BK>(a, b, w0, k0) : nullptr;
     #pragma unroll
                 for (int n = 0; n < BK / 8; ++n)
     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const float p = s[n][e];
                         float z = 1.f;
-                        if (p > 0.f)
-                            z = mw ? ((mw[n * 4 + e] >> (threadIdx.x & 31)) & 1u ? a.drop_scale : 0.f)
-                                   : att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e));
+                        if (a.mask) {  // every lane shuffles (outside any test of p)
+                            const u32 w = __shfl_sync(0xffffffffu, mword, n * 4 + e);
+                            z = (w >> (threadIdx.x & 31)) & 1u ? a.drop_scale : 0.f;
+                        } else if (p > 0.f) {
+                            z = att_drop(a, b, w0 + tc_row(e), k0 + tc_col(n, e));
+                        }
                         dp[n][e] = p * (dp[n][e] * z - dri[e >> 1]);
                     }
             } else {

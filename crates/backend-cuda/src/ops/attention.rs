@@ -579,8 +579,9 @@ pub(crate) fn backward(
         .push(bd)
         .push(ss[3])
         .push(so);
-    let rows = (nb * tq) as u64;
-    let grid = (rows.div_ceil(8).min(dev.sm_count() as u64 * 32) as u32, 1);
+    // One warp per chunk of 16 rows of a batch entry (ATT_PRE_ROWS), 8 warps a block.
+    let chunks = nb as u64 * (tq as u64).div_ceil(16);
+    let grid = (chunks.div_ceil(8).min(dev.sm_count() as u64 * 32) as u32, 1);
     let f = dev.func(Module::Attention, &["attn_bwd_pre", tname(dtype)])?;
     dev.launch(OP, f, grid, 256, 0, a.ptrs())?;
 

@@ -60,3 +60,43 @@ UNSCALE_CHECK_SAME(float)
 UNSCALE_CHECK_SAME(double)
 UNSCALE_CHECK_HALF(f16)
 UNSCALE_CHECK_HALF(bf16)
+
+// Gradient clipping's global norm, squared (PyTorch's `_foreach_norm` and the sum of its
+// results; host code amp.rs): the sum of the squares of every element of up to UNSCALE_MAX
+// tensors (the same `UnscaleArgs`, outputs unused), accumulated in double. sq_sum_<S>: each
+// block sums its grid-stride share of each tensor in turn (tensor by tensor, so no search per
+// element) and writes its total, reduced by a fixed tree, to part[blockIdx.x]; sq_sum_fold (one
+// block) adds `n` parts in a fixed order into out[0], plus out[0] itself when `acc` (a later
+// launch of more than UNSCALE_MAX tensors). The host fixes the grid per device, so a call gives
+// the same bits every time (no atomics).
+template <typename S>
+__device__ __forceinline__ void sq_sum(const UnscaleArgs& a, double* part) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    const u64 stride = (u64)gridDim.x * blockDim.x;
+    for (u64 t = 0; t < a.count; ++t) {
+        const S* x = (const S*)a.x[t];
+        const u64 n = a.start[t + 1] - a.start[t];
+        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
+            const double v = (double)wide(x[e]);
+            s = fma(v, v, s);
+        }
+    }
+    s = block_reduce<SumOp<double>>(s, scratch);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+extern "C" __global__ void sq_sum_fold(const double* part, u64 n, double* out, int acc) {
+    __shared__ double scratch[32];
+    double s = 0.0;
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) s += part[i];
+    s = block_reduce<SumOp<double>>(s, scratch);
+    if (threadIdx.x == 0) out[0] = acc ? out[0] + s : s;
+}
+
+#define SQ_SUM(S)                                                                              \
+    extern "C" __global__ void sq_sum_##S(UnscaleArgs a, double* part) { sq_sum<S>(a, part); }
+SQ_SUM(float)
+SQ_SUM(double)
+SQ_SUM(f16)
+SQ_SUM(bf16)

@@ -1054,6 +1054,10 @@ impl Backend for Cuda {
         amp::unscale_check_storages(dtype, inv_scale, slots)
     }
 
+    fn sq_sum(dtype: DType, slots: &[UnscaleSlot<'_, CudaStorage>]) -> Result<CudaStorage> {
+        amp::sq_sum_storages(dtype, slots)
+    }
+
     fn fused_update(
         rule: &UpdateRule,
         dtype: DType,

@@ -2,13 +2,16 @@
 //! GPU: kiln-core's planted inf/-inf/NaN checks (first, middle, last element; small gradients
 //! and ones larger than a grid-stride pass; f32/f64/f16/bf16; more gradients than one launch
 //! takes), the kernel against the composed default on the same device, bit for bit, the
-//! launch count, and a CUDA graph capture.
+//! launch count, and a CUDA graph capture. Gradient clipping's squared norm (`Tensor::sq_sum`,
+//! the same file's multi-tensor kernel): exact sums, the same bits on every call, its launches.
 //!
 //! Without a GPU each test prints `skipped: no CUDA device 0 (<reason>)` and returns.
 
 use kiln_backend_cuda::{Cuda, CudaGraph, gpu_or_skip, thread_launches, write_static};
-use kiln_core::backend::unscale_check_composed;
-use kiln_core::testing::{check_unscale_check, check_unscale_check_errors};
+use kiln_core::backend::{sq_sum_composed, unscale_check_composed};
+use kiln_core::testing::{
+    check_sq_sum, check_sq_sum_errors, check_unscale_check, check_unscale_check_errors,
+};
 use kiln_core::{Backend, DType, Generator, RandDist, Tensor, UnscaleSlot};
 
 /// More than one grid-stride pass of the kernel on any current GPU (an H100's grid covers
@@ -145,4 +148,47 @@ fn a_captured_check_replays_with_new_gradients() {
         "clean replay after a bad one"
     );
     println!("unscale_check: captured once, replayed clean, with an inf, clean again");
+}
+
+#[test]
+fn squared_norms_are_exact_repeatable_and_take_two_launches() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    check_sq_sum::<Cuda>(&dev, LARGE);
+    check_sq_sum_errors::<Cuda>(&dev);
+    // Normal values (inexact sums): the same bits on every call, and close to the composed
+    // default's (another order of summation).
+    for dtype in [DType::F32, DType::F16] {
+        let gs = grads(&dev, dtype, 1.0);
+        let a = Tensor::sq_sum(&gs).unwrap().to_scalar().unwrap();
+        let b = Tensor::sq_sum(&gs).unwrap().to_scalar().unwrap();
+        assert_eq!(a.to_bits(), b.to_bits(), "{dtype}: two calls");
+        let slots: Vec<UnscaleSlot<'_, _>> = gs
+            .iter()
+            .map(|g| UnscaleSlot {
+                grad: g.storage(),
+                len: g.elem_count(),
+            })
+            .collect();
+        let c = sq_sum_composed::<Cuda>(dtype, &slots).unwrap();
+        let c = Tensor::<Cuda>::from_storage(c, [1], DType::F64)
+            .to_f64_vec()
+            .unwrap()[0];
+        assert!(
+            (a - c).abs() <= 1e-12 * c,
+            "{dtype}: kernel {a} vs composed {c}"
+        );
+    }
+    // The GPT example's 39 gradients: one kernel and one fold.
+    let gs: Vec<Tensor<Cuda>> = (0..39)
+        .map(|i| Tensor::<Cuda>::full([100 + i * 1000], 0.5, DType::F32, &dev).unwrap())
+        .collect();
+    for g in &gs {
+        Cuda::realize(g.storage()).unwrap();
+    }
+    let before = thread_launches();
+    let s = Tensor::sq_sum(&gs).unwrap();
+    assert_eq!(thread_launches() - before, 2, "39 tensors: two launches");
+    let n: usize = (0..39).map(|i| 100 + i * 1000).sum();
+    assert_eq!(s.to_scalar().unwrap(), 0.25 * n as f64);
+    println!("sq_sum: exact in 4 dtypes, repeatable, 39 tensors in 2 launches");
 }

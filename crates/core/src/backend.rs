@@ -598,6 +598,17 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         unscale_check_composed::<Self>(dtype, inv_scale, slots)
     }
 
+    /// The sum of the squares of every element of `slots` (each `len` contiguous elements of
+    /// `dtype`, a float dtype; at least one slot; one device), accumulated in f64, as a storage
+    /// of one f64 element on their device: gradient clipping's global norm, squared (PyTorch's
+    /// `_foreach_norm` and the sum of its results). The default evaluates
+    /// [`crate::unscale::sq_sum_program`] once per slot through [`Backend::eval_expr`] and adds
+    /// the sums in slot order ([`sq_sum_composed`]); a GPU backend overrides it with one
+    /// multi-tensor kernel for all slots (its order of summation, fixed per device, is its own).
+    fn sq_sum(dtype: DType, slots: &[UnscaleSlot<'_, Self::Storage>]) -> Result<Self::Storage> {
+        sq_sum_composed::<Self>(dtype, slots)
+    }
+
     /// Fused scaled dot-product attention in the flash-attention manner: `q` `[batch.., Tq,
     /// d]`, `k` `[batch.., Tk, d]`, `v` `[batch.., Tk, dv]` (the same batch axes, no
     /// broadcasting between them), without storing the `Tq × Tk` scores. Returns the output
@@ -858,6 +869,41 @@ pub fn unary_backward_by_rule<B: Backend>(
     let dev = B::storage_device(s);
     let mut out = B::eval_expr(&dev, &program, lg.shape(), &[(s, ls), (g, lg)], &[])?;
     Ok(out.swap_remove(0))
+}
+
+/// The composed [`Backend::sq_sum`]: [`crate::unscale::sq_sum_program`] evaluated per slot,
+/// the sums added in slot order with [`crate::unscale::sum_pair_program`].
+pub fn sq_sum_composed<B: Backend>(
+    dtype: DType,
+    slots: &[UnscaleSlot<'_, B::Storage>],
+) -> Result<B::Storage> {
+    const OP: &str = "sq_sum";
+    let Some(first) = slots.first() else {
+        return Err(Error::invalid(
+            OP,
+            "no tensors: the sum lives on their device",
+        ));
+    };
+    let program = crate::unscale::sq_sum_program(dtype)?;
+    let add = crate::unscale::sum_pair_program()?;
+    let dev = B::storage_device(first.grad);
+    let one = Layout::contiguous([1]);
+    let mut total: Option<B::Storage> = None;
+    for slot in slots {
+        let l = Layout::contiguous([slot.len]);
+        let s = B::eval_expr(&dev, &program, l.shape(), &[(slot.grad, &l)], &[])?
+            .into_iter()
+            .next()
+            .ok_or_else(|| Error::backend(OP, "the sum program returned no output"))?;
+        total = Some(match total {
+            None => s,
+            Some(t) => B::eval_expr(&dev, &add, one.shape(), &[(&t, &one), (&s, &one)], &[])?
+                .into_iter()
+                .next()
+                .ok_or_else(|| Error::backend(OP, "the add program returned no output"))?,
+        });
+    }
+    Ok(total.expect("at least one slot"))
 }
 
 /// The composed [`Backend::unscale_check`]: [`crate::unscale::unscale_program`] evaluated per

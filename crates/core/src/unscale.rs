@@ -1,5 +1,7 @@
 //! The gradient unscale and inf/NaN check of dynamic loss scaling
-//! ([`Backend::unscale_check`](crate::Backend::unscale_check)), as data and as one program.
+//! ([`Backend::unscale_check`](crate::Backend::unscale_check)), as data and as one program;
+//! and the squared global norm that gradient clipping takes
+//! ([`Backend::sq_sum`](crate::Backend::sq_sum), [`sq_sum_program`]), over the same slots.
 //!
 //! # Why one op
 //!
@@ -70,5 +72,26 @@ pub fn flag_union_program() -> Result<Program> {
     Program::from_exprs(
         &[DType::F32, DType::F32],
         &[Expr::input(0).maximum(Expr::input(1))],
+    )
+}
+
+/// The program of one tensor of `dtype` (a float dtype) of [`Backend::sq_sum`](crate::Backend::sq_sum)
+/// over a 1-d iteration shape: input `[x]`, output the f64 `Σ x²` (the reduced shape `[1]`),
+/// every element widened to f64 first (exact) and squared and summed in f64.
+pub fn sq_sum_program(dtype: DType) -> Result<Program> {
+    let x = Expr::input(0);
+    let x = if dtype != DType::F64 {
+        x.to_dtype(DType::F64)
+    } else {
+        x
+    };
+    Program::from_exprs(&[dtype], &[(x.clone() * x).sum(&[0])])
+}
+
+/// The program adding two f64 sums (`[1]` each) of [`sq_sum_program`].
+pub fn sum_pair_program() -> Result<Program> {
+    Program::from_exprs(
+        &[DType::F64, DType::F64],
+        &[Expr::input(0) + Expr::input(1)],
     )
 }

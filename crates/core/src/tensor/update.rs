@@ -167,4 +167,46 @@ impl<B: Backend> Tensor<B> {
             .collect();
         Ok((outs, first.fresh(flag, Shape::scalar(), DType::F32)))
     }
+
+    /// The sum of the squares of every element of `tensors`, accumulated in f64, as a 0-d f64
+    /// tensor on their device, with no synchronization: the square of their global L2 norm,
+    /// as gradient clipping takes it. All tensors must share one device and one float dtype,
+    /// and there must be at least one.
+    ///
+    /// On the GPU this is one multi-tensor kernel and one fold for up to 128 tensors per
+    /// launch, where the composed form is a reduction (two launches) per tensor.
+    pub fn sq_sum(tensors: &[Self]) -> Result<Self> {
+        const OP: &str = "sq_sum";
+        let Some(first) = tensors.first() else {
+            return Err(Error::invalid(
+                OP,
+                "no tensors: the sum lives on their device",
+            ));
+        };
+        first.require_float(OP)?;
+        let dtype = first.dtype();
+        let mut owned = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            first.check_same_device(OP, t)?;
+            if t.dtype() != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: dtype.to_string(),
+                    got: t.dtype(),
+                });
+            }
+            owned.push(t.contiguous()?);
+        }
+        let slots: Vec<UnscaleSlot<'_, B::Storage>> = owned
+            .iter()
+            .map(|t| UnscaleSlot {
+                grad: t.storage(),
+                len: t.elem_count(),
+            })
+            .collect();
+        let p = first.prof(OP, &[], false);
+        let sum = B::sq_sum(dtype, &slots)?;
+        drop(p);
+        Ok(first.fresh(sum, Shape::scalar(), DType::F64))
+    }
 }

@@ -491,5 +491,7 @@ use memory::{g_cat_stack, g_contiguous, g_copy, g_copy_into, g_devices, g_fill, 
 use random::g_rand;
 use reduce::{g_reduce, g_softmax, g_xent};
 use unary::{g_composite, g_unary, g_unary_backward};
-pub use unscale::{check_unscale_check, check_unscale_check_errors};
+pub use unscale::{
+    check_sq_sum, check_sq_sum_errors, check_unscale_check, check_unscale_check_errors,
+};
 use update::g_fused_update;

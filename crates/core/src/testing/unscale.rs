@@ -2,7 +2,8 @@
 //! `inf`, `-inf` and NaN at the first, a middle and the last element of small and large
 //! gradients in every float dtype, an overflow that only the rounding to f16 makes, and clean
 //! sets. A backend's test calls [`check_unscale_check`] with a `large` size past whatever its
-//! kernel splits work by (a GPU's grid-stride pass).
+//! kernel splits work by (a GPU's grid-stride pass). [`check_sq_sum`] does the same for
+//! [`Tensor::sq_sum`], the squared norm of gradient clipping.
 
 use crate::{Backend, DType, Tensor, bf16, f16};
 
@@ -127,6 +128,68 @@ pub fn check_unscale_check_errors<B: Backend>(dev: &B::Device) {
     for (what, e) in cases {
         assert!(
             e.to_string().contains("unscale_check"),
+            "{what}: the error names the op: {e}"
+        );
+    }
+}
+
+/// [`Tensor::sq_sum`] against the f64 sum of the squares of the stored values: every float
+/// dtype; sizes 0, 1, odd and `large`; one tensor and 300 (more than a GPU launch takes, with
+/// empty ones among them). The values are multiples of 1/4 below 13, so every square and
+/// every partial sum of at most 2^40 of them is exact in f64: any order of summation gives
+/// the same bits, and the sum must equal the host's exactly.
+pub fn check_sq_sum<B: Backend>(dev: &B::Device, large: usize) {
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        let sets: Vec<Vec<Vec<f64>>> = vec![
+            vec![(0..large).map(|i| grad_value(i, 1)).collect()],
+            [0usize, 1, 7, 1000, large]
+                .iter()
+                .enumerate()
+                .map(|(s, &n)| (0..n).map(|i| grad_value(i, s)).collect())
+                .collect(),
+            (0..300).map(|t| vec![grad_value(t, 5); t % 5]).collect(),
+        ];
+        for set in sets {
+            let what = format!("{dtype}, {} tensors", set.len());
+            let ts: Vec<Tensor<B>> = set
+                .iter()
+                .map(|g| {
+                    Tensor::<B>::from_slice(g, [g.len()], dev)
+                        .and_then(|t| t.to_dtype(dtype))
+                        .unwrap()
+                })
+                .collect();
+            let want: f64 = set.iter().flatten().map(|v| v * v).sum();
+            let got = Tensor::sq_sum(&ts).unwrap();
+            assert_eq!(got.dims(), &[] as &[usize], "{what}: the sum is 0-d");
+            assert_eq!(got.dtype(), DType::F64, "{what}: the sum is f64");
+            assert_eq!(got.to_scalar().unwrap(), want, "{what}: the sum");
+        }
+    }
+    // A non-finite element makes the sum inf or NaN (clipping then leaves gradients alone).
+    let bad = Tensor::<B>::from_slice(&[1.0f32, f32::NAN], [2], dev).unwrap();
+    assert!(
+        Tensor::sq_sum(&[bad])
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+            .is_nan()
+    );
+}
+
+/// Typed errors of [`Tensor::sq_sum`]: no tensors, mixed dtypes, a non-float dtype.
+pub fn check_sq_sum_errors<B: Backend>(dev: &B::Device) {
+    let f32s = Tensor::<B>::from_slice(&[1.0f32, 2.0], [2], dev).unwrap();
+    let f64s = Tensor::<B>::from_slice(&[1.0f64], [1], dev).unwrap();
+    let ints = Tensor::<B>::from_slice(&[1i64], [1], dev).unwrap();
+    let cases = [
+        ("empty", Tensor::<B>::sq_sum(&[]).unwrap_err()),
+        ("mixed", Tensor::sq_sum(&[f32s, f64s]).unwrap_err()),
+        ("i64", Tensor::sq_sum(&[ints]).unwrap_err()),
+    ];
+    for (what, e) in cases {
+        assert!(
+            e.to_string().contains("sq_sum"),
             "{what}: the error names the op: {e}"
         );
     }

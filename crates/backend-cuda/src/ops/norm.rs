@@ -268,7 +268,7 @@ pub(crate) fn backward(
 }
 
 /// `dw = Σ_rows g x̂` and `db = Σ_rows g` where `want`: f32 partials per chunk of [`CHUNK`]
-/// rows, then one ordered sum per column (deterministic, no atomics).
+/// rows, then a fixed-order sum per column (deterministic, no atomics).
 #[allow(clippy::too_many_arguments)]
 fn column_sums(
     dev: &'static DeviceState,
@@ -312,16 +312,9 @@ fn column_sums(
         .push(db.as_ref().map_or(0, Buffer::device_ptr))
         .push(chunks as u64)
         .push(cols as u64);
-    run(
-        dev,
-        op,
-        Module::Norm,
-        &["ln_bwd_cols_sum", tname(dtype)],
-        dev.grid_1d(cols as u64, 256),
-        256,
-        0,
-        &mut a,
-    )?;
+    // A block of 32 columns x 32 row lanes per 32 columns (norm.cu).
+    let f = dev.func(Module::Norm, &["ln_bwd_cols_sum", tname(dtype)])?;
+    dev.launch_3d(op, f, [cols.div_ceil(32) as u32, 1, 1], [32, 32, 1], 0, a.ptrs())?;
     Ok((dw, db))
 }
 

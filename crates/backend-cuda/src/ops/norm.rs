@@ -314,7 +314,14 @@ fn column_sums(
         .push(cols as u64);
     // A block of 32 columns x 32 row lanes per 32 columns (norm.cu).
     let f = dev.func(Module::Norm, &["ln_bwd_cols_sum", tname(dtype)])?;
-    dev.launch_3d(op, f, [cols.div_ceil(32) as u32, 1, 1], [32, 32, 1], 0, a.ptrs())?;
+    dev.launch_3d(
+        op,
+        f,
+        [cols.div_ceil(32) as u32, 1, 1],
+        [32, 32, 1],
+        0,
+        a.ptrs(),
+    )?;
     Ok((dw, db))
 }
 

@@ -66,39 +66,8 @@ pub(crate) fn unscale_check(
             "no gradients: the flag lives on their device",
         ));
     };
-    let name = match dtype {
-        DType::F32 => "float",
-        DType::F64 => "double",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: "f32, f64, f16 or bf16".into(),
-                got: dtype,
-            });
-        }
-    };
+    let name = checked(OP, dtype, slots)?;
     let dev = first.grad.state();
-    for s in slots {
-        if s.grad.device() != first.grad.device() {
-            return Err(Error::DeviceMismatch {
-                op: OP,
-                lhs: first.grad.device().to_string(),
-                rhs: s.grad.device().to_string(),
-            });
-        }
-        if s.grad.len_bytes() < s.len * dtype.size_in_bytes() {
-            return Err(Error::backend(
-                OP,
-                format!(
-                    "a gradient buffer of {} bytes for {} elements of {dtype}",
-                    s.grad.len_bytes(),
-                    s.len
-                ),
-            ));
-        }
-    }
     dev.bind()?;
     let f = dev.func(Module::Amp, &["unscale", "check", name])?;
     let outs = slots
@@ -126,6 +95,51 @@ pub(crate) fn unscale_check(
         dev.launch(OP, f, dev.grid_1d(total, BLOCK), BLOCK, 0, args.ptrs())?;
     }
     Ok((outs, flag))
+}
+
+/// The kernels' dtype token for `dtype` (a float dtype), after checking that every slot lies
+/// on the first one's device and its buffer holds `len` elements of `dtype`.
+fn checked(
+    op: &'static str,
+    dtype: DType,
+    slots: &[UnscaleSlot<'_, Buffer>],
+) -> Result<&'static str> {
+    let name = match dtype {
+        DType::F32 => "float",
+        DType::F64 => "double",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        _ => {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: "f32, f64, f16 or bf16".into(),
+                got: dtype,
+            });
+        }
+    };
+    let Some(first) = slots.first() else {
+        return Ok(name);
+    };
+    for s in slots {
+        if s.grad.device() != first.grad.device() {
+            return Err(Error::DeviceMismatch {
+                op,
+                lhs: first.grad.device().to_string(),
+                rhs: s.grad.device().to_string(),
+            });
+        }
+        if s.grad.len_bytes() < s.len * dtype.size_in_bytes() {
+            return Err(Error::backend(
+                op,
+                format!(
+                    "a buffer of {} bytes for {} elements of {dtype}",
+                    s.grad.len_bytes(),
+                    s.len
+                ),
+            ));
+        }
+    }
+    Ok(name)
 }
 
 /// The words of `UnscaleArgs` for up to [`UNSCALE_MAX`] gradients: the prefix offsets
@@ -181,39 +195,8 @@ pub(crate) fn sq_sum(dtype: DType, slots: &[UnscaleSlot<'_, Buffer>]) -> Result<
             "no tensors: the sum lives on their device",
         ));
     };
-    let name = match dtype {
-        DType::F32 => "float",
-        DType::F64 => "double",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: "f32, f64, f16 or bf16".into(),
-                got: dtype,
-            });
-        }
-    };
+    let name = checked(OP, dtype, slots)?;
     let dev = first.grad.state();
-    for s in slots {
-        if s.grad.device() != first.grad.device() {
-            return Err(Error::DeviceMismatch {
-                op: OP,
-                lhs: first.grad.device().to_string(),
-                rhs: s.grad.device().to_string(),
-            });
-        }
-        if s.grad.len_bytes() < s.len * dtype.size_in_bytes() {
-            return Err(Error::backend(
-                OP,
-                format!(
-                    "a buffer of {} bytes for {} elements of {dtype}",
-                    s.grad.len_bytes(),
-                    s.len
-                ),
-            ));
-        }
-    }
     dev.bind()?;
     let f = dev.func(Module::Amp, &["sq", "sum", name])?;
     let fold = dev.func(Module::Amp, &["sq", "sum", "fold"])?;

@@ -67,8 +67,8 @@ UNSCALE_CHECK_HALF(bf16)
 // block sums its grid-stride share of each tensor in turn (tensor by tensor, so no search per
 // element) and writes its total, reduced by a fixed tree, to part[blockIdx.x]; sq_sum_fold (one
 // block) adds `n` parts in a fixed order into out[0], plus out[0] itself when `acc` (a later
-// launch of more than UNSCALE_MAX tensors). The host fixes the grid per device, so a call gives
-// the same bits every time (no atomics).
+// launch of more than UNSCALE_MAX tensors). The grid depends only on the device and the
+// launch's element count, so a call gives the same bits every time (no atomics).
 template <typename S>
 __device__ __forceinline__ void sq_sum(const UnscaleArgs& a, double* part) {
     __shared__ double scratch[32];

@@ -604,7 +604,8 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// `_foreach_norm` and the sum of its results). The default evaluates
     /// [`crate::unscale::sq_sum_program`] once per slot through [`Backend::eval_expr`] and adds
     /// the sums in slot order ([`sq_sum_composed`]); a GPU backend overrides it with one
-    /// multi-tensor kernel for all slots (its order of summation, fixed per device, is its own).
+    /// multi-tensor kernel for all slots (in an order of summation of its own, the same on every
+    /// call).
     fn sq_sum(dtype: DType, slots: &[UnscaleSlot<'_, Self::Storage>]) -> Result<Self::Storage> {
         sq_sum_composed::<Self>(dtype, slots)
     }

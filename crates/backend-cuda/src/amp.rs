@@ -26,26 +26,13 @@ pub(crate) const UNSCALE_MAX: usize = 128;
 
 const BLOCK: u32 = 256;
 
-/// [`unscale_check`] over storages: their computed buffers (deferred work runs here), held
-/// while the kernel's slots borrow them.
+/// [`unscale_check`] over storages ([`on_buffers`]).
 pub(crate) fn unscale_check_storages(
     dtype: DType,
     inv_scale: f64,
     slots: &[UnscaleSlot<'_, CudaStorage>],
 ) -> Result<(Vec<CudaStorage>, CudaStorage)> {
-    let held = slots
-        .iter()
-        .map(|s| s.grad.buffer())
-        .collect::<Result<Vec<_>>>()?;
-    let bslots: Vec<UnscaleSlot<'_, Buffer>> = held
-        .iter()
-        .zip(slots)
-        .map(|(g, s)| UnscaleSlot {
-            grad: &**g,
-            len: s.len,
-        })
-        .collect();
-    let (outs, flag) = unscale_check(dtype, inv_scale, &bslots)?;
+    let (outs, flag) = on_buffers(slots, |b| unscale_check(dtype, inv_scale, b))?;
     Ok((
         outs.into_iter().map(CudaStorage::ready).collect(),
         CudaStorage::ready(flag),
@@ -158,12 +145,19 @@ fn table(slots: &[UnscaleSlot<'_, Buffer>], outs: &[u64]) -> Vec<u64> {
     w
 }
 
-/// [`sq_sum`] over storages: their computed buffers (deferred work runs here), held while the
-/// kernel's table borrows them.
+/// [`sq_sum`] over storages ([`on_buffers`]).
 pub(crate) fn sq_sum_storages(
     dtype: DType,
     slots: &[UnscaleSlot<'_, CudaStorage>],
 ) -> Result<CudaStorage> {
+    Ok(CudaStorage::ready(on_buffers(slots, |b| sq_sum(dtype, b))?))
+}
+
+/// `f` over the slots' computed buffers (deferred work runs here), held while it borrows them.
+fn on_buffers<R>(
+    slots: &[UnscaleSlot<'_, CudaStorage>],
+    f: impl FnOnce(&[UnscaleSlot<'_, Buffer>]) -> Result<R>,
+) -> Result<R> {
     let held = slots
         .iter()
         .map(|s| s.grad.buffer())
@@ -176,7 +170,7 @@ pub(crate) fn sq_sum_storages(
             len: s.len,
         })
         .collect();
-    Ok(CudaStorage::ready(sq_sum(dtype, &bslots)?))
+    f(&bslots)
 }
 
 /// Blocks of `sq_sum_<S>` per SM: enough loads in flight to read the gradients at the memory's

@@ -118,39 +118,16 @@ impl<B: Backend> Tensor<B> {
     /// gradients per launch, where the composed form is a multiply and a reduction per gradient.
     pub fn unscale_check(grads: &[Self], inv_scale: f64) -> Result<(Vec<Self>, Self)> {
         const OP: &str = "unscale_check";
-        let Some(first) = grads.first() else {
-            return Err(Error::invalid(
-                OP,
-                "no gradients: the flag lives on their device",
-            ));
-        };
-        first.require_float(OP)?;
+        let owned =
+            Self::multi_operands(OP, grads, "no gradients: the flag lives on their device")?;
         if !inv_scale.is_finite() {
             return Err(Error::invalid(
                 OP,
                 format!("the inverse scale must be finite, got {inv_scale}"),
             ));
         }
-        let dtype = first.dtype();
-        let mut owned = Vec::with_capacity(grads.len());
-        for g in grads {
-            first.check_same_device(OP, g)?;
-            if g.dtype() != dtype {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: dtype.to_string(),
-                    got: g.dtype(),
-                });
-            }
-            owned.push(g.contiguous()?);
-        }
-        let slots: Vec<UnscaleSlot<'_, B::Storage>> = owned
-            .iter()
-            .map(|g| UnscaleSlot {
-                grad: g.storage(),
-                len: g.elem_count(),
-            })
-            .collect();
+        let (first, dtype) = (&owned[0], owned[0].dtype());
+        let slots = Self::multi_slots(&owned);
         let p = first.prof(OP, &[], false);
         let (outs, flag) = B::unscale_check(dtype, inv_scale, &slots)?;
         drop(p);
@@ -177,36 +154,48 @@ impl<B: Backend> Tensor<B> {
     /// launch, where the composed form is a reduction (two launches) per tensor.
     pub fn sq_sum(tensors: &[Self]) -> Result<Self> {
         const OP: &str = "sq_sum";
+        let owned = Self::multi_operands(OP, tensors, "no tensors: the sum lives on their device")?;
+        let (first, dtype) = (&owned[0], owned[0].dtype());
+        let slots = Self::multi_slots(&owned);
+        let p = first.prof(OP, &[], false);
+        let sum = B::sq_sum(dtype, &slots)?;
+        drop(p);
+        Ok(first.fresh(sum, Shape::scalar(), DType::F64))
+    }
+
+    /// The operands of a multi-tensor op `op` ([`Tensor::unscale_check`], [`Tensor::sq_sum`]):
+    /// `tensors` made contiguous, after checking that there is at least one (`empty`: the
+    /// error's text otherwise) and that all share the first one's float dtype and device.
+    fn multi_operands(op: &'static str, tensors: &[Self], empty: &str) -> Result<Vec<Self>> {
         let Some(first) = tensors.first() else {
-            return Err(Error::invalid(
-                OP,
-                "no tensors: the sum lives on their device",
-            ));
+            return Err(Error::invalid(op, empty));
         };
-        first.require_float(OP)?;
+        first.require_float(op)?;
         let dtype = first.dtype();
-        let mut owned = Vec::with_capacity(tensors.len());
-        for t in tensors {
-            first.check_same_device(OP, t)?;
-            if t.dtype() != dtype {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: dtype.to_string(),
-                    got: t.dtype(),
-                });
-            }
-            owned.push(t.contiguous()?);
-        }
-        let slots: Vec<UnscaleSlot<'_, B::Storage>> = owned
+        tensors
+            .iter()
+            .map(|t| {
+                first.check_same_device(op, t)?;
+                if t.dtype() != dtype {
+                    return Err(Error::DTypeMismatch {
+                        op,
+                        expected: dtype.to_string(),
+                        got: t.dtype(),
+                    });
+                }
+                t.contiguous()
+            })
+            .collect()
+    }
+
+    /// One [`UnscaleSlot`] per contiguous tensor of [`Tensor::multi_operands`].
+    fn multi_slots(owned: &[Self]) -> Vec<UnscaleSlot<'_, B::Storage>> {
+        owned
             .iter()
             .map(|t| UnscaleSlot {
                 grad: t.storage(),
                 len: t.elem_count(),
             })
-            .collect();
-        let p = first.prof(OP, &[], false);
-        let sum = B::sq_sum(dtype, &slots)?;
-        drop(p);
-        Ok(first.fresh(sum, Shape::scalar(), DType::F64))
+            .collect()
     }
 }

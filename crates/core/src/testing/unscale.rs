@@ -33,17 +33,22 @@ fn same(a: f64, b: f64) -> bool {
     a == b || (a.is_nan() && b.is_nan())
 }
 
-/// Runs one call: `grads` (host values) of `dtype` on `dev`; checks every unscaled value and
-/// returns the flag.
-fn run<B: Backend>(dev: &B::Device, dtype: DType, grads: &[Vec<f64>], inv: f64, what: &str) -> f64 {
-    let ts: Vec<Tensor<B>> = grads
+/// `values` as 1-d tensors of `dtype` on `dev`.
+fn tensors<B: Backend>(dev: &B::Device, dtype: DType, values: &[Vec<f64>]) -> Vec<Tensor<B>> {
+    values
         .iter()
         .map(|g| {
             Tensor::<B>::from_slice(g, [g.len()], dev)
                 .and_then(|t| t.to_dtype(dtype))
                 .unwrap()
         })
-        .collect();
+        .collect()
+}
+
+/// Runs one call: `grads` (host values) of `dtype` on `dev`; checks every unscaled value and
+/// returns the flag.
+fn run<B: Backend>(dev: &B::Device, dtype: DType, grads: &[Vec<f64>], inv: f64, what: &str) -> f64 {
+    let ts = tensors::<B>(dev, dtype, grads);
     let (outs, flag) = Tensor::unscale_check(&ts, inv).unwrap();
     assert_eq!(flag.dims(), &[] as &[usize], "{what}: the flag is 0-d");
     assert_eq!(flag.dtype(), DType::F32, "{what}: the flag is f32");
@@ -151,14 +156,7 @@ pub fn check_sq_sum<B: Backend>(dev: &B::Device, large: usize) {
         ];
         for set in sets {
             let what = format!("{dtype}, {} tensors", set.len());
-            let ts: Vec<Tensor<B>> = set
-                .iter()
-                .map(|g| {
-                    Tensor::<B>::from_slice(g, [g.len()], dev)
-                        .and_then(|t| t.to_dtype(dtype))
-                        .unwrap()
-                })
-                .collect();
+            let ts = tensors::<B>(dev, dtype, &set);
             let want: f64 = set.iter().flatten().map(|v| v * v).sum();
             let got = Tensor::sq_sum(&ts).unwrap();
             assert_eq!(got.dims(), &[] as &[usize], "{what}: the sum is 0-d");

@@ -126,8 +126,14 @@ fn against_cpu(dev: &CudaDevice, dims: &[usize], k: usize, dtype: DType, tol: f6
     }
 }
 
-/// (shape, normalized axes): rows 1, 7 and 16,384; lengths on and off the vector width.
-const SHAPES: [(&[usize], usize); 14] = [
+/// (shape, normalized axes): rows 1, 7 and 16,384; lengths on and off the vector width, and
+/// on either side of the warp-per-row kernels' limit (512 f32, 1024 16-bit elements).
+const SHAPES: [(&[usize], usize); 19] = [
+    (&[7, 512], 1),
+    (&[7, 520], 1),
+    (&[5, 1024], 1),
+    (&[5, 1032], 1),
+    (&[3001, 40], 1),
     (&[1, 1], 1),
     (&[1, 3], 1),
     (&[7, 1], 1),
@@ -166,13 +172,20 @@ fn fused_bf16_and_f16_match_within_their_precision() {
     }
 }
 
-/// One kernel forward and three backward (dx, the column partials, their sum), and the
-/// statistics do not leave the kernels as extra launches.
+/// One kernel forward; backward two for short rows (dx with the column partials, their sum)
+/// and three for long ones (dx, the partials, their sum); the statistics do not leave the
+/// kernels as extra launches.
 #[test]
 fn fused_path_is_taken() {
     let Some(dev) = gpu_or_skip(0) else { return };
-    for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let (gpu, _) = case(&dev, &[16, 384], 1, Affine::WeightBias, dtype);
+    for (dtype, cols, backward) in [
+        (DType::F32, 384, 2),
+        (DType::BF16, 384, 2),
+        (DType::F16, 384, 2),
+        (DType::F32, 1000, 3),
+        (DType::BF16, 2000, 3),
+    ] {
+        let (gpu, _) = case(&dev, &[16, cols], 1, Affine::WeightBias, dtype);
         for t in [
             &gpu.x,
             &gpu.g,
@@ -187,7 +200,7 @@ fn fused_path_is_taken() {
             Var::param(gpu.b.clone().unwrap()),
         );
         let before = thread_launches();
-        let y = x.layer_norm(&[384], Some(&w), Some(&b), EPS).unwrap();
+        let y = x.layer_norm(&[cols], Some(&w), Some(&b), EPS).unwrap();
         y.tensor().realize().unwrap();
         assert_eq!(thread_launches() - before, 1, "{dtype} layer_norm forward");
         let before = thread_launches();
@@ -196,7 +209,11 @@ fn fused_path_is_taken() {
         for v in [&x, &w, &b] {
             v.grad().unwrap().realize().unwrap();
         }
-        assert_eq!(thread_launches() - before, 3, "{dtype} layer_norm backward");
+        assert_eq!(
+            thread_launches() - before,
+            backward,
+            "{dtype} {cols} layer_norm backward"
+        );
     }
 }
 

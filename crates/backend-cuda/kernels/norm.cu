@@ -21,6 +21,10 @@
 // partials [chunks, cols]; `ln_bwd_cols_sum_S` adds a column's partials in a fixed order (32
 // row lanes, then their sums) and rounds once into dw/db. No atomics: the sums are
 // deterministic.
+//
+// Short vectorized rows (at most LN_WARP_VECS * 32 vectors) take `ln_fwd_warp_S` and
+// `ln_bwd_warp_S` instead (below): a warp per row, and the backward's dx and column partials in
+// one pass over g and x.
 
 // Row r's statistics and normalized output.
 template <typename S>
@@ -240,7 +244,7 @@ __device__ void ln_bwd_cols_sum(const float* __restrict__ part_w, const float* _
     float tw = 0.0f, tb = 0.0f;
     if (c < cols) {
         for (u64 k = threadIdx.y; k < chunks; k += 32) {
-            tw += part_w[k * cols + c];
+            if (dw) tw += part_w[k * cols + c];
             if (db) tb += part_b[k * cols + c];
         }
     }
@@ -256,6 +260,165 @@ __device__ void ln_bwd_cols_sum(const float* __restrict__ part_w, const float* _
         }
         if (dw) dw[c] = narrow<S>(w);
         if (db) db[c] = narrow<S>(b);
+    }
+}
+
+// ---- Rows of at most LN_WARP_VECS * 32 vectors: one warp per row ----------------------------
+// With one block per row a short row (the GPT's 384 f32: 96 vectors) left most of a block idle
+// and paid two block barriers a row: ~2.2 TB/s. Here a warp holds its row in registers (lane
+// `l` vectors l, l + 32, ...), reduces by shuffles (every lane gets the same sum) and has no
+// barrier; 8 warps a block. The host takes these kernels for vectorized rows that fit.
+#define LN_WARP_VECS 4
+
+template <typename S>
+__device__ void ln_fwd_warp_rows(const S* __restrict__ x, const S* __restrict__ w,
+                                 const S* __restrict__ b, S* __restrict__ y,
+                                 float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                 u64 rows, u64 cols, float eps, int centered) {
+    const int N = 16 / sizeof(S);
+    const int lane = threadIdx.x & 31;
+    const u64 nv = cols / N;
+    const float inv_n = 1.0f / (float)cols;
+    const u64 step = (u64)gridDim.x * (blockDim.x >> 5);
+    for (u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += step) {
+        const Vec<S, N>* p = (const Vec<S, N>*)(x + r * cols);
+        float f[LN_WARP_VECS][N];
+        float s = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            const u64 v = lane + 32 * k;
+            Vec<S, N> t;
+            if (v < nv) t = p[v];
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                f[k][j] = v < nv ? wide(t.v[j]) : 0.0f;
+                s += f[k][j];
+            }
+        }
+        const float mean = centered ? warp_reduce<SumOp<float> >(s) * inv_n : 0.0f;
+        float ss = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            if (lane + 32 * k < nv) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    const float d = f[k][j] - mean;
+                    ss += d * d;
+                }
+            }
+        }
+        const float rstd = rsqrtf(warp_reduce<SumOp<float> >(ss) * inv_n + eps);
+        if (lane == 0) {
+            if (centered) mean_out[r] = mean;
+            rstd_out[r] = rstd;
+        }
+        Vec<S, N>* q = (Vec<S, N>*)(y + r * cols);
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            const u64 v = lane + 32 * k;
+            if (v < nv) {
+                Vec<S, N> o, wv, bv;
+                if (w) wv = ((const Vec<S, N>*)w)[v];
+                if (b) bv = ((const Vec<S, N>*)b)[v];
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    float t = (f[k][j] - mean) * rstd;
+                    if (w) t *= wide(wv.v[j]);
+                    if (b) t += wide(bv.v[j]);
+                    o.v[j] = narrow<S>(t);
+                }
+                q[v] = o;
+            }
+        }
+    }
+}
+
+// The whole backward of short rows in one pass over g and x: block `b` takes rows
+// [b * chunk, (b + 1) * chunk), its warp `k` rows k, k + 8, ... of them in order. A warp writes
+// each row's dx (when `dx`) and adds g x̂ and g into per-lane column sums in registers; then the
+// block adds its 8 warps' sums in warp order (dynamic shared memory, 8 x cols f32) into the
+// chunk's partials `part_w` / `part_b` (when given), which `ln_bwd_cols_sum` folds. A fixed
+// order everywhere: deterministic. Replaces `ln_bwd_dx` + `ln_bwd_cols`, which read g and x twice.
+template <typename S>
+__device__ void ln_bwd_warp_rows(const S* __restrict__ x, const float* __restrict__ mean_in,
+                                 const float* __restrict__ rstd_in, const S* __restrict__ w,
+                                 const S* __restrict__ g, S* __restrict__ dx,
+                                 float* __restrict__ part_w, float* __restrict__ part_b, u64 rows,
+                                 u64 cols, u64 chunk, int centered) {
+    extern __shared__ __align__(16) unsigned char dyn[];
+    float* red = (float*)dyn;
+    const int N = 16 / sizeof(S);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u64 nv = cols / N;
+    const float inv_n = 1.0f / (float)cols;
+    const u64 r0 = (u64)blockIdx.x * chunk;
+    const u64 r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    float aw[LN_WARP_VECS][N], ab[LN_WARP_VECS][N];
+#pragma unroll
+    for (int k = 0; k < LN_WARP_VECS; ++k)
+#pragma unroll
+        for (int j = 0; j < N; ++j) aw[k][j] = ab[k][j] = 0.0f;
+    for (u64 r = r0 + warp; r < r1; r += warps) {
+        const Vec<S, N>* px = (const Vec<S, N>*)(x + r * cols);
+        const Vec<S, N>* pg = (const Vec<S, N>*)(g + r * cols);
+        const float mean = centered ? mean_in[r] : 0.0f;
+        const float rstd = rstd_in[r];
+        float gh[LN_WARP_VECS][N], xh[LN_WARP_VECS][N];
+        float sg = 0.0f, sgx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            const u64 v = lane + 32 * k;
+            Vec<S, N> xv, gv, wv;
+            if (v < nv) {
+                xv = px[v];
+                gv = pg[v];
+                if (w) wv = ((const Vec<S, N>*)w)[v];
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                const float gr = v < nv ? wide(gv.v[j]) : 0.0f;
+                xh[k][j] = v < nv ? (wide(xv.v[j]) - mean) * rstd : 0.0f;
+                gh[k][j] = w && v < nv ? gr * wide(wv.v[j]) : gr;
+                aw[k][j] += gr * xh[k][j];
+                ab[k][j] += gr;
+                sg += gh[k][j];
+                sgx += gh[k][j] * xh[k][j];
+            }
+        }
+        if (!dx) continue;
+        const float a = centered ? warp_reduce<SumOp<float> >(sg) * inv_n : 0.0f;
+        const float m = warp_reduce<SumOp<float> >(sgx) * inv_n;
+        Vec<S, N>* q = (Vec<S, N>*)(dx + r * cols);
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            const u64 v = lane + 32 * k;
+            if (v < nv) {
+                Vec<S, N> o;
+#pragma unroll
+                for (int j = 0; j < N; ++j) o.v[j] = narrow<S>(rstd * (gh[k][j] - a - xh[k][j] * m));
+                q[v] = o;
+            }
+        }
+    }
+    // The block's column sums, warp by warp in order; g x̂ first, then g.
+    for (int pass = 0; pass < 2; ++pass) {
+        float* part = pass == 0 ? part_w : part_b;
+        if (!part) continue;  // uniform over the block
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) {
+            const u64 v = lane + 32 * k;
+            if (v < nv) {
+#pragma unroll
+                for (int j = 0; j < N; ++j) red[warp * cols + v * N + j] = pass == 0 ? aw[k][j] : ab[k][j];
+            }
+        }
+        __syncthreads();
+        for (u64 c = threadIdx.x; c < cols; c += blockDim.x) {
+            float t = 0.0f;
+            for (int k = 0; k < warps; ++k) t += red[k * cols + c];
+            part[(u64)blockIdx.x * cols + c] = t;
+        }
+        __syncthreads();
     }
 }
 
@@ -280,6 +443,18 @@ __device__ void ln_bwd_cols_sum(const float* __restrict__ part_w, const float* _
     extern "C" __global__ void ln_bwd_cols_sum_##S(const float* part_w, const float* part_b,     \
                                                    S* dw, S* db, u64 chunks, u64 cols) {         \
         ln_bwd_cols_sum<S>(part_w, part_b, dw, db, chunks, cols);                                \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        ln_fwd_warp_##S(const S* x, const S* w, const S* b, S* y, float* mean, float* rstd,      \
+                        u64 rows, u64 cols, float eps, int centered) {                           \
+        ln_fwd_warp_rows<S>(x, w, b, y, mean, rstd, rows, cols, eps, centered);                  \
+    }                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                            \
+        ln_bwd_warp_##S(const S* x, const float* mean, const float* rstd, const S* w,            \
+                        const S* g, S* dx, float* part_w, float* part_b, u64 rows, u64 cols,     \
+                        u64 chunk, int centered) {                                               \
+        ln_bwd_warp_rows<S>(x, mean, rstd, w, g, dx, part_w, part_b, rows, cols, chunk,          \
+                            centered);                                                           \
     }
 NORM(float)
 NORM(f16)

@@ -32,6 +32,18 @@ const CACHE_COLS: usize = 4096;
 /// Rows per chunk of the column sums' first stage.
 const CHUNK: usize = 64;
 
+/// Vectors a lane holds in the warp-per-row kernels (`LN_WARP_VECS` in `norm.cu`): vectorized
+/// rows of at most `32 * WARP_VECS` 16-byte vectors (512 f32, 1024 f16/bf16) take them.
+const WARP_VECS: usize = 4;
+
+/// Threads of a warp-per-row block (8 warps; `__launch_bounds__(256)` in `norm.cu`).
+const WARP_BLOCK: u32 = 256;
+
+/// Whether vectorized rows of `cols` take the warp-per-row kernels.
+fn warp_rows(dtype: DType, cols: usize) -> bool {
+    cols / (16 / dtype.size_in_bytes()) <= 32 * WARP_VECS
+}
+
 /// An operand as a contiguous buffer: itself (at its offset) or a contiguous copy.
 struct Contig<'a> {
     copy: Option<Buffer>,
@@ -155,8 +167,23 @@ pub(crate) fn forward(
         .push(rows as u64)
         .push(cols as u64)
         .push(spec.eps as f32)
-        .push(spec.centered as i32)
-        .push(vec as i32);
+        .push(spec.centered as i32);
+    if vec && warp_rows(dtype, cols) {
+        // 8 rows a block, at most 8 blocks an SM's worth (the rest grid-stride).
+        let blocks = rows.div_ceil(8).min(dev.sm_count() as usize * 8);
+        run(
+            dev,
+            op,
+            Module::Norm,
+            &["ln_fwd_warp", tname(dtype)],
+            (blocks as u32, 1),
+            WARP_BLOCK,
+            0,
+            &mut a,
+        )?;
+        return Ok(Some((y, mean, rstd)));
+    }
+    a.push(vec as i32);
     run(
         dev,
         op,
@@ -216,9 +243,12 @@ pub(crate) fn backward(
     let wc = w.map(|w| Contig::new(w, dtype)).transpose()?;
     let mp = mc.as_ref().map_or(0, Contig::ptr);
     let size = dtype.size_in_bytes();
+    let wp = wc.as_ref().map_or(0, Contig::ptr);
+    if warp_rows(dtype, cols) && vectorized(dtype, cols, &[xc.ptr(), gc.ptr(), wp]) {
+        return warp_backward(dev, op, &xc, mp, &rc, wp, &gc, dtype, spec, needs).map(Some);
+    }
     let dx = if needs[0] {
         let dx = alloc(dev, rows * cols * size)?;
-        let wp = wc.as_ref().map_or(0, Contig::ptr);
         let vec = vectorized(dtype, cols, &[xc.ptr(), gc.ptr(), dx.device_ptr(), wp]);
         let units = if vec { cols / (16 / size) } else { cols };
         let cache = cols <= CACHE_COLS;
@@ -267,6 +297,72 @@ pub(crate) fn backward(
     Ok(Some((dx, dw, db)))
 }
 
+/// The backward of short vectorized rows ([`warp_rows`]): `ln_bwd_warp` writes `dx` and the
+/// column partials of each chunk of rows in one pass over `g` and `x`, then `ln_bwd_cols_sum`
+/// folds the partials (`norm.cu`).
+#[allow(clippy::too_many_arguments)]
+fn warp_backward(
+    dev: &'static DeviceState,
+    op: &'static str,
+    xc: &Contig<'_>,
+    mean_ptr: u64,
+    rc: &Contig<'_>,
+    w_ptr: u64,
+    gc: &Contig<'_>,
+    dtype: DType,
+    spec: NormSpec,
+    needs: [bool; 3],
+) -> Result<NormGrads<Buffer>> {
+    let (rows, cols) = (spec.rows, spec.cols);
+    let size = dtype.size_in_bytes();
+    // Chunks of whole warps' rows, two blocks an SM: one wave of long-lived warps. At the
+    // GPT's 16384 rows of 384 (H200, ncu) 2 blocks an SM took 27.7 + 4.1 µs with the fold, 1
+    // took 42.8 + 3.6, 4 took 29.4 + 5.3 and 8 took 32.4 + 7.4 (more blocks, more partials).
+    let chunk = rows
+        .div_ceil(dev.sm_count() as usize * 2)
+        .next_multiple_of(8);
+    let chunks = rows.div_ceil(chunk);
+    let dx = needs[0]
+        .then(|| alloc(dev, rows * cols * size))
+        .transpose()?;
+    let part_w = needs[1]
+        .then(|| alloc(dev, chunks * cols * 4))
+        .transpose()?;
+    let part_b = needs[2]
+        .then(|| alloc(dev, chunks * cols * 4))
+        .transpose()?;
+    let ptr = |b: &Option<Buffer>| b.as_ref().map_or(0, Buffer::device_ptr);
+    let mut a = Args::new();
+    a.push(xc.ptr())
+        .push(mean_ptr)
+        .push(rc.ptr())
+        .push(w_ptr)
+        .push(gc.ptr())
+        .push(ptr(&dx))
+        .push(ptr(&part_w))
+        .push(ptr(&part_b))
+        .push(rows as u64)
+        .push(cols as u64)
+        .push(chunk as u64)
+        .push(spec.centered as i32);
+    let smem = (WARP_BLOCK as usize / 32) * cols * 4;
+    run(
+        dev,
+        op,
+        Module::Norm,
+        &["ln_bwd_warp", tname(dtype)],
+        (chunks as u32, 1),
+        WARP_BLOCK,
+        smem as u32,
+        &mut a,
+    )?;
+    if !(needs[1] || needs[2]) {
+        return Ok((dx, None, None));
+    }
+    let (dw, db) = fold_partials(dev, op, &part_w, &part_b, dtype, chunks, cols, needs)?;
+    Ok((dx, dw, db))
+}
+
 /// `dw = Σ_rows g x̂` and `db = Σ_rows g` where `want`: f32 partials per chunk of [`CHUNK`]
 /// rows, then a fixed-order sum per column (deterministic, no atomics).
 #[allow(clippy::too_many_arguments)]
@@ -302,11 +398,29 @@ fn column_sums(
     let f = dev.func(Module::Norm, &["ln_bwd_cols", tname(dtype)])?;
     let grid = [cols.div_ceil(32) as u32, chunks as u32, 1];
     dev.launch_3d(op, f, grid, [32, 8, 1], 0, a.ptrs())?;
+    let needs = [false, want[0], want[1]];
+    fold_partials(dev, op, &Some(part_w), &part_b, dtype, chunks, cols, needs)
+}
+
+/// `dw` / `db` (where `needs[1]` / `needs[2]`) from f32 partials `[chunks, cols]`, each column
+/// added in a fixed order by `ln_bwd_cols_sum`. `part_w` is there whenever `dw` is wanted,
+/// `part_b` whenever `db` is.
+#[allow(clippy::too_many_arguments)]
+fn fold_partials(
+    dev: &'static DeviceState,
+    op: &'static str,
+    part_w: &Option<Buffer>,
+    part_b: &Option<Buffer>,
+    dtype: DType,
+    chunks: usize,
+    cols: usize,
+    needs: [bool; 3],
+) -> Result<(Option<Buffer>, Option<Buffer>)> {
     let size = dtype.size_in_bytes();
-    let dw = want[0].then(|| alloc(dev, cols * size)).transpose()?;
-    let db = want[1].then(|| alloc(dev, cols * size)).transpose()?;
+    let dw = needs[1].then(|| alloc(dev, cols * size)).transpose()?;
+    let db = needs[2].then(|| alloc(dev, cols * size)).transpose()?;
     let mut a = Args::new();
-    a.push(part_w.device_ptr())
+    a.push(part_w.as_ref().map_or(0, Buffer::device_ptr))
         .push(part_b.as_ref().map_or(0, Buffer::device_ptr))
         .push(dw.as_ref().map_or(0, Buffer::device_ptr))
         .push(db.as_ref().map_or(0, Buffer::device_ptr))

@@ -372,17 +372,23 @@ fn fused_is_one_launch_and_equals_the_gpu_composed_path() {
 
 /// Dropout inside the kernels draws the composed path's mask (Philox, the generator's next
 /// key, f32 uniforms): with the same generator state the fused and the composed path agree in
-/// f32, forward and backward, and each advances the generator by one draw.
+/// f32, forward and backward, and each advances the generator by one draw. Key lengths off and
+/// on a multiple of 4 (where the tensor-core forward shares each Philox call's four words
+/// between two lanes).
 #[test]
 fn fused_dropout_draws_the_composed_mask() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let _defaults = defaults();
-    let (b, h, tq, tk, d) = (2, 3, 45, 70, 64);
-    let q = normal::<Cuda>(&[b, h, tq, d], 41, DType::F32, &dev);
-    let k = normal::<Cuda>(&[b, h, tk, d], 42, DType::F32, &dev);
-    let v = normal::<Cuda>(&[b, h, tk, d], 43, DType::F32, &dev);
-    let g = normal::<Cuda>(&[b, h, tq, d], 44, DType::F32, &dev);
-    for causal in [false, true] {
+    for (b, h, tq, tk, d, causal) in [
+        (2, 3, 45, 70, 64, false),
+        (2, 3, 45, 70, 64, true),
+        (2, 3, 45, 72, 64, false),
+        (1, 2, 130, 132, 64, true),
+    ] {
+        let q = normal::<Cuda>(&[b, h, tq, d], 41, DType::F32, &dev);
+        let k = normal::<Cuda>(&[b, h, tk, d], 42, DType::F32, &dev);
+        let v = normal::<Cuda>(&[b, h, tk, d], 43, DType::F32, &dev);
+        let g = normal::<Cuda>(&[b, h, tq, d], 44, DType::F32, &dev);
         let mut rng = Generator::new(77);
         let fused = run_dropout(&q, &k, &v, &g, causal, Some((0.25, &mut rng)));
         assert_eq!(rng.draws(), 1, "the fused path takes one draw");
@@ -404,7 +410,12 @@ fn fused_dropout_draws_the_composed_mask() {
             .iter()
             .zip(fused.iter().zip(&composed))
         {
-            assert_close(&format!("dropout, causal {causal}: {name}"), a, b, 1e-4);
+            assert_close(
+                &format!("dropout, {tq}x{tk}, causal {causal}: {name}"),
+                a,
+                b,
+                1e-4,
+            );
         }
     }
 }
@@ -553,7 +564,11 @@ fn f32_tensor_core_kernels_match_within_their_precision() {
 fn f32_tensor_core_dropout_equals_the_fma_kernels() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let _switches = F32Switches::take();
-    for (b, h, tq, tk, d) in [(2, 3, 45, 70, 64), (1, 2, 200, 130, 128)] {
+    for (b, h, tq, tk, d) in [
+        (2, 3, 45, 70, 64),
+        (1, 2, 200, 130, 128),
+        (2, 2, 70, 96, 64),
+    ] {
         let q = normal::<Cuda>(&[b, h, tq, d], 61, DType::F32, &dev);
         let k = normal::<Cuda>(&[b, h, tk, d], 62, DType::F32, &dev);
         let v = normal::<Cuda>(&[b, h, tk, d], 63, DType::F32, &dev);

@@ -1,6 +1,6 @@
-//! Seeded random tensors: element `i` is drawn from Philox4x32-10 with counter `i`, through
-//! [`kiln_core::philox`] itself, so the CPU draws bit for bit what every other backend draws,
-//! however the work is split across threads.
+//! Seeded random tensors drawn from Philox4x32-10 through [`kiln_core::philox`] itself, so the
+//! CPU draws bit for bit what every other backend draws, however the work is split across
+//! threads. f32 (and 16-bit) uniforms take four elements from each Philox call.
 
 use kiln_core::{DType, RandDist, Result, bf16, f16, philox};
 
@@ -23,6 +23,30 @@ fn fill_with<T: CpuElem>(
     Ok(storage(device, out))
 }
 
+/// `len` f32 uniforms of `seed` (four from each Philox call, [`philox::uniform_f32x4`]),
+/// each stored through `conv`.
+fn fill_uniform_f32<T: CpuElem>(
+    device: CpuDevice,
+    len: usize,
+    seed: u64,
+    (low, high): (f32, f32),
+    conv: impl Fn(f32) -> T + Sync,
+) -> Result<CpuStorage> {
+    let mut out = alloc::<T>("rand", device, len)?;
+    par_out(&mut out, 1, |s, o| {
+        let (mut group, mut u) = (u64::MAX, [0.0f32; 4]);
+        for (j, v) in o.iter_mut().enumerate() {
+            let i = (s + j) as u64;
+            if i / 4 != group {
+                group = i / 4;
+                u = philox::uniform_f32x4(seed, group, low, high);
+            }
+            *v = conv(u[(i % 4) as usize]);
+        }
+    });
+    Ok(storage(device, out))
+}
+
 pub(crate) fn rand(
     device: CpuDevice,
     dtype: DType,
@@ -32,8 +56,7 @@ pub(crate) fn rand(
 ) -> Result<CpuStorage> {
     match (dtype, dist) {
         (DType::F32, RandDist::Uniform { low, high }) => {
-            let (low, high) = (low as f32, high as f32);
-            fill_with(device, len, |i| philox::uniform_f32(seed, i, low, high))
+            fill_uniform_f32(device, len, seed, (low as f32, high as f32), |u| u)
         }
         (DType::F32, RandDist::Normal { mean, std }) => {
             let (mean, std) = (mean as f32, std as f32);
@@ -46,6 +69,12 @@ pub(crate) fn rand(
             fill_with(device, len, |i| philox::normal_f64(seed, i, mean, std))
         }
         // The 16-bit floats: drawn in f32, then rounded (as the reference does).
+        (DType::F16, RandDist::Uniform { low, high }) => {
+            fill_uniform_f32(device, len, seed, (low as f32, high as f32), f16::from_f32)
+        }
+        (DType::BF16, RandDist::Uniform { low, high }) => {
+            fill_uniform_f32(device, len, seed, (low as f32, high as f32), bf16::from_f32)
+        }
         (DType::F16, _) => fill_with(device, len, |i| f16::from_f32(draw_f32(seed, i, dist))),
         (DType::BF16, _) => fill_with(device, len, |i| bf16::from_f32(draw_f32(seed, i, dist))),
         _ => Err(dtype_err("rand", "f32, f64, f16 or bf16", dtype)),

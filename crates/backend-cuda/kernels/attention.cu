@@ -179,15 +179,22 @@ __device__ __forceinline__ float att_bias(const AttnShape& a, const unsigned cha
                : 0.f;
 }
 
-// Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
-// bit for bit: a uniform f32 `(w0 >> 8) 2^-24` from Philox with counter (b Tq + i) Tk + j
-// (the weights' row-major index) and the draw's key, kept when >= p (rand.cu's uniform_f32 and
-// a `compare_scalar(Ge, p)` in f32). Forward and both backward kernels regenerate it.
-__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
-    u32 w[4];
-    philox((b * a.tq + i) * a.tk + j, a.key, w);
-    const float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);
+// Dropout's multiplier of one Philox word: 0 or 1/(1-p). The mask is the composed path's, bit
+// for bit: a uniform f32 `(w >> 8) 2^-24`, kept when >= p (rand.cu's uniform_of and a
+// `compare_scalar(Ge, p)` in f32).
+__device__ __forceinline__ float att_drop_of(const AttnShape& a, u32 w) {
+    const float u = __fmul_rn((float)(w >> 8), 5.9604644775390625e-8f);
     return u >= a.drop_p ? a.drop_scale : 0.f;
+}
+
+// Dropout's multiplier of weight (b, i, j), whose row-major index n = (b Tq + i) Tk + j draws
+// word n % 4 of counter n / 4 under the draw's key (kiln_core::philox::uniform_f32).
+__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
+    const u64 n = (b * a.tq + i) * a.tk + j;
+    u32 w[4];
+    philox(n >> 2, a.key, w);
+    const u32 x = (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
+    return att_drop_of(a, x);
 }
 // ---- END same ----
 

@@ -140,15 +140,22 @@ __device__ __forceinline__ float att_bias(const AttnShape& a, const unsigned cha
                : 0.f;
 }
 
-// Dropout's multiplier of weight (b, i, j): 0 or 1/(1-p). The mask is the composed path's,
-// bit for bit: a uniform f32 `(w0 >> 8) 2^-24` from Philox with counter (b Tq + i) Tk + j
-// (the weights' row-major index) and the draw's key, kept when >= p (rand.cu's uniform_f32 and
-// a `compare_scalar(Ge, p)` in f32). Forward and both backward kernels regenerate it.
-__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
-    u32 w[4];
-    philox((b * a.tq + i) * a.tk + j, a.key, w);
-    const float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);
+// Dropout's multiplier of one Philox word: 0 or 1/(1-p). The mask is the composed path's, bit
+// for bit: a uniform f32 `(w >> 8) 2^-24`, kept when >= p (rand.cu's uniform_of and a
+// `compare_scalar(Ge, p)` in f32).
+__device__ __forceinline__ float att_drop_of(const AttnShape& a, u32 w) {
+    const float u = __fmul_rn((float)(w >> 8), 5.9604644775390625e-8f);
     return u >= a.drop_p ? a.drop_scale : 0.f;
+}
+
+// Dropout's multiplier of weight (b, i, j), whose row-major index n = (b Tq + i) Tk + j draws
+// word n % 4 of counter n / 4 under the draw's key (kiln_core::philox::uniform_f32).
+__device__ __forceinline__ float att_drop(const AttnShape& a, u64 b, u64 i, u64 j) {
+    const u64 n = (b * a.tq + i) * a.tk + j;
+    u32 w[4];
+    philox(n >> 2, a.key, w);
+    const u32 x = (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
+    return att_drop_of(a, x);
 }
 // ---- END same ----
 
@@ -722,17 +729,38 @@ __device__ void attn_tc_fwd(const S* __restrict__ q, const S* __restrict__ k,
                 // a weight this forward rounded to 0 above 0), and each bit goes to its word
                 // (tc_mask_word): lane n 4 + e writes the ballot of element e of n-tile n.
                 const bool full = tc_full<KEEP>(a, w0, 16, k0, BK, kv);
+                // With Tk a multiple of 4 a row's four weights of one counter (att_drop) lie in
+                // lanes L and L ^ 1: the even lane draws its first row's counter, the odd lane
+                // its second row's, and each hands the other the two words it needs (one
+                // Philox call per four weights instead of one per weight).
+                const bool grouped = (a.tk & 3) == 0;
+                const int lane = threadIdx.x & 31, odd = lane & 1;
                 u32 mine = 0;
     #pragma unroll
-                for (int n = 0; n < BK / 8; ++n)
+                for (int n = 0; n < BK / 8; ++n) {
+                    u32 x[4];
+                    if (grouped) {
+                        const u64 qi = w0 + tc_row(2 * odd), c = k0 + n * 8 + (lane & 2) * 2;
+                        u32 w[4];
+                        philox(((b * a.tq + qi) * a.tk + c) >> 2, a.key, w);
+                        const u32 r0 = __shfl_xor_sync(0xffffffffu, odd ? w[0] : w[2], 1);
+                        const u32 r1 = __shfl_xor_sync(0xffffffffu, odd ? w[1] : w[3], 1);
+                        x[0] = odd ? r0 : w[0];
+                        x[1] = odd ? r1 : w[1];
+                        x[2] = odd ? w[2] : r0;
+                        x[3] = odd ? w[3] : r1;
+                    }
     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const u64 qi = w0 + tc_row(e), kj = k0 + tc_col(n, e);
-                        const float z = full || att_keep<KEEP>(a, km, qi, kj) ? att_drop(a, b, qi, kj) : 0.f;
+                        const float z = !(full || att_keep<KEEP>(a, km, qi, kj)) ? 0.f
+                                        : grouped ? att_drop_of(a, x[e])
+                                                  : att_drop(a, b, qi, kj);
                         s[n][e] *= z;
                         const u32 word = __ballot_sync(0xffffffffu, z != 0.f);
-                        if ((threadIdx.x & 31) == n * 4 + e) mine = word;
+                        if (lane == n * 4 + e) mine = word;
                     }
+                }
                 if ((threadIdx.x & 31) < BK / 2)
                     ((u32*)a.mask)[tc_mask_word<BK>(a, b, w0, k0) + (threadIdx.x & 31)] = mine;
             } else if (a.dropout) {

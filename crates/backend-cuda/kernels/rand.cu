@@ -1,6 +1,7 @@
-// Philox4x32-10 random numbers, bit for bit the scheme of kiln_core::philox: element `i` uses
-// counter [i_lo, i_hi, 0, 0] and key [seed_lo, seed_hi]. The affine maps use explicit
-// round-to-nearest intrinsics so that no FMA contraction changes the uniforms' last bit.
+// Philox4x32-10 random numbers, bit for bit the scheme of kiln_core::philox: key
+// [seed_lo, seed_hi]; an f32 (or 16-bit) uniform `i` is word i % 4 of counter i / 4, an f64
+// uniform or any normal `i` takes counter i. The affine maps use explicit round-to-nearest
+// intrinsics so that no FMA contraction changes the uniforms' last bit.
 
 // (`philox` itself lives in common.cuh: fused attention draws its dropout mask with it.)
 
@@ -32,10 +33,8 @@ extern "C" __global__ void rand_normal_double(double* y, u64 n, u64 seed, double
 
 // f32 draws, stored as `S`: f32 itself, or rounded once to a 16-bit float (as the CPU backend
 // and the reference do), so the 16-bit streams are the f32 streams rounded.
-__device__ __forceinline__ float uniform_f32(u64 i, u64 seed, float low, float high) {
-    u32 w[4];
-    philox(i, seed, w);
-    float u = __fmul_rn((float)(w[0] >> 8), 5.9604644775390625e-8f);  // 2^-24
+__device__ __forceinline__ float uniform_of(u32 w, float low, float high) {
+    float u = __fmul_rn((float)(w >> 8), 5.9604644775390625e-8f);  // 2^-24
     return __fadd_rn(low, __fmul_rn(__fsub_rn(high, low), u));
 }
 
@@ -49,10 +48,27 @@ __device__ __forceinline__ float normal_f32(u64 i, u64 seed, float mean, float s
     return __fadd_rn(mean, __fmul_rn(std, z));
 }
 
+// Uniforms 4 g .. 4 g + 3 from counter g, one thread each group: whole groups in one vector
+// store (`y` is a fresh allocation, so 4 g elements in is aligned), the last one element-wise.
+template <typename S>
+__device__ void rand_uniform4(S* __restrict__ y, u64 n, u64 seed, float low, float high) {
+    for (u64 g = KILN_TID; 4 * g < n; g += KILN_NTHREADS) {
+        u32 w[4];
+        philox(g, seed, w);
+        Vec<S, 4> o;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) o.v[k] = narrow<S>(uniform_of(w[k], low, high));
+        if (4 * g + 4 <= n) {
+            ((Vec<S, 4>*)y)[g] = o;
+        } else {
+            for (u64 k = 0; 4 * g + k < n; ++k) y[4 * g + k] = o.v[k];
+        }
+    }
+}
+
 #define RAND_F32(S)                                                                            \
     extern "C" __global__ void rand_uniform_##S(S* y, u64 n, u64 seed, float low, float high) { \
-        for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \
-            y[i] = narrow<S>(uniform_f32(i, seed, low, high));                                \
+        rand_uniform4<S>(y, n, seed, low, high);                                               \
     }                                                                                          \
     extern "C" __global__ void rand_normal_##S(S* y, u64 n, u64 seed, float mean, float std) { \
         for (u64 i = KILN_TID; i < n; i += KILN_NTHREADS)                                      \

@@ -409,7 +409,8 @@ pub fn id_bound(dtype: DType, bytes: &[u8]) -> Option<usize> {
                 .chunks_exact(8)
                 .map(|c| i64::from_ne_bytes(c.try_into().expect("8 bytes")))
                 .fold((0i64, -1i64), |(lo, hi), v| (lo.min(v), hi.max(v)));
-            (lo >= 0).then(|| (hi + 1) as usize)
+            // One past `hi` in usize: 0 for no ids (hi = -1), 2^63 for an id of i64::MAX.
+            (lo >= 0).then(|| (hi as usize).wrapping_add(1))
         }
         DType::U8 => Some(bytes.iter().copied().max().map_or(0, |m| m as usize + 1)),
         _ => None,

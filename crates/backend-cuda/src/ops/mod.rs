@@ -420,7 +420,13 @@ pub(crate) fn rand(
     } else {
         a.push(p).push(q);
     }
-    let grid = dev.grid_1d(len as u64, BLOCK);
+    // f32-computed uniforms take four elements a thread (one Philox call, `rand.cu`).
+    let threads = if kind == "uniform" && dtype.compute_dtype() == DType::F32 {
+        len.div_ceil(4)
+    } else {
+        len
+    };
+    let grid = dev.grid_1d(threads as u64, BLOCK);
     run(
         dev,
         "rand",

@@ -36,9 +36,10 @@
 //! backend offers the call (on CUDA: f32, and f16/bf16 on sm_80+, on cuDNN's engines first on
 //! sm_90+, a tensor mask there as a bias added to the scores; head sizes up to 128; see
 //! `kiln-backend-cuda/src/ops/attention.rs`). Dropout runs inside the kernels: the mask of
-//! weight `n` comes from Philox with counter `n` and the key of the generator's next draw,
-//! regenerated in the backward (never stored) — the very mask the composed path draws with
-//! `rand_like` in f32, so the two paths agree with the same generator state. Everything else —
+//! weight `n` comes from word `n % 4` of Philox counter `n / 4` under the key of the
+//! generator's next draw — the very mask the composed path draws as a keep mask
+//! (`RandDist::Keep`: the f32 uniforms `>= p`, whatever the dtype), so the two paths agree
+//! with the same generator state. Everything else —
 //! f64, the CPU and the reference backend — runs composed, as below, and that
 //! composition is the reference the fused kernel is tested against. Under [`autocast`] the
 //! fused path runs in the low dtype (PyTorch's autocast does the same for SDPA), with f32 math
@@ -65,7 +66,7 @@ use std::sync::Arc;
 use kiln_core::backend::Operand;
 use kiln_core::{
     AttentionGrads, AttentionSpec, AttnMaskOperand, Backend, CmpOp, DType, Error, Generator,
-    Result, Shape, Tensor, philox,
+    RandDist, Result, Shape, Tensor, philox,
 };
 
 use crate::ops::softmax_backward;
@@ -183,9 +184,11 @@ impl<B: Backend> Var<B> {
                     format!("dropout_p = {dropout_p} needs a generator to draw its mask"),
                 ));
             };
-            let u = generator.rand_like(&p.tensor())?;
-            let m = u
-                .compare_scalar(CmpOp::Ge, dropout_p)?
+            // The keep mask `rand_like(p) >= dropout_p` drawn as bytes (`RandDist::Keep`).
+            let t = p.tensor();
+            let keep = RandDist::Keep { p: dropout_p };
+            let m = generator
+                .sample::<B>(t.shape().clone(), keep, DType::U8, t.device())?
                 .to_dtype(p.dtype())?
                 .mul_scalar(1.0 / (1.0 - dropout_p))?;
             p = p.mul(&Var::constant(m))?;

@@ -317,15 +317,16 @@ fn dropout_is_seeded_and_scales_the_kept_weights() {
     };
     let plain = weights(0.0, None);
     let dropped = weights(0.4, Some(&mut Generator::new(7)));
+    // The keep mask is the f32 uniforms' `u >= p` (in f32) whatever the dtype (RandDist::Keep).
     let u = f64s(
         &Generator::new(7)
-            .rand_like(&Tensor::<Cpu>::zeros([2, 5, 5], DType::F64, &dev).unwrap())
+            .rand_like(&Tensor::<Cpu>::zeros([2, 5, 5], DType::F32, &dev).unwrap())
             .unwrap(),
     );
     let want: Vec<f64> = plain
         .iter()
         .zip(&u)
-        .map(|(p, u)| if *u >= 0.4 { p / 0.6 } else { 0.0 })
+        .map(|(p, u)| if *u >= 0.4f32 as f64 { p / 0.6 } else { 0.0 })
         .collect();
     assert_close("dropped weights", &dropped, &want, 1e-12);
 }

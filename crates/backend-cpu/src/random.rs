@@ -75,16 +75,18 @@ pub(crate) fn rand(
         (DType::BF16, RandDist::Uniform { low, high }) => {
             fill_uniform_f32(device, len, seed, (low as f32, high as f32), bf16::from_f32)
         }
-        (DType::F16, _) => fill_with(device, len, |i| f16::from_f32(draw_f32(seed, i, dist))),
-        (DType::BF16, _) => fill_with(device, len, |i| bf16::from_f32(draw_f32(seed, i, dist))),
+        (DType::F16, RandDist::Normal { mean, std }) => fill_with(device, len, |i| {
+            f16::from_f32(philox::normal_f32(seed, i, mean as f32, std as f32))
+        }),
+        (DType::BF16, RandDist::Normal { mean, std }) => fill_with(device, len, |i| {
+            bf16::from_f32(philox::normal_f32(seed, i, mean as f32, std as f32))
+        }),
+        // Dropout's keep mask: the f32 uniforms on [0, 1) compared in f32.
+        (DType::U8, RandDist::Keep { p }) => {
+            let p = p as f32;
+            fill_uniform_f32(device, len, seed, (0.0, 1.0), |u| u8::from(u >= p))
+        }
+        (_, RandDist::Keep { .. }) => Err(dtype_err("rand", "u8 for a keep mask", dtype)),
         _ => Err(dtype_err("rand", "f32, f64, f16 or bf16", dtype)),
-    }
-}
-
-/// Element `i` of the f32 stream of `seed` under `dist` (what the f32 arms above draw).
-fn draw_f32(seed: u64, i: u64, dist: RandDist) -> f32 {
-    match dist {
-        RandDist::Uniform { low, high } => philox::uniform_f32(seed, i, low as f32, high as f32),
-        RandDist::Normal { mean, std } => philox::normal_f32(seed, i, mean as f32, std as f32),
     }
 }

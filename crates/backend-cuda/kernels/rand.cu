@@ -66,6 +66,24 @@ __device__ void rand_uniform4(S* __restrict__ y, u64 n, u64 seed, float low, flo
     }
 }
 
+// Dropout's keep mask (RandDist::Keep): byte i is 1 where uniform i on [0, 1) is >= p (in f32,
+// as a `compare_scalar(Ge, p)` on the f32 draw and att_drop do). Four bytes from one Philox
+// call, one 4-byte store (`y` is a fresh allocation); the uniforms never reach memory.
+extern "C" __global__ void rand_keep_float(u8* __restrict__ y, u64 n, u64 seed, float p) {
+    for (u64 g = KILN_TID; 4 * g < n; g += KILN_NTHREADS) {
+        u32 w[4];
+        philox(g, seed, w);
+        u32 bits = 0;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) bits |= (u32)(uniform_of(w[k], 0.0f, 1.0f) >= p) << (8 * k);
+        if (4 * g + 4 <= n) {
+            ((u32*)y)[g] = bits;
+        } else {
+            for (u64 k = 0; 4 * g + k < n; ++k) y[4 * g + k] = (u8)(bits >> (8 * k));
+        }
+    }
+}
+
 #define RAND_F32(S)                                                                            \
     extern "C" __global__ void rand_uniform_##S(S* y, u64 n, u64 seed, float low, float high) { \
         rand_uniform4<S>(y, n, seed, low, high);                                               \

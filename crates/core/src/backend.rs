@@ -33,6 +33,23 @@ pub enum RandDist {
     Uniform { low: f64, high: f64 },
     /// Gaussian with the given mean and standard deviation (Box–Muller).
     Normal { mean: f64, std: f64 },
+    /// Dropout's keep mask, drawn as [`DType::U8`] only: 1 where the element's f32 uniform
+    /// on `[0, 1)` (the stream `Uniform { low: 0, high: 1 }` draws in f32) is at least `p`
+    /// rounded to f32, else 0 (`rand(..) >= p`, the attention kernels' test). One pass that
+    /// writes a byte an element, where the uniforms and a comparison would write four and read
+    /// them again.
+    Keep { p: f64 },
+}
+
+impl RandDist {
+    /// Whether `dtype` can hold draws of this distribution: the float dtypes for uniforms and
+    /// normals, [`DType::U8`] for [`RandDist::Keep`].
+    pub fn supports(&self, dtype: DType) -> bool {
+        match self {
+            RandDist::Keep { .. } => dtype == DType::U8,
+            _ => dtype.is_float(),
+        }
+    }
 }
 
 /// Memory held by a backend on one device, in bytes.

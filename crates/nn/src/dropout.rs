@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use kiln_autograd::Var;
-use kiln_core::{Backend, CmpOp, Error, Generator, Result, Tensor};
+use kiln_core::{Backend, DType, Error, Generator, RandDist, Result, Tensor};
 
 use crate::module::Module;
 
@@ -72,15 +72,18 @@ impl Dropout {
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.
     ///
-    /// The keep/drop bits are made into a buffer of one byte an element before the scaling:
-    /// the mask is what the product's backward keeps, and left pending it would keep the
-    /// uniform draw in `x`'s dtype instead (2–4 bytes an element: 245 MB of f32 draws across a
-    /// GPT's 13 dropouts at batch 64, more than its peak exceeded PyTorch's, which keeps a bool
-    /// mask). The values are the same either way.
+    /// The keep/drop bits are drawn as one byte an element ([`RandDist::Keep`]: `u >= p` of
+    /// the f32 uniforms `rand_like` would draw, without the uniforms ever stored) before the
+    /// scaling: the mask is what the product's backward keeps, and a pending scaled mask would
+    /// keep a draw in `x`'s dtype instead (2–4 bytes an element: 245 MB of f32 draws across a
+    /// GPT's 13 dropouts at batch 64; PyTorch keeps a bool mask).
     pub fn mask<B: Backend>(&self, x: &Tensor<B>, step: u64) -> Result<Tensor<B>> {
-        let u = self.generator.clone().set_draws(step).rand_like(x)?;
-        let keep = u.compare_scalar(CmpOp::Ge, self.p)?;
-        keep.realize()?;
+        let keep = self.generator.clone().set_draws(step).sample::<B>(
+            x.shape().clone(),
+            RandDist::Keep { p: self.p },
+            DType::U8,
+            x.device(),
+        )?;
         keep.to_dtype(x.dtype())?.mul_scalar(1.0 / (1.0 - self.p))
     }
 }

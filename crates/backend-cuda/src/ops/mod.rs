@@ -395,10 +395,10 @@ pub(crate) fn rand(
     seed: u64,
     dist: RandDist,
 ) -> Result<Buffer> {
-    if !dtype.is_float() {
+    if !dist.supports(dtype) {
         return Err(Error::DTypeMismatch {
             op: "rand",
-            expected: "a float dtype".into(),
+            expected: "a float dtype, or u8 for a keep mask".into(),
             got: dtype,
         });
     }
@@ -411,6 +411,7 @@ pub(crate) fn rand(
     let (kind, p, q) = match dist {
         RandDist::Uniform { low, high } => ("uniform", low, high),
         RandDist::Normal { mean, std } => ("normal", mean, std),
+        RandDist::Keep { p } => return keep_mask(dev, out, len, seed, p),
     };
     let mut a = Args::new();
     a.push(out.device_ptr()).push(len as u64).push(seed);
@@ -437,6 +438,25 @@ pub(crate) fn rand(
         0,
         &mut a,
     )?;
+    Ok(out)
+}
+
+/// Dropout's keep mask ([`RandDist::Keep`]) into `out`: four bytes a thread (`rand.cu`).
+fn keep_mask(
+    dev: &'static DeviceState,
+    out: Buffer,
+    len: usize,
+    seed: u64,
+    p: f64,
+) -> Result<Buffer> {
+    let mut a = Args::new();
+    a.push(out.device_ptr())
+        .push(len as u64)
+        .push(seed)
+        .push(p as f32);
+    let grid = dev.grid_1d(len.div_ceil(4) as u64, BLOCK);
+    let name = ["rand", "keep", "float"];
+    run(dev, "rand", Module::Rand, &name, grid, BLOCK, 0, &mut a)?;
     Ok(out)
 }
 

@@ -293,6 +293,11 @@ impl Backend for Reference {
                     .map(|i| philox::normal_f32(seed, i, mean as f32, std as f32) as f64)
                     .collect::<Vec<_>>(),
             ),
+            (DType::U8, RandDist::Keep { p }) => HostBuffer::U8(
+                (0..n)
+                    .map(|i| u8::from(philox::uniform_f32(seed, i, 0.0, 1.0) >= p as f32))
+                    .collect(),
+            ),
             (d, _) => return Err(unsupported("rand", d)),
         };
         Ok(new(*device, data))

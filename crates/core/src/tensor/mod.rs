@@ -308,10 +308,14 @@ impl<B: Backend> Tensor<B> {
         dtype: DType,
         device: &B::Device,
     ) -> Result<Self> {
-        if !dtype.is_float() {
+        if !dist.supports(dtype) {
+            let expected = match dist {
+                RandDist::Keep { .. } => "u8 for a keep mask",
+                _ => "a float dtype",
+            };
             return Err(Error::DTypeMismatch {
                 op: "rand",
-                expected: "a float dtype".into(),
+                expected: expected.into(),
                 got: dtype,
             });
         }

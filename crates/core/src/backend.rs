@@ -398,8 +398,9 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     ) -> Result<()>;
     /// The elements of `layout`, contiguous, in a new buffer on the same device.
     fn contiguous(storage: &Self::Storage, layout: &Layout, dtype: DType) -> Result<Self::Storage>;
-    /// `len` random values: element `i` comes from Philox4x32-10 with counter `i` and key
-    /// `seed`, exactly as [`crate::philox`] defines, so every backend draws the same numbers.
+    /// `len` random values from Philox4x32-10 under key `seed`, exactly as [`crate::philox`]
+    /// defines (an f32, 16-bit or keep-mask element `i` takes word `i % 4` of counter `i / 4`;
+    /// an f64 uniform or any normal takes counter `i`), so every backend draws the same numbers.
     /// A [`Generator`](crate::Generator) passes a fresh key per draw
     /// ([`philox::draw_key`](crate::philox::draw_key)).
     fn rand(

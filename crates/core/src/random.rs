@@ -3,7 +3,8 @@
 //!
 //! A [`Generator`] holds a seed and a count of the draws made so far. A draw takes the Philox
 //! key [`philox::draw_key`]`(seed, draws)` and advances the count by one; the backend then draws
-//! element `i` of the tensor with counter `i` under that key ([`Backend::rand`]). The numbers
+//! the tensor's elements under that key, element `i` from a counter of its index
+//! ([`Backend::rand`], [`philox`]). The numbers
 //! therefore depend only on the seed, the order of the draws and their shapes, never on the
 //! device: the same seed gives the same tensors on the CPU and on a GPU.
 //!

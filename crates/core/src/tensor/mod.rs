@@ -299,8 +299,8 @@ impl<B: Backend> Tensor<B> {
         Self::from_host(&HostBuffer::from_f64(dtype, &v), [n, n], device)
     }
 
-    /// The draw itself: element `i` is Philox's under counter `i` and `key` (the generator
-    /// chose the key).
+    /// The draw itself: element `i` is Philox's under `key` as [`crate::philox`] assigns its
+    /// counter (the generator chose the key).
     pub(crate) fn random_keyed(
         shape: Shape,
         dist: RandDist,

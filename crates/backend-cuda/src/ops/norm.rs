@@ -1,9 +1,12 @@
 //! Fused layer norm and RMS norm (`Backend::layer_norm_forward` / `layer_norm_backward`,
-//! kernels in `kernels/norm.cu`): one kernel forward (the row read once into shared memory,
-//! two-pass f32 statistics, the normalized and affine output, f32 `mean`/`rstd` saved), and
-//! backward one kernel per row for `dx` plus a two-stage, atomics-free column sum for `dw`/`db`
-//! — PyTorch eager's kernel structure, instead of the composed path's three generated
-//! programs each way (three reads of the input forward, three of `g` and `x` backward).
+//! kernels in `kernels/norm.cu`): one kernel forward (the row read once, two-pass f32
+//! statistics, the normalized and affine output, f32 `mean`/`rstd` saved), and backward `dx`
+//! plus a two-stage, atomics-free column sum for `dw`/`db` — PyTorch eager's kernel structure,
+//! instead of the composed path's three generated programs each way (three reads of the input
+//! forward, three of `g` and `x` backward). Short vectorized rows (`warp_rows`: the GPT's
+//! 384) take a warp per row, and their backward writes `dx` and the column partials in one
+//! pass over `g` and `x` (two launches); longer rows a block per row, in shared memory, and a
+//! separate pass for the partials (three).
 //!
 //! Offered for f32, f16 and bf16 rows of 1 to [`MAX_COLS`] elements. f64 and longer rows are
 //! not offered (`Ok(None)`): kiln-autograd runs its composed programs, which take any length.

@@ -293,12 +293,18 @@ __device__ void attn_fwd(const S* __restrict__ q, const S* __restrict__ k,
 // Dr[b, i] = sum_n dO[b, i, n] * O[b, i, n]: one warp per chunk of ATT_PRE_ROWS rows of one
 // batch entry, grid-stride over chunks. A chunk decomposes its batch index once (u64 divisions
 // by run-time sizes: done per row they took most of the kernel's time, 45 us at the GPT shape
-// on an H200) and issues the loads of all its rows together.
+// on an H200). Per 64 columns a lane loads its two columns of every row of the chunk before any
+// product (ncu found the warps waiting on their loads two thirds of the time when each load
+// fed its product at once: 1.3 TB/s), then the 16 row sums are reduce-scattered across the warp
+// (16 shuffles, not 16 full reductions' 80): after the halving steps at offsets 16, 8, 4, 2,
+// lane L holds half of row 8 b4 + 4 b3 + 2 b2 + b1's sum (b_k: bit k of L), and offset 1
+// completes it.
 #define ATT_PRE_ROWS 16
 template <typename S>
 __device__ void attn_bwd_pre(const S* __restrict__ o, const S* __restrict__ g,
                              float* __restrict__ dr, const AttnShape& a, const Dims& bd,
                              const Strides& sg, const Strides& so) {
+    static_assert(ATT_PRE_ROWS == 16, "the reduce-scatter below halves 16 rows over 32 lanes");
     const u64 per = (a.tq + ATT_PRE_ROWS - 1) / ATT_PRE_ROWS;  // chunks per batch entry
     const u64 chunks = a.batch * per;
     const int lane = threadIdx.x & 31;
@@ -311,18 +317,36 @@ __device__ void attn_bwd_pre(const S* __restrict__ o, const S* __restrict__ g,
         float s[ATT_PRE_ROWS];
 #pragma unroll
         for (int j = 0; j < ATT_PRE_ROWS; ++j) s[j] = 0.f;
-        for (u64 n = lane; n < a.dv; n += 32)
+        for (u64 n0 = 0; n0 < a.dv; n0 += 64) {
+            float gv[ATT_PRE_ROWS][2], ov[ATT_PRE_ROWS][2];
 #pragma unroll
             for (int j = 0; j < ATT_PRE_ROWS; ++j)
-                if (j < nr) s[j] = fmaf(wide(gr[j * a.g_rs + n]), wide(orow[j * a.o_rs + n]), s[j]);
-        float mine = 0.f;  // lane j keeps row i0 + j's sum
 #pragma unroll
-        for (int j = 0; j < ATT_PRE_ROWS; ++j) {
+                for (int h = 0; h < 2; ++h) {
+                    const u64 n = n0 + lane + 32 * h;
+                    const bool in = j < nr && n < a.dv;
+                    gv[j][h] = in ? wide(gr[j * a.g_rs + n]) : 0.f;
+                    ov[j][h] = in ? wide(orow[j * a.o_rs + n]) : 0.f;
+                }
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) s[j] += __shfl_xor_sync(0xffffffffu, s[j], off);
-            if (lane == j) mine = s[j];
+            for (int j = 0; j < ATT_PRE_ROWS; ++j)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) s[j] = fmaf(gv[j][h], ov[j][h], s[j]);
         }
-        if (lane < nr) dr[b * a.tq + i0 + lane] = mine;
+#pragma unroll
+        for (int off = 16, half = ATT_PRE_ROWS / 2; off > 1; off >>= 1, half >>= 1) {
+            const bool upper = (lane & off) != 0;
+#pragma unroll
+            for (int j = 0; j < half; ++j) {
+                const float send = upper ? s[j] : s[j + half];
+                const float keep = upper ? s[j + half] : s[j];
+                s[j] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+            }
+        }
+        const float sum = s[0] + __shfl_xor_sync(0xffffffffu, s[0], 1);
+        const int row = ((lane >> 4) & 1) * 8 + ((lane >> 3) & 1) * 4 + ((lane >> 2) & 1) * 2 +
+                        ((lane >> 1) & 1);
+        if ((lane & 1) == 0 && row < nr) dr[b * a.tq + i0 + row] = sum;
     }
 }
 

@@ -72,11 +72,11 @@ impl Dropout {
     /// The scaled keep-mask (`0` or `1/(1-p)`) for draw `step` of this layer, of `x`'s shape,
     /// dtype and device.
     ///
-    /// The keep/drop bits are drawn as one byte an element ([`RandDist::Keep`]: `u >= p` of
-    /// the f32 uniforms `rand_like` would draw, without the uniforms ever stored) before the
-    /// scaling: the mask is what the product's backward keeps, and a pending scaled mask would
-    /// keep a draw in `x`'s dtype instead (2–4 bytes an element: 245 MB of f32 draws across a
-    /// GPT's 13 dropouts at batch 64; PyTorch keeps a bool mask).
+    /// The keep/drop bits are drawn as one byte an element ([`RandDist::Keep`]: `u >= p` for
+    /// the f32 uniforms [`Generator::rand`] would draw, whatever `x`'s dtype) in one pass that
+    /// never stores the uniforms. The scaling stays pending on that byte buffer, which is what
+    /// the product's backward keeps (PyTorch keeps a bool mask too; keeping a draw in `x`'s
+    /// dtype instead cost 245 MB of f32 across a GPT's 13 dropouts at batch 64).
     pub fn mask<B: Backend>(&self, x: &Tensor<B>, step: u64) -> Result<Tensor<B>> {
         let keep = self.generator.clone().set_draws(step).sample::<B>(
             x.shape().clone(),

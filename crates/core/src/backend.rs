@@ -907,22 +907,23 @@ pub fn sq_sum_composed<B: Backend>(
     let add = crate::unscale::sum_pair_program()?;
     let dev = B::storage_device(first.grad);
     let one = Layout::contiguous([1]);
-    let mut total: Option<B::Storage> = None;
-    for slot in slots {
-        let l = Layout::contiguous([slot.len]);
-        let s = B::eval_expr(&dev, &program, l.shape(), &[(slot.grad, &l)], &[])?
+    // The one output of `p` over `shape`, or an error naming `what` returned none.
+    let eval = |p: &Program, shape: &Shape, inputs: &[(&B::Storage, &Layout)], what: &str| {
+        B::eval_expr(&dev, p, shape, inputs, &[])?
             .into_iter()
             .next()
-            .ok_or_else(|| Error::backend(OP, "the sum program returned no output"))?;
-        total = Some(match total {
-            None => s,
-            Some(t) => B::eval_expr(&dev, &add, one.shape(), &[(&t, &one), (&s, &one)], &[])?
-                .into_iter()
-                .next()
-                .ok_or_else(|| Error::backend(OP, "the add program returned no output"))?,
-        });
+            .ok_or_else(|| Error::backend(OP, format!("the {what} program returned no output")))
+    };
+    let sum = |slot: &UnscaleSlot<'_, B::Storage>| {
+        let l = Layout::contiguous([slot.len]);
+        eval(&program, l.shape(), &[(slot.grad, &l)], "sum")
+    };
+    let mut total = sum(first)?;
+    for slot in &slots[1..] {
+        let s = sum(slot)?;
+        total = eval(&add, one.shape(), &[(&total, &one), (&s, &one)], "add")?;
     }
-    Ok(total.expect("at least one slot"))
+    Ok(total)
 }
 
 /// The composed [`Backend::unscale_check`]: [`crate::unscale::unscale_program`] evaluated per

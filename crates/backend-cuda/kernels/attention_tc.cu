@@ -1089,6 +1089,17 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
 // (An explicit minimum of 1 for head size 128 made ptxas take 182 registers instead of 138.)
 #define TC_FWD_BOUNDS_64 __launch_bounds__(TC_NT, 4)
 #define TC_FWD_BOUNDS_128 __launch_bounds__(TC_NT)
+// The f32 dK/dV kernels at head size 64: three blocks per SM (at most 168 registers; their
+// 70 KB of shared memory allows three). Unbounded, ptxas gave them 222 registers: two blocks,
+// and 269 instead of 248 us for the GPT's 64 x 6 x 256 x 64 with dropout (ncu, H200,
+// 2026-11-29). The 16-bit ones and head size 128 (135 KB of shared memory: one block) keep
+// the compiler's choice.
+#define TC_DKDV_BOUNDS_tf32x3_64 __launch_bounds__(TC_NT, 3)
+#define TC_DKDV_BOUNDS_tf32_64 __launch_bounds__(TC_NT, 3)
+#define TC_DKDV_BOUNDS_tc_64 __launch_bounds__(TC_NT)
+#define TC_DKDV_BOUNDS_tf32x3_128 __launch_bounds__(TC_NT)
+#define TC_DKDV_BOUNDS_tf32_128 __launch_bounds__(TC_NT)
+#define TC_DKDV_BOUNDS_tc_128 __launch_bounds__(TC_NT)
 
 // NAME: the kernels' prefix (attn_NAME_fwd_TAG_DT ...); O: the operand format; S: storage
 // type; TAG: S, or for the instances that read a boolean mask (KEEP) S_keep, a group of its own
@@ -1099,7 +1110,7 @@ __device__ void attn_tc_dq(const S* __restrict__ q, const S* __restrict__ k,
         Strides sq, Strides sk, Strides sv, Strides so) {                                      \
         TC_BODY((attn_tc_fwd<O, DT, KEEP>(q, k, v, o, lse, a, bd, sq, sk, sv, so)));           \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(TC_NT) attn_##NAME##_dkdv_##TAG##_##DT(       \
+    extern "C" __global__ void TC_DKDV_BOUNDS_##NAME##_##DT attn_##NAME##_dkdv_##TAG##_##DT(   \
         const S* q, const S* k, const S* v, const S* g, const float* lse, const float* dr,    \
         S* dk, S* dv, AttnShape a, Dims bd, Strides sq, Strides sk, Strides sv, Strides sg,    \
         Strides sdk, Strides sdv) {                                                            \

@@ -22,6 +22,31 @@
         }                                                                                      \
     }
 
+// The same for a contiguous x whose rows after the axis are whole 16-byte vectors (an
+// embedding lookup): out row r (of pre * nids rows of `vecs` vectors) is x's row
+// (r / nids) * ax_size + ids[r % nids], a warp per row, 16 bytes a lane. The per-element
+// kernel above decomposes every index with 64-bit divisions: 45 us for a GPT's 16384 x 384
+// f32 lookup on an H200, ~0.5 TB/s. (Any T: the instance name only joins its dtype's group.)
+#define INDEX_SELECT_ROWS(T)                                                                   \
+    extern "C" __global__ void index_select_rows_##T(const uint4* x, const i64* ids, uint4* y, \
+                                                     u64 rows, u64 vecs, u64 ax_size,          \
+                                                     u64 nids, u64 io, u64 is, u32* flag) {    \
+        const u64 lane = threadIdx.x & 31, per_block = blockDim.x >> 5;                        \
+        const u64 warps = (u64)gridDim.x * per_block;                                          \
+        for (u64 r = blockIdx.x * per_block + (threadIdx.x >> 5); r < rows; r += warps) {      \
+            const u64 pre = r / nids, j = r - pre * nids;                                      \
+            const i64 id = ids[io + j * is];                                                   \
+            uint4* dst = y + r * vecs;                                                         \
+            if (id < 0 || (u64)id >= ax_size) {                                                \
+                if (lane == 0) raise_error(flag, 2, id);                                       \
+                for (u64 c = lane; c < vecs; c += 32) dst[c] = make_uint4(0, 0, 0, 0);         \
+                continue;                                                                      \
+            }                                                                                  \
+            const uint4* src = x + (pre * ax_size + (u64)id) * vecs;                           \
+            for (u64 c = lane; c < vecs; c += 32) dst[c] = src[c];                             \
+        }                                                                                      \
+    }
+
 // out[i] = x[i with axis coordinate replaced by ids[i]]; dims `d` are the ids' (= output) dims.
 #define GATHER(T)                                                                              \
     extern "C" __global__ void gather_##T(const T* x, const i64* ids, T* y, u64 n, Dims d,     \
@@ -72,11 +97,12 @@ __device__ __forceinline__ void atomic_add(u8* p, u8 v) {
         }                                                                                      \
     }
 
-#define INDEXING(T) INDEX_SELECT(T) GATHER(T) SCATTER_ADD(T)
+#define INDEXING(T) INDEX_SELECT(T) INDEX_SELECT_ROWS(T) GATHER(T) SCATTER_ADD(T)
 INDEXING(float)
 INDEXING(double)
 INDEXING(i64)
 INDEXING(u8)
 // The 16-bit floats move as bits (`u16`); their scatter_add runs in f32 (lib.rs).
 INDEX_SELECT(u16)
+INDEX_SELECT_ROWS(u16)
 GATHER(u16)

@@ -120,6 +120,67 @@ fn index_errors_are_typed_and_the_device_stays_usable() {
 }
 
 #[test]
+fn index_select_matches_the_cpu_on_whole_rows_and_on_the_rest() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    // (table dims, axis, dtype, element offset of the table in its storage, ids): whole 16-byte
+    // rows take the warp-per-row kernel (an embedding's [84, 384] lookup, rows after a leading
+    // dim, bf16 rows of 8, u8 rows of 16); 8- and 12-byte rows, a table starting 4 bytes into
+    // its storage and a selection of columns take the element kernel.
+    type Case = (Vec<usize>, isize, DType, usize, Vec<i64>);
+    let many: Vec<i64> = (0..1000).map(|i| (i * 37 % 84) as i64).collect();
+    let cases: Vec<Case> = vec![
+        (vec![84, 384], 0, DType::F32, 0, many),
+        (vec![2, 7, 8], 1, DType::F32, 0, vec![6, 0, 3, 3, 1]),
+        (vec![50, 8], 0, DType::BF16, 0, vec![49, 0, 7, 7, 20, 1]),
+        (vec![6, 16], 0, DType::U8, 0, vec![5, 1, 0]),
+        (vec![6, 2], 0, DType::F64, 0, vec![5, 1, 0, 4]),
+        (vec![6, 2], 0, DType::F32, 0, vec![5, 1, 0, 4]),
+        (vec![5, 3], 0, DType::F32, 0, vec![4, 0, 2]),
+        (vec![10, 4], 0, DType::F32, 1, vec![9, 0, 5]),
+        (vec![4, 8], 1, DType::F32, 0, vec![7, 0, 2]),
+    ];
+    for (dims, axis, dtype, offset, ids) in cases {
+        let n: usize = dims.iter().product::<usize>() + offset;
+        let vals: Vec<f32> = (0..n).map(|i| (i % 251) as f32).collect();
+        let len = ids.len();
+        let got = Tensor::<Cuda>::from_slice(&vals, [n], &dev)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.narrow(0, offset, n - offset))
+            .and_then(|t| t.reshape(dims.clone()))
+            .and_then(|t| t.index_select(axis, &Tensor::from_vec(ids.clone(), [len], &dev)?))
+            .and_then(|t| t.to_f64_vec())
+            .unwrap();
+        let want = Tensor::<Cpu>::from_slice(&vals, [n], &cpu)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.narrow(0, offset, n - offset))
+            .and_then(|t| t.reshape(dims.clone()))
+            .and_then(|t| t.index_select(axis, &Tensor::from_vec(ids, [len], &cpu)?))
+            .and_then(|t| t.to_f64_vec())
+            .unwrap();
+        assert_eq!(got, want, "{dims:?} axis {axis} {dtype} offset {offset}");
+    }
+    // An id out of range in a whole-row lookup: a typed error, and the device stays usable.
+    let table = Tensor::<Cuda>::ones([84, 384], DType::F32, &dev).unwrap();
+    let bad = Tensor::<Cuda>::from_vec(vec![3i64, 84, 0], [3], &dev).unwrap();
+    let e = table.index_select(0, &bad).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "index_select",
+                index: 84,
+                size: 84
+            }
+        ),
+        "{e:?}"
+    );
+    let ok = Tensor::<Cuda>::from_vec(vec![83i64], [1], &dev).unwrap();
+    let row = table.index_select(0, &ok).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(row, vec![1.0; 384]);
+}
+
+#[test]
 fn checked_labels_are_not_checked_again_until_written() {
     let Some(dev) = gpu_or_skip(0) else { return };
     let logits = Generator::new(7)

@@ -39,8 +39,61 @@ pub(crate) fn index_select(
         return Ok(out);
     }
     let post: usize = od[axis + 1..].iter().product();
+    let row_bytes = post * dtype.size_in_bytes();
+    let src = x.device_ptr() + (l.offset() * dtype.size_in_bytes()) as u64;
+    if l.is_contiguous() && row_bytes.is_multiple_of(16) && src.is_multiple_of(16) {
+        // Whole rows of 16-byte vectors (an embedding lookup): a warp copies each.
+        let rows = n / post;
+        let mut a = Args::new();
+        a.push(src)
+            .push(ids.device_ptr())
+            .push(out.device_ptr())
+            .push(rows as u64)
+            .push((row_bytes / 16) as u64)
+            .push(l.dims()[axis] as u64)
+            .push(nids as u64)
+            .push(li.offset() as u64)
+            .push(li.strides().first().copied().unwrap_or(0) as u64)
+            .push(dev.err_flag());
+        run(
+            dev,
+            OP,
+            Module::Index,
+            &["index_select_rows", moved(dtype)],
+            dev.grid_1d(rows as u64 * 32, BLOCK),
+            BLOCK,
+            0,
+            &mut a,
+        )?;
+    } else {
+        index_select_elements(x, l, dtype, ids, li, axis, &od, &out)?;
+    }
+    check_ids(dev, OP, ids, li, l.dims()[axis])?;
+    if let Some(bound) = x.known_id_bound(l) {
+        out.mark_all_ids_below(bound);
+    }
+    Ok(out)
+}
+
+/// [`index_select`] element by element into `out` (dims `od`), for any layout.
+#[allow(clippy::too_many_arguments)]
+fn index_select_elements(
+    x: &Buffer,
+    l: &Layout,
+    dtype: DType,
+    ids: &Buffer,
+    li: &Layout,
+    axis: usize,
+    od: &[usize],
+    out: &Buffer,
+) -> Result<()> {
+    const OP: &str = "index_select";
+    let dev = x.state();
+    let n: usize = od.iter().product();
+    let nids = od[axis];
+    let post: usize = od[axis + 1..].iter().product();
     let sx = zero_axis(l, axis);
-    let (d, sxs) = collapse(OP, &od, &[&sx], &[l.offset()])?;
+    let (d, sxs) = collapse(OP, od, &[&sx], &[l.offset()])?;
     let mut a = Args::new();
     a.push(x.device_ptr())
         .push(ids.device_ptr())
@@ -64,12 +117,7 @@ pub(crate) fn index_select(
         BLOCK,
         0,
         &mut a,
-    )?;
-    check_ids(dev, OP, ids, li, l.dims()[axis])?;
-    if let Some(bound) = x.known_id_bound(l) {
-        out.mark_all_ids_below(bound);
-    }
-    Ok(out)
+    )
 }
 
 pub(crate) fn gather(

@@ -52,7 +52,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
             "cuda_conv_bn",
         ],
     ),
-    ("kiln-optim", &["amp_devices"]),
+    ("kiln-optim", &["amp_devices", "clip_update"]),
 ];
 /// GPU benches (harnesses that print `BENCH kiln <name> <value> <unit>` lines).
 const GPU_BENCHES: &[(&str, &[&str])] = &[(

@@ -145,6 +145,22 @@ enum Creator<B: Backend> {
     Freed(&'static str),
 }
 
+/// An accumulated gradient. After [`Var::scale_grad`], `parts` holds the sum and the factor it
+/// is still to be multiplied by, and `value` their product: pending on a backend that defers
+/// elementwise work, so nothing runs unless it is read, while an optimizer that applies the
+/// factor inside its update reads the parts instead ([`Var::grad_parts`]).
+#[derive(Clone)]
+struct Grad<B: Backend> {
+    value: Tensor<B>,
+    parts: Option<(Tensor<B>, Tensor<B>)>,
+}
+
+impl<B: Backend> Grad<B> {
+    fn new(value: Tensor<B>) -> Self {
+        Grad { value, parts: None }
+    }
+}
+
 pub(crate) struct Inner<B: Backend> {
     id: VarId,
     /// The value; `None` once no `Var` handle on an op output is left (module docs).
@@ -153,7 +169,7 @@ pub(crate) struct Inner<B: Backend> {
     handles: AtomicUsize,
     requires_grad: AtomicBool,
     retain_grad: AtomicBool,
-    grad: Mutex<Option<Tensor<B>>>,
+    grad: Mutex<Option<Grad<B>>>,
     /// Whether `creator` is [`Creator::Leaf`]: fixed at construction (an op output becomes
     /// `Freed`, never a leaf), so it is read without the lock.
     leaf: bool,
@@ -204,10 +220,10 @@ impl<B: Backend> Inner<B> {
     fn accumulate_grad(&self, g: Tensor<B>) -> Result<()> {
         let g = g.contiguous()?;
         let mut slot = lock(&self.grad);
-        *slot = Some(match slot.take() {
+        *slot = Some(Grad::new(match slot.take() {
             None => g,
-            Some(old) => old.add(&g)?,
-        });
+            Some(old) => old.value.add(&g)?,
+        }));
         Ok(())
     }
 
@@ -493,7 +509,58 @@ impl<B: Backend> Var<B> {
     /// Gradients accumulate over `backward` calls (`grad += new`) until `zero_grad`, as in
     /// PyTorch: call `zero_grad` (or let the optimizer do it) once per step.
     pub fn grad(&self) -> Option<Tensor<B>> {
-        lock(&self.0.grad).clone()
+        lock(&self.0.grad).as_ref().map(|g| g.value.clone())
+    }
+
+    /// Multiplies the gradient by `factor` (one element, of the gradient's dtype and device)
+    /// without a pass of its own: [`Var::grad`] then reads the product, computed when read,
+    /// and an optimizer applies the factor inside its update ([`Var::grad_parts`]; kiln-optim's
+    /// optimizers do). Gradient clipping scales this way, as PyTorch's fused optimizers take a
+    /// `grad_scale`. Factors given one after another multiply; setting, accumulating or moving
+    /// the gradient applies them first. Nothing when there is no gradient.
+    pub fn scale_grad(&self, factor: &Tensor<B>) -> Result<()> {
+        const OP: &str = "scale_grad";
+        let mut slot = lock(&self.0.grad);
+        let Some(g) = slot.as_mut() else {
+            return Ok(());
+        };
+        g.value.check_same_device(OP, factor)?;
+        if factor.dtype() != g.value.dtype() {
+            return Err(Error::DTypeMismatch {
+                op: OP,
+                expected: g.value.dtype().to_string(),
+                got: factor.dtype(),
+            });
+        }
+        if factor.elem_count() != 1 {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "the factor must have one element, got shape {}",
+                    factor.shape()
+                ),
+            ));
+        }
+        let factor = factor.reshape(kiln_core::Shape::scalar())?;
+        let (sum, factor) = match g.parts.take() {
+            Some((sum, old)) => (sum, old.mul(&factor)?),
+            None => (g.value.clone(), factor),
+        };
+        *g = Grad {
+            value: sum.mul(&factor)?,
+            parts: Some((sum, factor)),
+        };
+        Ok(())
+    }
+
+    /// The gradient as its sum and the factor [`Var::scale_grad`] left to apply (`None` when
+    /// there is none): for optimizers that apply the factor inside their update. The product of
+    /// the two is [`Var::grad`].
+    pub fn grad_parts(&self) -> Option<(Tensor<B>, Option<Tensor<B>>)> {
+        lock(&self.0.grad).as_ref().map(|g| match &g.parts {
+            Some((sum, factor)) => (sum.clone(), Some(factor.clone())),
+            None => (g.value.clone(), None),
+        })
     }
 
     /// Whether a gradient is accumulated (`grad().is_some()` without cloning it).
@@ -512,7 +579,7 @@ impl<B: Backend> Var<B> {
         if let Some(g) = &grad {
             check_like("set_grad", &self.tensor(), g, true)?;
         }
-        *lock(&self.0.grad) = grad;
+        *lock(&self.0.grad) = grad.map(Grad::new);
         Ok(())
     }
 
@@ -547,7 +614,7 @@ impl<B: Backend> Var<B> {
 
     /// Takes the gradient out, leaving `None`.
     pub fn take_grad(&self) -> Option<Tensor<B>> {
-        lock(&self.0.grad).take()
+        lock(&self.0.grad).take().map(|g| g.value)
     }
 
     /// A new constant leaf sharing this variable's tensor: the gradient stops here.
@@ -579,7 +646,7 @@ impl<B: Backend> Var<B> {
         if old.device() != t.device() {
             let mut g = lock(&self.0.grad);
             if let Some(gr) = g.take() {
-                *g = Some(gr.to_device(t.device())?);
+                *g = Some(Grad::new(gr.value.to_device(t.device())?));
             }
         }
         // State carried from step to step must not carry deferred work (a backend that fuses

@@ -618,3 +618,47 @@ fn max_dim_sends_the_gradient_to_the_indexed_element_only() {
     y.sum_all().unwrap().backward().unwrap();
     assert_eq!(vals(&x.grad().unwrap()), vec![0.0, 1.0, 0.0, 1.0, 0.0, 1.0]);
 }
+
+/// `scale_grad` multiplies lazily: `grad()` reads the product, `grad_parts()` the sum and the
+/// factor (factors given in turn multiply); setting or accumulating a gradient applies the
+/// factor; a factor of another dtype or size is a typed error; without a gradient it is a
+/// no-op.
+#[test]
+fn scale_grad_keeps_the_factor_apart_until_the_gradient_changes() {
+    let x = Var::param(t(&[1.0, 2.0, 3.0], &[3]));
+    x.scale_grad(&t(&[2.0], &[])).unwrap();
+    assert!(x.grad().is_none());
+    x.set_grad(Some(t(&[1.0, -2.0, 4.0], &[3]))).unwrap();
+    assert!(x.grad_parts().unwrap().1.is_none());
+    x.scale_grad(&t(&[0.5], &[])).unwrap();
+    x.scale_grad(&t(&[3.0], &[1])).unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![1.5, -3.0, 6.0]);
+    let (sum, factor) = x.grad_parts().unwrap();
+    assert_eq!(vals(&sum), vec![1.0, -2.0, 4.0]);
+    assert_eq!(vals(&factor.unwrap()), vec![1.5]);
+    // A backward adds to the scaled gradient: the factor is applied first.
+    x.mul(&x).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![3.5, 1.0, 12.0]);
+    assert!(x.grad_parts().unwrap().1.is_none());
+    let e = x
+        .scale_grad(&t(&[1.0], &[]).to_dtype(DType::F32).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kiln_core::Error::DTypeMismatch {
+                op: "scale_grad",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = x.scale_grad(&t(&[1.0, 2.0], &[2])).unwrap_err();
+    assert!(e.to_string().contains("one element"), "{e}");
+    x.scale_grad(&t(&[2.0], &[])).unwrap();
+    x.set_grad(Some(t(&[1.0, 1.0, 1.0], &[3]))).unwrap();
+    assert_eq!(vals(&x.grad().unwrap()), vec![1.0, 1.0, 1.0]);
+    x.scale_grad(&t(&[2.0], &[])).unwrap();
+    assert_eq!(vals(&x.take_grad().unwrap()), vec![2.0, 2.0, 2.0]);
+    assert!(!x.has_grad());
+}

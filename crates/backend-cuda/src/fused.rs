@@ -30,6 +30,7 @@ pub(crate) fn fused_update(
     rule: &UpdateRule,
     dtype: DType,
     slots: &[UpdateSlot<'_, Buffer>],
+    grad_scale: Option<&Buffer>,
 ) -> Result<Vec<Updated>> {
     const OP: &str = "fused_update";
     check_dtype(OP, dtype)?;
@@ -51,7 +52,7 @@ pub(crate) fn fused_update(
         .iter()
         .map(|(p, st)| (p, st.iter().collect()))
         .collect();
-    launch(rule, dtype, slots, &targets)?;
+    launch(rule, dtype, slots, grad_scale, &targets)?;
     Ok(outs)
 }
 
@@ -64,6 +65,7 @@ pub(crate) fn fused_update_in_place(
     rule: &UpdateRule,
     dtype: DType,
     slots: &[UpdateSlot<'_, Buffer>],
+    grad_scale: Option<&Buffer>,
 ) -> Result<()> {
     const OP: &str = "fused_update";
     let frozen = match *rule {
@@ -90,7 +92,7 @@ pub(crate) fn fused_update_in_place(
     check_dtype(OP, dtype)?;
     let targets: Vec<(&Buffer, Vec<&Buffer>)> =
         slots.iter().map(|s| (s.param, s.state.clone())).collect();
-    launch(rule, dtype, slots, &targets)
+    launch(rule, dtype, slots, grad_scale, &targets)
 }
 
 /// The dtypes an update runs in (its parameters'). 16-bit parameters update in f32 inside the
@@ -108,14 +110,16 @@ fn check_dtype(op: &'static str, dtype: DType) -> Result<()> {
     }
 }
 
-/// The memo key of a multi-tensor kernel on a device (`DeviceState::generated_func`).
+/// The memo key of a multi-tensor kernel on a device (`DeviceState::generated_func`): the
+/// program, and how many of its last inputs are single elements (a gradient scale).
 #[derive(Clone, PartialEq, Eq, Hash)]
-struct MtKey(Program);
+struct MtKey(Program, usize);
 
 /// The program the multi-tensor kernel of rule program `rule` runs (16-bit parameters: f32
 /// arithmetic, one rounding per stored value; the rule's program otherwise) and that kernel on
-/// `dev`: memoized, else generated and compiled (or loaded from the disk cache).
-fn kernel(dev: &DeviceState, rule: &Arc<Program>) -> Result<(Arc<Program>, Func)> {
+/// `dev`, whose last `scalars` inputs are single elements: memoized, else generated and
+/// compiled (or loaded from the disk cache).
+fn kernel(dev: &DeviceState, rule: &Arc<Program>, scalars: usize) -> Result<(Arc<Program>, Func)> {
     let epoch = KERNEL_EPOCH.load(Ordering::SeqCst);
     let recent = RECENT.with(|r| {
         (r.borrow().iter())
@@ -127,9 +131,9 @@ fn kernel(dev: &DeviceState, rule: &Arc<Program>) -> Result<(Arc<Program>, Func)
     }
     let program = Arc::new(rule.widened()?);
     // A handful of programs at most (the rules' flags times the dtypes): no budget.
-    let key = MtKey((*program).clone());
+    let key = MtKey((*program).clone(), scalars);
     let f = dev.generated_func(&key, usize::MAX, || {
-        let src = codegen::multi_tensor_source(&program)?;
+        let src = codegen::multi_tensor_source(&program, scalars)?;
         let bin = crate::expr_run::build(&src, dev.arch(), crate::nvrtc::Flavor::Generated)?;
         let name = std::ffi::CString::new(KERNEL).map_err(|e| Error::backend("fused_update", e))?;
         Ok((bin, name))
@@ -155,11 +159,13 @@ thread_local! {
         const { RefCell::new(Vec::new()) };
 }
 
-/// Launches the update of `slots` into `outs` (new parameter, new states per slot).
+/// Launches the update of `slots`, their gradients multiplied by `grad_scale`'s one element
+/// when given, into `outs` (new parameter, new states per slot).
 fn launch(
     rule: &UpdateRule,
     dtype: DType,
     slots: &[UpdateSlot<'_, Buffer>],
+    grad_scale: Option<&Buffer>,
     outs: &[(&Buffer, Vec<&Buffer>)],
 ) -> Result<()> {
     const OP: &str = "fused_update";
@@ -169,8 +175,20 @@ fn launch(
     let dev = first.param.state();
     dev.bind()?;
     let nstate = rule.state_count();
-    let (program, params) = rule.program(dtype)?;
-    let (program, f) = kernel(dev, &program)?;
+    let scalars = usize::from(grad_scale.is_some());
+    let (program, params) = rule.program_scaled(dtype, grad_scale.is_some())?;
+    let (program, f) = kernel(dev, &program, scalars)?;
+    if let Some(s) = grad_scale
+        && s.device() != first.param.device()
+    {
+        return Err(Error::DeviceMismatch {
+            op: OP,
+            lhs: first.param.device().to_string(),
+            rhs: s.device().to_string(),
+        });
+    }
+    // The inputs: [param, grad, state..., scale?].
+    let n_in = 2 + nstate + scalars;
     for (chunk, out_chunk) in slots.chunks(MT_MAX).zip(outs.chunks(MT_MAX)) {
         for s in chunk {
             if s.param.device() != first.param.device() {
@@ -191,15 +209,17 @@ fn launch(
             }
         }
         let lens: Vec<usize> = chunk.iter().map(|s| s.len).collect();
-        // Operands: the inputs [param, grad, state...], then the outputs [param, state...].
+        // Operands: the inputs [param, grad, state..., scale?], then the outputs [param,
+        // state...].
         let words = codegen::multi_tensor_args(&program, &lens, |m, t| {
             let (s, (p, st)) = (&chunk[t], &out_chunk[t]);
             match m {
                 0 => s.param.device_ptr(),
                 1 => s.grad.device_ptr(),
                 m if m < 2 + nstate => s.state[m - 2].device_ptr(),
-                m if m == 2 + nstate => p.device_ptr(),
-                m => st[m - 3 - nstate].device_ptr(),
+                m if m < n_in => grad_scale.map_or(0, |b| b.device_ptr()),
+                m if m == n_in => p.device_ptr(),
+                m => st[m - n_in - 1].device_ptr(),
             }
         });
         let total: usize = lens.iter().sum();

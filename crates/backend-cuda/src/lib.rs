@@ -1062,7 +1062,8 @@ impl Backend for Cuda {
         rule: &UpdateRule,
         dtype: DType,
         slots: &[UpdateSlot<'_, CudaStorage>],
+        grad_scale: Option<&CudaStorage>,
     ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
-        update::fused_update(rule, dtype, slots)
+        update::fused_update(rule, dtype, slots, grad_scale)
     }
 }

@@ -14,7 +14,10 @@ pub(crate) fn fused_update(
     rule: &UpdateRule,
     dtype: DType,
     slots: &[UpdateSlot<'_, CudaStorage>],
+    grad_scale: Option<&CudaStorage>,
 ) -> Result<Vec<(CudaStorage, Vec<CudaStorage>)>> {
+    let scale = grad_scale.map(|s| s.buffer()).transpose()?;
+    let scale = scale.as_deref();
     // Computed buffers for every operand, held while the kernel's slots borrow them.
     type Held = (Arc<Buffer>, Arc<Buffer>, Vec<Arc<Buffer>>);
     let held = slots
@@ -36,7 +39,7 @@ pub(crate) fn fused_update(
         .collect();
     if bslots.first().is_some_and(|s| s.param.state().capturing()) {
         // A captured graph updates the parameters where they are (see `graph.rs`).
-        fused::fused_update_in_place(rule, dtype, &bslots)?;
+        fused::fused_update_in_place(rule, dtype, &bslots, scale)?;
         return Ok(held
             .iter()
             .map(|(p, _, st)| {
@@ -52,7 +55,7 @@ pub(crate) fn fused_update(
             })
             .collect());
     }
-    let out = fused::fused_update(rule, dtype, &bslots)?;
+    let out = fused::fused_update(rule, dtype, &bslots, scale)?;
     Ok(out
         .into_iter()
         .map(|(p, st)| {

@@ -567,7 +567,9 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     }
 
     /// Applies `rule` to every slot and returns, per slot, the new parameter and the new state
-    /// buffers (out of place). The default evaluates the rule's expression program
+    /// buffers (out of place). With `grad_scale` (one element of `dtype` on the slots' device)
+    /// every gradient is multiplied by it first, inside the update
+    /// ([`UpdateRule::program_scaled`]). The default evaluates the rule's expression program
     /// ([`UpdateRule::program`]) once per slot through [`Backend::eval_expr`]: one fused pass
     /// per parameter on a backend that fuses programs (the CPU), op by op on one that does not
     /// (the reference). A GPU backend overrides it with a multi-tensor kernel that updates all
@@ -577,14 +579,18 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         rule: &UpdateRule,
         dtype: DType,
         slots: &[UpdateSlot<'_, Self::Storage>],
+        grad_scale: Option<&Self::Storage>,
     ) -> Result<Vec<(Self::Storage, Vec<Self::Storage>)>> {
-        let (program, params) = rule.program(dtype)?;
+        let (program, params) = rule.program_scaled(dtype, grad_scale.is_some())?;
         slots
             .iter()
             .map(|slot| {
                 let l = Layout::contiguous([slot.len]);
+                // The factor's one element, read for every element of the slot.
+                let one = Layout::from_parts(l.shape().clone(), [0], 0);
                 let mut inputs = vec![(slot.param, &l), (slot.grad, &l)];
                 inputs.extend(slot.state.iter().map(|s| (*s, &l)));
+                inputs.extend(grad_scale.map(|s| (s, &one)));
                 let dev = Self::storage_device(slot.param);
                 let mut outs = Self::eval_expr(&dev, &program, l.shape(), &inputs, &params)?;
                 if outs.is_empty() {

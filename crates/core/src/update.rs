@@ -95,12 +95,23 @@ impl UpdateRule {
     /// nothing else. Debug builds check the memo against a fresh lowering. The program is
     /// shared (`Arc`): a step clones no vectors.
     pub fn program(&self, dtype: DType) -> Result<(Arc<Program>, Vec<f64>)> {
+        self.program_scaled(dtype, false)
+    }
+
+    /// [`UpdateRule::program`], or with `scaled` the rule applied to the gradient times a
+    /// factor: one more input after the state, `scale`, a single element (a backend reads it
+    /// broadcast), and every use of the gradient reads `grad * scale`, computed as the rest of
+    /// the rule (in `dtype`; in f32 for the 16-bit floats, whose programs are widened): for f32
+    /// the bits of a multiply stored first. Gradient clipping's coefficient rides in the
+    /// update this way instead of a pass over every gradient
+    /// ([`crate::Tensor::fused_update_scaled`]).
+    pub fn program_scaled(&self, dtype: DType, scaled: bool) -> Result<(Arc<Program>, Vec<f64>)> {
         // The program, and the slots of `param_values` it reads, in its parameters' order.
-        type Memo = HashMap<([u64; 9], DType), (Arc<Program>, Vec<usize>)>;
+        type Memo = HashMap<([u64; 9], bool, DType), (Arc<Program>, Vec<usize>)>;
         static MEMO: OnceLock<Mutex<Memo>> = OnceLock::new();
         let values = self.param_values();
-        let inputs = vec![dtype; 2 + self.state_count()];
-        let key = (self.structure(), dtype);
+        let inputs = vec![dtype; 2 + self.state_count() + usize::from(scaled)];
+        let key = (self.structure(), scaled, dtype);
         let memo = MEMO.get_or_init(Default::default);
         let hit = memo
             .lock()
@@ -133,7 +144,9 @@ impl UpdateRule {
     /// parameter takes its value from.
     fn lower(&self, inputs: &[DType]) -> Result<(Program, Vec<usize>)> {
         let mut slots = Vec::new();
-        let outs = self.exprs(&mut |slot| {
+        // A scaled program's last input is the gradient's factor.
+        let scale = (inputs.len() > 2 + self.state_count()).then(|| Expr::input(inputs.len() - 1));
+        let outs = self.exprs(scale, &mut |slot| {
             slots.push(slot);
             Expr::param(slots.len() - 1)
         });
@@ -223,11 +236,16 @@ impl UpdateRule {
         }
     }
 
-    /// The update as expressions over `[param, grad, state...]`, reading the constant of slot
-    /// `k` of [`UpdateRule::param_values`] as `param(k)`, called where the constant is used
-    /// (so the program numbers its parameters in the order the formulas read them).
-    fn exprs(&self, param: &mut dyn FnMut(usize) -> Expr) -> Vec<Expr> {
-        let (p, g) = (Expr::input(0), Expr::input(1));
+    /// The update as expressions over `[param, grad, state...]` (and `scale`, by which the
+    /// gradient is multiplied first, when given), reading the constant of slot `k` of
+    /// [`UpdateRule::param_values`] as `param(k)`, called where the constant is used (so the
+    /// program numbers its parameters in the order the formulas read them).
+    fn exprs(&self, scale: Option<Expr>, param: &mut dyn FnMut(usize) -> Expr) -> Vec<Expr> {
+        let p = Expr::input(0);
+        let g = match scale {
+            Some(s) => Expr::input(1) * s,
+            None => Expr::input(1),
+        };
         match *self {
             UpdateRule::Sgd {
                 momentum,

@@ -319,6 +319,7 @@ impl<const M: u8> Backend for Broken<M> {
         rule: &UpdateRule,
         dtype: DType,
         slots: &[UpdateSlot<'_, RefStorage>],
+        grad_scale: Option<&RefStorage>,
     ) -> Result<Vec<(RefStorage, Vec<RefStorage>)>> {
         let mut rule = *rule;
         if let (
@@ -330,7 +331,7 @@ impl<const M: u8> Backend for Broken<M> {
         {
             *bias_correction1 = 1.0;
         }
-        R::fused_update(&rule, dtype, slots)
+        R::fused_update(&rule, dtype, slots, grad_scale)
     }
     fn eval_expr(
         d: &RefDevice,

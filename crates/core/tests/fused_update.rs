@@ -136,3 +136,68 @@ fn bad_inputs_are_typed_errors() {
         "{e}"
     );
 }
+
+/// A gradient scale multiplies every gradient inside the update: the same as scaling first,
+/// for SGD (whose gradient appears twice under Nesterov) and AdamW; a scale of another dtype,
+/// or of more than one element, is a typed error.
+#[test]
+fn a_gradient_scale_is_the_update_of_the_scaled_gradients() {
+    let (p, g, m, v) = (
+        [1.0, -2.0, 3.0],
+        [0.5, 0.25, -4.0],
+        [0.1, -0.1, 0.0],
+        [0.01, 0.02, 0.5],
+    );
+    let s = 0.3;
+    let scaled: Vec<f64> = g.iter().map(|g| g * s).collect();
+    let sgd = UpdateRule::Sgd {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.1,
+        nesterov: true,
+        weight_decay: 0.01,
+        first_step: false,
+    };
+    let adamw = UpdateRule::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decoupled: true,
+        bias_correction1: 0.19,
+        bias_correction2: 0.0199,
+    };
+    let scale = T::from_slice(&[s], [], &RefDevice::default()).unwrap();
+    for (rule, state) in [(sgd, vec![t(&m)]), (adamw, vec![t(&m), t(&v)])] {
+        let got = T::fused_update_scaled(
+            &rule,
+            &[t(&p)],
+            &[t(&g)],
+            std::slice::from_ref(&state),
+            Some(&scale),
+        )
+        .unwrap();
+        let want = T::fused_update(&rule, &[t(&p)], &[t(&scaled)], &[state]).unwrap();
+        close(&got[0].0, &want[0].0.to_f64_vec().unwrap());
+        for (a, b) in got[0].1.iter().zip(&want[0].1) {
+            close(a, &b.to_f64_vec().unwrap());
+        }
+    }
+    let f32_scale = scale.to_dtype(kiln_core::DType::F32).unwrap();
+    let e = T::fused_update_scaled(&sgd, &[t(&p)], &[t(&g)], &[vec![t(&m)]], Some(&f32_scale))
+        .unwrap_err();
+    assert!(
+        matches!(
+            e,
+            kiln_core::Error::DTypeMismatch {
+                op: "fused_update",
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let e = T::fused_update_scaled(&sgd, &[t(&p)], &[t(&g)], &[vec![t(&m)]], Some(&t(&[s, s])))
+        .unwrap_err();
+    assert!(e.to_string().contains("one element"), "{e}");
+}

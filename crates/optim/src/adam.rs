@@ -166,7 +166,7 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
     /// parameters at the same step (see `fused.rs`).
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
-        for (step, members) in groups(&self.params, &mut self.masters, |i| self.steps[i])? {
+        for (step, scale, members) in groups(&self.params, &mut self.masters, |i| self.steps[i])? {
             let t = (step + 1).min(i32::MAX as u64) as i32;
             let rule = UpdateRule::Adam {
                 lr: c.lr,
@@ -187,7 +187,7 @@ impl<B: Backend> Optimizer<B> for Adam<B> {
             }
             let values: Vec<Tensor<B>> = members.iter().map(|m| m.value.clone()).collect();
             let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
-            let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
+            let out = Tensor::fused_update_scaled(&rule, &values, &grads, &states, scale.as_ref())?;
             for (m, (w, st)) in members.iter().zip(out) {
                 self.masters.write(m.index, &self.params[m.index], w)?;
                 let mut st = st.into_iter();

@@ -5,9 +5,12 @@
 //! [`clip_grad_norm`] never reads a value back: the global norm is summed on the device into a
 //! 0-d tensor, the coefficient `min(1, max_norm / (norm + 1e-6))` is computed from it on the
 //! device, and every gradient is multiplied by it (by 1 when no clipping is needed), so a GPU
-//! training step that clips does not wait for the GPU. Reading the returned norm (to log it)
-//! is the caller's choice, and the only synchronization. [`grad_norm`] is that read: the same
-//! norm as an `f64`, one synchronization per call (not one per parameter).
+//! training step that clips does not wait for the GPU. The multiply is lazy
+//! ([`Var::scale_grad`]): `grad()` reads the clipped gradient, and kiln's optimizers apply the
+//! coefficient inside their update instead of a pass (a launch on the GPU) per gradient.
+//! Reading the returned norm (to log it) is the caller's choice, and the only
+//! synchronization. [`grad_norm`] is that read: the same norm as an `f64`, one
+//! synchronization per call (not one per parameter).
 //!
 //! The norm is accumulated in f64 whatever the gradients' dtype, with one [`Tensor::sq_sum`]
 //! per device and dtype (on a GPU one multi-tensor kernel for all of them, not a reduction per
@@ -88,14 +91,15 @@ pub fn clip_grad_norm<B: Backend>(params: &[Var<B>], max_norm: f64) -> Result<Te
         .compare_scalar(CmpOp::Lt, f64::INFINITY)?
         .where_cond(&coef, &one)?;
     // The coefficient in the gradients' device and dtype, converted once for all of them
-    // (again only where a parameter lives elsewhere).
+    // (again only where a parameter lives elsewhere), handed to each gradient as a factor the
+    // optimizer's update applies (`Var::scale_grad`): no pass over the gradients here.
     let mut c = coef.clone();
     for p in Var::unique(params.iter().cloned()) {
-        if let Some(g) = p.grad() {
+        if let Some((g, _)) = p.grad_parts() {
             if c.device() != g.device() || c.dtype() != g.dtype() {
                 c = coef.to_device(g.device())?.to_dtype(g.dtype())?;
             }
-            p.set_grad(Some(g.mul(&c)?))?;
+            p.scale_grad(&c)?;
         }
     }
     Ok(norm)

@@ -49,8 +49,12 @@ pub(crate) struct Member<B: Backend> {
     pub grad: Tensor<B>,
 }
 
-/// A group under construction: (device, dtype, key) and its members.
-type Keyed<B, K> = ((<B as Backend>::Device, DType, K), Vec<Member<B>>);
+/// A group under construction: (device, dtype, key), its gradients' scale and its members.
+type Keyed<B, K> = (
+    (<B as Backend>::Device, DType, K),
+    Option<Tensor<B>>,
+    Vec<Member<B>>,
+);
 
 /// The f32 master of one 16-bit parameter.
 #[derive(Clone)]
@@ -172,29 +176,57 @@ impl<B: Backend> Masters<B> {
     }
 }
 
-/// The parameters that have a gradient, grouped by device, dtype and `key(index)`, in order of
-/// first appearance. A 16-bit parameter's member holds its f32 master and its gradient cast to
-/// f32 (module docs).
+/// The parameters that have a gradient, grouped by device, dtype, `key(index)` and the factor
+/// their gradient is still to be multiplied by ([`Var::scale_grad`], gradient clipping's
+/// coefficient: the update applies it, [`Tensor::fused_update_scaled`]), in order of first
+/// appearance. A 16-bit parameter's member holds its f32 master and its gradient cast to f32
+/// (module docs), its group the factor cast to f32 (once per factor).
+#[allow(clippy::type_complexity)]
 pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
     params: &[Var<B>],
     masters: &mut Masters<B>,
     key: impl Fn(usize) -> K,
-) -> Result<Vec<(K, Vec<Member<B>>)>> {
+) -> Result<Vec<(K, Option<Tensor<B>>, Vec<Member<B>>)>> {
     let stepped: Vec<usize> = (0..params.len())
         .filter(|&i| params[i].has_grad())
         .collect();
     masters.settle(params, &stepped)?;
     let mut out: Vec<Keyed<B, K>> = Vec::new();
+    // Each factor as given and in the dtype of the values it scales.
+    let mut cast: Vec<(Tensor<B>, Tensor<B>)> = Vec::new();
     for (index, p) in params.iter().enumerate() {
-        let Some(grad) = p.grad() else { continue };
+        let Some((grad, factor)) = p.grad_parts() else {
+            continue;
+        };
         let value = masters.value(index, p)?;
         let grad = grad.to_dtype(value.dtype())?;
+        let factor = match factor {
+            None => None,
+            Some(f) => Some(
+                match cast
+                    .iter()
+                    .find(|(a, b)| a.same_storage(&f) && b.dtype() == value.dtype())
+                {
+                    Some((_, b)) => b.clone(),
+                    None => {
+                        let b = f.to_dtype(value.dtype())?;
+                        cast.push((f, b.clone()));
+                        b
+                    }
+                },
+            ),
+        };
+        let same = |g: &Option<Tensor<B>>| match (g, &factor) {
+            (None, None) => true,
+            (Some(a), Some(b)) => a.same_storage(b),
+            _ => false,
+        };
         let k = (value.device().clone(), value.dtype(), key(index));
         let member = Member { index, value, grad };
-        match out.iter_mut().find(|(gk, _)| *gk == k) {
-            Some((_, v)) => v.push(member),
-            None => out.push((k, vec![member])),
+        match out.iter_mut().find(|(gk, f, _)| *gk == k && same(f)) {
+            Some((_, _, v)) => v.push(member),
+            None => out.push((k, factor, vec![member])),
         }
     }
-    Ok(out.into_iter().map(|((_, _, k), v)| (k, v)).collect())
+    Ok(out.into_iter().map(|((_, _, k), f, v)| (k, f, v)).collect())
 }

@@ -114,7 +114,7 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
     fn step(&mut self) -> Result<()> {
         let c = self.cfg;
         let momentum = c.momentum != 0.0;
-        for (first_step, members) in
+        for (first_step, scale, members) in
             groups(&self.params, &mut self.masters, |i| self.bufs[i].is_none())?
         {
             let rule = UpdateRule::Sgd {
@@ -136,7 +136,7 @@ impl<B: Backend> Optimizer<B> for Sgd<B> {
             }
             let values: Vec<Tensor<B>> = members.iter().map(|m| m.value.clone()).collect();
             let grads: Vec<Tensor<B>> = members.iter().map(|m| m.grad.clone()).collect();
-            let out = Tensor::fused_update(&rule, &values, &grads, &states)?;
+            let out = Tensor::fused_update_scaled(&rule, &values, &grads, &states, scale.as_ref())?;
             for (m, (w, st)) in members.iter().zip(out) {
                 self.masters.write(m.index, &self.params[m.index], w)?;
                 if momentum {

@@ -29,8 +29,10 @@ use crate::sources::ctype;
 pub(crate) const MT_MAX: usize = 24;
 
 /// The CUDA C source of the multi-tensor kernel of elementwise program `p` (see the module
-/// docs); an error for a program that reduces.
-pub(crate) fn multi_tensor_source(p: &Program) -> Result<String> {
+/// docs), whose last `scalars` inputs are single elements read by every thread (an optimizer's
+/// gradient scale; `x<k>` then holds that element's address for every tensor); an error for a
+/// program that reduces.
+pub(crate) fn multi_tensor_source(p: &Program, scalars: usize) -> Result<String> {
     if p.reduces() {
         return Err(Error::invalid(
             "expr codegen",
@@ -66,7 +68,14 @@ pub(crate) fn multi_tensor_source(p: &Program) -> Result<String> {
     s += "            if (a.start[mid] <= i) lo = mid; else hi = mid - 1;\n";
     s += "        }\n";
     s += "        const u64 e = i - a.start[lo];\n";
-    let input = |k: u32| format!("((const {}*)a.x{k}[lo])[e]", ctype(p.inputs()[k as usize]));
+    let first_scalar = p.inputs().len().saturating_sub(scalars);
+    let input = |k: u32| {
+        let at = if k as usize >= first_scalar { "0" } else { "e" };
+        format!(
+            "((const {}*)a.x{k}[lo])[{at}]",
+            ctype(p.inputs()[k as usize])
+        )
+    };
     emit_values_with(&mut s, "        ", p, &nd.elem, &input);
     for (j, &o) in p.outputs().iter().enumerate() {
         let _ = writeln!(s, "        (({}*)a.y{j}[lo])[e] = v{o};", ctype(p.dtype(o)));

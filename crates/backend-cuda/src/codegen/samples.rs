@@ -211,16 +211,19 @@ fn half_cast_samples(out: &mut Vec<(String, String)>) {
 }
 
 /// The optimizers' multi-tensor updates (fused.rs): every rule's program, in every float
-/// dtype (16-bit ones widened, as fused.rs runs them).
+/// dtype (16-bit ones widened, as fused.rs runs them), with and without a gradient scale.
 fn update_samples(out: &mut Vec<(String, String)>) {
     for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
         for rule in sample_update_rules() {
-            let Ok((p, _)) = rule.program(dtype) else {
-                continue;
-            };
-            let Ok(p) = p.widened() else { continue };
-            if let Ok(src) = super::multi_tensor_source(&p) {
-                out.push((format!("multi-tensor {rule:?} ({dtype})"), src));
+            for scaled in [false, true] {
+                let Ok((p, _)) = rule.program_scaled(dtype, scaled) else {
+                    continue;
+                };
+                let Ok(p) = p.widened() else { continue };
+                if let Ok(src) = super::multi_tensor_source(&p, usize::from(scaled)) {
+                    let how = if scaled { ", scaled" } else { "" };
+                    out.push((format!("multi-tensor {rule:?} ({dtype}{how})"), src));
+                }
             }
         }
     }

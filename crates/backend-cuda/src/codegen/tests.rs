@@ -418,7 +418,7 @@ fn multi_tensor_kernels_run_the_rules_program() {
         bias_correction2: 0.01,
     };
     let (p, params) = rule.program(DType::F32).unwrap();
-    let src = multi_tensor_source(&p).unwrap();
+    let src = multi_tensor_source(&p, 0).unwrap();
     let b = body(&src);
     assert!(
         src.contains(&format!("u64 start[{}];", MT_MAX + 1)),
@@ -451,7 +451,16 @@ fn multi_tensor_kernels_run_the_rules_program() {
     assert_eq!(w[MT_MAX + 1], 2);
     let at_op = |m: usize, t: usize| w[MT_MAX + 2 + m * MT_MAX + t];
     assert_eq!((at_op(0, 0), at_op(0, 1), at_op(6, 1)), (0, 1, 601));
-    assert!(multi_tensor_source(&prog(&[DType::F32], &[Expr::input(0).sum(&[0])])).is_err());
+    assert!(multi_tensor_source(&prog(&[DType::F32], &[Expr::input(0).sum(&[0])]), 0).is_err());
+    // With a gradient scale: a fifth input, read at its one element by every thread, and the
+    // gradient multiplied by it.
+    let (p, _) = rule.program_scaled(DType::F32, true).unwrap();
+    let src = multi_tensor_source(&p, 1).unwrap();
+    let b = body(&src);
+    assert!(src.contains(&format!("u64 x4[{MT_MAX}];")), "{src}");
+    assert!(b.contains("((const float*)a.x4[lo])[0]"), "{b}");
+    assert!(!b.contains("((const float*)a.x4[lo])[e]"), "{b}");
+    assert!(b.contains("((const float*)a.x1[lo])[e]"), "{b}");
 }
 
 /// The sample sources (what `cargo xtask check-kernels` compiles) compile with NVRTC for

@@ -21,6 +21,22 @@ impl<B: Backend> Tensor<B> {
         grads: &[Self],
         states: &[Vec<Self>],
     ) -> Result<Vec<Updated<B>>> {
+        Self::fused_update_scaled(rule, params, grads, states, None)
+    }
+
+    /// [`Tensor::fused_update`] of the gradients multiplied by `grad_scale` (when given: a
+    /// tensor of one element, of the parameters' dtype and device), the multiply done inside
+    /// the update's own pass ([`UpdateRule::program_scaled`]), as PyTorch's fused optimizers
+    /// take a `grad_scale`. Gradient clipping's coefficient arrives this way
+    /// (`Var::scale_grad`): the same update as multiplying every gradient first, without a pass
+    /// (and on the GPU a launch) per gradient.
+    pub fn fused_update_scaled(
+        rule: &UpdateRule,
+        params: &[Self],
+        grads: &[Self],
+        states: &[Vec<Self>],
+        grad_scale: Option<&Self>,
+    ) -> Result<Vec<Updated<B>>> {
         const OP: &str = "fused_update";
         if params.len() != grads.len() || params.len() != states.len() {
             return Err(Error::invalid(
@@ -79,6 +95,26 @@ impl<B: Backend> Tensor<B> {
                 st.iter().map(|t| t.contiguous()).collect::<Result<_>>()?,
             ));
         }
+        if let Some(s) = grad_scale {
+            first.check_same_device(OP, s)?;
+            if s.dtype() != dtype {
+                return Err(Error::DTypeMismatch {
+                    op: OP,
+                    expected: dtype.to_string(),
+                    got: s.dtype(),
+                });
+            }
+            if s.elem_count() != 1 {
+                return Err(Error::invalid(
+                    OP,
+                    format!(
+                        "the gradients' scale must have one element, got shape {}",
+                        s.shape()
+                    ),
+                ));
+            }
+        }
+        let scale = grad_scale.map(|s| s.contiguous()).transpose()?;
         let slots: Vec<UpdateSlot<'_, B::Storage>> = owned
             .iter()
             .map(|(p, g, st)| UpdateSlot {
@@ -89,7 +125,7 @@ impl<B: Backend> Tensor<B> {
             })
             .collect();
         let p = first.prof(OP, &[], false);
-        let out = B::fused_update(rule, dtype, &slots)?;
+        let out = B::fused_update(rule, dtype, &slots, scale.as_ref().map(|s| s.storage()))?;
         drop(p);
         Ok(out
             .into_iter()

@@ -113,9 +113,12 @@ pub(super) fn g_fused_update<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut O
                     )
                 })
                 .collect();
-            (Just(rule), slots)
+            // Half the cases multiply the gradients by a factor inside the update (a clipping
+            // coefficient: at most 1, down to 0.05).
+            let scale = prop::option::of(spec(vec![], dtype, Dom::range(0.05, 1.0), false));
+            (Just(rule), slots, scale)
         });
-    p.run(out, "fused_update", strat, |(rule, slots)| {
+    p.run(out, "fused_update", strat, |(rule, slots, scale)| {
         let mut ps = Vec::new();
         let mut gs = Vec::new();
         let mut ss = Vec::new();
@@ -140,8 +143,15 @@ pub(super) fn g_fused_update<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut O
             .iter()
             .map(|v| v.iter().map(|t| t.1.clone()).collect())
             .collect();
-        let got = Tensor::<X>::fused_update(&rule, &px, &gx, &sx);
-        let want = Tensor::<Y>::fused_update(&rule, &py, &gy, &sy);
+        let scale = scale.as_ref().map(|s| p.build(s)).transpose()?;
+        let got =
+            Tensor::<X>::fused_update_scaled(&rule, &px, &gx, &sx, scale.as_ref().map(|s| &s.0));
+        let want =
+            Tensor::<Y>::fused_update_scaled(&rule, &py, &gy, &sy, scale.as_ref().map(|s| &s.1));
+        let factor = match &scale {
+            Some(s) => s.1.to_scalar().map_err(msg)?,
+            None => 1.0,
+        };
         let (got, want) = match (got, want) {
             (Err(_), Err(_)) => return Ok(()),
             (Err(e), Ok(_)) => return Err(format!("fused_update {rule:?} failed: {e}")),
@@ -167,11 +177,13 @@ pub(super) fn g_fused_update<X: Backend, Y: Backend>(p: &Pair<X, Y>, out: &mut O
                 .iter()
                 .map(|t| host(&t.1))
                 .collect::<std::result::Result<Vec<_>, _>>()?;
-            let mag = update_mags(&rule, &host(&ps[i].1)?, &host(&gs[i].1)?, &st_vals);
+            let g: Vec<f64> = host(&gs[i].1)?.iter().map(|g| g * factor).collect();
+            let mag = update_mags(&rule, &host(&ps[i].1)?, &g, &st_vals);
             let tol = p.accum(slots[i].0.dtype, 32.0, Some(mag));
             let dtype = slots[i].0.dtype;
             let mut ins = vec![("param", &ps[i].0), ("grad", &gs[i].0)];
             ins.extend(ss[i].iter().map(|t| ("state", &t.0)));
+            ins.extend(scale.iter().map(|t| ("grad scale", &t.0)));
             p.expect(
                 &format!("fused_update {rule:?} {dtype}: slot {i} param"),
                 &ins,

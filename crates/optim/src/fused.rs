@@ -200,22 +200,9 @@ pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
         };
         let value = masters.value(index, p)?;
         let grad = grad.to_dtype(value.dtype())?;
-        let factor = match factor {
-            None => None,
-            Some(f) => Some(
-                match cast
-                    .iter()
-                    .find(|(a, b)| a.same_storage(&f) && b.dtype() == value.dtype())
-                {
-                    Some((_, b)) => b.clone(),
-                    None => {
-                        let b = f.to_dtype(value.dtype())?;
-                        cast.push((f, b.clone()));
-                        b
-                    }
-                },
-            ),
-        };
+        let factor = factor
+            .map(|f| in_dtype(&mut cast, f, value.dtype()))
+            .transpose()?;
         let same = |g: &Option<Tensor<B>>| match (g, &factor) {
             (None, None) => true,
             (Some(a), Some(b)) => a.same_storage(b),
@@ -229,4 +216,22 @@ pub(crate) fn groups<B: Backend, K: PartialEq + Copy>(
         }
     }
     Ok(out.into_iter().map(|((_, _, k), f, v)| (k, f, v)).collect())
+}
+
+/// Factor `f` in `dtype`, converted once per factor (`cast` holds the conversions made, each
+/// with the factor it came from), so that parameters scaled by one factor stay one group.
+fn in_dtype<B: Backend>(
+    cast: &mut Vec<(Tensor<B>, Tensor<B>)>,
+    f: Tensor<B>,
+    dtype: DType,
+) -> Result<Tensor<B>> {
+    if let Some((_, b)) = cast
+        .iter()
+        .find(|(a, b)| a.same_storage(&f) && b.dtype() == dtype)
+    {
+        return Ok(b.clone());
+    }
+    let b = f.to_dtype(dtype)?;
+    cast.push((f, b.clone()));
+    Ok(b)
 }

@@ -524,23 +524,7 @@ impl<B: Backend> Var<B> {
         let Some(g) = slot.as_mut() else {
             return Ok(());
         };
-        g.value.check_same_device(OP, factor)?;
-        if factor.dtype() != g.value.dtype() {
-            return Err(Error::DTypeMismatch {
-                op: OP,
-                expected: g.value.dtype().to_string(),
-                got: factor.dtype(),
-            });
-        }
-        if factor.elem_count() != 1 {
-            return Err(Error::invalid(
-                OP,
-                format!(
-                    "the factor must have one element, got shape {}",
-                    factor.shape()
-                ),
-            ));
-        }
+        g.value.check_factor(OP, "the factor", factor)?;
         let factor = factor.reshape(kiln_core::Shape::scalar())?;
         let (sum, factor) = match g.parts.take() {
             Some((sum, old)) => (sum, old.mul(&factor)?),

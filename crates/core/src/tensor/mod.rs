@@ -506,6 +506,26 @@ impl<B: Backend> Tensor<B> {
         }
         Ok(())
     }
+
+    /// Errors unless `factor` is one element of this tensor's dtype on its device: a factor
+    /// that scales it (a gradient scale, `what` in the error), as `op` names it.
+    pub fn check_factor(&self, op: &'static str, what: &str, factor: &Self) -> Result<()> {
+        self.check_same_device(op, factor)?;
+        if factor.dtype != self.dtype {
+            return Err(Error::DTypeMismatch {
+                op,
+                expected: self.dtype.to_string(),
+                got: factor.dtype,
+            });
+        }
+        if factor.elem_count() != 1 {
+            return Err(Error::invalid(
+                op,
+                format!("{what} must have one element, got shape {}", factor.shape()),
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// A profiler span for a constructor (no input tensor): `None` when the profiler is off.

@@ -96,23 +96,7 @@ impl<B: Backend> Tensor<B> {
             ));
         }
         if let Some(s) = grad_scale {
-            first.check_same_device(OP, s)?;
-            if s.dtype() != dtype {
-                return Err(Error::DTypeMismatch {
-                    op: OP,
-                    expected: dtype.to_string(),
-                    got: s.dtype(),
-                });
-            }
-            if s.elem_count() != 1 {
-                return Err(Error::invalid(
-                    OP,
-                    format!(
-                        "the gradients' scale must have one element, got shape {}",
-                        s.shape()
-                    ),
-                ));
-            }
+            first.check_factor(OP, "the gradients' scale", s)?;
         }
         let scale = grad_scale.map(|s| s.contiguous()).transpose()?;
         let slots: Vec<UpdateSlot<'_, B::Storage>> = owned

@@ -105,45 +105,51 @@ pub(crate) fn fused<B: Backend>(call: NormCall<'_, B>) -> Result<Option<Var<B>>>
     inputs.extend(weight);
     inputs.extend(bias);
     let (has_w, has_b) = (weight.is_some(), bias.is_some());
-    Ok(Some(Var::from_op(op, &inputs, y, move |g, needs| {
-        let g = if g.dtype() == dtype {
-            g.clone()
-        } else {
-            g.to_dtype(dtype)?
-        };
-        let iw = has_w.then_some(1);
-        let ib = has_b.then_some(1 + usize::from(has_w));
-        let wanted = |i: Option<usize>| i.is_some_and(|i| needs[i]);
-        let asks = [needs[0], wanted(iw), wanted(ib)];
-        let grads = B::layer_norm_backward(
-            operand(&xt),
-            mean.as_ref().map(operand),
-            operand(&rstd),
-            wt.as_ref().map(operand),
-            operand(&g),
-            dtype,
-            spec,
-            asks,
-        )?;
-        let Some((dx, dw, db)) = grads else {
-            return Err(Error::backend(
-                op,
-                format!(
-                    "the {} backend fused the forward but offers no fused backward",
-                    B::NAME
-                ),
-            ));
-        };
-        let pshape = &xt.dims()[xt.rank() - k..];
-        let param = |s| Tensor::<B>::from_storage(s, pshape.to_vec(), dtype);
-        let mut out = vec![None; needs.len()];
-        out[0] = dx.map(|s| Tensor::<B>::from_storage(s, xt.shape().clone(), dtype));
-        if let Some(i) = iw {
-            out[i] = dw.map(param);
-        }
-        if let Some(i) = ib {
-            out[i] = db.map(param);
-        }
-        Ok(out)
-    })))
+    Ok(Some(Var::from_op_folding(
+        op,
+        &inputs,
+        y,
+        move |g, needs, acc| {
+            let g = if g.dtype() == dtype {
+                g.clone()
+            } else {
+                g.to_dtype(dtype)?
+            };
+            let iw = has_w.then_some(1);
+            let ib = has_b.then_some(1 + usize::from(has_w));
+            let wanted = |i: Option<usize>| i.is_some_and(|i| needs[i]);
+            let asks = [needs[0], wanted(iw), wanted(ib)];
+            let grads = B::layer_norm_backward(
+                operand(&xt),
+                mean.as_ref().map(operand),
+                operand(&rstd),
+                wt.as_ref().map(operand),
+                operand(&g),
+                acc.as_ref().map(operand),
+                dtype,
+                spec,
+                asks,
+            )?;
+            let Some((dx, dw, db)) = grads else {
+                return Err(Error::backend(
+                    op,
+                    format!(
+                        "the {} backend fused the forward but offers no fused backward",
+                        B::NAME
+                    ),
+                ));
+            };
+            let pshape = &xt.dims()[xt.rank() - k..];
+            let param = |s| Tensor::<B>::from_storage(s, pshape.to_vec(), dtype);
+            let mut out = vec![None; needs.len()];
+            out[0] = dx.map(|s| Tensor::<B>::from_storage(s, xt.shape().clone(), dtype));
+            if let Some(i) = iw {
+                out[i] = dw.map(param);
+            }
+            if let Some(i) = ib {
+                out[i] = db.map(param);
+            }
+            Ok(out)
+        },
+    )))
 }

@@ -70,7 +70,32 @@ pub(crate) struct Node<B: Backend> {
     /// Whether `inputs[i]` needed a gradient when the op ran: the flags `backward` is called
     /// with.
     pub(crate) needs: Vec<bool>,
-    pub(crate) backward: BackwardFn<B>,
+    pub(crate) backward: Backward<B>,
+}
+
+/// A node's backward function: a [`BackwardFn`], or one that also adds a gradient already
+/// accumulated for the first input into that input's gradient ([`Var::from_op_folding`]).
+pub(crate) enum Backward<B: Backend> {
+    Plain(BackwardFn<B>),
+    /// Called with `Some(acc)` (the first input's gradient so far, from its other readers) when
+    /// the engine has one; the first input's gradient it returns then includes `acc`.
+    FoldsFirst(FoldFn<B>),
+}
+
+/// The backward function of [`Backward::FoldsFirst`].
+pub(crate) type FoldFn<B> = Box<
+    dyn Fn(&Tensor<B>, &[bool], Option<Tensor<B>>) -> Result<InputGrads<B>> + Send + Sync + 'static,
+>;
+
+impl<B: Backend> Node<B> {
+    /// Runs the backward for the inputs marked in `needs`; `acc` (only for
+    /// [`Backward::FoldsFirst`]) is added into the first input's gradient.
+    fn run(&self, g: &Tensor<B>, needs: &[bool], acc: Option<Tensor<B>>) -> Result<InputGrads<B>> {
+        match &self.backward {
+            Backward::Plain(f) => f(g, needs),
+            Backward::FoldsFirst(f) => f(g, needs, acc),
+        }
+    }
 }
 
 /// A node's reference to one input: its graph state (not an op output's value, see the module
@@ -392,6 +417,40 @@ impl<B: Backend> Var<B> {
     where
         F: Fn(&Tensor<B>, &[bool]) -> Result<InputGrads<B>> + Send + Sync + 'static,
     {
+        Self::record_op(name, inputs, output, Backward::Plain(Box::new(backward)))
+    }
+
+    /// [`Var::from_op`] for an op whose backward can add a gradient into its first input's in
+    /// the same pass: when the first input is an op output that other readers already gave a
+    /// gradient (a residual connection's fan-in), the engine hands that sum to `backward`
+    /// (`Some(acc)`) instead of adding the two by a pass of its own, and the first gradient
+    /// `backward` returns must then include it.
+    pub(crate) fn from_op_folding<F>(
+        name: &'static str,
+        inputs: &[&Var<B>],
+        output: Tensor<B>,
+        backward: F,
+    ) -> Self
+    where
+        F: Fn(&Tensor<B>, &[bool], Option<Tensor<B>>) -> Result<InputGrads<B>>
+            + Send
+            + Sync
+            + 'static,
+    {
+        Self::record_op(
+            name,
+            inputs,
+            output,
+            Backward::FoldsFirst(Box::new(backward)),
+        )
+    }
+
+    fn record_op(
+        name: &'static str,
+        inputs: &[&Var<B>],
+        output: Tensor<B>,
+        backward: Backward<B>,
+    ) -> Self {
         let needs: Vec<bool> = inputs.iter().map(|v| v.requires_grad()).collect();
         if !is_grad_enabled() || !needs.iter().any(|&n| n) {
             return Self::constant(output);
@@ -410,7 +469,7 @@ impl<B: Backend> Var<B> {
                 })
                 .collect(),
             needs,
-            backward: Box::new(backward),
+            backward,
         };
         Self::new(output, true, Creator::Op(Arc::new(node)))
     }
@@ -817,16 +876,24 @@ impl<B: Backend> Pass<B> {
             let first: Vec<bool> = inputs().map(first_of).collect();
             let rest: Vec<bool> = needs.iter().zip(&first).map(|(n, f)| *n && !f).collect();
             if rest.iter().any(|&r| r) {
-                let early = (node.backward)(&g, &first)?;
+                let early = node.run(&g, &first, None)?;
                 self.add_input_grads(node, was, early, &first)?;
                 for (e, _) in node.inputs.iter().zip(&first).filter(|(_, f)| **f) {
                     e.var.leaf_var().flush_grad(&mut self.grads)?;
                 }
-                let late = (node.backward)(&g, &rest)?;
+                let late = node.run(&g, &rest, None)?;
                 return self.add_input_grads(node, was, late, &rest);
             }
         }
-        let input_grads = (node.backward)(&g, needs)?;
+        // A gradient already accumulated for a folding node's first input (an op output, not a
+        // leaf: leaves keep their own accumulation and flush order) goes into its backward.
+        let acc = match node.backward {
+            Backward::FoldsFirst(_) if needs[0] && was[0] == Was::Op => {
+                self.grads.remove(&node.inputs[0].var.id())
+            }
+            _ => None,
+        };
+        let input_grads = node.run(&g, needs, acc)?;
         drop(g);
         self.add_input_grads(node, was, input_grads, needs)
     }

@@ -5,7 +5,8 @@
 //! f64) and bf16/f16 (loose: the same f64 reference on the same rounded inputs). The inputs
 //! have a mean of 3 (a tenth of their spread is far outside the tolerances, so a wrong mean or
 //! a wrong variance fails). Also: the fused path is taken (one launch forward, three backward),
-//! it equals the GPU's own composed path in f32, a transposed input and several normalized
+//! a residual connection's gradient is added inside the dx kernel (no launch of its own), it
+//! equals the GPU's own composed path in f32, a transposed input and several normalized
 //! axes work, `check_backward` passes in f32, and what is not offered (f64, rows over 8192)
 //! still runs composed. `cargo xtask test-gpu` carries this binary to the GPU.
 //!
@@ -215,6 +216,59 @@ fn fused_path_is_taken() {
             "{dtype} {cols} layer_norm backward"
         );
     }
+}
+
+/// A residual connection `y = h + layer_norm(h)` with `h` an op output: the add's gradient for
+/// `h` rides into the norm's dx kernel (the engine's fold), so the backward takes the norm's
+/// launches plus one for `h`'s own backward (`2 g'`), no separate add; and the gradients agree
+/// with the composed path on the CPU in f64. Short rows (the warp kernel) and long ones (the
+/// block kernel), f32 and bf16.
+#[test]
+fn residual_gradient_folds_into_dx() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    for (dtype, cols, norm_launches, tol) in [
+        (DType::F32, 384, 2, 1e-4),
+        (DType::BF16, 384, 2, 3e-2),
+        (DType::F32, 1000, 3, 1e-4),
+        (DType::BF16, 2000, 3, 3e-2),
+    ] {
+        let (gpu, cpu) = case(&dev, &[16, cols], 1, Affine::WeightBias, dtype);
+        let (got, launches) = residual_grads(&gpu, thread_launches);
+        assert_eq!(
+            launches,
+            norm_launches + 1,
+            "{dtype} {cols}: the residual backward's launches"
+        );
+        let (want, _) = {
+            let _c = composed_norm();
+            residual_grads(&cpu, || 0)
+        };
+        for (name, (g, w)) in ["dp", "dw", "db"].iter().zip(got.iter().zip(&want)) {
+            assert_close(&format!("{dtype} {cols}: {name}"), g, w, tol);
+        }
+    }
+}
+
+/// The gradients of `p`, `w`, `b` for `y = h + layer_norm(h, w, b)`, `h = 2 p`, with `p =
+/// c.x` and the cotangent `c.g`, and how far `launches` moved from the backward's start to the
+/// gradients' realization.
+fn residual_grads<B: Backend>(c: &Case<B>, launches: fn() -> u64) -> ([Vec<f64>; 3], u64) {
+    let p = Var::param(c.x.clone());
+    let w = Var::param(c.w.clone().unwrap());
+    let b = Var::param(c.b.clone().unwrap());
+    let h = p.mul_scalar(2.0).unwrap();
+    let normed = h.layer_norm(&c.normalized, Some(&w), Some(&b), EPS);
+    let y = h.add(&normed.unwrap()).unwrap();
+    y.tensor().realize().unwrap();
+    c.g.realize().unwrap();
+    let before = launches();
+    y.backward_with(&c.g).unwrap();
+    let grads = [&p, &w, &b].map(|v| v.grad().unwrap());
+    for t in &grads {
+        t.realize().unwrap();
+    }
+    let moved = launches() - before;
+    (grads.map(|t| f64s(&t)), moved)
 }
 
 /// The fused kernels equal the GPU's own composed programs in f32.

@@ -210,6 +210,15 @@ fn gradcheck<B: Backend>(dev: &B::Device) {
     )
     .unwrap();
     check_backward(|v| v[0].rms_norm(&[2, 5], None, 1e-6), &[x], &o).unwrap();
+    // A residual connection: the norm's input is an op output that another reader (the add)
+    // already gave a gradient, which the fused backward adds into its dx (the engine's fold);
+    // then a third reader after the norm.
+    let residual = |v: &[Var<B>]| {
+        let h = v[0].mul_scalar(2.0)?;
+        let y = h.add(&h.layer_norm(&[5], Some(&v[1]), Some(&v[2]), 1e-5)?)?;
+        y.mul(&h.rms_norm(&[5], None, 1e-6)?.sin()?)
+    };
+    check_backward(residual, &ins, &o).unwrap();
 }
 
 #[test]

@@ -787,6 +787,7 @@ impl Backend for Cuda {
         rstd: Operand<'_, CudaStorage>,
         weight: Option<Operand<'_, CudaStorage>>,
         g: Operand<'_, CudaStorage>,
+        dx_acc: Option<Operand<'_, CudaStorage>>,
         dtype: DType,
         spec: NormSpec,
         needs: [bool; 3],
@@ -794,12 +795,14 @@ impl Backend for Cuda {
         let (xb, rb, gb) = (x.0.buffer()?, rstd.0.buffer()?, g.0.buffer()?);
         let mb = mean.map(|m| m.0.buffer()).transpose()?;
         let wb = weight.map(|w| w.0.buffer()).transpose()?;
+        let ab = dx_acc.map(|a| a.0.buffer()).transpose()?;
         let r = ops::norm::backward(
             (&xb, x.1),
             mb.as_deref().zip(mean.map(|m| m.1)),
             (&rb, rstd.1),
             wb.as_deref().zip(weight.map(|w| w.1)),
             (&gb, g.1),
+            ab.as_deref().zip(dx_acc.map(|a| a.1)),
             dtype,
             spec,
             needs,

@@ -713,7 +713,10 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
     /// shape of `x`, of `dtype`), from the forward's input, statistics and weight:
     /// `dx = rstd · (ĝ - mean(ĝ) - x̂ · mean(ĝ x̂))` with `ĝ = g · w` (no `mean(ĝ)` term for RMS
     /// norm), `dw = Σ_rows g x̂`, `db = Σ_rows g`, each computed only where `needs` (dx, dw, db)
-    /// asks. `Ok(None)` when not offered (the default).
+    /// asks. `dx_acc` (the shape of `x`, of `dtype`), when given, is added to `dx` in the same
+    /// pass: the gradient already accumulated for `x` by its other readers (a residual
+    /// connection), which the backward engine would otherwise add by a pass of its own.
+    /// `Ok(None)` when not offered (the default).
     #[allow(clippy::too_many_arguments)]
     fn layer_norm_backward(
         x: Operand<'_, Self::Storage>,
@@ -721,11 +724,12 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         rstd: Operand<'_, Self::Storage>,
         weight: Option<Operand<'_, Self::Storage>>,
         g: Operand<'_, Self::Storage>,
+        dx_acc: Option<Operand<'_, Self::Storage>>,
         dtype: DType,
         spec: NormSpec,
         needs: [bool; 3],
     ) -> Result<Option<NormGrads<Self::Storage>>> {
-        let _ = (x, mean, rstd, weight, g, dtype, spec, needs);
+        let _ = (x, mean, rstd, weight, g, dx_acc, dtype, spec, needs);
         Ok(None)
     }
 

@@ -39,6 +39,14 @@ const CHUNK: usize = 64;
 /// rows of at most `32 * WARP_VECS` 16-byte vectors (512 f32, 1024 f16/bf16) take them.
 const WARP_VECS: usize = 4;
 
+/// The warp backward's instances by the vectors a lane holds (1 ..= [`WARP_VECS`]).
+const WARP_BACKWARD: [&str; WARP_VECS] = [
+    "ln_bwd_warp1",
+    "ln_bwd_warp2",
+    "ln_bwd_warp3",
+    "ln_bwd_warp4",
+];
+
 /// Threads of a warp-per-row block (8 warps; `__launch_bounds__(256)` in `norm.cu`).
 const WARP_BLOCK: u32 = 256;
 
@@ -209,6 +217,7 @@ pub(crate) fn backward(
     rstd: Operand<'_, Buffer>,
     w: Option<Operand<'_, Buffer>>,
     g: Operand<'_, Buffer>,
+    dx_acc: Option<Operand<'_, Buffer>>,
     dtype: DType,
     spec: NormSpec,
     needs: [bool; 3],
@@ -237,6 +246,10 @@ pub(crate) fn backward(
         check_len(op, "weight", w, cols)?;
         same_device(op, x.0, w.0)?;
     }
+    if let Some(a) = &dx_acc {
+        check_len(op, "the accumulated gradient", a, rows * cols)?;
+        same_device(op, x.0, a.0)?;
+    }
     let dev = x.0.state();
     dev.bind()?;
     let xc = Contig::new(x, dtype)?;
@@ -247,12 +260,24 @@ pub(crate) fn backward(
     let mp = mc.as_ref().map_or(0, Contig::ptr);
     let size = dtype.size_in_bytes();
     let wp = wc.as_ref().map_or(0, Contig::ptr);
-    if warp_rows(dtype, cols) && vectorized(dtype, cols, &[xc.ptr(), gc.ptr(), wp]) {
-        return warp_backward(dev, op, &xc, mp, &rc, wp, &gc, dtype, spec, needs).map(Some);
+    // Only dx reads the accumulated gradient.
+    let ac = dx_acc
+        .filter(|_| needs[0])
+        .map(|a| Contig::new(a, dtype))
+        .transpose()?;
+    let ap = ac.as_ref().map_or(0, Contig::ptr);
+    let (xp, gp) = (xc.ptr(), gc.ptr());
+    if warp_rows(dtype, cols) && vectorized(dtype, cols, &[xp, gp, wp, ap]) {
+        let ptrs = RowPtrs {
+            mean: mp,
+            w: wp,
+            acc: ap,
+        };
+        return warp_backward(dev, op, &xc, &rc, &gc, ptrs, dtype, spec, needs).map(Some);
     }
     let dx = if needs[0] {
         let dx = alloc(dev, rows * cols * size)?;
-        let vec = vectorized(dtype, cols, &[xc.ptr(), gc.ptr(), dx.device_ptr(), wp]);
+        let vec = vectorized(dtype, cols, &[xp, gp, dx.device_ptr(), wp, ap]);
         let units = if vec { cols / (16 / size) } else { cols };
         let cache = cols <= CACHE_COLS;
         let mut a = Args::new();
@@ -261,6 +286,7 @@ pub(crate) fn backward(
             .push(rc.ptr())
             .push(wp)
             .push(gc.ptr())
+            .push(ap)
             .push(dx.device_ptr())
             .push(rows as u64)
             .push(cols as u64)
@@ -300,6 +326,14 @@ pub(crate) fn backward(
     Ok(Some((dx, dw, db)))
 }
 
+/// The optional operands of a backward's dx pass as device pointers (0 where absent): the row
+/// means (layer norm), the weight, the gradient accumulated so far that dx adds.
+struct RowPtrs {
+    mean: u64,
+    w: u64,
+    acc: u64,
+}
+
 /// The backward of short vectorized rows ([`warp_rows`]): `ln_bwd_warp` writes `dx` and the
 /// column partials of each chunk of rows in one pass over `g` and `x`, then `ln_bwd_cols_sum`
 /// folds the partials (`norm.cu`).
@@ -308,10 +342,9 @@ fn warp_backward(
     dev: &'static DeviceState,
     op: &'static str,
     xc: &Contig<'_>,
-    mean_ptr: u64,
     rc: &Contig<'_>,
-    w_ptr: u64,
     gc: &Contig<'_>,
+    ptrs: RowPtrs,
     dtype: DType,
     spec: NormSpec,
     needs: [bool; 3],
@@ -324,6 +357,8 @@ fn warp_backward(
     let chunk = rows
         .div_ceil(dev.sm_count() as usize * 2)
         .next_multiple_of(8);
+    // The vectors a lane holds: the instance whose registers fit the row.
+    let lane_vecs = (cols / (16 / size)).div_ceil(32);
     let chunks = rows.div_ceil(chunk);
     let dx = needs[0]
         .then(|| alloc(dev, rows * cols * size))
@@ -337,10 +372,11 @@ fn warp_backward(
     let ptr = |b: &Option<Buffer>| b.as_ref().map_or(0, Buffer::device_ptr);
     let mut a = Args::new();
     a.push(xc.ptr())
-        .push(mean_ptr)
+        .push(ptrs.mean)
         .push(rc.ptr())
-        .push(w_ptr)
+        .push(ptrs.w)
         .push(gc.ptr())
+        .push(ptrs.acc)
         .push(ptr(&dx))
         .push(ptr(&part_w))
         .push(ptr(&part_b))
@@ -353,7 +389,7 @@ fn warp_backward(
         dev,
         op,
         Module::Norm,
-        &["ln_bwd_warp", tname(dtype)],
+        &[WARP_BACKWARD[lane_vecs - 1], tname(dtype)],
         (chunks as u32, 1),
         WARP_BLOCK,
         smem as u32,

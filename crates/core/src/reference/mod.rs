@@ -827,11 +827,12 @@ impl Backend for Reference {
         rstd: Operand<'_, RefStorage>,
         weight: Option<Operand<'_, RefStorage>>,
         g: Operand<'_, RefStorage>,
+        dx_acc: Option<Operand<'_, RefStorage>>,
         dtype: DType,
         spec: NormSpec,
         needs: [bool; 3],
     ) -> Result<Option<NormGrads<RefStorage>>> {
-        norm::backward(x, mean, rstd, weight, g, dtype, spec, needs)
+        norm::backward(x, mean, rstd, weight, g, dx_acc, dtype, spec, needs)
     }
 
     /// Offered for every activation, composed from the kernels above

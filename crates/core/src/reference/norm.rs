@@ -75,6 +75,7 @@ pub(super) fn backward(
     rstd: Operand<'_, RefStorage>,
     w: Option<Operand<'_, RefStorage>>,
     g: Operand<'_, RefStorage>,
+    dx_acc: Option<Operand<'_, RefStorage>>,
     dtype: DType,
     spec: NormSpec,
     needs: [bool; 3],
@@ -92,7 +93,12 @@ pub(super) fn backward(
     };
     let rstds = values("rstd", rstd, stat, rows)?;
     let ws = w.map(|w| values("weight", w, dtype, n)).transpose()?;
-    let (mut dx, mut dw, mut db) = (vec![0.0; rows * n], vec![0.0; n], vec![0.0; n]);
+    // The gradient accumulated so far, added to dx before its one rounding.
+    let mut dx = match dx_acc {
+        Some(a) => values("the accumulated gradient", a, dtype, rows * n)?,
+        None => vec![0.0; rows * n],
+    };
+    let (mut dw, mut db) = (vec![0.0; n], vec![0.0; n]);
     for r in 0..rows {
         let xhat = |c: usize| (xs[r * n + c] - means[r]) * rstds[r];
         let ghat = |c: usize| gs[r * n + c] * ws.as_ref().map_or(1.0, |w| w[c]);
@@ -103,7 +109,7 @@ pub(super) fn backward(
         };
         let m = (0..n).map(|c| ghat(c) * xhat(c)).sum::<f64>() / n as f64;
         for c in 0..n {
-            dx[r * n + c] = rstds[r] * (ghat(c) - a - xhat(c) * m);
+            dx[r * n + c] += rstds[r] * (ghat(c) - a - xhat(c) * m);
             dw[c] += gs[r * n + c] * xhat(c);
             db[c] += gs[r * n + c];
         }

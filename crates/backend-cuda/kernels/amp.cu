@@ -64,25 +64,63 @@ UNSCALE_CHECK_HALF(bf16)
 // Gradient clipping's global norm, squared (PyTorch's `_foreach_norm` and the sum of its
 // results; host code amp.rs): the sum of the squares of every element of up to UNSCALE_MAX
 // tensors (the same `UnscaleArgs`, outputs unused), accumulated in double. sq_sum_<S>: each
-// block sums its grid-stride share of each tensor in turn (tensor by tensor, so no search per
-// element) and writes its total, reduced by a fixed tree, to part[blockIdx.x]; sq_sum_fold (one
+// block sums one contiguous range of the tensors' concatenation (by 16-byte vectors, several a
+// thread in flight; a grid-stride share of each tensor in turn paid one memory round trip per
+// tensor: 50 us for a GPT's 10.75M f32 gradients in ~40 tensors on an H200) and writes its
+// total, reduced by a fixed tree, to part[blockIdx.x]; sq_sum_fold (one
 // block) adds `n` parts in a fixed order into out[0], plus out[0] itself when `acc` (a later
 // launch of more than UNSCALE_MAX tensors). The grid depends only on the device and the
 // launch's element count, so a call gives the same bits every time (no atomics).
 template <typename S>
 __device__ __forceinline__ void sq_sum(const UnscaleArgs& a, double* part) {
     __shared__ double scratch[32];
-    double s = 0.0;
-    const u64 stride = (u64)gridDim.x * blockDim.x;
-    for (u64 t = 0; t < a.count; ++t) {
-        const S* x = (const S*)a.x[t];
-        const u64 n = a.start[t + 1] - a.start[t];
-        for (u64 e = (u64)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += stride) {
-            const double v = (double)wide(x[e]);
+    const int N = 16 / sizeof(S);
+    const u64 total = a.start[a.count];
+    // Block b's range of the concatenation: `per` elements (a multiple of 64) from b * per.
+    const u64 per = ((total + gridDim.x - 1) / gridDim.x + 63) & ~(u64)63;
+    const u64 lo = min((u64)blockIdx.x * per, total), hi = min(lo + per, total);
+    double s = 0.0, s2 = 0.0;
+    int t = 0;
+    for (u64 p = lo; p < hi;) {
+        while (a.start[t + 1] <= p) ++t;
+        const u64 end = min(hi, a.start[t + 1]);
+        const S* x = (const S*)a.x[t] + (p - a.start[t]);
+        const u64 n = end - p;
+        // Elements up to the first 16-byte boundary, then vectors (four a thread in flight),
+        // then the rest.
+        const u64 head = min(n, (u64)((16 - ((u64)x & 15)) & 15) / sizeof(S));
+        for (u64 i = threadIdx.x; i < head; i += blockDim.x) {
+            const double v = (double)wide(x[i]);
             s = fma(v, v, s);
         }
+        const Vec<S, N>* xv = (const Vec<S, N>*)(x + head);
+        const u64 nv = (n - head) / N, bs = blockDim.x;
+        u64 e = threadIdx.x;
+        for (; e + 3 * bs < nv; e += 4 * bs) {
+            Vec<S, N> q[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) q[k] = xv[e + k * bs];
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int j = 0; j < N; ++j) {
+                    const double v = (double)wide(q[k].v[j]);
+                    if (k & 1) s2 = fma(v, v, s2); else s = fma(v, v, s);
+                }
+        }
+        for (; e < nv; e += bs)
+#pragma unroll
+            for (int j = 0; j < N; ++j) {
+                const double v = (double)wide(xv[e].v[j]);
+                s = fma(v, v, s);
+            }
+        for (u64 i = head + nv * N + threadIdx.x; i < n; i += bs) {
+            const double v = (double)wide(x[i]);
+            s = fma(v, v, s);
+        }
+        p = end;
     }
-    s = block_reduce<SumOp<double>>(s, scratch);
+    s = block_reduce<SumOp<double>>(s + s2, scratch);
     if (threadIdx.x == 0) part[blockIdx.x] = s;
 }
 

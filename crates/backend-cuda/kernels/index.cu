@@ -97,6 +97,38 @@ __device__ __forceinline__ void atomic_add(u8* p, u8 v) {
         }                                                                                      \
     }
 
+// An embedding's backward: f32 rows of `vecs` 16-byte vectors of a contiguous `src` added into
+// the rows of y (contiguous) named by ids[io + r * is], a warp per source row. One 16-byte atomic
+// a lane where the GPU has them (sm_90): the per-element kernel above spent 41 us on a GPT's
+// 16384 x 384 rows into a 65-row table (H200), bound by the L2's atomic rate on the few rows.
+extern "C" __global__ void scatter_add_rows_float(const i64* ids, const float4* src, float4* y,
+                                                  u64 rows, u64 vecs, u64 ax_size, u64 io,
+                                                  u64 is, u32* flag) {
+    const u64 lane = threadIdx.x & 31, per_block = blockDim.x >> 5;
+    const u64 warps = (u64)gridDim.x * per_block;
+    for (u64 r = blockIdx.x * per_block + (threadIdx.x >> 5); r < rows; r += warps) {
+        const i64 id = ids[io + r * is];
+        if (id < 0 || (u64)id >= ax_size) {
+            if (lane == 0) raise_error(flag, 2, id);
+            continue;
+        }
+        float4* dst = y + (u64)id * vecs;
+        const float4* row = src + r * vecs;
+        for (u64 c = lane; c < vecs; c += 32) {
+            const float4 v = row[c];
+#if __CUDA_ARCH__ >= 900
+            atomicAdd(dst + c, v);
+#else
+            float* d = (float*)(dst + c);
+            atomicAdd(d, v.x);
+            atomicAdd(d + 1, v.y);
+            atomicAdd(d + 2, v.z);
+            atomicAdd(d + 3, v.w);
+#endif
+        }
+    }
+}
+
 #define INDEXING(T) INDEX_SELECT(T) INDEX_SELECT_ROWS(T) GATHER(T) SCATTER_ADD(T)
 INDEXING(float)
 INDEXING(double)

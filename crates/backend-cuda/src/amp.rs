@@ -175,7 +175,7 @@ fn on_buffers<R>(
 
 /// Blocks of `sq_sum_<S>` per SM: enough loads in flight to read the gradients at the memory's
 /// rate, few enough parts for one block to fold.
-const SQ_SUM_BLOCKS_PER_SM: u64 = 4;
+const SQ_SUM_BLOCKS_PER_SM: u64 = 8;
 
 /// The sum of the squares of every element of `slots` (f64, one element, a new buffer), all of
 /// `dtype` on one device: per [`UNSCALE_MAX`] slots one `sq_sum_<S>` launch into per-block

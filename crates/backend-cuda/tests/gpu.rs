@@ -180,6 +180,80 @@ fn index_select_matches_the_cpu_on_whole_rows_and_on_the_rest() {
     assert_eq!(row, vec![1.0; 384]);
 }
 
+/// An embedding's backward (`scatter_add` of f32 rows of whole 16-byte vectors, one id a row)
+/// takes the warp-per-row kernel; the rest (12-byte rows, a source starting one element into
+/// its storage, f64) the element kernel; each equals the CPU exactly (small integers: every
+/// order of the additions gives the same sum), repeated ids accumulating. A bad id is a typed
+/// error.
+#[test]
+fn scatter_add_matches_the_cpu_on_whole_rows_and_on_the_rest() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    // (table rows, columns, dtype, element offset of the source in its storage, ids)
+    type Case = (usize, usize, DType, usize, Vec<i64>);
+    let many: Vec<i64> = (0..1000).map(|i| (i * 37 % 65) as i64).collect();
+    let cases: Vec<Case> = vec![
+        (65, 384, DType::F32, 0, many.clone()),
+        (65, 384, DType::F32, 384, many),
+        (9, 4, DType::F32, 0, vec![8, 0, 3, 3, 8, 1]),
+        (9, 4, DType::F32, 1, vec![8, 0, 3, 3, 8, 1]),
+        (9, 3, DType::F32, 0, vec![8, 0, 3, 3]),
+        (9, 4, DType::F64, 0, vec![8, 0, 3, 3]),
+    ];
+    fn run<B: Backend>(c: &Case, dev: &B::Device) -> Vec<f64> {
+        let (rows, cols, dtype, offset, ids) = c;
+        let n = ids.len() * cols + offset;
+        let vals: Vec<f32> = (0..n).map(|i| (i % 7) as f32 - 3.0).collect();
+        let src = Tensor::<B>::from_slice(&vals, [n], dev)
+            .and_then(|t| t.to_dtype(*dtype))
+            .and_then(|t| t.narrow(0, *offset, n - offset))
+            .and_then(|t| t.reshape([ids.len(), *cols]))
+            .unwrap();
+        let ids = Tensor::<B>::from_vec(ids.clone(), [ids.len(), 1], dev)
+            .and_then(|t| t.broadcast_to([ids.len(), *cols]))
+            .unwrap();
+        Tensor::<B>::ones([*rows, *cols], *dtype, dev)
+            .and_then(|t| t.scatter_add(0, &ids, &src))
+            .and_then(|t| t.to_f64_vec())
+            .unwrap()
+    }
+    for c in &cases {
+        assert_eq!(
+            run::<Cuda>(c, &dev),
+            run::<Cpu>(c, &cpu),
+            "{:?}",
+            (c.0, c.1, c.2, c.3)
+        );
+    }
+    let table = Tensor::<Cuda>::zeros([65, 384], DType::F32, &dev).unwrap();
+    let src = Tensor::<Cuda>::ones([3, 384], DType::F32, &dev).unwrap();
+    let bad = Tensor::<Cuda>::from_vec(vec![3i64, 65, 0], [3, 1], &dev)
+        .and_then(|t| t.broadcast_to([3, 384]))
+        .unwrap();
+    let e = table.scatter_add(0, &bad, &src).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::IndexOutOfRange {
+                op: "scatter_add",
+                index: 65,
+                size: 65
+            }
+        ),
+        "{e:?}"
+    );
+    let good = Tensor::<Cuda>::from_vec(vec![64i64], [1, 1], &dev)
+        .and_then(|t| t.broadcast_to([1, 384]))
+        .unwrap();
+    let one = Tensor::<Cuda>::ones([1, 384], DType::F32, &dev).unwrap();
+    let sum = table
+        .scatter_add(0, &good, &one)
+        .unwrap()
+        .sum_all()
+        .unwrap();
+    assert_eq!(sum.to_scalar().unwrap(), 384.0);
+}
+
 #[test]
 fn checked_labels_are_not_checked_again_until_written() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -193,6 +193,45 @@ pub(crate) fn scatter_add(
     if n == 0 {
         return Ok(out);
     }
+    let cols = lb.dims().get(1).copied().unwrap_or(0);
+    let src_ptr = src.device_ptr() + (ls.offset() * dtype.size_in_bytes()) as u64;
+    if dtype == DType::F32
+        && axis == 0
+        && lb.rank() == 2
+        && li.rank() == 2
+        && li.dims() == ls.dims()
+        && li.dims()[1] == cols
+        && li.strides()[1] == 0
+        && ls.strides() == [cols, 1]
+        && (cols * 4).is_multiple_of(16)
+        && src_ptr.is_multiple_of(16)
+    {
+        // Whole f32 rows of 16-byte vectors, one id a row (an embedding's backward): a warp
+        // adds each row.
+        let rows = li.dims()[0];
+        let mut a = Args::new();
+        a.push(ids.device_ptr())
+            .push(src_ptr)
+            .push(out.device_ptr())
+            .push(rows as u64)
+            .push((cols / 4) as u64)
+            .push(lb.dims()[0] as u64)
+            .push(li.offset() as u64)
+            .push(li.strides()[0] as u64)
+            .push(dev.err_flag());
+        run(
+            dev,
+            OP,
+            Module::Index,
+            &["scatter_add_rows", "float"],
+            dev.grid_1d(rows as u64 * 32, BLOCK),
+            BLOCK,
+            0,
+            &mut a,
+        )?;
+        check_ids(dev, OP, ids, li, lb.dims()[axis])?;
+        return Ok(out);
+    }
     let ol = Layout::contiguous(lb.shape().clone());
     let sy = zero_axis(&ol, axis);
     let (d, ss) = collapse(

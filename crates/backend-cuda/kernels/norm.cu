@@ -286,18 +286,32 @@ __device__ void ln_fwd_warp_rows(const S* __restrict__ x, const S* __restrict__ 
     const u64 nv = cols / N;
     const float inv_n = 1.0f / (float)cols;
     const u64 step = (u64)gridDim.x * (blockDim.x >> 5);
-    for (u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += step) {
-        const Vec<S, N>* p = (const Vec<S, N>*)(x + r * cols);
+    // The next row's vectors are requested before this row's reductions (as in the backward
+    // below), so a warp keeps loads in flight while it reduces.
+    Vec<S, N> cur[LN_WARP_VECS], nxt[LN_WARP_VECS];
+    u64 r = (u64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+#pragma unroll
+    for (int k = 0; k < LN_WARP_VECS; ++k) {
+        const u64 v = lane + 32 * k;
+        if (r < rows && v < nv) cur[k] = ((const Vec<S, N>*)(x + r * cols))[v];
+    }
+    for (; r < rows; r += step) {
+        if (r + step < rows) {
+            const Vec<S, N>* pn = (const Vec<S, N>*)(x + (r + step) * cols);
+#pragma unroll
+            for (int k = 0; k < LN_WARP_VECS; ++k) {
+                const u64 v = lane + 32 * k;
+                if (v < nv) nxt[k] = pn[v];
+            }
+        }
         float f[LN_WARP_VECS][N];
         float s = 0.0f;
 #pragma unroll
         for (int k = 0; k < LN_WARP_VECS; ++k) {
             const u64 v = lane + 32 * k;
-            Vec<S, N> t;
-            if (v < nv) t = p[v];
 #pragma unroll
             for (int j = 0; j < N; ++j) {
-                f[k][j] = v < nv ? wide(t.v[j]) : 0.0f;
+                f[k][j] = v < nv ? wide(cur[k].v[j]) : 0.0f;
                 s += f[k][j];
             }
         }
@@ -336,6 +350,8 @@ __device__ void ln_fwd_warp_rows(const S* __restrict__ x, const S* __restrict__ 
                 q[v] = o;
             }
         }
+#pragma unroll
+        for (int k = 0; k < LN_WARP_VECS; ++k) cur[k] = nxt[k];
     }
 }
 

@@ -180,8 +180,11 @@ pub(crate) fn forward(
         .push(spec.eps as f32)
         .push(spec.centered as i32);
     if vec && warp_rows(dtype, cols) {
-        // 8 rows a block, at most 8 blocks an SM's worth (the rest grid-stride).
-        let blocks = rows.div_ceil(8).min(dev.sm_count() as usize * 8);
+        // 8 rows a block, at most as many blocks an SM as its registers hold (`norm.cu`: 63
+        // a thread in f32, 80 in f16/bf16): one wave whose warps prefetch their next row, the
+        // rest grid-stride.
+        let per_sm = if dtype == DType::F32 { 4 } else { 3 };
+        let blocks = rows.div_ceil(8).min(dev.sm_count() as usize * per_sm);
         run(
             dev,
             op,

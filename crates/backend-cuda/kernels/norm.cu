@@ -412,9 +412,9 @@ __device__ void ln_bwd_warp_rows(const S* __restrict__ x, const float* __restric
 #pragma unroll
         for (int j = 0; j < N; ++j) aw[k][j] = ab[k][j] = 0.0f;
     const Vec<S, N>* pw = (const Vec<S, N>*)w;
-    // Software-pipelined: the next row's x and g (and this row's acc) are requested before this
-    // row's sums and shuffles, so a warp keeps loads in flight while it reduces (one row at a
-    // time left the memory idle during the reductions: ~2.8 TB/s on an H200).
+    // Software-pipelined: the next row's x and g are requested before this row's sums, and this
+    // row's acc before its shuffles, so a warp keeps loads in flight while it reduces (one row
+    // at a time left the memory idle during the reductions: ~2.7 TB/s on an H200).
     LnBwdRow<S, V> cur, nxt;
     u64 r = r0 + warp;
     if (r < r1) ln_bwd_load<S, V>(cur, x, g, mean_in, rstd_in, r, cols, nv, lane, centered);

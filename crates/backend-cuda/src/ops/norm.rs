@@ -47,7 +47,8 @@ const WARP_BACKWARD: [&str; WARP_VECS] = [
     "ln_bwd_warp4",
 ];
 
-/// Threads of a warp-per-row block (8 warps; `__launch_bounds__(256)` in `norm.cu`).
+/// Threads of a warp-per-row block (8 warps; the kernels' `__launch_bounds__(256, ..)` in
+/// `norm.cu`).
 const WARP_BLOCK: u32 = 256;
 
 /// Whether vectorized rows of `cols` take the warp-per-row kernels.
@@ -354,9 +355,11 @@ fn warp_backward(
 ) -> Result<NormGrads<Buffer>> {
     let (rows, cols) = (spec.rows, spec.cols);
     let size = dtype.size_in_bytes();
-    // Chunks of whole warps' rows, two blocks an SM: one wave of long-lived warps. At the
-    // GPT's 16384 rows of 384 (H200, ncu) 2 blocks an SM took 27.7 + 4.1 µs with the fold, 1
-    // took 42.8 + 3.6, 4 took 29.4 + 5.3 and 8 took 32.4 + 7.4 (more blocks, more partials).
+    // Chunks of whole warps' rows, two blocks an SM: one wave of long-lived warps where the
+    // registers allow two (f32 rows of up to 3 vectors a lane: `LN_BWD_MIN_BLOCKS` in
+    // `norm.cu`), two waves elsewhere. Before the kernel prefetched rows, at the GPT's 16384
+    // rows of 384 (H200, ncu) 2 blocks an SM took 27.7 + 4.1 µs with the fold, 1 took 42.8 +
+    // 3.6, 4 took 29.4 + 5.3 and 8 took 32.4 + 7.4 (more blocks, more partials).
     let chunk = rows
         .div_ceil(dev.sm_count() as usize * 2)
         .next_multiple_of(8);

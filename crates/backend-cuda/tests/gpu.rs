@@ -254,6 +254,68 @@ fn scatter_add_matches_the_cpu_on_whole_rows_and_on_the_rest() {
     assert_eq!(sum.to_scalar().unwrap(), 384.0);
 }
 
+/// Cross-entropy and its gradient against the CPU on rows longer than the conformance suite's
+/// 1-13 classes (a GPT's 65, 1024, 1025, 2000, 5000: blocks of 32 to 256 threads a row),
+/// contiguous and transposed logits.
+#[test]
+fn cross_entropy_matches_the_cpu_on_short_and_long_rows() {
+    let Some(dev) = gpu_or_skip(0) else { return };
+    let cpu = Cpu::device(0);
+    for (rows, cols, transposed) in [
+        (333, 65, false),
+        (40, 1024, false),
+        (5, 1025, false),
+        (3, 5000, false),
+        (9, 65, true),
+        (4, 2000, true),
+    ] {
+        let labels: Vec<i64> = (0..rows).map(|r| (r * 7919 % cols) as i64).collect();
+        let run = |on_gpu: bool| -> (Vec<f64>, Vec<f64>) {
+            fn go<B: Backend>(
+                dev: &B::Device,
+                rows: usize,
+                cols: usize,
+                transposed: bool,
+                labels: &[i64],
+            ) -> (Vec<f64>, Vec<f64>) {
+                let dims = if transposed {
+                    [cols, rows]
+                } else {
+                    [rows, cols]
+                };
+                let mut x = Generator::new(11)
+                    .uniform::<Cpu>(dims, -4.0, 4.0, &Cpu::device(0))
+                    .and_then(|t| t.to_vec::<f32>())
+                    .and_then(|v| Tensor::<B>::from_vec(v, dims, dev))
+                    .unwrap();
+                if transposed {
+                    x = x.t().unwrap();
+                }
+                let y = Tensor::<B>::from_vec(labels.to_vec(), [rows], dev).unwrap();
+                let g = Tensor::<B>::full([rows], 0.5, DType::F32, dev).unwrap();
+                let loss = x.cross_entropy(&y, Reduction::None).unwrap();
+                let dx = x.cross_entropy_backward(&y, &g).unwrap();
+                (loss.to_f64_vec().unwrap(), dx.to_f64_vec().unwrap())
+            }
+            if on_gpu {
+                go::<Cuda>(&dev, rows, cols, transposed, &labels)
+            } else {
+                go::<Cpu>(&cpu, rows, cols, transposed, &labels)
+            }
+        };
+        let ((lg, dg), (lc, dc)) = (run(true), run(false));
+        for (what, got, want) in [("loss", &lg, &lc), ("grad", &dg, &dc)] {
+            assert_eq!(got.len(), want.len());
+            for (i, (a, b)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "{rows}x{cols} transposed {transposed}: {what}[{i}] {a} against {b}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn checked_labels_are_not_checked_again_until_written() {
     let Some(dev) = gpu_or_skip(0) else { return };

@@ -5,6 +5,10 @@
 //! backend: plain loops). Elsewhere (the CPU backend), and under [`composed_norm`], `norm.rs`
 //! runs its composed expression programs.
 //!
+//! The node is recorded with [`Var::from_op_folding`]: where the input already has a gradient
+//! from its other readers (a residual connection), the backward kernel adds it into `dx` in its
+//! own pass instead of the engine adding the two afterwards.
+//!
 //! A separate module so that `norm.rs` keeps the composed programs and their docs, and this one
 //! the plumbing: the operands in, the `[rows]` f32 statistics kept for the backward, the
 //! gradients back in the shapes of the input and the parameters.

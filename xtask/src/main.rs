@@ -38,6 +38,7 @@ const GPU_TESTS: &[(&str, &[&str])] = &[
             "cuda_gradients",
             "cuda_attention",
             "cuda_norm",
+            "cuda_concurrent",
             "batch_norm_half",
             "cuda_batch_norm_sizes",
         ],

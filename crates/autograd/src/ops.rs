@@ -66,6 +66,22 @@ pub(crate) fn softmax_backward<B: Backend>(
     y.mul(&g.sub(&s)?)
 }
 
+/// Two independent gradient computations through [`Backend::concurrently`], after realizing
+/// the deferred values among `reads` (what both read): one realized inside `first` would run
+/// after `second` may have started reading it.
+fn concurrently<B: Backend, R1, R2>(
+    reads: &[&Tensor<B>],
+    flops: u64,
+    first: impl FnOnce() -> Result<R1>,
+    second: impl FnOnce() -> Result<R2>,
+) -> Result<(R1, R2)> {
+    for t in reads {
+        t.realize()?;
+    }
+    let work = (reads[0].dtype(), flops);
+    B::concurrently(reads[0].device(), work, first, second)
+}
+
 fn mask<B: Backend>(m: Tensor<B>, dtype: DType) -> Result<Tensor<B>> {
     m.to_dtype(dtype)
 }
@@ -406,25 +422,35 @@ impl<B: Backend> Var<B> {
             let transposed = |t: &Tensor<B>| {
                 t.rank() == 2 && !t.is_contiguous() && t.t().is_ok_and(|v| v.is_contiguous())
             };
-            let ga = if needs[0] {
-                if transposed(&a2) && g2.rank() == 2 {
-                    Some(b2.matmul(&g2.t()?)?.t()?.reshape(a.shape().clone())?)
+            let grad_a = || -> Result<Option<Tensor<B>>> {
+                if !needs[0] {
+                    return Ok(None);
+                }
+                Ok(Some(if transposed(&a2) && g2.rank() == 2 {
+                    b2.matmul(&g2.t()?)?.t()?.reshape(a.shape().clone())?
                 } else {
                     let full = g2.matmul(&b2.t()?)?;
-                    Some(reduce_to_shape(&full, a2.shape())?.reshape(a.shape().clone())?)
-                }
-            } else {
-                None
+                    reduce_to_shape(&full, a2.shape())?.reshape(a.shape().clone())?
+                }))
             };
-            let gb = if needs[1] {
-                if transposed(&b2) && g2.rank() == 2 {
-                    Some(g2.t()?.matmul(&a2)?.t()?.reshape(b.shape().clone())?)
+            let grad_b = || -> Result<Option<Tensor<B>>> {
+                if !needs[1] {
+                    return Ok(None);
+                }
+                Ok(Some(if transposed(&b2) && g2.rank() == 2 {
+                    g2.t()?.matmul(&a2)?.t()?.reshape(b.shape().clone())?
                 } else {
                     let full = a2.t()?.matmul(&g2)?;
-                    Some(reduce_to_shape(&full, b2.shape())?.reshape(b.shape().clone())?)
-                }
+                    reduce_to_shape(&full, b2.shape())?.reshape(b.shape().clone())?
+                }))
+            };
+            // The two products are independent: a backend may run them at once.
+            let (ga, gb) = if needs[0] && needs[1] {
+                let k = a2.dims()[a2.rank() - 1] as u64;
+                let flops = 2 * g2.elem_count() as u64 * k;
+                concurrently(&[&g2, &a2, &b2], flops, grad_a, grad_b)?
             } else {
-                None
+                (grad_a()?, grad_b()?)
             };
             Ok(vec![ga, gb])
         }))
@@ -478,19 +504,29 @@ impl<B: Backend> Var<B> {
         Ok(Var::from_op(OP, &inputs, y, move |g, needs| {
             let rows = g.elem_count() / n_out.max(1);
             let g2 = g.reshape([rows, n_out])?;
-            let gw = if needs[1] {
-                Some(g2.t()?.matmul(&x.reshape([rows, n_in])?)?)
-            } else {
-                None
+            let weight = || -> Result<_> {
+                let gw = if needs[1] {
+                    Some(g2.t()?.matmul(&x.reshape([rows, n_in])?)?)
+                } else {
+                    None
+                };
+                let gb = match needs.get(2) {
+                    Some(true) => Some(g2.sum(&[0], false)?),
+                    _ => None,
+                };
+                Ok((gw, gb))
             };
-            let gb = match needs.get(2) {
-                Some(true) => Some(g2.sum(&[0], false)?),
-                _ => None,
+            let input = || -> Result<_> {
+                needs[0]
+                    .then(|| g.matmul(&wt)?.reshape(x.shape().clone()))
+                    .transpose()
             };
-            let gx = if needs[0] {
-                Some(g.matmul(&wt)?.reshape(x.shape().clone())?)
+            // The two products are independent: a backend may run them at once.
+            let ((gw, gb), gx) = if needs[0] && needs[1] {
+                let flops = 2 * (rows * n_in * n_out) as u64;
+                concurrently(&[g, &g2, &x, &wt], flops, weight, input)?
             } else {
-                None
+                (weight()?, input()?)
             };
             let mut grads = vec![gx, gw];
             if needs.len() > 2 {

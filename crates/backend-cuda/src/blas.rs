@@ -340,8 +340,9 @@ impl Gemm {
 fn cublas_gemm(dev: &'static DeviceState, g: &Gemm, dtype: DType, tf32: bool) -> Result<()> {
     const OP: &str = "matmul";
     let cublas = || -> Result<()> {
-        let mut guard = dev.blas();
-        let blas = ready_handle(&mut guard, dev.stream(), tf32)?;
+        let stream = dev.stream();
+        let mut guard = dev.blas(stream);
+        let blas = ready_handle(&mut guard, stream, tf32)?;
         let status = match dtype {
             DType::F32 | DType::F64 => gemm_float(blas.handle, g, dtype),
             DType::F16 | DType::BF16 => gemm_half(blas.handle, g, dtype),

@@ -204,7 +204,12 @@ pub(crate) fn run_tuned(
         None if dev.capturing() => return Ok(false),
         None => {
             // Measured outside the lock (it synchronizes); where another thread stored this
-            // shape's choice meanwhile, that one is kept and this one dropped.
+            // shape's choice meanwhile, that one is kept and this one dropped. On the side
+            // stream the current stream's product may still be running: wait for the whole
+            // device first, so that the candidates are timed alone.
+            if dev.streams().is_side(dev.stream()) {
+                dev.sync_all(OP)?;
+            }
             let p = measure(dev, g, &key, cublas).unwrap_or(None).map(Arc::new);
             let mut c = cache().lock().unwrap_or_else(|e| e.into_inner());
             match c.entry(key) {

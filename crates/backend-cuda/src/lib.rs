@@ -168,7 +168,9 @@ pub use ops::attention::{
 pub use ops::reduce::{ReducePath, reduce_path, set_reduce_path};
 pub use pinned::{PinnedStats, empty_pinned_cache, pinned_memory_stats};
 pub use storage::CudaStorage;
-pub use stream::{Event, Stream, StreamGuard, synchronize};
+pub use stream::{
+    Event, Stream, StreamGuard, concurrency, set_concurrency, side_stream_runs, synchronize,
+};
 pub use tier::{Tiering, set_tiering, tier_stats, tiering};
 pub use transfer::copy_threads;
 pub use types::{Cuda, CudaDevice};
@@ -338,6 +340,15 @@ impl Backend for Cuda {
 
     fn is_capturing(device: &CudaDevice) -> bool {
         state(device).is_ok_and(|s| s.capturing())
+    }
+
+    fn concurrently<R1, R2>(
+        device: &CudaDevice,
+        work: (DType, u64),
+        first: impl FnOnce() -> Result<R1>,
+        second: impl FnOnce() -> Result<R2>,
+    ) -> Result<(R1, R2)> {
+        stream::concurrently(device, work, first, second)
     }
 
     fn memory_stats(device: &CudaDevice) -> Result<MemoryStats> {

@@ -237,6 +237,25 @@ pub trait Backend: Sized + Clone + Copy + Debug + Send + Sync + 'static {
         let _ = device;
         false
     }
+    /// Runs `first`, then `second`, and returns both results; neither may read what the other
+    /// writes. A backend may run their device work concurrently where it pays: `(dtype,
+    /// flops)` is the smaller one's arithmetic, the backend's hint of whether it does. CUDA
+    /// queues `second` on a side stream that starts where the current stream stands, and makes
+    /// the current stream wait for it before returning, so that later work sees both results
+    /// (a linear layer's two gradient products fill each other's last partial wave of blocks).
+    /// Realize every deferred value both read before the call ([`Tensor::realize`]): one
+    /// realized inside `first` would be computed after `second` may have read it.
+    /// Default: one after the other.
+    fn concurrently<R1, R2>(
+        device: &Self::Device,
+        (dtype, flops): (DType, u64),
+        first: impl FnOnce() -> Result<R1>,
+        second: impl FnOnce() -> Result<R2>,
+    ) -> Result<(R1, R2)> {
+        let _ = (device, dtype, flops);
+        let a = first()?;
+        Ok((a, second()?))
+    }
     fn memory_stats(device: &Self::Device) -> Result<MemoryStats>;
     /// Returns cached, unused memory to the system.
     fn empty_cache(device: &Self::Device) -> Result<()>;

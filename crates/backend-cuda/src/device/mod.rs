@@ -204,6 +204,9 @@ pub(crate) struct DeviceState {
     errors: ErrorFlag,
     /// The cuBLAS handle, created on first matmul (`blas.rs`).
     blas: Mutex<Option<Blas>>,
+    /// The side stream's own cuBLAS handle: two products running at once must not share the
+    /// handle's workspace.
+    side_blas: Mutex<Option<Blas>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is
 // valid from any thread once the context is current, which `bind` ensures; mutable parts are
@@ -408,6 +411,7 @@ impl DeviceState {
                 errors,
                 kernels: KernelCache::default(),
                 blas: Mutex::new(None),
+                side_blas: Mutex::new(None),
                 transfers: Transfers::default(),
             })
         }
@@ -443,9 +447,14 @@ impl DeviceState {
         self.smem_optin
     }
 
-    /// The cuBLAS handle slot (`None` until `blas.rs` creates it), locked while a call uses it.
-    pub fn blas(&self) -> std::sync::MutexGuard<'_, Option<Blas>> {
-        self.blas.lock().unwrap()
+    /// The cuBLAS handle slot for `stream` (`None` until `blas.rs` creates it), locked while a
+    /// call uses it: the side stream's own, else the device's.
+    pub fn blas(&self, stream: sys::CUstream) -> std::sync::MutexGuard<'_, Option<Blas>> {
+        if self.streams.is_side(stream) {
+            self.side_blas.lock().unwrap()
+        } else {
+            self.blas.lock().unwrap()
+        }
     }
 
     /// The allocator's state (the allocator itself is `memory.rs`).

@@ -1,8 +1,8 @@
 //! The streams of one device: the compute (default) stream, the copy stream of host
-//! transfers, the spare streams of dropped user [`crate::Stream`]s, and the pool of spare
-//! events that order them.
+//! transfers, the side stream of [`crate::stream::concurrently`], the spare streams of dropped
+//! user [`crate::Stream`]s, and the pool of spare events that order them.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
 use kiln_core::Result;
@@ -18,6 +18,8 @@ pub(crate) struct Streams {
     /// is never destroyed: blocks it used still name it, and record an event on it when they
     /// are freed (see `memory.rs`), possibly long after the `Stream` was dropped.
     spare: Mutex<Vec<(i32, usize)>>,
+    /// The side stream of independent work beside the current stream (created on first use).
+    side: OnceLock<usize>,
 }
 
 impl Streams {
@@ -39,6 +41,7 @@ impl Streams {
             copy,
             events: Mutex::new(Vec::new()),
             spare: Mutex::new(Vec::new()),
+            side: OnceLock::new(),
         })
     }
 
@@ -50,6 +53,28 @@ impl Streams {
     /// The stream of host transfers.
     pub fn copy(&self) -> sys::CUstream {
         self.copy
+    }
+
+    /// The side stream (non-blocking), created on first use (the context must be current).
+    /// Never destroyed, as the others: blocks it used record events on it when freed.
+    pub fn side(&self) -> Result<sys::CUstream> {
+        if let Some(&s) = self.side.get() {
+            return Ok(s as sys::CUstream);
+        }
+        let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: valid out-pointer; the context is current (callers bind first).
+        check(
+            unsafe { sys::cuStreamCreate(&mut s, flags) },
+            "cuStreamCreate",
+        )?;
+        // Two threads racing here: the loser's stream is left unused (a few bytes, once).
+        Ok(*self.side.get_or_init(|| s as usize) as sys::CUstream)
+    }
+
+    /// Whether `stream` is the side stream.
+    pub fn is_side(&self, stream: sys::CUstream) -> bool {
+        self.side.get() == Some(&(stream as usize))
     }
 
     /// An event with timing disabled, from the spare list or new (the context must be

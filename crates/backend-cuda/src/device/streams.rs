@@ -1,5 +1,5 @@
 //! The streams of one device: the compute (default) stream, the copy stream of host
-//! transfers, the side stream of [`crate::stream::concurrently`], the spare streams of dropped
+//! transfers, the side stream of concurrent pairs (`stream.rs`), the spare streams of dropped
 //! user [`crate::Stream`]s, and the pool of spare events that order them.
 
 use std::sync::{Mutex, OnceLock};

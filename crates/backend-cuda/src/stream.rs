@@ -461,16 +461,13 @@ pub fn side_stream_runs() -> u64 {
 }
 
 /// [`Backend::concurrently`](kiln_core::Backend::concurrently) on one GPU: `first` on the
-/// current stream, `second` on the device's side stream, which first waits for the current
-/// stream's work so far (so `second` sees what came before, as on one stream); the current
-/// stream then waits for the side stream, so later work sees both results. Memory stays safe
-/// without more: a block used on both streams is recycled only after both passed
+/// current stream, `second` on the device's side stream (`DeviceState::fork_join`). Memory
+/// stays safe without more: a block used on both streams is recycled only after both passed
 /// (`memory.rs`), and each stream has its own cuBLAS handle (`device/`).
 ///
 /// One after the other instead: pairs below [`CONCURRENT_MIN_FLOPS`] or on tensor cores
-/// ([`pairs_pay`]), inside a graph capture
-/// (a fork would have to be captured too), when already on the side stream (nested), and with
-/// concurrency off ([`set_concurrency`]).
+/// ([`pairs_pay`]), inside a graph capture (a fork would have to be captured too), when
+/// already on the side stream (nested), and with concurrency off ([`set_concurrency`]).
 pub(crate) fn concurrently<R1, R2>(
     dev: &CudaDevice,
     (dtype, flops): (DType, u64),
@@ -488,28 +485,7 @@ pub(crate) fn concurrently<R1, R2>(
         let a = first()?;
         return Ok((a, second()?));
     }
-    let side = st.streams().side()?;
-    order(st, side, here)?;
-    let a = first()?;
-    let b = Stream::wrap(st, side).scope(second);
-    // Joined whatever `second` returned: a failure may have queued part of its work.
-    order(st, here, side)?;
+    let r = st.fork_join("concurrently", first, second);
     SIDE_RUNS.fetch_add(1, Ordering::Relaxed);
-    Ok((a, b?))
-}
-
-/// Makes later work on `waiter` wait for the work queued on `on` so far, through a spare event
-/// (given back at once: a wait binds to the record before it, whatever is recorded later).
-fn order(st: &DeviceState, waiter: sys::CUstream, on: sys::CUstream) -> Result<()> {
-    let ev = st.streams().event()?;
-    // SAFETY: a spare event and two streams of the device's context, which `state` bound.
-    let r = check(unsafe { sys::cuEventRecord(ev, on) }, "concurrently").and_then(|()| {
-        // SAFETY: as above; the event was just recorded.
-        check(
-            unsafe { sys::cuStreamWaitEvent(waiter, ev, 0) },
-            "concurrently",
-        )
-    });
-    st.streams().recycle_event(ev);
     r
 }

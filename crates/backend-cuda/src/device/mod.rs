@@ -711,4 +711,35 @@ impl DeviceState {
         self.recycle_event(ev);
         r.map_err(|e| Error::backend(op, format!("{e}")))
     }
+
+    /// Runs `first` on the calling thread's current stream and `second` on the side stream,
+    /// which first waits for the current stream's work so far; then the current stream waits
+    /// for the side stream, so later work sees both results. What both read must already be
+    /// queued (not computed inside `first`). The side stream is current inside `second` only,
+    /// also if it panics.
+    pub fn fork_join<R1, R2>(
+        &self,
+        op: &'static str,
+        first: impl FnOnce() -> Result<R1>,
+        second: impl FnOnce() -> Result<R2>,
+    ) -> Result<(R1, R2)> {
+        /// Restores the thread's current stream when dropped.
+        struct Restore(usize, sys::CUstream);
+        impl Drop for Restore {
+            fn drop(&mut self) {
+                set_current_stream(self.0, self.1);
+            }
+        }
+        let here = self.stream();
+        let side = self.streams.side()?;
+        self.order(here, side, op)?;
+        let a = first()?;
+        let b = {
+            let _restore = Restore(self.ordinal, set_current_stream(self.ordinal, side));
+            second()
+        };
+        // Joined whatever `second` returned: a failure may have queued part of its work.
+        self.order(side, here, op)?;
+        Ok((a, b?))
+    }
 }

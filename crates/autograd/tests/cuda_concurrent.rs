@@ -77,7 +77,8 @@ fn gradient_products_on_the_side_stream_equal_the_sequential_ones() {
     let sequential = grads(&xs, &gy, &gz, true);
     // Three rounds, each after a run with other gradients, so that the blocks the concurrent
     // run gets back from the cache hold other numbers: a product reading one before it is
-    // written then shows (an unordered read failed one run in two on an H200).
+    // written then shows (without the realization before the fork: one round failed one run
+    // in two on an H200, three rounds three runs in three).
     let other = |t: &Tensor<Cuda>| t.mul_scalar(-3.0).unwrap();
     let before = side_stream_runs();
     let mut concurrent = Vec::new();

@@ -12,7 +12,9 @@
 //!   copy stream, the cuBLAS handle, the kernel cache.
 //! - **Streams and events for users** (`stream.rs`): [`Stream::scope`] makes a stream current
 //!   for the calling thread; every launch, allocation, cuBLAS call and copy goes to the current
-//!   stream; [`Event`] records, waits, queries and times.
+//!   stream; [`Event`] records, waits, queries and times. Also there: `Backend::concurrently`,
+//!   which runs a linear layer's two large f32 gradient products at once, the second on the
+//!   device's side stream ([`set_concurrency`]).
 //! - **Transfers** (`transfer.rs`, `pinned.rs`): uploads run on the copy stream (direct,
 //!   asynchronous DMA from pinned memory; a threaded pinned staging ring from ordinary memory),
 //!   downloads go straight into the caller's buffer; a pooled pinned host allocator backs

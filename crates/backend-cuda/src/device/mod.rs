@@ -204,8 +204,9 @@ pub(crate) struct DeviceState {
     errors: ErrorFlag,
     /// The cuBLAS handle, created on first matmul (`blas.rs`).
     blas: Mutex<Option<Blas>>,
-    /// The side stream's own cuBLAS handle: two products running at once must not share the
-    /// handle's workspace.
+    /// The side stream's own cuBLAS handle, so that products running at once on the two
+    /// streams neither rebind one handle's stream at every call nor share its workspace (a
+    /// precaution: PyTorch shares one handle's default workspace across streams on CUDA).
     side_blas: Mutex<Option<Blas>>,
 }
 // SAFETY: every raw handle here (context, streams, pool, device pointers, pinned memory) is

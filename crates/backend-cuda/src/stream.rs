@@ -460,31 +460,35 @@ pub fn side_stream_runs() -> u64 {
     SIDE_RUNS.load(Ordering::Relaxed)
 }
 
+/// The device whose side stream a pair of `(dtype, flops)` forks to, or `None` (see
+/// [`concurrently`]). The size and dtype first: a small model's pairs stop there, before the
+/// device's state is looked up.
+fn fork_on(dev: &CudaDevice, (dtype, flops): (DType, u64)) -> Result<Option<&'static DeviceState>> {
+    if flops < CONCURRENT_MIN_FLOPS || !pairs_pay(dtype) || !concurrency() {
+        return Ok(None);
+    }
+    let st = state(dev)?;
+    Ok((!st.capturing() && !st.streams().is_side(st.stream())).then_some(st))
+}
+
 /// [`Backend::concurrently`](kiln_core::Backend::concurrently) on one GPU: `first` on the
 /// current stream, `second` on the device's side stream (`DeviceState::fork_join`). Memory
 /// stays safe without more: a block used on both streams is recycled only after both passed
-/// (`memory.rs`), and each stream has its own cuBLAS handle (`device/`).
+/// (`memory.rs`), and the side stream has its own cuBLAS handle (`device/`).
 ///
 /// One after the other instead: pairs below [`CONCURRENT_MIN_FLOPS`] or on tensor cores
 /// ([`pairs_pay`]), inside a graph capture (a fork would have to be captured too), when
 /// already on the side stream (nested), and with concurrency off ([`set_concurrency`]).
 pub(crate) fn concurrently<R1, R2>(
     dev: &CudaDevice,
-    (dtype, flops): (DType, u64),
+    work: (DType, u64),
     first: impl FnOnce() -> Result<R1>,
     second: impl FnOnce() -> Result<R2>,
 ) -> Result<(R1, R2)> {
-    let st = state(dev)?;
-    let here = st.stream();
-    if flops < CONCURRENT_MIN_FLOPS
-        || !pairs_pay(dtype)
-        || !concurrency()
-        || st.capturing()
-        || st.streams().is_side(here)
-    {
+    let Some(st) = fork_on(dev, work)? else {
         let a = first()?;
         return Ok((a, second()?));
-    }
+    };
     let r = st.fork_join("concurrently", first, second);
     SIDE_RUNS.fetch_add(1, Ordering::Relaxed);
     r
